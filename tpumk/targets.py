@@ -1,0 +1,127 @@
+"""TPU targets: chip figures (from Pallas' own chip table), deviceless topologies, devices.
+
+A target names what a build is compiled for. TPU targets compile deviceless through a
+topology description unless a TPU of that kind is attached, in which case the real device is
+used. The `cpu` target runs kernels in Pallas' TPU interpret mode on the host; its planning
+figures (VMEM budget, bandwidth) are those of the chip it emulates, TPU7x, so a plan that
+fits `cpu` also fits a TPU7x TensorCore.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tpumk.errors import TargetError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    chip: str  # Pallas ChipVersion value ("v5e", "v5p", "v6e", "7x")
+    topology: str | None  # deviceless topology name; None for the cpu target
+    device_kind: str | None  # jax Device.device_kind of a real device of this kind
+    static_profile: bool  # does libtpu's static LLO profile work for Pallas kernels here
+    interpret: bool = False  # run kernels in TPU interpret mode on the host
+
+    # ---- chip figures, per TensorCore (one JAX device), read from Pallas' chip table
+    @functools.cached_property
+    def info(self):
+        from jax._src.pallas.mosaic.tpu_info import ChipVersion, get_tpu_info_for_chip
+
+        return get_tpu_info_for_chip(ChipVersion(self.chip), 1)
+
+    @property
+    def vmem_bytes(self) -> int:
+        return int(self.info.vmem_capacity_bytes)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return int(self.info.hbm_capacity_bytes)
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        """Bytes per second."""
+        return float(self.info.mem_bw_bytes_per_second)
+
+    @property
+    def bf16_flops(self) -> float:
+        return float(self.info.bf16_ops_per_second)
+
+    @property
+    def mxu_shape(self) -> tuple[int, int]:
+        return (int(self.info.num_mxus), int(self.info.mxu_column_size))
+
+    @property
+    def is_tpu(self) -> bool:
+        return not self.interpret
+
+    def figures(self) -> dict:
+        return {
+            "name": self.name, "chip": self.chip, "topology": self.topology,
+            "vmem_bytes": self.vmem_bytes, "hbm_bytes": self.hbm_bytes,
+            "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth, "bf16_flops": self.bf16_flops,
+            "mxu": f"{self.mxu_shape[0]} x {self.mxu_shape[1]}", "static_profile": self.static_profile,
+            "interpret": self.interpret,
+        }
+
+    # ---- devices
+    def attached_device(self):
+        """The first attached JAX device of this target's kind, or None."""
+        import jax
+
+        if self.interpret:
+            return jax.devices("cpu")[0]
+        try:
+            devs = jax.devices("tpu")
+        except RuntimeError:
+            return None
+        for d in devs:
+            if d.device_kind == self.device_kind:
+                return d
+        return None
+
+    def device(self):
+        """The device to compile for: an attached one when present, else a deviceless stand-in."""
+        dev = self.attached_device()
+        if dev is not None:
+            return dev
+        return _deviceless_devices(self.topology)[0]
+
+    def is_attached(self) -> bool:
+        return self.interpret or self.attached_device() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _deviceless_devices(topology: str):
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    except Exception as e:  # libtpu missing or topology unknown: say which
+        raise TargetError(f"cannot create deviceless topology '{topology}': {str(e).splitlines()[0]}") from None
+
+
+TARGETS: dict[str, Target] = {
+    # v5e's static profile crashes inside libtpu 0.0.52 on kernels with DMAs (TPU_FACTS 3).
+    "v5e": Target("v5e", "v5e", "v5e:2x2", "TPU v5 lite", static_profile=False),
+    "v5p": Target("v5p", "v5p", "v5p:2x2x1", "TPU v5", static_profile=False),
+    "v6e": Target("v6e", "v6e", "v6e:2x2", "TPU v6 lite", static_profile=True),
+    "tpu7x": Target("tpu7x", "7x", "tpu7x:2x2x1", "TPU7x", static_profile=True),
+    "cpu": Target("cpu", "7x", None, None, static_profile=False, interpret=True),
+}
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise TargetError(f"unknown target '{name}' (targets: {', '.join(TARGETS)})") from None
+
+
+def attached_target() -> Target | None:
+    """The TPU target physically attached to this process, if any."""
+    for t in TARGETS.values():
+        if not t.interpret and t.attached_device() is not None:
+            return t
+    return None
