@@ -22,6 +22,7 @@ class Compiled:
     lower_seconds: float
     compile_seconds: float
     hlo_text: str
+    device_kind: str  # the compiled-for device's kind, e.g. "TPU7x" (names static profiles)
 
     @property
     def custom_calls(self) -> int:
@@ -44,4 +45,4 @@ def compile_for(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) ->
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text())
+    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), dev.device_kind)
