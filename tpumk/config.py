@@ -248,9 +248,16 @@ def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelCo
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
     if data.get("use_sliding_window"):
         raise NotSupportedError(f"{source}: not supported yet: sliding-window attention")
-    rope_scaling = data.get("rope_scaling")
-    if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (None, "default"):
-        raise NotSupportedError(f"{source}: not supported yet: rope_scaling {rope_scaling!r}")
+    if any(t != "full_attention" for t in data.get("layer_types") or ()):
+        raise NotSupportedError(f"{source}: not supported yet: sliding-window attention (layer_types)")
+    # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
+    # top-level `rope_theta` plus an optional `rope_scaling`.
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = data.get(key)
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
+            raise NotSupportedError(f"{source}: not supported yet: {key} {rope!r}")
+    rope_params = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    rope_theta = next((t for t in (rope_params.get("rope_theta"), data.get("rope_theta")) if t is not None), 10000.0)
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise NotSupportedError(f"{source}: not supported yet: hidden_act {act!r} (only silu / SwiGLU)")
@@ -275,7 +282,7 @@ def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelCo
         vocab_size=get("vocab_size"),
         ffn_size=data.get("intermediate_size", 0) or 0,
         rms_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(data.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         qk_norm=True,  # Qwen3 and Qwen3-MoE always normalise q and k per head
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
         dtype=dtype,
@@ -284,7 +291,10 @@ def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelCo
         n_layers = fields["num_layers"]
         step = data.get("decoder_sparse_step", 1) or 1
         mlp_only = set(data.get("mlp_only_layers") or [])
-        n_exp = get("num_experts")
+        # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
+        n_exp = data.get("num_experts", data.get("num_local_experts"))
+        if n_exp is None:
+            raise ConfigError(f"{source}: missing required field 'num_experts'")
         dense = [i for i in range(n_layers) if i in mlp_only or not (n_exp > 0 and (i + 1) % step == 0)]
         fields.update(
             num_experts=n_exp,

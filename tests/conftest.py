@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # lets tests import hf_utils
+
+
+def pytest_configure(config):
+    # libtpu reads its flags once, when JAX first initialises a backend: ask for the compiler's
+    # static cost profiles now so build tests can check the estimates.
+    from tpumk import static_profile
+
+    static_profile.enable()
+
+
+def build_checkpoint(*args, **kwargs) -> Path:
+    # Imported on first use: torch + transformers cost seconds that HF-free sessions skip.
+    from hf_utils import build_checkpoint as build
+
+    return build(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3ForCausalLM: 2 layers, hidden 256, 4 q / 2 kv heads of 128, FFN 512, vocab 512."""
+    return build_checkpoint(tmp_path_factory.mktemp("hf_qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_tied_dir(tmp_path_factory) -> Path:
+    """The dense model with tied input/output embeddings (no lm_head.weight in the file)."""
+    return build_checkpoint(tmp_path_factory.mktemp("hf_qwen3_tied"), seed=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3MoeForCausalLM: 3 layers (layer 0 dense), 8 experts top-2 renormalised, Fe 256.
+
+    Saved in small shards so the index-file path of the loader is exercised too."""
+    return build_checkpoint(tmp_path_factory.mktemp("hf_qwen3_moe"), moe=True, seed=2, max_shard_size="4MB")

@@ -1,0 +1,83 @@
+"""Transformers-side oracles for parity tests: build tiny random Qwen3 checkpoints, run them.
+
+Everything runs on CPU in float32 with the eager attention path, so transformers computes the
+plain math the reference model documents.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny local models only, never the hub
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+# Shapes shared by the fixtures; small enough for CPU, large enough for real GQA and routing.
+QWEN3_KW = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=128, intermediate_size=512, vocab_size=512, rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, max_position_embeddings=4096)
+QWEN3_MOE_KW = dict(QWEN3_KW, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+                    mlp_only_layers=[0])
+
+
+def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
+                     **overrides) -> Path:
+    """A random float32 Qwen3 (or Qwen3-MoE) model saved with `save_pretrained` into `out`.
+
+    initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding
+    is not constant, and norm weights are drawn around 1 so a swapped or dropped norm shows.
+    """
+    kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False)
+    kw.update(overrides)
+    cfg_cls, model_cls = ((transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM) if moe
+                          else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    out = Path(out)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def load_model(path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(path: str | Path, token_ids) -> np.ndarray:
+    """Full-sequence logits [B, T, V] (float32 numpy) of transformers' forward pass."""
+    model = load_model(str(path))
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(token_ids), dtype=torch.long)).logits.float().numpy()
+
+
+def hf_greedy(path: str | Path, prompt_ids: Sequence[Sequence[int]], steps: int) -> list[list[int]]:
+    """Transformers greedy generation (do_sample=False, KV cache on) of `steps` tokens per prompt.
+
+    Prompts run one at a time, so no padding or attention mask enters the oracle.
+    """
+    model = load_model(str(path))
+    out = []
+    for prompt in prompt_ids:
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
+                                 max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0,
+                                 eos_token_id=None)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out

@@ -1,0 +1,273 @@
+"""ModelConfig validation, presets, TOML files and Hugging Face config.json translation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpumk.config import (ModelConfig, from_dict, from_hf_config, load_hf_config, load_preset, load_toml,
+                          preset_names, resolve_model)
+from tpumk.errors import ConfigError, NotSupportedError
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------- presets
+def test_presets_listed():
+    assert {"qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "tiny-dense", "tiny-moe"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_loads_and_round_trips(name):
+    cfg = load_preset(name)
+    cfg.validate()
+    assert cfg.name == name
+    assert from_dict(cfg.to_dict(), "round trip") == cfg
+    assert resolve_model(name) == cfg
+
+
+@pytest.mark.parametrize("name, params", [("qwen3-8b", 8.19e9), ("qwen3-32b", 32.76e9), ("qwen3-30b-a3b", 30.53e9)])
+def test_preset_param_counts(name, params):
+    assert load_preset(name).param_count() == pytest.approx(params, rel=0.005)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown model preset 'qwen9'") as e:
+        load_preset("qwen9")
+    _one_line(e)
+
+
+# ---------------------------------------------------------------------- TOML files
+TINY_TOML = """
+num_layers = 2
+hidden_size = 256
+num_q_heads = 4
+num_kv_heads = 2
+head_dim = 128
+ffn_size = 512
+vocab_size = 512
+rms_eps = 1e-6
+rope_theta = 1000000
+dtype = "float32"
+"""
+
+
+def test_toml_top_level(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(TINY_TOML)
+    cfg = load_toml(path)
+    assert cfg == load_preset("tiny-dense").replace(name="mine")  # name defaults to the file stem
+    assert isinstance(cfg.rope_theta, float)  # integer TOML values become floats
+    assert resolve_model(str(path)) == cfg
+
+
+def test_toml_model_table(tmp_path):
+    path = tmp_path / "table.toml"
+    path.write_text('[model]\nname = "tiny"\n' + TINY_TOML)
+    assert load_toml(path) == load_preset("tiny-dense").replace(name="tiny")
+
+
+def test_toml_moe_dense_layers(tmp_path):
+    path = tmp_path / "moe.toml"
+    path.write_text(TINY_TOML.replace("num_layers = 2", "num_layers = 3")
+                    + "num_experts = 8\ntop_k = 2\nexpert_ffn_size = 256\ndense_layers = [2, 0, 0]\n")
+    cfg = load_toml(path)
+    assert cfg.is_moe and cfg.dense_layers == (0, 2)  # deduplicated and sorted
+    assert [cfg.layer_is_dense(i) for i in range(3)] == [True, False, True]
+
+
+def test_toml_malformed(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("num_layers = = 2\n")
+    with pytest.raises(ConfigError, match="malformed TOML") as e:
+        load_toml(path)
+    assert str(path) in _one_line(e)
+
+
+def test_toml_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_toml(tmp_path / "absent.toml")
+
+
+# ---------------------------------------------------------------------- validation
+BASE = load_preset("tiny-moe").to_dict()
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"hidden_size": -256}, "hidden_size"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"ffn_size": -1}, "ffn_size"),
+    ({"expert_ffn_size": -8}, "expert_ffn_size"),
+    ({"num_layers": True}, "num_layers"),  # a bool is not an integer
+    ({"top_k": 9}, "top_k"),
+    ({"top_k": 0}, "top_k"),
+    ({"num_q_heads": 6, "num_kv_heads": 4}, "num_kv_heads"),
+    ({"head_dim": 127}, "head_dim"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"router_scoring": "relu"}, "router_scoring"),
+    ({"rms_eps": 0.0}, "rms_eps"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"qk_norm": 1}, "qk_norm"),
+    ({"dense_layers": [0, 3]}, "dense_layers"),
+    ({"dense_layers": [-1]}, "dense_layers"),
+    ({"dense_layers": "0"}, "dense_layers"),
+    ({"ffn_size": 0}, "ffn_size"),  # layer 0 is dense, so it needs an FFN width
+    ({"num_shared_experts": 1, "shared_expert_ffn_size": 0}, "shared_expert_ffn_size"),
+    ({"num_experts": 0, "top_k": 0, "num_shared_experts": 0}, "dense_layers"),
+    ({"num_experts": 0, "num_shared_experts": 0, "dense_layers": []}, "top_k"),
+    ({"hiden_size": 256}, "hiden_size"),
+])
+def test_bad_field_is_named(changes, field):
+    with pytest.raises(ConfigError) as e:
+        from_dict({**BASE, **changes}, "test.toml")
+    msg = _one_line(e)
+    assert f"'{field}'" in msg and msg.startswith("test.toml")
+
+
+@pytest.mark.parametrize("field", ["name", "num_layers", "hidden_size", "num_q_heads", "num_kv_heads",
+                                   "head_dim", "vocab_size"])
+def test_missing_required_field(field):
+    data = {k: v for k, v in BASE.items() if k != field}
+    with pytest.raises(ConfigError, match=f"missing required field '{field}'") as e:
+        from_dict(data, "test.toml")
+    _one_line(e)
+
+
+def test_unknown_key_in_toml(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text(TINY_TOML + "num_expert = 8\n")
+    with pytest.raises(ConfigError, match="unknown field 'num_expert'"):
+        load_toml(path)
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ConfigError, match="'vocab_size'"):
+        ModelConfig(name="x", num_layers=1, hidden_size=8, num_q_heads=1, num_kv_heads=1, head_dim=8,
+                    vocab_size=-1, ffn_size=8)
+
+
+# ---------------------------------------------------------------------- Hugging Face config.json
+# The published config.json files (transformers 4.x style: top-level rope_theta, num_experts).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_hf_qwen3_dense_matches_preset():
+    cfg = from_hf_config(QWEN3_8B)
+    assert cfg == load_preset("qwen3-8b").replace(name="qwen3")
+
+
+def test_hf_qwen3_moe_matches_preset():
+    cfg = from_hf_config({**QWEN3_30B_A3B, "_name_or_path": "Qwen/Qwen3-30B-A3B"})
+    assert cfg == load_preset("qwen3-30b-a3b").replace(name="Qwen3-30B-A3B")
+
+
+def _hf5_dict(moe: bool, **kw) -> dict:
+    """A config dict as the installed transformers serialises it (5.x: rope_parameters, ...)."""
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+    return cls(**kw).to_dict()
+
+
+def test_hf_serialised_by_installed_transformers():
+    dense = _hf5_dict(False, **{k: QWEN3_8B[k] for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "rope_theta", "tie_word_embeddings")}, dtype="bfloat16")
+    assert from_hf_config(dense) == load_preset("qwen3-8b").replace(name="qwen3")
+    moe = _hf5_dict(True, **{k: QWEN3_30B_A3B[k] for k in (
+        "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "num_experts", "num_experts_per_tok",
+        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}, dtype="bfloat16")
+    assert from_hf_config(moe) == load_preset("qwen3-30b-a3b").replace(name="qwen3_moe")
+
+
+@pytest.mark.parametrize("extra, dense", [
+    ({"mlp_only_layers": [0, 3]}, (0, 3)),
+    ({"decoder_sparse_step": 2}, (0, 2)),  # layer i is sparse iff (i + 1) % step == 0
+    ({"decoder_sparse_step": 2, "mlp_only_layers": [1]}, (0, 1, 2)),
+])
+def test_hf_moe_dense_layers(extra, dense):
+    cfg = from_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 4, **extra})
+    assert cfg.dense_layers == dense
+
+
+def test_hf_defaults():
+    data = {k: v for k, v in QWEN3_30B_A3B.items() if k not in ("norm_topk_prob", "rope_theta", "torch_dtype")}
+    cfg = from_hf_config(data)
+    # transformers' Qwen3-MoE defaults: no top-k renormalisation, theta 10000; tpumk defaults to bf16.
+    assert (cfg.norm_topk_prob, cfg.rope_theta, cfg.dtype) == (False, 10000.0, "bfloat16")
+
+
+@pytest.mark.parametrize("drop", ["vocab_size", "num_hidden_layers", "num_experts", "moe_intermediate_size"])
+def test_hf_missing_field(drop):
+    data = {k: v for k, v in QWEN3_30B_A3B.items() if k != drop}
+    with pytest.raises(ConfigError, match=f"missing required field '{drop}'") as e:
+        from_hf_config(data)
+    _one_line(e)
+
+
+def test_hf_invalid_value_names_field():
+    with pytest.raises(ConfigError, match="'top_k'"):
+        from_hf_config({**QWEN3_30B_A3B, "num_experts_per_tok": 256})
+
+
+@pytest.mark.parametrize("changes, what", [
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536}, "MLA attention"),
+    ({"model_type": "kimi_k2", "kv_lora_rank": 512}, "MLA attention"),
+    ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
+    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope_scaling"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+])
+def test_hf_not_supported(changes, what):
+    with pytest.raises(NotSupportedError, match="not supported yet: ") as e:
+        from_hf_config({**QWEN3_8B, **changes}, "x/config.json")
+    msg = _one_line(e)
+    assert what in msg and msg.startswith("x/config.json")
+
+
+def test_hf_default_rope_is_supported():
+    cfg = from_hf_config({**QWEN3_8B, "rope_scaling": {"rope_type": "default"}})
+    assert cfg.rope_theta == 1e6
+    cfg = from_hf_config({**QWEN3_8B, "rope_theta": None, "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": 5e5}})
+    assert cfg.rope_theta == 5e5
+
+
+def test_load_hf_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="malformed JSON") as e:
+        load_hf_config(tmp_path)
+    _one_line(e)
