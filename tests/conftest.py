@@ -10,14 +10,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # lets tests import hf_utils
 
 
-def pytest_configure(config):
-    # libtpu reads its flags once, when JAX first initialises a backend: ask for the compiler's
-    # static cost profiles now so build tests can check the estimates.
-    from tpumk import static_profile
-
-    static_profile.enable()
-
-
 def build_checkpoint(*args, **kwargs) -> Path:
     # Imported on first use: torch + transformers cost seconds that HF-free sessions skip.
     from hf_utils import build_checkpoint as build

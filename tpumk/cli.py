@@ -96,13 +96,86 @@ def targets(as_json):
     click.echo("\nThe cpu target runs kernels in Pallas TPU interpret mode and plans with TPU7x figures.")
 
 
+# ---------------------------------------------------------------------- build
+def build_options(fn):
+    """The options every command that builds a step shares (build, and later export/tune/bench)."""
+    opts = [
+        click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe)."),
+        click.option("--checkpoint", type=click.Path(), help="Take the model config from a Hugging Face checkpoint directory."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype."),
+        click.option("--target", default="tpu7x", show_default=True, help="v5e, v5p, v6e, tpu7x or cpu."),
+        click.option("--batch", default=1, show_default=True, help="Sequences per decode step."),
+        click.option("--context", default=4096, show_default=True, help="Max tokens per sequence (KV cache capacity)."),
+        click.option("--q-len", default=1, show_default=True, help="New tokens per sequence per step (>1: speculative verification)."),
+        click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page."),
+        click.option("--tuning", "tuning_file", type=click.Path(), help="Tuning TOML ([tuning] table); default knobs otherwise."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def resolve_build_inputs(model, checkpoint, dtype, target, tuning_file):
+    from tpumk.config import load_hf_config, resolve_model
+    from tpumk.errors import ConfigError
+    from tpumk.targets import get_target
+    from tpumk.tuning import TuningConfig, load_tuning
+
+    if model and checkpoint:
+        raise ConfigError("give either --model or --checkpoint, not both")
+    cfg = load_hf_config(checkpoint) if checkpoint else resolve_model(model or "tiny-moe")
+    if dtype and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+    tuning = load_tuning(tuning_file) if tuning_file else TuningConfig()
+    return cfg, get_target(target), tuning
+
+
+def _us(s):
+    return "n/a" if s is None else f"{s * 1e6:,.1f} us"
+
+
+def print_build_report(r) -> None:
+    click.echo(f"built {r.model} for {r.target}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
+    rows = [
+        ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
+        ["Pallas kernels in the step", r.custom_calls],
+        ["VMEM plan / budget / capacity", f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
+                                          f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
+        ["HBM bytes per step (plan)", f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
+        ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
+        ["compiler estimated cycles", "n/a" if r.estimated_cycles is None else f"{r.estimated_cycles:,}"],
+        ["estimated step time", _us(r.estimated_seconds)],
+        ["floor / estimate", "n/a" if r.floor_fraction is None else f"{r.floor_fraction:.2f}"],
+    ]
+    click.echo(tabulate(rows, tablefmt="plain"))
+    click.echo(f"estimate source: {r.estimate_source}")
+    for n in r.notes:
+        click.echo(f"note: {n}")
+
+
+@main.command()
+@build_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_fail_cleanly
+def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, as_json):
+    """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
+    from tpumk.build import build as do_build
+
+    cfg, tgt, tuning = resolve_build_inputs(model, checkpoint, dtype, target, tuning_file)
+    b = do_build(cfg, tgt, batch=batch, context=context, tuning=tuning, q_len=q_len, page_size=page_size)
+    if as_json:
+        _emit_json(b.report.to_dict())
+    else:
+        print_build_report(b.report)
+
+
 # ---------------------------------------------------------------------- generate
 @main.command()
 @click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe).")
 @click.option("--checkpoint", type=click.Path(), help="Hugging Face checkpoint directory (config.json + *.safetensors).")
 @click.option("--prompt-ids", required=True, help="Comma-separated token ids; several sequences separated by ';'.")
 @click.option("--steps", default=16, show_default=True, help="Tokens to generate per sequence.")
-@click.option("--backend", default="reference", show_default=True, help="Decode-step backend: reference.")
+@click.option("--backend", default="reference", show_default=True, help="reference (pure JAX) or megakernel (interpret mode on the host, or an attached TPU).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")

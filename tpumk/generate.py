@@ -15,7 +15,7 @@ from tpumk import reference
 from tpumk.config import ModelConfig, resolve_model
 from tpumk.errors import ConfigError
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "megakernel")
 
 
 @dataclass
@@ -72,12 +72,45 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     if context < need:
         raise ConfigError(f"--context: {context} tokens < {need} needed for the longest prompt plus steps")
     cache = reference.init_cache(m.cfg, len(prompts), context, page_size=page_size)
-    step = reference.jitted_decode_step(m.cfg)
+    ref_step = reference.jitted_decode_step(m.cfg)
     t0 = time.perf_counter()
-    tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=step)
+    if backend == "reference":
+        tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step)
+        where = "reference decode step (pure JAX) on this host"
+    else:
+        tokens, where = _megakernel_generate(m, prompts, steps, cache, context, page_size, ref_step)
     seconds = time.perf_counter() - t0
     return {
         "model": m.cfg.name, "backend": backend, "weights": m.source, "steps": steps,
-        "prompts": prompts, "tokens": tokens, "seconds": seconds,
+        "prompts": prompts, "tokens": tokens, "seconds": seconds, "ran_on": where,
         "timing_note": "wall time on this host, including compilation; not a TPU speed figure",
     }
+
+
+def _megakernel_generate(m: Model, prompts, steps, cache, context, page_size, ref_step):
+    """Prefill with the reference step (the prompt is one multi-token chunk per sequence; the
+    cache layout is shared), then every generated token through the megakernel: on an attached
+    TPU when there is one, else in Pallas TPU interpret mode on the host."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpumk.kernel.layout import pack_weights
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.plan import make_plan
+    from tpumk.targets import attached_target, get_target
+
+    target = attached_target() or get_target("cpu")
+    plan = make_plan(m.cfg, target, len(prompts), context, page_size=page_size)
+    step = make_decode_step(plan)
+    packed = pack_weights(plan, m.params)
+    last, cache = reference.prefill(m.params, m.cfg, prompts, cache, step_fn=ref_step)
+    nxt = jnp.argmax(last, -1).astype(jnp.int32)
+    tokens: list[list[int]] = [[int(t)] for t in np.asarray(nxt)]
+    for _ in range(steps - 1):
+        logits, cache = step(packed, nxt[:, None], cache.lengths[:, None], cache)
+        nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+        for b, t in enumerate(np.asarray(nxt)):
+            tokens[b].append(int(t))
+    where = (f"megakernel on an attached {target.name}" if target.is_tpu
+             else "megakernel in Pallas TPU interpret mode on the host (prefill by the reference)")
+    return tokens, where

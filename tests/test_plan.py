@@ -1,0 +1,177 @@
+"""The plan and the tuning config: knobs, tiling, budgets and rejections, all before compiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpumk.config import load_preset, preset_names
+from tpumk.errors import ConfigError, PlanError
+from tpumk.plan import make_plan
+from tpumk.targets import TARGETS, get_target
+from tpumk.tuning import FAMILIES, TuningConfig, load_tuning
+
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------- TuningConfig
+def test_tuning_toml_round_trip(tmp_path):
+    t = TuningConfig(ring_depth=6, tile_bytes=4 * MIB, qkv_tile_cols=512, kv_buffers=4, vmem_limit_fraction=0.8)
+    path = tmp_path / "t.toml"
+    t.save(path)
+    assert load_tuning(path) == t
+    assert TuningConfig.from_dict(t.to_dict()) == t
+
+
+def test_tuning_partial_table_keeps_defaults(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text("[tuning]\nring_depth = 4\n")
+    assert load_tuning(path) == TuningConfig(ring_depth=4)
+
+
+def test_tuning_unknown_key_is_named(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text("[tuning]\nring_dpeth = 4\n")
+    with pytest.raises(ConfigError, match="unknown tuning knob 'ring_dpeth'"):
+        load_tuning(path)
+    with pytest.raises(ConfigError, match="'bogus'"):
+        TuningConfig.from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize("knob, value, words", [
+    ("ring_depth", 1, "at least 2"),
+    ("qkv_tile_cols", 200, "multiple of 128"),
+    ("gate_up_tile_cols", 384, "multiple of 256"),
+    ("down_tile_rows", 100, "multiple of 128"),
+    ("kv_buffers", 1, "at least 2"),
+    ("vmem_limit_fraction", 1.5, "[0.1, 1.0]"),
+    ("ring_depth", "4", "an integer"),
+])
+def test_tuning_bad_values_name_the_knob(knob, value, words):
+    with pytest.raises(ConfigError, match=knob) as e:
+        TuningConfig.from_dict({knob: value})
+    assert words in str(e.value)
+
+
+def test_every_family_has_tile_knobs():
+    t = TuningConfig()
+    for fam in FAMILIES:
+        assert t.tile_shape(fam) == (0, 0)
+
+
+# ---------------------------------------------------------------------- defaults everywhere
+@pytest.mark.parametrize("target", [t for t in TARGETS])
+@pytest.mark.parametrize("preset", preset_names())
+def test_default_plan_fits_or_says_does_not_fit(preset, target):
+    """Defaults work for every preset on every target, unless the model exceeds the device HBM."""
+    cfg = load_preset(preset)
+    tgt = get_target(target)
+    for batch in (1, 8):
+        kv = cfg.kv_bytes_per_token() * batch * 4096
+        if cfg.param_count() * cfg.dtype_bytes + kv > tgt.hbm_bytes:
+            with pytest.raises(PlanError, match=f"does not fit one {target} device"):
+                make_plan(cfg, tgt, batch, 4096)
+            continue
+        plan = make_plan(cfg, tgt, batch, 4096)
+        assert plan.vmem_total <= plan.vmem_budget <= tgt.vmem_bytes
+        json.dumps(plan.summary())  # plain data
+
+
+def test_big_presets_on_v6e_are_rejected_clearly():
+    for preset in ("qwen3-32b", "qwen3-30b-a3b"):
+        with pytest.raises(PlanError, match=r"does not fit one v6e device: weights .* GB .* > HBM 34.4 GB"):
+            make_plan(load_preset(preset), get_target("v6e"), 1, 4096)
+
+
+# ---------------------------------------------------------------------- tiling and schedule
+def test_default_tiles_share_one_wide_shape():
+    plan = make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096)
+    shapes = {(f.tile_rows, f.tile_cols) for f in plan.families.values()}
+    assert shapes == {(1024, 1024)}  # 2 MiB bf16, no ring waste, wide enough to feed the MXU
+    assert (plan.slot_rows, plan.slot_cols, plan.ring_depth) == (1024, 1024, 12)
+    # lm_head: vocab 151936 padded to whole 1024-column tiles
+    assert plan.families["lm_head"].m_pad == 149 * 1024
+
+
+def test_schedule_is_contiguous_and_counts_every_tile():
+    cfg = load_preset("tiny-moe")
+    plan = make_plan(cfg, get_target("cpu"), 2, 64, TuningConfig(qkv_tile_cols=256, down_tile_rows=256))
+    kinds = [s.kind for s in plan.segments]
+    assert kinds == ["dense", "moe", "lm_head"]  # layer 0 dense, layers 1-2 MoE, then the head
+    g = 0
+    for seg in plan.segments:
+        assert seg.first_tile == g
+        assert seg.tiles_per_layer == sum(plan.families[f].tiles for f in seg.families)
+        g += seg.tiles
+    assert g == plan.total_tiles
+    assert plan.segments[1].families == ("qkv", "o", "shared_gate_up", "shared_down")
+    assert plan.segments[1].moe_base == 0 and plan.segments[1].stack_base == (1, 1, 0, 0)
+
+
+def test_padding_keeps_ffn_and_down_consistent():
+    cfg = load_preset("tiny-dense").replace(ffn_size=640)  # not a multiple of the gate half tile
+    plan = make_plan(cfg, get_target("cpu"), 1, 64, TuningConfig(gate_up_tile_cols=512))
+    gu, dn = plan.families["gate_up"], plan.families["down"]
+    assert plan.ffn_pad % 256 == 0 and plan.ffn_pad >= 640
+    assert gu.m_pad == 2 * plan.ffn_pad and dn.k_pad == plan.ffn_pad
+
+
+def test_tile_rows_must_divide_the_matrix():
+    with pytest.raises(PlanError, match="'o_tile_rows' = 384 must divide the o input dim 512"):
+        make_plan(load_preset("tiny-dense"), get_target("cpu"), 1, 64, TuningConfig(o_tile_rows=384))
+
+
+# ---------------------------------------------------------------------- budgets
+def test_vmem_overrun_is_rejected_before_compiling_with_a_breakdown():
+    tuning = TuningConfig(ring_depth=24, tile_bytes=4 * MIB)  # 96 MiB of ring
+    with pytest.raises(PlanError) as e:
+        make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096, tuning)
+    msg = str(e.value)
+    assert "does not fit tpu7x VMEM" in msg and "weight_ring 96.0 MiB" in msg and "ring_depth" in msg
+    # the same knobs fit a 128 MiB v6e core
+    plan = make_plan(load_preset("qwen3-8b"), get_target("v6e"), 1, 4096, tuning)
+    assert plan.vmem["weight_ring"] == 96 * MIB
+
+
+def test_vmem_breakdown_names_components():
+    plan = make_plan(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 8, 4096)
+    assert set(plan.vmem) >= {"weight_ring", "attention", "moe", "activations", "logits_staging", "layer_vectors"}
+    assert plan.vmem_total == sum(plan.vmem.values())
+
+
+def test_hbm_bytes_count_the_weights_actually_read():
+    """Ring weights + experts + router + norms ~= the model's decode weight bytes (+ padding)."""
+    for preset, batch in (("qwen3-8b", 1), ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8)):
+        cfg = load_preset(preset)
+        plan = make_plan(cfg, get_target("tpu7x"), batch, 4096)
+        weights = sum(v for k, v in plan.hbm.items() if k.startswith("weights_") or k == "experts_and_router")
+        expected = cfg.decode_weight_bytes(batch)
+        assert expected <= weights + 2e6 and weights <= expected * 1.01, (preset, weights, expected)
+        assert plan.hbm["kv_cache"] > 0
+        assert plan.floor_seconds == pytest.approx(plan.hbm_bytes / get_target("tpu7x").hbm_bandwidth)
+
+
+def test_kv_bytes_grow_with_context_and_batch():
+    cfg = load_preset("qwen3-8b")
+    t = get_target("tpu7x")
+    kv = {(b, c): make_plan(cfg, t, b, c).hbm["kv_cache"] for b in (1, 4) for c in (1024, 4096)}
+    assert kv[(1, 4096)] > 3 * kv[(1, 1024)]
+    assert kv[(4, 4096)] == pytest.approx(4 * kv[(1, 4096)])
+
+
+def test_dma_counts_are_reported():
+    plan = make_plan(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 1, 4096)
+    d = plan.dmas
+    assert d["ring_qkv"]["count"] == 48 * plan.families["qkv"].tiles
+    assert d["ring_lm_head"]["bytes_each"] == 2 * MIB
+    assert d["experts"]["count"] > 0 and d["kv_cache_pages"]["count"] > 0
+
+
+def test_bad_shapes_are_plan_errors():
+    with pytest.raises(PlanError, match="batch"):
+        make_plan(load_preset("tiny-dense"), get_target("cpu"), 0, 64)
+    with pytest.raises(PlanError, match="num_pages"):
+        make_plan(load_preset("tiny-dense"), get_target("cpu"), 2, 64, num_pages=3)
+    with pytest.raises(PlanError, match="page_size"):  # bf16 pages must be whole 16-row tiles
+        make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 64, page_size=8)

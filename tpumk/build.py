@@ -1,0 +1,155 @@
+"""`tpumk build`: plan, lower and compile a megakernel decode step, and say what the compiler says.
+
+A build is: ModelConfig + Target + shapes + TuningConfig -> Plan (rejects infeasible configs
+before compiling) -> jit(step).lower(argument shapes).compile() for the target (deviceless for
+TPUs that are not attached) -> BuildReport.
+
+Every number in the report names its source:
+- plan figures (VMEM, HBM bytes, DMAs, the HBM floor) are tpumk's own accounting of the plan;
+- `estimated_cycles` is the TPU compiler's static profile, and `estimated_seconds` converts it
+  through `tpumk.calibration` (the basis is repeated in `estimate_source`);
+- `compile_seconds` is measured on this host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tpumk.compile import Compiled, compile_for
+from tpumk.config import ModelConfig
+from tpumk.estimate import Estimate, estimate_in_subprocess, request_for
+from tpumk.plan import DEFAULT_PAGE_SIZE, Plan, make_plan
+from tpumk.targets import Target
+from tpumk.tuning import TuningConfig
+
+
+@dataclass
+class BuildReport:
+    model: str
+    target: str
+    batch: int
+    context: int
+    q_len: int
+    compile_seconds: float
+    lower_seconds: float
+    custom_calls: int
+    vmem_bytes: int
+    vmem_budget_bytes: int
+    vmem_capacity_bytes: int
+    hbm_bytes_per_step: float
+    floor_seconds: float
+    estimated_cycles: int | None  # whole step: compiler cycles + modelled nested-loop trips
+    estimated_seconds: float | None
+    estimate_source: str
+    compiler_cycles: int | None  # the static profile as written (nested loops counted once)
+    nested_loop_cycles: int | None  # tpumk's model of the nested-loop trips the profile misses
+    floor_fraction: float | None  # floor_seconds / estimated_seconds (1.0 = at the HBM floor)
+    tuning: dict[str, Any]
+    plan: dict[str, Any] = field(repr=False)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Build:
+    plan: Plan
+    compiled: Compiled
+    report: BuildReport
+
+
+def plan_build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
+               tuning: TuningConfig | None = None, q_len: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> Plan:
+    return make_plan(cfg, target, batch, context, tuning or TuningConfig(), q_len=q_len, page_size=page_size)
+
+
+def compile_plan(plan: Plan) -> Compiled:
+    from tpumk.kernel.megakernel import make_decode_step, step_specs
+
+    # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
+    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target)
+
+
+def build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
+          tuning: TuningConfig | None = None, q_len: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
+          estimate: bool = True) -> Build:
+    """Plan (PlanError before any compile for infeasible configs), compile, report.
+
+    With `estimate`, targets whose static profile works also get the compiler's estimate from
+    a separate profiling process (see tpumk.estimate for why it cannot be this one)."""
+    tuning = tuning or TuningConfig()
+    plan = plan_build(cfg, target, batch, context, tuning, q_len, page_size)
+    compiled = compile_plan(plan)
+    est = None
+    if estimate and target.static_profile:
+        est = estimate_in_subprocess(request_for(cfg, target, batch, context, tuning, q_len, page_size),
+                                     target.vmem_bytes)
+    return Build(plan, compiled, make_report(plan, compiled, est))
+
+
+def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
+    """Loops nested inside the layer loop, whose trips the static profile counts once per
+    layer (TPU_FACTS 3): the attention KV-tile loop and the MoE expert-chunk loop. Each entry
+    gives the trips per step the profile did not count and the bytes each trip streams, at the
+    plan's accounting (full context; expected distinct experts)."""
+    a, cfg = plan.attention, plan.cfg
+    tiles = a.batch * -(-a.pages_per_seq // a.kv_tile_pages)
+    out = [{"loop": "attention KV tiles", "trips_per_layer": tiles, "uncounted_trips": (tiles - 1) * cfg.num_layers,
+            "bytes_per_trip": 2 * a.tile_rows * a.kv_size * a.itemsize}]
+    if plan.moe is not None:
+        m = plan.moe
+        trips = m.expected_distinct_experts() * m.chunks_per_expert
+        out.append({"loop": "MoE expert chunks", "trips_per_layer": trips,
+                    "uncounted_trips": max(trips - 1.0, 0.0) * m.num_moe_layers, "bytes_per_trip": m.chunk_bytes})
+    return out
+
+
+def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildReport:
+    target = plan.target
+    notes: list[str] = []
+    est_cycles = est_seconds = compiler_cycles = nested_cycles = None
+    if target.interpret:
+        source = "none: the cpu target runs the kernel in interpret mode (no TPU cost model)"
+    elif not target.static_profile:
+        source = f"none: libtpu's static profile does not work for {target.name} kernels with DMAs"
+    elif est is None:
+        source = "none: not requested"
+    elif est.cycles is None:
+        source = f"none: {est.error}"
+    elif est.calibration is None:
+        compiler_cycles = est.cycles
+        source = "none: the static profile gave cycles but no calibration could be measured to convert them"
+        notes.append("compiler_cycles count nested-loop bodies once per layer; without a calibration the "
+                     "missing trips cannot be added, so no whole-step estimate is given")
+    else:
+        # The profile counts each nested loop's body once per layer; the remaining trips are
+        # DMA-bound streaming, added at the calibration's sustained rate (tpumk's model).
+        cal = est.calibration
+        nested = uncounted_nested_work(plan)
+        nested_seconds = sum(w["uncounted_trips"] * w["bytes_per_trip"] for w in nested) / cal["assumed_bytes_per_s"]
+        compiler_cycles = est.cycles
+        nested_cycles = int(round(nested_seconds / cal["seconds_per_cycle"]))
+        est_cycles = compiler_cycles + nested_cycles
+        est_seconds = est_cycles * cal["seconds_per_cycle"]
+        source = (f"TPU compiler static profile ({compiler_cycles:,} cycles) + tpumk model of nested-loop trips "
+                  f"the profile counts once ({nested_cycles:,} cycles: "
+                  + ", ".join(f"{w['uncounted_trips']:.0f} {w['loop']}" for w in nested)
+                  + f"); cycles -> seconds by calibration: {cal['basis']}")
+    floor = plan.floor_seconds
+    fraction = None
+    if est_seconds is not None:
+        fraction = floor / est_seconds
+        if est_seconds < floor:
+            notes.append(
+                f"INVALID ESTIMATE: {est_seconds * 1e6:.1f} us is faster than the HBM floor {floor * 1e6:.1f} us; "
+                "the compiler model or the calibration is wrong for this kernel, do not use it as a result")
+    return BuildReport(
+        model=plan.cfg.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
+        compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,
+        custom_calls=compiled.custom_calls, vmem_bytes=plan.vmem_total, vmem_budget_bytes=plan.vmem_budget,
+        vmem_capacity_bytes=target.vmem_bytes, hbm_bytes_per_step=plan.hbm_bytes, floor_seconds=floor,
+        estimated_cycles=est_cycles, estimated_seconds=est_seconds, estimate_source=source,
+        compiler_cycles=compiler_cycles, nested_loop_cycles=nested_cycles,
+        floor_fraction=fraction, tuning=plan.tuning.to_dict(), plan=plan.summary(), notes=notes)

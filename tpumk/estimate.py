@@ -1,0 +1,115 @@
+"""The TPU compiler's static estimate of a build, obtained in a separate profiling process.
+
+Why a separate process: libtpu reads `--xla_jf_dump_static_llo_profile_to` once, at start-up,
+and with it on the compiler also sets aside a large "HLO temp" VMEM reservation next to a
+Pallas kernel's scoped VMEM (seen with libtpu 0.0.52: a 27 MiB kernel needed 73 MiB), so a
+kernel that fits the chip fails to compile in a profiling process; on v5e the flag aborts the
+process on some kernels. The profiling process therefore also raises the VMEM size the
+compiler assumes (`--xla_tpu_override_vmem_size_kib`, to twice the chip's) so the reservation
+fits. Its executable is thrown away: only the cycle count is kept. Real executables (what
+`build` reports on and `export` ships) are compiled in a process without either flag, and
+feasibility is decided by the plan and that real compile.
+
+The calibration probe (tpumk.calibration) runs in the same kind of process, so cycles and
+their conversion come from the same compiler settings.
+
+Run as `python -m tpumk.estimate` with a JSON request on stdin; prints a JSON reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tpumk.errors import TpumkError
+
+PROFILE_VMEM_FACTOR = 2  # VMEM size the profiling compiler assumes, x the chip's
+
+
+@dataclass
+class Estimate:
+    cycles: int | None
+    cycles_by_op: dict[str, int]
+    seconds: float | None  # cycles converted by the calibration; None without one
+    calibration: dict[str, Any] | None
+    error: str | None = None  # why there is no estimate (compiler crash, no profile written, ...)
+
+
+def profiling_env(target_vmem_bytes: int, profile_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    from tpumk.static_profile import FLAG
+
+    args = env.get("LIBTPU_INIT_ARGS", "")
+    args += f" {FLAG}={profile_dir} --xla_tpu_override_vmem_size_kib={PROFILE_VMEM_FACTOR * target_vmem_bytes // 1024}"
+    env["LIBTPU_INIT_ARGS"] = args.strip()
+    return env
+
+
+def request_for(cfg, target, batch, context, tuning, q_len, page_size) -> dict[str, Any]:
+    return {"model": cfg.to_dict(), "target": target.name, "batch": batch, "context": context,
+            "tuning": tuning.to_dict(), "q_len": q_len, "page_size": page_size}
+
+
+def estimate_in_subprocess(request: dict[str, Any], target_vmem_bytes: int, timeout: float | None = 900) -> Estimate:
+    """Compile the requested build in a fresh profiling process and return its estimate."""
+    with tempfile.TemporaryDirectory(prefix="tpumk-estimate-") as d:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "tpumk.estimate"], input=json.dumps(request),
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env=profiling_env(target_vmem_bytes, d))
+        except subprocess.TimeoutExpired:
+            return Estimate(None, {}, None, None, f"profiling compile timed out after {timeout:.0f} s")
+    if proc.returncode != 0:
+        return Estimate(None, {}, None, None, f"profiling compile failed (exit {proc.returncode}): "
+                                              f"{_failure_line(proc.stderr)}")
+    return Estimate(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _failure_line(stderr: str) -> str:
+    """The line that says why libtpu or the compile died (its CHECK message when it aborted)."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    for line in lines:
+        if "Check failed" in line or "RESOURCE_EXHAUSTED" in line:
+            return line.split("] ", 1)[-1][:400]
+    return lines[-1][:400]
+
+
+def _serve(request: dict[str, Any]) -> Estimate:
+    """In the profiling process: plan, compile, collect cycles, calibrate."""
+    from tpumk import static_profile
+    from tpumk.build import compile_plan, plan_build
+    from tpumk.calibration import calibration_for
+    from tpumk.config import from_dict
+    from tpumk.targets import get_target
+    from tpumk.tuning import TuningConfig
+
+    cfg = from_dict(request["model"], "estimate request")
+    target = get_target(request["target"])
+    plan = plan_build(cfg, target, request["batch"], request["context"],
+                      TuningConfig.from_dict(request["tuning"]), request["q_len"], request["page_size"])
+    static_profile.clear()
+    compiled = compile_plan(plan)
+    by_op = static_profile.collect(compiled.device_kind)
+    if not by_op:
+        return Estimate(None, {}, None, None, "the compiler wrote no static profile for this build")
+    cycles = int(sum(by_op.values()))
+    cal = calibration_for(target.name)
+    return Estimate(cycles, by_op, cal.seconds(cycles) if cal else None, asdict(cal) if cal else None)
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    try:
+        est = _serve(request)
+    except TpumkError as e:
+        est = Estimate(None, {}, None, None, str(e))
+    print(json.dumps(asdict(est)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Packing reference-layout weights into the megakernel's layout (and its shapes, for AOT builds).
+
+`pack_weights(plan_or_cfg, params)` takes weights in tpumk's reference layout (tpumk.weights:
+matrices `[in, out]`, one dict per layer; real checkpoints load into that layout) and returns
+the pytree the kernel reads. Any serving stack can call it on real weights. The layout depends
+only on the model and the tuning (tile shapes), not on the target or batch.
+
+Packed layout (dt = the model dtype; L layers, Ld dense layers, Lm MoE layers, W = max(H, D)
+rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros):
+
+    embed          [V, H] dt       the reference embedding; rows are gathered outside the kernel
+    final_norm     [1, H] f32
+    layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm, 2 q_norm, 3 k_norm (first D lanes;
+                                   ones when the model has no QK-norm), rows 4..7 zero
+    qkv            [L,  T, r, c]   [wq | wk | wv]                       (H x (Hq+2Hkv)D)
+    o              [L,  T, r, c]   wo                                    (Hq D x H)
+    gate_up        [Ld, T, r, c]   gate and up interleaved per column tile: tile column block j
+                                   = [gate cols j*c/2 .. (j+1)*c/2 | the same up cols]
+    down           [Ld, T, r, c]   w_down, rows padded to the padded FFN width
+    shared_gate_up [Lm, T, r, c]   the same for the shared experts (side by side), MoE models only
+    shared_down    [Lm, T, r, c]
+    lm_head        [T, r, c]       lm_head (or embed.T when tied), vocab padded to whole tiles
+    moe            {router, e_gateup, e_down}  tpumk.kernel.moe.pack_experts (MoE models only)
+
+Inside a family, tile t of a matrix is (row block t % RB, column block t // RB) with RB =
+rows / r: the row blocks of a column block are consecutive, so each finishes columns at once.
+Each tile is contiguous in HBM: one DMA moves it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tpumk.config import ModelConfig
+from tpumk.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, MatrixFamily, Plan, plan_families, round_up
+from tpumk.tuning import TuningConfig
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
+
+
+def tile_matrix(w: jax.Array, fam: MatrixFamily) -> jax.Array:
+    """[k, m] -> [tiles, r, c]: zero-pad to [k_pad, m_pad], cut, column block outer."""
+    k, m = w.shape
+    w = jnp.pad(w, ((0, fam.k_pad - k), (0, fam.m_pad - m)))
+    rb, cb, r, c = fam.row_blocks, fam.col_blocks, fam.tile_rows, fam.tile_cols
+    return w.reshape(rb, r, cb, c).transpose(2, 0, 1, 3).reshape(cb * rb, r, c)
+
+
+def interleave_gate_up(gate: jax.Array, up: jax.Array, f_pad: int, tile_cols: int) -> jax.Array:
+    """[H, F] x 2 -> [H, 2 f_pad]: each tile_cols-wide column block = gate half | up half."""
+    h, f = gate.shape
+    half = tile_cols // 2
+    g = jnp.pad(gate, ((0, 0), (0, f_pad - f))).reshape(h, f_pad // half, half)
+    u = jnp.pad(up, ((0, 0), (0, f_pad - f))).reshape(h, f_pad // half, half)
+    return jnp.concatenate([g, u], axis=-1).reshape(h, 2 * f_pad)
+
+
+def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None):
+    if isinstance(plan_or_cfg, Plan):
+        return plan_or_cfg.cfg, plan_or_cfg.families, plan_or_cfg.ffn_pad, plan_or_cfg.shared_ffn_pad
+    cfg = plan_or_cfg
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning or TuningConfig())
+    return cfg, fams, ffn_pad, shared_pad
+
+
+def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningConfig | None = None) -> dict:
+    """Reference-layout weights -> the kernel layout described in this module's docstring.
+
+    Pass the Plan the kernel is built from (or a ModelConfig plus the TuningConfig, which fix
+    the same layout)."""
+    cfg, fams, ffn_pad, shared_pad = _families_of(plan_or_cfg, tuning)
+    dt = _dtype(cfg)
+    h, d = cfg.hidden_size, cfg.head_dim
+    width = round_up(max(h, d), 128)
+    layers = params["layers"]
+
+    def vectors(lay: dict) -> jax.Array:
+        block = jnp.zeros((LAYER_VECTOR_ROWS, width), jnp.float32)
+        block = block.at[VECTOR_ROW["attn_norm"], :h].set(jnp.asarray(lay["attn_norm"], jnp.float32))
+        block = block.at[VECTOR_ROW["mlp_norm"], :h].set(jnp.asarray(lay["mlp_norm"], jnp.float32))
+        for name in ("q_norm", "k_norm"):
+            w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
+            block = block.at[VECTOR_ROW[name], :d].set(w)
+        return block
+
+    def cast(a) -> jax.Array:
+        return jnp.asarray(a, dt)
+
+    out: dict[str, Any] = {
+        "embed": cast(params["embed"]),
+        "final_norm": jnp.asarray(params["final_norm"], jnp.float32).reshape(1, h),
+        "layer_vectors": jnp.stack([vectors(lay) for lay in layers]),
+        "qkv": jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
+                                      fams["qkv"]) for l in layers]),
+        "o": jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in layers]),
+    }
+    dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
+    if dense and "gate_up" in fams:
+        gu, dn = fams["gate_up"], fams["down"]
+        out["gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(cast(l["w_gate"]), cast(l["w_up"]), ffn_pad,
+                                                                   gu.tile_cols), gu) for l in dense])
+        out["down"] = jnp.stack([tile_matrix(cast(l["w_down"]), dn) for l in dense])
+    if cfg.is_moe:
+        from tpumk.kernel.moe import pack_experts
+
+        moe_layers = [l for i, l in enumerate(layers) if not cfg.layer_is_dense(i)]
+        if "shared_gate_up" in fams:
+            gu, dn = fams["shared_gate_up"], fams["shared_down"]
+            out["shared_gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(
+                cast(l["s_gate"]), cast(l["s_up"]), shared_pad, gu.tile_cols), gu) for l in moe_layers])
+            out["shared_down"] = jnp.stack([tile_matrix(cast(l["s_down"]), dn) for l in moe_layers])
+        out["moe"] = pack_experts(cfg, params)
+    head = cast(params["embed"]).T if cfg.tie_embeddings else cast(params["lm_head"])
+    out["lm_head"] = tile_matrix(head, fams["lm_head"])
+    return out
+
+
+def packed_specs(plan: Plan) -> dict:
+    """ShapeDtypeStructs of `pack_weights(plan, ...)`: compile a full-size model with no weights."""
+    cfg = plan.cfg
+    dt = _dtype(cfg)
+    out: dict[str, Any] = {
+        "embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dt),
+        "final_norm": jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32),
+        "layer_vectors": jax.ShapeDtypeStruct((cfg.num_layers, LAYER_VECTOR_ROWS, plan.vector_width), jnp.float32),
+    }
+    for name, fam in plan.families.items():
+        out[name] = jax.ShapeDtypeStruct(fam.packed_shape, dt)
+    if plan.moe is not None:
+        from tpumk.kernel.moe import packed_shapes
+
+        out["moe"] = packed_shapes(plan.moe)
+    return out

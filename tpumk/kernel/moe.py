@@ -1,0 +1,474 @@
+"""The routed mixture-of-experts stage of the megakernel, as functions called inside a kernel body.
+
+One call of `moe_stage` does, for one MoE layer and all N token rows:
+
+1. **Router.** The layer's router `[H, Ep]` is DMA'd from HBM into VMEM (it is small but a
+   whole stack of them is not: Qwen3-30B-A3B has 48 x 512 KiB, so it is not kept resident).
+   `start_router_fetch` lets the composer issue that DMA early (e.g. before attention).
+2. **Routing in the kernel.** Logits on the MXU (f32 accumulation), softmax or sigmoid in f32,
+   top-k by repeated lane max + lowest-lane-of-the-max (ties go to the lower expert id, as
+   `jax.lax.top_k`), optional renormalisation. The result is a combine matrix `[N, Ep]` (weight
+   of expert e for row n, 0 if n did not pick e), kept in VMEM scratch.
+3. **Distinct experts.** The experts picked by ANY row are compacted, in ascending id order, into
+   a list of D ids (1 <= D <= min(E, N * top_k)) with exact 0/1 matmuls and an iota compare;
+   the list and D go VMEM -> SMEM by a local DMA so they can be read as scalars to address DMAs.
+4. **Expert streaming.** Each distinct expert is read from HBM exactly once per layer, as
+   `Fe / expert_chunk` chunks; chunk t (a flat index over experts x chunks) goes to slot
+   t % expert_slots. The first `expert_slots` chunk loads start as soon as the ids are known;
+   after chunk t is multiplied, the load of chunk t + expert_slots is issued into the slot it
+   freed, so `expert_slots - 1` loads are in flight while a chunk is multiplied (one slot:
+   load, wait, multiply, no overlap). The loop has a dynamic trip count D * chunks (a
+   `lax.fori_loop` with a traced bound); chunk order is expert-major, experts ascending.
+5. **Expert compute.** Each chunk is evaluated for ALL N rows (decode batches are small, so the
+   MXU cost of unpicked rows is noise next to the HBM read), and its down-projection is scaled
+   by the row's combine weight (0 for rows that did not pick the expert) before accumulation.
+
+Numerics follow `tpumk.reference.moe_ffn` exactly: activations cast to the weight dtype, f32
+accumulation, SwiGLU in f32, the SwiGLU output cast to the weight dtype before the down
+projection, the combine weight applied to the f32 down projection. The only difference is the
+f32 summation order over Fe (per chunk, then across chunks).
+
+Invariant for the composer: every DMA this stage starts is also waited by it, so no stage
+DMA is in flight when `moe_stage` returns; scratch and semaphores can be reused by the next
+layer (or by anyone else) right away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpumk.config import ModelConfig, expected_distinct_experts
+from tpumk.errors import PlanError
+
+LANE = 128  # TPU lane width: expert axis padding and the Fe block width of the packed gate/up
+SUBLANE = 8  # f32 rows per vreg tile (for the VMEM estimate of row-padded buffers)
+SCORINGS = ("softmax", "sigmoid")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    """Static shape and knobs of the routed-expert stage (all Python ints: it shapes the trace)."""
+
+    rows: int  # N = batch * q_len token rows routed together
+    hidden: int  # H
+    num_experts: int  # E
+    top_k: int
+    expert_ffn: int  # Fe
+    scoring: str  # "softmax" | "sigmoid"
+    norm_topk: bool  # renormalise the top-k weights to sum to 1
+    num_moe_layers: int  # Lm: MoE layers stacked in the packed expert arrays
+    dtype: str  # weight dtype: "float32" | "bfloat16"
+    expert_slots: int  # S: VMEM slots for expert chunks (loads in flight while one is computed)
+    expert_chunk: int  # C: columns of Fe per chunk (multiple of 128 dividing Fe); Fe = whole experts
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
+                    expert_chunk: int | None = None) -> "MoEGeometry":
+        """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
+        if not cfg.is_moe:
+            raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
+        geom = cls(
+            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.top_k,
+            expert_ffn=cfg.expert_ffn_size, scoring=cfg.router_scoring, norm_topk=cfg.norm_topk_prob,
+            num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
+            expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
+        )
+        geom.validate()
+        return geom
+
+    def validate(self) -> None:
+        """Raise PlanError (one line, naming the knob or field) if the kernel cannot be built."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise PlanError(f"moe stage: {what}")
+
+        def pos_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        for f in ("rows", "hidden", "num_experts", "top_k", "expert_ffn", "num_moe_layers"):
+            need(pos_int(getattr(self, f)), f"{f} = {getattr(self, f)!r}: expected a positive integer")
+        need(self.top_k <= self.num_experts, f"top_k = {self.top_k}: expected at most num_experts ({self.num_experts})")
+        need(self.scoring in SCORINGS, f"scoring = {self.scoring!r}: expected one of {', '.join(SCORINGS)}")
+        need(isinstance(self.norm_topk, bool), f"norm_topk = {self.norm_topk!r}: expected true or false")
+        need(self.dtype in DTYPE_BYTES, f"dtype = {self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+        # H is the lane dim of x and of the down chunks and the sublane dim of gate/up blocks.
+        need(self.hidden % LANE == 0, f"hidden = {self.hidden}: expected a multiple of {LANE} (TPU lane tile)")
+        need(self.expert_ffn % LANE == 0,
+             f"expert_ffn = {self.expert_ffn}: expected a multiple of {LANE} (packed gate/up blocks are {LANE} wide)")
+        need(pos_int(self.expert_slots), f"expert_slots = {self.expert_slots!r}: expected a positive integer")
+        need(pos_int(self.expert_chunk) and self.expert_chunk % LANE == 0,
+             f"expert_chunk = {self.expert_chunk!r}: expected a positive multiple of {LANE}")
+        need(self.expert_ffn % self.expert_chunk == 0,
+             f"expert_chunk = {self.expert_chunk}: expected a divisor of expert_ffn ({self.expert_ffn})")
+
+    # ---------------------------------------------------------------- derived shapes
+    @property
+    def experts_padded(self) -> int:
+        """Ep: the expert axis padded to whole lanes (router columns, combine, id list)."""
+        return _round_up(self.num_experts, LANE)
+
+    @property
+    def chunks_per_expert(self) -> int:
+        return self.expert_ffn // self.expert_chunk
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """128-column gate|up blocks per chunk (each block is one [H, 256] MXU operand)."""
+        return self.expert_chunk // LANE
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def jnp_dtype(self):
+        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+
+    @property
+    def max_distinct_experts(self) -> int:
+        return min(self.num_experts, self.rows * self.top_k)
+
+    # ---------------------------------------------------------------- bytes and DMAs
+    @property
+    def router_bytes(self) -> int:
+        return self.hidden * self.experts_padded * self.dtype_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        """HBM bytes of one expert (gate, up, down)."""
+        return 3 * self.hidden * self.expert_ffn * self.dtype_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one slot: a gate|up chunk [C/128, H, 256] plus a down chunk [C, H]."""
+        return 3 * self.hidden * self.expert_chunk * self.dtype_bytes
+
+    def hbm_bytes(self, distinct_experts: float) -> float:
+        """HBM bytes this stage reads per MoE layer: the router plus each distinct expert once."""
+        return self.router_bytes + distinct_experts * self.expert_bytes
+
+    def dma_count(self, distinct_experts: float) -> float:
+        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk."""
+        return 2 + 2 * self.chunks_per_expert * distinct_experts
+
+    def expected_distinct_experts(self) -> float:
+        """Expected distinct experts per layer under uniform routing of `rows` tokens."""
+        return expected_distinct_experts(self.num_experts, self.top_k, self.rows)
+
+    def expected_hbm_bytes(self) -> float:
+        return self.hbm_bytes(self.expected_distinct_experts())
+
+    def scratch_bytes(self) -> int:
+        """Exact VMEM bytes of the stage's scratch buffers (rows padded to the sublane tile)."""
+        ep = self.experts_padded
+        slots = self.expert_slots * self.chunk_bytes
+        router = self.router_bytes
+        combine = _round_up(self.rows, SUBLANE) * ep * 4
+        ids = SUBLANE * ep * 4  # [2, Ep] int32 occupies one (8, 128) tile row-group
+        return slots + router + combine + ids
+
+    def vmem_bytes(self) -> int:
+        """Scratch plus the largest compiler temporaries, an estimate for the VMEM budget.
+
+        Temporaries: the routing matrices ([Ep, Ep] f32: strict-lower and identity masks, the
+        broadcast picked row and the two products), one chunk's gate|up activations
+        [N, 2C] f32 and SwiGLU output [N, C] f32, x in the weight dtype and the f32 accumulator
+        and down product [N, H]."""
+        ep, n = self.experts_padded, _round_up(self.rows, SUBLANE)
+        routing = 5 * ep * ep * 4
+        chunk = n * 3 * self.expert_chunk * 4
+        rows = n * self.hidden * (4 + 4 + 4)
+        return self.scratch_bytes() + routing + chunk + rows
+
+    def smem_bytes(self) -> int:
+        return 2 * self.experts_padded * 4
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """Model layer indices of the MoE layers, in the order they are stacked by `pack_experts`."""
+    return [i for i in range(cfg.num_layers) if not cfg.layer_is_dense(i)]
+
+
+# ---------------------------------------------------------------------- packing
+def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
+    """Reference-layout MoE weights -> the stage's kernel layout, stacked over MoE layers.
+
+    Input (tpumk.weights): per MoE layer `router [H, E]`, `e_gate [E, H, Fe]`, `e_up [E, H, Fe]`,
+    `e_down [E, Fe, H]`. MoE layers are stacked in model order (`moe_layer_ids(cfg)`); arrays
+    are cast to `cfg.dtype`. Output, with Lm MoE layers, Ep = E rounded up to 128, nb = Fe / 128:
+
+    - `router  [Lm, H, Ep]`: columns E..Ep-1 are zero (the kernel masks them out of routing).
+    - `e_gateup [Lm, E, nb, H, 256]`: block b holds gate columns [128b, 128b+128) in lanes
+      0..127 and the same up columns in lanes 128..255, so one x @ block matmul feeds both.
+      A chunk of C columns is blocks [c*C/128, (c+1)*C/128): ONE contiguous DMA of whole
+      (8|16, 128) tiles whatever C is, so the layout does not depend on the chunk knob.
+    - `e_down  [Lm, E, Fe, H]` (the reference layout): a chunk is rows [c*C, (c+1)*C), again
+      one contiguous, tile-aligned DMA.
+
+    Works on jax or numpy arrays (jnp ops; numpy inputs land on the default device).
+    """
+    if not cfg.is_moe:
+        raise PlanError(f"pack_experts: model '{cfg.name}' has no mixture-of-experts layers")
+    h, e, fe = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+    if fe % LANE or h % LANE:
+        raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
+    dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
+    ep, nb = _round_up(e, LANE), fe // LANE
+    routers, gateups, downs = [], [], []
+    for i in moe_layer_ids(cfg):
+        layer = params["layers"][i]
+        routers.append(jnp.pad(jnp.asarray(layer["router"], dt), ((0, 0), (0, ep - e))))
+        gate = jnp.asarray(layer["e_gate"], dt).reshape(e, h, nb, LANE).transpose(0, 2, 1, 3)
+        up = jnp.asarray(layer["e_up"], dt).reshape(e, h, nb, LANE).transpose(0, 2, 1, 3)
+        gateups.append(jnp.concatenate([gate, up], axis=-1))
+        downs.append(jnp.asarray(layer["e_down"], dt))
+    return {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
+
+
+def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of `pack_experts`' output for this geometry (for deviceless compiles and checks)."""
+    lm, h, e, fe, dt = geom.num_moe_layers, geom.hidden, geom.num_experts, geom.expert_ffn, geom.jnp_dtype
+    return {
+        "router": jax.ShapeDtypeStruct((lm, h, geom.experts_padded), dt),
+        "e_gateup": jax.ShapeDtypeStruct((lm, e, fe // LANE, h, 2 * LANE), dt),
+        "e_down": jax.ShapeDtypeStruct((lm, e, fe, h), dt),
+    }
+
+
+# ---------------------------------------------------------------------- scratch
+class MoEScratch(NamedTuple):
+    """The stage's scratch refs, in the order `moe_scratch` lists their shapes."""
+
+    router: Any  # VMEM [H, Ep] weight dtype: this layer's router
+    gateup: Any  # VMEM [S, C/128, H, 256] weight dtype: gate|up blocks of one chunk per slot
+    down: Any  # VMEM [S, C, H] weight dtype: down rows of one chunk per slot
+    combine: Any  # VMEM [N, Ep] f32: combine weight of (row, expert), 0 where not picked
+    ids_vmem: Any  # VMEM [2, Ep] int32: row 0 distinct picked ids ascending, row 1 their count
+    ids_smem: Any  # SMEM [2, Ep] int32: the same, read as scalars
+    sems: Any  # DMA semaphores [2]: 0 router, 1 ids VMEM->SMEM
+    slot_sems: Any  # DMA semaphores [2, S]: gate|up and down chunk of each slot
+
+
+def moe_scratch(geom: MoEGeometry) -> list:
+    """Scratch shapes to append to the kernel's `scratch_shapes`; pass the refs back in order."""
+    geom.validate()
+    h, ep, dt, s = geom.hidden, geom.experts_padded, geom.jnp_dtype, geom.expert_slots
+    return [
+        pltpu.VMEM((h, ep), dt),
+        pltpu.VMEM((s, geom.blocks_per_chunk, h, 2 * LANE), dt),
+        pltpu.VMEM((s, geom.expert_chunk, h), dt),
+        pltpu.VMEM((geom.rows, ep), jnp.float32),
+        pltpu.VMEM((2, ep), jnp.int32),
+        pltpu.SMEM((2, ep), jnp.int32),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((2, s)),
+    ]
+
+
+def _as_scratch(scratch: Sequence[Any]) -> MoEScratch:
+    return scratch if isinstance(scratch, MoEScratch) else MoEScratch(*scratch)
+
+
+def _precision(geom: MoEGeometry):
+    # f32 weights: ask Mosaic for full f32 contraction so routing and outputs match the f32
+    # reference; bf16 operands are exact on the MXU anyway.
+    return lax.Precision.HIGHEST if geom.dtype == "float32" else None
+
+
+# ---------------------------------------------------------------------- in-kernel pieces
+def _router_copy(moe_layer, router_hbm, scr: MoEScratch):
+    return pltpu.make_async_copy(router_hbm.at[moe_layer], scr.router, scr.sems.at[0])
+
+
+def start_router_fetch(geom: MoEGeometry, moe_layer, router_hbm, scratch) -> None:
+    """Issue this layer's router DMA early; then call the stage with `router_started=True`."""
+    del geom
+    _router_copy(moe_layer, router_hbm, _as_scratch(scratch)).start()
+
+
+def _route(geom: MoEGeometry, x, router_vmem):
+    """x [N, H] f32 -> (combine [N, Ep] f32, picked [1, Ep] f32 0/1), as reference.route."""
+    n, ep, e = geom.rows, geom.experts_padded, geom.num_experts
+    logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[...], preferred_element_type=jnp.float32,
+                     precision=_precision(geom))
+    lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
+    valid = lane < e
+    if geom.scoring == "softmax":
+        z = jnp.where(valid, logits, -jnp.inf)
+        p = jnp.exp(z - jnp.max(z, axis=1, keepdims=True))
+        scores = p / jnp.sum(p, axis=1, keepdims=True)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    # Real scores are >= 0; padding lanes at -1 and taken lanes at -2 can never win.
+    scores = jnp.where(valid, scores, -1.0)
+    combine = jnp.zeros((n, ep), jnp.float32)
+    picked = jnp.zeros((n, ep), jnp.float32)
+    total = jnp.zeros((n, 1), jnp.float32)
+    for _ in range(geom.top_k):  # top_k is small and static: unrolled
+        best = jnp.max(scores, axis=1, keepdims=True)
+        first = jnp.min(jnp.where(scores == best, lane, ep), axis=1, keepdims=True)  # ties -> lower id
+        hit = lane == first
+        combine = jnp.where(hit, best, combine)
+        picked = jnp.where(hit, 1.0, picked)
+        total = total + best  # descending order, as the reference sums its top-k weights
+        scores = jnp.where(hit, -2.0, scores)
+    if geom.norm_topk:
+        combine = combine / total
+    return combine, jnp.max(picked, axis=0, keepdims=True)
+
+
+def _compact(geom: MoEGeometry, picked):
+    """picked [1, Ep] 0/1 -> (ids [1, Ep] int32: picked expert ids ascending then 0s, count [1, Ep]).
+
+    pos[e] = number of picked experts below e, as an exact 0/1 matmul (MXU products of 0/1 are
+    exact at any precision, sums are small integers in f32). The NT form yields pos along
+    sublanes ([e, p] = pos[e] for every lane p), so slot p's id is the sublane index e with
+    picked[e] and pos[e] == p: an iota compare and a sublane reduction, no transposes.
+    """
+    ep = geom.experts_padded
+    row = lax.broadcasted_iota(jnp.int32, (ep, ep), 0)
+    col = lax.broadcasted_iota(jnp.int32, (ep, ep), 1)
+    rhs = jnp.broadcast_to(picked, (ep, ep))
+    nt = (((1,), (1,)), ((), ()))
+    pos = lax.dot_general((col < row).astype(jnp.float32), rhs, nt, preferred_element_type=jnp.float32)
+    mine = lax.dot_general((col == row).astype(jnp.float32), rhs, nt, preferred_element_type=jnp.float32)
+    hit = (mine > 0.5) & (pos == col.astype(jnp.float32))
+    ids = jnp.max(jnp.where(hit, row.astype(jnp.float32), 0.0), axis=0, keepdims=True)
+    count = jnp.broadcast_to(jnp.sum(picked, axis=1, keepdims=True), (1, ep))
+    return ids.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch):
+    """The two DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S."""
+    nc, kb, c_cols, s = geom.chunks_per_expert, geom.blocks_per_chunk, geom.expert_chunk, geom.expert_slots
+    slot = 0 if s == 1 else lax.rem(t, jnp.int32(s))
+    if nc == 1:
+        e = scr.ids_smem[0, t]
+        gu_src = e_gateup_hbm.at[moe_layer, e]
+        dn_src = e_down_hbm.at[moe_layer, e]
+    else:  # lax.div/rem, not // and %: Python floor division lowers through a TPU-info query
+        c = lax.rem(t, jnp.int32(nc))
+        e = scr.ids_smem[0, lax.div(t, jnp.int32(nc))]
+        gu_src = e_gateup_hbm.at[moe_layer, e, pl.ds(pl.multiple_of(c * kb, kb), kb)]
+        dn_src = e_down_hbm.at[moe_layer, e, pl.ds(pl.multiple_of(c * c_cols, c_cols), c_cols)]
+    return (
+        e,
+        slot,
+        pltpu.make_async_copy(gu_src, scr.gateup.at[slot], scr.slot_sems.at[0, slot]),
+        pltpu.make_async_copy(dn_src, scr.down.at[slot], scr.slot_sems.at[1, slot]),
+    )
+
+
+def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts) -> None:
+    e, _, gu, dn = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr)
+    gu.start()
+    dn.start()
+    if load_counts is not None:
+        load_counts[e] = load_counts[e] + 1
+
+
+def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup_hbm, e_down_hbm,
+                           scratch, *, router_started: bool = False, load_counts=None) -> None:
+    """Phase 1: route x, publish the distinct-expert list, start the first `expert_slots` chunk loads.
+
+    Split from `moe_experts` so the composer can overlap other work (e.g. the shared expert from
+    its weight ring) with the first expert loads. State lives in scratch; nothing is returned.
+    """
+    scr = _as_scratch(scratch)
+    router_dma = _router_copy(moe_layer, router_hbm, scr)
+    if not router_started:
+        router_dma.start()
+    router_dma.wait()
+    combine, picked = _route(geom, x, scr.router)
+    scr.combine[...] = combine
+    ids, count = _compact(geom, picked)
+    scr.ids_vmem[0:1, :] = ids
+    scr.ids_vmem[1:2, :] = count
+    ids_dma = pltpu.make_async_copy(scr.ids_vmem, scr.ids_smem, scr.sems.at[1])
+    ids_dma.start()
+    ids_dma.wait()
+    total = scr.ids_smem[1, 0] * geom.chunks_per_expert
+    for t in range(geom.expert_slots):
+        @pl.when(t < total)
+        def _():
+            _start_chunk(geom, moe_layer, jnp.int32(t), e_gateup_hbm, e_down_hbm, scr, load_counts)
+
+
+def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
+                load_counts=None):
+    """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32."""
+    scr = _as_scratch(scratch)
+    n, ep, s, dt = geom.rows, geom.experts_padded, geom.expert_slots, geom.jnp_dtype
+    prec = _precision(geom)
+    xw = x.astype(dt)
+    total = scr.ids_smem[1, 0] * geom.chunks_per_expert
+    lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
+
+    def body(t, acc):
+        if s == 1:
+            # One slot: chunk t can only load once chunk t-1 is consumed (chunk 0 was started in
+            # phase 1). Issuing it here rather than as a refill at the end of the previous trip
+            # is the same schedule, and libtpu 0.0.52's static profiler (TPU7x) aborts the
+            # process on the refill form for some one-slot geometries.
+            @pl.when(t > 0)
+            def _():
+                _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts)
+
+        e, slot, gu, dn = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr)
+        gu.wait()
+        dn.wait()
+        weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
+        gu_slot = scr.gateup.at[slot]
+        acts = []
+        for b in range(geom.blocks_per_chunk):
+            h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
+            acts.append(jax.nn.silu(h[:, :LANE]) * h[:, LANE:])
+        act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
+        part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
+        acc = acc + weight * part
+
+        if s > 1:
+            # The slot is consumed: refill it with chunk t + S.
+            @pl.when(t + s < total)
+            def _():
+                _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts)
+
+        return acc
+
+    return lax.fori_loop(0, total, body, jnp.zeros((n, geom.hidden), jnp.float32))
+
+
+def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch, *,
+              router_started: bool = False, load_counts=None):
+    """Routed experts of one MoE layer, called inside a kernel body.
+
+    Args:
+      geom: the stage geometry (static).
+      moe_layer: int32 (traced is fine) index into the MoE-layer stack.
+      x: f32 value [N, H], already RMS-normed.
+      router_ref: the packed `router [Lm, H, Ep]`, a ref left in HBM (`pl.ANY`): each layer's
+        [H, Ep] slice is DMA'd into scratch (a resident stack would cost Lm * H * Ep * bytes of
+        VMEM, 24 MiB for Qwen3-30B-A3B).
+      e_gateup_hbm, e_down_hbm: packed expert refs in HBM (`pl.ANY`), see `pack_experts`.
+      scratch: the refs of `moe_scratch(geom)`, in order (a sequence or a MoEScratch).
+      router_started: the caller already called `start_router_fetch` for this layer.
+      load_counts: optional int32 SMEM ref [>= E] (e.g. `out.at[layer]`); each chunk DMA issued
+        for expert e adds 1 to load_counts[e]. For tests and instrumentation.
+
+    Returns y: f32 [N, H], the sum over each row's selected experts of weight * SwiGLU expert(x).
+    """
+    moe_route_and_prefetch(geom, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch,
+                           router_started=router_started, load_counts=load_counts)
+    return moe_experts(geom, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, load_counts=load_counts)
