@@ -138,7 +138,8 @@ def print_build_report(r) -> None:
     click.echo(f"built {r.model} for {r.target}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
     rows = [
         ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
-        ["Pallas kernels in the step", r.custom_calls],
+        ["Pallas TPU kernels in the step", r.custom_calls if r.target != "cpu"
+         else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
         ["VMEM plan / budget / capacity", f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
                                           f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
         ["HBM bytes per step (plan)", f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
