@@ -22,6 +22,7 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError
+from tpumk.tomlfile import read_toml
 
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
@@ -207,12 +208,7 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
 def load_toml(path: str | Path) -> ModelConfig:
     """A model TOML file: the fields of ModelConfig at top level, or under a [model] table."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    data = read_toml(path)
     if "model" in data and isinstance(data["model"], dict) and len(data) == 1:
         data = data["model"]
     data.setdefault("name", path.stem)

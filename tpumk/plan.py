@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpumk.config import ModelConfig, expected_distinct_experts
+from tpumk.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.targets import Target
-from tpumk.tuning import FAMILIES, TuningConfig
+from tpumk.tuning import TuningConfig
 
 LANE = 128
 F32_SUBLANES = 8

@@ -11,12 +11,12 @@ given model and target (divides a matrix, fits VMEM) is the plan's job and raise
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tpumk.errors import ConfigError
+from tpumk.tomlfile import read_toml, write_text_atomic
 
 MIB = 1 << 20
 
@@ -121,18 +121,12 @@ class TuningConfig:
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_toml())
+        write_text_atomic(path, self.to_toml())
 
 
 def load_tuning(path: str | Path) -> TuningConfig:
     """A TOML file with a `[tuning]` table (knobs not given keep their defaults)."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    data = read_toml(path)
     extra = sorted(set(data) - {"tuning"})
     if extra:
         raise ConfigError(f"{path}: unknown table or key '{extra[0]}' (expected a [tuning] table)")

@@ -36,11 +36,9 @@ import jax.numpy as jnp
 
 from tpumk.config import ModelConfig
 from tpumk.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, MatrixFamily, Plan, plan_families, round_up
+from tpumk.reference import jnp_dtype
 from tpumk.tuning import TuningConfig
 
-
-def _dtype(cfg: ModelConfig):
-    return jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
 
 
 def tile_matrix(w: jax.Array, fam: MatrixFamily) -> jax.Array:
@@ -74,7 +72,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     Pass the Plan the kernel is built from (or a ModelConfig plus the TuningConfig, which fix
     the same layout)."""
     cfg, fams, ffn_pad, shared_pad = _families_of(plan_or_cfg, tuning)
-    dt = _dtype(cfg)
+    dt = jnp_dtype(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     width = round_up(max(h, d), 128)
     layers = params["layers"]
@@ -123,7 +121,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
 def packed_specs(plan: Plan) -> dict:
     """ShapeDtypeStructs of `pack_weights(plan, ...)`: compile a full-size model with no weights."""
     cfg = plan.cfg
-    dt = _dtype(cfg)
+    dt = jnp_dtype(cfg)
     out: dict[str, Any] = {
         "embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dt),
         "final_norm": jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32),

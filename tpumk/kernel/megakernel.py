@@ -38,13 +38,10 @@ from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, Plan
-from tpumk.reference import KVCache
+from tpumk.reference import KVCache, jnp_dtype
 
 RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
-
-def _dtype(plan: Plan):
-    return jnp.float32 if plan.cfg.dtype == "float32" else jnp.bfloat16
 
 
 class _Scratch:
@@ -67,7 +64,7 @@ def _scratch_shapes(plan: Plan) -> list:
     cfg, n = plan.cfg, plan.rows
     h, width = cfg.hidden_size, plan.vector_width
     shapes = [
-        pltpu.VMEM((plan.ring_depth, plan.slot_rows, plan.slot_cols), _dtype(plan)),
+        pltpu.VMEM((plan.ring_depth, plan.slot_rows, plan.slot_cols), jnp_dtype(plan.cfg)),
         pltpu.SemaphoreType.DMA((plan.ring_depth,)),
         pltpu.VMEM((2, LAYER_VECTOR_ROWS, width), jnp.float32),
         pltpu.SemaphoreType.DMA((2,)),
@@ -96,7 +93,7 @@ def _kernel(plan: Plan):
     h, d, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_eps
     q_size, kv_size = cfg.q_size, cfg.kv_size
     fams = _ring_families(plan)
-    dt = _dtype(plan)
+    dt = jnp_dtype(plan.cfg)
 
     def kernel(*refs):
         block_tables, lengths, positions, x0, cos_ref, sin_ref, final_norm, vec_hbm = refs[:8]
@@ -237,7 +234,7 @@ def _pallas_call(plan: Plan, detect_races: bool):
     in_specs = [smem] * 3 + [vmem] * 4 + [hbm] + [hbm] * n_weights + [hbm, hbm]
     n_in = len(in_specs)
     head = plan.families["lm_head"]
-    cache_shape = jax.ShapeDtypeStruct((cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size), _dtype(plan))
+    cache_shape = jax.ShapeDtypeStruct((cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size), jnp_dtype(plan.cfg))
     out_shape = (jax.ShapeDtypeStruct((head.col_blocks, plan.rows, head.tile_cols), jnp.float32),
                  cache_shape, cache_shape)
     interpret = pltpu.InterpretParams(detect_races=detect_races) if plan.target.interpret else False
@@ -292,7 +289,7 @@ def step_specs(plan: Plan) -> tuple:
     cfg = plan.cfg
     i32 = jnp.int32
     cache_shape = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
-    cache = KVCache(jax.ShapeDtypeStruct(cache_shape, _dtype(plan)), jax.ShapeDtypeStruct(cache_shape, _dtype(plan)),
+    cache = KVCache(jax.ShapeDtypeStruct(cache_shape, jnp_dtype(plan.cfg)), jax.ShapeDtypeStruct(cache_shape, jnp_dtype(plan.cfg)),
                     jax.ShapeDtypeStruct((plan.batch, plan.pages_per_seq), i32),
                     jax.ShapeDtypeStruct((plan.batch,), i32))
     tok = jax.ShapeDtypeStruct((plan.batch, plan.q_len), i32)
