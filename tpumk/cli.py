@@ -198,5 +198,12 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
     click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
 
 
+# Artifact commands live in their own module, which imports the shared build options above.
+from tpumk.cli_export import cache_key, export, inspect  # noqa: E402
+
+main.add_command(export)
+main.add_command(cache_key)
+main.add_command(inspect)
+
 if __name__ == "__main__":  # pragma: no cover
     main()
