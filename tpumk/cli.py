@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import json
-import sys
-
 import click
 from tabulate import tabulate
 
 import tpumk
-from tpumk.errors import TpumkError
-
-
-def _fail_cleanly(fn):
-    """Turn tpumk's user errors into one line on stderr and exit code 1 (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except TpumkError as e:
-            click.echo(f"tpumk: error: {e}", err=True)
-            sys.exit(1)
-
-    return wrapper
-
-
-def _emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+from tpumk.cli_export import cache_key, export, inspect
+from tpumk.cli_options import emit_json, fail_cleanly, build_options, resolve_build_inputs
 
 
 def _gb(n: float) -> str:
@@ -44,7 +23,7 @@ def main():
 # ---------------------------------------------------------------------- models / targets
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_fail_cleanly
+@fail_cleanly
 def models(as_json):
     """List the built-in model presets."""
     from tpumk.config import load_preset, preset_names
@@ -61,7 +40,7 @@ def models(as_json):
             "weight_bytes_per_step_b8": c.decode_weight_bytes(8),
         })
     if as_json:
-        _emit_json({"models": rows})
+        emit_json({"models": rows})
         return
     table = [[r["name"], r["layers"], r["hidden"], r["attention"], r["ffn"], r["dtype"],
               f"{r['params'] / 1e9:.3f} B", _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
@@ -74,7 +53,7 @@ def models(as_json):
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_fail_cleanly
+@fail_cleanly
 def targets(as_json):
     """List TPU targets with their chip figures (per TensorCore, from Pallas' chip table)."""
     from tpumk.targets import TARGETS
@@ -85,7 +64,7 @@ def targets(as_json):
         r["attached"] = t.is_attached() if t.is_tpu else True
         rows.append(r)
     if as_json:
-        _emit_json({"targets": rows})
+        emit_json({"targets": rows})
         return
     table = [[r["name"], r["topology"] or "(host, interpret mode)", f"{r['vmem_bytes'] >> 20} MiB", _gb(r["hbm_bytes"]),
               f"{r['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", f"{r['bf16_flops'] / 1e12:.0f} TFLOP/s", r["mxu"],
@@ -97,39 +76,6 @@ def targets(as_json):
 
 
 # ---------------------------------------------------------------------- build
-def build_options(fn):
-    """The options every command that builds a step shares (build, and later export/tune/bench)."""
-    opts = [
-        click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe)."),
-        click.option("--checkpoint", type=click.Path(), help="Take the model config from a Hugging Face checkpoint directory."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype."),
-        click.option("--target", default="tpu7x", show_default=True, help="v5e, v5p, v6e, tpu7x or cpu."),
-        click.option("--batch", default=1, show_default=True, help="Sequences per decode step."),
-        click.option("--context", default=4096, show_default=True, help="Max tokens per sequence (KV cache capacity)."),
-        click.option("--q-len", default=1, show_default=True, help="New tokens per sequence per step (>1: speculative verification)."),
-        click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page."),
-        click.option("--tuning", "tuning_file", type=click.Path(), help="Tuning TOML ([tuning] table); default knobs otherwise."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def resolve_build_inputs(model, checkpoint, dtype, target, tuning_file):
-    from tpumk.config import load_hf_config, resolve_model
-    from tpumk.errors import ConfigError
-    from tpumk.targets import get_target
-    from tpumk.tuning import TuningConfig, load_tuning
-
-    if model and checkpoint:
-        raise ConfigError("give either --model or --checkpoint, not both")
-    cfg = load_hf_config(checkpoint) if checkpoint else resolve_model(model or "tiny-moe")
-    if dtype and dtype != cfg.dtype:
-        cfg = cfg.replace(dtype=dtype)
-    tuning = load_tuning(tuning_file) if tuning_file else TuningConfig()
-    return cfg, get_target(target), tuning
-
-
 def _us(s):
     return "n/a" if s is None else f"{s * 1e6:,.1f} us"
 
@@ -157,7 +103,7 @@ def print_build_report(r) -> None:
 @main.command()
 @build_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_fail_cleanly
+@fail_cleanly
 def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, as_json):
     """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
     from tpumk.build import build as do_build
@@ -165,7 +111,7 @@ def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tu
     cfg, tgt, tuning = resolve_build_inputs(model, checkpoint, dtype, target, tuning_file)
     b = do_build(cfg, tgt, batch=batch, context=context, tuning=tuning, q_len=q_len, page_size=page_size)
     if as_json:
-        _emit_json(b.report.to_dict())
+        emit_json(b.report.to_dict())
     else:
         print_build_report(b.report)
 
@@ -181,7 +127,7 @@ def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tu
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_fail_cleanly
+@fail_cleanly
 def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, as_json):
     """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
     from tpumk import generate as gen
@@ -190,16 +136,13 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
     prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size)
     if as_json:
-        _emit_json(result)
+        emit_json(result)
         return
     click.echo(f"model {result['model']} ({result['weights']}), backend {backend}")
     for p, toks in zip(prompts, result["tokens"]):
         click.echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
     click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
 
-
-# Artifact commands live in their own module, which imports the shared build options above.
-from tpumk.cli_export import cache_key, export, inspect  # noqa: E402
 
 main.add_command(export)
 main.add_command(cache_key)
