@@ -73,6 +73,9 @@ def estimate_in_subprocess(request: dict[str, Any], target_vmem_bytes: int, time
 def _failure_line(stderr: str) -> str:
     """The line that says why libtpu or the compile died (its CHECK message when it aborted)."""
     lines = stderr.strip().splitlines() or ["no output"]
+    if "got vector-bf16packed" in stderr:  # libtpu 0.0.52's profiler on multi-pass f32 matmuls
+        return ("libtpu's static profiler aborts on this kernel's float32 matmuls (an internal LLO type "
+                "check); bfloat16 weights (--dtype bfloat16) profile fine")
     for line in lines:
         if "Check failed" in line or "RESOURCE_EXHAUSTED" in line:
             return line.split("] ", 1)[-1][:400]
