@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tpumk import static_profile
 from tpumk.targets import Target, get_target
+from tpumk.tomlfile import write_text_atomic
 
 # The measured anchor (TPU_FACTS section 6): 76 MiB per layer in 26.4 us on a TPU7x TensorCore.
 ANCHOR_BYTES_PER_S = 76 * 2**20 / 26.4e-6
@@ -96,10 +97,9 @@ def _cache_file() -> Path:
 
 
 def _stack_key(target: Target) -> str:
-    import jax
-    from importlib.metadata import version
+    from tpumk.cache_key import stack_versions
 
-    return f"{target.name}|jax {jax.__version__}|libtpu {version('libtpu')}"
+    return "|".join([target.name] + [f"{k} {v}" for k, v in sorted(stack_versions().items())])
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,9 +124,7 @@ def calibration_for(target_name: str) -> Calibration | None:
     if cal is not None:
         stored[key] = asdict(cal)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1))
-        os.replace(tmp, cache)
+        write_text_atomic(cache, json.dumps(stored, indent=1))
     return cal
 
 

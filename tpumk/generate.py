@@ -91,9 +91,6 @@ def _megakernel_generate(m: Model, prompts, steps, cache, context, page_size, re
     """Prefill with the reference step (the prompt is one multi-token chunk per sequence; the
     cache layout is shared), then every generated token through the megakernel: on an attached
     TPU when there is one, else in Pallas TPU interpret mode on the host."""
-    import jax.numpy as jnp
-    import numpy as np
-
     from tpumk.kernel.layout import pack_weights
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.plan import make_plan
@@ -101,16 +98,11 @@ def _megakernel_generate(m: Model, prompts, steps, cache, context, page_size, re
 
     target = attached_target() or get_target("cpu")
     plan = make_plan(m.cfg, target, len(prompts), context, page_size=page_size)
-    step = make_decode_step(plan)
+    kernel_step = make_decode_step(plan)
     packed = pack_weights(plan, m.params)
-    last, cache = reference.prefill(m.params, m.cfg, prompts, cache, step_fn=ref_step)
-    nxt = jnp.argmax(last, -1).astype(jnp.int32)
-    tokens: list[list[int]] = [[int(t)] for t in np.asarray(nxt)]
-    for _ in range(steps - 1):
-        logits, cache = step(packed, nxt[:, None], cache.lengths[:, None], cache)
-        nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-        for b, t in enumerate(np.asarray(nxt)):
-            tokens[b].append(int(t))
+    tokens, _ = reference.greedy_generate(
+        m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
+        decode_fn=lambda toks, pos, c: kernel_step(packed, toks, pos, c))
     where = (f"megakernel on an attached {target.name}" if target.is_tpu
              else "megakernel in Pallas TPU interpret mode on the host (prefill by the reference)")
     return tokens, where

@@ -260,11 +260,15 @@ def jitted_decode_step(cfg: ModelConfig):
 
 
 def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], steps: int,
-                    cache: KVCache, step_fn=None) -> tuple[list[list[int]], KVCache]:
+                    cache: KVCache, step_fn=None, decode_fn=None) -> tuple[list[list[int]], KVCache]:
     """Greedy decoding: prefill the prompts, then `steps` one-token steps for all sequences.
 
-    Returns the generated ids per sequence (the first comes from the prefill logits)."""
+    `step_fn` (reference signature) runs the prefill and, unless `decode_fn(tokens, positions,
+    cache) -> (logits, cache)` is given, the one-token steps too: another backend plugs in
+    there with its own weights. Returns the generated ids per sequence (the first comes from
+    the prefill logits)."""
     step = step_fn or jitted_decode_step(cfg)
+    decode = decode_fn or (lambda toks, pos, c: step(params, toks, pos, c))
     last_logits, cache = prefill(params, cfg, prompts, cache, step_fn=step)
     out: list[list[int]] = [[] for _ in prompts]
     nxt = jnp.argmax(last_logits, -1).astype(jnp.int32)
@@ -273,6 +277,6 @@ def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
             out[b].append(int(t))
         if s == steps - 1:
             break
-        logits, cache = step(params, nxt[:, None], cache.lengths[:, None], cache)
+        logits, cache = decode(nxt[:, None], cache.lengths[:, None], cache)
         nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
     return out, cache
