@@ -4,21 +4,22 @@
 `out_dir/<model>/<target>/<key>/` (built in a temporary directory, then os.rename'd into
 place, so a reader never sees half an artifact):
 
-    executable.bin        jax.experimental.serialize_executable.serialize(compiled)[0]: the
-                          compiled program (deviceless TPU compile); loading it needs a TPU
-                          of that kind
-    executable_trees.pkl  the (in_tree, out_tree) pytree definitions serialize() returns
-    exported.bin          jax.export.export(jit(step), platforms=[...]).serialize(): the portable
-                          StableHLO (tpu_custom_call is a stable custom call); any host
-                          deserializes it, it runs on the platform it names
-    manifest.toml         model, target, shapes, tuning, the cache-key inputs (exact, as
-                          canonical JSON, plus readable tables), stack versions, the build
-                          report, input/output signatures and the sha256 of every file above
+    executable.bin   jax.experimental.serialize_executable.serialize(compiled)[0]: the compiled
+                     program for the target (deviceless for TPUs); it loads only on a device of
+                     that kind with the same jax/jaxlib/libtpu
+    exported.bin     jax.export.export(jit(step), platforms=[...]).serialize(): the portable
+                     StableHLO of the same step (tpu_custom_call is a stable custom call); any
+                     host deserializes it, and it compiles on load for the platform it names
+    manifest.toml    model, target, shapes, tuning, the cache-key inputs (exact, as canonical
+                     JSON, plus readable tables), stack versions, the build report, input/output
+                     signatures and the sha256 of every file above
 
-A `cpu`-target artifact holds only the manifest: the interpret-mode kernel calls back into
-Python on the host, which neither serializer accepts in jax 0.10.2 (the reasons are recorded in
-the manifest); loading it rebuilds the step from the manifest's settings, and only while the
-kernel source hashes as it did at export.
+The executable's input/output pytree structures are not stored as pickles: `load` rebuilds them
+from the manifest's plan and checks them against the structures recorded at export.
+
+`cpu`-target artifacts hold real programs too: their kernel runs in Pallas' discharge
+interpreter (`interpret=True`: the same kernel lowered to ordinary XLA ops, no host callbacks),
+so the portable export runs on any machine's CPU.
 
 An existing key is a cache hit: nothing is compiled. `load(path)` checks the manifest, every
 file's sha256 and the stack versions, then returns a `DecodeStep`:
@@ -30,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -48,12 +48,11 @@ from tpumk.plan import DEFAULT_PAGE_SIZE
 from tpumk.targets import Target, get_target
 from tpumk.tuning import TuningConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: cpu artifacts hold programs; no pickled pytrees
 MANIFEST = "manifest.toml"
 EXECUTABLE = "executable.bin"
-EXECUTABLE_TREES = "executable_trees.pkl"
 EXPORTED = "exported.bin"
-PAYLOAD = (EXECUTABLE, EXECUTABLE_TREES, EXPORTED)
+PAYLOAD = (EXECUTABLE, EXPORTED)
 
 _registered = False
 
@@ -146,21 +145,18 @@ def export(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096
     _register_pytrees()
     plan = plan_build(cfg, target, batch, context, tuning, q_len, page_size)  # PlanError before compiling
     specs = step_specs(plan)
-    compiled = compile_for(make_decode_step(plan, donate_cache=True), specs, target)
+    # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
+    compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target)
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
-        executable_note = "serialized"
-    except Exception as e:  # the cpu target's interpret mode holds Python host callbacks
-        blob = None
-        executable_note = f"not serializable: {type(e).__name__}: {str(e).splitlines()[0]}"
+    except Exception as e:
+        raise ArtifactError(f"{target.name}: the compiled step cannot be serialized: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if (in_tree, out_tree) != step_trees(plan):  # load() rebuilds them from the plan
+        raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
     platform = "cpu" if target.interpret else "tpu"
     t1 = time.perf_counter()
-    try:
-        exported = jexport.export(make_decode_step(plan), platforms=[platform])(*specs)
-        export_note = "serialized"
-    except NotImplementedError as e:  # cpu target: interpret mode lowers to host callbacks
-        exported = None
-        export_note = f"not serializable: {str(e).splitlines()[0]}"
+    exported = jexport.export(make_decode_step(plan, portable=True), platforms=[platform])(*specs)
     export_seconds = time.perf_counter() - t1
     est = None
     if estimate and target.static_profile:
@@ -172,13 +168,10 @@ def export(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=parent))
     try:
-        if blob is not None:
-            (tmp / EXECUTABLE).write_bytes(blob)
-            (tmp / EXECUTABLE_TREES).write_bytes(pickle.dumps((in_tree, out_tree)))
-        if exported is not None:
-            (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
-        files = [n for n in PAYLOAD if (tmp / n).exists()]
-        out_specs = jax.eval_shape(make_decode_step(plan), *specs)
+        (tmp / EXECUTABLE).write_bytes(blob)
+        (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
+        files = list(PAYLOAD)
+        out_specs = jax.eval_shape(make_decode_step(plan, portable=True), *specs)
         manifest = {
             "format": FORMAT,
             "key": key,
@@ -186,8 +179,9 @@ def export(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096
             "model": {k: v for k, v in cfg.to_dict().items()},
             "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
                        "device_kind": compiled.device_kind, "interpret": target.interpret,
-                       "export_platform": platform, "executable": executable_note,
-                       "exported": export_note},
+                       "export_platform": platform,
+                       "kernel_mode": ("Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops"
+                                       if target.interpret else "Mosaic TPU kernel (tpu_custom_call)")},
             "shapes": {"batch": batch, "context": context, "q_len": q_len, "page_size": page_size},
             "tuning": tuning.to_dict(),
             "versions": stack_versions(),
@@ -197,8 +191,9 @@ def export(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096
             "timings": {"export_seconds": export_seconds},
             "signature": {"inputs_json": json.dumps(_signature(specs)),
                           "outputs_json": json.dumps(_signature(out_specs)),
-                          "exported_in_avals": [str(a) for a in exported.in_avals] if exported else [],
-                          "exported_out_avals": [str(a) for a in exported.out_avals] if exported else []},
+                          "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
+                          "exported_in_avals": [str(a) for a in exported.in_avals],
+                          "exported_out_avals": [str(a) for a in exported.out_avals]},
             "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
                       for name in files},
         }
@@ -250,9 +245,9 @@ def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
     if cache_key(inputs) != m["key"]:
         raise ArtifactError(f"{path / MANIFEST}: cache key {m['key'][:12]}... does not match its own inputs "
                             "(manifest altered)")
-    if not m["target"].get("interpret") and not {EXECUTABLE, EXPORTED} <= set(m["files"]):
-        raise ArtifactError(f"{path / MANIFEST}: malformed manifest: a TPU artifact lists no sha256 for "
-                            f"{EXECUTABLE} and {EXPORTED}")
+    missing = [n for n in PAYLOAD if n not in m["files"]]
+    if missing:
+        raise ArtifactError(f"{path / MANIFEST}: malformed manifest: no sha256 listed for {missing[0]}")
     for name, entry in sorted(m["files"].items()):
         if name not in PAYLOAD or not isinstance(entry, dict) or "sha256" not in entry:
             raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad files entry '{name}'")
@@ -305,51 +300,73 @@ class DecodeStep:
         return f"DecodeStep({self.path}, {self.kind})"
 
 
-def load(path: str | Path) -> DecodeStep:
+def plan_of(m: dict[str, Any]):
+    """The plan an artifact was built from (planning compiles nothing)."""
+    from tpumk.build import plan_build
+
+    cfg, target, tuning = config_of(m)
+    sh = m["shapes"]
+    return plan_build(cfg, target, sh["batch"], sh["context"], tuning, sh["q_len"], sh["page_size"])
+
+
+def step_trees(plan) -> tuple:
+    """The (in_tree, out_tree) a compiled decode step of this plan has: jit's ((args), {}) and
+    (logits, KVCache). Rebuilt from the plan on load rather than unpickled from the artifact."""
+    import jax
+
+    from tpumk.kernel.megakernel import step_specs
+    from tpumk.reference import KVCache
+
+    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, KVCache(0, 0, 0, 0)))
+
+
+USES = ("auto", "executable", "exported")
+
+
+def load(path: str | Path, use: str = "auto") -> DecodeStep:
     """Verify the artifact and make it callable on this host.
 
-    cpu target: the portable export (jax.export.deserialize(...).call), which runs on CPU.
-    TPU targets: the serialized executable, loaded onto an attached TPU of the artifact's kind
-    (ArtifactError if none is attached; the portable export stays usable through
-    `load_exported`)."""
+    use="auto": on a TPU target, the serialized executable on an attached TPU of the artifact's
+    kind (ArtifactError if another kind or none is attached); on the cpu target, the portable
+    export compiled for this host's CPU (runs on any machine). use="executable" / "exported"
+    forces one of the two programs (the cpu executable loads only on a compatible host CPU)."""
+    if use not in USES:
+        raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
     path = Path(path)
     m = verify(path)
     target = get_target(m["target"]["name"])
-    if target.interpret:
-        if EXPORTED in m["files"]:
-            return DecodeStep(path, m, load_exported(path, verified=True).call, "exported (cpu)")
-        return _rebuild(path, m)
-    if EXECUTABLE not in m["files"]:
-        raise ArtifactError(f"{path}: no executable in this artifact ({m['target'].get('executable', '')})")
-    if not target.is_attached():
-        raise ArtifactError(f"{path}: the executable is for {target.name} ({target.device_kind}), "
-                            "which is not attached to this host")
+    if not target.interpret and not target.is_attached():
+        attached = _attached_kind()
+        raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
+                            f"{attached}; load it where a {target.device_kind} is attached")
+    if use == "exported" or (use == "auto" and target.interpret):
+        return DecodeStep(path, m, load_exported(path, verified=True).call, f"exported ({target.name})")
     from jax.experimental import serialize_executable
 
     _register_pytrees()
-    in_tree, out_tree = pickle.loads((path / EXECUTABLE_TREES).read_bytes())  # sha256-verified above
-    compiled = serialize_executable.deserialize_and_load((path / EXECUTABLE).read_bytes(), in_tree, out_tree,
-                                                         backend="tpu")
+    plan = plan_of(m)
+    in_tree, out_tree = step_trees(plan)
+    sig = m["signature"]
+    if (str(in_tree), str(out_tree)) != (sig.get("executable_in_tree"), sig.get("executable_out_tree")):
+        raise ArtifactError(f"{path}: the executable's argument structure differs from this tpumk's plan of it "
+                            "(re-export with this version)")
+    try:
+        compiled = serialize_executable.deserialize_and_load((path / EXECUTABLE).read_bytes(), in_tree, out_tree,
+                                                             backend="cpu" if target.interpret else "tpu")
+    except Exception as e:
+        raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
     return DecodeStep(path, m, compiled, f"executable ({target.name})")
 
 
-def _rebuild(path: Path, m: dict[str, Any]) -> DecodeStep:
-    """cpu artifacts of this stack hold no program: Pallas TPU interpret mode lowers to Python
-    host callbacks, which neither serialize_executable nor jax.export can serialize. The step is
-    re-traced from the manifest's recipe, and only if the kernel sources are the ones the key
-    was computed from (otherwise it would silently be a different program)."""
-    from tpumk.build import plan_build
-    from tpumk.cache_key import kernel_source_digest
-    from tpumk.kernel.megakernel import make_decode_step
+def _attached_kind() -> str:
+    import jax
 
-    inputs = json.loads(m["cache_key"]["inputs_json"])
-    if inputs.get("kernel_source_sha256") != kernel_source_digest():
-        raise ArtifactError(f"{path}: cpu artifact was built from other tpumk kernel sources (its program is "
-                            "re-traced on load, so the sources must match; re-export)")
-    cfg, target, tuning = config_of(m)
-    sh = m["shapes"]
-    plan = plan_build(cfg, target, sh["batch"], sh["context"], tuning, sh["q_len"], sh["page_size"])
-    return DecodeStep(path, m, make_decode_step(plan), "re-traced from manifest (cpu interpret mode)")
+    try:
+        devs = jax.devices()
+    except RuntimeError:
+        return "no accelerator"
+    kinds = sorted({d.device_kind for d in devs if d.platform != "cpu"})
+    return ", ".join(kinds) if kinds else "no TPU attached"
 
 
 def load_exported(path: str | Path, verified: bool = False):
@@ -374,7 +391,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
     try:
         m = read_manifest(path)
         out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
-                   versions=m["versions"], files=m["files"], report=m.get("report", {}))
+                   tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
+                   signature=m.get("signature", {}))
         verify(path)
         out["valid"], out["problem"] = True, None
     except ArtifactError as e:

@@ -33,24 +33,30 @@ def export(model, checkpoint, dtype, target, batch, context, q_len, page_size, t
         return
     what = "cache hit, nothing compiled" if r.cache_hit else f"exported in {r.seconds:.2f} s"
     click.echo(f"{r.path} ({what})")
-    for name in ("executable", "exported"):
-        click.echo(f"  {name}: {r.manifest['target'].get(name, 'n/a')}")
+    click.echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
+    for name, entry in r.manifest["files"].items():
+        click.echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
 
 
 @click.command("cache-key")
 @build_options
+@click.option("--out", "out_dir", type=click.Path(),
+              help="Print the artifact directory `tpumk export --out OUT` would write, not the bare key.")
 @click.option("--json", "as_json", is_flag=True, help="Print the key and everything it covers.")
 @fail_cleanly
-def cache_key(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, as_json):
+def cache_key(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, out_dir, as_json):
     """Print the build's cache key (no compile)."""
+    from tpumk.artifacts import artifact_path
     from tpumk.cache_key import cache_key as key_of, key_inputs
 
     cfg, tgt, tuning = resolve_build_inputs(model, checkpoint, dtype, target, tuning_file)
     inputs = key_inputs(cfg, tgt, batch, context, q_len, page_size, tuning)
+    key = key_of(inputs)
+    path = str(artifact_path(out_dir, cfg, tgt, key)) if out_dir else None
     if as_json:
-        emit_json({"key": key_of(inputs), "inputs": inputs})
+        emit_json({"key": key, "path": path, "inputs": inputs})
     else:
-        click.echo(key_of(inputs))
+        click.echo(path or key)
 
 
 @click.command()
@@ -65,10 +71,34 @@ def inspect(path, as_json):
     if as_json:
         emit_json(info)
     else:
-        click.echo(f"{info['path']}")
-        for k in ("key", "model", "target", "shapes", "versions"):
-            if k in info:
-                click.echo(f"  {k}: {info[k]}")
-        click.echo("  valid" if info["valid"] else f"  INVALID: {info['problem']}")
+        _print_inspect(info)
     if not info["valid"]:
         raise SystemExit(1)
+
+
+def _print_inspect(info: dict) -> None:
+    from tpumk.tuning import TuningConfig
+
+    click.echo(info["path"])
+    if "key" not in info:
+        click.echo(f"  INVALID: {info['problem']}")
+        return
+    t, sh, rep = info["target"], info["shapes"], info.get("report", {})
+    click.echo(f"  key       {info['key']}")
+    click.echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
+               f"batch {sh['batch']}  context {sh['context']}  q_len {sh['q_len']}  page {sh['page_size']}")
+    click.echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    default = TuningConfig().to_dict()
+    changed = {k: v for k, v in info.get("tuning", {}).items() if default.get(k) != v}
+    click.echo(f"  tuning    {changed or 'defaults'}")
+    if rep:
+        est = rep.get("estimated_seconds")
+        click.echo(f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "
+                   f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {rep.get('hbm_bytes_per_step', 0) / 1e6:,.1f} MB/step, "
+                   f"floor {rep.get('floor_seconds', 0) * 1e6:.1f} us (plan), estimate "
+                   + (f"{est * 1e6:.1f} us ({rep.get('estimate_source', '')[:60]}...)" if est else
+                      f"none ({rep.get('estimate_source', 'not requested')})"))
+    click.echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    for name, entry in info["files"].items():
+        click.echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
+    click.echo("  valid (hashes and versions checked)" if info["valid"] else f"  INVALID: {info['problem']}")

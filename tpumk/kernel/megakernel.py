@@ -226,7 +226,23 @@ def _kernel(plan: Plan):
     return kernel
 
 
-def _pallas_call(plan: Plan, detect_races: bool):
+def _interpret_mode(plan: Plan, detect_races: bool, portable: bool):
+    """How the `cpu` target runs the kernel (TPU targets compile it: False).
+
+    Pallas' TPU interpreter (InterpretParams) simulates DMAs, semaphores and VMEM and can detect
+    races, but it runs through Python host callbacks, so its programs cannot be serialized.
+    `portable` picks the older discharge interpreter (`interpret=True`), which lowers the same
+    kernel to ordinary XLA ops: a program that jax.export and serialize_executable can ship."""
+    if not plan.target.interpret:
+        return False
+    if portable:
+        if detect_races:
+            raise ValueError("race detection needs the TPU interpreter; it cannot be portable")
+        return True
+    return pltpu.InterpretParams(detect_races=detect_races)
+
+
+def _pallas_call(plan: Plan, detect_races: bool, portable: bool = False):
     cfg = plan.cfg
     smem, vmem, hbm = (pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
                        pl.BlockSpec(memory_space=pl.ANY))
@@ -237,7 +253,7 @@ def _pallas_call(plan: Plan, detect_races: bool):
     cache_shape = jax.ShapeDtypeStruct((cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size), jnp_dtype(plan.cfg))
     out_shape = (jax.ShapeDtypeStruct((head.col_blocks, plan.rows, head.tile_cols), jnp.float32),
                  cache_shape, cache_shape)
-    interpret = pltpu.InterpretParams(detect_races=detect_races) if plan.target.interpret else False
+    interpret = _interpret_mode(plan, detect_races, portable)
     return pl.pallas_call(
         _kernel(plan),
         out_shape=out_shape,
@@ -252,15 +268,16 @@ def _pallas_call(plan: Plan, detect_races: bool):
     )
 
 
-def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False):
+def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False):
     """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
 
     `packed` is `tpumk.kernel.layout.pack_weights(plan, params)`. On the `cpu` target the kernel
     runs in Pallas TPU interpret mode (`detect_races` turns on its DMA race detector).
     `donate_cache` donates the input cache so the in-place update needs no copy (serving);
-    off by default so callers may keep using the cache they passed in."""
+    off by default so callers may keep using the cache they passed in. `portable` (cpu target
+    only) interprets the kernel without host callbacks so the step can be exported."""
     cfg = plan.cfg
-    call = _pallas_call(plan, detect_races)
+    call = _pallas_call(plan, detect_races, portable)
     fams = _ring_families(plan)
 
     def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
