@@ -45,18 +45,18 @@ def _copy(res, tmp_path):
 LOAD_AND_GENERATE = r"""
 import json, sys
 import jax.numpy as jnp, numpy as np
-from tpumk import artifacts as A, reference as R
+import tpumk
+from tpumk import reference as R
 from tpumk.config import load_preset
-from tpumk.kernel.layout import pack_weights
 from tpumk.weights import random_params
 
-step = A.load(sys.argv[1], use=sys.argv[2])
+step = tpumk.load(sys.argv[1], use=sys.argv[2])
 cfg = load_preset("tiny-dense")
 params = random_params(cfg, seed=0)
-packed = pack_weights(A.plan_of(step.manifest), params)
+packed = tpumk.pack_weights(step.plan, params)
 prompt = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
 want, _ = R.greedy_generate(params, cfg, prompt, 8, R.init_cache(cfg, 1, 32, 16))
-got, cache = R.greedy_generate(params, cfg, prompt, 8, R.init_cache(cfg, 1, 32, 16),
+got, cache = R.greedy_generate(params, cfg, prompt, 8, step.init_cache(),
                                decode_fn=lambda t, p, c: step(packed, t, p, c))
 # one more step, to compare logits against the reference at a tolerance
 tokens = jnp.asarray([[got[0][-1]]], jnp.int32)

@@ -28,6 +28,7 @@ step(packed, tokens, positions, cache) -> (logits, cache).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -289,6 +290,18 @@ class DecodeStep:
     @property
     def key(self) -> str:
         return self.manifest["key"]
+
+    @functools.cached_property
+    def plan(self):
+        """The plan the artifact was built from: what `tpumk.pack_weights(step.plan, params)` needs."""
+        return plan_of(self.manifest)
+
+    def init_cache(self):
+        """An empty paged KV cache of the artifact's shapes."""
+        from tpumk.reference import init_cache
+
+        p = self.plan
+        return init_cache(p.cfg, p.batch, p.context, p.page_size, num_pages=p.num_pages)
 
     def __call__(self, packed, tokens, positions, cache):
         b, t = tokens.shape
