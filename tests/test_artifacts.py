@@ -60,12 +60,13 @@ got, cache = R.greedy_generate(params, cfg, prompt, 8, step.init_cache(),
                                decode_fn=lambda t, p, c: step(packed, t, p, c))
 # one more step, to compare logits against the reference at a tolerance
 tokens = jnp.asarray([[got[0][-1]]], jnp.int32)
+length = int(cache.lengths[0])
 ref_logits, _ = R.decode_step(params, cfg, tokens, cache.lengths[:, None], cache)
-logits, _ = step(packed, tokens, cache.lengths[:, None], cache)
+logits, _ = step(packed, tokens, cache.lengths[:, None], cache)  # the executable donates `cache`
 scale = float(np.max(np.abs(np.asarray(ref_logits))))
 err = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
 print(json.dumps({"kind": step.kind, "got": got, "want": want, "err": err, "scale": scale,
-                  "len": int(cache.lengths[0])}))
+                  "len": length}))
 """
 
 

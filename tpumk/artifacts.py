@@ -147,7 +147,10 @@ def export(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096
     plan = plan_build(cfg, target, batch, context, tuning, q_len, page_size)  # PlanError before compiling
     specs = step_specs(plan)
     # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
-    compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target)
+    # donate in compile_for's own jit too: a donation inside a nested jit is not honoured, and
+    # without it XLA copies both KV caches every step
+    compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
+                           donate_argnums=(3,))
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
     except Exception as e:
@@ -280,7 +283,10 @@ def config_of(m: dict[str, Any]) -> tuple[ModelConfig, Target, TuningConfig]:
 
 
 class DecodeStep:
-    """A loaded artifact: step(packed, tokens, positions, cache) -> (logits, cache)."""
+    """A loaded artifact: step(packed, tokens, positions, cache) -> (logits, cache).
+
+    The serialized executable donates `cache` (its K/V are updated in place): keep using the
+    returned cache, never the one passed in."""
 
     def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str):
         self.path, self.manifest, self._fn, self.kind = path, manifest, fn, kind

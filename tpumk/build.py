@@ -8,7 +8,9 @@ Every number in the report names its source:
 - plan figures (VMEM, HBM bytes, DMAs, the HBM floor) are tpumk's own accounting of the plan;
 - `estimated_cycles` is the TPU compiler's static profile, and `estimated_seconds` converts it
   through `tpumk.calibration` (the basis is repeated in `estimate_source`);
-- `compile_seconds` is measured on this host.
+- `compile_seconds` is measured on this host;
+- `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
+  figures, and the compiler's estimate only when asked for (`verify_figures` says why).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class BuildReport:
     tuning: dict[str, Any]
     plan: dict[str, Any] = field(repr=False)
     notes: list[str] = field(default_factory=list)
+    # The speculative verify step (q = verify_q) of the same build, see `verify_figures`.
+    verify: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,16 +73,20 @@ def compile_plan(plan: Plan) -> Compiled:
     from tpumk.kernel.megakernel import make_decode_step, step_specs
 
     # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
-    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target)
+    # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
+    # every step (the kernel aliases them in place).
+    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target, donate_argnums=(3,))
 
 
 def build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
           tuning: TuningConfig | None = None, q_len: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
-          estimate: bool = True) -> Build:
+          estimate: bool = True, verify_q: int = 0, verify_estimate: bool = False) -> Build:
     """Plan (PlanError before any compile for infeasible configs), compile, report.
 
     With `estimate`, targets whose static profile works also get the compiler's estimate from
-    a separate profiling process (see tpumk.estimate for why it cannot be this one)."""
+    a separate profiling process (see tpumk.estimate for why it cannot be this one).
+    `verify_q` > 0 adds the speculative verify step (q = verify_q) to the report
+    (`verify_figures`); `verify_estimate` gives it the compiler's estimate as well."""
     tuning = tuning or TuningConfig()
     plan = plan_build(cfg, target, batch, context, tuning, q_len, page_size)
     compiled = compile_plan(plan)
@@ -86,7 +94,60 @@ def build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
     if estimate and target.static_profile:
         est = estimate_in_subprocess(request_for(cfg, target, batch, context, tuning, q_len, page_size),
                                      target.vmem_bytes)
-    return Build(plan, compiled, make_report(plan, compiled, est))
+    report = make_report(plan, compiled, est)
+    if verify_q:
+        report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
+                                       plain_estimated_seconds=report.estimated_seconds)
+    return Build(plan, compiled, report)
+
+
+def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
+                   plain_estimated_seconds: float | None = None) -> dict[str, Any]:
+    """The speculative verify step beside the plain one: the same model, target, batch, context
+    and knobs with q = verify_q tokens per sequence (K = verify_q - 1 drafts and the token
+    before them), so a user sees what one verification costs relative to one plain step.
+
+    Always: tpumk's plan accounting (HBM bytes, floor, VMEM; an infeasible verify plan is
+    reported, not raised, since the plain build stands). With `estimate` (targets with a static
+    profile) also the compiler's estimate, from a second profiling compile in its own process:
+    for qwen3-8b on TPU7x the profiling compile is most of a build's time, so this is opt-in.
+    No executable is built for the verify step here (`tpumk build --q-len N` builds one).
+    The `*_vs_plain` ratios (verify / plain) are also the mean acceptance length (accepted
+    drafts + bonus) at which speculation breaks even with plain decoding in target time,
+    drafting aside."""
+    from tpumk.errors import PlanError
+
+    if not (isinstance(verify_q, int) and verify_q >= 1):
+        raise PlanError(f"--verify-q: expected a positive number of tokens per sequence, got {verify_q!r}")
+    out: dict[str, Any] = {"q_len": verify_q, "draft_tokens": verify_q - 1}
+    try:
+        vp = plan_build(plain.cfg, plain.target, plain.batch, plain.context, plain.tuning, verify_q, plain.page_size)
+    except PlanError as e:
+        out["error"] = f"the verify step does not plan: {e}"
+        return out
+    plain_bytes, plain_floor = plain.hbm_bytes, plain.floor_seconds
+    out.update({
+        "source": "tpumk plan accounting (bytes, floor, VMEM); no executable compiled for the verify step",
+        "hbm_bytes_per_step": vp.hbm_bytes, "floor_seconds": vp.floor_seconds, "vmem_bytes": vp.vmem_total,
+        "hbm_bytes_vs_plain": vp.hbm_bytes / plain_bytes, "floor_vs_plain": vp.floor_seconds / plain_floor,
+    })
+    est = None
+    if estimate and vp.target.static_profile:
+        est = estimate_in_subprocess(request_for(vp.cfg, vp.target, vp.batch, vp.context, vp.tuning, vp.q_len,
+                                                 vp.page_size), vp.target.vmem_bytes)
+    e = convert_estimate(vp, est)
+    if not estimate and e["estimate_source"] == "none: not requested":
+        e["estimate_source"] = "none: not requested (verify_estimate / --verify-estimate runs a second profiling compile)"
+    out.update(e)
+    secs = e["estimated_seconds"]
+    if secs is not None:
+        out["floor_fraction"] = vp.floor_seconds / secs
+        if secs < vp.floor_seconds:
+            out["notes"].append(f"INVALID ESTIMATE: {secs * 1e6:.1f} us is faster than the verify step's HBM floor "
+                                f"{vp.floor_seconds * 1e6:.1f} us; do not use it as a result")
+        if plain_estimated_seconds:
+            out["estimate_vs_plain"] = secs / plain_estimated_seconds
+    return out
 
 
 def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
@@ -106,7 +167,10 @@ def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildReport:
+def convert_estimate(plan: Plan, est: Estimate | None) -> dict[str, Any]:
+    """The compiler's static profile of `plan`'s step as a whole-step estimate (or why there is
+    none): estimated_cycles / estimated_seconds, compiler_cycles, nested_loop_cycles,
+    estimate_source and notes, as `make_report` reports them."""
     target = plan.target
     notes: list[str] = []
     est_cycles = est_seconds = compiler_cycles = nested_cycles = None
@@ -137,6 +201,16 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildRe
                   f"the profile counts once ({nested_cycles:,} cycles: "
                   + ", ".join(f"{w['uncounted_trips']:.0f} {w['loop']}" for w in nested)
                   + f"); cycles -> seconds by calibration: {cal['basis']}")
+    return {"estimated_cycles": est_cycles, "estimated_seconds": est_seconds, "compiler_cycles": compiler_cycles,
+            "nested_loop_cycles": nested_cycles, "estimate_source": source, "notes": notes}
+
+
+def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildReport:
+    target = plan.target
+    e = convert_estimate(plan, est)
+    notes = e["notes"]
+    est_cycles, est_seconds, source = e["estimated_cycles"], e["estimated_seconds"], e["estimate_source"]
+    compiler_cycles, nested_cycles = e["compiler_cycles"], e["nested_loop_cycles"]
     floor = plan.floor_seconds
     fraction = None
     if est_seconds is not None:

@@ -6,7 +6,9 @@ import click
 from tabulate import tabulate
 
 import tpumk
+from tpumk.cli_bench import bench
 from tpumk.cli_export import cache_key, export, inspect
+from tpumk.cli_tune import report, tune
 from tpumk.cli_options import emit_json, fail_cleanly, build_options, resolve_build_inputs
 
 
@@ -98,18 +100,57 @@ def print_build_report(r) -> None:
     click.echo(f"estimate source: {r.estimate_source}")
     for n in r.notes:
         click.echo(f"note: {n}")
+    if r.verify:
+        print_verify_figures(r)
+
+
+def print_verify_figures(r) -> None:
+    """The speculative verify step beside the plain step (tpumk.build.verify_figures)."""
+    v = r.verify
+    click.echo(f"\nverify step (speculative decoding: q_len {v['q_len']} = {v['draft_tokens']} drafts + 1, "
+               f"same batch and context)")
+    if "error" in v:
+        click.echo(f"  {v['error']}")
+        return
+
+    def ratio(key):
+        return "" if v.get(key) is None else f"  ({v[key]:.2f} x plain)"
+
+    rows = [
+        ["HBM bytes per step (plan)", f"{v['hbm_bytes_per_step'] / 1e6:,.2f} MB{ratio('hbm_bytes_vs_plain')}"],
+        ["HBM floor (bytes / bandwidth)", f"{_us(v['floor_seconds'])}{ratio('floor_vs_plain')}"],
+        ["VMEM plan", f"{v['vmem_bytes'] / 2**20:.1f} MiB"],
+        ["estimated step time", f"{_us(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"],
+    ]
+    click.echo(tabulate(rows, tablefmt="plain"))
+    click.echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
+    be = v.get("estimate_vs_plain") or v["floor_vs_plain"]
+    click.echo(f"speculation beats plain decoding in target time when the mean acceptance length "
+               f"(accepted drafts + bonus) exceeds {be:.2f} ({'estimate' if v.get('estimate_vs_plain') else 'floor'} "
+               f"ratio; drafting not counted)")
+    for n in v.get("notes", []):
+        click.echo(f"note: {n}")
 
 
 @main.command()
 @build_options
+@click.option("--verify-q", default=8, show_default=True,
+              help="Also report the speculative verify step with this q_len (K drafts + 1), from the plan; 0: off.")
+@click.option("--verify-estimate", is_flag=True,
+              help="Give the verify step the compiler's estimate too (a second profiling compile).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, as_json):
+def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tuning_file, verify_q, verify_estimate,
+          as_json):
     """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
     from tpumk.build import build as do_build
+    from tpumk.errors import ConfigError
 
+    if verify_q < 0:
+        raise ConfigError(f"--verify-q: expected 0 (off) or a positive number of tokens per sequence, got {verify_q}")
     cfg, tgt, tuning = resolve_build_inputs(model, checkpoint, dtype, target, tuning_file)
-    b = do_build(cfg, tgt, batch=batch, context=context, tuning=tuning, q_len=q_len, page_size=page_size)
+    b = do_build(cfg, tgt, batch=batch, context=context, tuning=tuning, q_len=q_len, page_size=page_size,
+                 verify_q=verify_q if verify_q != q_len else 0, verify_estimate=verify_estimate)
     if as_json:
         emit_json(b.report.to_dict())
     else:
@@ -126,15 +167,28 @@ def build(model, checkpoint, dtype, target, batch, context, q_len, page_size, tu
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
+@click.option("--spec", default="none", show_default=True,
+              help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
+                   "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
+@click.option("--draft-tokens", default=7, show_default=True, help="Drafts K per target step (verify q = K + 1).")
+@click.option("--draft-model", metavar="NAME|FILE|DIR|layers:N",
+              help="Draft model for --spec draft: preset / TOML / config.json (random weights, --seed), a checkpoint "
+                   "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, as_json):
+def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, spec, draft_tokens, draft_model,
+             as_json):
     """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
     from tpumk import generate as gen
+    from tpumk.errors import ConfigError
 
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
     prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
-    result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size)
+    if draft_model and spec != "draft":
+        raise ConfigError("--draft-model: only used with --spec draft")
+    draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model else None
+    result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
+                          draft_tokens=draft_tokens, draft=draft)
     if as_json:
         emit_json(result)
         return
@@ -142,11 +196,24 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
     for p, toks in zip(prompts, result["tokens"]):
         click.echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
     click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
+    sp = result["spec"]
+    if sp["method"] != "none" and not sp["target_steps"]:
+        click.echo("speculation: no verify step ran (the prefill gives the only token)")
+    elif sp["method"] != "none":
+        click.echo(f"speculation: {sp['drafter']}, {sp['draft_tokens']} drafts per target step (verify q_len "
+                   f"{sp['verify_q']})")
+        click.echo(f"  mean acceptance length {sp['mean_acceptance_length']:.2f} tokens per verify step "
+                   f"(accepted drafts + bonus, at most {sp['draft_tokens'] + 1})")
+        click.echo(f"  tokens per target step {sp['tokens_per_target_step']:.2f} ({sp['target_steps']} verify steps "
+                   f"for {sp['decode_tokens_per_sequence']} tokens per sequence after the prefill; plain greedy: 1.00)")
 
 
 main.add_command(export)
 main.add_command(cache_key)
 main.add_command(inspect)
+main.add_command(bench)
+main.add_command(tune)
+main.add_command(report)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,156 @@
+"""Run `tpumk bench` over the presets and record the side-by-side table (BENCHMARKS.md).
+
+For every (preset, target, batch) it runs the same path as `tpumk bench` (tpumk.bench.run_bench):
+both steps compiled for the target (deviceless without a TPU), compile seconds measured here,
+HBM bytes (plan / XLA cost_analysis), kernels launched, and the step times: measured when the
+target's TPU is attached, else tpumk's timeline model of both compiled programs. A combination
+that does not fit the target is recorded with the plan's reason instead of a row.
+
+    python benchmarks/bench_presets.py [--preset tiny-dense ...] [--target tpu7x v6e] [--batch 1 8]
+                                       [--context 4096] [--out rows.json] [--save-hlo DIR]
+    python benchmarks/bench_presets.py --remodel rows.json --save-hlo DIR [--out rows.json]
+
+`--remodel` re-runs only the timeline model on the HLO saved by an earlier run (no compiles):
+the compile figures stay those measured then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PRESETS = ("tiny-dense", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b", "qwen3-32b")
+DEFAULT_TARGETS = ("tpu7x", "v6e")
+
+
+def _row(r: dict) -> dict:
+    mk, x = r["megakernel"], r["xla"]
+    return {
+        "mk_compile_s": mk["compile_seconds"], "xla_compile_s": x["compile_seconds"],
+        "mk_hbm_gb": mk["hbm_bytes"] / 1e9, "xla_hbm_gb": x["hbm_bytes"] / 1e9, "floor_ms": r["floor_seconds"] * 1e3,
+        "mk_kernels": mk["kernels"], "xla_kernels": x["kernels"],
+        "mk_step_ms": mk["step_seconds"] * 1e3, "xla_step_ms": x["step_seconds"] * 1e3,
+        "speedup": r["speedup"], "mk_floor_fraction": mk["floor_fraction"], "xla_floor_fraction": x["floor_fraction"],
+        "mk_tok_s_seq": r["tokens_per_second"]["megakernel"]["per_sequence"],
+        "mk_tok_s_all": r["tokens_per_second"]["megakernel"]["aggregate"],
+        "xla_tok_s_seq": r["tokens_per_second"]["xla"]["per_sequence"],
+        "xla_tok_s_all": r["tokens_per_second"]["xla"]["aggregate"],
+        "step_source": "measured" if mk["measured"] else "model",
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", nargs="*", default=list(DEFAULT_PRESETS))
+    ap.add_argument("--target", nargs="*", default=list(DEFAULT_TARGETS))
+    ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--out", help="write every row (with the full bench result) to this JSON file")
+    ap.add_argument("--save-hlo", metavar="DIR", help="also save both compiled HLO texts per row (re-run the model "
+                                                        "offline, e.g. with other constants)")
+    ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size of the megakernel (tokens)")
+    ap.add_argument("--remodel", metavar="ROWS_JSON", help="re-run the model on rows saved with --out/--save-hlo")
+    ap.add_argument("--constants", metavar="LATENCY,DESCRIPTOR,DISPATCH",
+                    help="with --remodel: the timeline model's three constants in seconds (sensitivity runs)")
+    args = ap.parse_args(argv)
+    if args.remodel:
+        return remodel(args)
+
+    from tpumk.bench import run_bench
+    from tpumk.config import load_preset
+    from tpumk.errors import PlanError
+    from tpumk.targets import get_target
+    from tpumk.tomlfile import write_text_atomic
+
+    rows = []
+    for preset in args.preset:
+        for target_name in args.target:
+            for batch in args.batch:
+                cmd = (f"tpumk bench --model {preset} --target {target_name} --batch {batch} "
+                       f"--context {args.context}" + (f" --page-size {args.page_size}" if args.page_size != 16 else "")
+                       + " --json")
+                row = {"preset": preset, "target": target_name, "batch": batch, "context": args.context,
+                       "page_size": args.page_size, "command": cmd}
+                t0 = time.perf_counter()
+                try:
+                    r = run_bench(load_preset(preset), get_target(target_name), batch, args.context,
+                                  page_size=args.page_size, keep_hlo=bool(args.save_hlo))
+                except PlanError as e:
+                    row["skipped"] = str(e)
+                else:
+                    compiles = r.pop("compiles", None)
+                    if compiles:
+                        d = Path(args.save_hlo)
+                        d.mkdir(parents=True, exist_ok=True)
+                        for side in ("megakernel", "xla"):
+                            write_text_atomic(_hlo_path(d, row, side), compiles.pop(f"{side}_hlo"))
+                        row["compiles"] = compiles
+                    row.update(_row(r))
+                    row["result"] = r
+                row["wall_s"] = time.perf_counter() - t0
+                rows.append(row)
+                _print(row)
+                if args.out:  # after every row, so a long run leaves what it finished
+                    write_text_atomic(args.out, json.dumps(rows, indent=1))
+    return 0
+
+
+def _hlo_path(d: Path, row: dict, side: str) -> Path:
+    page = f"_p{row['page_size']}" if row.get("page_size", 16) != 16 else ""
+    return d / f"{row['preset']}_{row['target']}_b{row['batch']}{page}_{side}.hlo"
+
+
+def remodel(args) -> int:
+    """Recompute every row's figures from its saved HLO with the current model (no compiles)."""
+    from tpumk.bench import Compiles, compare
+    from tpumk.config import load_preset
+    from tpumk.plan import make_plan
+    from tpumk.targets import get_target
+    from tpumk.tomlfile import write_text_atomic
+
+    from tpumk import costmodel
+
+    if args.constants:
+        costmodel.DMA_LATENCY_S, costmodel.DMA_DESCRIPTOR_S, costmodel.OP_DISPATCH_S = \
+            (float(v) for v in args.constants.split(","))
+    rows = json.loads(Path(args.remodel).read_text())
+    d = Path(args.save_hlo or ".")
+    for row in rows:
+        if "skipped" not in row:
+            old = row["result"]
+            c = row.get("compiles") or {
+                "megakernel_compile_seconds": old["megakernel"]["compile_seconds"],
+                "megakernel_lower_seconds": old["megakernel"]["lower_seconds"],
+                "xla_compile_seconds": old["xla"]["compile_seconds"], "xla_lower_seconds": old["xla"]["lower_seconds"],
+                "xla_cost_bytes": old["xla"]["hbm_bytes"]}
+            plan = make_plan(load_preset(row["preset"]), get_target(row["target"]), row["batch"], row["context"],
+                             page_size=row.get("page_size", 16))
+            compiles = Compiles(_hlo_path(d, row, "megakernel").read_text(), _hlo_path(d, row, "xla").read_text(), **c)
+            r = compare(plan, compiles)
+            row.update(_row(r))
+            row["result"] = r
+            row["compiles"] = c
+        _print(row)
+    if args.out:
+        write_text_atomic(args.out, json.dumps(rows, indent=1))
+    return 0
+
+
+def _print(row: dict) -> None:
+    head = f"{row['preset']:>14} {row['target']:>6} B={row['batch']}" + (
+        f" page {row['page_size']}" if row.get("page_size", 16) != 16 else "")
+    if "skipped" in row:
+        print(f"{head}  skipped: {row['skipped']}", flush=True)
+        return
+    print(f"{head}  compile {row['mk_compile_s']:5.1f} / {row['xla_compile_s']:5.1f} s  "
+          f"HBM {row['mk_hbm_gb']:7.3f} / {row['xla_hbm_gb']:7.3f} GB  floor {row['floor_ms']:7.3f} ms  "
+          f"kernels {row['mk_kernels']} / {row['xla_kernels']}  step ({row['step_source']}) "
+          f"{row['mk_step_ms']:7.3f} / {row['xla_step_ms']:7.3f} ms  XLA/mk {row['speedup']:.2f}x  "
+          f"floor frac {row['mk_floor_fraction']:.2f} / {row['xla_floor_fraction']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

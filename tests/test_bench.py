@@ -1,0 +1,160 @@
+"""`tpumk bench`: figures internally consistent, the XLA step equal to the reference, the
+timing helper, and clean errors. Two deviceless benches of tiny models (~10-20 s each)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tpumk import reference as ref
+from tpumk.bench import (compile_program, make_xla_step, measure_seconds, paged_to_head_major, xla_decode_step,
+                         xla_step_specs)
+from tpumk.cli import main
+from tpumk.config import load_preset
+from tpumk.plan import make_plan
+from tpumk.targets import get_target
+from tpumk.weights import random_params
+
+
+def _bench(*args) -> dict:
+    res = CliRunner().invoke(main, ["bench", *args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe() -> dict:
+    """The CI line of the issue: tpumk bench --model tiny-moe --target tpu7x --json."""
+    return _bench("--model", "tiny-moe", "--target", "tpu7x")
+
+
+@pytest.fixture(scope="module")
+def tiny_dense_b2() -> dict:
+    return _bench("--model", "tiny-dense", "--target", "v6e", "--batch", "2", "--dtype", "bfloat16")
+
+
+def _consistent(r: dict, preset: str, target: str, batch: int, dtype: str | None = None) -> None:
+    cfg = load_preset(preset)
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
+    plan = make_plan(cfg, get_target(target), batch, 4096)
+    assert (r["model"], r["target"], r["batch"]) == (preset, target, batch)
+    mk, x = r["megakernel"], r["xla"]
+    for side in (mk, x):
+        for key in ("compile_seconds", "hbm_bytes", "kernels", "step_seconds", "step_source", "floor_fraction"):
+            assert key in side
+        assert side["compile_seconds"] > 0 and side["step_seconds"] > 0
+    # bytes: the megakernel's are the plan's; XLA's are its own cost_analysis
+    assert mk["hbm_bytes"] == pytest.approx(plan.hbm_bytes)
+    prog = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),
+                           xla_step_specs(cfg, batch, 4096), get_target(target), donate_argnums=(3, 4))
+    assert x["hbm_bytes"] == pytest.approx(prog.compiled.cost_analysis()["bytes accessed"])
+    assert r["floor_seconds"] == pytest.approx(plan.floor_seconds)
+    # ratios follow from the times
+    assert r["speedup"] == pytest.approx(x["step_seconds"] / mk["step_seconds"])
+    for name, side in (("megakernel", mk), ("xla", x)):
+        assert side["floor_fraction"] == pytest.approx(r["floor_seconds"] / side["step_seconds"])
+        tps = r["tokens_per_second"][name]
+        assert tps["aggregate"] == pytest.approx(batch / side["step_seconds"])
+        assert tps["per_sequence"] == pytest.approx(1 / side["step_seconds"])
+        # no TPU here: both times are the model, labelled so, never the compiler's static profile
+        assert side["measured"] is None and side["step_source"].startswith("MODEL, not measured")
+        assert side["step_seconds"] == pytest.approx(side["model"]["seconds"])
+        assert side["step_seconds"] >= r["floor_seconds"] * 0.999 or name == "xla"
+    # one fused program against an op-by-op one
+    assert mk["kernels"] < x["kernels"] and x["kernels"] > 5 * cfg.num_layers
+    # the megakernel program's model contains its Pallas kernel walked by the plan
+    assert any(k.startswith("pallas: ") for k in mk["model"]["stages"])
+    assert r["tpu_attached"] is False
+
+
+def test_tiny_moe_bench_is_consistent(tiny_moe):
+    _consistent(tiny_moe, "tiny-moe", "tpu7x", 1)
+    assert tiny_moe["model_check"]["ratio"] == pytest.approx(tiny_moe["model_check"]["predicted_seconds"] / 26.4e-6)
+
+
+def test_bench_reports_the_verify_step_beside_the_plain_one(tiny_moe):
+    from tpumk.costmodel import megakernel_step
+
+    v = tiny_moe["verify"]
+    cfg = load_preset("tiny-moe")
+    plain, vp = make_plan(cfg, get_target("tpu7x"), 1, 4096), make_plan(cfg, get_target("tpu7x"), 1, 4096, q_len=8)
+    assert v["feasible"] and v["q_len"] == 8 and v["draft_tokens"] == 7
+    assert v["hbm_bytes"] == pytest.approx(vp.hbm_bytes) and v["floor_seconds"] == pytest.approx(vp.floor_seconds)
+    assert v["kernel_seconds"] == pytest.approx(megakernel_step(vp).seconds)
+    assert v["cost_vs_plain"] == pytest.approx(v["kernel_seconds"] / megakernel_step(plain).seconds)
+    assert v["cost_vs_plain"] >= 1.0 and v["source"].startswith("MODEL")
+
+
+def test_batch2_bench_is_consistent(tiny_dense_b2):
+    _consistent(tiny_dense_b2, "tiny-dense", "v6e", 2, dtype="bfloat16")
+    assert tiny_dense_b2["model_check"] is None  # the published anchor is a TPU7x figure
+
+
+def test_bench_table_prints_provenance():
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-dense", "--target", "tpu7x"])
+    assert res.exit_code == 0, res.output
+    assert "MODEL (no TPU attached)" in res.output and "NOT measurements" in res.output
+    assert "XLA step / megakernel step" in res.output and "fraction of the HBM floor" in res.output
+    assert "verify step (q = 8: 7 drafts + 1)" in res.output and "mean acceptance length" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "cpu"], "target 'cpu' runs kernels in interpret mode"),
+    (["--target", "tpu9"], "unknown target 'tpu9'"),
+    (["--runs", "0"], "--runs must be >= 1"),
+    (["--verify-q", "1"], "--verify-q: expected 0 (off) or at least 2"),
+    (["--model", "no-such-model"], "no-such-model"),
+])
+def test_bench_errors_are_one_line(args, message):
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code == 1
+    assert message in res.output and len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+def test_xla_step_matches_the_reference(preset):
+    """The XLA step (contiguous head-major cache, gathered experts) computes the reference step."""
+    cfg = load_preset(preset)
+    params = random_params(cfg, 3)
+    batch, context, prompt = 2, 64, 5
+    cache = ref.init_cache(cfg, batch, context, page_size=16)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, cfg.vocab_size, prompt)) for _ in range(batch)]
+    _, cache = ref.prefill(params, cfg, prompts, cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
+    positions = cache.lengths[:, None]
+    want_logits, want_cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
+    k, v = paged_to_head_major(cache, cfg)
+    logits, k2, v2, lengths = make_xla_step(cfg)(params, tokens, positions, k, v, cache.lengths)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
+    wk, wv = paged_to_head_major(want_cache, cfg)
+    # the new K/V rows agree to float32 rounding (XLA fuses the f32 RoPE / norm differently)
+    np.testing.assert_allclose(np.asarray(k2), np.asarray(wk), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(wv), rtol=1e-5, atol=1e-5)
+    assert np.count_nonzero(np.asarray(k2)) > 0.05 * k2.size  # the prompt and the new token are in there
+    np.testing.assert_array_equal(np.asarray(lengths), np.asarray(want_cache.lengths))
+
+
+def test_measure_seconds_threads_state_and_takes_the_median():
+    calls = []
+
+    @jax.jit
+    def step(x):
+        return x + 1
+
+    def call(state):
+        calls.append(1)
+        return step(state)
+
+    out = measure_seconds(call, jnp.zeros(()), warmup=2, runs=5)
+    assert len(calls) == 7 and len(out["runs_seconds"]) == 5 and out["warmup"] == 2
+    assert out["median_seconds"] == pytest.approx(float(np.median(out["runs_seconds"])))
+    assert all(t > 0 for t in out["runs_seconds"])
+    with pytest.raises(ValueError):
+        measure_seconds(call, jnp.zeros(()), runs=0)

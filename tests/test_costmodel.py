@@ -1,0 +1,264 @@
+"""tpumk's timeline model (tpumk.costmodel): the published-ring check, the HBM floor, knob
+responses, MoE vs dense, and the XLA side's reading of compiled HLO. No compiles here except
+one small XLA program (tiny-dense on tpu7x, a few seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpumk import costmodel as cm
+from tpumk.config import load_preset
+from tpumk.errors import PlanError
+from tpumk.plan import make_plan
+from tpumk.targets import get_target
+from tpumk.tuning import TuningConfig
+
+MIB = 2**20
+TPU7X = get_target("tpu7x")
+
+
+# ---------------------------------------------------------------------- the model check
+def test_published_ring_within_20_percent_of_the_chip_measurement():
+    """TPU_FACTS 6: 12 banks of 2 MiB bf16, 76 MiB per layer, measured at 26.4 us on a TPU7x
+    TensorCore. The model sees only those shapes and the chip figures."""
+    check = cm.published_ring_check(TPU7X)
+    assert check["measured_seconds"] == 26.4e-6
+    assert 0.8 <= check["ratio"] <= 1.2, check
+    # the same figure through the public function, DMA only (the ring is DMA-bound at batch 1)
+    dma_only = cm.ring_layer_seconds(TPU7X, 2 * MIB, 12, 76 * MIB)
+    assert dma_only == pytest.approx(check["predicted_seconds"], rel=1e-9)
+
+
+@pytest.mark.parametrize("latency", [0.5e-6, 1e-6, 2e-6])
+@pytest.mark.parametrize("descriptor", [0.0, 50e-9, 200e-9])
+def test_ring_check_is_not_a_knife_edge(monkeypatch, latency, descriptor):
+    """The check holds for DMA latencies from 0.5 to 2 us and descriptor costs from 0 to 200 ns:
+    it follows from the bandwidth and the bytes in flight, not from a tuned constant."""
+    monkeypatch.setattr(cm, "DMA_LATENCY_S", latency)
+    monkeypatch.setattr(cm, "DMA_DESCRIPTOR_S", descriptor)
+    assert 0.8 <= cm.published_ring_check(TPU7X)["ratio"] <= 1.2
+
+
+def test_bandwidth_delay_shape():
+    bw = TPU7X.hbm_bandwidth
+    half = bw * cm.DMA_LATENCY_S  # bytes in flight at which half the peak is reached
+    assert cm.achieved_bandwidth(TPU7X, half) == pytest.approx(bw / 2)
+    rates = [cm.achieved_bandwidth(TPU7X, d * 2 * MIB) for d in (1, 2, 4, 8, 12, 64)]
+    assert all(a < b for a, b in zip(rates, rates[1:]))
+    assert rates[-1] < bw
+    # small DMAs are bound by the descriptor rate, not their bytes
+    small = cm.load_seconds(TPU7X, 100 * 4096, 64 * MIB, descriptors=100)
+    assert small == pytest.approx(100 * cm.DMA_DESCRIPTOR_S)
+
+
+def test_stall_when_compute_exceeds_the_load():
+    load = cm.load_seconds(TPU7X, 2 * MIB, 24 * MIB)
+    assert cm.stream_seconds(TPU7X, 10, 2 * MIB, 24 * MIB, compute_each=load / 2) == pytest.approx(10 * load)
+    assert cm.stream_seconds(TPU7X, 10, 2 * MIB, 24 * MIB, compute_each=3 * load) == pytest.approx(30 * load)
+
+
+def test_mxu_rows_below_the_array_width_cost_a_full_push():
+    e = 1024 * 1024
+    one_row = cm.mxu_seconds(TPU7X, e, 2 * 1 * e)
+    full = cm.mxu_seconds(TPU7X, e, 2 * TPU7X.mxu_shape[1] * e)
+    assert one_row == pytest.approx(full)
+    assert cm.mxu_seconds(TPU7X, e, 2 * 1024 * e) == pytest.approx(4 * full)  # 1024 rows: 4x the 256-row push
+    assert cm.mxu_seconds(TPU7X, e, 0, passes=6) == pytest.approx(6 * full)
+
+
+# ---------------------------------------------------------------------- megakernel_step
+PLANS = [("tiny-dense", "tpu7x", 1), ("tiny-moe", "tpu7x", 8), ("tiny-moe", "v6e", 1), ("qwen3-8b", "tpu7x", 1),
+         ("qwen3-8b", "v6e", 8), ("qwen3-30b-a3b", "tpu7x", 1), ("qwen3-30b-a3b", "tpu7x", 8),
+         ("qwen3-32b", "tpu7x", 1), ("qwen3-8b", "v5e", 1)]
+
+
+@pytest.mark.parametrize("preset, target, batch", PLANS)
+def test_never_beats_the_floor_and_moves_the_plans_bytes(preset, target, batch):
+    plan = make_plan(load_preset(preset), get_target(target), batch, 4096)
+    m = cm.megakernel_step(plan)
+    assert m.hbm_bytes == pytest.approx(plan.hbm_bytes, rel=1e-9)
+    assert m.seconds >= plan.floor_seconds
+    assert m.floor_seconds == plan.floor_seconds and 0 < m.floor_fraction <= 1
+    assert not m.notes  # no clamping was needed: every byte is paid for at <= the peak bandwidth
+    assert m.seconds == pytest.approx(sum(s["seconds"] for s in m.stages.values()))
+    assert m.dma_seconds > 0 and m.compute_seconds > 0 and m.kernels == 1
+    assert "tpumk timeline model" in m.source and "not measurements" in m.source
+
+
+@pytest.mark.parametrize("tuning", [dict(ring_depth=2, tile_bytes=256 * 1024), dict(ring_depth=24, tile_bytes=MIB),
+                                    dict(kv_buffers=2, kv_tile_pages=1), dict(expert_slots=1),
+                                    dict(expert_slots=8, expert_chunk=128)])
+def test_never_beats_the_floor_for_odd_knobs(tuning):
+    plan = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 4, 4096, TuningConfig(**tuning))
+    m = cm.megakernel_step(plan)
+    assert m.seconds >= plan.floor_seconds
+    assert m.hbm_bytes == pytest.approx(plan.hbm_bytes, rel=1e-9)
+
+
+def _seconds(preset, batch=1, target=TPU7X, page_size=16, **knobs) -> float:
+    plan = make_plan(load_preset(preset), target, batch, 4096, TuningConfig(**knobs), page_size=page_size)
+    return cm.megakernel_step(plan).seconds
+
+
+def test_deeper_ring_is_faster_until_it_saturates():
+    t = [_seconds("qwen3-8b", ring_depth=d, tile_bytes=MIB) for d in (2, 4, 8, 16)]
+    assert t[0] > t[1] > t[2] > t[3]
+    # the gain shrinks as the bytes in flight pass the bandwidth-delay product
+    assert (t[0] - t[1]) > (t[1] - t[2]) > (t[2] - t[3])
+
+
+def test_small_tiles_pay_per_dma_overhead():
+    """The same 4 MiB in flight in 64 KiB tiles (64 deep) against 1 MiB tiles (4 deep)."""
+    small = _seconds("qwen3-8b", ring_depth=64, tile_bytes=64 * 1024)
+    large = _seconds("qwen3-8b", ring_depth=4, tile_bytes=MIB)
+    assert small > large
+
+
+def test_kv_buffers_and_tile_size_matter():
+    # 128-token pages (256 KiB DMAs): the KV stream is bound by its bytes in flight
+    assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=128, kv_buffers=6)
+    assert _seconds("qwen3-8b", 8, page_size=128, kv_tile_pages=1) > _seconds("qwen3-8b", 8, page_size=128,
+                                                                               kv_tile_pages=4)
+    # 16-token pages (32 KiB DMAs): bound by the descriptor rate, so bigger pages win at equal bytes
+    assert _seconds("qwen3-8b", 8, page_size=16) > _seconds("qwen3-8b", 8, page_size=128)
+
+
+def test_moe_reads_only_routed_experts_and_dense_does_not_route():
+    moe = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096)
+    dense = make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096)
+    m, d = cm.megakernel_step(moe), cm.megakernel_step(dense)
+    assert {"moe_routing", "experts"} <= set(m.stages) and not {"moe_routing", "experts"} & set(d.stages)
+    # the experts stage moves the plan's expected distinct experts (plus the shared expert's tiles)
+    shared = sum(moe.hbm[f"weights_{n}"] for n in ("shared_gate_up", "shared_down") if f"weights_{n}" in moe.hbm)
+    routed = moe.hbm["experts_and_router"] - moe.moe.num_moe_layers * moe.moe.router_bytes
+    assert m.stages["experts"]["hbm_bytes"] == pytest.approx(shared + routed, rel=1e-9)
+    # more tokens route to more distinct experts: the experts stage grows, the dense ring does not
+    m8 = cm.megakernel_step(make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 8, 4096))
+    assert m8.stages["experts"]["seconds"] > 2 * m.stages["experts"]["seconds"]
+    assert m8.stages["weight_ring"]["seconds"] == pytest.approx(m.stages["weight_ring"]["seconds"], rel=0.05)
+    # one expert slot serialises loads and compute
+    assert _seconds("qwen3-30b-a3b", 8, expert_slots=1) > _seconds("qwen3-30b-a3b", 8, expert_slots=4)
+
+
+def test_moe_step_costs_what_its_bytes_cost_not_its_parameters():
+    """qwen3-30b-a3b has ~4x qwen3-8b's parameters but moves fewer bytes per step at batch 1."""
+    moe = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096)
+    dense = make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096)
+    assert moe.cfg.param_count() > 3 * dense.cfg.param_count()
+    assert moe.hbm_bytes < dense.hbm_bytes
+    assert cm.megakernel_step(moe).seconds < cm.megakernel_step(dense).seconds
+
+
+def test_slower_chip_is_slower():
+    assert _seconds("qwen3-8b", target=get_target("v5e")) > _seconds("qwen3-8b", target=get_target("v6e")) \
+        > _seconds("qwen3-8b", target=TPU7X)
+
+
+def test_infeasible_plan_is_rejected_before_modelling():
+    with pytest.raises(PlanError):
+        make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096, TuningConfig(ring_depth=64, tile_bytes=4 * MIB))
+
+
+# ---------------------------------------------------------------------- xla_step on HLO text
+SYNTHETIC = """HloModule synthetic, is_scheduled=true
+
+%fused_slice (param_0: bf16[4,1024,1024], param_1: s32[]) -> bf16[1024,1024] {
+  %param_0 = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %param_1 = s32[]{:T(128)} parameter(1)
+  %c = s32[]{:T(128)} constant(0)
+  %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,1024,1024}
+  ROOT %b = bf16[1024,1024]{1,0} bitcast(%ds)
+}
+
+%fused_dot (param_0: f32[8,1024], param_1: bf16[1024,1024]) -> f32[8,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = bf16[1024,1024]{1,0} parameter(1)
+  %cv = bf16[8,1024]{1,0} convert(%param_0)
+  ROOT %dot = f32[8,1024]{1,0} dot(%cv, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_update (param_0: bf16[4,1024,1024], param_1: bf16[1,8,1024], param_2: s32[]) -> bf16[4,1024,1024] {
+  %param_0 = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %param_1 = bf16[1,8,1024]{2,1,0} parameter(1)
+  %param_2 = s32[]{:T(128)} parameter(2)
+  %c = s32[]{:T(128)} constant(0)
+  ROOT %dus = bf16[4,1024,1024]{2,1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %c, %c)
+}
+
+%body (p: f32[8,1024]) -> f32[8,1024] {
+  %p = f32[8,1024]{1,0} parameter(0)
+  ROOT %e = f32[8,1024]{1,0} fusion(%p), kind=kLoop, calls=%fused_exp
+}
+
+%fused_exp (param_0: f32[8,1024]) -> f32[8,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  ROOT %x = f32[8,1024]{1,0} exponential(%param_0)
+}
+
+ENTRY %main (w: bf16[4,1024,1024], x: f32[8,1024], i: s32[], u: bf16[1,8,1024]) -> (f32[8,1024], bf16[4,1024,1024]) {
+  %w = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %x = f32[8,1024]{1,0:T(8,128)S(1)} parameter(1)
+  %i = s32[]{:T(128)S(6)} parameter(2)
+  %u = bf16[1,8,1024]{2,1,0} parameter(3)
+  %sl = bf16[1024,1024]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %y = f32[8,1024]{1,0:T(8,128)S(1)} fusion(%x, %sl), kind=kOutput, calls=%fused_dot, backend_config={"used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"4194304"}]}
+  %w2 = bf16[4,1024,1024]{2,1,0} fusion(%w, %u, %i), kind=kLoop, calls=%fused_update
+  %j = s32[]{:T(128)S(6)} add(%i, %i)
+  %cs = (bf16[1024,1024]{1,0:S(1)}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%sl)
+  %cd = bf16[1024,1024]{1,0:S(1)} copy-done(%cs)
+  %lp = f32[8,1024]{1,0} while(%y), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %t = (f32[8,1024]{1,0:T(8,128)S(1)}, bf16[4,1024,1024]{2,1,0}) tuple(%y, %w2)
+}
+"""
+
+
+def test_hlo_ops_count_slices_in_place_updates_vmem_and_loops():
+    ops = {o.name: o for o in cm.program_ops(TPU7X, SYNTHETIC)[0]}
+    two_mib = 1024 * 1024 * 2
+    assert (ops["sl"].kind, ops["sl"].read_bytes, ops["sl"].write_bytes) == ("kernel", two_mib, two_mib)  # one slice
+    assert (ops["y"].read_bytes, ops["y"].write_bytes) == (two_mib, 0)  # x and y live in VMEM
+    assert ops["y"].window_bytes == 4 * MIB
+    assert ops["y"].mxu_seconds == pytest.approx(cm.mxu_seconds(TPU7X, 1024 * 1024, 2 * 8 * 1024 * 1024))
+    assert (ops["w2"].read_bytes, ops["w2"].write_bytes) == (16384, 16384)  # in place: only the update moves
+    assert ops["j"].kind == "scalar" and ops["t"].kind == "free" and ops["cd"].kind == "free"
+    assert ops["cs"].kind == "async_dma" and ops["cs"].read_bytes == two_mib
+    assert ops["e"].times == 5  # the while body, once per known trip
+
+    m = cm.xla_step(TPU7X, SYNTHETIC)
+    assert m.kernels == 3 + 5
+    loop_bytes = 5 * 2 * 8 * 1024 * 4
+    assert m.hbm_bytes == pytest.approx(3 * two_mib + 2 * 16384 + two_mib + loop_bytes)
+    boundaries = m.stages["kernel boundaries"]["seconds"]
+    # dispatch for every kernel; fill when it reads HBM, drain when it writes HBM
+    assert boundaries == pytest.approx(8 * cm.OP_DISPATCH_S + (1 + 1 + 1 + 5) * cm.DMA_LATENCY_S
+                                       + (1 + 0 + 1 + 5) * cm.DMA_LATENCY_S)
+    assert m.seconds >= m.hbm_bytes / TPU7X.hbm_bandwidth
+
+
+def test_pallas_kernel_needs_its_model():
+    text = SYNTHETIC.replace("%j = s32[]{:T(128)S(6)} add(%i, %i)",
+                             '%j = f32[8,1024]{1,0} custom-call(%x), custom_call_target="tpu_custom_call"')
+    with pytest.raises(ValueError, match="Pallas kernel"):
+        cm.xla_step(TPU7X, text)
+    plan = make_plan(load_preset("tiny-dense"), TPU7X, 1, 4096)
+    kernel = cm.megakernel_step(plan)
+    m = cm.xla_step(TPU7X, text, kernel=kernel)
+    assert m.kernels == 3 + 5 + 1
+    assert m.seconds == pytest.approx(cm.xla_step(TPU7X, SYNTHETIC).seconds + kernel.seconds)
+
+
+def test_xla_program_model_against_its_cost_analysis():
+    """A real compiled XLA decode step: the model's HBM bytes sit between the weights the step
+    must read and XLA's own cost_analysis bytes; the model never beats its own bytes' floor."""
+    from tpumk.bench import compile_program, xla_decode_step, xla_step_specs
+
+    cfg = load_preset("tiny-dense").replace(dtype="bfloat16")
+    prog = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),
+                           xla_step_specs(cfg, 1, 4096), TPU7X, donate_argnums=(3, 4))
+    m = cm.xla_step(TPU7X, prog.hlo_text)
+    plan = make_plan(cfg, TPU7X, 1, 4096)
+    weights = sum(v for k, v in plan.hbm.items() if k.startswith("weights_"))
+    assert weights + plan.hbm["kv_cache"] * 0.9 < m.hbm_bytes <= prog.compiled.cost_analysis()["bytes accessed"] * 1.01
+    assert m.seconds >= m.hbm_bytes / TPU7X.hbm_bandwidth
+    assert m.kernels > 10 * cfg.num_layers  # op by op: many kernels per layer
+    assert m.stages["kernel boundaries"]["seconds"] >= m.kernels * cm.OP_DISPATCH_S

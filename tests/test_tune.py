@@ -1,0 +1,359 @@
+"""`tpumk tune` and `tpumk report`: real compiles in worker processes, a resumable study,
+infeasible configurations pruned before compiling, the tuned file consumed by `tpumk build`.
+
+Every study here runs in its own working directory (its artifacts/tune/ with the default
+SQLite storage, the result cache and the compile log), so no test sees another's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from click.testing import CliRunner
+
+from tpumk.cli import main
+from tpumk.config import resolve_model
+from tpumk.errors import ConfigError
+from tpumk.targets import get_target
+from tpumk.tune import (Problem, ResultCache, TuneSettings, run, storage_url, study_name_for)
+from tpumk.tune_objectives import choose_objective
+from tpumk.tuning import TuningConfig, load_tuning
+from tpumk.tuning_space import SPACES_DIR, load_space
+
+TINY_SPACE = str(SPACES_DIR / "tiny.toml")
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def tune_cmd(*extra):
+    return ["tune", "--model", "tiny-moe", "--target", "tpu7x", "--space", TINY_SPACE, *map(str, extra)]
+
+
+def load(url_or_path: str, study: str):
+    from tpumk.tune import open_storage
+
+    return optuna.load_study(study_name=study, storage=open_storage(storage_url(url_or_path, study)))
+
+
+def finished(study):
+    return [t for t in study.get_trials(deepcopy=False) if t.state.name in ("COMPLETE", "PRUNED")]
+
+
+def evaluated(study):
+    """The trials in the budget: complete, or pruned by the compiler (not before compiling)."""
+    return [t for t in finished(study)
+            if t.state.name == "COMPLETE" or t.user_attrs.get("prune_stage") not in ("tuning", "constraint", "plan")]
+
+
+def compile_log(root: Path):
+    return ResultCache(root / "artifacts" / "tune" / "cache").compile_log()
+
+
+# ---------------------------------------------------------------------- objective choice (no compile)
+def test_auto_objective_says_why():
+    tiny = resolve_model("tiny-moe")  # float32 weights
+    c = choose_objective("auto", tiny, get_target("tpu7x"), tpu_kind=None)
+    assert c.name == "model" and "float32" in c.reason
+    c = choose_objective("auto", tiny.replace(dtype="bfloat16"), get_target("tpu7x"), tpu_kind=None)
+    assert c.name == "compiler" and "no tpu7x TPU attached" in c.reason
+    assert choose_objective("auto", tiny.replace(dtype="bfloat16"), get_target("v5e")).name == "model"
+    assert choose_objective("auto", tiny, get_target("cpu")).name == "model"
+    c = choose_objective("auto", tiny.replace(dtype="bfloat16"), get_target("tpu7x"), tpu_kind="tpu7x")
+    assert c.name == "device" and c.device_repeats > 1
+    c = choose_objective("device", tiny, get_target("cpu"))
+    assert "says nothing about TPU speed" in c.reason
+    with pytest.raises(ConfigError, match="float32"):
+        choose_objective("compiler", tiny, get_target("tpu7x"))
+    with pytest.raises(ConfigError, match="no TPU is attached"):
+        choose_objective("device", tiny, get_target("tpu7x"), tpu_kind=None)
+
+
+def test_study_name_is_stable_and_covers_the_problem():
+    space = load_space(TINY_SPACE)
+    cfg = resolve_model("tiny-moe")
+    p = Problem(cfg, get_target("tpu7x"), 1, 4096)
+    name = study_name_for(p, space, "model")
+    assert name == study_name_for(Problem(resolve_model("tiny-moe"), get_target("tpu7x"), 1, 4096), space, "model")
+    others = {study_name_for(Problem(cfg, get_target("tpu7x"), 2, 4096), space, "model"),
+              study_name_for(Problem(cfg.replace(dtype="bfloat16"), get_target("tpu7x"), 1, 4096), space, "model"),
+              study_name_for(p, space, "compiler"),
+              study_name_for(p, load_space(SPACES_DIR / "default.toml"), "model")}
+    assert name not in others and len(others) == 4
+    assert name.startswith("tiny-moe-f32-tpu7x-b1-c4096-tiny-model-")
+
+
+# ---------------------------------------------------------------------- bad input: one line, exit 1
+def test_broken_space_file_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[knobs.ring_depht]\ntype = "int"\nlow = 2\nhigh = 8\n')
+    r = cli(*tune_cmd("--space", bad, "--trials", 2))
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpumk: error:") and "bad.toml" in lines[0]
+    assert "unknown knob 'ring_depht'" in lines[0]
+    assert not (tmp_path / "artifacts").exists()  # nothing started
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--storage", "nowhere"), "--storage 'nowhere'"),
+    (("--objective", "compiler"), "float32"),  # tiny-moe is float32: the static profiler aborts
+    (("--trials", "0"), "--trials"),
+    (("--storage", "postgresql://u:secret@127.0.0.1:1/db", "--trials", "2"), "cannot open"),
+])
+def test_bad_tune_options_are_one_line_errors(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    r = cli(*tune_cmd(*args))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "secret" not in r.stderr  # storage passwords are never printed
+
+
+def test_report_on_missing_study_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = cli("report", "--study", "nope", "--out", tmp_path / "rep")
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1 and "nope" in r.stderr
+
+
+# ---------------------------------------------------------------------- infeasible: pruned, never compiled
+def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "infeasible.toml"
+    # ring 4 breaks the constraint; rings 8 and 12 overrun a 6.4 MiB VMEM budget in the plan.
+    space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
+                     '[fixed]\nvmem_limit_fraction = 0.1\n\n'
+                     '[[constraints]]\nexpr = "ring_depth >= 8"\nwhy = "small rings excluded for this test"\n')
+    r = cli(*tune_cmd("--space", space, "--objective", "model", "--trials", 2, "--max-infeasible", 6,
+                      "--seed", 3, "--json"))
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    # Pruned before compiling: outside the budget of 2 evaluated trials, up to the cap of 6.
+    assert out["counts"] == {"PRUNED": 6} and (out["evaluated"], out["infeasible"]) == (0, 6)
+    assert any("mostly infeasible" in n for n in out["notes"])
+    assert any(n.startswith("the default configuration was pruned") for n in out["notes"])
+    assert out["this_run"]["compiles"] == 0 and out["best"] == [] and out["best_tuning"] is None
+    assert out["default"]["state"] == "PRUNED"
+    study = load(None, out["study"])
+    stages = set()
+    for t in study.trials:
+        a = t.user_attrs
+        stages.add(a["prune_stage"])
+        assert "compile_seconds" not in a and "config_key" not in a
+        if t.params["ring_depth"] == 4:
+            assert a["prune_stage"] == "constraint" and "small rings excluded" in a["prune_reason"]
+            assert "ring_depth=4" in a["prune_reason"]
+        else:
+            assert a["prune_stage"] == "plan" and "does not fit tpu7x VMEM" in a["prune_reason"]
+    assert stages == {"constraint", "plan"}
+    assert compile_log(tmp_path) == []  # no worker ever ran
+    assert not any((tmp_path / "artifacts" / "tune").glob("*.toml"))  # no best: no tuned file
+
+
+# ---------------------------------------------------------------------- a whole study, then build
+def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tuned = tmp_path / "tuned.toml"
+    r = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 8, "--workers", 2,
+                      "--seed", 0, "--out", tuned, "--report", tmp_path / "report", "--json"))
+    assert r.exit_code == 0, r.output
+    assert "objective: compiler" in r.stderr and "static estimate" in r.stderr  # said at the start
+    out = json.loads(r.stdout)
+    assert out["evaluated"] == 8 and "FAIL" not in out["counts"]
+    assert out["counts"].get("COMPLETE", 0) + out["counts"].get("PRUNED", 0) == 8 + out["infeasible"]
+    study = load(None, out["study"])
+    trials = finished(study)
+    assert len(trials) == 8 + out["infeasible"]
+    default = study.trials[0]
+    assert default.user_attrs.get("tpumk_default") and default.state.name == "COMPLETE"
+    compiled_keys = []
+    for t in trials:
+        a = t.user_attrs
+        if t.state.name == "COMPLETE":
+            assert a["objective"] == "compiler" and a["value_kind"] == "compiler estimate"
+            assert "static profile" in a["objective_source"] and "calibration" in a["objective_source"]
+            assert a["estimate_source"] == a["objective_source"]
+            assert t.value >= a["floor_seconds"] > 0 and a["vmem_bytes"] > 0
+            assert a["compile_seconds"] > 0 and a["custom_calls"] == 1
+            assert a["model_seconds"] > 0  # tpumk's model is kept next to every result
+        else:
+            assert a["prune_reason"]
+        if not a.get("cached") and "config_key" in a:
+            compiled_keys.append(a["config_key"])
+    # Every evaluated configuration compiled exactly once, and the log says so.
+    log = compile_log(tmp_path)
+    assert sorted(e["key"] for e in log) == sorted(compiled_keys)
+    assert len(set(compiled_keys)) == len(compiled_keys)
+    assert out["this_run"]["compiles"] == len(log)
+    # The summary: ranked, provenance named, best over the default.
+    best = out["best"][0]
+    assert best["value_seconds"] == min(t.value for t in trials if t.state.name == "COMPLETE")
+    assert best["value_kind"] == "compiler estimate"
+    assert out["best_over_default"] == pytest.approx(best["value_seconds"] / default.value)
+    assert out["best_over_default"] <= 1.0
+    # The tuned file: a [tuning] table that is the best trial's configuration...
+    assert load_tuning(tuned).to_dict() == out["best_tuning"]
+    space = load_space(TINY_SPACE)
+    assert out["best_tuning"] == space.tuning_for(study.best_trial.params).to_dict()
+    # ...which `tpumk build --tuning` accepts and builds.
+    b = cli("build", "--model", "tiny-moe", "--dtype", "bfloat16", "--target", "tpu7x", "--tuning", tuned, "--json")
+    assert b.exit_code == 0, b.output
+    rep = json.loads(b.stdout)
+    assert rep["tuning"] == out["best_tuning"] and rep["custom_calls"] == 1
+    # --report wrote real PNGs.
+    written = out["report"]["written"]
+    assert {Path(p).name for p in written} >= {"history.png", "importances.png", "timeline.png"}
+    for p in written:
+        data = Path(p).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # Rerunning the finished study evaluates nothing.
+    r2 = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 8, "--json"))
+    assert r2.exit_code == 0, r2.output
+    out2 = json.loads(r2.stdout)
+    assert out2["study"] == out["study"] and out2["this_run"]["trials"] == 0
+    assert len(compile_log(tmp_path)) == len(log)
+    # `tpumk report` on the stored study, and its too-few-trials message.
+    rr = cli("report", "--study", out["study"], "--out", tmp_path / "rep2", "--json")
+    assert rr.exit_code == 0, rr.output
+    assert {Path(p).name for p in json.loads(rr.stdout)["written"]} >= {"history.png", "timeline.png"}
+
+
+def test_report_explains_missing_importances(tmp_path):
+    """One complete trial: the history plots, importances say why not."""
+    from tpumk.tune_report import write_report
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="one")
+    study.enqueue_trial({"ring_depth": 8})
+    study.optimize(lambda t: t.suggest_int("ring_depth", 4, 12) * 1e-6, n_trials=1)
+    r = write_report(study, tmp_path / "rep")
+    assert [Path(p).name for p in r["written"]] == ["history.png", "timeline.png"]
+    assert r["skipped"]["importances.png"] == "needs at least 2 complete trials, the study has 1"
+
+
+# ---------------------------------------------------------------------- kill, then resume
+def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
+    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 6, "--seed", 5,
+                                                          "--heartbeat", 1, "--json")]
+    name = study_name_for(Problem(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
+    db = tmp_path / "artifacts" / "tune" / f"{name}.db"
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        evaluated_before = []
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if proc.poll() is not None:
+                pytest.fail(f"tune ended before it could be killed: {proc.stderr.read().decode()[-2000:]}")
+            if not db.exists():
+                continue
+            try:
+                study = load(str(db), name)
+            except (KeyError, Exception):
+                continue
+            evaluated_before = [t for t in finished(study) if "compile_seconds" in t.user_attrs]
+            if len(evaluated_before) >= 2:
+                break
+        assert len(evaluated_before) >= 2, "no compile finished in time"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    study = load(str(db), name)
+    before = {t.number: t for t in finished(study)}
+    killed = [t.number for t in study.trials if t.state.name == "RUNNING"]
+    keys_before = {t.user_attrs["config_key"] for t in before.values() if "config_key" in t.user_attrs}
+    log_before = compile_log(tmp_path)
+    assert {e["key"] for e in log_before} <= keys_before
+    # The sampler of the rerun may well suggest finished configurations again; make sure it does.
+    room = 6 - len([t for t in evaluated(study) if t.number in before])
+    assert room >= 1
+    for t in [t for t in before.values() if "config_key" in t.user_attrs][:room]:
+        study.enqueue_trial(t.params)
+    # The same command again.
+    r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    study = load(str(db), name)
+    after = finished(study)
+    assert len(evaluated(study)) == 6
+    for n in killed:  # the killed run's trial was failed by the heartbeat, not left RUNNING
+        assert study.trials[n].state.name == "FAIL"
+    assert not [t for t in study.trials if t.state.name in ("RUNNING", "WAITING")]
+    log = compile_log(tmp_path)
+    # Nothing that had finished was compiled again; nothing was compiled twice at all.
+    assert not [e for e in log[len(log_before):] if e["key"] in keys_before]
+    assert len({e["key"] for e in log}) == len(log)
+    reused = [t for t in after if t.number not in before and t.user_attrs.get("config_key") in keys_before]
+    assert reused and all(t.user_attrs["cached"] for t in reused)
+    assert json.loads(r.stdout)["counts"].get("FAIL", 0) == len(killed)
+
+
+# ---------------------------------------------------------------------- claims without compiles
+def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monkeypatch):
+    """Four threads, eight trials over three configurations enqueued twice or more each: the
+    claim protocol lets one trial per configuration evaluate and the others wait and reuse.
+    The compile is replaced by a slow stand-in so the threads overlap for sure."""
+    import threading
+
+    import tpumk.tune as T
+
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def fake_worker(self, trial, tuning):
+        with lock:
+            calls.append(self.key_of(tuning))
+        time.sleep(1.0)
+        return ({"ok": True, "stage": "done", "value": 1e-6 * tuning.ring_depth, "value_kind": "tpumk model",
+                 "source": "stand-in", "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1,
+                 "model_seconds": 1e-6 * tuning.ring_depth, "model_source": "stand-in"}, "", 0)
+
+    monkeypatch.setattr(T.TrialRunner, "_run_worker", fake_worker)
+    space = load_space(TINY_SPACE)
+    problem = Problem(resolve_model("tiny-moe"), get_target("tpu7x"))
+    objective = choose_objective("model", problem.cfg, problem.target)
+    name = "dups"
+    storage = str(tmp_path / "dups.journal")
+    study = T.open_study(storage_url(storage, name), name, None, None, heartbeat=1)
+    d = space.default_values()
+    assert d["ring_depth"] == 12
+    study.enqueue_trial(d, user_attrs={"tpumk_default": True})  # run() enqueues no second default
+    for ring in (12, 8, 8, 8, 4, 4, 12):
+        study.enqueue_trial({**d, "ring_depth": ring})
+    settings = TuneSettings(trials=8, workers=4, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    result = T.run(problem, space, objective, settings, storage=storage, study_name=name)
+    assert result.counts == {"COMPLETE": 8}
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 3
+    study = T.open_study(storage_url(storage, name), name, None, None, create=False)
+    for t in study.trials:
+        assert t.value == pytest.approx(1e-6 * t.params["ring_depth"])
+    reused = [t for t in study.trials if t.user_attrs["cached"]]
+    assert len(reused) == 5
+    assert all(study.trials[t.user_attrs["duplicate_of"]].params == t.params
+               for t in reused if "duplicate_of" in t.user_attrs)
+
+
+# ---------------------------------------------------------------------- the device objective
+@pytest.mark.slow
+def test_device_objective_on_cpu_times_interpret_mode_and_says_so(tmp_path, monkeypatch):
+    """No TPU here: the device objective with the cpu target times Pallas interpret mode (about
+    45 s on 2 cores: the interpret-mode compile dominates) and labels the value as such."""
+    monkeypatch.chdir(tmp_path)
+    r = cli("tune", "--model", "tiny-moe", "--target", "cpu", "--context", 256, "--space", TINY_SPACE,
+            "--objective", "device", "--trials", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert "says nothing about TPU speed" in r.stderr
+    best = json.loads(r.stdout)["best"][0]
+    assert best["value_kind"].startswith("measured in Pallas interpret mode") and best["value_seconds"] > 0
+    [entry] = [json.loads(p.read_text()) for p in (tmp_path / "artifacts" / "tune" / "cache").glob("*.json")]
+    steps = entry["objectives"]["device"]["details"]["step_seconds"]
+    assert len(steps) == 3 and best["value_seconds"] == sorted(steps)[1]  # the median of 3 timed steps

@@ -1,0 +1,771 @@
+"""tpumk's timeline model: one model of a decode step for the megakernel and for an XLA program.
+
+Everything here is tpumk's own model, computed from the chip figures of `tpumk.targets.Target`
+(HBM bandwidth, bf16 peak, MXU width) and three named constants. It is NOT a measurement and
+NOT the TPU compiler's estimate; every figure it produces says so in its `source`.
+
+How a step is modelled
+----------------------
+- **DMA engine.** A stream of DMAs that keeps W bytes in flight reaches
+      bw(W) = BW * W / (W + BW * DMA_LATENCY_S)
+  of the chip's HBM bandwidth BW. This is Little's law (throughput = bytes in flight /
+  latency) with the latency growing with the load as in a single queue, L(U) = L0 / (1 - U):
+  few bytes in flight leave the engine waiting on latency, many saturate it; half the
+  peak is reached at W = BW * L0, the bandwidth-delay product. TPU_FACTS section 3 shows the
+  same shape in the compiler's own DMA model (throughput grows with ring depth x tile bytes,
+  then flattens). The engine also starts at most one descriptor per DMA_DESCRIPTOR_S, so a
+  stream of small DMAs (16-token KV-cache pages, narrow tiles) is bound by its descriptor
+  count rather than its bytes: load = max(bytes / bw(W), descriptors * DMA_DESCRIPTOR_S).
+- **MXU.** A matmul whose stationary operand (the weight tile, the K or V tile) has E elements
+  takes at least 2 * E * mxu_cols / peak: the operand must be pushed through a systolic array
+  `mxu_cols` wide whatever the number of rows streamed past it, so decode-sized matmuls run at
+  rows / mxu_cols of peak. float32 operands at Precision.HIGHEST cost F32_MXU_PASSES bf16
+  passes. Elementwise work (norms, RoPE, softmax, SwiGLU) is not modelled: at decode it is
+  small next to the weight stream.
+- **Overlap.** A pipelined stream of n items costs n * max(load, compute) per item (a tile
+  whose compute exceeds its load stalls the stream by the difference); a stream that starts
+  cold pays one DMA_LATENCY_S before its first item arrives.
+- **Kernel boundaries.** Every kernel an XLA program launches pays OP_DISPATCH_S, plus one
+  DMA_LATENCY_S to fill its input pipeline when it reads HBM and one to drain its last output
+  block when it writes HBM: nothing streams across an op boundary. The megakernel pays this
+  once for the whole step, then streams across layers.
+
+The three constants (not fitted to any measurement; the model check below is therefore a
+real check). Their values are stated assumptions, with the reasoning:
+- DMA_LATENCY_S = 1.0 us: unloaded time from issuing an HBM->VMEM DMA to its completion
+  signal, beyond the transfer itself. HBM access latency on current accelerators is about
+  0.5 us; descriptor processing, the on-chip network and the semaphore signal are taken to
+  double it.
+- DMA_DESCRIPTOR_S = 50 ns: the engine's setup time per descriptor (address generation,
+  queueing), tens of cycles at a ~1 GHz clock; it overlaps other descriptors' transfers.
+  (The compiler's own DMA model charges far more per descriptor: in TPU_FACTS 3, 1 MiB tiles
+  16 or 24 deep cap at the same cycles per byte, i.e. a per-descriptor cost of ~0.5 us.)
+- OP_DISPATCH_S = 0.25 us: the TensorCore's scalar unit sequencing one kernel of a program
+  (program setup, synchronisation flags), beyond its pipeline fill and drain.
+
+The model check (tests/test_costmodel.py): the published TPU7x megakernel's dense ring (12
+banks of 2 MiB, bf16, 76 MiB of weights per layer) was measured on chip at 26.4 us per layer
+(TPU_FACTS section 6). `ring_layer_seconds` predicts it from those shapes and the chip
+figures alone: 24.7 us (0.94x). The test requires 20 %, and that the check holds for DMA
+latencies of 0.5-2 us and descriptor costs of 0-200 ns (it is not a knife-edge).
+
+What the model cannot know: the chip's real DMA latency and descriptor rate, HBM efficiency
+(refresh, bank conflicts), vector-unit work, and how XLA's generated kernels really pipeline.
+Its figures rank configurations and programs on one footing; they are not measurements.
+
+Public API: `megakernel_step(plan) -> StepModel` (the tuner's `model` objective),
+`xla_step(target, hlo_text, kernel=None) -> StepModel` (any compiled program, from its HLO),
+`ring_layer_seconds`, `achieved_bandwidth`, `stream_seconds`, `mxu_seconds`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpumk.targets import Target
+
+DMA_LATENCY_S = 1.0e-6
+DMA_DESCRIPTOR_S = 50e-9
+OP_DISPATCH_S = 0.25e-6
+F32_MXU_PASSES = 6  # Precision.HIGHEST: float32 products as six bf16 MXU passes (XLA's bf16_6x)
+
+SOURCE = ("tpumk timeline model (chip figures from Pallas' table; DMA latency {lat:.2g} us, {desc:.0f} ns per "
+          "descriptor, {disp:.2g} us per kernel dispatch: stated assumptions, not measurements)")
+
+
+def model_source(what: str) -> str:
+    return f"{what}: " + SOURCE.format(lat=DMA_LATENCY_S * 1e6, desc=DMA_DESCRIPTOR_S * 1e9, disp=OP_DISPATCH_S * 1e6)
+
+
+# ---------------------------------------------------------------------- primitives
+def achieved_bandwidth(target: Target, in_flight_bytes: float) -> float:
+    """Bytes/s a DMA stream reaches with `in_flight_bytes` outstanding (see the module doc)."""
+    bw = target.hbm_bandwidth
+    w = max(float(in_flight_bytes), 1.0)
+    return bw * w / (w + bw * DMA_LATENCY_S)
+
+
+def load_seconds(target: Target, nbytes: float, in_flight_bytes: float, descriptors: float = 1.0) -> float:
+    """Engine time to move `nbytes` in `descriptors` DMAs with `in_flight_bytes` outstanding:
+    the slower of the byte stream and the descriptor rate (setup of one descriptor overlaps
+    the transfer of others, so it only binds when DMAs are small)."""
+    if nbytes <= 0 and descriptors <= 0:
+        return 0.0
+    return max(nbytes / achieved_bandwidth(target, in_flight_bytes), descriptors * DMA_DESCRIPTOR_S)
+
+
+def mxu_seconds(target: Target, stationary_elements: float, flops: float = 0.0, passes: int = 1) -> float:
+    """MXU time of a matmul whose stationary operand has `stationary_elements` elements and
+    whose true work is `flops`: max(flops, 2 * E * mxu_cols) * passes / bf16 peak."""
+    mxu_cols = target.mxu_shape[1]
+    return max(float(flops), 2.0 * stationary_elements * mxu_cols) * passes / target.bf16_flops
+
+
+def stream_seconds(target: Target, count: float, bytes_each: float, in_flight_bytes: float,
+                   compute_each: float = 0.0, descriptors_each: float = 1.0) -> float:
+    """A steady pipelined stream of `count` items: each costs max(its load, its compute)."""
+    if count <= 0:
+        return 0.0
+    return count * max(load_seconds(target, bytes_each, in_flight_bytes, descriptors_each), compute_each)
+
+
+def ring_layer_seconds(target: Target, tile_bytes: float, depth: int, layer_bytes: float,
+                       compute_per_tile: float = 0.0) -> float:
+    """Steady-state seconds per layer of a weight ring: `depth` tiles of `tile_bytes` in flight,
+    `layer_bytes` of weights per layer, `compute_per_tile` of MXU work per tile (0: DMA only).
+    The ring streams across layer boundaries, so no fill is paid per layer."""
+    return stream_seconds(target, layer_bytes / tile_bytes, tile_bytes, depth * tile_bytes, compute_per_tile)
+
+
+def published_ring_check(target: Target) -> dict[str, float]:
+    """The model's figure for the published TPU7x dense ring (TPU_FACTS 6) from its shapes:
+    12 banks of 2 MiB bf16, 76 MiB per layer, batch 1 (each bank's MXU work included)."""
+    tile = 2 * 2**20
+    compute = mxu_seconds(target, tile / 2, flops=2 * 1 * tile / 2)  # bf16 tile, one token row
+    seconds = ring_layer_seconds(target, tile, 12, 76 * 2**20, compute)
+    return {"predicted_seconds": seconds, "measured_seconds": 26.4e-6, "ratio": seconds / 26.4e-6}
+
+
+# ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class StepModel:
+    seconds: float  # modelled step time
+    dma_seconds: float  # DMA engine busy time (bytes at the achieved bandwidth + descriptors)
+    compute_seconds: float  # MXU time
+    hbm_bytes: float  # HBM bytes the model moved
+    source: str  # what produced the figure (always "tpumk timeline model ...")
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)  # per stage: seconds, hbm_bytes, ...
+    kernels: int = 1  # kernels the step launches (megakernel: 1)
+    floor_seconds: float = 0.0  # the HBM floor the model is compared with
+    notes: tuple[str, ...] = ()
+
+    @property
+    def floor_fraction(self) -> float:
+        return self.floor_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "dma_seconds": self.dma_seconds, "compute_seconds": self.compute_seconds,
+                "hbm_bytes": self.hbm_bytes, "floor_seconds": self.floor_seconds,
+                "floor_fraction": self.floor_fraction, "kernels": self.kernels, "source": self.source,
+                "stages": {k: dict(v) for k, v in self.stages.items()}, "notes": list(self.notes)}
+
+
+class _Ledger:
+    """Accumulates stage times, bytes, DMA and MXU seconds while the schedule is walked."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict[str, float]] = {}
+        self.dma = 0.0
+        self.mxu = 0.0
+
+    def add(self, stage: str, seconds: float, hbm_bytes: float = 0.0, dma: float = 0.0, mxu: float = 0.0,
+            times: float = 1.0) -> None:
+        s = self.stages.setdefault(stage, {"seconds": 0.0, "hbm_bytes": 0.0, "dma_seconds": 0.0, "mxu_seconds": 0.0})
+        s["seconds"] += seconds * times
+        s["hbm_bytes"] += hbm_bytes * times
+        s["dma_seconds"] += dma * times
+        s["mxu_seconds"] += mxu * times
+        self.dma += dma * times
+        self.mxu += mxu * times
+
+    @property
+    def seconds(self) -> float:
+        return sum(s["seconds"] for s in self.stages.values())
+
+    @property
+    def hbm_bytes(self) -> float:
+        return sum(s["hbm_bytes"] for s in self.stages.values())
+
+
+# ---------------------------------------------------------------------- the megakernel
+def _passes(dtype: str) -> int:
+    return F32_MXU_PASSES if dtype == "float32" else 1
+
+
+class _Ring:
+    """The weight ring as the kernel walks it: `depth` tiles in flight in one global order.
+    `ahead` is bytes already loaded by the ring while non-ring stages ran (the ring keeps
+    `depth` loads outstanding across them), so the next tiles cost only their compute."""
+
+    def __init__(self, plan, ledger: _Ledger) -> None:
+        self.plan, self.t, self.ledger = plan, plan.target, ledger
+        self.ahead = 0.0
+
+    def family(self, name: str, stage: str, times: float = 1.0, extra_bytes_per_block: float = 0.0) -> None:
+        plan = self.plan
+        f = plan.families[name]
+        tb = float(f.tile_bytes)
+        w = plan.ring_depth * tb
+        compute = mxu_seconds(self.t, f.tile_rows * f.tile_cols, 2.0 * plan.rows * f.tile_rows * f.tile_cols,
+                              _passes(plan.cfg.dtype))
+        n = f.tiles
+        # extra bytes (lm_head logits blocks written back) ride the same engine, per tile
+        extra = extra_bytes_per_block * f.col_blocks / n
+        load = load_seconds(self.t, tb + extra, w, 1.0 + (1.0 if extra else 0.0))
+        ready = min(float(n), self.ahead / tb)  # tiles the ring loaded during earlier stages
+        self.ahead = max(0.0, self.ahead - ready * tb)
+        seconds = ready * compute + (n - ready) * max(load, compute)
+        dma = (n - ready) * load
+        self.ledger.add(stage, seconds, n * (tb + extra), dma, n * compute, times)
+
+    def prefetch_during(self, seconds: float, other_bytes: float, depth_bytes: float) -> None:
+        """The ring keeps loading while a non-ring stage of `seconds` moves `other_bytes`: it gets
+        the bandwidth that stage leaves, up to the `depth` tiles it has outstanding."""
+        spare = max(0.0, seconds * self.t.hbm_bandwidth - other_bytes)
+        self.ahead = min(depth_bytes, self.ahead + spare)
+
+
+def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float) -> tuple[float, float]:
+    """One layer's attention (patch reads, KV tiles, write-backs) at the plan's full context.
+    `extra_bytes` (layer vectors, the MoE router) load meanwhile. Returns (seconds, bytes)."""
+    t, a = plan.target, plan.attention
+    pb = float(a.page_bytes)
+    lengths = [plan.context - plan.q_len] * plan.batch
+    c = a.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
+    patched = c["patched_pages"]
+    # 1. the pages this step writes are read first (K and V), a round trip before the tiles
+    patch_read = DMA_LATENCY_S + load_seconds(t, 2 * patched * pb, 2 * patched * pb, 2 * patched)
+    # 2. KV tiles through kv_buffers slots, 2 * kv_tile_pages page DMAs per tile
+    n_tiles = plan.batch * -(-plan.context // a.tile_rows)
+    tile_hbm = 2 * c["hbm_tile_pages"] * pb / n_tiles
+    window = a.kv_buffers * 2 * a.kv_tile_pages * pb  # all slots load while the loop waits
+    per_head = mxu_seconds(t, a.tile_rows * a.head_dim, 2.0 * a.q_rows * a.tile_rows * a.head_dim, _passes(a.dtype))
+    compute = 2 * a.num_kv_heads * per_head  # q.k^T and p.v per kv head
+    descriptors = 2 * a.kv_tile_pages
+    load = load_seconds(t, tile_hbm, window, descriptors)
+    kv = DMA_LATENCY_S + n_tiles * max(load, compute)
+    # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
+    side = 2 * patched * pb + extra_bytes
+    side_dma = load_seconds(t, side, window + side, 2 * patched + 1)
+    seconds = patch_read + max(kv, n_tiles * load + side_dma)
+    nbytes = 2 * patched * pb + n_tiles * tile_hbm + side
+    dma = patch_read - DMA_LATENCY_S + n_tiles * load + side_dma
+    ledger.add("attention", seconds, nbytes, dma, n_tiles * compute, times)
+    return seconds, nbytes
+
+
+def _moe_stage(plan, ring: _Ring, ledger: _Ledger, times: float) -> None:
+    """Routing, then the shared expert's ring tiles and the routed experts' chunks together."""
+    t, m = plan.target, plan.moe
+    passes = _passes(m.dtype)
+    # routing: router matmul on the MXU, then the expert-id list VMEM -> SMEM (a local round trip)
+    route = mxu_seconds(t, m.hidden * m.experts_padded, 2.0 * m.rows * m.hidden * m.experts_padded, passes) \
+        + DMA_LATENCY_S
+    ledger.add("moe_routing", route, 0.0, 0.0, route - DMA_LATENCY_S, times)
+    ring.prefetch_during(route, 0.0, plan.ring_depth * plan.slot_rows * plan.slot_cols * plan.cfg.dtype_bytes)
+    trips = m.expected_distinct_experts() * m.chunks_per_expert
+    chunk = float(m.chunk_bytes)
+    chunk_compute = mxu_seconds(t, 3 * m.hidden * m.expert_chunk, 2.0 * m.rows * 3 * m.hidden * m.expert_chunk, passes)
+    shared = [n for n in ("shared_gate_up", "shared_down") if n in plan.families]
+    sh_bytes = sh_compute = sh_tiles = 0.0
+    w_ring = 0.0
+    for n in shared:
+        f = plan.families[n]
+        ready = min(float(f.tiles), ring.ahead / f.tile_bytes)
+        ring.ahead = max(0.0, ring.ahead - ready * f.tile_bytes)
+        sh_bytes += (f.tiles - ready) * f.tile_bytes
+        sh_tiles += f.tiles - ready
+        sh_compute += f.tiles * mxu_seconds(t, f.tile_rows * f.tile_cols, 2.0 * plan.rows * f.tile_rows * f.tile_cols,
+                                            passes)
+        w_ring = plan.ring_depth * f.tile_bytes
+    slots = m.expert_slots
+    first = min(float(slots), trips)  # chunks issued right after routing
+    # the shared expert streams through the ring while the first chunks load
+    sh_time = max(load_seconds(t, sh_bytes + first * chunk, w_ring + slots * chunk, sh_tiles + 2 * first), sh_compute)
+    rest = trips - first
+    if slots > 1:  # chunk t + S loads while chunk t is computed
+        rest_load = load_seconds(t, rest * chunk, slots * chunk, 2 * rest)
+        loop = max(rest_load, trips * chunk_compute)
+    else:  # one slot: each load waits for the previous chunk's compute
+        rest_load = rest * load_seconds(t, chunk, chunk, 2)
+        loop = rest_load + trips * chunk_compute
+    dma = load_seconds(t, sh_bytes + first * chunk, w_ring + slots * chunk, sh_tiles + 2 * first) + rest_load
+    compute = sh_compute + trips * chunk_compute
+    # without a shared expert nothing hides the first chunk's latency after routing
+    fill = 0.0 if shared else DMA_LATENCY_S
+    seconds = fill + sh_time + loop
+    ring_bytes_all = sum(plan.families[n].tiles * plan.families[n].tile_bytes for n in shared)
+    ledger.add("experts", seconds, ring_bytes_all + trips * chunk, dma, compute, times)
+    # the ring runs ahead into the next layer while the experts load
+    ring.prefetch_during(seconds, sh_bytes + trips * chunk,
+                         plan.ring_depth * plan.slot_rows * plan.slot_cols * plan.cfg.dtype_bytes)
+
+
+def megakernel_step(plan) -> StepModel:
+    """tpumk's timeline model of the plan's megakernel decode step, walking its schedule.
+
+    Per layer: the q|k|v ring tiles; attention (patch reads, KV tiles through `kv_buffers`
+    slots, write-backs) while the ring's outstanding tiles finish; the o tiles; then dense
+    gate|up and down tiles, or MoE routing and the shared expert's ring tiles sharing the
+    engine with the routed experts' chunks (`expert_slots` in flight). Then the lm_head with
+    its logits write-back, and one kernel boundary for the whole step. Bytes are the plan's
+    own accounting (KV at the full context, experts at the expected distinct count), so
+    `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor."""
+    ledger = _Ledger()
+    ring = _Ring(plan, ledger)
+    cfg, t = plan.cfg, plan.target
+    depth_bytes = plan.ring_depth * plan.slot_rows * plan.slot_cols * cfg.dtype_bytes
+    vec_bytes = plan.hbm.get("layer_vectors", 0.0) / max(cfg.num_layers, 1)
+    router = float(plan.moe.router_bytes) if plan.moe is not None else 0.0
+
+    # kernel entry: dispatch, the kernel's VMEM inputs (embedded rows, cos/sin) copied in, and
+    # the first ring tile's latency (the prologue issues `depth` tiles; the first must land)
+    io = plan.hbm.get("activations_io", 0.0)
+    logits_bytes = float(plan.rows * plan.vocab_pad * 4)
+    inputs = max(0.0, io - logits_bytes)
+    copy_in = load_seconds(t, inputs, inputs, 3)
+    entry = OP_DISPATCH_S + 2 * DMA_LATENCY_S + copy_in
+    ledger.add("kernel_boundary", entry, inputs, copy_in)
+
+    for seg in plan.segments[:-1]:
+        # Every layer of a segment walks the same schedule: model the first layer (entering
+        # from the previous stage) and the steady layer separately, then scale.
+        for first, times in ((True, 1.0), (False, float(seg.num_layers - 1))):
+            if times <= 0:
+                continue
+            ring.family("qkv", "weight_ring", times)
+            extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
+            att, att_bytes = _attention_stage(plan, ledger, extra, times)
+            ring.prefetch_during(att, att_bytes, depth_bytes)
+            ring.family("o", "weight_ring", times)
+            if seg.kind == "dense":
+                ring.family("gate_up", "weight_ring", times)
+                ring.family("down", "weight_ring", times)
+            else:
+                _moe_stage(plan, ring, ledger, times)
+    head = plan.families["lm_head"]
+    ring.family("lm_head", "lm_head", 1.0, extra_bytes_per_block=float(plan.rows * head.tile_cols * 4))
+    ledger.add("kernel_boundary", DMA_LATENCY_S)  # the last logits block's write-back drains
+
+    notes = []
+    floor = plan.floor_seconds
+    seconds = ledger.seconds
+    if seconds < floor:  # cannot happen when every byte is accounted; never report it if it does
+        notes.append(f"model walk gave {seconds * 1e6:.1f} us < HBM floor {floor * 1e6:.1f} us; clamped to the floor")
+        seconds = floor
+    return StepModel(seconds=seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu, hbm_bytes=ledger.hbm_bytes,
+                     source=model_source("megakernel"), stages=ledger.stages, kernels=1, floor_seconds=floor,
+                     notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------- compiled HLO programs
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+# Ops that launch nothing: bookkeeping, views, and XLA-internal zero-copy custom calls.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
+         "add-dependency", "partition-id", "replica-id", "domain"}
+_FREE_CUSTOM = {"ConcatBitcast", "AllocateBuffer", "SliceToDynamic", "PadToStatic"}
+# Top-level elementwise ops on a few scalars run on the scalar unit, not as vector kernels.
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "and", "or", "xor", "not",
+                "negate", "abs", "compare", "select", "convert", "rsqrt", "sqrt", "exp", "log", "shift-left",
+                "shift-right-logical", "shift-right-arithmetic", "clamp", "floor", "ceil", "sign", "power",
+                "is-finite", "iota", "broadcast", "reshape", "pad", "slice", "dynamic-slice"}
+SCALAR_MAX_ELEMENTS = 128  # at most one vector register row: such top-level ops are scalar work
+_SLICING = {"slice", "dynamic-slice", "gather"}
+_VIEWS = {"bitcast", "reshape", "copy", "transpose", "convert"}
+
+
+@dataclass(frozen=True)
+class ArrayShape:
+    dtype: str
+    dims: tuple[int, ...]
+    memory_space: int  # 0 = HBM; 1 = VMEM; others (SMEM, sync flags) are on chip too
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def nbytes(self) -> float:
+        return self.elements * _DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def in_hbm(self) -> bool:
+        return self.memory_space == 0
+
+
+def parse_shapes(text: str) -> list[ArrayShape]:
+    """Every array shape in an HLO type string (a tuple gives several), with its memory space."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append(ArrayShape(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+    return out
+
+
+@dataclass
+class HloInstr:
+    name: str
+    type_text: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    root: bool
+    args: str = ""  # the raw text inside the op's parentheses (a parameter's index)
+
+    @property
+    def shapes(self) -> list[ArrayShape]:
+        return parse_shapes(self.type_text)
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=(\"[^\"]*\"|%?[\w.\-]+|\{{[^}}]*\}})", self.attrs)
+        return m.group(1).strip('"') if m else None
+
+    def backend_config(self) -> dict[str, Any]:
+        i = self.attrs.find("backend_config=")
+        if i < 0:
+            return {}
+        try:
+            return json.JSONDecoder().raw_decode(self.attrs[i + len("backend_config="):])[0]
+        except ValueError:
+            return {}
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """'(f32[2]{0}, s32[]) op(...' -> (type, 'op(...'); handles nested tuple parentheses."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    sp = rest.find(" ")
+    return rest[:sp], rest[sp + 1:].lstrip()
+
+
+def _parse_instr(line: str) -> HloInstr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    type_text, rest = _split_type(m.group(3))
+    p = rest.find("(")
+    if p < 0:
+        return None
+    opcode = rest[:p]
+    depth, end = 0, len(rest)
+    for i in range(p, len(rest)):
+        depth += rest[i] == "("
+        depth -= rest[i] == ")"
+        if depth == 0:
+            end = i
+            break
+    operands = re.findall(r"%([^\s,()]+)", rest[p + 1:end])
+    return HloInstr(m.group(2), type_text, opcode, operands, rest[end + 1:], bool(m.group(1)), rest[p + 1:end])
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[HloInstr]], str]:
+    """(computations by name, the entry computation's name) of an HLO module's text."""
+    comps: dict[str, list[HloInstr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        ins = _parse_instr(line)
+        if ins is not None:
+            comps[current].append(ins)
+    if not entry:
+        raise ValueError("HLO text has no ENTRY computation")
+    return comps, entry
+
+
+@dataclass
+class OpCost:
+    """What one top-level HLO op of a program costs in the timeline model."""
+
+    name: str
+    opcode: str
+    kind: str  # "kernel" | "scalar" | "async_dma" | "free" | "custom_kernel"
+    read_bytes: float = 0.0  # HBM bytes read
+    write_bytes: float = 0.0  # HBM bytes written
+    mxu_seconds: float = 0.0
+    window_bytes: float = 0.0  # VMEM the op's pipeline buffers use (its bytes in flight)
+    times: float = 1.0  # executions per step (while-loop trips)
+
+
+class _Program:
+    def __init__(self, text: str, target: Target):
+        self.comps, self.entry = parse_hlo(text)
+        self.target = target
+        self.by_name = {c: {i.name: i for i in ins} for c, ins in self.comps.items()}
+        self.notes: list[str] = []
+
+    # ---- bytes a fusion really touches
+    def _param_read_bytes(self, comp: str, index: int, full: float) -> float:
+        """HBM bytes a fused computation reads of parameter `index`: only the slices it takes
+        when every use is a slice (a layer of a stacked cache or weight); nothing when the
+        parameter is the buffer an in-place update writes into; else the whole operand."""
+        param = next((i for i in self.comps.get(comp, []) if i.opcode == "parameter" and i.args.strip() == str(index)),
+                     None)
+        if param is None:
+            return full
+        return self._value_read_bytes(comp, param.name, full)
+
+    def _value_read_bytes(self, comp: str, value: str, full: float, depth: int = 0) -> float:
+        if depth > 8:
+            return full
+        users = [i for i in self.comps[comp] if value in i.operands]
+        if not users:  # the root: the caller consumes it whole; otherwise it is dead
+            return full if self.by_name[comp].get(value) is not None and self.by_name[comp][value].root else 0.0
+        total = 0.0
+        for u in users:
+            if u.opcode in _SLICING and u.operands and u.operands[0] == value:
+                # the elements taken, at the source's width (XLA may fold a convert into the slice)
+                src = self.by_name[comp][value].shapes if value in self.by_name[comp] else []
+                width = _DTYPE_BYTES.get(src[0].dtype, 4) if src else 4
+                total += sum(s.elements for s in u.shapes) * width
+            elif u.opcode in ("dynamic-update-slice", "scatter") and u.operands and u.operands[0] == value:
+                total += 0.0  # the buffer updated in place is not read
+            elif u.opcode in ("bitcast", "reshape"):
+                total += self._value_read_bytes(comp, u.name, full, depth + 1)
+            elif u.opcode == "fusion":
+                called = _called(u)
+                k = u.operands.index(value)
+                total += self._param_read_bytes(called, k, full) if called in self.comps else full
+            else:
+                return full
+        return min(total, full)
+
+    def _write_bytes(self, comp: str, out_bytes: float) -> float:
+        """HBM bytes a fused computation writes: the update only, when its root updates a
+        parameter's buffer in place (dynamic-update-slice / scatter)."""
+        instrs = self.comps.get(comp, [])
+        root = next((i for i in instrs if i.root), None)
+        if root is None:
+            return out_bytes
+        roots = [self.by_name[comp][o] for o in root.operands if o in self.by_name[comp]] if root.opcode == "tuple" \
+            else [root]
+        total = 0.0
+        for r in roots:
+            while r.opcode in ("bitcast", "reshape") and r.operands and r.operands[0] in self.by_name[comp]:
+                r = self.by_name[comp][r.operands[0]]
+            if r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
+                total += self._shape_bytes(comp, r.operands[1])
+            elif r.opcode == "scatter" and len(r.operands) > 2:
+                total += self._shape_bytes(comp, r.operands[2])
+            elif r.opcode == "fusion" and _called(r) in self.comps:
+                total += self._write_bytes(_called(r), sum(s.nbytes for s in r.shapes))
+            else:
+                total += sum(s.nbytes for s in r.shapes)
+        return min(total, out_bytes) if out_bytes else total
+
+    def _shape_bytes(self, comp: str, name: str) -> float:
+        ins = self.by_name[comp].get(name)
+        return sum(s.nbytes for s in ins.shapes) if ins else 0.0
+
+    # ---- MXU work
+    def _mxu_instr(self, comp: str, i: HloInstr) -> float:
+        ops = [self.by_name[comp].get(o) for o in i.operands[:2]]
+        if len(ops) < 2 or any(o is None or not o.shapes for o in ops):
+            return 0.0
+        a, b = ops[0].shapes[0], ops[1].shapes[0]
+        out = i.shapes[0]
+        prec = i.attr("operand_precision") or ""
+        passes = 1
+        if "f32" in (a.dtype, b.dtype):
+            passes = F32_MXU_PASSES if "highest" in prec else (3 if "high" in prec else 1)
+        return mxu_seconds(self.target, max(a.elements, b.elements), 2.0 * out.elements * _contracting(i, a, b), passes)
+
+    def _mxu(self, comp: str, depth: int = 0) -> float:
+        seconds = 0.0
+        for i in self.comps.get(comp, []):
+            if i.opcode in ("convolution", "dot"):
+                seconds += self._mxu_instr(comp, i)
+            elif i.opcode == "fusion" and depth < 8:
+                seconds += self._mxu(_called(i), depth + 1)
+        return seconds
+
+    # ---- walk the entry computation
+    def ops(self) -> list[OpCost]:
+        return self._walk(self.entry, 1.0, 0)
+
+    def _walk(self, comp: str, times: float, depth: int) -> list[OpCost]:
+        out: list[OpCost] = []
+        for i in self.comps[comp]:
+            op = i.opcode
+            if op in _FREE or op.endswith("-done") or op.endswith("-update"):
+                out.append(OpCost(i.name, op, "free", times=times))
+                continue
+            if op == "custom-call" and (i.attr("custom_call_target") or "") in _FREE_CUSTOM:
+                out.append(OpCost(i.name, op, "free", times=times))
+                continue
+            if op in ("copy-start", "slice-start"):  # an async DMA that overlaps other ops
+                shapes = i.shapes
+                if len(shapes) >= 2:
+                    dst, src = (shapes[0], shapes[1]) if op == "copy-start" else (shapes[-2], shapes[0])
+                    hbm_to_chip = src.in_hbm and not dst.in_hbm
+                    chip_to_hbm = dst.in_hbm and not src.in_hbm
+                    out.append(OpCost(i.name, op, "async_dma", read_bytes=dst.nbytes if hbm_to_chip else 0.0,
+                                      write_bytes=dst.nbytes if chip_to_hbm else 0.0, times=times))
+                    continue
+            if op == "while" and depth < 4:
+                trips = _trip_count(i)
+                if trips is None:
+                    self.notes.append(f"while loop {i.name}: trip count unknown, its body counted once")
+                    trips = 1
+                body = i.attr("body")
+                if body and body.lstrip("%") in self.comps:
+                    out += self._walk(body.lstrip("%"), times * trips, depth + 1)
+                continue
+            if op in ("call", "conditional") and depth < 4:
+                # a call's computation, or a conditional's first branch
+                for c in re.findall(r"%([\w.\-]+)", i.attr("to_apply") or i.attrs):
+                    if c in self.comps:
+                        out += self._walk(c, times, depth + 1)
+                        break
+                continue
+            result = i.shapes
+            if op in _ELEMENTWISE and sum(s.elements for s in result) <= SCALAR_MAX_ELEMENTS:
+                out.append(OpCost(i.name, op, "scalar", times=times))
+                continue
+            if op == "custom-call" and "tpu_custom_call" in (i.attr("custom_call_target") or ""):
+                out.append(OpCost(i.name, op, "custom_kernel", times=times))
+                continue
+            out.append(self._kernel_cost(comp, i, times))
+        return out
+
+    def _kernel_cost(self, comp: str, i: HloInstr, times: float) -> OpCost:
+        names = self.by_name[comp]
+        called = _called(i) if i.opcode in ("fusion", "async-start") else None
+        read = 0.0
+        for k, o in enumerate(i.operands):
+            src = names.get(o)
+            if src is None:
+                continue
+            for s in src.shapes[:1] if src.opcode != "tuple" else src.shapes:
+                if not s.in_hbm:
+                    continue
+                full = s.nbytes
+                if called in self.comps:
+                    read += self._param_read_bytes(called, k, full)
+                elif i.opcode in ("dynamic-update-slice", "scatter") and k == 0:
+                    pass  # in place: the buffer is not read
+                elif i.opcode in _SLICING and k == 0:
+                    read += sum(x.nbytes for x in i.shapes)
+                else:
+                    read += full
+        out_hbm = sum(s.nbytes for s in i.shapes if s.in_hbm)
+        if out_hbm and called in self.comps:
+            write = self._write_bytes(called, out_hbm)
+        elif out_hbm and i.opcode == "dynamic-update-slice":
+            write = self._shape_bytes(comp, i.operands[1]) if len(i.operands) > 1 else out_hbm
+        elif out_hbm and i.opcode == "scatter":
+            write = self._shape_bytes(comp, i.operands[2]) if len(i.operands) > 2 else out_hbm
+        else:
+            write = out_hbm
+        cfg = i.backend_config()
+        window = sum(float(c.get("size", 0)) for c in cfg.get("used_scoped_memory_configs", []) or [])
+        if called in self.comps:
+            mxu = self._mxu(called)
+        else:
+            mxu = self._mxu_instr(comp, i) if i.opcode in ("convolution", "dot") else 0.0
+        return OpCost(i.name, i.opcode, "kernel", read, write, mxu, window, times)
+
+
+def _called(i: HloInstr) -> str:
+    c = i.attr("calls")
+    return c.lstrip("%") if c else ""
+
+
+def _trip_count(i: HloInstr) -> int | None:
+    n = i.backend_config().get("known_trip_count", {}).get("n")
+    return int(n) if n is not None else None
+
+
+def _contracting(i: HloInstr, a: ArrayShape, b: ArrayShape) -> int:
+    """Contraction length of a dot / convolution (matmuls lowered to convolutions included;
+    spatial windows used as batching tricks are not counted as extra work)."""
+    if i.opcode == "dot":
+        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", i.attrs)
+        idx = [int(d) for d in dims.group(1).split(",") if d] if dims else []
+        return math.prod(a.dims[d] for d in idx) if idx else 1
+    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->", i.attrs)
+    if not labels:
+        return 1
+    kernel = labels.group(2)
+    return b.dims[kernel.index("i")] if "i" in kernel and len(b.dims) == len(kernel) else 1
+
+
+def program_ops(target: Target, hlo_text: str) -> tuple[list[OpCost], list[str]]:
+    """The cost of every top-level op of a compiled program's HLO, and notes on what the
+    parse could not resolve (e.g. a while loop without a known trip count)."""
+    prog = _Program(hlo_text, target)
+    return prog.ops(), prog.notes
+
+
+def kernel_op_seconds(target: Target, op: OpCost) -> tuple[float, float, float]:
+    """(seconds, dma_seconds, boundary_seconds) of one kernel op: dispatch, a pipeline fill when
+    it reads HBM and a drain when it writes HBM, and max(its DMA, its MXU work) in between;
+    its bytes in flight are its pipeline buffers in VMEM (the whole op when it has none)."""
+    nbytes = op.read_bytes + op.write_bytes
+    window = min(nbytes, op.window_bytes) if op.window_bytes > 0 else nbytes
+    windows = math.ceil(nbytes / max(window / 2, 1.0)) if nbytes else 0  # double-buffered blocks
+    dma = load_seconds(target, nbytes, window, windows) if nbytes else 0.0
+    boundary = OP_DISPATCH_S + (DMA_LATENCY_S if op.read_bytes else 0.0) + (DMA_LATENCY_S if op.write_bytes else 0.0)
+    return boundary + max(dma, op.mxu_seconds), dma, boundary
+
+
+def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, floor_seconds: float = 0.0,
+             what: str = "XLA program") -> StepModel:
+    """tpumk's timeline model of a compiled program, op by op, from its post-optimization HLO.
+
+    Each kernel op (fusion, copy, in-place update, ...) is costed by `kernel_op_seconds`: its
+    HBM bytes (operands and results not placed in VMEM by XLA; only the slices a fusion takes
+    of a big operand; only the update of an in-place update), its MXU work (`mxu_seconds` of
+    each dot / convolution), and a boundary (dispatch, fill, drain); nothing streams across
+    ops. Async copies XLA issues (prefetches into VMEM) overlap other ops: their bytes cost
+    time only beyond the DMA slack the kernels leave. Scalar-unit ops and views cost nothing.
+    Ops inside a while loop count once per trip (known trip counts).
+
+    `kernel`: the model of the program's Pallas kernel (a `tpu_custom_call`), e.g.
+    `megakernel_step(plan)`; its time replaces that op's (it already includes its boundary).
+    `floor_seconds`: the step's HBM floor, kept on the result for floor fractions."""
+    ops, notes = program_ops(target, hlo_text)
+    ledger = _Ledger()
+    slack = 0.0
+    background = 0.0
+    kernels = 0
+    for op in ops:
+        if op.kind == "kernel":
+            seconds, dma, boundary = kernel_op_seconds(target, op)
+            stage = "matmul ops" if op.mxu_seconds > 0 else ("copies" if op.opcode == "copy" else "other ops")
+            ledger.add(stage, seconds - boundary, op.read_bytes + op.write_bytes, dma, op.mxu_seconds, op.times)
+            ledger.add("kernel boundaries", boundary, times=op.times)
+            slack += (seconds - dma) * op.times
+            kernels += int(op.times)
+        elif op.kind == "custom_kernel":
+            if kernel is None:
+                raise ValueError(f"{what}: op {op.name} is a Pallas kernel; pass its model as `kernel`")
+            for name, st in kernel.stages.items():
+                ledger.add(f"pallas: {name}", st["seconds"], st["hbm_bytes"], st["dma_seconds"], st["mxu_seconds"],
+                           op.times)
+            kernels += int(op.times)
+        elif op.kind == "async_dma":
+            background += (op.read_bytes + op.write_bytes) * op.times
+    if background:
+        # prefetches run on the engine while kernels compute or wait on boundaries
+        busy = load_seconds(target, background, background, 1.0)
+        ledger.add("async prefetch", max(0.0, busy - slack), background, busy)
+    return StepModel(seconds=ledger.seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu,
+                     hbm_bytes=ledger.hbm_bytes, source=model_source(what), stages=ledger.stages, kernels=kernels,
+                     floor_seconds=floor_seconds, notes=tuple(notes))
