@@ -77,7 +77,7 @@ from typing import Any, Callable
 
 from tpumk.cache_key import cache_key, canonical, key_inputs
 from tpumk.config import ModelConfig
-from tpumk.errors import ConfigError, PlanError, TpumkError
+from tpumk.errors import ConfigError, PlanError
 from tpumk.targets import Target
 from tpumk.tomlfile import write_text_atomic
 from tpumk.tune_objectives import ObjectiveChoice
@@ -277,10 +277,10 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
             # SQLAlchemy 2.1 defaults to the psycopg 3 driver; tpumk depends on psycopg2-binary.
             url = "postgresql+psycopg2://" + url.split("://", 1)[1]
         if url.startswith("postgresql+psycopg2://"):
-            try:
-                import psycopg2  # noqa: F401
-            except ImportError:
-                raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)") from None
+            import importlib.util
+
+            if importlib.util.find_spec("psycopg2") is None:
+                raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -738,8 +738,6 @@ def run(problem: Problem, space: TuningSpace, objective: ObjectiveChoice, settin
         progress: Callable[[int, int, float | None], None] | None = None) -> TuneResult:
     """Run (or resume) the study until it has `settings.trials` evaluated trials (see the
     module docstring: trials pruned before compiling do not count, up to a cap)."""
-    import optuna
-
     settings.validate()
     if objective.name == "device" and settings.workers > 1:
         raise ConfigError(f"--workers {settings.workers}: the device objective times trials one at a time on the "
