@@ -30,8 +30,9 @@ def emit_json(obj) -> None:
 
 
 
-def build_options(fn):
-    """The options every command that builds a step shares (build, and later export/tune/bench)."""
+def model_options(fn):
+    """The model/target/shape options of every command that builds a step (build, export,
+    cache-key, bench, tune)."""
     opts = [
         click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe)."),
         click.option("--checkpoint", type=click.Path(), help="Take the model config from a Hugging Face checkpoint directory."),
@@ -41,11 +42,17 @@ def build_options(fn):
         click.option("--context", default=4096, show_default=True, help="Max tokens per sequence (KV cache capacity)."),
         click.option("--q-len", default=1, show_default=True, help="New tokens per sequence per step (>1: speculative verification)."),
         click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page."),
-        click.option("--tuning", "tuning_file", type=click.Path(), help="Tuning TOML ([tuning] table); default knobs otherwise."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
     return fn
+
+
+def build_options(fn):
+    """model_options plus --tuning (tune has no --tuning: a study searches the knobs itself)."""
+    fn = click.option("--tuning", "tuning_file", type=click.Path(),
+                      help="Tuning TOML ([tuning] table); default knobs otherwise.")(fn)
+    return model_options(fn)
 
 
 def resolve_build_inputs(model, checkpoint, dtype, target, tuning_file):

@@ -11,25 +11,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from tpumk.cli_options import emit_json, fail_cleanly
-
-
-def _model_options(fn):
-    """The build options of tpumk.cli_options.build_options, without --tuning: a study searches
-    the knobs itself and compares against the default configuration."""
-    opts = [
-        click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe)."),
-        click.option("--checkpoint", type=click.Path(), help="Take the model config from a Hugging Face checkpoint directory."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype."),
-        click.option("--target", default="tpu7x", show_default=True, help="v5e, v5p, v6e, tpu7x or cpu."),
-        click.option("--batch", default=1, show_default=True, help="Sequences per decode step."),
-        click.option("--context", default=4096, show_default=True, help="Max tokens per sequence (KV cache capacity)."),
-        click.option("--q-len", default=1, show_default=True, help="New tokens per sequence per step (>1: speculative verification)."),
-        click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+from tpumk.cli_options import emit_json, fail_cleanly, model_options
 
 
 def _us(s) -> str:
@@ -103,7 +85,7 @@ class _Bar:
 
 
 @click.command()
-@_model_options
+@model_options
 @click.option("--space", "space_file", type=click.Path(), help="Tuning space TOML (default tuning_spaces/default.toml).")
 @click.option("--trials", default=30, show_default=True,
               help="Evaluated trials the study ends with (complete, or pruned by the compiler); "
