@@ -1,6 +1,6 @@
 """Run `tpumk bench` over the presets and record the side-by-side table (BENCHMARKS.md).
 
-For every (preset, target, batch) it runs the same path as `tpumk bench` (tpumk.bench.run_bench):
+For every (preset, target, batch) it runs the same path as `tpumk bench` (tpumk.decode.bench.run_bench):
 both steps compiled for the target (deviceless without a TPU), compile seconds measured here,
 HBM bytes (plan / XLA cost_analysis), kernels launched, and the step times: measured when the
 target's TPU is attached, else tpumk's timeline model of both compiled programs. A combination
@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     if args.remodel:
         return remodel(args)
 
-    from tpumk.bench import run_bench
-    from tpumk.config import load_preset
+    from tpumk.decode.bench import run_bench
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.model.config import load_preset
     from tpumk.errors import PlanError
     from tpumk.targets import get_target
     from tpumk.tomlfile import write_text_atomic
@@ -76,8 +77,8 @@ def main(argv=None) -> int:
                        "page_size": args.page_size, "command": cmd}
                 t0 = time.perf_counter()
                 try:
-                    r = run_bench(load_preset(preset), get_target(target_name), batch, args.context,
-                                  page_size=args.page_size, keep_hlo=bool(args.save_hlo))
+                    r = run_bench(BuildSpec(load_preset(preset), get_target(target_name), batch, args.context,
+                                            page_size=args.page_size), keep_hlo=bool(args.save_hlo))
                 except PlanError as e:
                     row["skipped"] = str(e)
                 else:
@@ -105,13 +106,14 @@ def _hlo_path(d: Path, row: dict, side: str) -> Path:
 
 def remodel(args) -> int:
     """Recompute every row's figures from its saved HLO with the current model (no compiles)."""
-    from tpumk.bench import Compiles, compare
-    from tpumk.config import load_preset
-    from tpumk.plan import make_plan
+    from tpumk.decode.bench import Compiles, compare
+    from tpumk.model.config import load_preset
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import DEFAULT_PAGE_SIZE, BuildSpec
     from tpumk.targets import get_target
     from tpumk.tomlfile import write_text_atomic
 
-    from tpumk import costmodel
+    from tpumk.estimate import timeline as costmodel
 
     if args.constants:
         costmodel.DMA_LATENCY_S, costmodel.DMA_DESCRIPTOR_S, costmodel.OP_DISPATCH_S = \
@@ -126,8 +128,8 @@ def remodel(args) -> int:
                 "megakernel_lower_seconds": old["megakernel"]["lower_seconds"],
                 "xla_compile_seconds": old["xla"]["compile_seconds"], "xla_lower_seconds": old["xla"]["lower_seconds"],
                 "xla_cost_bytes": old["xla"]["hbm_bytes"]}
-            plan = make_plan(load_preset(row["preset"]), get_target(row["target"]), row["batch"], row["context"],
-                             page_size=row.get("page_size", 16))
+            plan = make_plan(BuildSpec(load_preset(row["preset"]), get_target(row["target"]), row["batch"],
+                                       row["context"], page_size=row.get("page_size", DEFAULT_PAGE_SIZE)))
             compiles = Compiles(_hlo_path(d, row, "megakernel").read_text(), _hlo_path(d, row, "xla").read_text(), **c)
             r = compare(plan, compiles)
             row.update(_row(r))

@@ -4,7 +4,7 @@ For every (preset, target, batch) it runs the same path as `tpumk build` (tpumk.
 the plan's VMEM and HBM bytes per step and the HBM floor (tpumk's accounting), the measured
 deviceless compile time on this host, the number of Pallas kernels in the compiled step (must
 be 1), and on v6e / tpu7x the whole-step estimate: the TPU compiler's static profile plus the
-modelled nested-loop trips, converted by the stated calibration (tpumk.calibration). Nothing
+modelled nested-loop trips, converted by the stated calibration (tpumk.estimate.calibration). Nothing
 here is measured on a TPU.
 
     python benchmarks/build_presets.py [--preset qwen3-8b ...] [--target tpu7x ...] [--batch 1 8]
@@ -33,10 +33,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from tpumk.build import build
-    from tpumk.config import load_preset
+    from tpumk.model.config import load_preset
     from tpumk.errors import PlanError
     from tpumk.targets import get_target
-    from tpumk.tuning import TuningConfig, load_tuning
+    from tpumk.plan.knobs import TuningConfig, load_tuning
+    from tpumk.plan.spec import BuildSpec
 
     tuning = load_tuning(args.tuning) if args.tuning else TuningConfig()
     rows = []
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
             for batch in args.batch:
                 row = {"preset": preset, "target": target_name, "batch": batch, "context": args.context}
                 try:
-                    r = build(load_preset(preset), get_target(target_name), batch, args.context, tuning,
+                    r = build(BuildSpec(load_preset(preset), get_target(target_name), batch, args.context, tuning),
                               estimate=not args.no_estimate).report
                 except PlanError as e:
                     row["plan_error"] = str(e)

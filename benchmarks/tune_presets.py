@@ -1,6 +1,6 @@
 """Tune the full-size presets' megakernels deviceless and print what the tuner found.
 
-For every (preset, batch) on the target it runs `tpumk tune`'s study (tpumk.tune.run) over a
+For every (preset, batch) on the target it runs `tpumk tune`'s study (tpumk.tune.study.run) over a
 tuning space and prints: the trials run (finished; how many compiled), the wall time on this
 host, the default and the best configuration's step time, best / default, the number of
 finished trials until one came within 5 % of the best, and the best step against the HBM floor.
@@ -44,11 +44,12 @@ def main(argv=None) -> int:
 
     import optuna
 
-    from tpumk import tune as T
-    from tpumk.config import load_preset
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.tune import study as T
+    from tpumk.model.config import load_preset
     from tpumk.targets import get_target
-    from tpumk.tune_objectives import attached_tpu_kind, choose_objective
-    from tpumk.tuning_space import DEFAULT_SPACE_PATH, load_space
+    from tpumk.tune.objectives import attached_tpu_kind, choose_objective
+    from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
 
     optuna.logging.set_verbosity(logging.ERROR)
     space = load_space(args.space or DEFAULT_SPACE_PATH)
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     for preset in args.preset:
         for batch in args.batch:
             cfg = load_preset(preset)
-            problem = T.Problem(cfg, target, batch, args.context)
+            problem = BuildSpec(cfg, target, batch, args.context)
             choice = choose_objective(args.objective, cfg, target, attached_tpu_kind())
             settings = T.TuneSettings(trials=args.trials, timeout=args.timeout, workers=args.workers, seed=args.seed)
             name = T.study_name_for(problem, space, choice.name)

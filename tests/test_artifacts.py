@@ -11,19 +11,19 @@ import jax
 import pytest
 from click.testing import CliRunner
 
-from tpumk import artifacts as A
-from tpumk.cache_key import key_for
-from tpumk.config import load_preset
+from tpumk.export import artifacts as A
+from tpumk.compile.keys import key_for
+from tpumk.model.config import load_preset
 from tpumk.errors import ArtifactError
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
 
 CONTEXT, PAGE = 32, 16
 
 
 def _export(out_dir, target):
-    return A.export(load_preset("tiny-dense"), get_target(target), batch=1, context=CONTEXT, tuning=TuningConfig(),
-                    q_len=1, page_size=PAGE, out_dir=out_dir)
+    return A.export(BuildSpec(load_preset("tiny-dense"), get_target(target), batch=1, context=CONTEXT, tuning=TuningConfig(), q_len=1, page_size=PAGE), out_dir=out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,9 @@ LOAD_AND_GENERATE = r"""
 import json, sys
 import jax.numpy as jnp, numpy as np
 import tpumk
-from tpumk import reference as R
-from tpumk.config import load_preset
-from tpumk.weights import random_params
+from tpumk.model import reference as R
+from tpumk.model.config import load_preset
+from tpumk.model.weights import random_params
 
 step = tpumk.load(sys.argv[1], use=sys.argv[2])
 cfg = load_preset("tiny-dense")
@@ -91,11 +91,12 @@ def test_cpu_export_loads_in_fresh_process_and_generates_reference_tokens(cpu_ar
 
 
 KEY = r"""
-from tpumk.cache_key import key_for
-from tpumk.config import load_preset
+from tpumk.compile.keys import key_for
+from tpumk.model.config import load_preset
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
-print(key_for(load_preset("tiny-dense"), get_target("tpu7x"), 1, 32, 1, 16, TuningConfig()))
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
+print(key_for(BuildSpec(load_preset("tiny-dense"), get_target("tpu7x"), 1, 32, TuningConfig(), 1, 16)))
 """
 
 
@@ -104,16 +105,16 @@ def test_cache_key_stable_across_processes_and_sensitive_to_inputs():
             for _ in range(2)}
     assert len(keys) == 1
     cfg, t, tun = load_preset("tiny-dense"), get_target("tpu7x"), TuningConfig()
-    base = key_for(cfg, t, 1, 32, 1, 16, tun)
+    base = key_for(BuildSpec(cfg, t, 1, 32, tun, 1, 16))
     assert base in keys
     variants = [
-        key_for(cfg.replace(rms_eps=cfg.rms_eps * 2), t, 1, 32, 1, 16, tun),
-        key_for(cfg, get_target("v6e"), 1, 32, 1, 16, tun),
-        key_for(cfg, t, 2, 32, 1, 16, tun),
-        key_for(cfg, t, 1, 64, 1, 16, tun),
-        key_for(cfg, t, 1, 32, 2, 16, tun),
-        key_for(cfg, t, 1, 32, 1, 32, tun),
-        key_for(cfg, t, 1, 32, 1, 16, tun.replace(ring_depth=tun.ring_depth + 1)),
+        key_for(BuildSpec(cfg.replace(rms_eps=cfg.rms_eps * 2), t, 1, 32, tun, 1, 16)),
+        key_for(BuildSpec(cfg, get_target("v6e"), 1, 32, tun, 1, 16)),
+        key_for(BuildSpec(cfg, t, 2, 32, tun, 1, 16)),
+        key_for(BuildSpec(cfg, t, 1, 64, tun, 1, 16)),
+        key_for(BuildSpec(cfg, t, 1, 32, tun, 2, 16)),
+        key_for(BuildSpec(cfg, t, 1, 32, tun, 1, 32)),
+        key_for(BuildSpec(cfg, t, 1, 32, tun.replace(ring_depth=tun.ring_depth + 1), 1, 16)),
     ]
     assert len({base, *variants}) == len(variants) + 1
 
@@ -121,9 +122,9 @@ def test_cache_key_stable_across_processes_and_sensitive_to_inputs():
 def test_cache_key_covers_compile_flags(monkeypatch):
     cfg, t = load_preset("tiny-dense"), get_target("tpu7x")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    base = key_for(cfg, t, 1, 32, 1, 16, TuningConfig())
+    base = key_for(BuildSpec(cfg, t, 1, 32, TuningConfig(), 1, 16))
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    assert key_for(cfg, t, 1, 32, 1, 16, TuningConfig()) != base
+    assert key_for(BuildSpec(cfg, t, 1, 32, TuningConfig(), 1, 16)) != base
 
 
 def test_hash_mismatch_truncated_and_altered(tpu_artifact, tmp_path):

@@ -24,9 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk import reference, static_profile
-from tpumk.compile import compile_for
-from tpumk.config import ModelConfig
+from tpumk.model import reference
+
+from tpumk.estimate import static_profile
+from tpumk.compile.aot import compile_for
+from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.kernel.attention import (AttentionGeometry, attention_prefetch, attention_scratch,
                                     attention_stage)
@@ -162,7 +164,7 @@ def make_inputs(case: Case, layer_loop: bool = False, seed: int = 0):
 
 
 def expected(case: Case, layer, tables, lengths, positions, q, k_new, v_new, k, v):
-    """One layer of tpumk.reference.decode_step: in-place page writes, gather, reference.attend."""
+    """One layer of tpumk.model.reference.decode_step: in-place page writes, gather, reference.attend."""
     geom = case.geometry()
     b, t, ps = case.batch, case.q_len, geom.page_size
     cfg = ModelConfig(name="attention-test", num_layers=NUM_LAYERS, hidden_size=geom.q_size,
@@ -264,7 +266,7 @@ def test_attention_stage_compiles_deviceless(name, target):
 _PROFILE_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tpumk import static_profile
+from tpumk.estimate import static_profile
 static_profile.enable(sys.argv[2])  # before JAX starts libtpu: the flag is read once per process
 import test_attention_stage as t
 out = {}

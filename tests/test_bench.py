@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tpumk import reference as ref
-from tpumk.bench import (compile_program, make_xla_step, measure_seconds, paged_to_head_major, xla_decode_step,
+from tpumk.model import reference as ref
+from tpumk.decode.bench import (compile_program, make_xla_step, measure_seconds, paged_to_head_major, xla_decode_step,
                          xla_step_specs)
 from tpumk.cli import main
-from tpumk.config import load_preset
-from tpumk.plan import make_plan
+from tpumk.model.config import load_preset
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.weights import random_params
+from tpumk.model.weights import random_params
+from tpumk.plan.spec import BuildSpec
 
 
 def _bench(*args) -> dict:
@@ -42,7 +43,7 @@ def _consistent(r: dict, preset: str, target: str, batch: int, dtype: str | None
     cfg = load_preset(preset)
     if dtype:
         cfg = cfg.replace(dtype=dtype)
-    plan = make_plan(cfg, get_target(target), batch, 4096)
+    plan = make_plan(BuildSpec(cfg, get_target(target), batch, 4096))
     assert (r["model"], r["target"], r["batch"]) == (preset, target, batch)
     mk, x = r["megakernel"], r["xla"]
     for side in (mk, x):
@@ -79,11 +80,11 @@ def test_tiny_moe_bench_is_consistent(tiny_moe):
 
 
 def test_bench_reports_the_verify_step_beside_the_plain_one(tiny_moe):
-    from tpumk.costmodel import megakernel_step
+    from tpumk.estimate.timeline import megakernel_step
 
     v = tiny_moe["verify"]
     cfg = load_preset("tiny-moe")
-    plain, vp = make_plan(cfg, get_target("tpu7x"), 1, 4096), make_plan(cfg, get_target("tpu7x"), 1, 4096, q_len=8)
+    plain, vp = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, 4096)), make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, 4096, q_len=8))
     assert v["feasible"] and v["q_len"] == 8 and v["draft_tokens"] == 7
     assert v["hbm_bytes"] == pytest.approx(vp.hbm_bytes) and v["floor_seconds"] == pytest.approx(vp.floor_seconds)
     assert v["kernel_seconds"] == pytest.approx(megakernel_step(vp).seconds)

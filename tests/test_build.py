@@ -1,7 +1,7 @@
 """`tpumk build`: one kernel per step, a plan checked before compiling, estimates with provenance.
 
 Builds run through the CLI in subprocesses, as a user runs them: the compiler's static
-estimate comes from a separate profiling process (tpumk.estimate), which these tests exercise.
+estimate comes from a separate profiling process (tpumk.estimate.profiler), which these tests exercise.
 """
 
 import json

@@ -40,7 +40,9 @@ def test_generate_json_matches_library_reference():
     r = run("generate", "--model", "tiny-moe", "--prompt-ids", "1,2,3;4,5", "--steps", "4", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
-    from tpumk import config, reference, weights
+    from tpumk.model import config
+    from tpumk.model import reference
+    from tpumk.model import weights
 
     cfg = config.load_preset("tiny-moe")
     want, _ = reference.greedy_generate(weights.random_params(cfg, 0), cfg, [[1, 2, 3], [4, 5]], 4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpumk.config import (ModelConfig, from_dict, from_hf_config, load_hf_config, load_preset, load_toml,
+from tpumk.model.config import (ModelConfig, from_dict, from_hf_config, load_hf_config, load_preset, load_toml,
                           preset_names, resolve_model)
 from tpumk.errors import ConfigError, NotSupportedError
 

@@ -1,4 +1,4 @@
-"""tpumk's timeline model (tpumk.costmodel): the published-ring check, the HBM floor, knob
+"""tpumk's timeline model (tpumk.estimate.timeline): the published-ring check, the HBM floor, knob
 responses, MoE vs dense, and the XLA side's reading of compiled HLO. No compiles here except
 one small XLA program (tiny-dense on tpu7x, a few seconds)."""
 
@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tpumk import costmodel as cm
-from tpumk.config import load_preset
+from tpumk.estimate import timeline as cm
+from tpumk.model.config import load_preset
 from tpumk.errors import PlanError
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
 
 MIB = 2**20
 TPU7X = get_target("tpu7x")
@@ -74,7 +75,7 @@ PLANS = [("tiny-dense", "tpu7x", 1), ("tiny-moe", "tpu7x", 8), ("tiny-moe", "v6e
 
 @pytest.mark.parametrize("preset, target, batch", PLANS)
 def test_never_beats_the_floor_and_moves_the_plans_bytes(preset, target, batch):
-    plan = make_plan(load_preset(preset), get_target(target), batch, 4096)
+    plan = make_plan(BuildSpec(load_preset(preset), get_target(target), batch, 4096))
     m = cm.megakernel_step(plan)
     assert m.hbm_bytes == pytest.approx(plan.hbm_bytes, rel=1e-9)
     assert m.seconds >= plan.floor_seconds
@@ -89,14 +90,14 @@ def test_never_beats_the_floor_and_moves_the_plans_bytes(preset, target, batch):
                                     dict(kv_buffers=2, kv_tile_pages=1), dict(expert_slots=1),
                                     dict(expert_slots=8, expert_chunk=128)])
 def test_never_beats_the_floor_for_odd_knobs(tuning):
-    plan = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 4, 4096, TuningConfig(**tuning))
+    plan = make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), TPU7X, 4, 4096, TuningConfig(**tuning)))
     m = cm.megakernel_step(plan)
     assert m.seconds >= plan.floor_seconds
     assert m.hbm_bytes == pytest.approx(plan.hbm_bytes, rel=1e-9)
 
 
 def _seconds(preset, batch=1, target=TPU7X, page_size=16, **knobs) -> float:
-    plan = make_plan(load_preset(preset), target, batch, 4096, TuningConfig(**knobs), page_size=page_size)
+    plan = make_plan(BuildSpec(load_preset(preset), target, batch, 4096, TuningConfig(**knobs), page_size=page_size))
     return cm.megakernel_step(plan).seconds
 
 
@@ -124,8 +125,8 @@ def test_kv_buffers_and_tile_size_matter():
 
 
 def test_moe_reads_only_routed_experts_and_dense_does_not_route():
-    moe = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096)
-    dense = make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096)
+    moe = make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096))
+    dense = make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, 1, 4096))
     m, d = cm.megakernel_step(moe), cm.megakernel_step(dense)
     assert {"moe_routing", "experts"} <= set(m.stages) and not {"moe_routing", "experts"} & set(d.stages)
     # the experts stage moves the plan's expected distinct experts (plus the shared expert's tiles)
@@ -133,7 +134,7 @@ def test_moe_reads_only_routed_experts_and_dense_does_not_route():
     routed = moe.hbm["experts_and_router"] - moe.moe.num_moe_layers * moe.moe.router_bytes
     assert m.stages["experts"]["hbm_bytes"] == pytest.approx(shared + routed, rel=1e-9)
     # more tokens route to more distinct experts: the experts stage grows, the dense ring does not
-    m8 = cm.megakernel_step(make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 8, 4096))
+    m8 = cm.megakernel_step(make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), TPU7X, 8, 4096)))
     assert m8.stages["experts"]["seconds"] > 2 * m.stages["experts"]["seconds"]
     assert m8.stages["weight_ring"]["seconds"] == pytest.approx(m.stages["weight_ring"]["seconds"], rel=0.05)
     # one expert slot serialises loads and compute
@@ -142,8 +143,8 @@ def test_moe_reads_only_routed_experts_and_dense_does_not_route():
 
 def test_moe_step_costs_what_its_bytes_cost_not_its_parameters():
     """qwen3-30b-a3b has ~4x qwen3-8b's parameters but moves fewer bytes per step at batch 1."""
-    moe = make_plan(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096)
-    dense = make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096)
+    moe = make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), TPU7X, 1, 4096))
+    dense = make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, 1, 4096))
     assert moe.cfg.param_count() > 3 * dense.cfg.param_count()
     assert moe.hbm_bytes < dense.hbm_bytes
     assert cm.megakernel_step(moe).seconds < cm.megakernel_step(dense).seconds
@@ -156,7 +157,7 @@ def test_slower_chip_is_slower():
 
 def test_infeasible_plan_is_rejected_before_modelling():
     with pytest.raises(PlanError):
-        make_plan(load_preset("qwen3-8b"), TPU7X, 1, 4096, TuningConfig(ring_depth=64, tile_bytes=4 * MIB))
+        make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, 1, 4096, TuningConfig(ring_depth=64, tile_bytes=4 * MIB)))
 
 
 # ---------------------------------------------------------------------- xla_step on HLO text
@@ -240,7 +241,7 @@ def test_pallas_kernel_needs_its_model():
                              '%j = f32[8,1024]{1,0} custom-call(%x), custom_call_target="tpu_custom_call"')
     with pytest.raises(ValueError, match="Pallas kernel"):
         cm.xla_step(TPU7X, text)
-    plan = make_plan(load_preset("tiny-dense"), TPU7X, 1, 4096)
+    plan = make_plan(BuildSpec(load_preset("tiny-dense"), TPU7X, 1, 4096))
     kernel = cm.megakernel_step(plan)
     m = cm.xla_step(TPU7X, text, kernel=kernel)
     assert m.kernels == 3 + 5 + 1
@@ -250,13 +251,13 @@ def test_pallas_kernel_needs_its_model():
 def test_xla_program_model_against_its_cost_analysis():
     """A real compiled XLA decode step: the model's HBM bytes sit between the weights the step
     must read and XLA's own cost_analysis bytes; the model never beats its own bytes' floor."""
-    from tpumk.bench import compile_program, xla_decode_step, xla_step_specs
+    from tpumk.decode.bench import compile_program, xla_decode_step, xla_step_specs
 
     cfg = load_preset("tiny-dense").replace(dtype="bfloat16")
     prog = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),
                            xla_step_specs(cfg, 1, 4096), TPU7X, donate_argnums=(3, 4))
     m = cm.xla_step(TPU7X, prog.hlo_text)
-    plan = make_plan(cfg, TPU7X, 1, 4096)
+    plan = make_plan(BuildSpec(cfg, TPU7X, 1, 4096))
     weights = sum(v for k, v in plan.hbm.items() if k.startswith("weights_"))
     assert weights + plan.hbm["kv_cache"] * 0.9 < m.hbm_bytes <= prog.compiled.cost_analysis()["bytes accessed"] * 1.01
     assert m.seconds >= m.hbm_bytes / TPU7X.hbm_bandwidth

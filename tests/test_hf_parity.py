@@ -19,9 +19,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from hf_utils import hf_greedy, hf_logits
-from tpumk.checkpoint import load_checkpoint
+from tpumk.model.checkpoint import load_checkpoint
 from tpumk.errors import CheckpointError, NotSupportedError
-from tpumk.reference import forward_full, greedy_generate, init_cache, jitted_decode_step, prefill
+from tpumk.model.reference import forward_full, greedy_generate, init_cache, jitted_decode_step, prefill
 
 LOGIT_RTOL = 2e-5
 PROMPTS = [[3, 141, 59, 26, 5], [300, 17, 222, 41, 9, 99, 6, 480, 2, 77, 31]]  # batch 2, lengths 5 and 11

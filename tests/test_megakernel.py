@@ -23,16 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpumk import reference as R
-from tpumk.compile import compile_for
-from tpumk.config import load_preset
+from tpumk.model import reference as R
+from tpumk.compile.aot import compile_for
+from tpumk.model.config import load_preset
 from tpumk.errors import PlanError
 from tpumk.kernel.layout import pack_weights, packed_specs
 from tpumk.kernel.megakernel import make_decode_step, step_specs
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
-from tpumk.weights import random_params
+from tpumk.plan.knobs import TuningConfig
+from tpumk.model.weights import random_params
+from tpumk.plan.spec import BuildSpec
 
 CONTEXT, PAGE = 64, 16
 BF16_LOGIT_BOUND = 2.0 ** -6
@@ -110,7 +111,7 @@ def assert_cache_equal(got: R.KVCache, want: R.KVCache, dtype):
 
 def compile_for_tpus(cfg, batch, q_len, tuning):
     for target in ("tpu7x", "v6e"):
-        plan = make_plan(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE)
+        plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
         compiled = compile_for(make_decode_step(plan), step_specs(plan), get_target(target))
         assert compiled.custom_calls == 1, f"{target}: expected exactly one tpu_custom_call"
         assert "tpu_custom_call" in compiled.hlo_text
@@ -122,7 +123,7 @@ def test_step_matches_reference(case):
     cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
     batch = len(lengths)
     tuning = TuningConfig(**knobs)
-    plan = make_plan(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
     cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
     _, cache = R.prefill(params, cfg, prompts_of(lengths, cfg.vocab_size), cache, step_fn=reference_step(cfg))
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
@@ -149,7 +150,7 @@ def test_greedy_16_steps_match_reference(preset):
                                                 step_fn=reference_step(cfg))
 
     tuning = TuningConfig(ring_depth=4, **SMALL_TILES)
-    plan = make_plan(cfg, get_target("cpu"), 2, CONTEXT, tuning, page_size=PAGE)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 2, CONTEXT, tuning, page_size=PAGE))
     step = make_decode_step(plan, detect_races=True)
     packed = pack_weights(plan, params)
     last, cache = R.prefill(params, cfg, prompts, R.init_cache(cfg, 2, CONTEXT, PAGE), step_fn=reference_step(cfg))
@@ -170,7 +171,7 @@ def test_packed_specs_describe_pack_weights(preset, dtype, tied):
     """The AOT shapes equal the packed weights', and packing from (cfg, tuning) equals packing from the plan."""
     cfg, params = model(preset, dtype, tied)
     tuning = TuningConfig(**MIXED_TILES)
-    plan = make_plan(cfg, get_target("cpu"), 2, CONTEXT, tuning, page_size=PAGE)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 2, CONTEXT, tuning, page_size=PAGE))
     packed = pack_weights(plan, params)
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype), packed)
     assert shapes == jax.tree.map(lambda s: (s.shape, s.dtype), packed_specs(plan))
@@ -180,7 +181,7 @@ def test_packed_specs_describe_pack_weights(preset, dtype, tied):
 
 def test_step_rejects_a_batch_it_was_not_planned_for():
     cfg, params = model("tiny-dense", "float32")
-    plan = make_plan(cfg, get_target("cpu"), 2, CONTEXT, page_size=PAGE)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 2, CONTEXT, page_size=PAGE))
     step = make_decode_step(plan)
     cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
     with pytest.raises(ValueError, match="planned for tokens"):
@@ -196,7 +197,7 @@ PRESET_BUILDS = [("qwen3-8b", "tpu7x"), ("qwen3-32b", "tpu7x"), ("qwen3-30b-a3b"
 @pytest.mark.parametrize("batch", [1, 8])
 def test_preset_builds_deviceless(preset, target, batch):
     cfg = load_preset(preset)
-    plan = make_plan(cfg, get_target(target), batch, 4096)
+    plan = make_plan(BuildSpec(cfg, get_target(target), batch, 4096))
     compiled = compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), get_target(target))
     assert compiled.custom_calls == 1
 
@@ -204,4 +205,4 @@ def test_preset_builds_deviceless(preset, target, batch):
 @pytest.mark.parametrize("preset", ["qwen3-32b", "qwen3-30b-a3b"])
 def test_presets_too_big_for_v6e_are_rejected_before_compiling(preset):
     with pytest.raises(PlanError, match="does not fit one v6e device"):
-        make_plan(load_preset(preset), get_target("v6e"), 1, 4096)
+        make_plan(BuildSpec(load_preset(preset), get_target("v6e"), 1, 4096))

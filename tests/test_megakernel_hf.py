@@ -3,7 +3,7 @@ tokens `transformers` generates (tiny random Qwen3 / Qwen3-MoE, CPU, interpret m
 
 from hf_utils import hf_greedy
 
-from tpumk.generate import generate, load_model
+from tpumk.decode.generate import generate, load_model
 
 
 def test_megakernel_greedy_equals_transformers(hf_qwen3_moe_dir):

@@ -16,12 +16,13 @@ import pytest
 from test_megakernel import (CONTEXT, PAGE, SMALL_TILES, assert_cache_equal, assert_logits_close, compile_for_tpus,
                              model, prompts_of, races_found, reference_step)
 
-from tpumk import reference as R
+from tpumk.model import reference as R
 from tpumk.kernel.layout import pack_weights
 from tpumk.kernel.megakernel import make_decode_step
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
 
 # (id, preset, dtype, cache lengths before the step, q_len, stale rows past the lengths, knobs).
 # Lengths put the q new tokens across a page boundary (16-token pages) in at least one sequence.
@@ -52,7 +53,7 @@ def test_verify_step_matches_reference(case):
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
 
-    plan = make_plan(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
     step = make_decode_step(plan, detect_races=True)
     logits, new_cache = step(pack_weights(plan, params), tokens, positions, cache)
     assert not races_found(), "the interpreter's race detector reported a DMA race"
@@ -81,18 +82,18 @@ def test_verify_figures_from_the_plan():
     """qwen3-8b on TPU7x, batch 8: the verify step (q = 8) reads the same weights and KV once
     and writes 8x the K/V rows and logits, so its bytes sit a little above the plain step's; a
     verify plan that does not fit is reported, not raised."""
-    from tpumk.build import plan_build, verify_figures
-    from tpumk.config import load_preset
+    from tpumk.build import verify_figures
+    from tpumk.model.config import load_preset
 
     cfg = load_preset("qwen3-8b")
-    plain = plan_build(cfg, get_target("tpu7x"), batch=8, context=4096)
+    plain = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=8, context=4096))
     v = verify_figures(plain, 8)
-    want = plan_build(cfg, get_target("tpu7x"), batch=8, context=4096, q_len=8)
+    want = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=8, context=4096, q_len=8))
     assert v["hbm_bytes_per_step"] == want.hbm_bytes and v["floor_seconds"] == want.floor_seconds
     assert 1.0 < v["hbm_bytes_vs_plain"] < 1.1 and v["floor_vs_plain"] == pytest.approx(v["hbm_bytes_vs_plain"])
     assert v["estimated_seconds"] is None and "not requested" in v["estimate_source"]
     # batch 16: the plain step fits TPU7x VMEM with default knobs, 16 x 8 verify rows do not
-    big = verify_figures(plan_build(cfg, get_target("tpu7x"), batch=16, context=1024), 8)
+    big = verify_figures(make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=16, context=1024)), 8)
     assert big["error"].startswith("the verify step does not plan: plan does not fit tpu7x VMEM")
 
 

@@ -26,13 +26,13 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk import reference as R
-from tpumk.compile import compile_for
-from tpumk.config import ModelConfig, expected_distinct_experts, load_preset
+from tpumk.model import reference as R
+from tpumk.compile.aot import compile_for
+from tpumk.model.config import ModelConfig, expected_distinct_experts, load_preset
 from tpumk.errors import PlanError
 from tpumk.kernel.moe import (MoEGeometry, moe_layer_ids, moe_scratch, moe_stage, pack_experts, packed_shapes,
                               start_router_fetch)
-from tpumk.static_profile import FLAG
+from tpumk.estimate.static_profile import FLAG
 from tpumk.targets import get_target
 
 
@@ -51,7 +51,7 @@ def _config(**changes) -> ModelConfig:
 
 
 def _moe_params(cfg: ModelConfig, seed: int) -> dict:
-    """Reference-layout MoE weights from numpy (tpumk.weights.random_params compiles a jax RNG
+    """Reference-layout MoE weights from numpy (tpumk.model.weights.random_params compiles a jax RNG
     kernel per tensor shape, seconds per config). Scales as random_params: 1/sqrt(fan_in), the
     router x4 so routing decisions are not near-ties. Dense layers are None."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,7 @@ proves that:
     included), and the bytes a layer streams cost what the ring streams them at: widening the
     model adds cycles at the calibrated streaming rate, neither ignoring the bytes nor
     counting them twice;
-(b) tpumk's timeline model (`tpumk.costmodel.megakernel_step`) does the same;
+(b) tpumk's timeline model (`tpumk.estimate.timeline.megakernel_step`) does the same;
 (c) the two rank a set of ring configurations the same way.
 
 The context is 1024 tokens so attention walks 4 KV tiles per layer: 3 trips per layer that the
@@ -24,11 +24,12 @@ import itertools
 import pytest
 
 from tpumk.build import build
-from tpumk.calibration import ANCHOR_BYTES_PER_S
-from tpumk.config import load_preset
-from tpumk.costmodel import achieved_bandwidth, megakernel_step
+from tpumk.estimate.calibration import ANCHOR_BYTES_PER_S
+from tpumk.model.config import load_preset
+from tpumk.estimate.timeline import achieved_bandwidth, megakernel_step
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
 
 TARGET = get_target("tpu7x")
 CONTEXT = 1024
@@ -49,7 +50,7 @@ _builds: dict = {}
 def _build(cfg, **knobs):
     key = (cfg, tuple(sorted(knobs.items())))
     if key not in _builds:
-        b = build(cfg, TARGET, batch=1, context=CONTEXT, tuning=TuningConfig(**knobs), estimate=True)
+        b = build(BuildSpec(cfg, TARGET, batch=1, context=CONTEXT, tuning=TuningConfig(**knobs)), estimate=True)
         r = b.report
         assert r.estimated_cycles is not None, f"no compiler estimate for {cfg.name} {knobs}: {r.estimate_source}"
         _builds[key] = b

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from tpumk.config import load_preset, preset_names
+from tpumk.model.config import load_preset, preset_names
 from tpumk.errors import ConfigError, PlanError
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import TARGETS, get_target
-from tpumk.tuning import FAMILIES, TuningConfig, load_tuning
+from tpumk.plan.knobs import FAMILIES, TuningConfig, load_tuning
+from tpumk.plan.spec import BuildSpec
 
 MIB = 1 << 20
 
@@ -71,9 +72,9 @@ def test_default_plan_fits_or_says_does_not_fit(preset, target):
         kv = cfg.kv_bytes_per_token() * batch * 4096
         if cfg.param_count() * cfg.dtype_bytes + kv > tgt.hbm_bytes:
             with pytest.raises(PlanError, match=f"does not fit one {target} device"):
-                make_plan(cfg, tgt, batch, 4096)
+                make_plan(BuildSpec(cfg, tgt, batch, 4096))
             continue
-        plan = make_plan(cfg, tgt, batch, 4096)
+        plan = make_plan(BuildSpec(cfg, tgt, batch, 4096))
         assert plan.vmem_total <= plan.vmem_budget <= tgt.vmem_bytes
         json.dumps(plan.summary())  # plain data
 
@@ -81,12 +82,12 @@ def test_default_plan_fits_or_says_does_not_fit(preset, target):
 def test_big_presets_on_v6e_are_rejected_clearly():
     for preset in ("qwen3-32b", "qwen3-30b-a3b"):
         with pytest.raises(PlanError, match=r"does not fit one v6e device: weights .* GB .* > HBM 34.4 GB"):
-            make_plan(load_preset(preset), get_target("v6e"), 1, 4096)
+            make_plan(BuildSpec(load_preset(preset), get_target("v6e"), 1, 4096))
 
 
 # ---------------------------------------------------------------------- tiling and schedule
 def test_default_tiles_share_one_wide_shape():
-    plan = make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096)
+    plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096))
     shapes = {(f.tile_rows, f.tile_cols) for f in plan.families.values()}
     assert shapes == {(1024, 1024)}  # 2 MiB bf16, no ring waste, wide enough to feed the MXU
     assert (plan.slot_rows, plan.slot_cols, plan.ring_depth) == (1024, 1024, 12)
@@ -96,7 +97,7 @@ def test_default_tiles_share_one_wide_shape():
 
 def test_schedule_is_contiguous_and_counts_every_tile():
     cfg = load_preset("tiny-moe")
-    plan = make_plan(cfg, get_target("cpu"), 2, 64, TuningConfig(qkv_tile_cols=256, down_tile_rows=256))
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 2, 64, TuningConfig(qkv_tile_cols=256, down_tile_rows=256)))
     kinds = [s.kind for s in plan.segments]
     assert kinds == ["dense", "moe", "lm_head"]  # layer 0 dense, layers 1-2 MoE, then the head
     g = 0
@@ -111,7 +112,7 @@ def test_schedule_is_contiguous_and_counts_every_tile():
 
 def test_padding_keeps_ffn_and_down_consistent():
     cfg = load_preset("tiny-dense").replace(ffn_size=640)  # not a multiple of the gate half tile
-    plan = make_plan(cfg, get_target("cpu"), 1, 64, TuningConfig(gate_up_tile_cols=512))
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 1, 64, TuningConfig(gate_up_tile_cols=512)))
     gu, dn = plan.families["gate_up"], plan.families["down"]
     assert plan.ffn_pad % 256 == 0 and plan.ffn_pad >= 640
     assert gu.m_pad == 2 * plan.ffn_pad and dn.k_pad == plan.ffn_pad
@@ -119,23 +120,23 @@ def test_padding_keeps_ffn_and_down_consistent():
 
 def test_tile_rows_must_divide_the_matrix():
     with pytest.raises(PlanError, match="'o_tile_rows' = 384 must divide the o input dim 512"):
-        make_plan(load_preset("tiny-dense"), get_target("cpu"), 1, 64, TuningConfig(o_tile_rows=384))
+        make_plan(BuildSpec(load_preset("tiny-dense"), get_target("cpu"), 1, 64, TuningConfig(o_tile_rows=384)))
 
 
 # ---------------------------------------------------------------------- budgets
 def test_vmem_overrun_is_rejected_before_compiling_with_a_breakdown():
     tuning = TuningConfig(ring_depth=24, tile_bytes=4 * MIB)  # 96 MiB of ring
     with pytest.raises(PlanError) as e:
-        make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096, tuning)
+        make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096, tuning))
     msg = str(e.value)
     assert "does not fit tpu7x VMEM" in msg and "weight_ring 96.0 MiB" in msg and "ring_depth" in msg
     # the same knobs fit a 128 MiB v6e core
-    plan = make_plan(load_preset("qwen3-8b"), get_target("v6e"), 1, 4096, tuning)
+    plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("v6e"), 1, 4096, tuning))
     assert plan.vmem["weight_ring"] == 96 * MIB
 
 
 def test_vmem_breakdown_names_components():
-    plan = make_plan(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 8, 4096)
+    plan = make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 8, 4096))
     assert set(plan.vmem) >= {"weight_ring", "attention", "moe", "activations", "logits_staging", "layer_vectors"}
     assert plan.vmem_total == sum(plan.vmem.values())
 
@@ -144,7 +145,7 @@ def test_hbm_bytes_count_the_weights_actually_read():
     """Ring weights + experts + router + norms ~= the model's decode weight bytes (+ padding)."""
     for preset, batch in (("qwen3-8b", 1), ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8)):
         cfg = load_preset(preset)
-        plan = make_plan(cfg, get_target("tpu7x"), batch, 4096)
+        plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch, 4096))
         weights = sum(v for k, v in plan.hbm.items() if k.startswith("weights_") or k == "experts_and_router")
         expected = cfg.decode_weight_bytes(batch)
         assert expected <= weights + 2e6 and weights <= expected * 1.01, (preset, weights, expected)
@@ -155,13 +156,13 @@ def test_hbm_bytes_count_the_weights_actually_read():
 def test_kv_bytes_grow_with_context_and_batch():
     cfg = load_preset("qwen3-8b")
     t = get_target("tpu7x")
-    kv = {(b, c): make_plan(cfg, t, b, c).hbm["kv_cache"] for b in (1, 4) for c in (1024, 4096)}
+    kv = {(b, c): make_plan(BuildSpec(cfg, t, b, c)).hbm["kv_cache"] for b in (1, 4) for c in (1024, 4096)}
     assert kv[(1, 4096)] > 3 * kv[(1, 1024)]
     assert kv[(4, 4096)] == pytest.approx(4 * kv[(1, 4096)])
 
 
 def test_dma_counts_are_reported():
-    plan = make_plan(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 1, 4096)
+    plan = make_plan(BuildSpec(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), 1, 4096))
     d = plan.dmas
     assert d["ring_qkv"]["count"] == 48 * plan.families["qkv"].tiles
     assert d["ring_lm_head"]["bytes_each"] == 2 * MIB
@@ -170,8 +171,8 @@ def test_dma_counts_are_reported():
 
 def test_bad_shapes_are_plan_errors():
     with pytest.raises(PlanError, match="batch"):
-        make_plan(load_preset("tiny-dense"), get_target("cpu"), 0, 64)
+        make_plan(BuildSpec(load_preset("tiny-dense"), get_target("cpu"), 0, 64))
     with pytest.raises(PlanError, match="num_pages"):
-        make_plan(load_preset("tiny-dense"), get_target("cpu"), 2, 64, num_pages=3)
+        make_plan(BuildSpec(load_preset("tiny-dense"), get_target("cpu"), 2, 64), num_pages=3)
     with pytest.raises(PlanError, match="page_size"):  # bf16 pages must be whole 16-row tiles
-        make_plan(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 64, page_size=8)
+        make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 64, page_size=8))

@@ -4,7 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpumk import config, reference as ref, weights
+from tpumk.model import config
+
+from tpumk.model import reference as ref
+
+from tpumk.model import weights
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])

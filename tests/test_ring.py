@@ -23,13 +23,14 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk.compile import compile_for
-from tpumk.config import load_preset
+from tpumk.compile.aot import compile_for
+from tpumk.model.config import load_preset
 from tpumk.kernel.layout import tile_matrix
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
 
 ROWS = 4
 
@@ -95,7 +96,7 @@ def _matrices(plan, seed=0):
 ])
 def test_ring_streams_every_tile_in_order(depth, knobs):
     cfg = load_preset("tiny-moe").replace(dtype="float32")  # dense layer 0, MoE layers 1-2 with a shared expert, lm_head
-    plan = make_plan(cfg, get_target("cpu"), 2, 64, TuningConfig(ring_depth=depth, **knobs))
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 2, 64, TuningConfig(ring_depth=depth, **knobs)))
     mats, packed = _matrices(plan)
     width = max(f.k_pad for f in plan.families.values())
     x = np.random.default_rng(1).standard_normal((ROWS, width)).astype(np.float32)
@@ -121,26 +122,26 @@ def test_ring_streams_every_tile_in_order(depth, knobs):
     # The same ring compiles for a real TPU (layout rules are checked only there).
     specs = (jax.ShapeDtypeStruct(x.shape, jnp.float32),) + tuple(
         jax.ShapeDtypeStruct(packed[f].shape, jnp.float32) for f in fams)
-    tpu_plan = make_plan(cfg, get_target("tpu7x"), 2, 64, TuningConfig(ring_depth=depth, **knobs))
+    tpu_plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 2, 64, TuningConfig(ring_depth=depth, **knobs)))
     compiled = compile_for(ring_kernel_fn(tpu_plan, interpret=False)[0], specs, get_target("tpu7x"))
     assert compiled.custom_calls == 1
 
 
 _PROFILE_SCRIPT = textwrap.dedent("""
     import json, sys
-    from tpumk import static_profile
+    from tpumk.estimate import static_profile
     static_profile.enable(sys.argv[1])
-    from tpumk.compile import compile_for
-    from tpumk.config import load_preset
+    from tpumk.compile.aot import compile_for
+    from tpumk.model.config import load_preset
     from tpumk.kernel.megakernel import make_decode_step, step_specs
-    from tpumk.plan import make_plan
+    from tpumk.plan.plan import make_plan
     from tpumk.targets import get_target
-    from tpumk.tuning import TuningConfig
+    from tpumk.plan.knobs import TuningConfig
     target = get_target("tpu7x")
     out = {}
     for preset, layers, extra in json.loads(sys.argv[2]):
         cfg = load_preset(preset).replace(num_layers=layers, **extra)
-        plan = make_plan(cfg, target, 1, 64, TuningConfig(ring_depth=4))
+        plan = make_plan(BuildSpec(cfg, target, 1, 64, TuningConfig(ring_depth=4)))
         static_profile.clear()
         compiled = compile_for(make_decode_step(plan), step_specs(plan), target)
         out[f"{preset}/{layers}"] = sum(static_profile.collect(compiled.device_kind).values())

@@ -19,12 +19,12 @@ import pytest
 from click.testing import CliRunner
 from test_megakernel import model
 
-from tpumk import reference as R
+from tpumk.model import reference as R
 from tpumk.cli import main
-from tpumk.drafters import DraftModelDrafter, NgramDrafter
+from tpumk.decode.drafters import DraftModelDrafter, NgramDrafter
 from tpumk.errors import ConfigError
-from tpumk.generate import Model, generate, load_draft_model, load_model, reference_step, truncated_model
-from tpumk.speculative import greedy_accept, rollback, speculative_generate
+from tpumk.decode.generate import Model, generate, load_draft_model, load_model, reference_step, truncated_model
+from tpumk.decode.speculative import greedy_accept, rollback, speculative_generate
 
 STEPS = 12
 CONTEXT = 64
@@ -151,7 +151,7 @@ def target(preset: str) -> Model:
 
 
 # (preset, draft tokens K, spec). Verify steps of q = 8 (dense) and q = 4 (MoE), one compile per
-# model; the draft is the target's first layer (tpumk.generate.truncated_model: for tiny-moe its
+# model; the draft is the target's first layer (tpumk.decode.generate.truncated_model: for tiny-moe its
 # dense layer 0, a dense model) decoded by its own q = 1 megakernel.
 E2E = [("tiny-dense", 7, "ngram"), ("tiny-dense", 7, "draft"), ("tiny-moe", 3, "ngram"), ("tiny-moe", 3, "draft")]
 

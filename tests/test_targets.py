@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from tpumk.compile import compile_for
+from tpumk.compile.aot import compile_for
 from tpumk.errors import TargetError
 from tpumk.targets import TARGETS, get_target
 

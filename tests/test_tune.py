@@ -19,13 +19,14 @@ import pytest
 from click.testing import CliRunner
 
 from tpumk.cli import main
-from tpumk.config import resolve_model
+from tpumk.model.config import resolve_model
 from tpumk.errors import ConfigError
 from tpumk.targets import get_target
-from tpumk.tune import Problem, ResultCache, TuneSettings, storage_url, study_name_for
-from tpumk.tune_objectives import choose_objective
-from tpumk.tuning import load_tuning
-from tpumk.tuning_space import SPACES_DIR, load_space
+from tpumk.tune.study import ResultCache, TuneSettings, storage_url, study_name_for
+from tpumk.tune.objectives import choose_objective
+from tpumk.plan.knobs import load_tuning
+from tpumk.tune.space import SPACES_DIR, load_space
+from tpumk.plan.spec import BuildSpec
 
 TINY_SPACE = str(SPACES_DIR / "tiny.toml")
 
@@ -39,7 +40,7 @@ def tune_cmd(*extra):
 
 
 def load(url_or_path: str, study: str):
-    from tpumk.tune import open_storage
+    from tpumk.tune.study import open_storage
 
     return optuna.load_study(study_name=study, storage=open_storage(storage_url(url_or_path, study)))
 
@@ -80,11 +81,11 @@ def test_auto_objective_says_why():
 def test_study_name_is_stable_and_covers_the_problem():
     space = load_space(TINY_SPACE)
     cfg = resolve_model("tiny-moe")
-    p = Problem(cfg, get_target("tpu7x"), 1, 4096)
+    p = BuildSpec(cfg, get_target("tpu7x"), 1, 4096)
     name = study_name_for(p, space, "model")
-    assert name == study_name_for(Problem(resolve_model("tiny-moe"), get_target("tpu7x"), 1, 4096), space, "model")
-    others = {study_name_for(Problem(cfg, get_target("tpu7x"), 2, 4096), space, "model"),
-              study_name_for(Problem(cfg.replace(dtype="bfloat16"), get_target("tpu7x"), 1, 4096), space, "model"),
+    assert name == study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"), 1, 4096), space, "model")
+    others = {study_name_for(BuildSpec(cfg, get_target("tpu7x"), 2, 4096), space, "model"),
+              study_name_for(BuildSpec(cfg.replace(dtype="bfloat16"), get_target("tpu7x"), 1, 4096), space, "model"),
               study_name_for(p, space, "compiler"),
               study_name_for(p, load_space(SPACES_DIR / "default.toml"), "model")}
     assert name not in others and len(others) == 4
@@ -229,7 +230,7 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
 
 def test_report_explains_missing_importances(tmp_path):
     """One complete trial: the history plots, importances say why not."""
-    from tpumk.tune_report import write_report
+    from tpumk.tune.report import write_report
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="one")
     study.enqueue_trial({"ring_depth": 8})
@@ -243,7 +244,7 @@ def test_report_explains_missing_importances(tmp_path):
 def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 6, "--seed", 5,
                                                           "--heartbeat", 1, "--json")]
-    name = study_name_for(Problem(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
+    name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
     db = tmp_path / "artifacts" / "tune" / f"{name}.db"
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -303,7 +304,7 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
     The compile is replaced by a slow stand-in so the threads overlap for sure."""
     import threading
 
-    import tpumk.tune as T
+    from tpumk.tune import study as T
 
     calls: list[str] = []
     lock = threading.Lock()
@@ -318,8 +319,8 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
 
     monkeypatch.setattr(T.TrialRunner, "_run_worker", fake_worker)
     space = load_space(TINY_SPACE)
-    problem = Problem(resolve_model("tiny-moe"), get_target("tpu7x"))
-    objective = choose_objective("model", problem.cfg, problem.target)
+    problem = BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"))
+    objective = choose_objective("model", problem.model, problem.target)
     name = "dups"
     storage = str(tmp_path / "dups.journal")
     study = T.open_study(storage_url(storage, name), name, None, None, heartbeat=1)

@@ -25,8 +25,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tpumk.tune import ResultCache, _fail_stale, open_storage, open_study, storage_url
-from tpumk.tuning_space import SPACES_DIR, load_space
+from tpumk.tune.study import ResultCache, _fail_stale, open_storage, open_study, storage_url
+from tpumk.tune.space import SPACES_DIR, load_space
 
 TINY_SPACE = str(SPACES_DIR / "tiny.toml")
 

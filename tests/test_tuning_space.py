@@ -11,13 +11,14 @@ import warnings
 import optuna
 import pytest
 
-from tpumk.config import load_preset
+from tpumk.model.config import load_preset
 from tpumk.errors import ConfigError, PlanError
-from tpumk.plan import make_plan
+from tpumk.plan.plan import make_plan
 from tpumk.targets import get_target
-from tpumk.tuning import TuningConfig
-from tpumk.tuning_space import (DEFAULT_SPACE_PATH, FACTS, KNOB_NAMES, SPACES_DIR, Constraint,
+from tpumk.plan.knobs import TuningConfig
+from tpumk.tune.space import (DEFAULT_SPACE_PATH, FACTS, KNOB_NAMES, SPACES_DIR, Constraint,
                                 load_space, space_facts)
+from tpumk.plan.spec import BuildSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 MIB = 1 << 20
@@ -67,14 +68,14 @@ def test_knob_values(tiny_space, default_space):
 
 
 def test_facts_cover_the_documented_names():
-    facts = space_facts(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), batch=8, context=4096)
+    facts = space_facts(BuildSpec(load_preset("qwen3-30b-a3b"), get_target("tpu7x"), batch=8, context=4096))
     assert facts.keys() == FACTS.keys()
     assert not set(facts) & set(KNOB_NAMES)
     assert facts["vmem_bytes"] == 64 * MIB and facts["hidden_size"] == 2048
     assert facts["is_moe"] == 1 and facts["num_experts"] == 128 and facts["expert_ffn_size"] == 768
     assert facts["has_dense_layers"] == 0 and facts["has_shared_expert"] == 0
     assert facts["pages_per_seq"] == 4096 // facts["page_size"] and facts["rows"] == 8
-    dense = space_facts(load_preset("qwen3-8b"), get_target("v6e"), batch=1, context=100, q_len=2)
+    dense = space_facts(BuildSpec(load_preset("qwen3-8b"), get_target("v6e"), batch=1, context=100, q_len=2))
     assert dense["is_moe"] == 0 and dense["has_dense_layers"] == 1 and dense["ffn_size"] == 12288
     assert dense["vmem_bytes"] == 128 * MIB and dense["rows"] == 2 and dense["pages_per_seq"] == 7
     readme = (SPACES_DIR / "README.md").read_text()
@@ -157,23 +158,23 @@ choices = [512, 1024]
 # ---------------------------------------------------------------------- constraints on real facts
 def test_constraints_on_qwen3_8b_tpu7x(default_space):
     cfg, target = load_preset("qwen3-8b"), get_target("tpu7x")
-    facts = space_facts(cfg, target, batch=1, context=4096)
+    facts = space_facts(BuildSpec(cfg, target, batch=1, context=4096))
     assert default_space.violated(TuningConfig(), facts) is None
-    make_plan(cfg, target, 1, 4096, TuningConfig())
+    make_plan(BuildSpec(cfg, target, 1, 4096, TuningConfig()))
 
     big_ring = TuningConfig(ring_depth=24, tile_bytes=8 * MIB)
     reason = default_space.violated(big_ring, facts)
     assert reason.startswith("the weight ring must fit the VMEM budget (")
     assert "ring_depth=24" in reason and "tile_bytes=8388608" in reason and "vmem_bytes=67108864" in reason
     with pytest.raises(PlanError, match="VMEM"):
-        make_plan(cfg, target, 1, 4096, big_ring)
+        make_plan(BuildSpec(cfg, target, 1, 4096, big_ring))
 
     bad_rows = TuningConfig(o_tile_rows=3072)  # 3072 does not divide q_size 4096
     assert default_space.violated(bad_rows, facts).startswith("tile rows must divide")
     with pytest.raises(PlanError, match="o_tile_rows"):
-        make_plan(cfg, target, 1, 4096, bad_rows)
+        make_plan(BuildSpec(cfg, target, 1, 4096, bad_rows))
 
-    short = space_facts(cfg, target, batch=1, context=256)  # 16 pages per sequence
+    short = space_facts(BuildSpec(cfg, target, batch=1, context=256))  # 16 pages per sequence
     assert default_space.violated(TuningConfig(kv_tile_pages=16), short) is None
     assert "kv_tile_pages=32" in default_space.violated(TuningConfig(kv_tile_pages=32), short)
 
@@ -181,7 +182,7 @@ def test_constraints_on_qwen3_8b_tpu7x(default_space):
 def test_constraint_kv_budget_true_and_false():
     c = Constraint("2 * kv_buffers * (kv_tile_pages or kv_auto_tile_pages) * page_size * kv_size"
                    " * dtype_bytes <= vmem_limit_fraction * vmem_bytes", "kv fits")
-    facts = space_facts(load_preset("qwen3-8b"), get_target("tpu7x"), batch=1, context=1 << 20)
+    facts = space_facts(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), batch=1, context=1 << 20))
     env = {**facts, **TuningConfig().to_dict()}  # auto: 16 pages of 16 tokens x 1024 lanes bf16
     assert c.holds(env)
     assert not c.holds({**env, "kv_tile_pages": 2048, "kv_buffers": 4})  # 4 * 2 * 64 MiB
@@ -197,7 +198,7 @@ def test_constraint_kv_budget_true_and_false():
 def test_default_constraints_are_necessary_conditions_of_the_plan(default_space, model, target, batch, context):
     """Every random configuration the constraints reject, the plan rejects too."""
     cfg, tgt = load_preset(model), get_target(target)
-    facts = space_facts(cfg, tgt, batch, context)
+    facts = space_facts(BuildSpec(cfg, tgt, batch, context))
     assert default_space.violated(TuningConfig(), facts) is None
     rng = random.Random(model + target)
     rejected = 0
@@ -211,25 +212,25 @@ def test_default_constraints_are_necessary_conditions_of_the_plan(default_space,
         if reason is not None:
             rejected += 1
             with pytest.raises(PlanError):
-                make_plan(cfg, tgt, batch, context, tuning)
+                make_plan(BuildSpec(cfg, tgt, batch, context, tuning))
     assert rejected > 0  # the check above ran
 
 
 def test_tiny_space_on_tiny_moe_prunes_exactly_what_it_should(tiny_space):
     cfg, target = load_preset("tiny-moe"), get_target("tpu7x")
-    facts = space_facts(cfg, target, batch=1, context=256)
+    facts = space_facts(BuildSpec(cfg, target, batch=1, context=256))
     outcome = {"ok": 0, "chunk": 0, "policy": 0}
     for combo in itertools.product(*(k.values() for k in tiny_space.knobs.values())):
         values = dict(zip(tiny_space.knobs, combo))
         tuning = tiny_space.tuning_for(values)
         reason = tiny_space.violated(tuning, facts)
         if reason is None:
-            make_plan(cfg, target, 1, 256, tuning)  # whatever passes, plans
+            make_plan(BuildSpec(cfg, target, 1, 256, tuning))  # whatever passes, plans
             outcome["ok"] += 1
         elif reason.startswith("an expert chunk"):
             assert values["expert_chunk"] == 512
             with pytest.raises(PlanError, match="expert_chunk"):
-                make_plan(cfg, target, 1, 256, tuning)
+                make_plan(BuildSpec(cfg, target, 1, 256, tuning))
             outcome["chunk"] += 1
         else:
             assert reason.startswith("at most 24 MiB") and values["ring_depth"] * values["tile_bytes"] > 24 * MIB
@@ -339,5 +340,5 @@ def test_readme_examples_load(tmp_path):
         text = block if "[knobs." in block else MINIMAL + block
         space = load_space(write(tmp_path, text, f"example{i}.toml"))
         assert space.knobs
-    facts = space_facts(load_preset("qwen3-8b"), get_target("tpu7x"), batch=1, context=4096)
+    facts = space_facts(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), batch=1, context=4096))
     assert space.violated(TuningConfig(), facts) is None

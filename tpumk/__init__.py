@@ -12,7 +12,7 @@ def __getattr__(name):
     """The serving-side API, imported lazily so `import tpumk` stays cheap:
     tpumk.load(artifact_dir) -> DecodeStep; tpumk.pack_weights(plan | step, params)."""
     if name == "load":
-        from tpumk.artifacts import load
+        from tpumk.export.artifacts import load
 
         return load
     if name == "pack_weights":

@@ -7,7 +7,7 @@ TPUs that are not attached) -> BuildReport.
 Every number in the report names its source:
 - plan figures (VMEM, HBM bytes, DMAs, the HBM floor) are tpumk's own accounting of the plan;
 - `estimated_cycles` is the TPU compiler's static profile, and `estimated_seconds` converts it
-  through `tpumk.calibration` (the basis is repeated in `estimate_source`);
+  through `tpumk.estimate.calibration` (the basis is repeated in `estimate_source`);
 - `compile_seconds` is measured on this host;
 - `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
   figures, and the compiler's estimate only when asked for (`verify_figures` says why).
@@ -18,12 +18,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tpumk.compile import Compiled, compile_for
-from tpumk.config import ModelConfig
-from tpumk.estimate import Estimate, estimate_in_subprocess, request_for
-from tpumk.plan import DEFAULT_PAGE_SIZE, Plan, make_plan
-from tpumk.targets import Target
-from tpumk.tuning import TuningConfig
+from tpumk.compile.aot import Compiled, compile_plan
+from tpumk.estimate.profiler import Estimate, estimate_in_subprocess
+from tpumk.plan.plan import Plan, make_plan
+from tpumk.plan.spec import BuildSpec
 
 
 @dataclass
@@ -64,36 +62,16 @@ class Build:
     report: BuildReport
 
 
-def plan_build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
-               tuning: TuningConfig | None = None, q_len: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> Plan:
-    return make_plan(cfg, target, batch, context, tuning or TuningConfig(), q_len=q_len, page_size=page_size)
-
-
-def compile_plan(plan: Plan) -> Compiled:
-    from tpumk.kernel.megakernel import make_decode_step, step_specs
-
-    # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
-    # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
-    # every step (the kernel aliases them in place).
-    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target, donate_argnums=(3,))
-
-
-def build(cfg: ModelConfig, target: Target, batch: int = 1, context: int = 4096,
-          tuning: TuningConfig | None = None, q_len: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
-          estimate: bool = True, verify_q: int = 0, verify_estimate: bool = False) -> Build:
+def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_estimate: bool = False) -> Build:
     """Plan (PlanError before any compile for infeasible configs), compile, report.
 
     With `estimate`, targets whose static profile works also get the compiler's estimate from
-    a separate profiling process (see tpumk.estimate for why it cannot be this one).
+    a separate profiling process (see tpumk.estimate.profiler for why it cannot be this one).
     `verify_q` > 0 adds the speculative verify step (q = verify_q) to the report
     (`verify_figures`); `verify_estimate` gives it the compiler's estimate as well."""
-    tuning = tuning or TuningConfig()
-    plan = plan_build(cfg, target, batch, context, tuning, q_len, page_size)
+    plan = make_plan(spec)
     compiled = compile_plan(plan)
-    est = None
-    if estimate and target.static_profile:
-        est = estimate_in_subprocess(request_for(cfg, target, batch, context, tuning, q_len, page_size),
-                                     target.vmem_bytes)
+    est = estimate_in_subprocess(spec) if estimate and spec.target.static_profile else None
     report = make_report(plan, compiled, est)
     if verify_q:
         report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
@@ -121,7 +99,7 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
         raise PlanError(f"--verify-q: expected a positive number of tokens per sequence, got {verify_q!r}")
     out: dict[str, Any] = {"q_len": verify_q, "draft_tokens": verify_q - 1}
     try:
-        vp = plan_build(plain.cfg, plain.target, plain.batch, plain.context, plain.tuning, verify_q, plain.page_size)
+        vp = make_plan(plain.spec.replace(q_len=verify_q))
     except PlanError as e:
         out["error"] = f"the verify step does not plan: {e}"
         return out
@@ -131,10 +109,7 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
         "hbm_bytes_per_step": vp.hbm_bytes, "floor_seconds": vp.floor_seconds, "vmem_bytes": vp.vmem_total,
         "hbm_bytes_vs_plain": vp.hbm_bytes / plain_bytes, "floor_vs_plain": vp.floor_seconds / plain_floor,
     })
-    est = None
-    if estimate and vp.target.static_profile:
-        est = estimate_in_subprocess(request_for(vp.cfg, vp.target, vp.batch, vp.context, vp.tuning, vp.q_len,
-                                                 vp.page_size), vp.target.vmem_bytes)
+    est = estimate_in_subprocess(vp.spec) if estimate and vp.target.static_profile else None
     e = convert_estimate(vp, est)
     if not estimate and e["estimate_source"] == "none: not requested":
         e["estimate_source"] = "none: not requested (verify_estimate / --verify-estimate runs a second profiling compile)"

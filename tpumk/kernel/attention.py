@@ -2,7 +2,7 @@
 
 `attention_stage` is not a kernel of its own: it runs inside the megakernel's single grid-less
 `pallas_call`, once per layer (the layer index is a traced scalar of the megakernel's layer
-loop), and follows `tpumk.reference.decode_step` for one layer exactly:
+loop), and follows `tpumk.model.reference.decode_step` for one layer exactly:
 
 1. Cache update. Each new token's K/V row goes to page `block_tables[b, pos // page_size]`,
    slot `pos % page_size`, of the HBM cache (aliased input -> output, so the write is in place).

@@ -1,6 +1,6 @@
 """Packing reference-layout weights into the megakernel's layout (and its shapes, for AOT builds).
 
-`pack_weights(plan_or_cfg, params)` takes weights in tpumk's reference layout (tpumk.weights:
+`pack_weights(plan_or_cfg, params)` takes weights in tpumk's reference layout (tpumk.model.weights:
 matrices `[in, out]`, one dict per layer; real checkpoints load into that layout) and returns
 the pytree the kernel reads. Any serving stack can call it on real weights. The layout depends
 only on the model and the tuning (tile shapes), not on the target or batch.
@@ -34,10 +34,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tpumk.config import ModelConfig
-from tpumk.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, MatrixFamily, Plan, plan_families, round_up
-from tpumk.reference import jnp_dtype
-from tpumk.tuning import TuningConfig
+from tpumk.model.config import ModelConfig
+from tpumk.plan.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, MatrixFamily, Plan, plan_families, round_up
+from tpumk.model.reference import jnp_dtype
+from tpumk.plan.knobs import TuningConfig
 
 
 

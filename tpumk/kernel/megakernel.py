@@ -1,7 +1,7 @@
 """The megakernel: one decode step (every layer, the final norm, the lm_head) in ONE pallas_call.
 
 `make_decode_step(plan)` returns `step(packed, tokens, positions, cache) -> (logits, cache)`
-with the semantics of `tpumk.reference.decode_step` (tokens / positions [B, q], logits
+with the semantics of `tpumk.model.reference.decode_step` (tokens / positions [B, q], logits
 [B, q, V] f32, the paged KV cache updated in place). `step_specs(plan)` gives its argument
 shapes, so a full-size model compiles deviceless with no weights in memory.
 
@@ -37,8 +37,8 @@ from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, Plan
-from tpumk.reference import KVCache, jnp_dtype
+from tpumk.plan.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, Plan
+from tpumk.model.reference import KVCache, jnp_dtype
 
 RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 

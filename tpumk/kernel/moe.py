@@ -23,7 +23,7 @@ One call of `moe_stage` does, for one MoE layer and all N token rows:
    MXU cost of unpicked rows is noise next to the HBM read), and its down-projection is scaled
    by the row's combine weight (0 for rows that did not pick the expert) before accumulation.
 
-Numerics follow `tpumk.reference.moe_ffn` exactly: activations cast to the weight dtype, f32
+Numerics follow `tpumk.model.reference.moe_ffn` exactly: activations cast to the weight dtype, f32
 accumulation, SwiGLU in f32, the SwiGLU output cast to the weight dtype before the down
 projection, the combine weight applied to the f32 down projection. The only difference is the
 f32 summation order over Fe (per chunk, then across chunks).
@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk.config import ModelConfig, expected_distinct_experts
+from tpumk.model.config import ModelConfig, expected_distinct_experts
 from tpumk.errors import PlanError
 
 LANE = 128  # TPU lane width: expert axis padding and the Fe block width of the packed gate/up
@@ -205,7 +205,7 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
     """Reference-layout MoE weights -> the stage's kernel layout, stacked over MoE layers.
 
-    Input (tpumk.weights): per MoE layer `router [H, E]`, `e_gate [E, H, Fe]`, `e_up [E, H, Fe]`,
+    Input (tpumk.model.weights): per MoE layer `router [H, E]`, `e_gate [E, H, Fe]`, `e_up [E, H, Fe]`,
     `e_down [E, Fe, H]`. MoE layers are stacked in model order (`moe_layer_ids(cfg)`); arrays
     are cast to `cfg.dtype`. Output, with Lm MoE layers, Ep = E rounded up to 128, nb = Fe / 128:
 

@@ -1,6 +1,6 @@
 """Elementwise pieces of a layer, written for a kernel body: RMSNorm, QK-norm + RoPE, SwiGLU.
 
-Each follows its twin in tpumk.reference op for op (float32 throughout), so interpret-mode runs
+Each follows its twin in tpumk.model.reference op for op (float32 throughout), so interpret-mode runs
 agree with the reference to float32 rounding. `rope_tables` runs outside the kernel (glue): it
 turns positions into the cos / signed-sin rows the kernel multiplies by.
 """

@@ -1,6 +1,6 @@
 """The weight ring: every dense matrix of every layer, then the lm_head, streamed through VMEM.
 
-The plan fixes a global tile order (segment, layer, family, tile; see tpumk.plan). Global tile
+The plan fixes a global tile order (segment, layer, family, tile; see tpumk.plan.plan). Global tile
 g lives in slot g % depth of one VMEM buffer [depth, slot_rows, slot_cols] and signals DMA
 semaphore g % depth. The first `depth` tiles are issued before the first layer; after tile g
 is multiplied, tile g + depth is issued into the slot it freed, so `depth - 1` loads are always
@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk.plan import Plan, Segment
+from tpumk.plan.plan import Plan, Segment
 
 
 def _static(v) -> bool:

@@ -1,0 +1,85 @@
+"""The package's one-way dependency rule, read from the source (every import, lazy ones included).
+
+Layers, lowest first; a module may import its own unit and any lower layer, never a higher one
+or a sibling of its own layer:
+
+    base (errors, tomlfile, targets, compat, _env) -> model -> plan -> kernel -> compile
+    -> estimate -> build -> {tune, export, decode} -> cli
+
+`tpumk/__init__.py` (the lazy public API) may import anything; any module may read
+`tpumk.__version__` from the package root.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tpumk
+
+PACKAGE = Path(tpumk.__file__).resolve().parent
+LAYERS = [
+    {"errors", "tomlfile", "targets", "compat", "_env"},
+    {"model"},
+    {"plan"},
+    {"kernel"},
+    {"compile"},
+    {"estimate"},
+    {"build"},
+    {"tune", "export", "decode"},
+    {"cli"},
+]
+RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+MAX_TOP_LEVEL_MODULES = 12
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "tpumk"
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tpumk"):
+            if node.module == "tpumk":
+                out += [f"tpumk.{a.name}" if a.name != "__version__" else "tpumk" for a in node.names]
+            else:
+                out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "tpumk"]
+    return out
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        yield ".".join(p for p in rel.parts if p != "__init__"), path
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m, _ in _modules()} - {"tpumk", "__main__"}
+    assert units <= set(RANK), f"modules outside the layer table: {sorted(units - set(RANK))}"
+
+
+def test_imports_only_go_down():
+    bad = []
+    for module, path in _modules():
+        if module == "tpumk":
+            continue
+        mine = _unit(module)
+        for target in _imports(path):
+            theirs = _unit(target)
+            if theirs in (mine, "tpumk"):
+                continue
+            if RANK[theirs] >= RANK[mine]:
+                bad.append(f"{module} imports {target} ({mine} may not depend on {theirs})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_relative_imports_and_few_top_level_modules():
+    relative = [m for m, p in _modules() for n in ast.walk(ast.parse(p.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert not relative, f"relative imports (the layer check reads absolute ones): {relative}"
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -1,0 +1,3 @@
+from tpumk.cli.app import main
+
+main()

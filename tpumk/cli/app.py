@@ -1,0 +1,213 @@
+"""The `tpumk` command line: a thin Click shell over the library. Every command has --json."""
+
+from __future__ import annotations
+
+import click
+from tabulate import tabulate
+
+import tpumk
+from tpumk.cli.bench import bench
+from tpumk.cli.export import cache_key, export, inspect
+from tpumk.cli.tune import report, tune
+from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(tpumk.__version__, prog_name="tpumk")
+def main():
+    """Build, tune and ship TPU megakernels for LLM decoding."""
+
+
+# ---------------------------------------------------------------------- models / targets
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def models(as_json):
+    """List the built-in model presets."""
+    from tpumk.model.config import load_preset, preset_names
+
+    rows = []
+    for name in preset_names():
+        c = load_preset(name)
+        rows.append({
+            "name": name, "layers": c.num_layers, "hidden": c.hidden_size,
+            "attention": f"{c.num_q_heads}q/{c.num_kv_heads}kv x {c.head_dim}",
+            "ffn": (f"{c.num_experts} experts top-{c.top_k} x {c.expert_ffn_size}" if c.is_moe else f"dense {c.ffn_size}"),
+            "dtype": c.dtype, "params": c.param_count(),
+            "weight_bytes_per_step_b1": c.decode_weight_bytes(1),
+            "weight_bytes_per_step_b8": c.decode_weight_bytes(8),
+        })
+    if as_json:
+        emit_json({"models": rows})
+        return
+    table = [[r["name"], r["layers"], r["hidden"], r["attention"], r["ffn"], r["dtype"],
+              f"{r['params'] / 1e9:.3f} B", _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
+             for r in rows]
+    click.echo(tabulate(table, headers=["model", "layers", "hidden", "attention", "ffn", "dtype", "params",
+                                        "weights/step b=1", "weights/step b=8"]))
+    click.echo("\nweights/step: bytes of weights one decode step reads (MoE: expected distinct experts"
+               " under uniform routing); tpumk's own count from the config, not a measurement.")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def targets(as_json):
+    """List TPU targets with their chip figures (per TensorCore, from Pallas' chip table)."""
+    from tpumk.targets import TARGETS
+
+    rows = []
+    for t in TARGETS.values():
+        r = t.figures()
+        r["attached"] = t.is_attached() if t.is_tpu else True
+        rows.append(r)
+    if as_json:
+        emit_json({"targets": rows})
+        return
+    table = [[r["name"], r["topology"] or "(host, interpret mode)", f"{r['vmem_bytes'] >> 20} MiB", _gb(r["hbm_bytes"]),
+              f"{r['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", f"{r['bf16_flops'] / 1e12:.0f} TFLOP/s", r["mxu"],
+              "yes" if r["static_profile"] else "no", "yes" if r["attached"] else "no (deviceless)"]
+             for r in rows]
+    click.echo(tabulate(table, headers=["target", "topology", "VMEM", "HBM", "HBM BW", "bf16 peak", "MXU",
+                                        "static profile", "attached"]))
+    click.echo("\nThe cpu target runs kernels in Pallas TPU interpret mode and plans with TPU7x figures.")
+
+
+# ---------------------------------------------------------------------- build
+def _us(s):
+    return "n/a" if s is None else f"{s * 1e6:,.1f} us"
+
+
+def print_build_report(r) -> None:
+    click.echo(f"built {r.model} for {r.target}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
+    rows = [
+        ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
+        ["Pallas TPU kernels in the step", r.custom_calls if r.target != "cpu"
+         else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
+        ["VMEM plan / budget / capacity", f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
+                                          f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
+        ["HBM bytes per step (plan)", f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
+        ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
+        ["compiler estimated cycles", "n/a" if r.estimated_cycles is None else f"{r.estimated_cycles:,}"],
+        ["estimated step time", _us(r.estimated_seconds)],
+        ["floor / estimate", "n/a" if r.floor_fraction is None else f"{r.floor_fraction:.2f}"],
+    ]
+    click.echo(tabulate(rows, tablefmt="plain"))
+    click.echo(f"estimate source: {r.estimate_source}")
+    for n in r.notes:
+        click.echo(f"note: {n}")
+    if r.verify:
+        print_verify_figures(r)
+
+
+def print_verify_figures(r) -> None:
+    """The speculative verify step beside the plain step (tpumk.build.verify_figures)."""
+    v = r.verify
+    click.echo(f"\nverify step (speculative decoding: q_len {v['q_len']} = {v['draft_tokens']} drafts + 1, "
+               f"same batch and context)")
+    if "error" in v:
+        click.echo(f"  {v['error']}")
+        return
+
+    def ratio(key):
+        return "" if v.get(key) is None else f"  ({v[key]:.2f} x plain)"
+
+    rows = [
+        ["HBM bytes per step (plan)", f"{v['hbm_bytes_per_step'] / 1e6:,.2f} MB{ratio('hbm_bytes_vs_plain')}"],
+        ["HBM floor (bytes / bandwidth)", f"{_us(v['floor_seconds'])}{ratio('floor_vs_plain')}"],
+        ["VMEM plan", f"{v['vmem_bytes'] / 2**20:.1f} MiB"],
+        ["estimated step time", f"{_us(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"],
+    ]
+    click.echo(tabulate(rows, tablefmt="plain"))
+    click.echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
+    be = v.get("estimate_vs_plain") or v["floor_vs_plain"]
+    click.echo(f"speculation beats plain decoding in target time when the mean acceptance length "
+               f"(accepted drafts + bonus) exceeds {be:.2f} ({'estimate' if v.get('estimate_vs_plain') else 'floor'} "
+               f"ratio; drafting not counted)")
+    for n in v.get("notes", []):
+        click.echo(f"note: {n}")
+
+
+@main.command()
+@spec_options()
+@click.option("--verify-q", default=8, show_default=True,
+              help="Also report the speculative verify step with this q_len (K drafts + 1), from the plan; 0: off.")
+@click.option("--verify-estimate", is_flag=True,
+              help="Give the verify step the compiler's estimate too (a second profiling compile).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def build(spec, verify_q, verify_estimate, as_json):
+    """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
+    from tpumk.build import build as do_build
+    from tpumk.errors import ConfigError
+
+    if verify_q < 0:
+        raise ConfigError(f"--verify-q: expected 0 (off) or a positive number of tokens per sequence, got {verify_q}")
+    b = do_build(spec, verify_q=verify_q if verify_q != spec.q_len else 0, verify_estimate=verify_estimate)
+    if as_json:
+        emit_json(b.report.to_dict())
+    else:
+        print_build_report(b.report)
+
+
+# ---------------------------------------------------------------------- generate
+@main.command()
+@click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe).")
+@click.option("--checkpoint", type=click.Path(), help="Hugging Face checkpoint directory (config.json + *.safetensors).")
+@click.option("--prompt-ids", required=True, help="Comma-separated token ids; several sequences separated by ';'.")
+@click.option("--steps", default=16, show_default=True, help="Tokens to generate per sequence.")
+@click.option("--backend", default="reference", show_default=True, help="reference (pure JAX) or megakernel (interpret mode on the host, or an attached TPU).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
+@click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
+@click.option("--spec", default="none", show_default=True,
+              help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
+                   "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
+@click.option("--draft-tokens", default=7, show_default=True, help="Drafts K per target step (verify q = K + 1).")
+@click.option("--draft-model", metavar="NAME|FILE|DIR|layers:N",
+              help="Draft model for --spec draft: preset / TOML / config.json (random weights, --seed), a checkpoint "
+                   "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, spec, draft_tokens, draft_model,
+             as_json):
+    """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
+    from tpumk.decode import generate as gen
+    from tpumk.errors import ConfigError
+
+    m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
+    prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
+    if draft_model and spec != "draft":
+        raise ConfigError("--draft-model: only used with --spec draft")
+    draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model else None
+    result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
+                          draft_tokens=draft_tokens, draft=draft)
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"model {result['model']} ({result['weights']}), backend {backend}")
+    for p, toks in zip(prompts, result["tokens"]):
+        click.echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
+    sp = result["spec"]
+    if sp["method"] != "none" and not sp["target_steps"]:
+        click.echo("speculation: no verify step ran (the prefill gives the only token)")
+    elif sp["method"] != "none":
+        click.echo(f"speculation: {sp['drafter']}, {sp['draft_tokens']} drafts per target step (verify q_len "
+                   f"{sp['verify_q']})")
+        click.echo(f"  mean acceptance length {sp['mean_acceptance_length']:.2f} tokens per verify step "
+                   f"(accepted drafts + bonus, at most {sp['draft_tokens'] + 1})")
+        click.echo(f"  tokens per target step {sp['tokens_per_target_step']:.2f} ({sp['target_steps']} verify steps "
+                   f"for {sp['decode_tokens_per_sequence']} tokens per sequence after the prefill; plain greedy: 1.00)")
+
+
+main.add_command(export)
+main.add_command(cache_key)
+main.add_command(inspect)
+main.add_command(bench)
+main.add_command(tune)
+main.add_command(report)

@@ -1,0 +1,93 @@
+"""`tpumk export`, `tpumk cache-key`, `tpumk inspect`: click commands over tpumk.export.artifacts."""
+
+from __future__ import annotations
+
+import click
+
+from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+
+
+@click.command()
+@spec_options()
+@click.option("--out", "out_dir", default="artifacts", show_default=True, type=click.Path(),
+              help="Artifact root: OUT/<model>/<target>/<key>/.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def export(spec, out_dir, as_json):
+    """Compile the decode step and write it as a content-addressed artifact (cache hit: no compile)."""
+    from tpumk.export.artifacts import export as do_export
+
+    r = do_export(spec, out_dir=out_dir)
+    if as_json:
+        emit_json(r.to_dict())
+        return
+    what = "cache hit, nothing compiled" if r.cache_hit else f"exported in {r.seconds:.2f} s"
+    click.echo(f"{r.path} ({what})")
+    click.echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
+    for name, entry in r.manifest["files"].items():
+        click.echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
+
+
+@click.command("cache-key")
+@spec_options()
+@click.option("--out", "out_dir", type=click.Path(),
+              help="Print the artifact directory `tpumk export --out OUT` would write, not the bare key.")
+@click.option("--json", "as_json", is_flag=True, help="Print the key and everything it covers.")
+@fail_cleanly
+def cache_key(spec, out_dir, as_json):
+    """Print the build's cache key (no compile)."""
+    from tpumk.export.artifacts import artifact_path
+    from tpumk.compile.keys import cache_key as key_of, key_inputs
+
+    inputs = key_inputs(spec)
+    key = key_of(inputs)
+    path = str(artifact_path(out_dir, spec, key)) if out_dir else None
+    if as_json:
+        emit_json({"key": key, "path": path, "inputs": inputs})
+    else:
+        click.echo(path or key)
+
+
+@click.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def inspect(path, as_json):
+    """Show an artifact's manifest summary and verify its files and versions."""
+    from tpumk.export.artifacts import inspect as do_inspect
+
+    info = do_inspect(path)
+    if as_json:
+        emit_json(info)
+    else:
+        _print_inspect(info)
+    if not info["valid"]:
+        raise SystemExit(1)
+
+
+def _print_inspect(info: dict) -> None:
+    from tpumk.plan.knobs import TuningConfig
+
+    click.echo(info["path"])
+    if "key" not in info:
+        click.echo(f"  INVALID: {info['problem']}")
+        return
+    t, sh, rep = info["target"], info["shapes"], info.get("report", {})
+    click.echo(f"  key       {info['key']}")
+    click.echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
+               f"batch {sh['batch']}  context {sh['context']}  q_len {sh['q_len']}  page {sh['page_size']}")
+    click.echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    default = TuningConfig().to_dict()
+    changed = {k: v for k, v in info.get("tuning", {}).items() if default.get(k) != v}
+    click.echo(f"  tuning    {changed or 'defaults'}")
+    if rep:
+        est = rep.get("estimated_seconds")
+        click.echo(f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "
+                   f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {rep.get('hbm_bytes_per_step', 0) / 1e6:,.1f} MB/step, "
+                   f"floor {rep.get('floor_seconds', 0) * 1e6:.1f} us (plan), estimate "
+                   + (f"{est * 1e6:.1f} us ({rep.get('estimate_source', '')[:60]}...)" if est else
+                      f"none ({rep.get('estimate_source', 'not requested')})"))
+    click.echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    for name, entry in info["files"].items():
+        click.echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
+    click.echo("  valid (hashes and versions checked)" if info["valid"] else f"  INVALID: {info['problem']}")

@@ -1,0 +1,208 @@
+"""`tpumk tune` and `tpumk report`: click commands over tpumk.tune.study and tpumk.tune.report.
+
+Registered on the main group in tpumk/cli.py (`main.add_command(tune)`, `main.add_command(report)`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from tabulate import tabulate
+
+from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+
+
+def _us(s) -> str:
+    return "n/a" if s is None else f"{s * 1e6:,.2f} us"
+
+
+def _knobs(changed: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "(the default configuration)"
+
+
+def print_result(r) -> None:
+    c = r.counts
+    click.echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} evaluated trials "
+               f"({c.get('COMPLETE', 0)} complete, {r.evaluated - c.get('COMPLETE', 0)} pruned by the compiler), "
+               f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
+    if r.prune_reasons:
+        click.echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
+    run = r.this_run
+    click.echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
+               f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
+               f"{run.get('wall_seconds', 0):.1f} s wall")
+    if not r.best:
+        click.echo("no trial completed: nothing to rank")
+    else:
+        rows = [[b["rank"], b["trial"], _us(b["value_seconds"]), b["value_kind"], _knobs(b["changed_knobs"]),
+                 "n/a" if b["compile_seconds"] is None else f"{b['compile_seconds']:.2f}",
+                 "yes" if b["cached"] else "no"] for b in r.best]
+        click.echo(tabulate(rows, headers=["rank", "trial", "step", "value is", "knobs changed from default",
+                                           "compile s (measured)", "cached"]))
+        best = r.best[0]
+        click.echo(f"objective source (best): {best['objective_source']}")
+        if r.default is not None and r.default.get("value_seconds") is not None:
+            click.echo(f"default configuration (trial {r.default['trial']}): {_us(r.default['value_seconds'])}; "
+                       f"best / default = {r.best_over_default:.3f} ({best['value_kind']})")
+        if r.floor_seconds:
+            click.echo(f"HBM floor of the best (tpumk plan accounting): {_us(r.floor_seconds)}; "
+                       f"floor / best = {r.floor_seconds / best['value_seconds']:.2f}")
+    for n in r.notes:
+        click.echo(f"note: {n}")
+    if r.out:
+        click.echo(f"wrote {r.out} (tpumk build --tuning {r.out})")
+
+
+class _Bar:
+    """A tqdm bar of finished trials of the study (all processes), on stderr when it is a TTY."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+
+    def __call__(self, done: int, total: int, best) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if self.bar is None:
+            import shutil
+
+            # A pty may report a 0 x 0 screen, where tqdm would hide the bar.
+            cols, rows = shutil.get_terminal_size((100, 20))
+            self.bar = tqdm(total=total, initial=done, unit="trial", file=sys.stderr, ncols=min(cols or 100, 120),
+                            nrows=rows or 20, disable=not sys.stderr.isatty())
+        self.bar.n = done
+        if best is not None:
+            self.bar.set_postfix_str(f"best {best * 1e6:,.2f} us", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@click.command()
+@spec_options(tuning=False)
+@click.option("--space", "space_file", type=click.Path(), help="Tuning space TOML (default tuning_spaces/default.toml).")
+@click.option("--trials", default=30, show_default=True,
+              help="Evaluated trials the study ends with (complete, or pruned by the compiler); "
+                   "configurations pruned before compiling do not count.")
+@click.option("--max-infeasible", type=int,
+              help="Stop after this many configurations pruned before compiling (default 10 x --trials).")
+@click.option("--timeout", default=900.0, show_default=True, help="Seconds a trial's compile (and objective) may take; it is killed and pruned after.")
+@click.option("--objective", default="auto", show_default=True,
+              type=click.Choice(["auto", "device", "compiler", "model"]),
+              help="device: timed on the attached accelerator; compiler: the TPU compiler's static estimate; "
+                   "model: tpumk's timeline model; auto: the first that works here.")
+@click.option("--storage", help="Optuna storage: sqlite:///F.db, postgresql://..., F.journal or journal:F "
+                                "(default sqlite:///artifacts/tune/<study>.db).")
+@click.option("--study", "study_name", help="Study name (default: derived from model, target, shapes, space and objective).")
+@click.option("--workers", default=1, show_default=True, help="Trials in parallel in this process (each compiles in its own process).")
+@click.option("--seed", type=int, help="Sampler seed (reproducible for a fresh study run by one process with --workers 1).")
+@click.option("--heartbeat", default=5, show_default=True, help="Seconds between trial heartbeats; a trial silent for 3 beats (a killed run) is failed.")
+@click.option("--out", "out_file", type=click.Path(), help="Write the best configuration here as [tuning] TOML (default artifacts/tune/<study>.toml).")
+@click.option("--report", "report_dir", type=click.Path(), help="Also write PNG plots of the study into this directory.")
+@click.option("--cache-dir", type=click.Path(), help="Result cache directory (default artifacts/tune/cache).")
+@click.option("--top", default=5, show_default=True, help="Best configurations to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def tune(spec, space_file, trials, max_infeasible,
+         timeout, objective, storage, study_name, workers, seed, heartbeat, out_file, report_dir, cache_dir, top,
+         as_json):
+    """Search the megakernel's knobs with Optuna, every trial a real compile (resumable)."""
+    import logging
+
+    import optuna
+
+    from tpumk.tune import study as T
+    from tpumk.tune.objectives import attached_tpu_kind, choose_objective
+    from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
+
+    space = load_space(space_file or DEFAULT_SPACE_PATH)
+    problem = spec
+    choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
+    settings = T.TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
+                              cache_dir=Path(cache_dir) if cache_dir else None, top=top,
+                              max_infeasible=max_infeasible)
+    settings.validate()
+    name = study_name or T.study_name_for(problem, space, choice.name)
+    url = T.storage_url(storage, name, settings.root)
+    out = out_file or str(settings.root / f"{name}.toml")
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    size = space.size()
+    say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} evaluated trials")
+    say(f"objective: {choice.name} ({choice.reason})")
+    say(f"study {name} in {T.redact(url)}")
+    optuna.logging.set_verbosity(logging.ERROR)  # tpumk prints its own summary
+    bar = _Bar(enabled=not as_json)
+    try:
+        result = T.run(problem, space, choice, settings, storage=storage, study_name=name, out=out, progress=bar)
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(f"interrupted: rerun the same command to resume study {name}", err=True)
+        sys.exit(130)
+    finally:
+        bar.close()
+    report = None
+    if report_dir:
+        from tpumk.tune.report import write_report
+
+        study = T.open_study(url, name, None, None, heartbeat, create=False)
+        report = write_report(study, report_dir)
+    if as_json:
+        d = result.to_dict()
+        if report is not None:
+            d["report"] = report
+        emit_json(d)
+        return
+    print_result(result)
+    if report is not None:
+        _print_report(report)
+
+
+def _print_report(report: dict) -> None:
+    for p in report["written"]:
+        click.echo(f"wrote {p}")
+    for name, why in report["skipped"].items():
+        click.echo(f"skipped {name}: {why}")
+
+
+@click.command()
+@click.option("--storage", help="Optuna storage of the study (default sqlite:///artifacts/tune/<study>.db).")
+@click.option("--study", "study_name", help="Study name (may be left out when the storage holds one study).")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the PNG plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def report(storage, study_name, out_dir, as_json):
+    """Plot a tuning study: optimization history, knob importances, timeline (PNG)."""
+    import optuna
+
+    from tpumk.tune import study as T
+    from tpumk.errors import ConfigError
+    from tpumk.tune.report import write_report
+
+    if not storage and not study_name:
+        raise ConfigError("give --study (its default storage is artifacts/tune/<study>.db) or --storage")
+    if not storage and not (T.DEFAULT_ROOT / f"{study_name}.db").is_file():
+        raise ConfigError(f"--study {study_name!r}: no {T.DEFAULT_ROOT / (study_name + '.db')}; give --storage")
+    url = T.storage_url(storage, study_name or "", T.DEFAULT_ROOT)
+    if storage and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+        raise ConfigError(f"--storage {storage}: no such file")
+    if storage and (url.startswith("journal:") or url.endswith(".journal")) \
+            and not Path(url.removeprefix("journal:")).is_file():
+        raise ConfigError(f"--storage {storage}: no such file")
+    if study_name is None:
+        names = optuna.get_all_study_names(T.open_storage(url))
+        if len(names) != 1:
+            raise ConfigError(f"--storage {T.redact(url)} holds {len(names)} studies ({', '.join(names) or 'none'}): "
+                              "give --study")
+        study_name = names[0]
+    study = T.open_study(url, study_name, None, None, create=False)
+    r = write_report(study, out_dir)
+    if as_json:
+        emit_json({"study": study_name, **r})
+    else:
+        _print_report(r)

@@ -1,0 +1,58 @@
+"""Ahead-of-time lowering and compilation for a target (deviceless for TPUs without one).
+
+Arguments are given as shapes (`jax.ShapeDtypeStruct`), never as arrays, so full-size models
+compile with no weights in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from tpumk.targets import Target
+
+
+@dataclass
+class Compiled:
+    compiled: Any  # jax.stages.Compiled
+    lower_seconds: float
+    compile_seconds: float
+    hlo_text: str
+    device_kind: str  # the compiled-for device's kind, e.g. "TPU7x" (names static profiles)
+
+    @property
+    def custom_calls(self) -> int:
+        """Pallas TPU kernels in the compiled program (each is one tpu_custom_call)."""
+        return self.hlo_text.count('custom_call_target="tpu_custom_call"')
+
+
+def place(specs: Any, device) -> Any:
+    """Give every ShapeDtypeStruct in a pytree a single-device sharding on `device`."""
+    sharding = SingleDeviceSharding(device)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), specs)
+
+
+def compile_for(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) -> Compiled:
+    """jit(fn).lower(*specs).compile() for the target's device (attached or deviceless)."""
+    dev = target.device()
+    specs = place(arg_specs, dev)
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), dev.device_kind)
+
+
+def compile_plan(plan) -> Compiled:
+    """Compile the megakernel decode step of `plan` for its target (deviceless when not attached)."""
+    from tpumk.kernel.megakernel import make_decode_step, step_specs
+
+    # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
+    # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
+    # every step (the kernel aliases them in place).
+    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target, donate_argnums=(3,))

@@ -1,0 +1,229 @@
+"""Greedy generation through a chosen backend (the user-visible proof a model is right).
+
+Backends share one decode-step signature, `step(params, tokens[B,q], positions[B,q], cache)
+-> (logits[B,q,V], cache)`, so prefill, the greedy loop and the paged cache are common code
+(`tpumk.model.reference.greedy_generate`), and only the step differs.
+
+With speculation (`spec="ngram"` or `"draft"`) the loop is `tpumk.decode.speculative`'s: one target
+step of q = K + 1 tokens (the megakernel planned for that q, or the reference) verifies the K
+tokens a drafter (`tpumk.decode.drafters`) proposed; the tokens are the greedy ones either way. On
+the megakernel backend a draft model runs through its own megakernel (q = 1). Prefill is the
+reference's on every backend (the prompt is one multi-token chunk per sequence; the kernel is
+planned for a fixed [B, q]).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpumk.model import reference
+from tpumk.model.config import ModelConfig, resolve_model
+from tpumk.errors import ConfigError
+
+BACKENDS = ("reference", "megakernel")
+SPEC_METHODS = ("none", "ngram", "draft")
+DEFAULT_DRAFT_TOKENS = 7  # verify q = 8, the verify step `tpumk build` reports by default
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    params: dict
+    source: str  # "random weights (seed N)" or the checkpoint directory
+
+
+def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: str | None = None) -> Model:
+    """A model from a preset / TOML / config.json with random weights, or from a checkpoint."""
+    if checkpoint and model:
+        raise ConfigError("give either --model or --checkpoint, not both")
+    if checkpoint:
+        from tpumk.model.checkpoint import load_checkpoint
+
+        cfg, params = load_checkpoint(Path(checkpoint), dtype=dtype)
+        return Model(cfg, params, f"checkpoint {checkpoint}")
+    from tpumk.model.weights import random_params
+
+    cfg = resolve_model(model or "tiny-moe")
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
+    return Model(cfg, random_params(cfg, seed), f"random weights (seed {seed})")
+
+
+@functools.lru_cache(maxsize=16)
+def reference_step(cfg: ModelConfig):
+    """The jitted reference step of `cfg`, one per config per process (jit compiles per shape,
+    so generations in one process share the compiled prefill and decode shapes)."""
+    return reference.jitted_decode_step(cfg)
+
+
+def truncated_model(m: Model, layers: int) -> Model:
+    """The model's first `layers` layers with its own final norm and lm_head: a draft model that
+    needs no extra weights (self-speculative early exit; the arrays are shared, not copied)."""
+    cfg = m.cfg
+    if not (isinstance(layers, int) and 1 <= layers <= cfg.num_layers):
+        raise ConfigError(f"--draft-model layers:N: expected N in [1, {cfg.num_layers}] (layers of '{cfg.name}'), "
+                          f"got {layers!r}")
+    changes: dict = {"num_layers": layers, "name": f"{cfg.name}-first{layers}"}
+    if cfg.is_moe:
+        dense = tuple(i for i in cfg.dense_layers if i < layers)
+        if len(dense) == layers:  # only dense layers left: a dense model
+            changes.update(num_experts=0, top_k=0, expert_ffn_size=0, num_shared_experts=0,
+                           shared_expert_ffn_size=0, dense_layers=())
+        else:
+            changes["dense_layers"] = dense
+    params = dict(m.params)
+    params["layers"] = list(m.params["layers"][:layers])
+    return Model(cfg.replace(**changes), params, f"first {layers} of {cfg.num_layers} layers of the target ({m.source})")
+
+
+def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None = None) -> Model:
+    """--draft-model: `layers:N` (the target's first N layers), a checkpoint directory
+    (config.json + *.safetensors), or a preset / TOML / config.json with random weights (seed
+    `seed`). The draft must share the target's vocabulary and dtype is the target's unless given."""
+    spec = spec.strip()
+    if spec.startswith("layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"--draft-model {spec}: expected layers:N with an integer N") from None
+        return truncated_model(target, n)
+    p = Path(spec)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        d = load_model(None, spec, dtype=dtype or target.cfg.dtype)
+    else:
+        d = load_model(spec, None, seed=seed, dtype=dtype or target.cfg.dtype)
+    if d.cfg.vocab_size != target.cfg.vocab_size:
+        raise ConfigError(f"--draft-model {spec}: vocabulary {d.cfg.vocab_size} != the target's {target.cfg.vocab_size} "
+                          "(a draft must propose the target's token ids)")
+    return d
+
+
+def parse_prompt_ids(text: str, vocab_size: int) -> list[list[int]]:
+    """'1,2,3;4,5' -> [[1,2,3],[4,5]]; every id must be in [0, vocab_size)."""
+    prompts = []
+    for k, part in enumerate(text.split(";")):
+        items = [s.strip() for s in part.split(",") if s.strip()]
+        if not items:
+            raise ConfigError(f"--prompt-ids: sequence {k} is empty (expected comma-separated token ids)")
+        try:
+            ids = [int(s) for s in items]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids: sequence {k} holds a non-integer id (expected e.g. 1,2,3;4,5)") from None
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ConfigError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        prompts.append(ids)
+    return prompts
+
+
+def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "reference",
+             page_size: int = 16, context: int | None = None, spec: str = "none",
+             draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None) -> dict:
+    """Greedy-generate `steps` tokens per prompt; returns tokens, timing and, with `spec`
+    ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
+    figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
+    drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce."""
+    if steps < 1:
+        raise ConfigError(f"--steps: expected a positive number of steps, got {steps}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    if spec not in SPEC_METHODS:
+        raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
+    if spec == "none" and draft is not None:
+        raise ConfigError("--draft-model: only used with --spec draft")
+    if spec == "draft" and draft is None:
+        raise ConfigError("--spec draft: needs --draft-model NAME|FILE|DIR|layers:N")
+    if spec != "none" and not (isinstance(draft_tokens, int) and not isinstance(draft_tokens, bool)
+                               and draft_tokens >= 1):
+        raise ConfigError(f"--draft-tokens: expected a positive integer, got {draft_tokens!r}")
+    if draft is not None and draft.cfg.vocab_size != m.cfg.vocab_size:
+        raise ConfigError(f"--draft-model: vocabulary {draft.cfg.vocab_size} != the target's {m.cfg.vocab_size}")
+    k = draft_tokens if spec != "none" else 0
+    need = max(len(p) for p in prompts) + steps + k
+    context = context or need
+    if context < need:
+        raise ConfigError(f"--context: {context} tokens < {need} needed for the longest prompt plus steps"
+                          + (f" plus {k} draft tokens" if k else ""))
+    cache = reference.init_cache(m.cfg, len(prompts), context, page_size=page_size)
+    ref_step = reference_step(m.cfg)
+    t0 = time.perf_counter()
+    spec_info: dict = {"method": spec}
+    if spec == "none":
+        if backend == "reference":
+            tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step)
+        else:
+            kernel_step, _ = _kernel_decode_fn(m, len(prompts), context, page_size, 1)
+            tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
+                                                  decode_fn=kernel_step)
+        spec_info.update(target_steps=steps - 1, tokens_per_target_step=1.0)
+    else:
+        from tpumk.decode.drafters import DraftModelDrafter, NgramDrafter
+        from tpumk.decode.speculative import speculative_generate
+
+        if spec == "ngram":
+            drafter = NgramDrafter()
+        else:
+            dcache = reference.init_cache(draft.cfg, len(prompts), context, page_size=page_size)
+            d_ref = reference_step(draft.cfg)
+            if backend == "reference":
+                d_decode = lambda toks, pos, c: d_ref(draft.params, toks, pos, c)  # noqa: E731
+            else:
+                d_decode, _ = _kernel_decode_fn(draft, len(prompts), context, page_size, 1)
+            drafter = DraftModelDrafter(draft.cfg, draft.params, d_decode, dcache, prefill_step=d_ref,
+                                        label=f"{draft.cfg.name} ({draft.source})")
+        verify = None
+        if backend == "megakernel":
+            verify, _ = _kernel_decode_fn(m, len(prompts), context, page_size, k + 1)
+        tokens, _, stats = speculative_generate(m.params, m.cfg, prompts, steps, cache, drafter, k,
+                                                step_fn=ref_step, verify_fn=verify)
+        spec_info.update(stats.to_dict())
+        spec_info.update(drafter.summary())
+        spec_info["note"] = ("acceptance counts are exact token comparisons on this host; "
+                             "tokens_per_target_step = (steps - 1) / verify steps (plain greedy: 1)")
+    seconds = time.perf_counter() - t0
+    if backend == "reference":
+        where = "reference decode step (pure JAX) on this host"
+    else:
+        where = _megakernel_where()
+    return {
+        "model": m.cfg.name, "backend": backend, "weights": m.source, "steps": steps,
+        "prompts": prompts, "tokens": tokens, "seconds": seconds, "ran_on": where, "spec": spec_info,
+        "timing_note": "wall time on this host, including compilation; not a TPU speed figure",
+    }
+
+
+def _megakernel_where() -> str:
+    from tpumk.targets import attached_target
+
+    target = attached_target()
+    return (f"megakernel on an attached {target.name}" if target is not None
+            else "megakernel in Pallas TPU interpret mode on the host (prefill by the reference)")
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int):
+    """(plan, step) of the megakernel for these shapes, on an attached TPU when there is one,
+    else in Pallas TPU interpret mode on the host. Cached so repeated generations in one
+    process (tests, notebooks) trace and compile each shape once."""
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import attached_target, get_target
+
+    target = attached_target() or get_target("cpu")
+    plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size))
+    return plan, make_decode_step(plan)
+
+
+def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len: int):
+    """decode_fn(tokens, positions, cache) of the megakernel with `m`'s weights packed; prefill
+    stays with the reference (the prompt is one multi-token chunk per sequence; the cache
+    layout is shared)."""
+    from tpumk.kernel.layout import pack_weights
+
+    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len)
+    packed = pack_weights(plan, m.params)
+    return (lambda toks, pos, c: step(packed, toks, pos, c)), plan

@@ -1,0 +1,112 @@
+"""The TPU compiler's static estimate of a build, obtained in a separate profiling process.
+
+Why a separate process: libtpu reads `--xla_jf_dump_static_llo_profile_to` once, at start-up,
+and with it on the compiler also sets aside a large "HLO temp" VMEM reservation next to a
+Pallas kernel's scoped VMEM (seen with libtpu 0.0.52: a 27 MiB kernel needed 73 MiB), so a
+kernel that fits the chip fails to compile in a profiling process; on v5e the flag aborts the
+process on some kernels. The profiling process therefore also raises the VMEM size the
+compiler assumes (`--xla_tpu_override_vmem_size_kib`, to twice the chip's) so the reservation
+fits. Its executable is thrown away: only the cycle count is kept. Real executables (what
+`build` reports on and `export` ships) are compiled in a process without either flag, and
+feasibility is decided by the plan and that real compile.
+
+The calibration probe (tpumk.estimate.calibration) runs in the same kind of process, so cycles and
+their conversion come from the same compiler settings.
+
+Run as `python -m tpumk.estimate.profiler` with a JSON request on stdin; prints a JSON reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tpumk.errors import TpumkError
+
+PROFILE_VMEM_FACTOR = 2  # VMEM size the profiling compiler assumes, x the chip's
+
+
+@dataclass
+class Estimate:
+    cycles: int | None
+    cycles_by_op: dict[str, int]
+    seconds: float | None  # cycles converted by the calibration; None without one
+    calibration: dict[str, Any] | None
+    error: str | None = None  # why there is no estimate (compiler crash, no profile written, ...)
+
+
+def profiling_env(target_vmem_bytes: int, profile_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    from tpumk.estimate.static_profile import FLAG
+
+    args = env.get("LIBTPU_INIT_ARGS", "")
+    args += f" {FLAG}={profile_dir} --xla_tpu_override_vmem_size_kib={PROFILE_VMEM_FACTOR * target_vmem_bytes // 1024}"
+    env["LIBTPU_INIT_ARGS"] = args.strip()
+    return env
+
+
+def estimate_in_subprocess(spec, timeout: float | None = 900) -> Estimate:
+    """Compile the build `spec` (a tpumk.plan.spec.BuildSpec) in a fresh profiling process and
+    return its estimate."""
+    with tempfile.TemporaryDirectory(prefix="tpumk-estimate-") as d:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "tpumk.estimate.profiler"], input=json.dumps(spec.to_dict()),
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env=profiling_env(spec.target.vmem_bytes, d))
+        except subprocess.TimeoutExpired:
+            return Estimate(None, {}, None, None, f"profiling compile timed out after {timeout:.0f} s")
+    if proc.returncode != 0:
+        return Estimate(None, {}, None, None, f"profiling compile failed (exit {proc.returncode}): "
+                                              f"{_failure_line(proc.stderr)}")
+    return Estimate(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _failure_line(stderr: str) -> str:
+    """The line that says why libtpu or the compile died (its CHECK message when it aborted)."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    if "got vector-bf16packed" in stderr:  # libtpu 0.0.52's profiler on multi-pass f32 matmuls
+        return ("libtpu's static profiler aborts on this kernel's float32 matmuls (an internal LLO type "
+                "check); bfloat16 weights (--dtype bfloat16) profile fine")
+    for line in lines:
+        if "Check failed" in line or "RESOURCE_EXHAUSTED" in line:
+            return line.split("] ", 1)[-1][:400]
+    return lines[-1][:400]
+
+
+def _serve(request: dict[str, Any]) -> Estimate:
+    """In the profiling process: plan, compile, collect cycles, calibrate."""
+    from tpumk.estimate import static_profile
+    from tpumk.compile.aot import compile_plan
+    from tpumk.estimate.calibration import calibration_for
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+
+    spec = BuildSpec.from_dict(request, "estimate request")
+    target = spec.target
+    plan = make_plan(spec)
+    static_profile.clear()
+    compiled = compile_plan(plan)
+    by_op = static_profile.collect(compiled.device_kind)
+    if not by_op:
+        return Estimate(None, {}, None, None, "the compiler wrote no static profile for this build")
+    cycles = int(sum(by_op.values()))
+    cal = calibration_for(target.name)
+    return Estimate(cycles, by_op, cal.seconds(cycles) if cal else None, asdict(cal) if cal else None)
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    try:
+        est = _serve(request)
+    except TpumkError as e:
+        est = Estimate(None, {}, None, None, str(e))
+    print(json.dumps(asdict(est)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+"""Exported build artifacts: a compiled decode step on disk, content-addressed by its cache key.
+
+`export(cfg, target, batch, context, tuning, q_len, page_size, out_dir)` writes
+`out_dir/<model>/<target>/<key>/` (built in a temporary directory, then os.rename'd into
+place, so a reader never sees half an artifact):
+
+    executable.bin   jax.experimental.serialize_executable.serialize(compiled)[0]: the compiled
+                     program for the target (deviceless for TPUs); it loads only on a device of
+                     that kind with the same jax/jaxlib/libtpu
+    exported.bin     jax.export.export(jit(step), platforms=[...]).serialize(): the portable
+                     StableHLO of the same step (tpu_custom_call is a stable custom call); any
+                     host deserializes it, and it compiles on load for the platform it names
+    manifest.toml    model, target, shapes, tuning, the cache-key inputs (exact, as canonical
+                     JSON, plus readable tables), stack versions, the build report, input/output
+                     signatures and the sha256 of every file above
+
+The executable's input/output pytree structures are not stored as pickles: `load` rebuilds them
+from the manifest's plan and checks them against the structures recorded at export.
+
+`cpu`-target artifacts hold real programs too: their kernel runs in Pallas' discharge
+interpreter (`interpret=True`: the same kernel lowered to ordinary XLA ops, no host callbacks),
+so the portable export runs on any machine's CPU.
+
+An existing key is a cache hit: nothing is compiled. `load(path)` checks the manifest, every
+file's sha256 and the stack versions, then returns a `DecodeStep`:
+step(packed, tokens, positions, cache) -> (logits, cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
+from tpumk.errors import ArtifactError
+from tpumk.plan.spec import BuildSpec
+from tpumk.targets import get_target
+
+FORMAT = 2  # 2: cpu artifacts hold programs; no pickled pytrees
+MANIFEST = "manifest.toml"
+EXECUTABLE = "executable.bin"
+EXPORTED = "exported.bin"
+PAYLOAD = (EXECUTABLE, EXPORTED)
+
+_registered = False
+
+
+def _register_pytrees() -> None:
+    """jax.export serializes pytree structure by name; the cache is a NamedTuple."""
+    global _registered
+    if _registered:
+        return
+    from jax import export as jexport
+
+    from tpumk.model.reference import KVCache
+
+    try:
+        jexport.register_namedtuple_serialization(KVCache, serialized_name="tpumk.model.reference.KVCache")
+    except ValueError:  # already registered (module reloaded)
+        pass
+    _registered = True
+
+
+# ---------------------------------------------------------------------- small helpers
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _without_none(v: Any) -> Any:
+    """TOML has no null: None values are left out (exact values that need None live in the
+    manifest's canonical JSON strings)."""
+    if isinstance(v, dict):
+        return {str(k): _without_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, (list, tuple)):
+        return [_without_none(x) for x in v if x is not None]
+    return v
+
+
+def to_toml(doc: dict[str, Any]) -> str:
+    return tomli_w.dumps(_without_none(doc))
+
+
+def _signature(tree: Any) -> list[dict[str, Any]]:
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
+
+
+# ---------------------------------------------------------------------- export
+@dataclass
+class ExportResult:
+    path: Path
+    key: str
+    cache_hit: bool
+    seconds: float
+    manifest: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "key": self.key, "cache_hit": self.cache_hit, "seconds": self.seconds}
+
+
+def artifact_path(out_dir: str | Path, spec: BuildSpec, key: str) -> Path:
+    return Path(out_dir) / spec.model.name / spec.target.name / key
+
+
+def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False) -> ExportResult:
+    """Build and write the artifact, or find it already there (cache hit: compiles nothing)."""
+    t0 = time.perf_counter()
+    cfg, target, tuning = spec.model, spec.target, spec.tuning
+    inputs = key_inputs(spec)
+    key = cache_key(inputs)
+    final = artifact_path(out_dir, spec, key)
+    if (final / MANIFEST).exists():
+        manifest = verify(final)
+        return ExportResult(final, key, True, time.perf_counter() - t0, manifest)
+
+    import jax
+    from jax import export as jexport
+    from jax.experimental import serialize_executable
+
+    from tpumk.build import make_report
+    from tpumk.compile.aot import compile_for
+    from tpumk.estimate.profiler import estimate_in_subprocess
+    from tpumk.kernel.megakernel import make_decode_step, step_specs
+    from tpumk.plan.plan import make_plan
+
+    _register_pytrees()
+    plan = make_plan(spec)  # PlanError before compiling
+    specs = step_specs(plan)
+    # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
+    # donate in compile_for's own jit too: a donation inside a nested jit is not honoured, and
+    # without it XLA copies both KV caches every step
+    compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
+                           donate_argnums=(3,))
+    try:
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
+    except Exception as e:
+        raise ArtifactError(f"{target.name}: the compiled step cannot be serialized: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if (in_tree, out_tree) != step_trees(plan):  # load() rebuilds them from the plan
+        raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
+    platform = "cpu" if target.interpret else "tpu"
+    t1 = time.perf_counter()
+    exported = jexport.export(make_decode_step(plan, portable=True), platforms=[platform])(*specs)
+    export_seconds = time.perf_counter() - t1
+    est = estimate_in_subprocess(spec) if estimate and target.static_profile else None
+    report = make_report(plan, compiled, est)
+
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=parent))
+    try:
+        (tmp / EXECUTABLE).write_bytes(blob)
+        (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
+        files = list(PAYLOAD)
+        out_specs = jax.eval_shape(make_decode_step(plan, portable=True), *specs)
+        manifest = {
+            "format": FORMAT,
+            "key": key,
+            "created_unix": int(time.time()),
+            "model": {k: v for k, v in cfg.to_dict().items()},
+            "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
+                       "device_kind": compiled.device_kind, "interpret": target.interpret,
+                       "export_platform": platform,
+                       "kernel_mode": ("Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops"
+                                       if target.interpret else "Mosaic TPU kernel (tpu_custom_call)")},
+            "shapes": spec.shapes(),
+            "tuning": tuning.to_dict(),
+            "versions": stack_versions(),
+            "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
+            "report": {k: v for k, v in report.to_dict().items() if k != "plan"},
+            "report_json": json.dumps(report.to_dict(), sort_keys=True, default=str),
+            "timings": {"export_seconds": export_seconds},
+            "signature": {"inputs_json": json.dumps(_signature(specs)),
+                          "outputs_json": json.dumps(_signature(out_specs)),
+                          "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
+                          "exported_in_avals": [str(a) for a in exported.in_avals],
+                          "exported_out_avals": [str(a) for a in exported.out_avals]},
+            "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+                      for name in files},
+        }
+        (tmp / MANIFEST).write_text(to_toml(manifest))
+        for f in tmp.iterdir():  # durable before it becomes visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if (final / MANIFEST).exists():  # another process published the same key first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return ExportResult(final, key, True, time.perf_counter() - t0, verify(final))
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(final, key, False, time.perf_counter() - t0, read_manifest(final))
+
+
+# ---------------------------------------------------------------------- verify / load
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: not an artifact directory (no such directory)")
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise ArtifactError(f"{path}: not an artifact directory (no {MANIFEST})")
+    try:
+        m = tomllib.loads(mf.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mf}: malformed manifest: {str(e).splitlines()[0]}") from None
+    for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model"):
+        if field not in m:
+            raise ArtifactError(f"{mf}: malformed manifest: missing '{field}'")
+    if m["format"] != FORMAT:
+        raise ArtifactError(f"{mf}: artifact format {m['format']}, this tpumk reads format {FORMAT}")
+    return m
+
+
+def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
+    """Manifest well-formed, key consistent, every file present with its sha256, same stack."""
+    path = Path(path)
+    m = read_manifest(path)
+    try:
+        inputs = json.loads(m["cache_key"]["inputs_json"])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad cache_key.inputs_json") from None
+    if cache_key(inputs) != m["key"]:
+        raise ArtifactError(f"{path / MANIFEST}: cache key {m['key'][:12]}... does not match its own inputs "
+                            "(manifest altered)")
+    missing = [n for n in PAYLOAD if n not in m["files"]]
+    if missing:
+        raise ArtifactError(f"{path / MANIFEST}: malformed manifest: no sha256 listed for {missing[0]}")
+    for name, entry in sorted(m["files"].items()):
+        if name not in PAYLOAD or not isinstance(entry, dict) or "sha256" not in entry:
+            raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad files entry '{name}'")
+        f = path / name
+        if not f.is_file():
+            raise ArtifactError(f"{f}: missing file of artifact {m['key'][:12]}")
+        size = f.stat().st_size
+        if size != entry.get("bytes", size):
+            raise ArtifactError(f"{f}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)")
+        got = sha256_file(f)
+        if got != entry["sha256"]:
+            raise ArtifactError(f"{f}: sha256 {got[:12]}... does not match the manifest's "
+                                f"{entry['sha256'][:12]}... (altered)")
+    if check_versions:
+        have = stack_versions()
+        for dist, want in sorted(m["versions"].items()):
+            if have.get(dist) != want:
+                raise ArtifactError(f"{path}: built with {dist} {want}, this environment has {dist} "
+                                    f"{have.get(dist, 'not installed')} (re-export)")
+    return m
+
+
+def spec_of(m: dict[str, Any]) -> BuildSpec:
+    """The BuildSpec an artifact was built from (from the key inputs its manifest records)."""
+    inputs = json.loads(m["cache_key"]["inputs_json"])
+    return BuildSpec.from_dict({"model": inputs["model"], "target": m["target"]["name"], **inputs["shapes"],
+                                "tuning": inputs["tuning"]}, "artifact manifest")
+
+
+class DecodeStep:
+    """A loaded artifact: step(packed, tokens, positions, cache) -> (logits, cache).
+
+    The serialized executable donates `cache` (its K/V are updated in place): keep using the
+    returned cache, never the one passed in."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str):
+        self.path, self.manifest, self._fn, self.kind = path, manifest, fn, kind
+        self.batch = manifest["shapes"]["batch"]
+        self.q_len = manifest["shapes"]["q_len"]
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+    @functools.cached_property
+    def plan(self):
+        """The plan the artifact was built from: what `tpumk.pack_weights(step.plan, params)` needs."""
+        return plan_of(self.manifest)
+
+    def init_cache(self):
+        """An empty paged KV cache of the artifact's shapes."""
+        from tpumk.model.reference import init_cache
+
+        p = self.plan
+        return init_cache(p.cfg, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+
+    def __call__(self, packed, tokens, positions, cache):
+        b, t = tokens.shape
+        if (b, t) != (self.batch, self.q_len):
+            raise ArtifactError(f"artifact {self.key[:12]} takes tokens [{self.batch}, {self.q_len}], got [{b}, {t}]")
+        return self._fn(packed, tokens, positions, cache)
+
+    def __repr__(self) -> str:
+        return f"DecodeStep({self.path}, {self.kind})"
+
+
+def plan_of(m: dict[str, Any]):
+    """The plan an artifact was built from (planning compiles nothing)."""
+    from tpumk.plan.plan import make_plan
+
+    return make_plan(spec_of(m))
+
+
+def step_trees(plan) -> tuple:
+    """The (in_tree, out_tree) a compiled decode step of this plan has: jit's ((args), {}) and
+    (logits, KVCache). Rebuilt from the plan on load rather than unpickled from the artifact."""
+    import jax
+
+    from tpumk.kernel.megakernel import step_specs
+    from tpumk.model.reference import KVCache
+
+    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, KVCache(0, 0, 0, 0)))
+
+
+USES = ("auto", "executable", "exported")
+
+
+def load(path: str | Path, use: str = "auto") -> DecodeStep:
+    """Verify the artifact and make it callable on this host.
+
+    use="auto": on a TPU target, the serialized executable on an attached TPU of the artifact's
+    kind (ArtifactError if another kind or none is attached); on the cpu target, the portable
+    export compiled for this host's CPU (runs on any machine). use="executable" / "exported"
+    forces one of the two programs (the cpu executable loads only on a compatible host CPU)."""
+    if use not in USES:
+        raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
+    path = Path(path)
+    m = verify(path)
+    target = get_target(m["target"]["name"])
+    if not target.interpret and not target.is_attached():
+        attached = _attached_kind()
+        raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
+                            f"{attached}; load it where a {target.device_kind} is attached")
+    if use == "exported" or (use == "auto" and target.interpret):
+        return DecodeStep(path, m, load_exported(path, verified=True).call, f"exported ({target.name})")
+    from jax.experimental import serialize_executable
+
+    _register_pytrees()
+    plan = plan_of(m)
+    in_tree, out_tree = step_trees(plan)
+    sig = m["signature"]
+    if (str(in_tree), str(out_tree)) != (sig.get("executable_in_tree"), sig.get("executable_out_tree")):
+        raise ArtifactError(f"{path}: the executable's argument structure differs from this tpumk's plan of it "
+                            "(re-export with this version)")
+    try:
+        compiled = serialize_executable.deserialize_and_load((path / EXECUTABLE).read_bytes(), in_tree, out_tree,
+                                                             backend="cpu" if target.interpret else "tpu")
+    except Exception as e:
+        raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
+    return DecodeStep(path, m, compiled, f"executable ({target.name})")
+
+
+def _attached_kind() -> str:
+    import jax
+
+    try:
+        devs = jax.devices()
+    except RuntimeError:
+        return "no accelerator"
+    kinds = sorted({d.device_kind for d in devs if d.platform != "cpu"})
+    return ", ".join(kinds) if kinds else "no TPU attached"
+
+
+def load_exported(path: str | Path, verified: bool = False):
+    """The portable jax.export.Exported of the artifact."""
+    from jax import export as jexport
+
+    path = Path(path)
+    m = m if verified and (m := read_manifest(path)) else verify(path)
+    if EXPORTED not in m["files"]:
+        raise ArtifactError(f"{path}: no portable export in this artifact ({m['target'].get('exported', '')})")
+    _register_pytrees()
+    try:
+        return jexport.deserialize(bytearray((path / EXPORTED).read_bytes()))
+    except Exception as e:
+        raise ArtifactError(f"{path / EXPORTED}: cannot deserialize: {str(e).splitlines()[0]}") from None
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """The manifest plus what verify says (never raises for a bad artifact: reports it)."""
+    path = Path(path)
+    out: dict[str, Any] = {"path": str(path)}
+    try:
+        m = read_manifest(path)
+        out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
+                   tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
+                   signature=m.get("signature", {}))
+        verify(path)
+        out["valid"], out["problem"] = True, None
+    except ArtifactError as e:
+        out["valid"], out["problem"] = False, str(e)
+    return out

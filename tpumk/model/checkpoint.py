@@ -1,0 +1,268 @@
+"""Load a local Hugging Face checkpoint (Qwen3 / Qwen3-MoE) into the reference weight layout.
+
+A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
+`model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
+and tensors are read one at a time, so host memory stays near one (stacked) tensor at a time.
+
+Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, out]`):
+
+    model.embed_tokens.weight                  -> embed
+    model.norm.weight                          -> final_norm
+    lm_head.weight                             -> lm_head (transposed; ignored when tied)
+    model.layers.{i}.input_layernorm.weight    -> attn_norm
+    model.layers.{i}.post_attention_layernorm  -> mlp_norm
+    model.layers.{i}.self_attn.{q,k,v,o}_proj  -> wq, wk, wv, wo (transposed)
+    model.layers.{i}.self_attn.{q,k}_norm      -> q_norm, k_norm
+    model.layers.{i}.mlp.{gate,up,down}_proj   -> w_gate, w_up, w_down (dense layers)
+    model.layers.{i}.mlp.gate.weight           -> router (transposed)
+    model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight -> e_gate/e_up/e_down[j]
+or the fused expert tensors of transformers 5's in-memory layout:
+    model.layers.{i}.mlp.experts.gate_up_proj  [E, 2*Fe, H] (gate rows first, then up rows)
+    model.layers.{i}.mlp.experts.down_proj     [E, H, Fe]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+import jax.numpy as jnp  # also imports ml_dtypes, which safetensors needs for BF16 numpy arrays
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from tpumk.model.config import ModelConfig, load_hf_config
+from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
+from tpumk.model.reference import Params
+from tpumk.model.weights import expected_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype tags of the float formats read as is; anything else (int / fp8 / packed) is quantized.
+_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+# Buffers some older exports saved alongside the weights; they are derived, not parameters.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+# ---------------------------------------------------------------------- safetensors reading
+class _Tensor:
+    """One tensor of an open safetensors file: shape and dtype from the header, data read on demand."""
+
+    def __init__(self, name: str, file: Path, handle: Any):
+        self.name, self.file, self._handle = name, file, handle
+        info = handle.get_slice(name)  # header only, no data read
+        self.shape = tuple(int(s) for s in info.get_shape())
+        self.dtype_tag = info.get_dtype()
+
+    def read(self) -> np.ndarray:
+        if self.dtype_tag not in _DTYPES:
+            raise NotSupportedError(f"{self.file}: not supported yet: tensor '{self.name}' has dtype "
+                                    f"{self.dtype_tag} (quantized checkpoints are not supported)")
+        try:
+            return self._handle.get_tensor(self.name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _open_file(file: Path, stack: ExitStack) -> dict[str, _Tensor]:
+    """The tensors of one safetensors file, which stays open until `stack` closes."""
+    try:
+        handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+        return {name: _Tensor(name, file, handle) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
+
+
+def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
+    """Every tensor of the checkpoint by name, with the file that holds it (open until `stack` closes)."""
+    index = d / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists shard '{f.name}' which is missing from {d}")
+    else:
+        weight_map = None
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{d}: no *.safetensors files in the checkpoint directory")
+    tensors: dict[str, _Tensor] = {}
+    for f in files:
+        for name, t in _open_file(f, stack).items():
+            if name in tensors:
+                raise CheckpointError(f"{d}: tensor '{name}' appears in both {tensors[name].file.name} and {f.name}")
+            tensors[name] = t
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in tensors or tensors[name].file.name != fname:
+                raise CheckpointError(f"{index}: lists tensor '{name}' in {fname}, which does not hold it")
+    return tensors
+
+
+# ---------------------------------------------------------------------- name mapping
+# Each HF tensor feeds one or more destinations: (layer index or None, reference key, expert index or None,
+# HF-side shape it must have, transform from the HF array to the reference slice).
+_Dest = tuple[int | None, str, int | None, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
+
+
+def _t(a: np.ndarray) -> np.ndarray:
+    return a.T
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], list[str]]:
+    """Map every expected HF tensor name to its destinations; also return names to ignore."""
+    shapes = expected_shapes(cfg)
+    plan: dict[str, list[_Dest]] = {}
+    ignored = [n for n in names if _IGNORED.match(n)]
+
+    def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
+            hf_shape: tuple[int, ...] | None = None) -> None:
+        ref = shapes["layers"][layer][key] if layer is not None else shapes[key]
+        if expert is not None:
+            ref = ref[1:]
+        if hf_shape is None:
+            hf_shape = tuple(reversed(ref)) if fn is _t else ref
+        plan.setdefault(hf, []).append((layer, key, expert, hf_shape, fn))
+
+    add("model.embed_tokens.weight", None, "embed")
+    add("model.norm.weight", None, "final_norm")
+    if cfg.tie_embeddings:
+        if "lm_head.weight" in names:  # some exports write the tied copy; it equals embed
+            ignored.append("lm_head.weight")
+    else:
+        add("lm_head.weight", None, "lm_head", _t)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", i, "attn_norm")
+        add(p + "post_attention_layernorm.weight", i, "mlp_norm")
+        for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+            add(p + f"self_attn.{proj}.weight", i, key, _t)
+        if cfg.qk_norm:
+            add(p + "self_attn.q_norm.weight", i, "q_norm")
+            add(p + "self_attn.k_norm.weight", i, "k_norm")
+        if cfg.layer_is_dense(i):
+            for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+                add(p + f"mlp.{proj}.weight", i, key, _t)
+            continue
+        add(p + "mlp.gate.weight", i, "router", _t)
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+        if p + "mlp.experts.gate_up_proj" in names:
+            gu = p + "mlp.experts.gate_up_proj"
+            add(gu, i, "e_gate", lambda a, f=f: a[:, :f].transpose(0, 2, 1), hf_shape=(e, 2 * f, h))
+            add(gu, i, "e_up", lambda a, f=f: a[:, f:].transpose(0, 2, 1), hf_shape=(e, 2 * f, h))
+            add(p + "mlp.experts.down_proj", i, "e_down", lambda a: a.transpose(0, 2, 1), hf_shape=(e, h, f))
+        else:
+            for j in range(e):
+                for proj, key in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
+                    add(p + f"mlp.experts.{j}.{proj}.weight", i, key, _t, expert=j)
+    return plan, ignored
+
+
+# ---------------------------------------------------------------------- public API
+def _target_dtype(cfg: ModelConfig, dtype: Any) -> str:
+    if dtype is None:
+        return cfg.dtype
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in ("float32", "bfloat16"):
+        raise ConfigError(f"load_checkpoint: dtype {dtype!r}: expected float32 or bfloat16")
+    return name
+
+
+def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
+    """Read a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into (config, params).
+
+    `dtype` ("float32" / "bfloat16" or a dtype) overrides the checkpoint's dtype: weights are
+    cast to it and the returned config carries it, so caches and kernels follow. Any missing,
+    unexpected or misshapen tensor raises CheckpointError naming it; an architecture tpumk does
+    not model raises NotSupportedError.
+    """
+    d = Path(path)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: checkpoint directory does not exist")
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
+    cfg = load_hf_config(d / "config.json")
+    quant = json.loads((d / "config.json").read_text()).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise NotSupportedError(f"{d / 'config.json'}: not supported yet: quantized checkpoint ({method})")
+    cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
+    out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
+    with ExitStack() as stack:
+        return cfg, _load_params(d, cfg, out_dt, _index_tensors(d, stack))
+
+
+def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor]) -> Params:
+    plan, ignored = _plan(cfg, set(tensors))
+    missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{more}")
+    unexpected = sorted(set(tensors) - set(plan) - set(ignored))
+    if unexpected:
+        t = tensors[unexpected[0]]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{t.file}: unexpected tensor '{t.name}'{more} "
+                              f"(not part of the model config.json describes)")
+    for name, dests in plan.items():
+        t = tensors[name]
+        if t.shape != dests[0][3]:
+            raise CheckpointError(f"{t.file}: tensor '{name}' has shape {list(t.shape)}, "
+                                  f"expected {list(dests[0][3])}")
+
+    shapes = expected_shapes(cfg)
+    params: Params = {k: None for k in shapes if k != "layers"}
+    params["layers"] = [{k: None for k in lay} for lay in shapes["layers"]]
+
+    def put(layer: int | None, key: str, arr: np.ndarray) -> None:
+        (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
+
+    # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
+    # over as soon as its last expert arrives (the plan runs layer by layer).
+    stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
+    for name, dests in plan.items():
+        raw = tensors[name].read()
+        for layer, key, expert, _, fn in dests:
+            if expert is None:
+                put(layer, key, np.asarray(fn(raw), dtype=out_dt))
+                continue
+            if (layer, key) not in stacks:
+                stacks[(layer, key)] = (np.empty(shapes["layers"][layer][key], out_dt), set())
+            buf, seen = stacks[(layer, key)]
+            buf[expert] = fn(raw)
+            seen.add(expert)
+            if len(seen) == buf.shape[0]:
+                put(layer, key, buf)
+                del stacks[(layer, key)]
+    _check_complete(params, shapes, d)
+    return params
+
+
+def _check_complete(params: Params, shapes: Params, d: Path) -> None:
+    """Every reference tensor is present with its expected shape (guards the mapping itself)."""
+    def check(got: Any, want: tuple[int, ...], where: str) -> None:
+        if got is None or tuple(got.shape) != tuple(want):
+            raise CheckpointError(f"{d}: reference tensor '{where}' not built with shape {list(want)}")
+
+    for k, s in shapes.items():
+        if k != "layers":
+            check(params[k], s, k)
+    for i, lay in enumerate(shapes["layers"]):
+        for k, s in lay.items():
+            check(params["layers"][i][k], s, f"layers[{i}].{k}")

@@ -1,0 +1,339 @@
+"""Model configuration: one validated description of a decoder-only transformer.
+
+A `ModelConfig` comes from a preset shipped with tpumk, a TOML file, or a Hugging Face
+`config.json`. Every consumer (reference model, weights, plan, kernel, cache key) reads the
+model only through this type, so validation happens once, here, with messages that name the
+field that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the package requires 3.11, kept for clarity
+    import tomli as tomllib
+
+from tpumk.errors import ConfigError, NotSupportedError
+from tpumk.tomlfile import read_toml
+
+DTYPES = ("float32", "bfloat16")
+SCORINGS = ("softmax", "sigmoid")
+PRESET_PACKAGE = "tpumk.model.presets"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (Qwen3 family semantics: pre-norm, GQA, RoPE, SwiGLU)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    ffn_size: int = 0  # dense SwiGLU width; required when any layer is dense
+    rms_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"
+    # Mixture of experts (num_experts == 0 means a dense model).
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn_size: int = 0
+    router_scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    num_shared_experts: int = 0
+    shared_expert_ffn_size: int = 0
+    dense_layers: tuple[int, ...] = field(default_factory=tuple)  # dense layers of a MoE model
+
+    def __post_init__(self) -> None:
+        # Accept lists from TOML/JSON but store a hashable, sorted tuple.
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def need(cond: bool, fld: str, expected: str) -> None:
+            if not cond:
+                raise ConfigError(f"model config '{self.name}': field '{fld}' = {getattr(self, fld)!r}: expected {expected}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("model config: field 'name' must be a non-empty string")
+        for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            need(_is_int(getattr(self, f)) and getattr(self, f) > 0, f, "a positive integer")
+        for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size"):
+            need(_is_int(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative integer")
+        need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
+        need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
+        need(isinstance(self.rms_eps, (int, float)) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
+        need(isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0, "rope_theta", "a positive number")
+        need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
+        need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
+        need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "true or false")
+        need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
+        need(self.router_scoring in SCORINGS, "router_scoring", f"one of {', '.join(SCORINGS)}")
+        if self.num_experts:
+            need(self.top_k >= 1, "top_k", "at least 1 for a mixture-of-experts model")
+            need(self.top_k <= self.num_experts, "top_k", f"at most num_experts ({self.num_experts})")
+            need(self.expert_ffn_size > 0, "expert_ffn_size", "a positive integer for a mixture-of-experts model")
+            need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
+                 f"layer indices in [0, {self.num_layers})")
+            if self.num_shared_experts:
+                need(self.shared_expert_ffn_size > 0, "shared_expert_ffn_size",
+                     "a positive integer when num_shared_experts > 0")
+        else:
+            need(self.top_k == 0, "top_k", "0 for a dense model (num_experts = 0)")
+            need(self.num_shared_experts == 0, "num_shared_experts", "0 for a dense model (num_experts = 0)")
+            need(not self.dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
+        if any(self.layer_is_dense(i) for i in range(self.num_layers)):
+            need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def layer_is_dense(self, i: int) -> bool:
+        return (not self.is_moe) or i in self.dense_layers
+
+    def layer_param_counts(self, i: int) -> dict[str, int]:
+        """Parameters of layer i split into what every step reads and what routing selects."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        if self.layer_is_dense(i):
+            return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
+        shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
+        return {
+            "always": attn + norms + h * self.num_experts + shared,
+            "per_expert": 3 * h * self.expert_ffn_size,
+            "experts": self.num_experts,
+        }
+
+    def param_count(self) -> int:
+        total = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
+        for i in range(self.num_layers):
+            c = self.layer_param_counts(i)
+            total += c["always"] + c["per_expert"] * c["experts"]
+        return total
+
+    def decode_weight_bytes(self, batch: int = 1) -> int:
+        """Weight bytes one decode step must read from HBM at `batch` sequences.
+
+        The embedding row gather is tiny and not counted. For MoE layers the expected number of
+        distinct experts selected by `batch * top_k` uniform picks is counted.
+        """
+        params = self.vocab_size * self.hidden_size + self.hidden_size  # lm_head + final norm
+        for i in range(self.num_layers):
+            c = self.layer_param_counts(i)
+            params += c["always"]
+            if c["experts"]:
+                params += c["per_expert"] * expected_distinct_experts(self.num_experts, self.top_k, batch)
+        return int(round(params * self.dtype_bytes))
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        return d
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts when each of `batch` tokens picks `top_k` of `num_experts`."""
+    if num_experts == 0:
+        return 0.0
+    miss = 1.0
+    for j in range(top_k):  # P(a given expert is not among one token's top_k picks)
+        miss *= (num_experts - 1 - j) / (num_experts - j)
+    return num_experts * (1.0 - miss**batch)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
+    """Build a config from a plain mapping; unknown keys are an error naming the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a table of model fields")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field '{unknown[0]}' (known fields: {', '.join(_FIELDS)})")
+    for required in ("name", "num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
+        if required not in data:
+            raise ConfigError(f"{source}: missing required field '{required}'")
+    for key, value in data.items():
+        if key in ("rms_eps", "rope_theta") and _is_int(value):
+            data = {**data, key: float(value)}
+        if key == "dense_layers" and not (isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
+            raise ConfigError(f"{source}: field 'dense_layers' = {value!r}: expected a list of layer indices")
+    try:
+        return ModelConfig(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except TypeError as e:  # wrong types that break comparisons before validation names them
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_toml(path: str | Path) -> ModelConfig:
+    """A model TOML file: the fields of ModelConfig at top level, or under a [model] table."""
+    path = Path(path)
+    data = read_toml(path)
+    if "model" in data and isinstance(data["model"], dict) and len(data) == 1:
+        data = data["model"]
+    data.setdefault("name", path.stem)
+    return from_dict(data, str(path))
+
+
+# ---------------------------------------------------------------------- Hugging Face import
+_HF_SUPPORTED = ("qwen3", "qwen3_moe")
+_HF_KNOWN_UNSUPPORTED = {
+    "deepseek_v3": "MLA attention (multi-head latent attention) of DeepSeek-V3",
+    "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
+    "kimi_k2": "MLA attention (multi-head latent attention) of Kimi K2",
+    "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
+    "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
+}
+
+
+def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face `config.json` (Qwen3 / Qwen3-MoE) into a ModelConfig.
+
+    Anything that changes the math and is not modelled raises NotSupportedError, so a model is
+    never silently built wrong.
+    """
+    mt = data.get("model_type")
+    if mt in _HF_KNOWN_UNSUPPORTED:
+        raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
+    if "kv_lora_rank" in data or "q_lora_rank" in data:
+        raise NotSupportedError(f"{source}: not supported yet: MLA attention (kv_lora_rank / q_lora_rank)")
+    if mt not in _HF_SUPPORTED:
+        raise NotSupportedError(
+            f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
+    if data.get("attention_bias"):
+        raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
+    if data.get("use_sliding_window"):
+        raise NotSupportedError(f"{source}: not supported yet: sliding-window attention")
+    if any(t != "full_attention" for t in data.get("layer_types") or ()):
+        raise NotSupportedError(f"{source}: not supported yet: sliding-window attention (layer_types)")
+    # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
+    # top-level `rope_theta` plus an optional `rope_scaling`.
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = data.get(key)
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
+            raise NotSupportedError(f"{source}: not supported yet: {key} {rope!r}")
+    rope_params = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    rope_theta = next((t for t in (rope_params.get("rope_theta"), data.get("rope_theta")) if t is not None), 10000.0)
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise NotSupportedError(f"{source}: not supported yet: hidden_act {act!r} (only silu / SwiGLU)")
+    torch_dtype = data.get("torch_dtype") or data.get("dtype") or "bfloat16"
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(str(torch_dtype))
+    if dtype is None:
+        raise NotSupportedError(f"{source}: not supported yet: torch_dtype {torch_dtype!r}")
+
+    def get(key: str) -> Any:
+        if key not in data:
+            raise ConfigError(f"{source}: missing required field '{key}'")
+        return data[key]
+
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    fields: dict[str, Any] = dict(
+        name=str(data.get("_name_or_path") or mt).rstrip("/").split("/")[-1] or mt,
+        num_layers=get("num_hidden_layers"),
+        hidden_size=hidden,
+        num_q_heads=heads,
+        num_kv_heads=data.get("num_key_value_heads") or heads,
+        head_dim=data.get("head_dim") or (hidden // heads if _is_int(hidden) and _is_int(heads) and heads else 0),
+        vocab_size=get("vocab_size"),
+        ffn_size=data.get("intermediate_size", 0) or 0,
+        rms_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        qk_norm=True,  # Qwen3 and Qwen3-MoE always normalise q and k per head
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+        dtype=dtype,
+    )
+    if mt == "qwen3_moe":
+        n_layers = fields["num_layers"]
+        step = data.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(data.get("mlp_only_layers") or [])
+        # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
+        n_exp = data.get("num_experts", data.get("num_local_experts"))
+        if n_exp is None:
+            raise ConfigError(f"{source}: missing required field 'num_experts'")
+        dense = [i for i in range(n_layers) if i in mlp_only or not (n_exp > 0 and (i + 1) % step == 0)]
+        fields.update(
+            num_experts=n_exp,
+            top_k=get("num_experts_per_tok"),
+            expert_ffn_size=get("moe_intermediate_size"),
+            router_scoring="softmax",
+            norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+            dense_layers=dense,
+        )
+    return from_dict(fields, source)
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: malformed JSON: {e}") from None
+    return from_hf_config(data, str(path))
+
+
+# ---------------------------------------------------------------------- presets
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".toml"))
+
+
+def load_preset(name: str) -> ModelConfig:
+    res = resources.files(PRESET_PACKAGE) / f"{name}.toml"
+    if not res.is_file():
+        raise ConfigError(f"unknown model preset '{name}' (presets: {', '.join(preset_names())})")
+    data = tomllib.loads(res.read_text())
+    return from_dict(data, f"preset {name}")
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A preset name, a TOML file, a Hugging Face config.json, or a checkpoint directory."""
+    p = Path(spec)
+    if spec.endswith(".toml"):
+        return load_toml(p)
+    if spec.endswith(".json") or p.is_dir():
+        return load_hf_config(p)
+    return load_preset(spec)

@@ -1,0 +1,1 @@
+"""Model presets shipped with tpumk (one TOML file each, fields of tpumk.model.config.ModelConfig)."""

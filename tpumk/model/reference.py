@@ -1,0 +1,282 @@
+"""The pure-JAX reference model: the oracle every kernel is checked against.
+
+Numerics, which the megakernel follows exactly:
+- the residual stream, norms, RoPE, softmax and router run in float32;
+- every matrix product casts its activation input to the weight dtype and accumulates in
+  float32 (`preferred_element_type=float32`), as the MXU does;
+- the KV cache holds keys (after QK-norm and RoPE) and values in the model dtype.
+
+Paged KV cache layout (shared with the kernel, so caches compare element for element):
+- `k`, `v`: `[num_layers, num_pages, page_size, num_kv_heads * head_dim]`;
+- `block_tables`: `[batch, pages_per_seq]` int32, page ids of each sequence in order;
+- `lengths`: `[batch]` int32, tokens already cached per sequence.
+A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
+position, lets a query at position p see every cached or new key at positions <= p, and
+returns `lengths = max(lengths, last position + 1)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpumk.model.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+class KVCache(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def max_context(self) -> int:
+        return self.block_tables.shape[1] * self.page_size
+
+
+def jnp_dtype(cfg: ModelConfig):
+    return jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 16,
+               num_pages: int | None = None, seed: int | None = 0) -> KVCache:
+    """An empty paged cache; pages are handed out in a shuffled order (seeded) so that tests
+    exercise real indirection rather than an identity block table."""
+    if page_size <= 0 or max_context <= 0 or batch <= 0:
+        raise ValueError("init_cache: batch, max_context and page_size must be positive")
+    pages_per_seq = -(-max_context // page_size)
+    needed = batch * pages_per_seq
+    num_pages = needed if num_pages is None else num_pages
+    if num_pages < needed:
+        raise ValueError(f"init_cache: num_pages {num_pages} < {needed} needed for {batch} x {max_context} tokens")
+    order = np.arange(num_pages)
+    if seed is not None:
+        order = np.random.default_rng(seed).permutation(num_pages)
+    tables = order[:needed].reshape(batch, pages_per_seq).astype(np.int32)
+    shape = (cfg.num_layers, num_pages, page_size, cfg.kv_size)
+    dt = jnp_dtype(cfg)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
+                   jnp.zeros((batch,), jnp.int32))
+
+
+# ---------------------------------------------------------------------- building blocks
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract)."""
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., T, H, D], positions [..., T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[..., None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = jnp.concatenate([-x2, x1], -1)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+
+
+def route(cfg: ModelConfig, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: returns (expert ids [..., k] int32, weights [..., k] float32).
+
+    Softmax scoring takes the softmax over all experts, then the top k; sigmoid scoring takes
+    per-expert sigmoids. With `norm_topk_prob` the k weights are renormalised to sum to 1.
+    Ties break toward the lower expert id (jax.lax.top_k semantics).
+    """
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, -1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
+    weights, ids = jax.lax.top_k(scores, cfg.top_k)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, -1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
+    """x: [N, H] float32 normed activations -> [N, H] float32."""
+    ids, weights = route(cfg, matmul(x, layer["router"]))
+    # Dense evaluation over all experts, masked by the routing weights: simple and exact.
+    combine = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    xe = x.astype(layer["e_gate"].dtype)
+    g = jnp.einsum("nh,ehf->enf", xe, layer["e_gate"], preferred_element_type=jnp.float32)
+    u = jnp.einsum("nh,ehf->enf", xe, layer["e_up"], preferred_element_type=jnp.float32)
+    a = (jax.nn.silu(g) * u).astype(layer["e_down"].dtype)
+    y = jnp.einsum("enf,efh->enh", a, layer["e_down"], preferred_element_type=jnp.float32)
+    out = jnp.einsum("enh,ne->nh", y, combine)
+    if cfg.num_shared_experts:
+        out = out + swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+    return out
+
+
+def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
+    if cfg.layer_is_dense(i):
+        return swiglu(x, layer["w_gate"], layer["w_up"], layer["w_down"])
+    return moe_ffn(cfg, layer, x)
+
+
+def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
+    """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype)."""
+    b, t, _ = x.shape
+    q = matmul(x, layer["wq"]).reshape(b, t, cfg.num_q_heads, cfg.head_dim)
+    k = matmul(x, layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = matmul(x, layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    dt = layer["wk"].dtype
+    return q, k.astype(dt), v.astype(dt)
+
+
+def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+           k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+    """GQA attention. q [B,T,Hq,D] f32; k, v [B,S,Hkv,D]; q_pos [B,T]; k_pos, k_valid [B,S].
+
+    Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D);
+    the softmax runs in float32; probabilities are cast to the cache dtype for p . v.
+    """
+    group = cfg.num_q_heads // cfg.num_kv_heads
+    b, t = q.shape[:2]
+    qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(cfg.head_dim)
+    mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, cfg.q_size)
+
+
+def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return matmul(x, head)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------- whole steps
+def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
+    b, t = tokens.shape
+    ps = cache.page_size
+    page_ids = jnp.take_along_axis(cache.block_tables, positions // ps, axis=1)  # [B, q]
+    slots = positions % ps
+    ctx = cache.max_context
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    new_len = jnp.maximum(cache.lengths, positions[:, -1] + 1)
+    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
+
+    kc, vc = cache.k, cache.v
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q, k, v = qkv(cfg, layer, h, positions)
+        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size))
+        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size))
+        # Gather this sequence's pages in order: [B, ctx, Hkv, D].
+        ks = kc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+        vs = vc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+        o = attend(cfg, q, ks, vs, positions, k_pos, k_valid)
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
+
+
+def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Causal forward over whole sequences without a cache: tokens [B, T] -> logits [B, T, V].
+
+    K/V are rounded to the model dtype exactly as the cache would store them, so this is the
+    full-recompute twin of `decode_step`."""
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q, k, v = qkv(cfg, layer, h, pos)
+        o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool))
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x)
+
+
+def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache,
+            step_fn=None) -> tuple[jax.Array, KVCache]:
+    """Fill the cache from prompts of any lengths (one chunk per sequence, q = prompt length).
+
+    Returns the logits of each prompt's last token [B, V] and the filled cache. `step_fn` is
+    the decode step to use (default: the reference, jitted); the same path serves any backend
+    whose step has the reference's signature.
+    """
+    if len(prompts) != cache.block_tables.shape[0]:
+        raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
+    step = step_fn or jitted_decode_step(cfg)
+    last = []
+    k, v, lengths = cache.k, cache.v, cache.lengths
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prefill: prompt {b} is empty")
+        start = int(lengths[b])
+        if start + len(prompt) > cache.max_context:
+            raise ValueError(f"prefill: prompt {b} needs {start + len(prompt)} tokens > context {cache.max_context}")
+        toks = jnp.asarray([prompt], jnp.int32)
+        pos = jnp.arange(start, start + len(prompt), dtype=jnp.int32)[None]
+        sub = KVCache(k, v, cache.block_tables[b:b + 1], lengths[b:b + 1])
+        logits, sub = step(params, toks, pos, sub)
+        k, v = sub.k, sub.v
+        lengths = lengths.at[b].set(sub.lengths[0])
+        last.append(logits[0, -1])
+    return jnp.stack(last), KVCache(k, v, cache.block_tables, lengths)
+
+
+def jitted_decode_step(cfg: ModelConfig):
+    """decode_step with the config bound, jitted (compiled once per input shape)."""
+    return jax.jit(lambda p, t, pos, c: decode_step(p, cfg, t, pos, c))
+
+
+def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], steps: int,
+                    cache: KVCache, step_fn=None, decode_fn=None) -> tuple[list[list[int]], KVCache]:
+    """Greedy decoding: prefill the prompts, then `steps` one-token steps for all sequences.
+
+    `step_fn` (reference signature) runs the prefill and, unless `decode_fn(tokens, positions,
+    cache) -> (logits, cache)` is given, the one-token steps too: another backend plugs in
+    there with its own weights. Returns the generated ids per sequence (the first comes from
+    the prefill logits)."""
+    step = step_fn or jitted_decode_step(cfg)
+    decode = decode_fn or (lambda toks, pos, c: step(params, toks, pos, c))
+    last_logits, cache = prefill(params, cfg, prompts, cache, step_fn=step)
+    out: list[list[int]] = [[] for _ in prompts]
+    nxt = jnp.argmax(last_logits, -1).astype(jnp.int32)
+    for s in range(steps):
+        for b, t in enumerate(np.asarray(nxt)):
+            out[b].append(int(t))
+        if s == steps - 1:
+            break
+        logits, cache = decode(nxt[:, None], cache.lengths[:, None], cache)
+        nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    return out, cache

@@ -1,0 +1,96 @@
+"""Model weights in tpumk's reference layout: deterministic random init and shape checks.
+
+Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]`):
+
+    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
+    layers[i]: attn_norm [H], wq [H, Hq*D], wk [H, Hkv*D], wv [H, Hkv*D], wo [Hq*D, H],
+               q_norm [D], k_norm [D] (when qk_norm), mlp_norm [H], and either
+      dense:   w_gate [H, F], w_up [H, F], w_down [F, H]
+      MoE:     router [H, E], e_gate [E, H, Fe], e_up [E, H, Fe], e_down [E, Fe, H],
+               s_gate [H, S*Fs], s_up [H, S*Fs], s_down [S*Fs, H] (S shared experts side by side;
+               a sum of SwiGLU experts equals one SwiGLU of the concatenated widths)
+
+Loading real checkpoints lives in `tpumk.model.checkpoint`; packing into the kernel layout lives
+with the kernel's plan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpumk.model.config import ModelConfig
+from tpumk.model.reference import Params, jnp_dtype
+
+
+def expected_shapes(cfg: ModelConfig) -> Params:
+    """The shape of every tensor of the reference layout, as the same nested structure."""
+    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    top: Params = {"embed": (v, h), "final_norm": (h,)}
+    if not cfg.tie_embeddings:
+        top["lm_head"] = (h, v)
+    layers = []
+    for i in range(cfg.num_layers):
+        lay = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
+               "wo": (cfg.q_size, h), "mlp_norm": (h,)}
+        if cfg.qk_norm:
+            lay.update(q_norm=(d,), k_norm=(d,))
+        if cfg.layer_is_dense(i):
+            lay.update(w_gate=(h, cfg.ffn_size), w_up=(h, cfg.ffn_size), w_down=(cfg.ffn_size, h))
+        else:
+            e, f = cfg.num_experts, cfg.expert_ffn_size
+            lay.update(router=(h, e), e_gate=(e, h, f), e_up=(e, h, f), e_down=(e, f, h))
+            if cfg.num_shared_experts:
+                s = cfg.num_shared_experts * cfg.shared_expert_ffn_size
+                lay.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
+        layers.append(lay)
+    top["layers"] = layers
+    return top
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
+    """Deterministic random weights for any config.
+
+    Matrices are normal with std 1/sqrt(fan_in) (so each projection keeps activations at unit
+    scale), output projections are scaled down by sqrt(2 * layers) so the residual stream grows
+    slowly with depth, norm weights are 1 + small noise (so a kernel that ignores them fails),
+    and the router is scaled up so routing decisions are not near-ties.
+    """
+    dt = dtype or jnp_dtype(cfg)
+    shapes = expected_shapes(cfg)
+    key = jax.random.PRNGKey(seed)
+    depth_scale = 1.0 / np.sqrt(2.0 * cfg.num_layers)
+
+    def make(name: str, shape: tuple[int, ...], k) -> jax.Array:
+        if name.endswith("norm"):
+            w = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "embed":
+            w = jax.random.normal(k, shape, jnp.float32)
+        else:
+            fan_in = shape[-2]
+            w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+            if name in ("wo", "w_down", "e_down", "s_down"):
+                w = w * depth_scale
+            if name == "router":
+                w = w * 4.0
+        return w.astype(dt)
+
+    out: Params = {}
+    for name, shape in shapes.items():
+        if name == "layers":
+            continue
+        key, sub = jax.random.split(key)
+        out[name] = make(name, shape, sub)
+    out["layers"] = []
+    for lay_shapes in shapes["layers"]:
+        lay = {}
+        for name, shape in lay_shapes.items():
+            key, sub = jax.random.split(key)
+            lay[name] = make(name, shape, sub)
+        out["layers"].append(lay)
+    return out
+
+
+def cast_params(params: Params, dtype) -> Params:
+    return jax.tree.map(lambda a: a.astype(dtype), params)

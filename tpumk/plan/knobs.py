@@ -1,0 +1,133 @@
+"""TuningConfig: every knob of the megakernel, in one place, with defaults.
+
+A knob exists only here. The plan (`tpumk.plan.plan.make_plan`) reads it and decides everything the
+kernel does from it; `tpumk build --tuning FILE.toml`, the tuner's search space, the cache key
+and build reports all go through `to_dict()` / `from_dict()` / the `[tuning]` TOML table.
+
+Validation here is model-independent (types, ranges, lane alignment). Whether a knob works for a
+given model and target (divides a matrix, fits VMEM) is the plan's job and raises PlanError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tpumk.errors import ConfigError
+from tpumk.tomlfile import read_toml, write_text_atomic
+
+MIB = 1 << 20
+
+# Weight-matrix families streamed through the ring. Each has a tile shape knob pair
+# `<family>_tile_rows` / `<family>_tile_cols`; 0 means "auto" (see tpumk.plan.plan).
+FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    # ---- weight ring (dense matrices of every layer and the lm_head)
+    ring_depth: int = 12  # tiles in flight; the published kernel keeps 12 x 2 MiB in flight
+    tile_bytes: int = 2 * MIB  # target bytes of an auto-shaped tile
+    # Per-family tile shapes: rows split the input dim K (0 = auto), cols split the output dim.
+    qkv_tile_rows: int = 0
+    qkv_tile_cols: int = 0
+    o_tile_rows: int = 0
+    o_tile_cols: int = 0
+    gate_up_tile_rows: int = 0
+    gate_up_tile_cols: int = 0  # gate and up halves side by side: must be a multiple of 256
+    down_tile_rows: int = 0
+    down_tile_cols: int = 0
+    shared_gate_up_tile_rows: int = 0
+    shared_gate_up_tile_cols: int = 0
+    shared_down_tile_rows: int = 0
+    shared_down_tile_cols: int = 0
+    lm_head_tile_rows: int = 0
+    lm_head_tile_cols: int = 0
+    # ---- attention over the paged KV cache
+    kv_tile_pages: int = 0  # pages per KV tile; 0 = auto (about 256 tokens per tile)
+    kv_buffers: int = 3  # KV tiles in flight
+    # ---- mixture of experts
+    expert_slots: int = 4  # expert weight slots in VMEM (loads start as soon as routing is known)
+    expert_chunk: int = 0  # expert FFN columns per load; 0 = auto (chunks of about 2 ring tiles)
+    # ---- VMEM budget
+    vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, expected: str) -> ConfigError:
+            return ConfigError(f"tuning: '{name}' = {getattr(self, name)!r}: expected {expected}")
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise bad(f.name, "an integer")
+        if self.ring_depth < 2:
+            raise bad("ring_depth", "at least 2 (one tile computing while the next loads)")
+        if self.tile_bytes < 64 * 1024:
+            raise bad("tile_bytes", "at least 65536")
+        for fam in FAMILIES:
+            rows, cols = f"{fam}_tile_rows", f"{fam}_tile_cols"
+            if getattr(self, rows) < 0 or getattr(self, rows) % 128:
+                raise bad(rows, "0 (auto) or a positive multiple of 128")
+            lane = 256 if fam.endswith("gate_up") else 128
+            if getattr(self, cols) < 0 or getattr(self, cols) % lane:
+                why = " (gate and up halves of 128-lane multiples)" if lane == 256 else ""
+                raise bad(cols, f"0 (auto) or a positive multiple of {lane}{why}")
+        if self.kv_tile_pages < 0:
+            raise bad("kv_tile_pages", "0 (auto) or a positive number of pages")
+        if self.kv_buffers < 2:
+            raise bad("kv_buffers", "at least 2")
+        if self.expert_slots < 1:
+            raise bad("expert_slots", "at least 1")
+        if self.expert_chunk < 0 or self.expert_chunk % 128:
+            raise bad("expert_chunk", "0 (whole expert) or a positive multiple of 128")
+        frac = self.vmem_limit_fraction
+        if not (isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0.1 <= frac <= 1.0):
+            raise bad("vmem_limit_fraction", "a number in [0.1, 1.0]")
+
+    def tile_shape(self, family: str) -> tuple[int, int]:
+        return getattr(self, f"{family}_tile_rows"), getattr(self, f"{family}_tile_cols")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "tuning") -> "TuningConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table of tuning knobs")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown tuning knob '{unknown[0]}' (known knobs: {', '.join(known)})")
+        if isinstance(data.get("vmem_limit_fraction"), int) and not isinstance(data["vmem_limit_fraction"], bool):
+            data = {**data, "vmem_limit_fraction": float(data["vmem_limit_fraction"])}
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def replace(self, **changes: Any) -> "TuningConfig":
+        return TuningConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_toml(self) -> str:
+        lines = ["[tuning]"]
+        for k, v in self.to_dict().items():
+            lines.append(f"{k} = {v!r}")
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(path, self.to_toml())
+
+
+def load_tuning(path: str | Path) -> TuningConfig:
+    """A TOML file with a `[tuning]` table (knobs not given keep their defaults)."""
+    data = read_toml(path)
+    extra = sorted(set(data) - {"tuning"})
+    if extra:
+        raise ConfigError(f"{path}: unknown table or key '{extra[0]}' (expected a [tuning] table)")
+    return TuningConfig.from_dict(data.get("tuning", {}), str(path))

@@ -1,0 +1,480 @@
+"""The plan: everything a megakernel build does, decided in plain Python before tracing.
+
+`make_plan(cfg, target, batch, context, tuning)` turns a model, a target and the tuning knobs into
+a `Plan`: which weight tiles stream through the ring in which order, the ring's shape, the
+expert slots, the KV tiling, a VMEM budget with a per-component breakdown, the HBM bytes one
+step moves and the DMAs it issues. The kernel (`tpumk.kernel.megakernel`) and the weight packer
+(`tpumk.kernel.layout`) only walk this value. A configuration that cannot work (tiles that do
+not divide a matrix, a VMEM budget overrun, a model bigger than the device's HBM) raises
+PlanError here, with a message naming the knob, before anything is compiled.
+
+Weight streaming vocabulary:
+- a *family* is one kind of dense matrix, fused where narrow ones sit side by side:
+  `qkv` = [wq | wk | wv] (H x (Hq+2Hkv)D), `o` = wo, `gate_up` = gate and up interleaved per
+  column tile (each tile holds gate columns then the same up columns), `down`, the shared
+  expert's `shared_gate_up` / `shared_down`, and `lm_head`.
+- a family's matrix is cut into tiles [tile_rows, tile_cols]; tile t = col_block * row_blocks +
+  row_block (all row blocks of a column block in a row, so each column block finishes at once).
+- a *segment* is a run of consecutive layers of one kind (dense or MoE) walked by one top-level
+  loop, or the lm_head. The ring order is: segment by segment, layer by layer, family by
+  family, tile by tile; global tile g sits in ring slot g % ring_depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpumk.model.config import ModelConfig
+from tpumk.errors import PlanError
+from tpumk.targets import Target
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.spec import BuildSpec
+
+LANE = 128
+F32_SUBLANES = 8
+# Auto tiles are at least this many columns wide: measured in the TPU7x static profile, 2 MiB
+# tiles of [4096, 256] cost 1.6x the cycles per byte of [1024, 1024], [512, 2048] or [2048, 512]
+# (narrow tiles starve the MXU), so auto rows stop where the width would drop below this.
+AUTO_MIN_TILE_COLS = 1024
+KV_TILE_TOKENS = 256
+COMPILER_DEFAULT_SCOPED_VMEM = 32 * 2**20  # XLA:TPU's scoped VMEM limit unless a kernel sets one
+MOSAIC_HEADROOM = 4 * 2**20  # Mosaic internal scratch + register spills (3.9 MiB measured, qwen3-8b)
+LAYER_VECTOR_ROWS = 8  # rows of a layer's vector block: attn_norm, mlp_norm, q_norm, k_norm, pad
+VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3}
+
+
+def round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+# ---------------------------------------------------------------------- families and segments
+@dataclass(frozen=True)
+class MatrixFamily:
+    """One kind of streamed matrix, its padding and its tiling (all static ints)."""
+
+    name: str
+    k: int  # input dim of the logical matrix
+    m: int  # output columns of the logical matrix (gate_up: 2 * ffn width)
+    k_pad: int  # k padded with zero rows (only `down`, to match the padded FFN width)
+    m_pad: int  # m padded with zero columns to whole column tiles
+    tile_rows: int
+    tile_cols: int
+    stack: int  # matrices of this family stacked in HBM (layers that carry it; 1 for lm_head)
+    itemsize: int
+
+    @property
+    def row_blocks(self) -> int:
+        return self.k_pad // self.tile_rows
+
+    @property
+    def col_blocks(self) -> int:
+        return self.m_pad // self.tile_cols
+
+    @property
+    def tiles(self) -> int:
+        """Tiles of one matrix (one layer's)."""
+        return self.row_blocks * self.col_blocks
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.tile_rows * self.tile_cols * self.itemsize
+
+    @property
+    def packed_shape(self) -> tuple[int, ...]:
+        """HBM array of this family: [stack, tiles, rows, cols] (lm_head: [tiles, rows, cols])."""
+        tile = (self.tiles, self.tile_rows, self.tile_cols)
+        return tile if self.name == "lm_head" else (self.stack, *tile)
+
+    def summary(self) -> dict[str, Any]:
+        return {"matrix": [self.k, self.m], "padded": [self.k_pad, self.m_pad],
+                "tile": [self.tile_rows, self.tile_cols], "tiles_per_matrix": self.tiles,
+                "matrices": self.stack, "tile_bytes": self.tile_bytes}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of same-kind layers walked by one top-level loop (or the lm_head)."""
+
+    kind: str  # "dense" | "moe" | "lm_head"
+    first_layer: int  # model index of the first layer (lm_head: num_layers)
+    num_layers: int  # 1 for the lm_head
+    families: tuple[str, ...]  # ring families of one layer, in stream order
+    stack_base: tuple[int, ...]  # per family: stack index of this segment's first layer
+    family_offsets: tuple[int, ...]  # per family: index of its first tile within a layer
+    tiles_per_layer: int
+    first_tile: int  # global ring index of this segment's first tile
+    moe_base: int = 0  # MoE-layer ordinal of the first layer (moe segments)
+
+    @property
+    def end_layer(self) -> int:
+        return self.first_layer + self.num_layers
+
+    @property
+    def tiles(self) -> int:
+        return self.num_layers * self.tiles_per_layer
+
+    def family_at(self, t: int) -> tuple[int, int]:
+        """(family position, tile index within the family) of static in-layer tile t."""
+        for pos in reversed(range(len(self.families))):
+            if t >= self.family_offsets[pos]:
+                return pos, t - self.family_offsets[pos]
+        raise ValueError(t)
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Plan:
+    cfg: ModelConfig
+    target: Target
+    tuning: TuningConfig
+    batch: int
+    q_len: int
+    context: int  # cache capacity per sequence (pages_per_seq * page_size) and byte-accounting length
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
+    families: dict[str, MatrixFamily]
+    segments: tuple[Segment, ...]
+    ring_depth: int
+    slot_rows: int
+    slot_cols: int
+    ffn_pad: int  # dense FFN width padded to whole gate/up half tiles (0 without dense layers)
+    shared_ffn_pad: int  # shared-expert width, padded likewise (0 without shared experts)
+    attention: Any  # tpumk.kernel.attention.AttentionGeometry
+    moe: Any  # tpumk.kernel.moe.MoEGeometry or None
+    vmem: dict[str, int] = field(default_factory=dict)
+    vmem_budget: int = 0
+    hbm: dict[str, float] = field(default_factory=dict)
+    dmas: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    # ---- derived facts
+    @property
+    def spec(self) -> BuildSpec:
+        """The build this plan is for (context as planned: whole pages); planning it again
+        gives this plan."""
+        return BuildSpec(self.cfg, self.target, self.batch, self.context, self.tuning, self.q_len, self.page_size)
+
+    @property
+    def rows(self) -> int:
+        """Token rows one step computes: batch * q_len."""
+        return self.batch * self.q_len
+
+    @property
+    def total_tiles(self) -> int:
+        return sum(s.tiles for s in self.segments)
+
+    @property
+    def vocab_pad(self) -> int:
+        return self.families["lm_head"].m_pad
+
+    @property
+    def vector_width(self) -> int:
+        return round_up(max(self.cfg.hidden_size, self.cfg.head_dim), LANE)
+
+    @property
+    def vmem_total(self) -> int:
+        return sum(self.vmem.values())
+
+    @property
+    def vmem_limit(self) -> int:
+        """The scoped-VMEM limit the kernel is compiled with: the planned total plus headroom for
+        Mosaic's internal scratch and register spills (3.9 MiB measured for qwen3-8b), never below
+        the compiler's default (32 MiB). Measured with libtpu 0.0.52: under the static-profile
+        flag XLA reserves the kernel's scoped limit a second time as temp space (and may place
+        small HBM operands in VMEM too), so a profiled build on a 64 MiB target fails unless the
+        kernel uses well under half the VMEM; unprofiled builds are unaffected."""
+        want = round_up(self.vmem_total + MOSAIC_HEADROOM, 2**20)
+        return min(max(COMPILER_DEFAULT_SCOPED_VMEM, want), self.target.vmem_bytes)
+
+    @property
+    def hbm_bytes(self) -> float:
+        return sum(self.hbm.values())
+
+    @property
+    def floor_seconds(self) -> float:
+        """HBM floor of one step: bytes moved / the target's HBM bandwidth."""
+        return self.hbm_bytes / self.target.hbm_bandwidth
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data for reports and JSON (every number says what it counts)."""
+        return {
+            "model": self.cfg.name, "target": self.target.name, "batch": self.batch, "q_len": self.q_len,
+            "context": self.context, "page_size": self.page_size, "num_pages": self.num_pages,
+            "tuning": self.tuning.to_dict(),
+            "ring": {"depth": self.ring_depth, "slot": [self.slot_rows, self.slot_cols],
+                     "slot_bytes": self.slot_rows * self.slot_cols * self.cfg.dtype_bytes,
+                     "tiles_per_step": self.total_tiles},
+            "families": {n: f.summary() for n, f in self.families.items()},
+            "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
+                          "tiles_per_layer": s.tiles_per_layer} for s in self.segments],
+            "vmem_bytes": dict(self.vmem), "vmem_total_bytes": self.vmem_total,
+            "vmem_budget_bytes": self.vmem_budget, "vmem_limit_bytes": self.vmem_limit, "vmem_capacity_bytes": self.target.vmem_bytes,
+            "hbm_bytes_per_step": dict(self.hbm), "hbm_total_bytes_per_step": self.hbm_bytes,
+            "hbm_floor_seconds": self.floor_seconds,
+            "dmas_per_step": {k: dict(v) for k, v in self.dmas.items()},
+        }
+
+
+# ---------------------------------------------------------------------- tiling
+def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig) -> int:
+    """A row count shared by every family whose knob is auto, so default tiles share one shape.
+
+    The largest multiple of 128 dividing every K whose [rows, AUTO_MIN_TILE_COLS] tile still
+    fits tile_bytes."""
+    g = 0
+    for k in ks:
+        g = math.gcd(g, k)
+    cap = max(LANE, tuning.tile_bytes // (AUTO_MIN_TILE_COLS * cfg.dtype_bytes))
+    best = LANE
+    for r in range(LANE, min(g, cap) + 1, LANE):
+        if g % r == 0:
+            best = r
+    return best
+
+
+def _auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig) -> int:
+    """Expert FFN columns per load: the largest 128-multiple dividing Fe whose chunk (gate, up and
+    down rows, 3 * H * C) stays within two ring tiles, so `expert_slots` slots cost about as much
+    VMEM as a few ring slots (whole Qwen3-30B-A3B experts are 9 MiB each)."""
+    fe, best = cfg.expert_ffn_size, LANE
+    for c in range(LANE, fe + 1, LANE):
+        if fe % c == 0 and 3 * cfg.hidden_size * c * cfg.dtype_bytes <= 2 * tuning.tile_bytes:
+            best = c
+    return best
+
+
+def _family(name: str, k: int, m: int, stack: int, rows: int, cols: int, itemsize: int,
+            k_pad: int | None = None, m_pad: int | None = None) -> MatrixFamily:
+    return MatrixFamily(name, k, m, k_pad if k_pad is not None else k,
+                        m_pad if m_pad is not None else round_up(m, cols), rows, cols, stack, itemsize)
+
+
+def plan_families(cfg: ModelConfig, tuning: TuningConfig) -> tuple[dict[str, MatrixFamily], int, int]:
+    """The streamed matrix families of `cfg` under `tuning`: (families, ffn_pad, shared_ffn_pad).
+
+    Depends only on the model and the knobs (not on the target or batch), so packed weights
+    can be reused across targets that share a tuning."""
+    h, isz = cfg.hidden_size, cfg.dtype_bytes
+    n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
+    n_moe = cfg.num_layers - n_dense
+    shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    for what, v in (("hidden_size", h), ("num_q_heads * head_dim", cfg.q_size),
+                    ("num_kv_heads * head_dim", cfg.kv_size)):
+        if v % LANE:
+            raise PlanError(f"model '{cfg.name}': {what} = {v} must be a multiple of {LANE} (TPU lane tile)")
+    if cfg.head_dim % LANE:
+        raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs a multiple of {LANE}")
+
+    # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
+    present = ["qkv", "o", "lm_head"] + (["gate_up", "down"] if n_dense else []) \
+        + (["shared_gate_up", "shared_down"] if shared else [])
+    ks = {"qkv": h, "o": cfg.q_size, "lm_head": h, "gate_up": h, "shared_gate_up": h,
+          "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
+    auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning)
+
+    def shape(fam: str, k: int, m: int, lane: int) -> tuple[int, int]:
+        rows, cols = tuning.tile_shape(fam)
+        rows = rows or auto_rows
+        if not cols:  # auto: fill tile_bytes, never wider than the (lane-rounded) matrix
+            cols = max(lane, tuning.tile_bytes // (rows * isz) // lane * lane)
+            cols = min(cols, round_up(m, lane))
+        if k % rows:
+            raise PlanError(f"tuning: '{fam}_tile_rows' = {rows} must divide the {fam} input dim {k} "
+                            f"of model '{cfg.name}'")
+        return rows, cols
+
+    fams: dict[str, MatrixFamily] = {}
+    r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
+    fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz)
+    r, c = shape("o", cfg.q_size, h, LANE)
+    fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz)
+
+    def ffn_pair(prefix: str, width: int, stack: int) -> int:
+        gu, dn = f"{prefix}gate_up", f"{prefix}down"
+        gu_rows, gu_cols = shape(gu, h, 2 * width, 2 * LANE)
+        # Pad F so whole gate/up half tiles and whole down row tiles cover it (zeros are inert:
+        # silu(0) * 0 = 0 and zero down rows add nothing).
+        dn_rows = tuning.tile_shape(dn)[0] or auto_rows
+        f_pad = round_up(width, math.lcm(gu_cols // 2, dn_rows))
+        fams[gu] = _family(gu, h, 2 * width, stack, gu_rows, gu_cols, isz, m_pad=2 * f_pad)
+        dn_rows, dn_cols = shape(dn, f_pad, h, LANE)
+        fams[dn] = _family(dn, width, h, stack, dn_rows, dn_cols, isz, k_pad=f_pad)
+        return f_pad
+
+    ffn_pad = ffn_pair("", cfg.ffn_size, n_dense) if n_dense else 0
+    shared_pad = ffn_pair("shared_", shared, n_moe) if shared else 0
+    r, c = shape("lm_head", h, cfg.vocab_size, LANE)
+    fams["lm_head"] = _family("lm_head", h, cfg.vocab_size, 1, r, c, isz)
+    return fams, ffn_pad, shared_pad
+
+
+def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segment, ...]:
+    """Consecutive same-kind layers grouped into segments, then the lm_head, in ring order."""
+    segments: list[Segment] = []
+    dense_seen = moe_seen = 0
+    g = 0
+    i = 0
+    while i < cfg.num_layers:
+        dense = cfg.layer_is_dense(i)
+        j = i
+        while j < cfg.num_layers and cfg.layer_is_dense(j) == dense:
+            j += 1
+        if dense:
+            names = ("qkv", "o", "gate_up", "down")
+            base = (i, i, dense_seen, dense_seen)
+        else:
+            names = ("qkv", "o") + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ())
+            base = (i, i) + ((moe_seen, moe_seen) if len(names) == 4 else ())
+        offsets, t = [], 0
+        for n in names:
+            offsets.append(t)
+            t += fams[n].tiles
+        segments.append(Segment("dense" if dense else "moe", i, j - i, names, base, tuple(offsets), t, g,
+                                moe_base=moe_seen))
+        g += (j - i) * t
+        if dense:
+            dense_seen += j - i
+        else:
+            moe_seen += j - i
+        i = j
+    head = fams["lm_head"]
+    segments.append(Segment("lm_head", cfg.num_layers, 1, ("lm_head",), (0,), (0,), head.tiles, g))
+    return tuple(segments)
+
+
+# ---------------------------------------------------------------------- make_plan
+def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
+    """Plan the decode step `spec` describes: `batch` sequences x `q_len` tokens over a paged
+    cache of `context` tokens (`num_pages` pages in the pool; default exactly enough).
+
+    Raises PlanError for anything that cannot build: bad tiling for this model, a VMEM budget
+    overrun on this target, or a model (weights + KV cache) bigger than one device's HBM.
+    """
+    from tpumk.kernel.attention import AttentionGeometry
+    from tpumk.kernel.moe import MoEGeometry
+
+    cfg, target, tuning = spec.model, spec.target, spec.tuning
+    batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
+    for name, v in (("batch", batch), ("context", context), ("q_len", q_len), ("page_size", page_size)):
+        if not (isinstance(v, int) and v > 0):
+            raise PlanError(f"plan: {name} = {v!r}: expected a positive integer")
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq if num_pages is None else num_pages
+    if num_pages < batch * pages_per_seq:
+        raise PlanError(f"plan: num_pages = {num_pages} < {batch * pages_per_seq} needed for "
+                        f"{batch} sequences of {context} tokens")
+
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning)
+    segments = plan_segments(cfg, fams)
+    used = {n for s in segments for n in s.families}
+    fams = {n: f for n, f in fams.items() if n in used}
+    slot_rows = max(f.tile_rows for f in fams.values())
+    slot_cols = max(f.tile_cols for f in fams.values())
+    depth = tuning.ring_depth
+
+    kv_tile_pages = tuning.kv_tile_pages or max(1, min(pages_per_seq, KV_TILE_TOKENS // page_size))
+    rows = batch * q_len
+    attention = AttentionGeometry.from_config(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages,
+                                              tuning.kv_buffers)
+    attention.validate()
+    moe = None
+    if cfg.is_moe:
+        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots, tuning.expert_chunk or _auto_expert_chunk(cfg, tuning))
+
+    plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
+                num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe)
+    vmem = _vmem_breakdown(plan)
+    budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
+    plan = _replace(plan, vmem=vmem, vmem_budget=budget, hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan))
+    _check_fits(plan)
+    return plan
+
+
+def _replace(plan: Plan, **changes) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+def _vmem_breakdown(plan: Plan) -> dict[str, int]:
+    cfg = plan.cfg
+    r8 = round_up(plan.rows, F32_SUBLANES)
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv_cols = plan.families["qkv"].m_pad
+    act_cols = max(plan.ffn_pad, plan.shared_ffn_pad)
+    out = {
+        "weight_ring": plan.ring_depth * plan.slot_rows * plan.slot_cols * cfg.dtype_bytes,
+        "layer_vectors": 2 * LAYER_VECTOR_ROWS * plan.vector_width * 4,
+        # residual, normed input, q|k|v, attention output, FFN activation, MoE output (f32 rows)
+        "activations": r8 * 4 * (2 * h + qkv_cols + cfg.q_size + act_cols + (h if plan.moe else 0)),
+        # kernel inputs: embedded rows, cos, sin, final norm
+        "inputs": r8 * 4 * (h + 2 * d) + F32_SUBLANES * h * 4,
+        "logits_staging": r8 * plan.families["lm_head"].tile_cols * 4,
+        "attention": int(plan.attention.vmem_bytes()),
+    }
+    if plan.moe is not None:
+        out["moe"] = int(plan.moe.vmem_bytes())
+    return out
+
+
+def _hbm_breakdown(plan: Plan) -> dict[str, float]:
+    cfg = plan.cfg
+    ring = {}
+    for s in plan.segments:
+        for n in s.families:
+            ring[n] = ring.get(n, 0) + s.num_layers * plan.families[n].tiles * plan.families[n].tile_bytes
+    out: dict[str, float] = {f"weights_{n}": float(b) for n, b in ring.items()}
+    out["layer_vectors"] = float(cfg.num_layers * LAYER_VECTOR_ROWS * plan.vector_width * 4)
+    if plan.moe is not None:
+        out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
+    out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
+    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * cfg.head_dim + plan.vocab_pad))
+    return out
+
+
+def _full_lengths(plan: Plan) -> list[int]:
+    """Cached tokens per sequence when the step's new tokens fill the context (the worst case)."""
+    return [plan.context - plan.q_len] * plan.batch
+
+
+def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
+    out = {}
+    for n, f in plan.families.items():
+        count = sum(s.num_layers * f.tiles for s in plan.segments if n in s.families)
+        out[f"ring_{n}"] = {"count": count, "bytes_each": f.tile_bytes}
+    vec_bytes = LAYER_VECTOR_ROWS * plan.vector_width * 4
+    out["layer_vectors"] = {"count": plan.cfg.num_layers, "bytes_each": vec_bytes}
+    att = plan.attention
+    lengths = _full_lengths(plan)
+    c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
+    pages = c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"]
+    out["kv_cache_pages"] = {"count": 2 * plan.cfg.num_layers * pages, "bytes_each": att.page_bytes}
+    if plan.moe is not None:
+        m = plan.moe
+        distinct = m.expected_distinct_experts()
+        out["experts"] = {"count": m.num_moe_layers * m.dma_count(distinct),
+                          "bytes_each": m.expected_hbm_bytes() / max(m.dma_count(distinct), 1)}
+    return out
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+def _check_fits(plan: Plan) -> None:
+    cfg, target = plan.cfg, plan.target
+    weights = cfg.param_count() * cfg.dtype_bytes
+    kv = 2 * cfg.num_layers * plan.num_pages * plan.page_size * cfg.kv_size * cfg.dtype_bytes
+    if weights + kv > target.hbm_bytes:
+        raise PlanError(
+            f"model '{cfg.name}' does not fit one {target.name} device: weights {weights / 1e9:.1f} GB + "
+            f"KV cache {kv / 1e9:.1f} GB > HBM {target.hbm_bytes / 1e9:.1f} GB")
+    if plan.vmem_total > plan.vmem_budget:
+        parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(plan.vmem.items(), key=lambda kv: -kv[1]))
+        raise PlanError(
+            f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_total)} > budget "
+            f"{_mib(plan.vmem_budget)} ({plan.tuning.vmem_limit_fraction:.2f} x {_mib(target.vmem_bytes)}); "
+            f"{parts}. Lower ring_depth / tile sizes / kv_buffers / expert_slots")

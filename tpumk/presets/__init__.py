@@ -1,1 +1,0 @@
-"""Model presets shipped with tpumk (one TOML file each, fields of tpumk.config.ModelConfig)."""

@@ -1,0 +1,484 @@
+"""Tuning spaces: which knobs `tpumk tune` searches, over which values, under which constraints.
+
+A space is a TOML file (schema and examples: tuning_spaces/README.md):
+
+    [space]            name, description
+    [knobs.<knob>]     a searched TuningConfig knob: type = "int" (low, high, step),
+                       "pow2" (powers of two from low to high) or "categorical" (choices)
+    [fixed]            knob = value, held for every trial
+    [[constraints]]    expr over knobs and model/target facts, why
+
+Knobs neither searched nor fixed keep their TuningConfig defaults. Every candidate value is
+checked against TuningConfig's validation when the file loads, and the TuningConfig default of
+each searched knob is always one of its candidates (added when the file leaves it out), so the
+default configuration is a legal trial the tuner can measure first.
+
+Constraints are cheap prefilters, checked before a trial is planned; the plan stays the
+authority on what builds. They are a small arithmetic language parsed with `ast` and evaluated
+by walking the tree (never `eval`): numbers, names, + - * / // % **, chained comparisons,
+and/or/not, parentheses and min/max/abs. A name is a TuningConfig knob (with the trial's value,
+searched or not) or one of FACTS (from `space_facts`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import operator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpumk.errors import ConfigError
+from tpumk.tomlfile import read_toml
+from tpumk.plan.knobs import TuningConfig
+
+if TYPE_CHECKING:  # optuna is imported lazily: loading a space should not pay for it
+    import optuna
+
+    from tpumk.plan.spec import BuildSpec
+
+SPACES_DIR = Path(__file__).resolve().parents[2] / "tuning_spaces"
+DEFAULT_SPACE_PATH = SPACES_DIR / "default.toml"
+
+KNOB_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TuningConfig))
+_INT_KNOBS = frozenset(f.name for f in dataclasses.fields(TuningConfig) if f.type in ("int", int))
+KINDS = ("int", "pow2", "categorical")
+_KIND_KEYS = {"int": ("type", "low", "high", "step"), "pow2": ("type", "low", "high"),
+              "categorical": ("type", "choices")}
+_TOP_KEYS = ("space", "knobs", "fixed", "constraints")
+
+# Every fact `space_facts` gives, with what it is (tuning_spaces/README.md lists the same).
+FACTS: dict[str, str] = {
+    # target (per TensorCore = one JAX device)
+    "vmem_bytes": "VMEM capacity of the target, bytes",
+    "hbm_bytes": "HBM capacity of the target, bytes",
+    "hbm_bandwidth": "HBM bandwidth of the target, bytes per second",
+    "bf16_flops": "bf16 peak of the target, FLOP/s",
+    "num_mxus": "matrix units of the target",
+    "mxu_size": "columns of one matrix unit (128 or 256)",
+    # model
+    "num_layers": "transformer layers",
+    "num_dense_layers": "layers with a dense FFN",
+    "num_moe_layers": "mixture-of-experts layers",
+    "has_dense_layers": "1 if any layer has a dense FFN (the gate_up / down families stream), else 0",
+    "has_shared_expert": "1 if MoE layers have a shared expert (the shared_* families stream), else 0",
+    "is_moe": "1 for a mixture-of-experts model, else 0",
+    "hidden_size": "hidden size H (input dim of qkv, gate_up and lm_head)",
+    "num_q_heads": "query heads",
+    "num_kv_heads": "key/value heads",
+    "head_dim": "head dimension",
+    "q_size": "num_q_heads * head_dim (input dim of o)",
+    "kv_size": "num_kv_heads * head_dim (lanes of one KV-cache row)",
+    "ffn_size": "dense FFN width (intermediate size); 0 without dense layers",
+    "vocab_size": "vocabulary size (lm_head columns)",
+    "num_experts": "routed experts per MoE layer (0 for a dense model)",
+    "top_k": "experts each token picks",
+    "expert_ffn_size": "FFN width of one routed expert",
+    "num_shared_experts": "shared experts per MoE layer",
+    "shared_expert_ffn_size": "FFN width of one shared expert",
+    "dtype_bytes": "bytes per weight (2 for bfloat16, 4 for float32)",
+    "weight_bytes": "bytes of all the model's weights",
+    "step_weight_bytes": "weight bytes one decode step reads (MoE: expected distinct experts)",
+    # shapes of the step
+    "batch": "sequences per step",
+    "context": "KV-cache capacity per sequence, tokens",
+    "q_len": "new tokens per sequence per step",
+    "rows": "batch * q_len: token rows one step computes",
+    "page_size": "tokens per KV-cache page",
+    "pages_per_seq": "KV-cache pages per sequence (ceil(context / page_size))",
+    "kv_auto_tile_pages": "pages per KV tile when kv_tile_pages = 0 (auto)",
+}
+assert not set(FACTS) & set(KNOB_NAMES), "a fact may not shadow a knob"
+
+_FUNCS = {"min": min, "max": max, "abs": abs}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Gt: operator.gt, ast.GtE: operator.ge}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_}
+_MAX_EXPONENT = 64  # keeps `**` from building numbers that take minutes to compute
+
+
+# ---------------------------------------------------------------------- knobs
+@dataclass(frozen=True)
+class Knob:
+    """One searched knob. int: low..high by step; pow2: powers of two in [low, high];
+    categorical: choices. `default` (the TuningConfig default) is always among values()."""
+
+    name: str
+    kind: str
+    low: int | None = None
+    high: int | None = None
+    step: int = 1
+    choices: tuple[Any, ...] = ()
+    default: Any = None
+
+    def values(self) -> list[Any]:
+        if self.kind == "int":
+            return list(range(self.low, self.high + 1, self.step))
+        if self.kind == "pow2":
+            vals = [1 << e for e in range(self.low.bit_length() - 1, self.high.bit_length())]
+            return sorted(set(vals) | {self.default}) if self.default is not None else vals
+        vals = list(self.choices)
+        if self.default is not None and self.default not in vals:
+            vals.append(self.default)
+        return vals
+
+    def size(self) -> int:
+        if self.kind == "int":
+            return (self.high - self.low) // self.step + 1
+        return len(self.values())
+
+    def distribution(self) -> "optuna.distributions.BaseDistribution":
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        if self.kind == "int":
+            return IntDistribution(self.low, self.high, step=self.step)
+        return CategoricalDistribution(self.values())
+
+    def suggest(self, trial: "optuna.trial.BaseTrial") -> Any:
+        if self.kind == "int":
+            return trial.suggest_int(self.name, self.low, self.high, step=self.step)
+        return trial.suggest_categorical(self.name, self.values())
+
+
+# ---------------------------------------------------------------------- constraints
+@dataclass(frozen=True)
+class Constraint:
+    """A condition every trial's configuration must meet: `expr` over knobs and facts.
+
+    Parsed and checked on construction (ConfigError naming the expression if it is not in the
+    language or reads an unknown name); `names` are the names it reads, in order."""
+
+    expr: str
+    why: str
+    names: tuple[str, ...] = field(init=False, compare=False)
+    _tree: ast.Expression = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tree, names = _compile(self.expr)
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "_tree", tree)
+
+    def holds(self, env: dict[str, Any]) -> bool:
+        try:
+            return bool(_eval(self._tree.body, env))
+        except KeyError as e:
+            raise ConfigError(f"constraint '{self.expr}': no value for '{e.args[0]}'") from None
+        except (ArithmeticError, ValueError, TypeError) as e:
+            used = ", ".join(f"{n}={env.get(n)!r}" for n in self.names)
+            raise ConfigError(f"constraint '{self.expr}': {e} (with {used})") from None
+
+
+def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
+    flat = " ".join(expr.split())  # TOML multi-line strings may wrap a long expression
+    try:
+        tree = ast.parse(flat, mode="eval")
+    except SyntaxError as e:
+        raise ConfigError(f"constraint '{flat}': invalid syntax ({e.msg})") from None
+    names: list[str] = []
+
+    def bad(node: ast.AST, what: str) -> ConfigError:
+        text = ast.get_source_segment(flat, node) or type(node).__name__
+        return ConfigError(f"constraint '{flat}': {what} '{text}' is not allowed "
+                           f"(numbers, knob and fact names, + - * / // % **, comparisons, "
+                           f"and/or/not, min/max/abs)")
+
+    def check(node: ast.AST) -> None:
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+                raise bad(node, "the constant")
+        elif isinstance(node, ast.Name):
+            if node.id not in KNOB_NAMES and node.id not in FACTS:
+                raise ConfigError(
+                    f"constraint '{flat}': unknown name '{node.id}' "
+                    f"(knobs: {', '.join(KNOB_NAMES)}; facts: {', '.join(FACTS)})")
+            if node.id not in names:
+                names.append(node.id)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            check(node.left)
+            check(node.right)
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            check(node.operand)
+        elif isinstance(node, ast.BoolOp):
+            for v in node.values:
+                check(v)
+        elif isinstance(node, ast.Compare) and all(type(op) in _CMPOPS for op in node.ops):
+            check(node.left)
+            for c in node.comparators:
+                check(c)
+        elif isinstance(node, ast.Call):
+            fn = node.func.id if isinstance(node.func, ast.Name) else None
+            if fn not in _FUNCS or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+                raise bad(node, "the call")
+            want = (1, 1) if fn == "abs" else (2, 64)
+            if not want[0] <= len(node.args) <= want[1]:
+                raise ConfigError(f"constraint '{flat}': {fn}() takes "
+                                  f"{'one argument' if fn == 'abs' else 'two or more arguments'}")
+            for a in node.args:
+                check(a)
+        else:
+            raise bad(node, "the expression")
+
+    check(tree.body)
+    if not (isinstance(tree.body, (ast.Compare, ast.BoolOp))
+            or (isinstance(tree.body, ast.UnaryOp) and isinstance(tree.body.op, ast.Not))):
+        raise ConfigError(f"constraint '{flat}': expected a condition (a comparison, "
+                          f"possibly combined with and/or/not)")
+    return tree, tuple(names)
+
+
+def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return env[node.id]
+    if isinstance(node, ast.BinOp):
+        left, right = _eval(node.left, env), _eval(node.right, env)
+        if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
+            raise ValueError(f"exponent {right} is above {_MAX_EXPONENT}")
+        return _BINOPS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](_eval(node.operand, env))
+    if isinstance(node, ast.BoolOp):  # short-circuit, Python semantics: `x or y` gives x or y
+        value = None
+        for v in node.values:
+            value = _eval(v, env)
+            if isinstance(node.op, ast.And) != bool(value):
+                return value
+        return value
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, env)
+        for op, comp in zip(node.ops, node.comparators):
+            right = _eval(comp, env)
+            if not _CMPOPS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call):
+        return _FUNCS[node.func.id](*(_eval(a, env) for a in node.args))
+    raise TypeError(f"unexpected node {type(node).__name__}")  # _compile admits no other node
+
+
+# ---------------------------------------------------------------------- the space
+@dataclass(frozen=True)
+class TuningSpace:
+    name: str
+    source: str
+    knobs: dict[str, Knob]
+    fixed: dict[str, Any]
+    constraints: tuple[Constraint, ...]
+    description: str = ""
+
+    def suggest(self, trial: "optuna.trial.BaseTrial") -> dict[str, Any]:
+        """The trial's value of every searched knob (Optuna parameter names = knob names)."""
+        return {name: knob.suggest(trial) for name, knob in self.knobs.items()}
+
+    def distributions(self) -> dict[str, "optuna.distributions.BaseDistribution"]:
+        return {name: knob.distribution() for name, knob in self.knobs.items()}
+
+    def tuning_for(self, values: dict[str, Any], base: TuningConfig | None = None) -> TuningConfig:
+        """`base` (default: TuningConfig()) with the fixed knobs, then `values`, applied."""
+        base = base or TuningConfig()
+        return TuningConfig.from_dict({**base.to_dict(), **self.fixed, **values}, f"tuning space {self.source}")
+
+    def violated(self, tuning: TuningConfig, facts: dict[str, Any]) -> str | None:
+        """None if every constraint holds for `tuning` under `facts`, else the first one that
+        fails as "why (expr; name=value, ...)" with the value of each name it reads."""
+        env = {**facts, **tuning.to_dict()}
+        for c in self.constraints:
+            if not c.holds(env):
+                used = ", ".join(f"{n}={env[n]!r}" for n in c.names)
+                return f"{c.why} ({' '.join(c.expr.split())}; {used})"
+        return None
+
+    def default_values(self) -> dict[str, Any]:
+        """TuningConfig's default of each searched knob (always a candidate: see load_space)."""
+        d = TuningConfig()
+        return {name: getattr(d, name) for name in self.knobs}
+
+    def size(self) -> int:
+        """Points of the grid of searched values (constraints not applied)."""
+        return math.prod(k.size() for k in self.knobs.values())
+
+
+# ---------------------------------------------------------------------- loading
+def load_space(path: str | Path) -> TuningSpace:
+    """Read and validate a space file; every problem is a one-line ConfigError naming the file
+    and the table, knob or constraint at fault."""
+    path = Path(path)
+    data = read_toml(path)
+    src = str(path)
+
+    def err(msg: str) -> ConfigError:
+        return ConfigError(f"{src}: {msg}")
+
+    def table(key: str) -> dict[str, Any]:
+        v = data.get(key, {})
+        if not isinstance(v, dict):
+            raise err(f"'{key}' must be a table ([{key}])")
+        return v
+
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise err(f"unknown table or key '{key}' (expected: {', '.join(_TOP_KEYS)})")
+
+    space = table("space")
+    for key in space:
+        if key not in ("name", "description"):
+            raise err(f"[space]: unknown key '{key}' (expected: name, description)")
+    name = space.get("name", path.stem)
+    description = space.get("description", "")
+    if not isinstance(name, str) or not name:
+        raise err("[space]: 'name' must be a non-empty string")
+    if not isinstance(description, str):
+        raise err("[space]: 'description' must be a string")
+
+    fixed = table("fixed")
+    for knob in fixed:
+        _check_knob_name(knob, err, "[fixed]")
+    try:
+        TuningConfig(**fixed)
+    except ConfigError as e:
+        raise err(f"[fixed]: {str(e).removeprefix('tuning: ')}") from None
+
+    raw_knobs = table("knobs")
+    if not raw_knobs:
+        raise err("no knobs to search (add at least one [knobs.<knob>] table)")
+    knobs: dict[str, Knob] = {}
+    for knob, spec in raw_knobs.items():
+        _check_knob_name(knob, err, "[knobs]")
+        if knob in fixed:
+            raise err(f"knob '{knob}' is both searched ([knobs.{knob}]) and fixed ([fixed]); keep one")
+        knobs[knob] = _parse_knob(knob, spec, fixed, err)
+
+    raw_constraints = data.get("constraints", [])
+    if not (isinstance(raw_constraints, list) and all(isinstance(c, dict) for c in raw_constraints)):
+        raise err("'constraints' must be an array of tables ([[constraints]] with expr and why)")
+    constraints = []
+    for i, c in enumerate(raw_constraints):
+        label = f"constraint {i + 1}"
+        for key in c:
+            if key not in ("expr", "why"):
+                raise err(f"{label}: unknown key '{key}' (expected: expr, why)")
+        for key in ("expr", "why"):
+            if not isinstance(c.get(key), str) or not c[key].strip():
+                raise err(f"{label}: '{key}' must be a non-empty string")
+        try:
+            constraints.append(Constraint(" ".join(c["expr"].split()), " ".join(c["why"].split())))
+        except ConfigError as e:
+            raise err(str(e)) from None
+    return TuningSpace(name, src, knobs, dict(fixed), tuple(constraints), description)
+
+
+def _check_knob_name(knob: str, err, where: str) -> None:
+    if knob not in KNOB_NAMES:
+        raise err(f"{where}: unknown knob '{knob}' (knobs: {', '.join(KNOB_NAMES)})")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
+    where = f"knob '{knob}'"
+    if not isinstance(spec, dict):
+        raise err(f"{where}: expected a table [knobs.{knob}] with a type")
+    kind = spec.get("type")
+    if kind not in KINDS:
+        raise err(f"{where}: 'type' = {kind!r}: expected one of {', '.join(KINDS)}")
+    for key in spec:
+        if key not in _KIND_KEYS[kind]:
+            raise err(f"{where}: unknown key '{key}' for type '{kind}' (expected: {', '.join(_KIND_KEYS[kind])})")
+    if kind in ("int", "pow2") and knob not in _INT_KNOBS:
+        raise err(f"{where}: type '{kind}' needs an integer knob; use type 'categorical' for this one")
+    default = getattr(TuningConfig(), knob)
+
+    if kind == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise err(f"{where}: 'choices' must be a non-empty list")
+        for c in choices:
+            if not isinstance(c, (int, float, str, bool)):
+                raise err(f"{where}: choice {c!r}: expected a number")
+        if len(set(map(repr, choices))) != len(choices):
+            raise err(f"{where}: 'choices' repeats a value")
+        knob_ = Knob(knob, kind, choices=tuple(choices), default=default)
+    else:
+        for key in ("low", "high"):
+            if key not in spec:
+                raise err(f"{where}: missing '{key}'")
+        low, high, step = spec["low"], spec["high"], spec.get("step", 1)
+        for key, v in (("low", low), ("high", high), ("step", step)):
+            if not _is_int(v):
+                raise err(f"{where}: '{key}' = {v!r}: expected an integer")
+        if low > high:
+            raise err(f"{where}: empty range: low {low} > high {high}")
+        if kind == "int":
+            if step < 1:
+                raise err(f"{where}: 'step' = {step}: expected a positive integer")
+            if (high - low) % step:
+                raise err(f"{where}: high {high} is not low {low} plus a multiple of step {step}")
+            # Widen the range to take in the default, so the default configuration is a trial.
+            if (default - low) % step:
+                raise err(f"{where}: the TuningConfig default {default} is not on the grid "
+                          f"low {low} + k * step {step}; shift low so it is")
+            knob_ = Knob(knob, kind, min(low, default), max(high, default), step, default=default)
+        else:
+            for key, v in (("low", low), ("high", high)):
+                if v < 1 or v & (v - 1):
+                    raise err(f"{where}: '{key}' = {v}: expected a power of two")
+            knob_ = Knob(knob, kind, low, high, default=default)
+
+    # Check candidates the way a trial will use them. An int range's candidates are low + k*step
+    # and TuningConfig's rules are lower bounds and multiples, so low, low + step and high
+    # decide for them all; other kinds are short lists, checked whole.
+    vals = knob_.values()
+    if kind == "int" and len(vals) > 3:
+        vals = [vals[0], vals[1], vals[-1]]
+    for v in vals:
+        try:
+            TuningConfig(**{**fixed, knob: v})
+        except ConfigError as e:
+            raise err(f"{where}: candidate {v!r} is not valid: {str(e).removeprefix('tuning: ')}") from None
+    return knob_
+
+
+# ---------------------------------------------------------------------- facts
+def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
+    """The names of FACTS with their values for this model, target and step shape."""
+    from tpumk.plan.plan import KV_TILE_TOKENS
+
+    cfg, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
+    n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
+    n_moe = cfg.num_layers - n_dense
+    page = spec.page_size
+    pages = -(-context // page)
+    rows = batch * q_len
+    num_mxus, mxu_size = target.mxu_shape
+    facts: dict[str, int | float] = {
+        "vmem_bytes": target.vmem_bytes, "hbm_bytes": target.hbm_bytes,
+        "hbm_bandwidth": target.hbm_bandwidth, "bf16_flops": target.bf16_flops,
+        "num_mxus": num_mxus, "mxu_size": mxu_size,
+        "num_layers": cfg.num_layers, "num_dense_layers": n_dense, "num_moe_layers": n_moe,
+        "has_dense_layers": int(n_dense > 0),
+        "has_shared_expert": int(n_moe > 0 and cfg.num_shared_experts * cfg.shared_expert_ffn_size > 0),
+        "is_moe": int(cfg.is_moe),
+        "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "q_size": cfg.q_size, "kv_size": cfg.kv_size,
+        "ffn_size": cfg.ffn_size, "vocab_size": cfg.vocab_size,
+        "num_experts": cfg.num_experts, "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
+        "num_shared_experts": cfg.num_shared_experts, "shared_expert_ffn_size": cfg.shared_expert_ffn_size,
+        "dtype_bytes": cfg.dtype_bytes,
+        "weight_bytes": cfg.param_count() * cfg.dtype_bytes,
+        "step_weight_bytes": cfg.decode_weight_bytes(rows),
+        "batch": batch, "context": context, "q_len": q_len, "rows": rows,
+        "page_size": page, "pages_per_seq": pages,
+        # the plan's auto KV tile (tpumk.plan.plan.make_plan)
+        "kv_auto_tile_pages": max(1, min(pages, KV_TILE_TOKENS // page)),
+    }
+    assert facts.keys() == FACTS.keys()
+    return facts
