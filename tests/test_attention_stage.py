@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.model import reference
 
+from tpumk.compat import interpret_races
 from tpumk.estimate import static_profile
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import ModelConfig
@@ -223,7 +223,8 @@ def test_attention_stage_matches_reference(name):
     args = make_inputs(case, loop)
     want_o, want_k, want_v = run_expected(case, loop, args)
     o, k, v = jax.block_until_ready(jax.jit(make_call(geom, num_pages(case), True, loop))(*args))
-    assert tpu_interpret.races is not None and not tpu_interpret.races.races_found, "data race detected"
+    races = interpret_races()
+    assert races is not None and not races.races_found, "data race detected"
 
     # Caches: the new rows land exactly (a copy), every other row of every layer is untouched.
     np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(want_k, np.float32))
@@ -266,6 +267,7 @@ def test_attention_stage_compiles_deviceless(name, target):
 _PROFILE_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
+from tpumk.compat import interpret_races
 from tpumk.estimate import static_profile
 static_profile.enable(sys.argv[2])  # before JAX starts libtpu: the flag is read once per process
 import test_attention_stage as t

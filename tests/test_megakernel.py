@@ -30,6 +30,7 @@ from tpumk.errors import PlanError
 from tpumk.kernel.layout import pack_weights, packed_specs
 from tpumk.kernel.megakernel import make_decode_step, step_specs
 from tpumk.plan.plan import make_plan
+from tpumk.compat import interpret_races
 from tpumk.targets import get_target
 from tpumk.plan.knobs import TuningConfig
 from tpumk.model.weights import random_params
@@ -82,9 +83,8 @@ def prompts_of(lengths, vocab, seed=3):
 
 
 def races_found() -> bool:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-    return bool(ipc.races is not None and ipc.races.races_found)
+    races = interpret_races()
+    return bool(races is not None and races.races_found)
 
 
 def assert_logits_close(got, want, dtype):

@@ -33,13 +33,13 @@ from tpumk.errors import PlanError
 from tpumk.kernel.moe import (MoEGeometry, moe_layer_ids, moe_scratch, moe_stage, pack_experts, packed_shapes,
                               start_router_fetch)
 from tpumk.estimate.static_profile import FLAG
+from tpumk.compat import interpret_races
 from tpumk.targets import get_target
 
 
 def _races_found() -> bool:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-    return bool(ipc.races is not None and ipc.races.races_found)
+    races = interpret_races()
+    return bool(races is not None and races.races_found)
 
 
 def _config(**changes) -> ModelConfig:

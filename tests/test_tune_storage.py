@@ -25,6 +25,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tpumk.compat import optuna_heartbeat_enabled
 from tpumk.tune.study import ResultCache, _fail_stale, open_storage, open_study, storage_url
 from tpumk.tune.space import SPACES_DIR, load_space
 
@@ -34,7 +35,7 @@ TINY_SPACE = str(SPACES_DIR / "tiny.toml")
 # ---------------------------------------------------------------------- heartbeat on a journal
 def test_journal_storage_fails_stale_trials_but_not_live_ones(tmp_path):
     storage = open_storage(storage_url(str(tmp_path / "s.journal"), "x"), heartbeat=1)
-    assert optuna.storages._heartbeat.is_heartbeat_enabled(storage)
+    assert optuna_heartbeat_enabled(storage)
     study = optuna.create_study(storage=storage, study_name="x")
     with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna: heartbeats are for optimize()
         dead = study.ask()  # left RUNNING, as by a killed process

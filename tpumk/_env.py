@@ -10,12 +10,9 @@ import os
 
 
 def quiet_libtpu_without_tpu() -> None:
-    try:
-        from jax._src import hardware_utils
+    from tpumk.compat import tpu_chips_on_pci
 
-        chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
-    except Exception:  # a jax without this helper: leave the environment alone
-        return
+    chips, _ = tpu_chips_on_pci()
     if chips:
         return
     # Without a TPU, libtpu only compiles; several processes (parallel tests, tuner workers)

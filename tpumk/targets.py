@@ -27,9 +27,9 @@ class Target:
     # ---- chip figures, per TensorCore (one JAX device), read from Pallas' chip table
     @functools.cached_property
     def info(self):
-        from jax._src.pallas.mosaic.tpu_info import ChipVersion, get_tpu_info_for_chip
+        from tpumk.compat import tpu_chip_info
 
-        return get_tpu_info_for_chip(ChipVersion(self.chip), 1)
+        return tpu_chip_info(self.chip)
 
     @property
     def vmem_bytes(self) -> int:

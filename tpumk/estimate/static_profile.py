@@ -18,6 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from tpumk.compat import jax_backends_initialised
 from tpumk.compile.keys import PROFILE_FLAG as FLAG  # the key leaves this flag out
 _CYCLES = re.compile(r'hlo_op_name:\s*"([^"]*)"\s*estimated_cycles:\s*(\d+)')
 
@@ -28,13 +29,6 @@ def profile_dir() -> Path | None:
     return Path(m.group(1)) if m else None
 
 
-def _backends_initialised() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:  # private API moved: assume the worst, do not touch the environment
-        return True
 
 
 def enable(directory: str | Path | None = None) -> Path | None:
@@ -44,7 +38,7 @@ def enable(directory: str | Path | None = None) -> Path | None:
     if current is not None:
         current.mkdir(parents=True, exist_ok=True)
         return current
-    if _backends_initialised():
+    if jax_backends_initialised():
         return None
     d = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="tpumk-llo-profile-"))
     d.mkdir(parents=True, exist_ok=True)

@@ -43,12 +43,9 @@ def attached_tpu_kind() -> str | None:
 
     Read from PCI ids without initialising a JAX backend: the tuner's own process must not take
     the TPU, which the trial worker processes need."""
-    try:
-        from jax._src import hardware_utils
+    from tpumk.compat import tpu_chips_on_pci
 
-        chips, version = hardware_utils.num_available_tpu_chips_and_device_id()
-    except Exception:  # a jax without this helper: report no TPU rather than guess
-        return None
+    chips, version = tpu_chips_on_pci()
     return version.name if chips and version is not None else None
 
 

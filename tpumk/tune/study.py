@@ -144,7 +144,9 @@ def study_name_for(problem: BuildSpec, space: TuningSpace, objective: str) -> st
 @functools.lru_cache(maxsize=None)
 def _journal_heartbeat_class():
     from optuna.storages import JournalStorage
-    from optuna.storages._heartbeat import BaseHeartbeat
+    from tpumk.compat import optuna_heartbeat_base
+
+    BaseHeartbeat = optuna_heartbeat_base()
     from optuna.trial import TrialState
 
     class JournalHeartbeatStorage(JournalStorage, BaseHeartbeat):

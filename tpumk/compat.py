@@ -1,0 +1,64 @@
+"""Every private JAX / Optuna API tpumk relies on, in one place.
+
+tpumk pins jax 0.10.2 and supports optuna >= 4; these names are not public API and may move in
+another release. Each accessor says what it is for, and fails (or answers "unknown") the same
+way whatever moved, so a version bump means reading this file, not the whole package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tpu_chips_on_pci() -> tuple[int, Any]:
+    """(number of TPU chips on this host's PCI bus, their jax ChipVersion-like id or None), read
+    without initialising a JAX backend. (0, None) when jax cannot tell."""
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()
+    except Exception:  # a jax without this helper: report no TPU rather than guess
+        return 0, None
+
+
+def tpu_chip_info(chip: str, cores: int = 1):
+    """Pallas' chip table entry (VMEM, HBM, bandwidth, MXU, peak FLOP/s) for a chip version
+    ("v5e", "v5p", "v6e", "7x"), per `cores` TensorCores."""
+    from jax._src.pallas.mosaic.tpu_info import ChipVersion, get_tpu_info_for_chip
+
+    return get_tpu_info_for_chip(ChipVersion(chip), cores)
+
+
+def jax_backends_initialised() -> bool:
+    """Whether JAX has created its backends in this process (libtpu flags set after that are
+    ignored). True when jax cannot tell: callers then leave the environment alone."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:
+        return True
+
+
+def interpret_races():
+    """The race detector's state of Pallas' TPU interpret mode in this process: None before any
+    kernel ran with `InterpretParams(detect_races=True)`, else an object whose `races_found`
+    says whether a data race between DMAs and compute was seen."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as state
+
+    return state.races
+
+
+def optuna_heartbeat_base():
+    """Optuna's heartbeat mixin (`BaseHeartbeat`): RDBStorage implements it; tpumk adds it to
+    JournalStorage so `fail_stale_trials` fails the trials of a killed process there too."""
+    from optuna.storages._heartbeat import BaseHeartbeat
+
+    return BaseHeartbeat
+
+
+def optuna_heartbeat_enabled(storage) -> bool:
+    """Whether an Optuna storage runs the heartbeat protocol (interval set)."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return is_heartbeat_enabled(storage)
