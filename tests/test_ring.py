@@ -136,6 +136,7 @@ _PROFILE_SCRIPT = textwrap.dedent("""
     from tpumk.model.config import load_preset
     from tpumk.kernel.megakernel import make_decode_step, step_specs
     from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
     from tpumk.targets import get_target
     from tpumk.plan.knobs import TuningConfig
     target = get_target("tpu7x")
