@@ -30,8 +30,8 @@ from tpumk.estimate import static_profile
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
-from tpumk.kernel.attention import (AttentionGeometry, attention_prefetch, attention_scratch,
-                                    attention_stage)
+from tpumk.kernel.attention import AttentionScratch, attention_prefetch, attention_scratch, attention_stage
+from tpumk.plan.geometry import AttentionGeometry
 from tpumk.targets import get_target
 
 NUM_LAYERS = 2
@@ -330,6 +330,13 @@ def test_from_config_and_vmem_formula():
     for _, shape, dt in g.vmem_shapes():
         sub = 16 if dt == jnp.bfloat16 else 8
         assert shape[-1] % 128 == 0 and shape[-2] % sub == 0, shape
+    # The scratch list (what the kernel contract and the plan count) is what the stage unpacks,
+    # and its SMEM / semaphore entries are the ones smem_bytes / dma_semaphores describe.
+    scratch = g.scratch()
+    assert tuple(b.name for b in scratch) == AttentionScratch._fields
+    assert all(b.nbytes == b.logical_bytes for b in scratch)
+    assert sum(b.nbytes for b in scratch if b.space == "smem") == g.smem_bytes()
+    assert sum(b.count for b in scratch if b.space == "semaphore") == g.dma_semaphores()
 
 
 def test_hbm_bytes_counts_the_kernels_dmas():

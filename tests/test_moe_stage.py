@@ -30,8 +30,8 @@ from tpumk.model import reference as R
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import ModelConfig, expected_distinct_experts, load_preset
 from tpumk.errors import PlanError
-from tpumk.kernel.moe import (MoEGeometry, moe_layer_ids, moe_scratch, moe_stage, pack_experts, packed_shapes,
-                              start_router_fetch)
+from tpumk.kernel.moe import MoEScratch, moe_scratch, moe_stage, pack_experts, packed_shapes, start_router_fetch
+from tpumk.plan.geometry import MoEGeometry, moe_layer_ids
 from tpumk.estimate.static_profile import FLAG
 from tpumk.compat import interpret_races
 from tpumk.targets import get_target
@@ -247,6 +247,9 @@ def test_geometry_bytes_and_budget():
     assert geom.scratch_bytes() == 4 * expert // 2 + 2048 * 128 * 2 + 8 * 128 * 4 + 8 * 128 * 4
     assert geom.scratch_bytes() < geom.vmem_bytes() < geom.scratch_bytes() + (2 << 20)
     assert geom.max_distinct_experts == 64
+    # The scratch list (what the kernel contract and the plan count) is what the stage unpacks.
+    assert tuple(b.name for b in geom.scratch()) == MoEScratch._fields
+    assert sum(b.nbytes for b in geom.scratch() if b.space == "smem") == geom.smem_bytes()
 
 
 @pytest.mark.parametrize("changes, match", [

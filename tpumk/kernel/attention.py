@@ -46,7 +46,6 @@ non-finite bytes in unused cache slots cannot leak into the output (0 * NaN).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -56,202 +55,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk.errors import PlanError
+from tpumk.kernel.memory import scratch_shape
+from tpumk.plan.geometry import AttentionGeometry
 
-LANES = 128
 # Finite stand-in for -inf in masked scores: exp(MASK - m) underflows to exactly 0 once a row
 # has seen one real key, and a fully masked tile cannot produce inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Rows of one (8 x 128) x 32-bit VMEM tile per dtype: the second-minor tiling Mosaic requires of
-# DMA offsets and sizes, hence of page_size (TPU_FACTS 4).
-_SUBLANES = {"float32": 8, "bfloat16": 16}
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    """Static facts of the attention stage: model shape, cache shape and two tuning knobs.
-
-    kv_tile_pages: pages per streamed KV tile (tile = kv_tile_pages * page_size tokens). Any
-        value in [1, pages_per_seq] is valid: it need not divide pages_per_seq, because a
-        sequence's last tile repeats its last needed page in the unused page slots (those rows
-        are masked), so no DMA ever reads outside the pages a sequence owns.
-    kv_buffers: VMEM tile slots (>= 2); kv_buffers - 1 tiles are in flight during compute.
-    """
-
-    batch: int
-    q_len: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    pages_per_seq: int
-    num_layers: int
-    kv_tile_pages: int
-    kv_buffers: int
-    dtype: str
-
-    @classmethod
-    def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
-                    kv_tile_pages: int, kv_buffers: int) -> "AttentionGeometry":
-        return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
-                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-                   pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
-                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype)
-
-    # ------------------------------------------------------------------ derived sizes
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def kv_size(self) -> int:
-        """Lanes of one cache row: all kv heads side by side (one DMA moves every head)."""
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def q_size(self) -> int:
-        return self.num_q_heads * self.head_dim
-
-    @property
-    def tokens(self) -> int:
-        """Rows of q / k_new / v_new / o: batch * q_len, ordered b-major."""
-        return self.batch * self.q_len
-
-    @property
-    def tile_rows(self) -> int:
-        return self.kv_tile_pages * self.page_size
-
-    @property
-    def q_rows(self) -> int:
-        """Rows of one kv head's query block (group * q_len), padded to a whole f32 tile."""
-        return _round_up(self.group * self.q_len, 8)
-
-    @property
-    def staged_rows(self) -> int:
-        return _round_up(self.tokens, 8)
-
-    @property
-    def patch_pages(self) -> int:
-        """Patch slots: one page per new token, plus a read-only sink page when q_len > 1
-        (source of the stand-in DMAs of tokens that share a page with an earlier token)."""
-        return self.tokens + (1 if self.q_len > 1 else 0)
-
-    @property
-    def itemsize(self) -> int:
-        return 4 if self.dtype == "float32" else 2
-
-    @property
-    def jnp_dtype(self):
-        return _DTYPES[self.dtype]
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_size * self.kv_size * self.itemsize
-
-    # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
-        """Raise PlanError naming the first knob or shape the stage cannot build."""
-
-        def need(cond: bool, knob: str, expected: str) -> None:
-            if not cond:
-                raise PlanError(f"attention: {knob} = {getattr(self, knob)!r}: expected {expected}")
-
-        for knob in ("batch", "q_len", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
-                     "pages_per_seq", "num_layers", "kv_tile_pages", "kv_buffers"):
-            v = getattr(self, knob)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
-        need(self.dtype in _DTYPES, "dtype", f"one of {', '.join(_DTYPES)}")
-        need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads",
-             f"a divisor of num_q_heads ({self.num_q_heads})")
-        need(self.head_dim % LANES == 0, "head_dim",
-             f"a multiple of {LANES} (each head is a lane-aligned slice of a cache row)")
-        sub = _SUBLANES[self.dtype]
-        need(self.page_size % sub == 0, "page_size",
-             f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "
-             f"tile-aligned VMEM rows)")
-        need(self.kv_tile_pages <= self.pages_per_seq, "kv_tile_pages",
-             f"at most pages_per_seq ({self.pages_per_seq})")
-        need(self.kv_buffers >= 2, "kv_buffers", "at least 2 (one tile computed while the next loads)")
-
-    # ------------------------------------------------------------------ budgets
-    def vmem_shapes(self) -> list[tuple[str, tuple[int, ...], Any]]:
-        """(name, shape, dtype) of every VMEM scratch buffer, in scratch order.
-
-        Every shape is whole (8 x 128) f32 / (16 x 128) bf16 tiles (page_size is validated, the
-        other row counts are padded), so the logical bytes are the bytes VMEM allocates."""
-        dt = self.jnp_dtype
-        nb, s, p, hd = self.kv_buffers, self.tile_rows, self.page_size, self.kv_size
-        return [
-            ("k_tiles", (nb, s, hd), dt),
-            ("v_tiles", (nb, s, hd), dt),
-            ("k_patch", (self.patch_pages, p, hd), dt),
-            ("v_patch", (self.patch_pages, p, hd), dt),
-            ("new_rows", (2, self.staged_rows, hd), jnp.float32),
-            ("q_heads", (self.batch, self.num_kv_heads, self.q_rows, self.head_dim), jnp.float32),
-            ("m", (self.num_kv_heads, self.q_rows, LANES), jnp.float32),
-            ("l", (self.num_kv_heads, self.q_rows, LANES), jnp.float32),
-            ("acc", (self.num_kv_heads, self.q_rows, self.head_dim), jnp.float32),
-            ("flat", (self.staged_rows, self.q_size), jnp.float32),
-        ]
-
-    def vmem_bytes(self) -> int:
-        """Exact bytes of VMEM scratch the stage allocates (sum over `vmem_shapes`):
-
-        2*kv_buffers*tile_rows*kv_size*itemsize          KV tile slots
-        + 2*(B*q + [q>1])*page_size*kv_size*itemsize    patch pages (per new token, + sink)
-        + 4*(2*Bq8*kv_size + Bq8*q_size)                 staged new K/V rows, q in / o out
-        + 4*B*Hkv*R*D + 4*Hkv*R*(2*128 + D)              per-head q/o, softmax m, l, acc
-        with Bq8 = round_up(B*q, 8), R = round_up(group*q, 8)."""
-        return sum(math.prod(shape) * jnp.dtype(dt).itemsize for _, shape, dt in self.vmem_shapes())
-
-    def smem_bytes(self) -> int:
-        """SMEM scratch: per sequence, its tile count, page count and each new token's page."""
-        return 4 * self.batch * (2 + self.q_len)
-
-    def dma_semaphores(self) -> int:
-        """DMA semaphores the stage allocates: (K, V) x kv_buffers + (read, write) x B*q."""
-        return 2 * self.kv_buffers + 2 * self.tokens
-
-    def dma_counts(self, positions: np.ndarray) -> dict[str, int]:
-        """Page DMAs of one layer for concrete `positions` [B, q] (the kernel's own logic).
-
-        hbm_tile_pages: pages streamed from HBM into tile slots; local_tile_pages: tile pages
-        copied from a patched page in VMEM; patched_pages: pages read, patched and written back.
-        Each count is per cache (K and V each move this many pages)."""
-        positions = np.asarray(positions).reshape(self.batch, self.q_len)
-        p, s, kt = self.page_size, self.tile_rows, self.kv_tile_pages
-        hbm = local = patched = 0
-        for row in positions:
-            kv_end = int(row.max()) + 1
-            npages, ntiles = -(-kv_end // p), -(-kv_end // s)
-            written = {int(x) // p for x in row}
-            patched += len(written)
-            for lp in range(ntiles * kt):
-                if min(lp, npages - 1) in written:
-                    local += 1
-                else:
-                    hbm += 1
-        return {"hbm_tile_pages": hbm, "local_tile_pages": local, "patched_pages": patched}
-
-    def hbm_bytes(self, context_lengths: Sequence[int], positions: np.ndarray | None = None) -> int:
-        """KV-cache bytes read + written in HBM by one decode step over all layers.
-
-        `context_lengths` [B] are the tokens cached before the step; the new tokens sit at
-        positions length .. length + q_len - 1 unless `positions` [B, q] is given. Counts the
-        tile pages streamed from HBM, the pages read for patching and the pages written back,
-        for K and V, times num_layers. Pages repeated to fill a sequence's last tile are its
-        last page, which the step always writes, so they are VMEM copies and cost no HBM."""
-        lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
-        if positions is None:
-            positions = lengths[:, None] + np.arange(self.q_len)[None, :]
-        c = self.dma_counts(positions)
-        pages = c["hbm_tile_pages"] + 2 * c["patched_pages"]
-        return 2 * pages * self.page_bytes * self.num_layers
 
 
 class AttentionScratch(NamedTuple):
@@ -273,14 +82,10 @@ class AttentionScratch(NamedTuple):
 
 
 def attention_scratch(geom: AttentionGeometry) -> list:
-    """Scratch shapes for the enclosing pallas_call, in the order attention_stage expects."""
+    """Scratch shapes for the enclosing pallas_call, in the order attention_stage expects
+    (`AttentionGeometry.scratch()`, the list the kernel contract and the plan's VMEM count use)."""
     geom.validate()
-    vmem = [pltpu.VMEM(shape, dt) for _, shape, dt in geom.vmem_shapes()]
-    return vmem + [
-        pltpu.SMEM((geom.batch * (2 + geom.q_len),), jnp.int32),
-        pltpu.SemaphoreType.DMA((2, geom.kv_buffers)),
-        pltpu.SemaphoreType.DMA((2, geom.tokens)),
-    ]
+    return [scratch_shape(b) for b in geom.scratch()]
 
 
 class _Stage:
@@ -293,6 +98,7 @@ class _Stage:
         self.sc = AttentionScratch(*scratch)
         self.caches = (k_cache, v_cache)
         self.patches = (self.sc.k_patch, self.sc.v_patch)
+        self.meta_width = 2 + geom.q_len  # seq_meta entries per sequence
         self._tokens = None
 
     def page_id(self, b, lp):
@@ -389,31 +195,56 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     prefetched: True when `attention_prefetch` already started this layer's patch reads.
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
     been waited when it returns, so nothing is in flight across layers.
+
+    The phases, in order (each a function below):
+    1. `_start_cache_reads`: read every page this step writes (cache update, part 1);
+    2. `_stage_rows`, `_regroup_q`, `_tabulate_sequences`: while they fly, stage the inputs in
+       VMEM, regroup q per kv head, tabulate each sequence's extent in SMEM;
+    3. `_patch_pages`: patch the new rows into the pages and start their write-back;
+    4. `_tile_loop`: stream the KV tiles, all sequences in one flat loop, online softmax;
+    5. `_retire_write_backs`: wait for the write-backs (cache update, part 2);
+    6. `_ungroup_o`: o back to [B*q_len, Hq*D].
     """
-    g = geom
-    st = _Stage(g, layer, k_cache, v_cache, block_tables, positions, scratch)
-    sc = st.sc
-    B, T, P, KT, NB = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers
-    Hkv, G, D, S, R = g.num_kv_heads, g.group, g.head_dim, g.tile_rows, g.q_rows
-    dt = g.jnp_dtype
-    _check_shapes(g, q, k_new, v_new, k_cache, v_cache, block_tables, lengths, positions)
-    scale = 1.0 / math.sqrt(D)
-    # f32 caches: ask the MXU for full f32 products (the reference contract), not one bf16 pass.
-    precision = lax.Precision.HIGHEST if g.dtype == "float32" else None
-    tiles, patches = (sc.k_tiles, sc.v_tiles), st.patches
-
-    # ---- 1. Start reading every page this step writes (one DMA per distinct page and cache).
+    st = _Stage(geom, layer, k_cache, v_cache, block_tables, positions, scratch)
+    _check_shapes(geom, q, k_new, v_new, k_cache, v_cache, block_tables, lengths, positions)
     if not prefetched:
-        st.start_patch_reads()
+        _start_cache_reads(st)
+    _stage_rows(st, q, k_new, v_new)
+    token_of_row = _regroup_q(st)
+    total = _tabulate_sequences(st)
+    _patch_pages(st)
+    _tile_loop(st, lengths, token_of_row, total)
+    _retire_write_backs(st)
+    return _ungroup_o(st)
 
-    # ---- 2. While they fly: stage the inputs in VMEM (so single rows and head blocks can be
-    # addressed by ref slicing: static unaligned slices of values are not reliably lowerable),
-    # regroup q per kv head and tabulate each sequence's extent in SMEM for the tile loop.
+
+def _start_cache_reads(st: _Stage) -> None:
+    """Phase 1: start reading every page this step writes (one DMA per distinct page and cache,
+    stand-in DMAs for the rest, see `_Stage.tokens`) into the patch slots."""
+    st.start_patch_reads()
+
+
+def _stage_rows(st: _Stage, q, k_new, v_new) -> None:
+    """Phase 2a: stage q and the new K/V rows in VMEM, so single rows and head blocks can be
+    addressed by ref slicing (static unaligned slices of values are not reliably lowerable).
+
+    flat[:B*q_len] = q [B*q_len, Hq*D] f32; new_rows[0 | 1, :B*q_len] = k_new | v_new in f32
+    (exact: they are already in the cache dtype)."""
+    g, sc = st.g, st.sc
     sc.flat[pl.ds(0, g.tokens), :] = q.astype(jnp.float32)
     sc.new_rows[0, pl.ds(0, g.tokens), :] = k_new.astype(jnp.float32)  # exact: k is already dt
     sc.new_rows[1, pl.ds(0, g.tokens), :] = v_new.astype(jnp.float32)
-    # Rows (g, i) of q_heads[b, h] = q head h*G + g of token i: one matmul per kv head covers
-    # every q head of its group and every new token. Pad rows are zeroed.
+
+
+def _regroup_q(st: _Stage):
+    """Phase 2b: regroup q per kv head, so ONE matmul per kv head and tile covers every q head
+    of its group and every new token.
+
+    Row gi*q_len + i of q_heads[b, h] = q head h*group + gi of token i of sequence b; rows past
+    group*q_len (padding to whole f32 tiles) are zeroed. Returns token_of_row [R, 1] int32: the
+    token index i each query row holds (-1 for pad rows)."""
+    g, sc = st.g, st.sc
+    B, T, Hkv, G, D, R = g.batch, g.q_len, g.num_kv_heads, g.group, g.head_dim, g.q_rows
     for b in range(B):
         for h in range(Hkv):
             for gi in range(G):
@@ -425,8 +256,20 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     for gi in range(G):
         for i in range(T):
             token_of_row = jnp.where(qrow == gi * T + i, i, token_of_row)
+    return token_of_row
 
-    meta_width = 2 + T  # seq_meta[b * meta_width + (0: ntiles, 1: npages, 2 + i: page of token i)]
+
+def _tabulate_sequences(st: _Stage):
+    """Phase 2c: each sequence's extent, in SMEM for the tile loop. Returns the total number of
+    (sequence, tile) steps (a traced int32).
+
+    seq_meta[b * (2 + q_len) + k]: k = 0 the sequence's KV tiles, 1 its pages (both up to its
+    largest new position: keys past the last query are never attended), 2 + i the logical page
+    of new token i."""
+    g, sc = st.g, st.sc
+    B, T, P, S = g.batch, g.q_len, g.page_size, g.tile_rows
+    positions = st.positions
+    meta_width = st.meta_width
     total = jnp.int32(0)
     for b in range(B):
         pos = [positions[b, i] for i in range(T)]
@@ -440,9 +283,18 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         for i in range(T):
             sc.seq_meta[b * meta_width + 2 + i] = lax.div(pos[i], P)
         total = total + ntiles
+    return total
 
-    # ---- 3. Patch each page's new rows in (f32 where over a row iota) and start the write-back.
-    # Stand-in slots are patched too (branch-free; their contents are never used).
+
+def _patch_pages(st: _Stage) -> None:
+    """Phase 3: once each page's read lands, replace its new rows (f32 `where` over a row iota:
+    a one-row DMA at an arbitrary slot does not compile) and start writing the page back.
+
+    Stand-in slots are patched too (branch-free; their contents are never used)."""
+    g, sc = st.g, st.sc
+    T, P = g.q_len, g.page_size
+    dt = g.jnp_dtype
+    patches = st.patches
     rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
     for b, i, slot, lps, pos, pg, first in st.tokens():
         st.wait_patch_dma(slot, pg, write=False)
@@ -455,7 +307,25 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
             patches[c][slot] = page.astype(dt)
         st.start_patch_dma(slot, pg, first, write=True)
 
-    # ---- 4. Stream KV tiles through a kv_buffers-deep ring, all sequences in one flat loop.
+
+def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
+    """Phase 4: stream KV tiles through a kv_buffers-deep ring, all sequences in one flat
+    `fori_loop` over the `total` (sequence, tile) steps, kv_buffers - 1 tiles in flight.
+
+    A tile page this step writes is copied from its patched VMEM image (never read from HBM,
+    so it cannot race the write-back). Per tile and kv head, one matmul covers the whole
+    query block; online softmax in f32 into m / l / acc; after a sequence's last tile its
+    q_heads block holds o (acc / l)."""
+    g, sc, layer, positions = st.g, st.sc, st.layer, st.positions
+    B, T, P, KT, NB = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers
+    Hkv, D, S, R = g.num_kv_heads, g.head_dim, g.tile_rows, g.q_rows
+    dt = g.jnp_dtype
+    scale = 1.0 / math.sqrt(D)
+    # f32 caches: ask the MXU for full f32 products (the reference contract), not one bf16 pass.
+    precision = lax.Precision.HIGHEST if g.dtype == "float32" else None
+    tiles, patches = (sc.k_tiles, sc.v_tiles), st.patches
+    meta_width = st.meta_width
+
     def fetch(b, t, slot):
         """Start the DMAs filling tile slot `slot` with tile t of sequence b."""
         npages = sc.seq_meta[b * meta_width + 1]
@@ -569,11 +439,19 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
 
     lax.fori_loop(0, total, step, (zero, zero, pb, pt))
 
-    # ---- 5. The write-backs have been in flight during the whole loop; retire them.
+
+def _retire_write_backs(st: _Stage) -> None:
+    """Phase 5: the page write-backs have been in flight during the whole tile loop; wait for
+    them, so no DMA of the stage outlives it."""
     for _, _, slot, _, _, pg, _ in st.tokens():
         st.wait_patch_dma(slot, pg, write=True)
 
-    # ---- 6. Ungroup o back to [B*q, Hq*D] rows (b-major, heads along lanes).
+
+def _ungroup_o(st: _Stage) -> jax.Array:
+    """Phase 6: o from q_heads [B, Hkv, R, D] back to [B*q_len, Hq*D] rows (b-major, heads along
+    lanes: the layout q came in), through the flat buffer."""
+    g, sc = st.g, st.sc
+    B, T, Hkv, G, D = g.batch, g.q_len, g.num_kv_heads, g.group, g.head_dim
     for b in range(B):
         for h in range(Hkv):
             for gi in range(G):

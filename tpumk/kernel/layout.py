@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
-from tpumk.plan.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, MatrixFamily, Plan, plan_families, round_up
+from tpumk.kernel.memory import shape_struct
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, round_up
+from tpumk.plan.plan import MatrixFamily, Plan, plan_families
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 
@@ -119,18 +121,15 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
 
 
 def packed_specs(plan: Plan) -> dict:
-    """ShapeDtypeStructs of `pack_weights(plan, ...)`: compile a full-size model with no weights."""
-    cfg = plan.cfg
-    dt = jnp_dtype(cfg)
-    out: dict[str, Any] = {
-        "embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dt),
-        "final_norm": jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32),
-        "layer_vectors": jax.ShapeDtypeStruct((cfg.num_layers, LAYER_VECTOR_ROWS, plan.vector_width), jnp.float32),
-    }
-    for name, fam in plan.families.items():
-        out[name] = jax.ShapeDtypeStruct(fam.packed_shape, dt)
-    if plan.moe is not None:
-        from tpumk.kernel.moe import packed_shapes
+    """ShapeDtypeStructs of `pack_weights(plan, ...)`: compile a full-size model with no weights.
 
-        out["moe"] = packed_shapes(plan.moe)
+    Read from the kernel contract's packed leaves (`plan.contract.packed`, sources
+    "packed.<key>" and "packed.moe.<key>"), the shapes the kernel's operands are declared with."""
+    out: dict[str, Any] = {}
+    for b in plan.contract.packed:
+        _, *path = b.source.split(".")
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = shape_struct(b)
     return out

@@ -35,53 +35,35 @@ from jax.experimental.pallas import tpu as pltpu
 from tpumk.kernel import attention as attn
 from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.layout import packed_specs
+from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan.plan import LAYER_VECTOR_ROWS, VECTOR_ROW, Plan
+from tpumk.plan.contract import MOE_OPERANDS, RING_FAMILIES, KernelContract
+from tpumk.plan.geometry import VECTOR_ROW
+from tpumk.plan.plan import Plan
 from tpumk.model.reference import KVCache, jnp_dtype
-
-RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
-
 
 
 class _Scratch:
-    """Names the kernel's own scratch refs (the stages' scratch lists are passed through)."""
+    """The kernel's scratch refs by contract name (`plan.contract.scratch`, in that order).
 
-    def __init__(self, plan: Plan, refs: list):
-        it = iter(refs)
-        self.ring, self.ring_sems = next(it), next(it)
-        self.vectors, self.vector_sems = next(it), next(it)
-        self.resid, self.normed, self.qkv, self.attn_out, self.act = (next(it) for _ in range(5))
-        self.moe_out = next(it) if plan.moe is not None else None
-        self.logits, self.logits_sems = next(it), next(it)
-        n_att = len(attn.attention_scratch(plan.attention))
-        self.attention = [next(it) for _ in range(n_att)]
-        self.moe = [next(it) for _ in range(len(moe_mod.moe_scratch(plan.moe)))] if plan.moe is not None else None
-        assert next(it, None) is None, "scratch refs left over: _scratch_shapes and _Scratch disagree"
+    Its own buffers are attributes (`ring`, `resid`, `logits_sems`, ...); the stages' are
+    passed through as lists in their own order (`attention`, `moe`)."""
+
+    def __init__(self, contract: KernelContract, refs: list):
+        assert len(refs) == len(contract.scratch), "scratch refs and the contract disagree"
+        by_name = {b.name: r for b, r in zip(contract.scratch, refs)}
+        for b in contract.scratch:
+            if b.component not in ("attention", "moe"):
+                setattr(self, b.name, by_name[b.name])
+        self.moe_out = by_name.get("moe_out")
+        self.attention = [by_name[b.name] for b in contract.stage_scratch("attention")]
+        self.moe = [by_name[b.name] for b in contract.stage_scratch("moe")] or None
 
 
 def _scratch_shapes(plan: Plan) -> list:
-    cfg, n = plan.cfg, plan.rows
-    h, width = cfg.hidden_size, plan.vector_width
-    shapes = [
-        pltpu.VMEM((plan.ring_depth, plan.slot_rows, plan.slot_cols), jnp_dtype(plan.cfg)),
-        pltpu.SemaphoreType.DMA((plan.ring_depth,)),
-        pltpu.VMEM((2, LAYER_VECTOR_ROWS, width), jnp.float32),
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.VMEM((n, h), jnp.float32),  # residual stream
-        pltpu.VMEM((n, h), jnp.float32),  # normed input of the current matmul family
-        pltpu.VMEM((n, plan.families["qkv"].m_pad), jnp.float32),  # q | k | v (normed, roped in place)
-        pltpu.VMEM((n, cfg.q_size), jnp.float32),  # attention output
-        pltpu.VMEM((n, max(plan.ffn_pad, plan.shared_ffn_pad, 128)), jnp.float32),  # SwiGLU activation
-    ]
-    if plan.moe is not None:
-        shapes.append(pltpu.VMEM((n, h), jnp.float32))  # shared-expert output, then MoE output
-    # logits staging: block j is written here, then DMA'd to the HBM output while j+1 computes
-    shapes += [pltpu.VMEM((n, plan.families["lm_head"].tile_cols), jnp.float32), pltpu.SemaphoreType.DMA((1,))]
-    shapes += attn.attention_scratch(plan.attention)
-    if plan.moe is not None:
-        shapes += moe_mod.moe_scratch(plan.moe)
-    return shapes
+    """The pallas_call's scratch_shapes: the contract's scratch list, in order."""
+    return [scratch_shape(b) for b in plan.contract.scratch]
 
 
 def _ring_families(plan: Plan) -> list[str]:
@@ -95,15 +77,18 @@ def _kernel(plan: Plan):
     fams = _ring_families(plan)
     dt = jnp_dtype(plan.cfg)
 
+    contract = plan.contract
+    n_in, n_out = len(contract.operands), len(contract.outputs)
+
     def kernel(*refs):
-        block_tables, lengths, positions, x0, cos_ref, sin_ref, final_norm, vec_hbm = refs[:8]
-        rest = list(refs[8:])
-        weights = {f: rest.pop(0) for f in fams}
-        moe_refs = [rest.pop(0) for _ in range(3)] if plan.moe is not None else None
-        k_cache, v_cache = rest.pop(0), rest.pop(0)
-        logits_ref, k_out, v_out = rest[:3]
-        del k_cache, v_cache  # aliased: the kernel updates the outputs in place
-        s = _Scratch(plan, rest[3:])
+        ins = {b.name: r for b, r in zip(contract.operands, refs[:n_in])}
+        block_tables, lengths, positions = ins["block_tables"], ins["lengths"], ins["positions"]
+        x0, cos_ref, sin_ref, final_norm, vec_hbm = (ins[k] for k in ("x0", "cos", "sin", "final_norm", "layer_vectors"))
+        weights = {f: ins[f] for f in fams}
+        moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
+        # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place.
+        logits_ref, k_out, v_out = refs[n_in:n_in + n_out]
+        s = _Scratch(contract, list(refs[n_in + n_out:]))
         ring = WeightRing(plan, weights, s.ring, s.ring_sems)
 
         def vector_copy(layer, slot):
@@ -243,28 +228,20 @@ def _interpret_mode(plan: Plan, detect_races: bool, portable: bool):
 
 
 def _pallas_call(plan: Plan, detect_races: bool, portable: bool = False):
-    cfg = plan.cfg
-    smem, vmem, hbm = (pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
-                       pl.BlockSpec(memory_space=pl.ANY))
-    n_weights = len(_ring_families(plan)) + (3 if plan.moe is not None else 0)
-    in_specs = [smem] * 3 + [vmem] * 4 + [hbm] + [hbm] * n_weights + [hbm, hbm]
-    n_in = len(in_specs)
-    head = plan.families["lm_head"]
-    cache_shape = jax.ShapeDtypeStruct((cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size), jnp_dtype(plan.cfg))
-    out_shape = (jax.ShapeDtypeStruct((head.col_blocks, plan.rows, head.tile_cols), jnp.float32),
-                 cache_shape, cache_shape)
-    interpret = _interpret_mode(plan, detect_races, portable)
+    """The pallas_call, every spec read from `plan.contract`: in_specs from the operands'
+    memory spaces, out_shape / out_specs from the outputs, the aliases, the scratch list."""
+    c = plan.contract
     return pl.pallas_call(
         _kernel(plan),
-        out_shape=out_shape,
-        in_specs=in_specs,
-        out_specs=(hbm, hbm, hbm),
+        out_shape=tuple(shape_struct(b) for b in c.outputs),
+        in_specs=[block_spec(b) for b in c.operands],
+        out_specs=tuple(block_spec(b) for b in c.outputs),
         scratch_shapes=_scratch_shapes(plan),
-        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        input_output_aliases=c.input_output_aliases,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit),
 
-        interpret=interpret,
-        name=f"tpumk_decode_{cfg.name.replace('-', '_')}",
+        interpret=_interpret_mode(plan, detect_races, portable),
+        name=c.name,
     )
 
 
@@ -278,7 +255,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     only) interprets the kernel without host callbacks so the step can be exported."""
     cfg = plan.cfg
     call = _pallas_call(plan, detect_races, portable)
-    fams = _ring_families(plan)
+    contract = plan.contract
 
     def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
         b, t = tokens.shape
@@ -288,12 +265,11 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
         x0 = jnp.take(packed["embed"], tokens.reshape(n), axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta)
-        weights = [packed[f] for f in fams]
-        if plan.moe is not None:
-            weights += [packed["moe"][k] for k in ("router", "e_gateup", "e_down")]
-        blocks, k, v = call(cache.block_tables.astype(jnp.int32), cache.lengths.astype(jnp.int32), positions,
-                            x0, cos, sin, packed["final_norm"], packed["layer_vectors"], *weights,
-                            cache.k, cache.v)
+        values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
+                  "cache.block_tables": cache.block_tables.astype(jnp.int32),
+                  "cache.lengths": cache.lengths.astype(jnp.int32), "cache.k": cache.k, "cache.v": cache.v}
+        blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
+                              for b in contract.operands))
         logits = blocks.transpose(1, 0, 2).reshape(n, plan.vocab_pad)[:, :cfg.vocab_size].reshape(b, t, -1)
         lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1)
         return logits, KVCache(k, v, cache.block_tables, lengths)
@@ -301,13 +277,20 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
 
 
+def _packed_leaf(packed: dict, source: str):
+    """packed["a"]["b"] for source "packed.a.b"."""
+    kind, *path = source.split(".")
+    assert kind == "packed", source
+    for k in path:
+        packed = packed[k]
+    return packed
+
+
 def step_specs(plan: Plan) -> tuple:
-    """ShapeDtypeStructs of (packed, tokens, positions, cache) for a deviceless compile."""
-    cfg = plan.cfg
-    i32 = jnp.int32
-    cache_shape = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
-    cache = KVCache(jax.ShapeDtypeStruct(cache_shape, jnp_dtype(plan.cfg)), jax.ShapeDtypeStruct(cache_shape, jnp_dtype(plan.cfg)),
-                    jax.ShapeDtypeStruct((plan.batch, plan.pages_per_seq), i32),
-                    jax.ShapeDtypeStruct((plan.batch,), i32))
-    tok = jax.ShapeDtypeStruct((plan.batch, plan.q_len), i32)
+    """ShapeDtypeStructs of (packed, tokens, positions, cache) for a deviceless compile, read from
+    the contract: the packed weights' leaves, the positions operand's shape for tokens and
+    positions, and the cache operands."""
+    c = plan.contract
+    cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
+    tok = shape_struct(c.operand("positions"))
     return packed_specs(plan), tok, tok, cache

@@ -35,7 +35,6 @@ layer (or by anyone else) right away.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -44,161 +43,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpumk.model.config import ModelConfig, expected_distinct_experts
 from tpumk.errors import PlanError
-
-LANE = 128  # TPU lane width: expert axis padding and the Fe block width of the packed gate/up
-SUBLANE = 8  # f32 rows per vreg tile (for the VMEM estimate of row-padded buffers)
-SCORINGS = ("softmax", "sigmoid")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
-
-
-@dataclass(frozen=True)
-class MoEGeometry:
-    """Static shape and knobs of the routed-expert stage (all Python ints: it shapes the trace)."""
-
-    rows: int  # N = batch * q_len token rows routed together
-    hidden: int  # H
-    num_experts: int  # E
-    top_k: int
-    expert_ffn: int  # Fe
-    scoring: str  # "softmax" | "sigmoid"
-    norm_topk: bool  # renormalise the top-k weights to sum to 1
-    num_moe_layers: int  # Lm: MoE layers stacked in the packed expert arrays
-    dtype: str  # weight dtype: "float32" | "bfloat16"
-    expert_slots: int  # S: VMEM slots for expert chunks (loads in flight while one is computed)
-    expert_chunk: int  # C: columns of Fe per chunk (multiple of 128 dividing Fe); Fe = whole experts
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
-                    expert_chunk: int | None = None) -> "MoEGeometry":
-        """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
-        if not cfg.is_moe:
-            raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
-        geom = cls(
-            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.top_k,
-            expert_ffn=cfg.expert_ffn_size, scoring=cfg.router_scoring, norm_topk=cfg.norm_topk_prob,
-            num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
-            expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
-        )
-        geom.validate()
-        return geom
-
-    def validate(self) -> None:
-        """Raise PlanError (one line, naming the knob or field) if the kernel cannot be built."""
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise PlanError(f"moe stage: {what}")
-
-        def pos_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-        for f in ("rows", "hidden", "num_experts", "top_k", "expert_ffn", "num_moe_layers"):
-            need(pos_int(getattr(self, f)), f"{f} = {getattr(self, f)!r}: expected a positive integer")
-        need(self.top_k <= self.num_experts, f"top_k = {self.top_k}: expected at most num_experts ({self.num_experts})")
-        need(self.scoring in SCORINGS, f"scoring = {self.scoring!r}: expected one of {', '.join(SCORINGS)}")
-        need(isinstance(self.norm_topk, bool), f"norm_topk = {self.norm_topk!r}: expected true or false")
-        need(self.dtype in DTYPE_BYTES, f"dtype = {self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
-        # H is the lane dim of x and of the down chunks and the sublane dim of gate/up blocks.
-        need(self.hidden % LANE == 0, f"hidden = {self.hidden}: expected a multiple of {LANE} (TPU lane tile)")
-        need(self.expert_ffn % LANE == 0,
-             f"expert_ffn = {self.expert_ffn}: expected a multiple of {LANE} (packed gate/up blocks are {LANE} wide)")
-        need(pos_int(self.expert_slots), f"expert_slots = {self.expert_slots!r}: expected a positive integer")
-        need(pos_int(self.expert_chunk) and self.expert_chunk % LANE == 0,
-             f"expert_chunk = {self.expert_chunk!r}: expected a positive multiple of {LANE}")
-        need(self.expert_ffn % self.expert_chunk == 0,
-             f"expert_chunk = {self.expert_chunk}: expected a divisor of expert_ffn ({self.expert_ffn})")
-
-    # ---------------------------------------------------------------- derived shapes
-    @property
-    def experts_padded(self) -> int:
-        """Ep: the expert axis padded to whole lanes (router columns, combine, id list)."""
-        return _round_up(self.num_experts, LANE)
-
-    @property
-    def chunks_per_expert(self) -> int:
-        return self.expert_ffn // self.expert_chunk
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        """128-column gate|up blocks per chunk (each block is one [H, 256] MXU operand)."""
-        return self.expert_chunk // LANE
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def jnp_dtype(self):
-        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
-
-    @property
-    def max_distinct_experts(self) -> int:
-        return min(self.num_experts, self.rows * self.top_k)
-
-    # ---------------------------------------------------------------- bytes and DMAs
-    @property
-    def router_bytes(self) -> int:
-        return self.hidden * self.experts_padded * self.dtype_bytes
-
-    @property
-    def expert_bytes(self) -> int:
-        """HBM bytes of one expert (gate, up, down)."""
-        return 3 * self.hidden * self.expert_ffn * self.dtype_bytes
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one slot: a gate|up chunk [C/128, H, 256] plus a down chunk [C, H]."""
-        return 3 * self.hidden * self.expert_chunk * self.dtype_bytes
-
-    def hbm_bytes(self, distinct_experts: float) -> float:
-        """HBM bytes this stage reads per MoE layer: the router plus each distinct expert once."""
-        return self.router_bytes + distinct_experts * self.expert_bytes
-
-    def dma_count(self, distinct_experts: float) -> float:
-        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk."""
-        return 2 + 2 * self.chunks_per_expert * distinct_experts
-
-    def expected_distinct_experts(self) -> float:
-        """Expected distinct experts per layer under uniform routing of `rows` tokens."""
-        return expected_distinct_experts(self.num_experts, self.top_k, self.rows)
-
-    def expected_hbm_bytes(self) -> float:
-        return self.hbm_bytes(self.expected_distinct_experts())
-
-    def scratch_bytes(self) -> int:
-        """Exact VMEM bytes of the stage's scratch buffers (rows padded to the sublane tile)."""
-        ep = self.experts_padded
-        slots = self.expert_slots * self.chunk_bytes
-        router = self.router_bytes
-        combine = _round_up(self.rows, SUBLANE) * ep * 4
-        ids = SUBLANE * ep * 4  # [2, Ep] int32 occupies one (8, 128) tile row-group
-        return slots + router + combine + ids
-
-    def vmem_bytes(self) -> int:
-        """Scratch plus the largest compiler temporaries, an estimate for the VMEM budget.
-
-        Temporaries: the routing matrices ([Ep, Ep] f32: strict-lower and identity masks, the
-        broadcast picked row and the two products), one chunk's gate|up activations
-        [N, 2C] f32 and SwiGLU output [N, C] f32, x in the weight dtype and the f32 accumulator
-        and down product [N, H]."""
-        ep, n = self.experts_padded, _round_up(self.rows, SUBLANE)
-        routing = 5 * ep * ep * 4
-        chunk = n * 3 * self.expert_chunk * 4
-        rows = n * self.hidden * (4 + 4 + 4)
-        return self.scratch_bytes() + routing + chunk + rows
-
-    def smem_bytes(self) -> int:
-        return 2 * self.experts_padded * 4
-
-
-def moe_layer_ids(cfg: ModelConfig) -> list[int]:
-    """Model layer indices of the MoE layers, in the order they are stacked by `pack_experts`."""
-    return [i for i in range(cfg.num_layers) if not cfg.layer_is_dense(i)]
+from tpumk.kernel.memory import scratch_shape, shape_struct
+from tpumk.model.config import ModelConfig
+from tpumk.plan.geometry import LANE, MoEGeometry, moe_layer_ids, round_up
 
 
 # ---------------------------------------------------------------------- packing
@@ -225,7 +73,7 @@ def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
     if fe % LANE or h % LANE:
         raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
-    ep, nb = _round_up(e, LANE), fe // LANE
+    ep, nb = round_up(e, LANE), fe // LANE
     routers, gateups, downs = [], [], []
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
@@ -239,12 +87,7 @@ def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
 
 def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of `pack_experts`' output for this geometry (for deviceless compiles and checks)."""
-    lm, h, e, fe, dt = geom.num_moe_layers, geom.hidden, geom.num_experts, geom.expert_ffn, geom.jnp_dtype
-    return {
-        "router": jax.ShapeDtypeStruct((lm, h, geom.experts_padded), dt),
-        "e_gateup": jax.ShapeDtypeStruct((lm, e, fe // LANE, h, 2 * LANE), dt),
-        "e_down": jax.ShapeDtypeStruct((lm, e, fe, h), dt),
-    }
+    return {b.name: shape_struct(b) for b in geom.packed()}
 
 
 # ---------------------------------------------------------------------- scratch
@@ -262,19 +105,10 @@ class MoEScratch(NamedTuple):
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
-    """Scratch shapes to append to the kernel's `scratch_shapes`; pass the refs back in order."""
+    """Scratch shapes to append to the kernel's `scratch_shapes`; pass the refs back in order
+    (`MoEGeometry.scratch()`, the list the kernel contract and the plan's VMEM count use)."""
     geom.validate()
-    h, ep, dt, s = geom.hidden, geom.experts_padded, geom.jnp_dtype, geom.expert_slots
-    return [
-        pltpu.VMEM((h, ep), dt),
-        pltpu.VMEM((s, geom.blocks_per_chunk, h, 2 * LANE), dt),
-        pltpu.VMEM((s, geom.expert_chunk, h), dt),
-        pltpu.VMEM((geom.rows, ep), jnp.float32),
-        pltpu.VMEM((2, ep), jnp.int32),
-        pltpu.SMEM((2, ep), jnp.int32),
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((2, s)),
-    ]
+    return [scratch_shape(b) for b in geom.scratch()]
 
 
 def _as_scratch(scratch: Sequence[Any]) -> MoEScratch:

@@ -22,6 +22,7 @@ Weight streaming vocabulary:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +30,11 @@ from typing import Any
 from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.targets import Target
+from tpumk.plan.contract import KernelContract, kernel_contract
+from tpumk.plan.geometry import LANE, LAYER_VECTOR_ROWS, AttentionGeometry, MoEGeometry, round_up
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 
-LANE = 128
-F32_SUBLANES = 8
 # Auto tiles are at least this many columns wide: measured in the TPU7x static profile, 2 MiB
 # tiles of [4096, 256] cost 1.6x the cycles per byte of [1024, 1024], [512, 2048] or [2048, 512]
 # (narrow tiles starve the MXU), so auto rows stop where the width would drop below this.
@@ -41,12 +42,6 @@ AUTO_MIN_TILE_COLS = 1024
 KV_TILE_TOKENS = 256
 COMPILER_DEFAULT_SCOPED_VMEM = 32 * 2**20  # XLA:TPU's scoped VMEM limit unless a kernel sets one
 MOSAIC_HEADROOM = 4 * 2**20  # Mosaic internal scratch + register spills (3.9 MiB measured, qwen3-8b)
-LAYER_VECTOR_ROWS = 8  # rows of a layer's vector block: attn_norm, mlp_norm, q_norm, k_norm, pad
-VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3}
-
-
-def round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 # ---------------------------------------------------------------------- families and segments
@@ -142,14 +137,21 @@ class Plan:
     slot_cols: int
     ffn_pad: int  # dense FFN width padded to whole gate/up half tiles (0 without dense layers)
     shared_ffn_pad: int  # shared-expert width, padded likewise (0 without shared experts)
-    attention: Any  # tpumk.kernel.attention.AttentionGeometry
-    moe: Any  # tpumk.kernel.moe.MoEGeometry or None
+    attention: AttentionGeometry
+    moe: MoEGeometry | None
     vmem: dict[str, int] = field(default_factory=dict)
     vmem_budget: int = 0
     hbm: dict[str, float] = field(default_factory=dict)
     dmas: dict[str, dict[str, float]] = field(default_factory=dict)
 
     # ---- derived facts
+    @functools.cached_property
+    def contract(self) -> KernelContract:
+        """The kernel's contract: its operands, outputs, aliases and scratch, in order, with
+        shapes, dtypes and memory spaces (`tpumk.plan.contract`). The kernel is built from it
+        and the VMEM breakdown counts its buffers."""
+        return kernel_contract(self)
+
     @property
     def spec(self) -> BuildSpec:
         """The build this plan is for (context as planned: whole pages); planning it again
@@ -352,9 +354,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     Raises PlanError for anything that cannot build: bad tiling for this model, a VMEM budget
     overrun on this target, or a model (weights + KV cache) bigger than one device's HBM.
     """
-    from tpumk.kernel.attention import AttentionGeometry
-    from tpumk.kernel.moe import MoEGeometry
-
     cfg, target, tuning = spec.model, spec.target, spec.tuning
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     for name, v in (("batch", batch), ("context", context), ("q_len", q_len), ("page_size", page_size)):
@@ -399,23 +398,18 @@ def _replace(plan: Plan, **changes) -> Plan:
 
 
 def _vmem_breakdown(plan: Plan) -> dict[str, int]:
-    cfg = plan.cfg
-    r8 = round_up(plan.rows, F32_SUBLANES)
-    h, d = cfg.hidden_size, cfg.head_dim
-    qkv_cols = plan.families["qkv"].m_pad
-    act_cols = max(plan.ffn_pad, plan.shared_ffn_pad)
-    out = {
-        "weight_ring": plan.ring_depth * plan.slot_rows * plan.slot_cols * cfg.dtype_bytes,
-        "layer_vectors": 2 * LAYER_VECTOR_ROWS * plan.vector_width * 4,
-        # residual, normed input, q|k|v, attention output, FFN activation, MoE output (f32 rows)
-        "activations": r8 * 4 * (2 * h + qkv_cols + cfg.q_size + act_cols + (h if plan.moe else 0)),
-        # kernel inputs: embedded rows, cos, sin, final norm
-        "inputs": r8 * 4 * (h + 2 * d) + F32_SUBLANES * h * 4,
-        "logits_staging": r8 * plan.families["lm_head"].tile_cols * 4,
-        "attention": int(plan.attention.vmem_bytes()),
-    }
+    """VMEM bytes per component: every VMEM buffer of the kernel contract, tile-padded, summed
+    by its component, plus one estimate that is not a buffer.
+
+    From the contract: `weight_ring`, `layer_vectors` (two layers' norm vectors),
+    `activations` (residual, normed input, q|k|v, attention output, FFN activation, MoE output),
+    `logits_staging`, `attention` and `moe` (the stages' scratch), and `inputs` (the VMEM
+    operands: embedded rows, cos, sin, final norm). Not from the contract:
+    `moe_temporaries`, the MoE stage's largest compiler temporaries (`MoEGeometry.vmem_bytes()`
+    minus its scratch), an estimate."""
+    out = plan.contract.vmem_by_component()
     if plan.moe is not None:
-        out["moe"] = int(plan.moe.vmem_bytes())
+        out["moe_temporaries"] = int(plan.moe.vmem_bytes() - plan.moe.scratch_bytes())
     return out
 
 

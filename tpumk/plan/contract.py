@@ -1,0 +1,220 @@
+"""The megakernel's contract, defined once: what its single `pallas_call` takes, returns and allocates.
+
+`kernel_contract(plan)` (also `plan.contract`) lists, in order, every operand of the kernel
+with its shape, dtype, memory space and where the decode step gets it; the outputs and which
+input each aliases; and every scratch buffer (VMEM, SMEM, DMA semaphores), the stages' own
+included. The kernel builds its BlockSpecs, `scratch_shapes` and ref unpacking from it
+(`tpumk.kernel.megakernel`), the step's call site and `step_specs` read it, the packed-weight
+shapes (`tpumk.kernel.layout.packed_specs`) come from it, and the plan's VMEM breakdown sums
+its VMEM buffers, so nothing is kept in sync by hand.
+
+Notation: N = batch * q_len token rows (b-major: row b*q_len + i), H hidden, D head_dim,
+Hq*D = q_size, Hkv*D = kv_size, W = max(H, D) rounded up to 128, L layers, P page_size,
+dt the model dtype. Operands, in order:
+
+    block_tables  smem  int32 [B, pages_per_seq]      cache.block_tables
+    lengths       smem  int32 [B]                     cache.lengths (tokens cached before the step)
+    positions     smem  int32 [B, q_len]              the new tokens' positions
+    x0            vmem  f32 [N, H]                    embedded token rows (gathered by the glue)
+    cos, sin      vmem  f32 [N, D]                    RoPE rows (sin signed, `norms.rope_tables`)
+    final_norm    vmem  f32 [1, H]                    packed.final_norm
+    layer_vectors hbm   f32 [L, 8, W]                 packed.layer_vectors (norm rows, see layout)
+    <family>      hbm   dt  packed tiles              packed.<family> for each streamed family, in
+                                                      RING_FAMILIES order (tpumk.kernel.layout)
+    router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only)
+    k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
+
+Outputs: logits f32 [lm_head column blocks, N, lm_head tile_cols] (block j = vocab columns
+j*tile_cols ..), then the two caches (updated in place). Scratch: see `_kernel_scratch`, then
+the attention stage's (`AttentionGeometry.scratch`) and the MoE stage's (`MoEGeometry.scratch`),
+named "attention.<name>" / "moe.<name>".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, smem, vmem
+
+if TYPE_CHECKING:
+    from tpumk.plan.plan import Plan
+
+# Streamed matrix families in the order their packed arrays are kernel operands.
+RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
+MOE_OPERANDS = ("router", "e_gateup", "e_down")
+# The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
+VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe")
+
+
+@dataclass(frozen=True)
+class KernelContract:
+    """Operands, outputs, aliases and scratch of the megakernel's pallas_call, in call order."""
+
+    name: str  # the pallas_call's name
+    operands: tuple[Buffer, ...]
+    outputs: tuple[Buffer, ...]
+    aliases: tuple[tuple[int, int], ...]  # (operand index, output index): updated in place
+    scratch: tuple[Buffer, ...]
+    packed: tuple[Buffer, ...]  # leaves of `pack_weights`' pytree (source "packed.<key>[.<key>]")
+
+    # ---- lookups
+    def operand(self, name: str) -> Buffer:
+        return self.operands[self.operand_index(name)]
+
+    def operand_index(self, name: str) -> int:
+        for i, b in enumerate(self.operands):
+            if b.name == name:
+                return i
+        raise KeyError(name)
+
+    def stage_scratch(self, component: str) -> tuple[Buffer, ...]:
+        """The scratch buffers of one stage ("attention", "moe"), in the stage's order."""
+        return tuple(b for b in self.scratch if b.component == component)
+
+    @property
+    def input_output_aliases(self) -> dict[int, int]:
+        return dict(self.aliases)
+
+    # ---- budgets
+    def vmem_scratch_bytes(self) -> int:
+        """Bytes of every VMEM scratch buffer, tile-padded (what the kernel allocates)."""
+        return sum(b.nbytes for b in self.scratch if b.space == "vmem")
+
+    def vmem_operand_bytes(self) -> int:
+        """Bytes of the operands Pallas places in VMEM for the kernel, tile-padded."""
+        return sum(b.nbytes for b in self.operands if b.space == "vmem")
+
+    def vmem_by_component(self) -> dict[str, int]:
+        """VMEM bytes of the scratch and VMEM operands, summed per component (VMEM_COMPONENTS
+        order; components with no buffer are left out)."""
+        sums: dict[str, int] = {}
+        for b in self.scratch + self.operands:
+            if b.space == "vmem":
+                sums[b.component] = sums.get(b.component, 0) + b.nbytes
+        unknown = set(sums) - set(VMEM_COMPONENTS)
+        assert not unknown, f"VMEM buffers outside the breakdown's components: {sorted(unknown)}"
+        return {k: sums[k] for k in VMEM_COMPONENTS if k in sums}
+
+    def smem_bytes(self) -> int:
+        return sum(b.nbytes for b in self.scratch + self.operands if b.space == "smem")
+
+    def dma_semaphores(self) -> int:
+        return sum(b.count for b in self.scratch if b.space == "semaphore")
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "operands": [b.summary() for b in self.operands],
+                "outputs": [b.summary() for b in self.outputs],
+                "aliases": [list(a) for a in self.aliases], "scratch": [b.summary() for b in self.scratch],
+                "vmem_scratch_bytes": self.vmem_scratch_bytes(), "vmem_operand_bytes": self.vmem_operand_bytes(),
+                "smem_bytes": self.smem_bytes(), "dma_semaphores": self.dma_semaphores()}
+
+
+def _with(buf: Buffer, **changes: Any) -> Buffer:
+    return dataclasses.replace(buf, **changes)
+
+
+def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
+    """Leaves of `pack_weights(plan, ...)` (all in HBM; see tpumk.kernel.layout for layouts)."""
+    cfg, dt = plan.cfg, plan.cfg.dtype
+    out = [
+        hbm("embed", (cfg.vocab_size, cfg.hidden_size), dt, "[V, H]: rows gathered by the glue"),
+        hbm("final_norm", (1, cfg.hidden_size), "float32", "[1, H]"),
+        hbm("layer_vectors", (cfg.num_layers, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
+            "[L, 8, W]: rows attn_norm, mlp_norm, q_norm, k_norm, 0.."),
+    ]
+    for name in RING_FAMILIES:
+        if name in plan.families:
+            fam = plan.families[name]
+            tiles = "[tiles, rows, cols]" if name == "lm_head" else "[matrices, tiles, rows, cols]"
+            out.append(hbm(name, fam.packed_shape, dt, f"{tiles}, tile t = column block t // row_blocks"))
+    out = [_with(b, source=f"packed.{b.name}") for b in out]
+    if plan.moe is not None:
+        out += [_with(b, source=f"packed.moe.{b.name}") for b in plan.moe.packed()]
+    return tuple(_with(b, component="packed") for b in out)
+
+
+def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
+    cfg, n = plan.cfg, plan.rows
+    h, d = cfg.hidden_size, cfg.head_dim
+    cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
+    out = [
+        _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),
+              source="cache.block_tables"),
+        _with(smem("lengths", (plan.batch,), "int32", "[B] tokens cached before the step"), source="cache.lengths"),
+        _with(smem("positions", (plan.batch, plan.q_len), "int32", "[B, q_len] positions of the new tokens"),
+              source="step.positions"),
+        _with(vmem("x0", (n, h), "float32", "[N, H] embedded rows, b-major"), source="step.x0", component="inputs"),
+        _with(vmem("cos", (n, d), "float32", "[N, D] cos rows"), source="step.cos", component="inputs"),
+        _with(vmem("sin", (n, d), "float32", "[N, D] signed sin rows"), source="step.sin", component="inputs"),
+        _with(packed["packed.final_norm"], space="vmem", component="inputs"),
+        _with(packed["packed.layer_vectors"], component="layer_vectors"),
+    ]
+    out += [_with(packed[f"packed.{f}"], component="weights") for f in RING_FAMILIES if f in plan.families]
+    if plan.moe is not None:
+        out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in MOE_OPERANDS]
+    for name in ("k", "v"):
+        out.append(_with(hbm(f"{name}_cache", cache, cfg.dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
+                         source=f"cache.{name}", component="kv_cache"))
+    return out
+
+
+def _kernel_scratch(plan: Plan) -> list[Buffer]:
+    """The megakernel's own scratch (before the stages'), with the component each is counted in."""
+    cfg, n = plan.cfg, plan.rows
+    h = cfg.hidden_size
+
+    def comp(component: str, *bufs: Buffer) -> list[Buffer]:
+        return [_with(b, component=component) for b in bufs]
+
+    out = comp("weight_ring",
+               vmem("ring", (plan.ring_depth, plan.slot_rows, plan.slot_cols), cfg.dtype,
+                    "[slot, rows, cols]: global tile g in slot g % ring_depth, at the top-left"),
+               dma_sems("ring_sems", (plan.ring_depth,), "one per ring slot"))
+    out += comp("layer_vectors",
+                vmem("vectors", (2, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
+                     "[layer % 2, 8, W]: this layer's norm rows and the next one's, prefetched"),
+                dma_sems("vector_sems", (2,), "one per vector slot"))
+    act = [
+        vmem("resid", (n, h), "float32", "[N, H] residual stream"),
+        vmem("normed", (n, h), "float32", "[N, H] normed input of the current matmul family"),
+        vmem("qkv", (n, plan.families["qkv"].m_pad), "float32", "[N, q | k | v (| pad)], normed and roped in place"),
+        vmem("attn_out", (n, cfg.q_size), "float32", "[N, Hq*D] attention output"),
+        # At least one lane tile wide even when no family uses it (MoE-only models without
+        # shared experts): the kernel allocates it regardless, so it is counted.
+        vmem("act", (n, max(plan.ffn_pad, plan.shared_ffn_pad, 128)), "float32",
+             "[N, padded FFN width] SwiGLU activation"),
+    ]
+    if plan.moe is not None:
+        act.append(vmem("moe_out", (n, h), "float32", "[N, H] shared-expert output, then the MoE output"))
+    out += comp("activations", *act)
+    out += comp("logits_staging",
+                vmem("logits", (n, plan.families["lm_head"].tile_cols), "float32",
+                     "[N, tile_cols]: block j staged here, DMA'd out while block j + 1 computes"),
+                dma_sems("logits_sems", (1,), "the staging buffer's DMA"))
+    return out
+
+
+def kernel_contract(plan: Plan) -> KernelContract:
+    """The contract of `plan`'s megakernel (see the module docstring)."""
+    cfg = plan.cfg
+    packed = packed_buffers(plan)
+    operands = tuple(_operands(plan, {b.source: b for b in packed}))
+    head = plan.families["lm_head"]
+    cache = operands[-1]
+    outputs = (
+        Buffer("logits", (head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm", component="outputs",
+               layout="[column block j, N, tile_cols]: vocab column j*tile_cols + c"),
+        _with(operands[-2], source=""),
+        _with(cache, source=""),
+    )
+    aliases = ((len(operands) - 2, 1), (len(operands) - 1, 2))
+    scratch = _kernel_scratch(plan)
+    scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
+    if plan.moe is not None:
+        scratch += [_with(b, name=f"moe.{b.name}", component="moe") for b in plan.moe.scratch()]
+    names = [b.name for b in scratch]
+    assert len(set(names)) == len(names), f"scratch names repeat: {names}"
+    return KernelContract(f"tpumk_decode_{cfg.name.replace('-', '_')}", operands, outputs, aliases,
+                          tuple(scratch), packed)

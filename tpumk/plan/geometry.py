@@ -1,0 +1,495 @@
+"""Static geometry of the megakernel's stages, and the `Buffer` every kernel memory is described by.
+
+Everything here is plain Python and jax.numpy dtypes, decided before tracing: the plan
+(`tpumk.plan.plan`) builds an `AttentionGeometry` and (MoE models) a `MoEGeometry`, and the
+kernel contract (`tpumk.plan.contract`) lists their scratch buffers. The Pallas stages in
+`tpumk.kernel` import these classes; this module never imports Pallas.
+
+TPU memory facts used for sizes (TPU_FACTS 4): a VMEM buffer is stored in (sublanes x 128)
+tiles over its last two dims, 8 sublanes for 32-bit dtypes and 16 for bfloat16, so a
+buffer's VMEM footprint is its shape with the last dim rounded up to 128 lanes and the
+second-minor dim rounded up to the dtype's sublane count (`Buffer.nbytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from tpumk.errors import PlanError
+from tpumk.model.config import ModelConfig, expected_distinct_experts
+
+LANE = 128  # TPU lane width: the minor dim of every VMEM tile
+F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
+# Weight / cache dtypes a model may use, and their bytes.
+WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Every dtype a kernel buffer may have ("dma" marks a DMA semaphore array).
+BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32}
+# Rows of one VMEM tile per dtype: the second-minor tiling Mosaic requires of DMA offsets and
+# sizes (hence of page_size, TPU_FACTS 4) and the row padding of every VMEM buffer.
+SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8}
+SPACES = ("smem", "vmem", "hbm", "semaphore")
+# A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
+LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, pad
+VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3}
+
+
+def round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+# ---------------------------------------------------------------------- buffers
+@dataclass(frozen=True)
+class Buffer:
+    """One memory the kernel sees: an operand, an output or a scratch buffer.
+
+    name: unique within its list (stage scratch is prefixed by the stage, "attention.m").
+    shape: the array shape (semaphores: the semaphore array's shape).
+    dtype: "float32" | "bfloat16" | "int32", or "dma" for DMA semaphores.
+    space: "smem" (scalars), "vmem", "hbm" (left in HBM: `pl.ANY`, moved by manual DMAs) or
+        "semaphore".
+    component: what it belongs to; for VMEM buffers, the key of the plan's VMEM breakdown it is
+        counted under.
+    source: operands only: where the decode step takes it from: "packed.<key>[.<key>]" (the
+        packed weights), "cache.<field>" (the KV cache) or "step.<value>" (computed by the glue).
+    layout: one line saying what the rows / lanes hold.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    component: str = ""
+    source: str = ""
+    layout: str = ""
+
+    def __post_init__(self):
+        if self.space not in SPACES:
+            raise ValueError(f"buffer {self.name}: space {self.space!r} not in {SPACES}")
+        if self.dtype != "dma" and self.dtype not in BUFFER_DTYPES:
+            raise ValueError(f"buffer {self.name}: dtype {self.dtype!r}")
+        if (self.dtype == "dma") != (self.space == "semaphore"):
+            raise ValueError(f"buffer {self.name}: semaphores (and only they) have dtype 'dma'")
+
+    @property
+    def jnp_dtype(self):
+        return BUFFER_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return 0 if self.space == "semaphore" else jnp.dtype(self.jnp_dtype).itemsize
+
+    @property
+    def count(self) -> int:
+        """Elements (semaphores: semaphores)."""
+        return math.prod(self.shape)
+
+    @property
+    def logical_bytes(self) -> int:
+        return self.count * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer occupies in its memory. VMEM: whole (sublanes x 128) tiles over the
+        last two dims (a 1-D buffer is one row); other spaces: the logical bytes; semaphores 0."""
+        if self.space != "vmem":
+            return self.logical_bytes
+        shape = (1, *self.shape) if len(self.shape) == 1 else self.shape
+        *lead, r, c = shape
+        return math.prod(lead) * round_up(r, SUBLANES[self.dtype]) * round_up(c, LANE) * self.itemsize
+
+    def summary(self) -> dict[str, Any]:
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "space": self.space}
+        for k in ("component", "source", "layout"):
+            if getattr(self, k):
+                out[k] = getattr(self, k)
+        if self.space == "vmem":
+            out["bytes"] = self.nbytes
+        return out
+
+
+def vmem(name: str, shape: Sequence[int], dtype: str, layout: str = "") -> Buffer:
+    return Buffer(name, tuple(shape), dtype, "vmem", layout=layout)
+
+
+def smem(name: str, shape: Sequence[int], dtype: str = "int32", layout: str = "") -> Buffer:
+    return Buffer(name, tuple(shape), dtype, "smem", layout=layout)
+
+
+def dma_sems(name: str, shape: Sequence[int], layout: str = "") -> Buffer:
+    return Buffer(name, tuple(shape), "dma", "semaphore", layout=layout)
+
+
+def hbm(name: str, shape: Sequence[int], dtype: str, layout: str = "") -> Buffer:
+    return Buffer(name, tuple(shape), dtype, "hbm", layout=layout)
+
+
+# ---------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Static facts of the attention stage: model shape, cache shape and two tuning knobs.
+
+    kv_tile_pages: pages per streamed KV tile (tile = kv_tile_pages * page_size tokens). Any
+        value in [1, pages_per_seq] is valid: it need not divide pages_per_seq, because a
+        sequence's last tile repeats its last needed page in the unused page slots (those rows
+        are masked), so no DMA ever reads outside the pages a sequence owns.
+    kv_buffers: VMEM tile slots (>= 2); kv_buffers - 1 tiles are in flight during compute.
+    """
+
+    batch: int
+    q_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    num_layers: int
+    kv_tile_pages: int
+    kv_buffers: int
+    dtype: str
+
+    @classmethod
+    def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
+                    kv_tile_pages: int, kv_buffers: int) -> "AttentionGeometry":
+        return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
+                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+                   pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
+                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype)
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Lanes of one cache row: all kv heads side by side (one DMA moves every head)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def tokens(self) -> int:
+        """Rows of q / k_new / v_new / o: batch * q_len, ordered b-major."""
+        return self.batch * self.q_len
+
+    @property
+    def tile_rows(self) -> int:
+        return self.kv_tile_pages * self.page_size
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of one kv head's query block (group * q_len), padded to a whole f32 tile."""
+        return round_up(self.group * self.q_len, 8)
+
+    @property
+    def staged_rows(self) -> int:
+        return round_up(self.tokens, 8)
+
+    @property
+    def patch_pages(self) -> int:
+        """Patch slots: one page per new token, plus a read-only sink page when q_len > 1
+        (source of the stand-in DMAs of tokens that share a page with an earlier token)."""
+        return self.tokens + (1 if self.q_len > 1 else 0)
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def jnp_dtype(self):
+        return WEIGHT_DTYPES[self.dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.kv_size * self.itemsize
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise PlanError naming the first knob or shape the stage cannot build."""
+
+        def need(cond: bool, knob: str, expected: str) -> None:
+            if not cond:
+                raise PlanError(f"attention: {knob} = {getattr(self, knob)!r}: expected {expected}")
+
+        for knob in ("batch", "q_len", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
+                     "pages_per_seq", "num_layers", "kv_tile_pages", "kv_buffers"):
+            v = getattr(self, knob)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
+        need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
+        need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads",
+             f"a divisor of num_q_heads ({self.num_q_heads})")
+        need(self.head_dim % LANE == 0, "head_dim",
+             f"a multiple of {LANE} (each head is a lane-aligned slice of a cache row)")
+        sub = SUBLANES[self.dtype]
+        need(self.page_size % sub == 0, "page_size",
+             f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "
+             f"tile-aligned VMEM rows)")
+        need(self.kv_tile_pages <= self.pages_per_seq, "kv_tile_pages",
+             f"at most pages_per_seq ({self.pages_per_seq})")
+        need(self.kv_buffers >= 2, "kv_buffers", "at least 2 (one tile computed while the next loads)")
+
+    # ------------------------------------------------------------------ budgets
+    def scratch(self) -> tuple[Buffer, ...]:
+        """Every scratch buffer of the stage, in the order `attention_stage` takes their refs
+        (`tpumk.kernel.attention.AttentionScratch` names them the same way).
+
+        Every VMEM shape is whole (8 x 128) f32 / (16 x 128) bf16 tiles (page_size is validated,
+        the other row counts are padded), so the logical bytes are the bytes VMEM allocates."""
+        dt = self.dtype
+        nb, s, p, hd = self.kv_buffers, self.tile_rows, self.page_size, self.kv_size
+        hkv, r, d = self.num_kv_heads, self.q_rows, self.head_dim
+        return (
+            vmem("k_tiles", (nb, s, hd), dt, "streamed K tiles: [slot, token of the tile, kv heads along lanes]"),
+            vmem("v_tiles", (nb, s, hd), dt, "same for V"),
+            vmem("k_patch", (self.patch_pages, p, hd), dt,
+                 "page of new token i of sequence b in slot b*q_len + i (+ a read-only sink page when q_len > 1)"),
+            vmem("v_patch", (self.patch_pages, p, hd), dt, "same for V"),
+            vmem("new_rows", (2, self.staged_rows, hd), "float32",
+                 "[k_new | v_new, token row b*q_len + i, kv heads]: one row addressable at a time"),
+            vmem("q_heads", (self.batch, hkv, r, d), "float32",
+                 "q regrouped per kv head: [b, h] row g*q_len + i = q head h*group + g of token i; then o"),
+            vmem("m", (hkv, r, LANE), "float32", "running max, lane-replicated"),
+            vmem("l", (hkv, r, LANE), "float32", "running sum, lane-replicated"),
+            vmem("acc", (hkv, r, d), "float32", "running p.v"),
+            vmem("flat", (self.staged_rows, self.q_size), "float32", "q as given ([B*q_len, Hq*D], b-major), later o"),
+            smem("seq_meta", (self.batch * (2 + self.q_len),), "int32",
+                 "per sequence b at b*(2+q_len): ntiles, npages, then the page of each new token"),
+            dma_sems("tile_sems", (2, self.kv_buffers), "[K | V, tile slot]"),
+            dma_sems("patch_sems", (2, self.tokens), "[read | write, patch slot]"),
+        )
+
+    def vmem_shapes(self) -> list[tuple[str, tuple[int, ...], Any]]:
+        """(name, shape, jnp dtype) of every VMEM scratch buffer, in scratch order."""
+        return [(b.name, b.shape, b.jnp_dtype) for b in self.scratch() if b.space == "vmem"]
+
+    def vmem_bytes(self) -> int:
+        """Exact bytes of VMEM scratch the stage allocates (sum over `vmem_shapes`):
+
+        2*kv_buffers*tile_rows*kv_size*itemsize          KV tile slots
+        + 2*(B*q + [q>1])*page_size*kv_size*itemsize    patch pages (per new token, + sink)
+        + 4*(2*Bq8*kv_size + Bq8*q_size)                 staged new K/V rows, q in / o out
+        + 4*B*Hkv*R*D + 4*Hkv*R*(2*128 + D)              per-head q/o, softmax m, l, acc
+        with Bq8 = round_up(B*q, 8), R = round_up(group*q, 8)."""
+        return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
+
+    def smem_bytes(self) -> int:
+        """SMEM scratch: per sequence, its tile count, page count and each new token's page."""
+        return 4 * self.batch * (2 + self.q_len)
+
+    def dma_semaphores(self) -> int:
+        """DMA semaphores the stage allocates: (K, V) x kv_buffers + (read, write) x B*q."""
+        return 2 * self.kv_buffers + 2 * self.tokens
+
+    def dma_counts(self, positions: np.ndarray) -> dict[str, int]:
+        """Page DMAs of one layer for concrete `positions` [B, q] (the kernel's own logic).
+
+        hbm_tile_pages: pages streamed from HBM into tile slots; local_tile_pages: tile pages
+        copied from a patched page in VMEM; patched_pages: pages read, patched and written back.
+        Each count is per cache (K and V each move this many pages)."""
+        positions = np.asarray(positions).reshape(self.batch, self.q_len)
+        p, s, kt = self.page_size, self.tile_rows, self.kv_tile_pages
+        hbm = local = patched = 0
+        for row in positions:
+            kv_end = int(row.max()) + 1
+            npages, ntiles = -(-kv_end // p), -(-kv_end // s)
+            written = {int(x) // p for x in row}
+            patched += len(written)
+            for lp in range(ntiles * kt):
+                if min(lp, npages - 1) in written:
+                    local += 1
+                else:
+                    hbm += 1
+        return {"hbm_tile_pages": hbm, "local_tile_pages": local, "patched_pages": patched}
+
+    def hbm_bytes(self, context_lengths: Sequence[int], positions: np.ndarray | None = None) -> int:
+        """KV-cache bytes read + written in HBM by one decode step over all layers.
+
+        `context_lengths` [B] are the tokens cached before the step; the new tokens sit at
+        positions length .. length + q_len - 1 unless `positions` [B, q] is given. Counts the
+        tile pages streamed from HBM, the pages read for patching and the pages written back,
+        for K and V, times num_layers. Pages repeated to fill a sequence's last tile are its
+        last page, which the step always writes, so they are VMEM copies and cost no HBM."""
+        lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
+        if positions is None:
+            positions = lengths[:, None] + np.arange(self.q_len)[None, :]
+        c = self.dma_counts(positions)
+        pages = c["hbm_tile_pages"] + 2 * c["patched_pages"]
+        return 2 * pages * self.page_bytes * self.num_layers
+
+
+# ---------------------------------------------------------------------- mixture of experts
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    """Static shape and knobs of the routed-expert stage (all Python ints: it shapes the trace)."""
+
+    rows: int  # N = batch * q_len token rows routed together
+    hidden: int  # H
+    num_experts: int  # E
+    top_k: int
+    expert_ffn: int  # Fe
+    scoring: str  # "softmax" | "sigmoid"
+    norm_topk: bool  # renormalise the top-k weights to sum to 1
+    num_moe_layers: int  # Lm: MoE layers stacked in the packed expert arrays
+    dtype: str  # weight dtype: "float32" | "bfloat16"
+    expert_slots: int  # S: VMEM slots for expert chunks (loads in flight while one is computed)
+    expert_chunk: int  # C: columns of Fe per chunk (multiple of 128 dividing Fe); Fe = whole experts
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
+                    expert_chunk: int | None = None) -> "MoEGeometry":
+        """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
+        if not cfg.is_moe:
+            raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
+        geom = cls(
+            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.top_k,
+            expert_ffn=cfg.expert_ffn_size, scoring=cfg.router_scoring, norm_topk=cfg.norm_topk_prob,
+            num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
+            expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
+        )
+        geom.validate()
+        return geom
+
+    def validate(self) -> None:
+        """Raise PlanError (one line, naming the knob or field) if the kernel cannot be built."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise PlanError(f"moe stage: {what}")
+
+        def pos_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        for f in ("rows", "hidden", "num_experts", "top_k", "expert_ffn", "num_moe_layers"):
+            need(pos_int(getattr(self, f)), f"{f} = {getattr(self, f)!r}: expected a positive integer")
+        need(self.top_k <= self.num_experts, f"top_k = {self.top_k}: expected at most num_experts ({self.num_experts})")
+        need(self.scoring in SCORINGS, f"scoring = {self.scoring!r}: expected one of {', '.join(SCORINGS)}")
+        need(isinstance(self.norm_topk, bool), f"norm_topk = {self.norm_topk!r}: expected true or false")
+        need(self.dtype in DTYPE_BYTES, f"dtype = {self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+        # H is the lane dim of x and of the down chunks and the sublane dim of gate/up blocks.
+        need(self.hidden % LANE == 0, f"hidden = {self.hidden}: expected a multiple of {LANE} (TPU lane tile)")
+        need(self.expert_ffn % LANE == 0,
+             f"expert_ffn = {self.expert_ffn}: expected a multiple of {LANE} (packed gate/up blocks are {LANE} wide)")
+        need(pos_int(self.expert_slots), f"expert_slots = {self.expert_slots!r}: expected a positive integer")
+        need(pos_int(self.expert_chunk) and self.expert_chunk % LANE == 0,
+             f"expert_chunk = {self.expert_chunk!r}: expected a positive multiple of {LANE}")
+        need(self.expert_ffn % self.expert_chunk == 0,
+             f"expert_chunk = {self.expert_chunk}: expected a divisor of expert_ffn ({self.expert_ffn})")
+
+    # ---------------------------------------------------------------- derived shapes
+    @property
+    def experts_padded(self) -> int:
+        """Ep: the expert axis padded to whole lanes (router columns, combine, id list)."""
+        return round_up(self.num_experts, LANE)
+
+    @property
+    def chunks_per_expert(self) -> int:
+        return self.expert_ffn // self.expert_chunk
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """128-column gate|up blocks per chunk (each block is one [H, 256] MXU operand)."""
+        return self.expert_chunk // LANE
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def jnp_dtype(self):
+        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+
+    @property
+    def max_distinct_experts(self) -> int:
+        return min(self.num_experts, self.rows * self.top_k)
+
+    # ---------------------------------------------------------------- bytes and DMAs
+    @property
+    def router_bytes(self) -> int:
+        return self.hidden * self.experts_padded * self.dtype_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        """HBM bytes of one expert (gate, up, down)."""
+        return 3 * self.hidden * self.expert_ffn * self.dtype_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one slot: a gate|up chunk [C/128, H, 256] plus a down chunk [C, H]."""
+        return 3 * self.hidden * self.expert_chunk * self.dtype_bytes
+
+    def hbm_bytes(self, distinct_experts: float) -> float:
+        """HBM bytes this stage reads per MoE layer: the router plus each distinct expert once."""
+        return self.router_bytes + distinct_experts * self.expert_bytes
+
+    def dma_count(self, distinct_experts: float) -> float:
+        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk."""
+        return 2 + 2 * self.chunks_per_expert * distinct_experts
+
+    def expected_distinct_experts(self) -> float:
+        """Expected distinct experts per layer under uniform routing of `rows` tokens."""
+        return expected_distinct_experts(self.num_experts, self.top_k, self.rows)
+
+    def expected_hbm_bytes(self) -> float:
+        return self.hbm_bytes(self.expected_distinct_experts())
+
+    def scratch(self) -> tuple[Buffer, ...]:
+        """Every scratch buffer of the stage, in the order the MoE stage takes their refs
+        (`tpumk.kernel.moe.MoEScratch` names them the same way)."""
+        h, ep, dt, s = self.hidden, self.experts_padded, self.dtype, self.expert_slots
+        return (
+            vmem("router", (h, ep), dt, "this layer's router [H, Ep]"),
+            vmem("gateup", (s, self.blocks_per_chunk, h, 2 * LANE), dt,
+                 "per slot: the chunk's 128-column blocks, gate lanes 0..127 | up lanes 128..255"),
+            vmem("down", (s, self.expert_chunk, h), dt, "per slot: the chunk's down rows"),
+            vmem("combine", (self.rows, ep), "float32", "combine weight of (row, expert), 0 where not picked"),
+            vmem("ids_vmem", (2, ep), "int32", "row 0: distinct picked ids ascending; row 1: their count"),
+            smem("ids_smem", (2, ep), "int32", "the same, read as scalars"),
+            dma_sems("sems", (2,), "0 router, 1 ids VMEM->SMEM"),
+            dma_sems("slot_sems", (2, s), "[gate|up | down, slot]"),
+        )
+
+    def packed(self) -> tuple[Buffer, ...]:
+        """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
+        lm, h, e, fe, dt = self.num_moe_layers, self.hidden, self.num_experts, self.expert_ffn, self.dtype
+        return (
+            hbm("router", (lm, h, self.experts_padded), dt, "[Lm, H, Ep], columns E..Ep-1 zero"),
+            hbm("e_gateup", (lm, e, fe // LANE, h, 2 * LANE), dt, "[Lm, E, Fe/128, H, gate 128 | up 128]"),
+            hbm("e_down", (lm, e, fe, h), dt, "[Lm, E, Fe, H]"),
+        )
+
+    def scratch_bytes(self) -> int:
+        """Exact VMEM bytes of the stage's scratch buffers (rows padded to the sublane tile):
+        expert_slots * chunk_bytes + router_bytes + round_up(N, 8) * Ep * 4 (combine)
+        + 8 * Ep * 4 (the [2, Ep] int32 id list fills one (8, 128) tile row-group)."""
+        return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
+
+    def vmem_bytes(self) -> int:
+        """Scratch plus the largest compiler temporaries, an estimate for the VMEM budget.
+
+        Temporaries: the routing matrices ([Ep, Ep] f32: strict-lower and identity masks, the
+        broadcast picked row and the two products), one chunk's gate|up activations
+        [N, 2C] f32 and SwiGLU output [N, C] f32, x in the weight dtype and the f32 accumulator
+        and down product [N, H]."""
+        ep, n = self.experts_padded, round_up(self.rows, F32_SUBLANES)
+        routing = 5 * ep * ep * 4
+        chunk = n * 3 * self.expert_chunk * 4
+        rows = n * self.hidden * (4 + 4 + 4)
+        return self.scratch_bytes() + routing + chunk + rows
+
+    def smem_bytes(self) -> int:
+        return 2 * self.experts_padded * 4
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """Model layer indices of the MoE layers, in the order they are stacked by `pack_experts`."""
+    return [i for i in range(cfg.num_layers) if not cfg.layer_is_dense(i)]
