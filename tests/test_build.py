@@ -33,17 +33,47 @@ def dense_toml(tmp_path, layers):
     return str(f)
 
 
-def test_default_build_is_tiny_moe_on_tpu7x_with_one_kernel():
-    r = build_json()
+def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate():
+    r = build_json("--verify-estimate")
     assert REQUIRED_KEYS <= set(r)
-    assert (r["model"], r["target"], r["batch"]) == ("tiny-moe", "tpu7x", 1)
+    assert (r["model"], r["target"], r["batch"]) == ("small-moe", "tpu7x", 1)
     assert r["custom_calls"] == 1
     assert 0 < r["vmem_bytes"] <= r["vmem_budget_bytes"] <= r["vmem_capacity_bytes"] == 64 * 2**20
     assert r["floor_seconds"] == pytest.approx(r["hbm_bytes_per_step"] / 3.7e12, rel=0.01)
+    # the default model is bfloat16, so a build with no arguments gets the whole-step estimate
+    assert r["estimated_cycles"] == r["compiler_cycles"] + r["nested_loop_cycles"] > 0
+    assert r["estimated_seconds"] >= r["floor_seconds"]
+    assert "static profile" in r["estimate_source"] and "calibration" in r["estimate_source"]
+    # its speculative verify step (q_len 8) profiles too
+    v = r["verify"]
+    assert v["q_len"] == 8 and v["estimated_seconds"] >= v["floor_seconds"]
+
+
+def test_default_build_report_is_complete():
+    out = tpumk("build").stdout  # exactly what a new user types first
+    assert out.startswith("built small-moe for tpu7x")
+    assert "n/a" not in out and "no estimate" not in out and "verify step" in out
+    for row in ("compiler estimated cycles", "estimated step time", "floor / estimate", "estimate source: "):
+        assert row in out
+
+
+def test_small_moe_builds_with_an_estimate_on_v6e():
+    r = build_json("--target", "v6e", "--verify-q", "0")
+    assert (r["model"], r["custom_calls"]) == ("small-moe", 1)
+    assert r["estimated_seconds"] is not None and r["estimated_seconds"] >= r["floor_seconds"]
+
+
+def test_float32_build_says_plainly_why_there_is_no_estimate():
     # tiny-moe has float32 weights: libtpu 0.0.52's static profiler aborts on them, and the
-    # report must say so rather than invent a figure.
-    assert r["estimated_cycles"] is None and r["estimated_seconds"] is None
-    assert r["estimate_source"].startswith("none: profiling compile failed")
+    # report must say so (and how to get an estimate) rather than invent a figure.
+    p = tpumk("build", "--model", "tiny-moe", "--verify-q", "0")
+    out = p.stdout
+    assert "n/a" not in out and "estimated step time" in out
+    why = [line for line in out.splitlines() if line.startswith("no estimate: ")]
+    assert why == ["no estimate: the TPU compiler's cost estimator crashes on this model's float32 weights; "
+                   "build with --dtype bfloat16 to get an estimate"]
+    for jargon in ("LLO", "exit -6", "profil", "abort"):
+        assert jargon not in why[0]
 
 
 def test_bf16_build_has_a_whole_step_estimate_never_below_the_floor():

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from tpumk.cli import main
@@ -76,3 +78,92 @@ def test_malformed_toml_names_the_file(tmp_path):
     f.write_text("num_layers = = 3\n")
     r = run("generate", "--model", str(f), "--prompt-ids", "1", "--steps", "1")
     assert r.exit_code == 1 and "bad.toml" in r.output and "malformed TOML" in r.output
+
+
+# ---------------------------------------------------------------------- errors: one line, exit 2 or 1
+@pytest.mark.parametrize("args, line", [
+    (("build", "--dtype", "fp16"), "tpumk: error: --dtype: 'fp16' is not one of 'float32', 'bfloat16'"),
+    (("build", "--frob"), "tpumk: error: no such option '--frob'"),
+    (("build", "--batchh", "2"), "tpumk: error: no such option '--batchh' (did you mean --batch?)"),
+    (("build", "--batch", "x"), "tpumk: error: --batch: 'x' is not a valid integer"),
+    (("generate", "--steps", "2"), "tpumk: error: missing option --prompt-ids"),
+    (("inspect",), "tpumk: error: missing argument PATH"),
+    (("frob",), "tpumk: error: no such command 'frob'"),
+    (("--frob",), "tpumk: error: no such option '--frob'"),
+    (("export", "--model"), "tpumk: error: option '--model' requires an argument"),
+])
+def test_usage_errors_are_one_line_with_exit_2(args, line):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), r.stderr
+    assert "Usage:" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_usage_error_points_at_the_commands_help():
+    r = run("build", "--dtype", "fp16")
+    assert r.stderr.strip().endswith("; see 'tpumk build --help'")
+
+
+def test_input_errors_are_one_line_with_exit_1():
+    for args in (("build", "--model", "no-such-model"), ("build", "--target", "v9")):
+        r = run(*args)
+        assert r.exit_code == 1, r.output
+        assert r.stdout == "" and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("tpumk: error: ")
+
+
+def test_help_and_version_still_exit_0():
+    assert run("build", "--help").exit_code == 0
+    r = run("--version")
+    assert r.exit_code == 0 and "tpumk" in r.output
+
+
+# ---------------------------------------------------------------------- model sizes
+def test_readable_counts():
+    from tpumk.cli.app import readable_count
+
+    assert [readable_count(n) for n in (950, 2.1e6, 34.0e6, 117e6, 8.19e9, 30.53e9)] == [
+        "950", "2.1 M", "34 M", "117 M", "8.19 B", "30.5 B"]
+
+
+def test_models_table_prints_sizes_in_readable_units():
+    r = run("models")
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line for line in r.output.splitlines() if line and line.split()[0] in
+            ("tiny-dense", "tiny-moe", "small-moe", "qwen3-8b")}
+    assert " M " in rows["tiny-dense"] and " M " in rows["tiny-moe"] and " M " in rows["small-moe"]
+    assert "8.19 B" in rows["qwen3-8b"]
+    assert "0.00" not in r.output
+
+
+# ---------------------------------------------------------------------- inspect an artifact root
+def test_inspect_lists_artifacts_under_a_root(tmp_path):
+    root = tmp_path / "artifacts"
+    r = run("export", "--model", "tiny-dense", "--target", "cpu", "--context", "32", "--out", str(root), "--json")
+    assert r.exit_code == 0, r.output
+    good = json.loads(r.stdout)["path"]
+    # a broken artifact beside it: listed with the reason, not a crash
+    broken = root / "tiny-moe" / "tpu7x" / "0123456789abcdef"
+    broken.mkdir(parents=True)
+    (broken / "manifest.toml").write_text("format = = 2\n")
+    (root / "tiny-dense" / "cpu" / ".tmp-unfinished").mkdir()  # an export in progress: not listed
+
+    for where in (root, root / "tiny-dense"):
+        r = run("inspect", str(where), "--json")
+        listing = json.loads(r.stdout)
+        paths = {a["path"]: a for a in listing["artifacts"]}
+        assert good in paths
+        assert paths[good]["valid"] and paths[good]["model"] == "tiny-dense" and paths[good]["target"] == "cpu"
+    assert r.exit_code == 0 and listing["valid"]  # only the good one below tiny-dense/
+
+    r = run("inspect", str(root))
+    assert r.exit_code == 1  # one of them is invalid
+    assert "2 artifacts, 1 invalid" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith(good))
+    assert "tiny-dense" in row and "cpu" in row and "valid" in row
+    bad_row = next(line for line in r.stdout.splitlines() if line.startswith(str(broken)))
+    assert "INVALID" in bad_row and "malformed manifest" in bad_row
+
+    r = run("inspect", str(tmp_path / "empty"))  # no artifacts anywhere: the single-artifact answer
+    assert r.exit_code == 1 and "not an artifact directory" in r.output

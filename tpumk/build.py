@@ -6,8 +6,9 @@ TPUs that are not attached) -> BuildReport.
 
 Every number in the report names its source:
 - plan figures (VMEM, HBM bytes, DMAs, the HBM floor) are tpumk's own accounting of the plan;
-- `estimated_cycles` is the TPU compiler's static profile, and `estimated_seconds` converts it
-  through `tpumk.estimate.calibration` (the basis is repeated in `estimate_source`);
+- `estimated_cycles` is the TPU compiler's static profile plus tpumk's model of the nested-loop
+  trips it misses, and `estimated_seconds` converts it through `tpumk.estimate.calibration`
+  (both in `tpumk.estimate.compiler`; the basis is repeated in `estimate_source`);
 - `compile_seconds` is measured on this host;
 - `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
   figures, and the compiler's estimate only when asked for (`verify_figures` says why).
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tpumk.compile.aot import Compiled, compile_plan
+from tpumk.estimate.compiler import convert_estimate
 from tpumk.estimate.profiler import Estimate, estimate_in_subprocess
 from tpumk.plan.plan import Plan, make_plan
 from tpumk.plan.spec import BuildSpec
@@ -123,61 +125,6 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
         if plain_estimated_seconds:
             out["estimate_vs_plain"] = secs / plain_estimated_seconds
     return out
-
-
-def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
-    """Loops nested inside the layer loop, whose trips the static profile counts once per
-    layer (TPU_FACTS 3): the attention KV-tile loop and the MoE expert-chunk loop. Each entry
-    gives the trips per step the profile did not count and the bytes each trip streams, at the
-    plan's accounting (full context; expected distinct experts)."""
-    a, cfg = plan.attention, plan.cfg
-    tiles = a.batch * -(-a.pages_per_seq // a.kv_tile_pages)
-    out = [{"loop": "attention KV tiles", "trips_per_layer": tiles, "uncounted_trips": (tiles - 1) * cfg.num_layers,
-            "bytes_per_trip": 2 * a.tile_rows * a.kv_size * a.itemsize}]
-    if plan.moe is not None:
-        m = plan.moe
-        trips = m.expected_distinct_experts() * m.chunks_per_expert
-        out.append({"loop": "MoE expert chunks", "trips_per_layer": trips,
-                    "uncounted_trips": max(trips - 1.0, 0.0) * m.num_moe_layers, "bytes_per_trip": m.chunk_bytes})
-    return out
-
-
-def convert_estimate(plan: Plan, est: Estimate | None) -> dict[str, Any]:
-    """The compiler's static profile of `plan`'s step as a whole-step estimate (or why there is
-    none): estimated_cycles / estimated_seconds, compiler_cycles, nested_loop_cycles,
-    estimate_source and notes, as `make_report` reports them."""
-    target = plan.target
-    notes: list[str] = []
-    est_cycles = est_seconds = compiler_cycles = nested_cycles = None
-    if target.interpret:
-        source = "none: the cpu target runs the kernel in interpret mode (no TPU cost model)"
-    elif not target.static_profile:
-        source = f"none: libtpu's static profile does not work for {target.name} kernels with DMAs"
-    elif est is None:
-        source = "none: not requested"
-    elif est.cycles is None:
-        source = f"none: {est.error}"
-    elif est.calibration is None:
-        compiler_cycles = est.cycles
-        source = "none: the static profile gave cycles but no calibration could be measured to convert them"
-        notes.append("compiler_cycles count nested-loop bodies once per layer; without a calibration the "
-                     "missing trips cannot be added, so no whole-step estimate is given")
-    else:
-        # The profile counts each nested loop's body once per layer; the remaining trips are
-        # DMA-bound streaming, added at the calibration's sustained rate (tpumk's model).
-        cal = est.calibration
-        nested = uncounted_nested_work(plan)
-        nested_seconds = sum(w["uncounted_trips"] * w["bytes_per_trip"] for w in nested) / cal["assumed_bytes_per_s"]
-        compiler_cycles = est.cycles
-        nested_cycles = int(round(nested_seconds / cal["seconds_per_cycle"]))
-        est_cycles = compiler_cycles + nested_cycles
-        est_seconds = est_cycles * cal["seconds_per_cycle"]
-        source = (f"TPU compiler static profile ({compiler_cycles:,} cycles) + tpumk model of nested-loop trips "
-                  f"the profile counts once ({nested_cycles:,} cycles: "
-                  + ", ".join(f"{w['uncounted_trips']:.0f} {w['loop']}" for w in nested)
-                  + f"); cycles -> seconds by calibration: {cal['basis']}")
-    return {"estimated_cycles": est_cycles, "estimated_seconds": est_seconds, "compiler_cycles": compiler_cycles,
-            "nested_loop_cycles": nested_cycles, "estimate_source": source, "notes": notes}
 
 
 def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildReport:

@@ -9,14 +9,23 @@ import tpumk
 from tpumk.cli.bench import bench
 from tpumk.cli.export import cache_key, export, inspect
 from tpumk.cli.tune import report, tune
-from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import TpumkGroup, emit_json, fail_cleanly, spec_options
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def readable_count(n: float) -> str:
+    """A parameter count in readable units: 2.1 M, 117 M, 8.19 B (decimal, as model names use)."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{n:.0f}"
+
+
+@click.group(cls=TpumkGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(tpumk.__version__, prog_name="tpumk")
 def main():
     """Build, tune and ship TPU megakernels for LLM decoding."""
@@ -45,7 +54,7 @@ def models(as_json):
         emit_json({"models": rows})
         return
     table = [[r["name"], r["layers"], r["hidden"], r["attention"], r["ffn"], r["dtype"],
-              f"{r['params'] / 1e9:.3f} B", _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
+              readable_count(r["params"]), _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
              for r in rows]
     click.echo(tabulate(table, headers=["model", "layers", "hidden", "attention", "ffn", "dtype", "params",
                                         "weights/step b=1", "weights/step b=8"]))
@@ -92,12 +101,18 @@ def print_build_report(r) -> None:
                                           f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
         ["HBM bytes per step (plan)", f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
         ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
-        ["compiler estimated cycles", "n/a" if r.estimated_cycles is None else f"{r.estimated_cycles:,}"],
-        ["estimated step time", _us(r.estimated_seconds)],
-        ["floor / estimate", "n/a" if r.floor_fraction is None else f"{r.floor_fraction:.2f}"],
     ]
+    if r.estimated_seconds is not None:
+        rows += [["compiler estimated cycles", f"{r.estimated_cycles:,}"],
+                 ["estimated step time", _us(r.estimated_seconds)],
+                 ["floor / estimate", f"{r.floor_fraction:.2f}"]]
+    else:
+        rows.append(["estimated step time", "none (see below)"])
     click.echo(tabulate(rows, tablefmt="plain"))
-    click.echo(f"estimate source: {r.estimate_source}")
+    if r.estimated_seconds is not None:
+        click.echo(f"estimate source: {r.estimate_source}")
+    else:
+        click.echo(f"no estimate: {r.estimate_source.removeprefix('none: ')}")
     for n in r.notes:
         click.echo(f"note: {n}")
     if r.verify:
@@ -120,10 +135,20 @@ def print_verify_figures(r) -> None:
         ["HBM bytes per step (plan)", f"{v['hbm_bytes_per_step'] / 1e6:,.2f} MB{ratio('hbm_bytes_vs_plain')}"],
         ["HBM floor (bytes / bandwidth)", f"{_us(v['floor_seconds'])}{ratio('floor_vs_plain')}"],
         ["VMEM plan", f"{v['vmem_bytes'] / 2**20:.1f} MiB"],
-        ["estimated step time", f"{_us(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"],
     ]
+    if v.get("estimated_seconds") is not None:
+        rows.append(["estimated step time", f"{_us(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"])
+    elif v["estimate_source"].startswith("none: not requested"):
+        rows.append(["estimated step time", "not requested (--verify-estimate: a second profiling compile)"])
+    else:
+        rows.append(["estimated step time", "none (see below)"])
     click.echo(tabulate(rows, tablefmt="plain"))
-    click.echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
+    if v.get("estimated_seconds") is not None:
+        click.echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
+    else:
+        click.echo(f"figures: {v['source']}")
+        if not v["estimate_source"].startswith("none: not requested"):
+            click.echo(f"no estimate: {v['estimate_source'].removeprefix('none: ')}")
     be = v.get("estimate_vs_plain") or v["floor_vs_plain"]
     click.echo(f"speculation beats plain decoding in target time when the mean acceptance length "
                f"(accepted drafts + bonus) exceeds {be:.2f} ({'estimate' if v.get('estimate_vs_plain') else 'floor'} "

@@ -53,9 +53,25 @@ def cache_key(spec, out_dir, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def inspect(path, as_json):
-    """Show an artifact's manifest summary and verify its files and versions."""
+    """Show an artifact's manifest summary and verify its files and versions.
+
+    PATH may also be a directory holding artifacts below it (the `export --out` root, or a
+    model's or target's directory in it): every artifact there is listed and verified. The exit
+    code is 1 when any artifact listed is invalid, or PATH holds none."""
+    from pathlib import Path
+
+    from tpumk.export.artifacts import MANIFEST, find_artifacts, inspect_tree
     from tpumk.export.artifacts import inspect as do_inspect
 
+    if Path(path).is_dir() and not (Path(path) / MANIFEST).exists() and find_artifacts(path):
+        listing = inspect_tree(path)
+        if as_json:
+            emit_json(listing)
+        else:
+            _print_listing(listing)
+        if not listing["valid"]:
+            raise SystemExit(1)
+        return
     info = do_inspect(path)
     if as_json:
         emit_json(info)
@@ -63,6 +79,25 @@ def inspect(path, as_json):
         _print_inspect(info)
     if not info["valid"]:
         raise SystemExit(1)
+
+
+def _short_problem(item: dict) -> str:
+    """The problem without the artifact's own path in front (the row already shows it)."""
+    problem, path = item["problem"] or "", item["path"]
+    return problem.replace(path + "/", "").removeprefix(path + ": ")
+
+
+def _print_listing(listing: dict) -> None:
+    from tabulate import tabulate
+
+    items = listing["artifacts"]
+    bad = sum(not i["valid"] for i in items)
+    click.echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}"
+               + (f", {bad} invalid" if bad else ", all valid (hashes and versions checked)"))
+    rows = [[i["path"], i["model"] or "?", i["target"] or "?", (i["key"] or "?")[:12],
+             "valid" if i["valid"] else f"INVALID: {_short_problem(i)}"] for i in items]
+    click.echo(tabulate(rows, headers=["path", "model", "target", "key", "status"], tablefmt="simple"))
+    click.echo("details of one: tpumk inspect PATH")
 
 
 def _print_inspect(info: dict) -> None:

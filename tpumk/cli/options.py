@@ -1,4 +1,13 @@
-"""Options and error handling shared by the commands of `tpumk` (tpumk.cli.app, tpumk.cli.export)."""
+"""Options and error handling shared by the commands of `tpumk` (tpumk.cli.app, tpumk.cli.export).
+
+Every error is one line on stderr, `tpumk: error: ...`, with one of two exit codes:
+- 2, a usage error (Click's convention): the command line itself is malformed: an unknown
+  command or option, a value of the wrong type or not among an option's choices, a missing
+  required option or argument (`TpumkGroup`, for every command);
+- 1, tpumk rejected the input or the work: an unknown model, a malformed TOML or manifest, an
+  infeasible plan, a model too big for the target, an invalid artifact, ... (`fail_cleanly`,
+  which every command wears: tpumk.errors.TpumkError and its subclasses).
+"""
 
 from __future__ import annotations
 
@@ -20,14 +29,89 @@ def fail_cleanly(fn):
             return fn(*args, **kwargs)
         except TpumkError as e:
             click.echo(f"tpumk: error: {e}", err=True)
-            sys.exit(1)
+            sys.exit(INPUT_EXIT)
 
     return wrapper
 
 
+USAGE_EXIT = 2  # the command line is malformed (Click's convention)
+INPUT_EXIT = 1  # tpumk rejected the input or the work (TpumkError)
+
+
+class OneLineError(click.ClickException):
+    """A Click error shown as one line, `tpumk: error: ...`, with the original exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"tpumk: error: {self.message}", err=True)
+
+
+def _param_name(param) -> str:
+    if isinstance(param, click.Option):
+        return " / ".join(param.opts)
+    return param.human_readable_name if param is not None else ""
+
+
+def _command_path(ctx) -> str:
+    """'tpumk build', however the program was started (console script, python -m, a test runner)."""
+    names = []
+    while ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["tpumk", *reversed(names)])
+
+
+def usage_line(e: click.ClickException) -> str:
+    """One line for a Click error: which option or argument, what is wrong, where to look."""
+    msg = e.message.strip().rstrip(".")
+    if isinstance(e, click.MissingParameter) and e.param is not None:
+        kind = "option" if isinstance(e.param, click.Option) else "argument"
+        line = f"missing {kind} {_param_name(e.param)}"
+    elif isinstance(e, click.BadParameter) and e.param is not None:
+        line = f"{_param_name(e.param)}: {msg}"
+    elif getattr(e, "possibilities", None):  # no such option / command, with close matches
+        line = f"{msg} (did you mean {' or '.join(sorted(e.possibilities))}?)"
+    elif isinstance(e, click.UsageError):
+        line = msg
+    else:
+        line = e.format_message().strip()
+    line = " ".join(line.split())  # one line, whatever the message held
+    if line[:1].isupper() and not line[1:2].isupper():  # "No such option" -> "no such option"; keep "TOML"
+        line = line[:1].lower() + line[1:]
+    ctx = getattr(e, "ctx", None)
+    if isinstance(e, click.UsageError) and ctx is not None:
+        line += f"; see '{_command_path(ctx)} --help'"
+    return line
+
+
+def _one_line(e: click.ClickException) -> click.ClickException:
+    if isinstance(e, (OneLineError, click.exceptions.NoArgsIsHelpError)):
+        return e
+    return OneLineError(usage_line(e), e.exit_code)
+
+
+class TpumkGroup(click.Group):
+    """The `tpumk` group: Click's errors (usage errors, exit 2; others keep their code) become
+    one line on stderr, for the group and every command under it."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.ClickException as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            raise _one_line(e) from None
+
+
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
-
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "tuning_file")

@@ -55,17 +55,18 @@ Its figures rank configurations and programs on one footing; they are not measur
 
 Public API: `megakernel_step(plan) -> StepModel` (the tuner's `model` objective),
 `xla_step(target, hlo_text, kernel=None) -> StepModel` (any compiled program, from its HLO),
-`ring_layer_seconds`, `achieved_bandwidth`, `stream_seconds`, `mxu_seconds`.
+`ring_layer_seconds`, `achieved_bandwidth`, `stream_seconds`, `mxu_seconds`. The HLO text is
+read by tpumk.estimate.hlo; this module only costs what it reads.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpumk.estimate.hlo import DTYPE_BYTES, HloInstr, called_computation, contracting_length, parse_hlo, trip_count
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -353,12 +354,6 @@ def megakernel_step(plan) -> StepModel:
 
 
 # ---------------------------------------------------------------------- compiled HLO programs
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
-                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
-_COMP = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
 # Ops that launch nothing: bookkeeping, views, and XLA-internal zero-copy custom calls.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
          "add-dependency", "partition-id", "replica-id", "domain"}
@@ -371,122 +366,6 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "remainder", "maximum",
 SCALAR_MAX_ELEMENTS = 128  # at most one vector register row: such top-level ops are scalar work
 _SLICING = {"slice", "dynamic-slice", "gather"}
 _VIEWS = {"bitcast", "reshape", "copy", "transpose", "convert"}
-
-
-@dataclass(frozen=True)
-class ArrayShape:
-    dtype: str
-    dims: tuple[int, ...]
-    memory_space: int  # 0 = HBM; 1 = VMEM; others (SMEM, sync flags) are on chip too
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.dims)
-
-    @property
-    def nbytes(self) -> float:
-        return self.elements * _DTYPE_BYTES.get(self.dtype, 4)
-
-    @property
-    def in_hbm(self) -> bool:
-        return self.memory_space == 0
-
-
-def parse_shapes(text: str) -> list[ArrayShape]:
-    """Every array shape in an HLO type string (a tuple gives several), with its memory space."""
-    out = []
-    for dtype, dims, layout in _ARRAY.findall(text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        space = re.search(r"S\((\d+)\)", layout or "")
-        out.append(ArrayShape(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
-    return out
-
-
-@dataclass
-class HloInstr:
-    name: str
-    type_text: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-    root: bool
-    args: str = ""  # the raw text inside the op's parentheses (a parameter's index)
-
-    @property
-    def shapes(self) -> list[ArrayShape]:
-        return parse_shapes(self.type_text)
-
-    def attr(self, key: str) -> str | None:
-        m = re.search(rf"\b{re.escape(key)}=(\"[^\"]*\"|%?[\w.\-]+|\{{[^}}]*\}})", self.attrs)
-        return m.group(1).strip('"') if m else None
-
-    def backend_config(self) -> dict[str, Any]:
-        i = self.attrs.find("backend_config=")
-        if i < 0:
-            return {}
-        try:
-            return json.JSONDecoder().raw_decode(self.attrs[i + len("backend_config="):])[0]
-        except ValueError:
-            return {}
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """'(f32[2]{0}, s32[]) op(...' -> (type, 'op(...'); handles nested tuple parentheses."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                return rest[:i + 1], rest[i + 1:].lstrip()
-    sp = rest.find(" ")
-    return rest[:sp], rest[sp + 1:].lstrip()
-
-
-def _parse_instr(line: str) -> HloInstr | None:
-    m = _INSTR.match(line)
-    if not m:
-        return None
-    type_text, rest = _split_type(m.group(3))
-    p = rest.find("(")
-    if p < 0:
-        return None
-    opcode = rest[:p]
-    depth, end = 0, len(rest)
-    for i in range(p, len(rest)):
-        depth += rest[i] == "("
-        depth -= rest[i] == ")"
-        if depth == 0:
-            end = i
-            break
-    operands = re.findall(r"%([^\s,()]+)", rest[p + 1:end])
-    return HloInstr(m.group(2), type_text, opcode, operands, rest[end + 1:], bool(m.group(1)), rest[p + 1:end])
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[HloInstr]], str]:
-    """(computations by name, the entry computation's name) of an HLO module's text."""
-    comps: dict[str, list[HloInstr]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        ins = _parse_instr(line)
-        if ins is not None:
-            comps[current].append(ins)
-    if not entry:
-        raise ValueError("HLO text has no ENTRY computation")
-    return comps, entry
 
 
 @dataclass
@@ -532,14 +411,14 @@ class _Program:
             if u.opcode in _SLICING and u.operands and u.operands[0] == value:
                 # the elements taken, at the source's width (XLA may fold a convert into the slice)
                 src = self.by_name[comp][value].shapes if value in self.by_name[comp] else []
-                width = _DTYPE_BYTES.get(src[0].dtype, 4) if src else 4
+                width = DTYPE_BYTES.get(src[0].dtype, 4) if src else 4
                 total += sum(s.elements for s in u.shapes) * width
             elif u.opcode in ("dynamic-update-slice", "scatter") and u.operands and u.operands[0] == value:
                 total += 0.0  # the buffer updated in place is not read
             elif u.opcode in ("bitcast", "reshape"):
                 total += self._value_read_bytes(comp, u.name, full, depth + 1)
             elif u.opcode == "fusion":
-                called = _called(u)
+                called = called_computation(u)
                 k = u.operands.index(value)
                 total += self._param_read_bytes(called, k, full) if called in self.comps else full
             else:
@@ -563,8 +442,8 @@ class _Program:
                 total += self._shape_bytes(comp, r.operands[1])
             elif r.opcode == "scatter" and len(r.operands) > 2:
                 total += self._shape_bytes(comp, r.operands[2])
-            elif r.opcode == "fusion" and _called(r) in self.comps:
-                total += self._write_bytes(_called(r), sum(s.nbytes for s in r.shapes))
+            elif r.opcode == "fusion" and called_computation(r) in self.comps:
+                total += self._write_bytes(called_computation(r), sum(s.nbytes for s in r.shapes))
             else:
                 total += sum(s.nbytes for s in r.shapes)
         return min(total, out_bytes) if out_bytes else total
@@ -584,7 +463,7 @@ class _Program:
         passes = 1
         if "f32" in (a.dtype, b.dtype):
             passes = F32_MXU_PASSES if "highest" in prec else (3 if "high" in prec else 1)
-        return mxu_seconds(self.target, max(a.elements, b.elements), 2.0 * out.elements * _contracting(i, a, b), passes)
+        return mxu_seconds(self.target, max(a.elements, b.elements), 2.0 * out.elements * contracting_length(i, a, b), passes)
 
     def _mxu(self, comp: str, depth: int = 0) -> float:
         seconds = 0.0
@@ -592,7 +471,7 @@ class _Program:
             if i.opcode in ("convolution", "dot"):
                 seconds += self._mxu_instr(comp, i)
             elif i.opcode == "fusion" and depth < 8:
-                seconds += self._mxu(_called(i), depth + 1)
+                seconds += self._mxu(called_computation(i), depth + 1)
         return seconds
 
     # ---- walk the entry computation
@@ -619,7 +498,7 @@ class _Program:
                                       write_bytes=dst.nbytes if chip_to_hbm else 0.0, times=times))
                     continue
             if op == "while" and depth < 4:
-                trips = _trip_count(i)
+                trips = trip_count(i)
                 if trips is None:
                     self.notes.append(f"while loop {i.name}: trip count unknown, its body counted once")
                     trips = 1
@@ -646,7 +525,7 @@ class _Program:
 
     def _kernel_cost(self, comp: str, i: HloInstr, times: float) -> OpCost:
         names = self.by_name[comp]
-        called = _called(i) if i.opcode in ("fusion", "async-start") else None
+        called = called_computation(i) if i.opcode in ("fusion", "async-start") else None
         read = 0.0
         for k, o in enumerate(i.operands):
             src = names.get(o)
@@ -680,30 +559,6 @@ class _Program:
         else:
             mxu = self._mxu_instr(comp, i) if i.opcode in ("convolution", "dot") else 0.0
         return OpCost(i.name, i.opcode, "kernel", read, write, mxu, window, times)
-
-
-def _called(i: HloInstr) -> str:
-    c = i.attr("calls")
-    return c.lstrip("%") if c else ""
-
-
-def _trip_count(i: HloInstr) -> int | None:
-    n = i.backend_config().get("known_trip_count", {}).get("n")
-    return int(n) if n is not None else None
-
-
-def _contracting(i: HloInstr, a: ArrayShape, b: ArrayShape) -> int:
-    """Contraction length of a dot / convolution (matmuls lowered to convolutions included;
-    spatial windows used as batching tricks are not counted as extra work)."""
-    if i.opcode == "dot":
-        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", i.attrs)
-        idx = [int(d) for d in dims.group(1).split(",") if d] if dims else []
-        return math.prod(a.dims[d] for d in idx) if idx else 1
-    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->", i.attrs)
-    if not labels:
-        return 1
-    kernel = labels.group(2)
-    return b.dims[kernel.index("i")] if "i" in kernel and len(b.dims) == len(kernel) else 1
 
 
 def program_ops(target: Target, hlo_text: str) -> tuple[list[OpCost], list[str]]:

@@ -408,3 +408,28 @@ def inspect(path: str | Path) -> dict[str, Any]:
     except ArtifactError as e:
         out["valid"], out["problem"] = False, str(e)
     return out
+
+
+def find_artifacts(root: str | Path) -> list[Path]:
+    """The artifact directories (each with a manifest) below `root`, e.g. an `export --out` root
+    or one model's directory in it; exports still being written (hidden .tmp-* directories)
+    are left out."""
+    root = Path(root)
+    found = []
+    for mf in root.rglob(MANIFEST):
+        rel = mf.parent.relative_to(root).parts
+        if not any(part.startswith(".") for part in rel):
+            found.append(mf.parent)
+    return sorted(found)
+
+
+def inspect_tree(root: str | Path) -> dict[str, Any]:
+    """Every artifact below `root` as a short listing (path, model, target, key, valid or why not);
+    `valid` is True when every one of them is."""
+    items = []
+    for path in find_artifacts(root):
+        info = inspect(path)
+        target = info.get("target") or {}
+        items.append({"path": info["path"], "model": info.get("model"), "target": target.get("name"),
+                      "key": info.get("key"), "valid": info["valid"], "problem": info["problem"]})
+    return {"path": str(Path(root)), "artifacts": items, "valid": all(i["valid"] for i in items)}

@@ -16,7 +16,7 @@ from tpumk.model.config import ModelConfig
 from tpumk.plan.knobs import TuningConfig
 from tpumk.targets import Target
 
-DEFAULT_MODEL = "tiny-moe"  # preset a command builds when given no --model / --checkpoint
+DEFAULT_MODEL = "small-moe"  # preset a command builds when given no --model / --checkpoint (bfloat16: profiles)
 DEFAULT_TARGET = "tpu7x"
 DEFAULT_BATCH = 1
 DEFAULT_CONTEXT = 4096
