@@ -44,12 +44,15 @@ def main(argv=None) -> int:
 
     import optuna
 
-    from tpumk.plan.spec import BuildSpec
-    from tpumk.tune import study as T
     from tpumk.model.config import load_preset
+    from tpumk.plan.spec import BuildSpec
     from tpumk.targets import get_target
+    from tpumk.tune.cache import evaluator_inputs
     from tpumk.tune.objectives import attached_tpu_kind, choose_objective
+    from tpumk.tune.settings import TuneSettings
     from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
+    from tpumk.tune.storage import storage_url
+    from tpumk.tune.study import open_study, run, study_name_for, trials_to_within
 
     optuna.logging.set_verbosity(logging.ERROR)
     space = load_space(args.space or DEFAULT_SPACE_PATH)
@@ -60,13 +63,13 @@ def main(argv=None) -> int:
             cfg = load_preset(preset)
             problem = BuildSpec(cfg, target, batch, args.context)
             choice = choose_objective(args.objective, cfg, target, attached_tpu_kind())
-            settings = T.TuneSettings(trials=args.trials, timeout=args.timeout, workers=args.workers, seed=args.seed)
-            name = T.study_name_for(problem, space, choice.name)
+            settings = TuneSettings(trials=args.trials, timeout=args.timeout, workers=args.workers, seed=args.seed)
+            name = study_name_for(problem, space, choice.name, evaluator_inputs())
             print(f"[{preset} b{batch}] study {name}: {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
             t0 = time.monotonic()
-            r = T.run(problem, space, choice, settings, study_name=name)
+            r = run(problem, space, choice, settings, study_name=name)
             wall = time.monotonic() - t0
-            study = T.open_study(T.storage_url(None, name), name, None, None, create=False)
+            study = open_study(storage_url(None, name), name, None, None, create=False)
             done = [t for t in study.get_trials(deepcopy=False) if t.state.name in ("COMPLETE", "PRUNED")]
             best = r.best[0] if r.best else None
             default = r.default["value_seconds"] if r.default else None
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
                 "study_compiles": sum(1 for t in done if "config_key" in t.user_attrs and not t.user_attrs.get("cached")),
                 "study_trial_seconds": sum(t.duration.total_seconds() for t in done if t.duration),
                 "default_seconds": default, "best_seconds": best["value_seconds"] if best else None,
-                "best_over_default": r.best_over_default, "trials_to_within_5pct": T.trials_to_within(study, 0.05),
+                "best_over_default": r.best_over_default, "trials_to_within_5pct": trials_to_within(study, 0.05),
                 "floor_seconds": r.floor_seconds,
                 "floor_over_best": (r.floor_seconds / best["value_seconds"]) if best and r.floor_seconds else None,
                 "best_changed_knobs": best["changed_knobs"] if best else None,

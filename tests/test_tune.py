@@ -8,6 +8,7 @@ SQLite storage, the result cache and the compile log), so no test sees another's
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,10 @@ from tpumk.cli import main
 from tpumk.model.config import resolve_model
 from tpumk.errors import ConfigError
 from tpumk.targets import get_target
-from tpumk.tune.study import ResultCache, TuneSettings, storage_url, study_name_for
+from tpumk.tune.cache import ResultCache
+from tpumk.tune.settings import TuneSettings
+from tpumk.tune.storage import open_storage, storage_url
+from tpumk.tune.study import study_name_for
 from tpumk.tune.objectives import choose_objective
 from tpumk.plan.knobs import load_tuning
 from tpumk.tune.space import SPACES_DIR, load_space
@@ -40,8 +44,6 @@ def tune_cmd(*extra):
 
 
 def load(url_or_path: str, study: str):
-    from tpumk.tune.study import open_storage
-
     return optuna.load_study(study_name=study, storage=open_storage(storage_url(url_or_path, study)))
 
 
@@ -216,11 +218,17 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     for p in written:
         data = Path(p).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    # Rerunning the finished study evaluates nothing.
+    # Not a terminal: one line per finished trial on stderr (stdout is the JSON).
+    logged = [ln for ln in r.stderr.splitlines() if ln.startswith("trial ")]
+    assert len(logged) == len(trials)
+    assert [ln for ln in logged if ln.startswith("trial 0 (default configuration): COMPLETE ")]
+    assert all("(compiler estimate)" in ln for ln in logged if ": COMPLETE " in ln)
+    # Rerunning the finished study evaluates nothing, and says so.
     r2 = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 8, "--json"))
     assert r2.exit_code == 0, r2.output
     out2 = json.loads(r2.stdout)
     assert out2["study"] == out["study"] and out2["this_run"]["trials"] == 0
+    assert out2["already_complete"] and "--trials 16" in out2["notes"][0] and "is complete" in r2.stderr
     assert len(compile_log(tmp_path)) == len(log)
     # `tpumk report` on the stored study, and its too-few-trials message.
     rr = cli("report", "--study", out["study"], "--out", tmp_path / "rep2", "--json")
@@ -305,6 +313,7 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
     import threading
 
     from tpumk.tune import study as T
+    from tpumk.tune.trial import TrialRunner
 
     calls: list[str] = []
     lock = threading.Lock()
@@ -317,7 +326,7 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
                  "source": "stand-in", "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1,
                  "model_seconds": 1e-6 * tuning.ring_depth, "model_source": "stand-in"}, "", 0)
 
-    monkeypatch.setattr(T.TrialRunner, "_run_worker", fake_worker)
+    monkeypatch.setattr(TrialRunner, "_run_worker", fake_worker)
     space = load_space(TINY_SPACE)
     problem = BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"))
     objective = choose_objective("model", problem.model, problem.target)
@@ -340,6 +349,84 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
     assert len(reused) == 5
     assert all(study.trials[t.user_attrs["duplicate_of"]].params == t.params
                for t in reused if "duplicate_of" in t.user_attrs)
+
+
+# ---------------------------------------------------------------------- the front door, in a log
+def test_cli_logs_one_line_per_trial_and_says_when_a_study_is_complete(tmp_path, monkeypatch):
+    """Where stderr is not a terminal (CliRunner, CI logs) every finished trial is one line:
+    number, state, value and its kind, or why it was pruned. A rerun of a finished study runs
+    nothing and says how to extend it; the larger --trials it names does. The compile is a
+    stand-in (this is about what the command prints)."""
+    from tpumk.tune.trial import TrialRunner
+
+    def fake_worker(self, trial, tuning):
+        if tuning.ring_depth == 4:
+            return ({"ok": False, "stage": "compile", "error": "Mosaic: stand-in rejection"}, "", 1)
+        return ({"ok": True, "stage": "done", "value": 1e-6 * tuning.ring_depth, "value_kind": "tpumk model",
+                 "source": "stand-in", "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1,
+                 "model_seconds": 1e-6 * tuning.ring_depth, "model_source": "stand-in"}, "", 0)
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", fake_worker)
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "rings.toml"
+    space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n')
+    args = tune_cmd("--space", space, "--objective", "model", "--seed", 1)
+    r = cli(*args, "--trials", 4)
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("trial ")]
+    assert len(lines) == 4, r.stdout
+    assert lines[0] == "trial 0 (default configuration): COMPLETE 12.00 us (tpumk model) [1/4 evaluated]"
+    assert lines[-1].endswith("[4/4 evaluated]")
+    for ln in lines:
+        assert re.fullmatch(r"trial \d+( \(default configuration\))?: (COMPLETE [\d.]+ us \(tpumk model\)"
+                            r"(, reused from (trial \d+|result cache))?|PRUNED at compile: Mosaic: stand-in "
+                            r"rejection( \(reused from (trial \d+|result cache)\))?) \[\d/4 evaluated\]", ln), ln
+    assert "is complete" not in r.stdout
+
+    again = cli(*args, "--trials", 4)
+    assert again.exit_code == 0, again.output
+    assert not [ln for ln in again.stdout.splitlines() if ln.startswith("trial ")]
+    assert "is complete, nothing was run: it already has 4 evaluated trials (--trials 4)" in again.stdout
+    assert "rerun with a larger --trials, e.g. --trials 8" in again.stdout
+    j = cli(*args, "--trials", 4, "--json")  # JSON on stdout; the message on stderr
+    assert json.loads(j.stdout)["already_complete"] is True and "is complete" in j.stderr
+
+    more = cli(*args, "--trials", 5, "--json")
+    assert more.exit_code == 0, more.output
+    out = json.loads(more.stdout)
+    assert out["already_complete"] is False and out["evaluated"] == 5 and out["this_run"]["trials"] >= 1
+    assert [ln for ln in more.stderr.splitlines() if ln.startswith("trial ")][-1].endswith("[5/5 evaluated]")
+
+
+# ---------------------------------------------------------------------- code changes: no stale value
+def test_values_of_other_code_are_neither_stored_nor_mixed_into_a_study(tmp_path, monkeypatch):
+    """A worker that ran other source than the key names (the tree was edited during the run)
+    stops the run and stores nothing; a study made by other evaluation code is refused by name."""
+    from tpumk.tune import study as T
+    from tpumk.tune.trial import SourceChanged, TrialRunner
+
+    def edited_worker(self, trial, tuning):
+        return ({"ok": True, "stage": "done", "value": 1e-6, "value_kind": "tpumk model", "source": "stand-in",
+                 "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1, "model_seconds": 1e-6,
+                 "model_source": "stand-in", "evaluator_sha256": "0" * 64}, "", 0)
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", edited_worker)
+    space = load_space(TINY_SPACE)
+    problem = BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"))
+    objective = choose_objective("model", problem.model, problem.target)
+    settings = TuneSettings(trials=2, root=tmp_path, cache_dir=tmp_path / "cache")
+    with pytest.raises(SourceChanged, match="source changed while the study ran"):
+        T.run(problem, space, objective, settings)
+    assert not list((tmp_path / "cache").glob("*.json"))  # nothing stored under this code's keys
+
+    url = storage_url(str(tmp_path / "s.journal"), "s")
+    ev = {"units": ["tpumk"], "sha256": "1" * 64}
+    T.open_study(url, "s", T.study_identity(problem, space, "model", ev), None)
+    other = T.study_identity(problem, space, "model", {**ev, "sha256": "2" * 64})
+    with pytest.raises(ConfigError, match="evaluated by other tpumk code"):
+        T.open_study(url, "s", other, None)
+    assert T.study_name_for(problem, space, "model", ev) != T.study_name_for(problem, space, "model",
+                                                                              {**ev, "sha256": "2" * 64})
 
 
 # ---------------------------------------------------------------------- the device objective

@@ -26,7 +26,9 @@ import optuna
 import pytest
 
 from tpumk.compat import optuna_heartbeat_enabled
-from tpumk.tune.study import ResultCache, _fail_stale, open_storage, open_study, storage_url
+from tpumk.tune.cache import ResultCache
+from tpumk.tune.storage import fail_stale, open_storage, storage_url
+from tpumk.tune.study import open_study
 from tpumk.tune.space import SPACES_DIR, load_space
 
 TINY_SPACE = str(SPACES_DIR / "tiny.toml")
@@ -40,7 +42,7 @@ def test_journal_storage_fails_stale_trials_but_not_live_ones(tmp_path):
     with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna: heartbeats are for optimize()
         dead = study.ask()  # left RUNNING, as by a killed process
     storage.record_heartbeat(dead._trial_id)
-    _fail_stale(study)
+    fail_stale(study)
     assert study.trials[dead.number].state.name == "RUNNING"  # within the grace period (3 s)
 
     # A live trial under optimize() keeps beating while it runs past the grace period.
@@ -52,7 +54,7 @@ def test_journal_storage_fails_stale_trials_but_not_live_ones(tmp_path):
     live.start()
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
-        _fail_stale(study)
+        fail_stale(study)
         time.sleep(0.5)
     live.join()
     states = [t.state.name for t in study.trials]

@@ -1,6 +1,10 @@
 """`tpumk tune` and `tpumk report`: click commands over tpumk.tune.study and tpumk.tune.report.
 
-Registered on the main group in tpumk/cli.py (`main.add_command(tune)`, `main.add_command(report)`).
+Registered on the main group in tpumk/cli/app.py (`main.add_command(tune)`, `main.add_command(report)`).
+
+While a study runs, `tpumk tune` shows a progress bar on a terminal and, where stderr is not a
+terminal (CI logs, pipes), one line per finished trial instead: its number, state, value and
+what kind of value it is, or why it was pruned.
 """
 
 from __future__ import annotations
@@ -22,7 +26,27 @@ def _knobs(changed: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in changed.items()) or "(the default configuration)"
 
 
+def trial_line(info: dict) -> str:
+    """One finished trial, for a log: `trial 3: COMPLETE 12.34 us (tpumk model) [3/8 evaluated]`."""
+    s = info["state"]
+    if s == "COMPLETE":
+        what = f"{_us(info['value_seconds'])} ({info['value_kind']})"
+        if info.get("cached_from"):
+            what += f", reused from {info['cached_from']}"
+    elif s == "PRUNED":
+        what = f"at {info.get('prune_stage') or 'unknown'}: {info.get('prune_reason') or 'no reason recorded'}"
+        if info.get("cached_from"):
+            what += f" (reused from {info['cached_from']})"
+    else:
+        what = info.get("fail_reason") or "failed (see the trial's user attrs)"
+    default = " (default configuration)" if info.get("default") else ""
+    return f"trial {info['trial']}{default}: {s} {what} [{info['evaluated']}/{info['trials']} evaluated]"
+
+
 def print_result(r) -> None:
+    notes = list(r.notes)
+    if r.already_complete and notes:
+        click.echo(notes.pop(0))
     c = r.counts
     click.echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} evaluated trials "
                f"({c.get('COMPLETE', 0)} complete, {r.evaluated - c.get('COMPLETE', 0)} pruned by the compiler), "
@@ -49,14 +73,14 @@ def print_result(r) -> None:
         if r.floor_seconds:
             click.echo(f"HBM floor of the best (tpumk plan accounting): {_us(r.floor_seconds)}; "
                        f"floor / best = {r.floor_seconds / best['value_seconds']:.2f}")
-    for n in r.notes:
+    for n in notes:
         click.echo(f"note: {n}")
     if r.out:
         click.echo(f"wrote {r.out} (tpumk build --tuning {r.out})")
 
 
 class _Bar:
-    """A tqdm bar of finished trials of the study (all processes), on stderr when it is a TTY."""
+    """A tqdm bar of finished trials of the study (all processes), on stderr (a TTY)."""
 
     def __init__(self, enabled: bool):
         self.bar = None
@@ -89,7 +113,7 @@ class _Bar:
 @click.option("--space", "space_file", type=click.Path(), help="Tuning space TOML (default tuning_spaces/default.toml).")
 @click.option("--trials", default=30, show_default=True,
               help="Evaluated trials the study ends with (complete, or pruned by the compiler); "
-                   "configurations pruned before compiling do not count.")
+                   "configurations pruned before compiling do not count. A larger number extends a finished study.")
 @click.option("--max-infeasible", type=int,
               help="Stop after this many configurations pruned before compiling (default 10 x --trials).")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds a trial's compile (and objective) may take; it is killed and pruned after.")
@@ -99,7 +123,8 @@ class _Bar:
                    "model: tpumk's timeline model; auto: the first that works here.")
 @click.option("--storage", help="Optuna storage: sqlite:///F.db, postgresql://..., F.journal or journal:F "
                                 "(default sqlite:///artifacts/tune/<study>.db).")
-@click.option("--study", "study_name", help="Study name (default: derived from model, target, shapes, space and objective).")
+@click.option("--study", "study_name", help="Study name (default: derived from model, target, shapes, space, objective and the "
+                                              "source of tpumk's evaluation code).")
 @click.option("--workers", default=1, show_default=True, help="Trials in parallel in this process (each compiles in its own process).")
 @click.option("--seed", type=int, help="Sampler seed (reproducible for a fresh study run by one process with --workers 1).")
 @click.option("--heartbeat", default=5, show_default=True, help="Seconds between trial heartbeats; a trial silent for 3 beats (a killed run) is failed.")
@@ -117,29 +142,36 @@ def tune(spec, space_file, trials, max_infeasible,
 
     import optuna
 
-    from tpumk.tune import study as T
+    from tpumk.tune.cache import evaluator_inputs
     from tpumk.tune.objectives import attached_tpu_kind, choose_objective
+    from tpumk.tune.settings import TuneSettings
     from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
+    from tpumk.tune.storage import redact, storage_url
+    from tpumk.tune.study import open_study, run, study_name_for
 
     space = load_space(space_file or DEFAULT_SPACE_PATH)
     problem = spec
     choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
-    settings = T.TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
-                              cache_dir=Path(cache_dir) if cache_dir else None, top=top,
-                              max_infeasible=max_infeasible)
+    settings = TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
+                            cache_dir=Path(cache_dir) if cache_dir else None, top=top,
+                            max_infeasible=max_infeasible)
     settings.validate()
-    name = study_name or T.study_name_for(problem, space, choice.name)
-    url = T.storage_url(storage, name, settings.root)
+    name = study_name or study_name_for(problem, space, choice.name, evaluator_inputs())
+    url = storage_url(storage, name, settings.root)
     out = out_file or str(settings.root / f"{name}.toml")
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     size = space.size()
     say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} evaluated trials")
     say(f"objective: {choice.name} ({choice.reason})")
-    say(f"study {name} in {T.redact(url)}")
+    say(f"study {name} in {redact(url)}")
     optuna.logging.set_verbosity(logging.ERROR)  # tpumk prints its own summary
-    bar = _Bar(enabled=not as_json)
+    # A bar on a terminal; one line per finished trial in a log (it would get no bar at all).
+    on_tty = sys.stderr.isatty()
+    bar = _Bar(enabled=on_tty and not as_json)
+    on_trial = None if bar.enabled else (lambda info: say(trial_line(info)))
     try:
-        result = T.run(problem, space, choice, settings, storage=storage, study_name=name, out=out, progress=bar)
+        result = run(problem, space, choice, settings, storage=storage, study_name=name, out=out, progress=bar,
+                     on_trial=on_trial)
     except KeyboardInterrupt:
         bar.close()
         click.echo(f"interrupted: rerun the same command to resume study {name}", err=True)
@@ -150,9 +182,11 @@ def tune(spec, space_file, trials, max_infeasible,
     if report_dir:
         from tpumk.tune.report import write_report
 
-        study = T.open_study(url, name, None, None, heartbeat, create=False)
+        study = open_study(url, name, None, None, heartbeat, create=False)
         report = write_report(study, report_dir)
     if as_json:
+        if result.already_complete and result.notes:
+            say(result.notes[0])
         d = result.to_dict()
         if report is not None:
             d["report"] = report
@@ -180,27 +214,28 @@ def report(storage, study_name, out_dir, as_json):
     """Plot a tuning study: optimization history, knob importances, timeline (PNG)."""
     import optuna
 
-    from tpumk.tune import study as T
     from tpumk.errors import ConfigError
     from tpumk.tune.report import write_report
+    from tpumk.tune.storage import DEFAULT_ROOT, open_storage, redact, storage_url
+    from tpumk.tune.study import open_study
 
     if not storage and not study_name:
         raise ConfigError("give --study (its default storage is artifacts/tune/<study>.db) or --storage")
-    if not storage and not (T.DEFAULT_ROOT / f"{study_name}.db").is_file():
-        raise ConfigError(f"--study {study_name!r}: no {T.DEFAULT_ROOT / (study_name + '.db')}; give --storage")
-    url = T.storage_url(storage, study_name or "", T.DEFAULT_ROOT)
+    if not storage and not (DEFAULT_ROOT / f"{study_name}.db").is_file():
+        raise ConfigError(f"--study {study_name!r}: no {DEFAULT_ROOT / (study_name + '.db')}; give --storage")
+    url = storage_url(storage, study_name or "", DEFAULT_ROOT)
     if storage and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
         raise ConfigError(f"--storage {storage}: no such file")
     if storage and (url.startswith("journal:") or url.endswith(".journal")) \
             and not Path(url.removeprefix("journal:")).is_file():
         raise ConfigError(f"--storage {storage}: no such file")
     if study_name is None:
-        names = optuna.get_all_study_names(T.open_storage(url))
+        names = optuna.get_all_study_names(open_storage(url))
         if len(names) != 1:
-            raise ConfigError(f"--storage {T.redact(url)} holds {len(names)} studies ({', '.join(names) or 'none'}): "
+            raise ConfigError(f"--storage {redact(url)} holds {len(names)} studies ({', '.join(names) or 'none'}): "
                               "give --study")
         study_name = names[0]
-    study = T.open_study(url, study_name, None, None, create=False)
+    study = open_study(url, study_name, None, None, create=False)
     r = write_report(study, out_dir)
     if as_json:
         emit_json({"study": study_name, **r})

@@ -1,47 +1,203 @@
-"""Content-addressed cache keys for builds: sha256 over everything that changes the executable.
+"""Content-addressed cache keys for builds: sha256 over everything that computed the value.
 
 The key covers the model config, the target and its topology, the step shapes, the tuning
-knobs, the source of every tpumk module that shapes the kernel, the jax / jaxlib / libtpu
-versions and the compile flags. It is computed from files and metadata only (no JAX backend,
-no compile), so CI can ask for it in about a second. The encoding is canonical JSON (sorted
-keys, no whitespace, floats by repr), so the same inputs give the same key in any process on
-any machine.
+knobs, the source of the code that computed the value, the jax / jaxlib / libtpu versions
+and the compile flags. It is computed from files and metadata only (no JAX backend, no
+compile), so CI can ask for it in about a second. The encoding is canonical JSON (sorted keys,
+no whitespace, floats by repr), so the same inputs give the same key in any process on any
+machine.
+
+Source: no hand-kept list of files (a list goes stale the day someone moves code or adds a
+module, and then a cache serves values computed by other code). `source_inputs(entry)` reads
+the package's import graph from the source (`ast`: every import, lazy ones inside functions
+included) and takes the *units* reachable from an entry module: a unit is a subpackage
+(`tpumk/model/`, with its package data such as the presets' TOML) or a top-level module
+(`tpumk/targets.py`). Every file of those units is hashed, sorted by path. Whole units, not
+single modules: a unit's modules may load each other dynamically or read its data files, and
+the import rule of the package (tests/test_layout.py) is stated per unit too. The package
+root (`tpumk/__init__.py`) runs on every import of tpumk, so it is always hashed and its
+module-level imports followed; the imports inside its lazy `__getattr__` (the public serving
+API, `tpumk.load`) are followed only when a reached module uses that API (`import tpumk`, or
+`from tpumk import <not a unit>` other than `__version__`).
+
+- the build / artifact key (`key_inputs`) covers the closure of `tpumk.export.artifacts`, the
+  code path that builds, compiles and writes an artifact (compile, kernel, plan, model,
+  targets, estimate for the build report, ...), and not the CLI, the tuner or decoding;
+- the tuner's result cache adds the closure of its trial evaluation (tpumk.tune.cache).
+
+The inputs record which units were hashed (readable) and the digest. Parsing is cached by file
+content, so a process asking again pays for reading and hashing the files only.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import json
 import os
 import re
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from tpumk.plan.spec import BuildSpec
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-# Modules whose source decides the compiled program. Reports, CLI, tuner and export code do not.
-KERNEL_SOURCES = ("config.py", "plan.py", "tuning.py", "reference.py", "targets.py", "compile.py",
-                  "build.py", "kernel/*.py")
+PACKAGE = "tpumk"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../tpumk
+# The code path of a build artifact: its closure decides the executable and the manifest.
+ARTIFACT_ENTRY = "tpumk.export.artifacts"
 # Bump when the artifact layout or what the key covers changes (old keys then miss, never collide).
-KEY_SCHEMA = 1
+# 2: source by import closure of whole units (was: a hand-kept list of files).
+KEY_SCHEMA = 2
 # libtpu flags that only write reports beside a compile and do not change the executable: left
 # out of the key (the static-profile dump, tpumk.estimate.static_profile).
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
 # Environment variables that feed the compiler.
 COMPILE_ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS", "JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION")
+ROOT = PACKAGE  # the unit name of the package root, tpumk/__init__.py
 
 
-def kernel_source_digest() -> str:
+# ---------------------------------------------------------------------- source closure
+def _skip(path: Path) -> bool:
+    """Files that are not source: bytecode caches, editor and OS dot-files and dot-directories."""
+    return ("__pycache__" in path.parts or path.suffix in (".pyc", ".pyo")
+            or any(part.startswith(".") for part in path.parts))
+
+
+def _unit_of(module: str, package_dir: Path) -> str | None:
+    """The unit a module (absolute, dotted) belongs to: `tpumk.model.config` -> `tpumk.model`;
+    the root for `tpumk` itself; None outside the package or for a name that is not a module
+    file or package of it (an attribute of the root, e.g. `tpumk.__version__`)."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    if len(parts) == 1:
+        return ROOT
+    name = parts[1]
+    if (package_dir / name).is_dir() or (package_dir / f"{name}.py").is_file():
+        return f"{PACKAGE}.{name}"
+    return None
+
+
+def _unit_files(unit: str, package_dir: Path) -> list[Path]:
+    if unit == ROOT:
+        return [package_dir / "__init__.py"]
+    name = unit.split(".", 1)[1]
+    d = package_dir / name
+    if d.is_dir():
+        return sorted(p for p in d.rglob("*") if p.is_file() and not _skip(p.relative_to(package_dir)))
+    return [package_dir / f"{name}.py"]
+
+
+def _module_name(path: Path, package_dir: Path) -> str:
+    rel = path.relative_to(package_dir.parent).with_suffix("")
+    return ".".join(p for p in rel.parts if p != "__init__")
+
+
+@functools.lru_cache(maxsize=4096)
+def _imports(source: bytes, module: str, is_package: bool) -> tuple[tuple[str, bool, bool], ...]:
+    """Every module name a source imports, absolute, as (name, lazy: inside a function, bare:
+    `import NAME` rather than `from NAME import ...`). `from a import b` gives `a` and `a.b`
+    (b may be a module); relative imports are resolved against `module`;
+    `importlib.import_module("...")` with a literal name counts as a bare import. Cached by
+    content, so an unchanged file is parsed once per process."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ()  # hashed all the same; a module that does not parse imports nothing
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    out: list[tuple[str, bool, bool]] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((a.name, lazy, True) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = here[:len(here) - child.level + 1] if child.level <= len(here) else []
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                if mod:
+                    out.append((mod, lazy, False))
+                    out.extend((f"{mod}.{a.name}", lazy, False) for a in child.names if a.name != "*")
+            elif (isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant)
+                  and isinstance(child.args[0].value, str)
+                  and ((isinstance(child.func, ast.Attribute) and child.func.attr == "import_module")
+                       or (isinstance(child.func, ast.Name) and child.func.id in ("import_module", "__import__")))):
+                out.append((child.args[0].value, lazy, True))
+            visit(child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return tuple(dict.fromkeys(out))
+
+
+def _package_dir(package_dir: str | Path | None) -> Path:
+    return Path(package_dir).resolve() if package_dir is not None else PACKAGE_DIR
+
+
+def source_closure(entries: Iterable[str], package_dir: str | Path | None = None) -> list[str]:
+    """The units reachable from the entry modules, sorted (the root always among them)."""
+    pkg = _package_dir(package_dir)
+    todo = [u for u in (_unit_of(e, pkg) for e in entries) if u is not None] + [ROOT]
+    seen: set[str] = set()
+    root_api = False  # a reached module may use the root's lazy API (tpumk.load, tpumk.pack_weights)
+    root_api_followed = False
+    while todo or (root_api and not root_api_followed):
+        if not todo:
+            root_api_followed = True
+            todo = [u for name, lazy, _ in _imports((pkg / "__init__.py").read_bytes(), PACKAGE, True)
+                    for u in [_unit_of(name, pkg)] if lazy and u is not None]
+            continue
+        unit = todo.pop()
+        if unit in seen:
+            continue
+        seen.add(unit)
+        for path in _unit_files(unit, pkg):
+            if path.suffix != ".py":
+                continue
+            for name, lazy, bare in _imports(path.read_bytes(), _module_name(path, pkg), path.name == "__init__.py"):
+                if name.split(".")[0] != PACKAGE:
+                    continue
+                if unit == ROOT:
+                    if not lazy:  # the root's lazy API is followed below, if something uses it
+                        todo.extend(u for u in [_unit_of(name, pkg)] if u is not None)
+                    continue
+                target = _unit_of(name, pkg)
+                if target is not None:
+                    todo.append(target)
+                    root_api |= bare and name == PACKAGE  # `import tpumk`: may call tpumk.load
+                elif name != f"{PACKAGE}.__version__":
+                    root_api = True  # `from tpumk import load`
+    return sorted(seen)
+
+
+def source_files(units: Iterable[str], package_dir: str | Path | None = None) -> list[Path]:
+    pkg = _package_dir(package_dir)
+    return sorted({p for u in units for p in _unit_files(u, pkg)}, key=lambda p: p.relative_to(pkg).as_posix())
+
+
+def source_digest(units: Iterable[str], package_dir: str | Path | None = None) -> str:
+    """sha256 over every file of the units: its path under the package's parent, its length,
+    its bytes; sorted by path, so the same tree gives the same digest wherever it lives."""
+    pkg = _package_dir(package_dir)
     h = hashlib.sha256()
-    files = sorted({p for pattern in KERNEL_SOURCES for p in PACKAGE_DIR.glob(pattern)})
-    for p in files:
-        h.update(p.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
-        h.update(p.read_bytes() + b"\0")
+    for p in source_files(units, pkg):
+        data = p.read_bytes()
+        h.update(p.relative_to(pkg.parent).as_posix().encode() + b"\0" + str(len(data)).encode() + b"\0")
+        h.update(data)
     return h.hexdigest()
 
 
+def source_inputs(*entries: str, package_dir: str | Path | None = None) -> dict[str, Any]:
+    """What a key records about the code behind a value: the entry modules, the units hashed
+    (readable) and their digest."""
+    units = source_closure(entries, package_dir)
+    return {"entry": list(entries), "units": units, "sha256": source_digest(units, package_dir)}
+
+
+# ---------------------------------------------------------------------- environment
 def stack_versions() -> dict[str, str]:
     import tpumk
 
@@ -67,6 +223,7 @@ def compile_flags() -> dict[str, str]:
     return out
 
 
+# ---------------------------------------------------------------------- the key
 def key_inputs(spec: BuildSpec) -> dict[str, Any]:
     """Everything the key covers, as plain data (also stored in artifact manifests)."""
     target = spec.target
@@ -77,7 +234,7 @@ def key_inputs(spec: BuildSpec) -> dict[str, Any]:
                    "interpret": target.interpret},
         "shapes": spec.shapes(),
         "tuning": spec.tuning.to_dict(),
-        "kernel_source_sha256": kernel_source_digest(),
+        "source": source_inputs(ARTIFACT_ENTRY),
         "versions": stack_versions(),
         "compile_flags": compile_flags(),
     }

@@ -11,7 +11,8 @@ request: {"spec": BuildSpec.to_dict() (the trial's tuning included), "objective"
 reply:   {"ok": bool, "stage": where it stopped ("done", "plan", "compile", "estimate", "device",
           "model"), "error": one line or null, "value": seconds or null, "value_kind": how the
           value was obtained, "source": the objective's own provenance, "compile_seconds",
-          "lower_seconds", "custom_calls", "model_seconds", "model_source", "details": {...}}
+          "lower_seconds", "custom_calls", "model_seconds", "model_source", "details": {...},
+          "evaluator_sha256": the digest of the source this worker ran (tpumk.compile.keys.source_inputs)}
 
 Every objective compiles the real executable first (the same compile `tpumk build` does), so a
 configuration the compiler rejects is caught whatever the objective.
@@ -207,6 +208,14 @@ def main() -> None:
     except Exception as e:  # anything unexpected still answers in one line; the trace goes to stderr
         traceback.print_exc()
         reply = {"ok": False, "stage": "worker", "error": error_line(e)}
+    # The source this worker ran, read after every import it needed: the tuner stores the reply
+    # under its result key only if this is the source that key names (not a tree edited meanwhile).
+    try:
+        from tpumk.compile.keys import source_inputs
+
+        reply["evaluator_sha256"] = source_inputs(__spec__.name if __spec__ else "tpumk.tune.worker")["sha256"]
+    except Exception as e:
+        reply["evaluator_sha256"] = f"unknown: {error_line(e)}"
     sys.stdout.write("\n" + json.dumps(reply) + "\n")
     sys.stdout.flush()
 

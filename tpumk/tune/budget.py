@@ -1,0 +1,75 @@
+"""The study's budget: which trials count, and the check before a trial starts evaluating.
+
+`--trials N` means the study ends with N *evaluated* trials: COMPLETE, or PRUNED after a
+compile (the compiler rejected the configuration, crashed or timed out), i.e. the trials that
+cost a compile or reused one. Trials pruned before compiling (the space's constraints, the
+plan) cost a fraction of a second and do not count; they are capped at `max_infeasible`
+(default 10 x N) so a space that is mostly infeasible still ends. Every process and worker
+thread shares the budget: a thread starts a trial only while evaluated + running < N (running
+trials of other processes included), and a trial that another process started past the
+budget in a race is marked FAIL ("surplus", never evaluated). (Optuna's MaxTrialsCallback
+stops a study only after a trial finishes, so parallel workers would overshoot the budget by
+the trials they have in flight; hence the check before each start.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tpumk.tune.settings import TuneSettings
+from tpumk.tune.storage import fail_stale
+
+POLL_SECONDS = 0.5
+FINISHED = ("COMPLETE", "PRUNED")
+FREE_STAGES = ("tuning", "constraint", "plan")  # pruned before compiling: not in the budget
+
+
+class SurplusTrial(Exception):
+    """A trial another process started after the budget was used up: failed, never evaluated."""
+
+
+class Interrupted(Exception):
+    """The run was interrupted while this trial was evaluating: failed, so a rerun redoes it."""
+
+
+def state(t) -> str:
+    return t.state.name
+
+
+def is_free(t) -> bool:
+    """Pruned before compiling: outside the budget."""
+    return state(t) == "PRUNED" and t.user_attrs.get("prune_stage") in FREE_STAGES
+
+
+def tally(trials) -> tuple[int, int, set[int]]:
+    """(evaluated trials, trials pruned before compiling, numbers of running trials)."""
+    evaluated = sum(state(t) in FINISHED and not is_free(t) for t in trials)
+    return evaluated, sum(is_free(t) for t in trials), {t.number for t in trials if state(t) == "RUNNING"}
+
+
+def is_spent(trials, settings: TuneSettings) -> bool:
+    """The study has its evaluated trials, or hit the cap of trials pruned before compiling."""
+    evaluated, infeasible, _ = tally(trials)
+    return evaluated >= settings.trials or infeasible >= settings.infeasible_cap()
+
+
+def wait_for_budget(trial, settings: TuneSettings, stop: threading.Event) -> None:
+    """Evaluate only within the budget: wait while trials ahead of this one might still fill
+    it; fail as surplus if they did (another process raced this one past the budget)."""
+    last_stale_check = 0.0
+    while True:
+        trials = trial.study.get_trials(deepcopy=False)
+        evaluated, _, _ = tally(trials)
+        ahead = sum(state(t) == "RUNNING" and t.number < trial.number for t in trials)
+        if is_spent(trials, settings):
+            trial.set_user_attr("fail_reason", "surplus: the study had its trials when this one started")
+            raise SurplusTrial(f"study already has {evaluated} evaluated trials")
+        if evaluated + ahead < settings.trials:
+            return
+        if stop.is_set():
+            raise Interrupted("interrupted before evaluating")
+        if time.monotonic() - last_stale_check > settings.heartbeat:
+            fail_stale(trial.study)
+            last_stale_check = time.monotonic()
+        time.sleep(POLL_SECONDS)

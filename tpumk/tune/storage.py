@@ -1,0 +1,168 @@
+"""Where a study lives: storage URLs, opening an Optuna storage with heartbeats, stale trials.
+
+- default: `sqlite:///artifacts/tune/<study>.db` (one file per study, under the working directory;
+  for one process: SQLite cannot lock a trial for update, so several processes should share a
+  journal file or PostgreSQL);
+- `PATH.journal` or `journal:PATH`: a JournalStorage file, for several processes on one machine;
+- any Optuna RDB URL, e.g. `postgresql://user:pw@host/db` for workers on many machines.
+
+Trials send Optuna heartbeats (RDBStorage's own; JournalStorage gets the same through
+`JournalHeartbeatStorage`), so a killed run's RUNNING trials become FAIL after a grace period
+(`fail_stale`) and stop counting.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from tpumk.errors import ConfigError
+
+DEFAULT_ROOT = Path("artifacts") / "tune"
+DEFAULT_HEARTBEAT = 5  # seconds between trial heartbeats
+GRACE_FACTOR = 3  # a RUNNING trial whose heartbeat is this many intervals old is stale
+
+
+@functools.lru_cache(maxsize=None)
+def _journal_heartbeat_class():
+    from optuna.storages import JournalStorage
+    from optuna.trial import TrialState
+
+    from tpumk.compat import optuna_heartbeat_base
+
+    BaseHeartbeat = optuna_heartbeat_base()
+
+    class JournalHeartbeatStorage(JournalStorage, BaseHeartbeat):
+        """A JournalStorage with Optuna's heartbeat protocol (RDBStorage has its own): the
+        heartbeat is a trial system attr, so `study.optimize` records it and
+        `fail_stale_trials` fails trials of a killed process, as with RDBStorage. Heartbeats
+        compare wall clocks of the processes sharing the file, i.e. of one machine."""
+
+        HEARTBEAT = "tpumk:heartbeat"
+
+        def __init__(self, backend, heartbeat_interval: int, grace_period: int) -> None:
+            super().__init__(backend)
+            self.heartbeat_interval = heartbeat_interval
+            self.grace_period = grace_period
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            import optuna
+
+            try:
+                self.set_trial_system_attr(trial_id, self.HEARTBEAT, time.time())
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # failed as stale meanwhile (a paused process): nothing left to keep alive
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            now = time.time()
+            stale = []
+            for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+                beat = t.system_attrs.get(self.HEARTBEAT)
+                if beat is None and t.datetime_start is not None:
+                    beat = t.datetime_start.timestamp()
+                if beat is not None and now - beat > self.grace_period:
+                    stale.append(t._trial_id)
+            return stale
+
+        def get_heartbeat_interval(self) -> int | None:
+            return self.heartbeat_interval
+
+        def get_heartbeat_stale_trial_callback(self):
+            return None
+
+    return JournalHeartbeatStorage
+
+
+@functools.lru_cache(maxsize=None)
+def _sqlite_storage_class():
+    import optuna
+
+    class SQLiteStorage(optuna.storages.RDBStorage):
+        """RDBStorage on SQLite, with trial state changes serialised in this process. SQLite has
+        no SELECT ... FOR UPDATE, so two worker threads could both take the same WAITING
+        (enqueued) trial; under the lock the second sees it RUNNING and takes another. Several
+        processes should share a journal file or PostgreSQL instead, which lock properly."""
+
+        _state_lock = threading.Lock()
+
+        def set_trial_state_values(self, trial_id, state, values=None):
+            with self._state_lock:
+                return super().set_trial_state_values(trial_id, state, values)
+
+    return SQLiteStorage
+
+
+def redact(url: str) -> str:
+    """A storage URL fit to print (no password)."""
+    if "://" not in url:
+        return url
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
+def storage_url(storage: str | None, study_name: str, root: Path = DEFAULT_ROOT) -> str:
+    """The storage a study uses: the --storage value normalised, or the default SQLite file."""
+    if storage is None or storage == "":
+        return f"sqlite:///{root / (study_name + '.db')}"
+    if storage.startswith("journal:") or ("://" not in storage and storage.endswith(".journal")):
+        return storage
+    if "://" in storage:
+        return storage
+    if storage.endswith((".db", ".sqlite", ".sqlite3")):
+        return f"sqlite:///{storage}"
+    raise ConfigError(f"--storage {storage!r}: expected an Optuna storage URL (sqlite:///FILE.db, "
+                      "postgresql://user:pw@host/db), a FILE.journal or journal:FILE, or a FILE.db")
+
+
+def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
+    """An Optuna storage with heartbeats on, for a URL from `storage_url`."""
+    import optuna
+
+    grace = GRACE_FACTOR * heartbeat
+    if url.startswith("journal:") or ("://" not in url and url.endswith(".journal")):
+        path = Path(url.removeprefix("journal:"))
+        if not path.name:
+            raise ConfigError(f"--storage {url!r}: expected journal:FILE")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from optuna.storages.journal import JournalFileBackend
+
+        return _journal_heartbeat_class()(JournalFileBackend(str(path)), heartbeat, grace)
+    scheme = url.split("://", 1)[0].split("+", 1)[0]
+    if scheme == "sqlite":
+        db = url.split(":///", 1)[-1]
+        if db and db != ":memory:":
+            Path(db).parent.mkdir(parents=True, exist_ok=True)
+    if scheme in ("postgresql", "postgres"):
+        if "+" not in url.split("://", 1)[0]:
+            # SQLAlchemy 2.1 defaults to the psycopg 3 driver; tpumk depends on psycopg2-binary.
+            url = "postgresql+psycopg2://" + url.split("://", 1)[1]
+        if url.startswith("postgresql+psycopg2://"):
+            import importlib.util
+
+            if importlib.util.find_spec("psycopg2") is None:
+                raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            cls = _sqlite_storage_class() if scheme == "sqlite" else optuna.storages.RDBStorage
+            return cls(url, heartbeat_interval=heartbeat, grace_period=grace)
+    except Exception as e:  # bad URL, server down, wrong password, unknown dialect
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--storage {redact(url)}: cannot open: {first[:300]}") from None
+
+
+def fail_stale(study) -> None:
+    """Fail the RUNNING trials whose heartbeat is older than the grace period (a killed run's)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
