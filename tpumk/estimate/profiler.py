@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,20 +63,48 @@ def estimate_in_subprocess(spec, timeout: float | None = 900) -> Estimate:
             return Estimate(None, {}, None, None, f"profiling compile timed out after {timeout:.0f} s")
     if proc.returncode != 0:
         return Estimate(None, {}, None, None, f"profiling compile failed (exit {proc.returncode}): "
+                                              f"{_failure_line(proc.stderr, proc.returncode)}")
+    try:
+        return Estimate(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError, TypeError):
+        return Estimate(None, {}, None, None, "profiling process exited without a reply: "
                                               f"{_failure_line(proc.stderr)}")
-    return Estimate(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def _failure_line(stderr: str) -> str:
-    """The line that says why libtpu or the compile died (its CHECK message when it aborted)."""
-    lines = stderr.strip().splitlines() or ["no output"]
+FIFO_FULL = "Cannot schedule FIFO push"  # libtpu 0.0.52's static profiler, on some DMA ring shapes
+
+
+def _failure_line(stderr: str, returncode: int | None = None) -> str:
+    """Why libtpu or the profiling compile died, in plain words (one line): a known profiler
+    limit by name, a fatal signal by name (SIGKILL: most likely the out-of-memory killer), else
+    the compiler's CHECK / RESOURCE_EXHAUSTED line, else the last line of stderr."""
+    lines = [" ".join(line.split()) for line in (stderr or "").strip().splitlines() if line.strip()] or ["no output"]
     if "got vector-bf16packed" in stderr:  # libtpu 0.0.52's profiler on multi-pass f32 matmuls
         return ("libtpu's static profiler aborts on this kernel's float32 matmuls (an internal LLO type "
                 "check); bfloat16 weights (--dtype bfloat16) profile fine")
-    for line in lines:
-        if "Check failed" in line or "RESOURCE_EXHAUSTED" in line:
-            return line.split("] ", 1)[-1][:400]
-    return lines[-1][:400]
+    if FIFO_FULL in stderr:
+        msg = next(line for line in lines if FIFO_FULL in line)
+        msg = msg[msg.index(FIFO_FULL):][:160]
+        return (f"libtpu's static profiler aborted scheduling this kernel's DMAs (a known profiler limit: {msg}); "
+                "the executable itself compiles, only the compiler's cycle estimate is missing")
+    detail = next((line.split("] ", 1)[-1][:400] for line in lines
+                   if "Check failed" in line or "RESOURCE_EXHAUSTED" in line), None)
+    if returncode is not None and returncode < 0:
+        sig = _signal_name(-returncode)
+        if sig == "SIGKILL":
+            return ("killed by SIGKILL, most likely out of memory (the profiling compile needs more RAM than this "
+                    "host has)")
+        why = {"SIGABRT": "libtpu aborted", "SIGSEGV": "libtpu crashed (segmentation fault)",
+               "SIGTERM": "terminated from outside"}.get(sig, "killed")
+        return f"{why} ({sig}): {detail or lines[-1][:400]}"
+    return detail or lines[-1][:400]
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _serve(request: dict[str, Any]) -> Estimate:

@@ -84,8 +84,11 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: malformed index ({_one_line(e)})") from None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise CheckpointError(f"{index}: malformed index (field 'weight_map': expected an object of "
+                                  "tensor name -> shard file name)")
         files = [d / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -198,7 +201,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg = load_hf_config(d / "config.json")
-    quant = json.loads((d / "config.json").read_text()).get("quantization_config")
+    quant = json.loads((d / "config.json").read_text()).get("quantization_config")  # a JSON object: checked above
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise NotSupportedError(f"{d / 'config.json'}: not supported yet: quantized checkpoint ({method})")

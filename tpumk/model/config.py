@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,6 +28,24 @@ from tpumk.tomlfile import read_toml
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
 PRESET_PACKAGE = "tpumk.model.presets"
+
+# Sane upper bounds of every size field, checked before anything loops over layers or allocates.
+# Each is far above any released decoder (Qwen3-235B: 94 layers, 151936 vocab, 128 experts;
+# DeepSeek-V3: 61 layers, 256 experts, hidden 7168), so a value past one is a typo or garbage.
+MAX_SIZES = {
+    "num_layers": 1024,
+    "hidden_size": 65536,
+    "num_q_heads": 1024,
+    "num_kv_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 22,
+    "ffn_size": 1 << 20,
+    "num_experts": 4096,
+    "top_k": 4096,
+    "expert_ffn_size": 1 << 20,
+    "num_shared_experts": 64,
+    "shared_expert_ffn_size": 1 << 20,
+}
 
 
 @dataclass(frozen=True)
@@ -57,31 +76,42 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = field(default_factory=tuple)  # dense layers of a MoE model
 
     def __post_init__(self) -> None:
-        # Accept lists from TOML/JSON but store a hashable, sorted tuple.
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
+        # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
+        # as given for `validate` to reject by name).
+        dl = self.dense_layers
+        if isinstance(dl, (list, tuple)) and all(_is_int(i) for i in dl):
+            object.__setattr__(self, "dense_layers", tuple(sorted(set(dl))))
         self.validate()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         def need(cond: bool, fld: str, expected: str) -> None:
             if not cond:
-                raise ConfigError(f"model config '{self.name}': field '{fld}' = {getattr(self, fld)!r}: expected {expected}")
+                raise ConfigError(f"model config '{self.name}': field '{fld}' = {_short_repr(getattr(self, fld))}: "
+                                  f"expected {expected}")
 
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("model config: field 'name' must be a non-empty string")
+        if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
+            raise ConfigError(f"model config: field 'name' = {_short_repr(self.name)}: expected a non-empty "
+                              "one-line string")
+        # Types and bounds first: everything below (and every consumer) may then do arithmetic
+        # on the sizes, and nothing loops over more than MAX_SIZES["num_layers"] layers.
         for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            need(_is_int(getattr(self, f)) and getattr(self, f) > 0, f, "a positive integer")
+            need(_is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
+                 f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size"):
-            need(_is_int(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative integer")
+            need(_is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
+                 f"a non-negative integer at most {MAX_SIZES[f]:,}")
+        need(isinstance(self.dense_layers, tuple) and all(_is_int(i) for i in self.dense_layers), "dense_layers",
+             "a list of layer indices")
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
         need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        need(isinstance(self.rms_eps, (int, float)) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
-        need(isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0, "rope_theta", "a positive number")
+        need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
+        need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
         need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
         need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
         need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "true or false")
-        need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
-        need(self.router_scoring in SCORINGS, "router_scoring", f"one of {', '.join(SCORINGS)}")
+        need(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
+        need(isinstance(self.router_scoring, str) and self.router_scoring in SCORINGS, "router_scoring", f"one of {', '.join(SCORINGS)}")
         if self.num_experts:
             need(self.top_k >= 1, "top_k", "at least 1 for a mixture-of-experts model")
             need(self.top_k <= self.num_experts, "top_k", f"at most num_experts ({self.num_experts})")
@@ -95,7 +125,7 @@ class ModelConfig:
             need(self.top_k == 0, "top_k", "0 for a dense model (num_experts = 0)")
             need(self.num_shared_experts == 0, "num_shared_experts", "0 for a dense model (num_experts = 0)")
             need(not self.dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
-        if any(self.layer_is_dense(i) for i in range(self.num_layers)):
+        if self.num_dense_layers:  # closed form: no loop over num_layers
             need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
 
     # ------------------------------------------------------------------ derived facts
@@ -115,6 +145,10 @@ class ModelConfig:
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
+    @property
+    def num_dense_layers(self) -> int:
+        return len(self.dense_layers) if self.is_moe else self.num_layers
+
     def layer_is_dense(self, i: int) -> bool:
         return (not self.is_moe) or i in self.dense_layers
 
@@ -132,11 +166,22 @@ class ModelConfig:
             "experts": self.num_experts,
         }
 
+    def _layer_kinds(self) -> list[tuple[int, dict[str, int]]]:
+        """(how many layers, one such layer's param counts) per layer kind, in closed form (no
+        loop over the layers: every dense layer counts alike, and so does every MoE layer)."""
+        n_dense = self.num_dense_layers
+        out = []
+        if n_dense:
+            out.append((n_dense, self.layer_param_counts(self.dense_layers[0] if self.is_moe else 0)))
+        if self.num_layers - n_dense:
+            first_moe = next(i for i in range(n_dense + 1) if not self.layer_is_dense(i))
+            out.append((self.num_layers - n_dense, self.layer_param_counts(first_moe)))
+        return out
+
     def param_count(self) -> int:
         total = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
-        for i in range(self.num_layers):
-            c = self.layer_param_counts(i)
-            total += c["always"] + c["per_expert"] * c["experts"]
+        for n, c in self._layer_kinds():
+            total += n * (c["always"] + c["per_expert"] * c["experts"])
         return total
 
     def decode_weight_bytes(self, batch: int = 1) -> int:
@@ -146,11 +191,10 @@ class ModelConfig:
         distinct experts selected by `batch * top_k` uniform picks is counted.
         """
         params = self.vocab_size * self.hidden_size + self.hidden_size  # lm_head + final norm
-        for i in range(self.num_layers):
-            c = self.layer_param_counts(i)
-            params += c["always"]
+        for n, c in self._layer_kinds():
+            params += n * c["always"]
             if c["experts"]:
-                params += c["per_expert"] * expected_distinct_experts(self.num_experts, self.top_k, batch)
+                params += n * c["per_expert"] * expected_distinct_experts(self.num_experts, self.top_k, batch)
         return int(round(params * self.dtype_bytes))
 
     def kv_bytes_per_token(self) -> int:
@@ -179,6 +223,21 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _short_repr(v: Any, limit: int = 60) -> str:
+    """repr(v) cut to one short line (error messages quote user values)."""
+    r = " ".join(repr(v).split())
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 
 
@@ -193,7 +252,7 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
         if required not in data:
             raise ConfigError(f"{source}: missing required field '{required}'")
     for key, value in data.items():
-        if key in ("rms_eps", "rope_theta") and _is_int(value):
+        if key in ("rms_eps", "rope_theta") and _is_int(value) and _is_number(value):
             data = {**data, key: float(value)}
         if key == "dense_layers" and not (isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
             raise ConfigError(f"{source}: field 'dense_layers' = {value!r}: expected a list of layer indices")
@@ -226,13 +285,17 @@ _HF_KNOWN_UNSUPPORTED = {
 }
 
 
-def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
+def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (Qwen3 / Qwen3-MoE) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
-    never silently built wrong.
+    never silently built wrong. A field of the wrong type or out of bounds raises ConfigError
+    naming the field (its Hugging Face name) and the file.
     """
-    mt = data.get("model_type")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object of model fields, got a JSON {_json_kind(data)}")
+    hf = _HFFields(data, source)
+    mt = hf.str_("model_type", None)
     if mt in _HF_KNOWN_UNSUPPORTED:
         raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
     if "kv_lora_rank" in data or "q_lora_rank" in data:
@@ -240,67 +303,134 @@ def from_hf_config(data: dict[str, Any], source: str = "config.json") -> ModelCo
     if mt not in _HF_SUPPORTED:
         raise NotSupportedError(
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
-    if data.get("attention_bias"):
+    if hf.bool_("attention_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
-    if data.get("use_sliding_window"):
+    if hf.bool_("use_sliding_window", False):
         raise NotSupportedError(f"{source}: not supported yet: sliding-window attention")
-    if any(t != "full_attention" for t in data.get("layer_types") or ()):
+    layer_types = hf.list_("layer_types", str, "a list of layer type names")
+    if any(t != "full_attention" for t in layer_types):
         raise NotSupportedError(f"{source}: not supported yet: sliding-window attention (layer_types)")
     # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
     # top-level `rope_theta` plus an optional `rope_scaling`.
     for key in ("rope_scaling", "rope_parameters"):
         rope = data.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise ConfigError(f"{source}: field '{key}' = {_short_repr(rope)}: expected an object or null")
         if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
-            raise NotSupportedError(f"{source}: not supported yet: {key} {rope!r}")
-    rope_params = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
-    rope_theta = next((t for t in (rope_params.get("rope_theta"), data.get("rope_theta")) if t is not None), 10000.0)
+            raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
+    rope_params = data.get("rope_parameters") or {}
+    if rope_params.get("rope_theta") is not None:
+        rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
+    else:
+        rope_theta = hf.number("rope_theta", 10000.0)
     act = data.get("hidden_act", "silu")
     if act != "silu":
-        raise NotSupportedError(f"{source}: not supported yet: hidden_act {act!r} (only silu / SwiGLU)")
+        raise NotSupportedError(f"{source}: not supported yet: hidden_act {_short_repr(act)} (only silu / SwiGLU)")
     torch_dtype = data.get("torch_dtype") or data.get("dtype") or "bfloat16"
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(str(torch_dtype))
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(torch_dtype) \
+        if isinstance(torch_dtype, str) else None
     if dtype is None:
-        raise NotSupportedError(f"{source}: not supported yet: torch_dtype {torch_dtype!r}")
+        raise NotSupportedError(f"{source}: not supported yet: torch_dtype {_short_repr(torch_dtype)}")
 
-    def get(key: str) -> Any:
-        if key not in data:
-            raise ConfigError(f"{source}: missing required field '{key}'")
-        return data[key]
-
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    hidden = hf.int_("hidden_size", MAX_SIZES["hidden_size"], _REQUIRED)
+    heads = hf.int_("num_attention_heads", MAX_SIZES["num_q_heads"], _REQUIRED)
+    n_layers = hf.int_("num_hidden_layers", MAX_SIZES["num_layers"], _REQUIRED)
+    head_dim = hf.int_("head_dim", MAX_SIZES["head_dim"], default=None) or (hidden // heads if heads else 0)
+    name = data.get("_name_or_path")
+    name = name if isinstance(name, str) else ""
     fields: dict[str, Any] = dict(
-        name=str(data.get("_name_or_path") or mt).rstrip("/").split("/")[-1] or mt,
-        num_layers=get("num_hidden_layers"),
+        name=name.rstrip("/").split("/")[-1] or mt,
+        num_layers=n_layers,
         hidden_size=hidden,
         num_q_heads=heads,
-        num_kv_heads=data.get("num_key_value_heads") or heads,
-        head_dim=data.get("head_dim") or (hidden // heads if _is_int(hidden) and _is_int(heads) and heads else 0),
-        vocab_size=get("vocab_size"),
-        ffn_size=data.get("intermediate_size", 0) or 0,
-        rms_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
+        num_kv_heads=hf.int_("num_key_value_heads", MAX_SIZES["num_kv_heads"], default=None) or heads,
+        head_dim=head_dim,
+        vocab_size=hf.int_("vocab_size", MAX_SIZES["vocab_size"], _REQUIRED),
+        ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], default=0) or 0,
+        rms_eps=hf.number("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
         qk_norm=True,  # Qwen3 and Qwen3-MoE always normalise q and k per head
-        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+        tie_embeddings=hf.bool_("tie_word_embeddings", False),
         dtype=dtype,
     )
     if mt == "qwen3_moe":
-        n_layers = fields["num_layers"]
-        step = data.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(data.get("mlp_only_layers") or [])
+        step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
+        mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
         # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
-        n_exp = data.get("num_experts", data.get("num_local_experts"))
-        if n_exp is None:
-            raise ConfigError(f"{source}: missing required field 'num_experts'")
+        key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
+        n_exp = hf.int_(key, MAX_SIZES["num_experts"], _REQUIRED, what="num_experts")
         dense = [i for i in range(n_layers) if i in mlp_only or not (n_exp > 0 and (i + 1) % step == 0)]
         fields.update(
             num_experts=n_exp,
-            top_k=get("num_experts_per_tok"),
-            expert_ffn_size=get("moe_intermediate_size"),
+            top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+            expert_ffn_size=hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
             router_scoring="softmax",
-            norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+            norm_topk_prob=hf.bool_("norm_topk_prob", False),
             dense_layers=dense,
         )
     return from_dict(fields, source)
+
+
+def _json_kind(v: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+class _HFFields:
+    """Typed reads of a config.json's fields: a value of the wrong type or out of bounds raises
+    ConfigError naming the field and the file (never a TypeError from deeper down)."""
+
+    def __init__(self, data: dict[str, Any], source: str):
+        self.data, self.source = data, source
+
+    def _bad(self, key: str, value: Any, expected: str) -> ConfigError:
+        return ConfigError(f"{self.source}: field '{key}' = {_short_repr(value)}: expected {expected}")
+
+    def _get(self, key: str, default: Any, what: str | None = None) -> Any:
+        if key not in self.data or self.data[key] is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"{self.source}: missing required field '{what or key}'")
+            return default
+        return self.data[key]
+
+    def int_(self, key: str, upper: int, default: Any = None, what: str | None = None) -> Any:
+        """A non-negative int at most `upper`; missing or null: `default` (_REQUIRED: an error)."""
+        v = self._get(key, default, what)
+        if v is default:
+            return v
+        if isinstance(v, float) and v.is_integer() and 0 <= v <= upper:  # 8.0 from some exporters
+            v = int(v)
+        if not _is_int(v) or not 0 <= v <= upper:
+            raise self._bad(key, v, f"a non-negative integer at most {upper:,}")
+        return v
+
+    def number(self, key: str, default: float | None) -> float:
+        v = self._get(key, _REQUIRED if default is None else default)
+        if not _is_number(v):
+            raise self._bad(key, v, "a finite number")
+        return float(v)
+
+    def bool_(self, key: str, default: bool) -> bool:
+        v = self._get(key, default)
+        if not isinstance(v, bool):
+            raise self._bad(key, v, "true or false")
+        return v
+
+    def str_(self, key: str, default: str | None) -> str | None:
+        v = self._get(key, default)
+        if v is not None and not isinstance(v, str):
+            raise self._bad(key, v, "a string")
+        return v
+
+    def list_(self, key: str, item: type, expected: str) -> list:
+        v = self._get(key, [])
+        ok = isinstance(v, list) and all(isinstance(x, item) and not isinstance(x, bool) for x in v)
+        if not ok:
+            raise self._bad(key, v, expected)
+        return v
+
+
+_REQUIRED = object()
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:
@@ -311,8 +441,12 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: malformed JSON: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: malformed JSON: {' '.join(str(e).split())}") from None
     return from_hf_config(data, str(path))
 
 

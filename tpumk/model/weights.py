@@ -16,10 +16,13 @@ with the kernel's plan.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpumk.errors import ConfigError
 from tpumk.model.config import ModelConfig
 from tpumk.model.reference import Params, jnp_dtype
 
@@ -58,6 +61,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
     and the router is scaled up so routing decisions are not near-ties.
     """
     dt = dtype or jnp_dtype(cfg)
+    check_host_memory(cfg)  # before the per-layer loop and any allocation
     shapes = expected_shapes(cfg)
     key = jax.random.PRNGKey(seed)
     depth_scale = 1.0 / np.sqrt(2.0 * cfg.num_layers)
@@ -90,6 +94,25 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             lay[name] = make(name, shape, sub)
         out["layers"].append(lay)
     return out
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host (None when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: ModelConfig) -> None:
+    """Random weights are made on the host (each matrix drawn in float32, then cast): refuse a
+    model whose weights cannot fit this host's memory, with one line, before allocating."""
+    need = cfg.param_count() * max(cfg.dtype_bytes, 2)
+    have = host_memory_bytes()
+    if have is not None and need > 0.8 * have:
+        raise ConfigError(
+            f"model '{cfg.name}': random weights need {need / 1e9:,.1f} GB of host memory, more than 80% of "
+            f"this host's {have / 1e9:,.1f} GB; use a smaller model")
 
 
 def cast_params(params: Params, dtype) -> Params:

@@ -140,6 +140,9 @@ class Plan:
     attention: AttentionGeometry
     moe: MoEGeometry | None
     vmem: dict[str, int] = field(default_factory=dict)
+    # Compiler temporaries the kernel's VMEM needs besides `vmem` (not buffers of the contract):
+    # estimates, counted in the budget check and in `vmem_limit` (see `_vmem_temporaries`).
+    vmem_temporaries: dict[str, int] = field(default_factory=dict)
     vmem_budget: int = 0
     hbm: dict[str, float] = field(default_factory=dict)
     dmas: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -181,14 +184,21 @@ class Plan:
 
     @property
     def vmem_limit(self) -> int:
-        """The scoped-VMEM limit the kernel is compiled with: the planned total plus headroom for
+        """The scoped-VMEM limit the kernel is compiled with: the planned total and temporaries
+        (`vmem_needed`) plus headroom for
         Mosaic's internal scratch and register spills (3.9 MiB measured for qwen3-8b), never below
         the compiler's default (32 MiB). Measured with libtpu 0.0.52: under the static-profile
         flag XLA reserves the kernel's scoped limit a second time as temp space (and may place
         small HBM operands in VMEM too), so a profiled build on a 64 MiB target fails unless the
         kernel uses well under half the VMEM; unprofiled builds are unaffected."""
-        want = round_up(self.vmem_total + MOSAIC_HEADROOM, 2**20)
+        want = round_up(self.vmem_needed + MOSAIC_HEADROOM, 2**20)
         return min(max(COMPILER_DEFAULT_SCOPED_VMEM, want), self.target.vmem_bytes)
+
+    @property
+    def vmem_needed(self) -> int:
+        """What the budget is checked against: the breakdown (`vmem_total`) plus the compiler
+        temporaries it does not list (`vmem_temporaries`)."""
+        return self.vmem_total + sum(self.vmem_temporaries.values())
 
     @property
     def hbm_bytes(self) -> float:
@@ -212,6 +222,7 @@ class Plan:
             "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
                           "tiles_per_layer": s.tiles_per_layer} for s in self.segments],
             "vmem_bytes": dict(self.vmem), "vmem_total_bytes": self.vmem_total,
+            "vmem_temporaries_bytes": dict(self.vmem_temporaries), "vmem_needed_bytes": self.vmem_needed,
             "vmem_budget_bytes": self.vmem_budget, "vmem_limit_bytes": self.vmem_limit, "vmem_capacity_bytes": self.target.vmem_bytes,
             "hbm_bytes_per_step": dict(self.hbm), "hbm_total_bytes_per_step": self.hbm_bytes,
             "hbm_floor_seconds": self.floor_seconds,
@@ -364,6 +375,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     if num_pages < batch * pages_per_seq:
         raise PlanError(f"plan: num_pages = {num_pages} < {batch * pages_per_seq} needed for "
                         f"{batch} sequences of {context} tokens")
+    _check_hbm(cfg, target, num_pages, page_size)  # before any per-tile or per-page work
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning)
     segments = plan_segments(cfg, fams)
@@ -386,7 +398,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                 num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe)
     vmem = _vmem_breakdown(plan)
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
-    plan = _replace(plan, vmem=vmem, vmem_budget=budget, hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan))
+    plan = _replace(plan, vmem=vmem, vmem_temporaries=_vmem_temporaries(plan), vmem_budget=budget,
+                    hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan))
     _check_fits(plan)
     return plan
 
@@ -411,6 +424,14 @@ def _vmem_breakdown(plan: Plan) -> dict[str, int]:
     if plan.moe is not None:
         out["moe_temporaries"] = int(plan.moe.vmem_bytes() - plan.moe.scratch_bytes())
     return out
+
+
+def _vmem_temporaries(plan: Plan) -> dict[str, int]:
+    """Compiler temporaries of the stages that are not kernel buffers, estimated per component
+    (kept out of `vmem`, whose keys are the contract's components plus `moe_temporaries`):
+    `attention_temporaries`, the per-KV-tile scores / probabilities / masked V tile of the
+    attention tile loop (`AttentionGeometry.temporaries_bytes`), which grow with kv_tile_pages."""
+    return {"attention_temporaries": plan.attention.temporaries_bytes()}
 
 
 def _hbm_breakdown(plan: Plan) -> dict[str, float]:
@@ -458,17 +479,28 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
 
-def _check_fits(plan: Plan) -> None:
-    cfg, target = plan.cfg, plan.target
+def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int) -> None:
+    """The model's weights plus the KV cache must fit one device's HBM (closed form, O(1))."""
     weights = cfg.param_count() * cfg.dtype_bytes
-    kv = 2 * cfg.num_layers * plan.num_pages * plan.page_size * cfg.kv_size * cfg.dtype_bytes
+    kv = 2 * cfg.num_layers * num_pages * page_size * cfg.kv_size * cfg.dtype_bytes
     if weights + kv > target.hbm_bytes:
         raise PlanError(
             f"model '{cfg.name}' does not fit one {target.name} device: weights {weights / 1e9:.1f} GB + "
             f"KV cache {kv / 1e9:.1f} GB > HBM {target.hbm_bytes / 1e9:.1f} GB")
-    if plan.vmem_total > plan.vmem_budget:
-        parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(plan.vmem.items(), key=lambda kv: -kv[1]))
+
+
+def _check_fits(plan: Plan) -> None:
+    _check_hbm(plan.cfg, plan.target, plan.num_pages, plan.page_size)
+    target = plan.target
+    parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted({**plan.vmem, **plan.vmem_temporaries}.items(),
+                                                          key=lambda kv: -kv[1]))
+    advice = "Lower ring_depth / tile sizes / kv_tile_pages / kv_buffers / expert_slots"
+    if plan.vmem_needed > plan.vmem_budget:
         raise PlanError(
-            f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_total)} > budget "
+            f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_needed)} > budget "
             f"{_mib(plan.vmem_budget)} ({plan.tuning.vmem_limit_fraction:.2f} x {_mib(target.vmem_bytes)}); "
-            f"{parts}. Lower ring_depth / tile sizes / kv_buffers / expert_slots")
+            f"{parts}. {advice}")
+    if plan.vmem_needed + MOSAIC_HEADROOM > target.vmem_bytes:  # the scoped limit would be capped below need
+        raise PlanError(
+            f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_needed)} + {_mib(MOSAIC_HEADROOM)} "
+            f"Mosaic headroom > capacity {_mib(target.vmem_bytes)}; {parts}. {advice} (or vmem_limit_fraction)")

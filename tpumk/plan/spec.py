@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig
 from tpumk.plan.knobs import TuningConfig
 from tpumk.targets import Target
@@ -22,6 +23,12 @@ DEFAULT_BATCH = 1
 DEFAULT_CONTEXT = 4096
 DEFAULT_Q_LEN = 1
 DEFAULT_PAGE_SIZE = 16
+# Sane bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
+# per-page loop): far above any decode serving shape, small enough that nothing hangs on them.
+MAX_BATCH = 4096
+MAX_CONTEXT = 1 << 22  # 4M tokens per sequence
+MAX_Q_LEN = 1024
+MAX_PAGE_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,34 @@ class BuildSpec:
     tuning: TuningConfig = field(default_factory=TuningConfig)
     q_len: int = DEFAULT_Q_LEN  # new tokens per sequence per step (> 1: speculative verification)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV-cache page
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise PlanError (one line naming the field) for a shape no build can have.
+
+        The context is the KV-cache capacity per sequence and the cache is allocated in whole
+        pages, so it must be a positive multiple of page_size: any other value would silently be
+        planned as the next whole page (another capacity, under another cache key)."""
+        if not isinstance(self.model, ModelConfig):
+            raise PlanError(f"build spec: model = {self.model!r:.60}: expected a ModelConfig")
+        if not isinstance(self.target, Target):
+            raise PlanError(f"build spec: target = {self.target!r:.60}: expected a Target")
+        if not isinstance(self.tuning, TuningConfig):
+            raise PlanError(f"build spec: tuning = {self.tuning!r:.60}: expected a TuningConfig")
+        for name, upper in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("q_len", MAX_Q_LEN),
+                            ("page_size", MAX_PAGE_SIZE)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= upper):
+                raise PlanError(f"build spec: {name} = {v!r:.60}: expected a positive integer at most {upper:,}")
+        if self.context % self.page_size:
+            lo = self.context // self.page_size * self.page_size
+            near = f"{lo} or {lo + self.page_size}" if lo else f"{self.page_size}"
+            raise PlanError(f"build spec: context = {self.context}: expected a positive multiple of page_size "
+                            f"({self.page_size}), since the KV cache holds whole pages (e.g. {near})")
+        if self.q_len > self.context:
+            raise PlanError(f"build spec: q_len = {self.q_len}: expected at most context ({self.context})")
 
     def replace(self, **changes: Any) -> BuildSpec:
         return dataclasses.replace(self, **changes)
@@ -52,6 +87,11 @@ class BuildSpec:
         from tpumk.model.config import from_dict
         from tpumk.targets import get_target
 
+        if not isinstance(d, dict):
+            raise PlanError(f"{where}: expected a table with model, target, batch, context, q_len, page_size")
+        missing = [k for k in ("model", "target", "batch", "context", "q_len", "page_size") if k not in d]
+        if missing:
+            raise PlanError(f"{where}: missing field '{missing[0]}'")
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
                    TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"])
 
