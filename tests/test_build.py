@@ -121,3 +121,30 @@ def test_infeasible_plan_is_rejected_before_compiling():
 def test_model_too_big_for_one_device_says_so():
     p = tpumk("build", "--model", "qwen3-32b", "--target", "v6e", check=False)
     assert p.returncode == 1 and "does not fit one v6e device" in p.stderr
+
+
+def test_a_compiler_rejection_is_one_line_naming_the_reason():
+    """A program the TPU compiler refuses (here a kernel asking for more VMEM than TPU7x has)
+    becomes a CompileError whose message is the compiler's own one-line reason."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tpumk.compile.aot import compile_for
+    from tpumk.errors import CompileError
+    from tpumk.targets import get_target
+
+    def kernel(x_ref, o_ref, big):
+        big[...] = jnp.zeros_like(big)
+        o_ref[...] = x_ref[...] + big[:8, :128]
+
+    def fn(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                              scratch_shapes=[pltpu.VMEM((256 * 1024, 512), jnp.float32)])(x)
+
+    with pytest.raises(CompileError) as e:
+        compile_for(fn, (jax.ShapeDtypeStruct((8, 128), jnp.float32),), get_target("tpu7x"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("tpu7x: the compiler rejected this build: ")
+    assert "RESOURCE_EXHAUSTED" in msg or "vmem" in msg.lower()

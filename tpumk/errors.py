@@ -25,5 +25,32 @@ class PlanError(TpumkError):
     """A tuning configuration the plan rejects before compiling (e.g. it does not fit VMEM)."""
 
 
+class CompileError(TpumkError):
+    """The TPU compiler rejected a build the plan accepted (the message is the compiler's line
+    that says why, e.g. RESOURCE_EXHAUSTED for scoped VMEM)."""
+
+
 class ArtifactError(TpumkError):
     """An exported artifact is missing, altered, or was built for another stack or target."""
+
+
+class PositionError(TpumkError):
+    """A decode step's positions or cache lengths break the positions contract
+    (`tpumk.model.positions`)."""
+
+
+class NonFiniteError(TpumkError):
+    """A decode step produced NaN or infinite logits (e.g. a NaN weight or an absurd rope_theta)."""
+
+
+class SignatureError(ArtifactError):
+    """An artifact is unsigned while a signing key is configured, signed with another key, or its
+    signature does not match its manifest."""
+
+
+class SigningKeyError(ArtifactError):
+    """The signing key configuration (TPUMK_SIGNING_KEY / TPUMK_SIGNING_KEY_FILE) is unusable."""
+
+
+class ArtifactPathError(ArtifactError):
+    """An artifact path would leave --out (unsafe model or target name), or --out is unusable."""

@@ -13,7 +13,11 @@ from typing import Any, Callable
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from tpumk.errors import CompileError
 from tpumk.targets import Target
+
+# Status words of XLA / Mosaic errors, most telling first: the line holding one says why.
+_STATUS_WORDS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", "UNIMPLEMENTED", "Mosaic", "error:")
 
 
 @dataclass
@@ -43,9 +47,23 @@ def compile_for(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) ->
     t0 = time.perf_counter()
     lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this build, not a tpumk bug
+        raise CompileError(f"{target.name}: the compiler rejected this build: {compiler_error_line(e)}") from e
     t2 = time.perf_counter()
     return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), dev.device_kind)
+
+
+def compiler_error_line(exc: BaseException) -> str:
+    """The line of a compiler error that says what went wrong (XLA errors span many lines)."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for word in _STATUS_WORDS:
+        for ln in lines:
+            if word in ln:
+                return ln[:400]
+    return lines[0][:400]
 
 
 def compile_plan(plan) -> Compiled:
