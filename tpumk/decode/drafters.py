@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.model import reference
+from tpumk.model.positions import check_finite, check_step
 
 
 class NgramDrafter:
@@ -78,8 +79,9 @@ class DraftModelDrafter:
     same token at the same position rewrites the same row, so the batch keeps one shape."""
 
     def __init__(self, cfg, params, decode: Callable, cache: reference.KVCache, prefill_step: Callable | None = None,
-                 label: str | None = None):
+                 label: str | None = None, check: bool = True):
         self.cfg, self.params, self.decode = cfg, params, decode
+        self.check = check  # positions before and finite logits after each draft step
         self.empty_cache = cache
         self.prefill_step = prefill_step or reference.jitted_decode_step(cfg)
         self.name = f"draft model {label or cfg.name}"
@@ -88,13 +90,19 @@ class DraftModelDrafter:
         self.draft_steps = 0
 
     def prepare(self, prompts: Sequence[Sequence[int]]) -> None:
-        _, self.cache = reference.prefill(self.params, self.cfg, prompts, self.empty_cache, step_fn=self.prefill_step)
+        _, self.cache = reference.prefill(self.params, self.cfg, prompts, self.empty_cache, step_fn=self.prefill_step,
+                                          check=self.check)
         self.cached = [list(p) for p in prompts]
         self.draft_steps = 0
 
     def _step(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        logits, self.cache = self.decode(jnp.asarray(tokens[:, None], jnp.int32),
-                                         jnp.asarray(positions[:, None], jnp.int32), self.cache)
+        where = f"draft model step {self.draft_steps + 1}"
+        pos = jnp.asarray(positions[:, None], jnp.int32)
+        if self.check:
+            check_step(pos, self.cache, where=where)
+        logits, self.cache = self.decode(jnp.asarray(tokens[:, None], jnp.int32), pos, self.cache)
+        if self.check:
+            check_finite(logits[:, -1], where=where)
         self.draft_steps += 1
         return np.asarray(jnp.argmax(logits[:, -1], -1))
 

@@ -15,6 +15,8 @@ planned for a fixed [B, q]).
 from __future__ import annotations
 
 import functools
+import numbers
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,17 +103,22 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     return d
 
 
+_ID = re.compile(r"[0-9]+", re.ASCII)
+
+
 def parse_prompt_ids(text: str, vocab_size: int) -> list[list[int]]:
-    """'1,2,3;4,5' -> [[1,2,3],[4,5]]; every id must be in [0, vocab_size)."""
+    """'1,2,3;4,5' -> [[1,2,3],[4,5]]; every id is ASCII digits only (no sign, underscore or
+    non-ASCII digit, which int() would accept) and in [0, vocab_size)."""
     prompts = []
     for k, part in enumerate(text.split(";")):
         items = [s.strip() for s in part.split(",") if s.strip()]
         if not items:
             raise ConfigError(f"--prompt-ids: sequence {k} is empty (expected comma-separated token ids)")
-        try:
-            ids = [int(s) for s in items]
-        except ValueError:
-            raise ConfigError(f"--prompt-ids: sequence {k} holds a non-integer id (expected e.g. 1,2,3;4,5)") from None
+        for s in items:
+            if not _ID.fullmatch(s):
+                raise ConfigError(f"--prompt-ids: sequence {k} holds {s!r}, expected a token id of ASCII digits "
+                                  "0-9 only (e.g. 1,2,3;4,5)")
+        ids = [int(s) for s in items]
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
             raise ConfigError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab_size})")
@@ -126,8 +133,14 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
     figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
     drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce."""
-    if steps < 1:
-        raise ConfigError(f"--steps: expected a positive number of steps, got {steps}")
+    if not _positive_int(steps):
+        raise ConfigError(f"--steps: expected a positive number of steps, got {steps!r}")
+    if not _positive_int(page_size):
+        raise ConfigError(f"--page-size: expected a positive number of tokens per KV-cache page, got {page_size!r}")
+    if not _positive_int(draft_tokens):
+        raise ConfigError(f"--draft-tokens: expected a positive integer, got {draft_tokens!r}")
+    if not prompts:
+        raise ConfigError("--prompt-ids: expected at least one sequence")
     if backend not in BACKENDS:
         raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
     if spec not in SPEC_METHODS:
@@ -136,17 +149,17 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         raise ConfigError("--draft-model: only used with --spec draft")
     if spec == "draft" and draft is None:
         raise ConfigError("--spec draft: needs --draft-model NAME|FILE|DIR|layers:N")
-    if spec != "none" and not (isinstance(draft_tokens, int) and not isinstance(draft_tokens, bool)
-                               and draft_tokens >= 1):
-        raise ConfigError(f"--draft-tokens: expected a positive integer, got {draft_tokens!r}")
     if draft is not None and draft.cfg.vocab_size != m.cfg.vocab_size:
         raise ConfigError(f"--draft-model: vocabulary {draft.cfg.vocab_size} != the target's {m.cfg.vocab_size}")
     k = draft_tokens if spec != "none" else 0
     need = max(len(p) for p in prompts) + steps + k
     context = context or need
+    if not _positive_int(context):
+        raise ConfigError(f"--context: expected a positive number of tokens, got {context!r}")
     if context < need:
         raise ConfigError(f"--context: {context} tokens < {need} needed for the longest prompt plus steps"
                           + (f" plus {k} draft tokens" if k else ""))
+    context = -(-context // page_size) * page_size  # the cache holds whole pages (plans require it)
     cache = reference.init_cache(m.cfg, len(prompts), context, page_size=page_size)
     ref_step = reference_step(m.cfg)
     t0 = time.perf_counter()
@@ -193,6 +206,10 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         "prompts": prompts, "tokens": tokens, "seconds": seconds, "ran_on": where, "spec": spec_info,
         "timing_note": "wall time on this host, including compilation; not a TPU speed figure",
     }
+
+
+def _positive_int(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
 def _megakernel_where() -> str:

@@ -35,6 +35,7 @@ import numpy as np
 
 from tpumk.model import reference
 from tpumk.errors import ConfigError
+from tpumk.model.positions import check_finite, check_step
 
 DecodeFn = Callable  # (tokens [B, q], positions [B, q], cache) -> (logits [B, q, V], cache)
 
@@ -104,8 +105,8 @@ class SpecStats:
 
 
 def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: int, cache: reference.KVCache,
-                         drafter, draft_tokens: int, step_fn=None, verify_fn: DecodeFn | None = None
-                         ) -> tuple[list[list[int]], reference.KVCache, SpecStats]:
+                         drafter, draft_tokens: int, step_fn=None, verify_fn: DecodeFn | None = None,
+                         check: bool = True) -> tuple[list[list[int]], reference.KVCache, SpecStats]:
     """Greedy decoding with speculation: the same tokens as `reference.greedy_generate`.
 
     Prefills the prompts with `step_fn` (reference signature; default the jitted reference),
@@ -113,12 +114,16 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
     acceptance -> rollback, until every sequence has `steps` tokens. `verify_fn(tokens,
     positions, cache) -> (logits, cache)` is the target's step for [B, K + 1] (default the
     reference step with `params`). `drafter` follows tpumk.decode.drafters.Drafter. Returns (tokens per
-    sequence, the cache (lengths = prompt + steps - 1, rows past them dead), SpecStats)."""
+    sequence, the cache (lengths = prompt + steps - 1, rows past them dead), SpecStats).
+
+    `check` (default) checks every verify step's positions before it runs
+    (`tpumk.model.positions.check_step`: PositionError) and its logits after (NonFiniteError
+    on NaN / inf, which greedy acceptance would read as token 0)."""
     k = draft_tokens
-    if not (isinstance(k, int) and k >= 1):
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
         raise ConfigError(f"--draft-tokens: expected a positive integer, got {k!r}")
-    if steps < 1:
-        raise ConfigError(f"--steps: expected a positive number of steps, got {steps}")
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise ConfigError(f"--steps: expected a positive number of steps, got {steps!r}")
     need = required_context(prompts, steps, k)
     if cache.max_context < need:
         raise ConfigError(f"--context: {cache.max_context} tokens < {need} needed for the longest prompt "
@@ -126,7 +131,7 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
     step = step_fn or reference.jitted_decode_step(cfg)
     verify = verify_fn or (lambda toks, pos, c: step(params, toks, pos, c))
 
-    last_logits, cache = reference.prefill(params, cfg, prompts, cache, step_fn=step)
+    last_logits, cache = reference.prefill(params, cfg, prompts, cache, step_fn=step, check=check)
     out = [[int(t)] for t in np.asarray(jnp.argmax(last_logits, -1))]
     drafter.prepare([list(p) for p in prompts])
     stats = SpecStats(k, decode_tokens=steps - 1)
@@ -142,7 +147,12 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
         last = np.asarray([o[-1] for o in out])[:, None]
         tokens = jnp.asarray(np.concatenate([last, drafts], 1), jnp.int32)
         positions = jnp.asarray(lengths[:, None] + offsets, jnp.int32)
+        where = f"verify step {stats.target_steps + 1}"
+        if check:
+            check_step(positions, cache, where=where)
         logits, cache = verify(tokens, positions, cache)
+        if check:
+            check_finite(logits, where=where)
         accepted, emitted = greedy_accept(drafts, np.asarray(jnp.argmax(logits, -1)))
         stats.target_steps += 1
         row = []

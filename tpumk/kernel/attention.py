@@ -38,6 +38,15 @@ dtype for p.v with float32 accumulation. The online softmax casts unnormalised p
 and divides by the running sum at the end, so float32 caches agree with the reference to
 rounding and bfloat16 caches to the bfloat16 rounding of p (see tests).
 
+Positions outside [0, pages_per_seq * page_size) (the host checks them by default, see
+`tpumk.model.positions`; the kernel must stay inside each sequence's own pages even when it
+does not) follow the reference's defined behaviour: such a token's row is patched into no page
+(its page index is clamped to the sequence's own first / last page for addressing only, and
+that page goes back unchanged unless an in-range token of the step patches it), it is no key
+for any query, the sequence still streams at least one tile (so the flat tile loop stays
+aligned with the sequences), and a query that sees no key at all (a negative position) gets
+output 0. Cached keys are those below min(lengths[b], capacity).
+
 Rows of a tile that are not valid keys (past a sequence's last position, gaps, repeated
 pages at the end of the last tile) get zero weight, and their V rows are zeroed, so stale or
 non-finite bytes in unused cache slots cannot leak into the output (0 * NaN).
@@ -101,6 +110,19 @@ class _Stage:
         self.meta_width = 2 + geom.q_len  # seq_meta entries per sequence
         self._tokens = None
 
+    @property
+    def capacity(self) -> int:
+        return self.g.pages_per_seq * self.g.page_size
+
+    def in_range(self, p_):
+        """Whether a position is inside the sequence's pages (else its token writes nothing)."""
+        return jnp.logical_and(p_ >= 0, p_ < self.capacity)
+
+    def logical_page(self, p_):
+        """The logical page of a position, clamped into [0, pages_per_seq): out-of-range
+        positions address their own sequence's first / last page (never patched by them)."""
+        return jnp.clip(lax.div(p_, self.g.page_size), 0, self.g.pages_per_seq - 1)
+
     def page_id(self, b, lp):
         pps = self.g.pages_per_seq
         lp = jnp.clip(lp, 0, pps - 1)  # a position past the context must not read SMEM out of bounds
@@ -117,7 +139,7 @@ class _Stage:
             g, out = self.g, []
             for b in range(g.batch):
                 pos = [self.positions[b, i] for i in range(g.q_len)]
-                lps = [lax.div(p_, g.page_size) for p_ in pos]
+                lps = [self.logical_page(p_) for p_ in pos]
                 for i in range(g.q_len):
                     first = True
                     for j in range(i):
@@ -189,8 +211,10 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         input -> output of the enclosing pallas_call; layer `layer` is updated in place.
     block_tables: SMEM int32 [B, pages_per_seq] (or flattened [B * pages_per_seq]).
     lengths: SMEM int32 [B], tokens cached before this step.
-    positions: SMEM int32 [B, q_len], positions of the new tokens (each < pages_per_seq *
-        page_size; a query at p sees cached keys < lengths[b] and new keys, all at <= p).
+    positions: SMEM int32 [B, q_len], positions of the new tokens (a query at p sees cached
+        keys < lengths[b] and new keys, all at <= p). A position outside [0, pages_per_seq *
+        page_size) writes nothing and is no key (see the module docstring); the host checks the
+        full contract (`tpumk.model.positions.check_step`).
     scratch: the refs allocated from `attention_scratch(geom)`, in order.
     prefetched: True when `attention_prefetch` already started this layer's patch reads.
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
@@ -265,23 +289,28 @@ def _tabulate_sequences(st: _Stage):
 
     seq_meta[b * (2 + q_len) + k]: k = 0 the sequence's KV tiles, 1 its pages (both up to its
     largest new position: keys past the last query are never attended), 2 + i the logical page
-    of new token i."""
+    of new token i (clamped like `_Stage.logical_page`).
+
+    The extent is clamped into [1, capacity] rows: a sequence always streams at least one tile
+    (the flat loop's cursor assumes it) and never a page past its own."""
     g, sc = st.g, st.sc
     B, T, P, S = g.batch, g.q_len, g.page_size, g.tile_rows
     positions = st.positions
     meta_width = st.meta_width
+    tokens = st.tokens()
     total = jnp.int32(0)
     for b in range(B):
         pos = [positions[b, i] for i in range(T)]
         kv_end = pos[0]
         for p_ in pos[1:]:
             kv_end = jnp.maximum(kv_end, p_)
-        kv_end = kv_end + 1  # keys past the last query position are never attended
+        # keys past the last query position are never attended
+        kv_end = jnp.clip(kv_end, 0, st.capacity - 1) + 1
         ntiles = lax.div(kv_end + (S - 1), S)
         sc.seq_meta[b * meta_width] = ntiles
         sc.seq_meta[b * meta_width + 1] = lax.div(kv_end + (P - 1), P)
         for i in range(T):
-            sc.seq_meta[b * meta_width + 2 + i] = lax.div(pos[i], P)
+            sc.seq_meta[b * meta_width + 2 + i] = tokens[b * T + i][3][i]
         total = total + ntiles
     return total
 
@@ -298,8 +327,9 @@ def _patch_pages(st: _Stage) -> None:
     rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
     for b, i, slot, lps, pos, pg, first in st.tokens():
         st.wait_patch_dma(slot, pg, write=False)
-        # Row of this page that token j lands on, or -1 when j is on another page.
-        hits = [jnp.where(lps[j] == lps[i], pos[j] - lps[j] * P, -1) for j in range(T)]
+        # Row of this page that token j lands on, or -1 when j is on another page or out of range.
+        hits = [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
+                for j in range(T)]
         for c in range(2):
             page = patches[c][slot].astype(jnp.float32)
             for j in range(T):
@@ -366,12 +396,14 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
         # pl.when, libtpu 0.0.52's static profiler ran out of memory on TPU7x (bf16 caches).
         # The selects cost a few vregs per kv head and tile.
         pos = [positions[b, i] for i in range(T)]
-        length = lengths[b]
+        length = jnp.minimum(lengths[b], st.capacity)
         first_tile, last_tile = t == 0, t == sc.seq_meta[b * meta_width] - 1
+        # Out-of-range positions are written nowhere, so they are no key (-1 matches no row).
+        new_pos = [jnp.where(st.in_range(p_), p_, -1) for p_ in pos]
 
         def key_valid(kpos):  # cached (pos < length) or written by this step
             ok = kpos < length
-            for p_ in pos:
+            for p_ in new_pos:
                 ok = jnp.logical_or(ok, kpos == p_)
             return ok
 
@@ -411,8 +443,10 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             m_next, l_next, alpha = stats[h]
             acc_next = jnp.where(first_tile, 0.0, sc.acc[h]) * alpha[:, :1] + pvs[h]
             sc.m[h], sc.l[h], sc.acc[h] = m_next, l_next, acc_next
-            # After its last tile a sequence's q block is spent, so o takes its place.
-            sc.q_heads[b, h] = jnp.where(last_tile, acc_next / l_next[:, :1], q_blk[h])
+            # After its last tile a sequence's q block is spent, so o takes its place. A row that
+            # saw no key (max still the mask value: a negative position, or a pad row) gets 0.
+            o = jnp.where(m_next[:, :1] <= 0.5 * MASK_VALUE, 0.0, acc_next / l_next[:, :1])  # NaN stays NaN
+            sc.q_heads[b, h] = jnp.where(last_tile, o, q_blk[h])
 
     def advance(b, t):
         """The (sequence, tile) step after (b, t); (B, 0) after the last one."""

@@ -12,7 +12,7 @@ Outside the kernel (thin glue, all O(B * q * (H + V)) elementwise work):
   only, shared by every layer, computed once instead of once per layer;
 - reshapes: logits come out as [column blocks, B*q, tile_cols] (one whole tile per lm_head
   step) and are put back to [B, q, V] by a transpose and a slice of the vocab padding;
-  `lengths = max(lengths, last position + 1)` for the returned cache.
+  `lengths = max(lengths, last in-range position + 1)` for the returned cache.
 
 Inside, per layer (one top-level loop per segment of same-kind layers, see tpumk.kernel.ring):
 RMSNorm -> q|k|v tiles -> QK-norm + RoPE -> paged attention with the cache write
@@ -271,7 +271,10 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                               for b in contract.operands))
         logits = blocks.transpose(1, 0, 2).reshape(n, plan.vocab_pad)[:, :cfg.vocab_size].reshape(b, t, -1)
-        lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1)
+        # As the reference: positions outside the pages write nothing and do not move lengths.
+        capacity = cache.block_tables.shape[1] * cache.k.shape[2]
+        written = jnp.where((positions >= 0) & (positions < capacity), positions, -1)
+        lengths = jnp.maximum(cache.lengths, jnp.max(written, axis=1) + 1)
         return logits, KVCache(k, v, cache.block_tables, lengths)
 
     return jax.jit(step, donate_argnums=(3,) if donate_cache else ())

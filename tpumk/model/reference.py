@@ -13,6 +13,19 @@ Paged KV cache layout (shared with the kernel, so caches compare element for ele
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
 returns `lengths = max(lengths, last position + 1)`.
+
+Positions contract (checked on the host by `tpumk.model.positions.check_step`, which generate,
+speculation and loaded artifacts call by default): per sequence b the step's positions are
+consecutive, `positions[b, i] = positions[b, 0] + i`, start at most at `lengths[b]` (no gap:
+a start below it rewrites rows, as rollback does), and stay below the capacity
+`pages_per_seq * page_size`.
+
+Defined behaviour for positions outside [0, capacity) (what the kernel does too, so a bad
+position never reaches another sequence or another row): such a token writes no K/V row, is
+no key for any query, does not move `lengths` (`lengths = max(lengths, largest in-range
+position + 1)`), and its query sees the valid keys at positions <= its position (every valid
+key when past the capacity, none when negative; a query with no key gets attention output 0).
+Cached keys are those at positions < min(lengths, capacity).
 """
 
 from __future__ import annotations
@@ -162,7 +175,8 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     s = s / np.sqrt(cfg.head_dim)
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     s = jnp.where(mask, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
+    p = jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, cfg.q_size)
 
@@ -183,20 +197,24 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
     b, t = tokens.shape
     ps = cache.page_size
-    page_ids = jnp.take_along_axis(cache.block_tables, positions // ps, axis=1)  # [B, q]
-    slots = positions % ps
     ctx = cache.max_context
+    in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
+    lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
+    page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)  # [B, q]
+    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
+    slots = positions % ps
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
-    new_len = jnp.maximum(cache.lengths, positions[:, -1] + 1)
-    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
+    new_pos = jnp.where(in_range, positions, -1)
+    new_len = jnp.maximum(cache.lengths, jnp.max(new_pos, axis=1) + 1)
+    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
 
     kc, vc = cache.k, cache.v
     x = embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
         q, k, v = qkv(cfg, layer, h, positions)
-        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size))
-        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size))
+        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
+        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
@@ -226,13 +244,17 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 
 def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache,
-            step_fn=None) -> tuple[jax.Array, KVCache]:
+            step_fn=None, check: bool = True) -> tuple[jax.Array, KVCache]:
     """Fill the cache from prompts of any lengths (one chunk per sequence, q = prompt length).
 
     Returns the logits of each prompt's last token [B, V] and the filled cache. `step_fn` is
     the decode step to use (default: the reference, jitted); the same path serves any backend
-    whose step has the reference's signature.
+    whose step has the reference's signature. `check` (default) checks each chunk's positions
+    (`tpumk.model.positions.check_step`) before it runs and raises NonFiniteError on NaN or
+    infinite last-token logits.
     """
+    from tpumk.model.positions import check_finite, check_step
+
     if len(prompts) != cache.block_tables.shape[0]:
         raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
     step = step_fn or jitted_decode_step(cfg)
@@ -247,10 +269,14 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
         toks = jnp.asarray([prompt], jnp.int32)
         pos = jnp.arange(start, start + len(prompt), dtype=jnp.int32)[None]
         sub = KVCache(k, v, cache.block_tables[b:b + 1], lengths[b:b + 1])
+        if check:
+            check_step(pos, sub, where=f"prefill of sequence {b}")
         logits, sub = step(params, toks, pos, sub)
         k, v = sub.k, sub.v
         lengths = lengths.at[b].set(sub.lengths[0])
         last.append(logits[0, -1])
+        if check:
+            check_finite(logits[:, -1], where="prefill", names=[b])
     return jnp.stack(last), KVCache(k, v, cache.block_tables, lengths)
 
 
@@ -260,16 +286,21 @@ def jitted_decode_step(cfg: ModelConfig):
 
 
 def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], steps: int,
-                    cache: KVCache, step_fn=None, decode_fn=None) -> tuple[list[list[int]], KVCache]:
+                    cache: KVCache, step_fn=None, decode_fn=None, check: bool = True
+                    ) -> tuple[list[list[int]], KVCache]:
     """Greedy decoding: prefill the prompts, then `steps` one-token steps for all sequences.
 
     `step_fn` (reference signature) runs the prefill and, unless `decode_fn(tokens, positions,
     cache) -> (logits, cache)` is given, the one-token steps too: another backend plugs in
     there with its own weights. Returns the generated ids per sequence (the first comes from
-    the prefill logits)."""
+    the prefill logits). `check` (default) checks every step's positions before it runs
+    (PositionError, e.g. a cache too small for the steps) and its logits after (NonFiniteError
+    on NaN / inf: argmax would silently read token 0)."""
+    from tpumk.model.positions import check_finite, check_step
+
     step = step_fn or jitted_decode_step(cfg)
     decode = decode_fn or (lambda toks, pos, c: step(params, toks, pos, c))
-    last_logits, cache = prefill(params, cfg, prompts, cache, step_fn=step)
+    last_logits, cache = prefill(params, cfg, prompts, cache, step_fn=step, check=check)
     out: list[list[int]] = [[] for _ in prompts]
     nxt = jnp.argmax(last_logits, -1).astype(jnp.int32)
     for s in range(steps):
@@ -277,6 +308,11 @@ def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
             out[b].append(int(t))
         if s == steps - 1:
             break
-        logits, cache = decode(nxt[:, None], cache.lengths[:, None], cache)
+        positions = cache.lengths[:, None]
+        if check:
+            check_step(positions, cache, where=f"generate step {s + 1}")
+        logits, cache = decode(nxt[:, None], positions, cache)
+        if check:
+            check_finite(logits[:, -1], where=f"generate step {s + 1}")
         nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
     return out, cache

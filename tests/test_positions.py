@@ -1,0 +1,341 @@
+"""Positions, lengths and non-finite logits: the host check, and what the kernel and the
+reference do with positions the host did not check.
+
+Kernel configurations here run in Pallas TPU interpret mode with the race detector on AND are
+compiled deviceless for TPU7x and v6e in the same test (interpret mode does not check TPU
+layout rules). Each test reproduces a defect of the code before the positions hardening:
+- a negative position in sequence 0 changed sequence 1's and 2's KV cache and logits (the flat
+  tile loop lost its alignment when sequence 0 streamed no tile) and, at -page_size, row 0 of
+  sequence 0's first page;
+- position 32 of a 32-token cache overwrote row 16 and set the length to 33, silently;
+- NaN logits decoded as token 0; prompt ids like '1_0' or full-width digits were accepted;
+  --page-size 0 was a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_megakernel import model, prompts_of, races_found
+
+from tpumk.cli import main
+from tpumk.compile.aot import compile_for
+from tpumk.decode.drafters import DraftModelDrafter, NgramDrafter
+from tpumk.decode.generate import Model, generate, parse_prompt_ids, reference_step
+from tpumk.decode.speculative import speculative_generate
+from tpumk.errors import ConfigError, NonFiniteError, PositionError
+from tpumk.export.artifacts import DecodeStep
+from tpumk.kernel.layout import pack_weights
+from tpumk.kernel.megakernel import make_decode_step, step_specs
+from tpumk.model import reference as R
+from tpumk.model.positions import check_finite, check_step
+from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.plan import make_plan
+from tpumk.plan.spec import BuildSpec
+from tpumk.targets import get_target
+
+CONTEXT, PAGE = 32, 16  # 2 pages per sequence: capacity 32
+LENGTHS = [20, 9, 17]  # sequence 0 is on its second page
+
+
+@functools.lru_cache(maxsize=None)
+def prefilled(batch: int):
+    cfg, params = model("tiny-dense", "float32")
+    cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of(LENGTHS[:batch], cfg.vocab_size), cache,
+                         step_fn=reference_step(cfg))
+    return cfg, params, cache
+
+
+# ---------------------------------------------------------------------- the host check
+def test_check_step_accepts_the_contract():
+    cfg, _, cache = prefilled(3)
+    lengths = np.asarray(cache.lengths)
+    check_step(lengths[:, None], cache)  # the next token of each sequence
+    check_step(lengths[:, None] + np.arange(3)[None], cache)  # a q = 3 step
+    check_step(np.asarray([[5], [9], [0]]), cache)  # rewriting from below the length (rollback)
+
+
+@pytest.mark.parametrize("positions, match", [
+    ([[-1], [9], [17]], "sequence 0 token 0 has position -1, expected 0 <= position < capacity 32"),
+    ([[32], [9], [17]], "sequence 0 token 0 has position 32, expected 0 <= position < capacity 32"),
+    ([[20], [9], [40]], "sequence 2 token 0 has position 40"),
+    ([[20], [11], [17]], "sequence 1 starts at position 11 but holds 9 tokens, expected a first position <= 9"),
+])
+def test_check_step_rejects_bad_positions(positions, match):
+    _, _, cache = prefilled(3)
+    with pytest.raises(PositionError, match=match) as e:
+        check_step(np.asarray(positions), cache, where="generate step 3")
+    assert str(e.value).startswith("generate step 3: ") and "\n" not in str(e.value)
+
+
+def test_check_step_rejects_non_consecutive_and_past_capacity_steps():
+    _, _, cache = prefilled(3)
+    with pytest.raises(PositionError, match="sequence 1 token 1 has position 11, expected 10 .*consecutive"):
+        check_step(np.asarray([[20, 21], [9, 11], [17, 18]]), cache)
+    with pytest.raises(PositionError, match="sequence 0 token 1 has position 32"):
+        check_step(np.asarray([[31, 32], [9, 10], [17, 18]]), cache._replace(lengths=jnp.asarray([31, 9, 17])))
+    with pytest.raises(PositionError, match="sequence 2 has length 33, expected 0 <= length <= capacity 32"):
+        check_step(np.asarray([[20], [9], [17]]), cache._replace(lengths=jnp.asarray([20, 9, 33])))
+
+
+def test_check_step_rejects_bad_block_tables():
+    _, _, cache = prefilled(3)
+    tables = np.asarray(cache.block_tables).copy()
+    bad = cache._replace(block_tables=jnp.asarray(np.where(np.arange(2)[None] == 1, 99, tables)))
+    with pytest.raises(PositionError, match="sequence 0 block table entry 1 is page 99, expected a page id in"):
+        check_step(np.asarray([[20], [9], [17]]), bad)
+    shared = tables.copy()
+    shared[1, 0] = tables[0, 1]  # sequence 1 would write sequence 0's page
+    with pytest.raises(PositionError, match=f"sequences 0 and 1 both write page {tables[0, 1]}"):
+        check_step(np.asarray([[20], [9], [17]]), cache._replace(block_tables=jnp.asarray(shared)))
+
+
+# ---------------------------------------------------------------------- unchecked inputs
+def changed_rows(before: R.KVCache, after: R.KVCache, seq: int) -> list[int]:
+    """Logical positions of sequence `seq` whose K or V row differs (any layer)."""
+    tables = np.asarray(before.block_tables)[seq]
+    out = []
+    for name in ("k", "v"):
+        a = np.asarray(getattr(before, name))[:, tables]  # [L, pages, P, kv]
+        b = np.asarray(getattr(after, name))[:, tables]
+        diff = np.any(a != b, axis=(0, 3)).reshape(-1)
+        out += [int(p) for p in np.nonzero(diff)[0]]
+    return sorted(set(out))
+
+
+def assert_isolated(bad_run, good_run, cache, positions, capacity=CONTEXT):
+    """Sequences 1.. equal the run without the bad position bit for bit; sequence 0's cache
+    changes only at its in-range positions and its length stays within the capacity."""
+    (logits, new), (good_logits, good) = bad_run, good_run
+    batch = cache.block_tables.shape[0]
+    np.testing.assert_array_equal(np.asarray(logits[1:]), np.asarray(good_logits[1:]))
+    for name in ("k", "v"):
+        a, b = np.asarray(getattr(new, name)), np.asarray(getattr(good, name))
+        for s in range(1, batch):
+            pages = np.asarray(cache.block_tables)[s]
+            np.testing.assert_array_equal(a[:, pages], b[:, pages], err_msg=f"{name} of sequence {s}")
+    # Pages of no sequence stay as they were too.
+    owned = set(np.asarray(cache.block_tables).reshape(-1).tolist())
+    free = [p for p in range(cache.k.shape[1]) if p not in owned]
+    np.testing.assert_array_equal(np.asarray(new.k)[:, free], np.asarray(cache.k)[:, free])
+    np.testing.assert_array_equal(np.asarray(new.lengths)[1:], np.asarray(good.lengths)[1:])
+    allowed = sorted(int(p) for p in positions[0] if 0 <= p < capacity)
+    assert set(changed_rows(cache, new, 0)) <= set(allowed), "a row outside the contract changed"
+    want_len = max([int(cache.lengths[0])] + [p + 1 for p in allowed])
+    assert int(new.lengths[0]) == want_len <= capacity
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+# (q_len, positions of sequence 0 in place of its good ones): negative (-16 was row 0 of its
+# first page), at the capacity (overwrote row 16), far past it, and mixed with a good position.
+BAD = [(1, [-1]), (1, [-16]), (1, [32]), (1, [40]), (2, [-17, -16]), (2, [31, 32]), (2, [-1, 20])]
+
+
+def prefilled_full(batch):
+    """Sequence 0 at 31 tokens, for the step that crosses the capacity."""
+    cfg, params = model("tiny-dense", "float32")
+    cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([31] + LENGTHS[1:batch], cfg.vocab_size), cache,
+                         step_fn=reference_step(cfg))
+    return cfg, params, cache
+
+
+def inputs(batch, q_len, bad):
+    cfg, params, cache = prefilled_full(batch) if bad == [31, 32] else prefilled(batch)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+    good = np.asarray(cache.lengths)[:, None] + np.arange(q_len)[None]
+    badpos = good.copy()
+    badpos[0] = bad
+    return cfg, params, cache, tokens, jnp.asarray(good, jnp.int32), jnp.asarray(badpos, jnp.int32)
+
+
+@pytest.mark.parametrize("q_len, bad", BAD, ids=[f"q{q}-{b}" for q, b in BAD])
+def test_reference_out_of_range_positions_write_nothing(q_len, bad):
+    cfg, params, cache, tokens, good, badpos = inputs(3, q_len, bad)
+    step = reference_step(cfg)
+    run = step(params, tokens, badpos, cache)
+    assert_isolated(run, step(params, tokens, good, cache), cache, np.asarray(badpos))
+    with pytest.raises(PositionError, match="sequence 0 "):
+        check_step(badpos, cache)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(batch, q_len, detect_races=True):
+    cfg, params = model("tiny-dense", "float32")
+    tuning = TuningConfig(kv_tile_pages=1, kv_buffers=2)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
+    return plan, make_decode_step(plan, detect_races=detect_races), pack_weights(plan, params), tuning
+
+
+def compile_for_tpus(batch, q_len, tuning):
+    cfg, _ = model("tiny-dense", "float32")
+    for target in ("tpu7x", "v6e"):
+        plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
+        compiled = compile_for(make_decode_step(plan), step_specs(plan), get_target(target))
+        assert compiled.custom_calls == 1, f"{target}: expected exactly one tpu_custom_call"
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_kernel_out_of_range_positions_stay_in_their_sequence(q_len):
+    """Every bad position of sequence 0 for this q_len, in interpret mode with the race
+    detector: the other sequences' logits and cache rows are bit-identical to the run without
+    it, sequence 0 changes only rows of its in-range positions, and the kernel agrees with the
+    reference's defined behaviour on every row (sequence 0's too). Then the same kernel
+    configuration compiles deviceless for TPU7x and v6e."""
+    batch = 3
+    plan, step, packed, tuning = kernel(batch, q_len)
+    for q, bad in BAD:
+        if q != q_len:
+            continue
+        cfg, params, cache, tokens, good, badpos = inputs(batch, q_len, bad)
+        run = step(packed, tokens, badpos, cache)
+        assert not races_found(), f"{bad}: the interpreter's race detector reported a DMA race"
+        assert_isolated(run, step(packed, tokens, good, cache), cache, np.asarray(badpos))
+        want_logits, want_cache = reference_step(cfg)(params, tokens, badpos, cache)
+        scale = float(np.max(np.abs(np.asarray(want_logits))))
+        assert float(np.max(np.abs(np.asarray(run[0]) - np.asarray(want_logits)))) <= 1e-5 * scale, bad
+        np.testing.assert_array_equal(np.asarray(run[1].lengths), np.asarray(want_cache.lengths))
+        np.testing.assert_allclose(np.asarray(run[1].k), np.asarray(want_cache.k), rtol=1e-5, atol=1e-5)
+    assert not races_found()
+    compile_for_tpus(batch, q_len, tuning)
+
+
+# ---------------------------------------------------------------------- loaded artifacts
+def fake_artifact(calls):
+    manifest = {"shapes": {"batch": 3, "q_len": 1}, "key": "0123456789abcdef"}
+    return DecodeStep(None, manifest, lambda *a: calls.append(a) or "ran", "test")
+
+
+def test_artifact_step_checks_positions_before_running():
+    _, _, cache = prefilled(3)
+    calls: list = []
+    step = fake_artifact(calls)
+    tokens = jnp.zeros((3, 1), jnp.int32)
+    with pytest.raises(PositionError, match="artifact 0123456789ab: sequence 0 token 0 has position 32"):
+        step(None, tokens, jnp.asarray([[32], [9], [17]]), cache)
+    with pytest.raises(PositionError, match="sequence 1 token 0 has position -1"):
+        step(None, tokens, jnp.asarray([[20], [-1], [17]]), cache)
+    assert calls == [], "the executable ran on a bad position"
+    assert step(None, tokens, cache.lengths[:, None], cache) == "ran"
+    # the documented opt-outs: per call, or for every call of this step
+    assert step(None, tokens, jnp.asarray([[32], [9], [17]]), cache, check=False) == "ran"
+    step.check_inputs = False
+    assert step(None, tokens, jnp.asarray([[32], [9], [17]]), cache) == "ran"
+    with pytest.raises(PositionError):
+        step(None, tokens, jnp.asarray([[32], [9], [17]]), cache, check=True)
+    assert len(calls) == 3
+
+
+# ---------------------------------------------------------------------- generate / speculation
+def test_greedy_generate_past_the_cache_raises():
+    """Before: generating past the capacity overwrote earlier rows and set lengths past it."""
+    cfg, params = model("tiny-dense", "float32")
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    with pytest.raises(PositionError, match="generate step 3: sequence 0 token 0 has position 32"):
+        R.greedy_generate(params, cfg, [list(range(30))], 10, cache, step_fn=reference_step(cfg))
+
+
+def test_draft_model_past_its_cache_raises():
+    cfg, params = model("tiny-dense", "float32")
+    small = R.init_cache(cfg, 1, 16, PAGE)  # too small for the drafts
+    drafter = DraftModelDrafter(cfg, params, lambda t, p, c: reference_step(cfg)(params, t, p, c), small,
+                                prefill_step=reference_step(cfg))
+    drafter.prepare([list(range(12))])
+    with pytest.raises(PositionError, match="draft model step .*position 16, expected 0 <= position < capacity 16"):
+        drafter.propose([list(range(13))], 5)  # drafts at 13..16
+
+
+def nan_model(kind: str) -> Model:
+    cfg, params = model("tiny-dense", "float32")
+    if kind == "rope_theta":
+        return Model(cfg.replace(rope_theta=1e-300, name="tiny-dense-theta"), params, "test")
+    params = dict(params)
+    params["layers"] = [dict(layer) for layer in params["layers"]]
+    params["layers"][1]["mlp_norm"] = params["layers"][1]["mlp_norm"].at[3].set(jnp.nan)
+    return Model(cfg.replace(name="tiny-dense-nan"), params, "test")
+
+
+@pytest.mark.parametrize("kind", ["rope_theta", "nan_norm"])
+@pytest.mark.parametrize("spec", ["none", "ngram"])
+def test_non_finite_logits_are_an_error(kind, spec):
+    m = nan_model(kind)
+    with pytest.raises(NonFiniteError, match=r"^prefill: sequence 0 has NaN logits") as e:
+        generate(m, [[1, 2, 3], [4, 5]], 4, spec=spec, draft_tokens=2)
+    assert "\n" not in str(e.value)
+
+
+def test_non_finite_logits_in_a_decode_or_verify_step_are_an_error():
+    """A backend whose decode step goes NaN after a good prefill (sequence 1 only)."""
+    cfg, params = model("tiny-dense", "float32")
+    ref = reference_step(cfg)
+
+    def bad_step(toks, pos, c):
+        logits, c = ref(params, toks, pos, c)
+        return logits.at[1].set(jnp.nan), c
+
+    with pytest.raises(NonFiniteError, match="^generate step 1: sequence 1 has NaN logits"):
+        R.greedy_generate(params, cfg, [[1, 2], [3, 4]], 4, R.init_cache(cfg, 2, CONTEXT, PAGE), step_fn=ref,
+                          decode_fn=bad_step)
+    with pytest.raises(NonFiniteError, match="^verify step 1: sequence 1 has NaN logits"):
+        speculative_generate(params, cfg, [[1, 2], [3, 4]], 4, R.init_cache(cfg, 2, CONTEXT, PAGE), NgramDrafter(),
+                             2, step_fn=ref, verify_fn=bad_step)
+
+
+def test_cli_non_finite_logits_exit_non_zero(tmp_path):
+    toml = tmp_path / "theta.toml"
+    text = (R.__file__.rsplit("/model/", 1)[0] + "/model/presets/tiny-dense.toml")
+    body = open(text).read().replace("rope_theta = 1000000.0", "rope_theta = 1e-300")
+    toml.write_text(body.replace('name = "tiny-dense"', 'name = "tiny-theta"'))
+    res = CliRunner().invoke(main, ["generate", "--model", str(toml), "--prompt-ids", "1,2,3", "--steps", "3"])
+    assert res.exit_code != 0
+    assert "sequence 0 has NaN logits" in res.output and "Traceback" not in res.output
+
+
+# ---------------------------------------------------------------------- flags
+@pytest.mark.parametrize("text", ["1_0,2", "\uff11,2", "+1,2", "1,-2", "1,0x1", "1,2.0", "1,\u0661"])
+def test_prompt_ids_are_ascii_digits_only(text):
+    with pytest.raises(ConfigError, match="--prompt-ids: sequence 0 holds .* ASCII digits"):
+        parse_prompt_ids(text, 512)
+
+
+def test_prompt_ids_accept_plain_ids():
+    assert parse_prompt_ids(" 1, 2 ,003; 4", 512) == [[1, 2, 3], [4]]
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(page_size=0), "--page-size"), (dict(page_size=-16), "--page-size"), (dict(steps=0), "--steps"),
+    (dict(steps=2.5), "--steps"), (dict(spec="ngram", draft_tokens=0), "--draft-tokens"),
+    (dict(draft_tokens=True, spec="ngram"), "--draft-tokens"),
+])
+def test_generate_flags_are_validated(kwargs, flag):
+    cfg, params = model("tiny-dense", "float32")
+    args = dict(steps=2)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=f"^{flag}: expected a positive"):
+        generate(Model(cfg, params, "test"), [[1, 2]], **args)
+
+
+def test_cli_page_size_zero_is_one_line():
+    res = CliRunner().invoke(main, ["generate", "--model", "tiny-dense", "--prompt-ids", "1,2", "--steps", "2",
+                                    "--page-size", "0"])
+    assert res.exit_code != 0 and "--page-size" in res.output and "Traceback" not in res.output
+
+
+def test_cli_prompt_ids_with_underscore_is_rejected():
+    res = CliRunner().invoke(main, ["generate", "--model", "tiny-dense", "--prompt-ids", "1_0,2", "--steps", "2",
+                                    "--json"])
+    assert res.exit_code != 0 and "--prompt-ids" in res.output
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(res.output)
+
+
+def test_check_finite_names_the_row():
+    check_finite(np.zeros((2, 3)), "x")
+    with pytest.raises(NonFiniteError, match="^x: sequence 4 has infinite logits"):
+        check_finite(np.asarray([[0.0], [np.inf]]), "x", names=[3, 4])
