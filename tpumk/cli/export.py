@@ -14,7 +14,11 @@ from tpumk.cli.options import emit_json, fail_cleanly, spec_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def export(spec, out_dir, as_json):
-    """Compile the decode step and write it as a content-addressed artifact (cache hit: no compile)."""
+    """Compile the decode step and write it as a content-addressed artifact (cache hit: no compile).
+
+    Signed whenever a signing key is configured (TPUMK_SIGNING_KEY, or TPUMK_SIGNING_KEY_FILE
+    naming a file that holds it): manifest.sig holds an HMAC-SHA256 of manifest.toml, which lists
+    every file's sha256. With a key configured, a cache hit on an unsigned artifact is refused."""
     from tpumk.export.artifacts import export as do_export
 
     r = do_export(spec, out_dir=out_dir)
@@ -22,7 +26,10 @@ def export(spec, out_dir, as_json):
         emit_json(r.to_dict())
         return
     what = "cache hit, nothing compiled" if r.cache_hit else f"exported in {r.seconds:.2f} s"
+    signed = r.manifest.get("signing", {})
     click.echo(f"{r.path} ({what})")
+    click.echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
+               "  signed:  no (no signing key configured: set TPUMK_SIGNING_KEY to sign)")
     click.echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
     for name, entry in r.manifest["files"].items():
         click.echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
@@ -53,7 +60,10 @@ def cache_key(spec, out_dir, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def inspect(path, as_json):
-    """Show an artifact's manifest summary and verify its files and versions.
+    """Show an artifact's manifest summary and verify it: its signature when a signing key is
+    configured (TPUMK_SIGNING_KEY / TPUMK_SIGNING_KEY_FILE; then an unsigned artifact is invalid),
+    its fields against its key inputs, every file's sha256, the stack versions. Without a key it
+    says what that does not prove: who wrote the manifest.
 
     PATH may also be a directory holding artifacts below it (the `export --out` root, or a
     model's or target's directory in it): every artifact there is listed and verified. The exit
@@ -92,8 +102,14 @@ def _print_listing(listing: dict) -> None:
 
     items = listing["artifacts"]
     bad = sum(not i["valid"] for i in items)
-    click.echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}"
-               + (f", {bad} invalid" if bad else ", all valid (hashes and versions checked)"))
+    if bad:
+        status = f", {bad} invalid"
+    elif listing.get("authenticated"):
+        status = ", all valid (signatures verified; fields, hashes and versions checked)"
+    else:
+        status = (", all valid (fields, hashes and versions checked; manifests not authenticated: "
+                  "set TPUMK_SIGNING_KEY to verify signatures)")
+    click.echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}" + status)
     rows = [[i["path"], i["model"] or "?", i["target"] or "?", (i["key"] or "?")[:12],
              "valid" if i["valid"] else f"INVALID: {_short_problem(i)}"] for i in items]
     click.echo(tabulate(rows, headers=["path", "model", "target", "key", "status"], tablefmt="simple"))
@@ -125,4 +141,10 @@ def _print_inspect(info: dict) -> None:
     click.echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     for name, entry in info["files"].items():
         click.echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
-    click.echo("  valid (hashes and versions checked)" if info["valid"] else f"  INVALID: {info['problem']}")
+    if info["valid"]:
+        sig = info.get("signing") or {}
+        click.echo("  signed    " + (f"yes, key id {sig.get('key_id')} ({'verified' if sig.get('verified') else 'not checked: no key configured'})"
+                                    if sig.get("signed") else "no"))
+        click.echo(f"  valid: {info['proved']}")
+    else:
+        click.echo(f"  INVALID: {info['problem']}")

@@ -6,13 +6,16 @@ place, so a reader never sees half an artifact):
 
     executable.bin   jax.experimental.serialize_executable.serialize(compiled)[0]: the compiled
                      program for the target (deviceless for TPUs); it loads only on a device of
-                     that kind with the same jax/jaxlib/libtpu
+                     that kind with the same jax/jaxlib/libtpu. It is code: loading it runs
+                     JAX's deserializer, which unpickles (see "Trust" below)
     exported.bin     jax.export.export(jit(step), platforms=[...]).serialize(): the portable
                      StableHLO of the same step (tpu_custom_call is a stable custom call); any
-                     host deserializes it, and it compiles on load for the platform it names
+                     host deserializes it (flatbuffers, no pickle), and it compiles on load for
+                     the platform it names
     manifest.toml    model, target, shapes, tuning, the cache-key inputs (exact, as canonical
                      JSON, plus readable tables), stack versions, the build report, input/output
-                     signatures and the sha256 of every file above
+                     signatures, whether it is signed and the sha256 of every file above
+    manifest.sig     only when signed: HMAC-SHA256 of manifest.toml (tpumk.export.signing)
 
 The executable's input/output pytree structures are not stored as pickles: `load` rebuilds them
 from the manifest's plan and checks them against the structures recorded at export.
@@ -21,9 +24,18 @@ from the manifest's plan and checks them against the structures recorded at expo
 interpreter (`interpret=True`: the same kernel lowered to ordinary XLA ops, no host callbacks),
 so the portable export runs on any machine's CPU.
 
-An existing key is a cache hit: nothing is compiled. `load(path)` checks the manifest, every
-file's sha256 and the stack versions, then returns a `DecodeStep`:
-step(packed, tokens, positions, cache) -> (logits, cache).
+An existing key is a cache hit: nothing is compiled. `load(path)` verifies, then returns a
+`DecodeStep`: step(packed, tokens, positions, cache) -> (logits, cache).
+
+Trust. `verify` (which `load`, `inspect` and a cache hit run) checks, in this order, before
+anything of the artifact is deserialized: the signature of manifest.toml's exact bytes when a
+signing key is configured (TPUMK_SIGNING_KEY / TPUMK_SIGNING_KEY_FILE; an unsigned artifact or
+another key's is then refused), the manifest's own consistency (every redundant field equals
+what its key inputs say, the key is the sha256 of those inputs and the directory's name:
+tpumk.export.checks), every file's size and sha256, and the stack versions. `load` then reads
+each file once, re-checks its sha256 in memory and deserializes those bytes. Without a key the
+hashes prove only that the files match the manifest, not who wrote the manifest. `export` signs
+whenever a key is configured. Names that become directories are checked (tpumk.export.paths).
 """
 
 from __future__ import annotations
@@ -43,15 +55,18 @@ from typing import Any
 import tomli_w
 
 from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
-from tpumk.errors import ArtifactError
+from tpumk.errors import ArtifactError, ArtifactPathError, SignatureError
+from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
 
-FORMAT = 2  # 2: cpu artifacts hold programs; no pickled pytrees
+FORMAT = 3  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig
 MANIFEST = "manifest.toml"
 EXECUTABLE = "executable.bin"
 EXPORTED = "exported.bin"
+SIGNATURE = signing.SIGNATURE
 PAYLOAD = (EXECUTABLE, EXPORTED)
+MAX_MANIFEST_BYTES = 16 << 20
 
 _registered = False
 
@@ -81,14 +96,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _without_none(v: Any) -> Any:
-    """TOML has no null: None values are left out (exact values that need None live in the
-    manifest's canonical JSON strings)."""
-    if isinstance(v, dict):
-        return {str(k): _without_none(x) for k, x in v.items() if x is not None}
-    if isinstance(v, (list, tuple)):
-        return [_without_none(x) for x in v if x is not None]
-    return v
+_without_none = checks.without_none
 
 
 def to_toml(doc: dict[str, Any]) -> str:
@@ -102,6 +110,10 @@ def _signature(tree: Any) -> list[dict[str, Any]]:
     return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
 
 
+def _os_reason(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
 # ---------------------------------------------------------------------- export
 @dataclass
 class ExportResult:
@@ -112,23 +124,43 @@ class ExportResult:
     manifest: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "key": self.key, "cache_hit": self.cache_hit, "seconds": self.seconds}
+        return {"path": str(self.path), "key": self.key, "cache_hit": self.cache_hit, "seconds": self.seconds,
+                "signed": bool(self.manifest.get("signing", {}).get("signed"))}
 
 
 def artifact_path(out_dir: str | Path, spec: BuildSpec, key: str) -> Path:
-    return Path(out_dir) / spec.model.name / spec.target.name / key
+    """OUT/<model>/<target>/<key>; ArtifactPathError when a name is not one safe path component or
+    the path would resolve outside OUT."""
+    return paths.artifact_dir(out_dir, spec.model.name, spec.target.name, key)
+
+
+def _refuse_foreign(final: Path) -> None:
+    """An existing directory at the artifact's path that holds no manifest was not published by
+    an export (exports rename complete directories into place). It is refused, not replaced:
+    it may be someone's data under a wrong --out or a partial copy still being written, and a
+    non-empty directory cannot be replaced atomically (rename(2) onto it fails; a two-step swap
+    would show readers no artifact in between). An empty directory is replaced by the rename."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise ArtifactPathError(f"{final}: exists and is not an artifact directory; remove it and export again")
+    if final.is_dir() and any(final.iterdir()):
+        raise ArtifactError(f"{final}: exists without a {MANIFEST} (not published by tpumk export, or a partial "
+                            "copy): refusing to replace what tpumk did not write; remove it and export again")
 
 
 def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False) -> ExportResult:
-    """Build and write the artifact, or find it already there (cache hit: compiles nothing)."""
+    """Build and write the artifact, or find it already there (cache hit: compiles nothing).
+    Signed when a signing key is configured (tpumk.export.signing)."""
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
+    sign_key = signing.configured_key()  # a misconfigured key fails before compiling
     inputs = key_inputs(spec)
     key = cache_key(inputs)
     final = artifact_path(out_dir, spec, key)
     if (final / MANIFEST).exists():
         manifest = verify(final)
         return ExportResult(final, key, True, time.perf_counter() - t0, manifest)
+    _refuse_foreign(final)
+    paths.check_out_dir(out_dir, final.parent)
 
     import jax
     from jax import export as jexport
@@ -155,21 +187,26 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
                             f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
     if (in_tree, out_tree) != step_trees(plan):  # load() rebuilds them from the plan
         raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
-    platform = "cpu" if target.interpret else "tpu"
+    platform = checks.export_platform(target.interpret)
     t1 = time.perf_counter()
     exported = jexport.export(make_decode_step(plan, portable=True), platforms=[platform])(*specs)
     export_seconds = time.perf_counter() - t1
     est = estimate_in_subprocess(spec) if estimate and target.static_profile else None
     report = make_report(plan, compiled, est)
+    out_specs = jax.eval_shape(make_decode_step(plan, portable=True), *specs)
 
     parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=parent))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        paths.check_inside(out_dir, parent)
+        paths.clean_stale_tmps(parent)  # temporaries of killed exports
+        tmp = Path(tempfile.mkdtemp(prefix=paths.tmp_prefix(key), dir=parent))
+    except OSError as e:
+        raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {_os_reason(e)}") from None
     try:
         (tmp / EXECUTABLE).write_bytes(blob)
         (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
         files = list(PAYLOAD)
-        out_specs = jax.eval_shape(make_decode_step(plan, portable=True), *specs)
         manifest = {
             "format": FORMAT,
             "key": key,
@@ -177,9 +214,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             "model": {k: v for k, v in cfg.to_dict().items()},
             "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
                        "device_kind": compiled.device_kind, "interpret": target.interpret,
-                       "export_platform": platform,
-                       "kernel_mode": ("Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops"
-                                       if target.interpret else "Mosaic TPU kernel (tpu_custom_call)")},
+                       "export_platform": platform, "kernel_mode": checks.KERNEL_MODE[target.interpret]},
             "shapes": spec.shapes(),
             "tuning": tuning.to_dict(),
             "versions": stack_versions(),
@@ -192,10 +227,14 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
                           "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
                           "exported_in_avals": [str(a) for a in exported.in_avals],
                           "exported_out_avals": [str(a) for a in exported.out_avals]},
+            "signing": signing.signing_record(sign_key),
             "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
                       for name in files},
         }
-        (tmp / MANIFEST).write_text(to_toml(manifest))
+        text = to_toml(manifest).encode()
+        (tmp / MANIFEST).write_bytes(text)
+        if sign_key is not None:
+            (tmp / SIGNATURE).write_text(signing.signature_text(text, sign_key))
         for f in tmp.iterdir():  # durable before it becomes visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -205,7 +244,11 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             if (final / MANIFEST).exists():  # another process published the same key first
                 shutil.rmtree(tmp, ignore_errors=True)
                 return ExportResult(final, key, True, time.perf_counter() - t0, verify(final))
+            _refuse_foreign(final)
             raise
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArtifactError(f"{final}: cannot write the artifact: {_os_reason(e)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -213,47 +256,70 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
 
 
 # ---------------------------------------------------------------------- verify / load
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+def _manifest_bytes(path: Path) -> bytes:
     if not path.is_dir():
         raise ArtifactError(f"{path}: not an artifact directory (no such directory)")
     mf = path / MANIFEST
     if not mf.is_file():
         raise ArtifactError(f"{path}: not an artifact directory (no {MANIFEST})")
+    if mf.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{mf}: {mf.stat().st_size:,} bytes, not a manifest")
+    return mf.read_bytes()
+
+
+def _parse_manifest(mf: Path, data: bytes) -> dict[str, Any]:
     try:
-        m = tomllib.loads(mf.read_text())
+        m = tomllib.loads(data.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{mf}: malformed manifest: {str(e).splitlines()[0]}") from None
     for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model"):
         if field not in m:
             raise ArtifactError(f"{mf}: malformed manifest: missing '{field}'")
     if m["format"] != FORMAT:
-        raise ArtifactError(f"{mf}: artifact format {m['format']}, this tpumk reads format {FORMAT}")
+        raise ArtifactError(f"{mf}: artifact format {m['format']}, this tpumk reads format {FORMAT} (re-export)")
+    if not isinstance(m.get("signing"), dict) or not isinstance(m["signing"].get("signed"), bool):
+        raise ArtifactError(f"{mf}: malformed manifest: missing 'signing'")
     return m
 
 
-def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
-    """Manifest well-formed, key consistent, every file present with its sha256, same stack."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest, parsed and well-formed, NOT verified (for display; `verify` authenticates)."""
     path = Path(path)
-    m = read_manifest(path)
-    try:
-        inputs = json.loads(m["cache_key"]["inputs_json"])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad cache_key.inputs_json") from None
-    if cache_key(inputs) != m["key"]:
-        raise ArtifactError(f"{path / MANIFEST}: cache key {m['key'][:12]}... does not match its own inputs "
-                            "(manifest altered)")
+    return _parse_manifest(path / MANIFEST, _manifest_bytes(path))
+
+
+def _check_signing_record(path: Path, m: dict[str, Any], trust: dict[str, Any]) -> None:
+    rec = m["signing"]
+    if rec["signed"] and not trust["signed"]:
+        raise SignatureError(f"{path}: the manifest says it is signed (key id {rec.get('key_id', '?')}) but "
+                             f"{SIGNATURE} is missing (signature removed)")
+    if trust["signed"] and not rec["signed"]:
+        raise SignatureError(f"{path}: {SIGNATURE} present but the manifest says it is unsigned (manifest altered)")
+    if rec["signed"] and rec.get("key_id") != trust["key_id"]:
+        raise SignatureError(f"{path / SIGNATURE}: key id {trust['key_id']} differs from the manifest's "
+                             f"signing.key_id {rec.get('key_id')!r} (altered)")
+
+
+def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """verify(), also returning what was proved about who wrote it (signing.check_signature)."""
+    key = signing.configured_key()
+    data = _manifest_bytes(path)
+    trust = signing.check_signature(path, data, key)  # the exact bytes, before parsing them
+    m = _parse_manifest(path / MANIFEST, data)
+    _check_signing_record(path, m, trust)
+    inputs = checks.key_inputs_of(path, m)
+    checks.check_fields(path, m, inputs)
     missing = [n for n in PAYLOAD if n not in m["files"]]
     if missing:
         raise ArtifactError(f"{path / MANIFEST}: malformed manifest: no sha256 listed for {missing[0]}")
     for name, entry in sorted(m["files"].items()):
-        if name not in PAYLOAD or not isinstance(entry, dict) or "sha256" not in entry:
+        if name not in PAYLOAD:
             raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad files entry '{name}'")
         f = path / name
         if not f.is_file():
             raise ArtifactError(f"{f}: missing file of artifact {m['key'][:12]}")
         size = f.stat().st_size
-        if size != entry.get("bytes", size):
+        if size != entry["bytes"]:
             raise ArtifactError(f"{f}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)")
         got = sha256_file(f)
         if got != entry["sha256"]:
@@ -265,7 +331,29 @@ def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
             if have.get(dist) != want:
                 raise ArtifactError(f"{path}: built with {dist} {want}, this environment has {dist} "
                                     f"{have.get(dist, 'not installed')} (re-export)")
-    return m
+    return m, trust
+
+
+def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
+    """The signature when a key is configured (before anything else is read), the manifest's
+    fields against its key inputs, its key against the directory's name, every file present with
+    its size and sha256, the same stack. Returns the manifest; ArtifactError (one line) if not."""
+    return _verify(Path(path), check_versions)[0]
+
+
+def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
+    """A file's bytes, read once and checked against the verified manifest's sha256 in memory, so
+    what is deserialized is exactly what was hashed (no swap between verify and load)."""
+    entry = m["files"].get(name)
+    if entry is None:
+        raise ArtifactError(f"{path}: no {name} in this artifact")
+    try:
+        data = (path / name).read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{path / name}: cannot read: {_os_reason(e)}") from None
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ArtifactError(f"{path / name}: changed since it was verified (altered)")
+    return data
 
 
 def spec_of(m: dict[str, Any]) -> BuildSpec:
@@ -279,7 +367,16 @@ class DecodeStep:
     """A loaded artifact: step(packed, tokens, positions, cache) -> (logits, cache).
 
     The serialized executable donates `cache` (its K/V are updated in place): keep using the
-    returned cache, never the one passed in."""
+    returned cache, never the one passed in.
+
+    Before running, a call checks the positions contract on the host
+    (`tpumk.model.positions.check_step`: per sequence, consecutive positions starting at most
+    at the cache length and below the capacity; PositionError otherwise) so a bad position
+    is reported before any cache row is touched. Serving loops that guarantee their inputs
+    skip it (a device-to-host read of positions and lengths) with `step(..., check=False)` or
+    for every call with `step.check_inputs = False`."""
+
+    check_inputs: bool = True
 
     def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str):
         self.path, self.manifest, self._fn, self.kind = path, manifest, fn, kind
@@ -302,10 +399,14 @@ class DecodeStep:
         p = self.plan
         return init_cache(p.cfg, p.batch, p.context, p.page_size, num_pages=p.num_pages)
 
-    def __call__(self, packed, tokens, positions, cache):
+    def __call__(self, packed, tokens, positions, cache, check: bool | None = None):
         b, t = tokens.shape
         if (b, t) != (self.batch, self.q_len):
             raise ArtifactError(f"artifact {self.key[:12]} takes tokens [{self.batch}, {self.q_len}], got [{b}, {t}]")
+        if self.check_inputs if check is None else check:
+            from tpumk.model.positions import check_step
+
+            check_step(positions, cache, where=f"artifact {self.key[:12]}")
         return self._fn(packed, tokens, positions, cache)
 
     def __repr__(self) -> str:
@@ -339,7 +440,12 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
     use="auto": on a TPU target, the serialized executable on an attached TPU of the artifact's
     kind (ArtifactError if another kind or none is attached); on the cpu target, the portable
     export compiled for this host's CPU (runs on any machine). use="executable" / "exported"
-    forces one of the two programs (the cpu executable loads only on a compatible host CPU)."""
+    forces one of the two programs (the cpu executable loads only on a compatible host CPU).
+
+    Nothing is deserialized before `verify` passes (signature when a key is configured, fields,
+    every sha256, versions). The serialized executable is code (JAX unpickles it): without a
+    signing key, loading it trusts whoever can write the artifact's directory; use="exported"
+    (flatbuffers, no pickle) is the safer load of an artifact that is not signed."""
     if use not in USES:
         raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
     path = Path(path)
@@ -350,7 +456,7 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
         raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
                             f"{attached}; load it where a {target.device_kind} is attached")
     if use == "exported" or (use == "auto" and target.interpret):
-        return DecodeStep(path, m, load_exported(path, verified=True).call, f"exported ({target.name})")
+        return DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})")
     from jax.experimental import serialize_executable
 
     _register_pytrees()
@@ -360,8 +466,9 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
     if (str(in_tree), str(out_tree)) != (sig.get("executable_in_tree"), sig.get("executable_out_tree")):
         raise ArtifactError(f"{path}: the executable's argument structure differs from this tpumk's plan of it "
                             "(re-export with this version)")
+    blob = _read_payload(path, EXECUTABLE, m)
     try:
-        compiled = serialize_executable.deserialize_and_load((path / EXECUTABLE).read_bytes(), in_tree, out_tree,
+        compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
                                                              backend="cpu" if target.interpret else "tpu")
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
@@ -379,34 +486,54 @@ def _attached_kind() -> str:
     return ", ".join(kinds) if kinds else "no TPU attached"
 
 
-def load_exported(path: str | Path, verified: bool = False):
-    """The portable jax.export.Exported of the artifact."""
+def _deserialize_exported(path: Path, m: dict[str, Any]):
     from jax import export as jexport
 
-    path = Path(path)
-    m = m if verified and (m := read_manifest(path)) else verify(path)
-    if EXPORTED not in m["files"]:
-        raise ArtifactError(f"{path}: no portable export in this artifact ({m['target'].get('exported', '')})")
+    blob = _read_payload(path, EXPORTED, m)
     _register_pytrees()
     try:
-        return jexport.deserialize(bytearray((path / EXPORTED).read_bytes()))
+        return jexport.deserialize(bytearray(blob))
     except Exception as e:
         raise ArtifactError(f"{path / EXPORTED}: cannot deserialize: {str(e).splitlines()[0]}") from None
+
+
+def load_exported(path: str | Path):
+    """The portable jax.export.Exported of the artifact (verified first, like `load`)."""
+    path = Path(path)
+    return _deserialize_exported(path, verify(path))
+
+
+def trust_statement(trust: dict[str, Any]) -> str:
+    """What a passing verify proved, in one line."""
+    checked = "files match the manifest's sha256, its fields agree with its key inputs, versions match"
+    if trust.get("verified"):
+        return (f"signature verified (key id {trust['key_id']}): the manifest and, through its hashes, every "
+                f"file are as exported by a holder of the key; {checked}")
+    how = (f"signed (key id {trust['key_id']}) but the signature was not checked" if trust.get("signed")
+           else "unsigned")
+    return (f"{checked}; the manifest itself is not authenticated ({how}): anyone who can write the directory "
+            f"can rewrite it and the files together; set {signing.KEY_ENV} to verify signatures")
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """The manifest plus what verify says (never raises for a bad artifact: reports it)."""
     path = Path(path)
     out: dict[str, Any] = {"path": str(path)}
-    try:
-        m = read_manifest(path)
+
+    def show(m: dict[str, Any]) -> None:
         out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
                    tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
-                   signature=m.get("signature", {}))
-        verify(path)
-        out["valid"], out["problem"] = True, None
+                   signature=m.get("signature", {}), signed=bool(m.get("signing", {}).get("signed")))
+
+    try:
+        show(read_manifest(path))  # shown even when invalid (then marked INVALID)
+        m, trust = _verify(path)
+        show(m)
+        out.update(valid=True, problem=None, authenticated=trust["verified"],
+                   signing={**trust, "scheme": signing.SCHEME if trust["signed"] else None},
+                   proved=trust_statement(trust))
     except ArtifactError as e:
-        out["valid"], out["problem"] = False, str(e)
+        out.update(valid=False, problem=str(e), authenticated=False)
     return out
 
 
@@ -425,11 +552,13 @@ def find_artifacts(root: str | Path) -> list[Path]:
 
 def inspect_tree(root: str | Path) -> dict[str, Any]:
     """Every artifact below `root` as a short listing (path, model, target, key, valid or why not);
-    `valid` is True when every one of them is."""
+    `valid` is True when every one of them is, `authenticated` when every signature was verified."""
     items = []
     for path in find_artifacts(root):
         info = inspect(path)
         target = info.get("target") or {}
         items.append({"path": info["path"], "model": info.get("model"), "target": target.get("name"),
-                      "key": info.get("key"), "valid": info["valid"], "problem": info["problem"]})
-    return {"path": str(Path(root)), "artifacts": items, "valid": all(i["valid"] for i in items)}
+                      "key": info.get("key"), "valid": info["valid"], "problem": info["problem"],
+                      "signed": info.get("signed", False), "authenticated": info["authenticated"]})
+    return {"path": str(Path(root)), "artifacts": items, "valid": all(i["valid"] for i in items),
+            "authenticated": bool(items) and all(i["authenticated"] for i in items)}

@@ -1,0 +1,188 @@
+"""The manifest checked against itself: every redundant field must equal what its key inputs say.
+
+`cache_key.inputs_json` is the manifest's one authoritative record (its sha256 is the key, and
+the key is the directory's name). Every other field that can be derived from it is re-derived
+and compared: model, target (and what the target registry says about it), shapes, tuning,
+versions, the plan figures of the build report and the step's input signature. An edited field
+is refused with one line naming it, with or without a signing key. What cannot be re-derived
+(measured compile times, the estimate, the creation time) is covered only by a signature.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from tpumk.compile.keys import cache_key
+from tpumk.errors import ArtifactError, TpumkError
+
+TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
+             "report", "report_json", "timings", "signature", "files", "signing"}
+TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
+KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
+               False: "Mosaic TPU kernel (tpu_custom_call)"}
+# report figures the plan decides (the rest are measured at export: only a signature covers them)
+PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
+               "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def export_platform(interpret: bool) -> str:
+    return "cpu" if interpret else "tpu"
+
+
+def without_none(v: Any) -> Any:
+    """TOML has no null: None values are left out (the canonical JSON keeps them)."""
+    if isinstance(v, dict):
+        return {str(k): without_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, (list, tuple)):
+        return [without_none(x) for x in v if x is not None]
+    return v
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or math.isclose(a, b, rel_tol=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+class _Checker:
+    def __init__(self, path: Path):
+        self.mf = path / "manifest.toml"
+
+    def fail(self, msg: str):
+        raise ArtifactError(f"{self.mf}: {msg}")
+
+    def field(self, name: str, got: Any, want: Any, what: str = "the key inputs'") -> None:
+        if isinstance(got, dict) and isinstance(want, dict):
+            for k in sorted(set(got) | set(want)):
+                if k not in got:
+                    self.fail(f"field '{name}.{k}' is missing (the key inputs have {_short(want[k])}; manifest altered)")
+                if k not in want:
+                    self.fail(f"field '{name}.{k}' = {_short(got[k])} is not among the key inputs (manifest altered)")
+                self.field(f"{name}.{k}", got[k], want[k], what)
+            return
+        if not _same(got, want):
+            self.fail(f"field '{name}' = {_short(got)} does not match {what} {_short(want)} (manifest altered)")
+
+
+def key_inputs_of(path: Path, m: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's key inputs, checked to be its key and its directory's name."""
+    c = _Checker(path)
+    ck = m.get("cache_key")
+    if not isinstance(ck, dict) or not isinstance(ck.get("inputs_json"), str):
+        c.fail("malformed manifest: bad cache_key.inputs_json")
+    try:
+        inputs = json.loads(ck["inputs_json"])
+    except json.JSONDecodeError:
+        c.fail("malformed manifest: bad cache_key.inputs_json")
+    if not isinstance(inputs, dict) or not all(isinstance(inputs.get(f), dict)
+                                               for f in ("model", "target", "shapes", "tuning", "versions")):
+        c.fail("malformed manifest: cache_key.inputs_json lacks model, target, shapes, tuning or versions")
+    key = m.get("key")
+    if not isinstance(key, str) or cache_key(inputs) != key:
+        c.fail(f"cache key {str(key)[:12]}... does not match its own inputs (manifest altered)")
+    if ck.get("key") != key:
+        c.fail(f"field 'cache_key.key' = {_short(ck.get('key'))} is not the artifact's key {key[:12]}... "
+               "(manifest altered)")
+    if path.name != key:
+        raise ArtifactError(f"{path}: the directory's name is not the artifact's key {key[:12]}... (an artifact "
+                            "lives in OUT/<model>/<target>/<key>/: renamed, or its manifest replaced)")
+    return inputs
+
+
+def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """Every redundant manifest field against the key inputs (ArtifactError naming the first that differs)."""
+    from tpumk.targets import get_target
+
+    c = _Checker(path)
+    unknown = sorted(set(m) - TOP_LEVEL)
+    if unknown:
+        c.fail(f"unknown field '{unknown[0]}' (manifest altered, or written by another tpumk)")
+    for name in ("model", "target", "shapes", "tuning", "versions", "files", "signature", "report"):
+        if not isinstance(m.get(name, {}), dict):
+            c.fail(f"malformed manifest: '{name}' is not a table")
+    c.field("model", m["model"], without_none(inputs["model"]))
+    c.field("shapes", m["shapes"], inputs["shapes"])
+    c.field("tuning", m["tuning"], without_none(inputs["tuning"]))
+    c.field("versions", m["versions"], inputs["versions"])
+
+    t, ti = m["target"], inputs["target"]
+    extra = sorted(set(t) - TARGET_FIELDS)
+    if extra:
+        c.fail(f"unknown field 'target.{extra[0]}' (manifest altered)")
+    for f in ("name", "chip", "interpret"):
+        c.field(f"target.{f}", t.get(f), ti.get(f))
+    c.field("target.topology", t.get("topology"), ti.get("topology") or "")
+    try:
+        target = get_target(ti["name"])
+    except TpumkError as e:
+        c.fail(f"target {ti['name']!r}: {e}")
+    for f in ("chip", "interpret"):
+        c.field(f"target.{f}", t.get(f), getattr(target, f), f"the {target.name} target's")
+    c.field("target.topology", t.get("topology"), target.topology or "", f"the {target.name} target's")
+    c.field("target.export_platform", t.get("export_platform"), export_platform(target.interpret), "its target's")
+    c.field("target.kernel_mode", t.get("kernel_mode"), KERNEL_MODE[target.interpret], "its target's")
+    if target.device_kind is not None:
+        c.field("target.device_kind", t.get("device_kind"), target.device_kind, "its target's")
+
+    for name, entry in m["files"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+                or not _HEX64.fullmatch(entry["sha256"]) or not isinstance(entry.get("bytes"), int):
+            c.fail(f"malformed manifest: bad files entry '{name}'")
+
+    # the build report: its table is its JSON minus the plan; the plan's figures are re-planned
+    rj = m.get("report_json")
+    if rj is not None or m.get("report"):
+        try:
+            full = json.loads(rj) if isinstance(rj, str) else None
+        except json.JSONDecodeError:
+            full = None
+        if not isinstance(full, dict):
+            c.fail("malformed manifest: bad report_json")
+        c.field("report", m.get("report", {}), without_none({k: v for k, v in full.items() if k != "plan"}),
+                "report_json's")
+    plan = _plan(c, m, inputs)
+    if rj is not None:
+        want = {"model": plan.cfg.name, "target": plan.target.name, "batch": plan.batch, "context": plan.context,
+                "q_len": plan.q_len, "vmem_bytes": plan.vmem_total, "vmem_budget_bytes": plan.vmem_budget,
+                "vmem_capacity_bytes": plan.target.vmem_bytes, "hbm_bytes_per_step": plan.hbm_bytes,
+                "floor_seconds": plan.floor_seconds, "tuning": without_none(plan.tuning.to_dict())}
+        for f in PLAN_REPORT:
+            c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
+
+    sig = m.get("signature", {})
+    if sig:
+        from tpumk.export.artifacts import _signature, step_trees
+        from tpumk.kernel.megakernel import step_specs
+
+        c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(_signature(step_specs(plan))),
+                "the plan's")
+        in_tree, out_tree = step_trees(plan)
+        c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
+        c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
+
+
+def _plan(c: _Checker, m: dict[str, Any], inputs: dict[str, Any]):
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+
+    try:
+        return make_plan(BuildSpec.from_dict({"model": inputs["model"], "target": inputs["target"]["name"],
+                                              **inputs["shapes"], "tuning": inputs["tuning"]}, "artifact manifest"))
+    except TpumkError as e:
+        c.fail(f"its key inputs do not plan: {e}")
+    except (KeyError, TypeError, ValueError) as e:
+        c.fail(f"malformed manifest: key inputs: {type(e).__name__}: {e}")

@@ -1,0 +1,158 @@
+"""Where artifacts go on disk: safe names, --out checks, and the temporaries of killed exports.
+
+`OUT/<model>/<target>/<key>/`: the model and target names become directory names, so each must
+be one safe path component. Unsafe names are refused, not rewritten: a rewritten name would make
+the directory differ from the name the user reads in their config (and two names could map to
+one), while a refusal says exactly what to change.
+
+Exports write into `.tmp-<key16>.<pid>.<host>.<random>` beside the final directory and rename it
+into place. A killed export leaves its temporary behind; the next export into the same parent
+removes temporaries whose process is gone (same host, pid not alive) or that are older than an
+hour (any host: writing an artifact takes seconds, the compile happens before the temporary
+exists).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from tpumk.errors import ArtifactPathError
+
+TMP_PREFIX = ".tmp-"
+STALE_SECONDS = 3600
+_RULE = "one path component: no '/', '\\', NUL or control characters, not '.' or '..', no leading '.'"
+
+
+def unsafe_reason(name: object) -> str | None:
+    """Why `name` cannot be one directory name under --out (None: it can)."""
+    if not isinstance(name, str) or not name:
+        return "it is empty"
+    if name in (".", ".."):
+        return f"it is {name!r}"
+    if "/" in name:
+        return "it contains '/'"
+    if "\\" in name:
+        return "it contains '\\'"
+    if "\0" in name:
+        return "it contains NUL"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains a control character"
+    if name.startswith("."):
+        return "it starts with '.'"
+    if len(name.encode()) > 200:
+        return "it is longer than 200 bytes"
+    return None
+
+
+def check_component(kind: str, name: object, hint: str = "") -> str:
+    reason = unsafe_reason(name)
+    if reason:
+        raise ArtifactPathError(f"{kind} name {name!r} cannot be a directory name under --out: {reason} "
+                                f"(refused, not rewritten: it must be {_RULE}){hint}")
+    return name  # type: ignore[return-value]
+
+
+def artifact_dir(out_dir: str | Path, model: str, target: str, key: str) -> Path:
+    """OUT/<model>/<target>/<key>, refused unless every name is safe and the resolved path stays
+    inside the resolved OUT (a symlinked model or target directory pointing elsewhere is refused)."""
+    check_component("model", model, "; set `name` in the model TOML or `_name_or_path` in config.json")
+    check_component("target", target)
+    check_component("cache key", key)
+    out = Path(out_dir)
+    final = out / model / target / key
+    root = out.resolve()
+    if not final.resolve().is_relative_to(root):
+        raise ArtifactPathError(f"{final}: resolves to {final.resolve()}, outside --out {root} "
+                                "(a symlink in the way?)")
+    return final
+
+
+def _os_reason(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
+def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None) -> None:
+    """Before compiling: --out (and the directory below it an artifact goes to, `target_dir`)
+    must be, or be creatable as, a writable directory. Writes nothing that stays (a probe
+    directory in the deepest existing ancestor, removed at once)."""
+    out = Path(out_dir)
+    probe_in = Path(target_dir) if target_dir is not None else out
+    while not probe_in.exists() and not probe_in.is_symlink():
+        if probe_in.parent == probe_in:
+            break
+        probe_in = probe_in.parent
+    if probe_in.exists() and not probe_in.is_dir():
+        what = "a regular file" if probe_in.is_file() else "not a directory"
+        where = "" if probe_in == out else " (in the artifact's path)"
+        raise ArtifactPathError(f"--out {out}: {probe_in} is {what}, not a directory{where}")
+    if not probe_in.exists():
+        raise ArtifactPathError(f"--out {out}: {probe_in} is a broken symlink")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tpumk-probe-", dir=probe_in))
+    except OSError as e:
+        raise ArtifactPathError(f"--out {out}: cannot write in {probe_in}: {_os_reason(e)}") from None
+
+
+def check_inside(out_dir: str | Path, path: Path) -> None:
+    """Again after creating directories: `path` still resolves inside --out (a symlink planted
+    meanwhile is refused)."""
+    root = Path(out_dir).resolve()
+    if not path.resolve().is_relative_to(root):
+        raise ArtifactPathError(f"{path}: resolves to {path.resolve()}, outside --out {root} (a symlink in the way?)")
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def tmp_prefix(key: str) -> str:
+    return f"{TMP_PREFIX}{key[:16]}.{os.getpid()}.{_host_tag()}."
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def is_stale(tmp: Path, now: float | None = None, max_age: float = STALE_SECONDS) -> bool:
+    """A temporary of a killed export: its process is gone (recorded on this host), or it is old."""
+    now = time.time() if now is None else now
+    try:
+        age = now - tmp.lstat().st_mtime
+    except OSError:
+        return False
+    if age > max_age:
+        return True
+    parts = tmp.name[len(TMP_PREFIX):].split(".")
+    if len(parts) == 4 and parts[1].isdigit() and parts[2] == _host_tag():
+        pid = int(parts[1])
+        return pid != os.getpid() and not _pid_alive(pid)
+    return False
+
+
+def clean_stale_tmps(parent: Path, now: float | None = None, max_age: float = STALE_SECONDS) -> list[Path]:
+    """Remove the stale export temporaries directly in `parent`; returns what was removed."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        if p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink() and is_stale(p, now, max_age):
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append(p)
+    return removed
