@@ -204,3 +204,19 @@ def test_cli_export_cache_hit_and_inspect(cpu_artifact, tpu_artifact, tmp_path):
     assert r.exit_code == 1 and "INVALID" in r.output and "truncated or altered" in r.output
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "nothing")])
     assert r.exit_code == 1 and "not an artifact directory" in r.output
+
+
+def test_load_checks_step_inputs_unless_told_not_to(cpu_artifact):
+    """tpumk.load's step checks positions by default; check_inputs=False is the documented
+    opt-out for serving loops that guarantee them (tests/test_positions.py checks the check)."""
+    import jax.numpy as jnp
+
+    from tpumk.errors import PositionError
+
+    step = A.load(cpu_artifact.path)
+    assert step.check_inputs
+    cache = step.init_cache()
+    bad = jnp.full((1, 1), CONTEXT, jnp.int32)  # one past the capacity
+    with pytest.raises(PositionError):
+        step(None, jnp.zeros((1, 1), jnp.int32), bad, cache)
+    assert not A.load(cpu_artifact.path, check_inputs=False).check_inputs

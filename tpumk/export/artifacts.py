@@ -434,7 +434,7 @@ def step_trees(plan) -> tuple:
 USES = ("auto", "executable", "exported")
 
 
-def load(path: str | Path, use: str = "auto") -> DecodeStep:
+def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> DecodeStep:
     """Verify the artifact and make it callable on this host.
 
     use="auto": on a TPU target, the serialized executable on an attached TPU of the artifact's
@@ -445,7 +445,11 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
     Nothing is deserialized before `verify` passes (signature when a key is configured, fields,
     every sha256, versions). The serialized executable is code (JAX unpickles it): without a
     signing key, loading it trusts whoever can write the artifact's directory; use="exported"
-    (flatbuffers, no pickle) is the safer load of an artifact that is not signed."""
+    (flatbuffers, no pickle) is the safer load of an artifact that is not signed.
+
+    check_inputs: the step checks every call's positions and cache lengths on the host
+    (tpumk.model.positions) before running; False is for serving loops that guarantee them (the
+    kernel still never writes outside a sequence's own pages)."""
     if use not in USES:
         raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
     path = Path(path)
@@ -456,7 +460,9 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
         raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
                             f"{attached}; load it where a {target.device_kind} is attached")
     if use == "exported" or (use == "auto" and target.interpret):
-        return DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})")
+        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})")
+        step.check_inputs = check_inputs
+        return step
     from jax.experimental import serialize_executable
 
     _register_pytrees()
@@ -472,7 +478,9 @@ def load(path: str | Path, use: str = "auto") -> DecodeStep:
                                                              backend="cpu" if target.interpret else "tpu")
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
-    return DecodeStep(path, m, compiled, f"executable ({target.name})")
+    step = DecodeStep(path, m, compiled, f"executable ({target.name})")
+    step.check_inputs = check_inputs
+    return step
 
 
 def _attached_kind() -> str:
