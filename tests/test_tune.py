@@ -52,9 +52,16 @@ def finished(study):
 
 
 def evaluated(study):
-    """The trials in the budget: complete, or pruned by the compiler (not before compiling)."""
-    return [t for t in finished(study)
-            if t.state.name == "COMPLETE" or t.user_attrs.get("prune_stage") not in ("tuning", "constraint", "plan")]
+    """The budget: one trial (the first) per distinct configuration complete, or pruned by the
+    compiler (not before compiling); trials repeating an evaluated configuration do not count."""
+    out, seen = [], set()
+    for t in sorted(finished(study), key=lambda t: t.number):
+        if t.state.name == "COMPLETE" or t.user_attrs.get("prune_stage") not in ("tuning", "constraint", "plan"):
+            key = t.user_attrs.get("config_key", f"trial {t.number}")
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+    return out
 
 
 def compile_log(root: Path):
@@ -171,11 +178,13 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     assert r.exit_code == 0, r.output
     assert "objective: compiler" in r.stderr and "static estimate" in r.stderr  # said at the start
     out = json.loads(r.stdout)
+    # --trials counts distinct evaluated configurations; repeats of one are outside the budget.
     assert out["evaluated"] == 8 and "FAIL" not in out["counts"]
-    assert out["counts"].get("COMPLETE", 0) + out["counts"].get("PRUNED", 0) == 8 + out["infeasible"]
+    assert out["counts"].get("COMPLETE", 0) + out["counts"].get("PRUNED", 0) == 8 + out["infeasible"] + out["repeated"]
     study = load(None, out["study"])
     trials = finished(study)
-    assert len(trials) == 8 + out["infeasible"]
+    assert len(trials) == 8 + out["infeasible"] + out["repeated"]
+    assert len(evaluated(study)) == 8
     default = study.trials[0]
     assert default.user_attrs.get("tpumk_default") and default.state.name == "COMPLETE"
     compiled_keys = []
@@ -338,15 +347,19 @@ def test_duplicate_configurations_in_parallel_are_evaluated_once(tmp_path, monke
     study.enqueue_trial(d, user_attrs={"tpumk_default": True})  # run() enqueues no second default
     for ring in (12, 8, 8, 8, 4, 4, 12):
         study.enqueue_trial({**d, "ring_depth": ring})
-    settings = TuneSettings(trials=8, workers=4, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    # --trials counts distinct configurations: the three queued ones (and their repeats, reused).
+    settings = TuneSettings(trials=3, workers=4, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
     result = T.run(problem, space, objective, settings, storage=storage, study_name=name)
-    assert result.counts == {"COMPLETE": 8}
+    assert result.evaluated == 3 and not {"FAIL", "PRUNED", "RUNNING"} & set(result.counts)  # queued rest: WAITING
+    assert result.counts["COMPLETE"] == 3 + result.repeated and result.repeated >= 3  # 12, 8, 8, 8, 4 at least
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 3
     study = T.open_study(storage_url(storage, name), name, None, None, create=False)
-    for t in study.trials:
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert {t.params["ring_depth"] for t in done} == {4, 8, 12}
+    for t in done:
         assert t.value == pytest.approx(1e-6 * t.params["ring_depth"])
-    reused = [t for t in study.trials if t.user_attrs["cached"]]
-    assert len(reused) == 5
+    reused = [t for t in done if t.user_attrs["cached"]]
+    assert len(reused) == result.repeated == result.reused
     assert all(study.trials[t.user_attrs["duplicate_of"]].params == t.params
                for t in reused if "duplicate_of" in t.user_attrs)
 
@@ -369,12 +382,14 @@ def test_cli_logs_one_line_per_trial_and_says_when_a_study_is_complete(tmp_path,
     monkeypatch.setattr(TrialRunner, "_run_worker", fake_worker)
     monkeypatch.chdir(tmp_path)
     space = tmp_path / "rings.toml"
-    space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n')
+    # Six configurations: --trials counts distinct ones, so 4 and then 5 must be reachable.
+    space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
+                     '[knobs.kv_buffers]\ntype = "int"\nlow = 2\nhigh = 3\n')
     args = tune_cmd("--space", space, "--objective", "model", "--seed", 1)
     r = cli(*args, "--trials", 4)
     assert r.exit_code == 0, r.output
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("trial ")]
-    assert len(lines) == 4, r.stdout
+    assert len(lines) >= 4, r.stdout  # more when the sampler repeated a configuration (reused, not counted)
     assert lines[0] == "trial 0 (default configuration): COMPLETE 12.00 us (tpumk model) [1/4 evaluated]"
     assert lines[-1].endswith("[4/4 evaluated]")
     for ln in lines:

@@ -91,7 +91,8 @@ def run_two_processes(tmp_path: Path, storage: str, name: str) -> None:
     states = [t.state.name for t in trials]
     compiled_or_reused = [t for t in trials if t.state.name == "COMPLETE"
                           or t.user_attrs.get("prune_stage") not in (None, "tuning", "constraint", "plan")]
-    assert len(compiled_or_reused) == 6  # the budget: evaluated trials
+    # The budget: distinct evaluated configurations (the queued duplicates do not count).
+    assert len({t.user_attrs["config_key"] for t in compiled_or_reused}) == 6
     assert not {"RUNNING", "WAITING"} & set(states)
     assert all(o["this_run"]["trials"] > 0 for o in outs)  # both processes worked on the study
     logs = [ResultCache(tmp_path / f"cache{i}").compile_log() for i in range(2)]

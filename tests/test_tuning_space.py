@@ -75,7 +75,7 @@ def test_facts_cover_the_documented_names():
     assert facts["is_moe"] == 1 and facts["num_experts"] == 128 and facts["expert_ffn_size"] == 768
     assert facts["has_dense_layers"] == 0 and facts["has_shared_expert"] == 0
     assert facts["pages_per_seq"] == 4096 // facts["page_size"] and facts["rows"] == 8
-    dense = space_facts(BuildSpec(load_preset("qwen3-8b"), get_target("v6e"), batch=1, context=100, q_len=2))
+    dense = space_facts(BuildSpec(load_preset("qwen3-8b"), get_target("v6e"), batch=1, context=112, q_len=2))
     assert dense["is_moe"] == 0 and dense["has_dense_layers"] == 1 and dense["ffn_size"] == 12288
     assert dense["vmem_bytes"] == 128 * MIB and dense["rows"] == 2 and dense["pages_per_seq"] == 7
     readme = (SPACES_DIR / "README.md").read_text()

@@ -48,9 +48,12 @@ def print_result(r) -> None:
     if r.already_complete and notes:
         click.echo(notes.pop(0))
     c = r.counts
-    click.echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} evaluated trials "
-               f"({c.get('COMPLETE', 0)} complete, {r.evaluated - c.get('COMPLETE', 0)} pruned by the compiler), "
+    complete = c.get("COMPLETE", 0)
+    click.echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} distinct configurations evaluated "
+               f"({complete} trials complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
                f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
+    click.echo(f"{r.reused} trials reused earlier results without compiling ({r.repeated} of them repeated a "
+               "configuration the study had evaluated: outside the budget)")
     if r.prune_reasons:
         click.echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
     run = r.this_run
@@ -112,8 +115,9 @@ class _Bar:
 @spec_options(tuning=False)
 @click.option("--space", "space_file", type=click.Path(), help="Tuning space TOML (default tuning_spaces/default.toml).")
 @click.option("--trials", default=30, show_default=True,
-              help="Evaluated trials the study ends with (complete, or pruned by the compiler); "
-                   "configurations pruned before compiling do not count. A larger number extends a finished study.")
+              help="Distinct configurations the study ends with evaluated (complete, or pruned by the compiler); "
+                   "configurations pruned before compiling, and trials repeating a configuration already "
+                   "evaluated (they reuse its result), do not count. A larger number extends a finished study.")
 @click.option("--max-infeasible", type=int,
               help="Stop after this many configurations pruned before compiling (default 10 x --trials).")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds a trial's compile (and objective) may take; it is killed and pruned after.")
@@ -147,7 +151,7 @@ def tune(spec, space_file, trials, max_infeasible,
     from tpumk.tune.settings import TuneSettings
     from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
     from tpumk.tune.storage import redact, storage_url
-    from tpumk.tune.study import open_study, run, study_name_for
+    from tpumk.tune.study import check_writable, open_study, run, study_name_for
 
     space = load_space(space_file or DEFAULT_SPACE_PATH)
     problem = spec
@@ -159,9 +163,13 @@ def tune(spec, space_file, trials, max_infeasible,
     name = study_name or study_name_for(problem, space, choice.name, evaluator_inputs())
     url = storage_url(storage, name, settings.root)
     out = out_file or str(settings.root / f"{name}.toml")
+    # Outputs are written after the study: refuse an unwritable one before it starts.
+    check_writable(out, "--out")
+    if report_dir:
+        check_writable(report_dir, "--report", directory=True)
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     size = space.size()
-    say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} evaluated trials")
+    say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} distinct configurations to evaluate")
     say(f"objective: {choice.name} ({choice.reason})")
     say(f"study {name} in {redact(url)}")
     optuna.logging.set_verbosity(logging.ERROR)  # tpumk prints its own summary

@@ -96,17 +96,29 @@ def _cache_file() -> Path:
     return root / "calibration.json"
 
 
-def _stack_key(target: Target) -> str:
-    from tpumk.compile.keys import stack_versions
+# The code behind a calibration: this module (the probe kernel, the anchor, the conversion) and
+# everything it imports (the static-profile reader, the compile path, the targets).
+CALIBRATION_ENTRY = "tpumk.estimate.calibration"
 
-    return "|".join([target.name] + [f"{k} {v}" for k, v in sorted(stack_versions().items())])
+
+def _stack_key(target: Target) -> str:
+    """The cache key of a target's calibration: the target, the jax/jaxlib/libtpu/tpumk
+    versions and the digest of the probe code's source closure (tpumk.compile.keys's
+    `source_inputs`, as artifact keys use), so an edit of the probe or of the code it runs
+    through measures afresh instead of reusing a figure of other code."""
+    from tpumk.compile.keys import source_inputs, stack_versions
+
+    source = source_inputs(CALIBRATION_ENTRY)["sha256"]
+    return "|".join([target.name] + [f"{k} {v}" for k, v in sorted(stack_versions().items())]
+                    + [f"source {source}"])
 
 
 @functools.lru_cache(maxsize=None)
 def calibration_for(target_name: str) -> Calibration | None:
     """The cycles->seconds calibration for a target, or None where there is none (no static
     profile on this target, or profiling not enabled in this process). Cached on disk per
-    target and jax/libtpu version: the probe compile takes a few seconds."""
+    target, jax/libtpu version and source of the probe code (`_stack_key`): the probe compile
+    takes a few seconds."""
     target = get_target(target_name)
     if not target.static_profile:
         return None

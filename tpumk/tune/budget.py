@@ -1,10 +1,15 @@
 """The study's budget: which trials count, and the check before a trial starts evaluating.
 
-`--trials N` means the study ends with N *evaluated* trials: COMPLETE, or PRUNED after a
-compile (the compiler rejected the configuration, crashed or timed out), i.e. the trials that
-cost a compile or reused one. Trials pruned before compiling (the space's constraints, the
-plan) cost a fraction of a second and do not count; they are capped at `max_infeasible`
-(default 10 x N) so a space that is mostly infeasible still ends. Every process and worker
+`--trials N` means the study ends with N *distinct evaluated configurations*: configurations
+(`config_key`) of trials that are COMPLETE, or PRUNED after a compile (the compiler rejected the
+configuration, crashed or timed out), whether the study compiled them or took their result from
+the result cache. A trial of a configuration the study already evaluated (the sampler suggested
+it again; it reuses the earlier trial's result) is a *repeat*: it costs nothing and does not
+count, so a study of N never holds fewer than N distinct evaluated configurations. Repeats are
+capped at `max_repeats` (10 x N) and the study also ends once every point of the space's grid
+was tried, so a small or exhausted space still ends. Trials pruned before compiling (the space's
+constraints, the plan) cost a fraction of a second and do not count either; they are capped at
+`max_infeasible` (default 10 x N) so a space that is mostly infeasible still ends. Every process and worker
 thread shares the budget: a thread starts a trial only while evaluated + running < N (running
 trials of other processes included), and a trial that another process started past the
 budget in a race is marked FAIL ("surplus", never evaluated). (Optuna's MaxTrialsCallback
@@ -42,16 +47,38 @@ def is_free(t) -> bool:
     return state(t) == "PRUNED" and t.user_attrs.get("prune_stage") in FREE_STAGES
 
 
+def config_of(t) -> str:
+    """The configuration a trial evaluated (its result-cache key; its number if it has none)."""
+    return t.user_attrs.get("config_key") or f"trial {t.number}"
+
+
+def repeats(trials) -> list:
+    """Finished trials (not pruned before compiling) of a configuration that an earlier
+    finished trial of the study had already evaluated: outside the budget."""
+    seen: set[str] = set()
+    out = []
+    for t in sorted(trials, key=lambda t: t.number):
+        if state(t) in FINISHED and not is_free(t):
+            k = config_of(t)
+            if k in seen:
+                out.append(t)
+            seen.add(k)
+    return out
+
+
 def tally(trials) -> tuple[int, int, set[int]]:
-    """(evaluated trials, trials pruned before compiling, numbers of running trials)."""
-    evaluated = sum(state(t) in FINISHED and not is_free(t) for t in trials)
+    """(distinct evaluated configurations, trials pruned before compiling, numbers of running
+    trials)."""
+    evaluated = len({config_of(t) for t in trials if state(t) in FINISHED and not is_free(t)})
     return evaluated, sum(is_free(t) for t in trials), {t.number for t in trials if state(t) == "RUNNING"}
 
 
 def is_spent(trials, settings: TuneSettings) -> bool:
-    """The study has its evaluated trials, or hit the cap of trials pruned before compiling."""
+    """The study has its evaluated configurations, or hit the cap of trials pruned before
+    compiling or of repeats."""
     evaluated, infeasible, _ = tally(trials)
-    return evaluated >= settings.trials or infeasible >= settings.infeasible_cap()
+    return (evaluated >= settings.trials or infeasible >= settings.infeasible_cap()
+            or len(repeats(trials)) >= settings.repeats_cap())
 
 
 def wait_for_budget(trial, settings: TuneSettings, stop: threading.Event) -> None:
@@ -64,7 +91,7 @@ def wait_for_budget(trial, settings: TuneSettings, stop: threading.Event) -> Non
         ahead = sum(state(t) == "RUNNING" and t.number < trial.number for t in trials)
         if is_spent(trials, settings):
             trial.set_user_attr("fail_reason", "surplus: the study had its trials when this one started")
-            raise SurplusTrial(f"study already has {evaluated} evaluated trials")
+            raise SurplusTrial(f"study already has {evaluated} evaluated configurations")
         if evaluated + ahead < settings.trials:
             return
         if stop.is_set():

@@ -27,6 +27,11 @@ class TuneSettings:
     def infeasible_cap(self) -> int:
         return self.max_infeasible if self.max_infeasible is not None else INFEASIBLE_FACTOR * self.trials
 
+    def repeats_cap(self) -> int:
+        """Trials that repeat an evaluated configuration (no cost, outside the budget) after
+        which the study stops: the sampler keeps suggesting what it has seen."""
+        return INFEASIBLE_FACTOR * self.trials
+
     def validate(self) -> None:
         for name, low in (("trials", 1), ("workers", 1), ("heartbeat", 1), ("top", 1)):
             v = getattr(self, name)

@@ -26,6 +26,7 @@ import ast
 import dataclasses
 import math
 import operator
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,16 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_}
-_MAX_EXPONENT = 64  # keeps `**` from building numbers that take minutes to compute
+_MAX_EXPONENT = 64  # `**` takes only a constant exponent, at most this large (checked on load)
+# Every intermediate value of a constraint stays within this many bits (ints) or is finite
+# (floats): with constant exponents alone, `((x ** 64) ** 64) ** 64` still grows without bound,
+# so the bound is also checked during evaluation, before a power or product is computed.
+_MAX_BITS = 1024
+_MAX_NODES = 1000  # nodes of one constraint's tree (the evaluation walks each once)
+# An int knob's range is searched by Optuna's IntDistribution and checked at a few candidates,
+# never listed, but its candidates must stay countable and its bounds sane integers.
+MAX_INT_CANDIDATES = 1_000_000
+MAX_KNOB_VALUE = 2**53  # exact in a float, far above any real knob value (bytes of a tile, pages)
 
 
 # ---------------------------------------------------------------------- knobs
@@ -117,7 +127,7 @@ class Knob:
     default: Any = None
 
     def values(self) -> list[Any]:
-        if self.kind == "int":
+        if self.kind == "int":  # at most MAX_INT_CANDIDATES (load_space checks)
             return list(range(self.low, self.high + 1, self.step))
         if self.kind == "pow2":
             vals = [1 << e for e in range(self.low.bit_length() - 1, self.high.bit_length())]
@@ -163,14 +173,24 @@ class Constraint:
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "_tree", tree)
 
-    def holds(self, env: dict[str, Any]) -> bool:
+    def holds(self, env: dict[str, Any], deadline: float | None = None) -> bool:
+        """Whether the condition holds under `env`. Its cost is bounded (constant exponents
+        of at most 64, every intermediate within 1024 bits or a finite float, and `deadline`,
+        a time.monotonic() instant, checked at every node); a configuration for which it cannot
+        be evaluated (division by zero, a value out of those bounds, past the deadline) raises
+        ConstraintError naming the expression, the error and the values it read."""
         try:
-            return bool(_eval(self._tree.body, env))
+            return bool(_eval(self._tree.body, env, deadline))
         except KeyError as e:
             raise ConfigError(f"constraint '{self.expr}': no value for '{e.args[0]}'") from None
-        except (ArithmeticError, ValueError, TypeError) as e:
+        except (ArithmeticError, ValueError, TypeError, RecursionError) as e:
             used = ", ".join(f"{n}={env.get(n)!r}" for n in self.names)
-            raise ConfigError(f"constraint '{self.expr}': {e} (with {used})") from None
+            why = str(e) or type(e).__name__
+            raise ConstraintError(f"constraint '{self.expr}' cannot be evaluated: {why} (with {used})") from None
+
+
+class ConstraintError(ConfigError):
+    """A constraint that cannot be evaluated for one configuration (the trial is pruned)."""
 
 
 def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
@@ -199,6 +219,13 @@ def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
             if node.id not in names:
                 names.append(node.id)
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            if isinstance(node.op, ast.Pow):
+                e = _constant_exponent(node.right)
+                if e is None or abs(e) > _MAX_EXPONENT:
+                    raise ConfigError(
+                        f"constraint '{flat}': the exponent "
+                        f"'{ast.get_source_segment(flat, node.right) or '?'}' is not allowed "
+                        f"(an exponent must be a number from -{_MAX_EXPONENT} to {_MAX_EXPONENT})")
             check(node.left)
             check(node.right)
         elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
@@ -223,6 +250,8 @@ def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
         else:
             raise bad(node, "the expression")
 
+    if sum(1 for _ in ast.walk(tree.body)) > _MAX_NODES:
+        raise ConfigError(f"constraint '{flat[:80]}...': longer than {_MAX_NODES} terms")
     check(tree.body)
     if not (isinstance(tree.body, (ast.Compare, ast.BoolOp))
             or (isinstance(tree.body, ast.UnaryOp) and isinstance(tree.body.op, ast.Not))):
@@ -231,35 +260,77 @@ def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
     return tree, tuple(names)
 
 
-def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
+def _constant_exponent(node: ast.AST) -> int | float | None:
+    """The value of an exponent that is a number literal (possibly signed), else None."""
+    sign = 1
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        sign = -sign if isinstance(node.op, ast.USub) else sign
+        node = node.operand
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return sign * node.value
+    return None
+
+
+def _bits(x: Any) -> float:
+    """Bits of magnitude of a number: an int's bit length, a float's binary exponent."""
+    if isinstance(x, bool):
+        return 1
+    if isinstance(x, int):
+        return x.bit_length()
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise ValueError(f"the value {x} is not finite")
+        return math.frexp(x)[1]
+    raise TypeError(f"the value {x!r} is not a number")
+
+
+def _bounded(x: Any) -> Any:
+    if _bits(x) > _MAX_BITS:
+        raise ValueError(f"an intermediate value exceeds 2**{_MAX_BITS}")
+    return x
+
+
+def _eval(node: ast.AST, env: dict[str, Any], deadline: float | None = None) -> Any:
+    if deadline is not None and time.monotonic() > deadline:
+        raise ValueError("out of time (the trial's timeout)")
     if isinstance(node, ast.Constant):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.Name):
-        return env[node.id]
+        return _bounded(env[node.id])
     if isinstance(node, ast.BinOp):
-        left, right = _eval(node.left, env), _eval(node.right, env)
-        if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is above {_MAX_EXPONENT}")
-        return _BINOPS[type(node.op)](left, right)
+        left, right = _eval(node.left, env, deadline), _eval(node.right, env, deadline)
+        # Refuse before computing what would exceed the bound (a product has at most the sum
+        # of the bits of its factors; a power at most the base's bits times the exponent).
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > _MAX_EXPONENT:
+                raise ValueError(f"exponent {right} is above {_MAX_EXPONENT}")
+            if _bits(left) * max(abs(right), 1) > _MAX_BITS and abs(left) > 1:
+                raise ValueError(f"an intermediate value exceeds 2**{_MAX_BITS}")
+        elif isinstance(node.op, ast.Mult) and _bits(left) + _bits(right) > _MAX_BITS + 1:
+            raise ValueError(f"an intermediate value exceeds 2**{_MAX_BITS}")
+        value = _BINOPS[type(node.op)](left, right)
+        if isinstance(value, complex):  # a negative base to a fractional power
+            raise ValueError(f"{left} ** {right} is not a real number")
+        return _bounded(value)
     if isinstance(node, ast.UnaryOp):
-        return _UNARY[type(node.op)](_eval(node.operand, env))
+        return _bounded(_UNARY[type(node.op)](_eval(node.operand, env, deadline)))
     if isinstance(node, ast.BoolOp):  # short-circuit, Python semantics: `x or y` gives x or y
         value = None
         for v in node.values:
-            value = _eval(v, env)
+            value = _eval(v, env, deadline)
             if isinstance(node.op, ast.And) != bool(value):
                 return value
         return value
     if isinstance(node, ast.Compare):
-        left = _eval(node.left, env)
+        left = _eval(node.left, env, deadline)
         for op, comp in zip(node.ops, node.comparators):
-            right = _eval(comp, env)
+            right = _eval(comp, env, deadline)
             if not _CMPOPS[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, ast.Call):
-        return _FUNCS[node.func.id](*(_eval(a, env) for a in node.args))
+        return _FUNCS[node.func.id](*(_eval(a, env, deadline) for a in node.args))
     raise TypeError(f"unexpected node {type(node).__name__}")  # _compile admits no other node
 
 
@@ -285,12 +356,18 @@ class TuningSpace:
         base = base or TuningConfig()
         return TuningConfig.from_dict({**base.to_dict(), **self.fixed, **values}, f"tuning space {self.source}")
 
-    def violated(self, tuning: TuningConfig, facts: dict[str, Any]) -> str | None:
+    def violated(self, tuning: TuningConfig, facts: dict[str, Any], deadline: float | None = None) -> str | None:
         """None if every constraint holds for `tuning` under `facts`, else the first one that
-        fails as "why (expr; name=value, ...)" with the value of each name it reads."""
+        fails as "why (expr; name=value, ...)" with the value of each name it reads, or the
+        first one that cannot be evaluated for it (division by zero, out of bounds, past
+        `deadline`) as "why: constraint '...' cannot be evaluated: ... (with ...)"."""
         env = {**facts, **tuning.to_dict()}
         for c in self.constraints:
-            if not c.holds(env):
+            try:
+                ok = c.holds(env, deadline)
+            except ConstraintError as e:
+                return f"{c.why}: {e}"
+            if not ok:
                 used = ", ".join(f"{n}={env[n]!r}" for n in c.names)
                 return f"{c.why} ({' '.join(c.expr.split())}; {used})"
         return None
@@ -415,6 +492,8 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
         for key, v in (("low", low), ("high", high), ("step", step)):
             if not _is_int(v):
                 raise err(f"{where}: '{key}' = {v!r}: expected an integer")
+            if abs(v) > MAX_KNOB_VALUE:
+                raise err(f"{where}: '{key}' = {v}: out of range (at most 2**53 in magnitude)")
         if low > high:
             raise err(f"{where}: empty range: low {low} > high {high}")
         if kind == "int":
@@ -427,6 +506,9 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
                 raise err(f"{where}: the TuningConfig default {default} is not on the grid "
                           f"low {low} + k * step {step}; shift low so it is")
             knob_ = Knob(knob, kind, min(low, default), max(high, default), step, default=default)
+            if knob_.size() > MAX_INT_CANDIDATES:
+                raise err(f"{where}: {knob_.size():,} candidates from {knob_.low} to {knob_.high} by {step} "
+                          f"(at most {MAX_INT_CANDIDATES:,}): narrow the range or raise 'step'")
         else:
             for key, v in (("low", low), ("high", high)):
                 if v < 1 or v & (v - 1):
@@ -436,9 +518,10 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
     # Check candidates the way a trial will use them. An int range's candidates are low + k*step
     # and TuningConfig's rules are lower bounds and multiples, so low, low + step and high
     # decide for them all; other kinds are short lists, checked whole.
-    vals = knob_.values()
-    if kind == "int" and len(vals) > 3:
-        vals = [vals[0], vals[1], vals[-1]]
+    if kind == "int":  # never the whole list
+        vals = sorted({knob_.low, min(knob_.low + knob_.step, knob_.high), knob_.high})
+    else:
+        vals = knob_.values()
     for v in vals:
         try:
             TuningConfig(**{**fixed, knob: v})

@@ -3,7 +3,10 @@
 - default: `sqlite:///artifacts/tune/<study>.db` (one file per study, under the working directory;
   for one process: SQLite cannot lock a trial for update, so several processes should share a
   journal file or PostgreSQL);
-- `PATH.journal` or `journal:PATH`: a JournalStorage file, for several processes on one machine;
+- `PATH.journal` or `journal:PATH`: a JournalStorage file, for several processes on one machine
+  (its append lock is an flock on `PATH.journal.flock`, released by the kernel when a holder
+  dies, so a killed run leaves no stale lock; a file that is not a readable journal is a
+  one-line error naming it);
 - any Optuna RDB URL, e.g. `postgresql://user:pw@host/db` for workers on many machines.
 
 Trials send Optuna heartbeats (RDBStorage's own; JournalStorage gets the same through
@@ -14,6 +17,7 @@ Trials send Optuna heartbeats (RDBStorage's own; JournalStorage gets the same th
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
@@ -78,6 +82,52 @@ def _journal_heartbeat_class():
 
 
 @functools.lru_cache(maxsize=None)
+def _flock_lock_class():
+    import fcntl
+
+    try:
+        from optuna.storages.journal import BaseJournalFileLock
+    except ImportError:  # optuna 4/5 export the lock classes but not their base
+        from optuna.storages.journal._file import BaseJournalFileLock
+
+    class JournalFileFlock(BaseJournalFileLock):
+        """The journal's append lock as an flock(2) on `FILE.journal.flock`, for processes on
+        one machine (what a journal file is for). Optuna's own locks (JournalFileSymlinkLock,
+        the default, and JournalFileOpenLock) are a file that exists while held: a process
+        killed while holding it leaves it behind, and every later process waits out the lock's
+        grace period (30 s) before breaking it, and may break a live holder's lock that merely
+        held it long. The kernel releases an flock when its holder dies, so a killed run never
+        delays the next, and a live holder is never broken. Each acquire opens its own file
+        description, so threads of one process exclude each other too."""
+
+        def __init__(self, journal_path: str) -> None:
+            self.path = journal_path + ".flock"
+            self._local = threading.local()
+
+        def acquire(self) -> bool:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._local.fd = fd
+            return True
+
+        def release(self) -> None:
+            fd = getattr(self._local, "fd", None)
+            if fd is None:
+                return
+            self._local.fd = None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    return JournalFileFlock
+
+
+@functools.lru_cache(maxsize=None)
 def _sqlite_storage_class():
     import optuna
 
@@ -131,10 +181,23 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
         path = Path(url.removeprefix("journal:"))
         if not path.name:
             raise ConfigError(f"--storage {url!r}: expected journal:FILE")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"--storage {url}: {path} is not a file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--storage {url}: cannot create {path.parent}: {e.strerror or e}") from None
         from optuna.storages.journal import JournalFileBackend
 
-        return _journal_heartbeat_class()(JournalFileBackend(str(path)), heartbeat, grace)
+        lock = _flock_lock_class()(str(path))
+        try:
+            backend = JournalFileBackend(str(path), lock_obj=lock)
+            # Reading the journal replays every log line; a corrupt file fails here.
+            return _journal_heartbeat_class()(backend, heartbeat, grace)
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line naming it
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"--storage {url}: {path} is not a readable Optuna journal "
+                              f"({type(e).__name__}: {first[:200]}); move it aside or give another --storage") from None
     scheme = url.split("://", 1)[0].split("+", 1)[0]
     if scheme == "sqlite":
         db = url.split(":///", 1)[-1]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -44,8 +45,8 @@ from tpumk.errors import ConfigError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tomlfile import write_text_atomic
-from tpumk.tune.budget import (FINISHED, POLL_SECONDS, Interrupted, SurplusTrial, is_free, is_spent, state,
-                               tally)
+from tpumk.tune.budget import (FINISHED, POLL_SECONDS, Interrupted, SurplusTrial, is_free, is_spent, repeats,
+                               state, tally)
 from tpumk.tune.cache import ResultCache, ResultKeys, evaluator_inputs
 from tpumk.tune.objectives import ObjectiveChoice
 from tpumk.tune.settings import TuneSettings
@@ -166,12 +167,16 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         storage: str | None = None, study_name: str | None = None, out: str | Path | None = None,
         progress: Callable[[int, int, float | None], None] | None = None,
         on_trial: Callable[[dict[str, Any]], None] | None = None) -> TuneResult:
-    """Run (or resume) the study until it has `settings.trials` evaluated trials (see
-    tpumk.tune.budget: trials pruned before compiling do not count, up to a cap).
+    """Run (or resume) the study until it has `settings.trials` distinct evaluated
+    configurations (see tpumk.tune.budget: trials pruned before compiling and trials repeating
+    an evaluated configuration do not count, each up to a cap; the study also ends when every
+    point of the space's grid was tried). `out` is checked writable before anything runs.
 
     progress(done, total, best) is called at the start and after every trial this process
     finishes; on_trial(finished_trial(t) + {"evaluated", "trials"}) after every such trial."""
     settings.validate()
+    if out is not None:
+        check_writable(out, "--out")
     if objective.name == "device" and settings.workers > 1:
         raise ConfigError(f"--workers {settings.workers}: the device objective times trials one at a time on the "
                           "one device (parallel runs would time each other); use --workers 1")
@@ -209,9 +214,11 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         last_stale_check = 0.0
         while not runner.stop.is_set():
             with runner.lock:
-                fin, infeasible, running = tally(study.get_trials(deepcopy=False))
+                trials = study.get_trials(deepcopy=False)
+                fin, infeasible, running = tally(trials)
                 others = len(running - runner.mine)
-                if fin >= settings.trials or infeasible >= settings.infeasible_cap():
+                if (fin >= settings.trials or infeasible >= settings.infeasible_cap()
+                        or len(repeats(trials)) >= settings.repeats_cap() or _exhausted(trials, space)):
                     return
                 go = fin + others + inflight[0] < settings.trials
                 if go:
@@ -255,6 +262,11 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         if result.evaluated >= settings.trials:
             how = (f"it already has {result.evaluated} evaluated trials (--trials {settings.trials}); "
                    f"to extend it, rerun with a larger --trials, e.g. --trials {2 * settings.trials}")
+        elif result.repeated >= settings.repeats_cap():
+            how = (f"it already stopped at {result.repeated} trials repeating evaluated configurations "
+                   f"(at most 10 x --trials)")
+        elif _exhausted(study.get_trials(deepcopy=False), space):
+            how = "every configuration of the space was already tried"
         else:
             how = (f"it already stopped at {result.infeasible} configurations pruned before compiling "
                    f"(--max-infeasible {settings.infeasible_cap()}); to go on, rerun with a larger --max-infeasible")
@@ -263,12 +275,53 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         result.notes.append(f"stopped after {result.infeasible} configurations pruned before compiling "
                             f"(--max-infeasible {settings.infeasible_cap()}) with {result.evaluated} of "
                             f"{settings.trials} evaluated: the space is mostly infeasible for this problem")
+    elif result.repeated >= settings.repeats_cap() and result.evaluated < settings.trials:
+        result.notes.append(f"stopped after {result.repeated} trials repeating configurations already evaluated "
+                            f"with {result.evaluated} of {settings.trials} evaluated: the sampler finds few "
+                            "new configurations in this space")
+    elif result.evaluated < settings.trials and _exhausted(study.get_trials(deepcopy=False), space):
+        result.notes.append(f"every configuration of the space was tried: {result.evaluated} evaluated, fewer "
+                            f"than --trials {settings.trials}")
     if out is not None and result.best_tuning is not None:
         write_tuned(out, result)
         result.out = str(out)
     elif out is not None:
         result.notes.append(f"no trial completed: {out} not written")
     return result
+
+
+def _exhausted(trials, space: TuningSpace) -> bool:
+    """Every point of the space's grid has a finished trial (nothing new left to suggest) and
+    at least one was evaluated. (A space with nothing feasible runs on to --max-infeasible
+    instead, whose note says the space is infeasible for the problem.)"""
+    size = space.size()
+    if size > 100_000 or not any(state(t) in FINISHED and not is_free(t) for t in trials):
+        return False
+    seen = {tuple(sorted(t.params.items(), key=lambda kv: kv[0])) for t in trials if state(t) in FINISHED}
+    return len(seen) >= size
+
+
+def check_writable(path: str | Path, option: str, directory: bool = False) -> None:
+    """Refuse, before a study starts, an output path that could not be written at its end:
+    one line naming the option and the path (a parent that is a file, no permission, a file
+    where a directory is wanted or the other way round)."""
+    p = Path(path)
+    if p.exists():
+        if directory and not p.is_dir():
+            raise ConfigError(f"{option} {path}: exists and is not a directory")
+        if not directory and p.is_dir():
+            raise ConfigError(f"{option} {path}: is a directory (expected a file path)")
+        if not os.access(p if directory else p.parent, os.W_OK | os.X_OK) or \
+                (not directory and not os.access(p, os.W_OK)):
+            raise ConfigError(f"{option} {path}: not writable")
+        return
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: cannot be created: {parent} is not writable")
 
 
 def _guard(fn, runner: TrialRunner):
@@ -296,7 +349,7 @@ class TuneResult:
     objective_reason: str
     trials_requested: int
     counts: dict[str, int]  # trial states in the study at the end
-    evaluated: int  # trials in the budget: COMPLETE + pruned after compiling
+    evaluated: int  # the budget: distinct configurations COMPLETE or pruned after compiling
     infeasible: int  # trials pruned before compiling (constraints, plan)
     this_run: dict[str, Any]  # trials, compiles and cache hits of this process, wall seconds
     best: list[dict[str, Any]]  # ranked distinct configurations
@@ -308,6 +361,8 @@ class TuneResult:
     out: str | None = None
     notes: list[str] = field(default_factory=list)
     already_complete: bool = False  # the study had its trials before this run: nothing was run
+    reused: int = 0  # finished trials that took an earlier result (result cache or another trial), no compile
+    repeated: int = 0  # trials of a configuration the study had already evaluated: outside the budget
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -360,6 +415,8 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
             ratio = best[0]["value_seconds"] / default_trial.value
     stored = study.user_attrs.get(STUDY_ATTR, {})
     evaluated, infeasible, _ = tally(trials)
+    reused = sum(state(t) in FINISHED and bool(t.user_attrs.get("cached")) for t in trials)
+    repeated = len(repeats(trials))
     best_tuning = space.tuning_for(complete[0].params).to_dict() if complete else None
     label = problem.label() if problem else _identity_label(stored)
     notes = []
@@ -369,7 +426,8 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
         study=study.study_name, storage=redact(url), problem=label, space=f"{space.name} ({space.source})",
         objective=objective.name if objective else stored.get("objective", "?"),
         objective_reason=objective.reason if objective else "", trials_requested=trials_requested,
-        counts=counts, evaluated=evaluated, infeasible=infeasible, this_run={}, best=best, default=default,
+        counts=counts, evaluated=evaluated, infeasible=infeasible, this_run={}, reused=reused, repeated=repeated,
+        best=best, default=default,
         best_over_default=ratio, best_tuning=best_tuning,
         floor_seconds=best[0]["floor_seconds"] if best else None, prune_reasons=reasons, notes=notes)
 
@@ -389,9 +447,11 @@ def write_tuned(path: str | Path, result: TuneResult) -> None:
 
 
 def trials_to_within(study, fraction: float = 0.05) -> int | None:
-    """Evaluated trials (the budget's unit, in trial-number order) until one came within
-    `fraction` of the study's best value."""
-    trials = sorted((t for t in study.get_trials(deepcopy=False) if state(t) in FINISHED and not is_free(t)),
+    """Evaluated configurations (the budget's unit, in trial-number order) until one came
+    within `fraction` of the study's best value."""
+    all_trials = study.get_trials(deepcopy=False)
+    again = {t.number for t in repeats(all_trials)}
+    trials = sorted((t for t in all_trials if state(t) in FINISHED and not is_free(t) and t.number not in again),
                     key=lambda t: t.number)
     values = [t.value for t in trials if state(t) == "COMPLETE"]
     if not values:

@@ -100,7 +100,9 @@ class TrialRunner:
         except ConfigError as e:
             self._prune(trial, "tuning", str(e))
         trial.set_user_attr("cached", False)
-        reason = self.space.violated(tuning, self.facts)
+        # Bounded cost by construction (tpumk.tune.space), and under the trial's time budget; a
+        # constraint that cannot be evaluated for this configuration prunes it with the reason.
+        reason = self.space.violated(tuning, self.facts, deadline=time.monotonic() + self.settings.timeout)
         if reason:
             self._prune(trial, "constraint", reason)
         try:
