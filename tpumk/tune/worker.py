@@ -70,14 +70,11 @@ def _prefer_as_oom_victim() -> None:
 
 
 def error_line(exc: BaseException) -> str:
-    """The line of a compiler error that says what went wrong (XLA errors span many lines)."""
-    text = str(exc).strip() or type(exc).__name__
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for key in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", "UNIMPLEMENTED", "Mosaic", "error:"):
-        for ln in lines:
-            if key in ln:
-                return f"{type(exc).__name__}: {ln[:400]}"
-    return f"{type(exc).__name__}: {lines[0][:400]}"
+    """One line for an exception of the trial's compile or objective: the compiler's reason for a
+    rejection (tpumk.compile.aot words it), the type and first telling line otherwise."""
+    from tpumk.compile.aot import compiler_error_line
+
+    return f"{type(exc).__name__}: {compiler_error_line(exc)}"
 
 
 def _model_value(plan) -> tuple[float | None, str]:
@@ -98,10 +95,9 @@ def _compiler_value(plan, compiled, request: dict[str, Any], deadline: float) ->
                "compiler_cycles": report.compiler_cycles, "nested_loop_cycles": report.nested_loop_cycles,
                "floor_fraction": report.floor_fraction, "notes": report.notes}
     if report.estimated_seconds is None:
-        why = report.estimate_source
-        if "(exit -9)" in why:  # SIGKILL: on a host without a tuner timeout, the kernel's OOM killer
-            why += " (killed by SIGKILL, most likely out of memory: the profiling compile outgrew this host's RAM)"
-        return {"ok": False, "stage": "estimate", "error": f"no compiler estimate: {why}", "details": details}
+        # estimate_source already names the profiler's failure (SIGKILL / OOM, FIFO abort, ...)
+        return {"ok": False, "stage": "estimate", "error": f"no compiler estimate: {report.estimate_source}",
+                "details": details}
     if report.estimated_seconds < report.floor_seconds:
         # An estimate faster than the HBM floor is a wrong model, not a fast kernel: never a result.
         return {"ok": False, "stage": "estimate", "details": details,
