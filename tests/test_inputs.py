@@ -320,3 +320,81 @@ def test_estimate_source_carries_the_reason():
 def test_config_errors_are_tpumk_errors():
     with pytest.raises(ConfigError, match="rms_norm_eps"):
         from_hf_config({**HF_BASE, "rms_norm_eps": "abc"}, "x/config.json")
+
+
+# ---------------------------------------------------------------------- files the parsers refuse
+GARBAGE = bytes(range(128, 256)) * 4  # not UTF-8
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (GARBAGE, "not a UTF-8 text file"),
+    (b"x = " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "nested too deeply"),
+    (b"x = " + b"{a = " * 20_000 + b"1" + b"}" * 20_000 + b"\n", "nested too deeply"),
+    (b"num_layers = " + b"7" * 5000 + b"\n", "more than 4300 digits"),
+    (b"key = = 3\n", "malformed TOML"),
+])
+def test_read_toml_refusals_are_one_config_error_naming_the_file(tmp_path, raw, needle):
+    """(Before: UnicodeDecodeError, RecursionError and int()'s ValueError escaped read_toml.)"""
+    from tpumk.tomlfile import read_toml
+
+    f = tmp_path / "bad.toml"
+    f.write_bytes(raw)
+    with pytest.raises(ConfigError, match=needle) as e:
+        read_toml(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}: ") and "\n" not in msg and len(msg) < 300
+
+
+def test_read_toml_unreadable_paths_are_config_errors(tmp_path):
+    from tpumk.tomlfile import read_toml
+
+    (tmp_path / "a_file").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="no such file"):
+        read_toml(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        read_toml(tmp_path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_toml(tmp_path / "a_file" / "under.toml")  # a path through a regular file
+    assert read_toml(tmp_path / "a_file") == {"x": 1}
+
+
+def test_read_toml_reads_utf8_text(tmp_path):
+    from tpumk.tomlfile import read_toml
+
+    f = tmp_path / "u.toml"
+    f.write_bytes('name = "Qwen3 – ü"\n'.encode())
+    assert read_toml(f) == {"name": "Qwen3 – ü"}
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (GARBAGE, "name.toml"),
+    (b"num_layers = " + b"7" * 5000 + b"\n", "more than 4300 digits"),
+    (b"x = " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "nested too deeply"),
+])
+def test_model_and_tuning_toml_refusals_through_the_cli(tmp_path, raw, needle):
+    f = tmp_path / "name.toml"
+    f.write_bytes(raw)
+    assert_one_line_error(run("build", "--model", str(f), "--target", "cpu"), str(f), needle)
+    assert_one_line_error(run("cache-key", "--model", "tiny-dense", "--target", "cpu", "--tuning", str(f)),
+                          str(f), needle)
+
+
+def test_config_json_with_a_5000_digit_integer_is_one_line(tmp_path):
+    """(Before: int()'s 'Exceeds the limit (4300 digits)' ValueError escaped load_hf_config.)"""
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(HF_BASE).replace('"vocab_size": 512', '"vocab_size": ' + "7" * 5000))
+    t0 = time.perf_counter()
+    line = assert_one_line_error(run("build", "--model", str(f), "--target", "cpu"), str(f),
+                                 "more than 4300 digits")
+    assert time.perf_counter() - t0 < 5 and len(line) < 300
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    assert_one_line_error(run("build", "--model", str(deep), "--target", "cpu"), str(deep), "nested too deeply")
+
+
+def test_load_hf_config_unreadable_path_is_a_config_error(tmp_path):
+    from tpumk.model.config import load_hf_config
+
+    (tmp_path / "a_file").write_text("{}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_hf_config(tmp_path / "a_file" / "config.json")

@@ -371,3 +371,130 @@ def test_calibration_cache_is_keyed_by_the_probe_source(tmp_path, monkeypatch):
 def test_every_shipped_space_still_loads():
     for p in Path(SPACES_DIR).glob("*.toml"):
         load_space(p)
+
+
+# ---------------------------------------------------------------------- constraints: bounded size before parsing
+def test_a_constraint_too_long_to_parse_is_a_one_line_error(tmp_path, monkeypatch):
+    """(Before: 10,000 terms exhausted the recursion limit inside ast.parse: a RecursionError.)"""
+    long_expr = " + ".join(["ring_depth"] * 10_000) + " > 0"
+    with pytest.raises(ConfigError, match="longer than 2000 characters"):
+        Constraint(long_expr, "x")
+    f = tmp_path / "s.toml"
+    f.write_text(f'[knobs.ring_depth]\ntype = "int"\nlow = 2\nhigh = 4\n\n'
+                 f'[[constraints]]\nwhy = "x"\nexpr = "{long_expr}"\n')
+    with pytest.raises(ConfigError, match="longer than 2000 characters") as e:
+        load_space(f)
+    assert str(e.value).startswith(f"{f}: constraint 'ring_depth + ") and len(str(e.value)) < 300
+    monkeypatch.chdir(tmp_path)
+    one_line_error(cli("tune", "--model", "tiny-moe", "--target", "tpu7x", "--space", f, "--objective", "model",
+                       "--trials", 1), "s.toml", "longer than 2000 characters")
+    assert not (tmp_path / "artifacts").exists()
+
+
+@pytest.mark.parametrize("expr", ["-" * 400 + "ring_depth > 0", "not " * 300 + "ring_depth > 0",
+                                  "+".join(["1"] * 300) + " > ring_depth"])
+def test_constraints_nested_deeper_than_the_bound_are_refused_on_load(expr):
+    with pytest.raises(ConfigError, match="nested deeper than 200 levels"):
+        Constraint(expr, "x")
+
+
+def test_ordinary_constraints_still_load_and_hold():
+    c = Constraint("+".join(["ring_depth"] * 150) + " >= 300 and min(ring_depth, 8) ** 2 <= 64", "x")
+    assert c.holds({"ring_depth": 2}) and not c.holds({"ring_depth": 1})
+
+
+# ---------------------------------------------------------------------- study names, cache and storage paths
+@pytest.mark.parametrize("name", ["../../../escape", "a/b", "a\\b", "..", ".hidden", "", "x\x00y", "x\ny",
+                                  "x?mode=ro", "x#y", "x%2e", " lead", "n" * 201])
+def test_unsafe_study_names_are_refused(name):
+    from tpumk.tune.storage import check_study_name
+
+    with pytest.raises(ConfigError, match="--study") as e:
+        check_study_name(name)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="not a usable study name"):
+        storage_url(None, name)
+
+
+@pytest.mark.parametrize("name", ["s", "tiny-moe-f32-cpu-b1-c4096-tiny-model-0123456789", "my study", "a..b",
+                                  "run_2+x=y@host,v:1"])
+def test_safe_study_names_are_kept(name):
+    from tpumk.tune.storage import check_study_name
+
+    assert check_study_name(name) == name
+    assert storage_url(None, name) == f"sqlite:///artifacts/tune/{name}.db"
+    assert storage_url("x.journal", name) == "x.journal"
+
+
+def test_a_traversing_study_name_writes_nothing(tmp_path, monkeypatch):
+    """(Before: `--study ../../../escape` ran, and wrote escape.db and escape.toml three levels up.)"""
+    from tpumk.tune.trial import TrialRunner
+
+    def no_worker(self, trial, tuning):
+        raise AssertionError("the study must not start")
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+    cwd = tmp_path / "a" / "b" / "c"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    r = cli(*tune_cmd("--objective", "model", "--trials", 1, "--study", "../../../escape"))
+    assert r.stdout == ""
+    one_line_error(r, "--study", "'../../../escape'")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "c"]
+    r = cli("report", "--study", "../escape", "--out", "plots")
+    one_line_error(r, "--study", "'../escape'")
+
+
+@pytest.mark.parametrize("option", ["--cache-dir", "--storage"])
+def test_a_cache_dir_or_storage_under_a_regular_file_is_refused_before_the_study(tmp_path, monkeypatch, option):
+    """(Before: FileExistsError from mkdir, after the header lines; for --cache-dir after the study opened.)"""
+    from tpumk.tune.trial import TrialRunner
+
+    def no_worker(self, trial, tuning):
+        raise AssertionError("the study must not start")
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("a file")
+    value = "f" if option == "--cache-dir" else "sqlite:///f/s.db"
+    r = cli(*tune_cmd("--objective", "model", "--trials", 1, option, value))
+    one_line_error(r, option, "f")
+    assert r.stdout == ""  # refused before the header lines
+    assert (tmp_path / "f").read_text() == "a file"
+    assert not (tmp_path / "artifacts" / "tune" / "cache").exists()
+
+
+def test_result_cache_and_open_storage_refuse_a_regular_file_in_the_way(tmp_path):
+    from tpumk.tune.cache import ResultCache
+
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ConfigError, match="--cache-dir .*cannot create"):
+        ResultCache(tmp_path / "f")
+    with pytest.raises(ConfigError, match="--cache-dir .*cannot create"):
+        ResultCache(tmp_path / "f" / "cache")
+    with pytest.raises(ConfigError, match="--storage .*cannot create"):
+        open_storage(f"sqlite:///{tmp_path / 'f' / 's.db'}")
+
+
+def test_local_storage_paths():
+    from tpumk.tune.storage import local_path, sqlite_path
+
+    assert sqlite_path("sqlite:///a/b.db") == Path("a/b.db")
+    assert sqlite_path("sqlite:////abs/b.db?timeout=5") == Path("/abs/b.db")
+    assert sqlite_path("sqlite:///:memory:") is None and sqlite_path("sqlite://") is None
+    assert sqlite_path("postgresql://u@h/db") is None
+    assert local_path("journal:x/y.journal") == Path("x/y.journal") and local_path("y.journal") == Path("y.journal")
+    assert local_path("journal:") is None
+
+
+def test_a_damaged_compile_log_line_is_skipped(tmp_path):
+    from tpumk.tune.cache import ResultCache
+
+    cache = ResultCache(tmp_path / "cache")
+    cache.log_compile({"key": "a"})
+    with open(cache.log_path, "ab") as f:
+        f.write(b"\xff\xfe not json\n[1, 2]\n" + b"[" * 100_000 + b"\n")
+    cache.log_compile({"key": "b"})
+    assert [r["key"] for r in cache.compile_log()] == ["a", "b"]
+    (tmp_path / "cache" / "k.json").write_text("[" * 100_000)
+    assert cache.get("k") is None

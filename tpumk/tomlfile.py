@@ -1,6 +1,7 @@
 """Reading and writing the small TOML files tpumk takes and makes (models, tuning, manifests).
 
-Reading turns a missing file or bad syntax into a one-line ConfigError naming the file;
+Reading turns a missing or unreadable file, bytes that are not UTF-8, bad syntax, nesting too
+deep for the parser or an integer too long to convert into a one-line ConfigError naming the file;
 writing goes to a temporary file in the same directory and is renamed into place, so a crash
 never leaves a half-written file behind.
 """
@@ -8,6 +9,7 @@ never leaves a half-written file behind.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -19,13 +21,38 @@ from tpumk.errors import ConfigError
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
+    except OSError as e:  # permission denied, a path through a regular file, an I/O error
+        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
+    return parse_toml(data, str(path))
+
+
+def parse_toml(data: bytes | str, source: str) -> dict[str, Any]:
+    """Parse a TOML document; anything the parser refuses is a one-line ConfigError naming
+    `source`: bytes that are not UTF-8 text (TOML is UTF-8), bad syntax, arrays or inline
+    tables nested too deeply for the parser, integers longer than Python converts
+    (sys.get_int_max_str_digits(), 4300 digits by default)."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{source}: not a UTF-8 text file (TOML is UTF-8 text): "
+                              f"byte 0x{data[e.start]:02x} at offset {e.start}") from None
+    try:
+        return tomllib.loads(data)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+        raise ConfigError(f"{source}: malformed TOML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed TOML: arrays or inline tables nested too deeply") from None
+    except ValueError as e:  # int() of an integer with more digits than Python converts
+        if "integer string conversion" in str(e):
+            raise ConfigError(f"{source}: malformed TOML: an integer with more than "
+                              f"{sys.get_int_max_str_digits()} digits") from None
+        raise ConfigError(f"{source}: malformed TOML: {' '.join(str(e).split())}") from None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

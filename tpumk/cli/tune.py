@@ -150,9 +150,12 @@ def tune(spec, space_file, trials, max_infeasible,
     from tpumk.tune.objectives import attached_tpu_kind, choose_objective
     from tpumk.tune.settings import TuneSettings
     from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
-    from tpumk.tune.storage import redact, storage_url
+    from tpumk.tune.storage import check_study_name, local_path, redact, storage_url
     from tpumk.tune.study import check_writable, open_study, run, study_name_for
 
+    if study_name is not None:
+        # It names files (the default storage artifacts/tune/<study>.db and --out <study>.toml).
+        check_study_name(study_name, "--study")
     space = load_space(space_file or DEFAULT_SPACE_PATH)
     problem = spec
     choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
@@ -160,10 +163,19 @@ def tune(spec, space_file, trials, max_infeasible,
                             cache_dir=Path(cache_dir) if cache_dir else None, top=top,
                             max_infeasible=max_infeasible)
     settings.validate()
-    name = study_name or study_name_for(problem, space, choice.name, evaluator_inputs())
+    if study_name is None:
+        name = study_name_for(problem, space, choice.name, evaluator_inputs())
+        check_study_name(name, "the study name derived from the model name (give --study)")
+    else:
+        name = study_name
     url = storage_url(storage, name, settings.root)
     out = out_file or str(settings.root / f"{name}.toml")
-    # Outputs are written after the study: refuse an unwritable one before it starts.
+    # Refuse, before the study starts and anything is printed, what could not be written: the
+    # study's storage file, the result cache and the outputs written after the study.
+    db = local_path(url)
+    if db is not None:
+        check_writable(db, "--storage" if storage else "the study's storage (--storage)")
+    check_writable(settings.cache_dir or settings.root / "cache", "--cache-dir", directory=True)
     check_writable(out, "--out")
     if report_dir:
         check_writable(report_dir, "--report", directory=True)
@@ -224,11 +236,13 @@ def report(storage, study_name, out_dir, as_json):
 
     from tpumk.errors import ConfigError
     from tpumk.tune.report import write_report
-    from tpumk.tune.storage import DEFAULT_ROOT, open_storage, redact, storage_url
+    from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, open_storage, redact, storage_url
     from tpumk.tune.study import open_study
 
     if not storage and not study_name:
         raise ConfigError("give --study (its default storage is artifacts/tune/<study>.db) or --storage")
+    if not storage:
+        check_study_name(study_name, "--study")  # it names the file read
     if not storage and not (DEFAULT_ROOT / f"{study_name}.db").is_file():
         raise ConfigError(f"--study {study_name!r}: no {DEFAULT_ROOT / (study_name + '.db')}; give --storage")
     url = storage_url(storage, study_name or "", DEFAULT_ROOT)

@@ -445,8 +445,17 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
-    except (json.JSONDecodeError, RecursionError) as e:
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed JSON: arrays or objects nested too deeply") from None
+    except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: malformed JSON: {' '.join(str(e).split())}") from None
+    except ValueError as e:  # int() of a number with more digits than Python converts
+        if "integer string conversion" in str(e):
+            raise ConfigError(f"{path}: malformed JSON: an integer with more than "
+                              f"{sys.get_int_max_str_digits()} digits") from None
+        raise ConfigError(f"{path}: malformed JSON: {' '.join(str(e).split())}") from None
+    except OSError as e:  # permission denied, a path through a regular file, an I/O error
+        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
     return from_hf_config(data, str(path))
 
 

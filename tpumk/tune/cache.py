@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tpumk.compile.keys import cache_key, key_inputs, source_inputs
+from tpumk.errors import ConfigError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tomlfile import write_text_atomic
@@ -57,7 +58,11 @@ class ResultCache:
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a regular file in the way, no permission
+            raise ConfigError(f"--cache-dir {self.dir}: cannot create the result cache directory: "
+                              f"{e.strerror or type(e).__name__}") from None
         self.log_path = self.dir / "compile_log.jsonl"
         self._lock = threading.Lock()
 
@@ -67,7 +72,7 @@ class ResultCache:
     def get(self, key: str) -> dict[str, Any] | None:
         try:
             entry = json.loads(self._path(key).read_text())
-        except (OSError, ValueError):  # absent, or unreadable: a miss (it will be rewritten)
+        except (OSError, ValueError, RecursionError):  # absent, or unreadable: a miss (it will be rewritten)
             return None
         return entry if isinstance(entry, dict) and entry.get("key") == key else None
 
@@ -101,7 +106,17 @@ class ResultCache:
             os.close(fd)
 
     def compile_log(self) -> list[dict[str, Any]]:
+        """The logged compiles; a line that is not a JSON object (a damaged file) is skipped."""
         try:
-            return [json.loads(ln) for ln in self.log_path.read_text().splitlines() if ln.strip()]
+            lines = self.log_path.read_bytes().decode("utf-8", errors="replace").splitlines()
         except OSError:
             return []
+        records = []
+        for ln in lines:
+            try:
+                record = json.loads(ln) if ln.strip() else None
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records

@@ -106,6 +106,11 @@ _MAX_EXPONENT = 64  # `**` takes only a constant exponent, at most this large (c
 # so the bound is also checked during evaluation, before a power or product is computed.
 _MAX_BITS = 1024
 _MAX_NODES = 1000  # nodes of one constraint's tree (the evaluation walks each once)
+# Python's parser builds the tree recursively (a chain `a + a + ... + a` of a few thousand terms
+# exhausts its recursion limit), and the checks and the evaluation recurse too: the text is
+# bounded before it is parsed, the tree's depth before it is walked.
+_MAX_CHARS = 2000
+_MAX_DEPTH = 200
 # An int knob's range is searched by Optuna's IntDistribution and checked at a few candidates,
 # never listed, but its candidates must stay countable and its bounds sane integers.
 MAX_INT_CANDIDATES = 1_000_000
@@ -195,10 +200,17 @@ class ConstraintError(ConfigError):
 
 def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
     flat = " ".join(expr.split())  # TOML multi-line strings may wrap a long expression
+    if len(flat) > _MAX_CHARS:
+        raise ConfigError(f"constraint '{flat[:80]}...': longer than {_MAX_CHARS} characters "
+                          f"({len(flat):,})")
     try:
         tree = ast.parse(flat, mode="eval")
     except SyntaxError as e:
         raise ConfigError(f"constraint '{flat}': invalid syntax ({e.msg})") from None
+    except (RecursionError, MemoryError):
+        raise ConfigError(f"constraint '{flat[:80]}...': nested too deeply to parse") from None
+    except ValueError as e:  # a character Python's parser refuses (a lone surrogate)
+        raise ConfigError(f"constraint {flat[:80]!r}: invalid text ({' '.join(str(e).split())})") from None
     names: list[str] = []
 
     def bad(node: ast.AST, what: str) -> ConfigError:
@@ -252,12 +264,25 @@ def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
 
     if sum(1 for _ in ast.walk(tree.body)) > _MAX_NODES:
         raise ConfigError(f"constraint '{flat[:80]}...': longer than {_MAX_NODES} terms")
+    if _depth(tree.body) > _MAX_DEPTH:
+        raise ConfigError(f"constraint '{flat[:80]}...': nested deeper than {_MAX_DEPTH} levels "
+                          f"(a chain of operators nests one level per operator)")
     check(tree.body)
     if not (isinstance(tree.body, (ast.Compare, ast.BoolOp))
             or (isinstance(tree.body, ast.UnaryOp) and isinstance(tree.body.op, ast.Not))):
         raise ConfigError(f"constraint '{flat}': expected a condition (a comparison, "
                           f"possibly combined with and/or/not)")
     return tree, tuple(names)
+
+
+def _depth(root: ast.AST) -> int:
+    """The depth of a tree, walked without recursion (the tree may be deeper than Python's stack)."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _constant_exponent(node: ast.AST) -> int | float | None:

@@ -158,9 +158,35 @@ def redact(url: str) -> str:
         return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
 
+MAX_STUDY_NAME = 200  # characters: the name plus ".toml" stays a legal file name (255 bytes)
+_NAME_PUNCTUATION = frozenset("._-+=@,: ")
+
+
+def check_study_name(name: str, option: str = "--study") -> str:
+    """A study name becomes file names (`artifacts/tune/<study>.db`, `<study>.toml`): refuse
+    one that is not a plain file name, one line naming the option. Letters, digits and
+    `. _ - + = @ , :` or spaces, not starting with a dot or a space, at most 200 characters:
+    never a path separator, `.` or `..` (or a hidden file), a NUL or control character, or URL
+    syntax (`? # %`)."""
+    bad = sorted({c for c in name if not (c.isalnum() or c in _NAME_PUNCTUATION)})
+    if not name or name.strip() != name or name.startswith(".") or bad or len(name) > MAX_STUDY_NAME:
+        why = ("is empty" if not name else
+               f"contains {', '.join(repr(c) for c in bad[:5])}" if bad else
+               f"is longer than {MAX_STUDY_NAME} characters" if len(name) > MAX_STUDY_NAME else
+               "starts with a dot" if name.startswith(".") else
+               "starts or ends with a space")
+        shown = name if len(name) <= 80 else name[:80] + "..."
+        raise ConfigError(f"{option} {shown!r}: not a usable study name ({why}); a study name is a file name "
+                          f"under {DEFAULT_ROOT}: letters, digits and . _ - + = @ , : or spaces, "
+                          f"not starting with a dot")
+    return name
+
+
 def storage_url(storage: str | None, study_name: str, root: Path = DEFAULT_ROOT) -> str:
-    """The storage a study uses: the --storage value normalised, or the default SQLite file."""
+    """The storage a study uses: the --storage value normalised, or the default SQLite file
+    (named after the study, which must then be a safe file name: `check_study_name`)."""
     if storage is None or storage == "":
+        check_study_name(study_name, "study name")
         return f"sqlite:///{root / (study_name + '.db')}"
     if storage.startswith("journal:") or ("://" not in storage and storage.endswith(".journal")):
         return storage
@@ -170,6 +196,23 @@ def storage_url(storage: str | None, study_name: str, root: Path = DEFAULT_ROOT)
         return f"sqlite:///{storage}"
     raise ConfigError(f"--storage {storage!r}: expected an Optuna storage URL (sqlite:///FILE.db, "
                       "postgresql://user:pw@host/db), a FILE.journal or journal:FILE, or a FILE.db")
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory SQLite)."""
+    if url.split("://", 1)[0].split("+", 1)[0] != "sqlite" or ":///" not in url:
+        return None
+    db = url.split(":///", 1)[1].split("?", 1)[0]
+    return Path(db) if db and db != ":memory:" else None
+
+
+def local_path(url: str) -> Path | None:
+    """The file a storage URL from `storage_url` keeps its study in on this machine (a SQLite
+    database or a journal), or None (a database server, in-memory SQLite)."""
+    if url.startswith("journal:") or ("://" not in url and url.endswith(".journal")):
+        path = Path(url.removeprefix("journal:"))
+        return path if path.name else None
+    return sqlite_path(url)
 
 
 def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
@@ -199,10 +242,12 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
             raise ConfigError(f"--storage {url}: {path} is not a readable Optuna journal "
                               f"({type(e).__name__}: {first[:200]}); move it aside or give another --storage") from None
     scheme = url.split("://", 1)[0].split("+", 1)[0]
-    if scheme == "sqlite":
-        db = url.split(":///", 1)[-1]
-        if db and db != ":memory:":
-            Path(db).parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_path(url)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent that is a regular file, no permission
+            raise ConfigError(f"--storage {url}: cannot create {db.parent}: {e.strerror or e}") from None
     if scheme in ("postgresql", "postgres"):
         if "+" not in url.split("://", 1)[0]:
             # SQLAlchemy 2.1 defaults to the psycopg 3 driver; tpumk depends on psycopg2-binary.
