@@ -167,3 +167,110 @@ def test_inspect_lists_artifacts_under_a_root(tmp_path):
 
     r = run("inspect", str(tmp_path / "empty"))  # no artifacts anywhere: the single-artifact answer
     assert r.exit_code == 1 and "not an artifact directory" in r.output
+
+
+# ---------------------------------------------------------------------- empty names, cache-key --out
+def one_error_line(r, *words):
+    """Exit code 1, nothing on stdout, exactly one `tpumk: error:` line naming `words`."""
+    assert r.exit_code == 1, (r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpumk: error: "), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("--model", "tiny-dense", "--target", ""), "--target"),
+    (("--model", "", "--target", "cpu"), "--model"),
+    (("--model", "   ", "--target", "cpu"), "--model"),
+    (("--checkpoint", "", "--target", "cpu"), "--checkpoint"),
+    (("--model", "tiny-dense", "--target", "cpu", "--tuning", ""), "--tuning"),
+])
+def test_empty_names_are_refused_not_defaulted(args, flag):
+    """An empty --model / --target / ... is refused with one line: only an option left out is the default."""
+    r = run("cache-key", *args)
+    assert r.stdout == ""
+    one_error_line(r, f"{flag}: empty value")
+
+
+def test_cache_key_out_must_be_a_directory(tmp_path, monkeypatch):
+    """cache-key --out refuses what export --out refuses: a regular file as --out or in the artifact's path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("a file")
+    key = ["cache-key", "--model", "tiny-dense", "--target", "cpu"]
+    for out, words in (("f", ["--out f", "f is a regular file"]),
+                       ("f/sub", ["--out f/sub", "f is a regular file"])):
+        r = run(*key, "--out", out)
+        assert r.stdout == ""
+        one_error_line(r, *words)
+    (tmp_path / "o" / "tiny-dense").mkdir(parents=True)
+    (tmp_path / "o" / "tiny-dense" / "cpu").write_text("a file")
+    one_error_line(run(*key, "--out", "o"), "o/tiny-dense/cpu is a regular file", "in the artifact's path")
+    # a --out that does not exist yet is fine, and cache-key creates nothing
+    r = run(*key, "--out", "new")
+    assert r.exit_code == 0 and r.stdout.startswith("new/tiny-dense/cpu/") and not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------- inspect: the error is on stderr too
+GOOD_TYPES = ('format = 3\nkey = "k"\n[model]\nname = "m"\n[target]\nname = "cpu"\n'
+              '[shapes]\nbatch = 1\ncontext = 16\nq_len = 1\npage_size = 16\n[tuning]\nwhen = 1979-05-27\n'
+              '[versions]\n[files]\n[report]\ncompile_seconds = "fast"\n[signing]\nsigned = false\n'
+              '[cache_key]\ninputs_json = "{}"\n')
+
+
+@pytest.mark.parametrize("files, arg, words", [
+    ({}, "nope", ["nope: not an artifact directory (no such file or directory)"]),
+    ({"f": "hello"}, "f", ["f: not an artifact directory (a regular file)"]),
+    ({"d/": None}, "d", ["d: not an artifact directory (no manifest.toml)"]),
+    ({"d/manifest.toml/": None}, "d", ["manifest.toml is a directory"]),
+    ({"d/manifest.toml": b"\x8b\x00\xff"}, "d", ["d/manifest.toml: malformed manifest"]),
+    ({"d/manifest.toml": "key = = 3\n"}, "d", ["d/manifest.toml: malformed manifest"]),
+    ({"d/manifest.toml": 'key = 3\nfiles = "x"\nmodel = []\ntarget = 1\nshapes = "big"\n'}, "d",
+     ["malformed manifest: missing 'format'"]),
+    # the right format with fields of any type: reported, never raised (a 5000-digit integer in the key inputs)
+    ({"d/manifest.toml": 'format = 3\nkey = 3\nmodel = []\ntarget = 1\nshapes = "big"\ntuning = 1\nversions = 1\n'
+                         'files = "x"\nsigning = {signed = false}\ncache_key = {inputs_json = \'{"a": '
+                         + "1" * 5000 + '}\'}\n'}, "d", ["d/manifest.toml: malformed manifest"]),
+    ({"d/manifest.toml": GOOD_TYPES}, "d", ["d/manifest.toml: malformed manifest: cache_key.inputs_json lacks"]),
+    ({"loop": "->loop"}, "loop", ["loop: not an artifact directory (a symlink loop)"]),
+    ({"root/m/cpu/abc/manifest.toml": b"\x8b", "root/m/cpu/def/manifest.toml": "[files]\n"}, "root",
+     ["2 of 2 artifacts under root invalid; first: root/m/cpu/abc/manifest.toml: malformed manifest"]),
+    ({"a\nb/manifest.toml": "x = 1\n"}, "a\nb", ["a\\nb/manifest.toml: malformed manifest"]),
+])
+def test_inspect_invalid_is_one_error_line_and_a_report(files, arg, words, tmp_path, monkeypatch):
+    """An invalid artifact (or PATH that is none): the report stays on stdout, one `tpumk: error:`
+    line on stderr says why, exit code 1; with --json stdout is one valid JSON object."""
+    monkeypatch.chdir(tmp_path)
+    for name, content in files.items():
+        p = tmp_path / name
+        if name.endswith("/"):
+            p.mkdir(parents=True)
+            continue
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str) and content.startswith("->"):
+            p.symlink_to(content[2:])
+        elif isinstance(content, bytes):
+            p.write_bytes(content)
+        else:
+            p.write_text(content)
+    r = run("inspect", arg)
+    line = one_error_line(r, *words)
+    assert "INVALID" in r.stdout and line.removeprefix("tpumk: error: ") != ""
+    r = run("inspect", "--json", arg)
+    assert json.loads(r.stdout)["valid"] is False
+    assert one_error_line(r, *words) == line
+
+
+def test_inspect_shows_an_unverified_manifest_of_odd_values_without_crashing(tmp_path):
+    """Fields of the displayed types but odd values (a TOML date, a report figure that is a string)
+    are shown, not a crash; --json stays JSON."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "manifest.toml").write_text(GOOD_TYPES)
+    r = run("inspect", str(d))
+    assert "key       k" in r.stdout and "the report's figures are not numbers" in r.stdout
+    one_error_line(r, "malformed manifest")
+    info = json.loads(run("inspect", "--json", str(d)).stdout)
+    assert info["key"] == "k" and info["tuning"] == {"when": "1979-05-27"} and not info["valid"]

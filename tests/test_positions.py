@@ -26,7 +26,8 @@ from test_megakernel import model, prompts_of, races_found
 from tpumk.cli import main
 from tpumk.compile.aot import compile_for
 from tpumk.decode.drafters import DraftModelDrafter, NgramDrafter
-from tpumk.decode.generate import Model, generate, parse_prompt_ids, reference_step
+from tpumk.decode.generate import (Model, generate, load_draft_model, load_model, parse_prompt_ids,
+                                   reference_step)
 from tpumk.decode.speculative import speculative_generate
 from tpumk.errors import ConfigError, NonFiniteError, PositionError
 from tpumk.export.artifacts import DecodeStep
@@ -36,7 +37,7 @@ from tpumk.model import reference as R
 from tpumk.model.positions import check_finite, check_step
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.plan import make_plan
-from tpumk.plan.spec import BuildSpec
+from tpumk.plan.spec import MAX_BATCH, MAX_CONTEXT, MAX_PAGE_SIZE, MAX_Q_LEN, BuildSpec
 from tpumk.targets import get_target
 
 CONTEXT, PAGE = 32, 16  # 2 pages per sequence: capacity 32
@@ -319,6 +320,117 @@ def test_generate_flags_are_validated(kwargs, flag):
     args.update(kwargs)
     with pytest.raises(ConfigError, match=f"^{flag}: expected a positive"):
         generate(Model(cfg, params, "test"), [[1, 2]], **args)
+
+
+@pytest.mark.parametrize("text", ["1,,2", "1,2,", ",1", "1, ,2", "1;2,,3"])
+def test_prompt_ids_refuse_an_empty_item(text):
+    """An empty item is refused, not silently dropped ('1,,2' is a typo, not [1, 2])."""
+    with pytest.raises(ConfigError, match=r"^--prompt-ids: sequence \d has an empty item"):
+        parse_prompt_ids(text, 512)
+
+
+def test_prompt_ids_bound_the_digits_before_int():
+    """An id of more digits than the vocabulary size is refused before int() (which raises its own
+    ValueError past 4300 digits); leading zeros do not count."""
+    with pytest.raises(ConfigError, match=r"^--prompt-ids: id 1{20}\.\.\. \(5000 digits\) outside the vocabulary"):
+        parse_prompt_ids("1" * 5000, 512)
+    with pytest.raises(ConfigError, match=r"^--prompt-ids: id 5120 outside the vocabulary \[0, 512\)"):
+        parse_prompt_ids("5120", 512)
+    assert parse_prompt_ids("0" * 5000 + "7,511", 512) == [[7, 511]]
+
+
+@pytest.mark.parametrize("kwargs, flag, upper", [
+    (dict(steps=10**12), "--steps", "4,194,304"), (dict(steps=MAX_CONTEXT + 1), "--steps", "4,194,304"),
+    (dict(spec="ngram", draft_tokens=10**12), "--draft-tokens", "1,023"),
+    (dict(spec="ngram", draft_tokens=MAX_Q_LEN), "--draft-tokens", "1,023"),
+    (dict(page_size=MAX_PAGE_SIZE + 1), "--page-size", "4,096"),
+    (dict(context=10**12), "--context", "4,194,304"),
+])
+def test_generate_sizes_are_bounded_before_allocating(kwargs, flag, upper, monkeypatch):
+    """Absurd sizes are refused by the BuildSpec bounds (tpumk.plan.spec) before the KV cache is
+    allocated (1e12 steps once asked numpy for 466 GiB)."""
+    def no_alloc(*a, **k):
+        raise AssertionError("the cache was allocated")
+
+    monkeypatch.setattr(R, "init_cache", no_alloc)
+    cfg, params = model("tiny-dense", "float32")
+    args = dict(steps=2)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=f"^{flag}: expected a positive .*at most {upper}"):
+        generate(Model(cfg, params, "test"), [[1, 2, 1, 2]], **args)
+
+
+def test_generate_bounds_the_resulting_context_and_batch(monkeypatch):
+    def no_alloc(*a, **k):
+        raise AssertionError("the cache was allocated")
+
+    monkeypatch.setattr(R, "init_cache", no_alloc)
+    cfg, params = model("tiny-dense", "float32")
+    m = Model(cfg, params, "test")
+    with pytest.raises(ConfigError, match=r"^--steps: the longest prompt \(4 tokens\) plus 4,194,301 steps plus "
+                                          r"7 draft tokens is 4,194,312 tokens, more than .* \(4,194,304\)"):
+        generate(m, [[1, 2, 1, 2]], MAX_CONTEXT - 3, spec="ngram")
+    with pytest.raises(ConfigError, match=f"^--prompt-ids: {MAX_BATCH + 1:,} sequences, expected at most "
+                                          f"{MAX_BATCH:,}"):
+        generate(m, [[1]] * (MAX_BATCH + 1), 2)
+
+
+def test_generate_refuses_a_cache_larger_than_the_host(monkeypatch):
+    import tpumk.decode.generate as G
+
+    monkeypatch.setattr(G, "_host_memory_bytes", lambda: 1 << 20)  # a 1 MiB host
+    cfg, params = model("tiny-dense", "float32")
+    with pytest.raises(ConfigError, match=r"^--steps: the KV cache of 2 x 4,016 tokens \(2 layers, tiny-dense\) needs "
+                                          r"31\.4 MiB, more than this host's 1\.0 MiB of memory"):
+        generate(Model(cfg, params, "test"), [[1], [2]], 4000)
+    # an allocator's MemoryError is one line too
+    monkeypatch.setattr(G, "_host_memory_bytes", lambda: None)
+
+    def oom(*a, **k):
+        raise MemoryError("Unable to allocate 466 GiB")
+
+    monkeypatch.setattr(R, "init_cache", oom)
+    with pytest.raises(ConfigError, match="^--steps: the KV cache .* which this host cannot allocate"):
+        generate(Model(cfg, params, "test"), [[1]], 4)
+
+
+def test_empty_model_names_are_refused_not_defaulted():
+    with pytest.raises(ConfigError, match="^--model: empty value"):
+        load_model("", None)
+    with pytest.raises(ConfigError, match="^--checkpoint: empty value"):
+        load_model(None, " ")
+    cfg, params = model("tiny-dense", "float32")
+    with pytest.raises(ConfigError, match="^--draft-model: empty value"):
+        load_draft_model("", Model(cfg, params, "test"))
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--steps", str(10**12)], "--steps"),
+    (["--spec", "ngram", "--draft-tokens", str(10**12)], "--draft-tokens"),
+    (["--page-size", str(10**12)], "--page-size"),
+    (["--spec", "draft", "--draft-model", ""], "--draft-model"),
+])
+def test_cli_generate_bounds_are_one_line(args, flag):
+    res = CliRunner().invoke(main, ["generate", "--model", "tiny-dense", "--prompt-ids", "1,2,1,2", *args])
+    assert res.exit_code == 1, res.output
+    assert res.stdout == "" and res.stderr.startswith(f"tpumk: error: {flag}: ")
+    assert len(res.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--model", ""], "--model"), (["--checkpoint", ""], "--checkpoint"), (["--prompt-ids", "1,,2"], "--prompt-ids"),
+    (["--prompt-ids", "9" * 5000], "--prompt-ids"),
+])
+def test_cli_generate_empty_values_are_one_line(args, flag):
+    base = {"--model": "tiny-dense", "--prompt-ids": "1,2"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    if "--checkpoint" in base:
+        base.pop("--model")
+    res = CliRunner().invoke(main, ["generate", *[x for kv in base.items() for x in kv], "--steps", "1"])
+    assert res.exit_code == 1, res.output
+    assert res.stdout == "" and res.stderr.startswith(f"tpumk: error: {flag}: ")
+    assert len(res.stderr.splitlines()) == 1
 
 
 def test_cli_page_size_zero_is_one_line():

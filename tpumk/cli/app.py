@@ -204,11 +204,12 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
     from tpumk.decode import generate as gen
     from tpumk.errors import ConfigError
 
+    gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
     prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
-    if draft_model and spec != "draft":
+    if draft_model is not None and spec != "draft":
         raise ConfigError("--draft-model: only used with --spec draft")
-    draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model else None
+    draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
     result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
                           draft_tokens=draft_tokens, draft=draft)
     if as_json:

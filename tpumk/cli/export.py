@@ -48,11 +48,35 @@ def cache_key(spec, out_dir, as_json):
 
     inputs = key_inputs(spec)
     key = key_of(inputs)
-    path = str(artifact_path(out_dir, spec, key)) if out_dir else None
+    path = None
+    if out_dir is not None:
+        final = artifact_path(out_dir, spec, key)
+        _check_out_is_dir(out_dir, final.parent)
+        path = str(final)
     if as_json:
         emit_json({"key": key, "path": path, "inputs": inputs})
     else:
         click.echo(path or key)
+
+
+def _check_out_is_dir(out_dir, target_dir) -> None:
+    """What `export` checks of --out before compiling (tpumk.export.paths.check_out_dir), short of
+    its write probe (cache-key writes nothing): --out and the artifact's directory below it must be,
+    or be creatable as, directories: a regular file (or a broken symlink) in the way is refused."""
+    from pathlib import Path
+
+    from tpumk.errors import ArtifactPathError
+
+    out = Path(out_dir)
+    probe = Path(target_dir)
+    while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        what = "a regular file" if probe.is_file() else "not a directory"
+        where = "" if probe == out else " (in the artifact's path)"
+        raise ArtifactPathError(f"--out {out}: {probe} is {what}, not a directory{where}")
+    if not probe.exists():
+        raise ArtifactPathError(f"--out {out}: {probe} is a broken symlink")
 
 
 @click.command()
@@ -73,14 +97,20 @@ def inspect(path, as_json):
     from tpumk.export.artifacts import MANIFEST, find_artifacts, inspect_tree
     from tpumk.export.artifacts import inspect as do_inspect
 
-    if Path(path).is_dir() and not (Path(path) / MANIFEST).exists() and find_artifacts(path):
+    try:
+        tree = Path(path).is_dir() and not (Path(path) / MANIFEST).exists() and bool(find_artifacts(path))
+    except (OSError, RecursionError):  # an unreadable tree: inspect PATH itself, which reports why
+        tree = False
+    if tree:
         listing = inspect_tree(path)
         if as_json:
             emit_json(listing)
         else:
             _print_listing(listing)
         if not listing["valid"]:
-            raise SystemExit(1)
+            bad = [i for i in listing["artifacts"] if not i["valid"]]
+            _fail_inspect(f"{len(bad)} of {len(listing['artifacts'])} artifacts under {path} invalid; "
+                          f"first: {bad[0]['problem']}")
         return
     info = do_inspect(path)
     if as_json:
@@ -88,7 +118,18 @@ def inspect(path, as_json):
     else:
         _print_inspect(info)
     if not info["valid"]:
-        raise SystemExit(1)
+        _fail_inspect(info["problem"])
+
+
+def _fail_inspect(problem) -> None:
+    """The report is on stdout; the error is one line on stderr, exit code 1 (README)."""
+    import sys
+
+    from tpumk.cli.options import INPUT_EXIT
+
+    line = str(problem or "invalid artifact").replace("\r", "\\r").replace("\n", "\\n")
+    click.echo(f"tpumk: error: {line}", err=True)
+    sys.exit(INPUT_EXIT)
 
 
 def _short_problem(item: dict) -> str:
@@ -133,11 +174,15 @@ def _print_inspect(info: dict) -> None:
     click.echo(f"  tuning    {changed or 'defaults'}")
     if rep:
         est = rep.get("estimated_seconds")
-        click.echo(f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "
-                   f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {rep.get('hbm_bytes_per_step', 0) / 1e6:,.1f} MB/step, "
-                   f"floor {rep.get('floor_seconds', 0) * 1e6:.1f} us (plan), estimate "
-                   + (f"{est * 1e6:.1f} us ({rep.get('estimate_source', '')[:60]}...)" if est else
-                      f"none ({rep.get('estimate_source', 'not requested')})"))
+        try:  # an unverified manifest's report may hold anything
+            line = (f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "
+                    f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {rep.get('hbm_bytes_per_step', 0) / 1e6:,.1f} "
+                    f"MB/step, floor {rep.get('floor_seconds', 0) * 1e6:.1f} us (plan), estimate "
+                    + (f"{est * 1e6:.1f} us ({rep.get('estimate_source', '')[:60]}...)" if est else
+                       f"none ({rep.get('estimate_source', 'not requested')})"))
+        except (TypeError, ValueError):
+            line = "  build     (the report's figures are not numbers)"
+        click.echo(line)
     click.echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     for name, entry in info["files"].items():
         click.echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")

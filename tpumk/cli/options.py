@@ -111,7 +111,8 @@ class TpumkGroup(click.Group):
 
 
 def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+    # default=str: what JSON has no type for (a TOML date in an unverified manifest) is shown as text
+    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "tuning_file")
@@ -160,12 +161,20 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
     from tpumk.plan.knobs import TuningConfig, load_tuning
     from tpumk.targets import get_target
 
-    if model and checkpoint:
+    # None is "not given" (the default); a given but empty name is refused, never read as the default
+    for flag, value, what in (("--model", model, "a preset name, model TOML or config.json"),
+                              ("--checkpoint", checkpoint, "a checkpoint directory"),
+                              ("--target", target, "a target name"),
+                              ("--tuning", tuning_file, "a tuning TOML")):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: empty value (expected {what}; leave the option out for the default)")
+    if model is not None and checkpoint is not None:
         raise ConfigError("give either --model or --checkpoint, not both")
-    cfg = load_hf_config(checkpoint) if checkpoint else resolve_model(model or S.DEFAULT_MODEL)
-    if dtype and dtype != cfg.dtype:
+    cfg = load_hf_config(checkpoint) if checkpoint is not None else \
+        resolve_model(S.DEFAULT_MODEL if model is None else model)
+    if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
                                  ("page_size", page_size)) if v is not None}
-    return S.BuildSpec(cfg, get_target(target or S.DEFAULT_TARGET),
-                       tuning=load_tuning(tuning_file) if tuning_file else TuningConfig(), **shapes)
+    return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),
+                       tuning=load_tuning(tuning_file) if tuning_file is not None else TuningConfig(), **shapes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 from tpumk.model import reference
 from tpumk.model.config import ModelConfig, resolve_model
 from tpumk.errors import ConfigError
+from tpumk.plan.spec import MAX_BATCH, MAX_CONTEXT, MAX_PAGE_SIZE, MAX_Q_LEN
 
 BACKENDS = ("reference", "megakernel")
 SPEC_METHODS = ("none", "ngram", "draft")
@@ -38,17 +40,22 @@ class Model:
 
 
 def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: str | None = None) -> Model:
-    """A model from a preset / TOML / config.json with random weights, or from a checkpoint."""
-    if checkpoint and model:
+    """A model from a preset / TOML / config.json with random weights, or from a checkpoint.
+    None is "not given" (the default model); an empty or blank name is refused, not defaulted."""
+    if checkpoint is not None and model is not None:
         raise ConfigError("give either --model or --checkpoint, not both")
-    if checkpoint:
+    for flag, value in (("--model", model), ("--checkpoint", checkpoint)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: empty value (expected a preset name, model TOML, config.json or checkpoint "
+                              "directory; leave the option out for the default)")
+    if checkpoint is not None:
         from tpumk.model.checkpoint import load_checkpoint
 
         cfg, params = load_checkpoint(Path(checkpoint), dtype=dtype)
         return Model(cfg, params, f"checkpoint {checkpoint}")
     from tpumk.model.weights import random_params
 
-    cfg = resolve_model(model or "tiny-moe")
+    cfg = resolve_model("tiny-moe" if model is None else model)
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     return Model(cfg, random_params(cfg, seed), f"random weights (seed {seed})")
@@ -86,6 +93,9 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     (config.json + *.safetensors), or a preset / TOML / config.json with random weights (seed
     `seed`). The draft must share the target's vocabulary and dtype is the target's unless given."""
     spec = spec.strip()
+    if not spec:
+        raise ConfigError("--draft-model: empty value (expected a preset name, model TOML, config.json, checkpoint "
+                          "directory or layers:N)")
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -108,22 +118,46 @@ _ID = re.compile(r"[0-9]+", re.ASCII)
 
 def parse_prompt_ids(text: str, vocab_size: int) -> list[list[int]]:
     """'1,2,3;4,5' -> [[1,2,3],[4,5]]; every id is ASCII digits only (no sign, underscore or
-    non-ASCII digit, which int() would accept) and in [0, vocab_size)."""
+    non-ASCII digit, which int() would accept) and in [0, vocab_size). An empty item ('1,,2', a
+    trailing comma) is refused, not dropped; an id of more digits than the vocabulary's size is
+    refused before int() (which refuses past 4300 digits with a ValueError of its own)."""
     prompts = []
+    max_digits = len(str(vocab_size))
     for k, part in enumerate(text.split(";")):
-        items = [s.strip() for s in part.split(",") if s.strip()]
-        if not items:
+        items = [s.strip() for s in part.split(",")]
+        if not any(items):
             raise ConfigError(f"--prompt-ids: sequence {k} is empty (expected comma-separated token ids)")
-        for s in items:
+        ids = []
+        for j, s in enumerate(items):
+            if not s:
+                raise ConfigError(f"--prompt-ids: sequence {k} has an empty item at position {j} (e.g. '1,,2' or a "
+                                  "trailing comma; expected comma-separated token ids such as 1,2,3;4,5)")
             if not _ID.fullmatch(s):
-                raise ConfigError(f"--prompt-ids: sequence {k} holds {s!r}, expected a token id of ASCII digits "
+                raise ConfigError(f"--prompt-ids: sequence {k} holds {s[:40]!r}, expected a token id of ASCII digits "
                                   "0-9 only (e.g. 1,2,3;4,5)")
-        ids = [int(s) for s in items]
+            if len(s.lstrip("0")) > max_digits:
+                shown = s if len(s) <= 20 else f"{s[:20]}... ({len(s)} digits)"
+                raise ConfigError(f"--prompt-ids: id {shown} outside the vocabulary [0, {vocab_size})")
+            ids.append(int(s.lstrip("0") or "0"))  # int() counts leading zeros against its digit limit
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
             raise ConfigError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab_size})")
         prompts.append(ids)
     return prompts
+
+
+def check_sizes(steps, page_size, draft_tokens) -> None:
+    """--steps, --page-size and --draft-tokens within the BuildSpec bounds (tpumk.plan.spec), so
+    an absurd value is refused before a model is loaded or a cache allocated."""
+    if not _positive_int(steps, MAX_CONTEXT):
+        raise ConfigError(f"--steps: expected a positive number of steps at most {MAX_CONTEXT:,} (the longest context "
+                          f"a sequence can have), got {_short(steps)}")
+    if not _positive_int(page_size, MAX_PAGE_SIZE):
+        raise ConfigError(f"--page-size: expected a positive number of tokens per KV-cache page at most "
+                          f"{MAX_PAGE_SIZE:,}, got {_short(page_size)}")
+    if not _positive_int(draft_tokens, MAX_Q_LEN - 1):
+        raise ConfigError(f"--draft-tokens: expected a positive integer at most {MAX_Q_LEN - 1:,} (a verify step "
+                          f"checks draft tokens + 1 <= {MAX_Q_LEN:,} tokens), got {_short(draft_tokens)}")
 
 
 def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "reference",
@@ -132,15 +166,18 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     """Greedy-generate `steps` tokens per prompt; returns tokens, timing and, with `spec`
     ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
     figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
-    drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce."""
-    if not _positive_int(steps):
-        raise ConfigError(f"--steps: expected a positive number of steps, got {steps!r}")
-    if not _positive_int(page_size):
-        raise ConfigError(f"--page-size: expected a positive number of tokens per KV-cache page, got {page_size!r}")
-    if not _positive_int(draft_tokens):
-        raise ConfigError(f"--draft-tokens: expected a positive integer, got {draft_tokens!r}")
+    drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce.
+
+    Every size is bounded by the BuildSpec limits (tpumk.plan.spec) before the KV cache is
+    allocated: a sequence holds at most MAX_CONTEXT tokens (prompt + steps + drafts), the
+    prompts are at most MAX_BATCH sequences, the verify step at most MAX_Q_LEN tokens; and the
+    cache must fit in this host's memory."""
+    check_sizes(steps, page_size, draft_tokens)
     if not prompts:
         raise ConfigError("--prompt-ids: expected at least one sequence")
+    if len(prompts) > MAX_BATCH:
+        raise ConfigError(f"--prompt-ids: {len(prompts):,} sequences, expected at most {MAX_BATCH:,} "
+                          "(one decode batch)")
     if backend not in BACKENDS:
         raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
     if spec not in SPEC_METHODS:
@@ -153,14 +190,21 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         raise ConfigError(f"--draft-model: vocabulary {draft.cfg.vocab_size} != the target's {m.cfg.vocab_size}")
     k = draft_tokens if spec != "none" else 0
     need = max(len(p) for p in prompts) + steps + k
-    context = context or need
-    if not _positive_int(context):
-        raise ConfigError(f"--context: expected a positive number of tokens, got {context!r}")
+    if need > MAX_CONTEXT:
+        longest = max(len(p) for p in prompts)
+        raise ConfigError(f"--steps: the longest prompt ({longest:,} token{'s' if longest != 1 else ''}) plus "
+                          f"{steps:,} steps"
+                          + (f" plus {k:,} draft tokens" if k else "")
+                          + f" is {need:,} tokens, more than the longest context a sequence can have ({MAX_CONTEXT:,})")
+    context = need if context is None else context
+    if not _positive_int(context, MAX_CONTEXT):
+        raise ConfigError(f"--context: expected a positive number of tokens at most {MAX_CONTEXT:,}, "
+                          f"got {_short(context)}")
     if context < need:
         raise ConfigError(f"--context: {context} tokens < {need} needed for the longest prompt plus steps"
                           + (f" plus {k} draft tokens" if k else ""))
     context = -(-context // page_size) * page_size  # the cache holds whole pages (plans require it)
-    cache = reference.init_cache(m.cfg, len(prompts), context, page_size=page_size)
+    cache = _init_cache(m.cfg, len(prompts), context, page_size, "")
     ref_step = reference_step(m.cfg)
     t0 = time.perf_counter()
     spec_info: dict = {"method": spec}
@@ -179,7 +223,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         if spec == "ngram":
             drafter = NgramDrafter()
         else:
-            dcache = reference.init_cache(draft.cfg, len(prompts), context, page_size=page_size)
+            dcache = _init_cache(draft.cfg, len(prompts), context, page_size, "the draft model's ")
             d_ref = reference_step(draft.cfg)
             if backend == "reference":
                 d_decode = lambda toks, pos, c: d_ref(draft.params, toks, pos, c)  # noqa: E731
@@ -208,8 +252,45 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     }
 
 
-def _positive_int(n) -> bool:
-    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+def _positive_int(n, upper: int | None = None) -> bool:
+    return (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+            and (upper is None or n <= upper))
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}... ({len(r)} characters)"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str):
+    """reference.init_cache, refused with one line when its K and V arrays would not fit in this
+    host's memory or the allocation fails (instead of an allocator's traceback)."""
+    nbytes = batch * context * cfg.kv_bytes_per_token()
+    what = (f"{whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, {cfg.name}) needs "
+            f"{_size(nbytes)}")
+    host = _host_memory_bytes()
+    if host is not None and nbytes > host:
+        raise ConfigError(f"--steps: the {what}, more than this host's {_size(host)} of memory "
+                          "(fewer --steps, shorter prompts or fewer sequences)")
+    try:
+        return reference.init_cache(cfg, batch, context, page_size=page_size)
+    except MemoryError:
+        raise ConfigError(f"--steps: the {what}, which this host cannot allocate") from None
+    except Exception as e:  # an accelerator out of memory (XlaRuntimeError RESOURCE_EXHAUSTED)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ConfigError(f"--steps: the {what}, which the device cannot allocate (RESOURCE_EXHAUSTED)") from None
 
 
 def _megakernel_where() -> str:

@@ -40,11 +40,13 @@ whenever a key is configured. Names that become directories are checked (tpumk.e
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 import tomllib
@@ -524,16 +526,23 @@ def trust_statement(trust: dict[str, Any]) -> str:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """The manifest plus what verify says (never raises for a bad artifact: reports it)."""
+    """The manifest plus what verify says. Never raises for a bad artifact or a bad PATH (missing,
+    a regular file, a symlink loop, an unreadable or malformed manifest of any types): reports it,
+    `valid` False and `problem` one line. The manifest's fields are shown (even when invalid, then
+    marked INVALID) only when they have the types a display needs."""
     path = Path(path)
     out: dict[str, Any] = {"path": str(path)}
 
-    def show(m: dict[str, Any]) -> None:
-        out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
-                   tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
-                   signature=m.get("signature", {}), signed=bool(m.get("signing", {}).get("signed")))
+    def show(m: Any) -> None:
+        if _displayable(m):
+            out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
+                       tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
+                       signature=m.get("signature", {}), signed=bool(m.get("signing", {}).get("signed")))
 
     try:
+        problem = _path_problem(path)
+        if problem:
+            raise ArtifactError(problem)
         show(read_manifest(path))  # shown even when invalid (then marked INVALID)
         m, trust = _verify(path)
         show(m)
@@ -542,7 +551,64 @@ def inspect(path: str | Path) -> dict[str, Any]:
                    proved=trust_statement(trust))
     except ArtifactError as e:
         out.update(valid=False, problem=str(e), authenticated=False)
+    except OSError as e:
+        where = e.filename if isinstance(e.filename, str) else path
+        out.update(valid=False, problem=f"{where}: cannot read: {_os_reason(e)}", authenticated=False)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        # what a manifest of unexpected types or sizes makes the parsers or checks raise (a 5000-digit
+        # integer, nesting past the recursion limit, a string where a table belongs)
+        detail = (str(e).splitlines() or [""])[0][:200]
+        out.update(valid=False, problem=f"{path / MANIFEST}: malformed manifest ({type(e).__name__}"
+                   + (f": {detail})" if detail else ")"), authenticated=False)
     return out
+
+
+def _path_problem(path: Path) -> str | None:
+    """Why `path` cannot be an artifact directory, said plainly (None: it may be one)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path}: not an artifact directory (no such file or directory)"
+    except (OSError, ValueError) as e:
+        return f"{path}: not an artifact directory (cannot read it: {_os_reason(e) if isinstance(e, OSError) else e})"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"{path}: not an artifact directory (a symlink loop)"
+            if e.errno == errno.ENOENT:
+                return f"{path}: not an artifact directory (a broken symlink)"
+            return f"{path}: not an artifact directory (cannot read it: {_os_reason(e)})"
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a regular file" if stat.S_ISREG(st.st_mode) else "a special file"
+        return f"{path}: not an artifact directory ({what})"
+    mf = path / MANIFEST
+    try:
+        mst = os.stat(mf)
+    except FileNotFoundError:
+        return f"{path}: not an artifact directory (no {MANIFEST})"
+    except OSError as e:
+        return f"{mf}: cannot read: {_os_reason(e)}"
+    if not stat.S_ISREG(mst.st_mode):
+        what = "a directory" if stat.S_ISDIR(mst.st_mode) else "not a regular file"
+        return f"{path}: not an artifact directory ({MANIFEST} is {what})"
+    return None
+
+
+def _displayable(m: Any) -> bool:
+    """The manifest has the types the summary shows (an unverified one may have any)."""
+    if not isinstance(m, dict) or not isinstance(m.get("key"), str):
+        return False
+    if not all(isinstance(m.get(k), dict) for k in ("model", "target", "shapes", "tuning", "versions", "files")):
+        return False
+    if not all(isinstance(m.get(k, {}), dict) for k in ("report", "signature", "signing")):
+        return False
+    sh = m["shapes"]
+    if not all(isinstance(sh.get(k), int) for k in ("batch", "context", "q_len", "page_size")):
+        return False
+    return all(isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+               for e in m["files"].values())
 
 
 def find_artifacts(root: str | Path) -> list[Path]:
