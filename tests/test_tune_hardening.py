@@ -498,3 +498,20 @@ def test_a_damaged_compile_log_line_is_skipped(tmp_path):
     assert [r["key"] for r in cache.compile_log()] == ["a", "b"]
     (tmp_path / "cache" / "k.json").write_text("[" * 100_000)
     assert cache.get("k") is None
+
+
+def test_processes_opening_a_new_sqlite_study_at_once_all_succeed(tmp_path):
+    """Optuna creates its schema on the first open; several processes opening a new SQLite file
+    at once used to lose the race with `UNIQUE constraint failed: alembic_version` (seen as a
+    tune run dying at start while another process read its study)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tpumk.tune.storage import open_storage; "
+            "open_storage('sqlite:///' + sys.argv[1]); print('ok')")
+    db = tmp_path / "s.db"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(db)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    assert all(o[0].strip() == "ok" for o in outs)

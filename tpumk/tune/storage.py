@@ -29,6 +29,7 @@ from tpumk.errors import ConfigError
 DEFAULT_ROOT = Path("artifacts") / "tune"
 DEFAULT_HEARTBEAT = 5  # seconds between trial heartbeats
 GRACE_FACTOR = 3  # a RUNNING trial whose heartbeat is this many intervals old is stale
+SCHEMA_RACE_ATTEMPTS = 5  # opens of a new RDB whose schema another process is creating meanwhile
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,14 +258,21 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
 
             if importlib.util.find_spec("psycopg2") is None:
                 raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            cls = _sqlite_storage_class() if scheme == "sqlite" else optuna.storages.RDBStorage
-            return cls(url, heartbeat_interval=heartbeat, grace_period=grace)
-    except Exception as e:  # bad URL, server down, wrong password, unknown dialect
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--storage {redact(url)}: cannot open: {first[:300]}") from None
+    cls = _sqlite_storage_class() if scheme == "sqlite" else optuna.storages.RDBStorage
+    for attempt in range(SCHEMA_RACE_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return cls(url, heartbeat_interval=heartbeat, grace_period=grace)
+        except Exception as e:  # bad URL, server down, wrong password, unknown dialect
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            # Two processes opening a new database at once both create Optuna's schema; the
+            # loser sees the winner's tables or alembic_version row. It exists then: open again.
+            raced = "alembic_version" in first or "already exists" in first
+            if raced and attempt + 1 < SCHEMA_RACE_ATTEMPTS:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            raise ConfigError(f"--storage {redact(url)}: cannot open: {first[:300]}") from None
 
 
 def fail_stale(study) -> None:
