@@ -391,6 +391,7 @@ CASES: list[Case] = [
     Case("tuning-binary-garbage", [*KEY, "--tuning", "t.toml"], files={"t.toml": GARBAGE}),
     Case("tuning-missing-file", [*KEY, "--tuning", "nope.toml"]),
     # ---- tuning spaces
+    Case("space-empty-path", tune_args("")),
     Case("space-unknown-knob", tune_args("s.toml"), files={"s.toml": space('[knobs.ring_dpeth]\ntype = "int"\nlow = 2\nhigh = 4\n')},
          allow=TUNE_DIRS),
     Case("space-unknown-type", tune_args("s.toml"), files={"s.toml": space('[knobs.ring_depth]\ntype = "float"\nlow = 2\nhigh = 4\n')},

@@ -146,6 +146,7 @@ def tune(spec, space_file, trials, max_infeasible,
 
     import optuna
 
+    from tpumk.errors import ConfigError
     from tpumk.tune.cache import evaluator_inputs
     from tpumk.tune.objectives import attached_tpu_kind, choose_objective
     from tpumk.tune.settings import TuneSettings
@@ -156,7 +157,9 @@ def tune(spec, space_file, trials, max_infeasible,
     if study_name is not None:
         # It names files (the default storage artifacts/tune/<study>.db and --out <study>.toml).
         check_study_name(study_name, "--study")
-    space = load_space(space_file or DEFAULT_SPACE_PATH)
+    if space_file is not None and not space_file.strip():
+        raise ConfigError("--space: expected a tuning-space TOML file, got an empty path")
+    space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file)
     problem = spec
     choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
     settings = TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
