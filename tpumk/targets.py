@@ -125,3 +125,36 @@ def attached_target() -> Target | None:
         if not t.interpret and t.attached_device() is not None:
             return t
     return None
+
+
+def mesh_devices(target: Target, n: int) -> list:
+    """n devices of `target` for a 1-D tensor-parallel mesh, in device order: the attached TPUs of
+    its kind when there are n of them, else the deviceless topology's stand-ins (its first n).
+    TPU7x lists each chip's two TensorCores as devices 2r and 2r+1, so n TensorCores fill n/2
+    whole chips when n is even. The cpu target gives host CPU devices (as many as
+    XLA_FLAGS=--xla_force_host_platform_device_count made before jax was imported)."""
+    import jax
+
+    if n < 1:
+        raise TargetError(f"{target.name}: a mesh needs at least 1 device, not {n}")
+    if target.interpret:
+        devs = jax.devices("cpu")
+        where = "host CPU devices (set XLA_FLAGS=--xla_force_host_platform_device_count before importing jax)"
+    else:
+        try:
+            devs = [d for d in jax.devices("tpu") if d.device_kind == target.device_kind]
+        except RuntimeError:
+            devs = []
+        where = "attached devices"
+        if len(devs) < n:
+            devs = list(_deviceless_devices(target.topology))
+            where = f"devices in topology '{target.topology}'"
+    if len(devs) < n:
+        raise TargetError(f"{target.name}: {n} devices asked, {len(devs)} {where}")
+    return list(devs[:n])
+
+
+def routes_any_offset(target: Target) -> bool:
+    """Whether remote DMAs reach any device offset; TPU v5e routes only power-of-two offsets
+    (TPU_FACTS 8)."""
+    return target.chip != "v5e"

@@ -74,3 +74,35 @@ def compile_plan(plan) -> Compiled:
     # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
     # every step (the kernel aliases them in place).
     return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target, donate_argnums=(3,))
+
+
+def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", in_specs: Any = None,
+                     out_specs: Any = None) -> Compiled:
+    """Compile `fn` (one device's body: a kernel with in-kernel collectives) for a 1-D mesh of
+    `devices` (deviceless stand-ins or real devices) along `axis`:
+    jit(shard_map(fn, mesh, in_specs, out_specs, check_vma=False)).lower(*specs).compile().
+
+    `arg_specs` are the GLOBAL shapes; each gets the NamedSharding of its in_spec (default: the
+    leading dim split over `axis`, P(axis), for every argument and output)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(list(devices)), (axis,))
+    spec = PartitionSpec(axis)
+    if in_specs is None:
+        in_specs = jax.tree.map(lambda _: spec, tuple(arg_specs))
+    if out_specs is None:
+        out_specs = spec
+    specs = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
+                         tuple(arg_specs), tuple(in_specs))
+    step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False))
+    t0 = time.perf_counter()
+    lowered = step.lower(*specs)
+    t1 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        kind = mesh.devices.flat[0].device_kind
+        raise CompileError(f"{kind} x {mesh.size}: the compiler rejected this build: {compiler_error_line(e)}") from e
+    t2 = time.perf_counter()
+    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), mesh.devices.flat[0].device_kind)

@@ -515,3 +515,110 @@ class MoEGeometry:
 def moe_layer_ids(cfg: ModelConfig) -> list[int]:
     """Model layer indices of the MoE layers, in the order they are stacked by `pack_experts`."""
     return [i for i in range(cfg.num_layers) if not cfg.layer_is_dense(i)]
+
+
+# ---------------------------------------------------------------------- collectives
+ALL_REDUCE_SCHEDULES = ("direct", "doubling")
+
+
+@dataclass(frozen=True)
+class AllReduceGeometry:
+    """Static shape of the in-kernel all-reduce (`tpumk.kernel.collectives.all_reduce`).
+
+    devices: N, the size of the 1-D mesh axis `axis` the kernel's devices are numbered along
+        (device id = `lax.axis_index(axis)`, remote DMAs addressed as MESH ids `(peer,)`).
+    rows, width: the [rows, width] f32 partial sums each device holds; whole VMEM tiles
+        (rows a multiple of the dtype's sublanes, width of 128) so every slot DMA is tile-aligned.
+    dtype: what travels and is stored in the receive slots: "float32" (exact partial sums) or
+        "bfloat16" (half the bytes; each slot is rounded to bf16 before the f32 sum).
+    schedule: "direct" (every device pushes its partial to every peer: one round, peers at
+        every offset 1..N-1) or "doubling" (recursive-doubling all-gather with XOR partners: log2 N
+        rounds, every offset a power of two, as TPU v5e's routing needs; N a power of two).
+        Both move the same bytes and sum the same N slots in the same order 0..N-1, so their
+        results are bit-identical to each other and across devices.
+    """
+
+    devices: int
+    rows: int
+    width: int
+    dtype: str = "float32"
+    schedule: str = "direct"
+    axis: str = "tp"
+
+    @classmethod
+    def for_chip(cls, chip: str, devices: int, rows: int, width: int, dtype: str = "float32",
+                 axis: str = "tp") -> "AllReduceGeometry":
+        """The schedule a chip can route: v5e reaches only power-of-two device offsets, so it gets
+        recursive doubling once N > 2; other chips route any offset and get the direct push
+        (one round of N-1 concurrent DMAs instead of log2 N dependent rounds: at decode sizes a
+        collective is latency-bound, TPU_FACTS 8)."""
+        schedule = "doubling" if chip == "v5e" and devices > 2 else "direct"
+        geom = cls(devices, rows, width, dtype, schedule, axis)
+        geom.validate()
+        return geom
+
+    def validate(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise PlanError(f"all-reduce: {what}")
+
+        for f in ("devices", "rows", "width"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{f} = {v!r}: expected a positive integer")
+        need(self.dtype in WEIGHT_DTYPES, f"dtype = {self.dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
+        need(self.schedule in ALL_REDUCE_SCHEDULES,
+             f"schedule = {self.schedule!r}: expected one of {', '.join(ALL_REDUCE_SCHEDULES)}")
+        sub = SUBLANES[self.dtype]
+        need(self.rows % sub == 0, f"rows = {self.rows}: expected a multiple of {sub} ({self.dtype} sublane tile)")
+        need(self.width % LANE == 0, f"width = {self.width}: expected a multiple of {LANE} (lane tile)")
+        if self.schedule == "doubling":
+            need(self.devices & (self.devices - 1) == 0,
+                 f"devices = {self.devices}: recursive doubling needs a power of two")
+        need(isinstance(self.axis, str) and bool(self.axis), f"axis = {self.axis!r}: expected a mesh axis name")
+
+    @property
+    def stages(self) -> int:
+        """Dependent rounds of one call: 1 (direct) or log2 N (doubling)."""
+        if self.schedule == "doubling":
+            return max(1, (self.devices - 1).bit_length())
+        return 1
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.rows * self.width * DTYPE_BYTES[self.dtype]
+
+    @property
+    def send_bytes(self) -> int:
+        """Bytes each device sends (and receives) per call: N-1 slots, in either schedule."""
+        return (self.devices - 1) * self.slot_bytes
+
+    @property
+    def messages(self) -> int:
+        """Remote DMAs each device starts per call: N-1 (direct) or log2 N (doubling)."""
+        return self.devices - 1 if self.schedule == "direct" else self.stages
+
+    def peer_offsets(self) -> tuple[int, ...]:
+        """Device-id offsets (mod N) the schedule sends to: direct 1..N-1; doubling 2^s (XOR)."""
+        if self.devices == 1:
+            return ()
+        if self.schedule == "direct":
+            return tuple(range(1, self.devices))
+        return tuple(1 << s for s in range(self.stages))
+
+    def scratch(self) -> tuple[Buffer, ...]:
+        """The stage's scratch, in the order `all_reduce` takes the refs
+        (`tpumk.kernel.collectives.AllReduceScratch`)."""
+        n, st = self.devices, self.stages
+        return (
+            vmem("slots", (2, n, self.rows, self.width), self.dtype,
+                 "[parity of the collective counter, source device, rows, lanes]: device d's partial in slot d"),
+            dma_sems("recv_sems", (2, st), "[parity, stage]: arrivals into this device's slots"),
+            dma_sems("send_sems", (2, st), "[parity, stage]: this device's outgoing pushes"),
+        )
+
+    def scratch_bytes(self) -> int:
+        """VMEM of the scratch: 2 * N * rows * width * itemsize (whole tiles by validation)."""
+        return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
+
+    def dma_semaphores(self) -> int:
+        return 4 * self.stages

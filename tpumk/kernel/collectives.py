@@ -1,0 +1,147 @@
+"""In-kernel collectives of a tensor-parallel megakernel: an all-reduce from remote DMAs.
+
+The megakernel of an N-device step (issue 13) is one grid-less `pallas_call` per device inside
+`jax.shard_map` over a 1-D mesh axis (`AllReduceGeometry.axis`, "tp"). After the o-projection
+and the down-projection of a tensor-parallel layer every device holds partial sums x
+[rows, width] f32; `all_reduce` returns their sum over the N devices, the SAME BITS on every
+device: each device sums the N contributions in the fixed order 0, 1, ..., N-1 (sequential f32
+adds, never "mine first"), so rank-replicated work downstream (norms, routing) agrees exactly.
+
+Schedules (`AllReduceGeometry.schedule`; both are all-gathers of the partials followed by the
+same ordered local sum, so they give identical bits and move identical bytes, (N-1) slots):
+
+- "direct": device i stores its partial in its slot i, then pushes that slot into slot i of
+  every peer (offsets 1..N-1, started in the order i+1, i+2, ... so devices do not all hit
+  device 0 first), then waits for N-1 arrivals. One round: all N-1 DMAs are in flight at once.
+- "doubling" (recursive doubling, N a power of two): in round s = 0..log2 N - 1 device i
+  pushes its aligned block of 2^s slots (the block holding slot i, everything gathered so far)
+  to partner i XOR 2^s, into the same slot positions, and waits for the partner's block.
+  Every offset is a power of two: TPU v5e routes remote DMAs only to power-of-two device
+  offsets (TPU_FACTS 8), and a direct push for N = 4 needs offset 3. Rounds are dependent, so
+  it costs log2 N link latencies instead of one; `AllReduceGeometry.for_chip` picks it only for
+  v5e with N > 2.
+
+Buffers and semaphores (`AllReduceGeometry.scratch()`): slots [2, N, rows, width] (parity of the
+collective counter, source device), recv_sems / send_sems [2, stages] DMA semaphores (a DMA
+semaphore counts bytes, so one semaphore per (parity, round) takes the N-1 equal-sized arrivals
+of a direct call, waited N-1 times with a slot-sized descriptor).
+
+Why two parities suffice. Call c uses parity p = c mod 2. Device j reads its slots[p] (the sum,
+and as the source of its own pushes, whose completion it waits) only during call c. A peer i
+writes j's slots[p] again only in call c + 2, which it starts after finishing call c + 1; call
+c + 1 is an all-gather, so i cannot finish it before j's partial of call c + 1 has reached i
+(directly, or through XOR partners), and j pushes that only after it finished call c. So every
+write into slots[p] of call c + 2 happens after every read of call c: no overwrite of a buffer a
+slow peer still reads. The semaphores are per parity for the same reason: a fast peer's
+arrival of call c + 1 lands on the other parity's semaphore and cannot be counted as an
+arrival of call c that a slow peer has not sent yet; per round (doubling) because the round
+s + 1 partner may deliver before the round s partner. Within a call the writes are disjoint:
+device k writes only slot k (direct) or its partner's block (doubling), never the block the
+receiver is sending from.
+
+Barrier. Remote writes into a peer's VMEM are only safe once the peer is inside the kernel
+(its scratch exists), so the kernel calls `all_reduce_barrier` once at its start, before the
+first remote DMA: signal the barrier semaphore of every peer it will ever write to, wait for as
+many signals. The pallas_call needs `COLLECTIVE_COMPILER_PARAMS` (`collective_id=0`,
+`has_side_effects=True`; TPU_FACTS 8). Every DMA a call starts is also waited by that call, and
+the barrier semaphore is waited back to 0, so all semaphores are 0 when the kernel ends.
+
+Device ids are positions on the 1-D mesh axis (`lax.axis_index(geom.axis)`), addressed as MESH
+ids `(peer,)`: the mesh must have that one axis (a 2-D mesh would need the full coordinate).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpumk.kernel.memory import scratch_shape
+from tpumk.plan.geometry import AllReduceGeometry
+
+# pltpu.CompilerParams fields every pallas_call that uses these collectives needs.
+COLLECTIVE_COMPILER_PARAMS = {"collective_id": 0, "has_side_effects": True}
+
+
+class AllReduceScratch(NamedTuple):
+    """The all-reduce's scratch refs, in `AllReduceGeometry.scratch()` order."""
+
+    slots: Any  # VMEM [2, N, rows, width] geom.dtype: [parity, source device]
+    recv_sems: Any  # DMA semaphores [2, stages]
+    send_sems: Any  # DMA semaphores [2, stages]
+
+
+def all_reduce_scratch(geom: AllReduceGeometry) -> list:
+    """Scratch shapes to append to the kernel's `scratch_shapes`; pass the refs back in order."""
+    geom.validate()
+    return [scratch_shape(b) for b in geom.scratch()]
+
+
+def _as_scratch(scratch: Sequence[Any]) -> AllReduceScratch:
+    return scratch if isinstance(scratch, AllReduceScratch) else AllReduceScratch(*scratch)
+
+
+def _peer(geom: AllReduceGeometry, my_id, offset: int):
+    """The device a schedule's `offset` addresses from `my_id` (non-negative int32 math only)."""
+    if geom.schedule == "doubling":
+        return lax.bitwise_xor(my_id, jnp.int32(offset))
+    return lax.rem(my_id + offset, geom.devices)
+
+
+def all_reduce_barrier(geom: AllReduceGeometry) -> None:
+    """Once per kernel, before the first `all_reduce`: wait until every peer this device will
+    write to has entered the kernel (and signal the peers that write to it)."""
+    offsets = geom.peer_offsets()
+    if not offsets:
+        return
+    my_id = lax.axis_index(geom.axis)
+    sem = pltpu.get_barrier_semaphore()
+    for off in offsets:
+        pl.semaphore_signal(sem, 1, device_id=(_peer(geom, my_id, off),),
+                            device_id_type=pl.DeviceIdType.MESH)
+    # direct: every peer signals once; doubling: XOR partnership is symmetric (log2 N partners)
+    pl.semaphore_wait(sem, len(offsets))
+
+
+def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
+    """Sum of every device's x [rows, width] (f32 result), in device order 0..N-1, identical bits
+    on every device. `counter` (Python int or traced int32 >= 0) numbers the collectives of the
+    kernel: consecutive calls must use consecutive counters (its parity picks the buffers)."""
+    n = geom.devices
+    if n == 1:
+        return x.astype(jnp.float32)
+    scr = _as_scratch(scratch)
+    my_id = lax.axis_index(geom.axis)
+    p = lax.rem(jnp.asarray(counter, jnp.int32), 2)
+    scr.slots[p, my_id] = x.astype(scr.slots.dtype)
+
+    def push(src_dst, stage: int, peer):
+        return pltpu.make_async_remote_copy(
+            src_dst, src_dst, scr.send_sems.at[p, stage], scr.recv_sems.at[p, stage],
+            device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+
+    if geom.schedule == "direct":
+        copies = []
+        for off in geom.peer_offsets():
+            c = push(scr.slots.at[p, my_id], 0, _peer(geom, my_id, off))
+            c.start()
+            copies.append(c)
+        # The N-1 arrivals (slots of the same size) all count on recv_sems[p, 0].
+        for c in copies:
+            c.wait_recv()
+        for c in copies:
+            c.wait_send()
+    else:
+        for s, off in enumerate(geom.peer_offsets()):
+            base = lax.bitwise_and(my_id, jnp.int32(~(off - 1)))  # my aligned block of `off` slots
+            c = push(scr.slots.at[p, pl.ds(base, off)], s, _peer(geom, my_id, off))
+            c.start()
+            c.wait_recv()  # the partner's block of the same size, into its own positions
+            c.wait_send()
+    acc = scr.slots[p, 0].astype(jnp.float32)
+    for k in range(1, n):
+        acc = acc + scr.slots[p, k].astype(jnp.float32)
+    return acc
