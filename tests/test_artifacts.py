@@ -220,3 +220,18 @@ def test_load_checks_step_inputs_unless_told_not_to(cpu_artifact):
     with pytest.raises(PositionError):
         step(None, jnp.zeros((1, 1), jnp.int32), bad, cache)
     assert not A.load(cpu_artifact.path, check_inputs=False).check_inputs
+
+
+@pytest.mark.parametrize("tail", ["big = " + "9" * 5000 + "\n", "deep = " + "[" * 5000 + "]" * 5000 + "\n",
+                                  "\xff\xfe not text\n"])
+def test_a_manifest_the_parser_refuses_is_one_line(cpu_artifact, tmp_path, tail):
+    """A manifest with an integer longer than Python converts, nesting deeper than the TOML parser
+    recurses, or bytes that are not UTF-8: load and verify say so in one line (no ValueError,
+    RecursionError or UnicodeDecodeError escapes)."""
+    d = _copy(cpu_artifact, tmp_path)
+    mf = d / "manifest.toml"
+    mf.write_bytes(mf.read_bytes() + tail.encode("latin-1"))
+    for fn in (A.load, A.verify):
+        with pytest.raises(ArtifactError) as e:
+            fn(d)
+        assert "\n" not in str(e.value) and "manifest" in str(e.value)

@@ -49,7 +49,6 @@ import shutil
 import stat
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,8 @@ from typing import Any
 import tomli_w
 
 from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
-from tpumk.errors import ArtifactError, ArtifactPathError, SignatureError
+from tpumk.errors import ConfigError, ArtifactError, ArtifactPathError, SignatureError
+from tpumk.tomlfile import parse_toml
 from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
@@ -271,9 +271,9 @@ def _manifest_bytes(path: Path) -> bytes:
 
 def _parse_manifest(mf: Path, data: bytes) -> dict[str, Any]:
     try:
-        m = tomllib.loads(data.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mf}: malformed manifest: {str(e).splitlines()[0]}") from None
+        m = parse_toml(data, str(mf))
+    except ConfigError as e:  # not UTF-8, bad syntax, nesting or integers the parser refuses
+        raise ArtifactError(f"malformed manifest: {e}") from None
     for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model"):
         if field not in m:
             raise ArtifactError(f"{mf}: malformed manifest: missing '{field}'")

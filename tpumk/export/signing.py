@@ -29,12 +29,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from tpumk.errors import SignatureError, SigningKeyError
+from tpumk.errors import ConfigError, SignatureError, SigningKeyError
+from tpumk.tomlfile import parse_toml
 
 KEY_ENV = "TPUMK_SIGNING_KEY"
 KEY_FILE_ENV = "TPUMK_SIGNING_KEY_FILE"
@@ -109,9 +109,9 @@ def read_signature(path: Path) -> dict[str, Any] | None:
     if len(data) > MAX_SIGNATURE_BYTES:
         raise SignatureError(f"{sig}: {len(data)} bytes, not a signature file")
     try:
-        doc = tomllib.loads(data.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SignatureError(f"{sig}: malformed signature file: {str(e).splitlines()[0]}") from None
+        doc = parse_toml(data, str(sig))
+    except ConfigError as e:  # not UTF-8, bad syntax, nesting or integers the parser refuses
+        raise SignatureError(f"malformed signature file: {e}") from None
     for f in ("scheme", "key_id", "hmac"):
         if not isinstance(doc.get(f), str):
             raise SignatureError(f"{sig}: malformed signature file: missing '{f}'")
