@@ -23,7 +23,9 @@ would lay it out for XLA, with no tpumk kernel:
   place (the cache is donated);
 - MoE layers gather the routed experts' weights per token (a serving stack does not evaluate
   all experts at decode time).
-Its numerics match `tpumk.model.reference.decode_step` (tests/test_bench.py).
+Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
+which is all the bench feeds it: it does not implement the reference's handling of positions
+outside the cache (tpumk.model.positions).
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ DEFAULT_BATCH = 1
 DEFAULT_CONTEXT = 4096
 DEFAULT_Q_LEN = 1
 DEFAULT_PAGE_SIZE = 16
-# Sane bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
-# per-page loop): far above any decode serving shape, small enough that nothing hangs on them.
+# Bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
+# per-page loop), so that no input can make planning hang. They sit far above what the models
+# tpumk builds serve (Qwen3: 32k native, 128k with YaRN, which tpumk refuses for now); raise
+# them with the first model that needs more (some serve 10M-token contexts).
 MAX_BATCH = 4096
 MAX_CONTEXT = 1 << 22  # 4M tokens per sequence
 MAX_Q_LEN = 1024
