@@ -173,14 +173,14 @@ def test_swap_after_verify_is_caught_before_deserializing(exported, tmp_path, mo
     marker = tmp_path / "pwned"
     d = _copy(exported["signed"], tmp_path)
     monkeypatch.setenv(signing.KEY_ENV, KEY)
-    real_verify = A.verify
+    real_verify = A._verify  # what load runs (it reuses the plan verify makes)
 
     def verify_then_swap(path, *a, **k):
-        m = real_verify(path, *a, **k)
+        verified = real_verify(path, *a, **k)
         (Path(path) / A.EXECUTABLE).write_bytes(pickle.dumps("not the executable"))
-        return m
+        return verified
 
-    monkeypatch.setattr(A, "verify", verify_then_swap)
+    monkeypatch.setattr(A, "_verify", verify_then_swap)
     with pytest.raises(ArtifactError, match="changed since it was verified"):
         A.load(d, use="executable")
     assert not marker.exists()
@@ -433,3 +433,192 @@ def test_out_on_a_regular_file_or_unwritable(tmp_path):
     assert "is a regular file, not a directory (in the artifact's path)" in err
     err = _one_line_error(_cli(["export", *CPU_ARGS, "--out", "/proc/tpumk-test-out"]))
     assert "cannot write in /proc" in err
+
+
+# ---------------------------------------------------------------------- removed tables, malformed values, I/O errors
+def _rekey(d: Path, edit_inputs, edit=None) -> Path:
+    """Edit the key inputs themselves and make the rest agree (key, directory name): what someone
+    who can write the directory can do without a signing key."""
+    m = tomllib.loads((d / A.MANIFEST).read_text())
+    inputs = json.loads(m["cache_key"]["inputs_json"])
+    edit_inputs(inputs)
+    key = A.cache_key(inputs)
+    m.update(key=key, cache_key={"key": key, "inputs_json": A.canonical(inputs).decode()})
+    if edit is not None:
+        edit(m)
+    (d / A.MANIFEST).write_text(tomli_w.dumps(m))
+    return d.rename(d.parent / key)
+
+
+def _in_out(res, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the artifact at OUT/<model>/<target>/<key> (where export looks for a cache hit)."""
+    out = tmp_path / "out"
+    d = out / "tiny-dense" / "cpu" / res.key
+    shutil.copytree(res.path, d)
+    return out, d
+
+
+REMOVED = {
+    "signature": ("signature",),
+    "report and report_json": ("report", "report_json"),
+    "report_json": ("report_json",),
+    "report": ("report",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_a_removed_manifest_table_is_refused_by_verify_not_a_crash_in_load(exported, tmp_path, name):
+    """Before: an unsigned manifest without [signature] (or without both report tables) passed
+    verify and inspect, then load(use="executable") died with KeyError: 'signature'."""
+    d = _copy(exported["unsigned"], tmp_path)
+    _edit_manifest(d, lambda m: [m.pop(t) for t in REMOVED[name]])
+    with pytest.raises(ArtifactError, match=f"malformed manifest: missing '({'|'.join(REMOVED[name])})'") as e:
+        A.verify(d)
+    assert "\n" not in str(e.value)
+    for use in ("executable", "exported"):
+        with pytest.raises(ArtifactError, match="malformed manifest: missing"):
+            A.load(d, use=use)
+    info = A.inspect(d)
+    assert not info["valid"] and "missing" in info["problem"]
+
+
+HUGE_INT = "9" * 5000  # more digits than Python converts: ValueError from json, not JSONDecodeError
+DEEP = "[" * 100_000 + "]" * 100_000  # RecursionError from json
+MALFORMED = {
+    "inputs_json huge int": (lambda m: m["cache_key"].update(inputs_json='{"a": ' + HUGE_INT + "}"),
+                             "bad cache_key.inputs_json"),
+    "inputs_json deep": (lambda m: m["cache_key"].update(inputs_json=DEEP), "bad cache_key.inputs_json"),
+    "report_json huge int": (lambda m: m.update(report_json='{"a": ' + HUGE_INT + "}"), "bad report_json"),
+    "report_json deep": (lambda m: m.update(report_json=DEEP), "bad report_json"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_json_in_the_manifest_is_one_line_from_verify_load_and_a_cache_hit(
+        exported, tmp_path, monkeypatch, name):
+    edit, said = MALFORMED[name]
+    out, d = _in_out(exported["unsigned"], tmp_path)
+    _edit_manifest(d, edit)
+    for fn in (A.verify, A.load):
+        with pytest.raises(ArtifactError, match=said) as e:
+            fn(d)
+        assert "\n" not in str(e.value)
+    assert said in A.inspect(d)["problem"]
+    _pin_key_inputs(monkeypatch, json.loads(A.read_manifest(exported["unsigned"].path)["cache_key"]["inputs_json"]))
+    assert said in _one_line_error(_cli(["export", *CPU_ARGS, "--out", str(out)]))
+
+
+def _drop_target_name(inputs):
+    del inputs["target"]["name"]
+
+
+def _list_target_name(inputs):
+    inputs["target"]["name"] = ["cpu"]
+
+
+@pytest.mark.parametrize("edit_inputs,edit,raised", [
+    (_drop_target_name, lambda m: m["target"].pop("name"), "KeyError"),
+    (_list_target_name, lambda m: m["target"].update(name=["cpu"]), "TypeError"),
+])
+def test_key_inputs_of_unexpected_types_are_one_line(exported, tmp_path, edit_inputs, edit, raised):
+    """Key inputs edited with the key and directory made to agree: a target without a name or with
+    a list for one made the field checks raise KeyError / TypeError (a traceback from verify and load)."""
+    d = _rekey(_copy(exported["unsigned"], tmp_path), edit_inputs, edit)
+    for fn in (A.verify, A.load):
+        with pytest.raises(ArtifactError, match=rf"manifest.toml: malformed manifest \({raised}") as e:
+            fn(d)
+        assert "\n" not in str(e.value)
+    info = A.inspect(d)
+    assert not info["valid"] and f"malformed manifest ({raised}" in info["problem"]
+    assert "Traceback" not in _cli(["inspect", str(d)]).output
+
+
+@pytest.fixture
+def unreadable(monkeypatch):
+    """unreadable(path, errno): opening `path` fails like that (root ignores file modes, so the
+    error is injected where every read starts: open)."""
+    import builtins
+    import errno as errno_mod
+    import io
+
+    real_open, bad = builtins.open, {}
+
+    def fake_open(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and str(os.fspath(file)) in bad:
+            code = bad[str(os.fspath(file))]
+            raise OSError(code, os.strerror(code), str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)
+
+    def make(path: Path, code: int = errno_mod.EACCES) -> None:
+        bad[str(path)] = code
+
+    return make
+
+
+@pytest.mark.parametrize("name,signed", [(A.MANIFEST, False), (A.SIGNATURE, True), (A.EXECUTABLE, False),
+                                         (A.EXPORTED, True)])
+def test_an_unreadable_file_is_one_line_from_verify_load_inspect_and_a_cache_hit(
+        exported, tmp_path, monkeypatch, unreadable, name, signed):
+    import errno
+
+    res = exported["signed" if signed else "unsigned"]
+    out, d = _in_out(res, tmp_path)
+    if signed:
+        monkeypatch.setenv(signing.KEY_ENV, KEY)
+    _pin_key_inputs(monkeypatch, json.loads(A.read_manifest(res.path)["cache_key"]["inputs_json"]))
+    for code in (errno.EACCES, errno.EIO):
+        unreadable(d / name, code)
+        said = f"{d / name}: cannot read: {os.strerror(code)}"
+        for fn in (A.verify, lambda p: A.load(p, use="executable")):
+            with pytest.raises(ArtifactError) as e:
+                fn(d)
+            assert str(e.value) == said
+        assert A.inspect(d)["problem"] == said
+        assert _one_line_error(_cli(["export", *CPU_ARGS, "--out", str(out)])) == f"tpumk: error: {said}"
+
+
+def test_inspect_checks_the_signature_before_parsing_the_manifest(exported, tmp_path, monkeypatch):
+    """README: with a key, inspect checks the signature "before any other part of the artifact is
+    read". Before, it parsed the unauthenticated manifest first (for display)."""
+    d = _copy(exported["signed"], tmp_path)
+    _edit_manifest(d, lambda m: m["shapes"].update(context=64))
+    monkeypatch.setenv(signing.KEY_ENV, KEY)
+    order = []
+    real_check, real_parse = signing.check_signature, A._parse_manifest
+    monkeypatch.setattr(signing, "check_signature", lambda *a: order.append("signature") or real_check(*a))
+    monkeypatch.setattr(A, "_parse_manifest", lambda *a: order.append("parse") or real_parse(*a))
+    info = A.inspect(d)
+    assert order[0] == "signature", order
+    assert not info["valid"] and "signature does not match" in info["problem"]
+    assert info["shapes"]["context"] == 64  # still shown (marked INVALID), after verification failed
+    order.clear()
+    info = A.inspect(exported["signed"].path)
+    assert info["valid"] and info["authenticated"] and order == ["signature", "parse"]
+
+
+def test_a_manifest_or_signature_growing_past_its_limit_is_refused_from_what_was_read(exported, tmp_path,
+                                                                                     monkeypatch):
+    """The size is judged from at most limit + 1 bytes read, not from a stat taken before reading
+    (a file can grow in between: here stat is made to report the size it had before)."""
+    d = _copy(exported["signed"], tmp_path)
+    real_stat = Path.stat
+
+    def stale_stat(self, *a, **k):
+        st = real_stat(self, *a, **k)
+        if self.name in (A.MANIFEST, A.SIGNATURE):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, 10,
+                                   int(st.st_atime), int(st.st_mtime), int(st.st_ctime)))
+        return st
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "stat", stale_stat)
+        mp.setattr(A, "MAX_MANIFEST_BYTES", 100)
+        with pytest.raises(ArtifactError, match="manifest.toml: more than 100 bytes, not a manifest"):
+            A.verify(d)
+    with open(d / A.SIGNATURE, "a") as f:
+        f.write("#" * 10_000 + "\n")
+    with pytest.raises(SignatureError, match="manifest.sig: more than 4096 bytes, not a signature file"):
+        A.verify(d)

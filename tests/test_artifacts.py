@@ -235,3 +235,25 @@ def test_a_manifest_the_parser_refuses_is_one_line(cpu_artifact, tmp_path, tail)
         with pytest.raises(ArtifactError) as e:
             fn(d)
         assert "\n" not in str(e.value) and "manifest" in str(e.value)
+
+
+def test_output_signature_is_the_steps_output_shapes(cpu_artifact):
+    """export records the step's outputs from the jax.export it already made (no third trace):
+    the same as evaluating the step's shapes."""
+    from tpumk.kernel.megakernel import make_decode_step, step_specs
+
+    plan = A.plan_of(cpu_artifact.manifest)
+    want = jax.eval_shape(make_decode_step(plan, portable=True), *step_specs(plan))
+    assert json.loads(cpu_artifact.manifest["signature"]["outputs_json"]) == A._signature(want)
+
+
+def test_load_plans_once(cpu_artifact, monkeypatch):
+    """verify re-plans the key inputs to check the manifest; load and step.plan reuse that plan."""
+    import tpumk.plan.plan as P
+
+    calls, real = [], P.make_plan
+    monkeypatch.setattr(P, "make_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for use in ("exported", "executable"):
+        calls.clear()
+        step = A.load(cpu_artifact.path, use=use)
+        assert step.plan.batch == 1 and len(calls) == 1, (use, len(calls))

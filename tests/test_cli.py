@@ -214,9 +214,10 @@ def test_cache_key_out_must_be_a_directory(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- inspect: the error is on stderr too
-GOOD_TYPES = ('format = 3\nkey = "k"\n[model]\nname = "m"\n[target]\nname = "cpu"\n'
+# every table a manifest must have (tpumk.export.artifacts._parse_manifest), of the types a display needs
+GOOD_TYPES = ('format = 3\nkey = "k"\nreport_json = "{}"\n[model]\nname = "m"\n[target]\nname = "cpu"\n'
               '[shapes]\nbatch = 1\ncontext = 16\nq_len = 1\npage_size = 16\n[tuning]\nwhen = 1979-05-27\n'
-              '[versions]\n[files]\n[report]\ncompile_seconds = "fast"\n[signing]\nsigned = false\n'
+              '[versions]\n[files]\n[report]\ncompile_seconds = "fast"\n[signature]\n[signing]\nsigned = false\n'
               '[cache_key]\ninputs_json = "{}"\n')
 
 

@@ -44,6 +44,7 @@ def export(spec, out_dir, as_json):
 def cache_key(spec, out_dir, as_json):
     """Print the build's cache key (no compile)."""
     from tpumk.export.artifacts import artifact_path
+    from tpumk.export.paths import check_out_dir
     from tpumk.compile.keys import cache_key as key_of, key_inputs
 
     inputs = key_inputs(spec)
@@ -51,32 +52,12 @@ def cache_key(spec, out_dir, as_json):
     path = None
     if out_dir is not None:
         final = artifact_path(out_dir, spec, key)
-        _check_out_is_dir(out_dir, final.parent)
+        check_out_dir(out_dir, final.parent, probe=False)  # what export checks, short of writing
         path = str(final)
     if as_json:
         emit_json({"key": key, "path": path, "inputs": inputs})
     else:
         click.echo(path or key)
-
-
-def _check_out_is_dir(out_dir, target_dir) -> None:
-    """What `export` checks of --out before compiling (tpumk.export.paths.check_out_dir), short of
-    its write probe (cache-key writes nothing): --out and the artifact's directory below it must be,
-    or be creatable as, directories: a regular file (or a broken symlink) in the way is refused."""
-    from pathlib import Path
-
-    from tpumk.errors import ArtifactPathError
-
-    out = Path(out_dir)
-    probe = Path(target_dir)
-    while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        what = "a regular file" if probe.is_file() else "not a directory"
-        where = "" if probe == out else " (in the artifact's path)"
-        raise ArtifactPathError(f"--out {out}: {probe} is {what}, not a directory{where}")
-    if not probe.exists():
-        raise ArtifactPathError(f"--out {out}: {probe} is a broken symlink")
 
 
 @click.command()

@@ -34,7 +34,6 @@ def fail_cleanly(fn):
     return wrapper
 
 
-USAGE_EXIT = 2  # the command line is malformed (Click's convention)
 INPUT_EXIT = 1  # tpumk rejected the input or the work (TpumkError)
 
 

@@ -1,7 +1,7 @@
 """Exported build artifacts: a compiled decode step on disk, content-addressed by its cache key.
 
-`export(cfg, target, batch, context, tuning, q_len, page_size, out_dir)` writes
-`out_dir/<model>/<target>/<key>/` (built in a temporary directory, then os.rename'd into
+`export(spec, out_dir="artifacts", estimate=False)` writes `out_dir/<model>/<target>/<key>/` for
+a BuildSpec (tpumk.plan.spec) (built in a temporary directory, then os.rename'd into
 place, so a reader never sees half an artifact):
 
     executable.bin   jax.experimental.serialize_executable.serialize(compiled)[0]: the compiled
@@ -41,7 +41,6 @@ whenever a key is configured. Names that become directories are checked (tpumk.e
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import os
@@ -56,7 +55,7 @@ from typing import Any
 import tomli_w
 
 from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
-from tpumk.errors import ConfigError, ArtifactError, ArtifactPathError, SignatureError
+from tpumk.errors import ConfigError, ArtifactError, ArtifactPathError, SignatureError, TpumkError
 from tpumk.tomlfile import parse_toml
 from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
@@ -112,8 +111,15 @@ def _signature(tree: Any) -> list[dict[str, Any]]:
     return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
 
 
-def _os_reason(e: OSError) -> str:
-    return e.strerror or type(e).__name__
+# what a manifest of unexpected types or sizes makes the parsers and checks raise (a 5000-digit
+# integer, nesting past the recursion limit, a string where a table belongs, a missing name)
+MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
+
+
+def _malformed(path: Path, e: BaseException) -> str:
+    """One line for a MALFORMED exception raised while checking the manifest at `path`."""
+    detail = (str(e).splitlines() or [""])[0][:200]
+    return f"{path / MANIFEST}: malformed manifest ({type(e).__name__}" + (f": {detail})" if detail else ")")
 
 
 # ---------------------------------------------------------------------- export
@@ -195,7 +201,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     export_seconds = time.perf_counter() - t1
     est = estimate_in_subprocess(spec) if estimate and target.static_profile else None
     report = make_report(plan, compiled, est)
-    out_specs = jax.eval_shape(make_decode_step(plan, portable=True), *specs)
+    out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)  # (logits, KVCache) of avals
 
     parent = final.parent
     try:
@@ -204,7 +210,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         paths.clean_stale_tmps(parent)  # temporaries of killed exports
         tmp = Path(tempfile.mkdtemp(prefix=paths.tmp_prefix(key), dir=parent))
     except OSError as e:
-        raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {_os_reason(e)}") from None
+        raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {paths.os_reason(e)}") from None
     try:
         (tmp / EXECUTABLE).write_bytes(blob)
         (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
@@ -250,7 +256,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             raise
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ArtifactError(f"{final}: cannot write the artifact: {_os_reason(e)}") from None
+        raise ArtifactError(f"{final}: cannot write the artifact: {paths.os_reason(e)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -264,17 +270,22 @@ def _manifest_bytes(path: Path) -> bytes:
     mf = path / MANIFEST
     if not mf.is_file():
         raise ArtifactError(f"{path}: not an artifact directory (no {MANIFEST})")
-    if mf.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{mf}: {mf.stat().st_size:,} bytes, not a manifest")
-    return mf.read_bytes()
+    try:
+        data = paths.read_at_most(mf, MAX_MANIFEST_BYTES)
+    except OSError as e:
+        raise ArtifactError(f"{mf}: cannot read: {paths.os_reason(e)}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{mf}: more than {MAX_MANIFEST_BYTES:,} bytes, not a manifest")
+    return data
 
 
 def _parse_manifest(mf: Path, data: bytes) -> dict[str, Any]:
     try:
         m = parse_toml(data, str(mf))
     except ConfigError as e:  # not UTF-8, bad syntax, nesting or integers the parser refuses
-        raise ArtifactError(f"malformed manifest: {e}") from None
-    for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model"):
+        raise ArtifactError(f"{mf}: malformed manifest: {str(e).removeprefix(f'{mf}: ')}") from None
+    for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model",
+                  "report", "report_json", "signature"):
         if field not in m:
             raise ArtifactError(f"{mf}: malformed manifest: missing '{field}'")
     if m["format"] != FORMAT:
@@ -302,15 +313,31 @@ def _check_signing_record(path: Path, m: dict[str, Any], trust: dict[str, Any]) 
                              f"signing.key_id {rec.get('key_id')!r} (altered)")
 
 
-def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-    """verify(), also returning what was proved about who wrote it (signing.check_signature)."""
+def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """verify(), also returning what was proved about who wrote it (signing.check_signature) and
+    the plan its key inputs make (checks.check_fields re-plans it; `load` reuses it)."""
     key = signing.configured_key()
     data = _manifest_bytes(path)
     trust = signing.check_signature(path, data, key)  # the exact bytes, before parsing them
-    m = _parse_manifest(path / MANIFEST, data)
-    _check_signing_record(path, m, trust)
-    inputs = checks.key_inputs_of(path, m)
-    checks.check_fields(path, m, inputs)
+    try:
+        m = _parse_manifest(path / MANIFEST, data)
+        _check_signing_record(path, m, trust)
+        inputs = checks.key_inputs_of(path, m)
+        plan = checks.check_fields(path, m, inputs)
+        _check_files(path, m)
+    except MALFORMED as e:  # types or sizes no check expected: one line, never a traceback
+        raise ArtifactError(_malformed(path, e)) from None
+    if check_versions:
+        have = stack_versions()
+        for dist, want in sorted(m["versions"].items()):
+            if have.get(dist) != want:
+                raise ArtifactError(f"{path}: built with {dist} {want}, this environment has {dist} "
+                                    f"{have.get(dist, 'not installed')} (re-export)")
+    return m, trust, plan
+
+
+def _check_files(path: Path, m: dict[str, Any]) -> None:
+    """Every payload file listed, present, of the listed size and sha256."""
     missing = [n for n in PAYLOAD if n not in m["files"]]
     if missing:
         raise ArtifactError(f"{path / MANIFEST}: malformed manifest: no sha256 listed for {missing[0]}")
@@ -318,22 +345,18 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
         if name not in PAYLOAD:
             raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad files entry '{name}'")
         f = path / name
-        if not f.is_file():
-            raise ArtifactError(f"{f}: missing file of artifact {m['key'][:12]}")
-        size = f.stat().st_size
-        if size != entry["bytes"]:
-            raise ArtifactError(f"{f}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)")
-        got = sha256_file(f)
+        try:
+            if not f.is_file():
+                raise ArtifactError(f"{f}: missing file of artifact {m['key'][:12]}")
+            size = f.stat().st_size
+            if size != entry["bytes"]:
+                raise ArtifactError(f"{f}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)")
+            got = sha256_file(f)
+        except OSError as e:  # EACCES, EIO, ...: one line, not a traceback
+            raise ArtifactError(f"{f}: cannot read: {paths.os_reason(e)}") from None
         if got != entry["sha256"]:
             raise ArtifactError(f"{f}: sha256 {got[:12]}... does not match the manifest's "
                                 f"{entry['sha256'][:12]}... (altered)")
-    if check_versions:
-        have = stack_versions()
-        for dist, want in sorted(m["versions"].items()):
-            if have.get(dist) != want:
-                raise ArtifactError(f"{path}: built with {dist} {want}, this environment has {dist} "
-                                    f"{have.get(dist, 'not installed')} (re-export)")
-    return m, trust
 
 
 def verify(path: str | Path, check_versions: bool = True) -> dict[str, Any]:
@@ -352,7 +375,7 @@ def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
     try:
         data = (path / name).read_bytes()
     except OSError as e:
-        raise ArtifactError(f"{path / name}: cannot read: {_os_reason(e)}") from None
+        raise ArtifactError(f"{path / name}: cannot read: {paths.os_reason(e)}") from None
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ArtifactError(f"{path / name}: changed since it was verified (altered)")
     return data
@@ -360,9 +383,7 @@ def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
 
 def spec_of(m: dict[str, Any]) -> BuildSpec:
     """The BuildSpec an artifact was built from (from the key inputs its manifest records)."""
-    inputs = json.loads(m["cache_key"]["inputs_json"])
-    return BuildSpec.from_dict({"model": inputs["model"], "target": m["target"]["name"], **inputs["shapes"],
-                                "tuning": inputs["tuning"]}, "artifact manifest")
+    return checks.spec_from_inputs(json.loads(m["cache_key"]["inputs_json"]))
 
 
 class DecodeStep:
@@ -380,8 +401,9 @@ class DecodeStep:
 
     check_inputs: bool = True
 
-    def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str):
+    def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str, plan=None):
         self.path, self.manifest, self._fn, self.kind = path, manifest, fn, kind
+        self._plan = plan  # verify's (load passes it); else planned from the manifest when first asked
         self.batch = manifest["shapes"]["batch"]
         self.q_len = manifest["shapes"]["q_len"]
 
@@ -389,10 +411,12 @@ class DecodeStep:
     def key(self) -> str:
         return self.manifest["key"]
 
-    @functools.cached_property
+    @property
     def plan(self):
         """The plan the artifact was built from: what `tpumk.pack_weights(step.plan, params)` needs."""
-        return plan_of(self.manifest)
+        if self._plan is None:
+            self._plan = plan_of(self.manifest)
+        return self._plan
 
     def init_cache(self):
         """An empty paged KV cache of the artifact's shapes."""
@@ -455,32 +479,28 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
     if use not in USES:
         raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
     path = Path(path)
-    m = verify(path)
+    m, _, plan = _verify(path)  # the plan too: verify re-plans the key inputs to check the manifest
     target = get_target(m["target"]["name"])
     if not target.interpret and not target.is_attached():
         attached = _attached_kind()
         raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
                             f"{attached}; load it where a {target.device_kind} is attached")
     if use == "exported" or (use == "auto" and target.interpret):
-        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})")
+        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})", plan)
         step.check_inputs = check_inputs
         return step
     from jax.experimental import serialize_executable
 
     _register_pytrees()
-    plan = plan_of(m)
+    # verify checked the manifest's signature.executable_in_tree / _out_tree against these
     in_tree, out_tree = step_trees(plan)
-    sig = m["signature"]
-    if (str(in_tree), str(out_tree)) != (sig.get("executable_in_tree"), sig.get("executable_out_tree")):
-        raise ArtifactError(f"{path}: the executable's argument structure differs from this tpumk's plan of it "
-                            "(re-export with this version)")
     blob = _read_payload(path, EXECUTABLE, m)
     try:
         compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
                                                              backend="cpu" if target.interpret else "tpu")
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
-    step = DecodeStep(path, m, compiled, f"executable ({target.name})")
+    step = DecodeStep(path, m, compiled, f"executable ({target.name})", plan)
     step.check_inputs = check_inputs
     return step
 
@@ -505,12 +525,6 @@ def _deserialize_exported(path: Path, m: dict[str, Any]):
         return jexport.deserialize(bytearray(blob))
     except Exception as e:
         raise ArtifactError(f"{path / EXPORTED}: cannot deserialize: {str(e).splitlines()[0]}") from None
-
-
-def load_exported(path: str | Path):
-    """The portable jax.export.Exported of the artifact (verified first, like `load`)."""
-    path = Path(path)
-    return _deserialize_exported(path, verify(path))
 
 
 def trust_statement(trust: dict[str, Any]) -> str:
@@ -539,27 +553,29 @@ def inspect(path: str | Path) -> dict[str, Any]:
                        tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
                        signature=m.get("signature", {}), signed=bool(m.get("signing", {}).get("signed")))
 
+    problem = None
     try:
         problem = _path_problem(path)
         if problem:
             raise ArtifactError(problem)
-        show(read_manifest(path))  # shown even when invalid (then marked INVALID)
-        m, trust = _verify(path)
+        m, trust, _ = _verify(path)  # the signature first, before the manifest is parsed
         show(m)
         out.update(valid=True, problem=None, authenticated=trust["verified"],
                    signing={**trust, "scheme": signing.SCHEME if trust["signed"] else None},
                    proved=trust_statement(trust))
+        return out
     except ArtifactError as e:
         out.update(valid=False, problem=str(e), authenticated=False)
     except OSError as e:
         where = e.filename if isinstance(e.filename, str) else path
-        out.update(valid=False, problem=f"{where}: cannot read: {_os_reason(e)}", authenticated=False)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
-        # what a manifest of unexpected types or sizes makes the parsers or checks raise (a 5000-digit
-        # integer, nesting past the recursion limit, a string where a table belongs)
-        detail = (str(e).splitlines() or [""])[0][:200]
-        out.update(valid=False, problem=f"{path / MANIFEST}: malformed manifest ({type(e).__name__}"
-                   + (f": {detail})" if detail else ")"), authenticated=False)
+        out.update(valid=False, problem=f"{where}: cannot read: {paths.os_reason(e)}", authenticated=False)
+    except MALFORMED as e:
+        out.update(valid=False, problem=_malformed(path, e), authenticated=False)
+    if problem is None:  # an artifact that failed verification: its fields shown for display, marked INVALID
+        try:
+            show(read_manifest(path))
+        except (TpumkError, OSError) + MALFORMED:
+            pass
     return out
 
 
@@ -570,7 +586,8 @@ def _path_problem(path: Path) -> str | None:
     except FileNotFoundError:
         return f"{path}: not an artifact directory (no such file or directory)"
     except (OSError, ValueError) as e:
-        return f"{path}: not an artifact directory (cannot read it: {_os_reason(e) if isinstance(e, OSError) else e})"
+        why = paths.os_reason(e) if isinstance(e, OSError) else e
+        return f"{path}: not an artifact directory (cannot read it: {why})"
     if stat.S_ISLNK(st.st_mode):
         try:
             st = os.stat(path)
@@ -579,7 +596,7 @@ def _path_problem(path: Path) -> str | None:
                 return f"{path}: not an artifact directory (a symlink loop)"
             if e.errno == errno.ENOENT:
                 return f"{path}: not an artifact directory (a broken symlink)"
-            return f"{path}: not an artifact directory (cannot read it: {_os_reason(e)})"
+            return f"{path}: not an artifact directory (cannot read it: {paths.os_reason(e)})"
     if not stat.S_ISDIR(st.st_mode):
         what = "a regular file" if stat.S_ISREG(st.st_mode) else "a special file"
         return f"{path}: not an artifact directory ({what})"
@@ -589,7 +606,7 @@ def _path_problem(path: Path) -> str | None:
     except FileNotFoundError:
         return f"{path}: not an artifact directory (no {MANIFEST})"
     except OSError as e:
-        return f"{mf}: cannot read: {_os_reason(e)}"
+        return f"{mf}: cannot read: {paths.os_reason(e)}"
     if not stat.S_ISREG(mst.st_mode):
         what = "a directory" if stat.S_ISDIR(mst.st_mode) else "not a regular file"
         return f"{path}: not an artifact directory ({MANIFEST} is {what})"

@@ -86,7 +86,7 @@ def key_inputs_of(path: Path, m: dict[str, Any]) -> dict[str, Any]:
         c.fail("malformed manifest: bad cache_key.inputs_json")
     try:
         inputs = json.loads(ck["inputs_json"])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # bad JSON, an integer of thousands of digits, deep nesting
         c.fail("malformed manifest: bad cache_key.inputs_json")
     if not isinstance(inputs, dict) or not all(isinstance(inputs.get(f), dict)
                                                for f in ("model", "target", "shapes", "tuning", "versions")):
@@ -103,8 +103,10 @@ def key_inputs_of(path: Path, m: dict[str, Any]) -> dict[str, Any]:
     return inputs
 
 
-def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]) -> None:
-    """Every redundant manifest field against the key inputs (ArtifactError naming the first that differs)."""
+def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
+    """Every redundant manifest field against the key inputs (ArtifactError naming the first that
+    differs). Returns the plan the key inputs make (re-planned to check the report and the step's
+    signature; `load` reuses it). The manifest has every table (artifacts._parse_manifest)."""
     from tpumk.targets import get_target
 
     c = _Checker(path)
@@ -144,44 +146,46 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]) -> None:
             c.fail(f"malformed manifest: bad files entry '{name}'")
 
     # the build report: its table is its JSON minus the plan; the plan's figures are re-planned
-    rj = m.get("report_json")
-    if rj is not None or m.get("report"):
-        try:
-            full = json.loads(rj) if isinstance(rj, str) else None
-        except json.JSONDecodeError:
-            full = None
-        if not isinstance(full, dict):
-            c.fail("malformed manifest: bad report_json")
-        c.field("report", m.get("report", {}), without_none({k: v for k, v in full.items() if k != "plan"}),
-                "report_json's")
-    plan = _plan(c, m, inputs)
-    if rj is not None:
-        want = {"model": plan.cfg.name, "target": plan.target.name, "batch": plan.batch, "context": plan.context,
-                "q_len": plan.q_len, "vmem_bytes": plan.vmem_total, "vmem_budget_bytes": plan.vmem_budget,
-                "vmem_capacity_bytes": plan.target.vmem_bytes, "hbm_bytes_per_step": plan.hbm_bytes,
-                "floor_seconds": plan.floor_seconds, "tuning": without_none(plan.tuning.to_dict())}
-        for f in PLAN_REPORT:
-            c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
+    rj = m["report_json"]
+    try:
+        full = json.loads(rj) if isinstance(rj, str) else None
+    except (ValueError, RecursionError):
+        full = None
+    if not isinstance(full, dict):
+        c.fail("malformed manifest: bad report_json")
+    c.field("report", m["report"], without_none({k: v for k, v in full.items() if k != "plan"}), "report_json's")
+    plan = _plan(c, inputs)
+    want = {"model": plan.cfg.name, "target": plan.target.name, "batch": plan.batch, "context": plan.context,
+            "q_len": plan.q_len, "vmem_bytes": plan.vmem_total, "vmem_budget_bytes": plan.vmem_budget,
+            "vmem_capacity_bytes": plan.target.vmem_bytes, "hbm_bytes_per_step": plan.hbm_bytes,
+            "floor_seconds": plan.floor_seconds, "tuning": without_none(plan.tuning.to_dict())}
+    for f in PLAN_REPORT:
+        c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
 
-    sig = m.get("signature", {})
-    if sig:
-        from tpumk.export.artifacts import _signature, step_trees
-        from tpumk.kernel.megakernel import step_specs
+    from tpumk.export.artifacts import _signature, step_trees
+    from tpumk.kernel.megakernel import step_specs
 
-        c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(_signature(step_specs(plan))),
-                "the plan's")
-        in_tree, out_tree = step_trees(plan)
-        c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
-        c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
+    sig = m["signature"]
+    c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(_signature(step_specs(plan))), "the plan's")
+    in_tree, out_tree = step_trees(plan)
+    c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
+    c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
+    return plan
 
 
-def _plan(c: _Checker, m: dict[str, Any], inputs: dict[str, Any]):
-    from tpumk.plan.plan import make_plan
+def spec_from_inputs(inputs: dict[str, Any]):
+    """The BuildSpec recorded cache-key inputs describe (what an artifact was built from)."""
     from tpumk.plan.spec import BuildSpec
 
+    return BuildSpec.from_dict({"model": inputs["model"], "target": inputs["target"]["name"], **inputs["shapes"],
+                                "tuning": inputs["tuning"]}, "artifact manifest")
+
+
+def _plan(c: _Checker, inputs: dict[str, Any]):
+    from tpumk.plan.plan import make_plan
+
     try:
-        return make_plan(BuildSpec.from_dict({"model": inputs["model"], "target": inputs["target"]["name"],
-                                              **inputs["shapes"], "tuning": inputs["tuning"]}, "artifact manifest"))
+        return make_plan(spec_from_inputs(inputs))
     except TpumkError as e:
         c.fail(f"its key inputs do not plan: {e}")
     except (KeyError, TypeError, ValueError) as e:

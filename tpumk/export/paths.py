@@ -73,14 +73,24 @@ def artifact_dir(out_dir: str | Path, model: str, target: str, key: str) -> Path
     return final
 
 
-def _os_reason(e: OSError) -> str:
+def os_reason(e: OSError) -> str:
+    """An OSError's reason for a one-line message ("Permission denied"), never a traceback."""
     return e.strerror or type(e).__name__
 
 
-def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None) -> None:
+def read_at_most(path: Path, limit: int) -> bytes:
+    """Up to limit + 1 bytes of `path`: a caller refuses more than `limit` from the length of what
+    it got (a size checked first, then read, can be outrun by a file growing in between)."""
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None, probe: bool = True) -> None:
     """Before compiling: --out (and the directory below it an artifact goes to, `target_dir`)
-    must be, or be creatable as, a writable directory. Writes nothing that stays (a probe
-    directory in the deepest existing ancestor, removed at once)."""
+    must be, or be creatable as, a writable directory: a regular file (or a broken symlink) in
+    the way is refused. With `probe` (export), writes nothing that stays: a probe directory in
+    the deepest existing ancestor, removed at once; `tpumk cache-key --out` (probe=False) writes
+    nothing at all."""
     out = Path(out_dir)
     probe_in = Path(target_dir) if target_dir is not None else out
     while not probe_in.exists() and not probe_in.is_symlink():
@@ -93,10 +103,12 @@ def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None) -> 
         raise ArtifactPathError(f"--out {out}: {probe_in} is {what}, not a directory{where}")
     if not probe_in.exists():
         raise ArtifactPathError(f"--out {out}: {probe_in} is a broken symlink")
+    if not probe:
+        return
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".tpumk-probe-", dir=probe_in))
     except OSError as e:
-        raise ArtifactPathError(f"--out {out}: cannot write in {probe_in}: {_os_reason(e)}") from None
+        raise ArtifactPathError(f"--out {out}: cannot write in {probe_in}: {os_reason(e)}") from None
 
 
 def check_inside(out_dir: str | Path, path: Path) -> None:
@@ -120,9 +132,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's live process
-        return True
-    except OSError:
+    except OSError:  # PermissionError: someone else's live process
         return True
     return True
 

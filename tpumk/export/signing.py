@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from tpumk.errors import ConfigError, SignatureError, SigningKeyError
+from tpumk.errors import ArtifactError, ConfigError, SignatureError, SigningKeyError
+from tpumk.export.paths import os_reason, read_at_most
 from tpumk.tomlfile import parse_toml
 
 KEY_ENV = "TPUMK_SIGNING_KEY"
@@ -69,7 +70,7 @@ def configured_key(environ: Mapping[str, str] | None = None) -> SigningKey | Non
         try:
             text = Path(file).read_text()
         except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            reason = os_reason(e) if isinstance(e, OSError) else type(e).__name__
             raise SigningKeyError(f"{KEY_FILE_ENV}={file}: cannot read the signing key: {reason}") from None
     if text is None:
         if env.get(REQUIRE_ENV, "").strip() not in ("", "0"):
@@ -101,17 +102,20 @@ def signature_text(manifest: bytes, key: SigningKey) -> str:
 def read_signature(path: Path) -> dict[str, Any] | None:
     """The artifact's signature file, parsed (None when there is none)."""
     sig = path / SIGNATURE
-    if not sig.exists() and not sig.is_symlink():
-        return None
-    if not sig.is_file() or sig.is_symlink():
-        raise SignatureError(f"{sig}: not a regular file")
-    data = sig.read_bytes()
+    try:
+        if not sig.exists() and not sig.is_symlink():
+            return None
+        if not sig.is_file() or sig.is_symlink():
+            raise SignatureError(f"{sig}: not a regular file")
+        data = read_at_most(sig, MAX_SIGNATURE_BYTES)
+    except OSError as e:  # EACCES, EIO, ...: one line, not a traceback
+        raise ArtifactError(f"{sig}: cannot read: {os_reason(e)}") from None
     if len(data) > MAX_SIGNATURE_BYTES:
-        raise SignatureError(f"{sig}: {len(data)} bytes, not a signature file")
+        raise SignatureError(f"{sig}: more than {MAX_SIGNATURE_BYTES} bytes, not a signature file")
     try:
         doc = parse_toml(data, str(sig))
     except ConfigError as e:  # not UTF-8, bad syntax, nesting or integers the parser refuses
-        raise SignatureError(f"malformed signature file: {e}") from None
+        raise SignatureError(f"{sig}: malformed signature file: {str(e).removeprefix(f'{sig}: ')}") from None
     for f in ("scheme", "key_id", "hmac"):
         if not isinstance(doc.get(f), str):
             raise SignatureError(f"{sig}: malformed signature file: missing '{f}'")
