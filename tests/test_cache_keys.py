@@ -148,9 +148,8 @@ def test_keys_record_the_source_and_the_tuner_adds_its_evaluator():
 
 # ---------------------------------------------------------------------- the tuner serves no stale value
 def _tune(cwd: Path, cache: Path, pythonpath: Path | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    # The package under test (this checkout, wherever it is: not an installed copy), or the copy.
+    env = {**os.environ, "PYTHONPATH": str(pythonpath if pythonpath is not None else K.PACKAGE_DIR.parent)}
     cwd.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([sys.executable, "-m", "tpumk.cli", "tune", "--model", "tiny-moe", "--target", "tpu7x",
                         "--space", str(TINY_SPACE), "--objective", "model", "--trials", "2", "--seed", "0", "--json",

@@ -515,3 +515,212 @@ def test_processes_opening_a_new_sqlite_study_at_once_all_succeed(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
     assert all(o[0].strip() == "ok" for o in outs)
+
+
+# ---------------------------------------------------------------------- the result cache: one objective's failure
+def _study(tmp_path, objective: str, storage_name: str, space=TINY_SPACE, trials=2):
+    from tpumk.tune import study as T
+    from tpumk.tune.objectives import ObjectiveChoice
+
+    problem = BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"))
+    settings = TuneSettings(trials=trials, workers=1, seed=0, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    storage = str(tmp_path / f"{storage_name}.journal")
+    result = T.run(problem, load_space(space), ObjectiveChoice(objective, "test"), settings, storage=storage,
+                   study_name=storage_name)
+    study = T.open_study(storage_url(storage, storage_name), storage_name, None, None, create=False)
+    return result, study
+
+
+def estimate_failing_worker(machine_dependent: bool):
+    """A stand-in compile that compiles (model value recorded) but has no compiler estimate."""
+
+    def worker(self, trial, tuning):
+        v = 1e-6 * tuning.ring_depth + 1e-8 * tuning.kv_buffers
+        reply = {"ok": False, "stage": "estimate", "error": "no compiler estimate: profiling compile timed out",
+                 "value": None, "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1,
+                 "model_seconds": v, "model_source": "stand-in", "machine_dependent": machine_dependent}
+        if self.objective.name != "compiler":
+            reply.update(ok=True, stage="done", value=v, value_kind="tpumk model", source="stand-in")
+        return reply, "", 0
+
+    return worker
+
+
+def test_an_estimate_failure_is_not_served_to_other_objectives(tmp_path, monkeypatch):
+    """A compiler study whose estimates fail, then a model study on the same result cache: the
+    model study completes every configuration (from the cache: they compiled) instead of
+    pruning them with the compiler-estimate reason. (Before: the failed entry was served to
+    every objective.)"""
+    from tpumk.tune.trial import TrialRunner
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", estimate_failing_worker(False))
+    first, study = _study(tmp_path, "compiler", "c")
+    assert first.this_run["compiles"] >= 2
+    assert all(t.state.name == "PRUNED" and t.user_attrs["prune_stage"] == "estimate" for t in study.trials)
+    second, study = _study(tmp_path, "model", "m")
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert len(done) >= 2 and not any(t.state.name == "PRUNED" for t in study.trials)
+    assert second.this_run["compiles"] == 0 and second.this_run["cache_hits"] >= 2
+    # and the compiler objective still gets its own recorded failure from the cache
+    third, study = _study(tmp_path, "compiler", "c2")
+    assert third.this_run["compiles"] == 0
+    assert all(t.user_attrs["prune_stage"] == "estimate" for t in study.trials)
+
+
+def test_an_estimate_timeout_or_kill_is_not_stored(tmp_path, monkeypatch):
+    """The profiler running out of the trial's --timeout (or the OOM killer) says nothing about
+    the configuration: a rerun evaluates it again. (Before: stored, and served to every study.)"""
+    from tpumk.tune.cache import ResultCache
+    from tpumk.tune.trial import TrialRunner
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", estimate_failing_worker(True))
+    first, study = _study(tmp_path, "compiler", "c")
+    assert all(t.user_attrs.get("prune_stage") == "estimate" for t in study.trials)
+    keys = {t.user_attrs["config_key"] for t in study.trials}
+    cache = ResultCache(tmp_path / "cache")
+    assert keys and all(cache.get(k) is None for k in keys)
+    again, _ = _study(tmp_path, "compiler", "c2")
+    assert again.this_run["compiles"] >= 2 and again.this_run["cache_hits"] == 0
+
+
+def test_the_worker_marks_profiler_timeouts_and_kills_as_machine_dependent():
+    """The words tpumk.estimate.profiler uses for a timeout and a kill are recognised; a
+    profiler limit of the configuration (FIFO abort, a CHECK) is not."""
+    from tpumk.estimate.profiler import _failure_line, estimate_in_subprocess
+    from tpumk.tune.worker import machine_dependent
+
+    timed_out = estimate_in_subprocess(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), timeout=0.01)
+    assert timed_out.seconds is None and machine_dependent(timed_out.error), timed_out.error
+    assert machine_dependent(f"profiling compile failed (exit -9): {_failure_line('', -9)}")
+    assert machine_dependent(f"profiling compile failed (exit -15): {_failure_line('x', -15)}")
+    assert not machine_dependent(f"profiling compile failed (exit -6): {_failure_line('Check failed: x', -6)}")
+    assert not machine_dependent(_failure_line("Cannot schedule FIFO push foo"))
+    assert not machine_dependent(None)
+
+
+def _entry(key, outcome="ok", **kw):
+    e = {"key": key, "outcome": outcome, "objectives": {}, "model_seconds": 1e-6, "model_source": "m"}
+    e.update(kw)
+    return e
+
+
+def test_an_ok_entry_is_never_replaced_by_a_later_failure(tmp_path):
+    """(Before: put() overwrote the entry holding model/device values with the failure.)"""
+    from tpumk.tune.cache import ResultCache
+
+    cache = ResultCache(tmp_path / "cache")
+    value = {"value": 2e-6, "value_kind": "measured on device", "source": "d"}
+    cache.put("k", _entry("k", objectives={"device": value}))
+    cache.put("k", {"key": "k", "outcome": "failed", "stage": "crash", "reason": "abort", "objective": "compiler"})
+    assert cache.lookup("k", "device")["objectives"]["device"] == value
+    assert cache.lookup("k", "model")["model_seconds"] == 1e-6
+    assert cache.lookup("k", "compiler")["objectives"]["compiler"] == {"failed": "abort", "stage": "crash"}
+    # a later objective failure does not replace a recorded value of the same objective either
+    cache.put("k", _entry("k", objectives={"device": {"failed": "x", "stage": "estimate"}}))
+    assert cache.lookup("k", "device")["objectives"]["device"] == value
+    # a crash of one objective is that objective's: served to it only, kept when values arrive
+    cache.put("j", {"key": "j", "outcome": "failed", "stage": "crash", "reason": "abort", "objective": "compiler"})
+    assert cache.lookup("j", "model") is None and cache.lookup("j", "compiler")["reason"] == "abort"
+    cache.put("j", _entry("j"))
+    assert cache.lookup("j", "model") is not None
+    assert cache.lookup("j", "compiler")["objectives"]["compiler"]["failed"] == "abort"
+    # plan and compile failures are the configuration's: served to every objective
+    cache.put("p", {"key": "p", "outcome": "failed", "stage": "compile", "reason": "VMEM", "objective": "model"})
+    assert cache.lookup("p", "device")["reason"] == "VMEM"
+
+
+@pytest.mark.parametrize("entry", [
+    {"key": "k"}, {"key": "k", "outcome": "failed"}, {"key": "k", "outcome": "failed", "stage": "compile"},
+    {"key": "k", "outcome": "ok"}, {"key": "k", "outcome": "ok", "objectives": {}},
+    {"key": "k", "outcome": "ok", "objectives": {"model": 3}, "model_seconds": None},
+    {"key": "k", "outcome": "ok", "objectives": {"model": {"value": "x", "value_kind": "a", "source": "b"}},
+     "model_seconds": None},
+    {"key": "k", "outcome": "ok", "objectives": [], "model_seconds": 1.0},
+    {"key": "k", "outcome": "ok", "objectives": {}, "model_seconds": "fast"},
+    {"key": "k", "outcome": "maybe", "stage": "compile", "reason": "x"},
+])
+def test_a_malformed_cache_entry_is_a_miss(tmp_path, entry):
+    """(Before: get() checked only the key; lookup or the trial raised KeyError and stopped the study.)"""
+    from tpumk.tune.cache import ResultCache
+
+    cache = ResultCache(tmp_path / "cache")
+    (tmp_path / "cache" / "k.json").write_text(json.dumps(entry))
+    assert cache.get("k") is None
+    for objective in ("model", "compiler", "device"):
+        assert cache.lookup("k", objective) is None
+    cache.put("k", _entry("k"))  # rewritten
+    assert cache.lookup("k", "model") is not None
+
+
+def test_a_worker_reply_that_is_not_an_object_is_no_reply(tmp_path, monkeypatch):
+    """The worker's last line is valid JSON but not an object: the trial is a crash, not an
+    AttributeError that stops the study."""
+    from tpumk.tune import trial as TR
+    from tpumk.tune.cache import ResultCache
+    from tpumk.tune.objectives import ObjectiveChoice
+    from tpumk.plan.knobs import TuningConfig
+
+    class FakeProc:
+        pid, returncode = 999_999_999, 0
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def communicate(self, *a, **kw):
+            return "starting\n[1, 2]\n", "some warning\n"
+
+    class FakeTrial:
+        number = 0
+
+    monkeypatch.setattr(TR.subprocess, "Popen", FakeProc)
+    problem = BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x"))
+    settings = TuneSettings(trials=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    runner = TR.TrialRunner(problem, load_space(TINY_SPACE), ObjectiveChoice("model", "test"), settings,
+                            ResultCache(tmp_path / "cache"), "s")
+    tuning = TuningConfig()
+    entry = runner._evaluate(FakeTrial(), tuning, runner.key_of(tuning))
+    assert entry["outcome"] == "failed" and entry["stage"] == "crash", entry
+    assert "compile worker died (exit 0)" in entry["reason"]
+
+
+def test_written_files_get_the_usual_mode_and_reach_the_disk(tmp_path, monkeypatch):
+    """(Before: mkstemp's 0600 made result-cache entries and tuned TOMLs owner-only, and nothing
+    was fsynced before the rename.)"""
+    from tpumk import tomlfile
+
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(tomlfile.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(tomlfile.os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b))[1])
+    old = os.umask(0o022)
+    try:
+        tomlfile.write_text_atomic(tmp_path / "a.toml", "x = 1\n")
+        os.umask(0o077)
+        tomlfile.write_text_atomic(tmp_path / "b.toml", "x = 2\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.toml").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.toml").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "a.toml").read_text() == "x = 1\n"
+    assert calls == ["fsync", "replace"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toml", "b.toml"]  # no temporary left
+
+
+def test_report_refuses_a_missing_sqlite_file_of_any_driver(tmp_path, monkeypatch):
+    """`sqlite+pysqlite:///missing.db` is a missing file like `sqlite:///missing.db`, not an
+    empty database created on the way. (Before: only the `sqlite:///` spelling was checked.)"""
+    monkeypatch.chdir(tmp_path)
+    for url in ("sqlite:///missing.db", "sqlite+pysqlite:///missing.db", "journal:missing.journal"):
+        r = cli("report", "--storage", url, "--out", tmp_path / "plots")
+        one_line_error(r, "no such file")
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_the_compile_log_says_an_objective_failed_after_the_compile(tmp_path, monkeypatch):
+    from tpumk.tune.cache import ResultCache
+    from tpumk.tune.trial import TrialRunner
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", estimate_failing_worker(False))
+    _study(tmp_path, "compiler", "c")
+    log = ResultCache(tmp_path / "cache").compile_log()
+    assert log and all(r["outcome"] == "failed" and r["stage"] == "estimate" for r in log)

@@ -9,8 +9,8 @@ never leaves a half-written file behind.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -56,12 +56,25 @@ def parse_toml(data: bytes | str, source: str) -> dict[str, Any]:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to a temporary file next to `path`, flushed to disk, then rename it into
+    place. The file gets the mode a plain open() would give (0o666 less the umask: the kernel
+    applies it), not mkstemp's owner-only 0600."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{path.parent}: no free temporary file name")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -147,7 +147,7 @@ def tune(spec, space_file, trials, max_infeasible,
     import optuna
 
     from tpumk.errors import ConfigError
-    from tpumk.tune.cache import evaluator_inputs
+    from tpumk.tune.cache import ResultKeys
     from tpumk.tune.objectives import attached_tpu_kind, choose_objective
     from tpumk.tune.settings import TuneSettings
     from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
@@ -165,9 +165,10 @@ def tune(spec, space_file, trials, max_infeasible,
     settings = TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
                             cache_dir=Path(cache_dir) if cache_dir else None, top=top,
                             max_infeasible=max_infeasible)
-    settings.validate()
+    settings.validate()  # (run() validates again: cheap, and here it errs before any output)
+    keys = ResultKeys(problem)  # the evaluator's source, read once for the name and the study
     if study_name is None:
-        name = study_name_for(problem, space, choice.name, evaluator_inputs())
+        name = study_name_for(problem, space, choice.name, keys.evaluator)
         check_study_name(name, "the study name derived from the model name (give --study)")
     else:
         name = study_name
@@ -194,7 +195,7 @@ def tune(spec, space_file, trials, max_infeasible,
     on_trial = None if bar.enabled else (lambda info: say(trial_line(info)))
     try:
         result = run(problem, space, choice, settings, storage=storage, study_name=name, out=out, progress=bar,
-                     on_trial=on_trial)
+                     on_trial=on_trial, keys=keys)
     except KeyboardInterrupt:
         bar.close()
         click.echo(f"interrupted: rerun the same command to resume study {name}", err=True)
@@ -239,7 +240,7 @@ def report(storage, study_name, out_dir, as_json):
 
     from tpumk.errors import ConfigError
     from tpumk.tune.report import write_report
-    from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, open_storage, redact, storage_url
+    from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, local_path, open_storage, redact, storage_url
     from tpumk.tune.study import open_study
 
     if not storage and not study_name:
@@ -249,10 +250,8 @@ def report(storage, study_name, out_dir, as_json):
     if not storage and not (DEFAULT_ROOT / f"{study_name}.db").is_file():
         raise ConfigError(f"--study {study_name!r}: no {DEFAULT_ROOT / (study_name + '.db')}; give --storage")
     url = storage_url(storage, study_name or "", DEFAULT_ROOT)
-    if storage and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
-        raise ConfigError(f"--storage {storage}: no such file")
-    if storage and (url.startswith("journal:") or url.endswith(".journal")) \
-            and not Path(url.removeprefix("journal:")).is_file():
+    path = local_path(url) if storage else None
+    if path is not None and not path.is_file():
         raise ConfigError(f"--storage {storage}: no such file")
     if study_name is None:
         names = optuna.get_all_study_names(open_storage(url))

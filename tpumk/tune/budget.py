@@ -6,7 +6,7 @@ configuration, crashed or timed out), whether the study compiled them or took th
 the result cache. A trial of a configuration the study already evaluated (the sampler suggested
 it again; it reuses the earlier trial's result) is a *repeat*: it costs nothing and does not
 count, so a study of N never holds fewer than N distinct evaluated configurations. Repeats are
-capped at `max_repeats` (10 x N) and the study also ends once every point of the space's grid
+capped at 10 x N (`TuneSettings.repeats_cap()`) and the study also ends once every point of the space's grid
 was tried, so a small or exhausted space still ends. Trials pruned before compiling (the space's
 constraints, the plan) cost a fraction of a second and do not count either; they are capped at
 `max_infeasible` (default 10 x N) so a space that is mostly infeasible still ends. Every process and worker

@@ -4,11 +4,24 @@ computed its value.
 `artifacts/tune/cache/<key>.json` (written atomically) keeps one evaluated configuration. The
 key (`ResultKeys`) is tpumk.compile.keys's build key (model, target, shapes, tuning, the source
 closure of the artifact code path, jax/jaxlib/libtpu versions, compile flags) plus the source
-closure of the trial evaluation, `tpumk.tune.worker` and everything it imports (the timeline
-model in tpumk.estimate, the compiler estimate and its calibration code, the device timing):
-change any file of those units and every entry misses, so a hit is exact and never a value
-computed by other code. The cache is shared by all studies and processes on the machine.
-`compile_log.jsonl` next to it logs every compile the tuner ran.
+closure of the trial evaluation: every tpumk unit (subpackage or top-level module)
+`tpumk.tune.worker` reaches by import, each hashed whole. That is the timeline model in
+tpumk.estimate, the compiler estimate and its calibration code and the device timing, but
+also the whole `tpumk.tune` package the worker belongs to (study.py, report.py, ...: a unit
+is hashed whole): change any file of those units and every entry misses (and the default
+study name changes), so a hit is exact and never a value computed by other code. The
+cache is shared by all studies and processes on the machine. `compile_log.jsonl` next to it
+logs every compile the tuner ran.
+
+An entry is one of:
+- `outcome: "failed"` at stage `plan` or `compile`: a property of the configuration, served to
+  every objective;
+- `outcome: "failed"` at another stage (a worker crash) with the `objective` that ran: served
+  to that objective only;
+- `outcome: "ok"` (it compiled), with `objectives` = {name: {value, value_kind, source,
+  details}} or {name: {failed, stage}} (that objective's own failure after the compile, e.g. no
+  compiler estimate), and the model value every compile records (`model_seconds`).
+A later failure never replaces an ok entry; it is added as that objective's failure.
 """
 
 from __future__ import annotations
@@ -52,6 +65,63 @@ class ResultKeys:
         return cache_key(self.inputs(tuning))
 
 
+# Failures that are properties of the configuration, whatever the objective.
+CONFIG_STAGES = ("plan", "compile")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def valid_entry(entry: Any, key: str) -> bool:
+    """The entry has the shape `_evaluate` writes (every field a reader indexes)."""
+    if not isinstance(entry, dict) or entry.get("key") != key:
+        return False
+    if entry.get("outcome") == "failed":
+        return isinstance(entry.get("stage"), str) and isinstance(entry.get("reason"), str)
+    if entry.get("outcome") != "ok":
+        return False
+    objectives = entry.get("objectives")
+    if not isinstance(objectives, dict) or "model_seconds" not in entry:
+        return False
+    if entry["model_seconds"] is not None and not _number(entry["model_seconds"]):
+        return False
+    for o in objectives.values():
+        if not isinstance(o, dict):
+            return False
+        if "failed" in o:
+            if not (isinstance(o["failed"], str) and isinstance(o.get("stage"), str)):
+                return False
+        elif not (_number(o.get("value")) and isinstance(o.get("value_kind"), str) and isinstance(o.get("source"), str)):
+            return False
+    return True
+
+
+def merge_entries(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:
+    """What to store when `new` is written over `old` (None: keep old as it is). An ok entry is
+    never replaced by a failure: one objective's failure is added to it; values of other
+    objectives are kept; a recorded value is not replaced by a failure of the same objective."""
+    if old is None:
+        return new
+    if old["outcome"] == "ok":
+        if new["outcome"] != "ok":
+            name = new.get("objective")
+            if new["stage"] in CONFIG_STAGES or name is None or name in old["objectives"]:
+                return None  # (cannot happen for one key and one code; keep what compiled)
+            return {**old, "objectives": {**old["objectives"], name: {"failed": new["reason"], "stage": new["stage"]}}}
+        objectives = dict(old["objectives"])
+        for name, o in new["objectives"].items():
+            if "failed" not in o or name not in objectives:
+                objectives[name] = o
+        return {**new, "objectives": objectives}
+    if new["outcome"] == "ok" and old["stage"] not in CONFIG_STAGES and old.get("objective") \
+            and old["objective"] not in new["objectives"]:
+        # keep the earlier objective's own failure (a crash) next to the values that now exist
+        failed = {"failed": old["reason"], "stage": old["stage"]}
+        return {**new, "objectives": {**new["objectives"], old["objective"]: failed}}
+    return new
+
+
 class ResultCache:
     """Evaluated configurations on disk, one JSON file per config key (written atomically),
     plus an append-only log of every compile this machine ran for the tuner."""
@@ -70,31 +140,35 @@ class ResultCache:
         return self.dir / f"{key}.json"
 
     def get(self, key: str) -> dict[str, Any] | None:
+        """The entry of this key, or None: absent, unreadable, or not of the shape this code
+        writes (a damaged or foreign file is a miss; it will be rewritten)."""
         try:
             entry = json.loads(self._path(key).read_text())
-        except (OSError, ValueError, RecursionError):  # absent, or unreadable: a miss (it will be rewritten)
+        except (OSError, ValueError, RecursionError):
             return None
-        return entry if isinstance(entry, dict) and entry.get("key") == key else None
+        return entry if valid_entry(entry, key) else None
 
     def lookup(self, key: str, objective: str) -> dict[str, Any] | None:
-        """A result for this objective: the entry if the configuration failed to compile (that
-        holds for any objective) or holds this objective's value; else None."""
+        """A result for this objective: the entry if the configuration failed to plan or compile
+        (that holds for any objective), if it records this objective's own value or failure, or
+        (model objective) the model value recorded next to the compile; else None."""
         entry = self.get(key)
         if entry is None:
             return None
-        if entry["outcome"] != "ok" or objective in entry.get("objectives", {}):
+        if entry["outcome"] != "ok":
+            return entry if entry["stage"] in CONFIG_STAGES or entry.get("objective") == objective else None
+        if objective in entry["objectives"]:
             return entry
         # tpumk's model value is recorded next to every compile: enough for the model objective.
-        if objective == "model" and entry.get("model_seconds") is not None:
+        if objective == "model" and entry["model_seconds"] is not None:
             return entry
         return None
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
         with self._lock:
-            old = self.get(key)
-            if old and old.get("outcome") == "ok" and entry.get("outcome") == "ok":
-                entry = {**entry, "objectives": {**old.get("objectives", {}), **entry.get("objectives", {})}}
-            write_text_atomic(self._path(key), json.dumps(entry, indent=1, sort_keys=True))
+            entry = merge_entries(self.get(key), entry)
+            if entry is not None:
+                write_text_atomic(self._path(key), json.dumps(entry, indent=1, sort_keys=True))
 
     def log_compile(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, sort_keys=True) + "\n").encode()

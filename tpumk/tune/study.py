@@ -166,21 +166,23 @@ def finished_trial(t) -> dict[str, Any]:
 def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, settings: TuneSettings,
         storage: str | None = None, study_name: str | None = None, out: str | Path | None = None,
         progress: Callable[[int, int, float | None], None] | None = None,
-        on_trial: Callable[[dict[str, Any]], None] | None = None) -> TuneResult:
+        on_trial: Callable[[dict[str, Any]], None] | None = None, keys: ResultKeys | None = None) -> TuneResult:
     """Run (or resume) the study until it has `settings.trials` distinct evaluated
     configurations (see tpumk.tune.budget: trials pruned before compiling and trials repeating
     an evaluated configuration do not count, each up to a cap; the study also ends when every
     point of the space's grid was tried). `out` is checked writable before anything runs.
 
     progress(done, total, best) is called at the start and after every trial this process
-    finishes; on_trial(finished_trial(t) + {"evaluated", "trials"}) after every such trial."""
+    finishes; on_trial(finished_trial(t) + {"evaluated", "trials"}) after every such trial.
+    `keys`: the problem's ResultKeys when the caller already made them (the evaluator's source
+    is then read once, and the study name and the keys name the same code)."""
     settings.validate()
     if out is not None:
         check_writable(out, "--out")
     if objective.name == "device" and settings.workers > 1:
         raise ConfigError(f"--workers {settings.workers}: the device objective times trials one at a time on the "
                           "one device (parallel runs would time each other); use --workers 1")
-    keys = ResultKeys(problem)
+    keys = keys or ResultKeys(problem)
     identity = study_identity(problem, space, objective.name, keys.evaluator)
     name = study_name or study_name_for(problem, space, objective.name, keys.evaluator)
     url = storage_url(storage, name, settings.root)
@@ -215,10 +217,9 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         while not runner.stop.is_set():
             with runner.lock:
                 trials = study.get_trials(deepcopy=False)
-                fin, infeasible, running = tally(trials)
+                fin, _, running = tally(trials)
                 others = len(running - runner.mine)
-                if (fin >= settings.trials or infeasible >= settings.infeasible_cap()
-                        or len(repeats(trials)) >= settings.repeats_cap() or _exhausted(trials, space)):
+                if is_spent(trials, settings) or _exhausted(trials, space):
                     return
                 go = fin + others + inflight[0] < settings.trials
                 if go:

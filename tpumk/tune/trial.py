@@ -33,11 +33,15 @@ from tpumk.errors import ConfigError, PlanError, TpumkError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tune.budget import Interrupted, state, wait_for_budget
-from tpumk.tune.cache import EVALUATOR, ResultCache, ResultKeys
+from tpumk.tune.cache import CONFIG_STAGES, EVALUATOR, ResultCache, ResultKeys
 from tpumk.tune.claims import KEY_ATTR, claim
 from tpumk.tune.objectives import ObjectiveChoice
 from tpumk.tune.settings import TuneSettings
 from tpumk.tune.space import TuningSpace, space_facts
+
+# Worker stages after the compile that belong to one objective: a failure there is that
+# objective's, not the configuration's.
+OBJECTIVE_STAGES = ("estimate",)
 
 # Attributes copied from the trial that evaluated a configuration to a trial that reuses it.
 RESULT_ATTRS = ("objective", "value_kind", "objective_source", "compile_seconds", "lower_seconds", "custom_calls",
@@ -155,26 +159,40 @@ class TrialRunner:
                                  "study": self.study_name, "trial": trial.number, "host": socket.gethostname(),
                                  "worker_wall_seconds": wall}
         storable = True
+        name = self.objective.name
         if reply is None:
             timed_out = rc is None
-            entry.update(outcome="failed", stage="timeout" if timed_out else "crash", reason=failure)
+            entry.update(outcome="failed", stage="timeout" if timed_out else "crash", reason=failure, objective=name)
             # A timeout depends on --timeout, a SIGKILL/SIGTERM on the machine (OOM killer, an
-            # operator): neither is a property of the configuration. A crash (abort) is.
+            # operator): neither is a property of the configuration. A crash (abort) is, but
+            # for this objective only (it may have happened after the compile).
             storable = not timed_out and rc not in (-9, -15)
         elif not reply.get("ok"):
-            entry.update(outcome="failed", stage=reply.get("stage", "worker"), reason=reply.get("error") or "unknown")
-            storable = reply.get("stage") in ("plan", "compile", "estimate")
+            stage = reply.get("stage") if isinstance(reply.get("stage"), str) else "worker"
+            reason = str(reply.get("error") or "unknown")
+            if stage in OBJECTIVE_STAGES:
+                # It compiled; only this objective failed (e.g. no compiler estimate): recorded as
+                # this objective's failure, never served to other objectives. A failure of this
+                # run (the profiler timed out or was killed) is not stored at all.
+                entry.update(outcome="ok", objectives={name: {"failed": reason, "stage": stage}})
+                storable = not reply.get("machine_dependent")
+            else:
+                entry.update(outcome="failed", stage=stage, reason=reason, objective=name)
+                storable = stage in CONFIG_STAGES
         else:
-            entry.update(outcome="ok", objectives={self.objective.name: {
+            entry.update(outcome="ok", objectives={name: {
                 "value": reply["value"], "value_kind": reply["value_kind"], "source": reply["source"],
                 "details": reply.get("details", {})}})
         if reply is not None:
             for k in EVALUATION_ATTRS:
                 entry[k] = reply.get(k)
+        mine = entry.get("objectives", {}).get(name, {})
+        own_failure = mine if "failed" in mine else {}  # compiled, but this objective failed
         self.cache.log_compile({"time": entry["written"], "host": entry["host"], "pid": os.getpid(),
                                 "study": self.study_name, "trial": trial.number, "key": key,
-                                "objective": self.objective.name, "outcome": entry["outcome"],
-                                "stage": entry.get("stage", "done"), "wall_seconds": round(wall, 3)})
+                                "objective": name, "outcome": "failed" if own_failure else entry["outcome"],
+                                "stage": own_failure.get("stage") or entry.get("stage", "done"),
+                                "wall_seconds": round(wall, 3)})
         if storable:
             self.cache.put(key, entry)
         return entry
@@ -183,9 +201,7 @@ class TrialRunner:
         """The evaluated trial's value, or PRUNED with the stage and reason it failed at."""
         for k in EVALUATION_ATTRS:
             trial.set_user_attr(k, entry.get(k))
-        if entry["outcome"] != "ok":
-            self._prune(trial, entry["stage"], entry["reason"])
-        return self._complete(trial, entry["objectives"][self.objective.name])
+        return self._result(trial, entry)
 
     # ---- helpers
     def key_of(self, tuning: TuningConfig) -> str:
@@ -208,13 +224,21 @@ class TrialRunner:
         trial.set_user_attr("cached_from", via)
         for k in EVALUATION_ATTRS:
             trial.set_user_attr(k, entry.get(k))
+        return self._result(trial, entry)
+
+    def _result(self, trial, entry: dict[str, Any]) -> float:
+        """This objective's value in an entry, or PRUNED with the stage and reason it failed at
+        (the configuration's failure, or this objective's own)."""
         if entry["outcome"] != "ok":
             self._prune(trial, entry["stage"], entry["reason"])
         name = self.objective.name
-        if name in entry.get("objectives", {}):
+        if name in entry["objectives"]:
             o = entry["objectives"][name]
         else:  # the model objective served from the model value every compile records
-            o = {"value": entry["model_seconds"], "value_kind": "tpumk model", "source": entry["model_source"]}
+            o = {"value": entry["model_seconds"], "value_kind": "tpumk model",
+                 "source": entry.get("model_source") or "tpumk model"}
+        if "failed" in o:
+            self._prune(trial, o["stage"], o["failed"])
         return self._complete(trial, o)
 
     def _complete(self, trial, o: dict[str, Any]) -> float:
@@ -263,7 +287,9 @@ class TrialRunner:
         lines = [ln for ln in out.strip().splitlines() if ln.strip()]
         try:
             reply = json.loads(lines[-1]) if lines else None
-        except ValueError:
+        except (ValueError, RecursionError):
+            reply = None
+        if not isinstance(reply, dict):  # valid JSON but not a reply object: no reply
             reply = None
         tail = [ln for ln in err.strip().splitlines() if ln.strip()]
         if reply is None:

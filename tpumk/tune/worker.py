@@ -12,6 +12,7 @@ reply:   {"ok": bool, "stage": where it stopped ("done", "plan", "compile", "est
           "model"), "error": one line or null, "value": seconds or null, "value_kind": how the
           value was obtained, "source": the objective's own provenance, "compile_seconds",
           "lower_seconds", "custom_calls", "model_seconds", "model_source", "details": {...},
+          "machine_dependent": true when a stage-"estimate" failure is of this run (timeout, kill),
           "evaluator_sha256": the digest of the source this worker ran (tpumk.compile.keys.source_inputs)}
 
 Every objective compiles the real executable first (the same compile `tpumk build` does), so a
@@ -84,6 +85,15 @@ def _model_value(plan) -> tuple[float | None, str]:
     return float(m.seconds), str(m.source)
 
 
+def machine_dependent(profiler_error: str | None) -> bool:
+    """The profiling compile failed because of this run, not the configuration: it timed out
+    (after the time left of the trial's --timeout) or was killed from outside (SIGKILL: most
+    likely the out-of-memory killer; SIGTERM). Such a failure is not stored in the result cache.
+    (The words are tpumk.estimate.profiler's.)"""
+    e = profiler_error or ""
+    return e.startswith("profiling compile timed out") or "SIGKILL" in e or "(SIGTERM)" in e
+
+
 def _compiler_value(plan, compiled, request: dict[str, Any], deadline: float) -> dict[str, Any]:
     from tpumk.build import make_report
     from tpumk.estimate.profiler import estimate_in_subprocess
@@ -97,7 +107,7 @@ def _compiler_value(plan, compiled, request: dict[str, Any], deadline: float) ->
     if report.estimated_seconds is None:
         # estimate_source already names the profiler's failure (SIGKILL / OOM, FIFO abort, ...)
         return {"ok": False, "stage": "estimate", "error": f"no compiler estimate: {report.estimate_source}",
-                "details": details}
+                "details": details, "machine_dependent": machine_dependent(est.error)}
     if report.estimated_seconds < report.floor_seconds:
         # An estimate faster than the HBM floor is a wrong model, not a fast kernel: never a result.
         return {"ok": False, "stage": "estimate", "details": details,
