@@ -349,3 +349,26 @@ def test_hbm_bytes_counts_the_kernels_dmas():
     assert g.dma_counts(np.array([[15], [16]])) == {
         "hbm_tile_pages": 3, "local_tile_pages": 3, "patched_pages": 2}
     assert g.hbm_bytes([15, 16]) == 2 * (3 + 2 * 2) * page * NUM_LAYERS
+
+
+def test_dma_counts_clamp_as_the_kernel_does():
+    """Out-of-range positions patch nothing and stream only the pages the sequence uses:
+    max(in-range position + 1, min(length, capacity) for a position past the capacity, 1)."""
+    g = _geom(batch=2, q_len=1, kv_tile_pages=2)  # f32, page 8, 6 pages per sequence: capacity 48
+    # Sequence 0 at 60 with 9 cached tokens: rows 0..8, one tile of pages 0 and 1, both from HBM.
+    # Sequence 1 at -3: one tile (kv_end 1) whose two slots repeat page 0.
+    assert g.dma_counts(np.array([[60], [-3]]), lengths=[9, 4]) == {
+        "hbm_tile_pages": 4, "local_tile_pages": 0, "patched_pages": 0}
+    # Without lengths a position past the capacity streams the whole capacity (an upper bound).
+    assert g.dma_counts(np.array([[60], [-3]])) == {"hbm_tile_pages": 8, "local_tile_pages": 0, "patched_pages": 0}
+    assert g.hbm_bytes([9, 4], positions=np.array([[60], [-3]])) == 2 * 4 * g.page_bytes * NUM_LAYERS
+
+
+def test_the_sink_page_is_always_allocated():
+    """Out-of-range tokens take stand-in DMAs from the sink page, so q_len = 1 allocates it too
+    (and the plan's VMEM count, which sums `scratch()`, includes it)."""
+    for q_len in (1, 3):
+        g = _geom(q_len=q_len)
+        assert g.patch_pages == g.tokens + 1
+        shapes = {b.name: b.shape for b in g.scratch()}
+        assert shapes["k_patch"][0] == shapes["v_patch"][0] == g.tokens + 1

@@ -24,8 +24,10 @@ attention loop. Its tile slot is filled by a local VMEM->VMEM DMA from the patch
 instead, so the write-back DMAs (waited at the end of the stage) never overlap a read of the
 same HBM bytes, and the attention sees the new rows without a write->read round trip. Every
 page a step needs is thus read from HBM exactly once and every written page written once.
-Requirement this relies on (as does any paged cache): pages written by a step belong to one
-sequence only (no two sequences' block tables share a page that this step writes).
+Requirement this relies on (the host check enforces it, `tpumk.model.positions` item 5): a
+page a step writes belongs to one sequence only, and no other sequence reads it in that step
+(no two sequences' block tables share a page that this step writes: another sequence would
+stream it from HBM while the write-back is in flight).
 
 Control flow is shaped for libtpu 0.0.52's static cost profiler (the tuner's yardstick),
 which on TPU7x crashed on a DMA wait inside a branch and ran out of memory on vector work
@@ -39,13 +41,15 @@ and divides by the running sum at the end, so float32 caches agree with the refe
 rounding and bfloat16 caches to the bfloat16 rounding of p (see tests).
 
 Positions outside [0, pages_per_seq * page_size) (the host checks them by default, see
-`tpumk.model.positions`; the kernel must stay inside each sequence's own pages even when it
-does not) follow the reference's defined behaviour: such a token's row is patched into no page
-(its page index is clamped to the sequence's own first / last page for addressing only, and
-that page goes back unchanged unless an in-range token of the step patches it), it is no key
-for any query, the sequence still streams at least one tile (so the flat tile loop stays
-aligned with the sequences), and a query that sees no key at all (a negative position) gets
-output 0. Cached keys are those below min(lengths[b], capacity).
+`tpumk.model.positions`; the kernel must not touch another sequence's pages or leave the cache
+even when it does not) follow the reference's defined behaviour: such a token's row is patched
+into no page (its patch slot takes stand-in DMAs from the sink page, so no page is read or
+written back for it), it is no key for any query, the sequence streams only the pages below
+max(largest in-range position + 1, min(lengths[b], capacity) when a position is at or past the
+capacity, 1) (at least one tile, so the flat tile loop stays aligned with the sequences), and
+a query that sees no key at all (a negative position) gets output 0. Cached keys are those
+below min(lengths[b], capacity). Page ids are clipped into [0, num_pages) for addressing, so
+even a block-table entry outside the pool is never an out-of-bounds DMA.
 
 Rows of a tile that are not valid keys (past a sequence's last position, gaps, repeated
 pages at the end of the last tile) get zero weight, and their V rows are zeroed, so stale or
@@ -119,31 +123,40 @@ class _Stage:
         return jnp.logical_and(p_ >= 0, p_ < self.capacity)
 
     def logical_page(self, p_):
-        """The logical page of a position, clamped into [0, pages_per_seq): out-of-range
-        positions address their own sequence's first / last page (never patched by them)."""
+        """The logical page of a position, clamped into [0, pages_per_seq) so that SMEM reads
+        stay in bounds (out-of-range tokens take stand-in DMAs and never patch that page)."""
         return jnp.clip(lax.div(p_, self.g.page_size), 0, self.g.pages_per_seq - 1)
 
     def page_id(self, b, lp):
+        """Page id of b's logical page `lp` (already in [0, pages_per_seq)), clipped into
+        [0, num_pages) for addressing only: an entry a step does not use may be -1 or past the
+        pool (the host check covers the entries it uses), and no DMA may leave the cache."""
         pps = self.g.pages_per_seq
-        lp = jnp.clip(lp, 0, pps - 1)  # a position past the context must not read SMEM out of bounds
         if len(self.block_tables.shape) == 1:
-            return self.block_tables[b * pps + lp]
-        return self.block_tables[b, lp]
+            pg = self.block_tables[b * pps + lp]
+        else:
+            pg = self.block_tables[b, lp]
+        return jnp.clip(pg, 0, self.caches[0].shape[1] - 1)
 
     def tokens(self):
         """Per new token: (b, i, patch slot, pages of b's tokens, b's positions, page id, first).
 
-        `first` is False when an earlier token of the same sequence is on the same page: that
-        token's slot then patches the page with both rows, so each page is written once."""
+        `first` is True only for an in-range token that no earlier in-range token of the same
+        sequence shares a page with: that token's slot reads, patches (with every row of the
+        step on the page) and writes back the page, so each page is written once. Every other
+        token (a later one on the same page, or one outside [0, capacity), which writes
+        nothing) takes stand-in DMAs from the sink page: no read or write-back of a page that
+        may belong to another sequence."""
         if self._tokens is None:
             g, out = self.g, []
             for b in range(g.batch):
                 pos = [self.positions[b, i] for i in range(g.q_len)]
                 lps = [self.logical_page(p_) for p_ in pos]
+                ok = [self.in_range(p_) for p_ in pos]
                 for i in range(g.q_len):
-                    first = True
+                    first = ok[i]
                     for j in range(i):
-                        first = jnp.logical_and(first, lps[j] != lps[i])
+                        first = jnp.logical_and(first, jnp.logical_not(jnp.logical_and(ok[j], lps[j] == lps[i])))
                     out.append((b, i, b * g.q_len + i, lps, pos, self.page_id(b, lps[i]), first))
             self._tokens = out
         return self._tokens
@@ -161,7 +174,7 @@ class _Stage:
         return pltpu.make_async_copy(src, dst, self.sc.patch_sems.at[1 if write else 0, slot])
 
     def _sink_copy(self, c, slot, write):
-        sink = self.patches[c].at[self.g.tokens]  # allocated when q_len > 1, the only case used
+        sink = self.patches[c].at[self.g.tokens]  # always allocated (AttentionGeometry.patch_pages)
         return pltpu.make_async_copy(sink, self.patches[c].at[slot],
                                      self.sc.patch_sems.at[1 if write else 0, slot])
 
@@ -174,11 +187,8 @@ class _Stage:
             for c in range(2):
                 self._sink_copy(c, slot, write).start()
 
-        if first is True:
-            real()
-        else:
-            pl.when(first)(real)
-            pl.when(jnp.logical_not(first))(stand_in)
+        pl.when(first)(real)
+        pl.when(jnp.logical_not(first))(stand_in)
 
     def wait_patch_dma(self, slot, pg, write):
         for c in range(2):  # same byte count whichever arm started it
@@ -235,7 +245,7 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         _start_cache_reads(st)
     _stage_rows(st, q, k_new, v_new)
     token_of_row = _regroup_q(st)
-    total = _tabulate_sequences(st)
+    total = _tabulate_sequences(st, lengths)
     _patch_pages(st)
     _tile_loop(st, lengths, token_of_row, total)
     _retire_write_backs(st)
@@ -283,16 +293,20 @@ def _regroup_q(st: _Stage):
     return token_of_row
 
 
-def _tabulate_sequences(st: _Stage):
+def _tabulate_sequences(st: _Stage, lengths):
     """Phase 2c: each sequence's extent, in SMEM for the tile loop. Returns the total number of
     (sequence, tile) steps (a traced int32).
 
-    seq_meta[b * (2 + q_len) + k]: k = 0 the sequence's KV tiles, 1 its pages (both up to its
-    largest new position: keys past the last query are never attended), 2 + i the logical page
-    of new token i (clamped like `_Stage.logical_page`).
+    seq_meta[b * (2 + q_len) + k]: k = 0 the sequence's KV tiles, 1 its pages, 2 + i the
+    logical page of new token i, or -1 when that token is outside [0, capacity) (it patches
+    no page, so no tile page takes its stand-in slot).
 
-    The extent is clamped into [1, capacity] rows: a sequence always streams at least one tile
-    (the flat loop's cursor assumes it) and never a page past its own."""
+    The extent is kv_end = max(largest in-range position + 1, min(lengths[b], capacity) if a
+    position is at or past the capacity (its query sees every cached key), 1) rows: keys past
+    the last query are never attended, a sequence always streams at least one tile (the flat
+    loop's cursor assumes it), and it streams only pages it really uses (a bad position does
+    not make it read the unused tail of its block table, which may be -1, past the pool or
+    another sequence's page)."""
     g, sc = st.g, st.sc
     B, T, P, S = g.batch, g.q_len, g.page_size, g.tile_rows
     positions = st.positions
@@ -301,16 +315,16 @@ def _tabulate_sequences(st: _Stage):
     total = jnp.int32(0)
     for b in range(B):
         pos = [positions[b, i] for i in range(T)]
-        kv_end = pos[0]
-        for p_ in pos[1:]:
-            kv_end = jnp.maximum(kv_end, p_)
-        # keys past the last query position are never attended
-        kv_end = jnp.clip(kv_end, 0, st.capacity - 1) + 1
+        length = jnp.clip(lengths[b], 0, st.capacity)
+        kv_end = jnp.int32(1)
+        for p_ in pos:
+            end = jnp.where(st.in_range(p_), p_ + 1, jnp.where(p_ >= st.capacity, length, 0))
+            kv_end = jnp.maximum(kv_end, end)
         ntiles = lax.div(kv_end + (S - 1), S)
         sc.seq_meta[b * meta_width] = ntiles
         sc.seq_meta[b * meta_width + 1] = lax.div(kv_end + (P - 1), P)
         for i in range(T):
-            sc.seq_meta[b * meta_width + 2 + i] = tokens[b * T + i][3][i]
+            sc.seq_meta[b * meta_width + 2 + i] = jnp.where(st.in_range(pos[i]), tokens[b * T + i][3][i], -1)
         total = total + ntiles
     return total
 

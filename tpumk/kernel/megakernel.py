@@ -41,6 +41,7 @@ from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, RING_FAMILIES, KernelContract
 from tpumk.plan.geometry import VECTOR_ROW
 from tpumk.plan.plan import Plan
+from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, jnp_dtype
 
 
@@ -272,9 +273,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
                               for b in contract.operands))
         logits = blocks.transpose(1, 0, 2).reshape(n, plan.vocab_pad)[:, :cfg.vocab_size].reshape(b, t, -1)
         # As the reference: positions outside the pages write nothing and do not move lengths.
-        capacity = cache.block_tables.shape[1] * cache.k.shape[2]
-        written = jnp.where((positions >= 0) & (positions < capacity), positions, -1)
-        lengths = jnp.maximum(cache.lengths, jnp.max(written, axis=1) + 1)
+        lengths = new_lengths(positions, cache.lengths, cache.max_context)
         return logits, KVCache(k, v, cache.block_tables, lengths)
 
     return jax.jit(step, donate_argnums=(3,) if donate_cache else ())

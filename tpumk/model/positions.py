@@ -11,74 +11,115 @@ with positions `[B, q]` over a cache of capacity C = pages_per_seq * page_size:
    rows below the new length that no step wrote);
 4. inside the pages: `positions[b, q - 1] < C`;
 5. the block-table entries of the pages the step reads or writes are page ids in
-   [0, num_pages), and no page the step writes belongs to another sequence's written pages.
+   [0, num_pages); no page the step writes belongs to another sequence's written pages, nor
+   to another sequence's read pages (pages 0 .. its last position's page: the kernel streams
+   them while the write-back is in flight, so a shared page must not be written in that step).
 
 `check_step` raises a one-line `PositionError` naming the sequence, the position and what was
-expected. Generation, speculation and loaded artifacts (`tpumk.load(...)(...)`) call it by
-default; `DecodeStep(..., check=False)` / `step.check_inputs = False` skip it for serving
-loops that guarantee their inputs (a device-to-host read of the positions and lengths per
-step). Without the check the kernel and the reference still never write outside a sequence's
-own pages: out-of-range positions write nothing (see `tpumk.model.reference`).
+expected (numpy over [B, pages_per_seq] masks: no per-page Python loop). Generation,
+speculation and loaded artifacts (`tpumk.load(...)(...)`) call it by default; serving loops
+that guarantee their inputs (it costs a device-to-host read of the positions and lengths per
+step) opt out with `step(..., check=False)`, `step.check_inputs = False` or
+`tpumk.load(path, check_inputs=False)`. Without the check the kernel and the reference still
+never write outside a sequence's own pages: out-of-range positions write nothing (see
+`tpumk.model.reference`).
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from tpumk.errors import NonFiniteError, PositionError
 
 
-def capacity_of(cache) -> int:
-    """Token positions each sequence's pages hold: pages_per_seq * page_size."""
-    return int(cache.block_tables.shape[1]) * int(cache.k.shape[2])
+def new_lengths(positions, lengths, capacity: int):
+    """Lengths after a step (the reference's and the kernel's rule): max(lengths, largest
+    in-range position + 1); positions outside [0, capacity) write nothing and move nothing."""
+    written = jnp.where((positions >= 0) & (positions < capacity), positions, -1)
+    return jnp.maximum(lengths, jnp.max(written, axis=1) + 1)
 
 
 def check_step(positions, cache, where: str = "decode step") -> None:
     """Raise PositionError unless `positions` [B, q] satisfy the contract above for `cache`
-    (a `tpumk.model.reference.KVCache`). `where` prefixes the message (e.g. "generate step 3")."""
+    (a `tpumk.model.reference.KVCache`). `where` prefixes the message (e.g. "generate step 3").
+    Of several violations, the one reported is the first a per-sequence scan would meet."""
     pos = np.asarray(positions)
     lengths = np.asarray(cache.lengths)
     tables = np.asarray(cache.block_tables)
     page_size = int(cache.k.shape[2])
     num_pages = int(cache.k.shape[1])
-    cap = tables.shape[1] * page_size if tables.ndim == 2 else 0
-    if pos.ndim != 2 or tables.ndim != 2 or lengths.shape != (tables.shape[0],) or pos.shape[0] != tables.shape[0]:
+    if (pos.ndim != 2 or tables.ndim != 2 or lengths.shape != (tables.shape[0],) or pos.shape[0] != tables.shape[0]
+            or pos.shape[1] == 0):
         raise PositionError(f"{where}: positions {tuple(pos.shape)}, lengths {tuple(lengths.shape)} and block "
-                            f"tables {tuple(tables.shape)} disagree (expected [B, q], [B] and [B, pages_per_seq])")
+                            f"tables {tuple(tables.shape)} disagree (expected [B, q] with q >= 1, [B] and "
+                            "[B, pages_per_seq])")
     if not (np.issubdtype(pos.dtype, np.integer) and np.issubdtype(lengths.dtype, np.integer)):
         raise PositionError(f"{where}: positions and lengths must be integers, got {pos.dtype} and {lengths.dtype}")
     pos, lengths = pos.astype(np.int64), lengths.astype(np.int64)
-    q = pos.shape[1]
-    written: dict[int, int] = {}
-    for b in range(pos.shape[0]):
-        n = int(lengths[b])
-        if not 0 <= n <= cap:
-            raise PositionError(f"{where}: sequence {b} has length {n}, expected 0 <= length <= capacity {cap} "
-                                f"({tables.shape[1]} pages x {page_size})")
-        for i in range(q):
-            p = int(pos[b, i])
-            if not 0 <= p < cap:
-                raise PositionError(f"{where}: sequence {b} token {i} has position {p}, expected "
-                                    f"0 <= position < capacity {cap} ({tables.shape[1]} pages x {page_size})")
-            if p != int(pos[b, 0]) + i:
-                raise PositionError(f"{where}: sequence {b} token {i} has position {p}, expected {int(pos[b, 0]) + i} "
-                                    "(a step's positions are consecutive)")
-        start = int(pos[b, 0])
-        if start > n:
-            raise PositionError(f"{where}: sequence {b} starts at position {start} but holds {n} tokens, expected "
-                                f"a first position <= {n} (no gap between the cache and the step)")
-        last_page = int(pos[b, -1]) // page_size
-        for lp in range(last_page + 1):
-            page = int(tables[b, lp])
-            if not 0 <= page < num_pages:
-                raise PositionError(f"{where}: sequence {b} block table entry {lp} is page {page}, expected a page id "
-                                    f"in [0, {num_pages})")
-        for lp in range(start // page_size, last_page + 1):
-            page = int(tables[b, lp])
-            other = written.setdefault(page, b)
-            if other != b:
-                raise PositionError(f"{where}: sequences {other} and {b} both write page {page} in one step, "
-                                    "expected pages a step writes to belong to one sequence")
+    B, q = pos.shape
+    pps = tables.shape[1]
+    cap = int(cache.max_context)  # pages_per_seq * page_size
+    pages_of = f"({pps} pages x {page_size})"
+    rows = np.arange(B)
+
+    def first_true(mask):  # [B, n] -> per row the first True column, or -1
+        return np.where(mask.any(axis=1), np.argmax(mask, axis=1), -1)
+
+    bad_len = (lengths < 0) | (lengths > cap)
+    out_pos = (pos < 0) | (pos >= cap)
+    not_consec = pos != pos[:, :1] + np.arange(q)[None]
+    # per token, the first problem a scan of the tokens would meet: range, then consecutiveness
+    tok_bad = first_true(out_pos | not_consec)
+    start = pos[:, 0]
+    bad_start = start > lengths
+    last_page = np.clip(pos[:, -1], 0, max(cap - 1, 0)) // page_size
+    lp = np.arange(pps)[None]
+    reads = lp <= last_page[:, None]  # [B, pps]
+    writes = reads & (lp >= (np.clip(start, 0, None) // page_size)[:, None])
+    bad_entry = reads & ((tables < 0) | (tables >= num_pages))
+    entry_bad = first_true(bad_entry)
+    # page conflicts with earlier sequences: the first sequence to write / read each page
+    pages = np.clip(tables, 0, max(num_pages - 1, 0))
+    bw, lw = np.nonzero(writes)
+    br, lr = np.nonzero(reads)
+    first_w = np.full(max(num_pages, 1), B)
+    first_r = np.full(max(num_pages, 1), B)
+    np.minimum.at(first_w, pages[bw, lw], bw)
+    np.minimum.at(first_r, pages[br, lr], br)
+    ww = writes & (first_w[pages] < rows[:, None])
+    wr = (reads & ~writes & (first_w[pages] < rows[:, None])) | (writes & (first_r[pages] < rows[:, None]))
+    failing = bad_len | (tok_bad >= 0) | bad_start | (entry_bad >= 0) | ww.any(axis=1) | wr.any(axis=1)
+    if not failing.any():
+        return
+    b = int(np.argmax(failing))
+    n = int(lengths[b])
+    if bad_len[b]:
+        raise PositionError(f"{where}: sequence {b} has length {n}, expected 0 <= length <= capacity {cap} {pages_of}")
+    if tok_bad[b] >= 0:
+        i = int(tok_bad[b])
+        p = int(pos[b, i])
+        if out_pos[b, i]:
+            raise PositionError(f"{where}: sequence {b} token {i} has position {p}, expected "
+                                f"0 <= position < capacity {cap} {pages_of}")
+        raise PositionError(f"{where}: sequence {b} token {i} has position {p}, expected {int(pos[b, 0]) + i} "
+                            "(a step's positions are consecutive)")
+    if bad_start[b]:
+        raise PositionError(f"{where}: sequence {b} starts at position {int(start[b])} but holds {n} tokens, expected "
+                            f"a first position <= {n} (no gap between the cache and the step)")
+    if entry_bad[b] >= 0:
+        e = int(entry_bad[b])
+        raise PositionError(f"{where}: sequence {b} block table entry {e} is page {int(tables[b, e])}, expected a "
+                            f"page id in [0, {num_pages})")
+    if ww[b].any():
+        page = int(tables[b, int(np.argmax(ww[b]))])
+        raise PositionError(f"{where}: sequences {int(first_w[page])} and {b} both write page {page} in one step, "
+                            "expected pages a step writes to belong to one sequence")
+    page = int(tables[b, int(np.argmax(wr[b]))])
+    writer, reader = (int(first_w[page]), b) if first_w[page] < b else (b, int(first_r[page]))
+    raise PositionError(f"{where}: sequence {writer} writes page {page} that sequence {reader} reads in one step, "
+                        "expected a page a step writes to be read by no other sequence (the kernel streams it "
+                        "while the write-back is in flight)")
 
 
 def check_finite(logits, where: str, rows=None, names=None) -> None:

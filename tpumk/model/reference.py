@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.model.config import ModelConfig
+from tpumk.model.positions import new_lengths
 
 Params = dict[str, Any]
 
@@ -205,7 +206,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     slots = positions % ps
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
     new_pos = jnp.where(in_range, positions, -1)
-    new_len = jnp.maximum(cache.lengths, jnp.max(new_pos, axis=1) + 1)
+    new_len = new_lengths(positions, cache.lengths, ctx)
     k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
 
     kc, vc = cache.k, cache.v

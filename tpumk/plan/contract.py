@@ -20,7 +20,7 @@ dt the model dtype. Operands, in order:
     final_norm    vmem  f32 [1, H]                    packed.final_norm
     layer_vectors hbm   f32 [L, 8, W]                 packed.layer_vectors (norm rows, see layout)
     <family>      hbm   dt  packed tiles              packed.<family> for each streamed family, in
-                                                      RING_FAMILIES order (tpumk.kernel.layout)
+                                                      RING_FAMILIES order (this module)
     router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
 

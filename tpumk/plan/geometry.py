@@ -137,7 +137,8 @@ class AttentionGeometry:
     kv_tile_pages: pages per streamed KV tile (tile = kv_tile_pages * page_size tokens). Any
         value in [1, pages_per_seq] is valid: it need not divide pages_per_seq, because a
         sequence's last tile repeats its last needed page in the unused page slots (those rows
-        are masked), so no DMA ever reads outside the pages a sequence owns.
+        are masked), so no tile DMA reads past the last page the sequence uses this step (page
+        ids are also clipped into the pool, so no DMA ever leaves the cache).
     kv_buffers: VMEM tile slots (>= 2); kv_buffers - 1 tiles are in flight during compute.
     """
 
@@ -195,9 +196,9 @@ class AttentionGeometry:
 
     @property
     def patch_pages(self) -> int:
-        """Patch slots: one page per new token, plus a read-only sink page when q_len > 1
-        (source of the stand-in DMAs of tokens that share a page with an earlier token)."""
-        return self.tokens + (1 if self.q_len > 1 else 0)
+        """Patch slots: one page per new token, plus a read-only sink page (source of the
+        stand-in DMAs of tokens that share a page with an earlier token or are out of range)."""
+        return self.tokens + 1
 
     @property
     def itemsize(self) -> int:
@@ -250,7 +251,7 @@ class AttentionGeometry:
             vmem("k_tiles", (nb, s, hd), dt, "streamed K tiles: [slot, token of the tile, kv heads along lanes]"),
             vmem("v_tiles", (nb, s, hd), dt, "same for V"),
             vmem("k_patch", (self.patch_pages, p, hd), dt,
-                 "page of new token i of sequence b in slot b*q_len + i (+ a read-only sink page when q_len > 1)"),
+                 "page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
             vmem("v_patch", (self.patch_pages, p, hd), dt, "same for V"),
             vmem("new_rows", (2, self.staged_rows, hd), "float32",
                  "[k_new | v_new, token row b*q_len + i, kv heads]: one row addressable at a time"),
@@ -274,7 +275,7 @@ class AttentionGeometry:
         """Exact bytes of VMEM scratch the stage allocates (sum over `vmem_shapes`):
 
         2*kv_buffers*tile_rows*kv_size*itemsize          KV tile slots
-        + 2*(B*q + [q>1])*page_size*kv_size*itemsize    patch pages (per new token, + sink)
+        + 2*(B*q + 1)*page_size*kv_size*itemsize        patch pages (per new token, + sink)
         + 4*(2*Bq8*kv_size + Bq8*q_size)                 staged new K/V rows, q in / o out
         + 4*B*Hkv*R*D + 4*Hkv*R*(2*128 + D)              per-head q/o, softmax m, l, acc
         with Bq8 = round_up(B*q, 8), R = round_up(group*q, 8)."""
@@ -309,23 +310,29 @@ class AttentionGeometry:
         """DMA semaphores the stage allocates: (K, V) x kv_buffers + (read, write) x B*q."""
         return 2 * self.kv_buffers + 2 * self.tokens
 
-    def dma_counts(self, positions: np.ndarray) -> dict[str, int]:
+    def dma_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None) -> dict[str, int]:
         """Page DMAs of one layer for concrete `positions` [B, q] (the kernel's own logic).
 
         hbm_tile_pages: pages streamed from HBM into tile slots; local_tile_pages: tile pages
         copied from a patched page in VMEM; patched_pages: pages read, patched and written back.
-        Each count is per cache (K and V each move this many pages)."""
+        Each count is per cache (K and V each move this many pages). Clamped as the kernel
+        clamps: positions outside [0, capacity) patch nothing, and a sequence streams
+        max(largest in-range position + 1, min(length, capacity) if a position is at or past the
+        capacity, 1) rows; `lengths` [B] (tokens cached before the step) default to the capacity."""
         positions = np.asarray(positions).reshape(self.batch, self.q_len)
         p, s, kt = self.page_size, self.tile_rows, self.kv_tile_pages
+        cap = self.pages_per_seq * p
+        lengths = np.full(self.batch, cap) if lengths is None else np.asarray(lengths).reshape(self.batch)
         hbm = local = patched = 0
-        for row in positions:
-            kv_end = int(row.max()) + 1
+        for row, n in zip(positions, lengths):
+            n = min(max(int(n), 0), cap)
+            kv_end = max([1] + [int(x) + 1 if 0 <= x < cap else (n if x >= cap else 0) for x in row])
             npages, ntiles = -(-kv_end // p), -(-kv_end // s)
-            written = {int(x) // p for x in row}
+            written = {int(x) // p for x in row if 0 <= x < cap}
             patched += len(written)
             # Tile page slot lp holds page min(lp, npages - 1): pages 0 .. npages - 2 once each,
             # the last page in every remaining slot. Closed form (no loop over the context).
-            slots = max(ntiles * kt, 0)
+            slots = ntiles * kt
             uses = {pg: (slots - (npages - 1) if pg == npages - 1 else 1) for pg in written if 0 <= pg < npages}
             local += sum(uses.values())
             hbm += slots - sum(uses.values())
@@ -342,7 +349,7 @@ class AttentionGeometry:
         lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
         if positions is None:
             positions = lengths[:, None] + np.arange(self.q_len)[None, :]
-        c = self.dma_counts(positions)
+        c = self.dma_counts(positions, lengths)
         pages = c["hbm_tile_pages"] + 2 * c["patched_pages"]
         return 2 * pages * self.page_bytes * self.num_layers
 

@@ -1,6 +1,6 @@
 """The plan: everything a megakernel build does, decided in plain Python before tracing.
 
-`make_plan(cfg, target, batch, context, tuning)` turns a model, a target and the tuning knobs into
+`make_plan(spec, num_pages=None)` turns a `BuildSpec` (model, target, shape, tuning knobs) into
 a `Plan`: which weight tiles stream through the ring in which order, the ring's shape, the
 expert slots, the KV tiling, a VMEM budget with a per-component breakdown, the HBM bytes one
 step moves and the DMAs it issues. The kernel (`tpumk.kernel.megakernel`) and the weight packer
@@ -367,10 +367,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     """
     cfg, target, tuning = spec.model, spec.target, spec.tuning
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
-    for name, v in (("batch", batch), ("context", context), ("q_len", q_len), ("page_size", page_size)):
-        if not (isinstance(v, int) and v > 0):
-            raise PlanError(f"plan: {name} = {v!r}: expected a positive integer")
-    pages_per_seq = -(-context // page_size)
+    pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
     if num_pages < batch * pages_per_seq:
         raise PlanError(f"plan: num_pages = {num_pages} < {batch * pages_per_seq} needed for "
