@@ -44,15 +44,19 @@ def parse_toml(data: bytes | str, source: str) -> dict[str, Any]:
                               f"byte 0x{data[e.start]:02x} at offset {e.start}") from None
     try:
         return tomllib.loads(data)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: malformed TOML: {' '.join(str(e).split())}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: malformed TOML: arrays or inline tables nested too deeply") from None
-    except ValueError as e:  # int() of an integer with more digits than Python converts
-        if "integer string conversion" in str(e):
-            raise ConfigError(f"{source}: malformed TOML: an integer with more than "
-                              f"{sys.get_int_max_str_digits()} digits") from None
-        raise ConfigError(f"{source}: malformed TOML: {' '.join(str(e).split())}") from None
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+        raise parser_refusal(source, "TOML", "arrays or inline tables", e) from None
+
+
+def parser_refusal(source: str, fmt: str, nests: str, e: ValueError | RecursionError) -> ConfigError:
+    """One line for a document a parser (tomllib, json) refused: syntax, nesting deeper than the
+    parser recurses, or an integer longer than Python converts (sys.get_int_max_str_digits())."""
+    if isinstance(e, RecursionError):
+        return ConfigError(f"{source}: malformed {fmt}: {nests} nested too deeply")
+    if "integer string conversion" in str(e):
+        return ConfigError(f"{source}: malformed {fmt}: an integer with more than "
+                           f"{sys.get_int_max_str_digits()} digits")
+    return ConfigError(f"{source}: malformed {fmt}: {' '.join(str(e).split())}")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

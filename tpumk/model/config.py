@@ -23,7 +23,7 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError
-from tpumk.tomlfile import read_toml
+from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
@@ -445,15 +445,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: malformed JSON: arrays or objects nested too deeply") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: malformed JSON: {' '.join(str(e).split())}") from None
-    except ValueError as e:  # int() of a number with more digits than Python converts
-        if "integer string conversion" in str(e):
-            raise ConfigError(f"{path}: malformed JSON: an integer with more than "
-                              f"{sys.get_int_max_str_digits()} digits") from None
-        raise ConfigError(f"{path}: malformed JSON: {' '.join(str(e).split())}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
     except OSError as e:  # permission denied, a path through a regular file, an I/O error
         raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
     return from_hf_config(data, str(path))
