@@ -71,6 +71,16 @@ def problem_and_objective():
     return problem, choose_objective("model", problem.model, problem.target)
 
 
+def study_must_not_start(monkeypatch):
+    """Make any trial compile fail the test: the case must be refused before the study runs."""
+    from tpumk.tune.trial import TrialRunner
+
+    def no_worker(self, trial, tuning):
+        raise AssertionError("the study must not start")
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+
+
 # ---------------------------------------------------------------------- constraints: bounded cost
 def test_nested_powers_are_evaluated_in_bounded_time():
     """Constant exponents of at most 64 still nest into numbers of billions of digits: the
@@ -262,12 +272,7 @@ def test_a_corrupt_journal_is_a_one_line_error(tmp_path, monkeypatch):
 @pytest.mark.parametrize("which", ["out", "report"])
 def test_unwritable_outputs_are_refused_before_the_study(tmp_path, monkeypatch, which):
     """(Before: the whole study ran, then writing failed.)"""
-    from tpumk.tune.trial import TrialRunner
-
-    def no_worker(self, trial, tuning):
-        raise AssertionError("the study must not start")
-
-    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+    study_must_not_start(monkeypatch)
     monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -428,12 +433,7 @@ def test_safe_study_names_are_kept(name):
 
 def test_a_traversing_study_name_writes_nothing(tmp_path, monkeypatch):
     """(Before: `--study ../../../escape` ran, and wrote escape.db and escape.toml three levels up.)"""
-    from tpumk.tune.trial import TrialRunner
-
-    def no_worker(self, trial, tuning):
-        raise AssertionError("the study must not start")
-
-    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+    study_must_not_start(monkeypatch)
     cwd = tmp_path / "a" / "b" / "c"
     cwd.mkdir(parents=True)
     monkeypatch.chdir(cwd)
@@ -448,12 +448,7 @@ def test_a_traversing_study_name_writes_nothing(tmp_path, monkeypatch):
 @pytest.mark.parametrize("option", ["--cache-dir", "--storage"])
 def test_a_cache_dir_or_storage_under_a_regular_file_is_refused_before_the_study(tmp_path, monkeypatch, option):
     """(Before: FileExistsError from mkdir, after the header lines; for --cache-dir after the study opened.)"""
-    from tpumk.tune.trial import TrialRunner
-
-    def no_worker(self, trial, tuning):
-        raise AssertionError("the study must not start")
-
-    monkeypatch.setattr(TrialRunner, "_run_worker", no_worker)
+    study_must_not_start(monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f").write_text("a file")
     value = "f" if option == "--cache-dir" else "sqlite:///f/s.db"

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.errors import PlanError
-from tpumk.model.config import ModelConfig, expected_distinct_experts
+from tpumk.model.config import SCORINGS, ModelConfig, expected_distinct_experts
 
 LANE = 128  # TPU lane width: the minor dim of every VMEM tile
 F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
@@ -202,7 +202,7 @@ class AttentionGeometry:
 
     @property
     def itemsize(self) -> int:
-        return 4 if self.dtype == "float32" else 2
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def jnp_dtype(self):
@@ -355,7 +355,6 @@ class AttentionGeometry:
 
 
 # ---------------------------------------------------------------------- mixture of experts
-SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -435,7 +434,7 @@ class MoEGeometry:
 
     @property
     def jnp_dtype(self):
-        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+        return WEIGHT_DTYPES[self.dtype]
 
     @property
     def max_distinct_experts(self) -> int:
