@@ -127,9 +127,37 @@ def attached_target() -> Target | None:
     return None
 
 
+# Deviceless topologies per chip, smallest first (each checked to compile an in-kernel collective,
+# TPU_FACTS 8, and listed by libtpu 0.0.52 with the device count in the comment). A TPU7x chip
+# is two devices (TensorCores); the other chips here are one device per chip.
+TOPOLOGIES: dict[str, tuple[tuple[str, int], ...]] = {
+    "7x": (("tpu7x:1x1x1", 2), ("tpu7x:2x2x1", 8), ("tpu7x:2x2x2", 16), ("tpu7x:4x4x1", 32),
+           ("tpu7x:4x4x2", 64), ("tpu7x:4x4x4", 128)),
+    "v6e": (("v6e:2x2", 4), ("v6e:2x4", 8), ("v6e:4x4", 16), ("v6e:4x8", 32), ("v6e:8x8", 64)),
+    "v5e": (("v5e:2x2", 4), ("v5e:2x4", 8), ("v5e:4x4", 16), ("v5e:4x8", 32), ("v5e:8x8", 64)),
+    "v5p": (("v5p:2x2x1", 4), ("v5p:2x2x2", 8), ("v5p:2x2x4", 16), ("v5p:2x4x4", 32), ("v5p:4x4x4", 64)),
+}
+
+
+def topology_for(target: Target, n: int) -> str | None:
+    """The deviceless topology an n-device build of `target` compiles for: the target's own for
+    one device (unchanged single-device builds), else the smallest that holds n devices (so
+    TPU7x `--devices 8` is tpu7x:2x2x1, 32 is tpu7x:4x4x1). None for the cpu target."""
+    if target.interpret:
+        return None
+    if n <= 1:
+        return target.topology
+    for name, count in TOPOLOGIES[target.chip]:
+        if count >= n:
+            return name
+    most = TOPOLOGIES[target.chip][-1]
+    raise TargetError(f"{target.name}: {n} devices asked; the largest topology tpumk knows, {most[0]}, "
+                      f"has {most[1]}")
+
+
 def mesh_devices(target: Target, n: int) -> list:
     """n devices of `target` for a 1-D tensor-parallel mesh, in device order: the attached TPUs of
-    its kind when there are n of them, else the deviceless topology's stand-ins (its first n).
+    its kind when there are n of them, else the stand-ins of `topology_for(target, n)` (its first n).
     TPU7x lists each chip's two TensorCores as devices 2r and 2r+1, so n TensorCores fill n/2
     whole chips when n is even. The cpu target gives host CPU devices (as many as
     XLA_FLAGS=--xla_force_host_platform_device_count made before jax was imported)."""
@@ -147,8 +175,9 @@ def mesh_devices(target: Target, n: int) -> list:
             devs = []
         where = "attached devices"
         if len(devs) < n:
-            devs = list(_deviceless_devices(target.topology))
-            where = f"devices in topology '{target.topology}'"
+            topology = topology_for(target, n)
+            devs = list(_deviceless_devices(topology))
+            where = f"devices in topology '{topology}'"
     if len(devs) < n:
         raise TargetError(f"{target.name}: {n} devices asked, {len(devs)} {where}")
     return list(devs[:n])

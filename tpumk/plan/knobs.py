@@ -51,6 +51,11 @@ class TuningConfig:
     # ---- mixture of experts
     expert_slots: int = 4  # expert weight slots in VMEM (loads start as soon as routing is known)
     expert_chunk: int = 0  # expert FFN columns per load; 0 = auto (chunks of about 2 ring tiles)
+    # Devices > 1: experts split over `expert_parallel` groups of devices (each group owns
+    # num_experts / expert_parallel whole experts), each expert's width split over the
+    # devices / expert_parallel devices of its group. 1 = expert-tensor parallel (every device
+    # streams every picked expert, a slice of its width), devices = expert parallel; 0 = auto.
+    expert_parallel: int = 0
     # ---- VMEM budget
     vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
 
@@ -83,6 +88,8 @@ class TuningConfig:
             raise bad("kv_buffers", "at least 2")
         if self.expert_slots < 1:
             raise bad("expert_slots", "at least 1")
+        if self.expert_parallel < 0:
+            raise bad("expert_parallel", "0 (auto) or a positive number of expert groups")
         if self.expert_chunk < 0 or self.expert_chunk % 128:
             raise bad("expert_chunk", "0 (whole expert) or a positive multiple of 128")
         frac = self.vmem_limit_fraction

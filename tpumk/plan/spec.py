@@ -23,6 +23,7 @@ DEFAULT_BATCH = 1
 DEFAULT_CONTEXT = 4096
 DEFAULT_Q_LEN = 1
 DEFAULT_PAGE_SIZE = 16
+DEFAULT_DEVICES = 1
 # Bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
 # per-page loop), so that no input can make planning hang. They sit far above what the models
 # tpumk builds serve (Qwen3: 32k native, 128k with YaRN, which tpumk refuses for now); raise
@@ -31,6 +32,7 @@ MAX_BATCH = 4096
 MAX_CONTEXT = 1 << 22  # 4M tokens per sequence
 MAX_Q_LEN = 1024
 MAX_PAGE_SIZE = 4096
+MAX_DEVICES = 256  # TensorCores of one step (the largest deviceless topology tpumk names has 128)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class BuildSpec:
     tuning: TuningConfig = field(default_factory=TuningConfig)
     q_len: int = DEFAULT_Q_LEN  # new tokens per sequence per step (> 1: speculative verification)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV-cache page
+    devices: int = DEFAULT_DEVICES  # TensorCores (JAX devices) one step spans: tensor/expert parallel
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,7 +64,7 @@ class BuildSpec:
         if not isinstance(self.tuning, TuningConfig):
             raise PlanError(f"build spec: tuning = {self.tuning!r:.60}: expected a TuningConfig")
         for name, upper in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("q_len", MAX_Q_LEN),
-                            ("page_size", MAX_PAGE_SIZE)):
+                            ("page_size", MAX_PAGE_SIZE), ("devices", MAX_DEVICES)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= upper):
                 raise PlanError(f"build spec: {name} = {v!r:.60}: expected a positive integer at most {upper:,}")
@@ -77,7 +80,8 @@ class BuildSpec:
         return dataclasses.replace(self, **changes)
 
     def shapes(self) -> dict[str, int]:
-        return {"batch": self.batch, "context": self.context, "q_len": self.q_len, "page_size": self.page_size}
+        return {"batch": self.batch, "context": self.context, "q_len": self.q_len, "page_size": self.page_size,
+                "devices": self.devices}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-safe) that `from_dict` turns back into the same spec."""
@@ -95,9 +99,11 @@ class BuildSpec:
         if missing:
             raise PlanError(f"{where}: missing field '{missing[0]}'")
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
-                   TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"])
+                   TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"],
+                   d.get("devices", DEFAULT_DEVICES))
 
     def label(self) -> str:
         q = f", q_len {self.q_len}" if self.q_len > 1 else ""
-        return (f"{self.model.name} ({self.model.dtype}) on {self.target.name}, batch {self.batch}, "
+        on = f"{self.devices} x {self.target.name}" if self.devices > 1 else self.target.name
+        return (f"{self.model.name} ({self.model.dtype}) on {on}, batch {self.batch}, "
                 f"context {self.context}{q}")
