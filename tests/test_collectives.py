@@ -50,7 +50,7 @@ def make_local(geom, calls: int, interpret, counter_step: int = 1):
     def local(x):
         out = pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((calls, geom.rows, geom.width), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((calls, geom.rows, geom.padded_width), jnp.float32),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
             scratch_shapes=all_reduce_scratch(geom),
@@ -89,8 +89,8 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     geom.validate()
     rng = np.random.default_rng(100 + n)
     # Values of mixed magnitudes, so the summation order changes the f32 bits.
-    x = (rng.standard_normal((n, CALLS, geom.rows, geom.width)) *
-         10.0 ** rng.integers(-3, 4, (n, CALLS, geom.rows, geom.width))).astype(np.float32)
+    shape = (n, CALLS, geom.rows, geom.padded_width)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
     local = make_local(geom, CALLS, pltpu.InterpretParams(detect_races=True), counter_step)
     mesh = Mesh(np.asarray(jax.devices("cpu")[:n]), ("tp",))
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
@@ -126,6 +126,7 @@ def _run_worker(n: int, schedule: str, dtype: str = "float32", counter_step: int
 @pytest.mark.parametrize("n,schedule,dtype", [
     (1, "direct", "float32"), (2, "direct", "float32"), (4, "direct", "float32"), (8, "direct", "float32"),
     (4, "doubling", "float32"), (8, "doubling", "float32"), (4, "direct", "bfloat16"),
+    (3, "rsag", "float32"), (4, "rsag", "float32"), (8, "rsag", "float32"),
 ])
 def test_all_reduce_interpret(n, schedule, dtype):
     r = _run_worker(n, schedule, dtype)
@@ -142,7 +143,10 @@ def test_all_reduce_interpret(n, schedule, dtype):
     assert [tuple(s) for s, _ in got] == [s for s, _ in want]
     assert got[0][1] == dtype
     itemsize = 4 if dtype == "float32" else 2
-    assert r["scratch_bytes"] == int(np.prod(got[0][0])) * itemsize == 2 * n * rows * WIDTH * itemsize
+    if schedule == "rsag":  # two rounds' slots per parity and the staging chunks
+        assert r["scratch_bytes"] == 5 * n * rows * geom.chunk * itemsize
+    else:
+        assert r["scratch_bytes"] == int(np.prod(got[0][0])) * itemsize == 2 * n * rows * WIDTH * itemsize
 
 
 def test_one_buffer_is_a_race():
@@ -158,15 +162,21 @@ def test_geometry():
     from tpumk.plan.geometry import AllReduceGeometry
 
     g = AllReduceGeometry.for_chip("7x", 8, 8, 4096)
-    assert (g.schedule, g.stages, g.messages, g.peer_offsets()) == ("direct", 1, 7, tuple(range(1, 8)))
-    assert g.send_bytes == 7 * 8 * 4096 * 4
-    assert g.scratch_bytes() == 2 * 8 * 8 * 4096 * 4
+    assert (g.schedule, g.stages, g.messages, g.peer_offsets()) == ("rsag", 2, 14, tuple(range(1, 8)))
+    assert (g.chunk, g.padded_width) == (512, 4096)
+    assert g.send_bytes == 2 * 7 * 8 * 512 * 4  # 2 (N-1) / N of a slot, not N-1 slots
+    assert g.scratch_bytes() == 5 * 8 * 8 * 512 * 4
+    d = AllReduceGeometry(8, 8, 4096, "float32", "direct")
+    assert (d.send_bytes, d.scratch_bytes(), d.padded_width) == (7 * 8 * 4096 * 4, 2 * 8 * 8 * 4096 * 4, 4096)
+    odd = AllReduceGeometry.for_chip("7x", 32, 8, 2048)  # 64 lanes a device: chunks padded to 128
+    assert (odd.chunk, odd.padded_width) == (128, 4096)
+    assert AllReduceGeometry.for_chip("7x", 2, 8, 4096).schedule == "direct"  # same bytes, one round
     v = AllReduceGeometry.for_chip("v5e", 4, 8, 128)
     assert (v.schedule, v.stages, v.messages, v.peer_offsets()) == ("doubling", 2, 2, (1, 2))
     assert v.send_bytes == 3 * 8 * 128 * 4
     assert AllReduceGeometry.for_chip("v5e", 2, 8, 128).schedule == "direct"
     for bad in (dict(rows=4), dict(width=100), dict(devices=0), dict(dtype="int8"),
-                dict(schedule="ring"), dict(devices=6, schedule="doubling")):
+                dict(schedule="ring"), dict(devices=6, schedule="doubling"), dict(schedule="rsag", dtype="bfloat16")):
         kw = dict(devices=4, rows=8, width=128, dtype="float32", schedule="direct")
         kw.update(bad)
         with pytest.raises(PlanError):
@@ -175,13 +185,14 @@ def test_geometry():
 
 # ---------------------------------------------------------------------- deviceless compiles
 COMPILES = [  # (target, devices, schedule, slot dtype); the schedule for_chip picks unless marked
-    ("tpu7x", 8, "direct", "float32"),
-    ("tpu7x", 4, "direct", "float32"),
+    ("tpu7x", 8, "rsag", "float32"),
+    ("tpu7x", 4, "rsag", "float32"),
     ("tpu7x", 2, "direct", "float32"),  # the two TensorCores of one chip
     ("tpu7x", 8, "doubling", "float32"),  # not for_chip's pick on TPU7x; compiles as well
+    ("tpu7x", 8, "direct", "float32"),  # likewise
     ("tpu7x", 8, "direct", "bfloat16"),
-    ("v6e", 4, "direct", "float32"),
-    ("v5p", 4, "direct", "float32"),
+    ("v6e", 4, "rsag", "float32"),
+    ("v5p", 4, "rsag", "float32"),
     ("v5e", 4, "doubling", "float32"),
     ("v5e", 2, "direct", "float32"),
 ]
@@ -201,10 +212,10 @@ def test_all_reduce_compiles(target_name, n, schedule, dtype):
     geom = AllReduceGeometry(n, rows, WIDTH, dtype, schedule)
     geom.validate()
     picked = AllReduceGeometry.for_chip(target.chip, n, rows, WIDTH, dtype).schedule
-    assert picked == schedule or (target_name, n, schedule) == ("tpu7x", 8, "doubling")
+    assert picked == schedule or (target_name, n, schedule) in (("tpu7x", 8, "doubling"), ("tpu7x", 8, "direct"))
     assert routes_any_offset(target) or all(o & (o - 1) == 0 for o in geom.peer_offsets())
     devices = mesh_devices(target, n)
-    spec = jax.ShapeDtypeStruct((n, CALLS, rows, WIDTH), jnp.float32)
+    spec = jax.ShapeDtypeStruct((n, CALLS, rows, geom.padded_width), jnp.float32)
     c = compile_for_mesh(make_local(geom, CALLS, False), (spec,), devices, axis=geom.axis)
     hlo = c.hlo_text
     assert c.custom_calls == 1

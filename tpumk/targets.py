@@ -187,3 +187,28 @@ def routes_any_offset(target: Target) -> bool:
     """Whether remote DMAs reach any device offset; TPU v5e routes only power-of-two offsets
     (TPU_FACTS 8)."""
     return target.chip != "v5e"
+
+
+def ensure_host_devices(n: int) -> None:
+    """Make (at least) n host CPU devices for the `cpu` target's n-device steps: sets
+    `jax_num_cpu_devices` while JAX has not started its backends, and sizes XLA's CPU thread
+    pool (NPROC) so n interpreted kernels blocked on each other's semaphores cannot starve
+    the pool (with one thread per core, 2 here, 8 devices hang). Once the backends are up
+    the count is fixed: fewer devices than n is refused with one line."""
+    import os
+
+    import jax
+
+    from tpumk.compat import jax_backends_initialised
+
+    if n <= 1:
+        return
+    if not jax_backends_initialised():
+        if int(os.environ.get("NPROC", "0") or 0) < 4 * n:
+            os.environ["NPROC"] = str(4 * n)
+        if jax.config.jax_num_cpu_devices < n:
+            jax.config.update("jax_num_cpu_devices", n)
+    have = len(jax.devices("cpu"))
+    if have < n:
+        raise TargetError(f"cpu: {n} devices asked, this process has {have} host CPU devices (JAX started with "
+                          f"fewer; set XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting)")

@@ -189,6 +189,8 @@ def build(spec, verify_q, verify_estimate, as_json):
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
+@click.option("--devices", default=1, show_default=True,
+              help="Devices the megakernel spans (host CPU devices in interpret mode without a TPU).")
 @click.option("--spec", default="none", show_default=True,
               help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
                    "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
@@ -198,24 +200,26 @@ def build(spec, verify_q, verify_estimate, as_json):
                    "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, spec, draft_tokens, draft_model,
-             as_json):
+def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, devices, spec, draft_tokens,
+             draft_model, as_json):
     """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
     from tpumk.decode import generate as gen
     from tpumk.errors import ConfigError
 
     gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
+    gen.prepare_devices(devices)  # host devices must exist before JAX starts its backends
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
     prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     if draft_model is not None and spec != "draft":
         raise ConfigError("--draft-model: only used with --spec draft")
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
     result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
-                          draft_tokens=draft_tokens, draft=draft)
+                          draft_tokens=draft_tokens, draft=draft, devices=devices)
     if as_json:
         emit_json(result)
         return
-    click.echo(f"model {result['model']} ({result['weights']}), backend {backend}")
+    on = f" on {devices} devices" if devices > 1 else ""
+    click.echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}")
     for p, toks in zip(prompts, result["tokens"]):
         click.echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
     click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")

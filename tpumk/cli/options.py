@@ -114,7 +114,8 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "tuning_file")
+SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "devices",
+               "tuning_file")
 
 
 def spec_options(tuning: bool = True):
@@ -133,6 +134,9 @@ def spec_options(tuning: bool = True):
         click.option("--context", default=S.DEFAULT_CONTEXT, show_default=True, help="Max tokens per sequence (KV cache capacity)."),
         click.option("--q-len", default=S.DEFAULT_Q_LEN, show_default=True, help="New tokens per sequence per step (>1: speculative verification)."),
         click.option("--page-size", default=S.DEFAULT_PAGE_SIZE, show_default=True, help="Tokens per KV-cache page."),
+        click.option("--devices", default=S.DEFAULT_DEVICES, show_default=True,
+                     help="TensorCores (devices) one step spans: heads, FFN widths, experts and vocabulary split "
+                          "across them, collectives inside the kernel."),
     ]
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),
@@ -152,7 +156,7 @@ def spec_options(tuning: bool = True):
 
 
 def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=None, context=None, q_len=None,
-                 page_size=None, tuning_file=None):
+                 page_size=None, devices=None, tuning_file=None):
     """A BuildSpec from command-line values (None: the default)."""
     from tpumk.errors import ConfigError
     from tpumk.model.config import load_hf_config, resolve_model
@@ -174,6 +178,6 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
-                                 ("page_size", page_size)) if v is not None}
+                                 ("page_size", page_size), ("devices", devices)) if v is not None}
     return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),
                        tuning=load_tuning(tuning_file) if tuning_file is not None else TuningConfig(), **shapes)

@@ -73,7 +73,26 @@ def compile_plan(plan) -> Compiled:
     # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
     # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
     # every step (the kernel aliases them in place).
-    return compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), plan.target, donate_argnums=(3,))
+    step = make_decode_step(plan, donate_cache=True)
+    if plan.devices == 1:
+        return compile_for(step, step_specs(plan), plan.target, donate_argnums=(3,))
+    # Many devices: the specs carry their NamedShardings over the step's mesh (one SPMD program).
+    step = getattr(step, "program", step)  # the program itself, not the vocab-unpadding wrapper
+    return _compile_lowered(jax.jit(step, donate_argnums=(3,)), step_specs(plan),
+                            f"{plan.target.name} x {plan.devices}")
+
+
+def _compile_lowered(jitted, specs: tuple, what: str) -> Compiled:
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*specs)
+    t1 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        raise CompileError(f"{what}: the compiler rejected this build: {compiler_error_line(e)}") from e
+    t2 = time.perf_counter()
+    kind = jax.tree.leaves(specs)[0].sharding.device_set.pop().device_kind
+    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), kind)
 
 
 def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", in_specs: Any = None,

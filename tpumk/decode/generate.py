@@ -160,13 +160,26 @@ def check_sizes(steps, page_size, draft_tokens) -> None:
                           f"checks draft tokens + 1 <= {MAX_Q_LEN:,} tokens), got {_short(draft_tokens)}")
 
 
+def prepare_devices(devices) -> None:
+    """--devices: a positive integer within the BuildSpec bound; for more than one, make the
+    host CPU devices interpret mode runs them on (before anything starts JAX's backends)."""
+    from tpumk.plan.spec import MAX_DEVICES
+    from tpumk.targets import ensure_host_devices
+
+    if not _positive_int(devices, MAX_DEVICES):
+        raise ConfigError(f"--devices: expected a positive integer at most {MAX_DEVICES}, got {_short(devices)}")
+    ensure_host_devices(devices)
+
+
 def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "reference",
              page_size: int = 16, context: int | None = None, spec: str = "none",
-             draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None) -> dict:
+             draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None, devices: int = 1) -> dict:
     """Greedy-generate `steps` tokens per prompt; returns tokens, timing and, with `spec`
     ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
     figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
     drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce.
+    `devices` > 1 runs the target's megakernel over that many devices (host CPU devices in
+    interpret mode without a TPU; a draft model stays on one device).
 
     Every size is bounded by the BuildSpec limits (tpumk.plan.spec) before the KV cache is
     allocated: a sequence holds at most MAX_CONTEXT tokens (prompt + steps + drafts), the
@@ -180,6 +193,8 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
                           "(one decode batch)")
     if backend not in BACKENDS:
         raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    if devices != 1 and backend != "megakernel":
+        raise ConfigError(f"--devices {devices}: only the megakernel backend spans devices (--backend megakernel)")
     if spec not in SPEC_METHODS:
         raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
     if spec == "none" and draft is not None:
@@ -212,7 +227,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         if backend == "reference":
             tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step)
         else:
-            kernel_step, _ = _kernel_decode_fn(m, len(prompts), context, page_size, 1)
+            kernel_step, _ = _kernel_decode_fn(m, len(prompts), context, page_size, 1, devices)
             tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
                                                   decode_fn=kernel_step)
         spec_info.update(target_steps=steps - 1, tokens_per_target_step=1.0)
@@ -233,7 +248,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
                                         label=f"{draft.cfg.name} ({draft.source})")
         verify = None
         if backend == "megakernel":
-            verify, _ = _kernel_decode_fn(m, len(prompts), context, page_size, k + 1)
+            verify, _ = _kernel_decode_fn(m, len(prompts), context, page_size, k + 1, devices)
         tokens, _, stats = speculative_generate(m.params, m.cfg, prompts, steps, cache, drafter, k,
                                                 step_fn=ref_step, verify_fn=verify)
         spec_info.update(stats.to_dict())
@@ -244,9 +259,9 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     if backend == "reference":
         where = "reference decode step (pure JAX) on this host"
     else:
-        where = _megakernel_where()
+        where = _megakernel_where(devices)
     return {
-        "model": m.cfg.name, "backend": backend, "weights": m.source, "steps": steps,
+        "model": m.cfg.name, "backend": backend, "devices": devices, "weights": m.source, "steps": steps,
         "prompts": prompts, "tokens": tokens, "seconds": seconds, "ran_on": where, "spec": spec_info,
         "timing_note": "wall time on this host, including compilation; not a TPU speed figure",
     }
@@ -293,35 +308,48 @@ def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whos
         raise ConfigError(f"--steps: the {what}, which the device cannot allocate (RESOURCE_EXHAUSTED)") from None
 
 
-def _megakernel_where() -> str:
+def _megakernel_where(devices: int = 1) -> str:
     from tpumk.targets import attached_target
 
     target = attached_target()
-    return (f"megakernel on an attached {target.name}" if target is not None
-            else "megakernel in Pallas TPU interpret mode on the host (prefill by the reference)")
+    on = f"{devices} devices" if devices > 1 else "one device"
+    return (f"megakernel on {on} of an attached {target.name}" if target is not None
+            else f"megakernel in Pallas TPU interpret mode on {on} of the host (prefill by the reference)")
 
 
 @functools.lru_cache(maxsize=16)
-def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int):
+def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int, devices: int = 1):
     """(plan, step) of the megakernel for these shapes, on an attached TPU when there is one,
     else in Pallas TPU interpret mode on the host. Cached so repeated generations in one
     process (tests, notebooks) trace and compile each shape once."""
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
-    from tpumk.targets import attached_target, get_target
+    from tpumk.targets import attached_target, ensure_host_devices, get_target
 
     target = attached_target() or get_target("cpu")
-    plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size))
+    if target.interpret:
+        ensure_host_devices(devices)
+    plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size, devices=devices))
     return plan, make_decode_step(plan)
 
 
-def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len: int):
+def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len: int, devices: int = 1):
     """decode_fn(tokens, positions, cache) of the megakernel with `m`'s weights packed; prefill
     stays with the reference (the prompt is one multi-token chunk per sequence; the cache
-    layout is shared)."""
-    from tpumk.kernel.layout import pack_weights
+    layout is shared). On many devices the cache goes through the sharded layout and back
+    (`ShardingPlan.expand_cache`: the same array unless KV heads are replicated)."""
+    from tpumk.kernel.layout import pack_sharded
 
-    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len)
-    packed = pack_weights(plan, m.params)
-    return (lambda toks, pos, c: step(packed, toks, pos, c)), plan
+    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices)
+    packed = pack_sharded(plan, m.params)
+    if plan.sharding is None:
+        return (lambda toks, pos, c: step(packed, toks, pos, c)), plan
+    sh, cfg = plan.sharding, m.cfg
+
+    def decode(toks, pos, c):
+        wide = reference.KVCache(sh.expand_cache(cfg, c.k), sh.expand_cache(cfg, c.v), c.block_tables, c.lengths)
+        logits, out = step(packed, toks, pos, wide)
+        return logits, reference.KVCache(sh.collapse_cache(cfg, out.k), sh.collapse_cache(cfg, out.v),
+                                         out.block_tables, out.lengths)
+    return decode, plan

@@ -21,6 +21,13 @@ same ordered local sum, so they give identical bits and move identical bytes, (N
   it costs log2 N link latencies instead of one; `AllReduceGeometry.for_chip` picks it only for
   v5e with N > 2.
 
+- "rsag" (reduce-scatter, then all-gather; N > 2 on chips that route any offset): the width
+  is cut into N chunks; device c receives chunk c of every partial (round 0), sums the N in
+  order 0..N-1, and pushes its sum to every peer (round 1). Each element is still the same N
+  numbers added in the same order, so the bits equal the other schedules'; each device sends
+  2 (N-1) chunks, 2 (N-1) / N of a slot, instead of N-1 slots. Its buffers are per (parity,
+  round), so the parity argument below holds round by round.
+
 Buffers and semaphores (`AllReduceGeometry.scratch()`): slots [2, N, rows, width] (parity of the
 collective counter, source device), recv_sems / send_sems [2, stages] DMA semaphores (a DMA
 semaphore counts bytes, so one semaphore per (parity, round) takes the N-1 equal-sized arrivals
@@ -69,9 +76,10 @@ COLLECTIVE_COMPILER_PARAMS = {"collective_id": 0, "has_side_effects": True}
 class AllReduceScratch(NamedTuple):
     """The all-reduce's scratch refs, in `AllReduceGeometry.scratch()` order."""
 
-    slots: Any  # VMEM [2, N, rows, width] geom.dtype: [parity, source device]
+    slots: Any  # VMEM [2, N, rows, width] geom.dtype: [parity, source device]; rsag [2, 2, N, rows, chunk]
     recv_sems: Any  # DMA semaphores [2, stages]
     send_sems: Any  # DMA semaphores [2, stages]
+    staging: Any = None  # rsag only: VMEM [N, rows, chunk], this device's partial cut into chunks
 
 
 def all_reduce_scratch(geom: AllReduceGeometry) -> list:
@@ -107,8 +115,8 @@ def all_reduce_barrier(geom: AllReduceGeometry) -> None:
 
 
 def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
-    """Sum of every device's x [rows, width] (f32 result), in device order 0..N-1, identical bits
-    on every device. `counter` (Python int or traced int32 >= 0) numbers the collectives of the
+    """Sum of every device's x [rows, geom.padded_width] (f32 result), in device order 0..N-1,
+    identical bits on every device. `counter` (Python int or traced int32 >= 0) numbers the collectives of the
     kernel: consecutive calls must use consecutive counters (its parity picks the buffers)."""
     n = geom.devices
     if n == 1:
@@ -116,6 +124,8 @@ def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
     scr = _as_scratch(scratch)
     my_id = lax.axis_index(geom.axis)
     p = lax.rem(jnp.asarray(counter, jnp.int32), 2)
+    if geom.schedule == "rsag":
+        return _reduce_scatter_all_gather(geom, x, scr, my_id, p)
     scr.slots[p, my_id] = x.astype(scr.slots.dtype)
 
     def push(src_dst, stage: int, peer):
@@ -145,3 +155,37 @@ def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
     for k in range(1, n):
         acc = acc + scr.slots[p, k].astype(jnp.float32)
     return acc
+
+
+def _reduce_scatter_all_gather(geom: AllReduceGeometry, x, scr: AllReduceScratch, my_id, p):
+    """The "rsag" schedule. Round 0: device i pushes chunk c of its partial into slot
+    [p, 0, i] of device c (its own chunk i stays home), then sums the N chunks i it received in
+    order 0..N-1. Round 1: it pushes that sum into slot [p, 1, i] of every peer; the result is
+    the N summed chunks side by side. x [rows, padded_width]; returns the same shape, f32."""
+    n, cw = geom.devices, geom.chunk
+    for c in range(n):
+        scr.staging[c] = x[:, c * cw:(c + 1) * cw].astype(scr.staging.dtype)
+    scr.slots[p, 0, my_id] = scr.staging[my_id]
+
+    def push_round(rnd: int, src_of) -> None:
+        copies = []
+        for off in geom.peer_offsets():
+            peer = _peer(geom, my_id, off)
+            c = pltpu.make_async_remote_copy(
+                src_of(peer), scr.slots.at[p, rnd, my_id], scr.send_sems.at[p, rnd], scr.recv_sems.at[p, rnd],
+                device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+            c.start()
+            copies.append(c)
+        # The N-1 arrivals (chunks of one size) all count on recv_sems[p, rnd].
+        for c in copies:
+            c.wait_recv()
+        for c in copies:
+            c.wait_send()
+
+    push_round(0, lambda peer: scr.staging.at[peer])
+    acc = scr.slots[p, 0, 0].astype(jnp.float32)
+    for k in range(1, n):
+        acc = acc + scr.slots[p, 0, k].astype(jnp.float32)
+    scr.slots[p, 1, my_id] = acc.astype(scr.slots.dtype)
+    push_round(1, lambda peer: scr.slots.at[p, 1, my_id])
+    return jnp.concatenate([scr.slots[p, 1, k].astype(jnp.float32) for k in range(n)], axis=1)

@@ -25,6 +25,9 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
 Inside a family, tile t of a matrix is (row block t % RB, column block t // RB) with RB =
 rows / r: the row blocks of a column block are consecutive, so each finishes columns at once.
 Each tile is contiguous in HBM: one DMA moves it.
+
+Many devices: `pack_sharded(plan, params)` packs each device's part of the weights this way and
+stacks them along a leading device axis (the embedding stays whole and shared).
 """
 
 from __future__ import annotations
@@ -132,4 +135,22 @@ def packed_specs(plan: Plan) -> dict:
         for k in path[:-1]:
             node = node.setdefault(k, {})
         node[path[-1]] = shape_struct(b)
+    return out
+
+
+def pack_sharded(plan: Plan, params: dict) -> dict:
+    """Reference-layout weights -> the packed pytree of a many-device step: each device's part
+    (`ShardingPlan.device_params`) packed as for one device and stacked along a leading device
+    axis, and the whole embedding, which every device keeps (token rows are gathered from it).
+    One device: `pack_weights(plan, params)`."""
+    if plan.sharding is None:
+        return pack_weights(plan, params)
+    model, sh = plan.whole_model, plan.sharding
+    parts = []
+    for d in range(sh.devices):
+        part = pack_weights(plan, sh.device_params(model, params, d))
+        part.pop("embed")
+        parts.append(part)
+    out = jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
+    out["embed"] = jnp.asarray(params["embed"], jnp_dtype(model))
     return out

@@ -34,11 +34,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel import attention as attn
 from tpumk.kernel import moe as moe_mod
+from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan.contract import MOE_OPERANDS, RING_FAMILIES, KernelContract
+from tpumk.plan.contract import MOE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.plan.geometry import VECTOR_ROW
 from tpumk.plan.plan import Plan
 from tpumk.model.positions import new_lengths
@@ -55,11 +56,13 @@ class _Scratch:
         assert len(refs) == len(contract.scratch), "scratch refs and the contract disagree"
         by_name = {b.name: r for b, r in zip(contract.scratch, refs)}
         for b in contract.scratch:
-            if b.component not in ("attention", "moe"):
+            if b.component not in STAGES:
                 setattr(self, b.name, by_name[b.name])
         self.moe_out = by_name.get("moe_out")
+        self.partial = by_name.get("partial")
         self.attention = [by_name[b.name] for b in contract.stage_scratch("attention")]
         self.moe = [by_name[b.name] for b in contract.stage_scratch("moe")] or None
+        self.collectives = [by_name[b.name] for b in contract.stage_scratch("collectives")] or None
 
 
 def _scratch_shapes(plan: Plan) -> list:
@@ -80,6 +83,7 @@ def _kernel(plan: Plan):
 
     contract = plan.contract
     n_in, n_out = len(contract.operands), len(contract.outputs)
+    ar, rows = plan.all_reduce, plan.rows
 
     def kernel(*refs):
         ins = {b.name: r for b, r in zip(contract.operands, refs[:n_in])}
@@ -98,6 +102,9 @@ def _kernel(plan: Plan):
         ring.prologue()
         vector_copy(0, 0).start()
         s.resid[...] = x0[...]
+        if ar is not None:
+            s.partial[...] = jnp.zeros(s.partial.shape, jnp.float32)  # pad rows stay 0 in every sum
+            all_reduce_barrier(ar)  # peers are in the kernel before the first remote write
 
         def layer_vectors(layer):
             """This layer's norm vectors [8, W] (prefetched); starts the next layer's fetch."""
@@ -129,6 +136,26 @@ def _kernel(plan: Plan):
                     ref[:, lo:hi] = acc[:, :hi - lo]
             return epilogue
 
+        def partial_to(width: int, tile_cols: int) -> Callable:
+            """Epilogue on many devices: this device's partial sum of block j into `partial`."""
+            def epilogue(j, acc):
+                lo, hi = j * tile_cols, min((j + 1) * tile_cols, width)
+                if hi > lo:
+                    s.partial[0:rows, lo:hi] = acc[:, :hi - lo]
+            return epilogue
+
+        def residual_epilogue(width: int, tile_cols: int) -> Callable:
+            """resid += this block (one device), or stage the partial sum (many: see `reduce_into_resid`)."""
+            return add_to(s.resid, width, tile_cols) if ar is None else partial_to(width, tile_cols)
+
+        def reduce_into_resid(counter) -> None:
+            """Many devices: resid += the sum over devices of `partial`, in device order (the same
+            bits everywhere). `counter` numbers the kernel's collectives (2 per layer)."""
+            if ar is None:
+                return
+            s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
+            s.resid[...] = s.resid[...] + s.partial[0:rows, 0:h]
+
         def swiglu_into(ref, tile_cols: int) -> Callable:
             half = tile_cols // 2
 
@@ -156,7 +183,8 @@ def _kernel(plan: Plan):
             s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
                                                    block_tables, lengths, positions, s.attention)
             o = plan.families["o"]
-            ring.matmul(seg, layer, "o", s.attn_out, add_to(s.resid, h, o.tile_cols))
+            ring.matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
+            reduce_into_resid(2 * layer)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps)
 
         def dense_layer(seg):
@@ -164,7 +192,8 @@ def _kernel(plan: Plan):
                 vec = layer_vectors(layer)
                 attention_block(seg, layer, vec)
                 ring.matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
-                ring.matmul(seg, layer, "down", s.act, add_to(s.resid, h, plan.families["down"].tile_cols))
+                ring.matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
+                reduce_into_resid(2 * layer + 1)
             return body
 
         def moe_layer(seg):
@@ -188,7 +217,11 @@ def _kernel(plan: Plan):
                 routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe)
                 if "shared_gate_up" in seg.families:
                     routed = routed + s.moe_out[...]  # reference: routed + shared, then the residual
-                s.resid[...] = s.resid[...] + routed
+                if ar is None:
+                    s.resid[...] = s.resid[...] + routed
+                else:  # this device's experts / widths: a partial sum
+                    s.partial[0:rows, 0:h] = routed
+                    reduce_into_resid(2 * layer + 1)
             return body
 
         for seg in plan.segments[:-1]:
@@ -239,44 +272,127 @@ def _pallas_call(plan: Plan, detect_races: bool, portable: bool = False):
         out_specs=tuple(block_spec(b) for b in c.outputs),
         scratch_shapes=_scratch_shapes(plan),
         input_output_aliases=c.input_output_aliases,
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit),
+        compiler_params=pltpu.CompilerParams(
+            vmem_limit_bytes=plan.vmem_limit, **(COLLECTIVE_COMPILER_PARAMS if plan.all_reduce is not None else {})),
 
         interpret=_interpret_mode(plan, detect_races, portable),
         name=c.name,
     )
 
 
-def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False):
-    """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
+def _device_step(plan: Plan, call) -> Callable:
+    """One device's glue around the kernel: (packed, tokens, positions, k, v, block_tables,
+    lengths) -> (logits [B, q, cfg.vocab_size], k, v). On many devices `plan.cfg` is the
+    device's part of the model (its vocab slice) and this runs inside `jax.shard_map`."""
+    cfg, contract = plan.cfg, plan.contract
 
-    `packed` is `tpumk.kernel.layout.pack_weights(plan, params)`. On the `cpu` target the kernel
-    runs in Pallas TPU interpret mode (`detect_races` turns on its DMA race detector).
-    `donate_cache` donates the input cache so the in-place update needs no copy (serving);
-    off by default so callers may keep using the cache they passed in. `portable` (cpu target
-    only) interprets the kernel without host callbacks so the step can be exported."""
-    cfg = plan.cfg
-    call = _pallas_call(plan, detect_races, portable)
-    contract = plan.contract
-
-    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+    def run(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
         b, t = tokens.shape
-        if (b, t) != (plan.batch, plan.q_len):
-            raise ValueError(f"decode step planned for tokens [{plan.batch}, {plan.q_len}], got [{b}, {t}]")
         n = b * t
-        tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
         x0 = jnp.take(packed["embed"], tokens.reshape(n), axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta)
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
-                  "cache.block_tables": cache.block_tables.astype(jnp.int32),
-                  "cache.lengths": cache.lengths.astype(jnp.int32), "cache.k": cache.k, "cache.v": cache.v}
+                  "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                               for b in contract.operands))
         logits = blocks.transpose(1, 0, 2).reshape(n, plan.vocab_pad)[:, :cfg.vocab_size].reshape(b, t, -1)
-        # As the reference: positions outside the pages write nothing and do not move lengths.
+        return logits, k, v
+
+    return run
+
+
+def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False):
+    """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
+
+    `packed` is `tpumk.kernel.layout.pack_weights(plan, params)` (one device) or
+    `pack_sharded(plan, params)` (many). On the `cpu` target the kernel
+    runs in Pallas TPU interpret mode (`detect_races` turns on its DMA race detector).
+    `donate_cache` donates the input cache so the in-place update needs no copy (serving);
+    off by default so callers may keep using the cache they passed in. `portable` (cpu target
+    only) interprets the kernel without host callbacks so the step can be exported.
+
+    Many devices (`plan.devices` > 1): one SPMD program, `jax.shard_map` over the 1-D mesh
+    `step_mesh(plan)` around the same kernel; the cache is in the sharded layout
+    (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices), the
+    logits come back vocab-sharded as [B, q, V] (the vocab padding of the last shard, if any,
+    sliced off outside the program)."""
+    cfg = plan.cfg
+    if plan.devices > 1 and portable:
+        raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
+    run = _device_step(plan, _pallas_call(plan, detect_races, portable))
+    check = _shape_check(plan)
+
+    if plan.devices == 1:
+        def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+            check(tokens)
+            tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
+            logits, k, v = run(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
+                               cache.lengths.astype(jnp.int32))
+            # As the reference: positions outside the pages write nothing and do not move lengths.
+            lengths = new_lengths(positions, cache.lengths, cache.max_context)
+            return logits, KVCache(k, v, cache.block_tables, lengths)
+
+        return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+
+    from jax.sharding import PartitionSpec as P
+
+    from tpumk.plan.sharding import MESH_AXIS
+
+    mesh, vocab = step_mesh(plan), plan.whole_model.vocab_size
+    vocab_local, kv_spec = cfg.vocab_size, P(None, None, None, MESH_AXIS)
+
+    def body(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
+        local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
+        logits, k, v = run(local, tokens, positions, k_cache, v_cache, block_tables, lengths)
+        if plan.devices * vocab_local > vocab:  # the last shard's columns past the vocab never win
+            col = lax.axis_index(MESH_AXIS) * vocab_local + lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+            logits = jnp.where(col < vocab, logits, -jnp.inf)
+        return logits, k, v
+
+    def sharded(packed: dict, tokens, positions, k, v, block_tables, lengths):
+        specs = ({key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
+                  for key, val in packed.items()}, P(), P(), kv_spec, kv_spec, P(), P())
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(None, None, MESH_AXIS), kv_spec, kv_spec),
+                             check_vma=False)(packed, tokens, positions, k, v, block_tables, lengths)
+
+    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+        check(tokens)
+        tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
+        logits, k, v = sharded(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
+                               cache.lengths.astype(jnp.int32))
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
         return logits, KVCache(k, v, cache.block_tables, lengths)
 
-    return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+    program = jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+    if plan.devices * vocab_local == vocab:
+        return program
+
+    def step_unpadded(packed, tokens, positions, cache):
+        logits, cache = program(packed, tokens, positions, cache)
+        return logits[..., :vocab], cache  # a separate op: the step program stays collective-free
+
+    step_unpadded.program = program
+    return step_unpadded
+
+
+def _shape_check(plan: Plan) -> Callable:
+    def check(tokens) -> None:
+        if tuple(tokens.shape) != (plan.batch, plan.q_len):
+            raise ValueError(f"decode step planned for tokens [{plan.batch}, {plan.q_len}], got "
+                             f"[{', '.join(map(str, tokens.shape))}]")
+    return check
+
+
+def step_mesh(plan: Plan):
+    """The 1-D device mesh of a many-device step: `plan.devices` devices of its target
+    (`tpumk.targets.mesh_devices`: attached TPUs, deviceless stand-ins, or host CPU devices)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from tpumk.plan.sharding import MESH_AXIS
+    from tpumk.targets import mesh_devices
+
+    return Mesh(np.asarray(mesh_devices(plan.target, plan.devices)), (MESH_AXIS,))
 
 
 def _packed_leaf(packed: dict, source: str):
@@ -291,8 +407,28 @@ def _packed_leaf(packed: dict, source: str):
 def step_specs(plan: Plan) -> tuple:
     """ShapeDtypeStructs of (packed, tokens, positions, cache) for a deviceless compile, read from
     the contract: the packed weights' leaves, the positions operand's shape for tokens and
-    positions, and the cache operands."""
+    positions, and the cache operands. Many devices: the GLOBAL shapes, each with the
+    NamedSharding of `step_mesh(plan)` the step takes it in (weights stacked per device, the
+    embedding and the step inputs replicated, the cache split along its last axis)."""
     c = plan.contract
     cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
     tok = shape_struct(c.operand("positions"))
-    return packed_specs(plan), tok, tok, cache
+    if plan.devices == 1:
+        return packed_specs(plan), tok, tok, cache
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpumk.plan.sharding import MESH_AXIS
+
+    mesh, n = step_mesh(plan), plan.devices
+
+    def spec(shape, dtype, p):
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, p))
+
+    packed = {key: jax.tree.map(lambda a: spec((n, *a.shape), a.dtype, P(MESH_AXIS)), val)
+              for key, val in packed_specs(plan).items() if key != "embed"}
+    model = plan.whole_model
+    packed["embed"] = spec((model.vocab_size, model.hidden_size), jnp_dtype(model), P())
+    k, v = (spec((*a.shape[:-1], n * a.shape[-1]), a.dtype, P(None, None, None, MESH_AXIS)) for a in cache[:2])
+    rep = [spec(a.shape, a.dtype, P()) for a in (tok, cache.block_tables, cache.lengths)]
+    return packed, rep[0], rep[0], KVCache(k, v, rep[1], rep[2])

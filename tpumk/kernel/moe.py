@@ -78,8 +78,9 @@ def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
         routers.append(jnp.pad(jnp.asarray(layer["router"], dt), ((0, 0), (0, ep - e))))
-        gate = jnp.asarray(layer["e_gate"], dt).reshape(e, h, nb, LANE).transpose(0, 2, 1, 3)
-        up = jnp.asarray(layer["e_up"], dt).reshape(e, h, nb, LANE).transpose(0, 2, 1, 3)
+        owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)
+        gate = jnp.asarray(layer["e_gate"], dt).reshape(owned, h, nb, LANE).transpose(0, 2, 1, 3)
+        up = jnp.asarray(layer["e_up"], dt).reshape(owned, h, nb, LANE).transpose(0, 2, 1, 3)
         gateups.append(jnp.concatenate([gate, up], axis=-1))
         downs.append(jnp.asarray(layer["e_down"], dt))
     return {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
@@ -184,19 +185,30 @@ def _compact(geom: MoEGeometry, picked):
     return ids.astype(jnp.int32), count.astype(jnp.int32)
 
 
+def _expert_base(geom: MoEGeometry):
+    """Global id of this device's first owned expert (0 on one device)."""
+    if not geom.sharded:
+        return jnp.int32(0)
+    return lax.div(lax.axis_index(geom.axis), jnp.int32(geom.expert_tensor)) * geom.local_experts
+
+
 def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch):
-    """The two DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S."""
+    """The two DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S.
+    Returns the expert's global id (the combine column) with the copies; the packed arrays hold
+    only the owned experts, addressed from the device's first one."""
     nc, kb, c_cols, s = geom.chunks_per_expert, geom.blocks_per_chunk, geom.expert_chunk, geom.expert_slots
     slot = 0 if s == 1 else lax.rem(t, jnp.int32(s))
     if nc == 1:
         e = scr.ids_smem[0, t]
-        gu_src = e_gateup_hbm.at[moe_layer, e]
-        dn_src = e_down_hbm.at[moe_layer, e]
+        local = e - _expert_base(geom) if geom.sharded else e
+        gu_src = e_gateup_hbm.at[moe_layer, local]
+        dn_src = e_down_hbm.at[moe_layer, local]
     else:  # lax.div/rem, not // and %: Python floor division lowers through a TPU-info query
         c = lax.rem(t, jnp.int32(nc))
         e = scr.ids_smem[0, lax.div(t, jnp.int32(nc))]
-        gu_src = e_gateup_hbm.at[moe_layer, e, pl.ds(pl.multiple_of(c * kb, kb), kb)]
-        dn_src = e_down_hbm.at[moe_layer, e, pl.ds(pl.multiple_of(c * c_cols, c_cols), c_cols)]
+        local = e - _expert_base(geom) if geom.sharded else e
+        gu_src = e_gateup_hbm.at[moe_layer, local, pl.ds(pl.multiple_of(c * kb, kb), kb)]
+        dn_src = e_down_hbm.at[moe_layer, local, pl.ds(pl.multiple_of(c * c_cols, c_cols), c_cols)]
     return (
         e,
         slot,
@@ -227,6 +239,10 @@ def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup
     router_dma.wait()
     combine, picked = _route(geom, x, scr.router)
     scr.combine[...] = combine
+    if geom.sharded:  # every device routes alike; each streams only the picked experts it owns
+        lane = lax.broadcasted_iota(jnp.int32, picked.shape, 1)
+        base = _expert_base(geom)
+        picked = jnp.where((lane >= base) & (lane < base + geom.local_experts), picked, 0.0)
     ids, count = _compact(geom, picked)
     scr.ids_vmem[0:1, :] = ids
     scr.ids_vmem[1:2, :] = count

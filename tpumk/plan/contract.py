@@ -27,7 +27,8 @@ dt the model dtype. Operands, in order:
 Outputs: logits f32 [lm_head column blocks, N, lm_head tile_cols] (block j = vocab columns
 j*tile_cols ..), then the two caches (updated in place). Scratch: see `_kernel_scratch`, then
 the attention stage's (`AttentionGeometry.scratch`) and the MoE stage's (`MoEGeometry.scratch`),
-named "attention.<name>" / "moe.<name>".
+named "attention.<name>" / "moe.<name>", and on many devices the all-reduce's
+(`AllReduceGeometry.scratch`, "collectives.<name>") with the `partial` buffer it reduces.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ if TYPE_CHECKING:
 RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
-VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe")
+VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe",
+                   "collectives")
+# Components whose scratch a stage module takes as a list in its own order (named "<stage>.<name>").
+STAGES = ("attention", "moe", "collectives")
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
     ]
     if plan.moe is not None:
         act.append(vmem("moe_out", (n, h), "float32", "[N, H] shared-expert output, then the MoE output"))
+    if plan.all_reduce is not None:
+        act.append(vmem("partial", (plan.all_reduce.rows, plan.all_reduce.padded_width), "float32",
+                        "[N rounded up to 8, H (padded to whole all-reduce chunks)] this device's partial sum (o / FFN output) to all-reduce; pad rows 0"))
     out += comp("activations", *act)
     out += comp("logits_staging",
                 vmem("logits", (n, plan.families["lm_head"].tile_cols), "float32",
@@ -214,7 +221,9 @@ def kernel_contract(plan: Plan) -> KernelContract:
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
     if plan.moe is not None:
         scratch += [_with(b, name=f"moe.{b.name}", component="moe") for b in plan.moe.scratch()]
+    if plan.all_reduce is not None:
+        scratch += [_with(b, name=f"collectives.{b.name}", component="collectives") for b in plan.all_reduce.scratch()]
     names = [b.name for b in scratch]
     assert len(set(names)) == len(names), f"scratch names repeat: {names}"
-    return KernelContract(f"tpumk_decode_{cfg.name.replace('-', '_')}", operands, outputs, aliases,
+    return KernelContract(f"tpumk_decode_{cfg.name.replace('-', '_').replace('.', '_')}", operands, outputs, aliases,
                           tuple(scratch), packed)

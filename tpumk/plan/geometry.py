@@ -372,10 +372,17 @@ class MoEGeometry:
     dtype: str  # weight dtype: "float32" | "bfloat16"
     expert_slots: int  # S: VMEM slots for expert chunks (loads in flight while one is computed)
     expert_chunk: int  # C: columns of Fe per chunk (multiple of 128 dividing Fe); Fe = whole experts
+    # Many devices (tpumk.plan.sharding): this device owns experts [g * owned, (g+1) * owned) of
+    # the E the router scores, g = (device id on mesh axis `axis`) // expert_tensor; only those
+    # are packed here and streamed. 0 = all E (one device).
+    owned_experts: int = 0
+    expert_tensor: int = 1
+    axis: str = "tp"
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
-                    expert_chunk: int | None = None) -> "MoEGeometry":
+                    expert_chunk: int | None = None, owned_experts: int = 0,
+                    expert_tensor: int = 1) -> "MoEGeometry":
         """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
         if not cfg.is_moe:
             raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
@@ -384,6 +391,7 @@ class MoEGeometry:
             expert_ffn=cfg.expert_ffn_size, scoring=cfg.router_scoring, norm_topk=cfg.norm_topk_prob,
             num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
             expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
+            owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
         )
         geom.validate()
         return geom
@@ -412,6 +420,19 @@ class MoEGeometry:
              f"expert_chunk = {self.expert_chunk!r}: expected a positive multiple of {LANE}")
         need(self.expert_ffn % self.expert_chunk == 0,
              f"expert_chunk = {self.expert_chunk}: expected a divisor of expert_ffn ({self.expert_ffn})")
+        need(isinstance(self.owned_experts, int) and 0 <= self.owned_experts <= self.num_experts
+             and (self.owned_experts == 0 or self.num_experts % self.owned_experts == 0),
+             f"owned_experts = {self.owned_experts!r}: expected 0 (all) or a divisor of num_experts ({self.num_experts})")
+        need(pos_int(self.expert_tensor), f"expert_tensor = {self.expert_tensor!r}: expected a positive integer")
+
+    @property
+    def local_experts(self) -> int:
+        """Experts packed on (and streamed by) this device."""
+        return self.owned_experts or self.num_experts
+
+    @property
+    def sharded(self) -> bool:
+        return self.local_experts != self.num_experts
 
     # ---------------------------------------------------------------- derived shapes
     @property
@@ -464,8 +485,9 @@ class MoEGeometry:
         return 2 + 2 * self.chunks_per_expert * distinct_experts
 
     def expected_distinct_experts(self) -> float:
-        """Expected distinct experts per layer under uniform routing of `rows` tokens."""
-        return expected_distinct_experts(self.num_experts, self.top_k, self.rows)
+        """Expected distinct experts per layer this device streams under uniform routing of
+        `rows` tokens (its owned share of the distinct experts picked)."""
+        return expected_distinct_experts(self.num_experts, self.top_k, self.rows) * self.local_experts / self.num_experts
 
     def expected_hbm_bytes(self) -> float:
         return self.hbm_bytes(self.expected_distinct_experts())
@@ -491,8 +513,9 @@ class MoEGeometry:
         lm, h, e, fe, dt = self.num_moe_layers, self.hidden, self.num_experts, self.expert_ffn, self.dtype
         return (
             hbm("router", (lm, h, self.experts_padded), dt, "[Lm, H, Ep], columns E..Ep-1 zero"),
-            hbm("e_gateup", (lm, e, fe // LANE, h, 2 * LANE), dt, "[Lm, E, Fe/128, H, gate 128 | up 128]"),
-            hbm("e_down", (lm, e, fe, h), dt, "[Lm, E, Fe, H]"),
+            hbm("e_gateup", (lm, self.local_experts, fe // LANE, h, 2 * LANE), dt,
+                "[Lm, E (owned), Fe/128, H, gate 128 | up 128]"),
+            hbm("e_down", (lm, self.local_experts, fe, h), dt, "[Lm, E (owned), Fe, H]"),
         )
 
     def scratch_bytes(self) -> int:
@@ -524,7 +547,7 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 
 # ---------------------------------------------------------------------- collectives
-ALL_REDUCE_SCHEDULES = ("direct", "doubling")
+ALL_REDUCE_SCHEDULES = ("direct", "doubling", "rsag")
 
 
 @dataclass(frozen=True)
@@ -542,6 +565,13 @@ class AllReduceGeometry:
         rounds, every offset a power of two, as TPU v5e's routing needs; N a power of two).
         Both move the same bytes and sum the same N slots in the same order 0..N-1, so their
         results are bit-identical to each other and across devices.
+        "rsag": reduce-scatter then all-gather, both direct pushes. The width is cut into N
+        chunks of `chunk` lanes; device c receives every device's chunk c, sums the N of them
+        in order 0..N-1, and pushes the sum to every peer. Two dependent rounds, but each
+        device sends 2 (N-1) chunks (2 (N-1) / N of a slot) instead of N-1 slots: the choice
+        once N > 2 and bytes matter. Each chunk is summed by one device, in a fixed order, and
+        copied: every device holds the same bits, and the same bits as the other schedules
+        (each element is the same N numbers added in the same order 0..N-1).
     """
 
     devices: int
@@ -555,10 +585,12 @@ class AllReduceGeometry:
     def for_chip(cls, chip: str, devices: int, rows: int, width: int, dtype: str = "float32",
                  axis: str = "tp") -> "AllReduceGeometry":
         """The schedule a chip can route: v5e reaches only power-of-two device offsets, so it gets
-        recursive doubling once N > 2; other chips route any offset and get the direct push
-        (one round of N-1 concurrent DMAs instead of log2 N dependent rounds: at decode sizes a
-        collective is latency-bound, TPU_FACTS 8)."""
-        schedule = "doubling" if chip == "v5e" and devices > 2 else "direct"
+        recursive doubling once N > 2; other chips route any offset and get reduce-scatter +
+        all-gather once N > 2 (two rounds of concurrent pushes, 2 (N-1) / N of a slot sent
+        instead of N-1 slots: over 8-32 devices the direct push's bytes dominate), and the
+        direct push for N = 2 (the same bytes in one round)."""
+        schedule = ("doubling" if chip == "v5e" and devices > 2 else
+                    "rsag" if devices > 2 and dtype == "float32" else "direct")
         geom = cls(devices, rows, width, dtype, schedule, axis)
         geom.validate()
         return geom
@@ -577,6 +609,9 @@ class AllReduceGeometry:
         sub = SUBLANES[self.dtype]
         need(self.rows % sub == 0, f"rows = {self.rows}: expected a multiple of {sub} ({self.dtype} sublane tile)")
         need(self.width % LANE == 0, f"width = {self.width}: expected a multiple of {LANE} (lane tile)")
+        # rsag would round each summed chunk to the slot dtype again before the all-gather.
+        need(self.schedule != "rsag" or self.dtype == "float32",
+             f"schedule = rsag with dtype = {self.dtype}: expected float32 slots")
         if self.schedule == "doubling":
             need(self.devices & (self.devices - 1) == 0,
                  f"devices = {self.devices}: recursive doubling needs a power of two")
@@ -584,30 +619,50 @@ class AllReduceGeometry:
 
     @property
     def stages(self) -> int:
-        """Dependent rounds of one call: 1 (direct) or log2 N (doubling)."""
+        """Dependent rounds of one call: 1 (direct), 2 (rsag) or log2 N (doubling)."""
         if self.schedule == "doubling":
             return max(1, (self.devices - 1).bit_length())
-        return 1
+        return 2 if self.schedule == "rsag" else 1
+
+    @property
+    def chunk(self) -> int:
+        """rsag: lanes of one chunk (the width split N ways, rounded up to whole lanes)."""
+        return round_up(-(-self.width // self.devices), LANE) if self.schedule == "rsag" else self.width
+
+    @property
+    def padded_width(self) -> int:
+        """Width of the partial sums `all_reduce` takes and returns: N whole chunks for rsag
+        (the pad columns must be zero), the width itself otherwise."""
+        return self.devices * self.chunk if self.schedule == "rsag" else self.width
 
     @property
     def slot_bytes(self) -> int:
         return self.rows * self.width * DTYPE_BYTES[self.dtype]
 
     @property
+    def chunk_bytes(self) -> int:
+        return self.rows * self.chunk * DTYPE_BYTES[self.dtype]
+
+    @property
     def send_bytes(self) -> int:
-        """Bytes each device sends (and receives) per call: N-1 slots, in either schedule."""
+        """Bytes each device sends (and receives) per call: N-1 slots (direct, doubling), or
+        2 (N-1) chunks (rsag)."""
+        if self.schedule == "rsag":
+            return 2 * (self.devices - 1) * self.chunk_bytes
         return (self.devices - 1) * self.slot_bytes
 
     @property
     def messages(self) -> int:
-        """Remote DMAs each device starts per call: N-1 (direct) or log2 N (doubling)."""
+        """Remote DMAs each device starts per call: N-1 (direct), 2 (N-1) (rsag) or log2 N (doubling)."""
+        if self.schedule == "rsag":
+            return 2 * (self.devices - 1)
         return self.devices - 1 if self.schedule == "direct" else self.stages
 
     def peer_offsets(self) -> tuple[int, ...]:
         """Device-id offsets (mod N) the schedule sends to: direct 1..N-1; doubling 2^s (XOR)."""
         if self.devices == 1:
             return ()
-        if self.schedule == "direct":
+        if self.schedule in ("direct", "rsag"):
             return tuple(range(1, self.devices))
         return tuple(1 << s for s in range(self.stages))
 
@@ -615,6 +670,15 @@ class AllReduceGeometry:
         """The stage's scratch, in the order `all_reduce` takes the refs
         (`tpumk.kernel.collectives.AllReduceScratch`)."""
         n, st = self.devices, self.stages
+        if self.schedule == "rsag":
+            return (
+                vmem("slots", (2, 2, n, self.rows, self.chunk), self.dtype,
+                     "[parity, round (0 reduce-scatter, 1 all-gather), source device, rows, chunk lanes]"),
+                dma_sems("recv_sems", (2, st), "[parity, round]: arrivals into this device's slots"),
+                dma_sems("send_sems", (2, st), "[parity, round]: this device's outgoing pushes"),
+                vmem("staging", (n, self.rows, self.chunk), self.dtype,
+                     "[chunk, rows, chunk lanes]: this device's partial cut into chunks, the pushes' sources"),
+            )
         return (
             vmem("slots", (2, n, self.rows, self.width), self.dtype,
                  "[parity of the collective counter, source device, rows, lanes]: device d's partial in slot d"),
@@ -623,7 +687,8 @@ class AllReduceGeometry:
         )
 
     def scratch_bytes(self) -> int:
-        """VMEM of the scratch: 2 * N * rows * width * itemsize (whole tiles by validation)."""
+        """VMEM of the scratch: 2 * N * rows * width * itemsize (whole tiles by validation);
+        rsag: 5 * N * rows * chunk * itemsize (two rounds' slots per parity, one staging)."""
         return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
 
     def dma_semaphores(self) -> int:

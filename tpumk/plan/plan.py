@@ -31,8 +31,10 @@ from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
-from tpumk.plan.geometry import LANE, LAYER_VECTOR_ROWS, AttentionGeometry, MoEGeometry, round_up
+from tpumk.plan.geometry import (F32_SUBLANES, LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
+                                 MoEGeometry, round_up)
 from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
 from tpumk.plan.spec import BuildSpec
 
 # Auto tiles are at least this many columns wide: measured in the TPU7x static profile, 2 MiB
@@ -146,6 +148,12 @@ class Plan:
     vmem_budget: int = 0
     hbm: dict[str, float] = field(default_factory=dict)
     dmas: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Many devices: `cfg` above is the model ONE device computes (its heads, widths and vocab
+    # slice, `ShardingPlan.local_config`); `model` is the whole model. One device: model is cfg.
+    model: ModelConfig | None = None
+    sharding: ShardingPlan | None = None
+    all_reduce: AllReduceGeometry | None = None  # the in-kernel all-reduce (None on one device)
+    interconnect: dict[str, dict[str, float]] = field(default_factory=dict)  # per device, per step
 
     # ---- derived facts
     @functools.cached_property
@@ -159,7 +167,26 @@ class Plan:
     def spec(self) -> BuildSpec:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
-        return BuildSpec(self.cfg, self.target, self.batch, self.context, self.tuning, self.q_len, self.page_size)
+        return BuildSpec(self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
+                         self.page_size, self.devices)
+
+    @property
+    def whole_model(self) -> ModelConfig:
+        """The model the build is for (on many devices `cfg` is one device's part of it)."""
+        return self.model or self.cfg
+
+    @property
+    def devices(self) -> int:
+        return self.sharding.devices if self.sharding is not None else 1
+
+    @property
+    def collectives_per_step(self) -> int:
+        return int(sum(v["count"] for v in self.interconnect.values()))
+
+    @property
+    def interconnect_bytes(self) -> float:
+        """Bytes one device sends to its peers per step."""
+        return sum(v["count"] * v["bytes_each"] for v in self.interconnect.values())
 
     @property
     def rows(self) -> int:
@@ -212,7 +239,8 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         """Plain data for reports and JSON (every number says what it counts)."""
         return {
-            "model": self.cfg.name, "target": self.target.name, "batch": self.batch, "q_len": self.q_len,
+            "model": self.whole_model.name, "target": self.target.name, "devices": self.devices,
+            "batch": self.batch, "q_len": self.q_len,
             "context": self.context, "page_size": self.page_size, "num_pages": self.num_pages,
             "tuning": self.tuning.to_dict(),
             "ring": {"depth": self.ring_depth, "slot": [self.slot_rows, self.slot_cols],
@@ -227,6 +255,12 @@ class Plan:
             "hbm_bytes_per_step": dict(self.hbm), "hbm_total_bytes_per_step": self.hbm_bytes,
             "hbm_floor_seconds": self.floor_seconds,
             "dmas_per_step": {k: dict(v) for k, v in self.dmas.items()},
+            **({"sharding": self.sharding.summary(self.whole_model),
+                "interconnect_per_step": {k: dict(v) for k, v in self.interconnect.items()},
+                "interconnect_bytes_per_step": self.interconnect_bytes,
+                "collectives_per_step": self.collectives_per_step,
+                "all_reduce": {"schedule": self.all_reduce.schedule, "slot": [self.all_reduce.rows, self.all_reduce.width],
+                               "dtype": self.all_reduce.dtype}} if self.devices > 1 else {}),
         }
 
 
@@ -365,14 +399,16 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     Raises PlanError for anything that cannot build: bad tiling for this model, a VMEM budget
     overrun on this target, or a model (weights + KV cache) bigger than one device's HBM.
     """
-    cfg, target, tuning = spec.model, spec.target, spec.tuning
+    model, target, tuning = spec.model, spec.target, spec.tuning
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
     if num_pages < batch * pages_per_seq:
         raise PlanError(f"plan: num_pages = {num_pages} < {batch * pages_per_seq} needed for "
                         f"{batch} sequences of {context} tokens")
-    _check_hbm(cfg, target, num_pages, page_size)  # before any per-tile or per-page work
+    sharding = plan_sharding(model, spec.devices, tuning.expert_parallel)
+    cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
+    _check_hbm(model, target, num_pages, page_size, sharding)  # before any per-tile or per-page work
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning)
     segments = plan_segments(cfg, fams)
@@ -389,14 +425,23 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     attention.validate()
     moe = None
     if cfg.is_moe:
-        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots, tuning.expert_chunk or _auto_expert_chunk(cfg, tuning))
+        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots, tuning.expert_chunk or _auto_expert_chunk(cfg, tuning),
+                                      owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor)
+    all_reduce = None
+    if sharding.devices > 1:
+        # f32 partial sums (exact); rows padded to whole f32 sublane tiles so each slot DMA is
+        # tile-aligned (the pad rows stay zero).
+        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, round_up(rows, F32_SUBLANES),
+                                                cfg.hidden_size)
 
     plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
-                num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe)
+                num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
+                model=model if sharding.devices > 1 else None, sharding=sharding if sharding.devices > 1 else None,
+                all_reduce=all_reduce)
     vmem = _vmem_breakdown(plan)
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
     plan = _replace(plan, vmem=vmem, vmem_temporaries=_vmem_temporaries(plan), vmem_budget=budget,
-                    hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan))
+                    hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan), interconnect=_interconnect(plan))
     _check_fits(plan)
     return plan
 
@@ -447,6 +492,16 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
     return out
 
 
+def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
+    """What one device sends to its peers per step: two all-reduces per layer (after the
+    o-projection and after the FFN / MoE), each sending `AllReduceGeometry.send_bytes`."""
+    g = plan.all_reduce
+    if g is None:
+        return {}
+    return {"all_reduce": {"count": 2 * plan.cfg.num_layers, "bytes_each": float(g.send_bytes),
+                           "messages_each": g.messages, "rounds": g.stages}}
+
+
 def _full_lengths(plan: Plan) -> list[int]:
     """Cached tokens per sequence when the step's new tokens fill the context (the worst case)."""
     return [plan.context - plan.q_len] * plan.batch
@@ -476,18 +531,29 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
 
-def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int) -> None:
-    """The model's weights plus the KV cache must fit one device's HBM (closed form, O(1))."""
-    weights = cfg.param_count() * cfg.dtype_bytes
-    kv = 2 * cfg.num_layers * num_pages * page_size * cfg.kv_size * cfg.dtype_bytes
+def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
+               sharding: ShardingPlan | None = None) -> None:
+    """The model's weights plus the KV cache must fit each device's HBM (closed form, O(1)):
+    one device holds everything; on many, each holds its share (`per_device_weight_bytes`) and
+    its KV heads."""
+    n = sharding.devices if sharding is not None else 1
+    if n == 1:
+        weights = cfg.param_count() * cfg.dtype_bytes
+        kv_size = cfg.kv_size
+    else:
+        weights = per_device_weight_bytes(cfg, sharding)
+        kv_size = sharding.kv_heads * cfg.head_dim
+    kv = 2 * cfg.num_layers * num_pages * page_size * kv_size * cfg.dtype_bytes
     if weights + kv > target.hbm_bytes:
+        where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
+        each = "" if n == 1 else " per device"
         raise PlanError(
-            f"model '{cfg.name}' does not fit one {target.name} device: weights {weights / 1e9:.1f} GB + "
-            f"KV cache {kv / 1e9:.1f} GB > HBM {target.hbm_bytes / 1e9:.1f} GB")
+            f"model '{cfg.name}' does not fit {where}: weights {weights / 1e9:.1f} GB + "
+            f"KV cache {kv / 1e9:.1f} GB{each} > HBM {target.hbm_bytes / 1e9:.1f} GB")
 
 
 def _check_fits(plan: Plan) -> None:
-    _check_hbm(plan.cfg, plan.target, plan.num_pages, plan.page_size)
+    _check_hbm(plan.whole_model, plan.target, plan.num_pages, plan.page_size, plan.sharding)
     target = plan.target
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted({**plan.vmem, **plan.vmem_temporaries}.items(),
                                                           key=lambda kv: -kv[1]))

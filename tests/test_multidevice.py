@@ -1,0 +1,280 @@
+"""The N-device megakernel (issue 13): sharding plan, interpret-mode runs on N host CPU devices
+against the one-device reference, deviceless compiles of the same builds for multi-chip TPU
+topologies, and greedy parity with transformers through `tpumk generate --devices 4`.
+
+Interpret runs need N host devices, which JAX makes only before its backends start, so each
+runs in a subprocess: this file as a script (`_worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+XLA_COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+
+# (case id, model: preset or overrides of one, devices, batch, q_len, tuning overrides)
+DENSE8 = dict(base="tiny-dense", name="dense8", num_q_heads=8, num_kv_heads=2, vocab_size=1001, dtype="bfloat16")
+CASES = {
+    "dense-2dev-kv-split": (dict(base="tiny-dense"), 2, 2, 1, {}),
+    "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense"), 4, 2, 2, {}),
+    "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {}),
+    "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4}),
+    "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {}),
+}
+
+
+def _config(model: dict):
+    from tpumk.model.config import load_preset
+
+    over = dict(model)
+    return load_preset(over.pop("base")).replace(**over)
+
+
+def _spec(case: str, target: str):
+    from tpumk.plan.knobs import TuningConfig
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    model, n, batch, q_len, tuning = CASES[case]
+    return BuildSpec(_config(model), get_target(target), batch=batch, context=64, q_len=q_len, devices=n,
+                     tuning=TuningConfig(**tuning))
+
+
+# ---------------------------------------------------------------------- the subprocess
+def _worker(case: str, races: bool) -> dict:
+    """Two decode steps of the N-device kernel (interpret mode, N host devices) and of the
+    reference from the same prefilled cache; what a test needs to judge them."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpumk.compat import interpret_races
+    from tpumk.kernel.layout import pack_sharded
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.model import reference as ref
+    from tpumk.model.weights import random_params
+    from tpumk.plan.plan import make_plan
+
+    spec = _spec(case, "cpu")
+    plan = make_plan(spec)
+    cfg, sh = spec.model, plan.sharding
+    params = random_params(cfg, seed=7)
+    b, q = spec.batch, spec.q_len
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, cfg.vocab_size, 5 + 3 * i)) for i in range(b)]
+    cache = ref.init_cache(cfg, b, spec.context)
+    _, cache = ref.prefill(params, cfg, prompts, cache)
+    step = make_decode_step(plan, detect_races=races)
+    packed = pack_sharded(plan, params)
+    wide = ref.KVCache(sh.expand_cache(cfg, cache.k), sh.expand_cache(cfg, cache.v), cache.block_tables, cache.lengths)
+    out = {"steps": [], "devices": len(jax.devices("cpu"))}
+    ref_cache = cache
+    for _ in range(2):
+        lengths = np.asarray(ref_cache.lengths)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, q)), jnp.int32)
+        positions = jnp.asarray(lengths[:, None] + np.arange(q)[None], jnp.int32)
+        want, ref_cache = ref.decode_step(params, cfg, tokens, positions, ref_cache)
+        got, wide = step(packed, tokens, positions, wide)
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        k = np.asarray(wide.k, np.float32)
+        per_dev = k.reshape(*k.shape[:-1], sh.devices, -1)
+        replicas_equal = all(np.array_equal(per_dev[..., d, :], per_dev[..., sh.kv_head(d) * sh.kv_replicas, :])
+                             for d in range(sh.devices)) if sh.kv_replicas > 1 else None
+        out["steps"].append({
+            "shape": list(got.shape), "want_shape": list(want.shape),
+            "max_err": float(np.max(np.abs(got - want))), "scale": float(np.max(np.abs(want))),
+            "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))),
+            "k_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.k), np.float32)
+                                         - np.asarray(ref_cache.k, np.float32)))),
+            "v_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.v), np.float32)
+                                         - np.asarray(ref_cache.v, np.float32)))),
+            "lengths_equal": bool(np.array_equal(np.asarray(wide.lengths), np.asarray(ref_cache.lengths))),
+            "replicas_equal": replicas_equal,
+        })
+    r = interpret_races()
+    out["races"] = None if (r is None or not races) else bool(r.races_found)
+    out["sharding"] = plan.sharding.summary(cfg)
+    out["schedule"] = plan.all_reduce.schedule
+    return out
+
+
+def _run(case: str, races: bool = False) -> dict:
+    n = CASES[case][1]
+    # NPROC: see tpumk.targets.ensure_host_devices (interpreted devices block pool threads).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    proc = subprocess.run([sys.executable, __file__, case, str(int(races))], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- interpret vs reference
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpret_matches_reference_and_compiles(case):
+    r = _run(case, races=case == "moe-4dev-mixed")
+    model, n, batch, q_len, _ = CASES[case]
+    bf16 = model.get("dtype") == "bfloat16"
+    for s in r["steps"]:
+        assert s["shape"] == s["want_shape"]
+        # f32: partial sums added in another order than one matmul's; bf16: activations are cast
+        # to bf16 before each matmul, so a last-bit f32 difference can flip a bf16 rounding.
+        tol = (3e-2 if bf16 else 2e-5) * max(1.0, s["scale"])
+        assert s["max_err"] <= tol, (case, s)
+        assert s["argmax_equal"], (case, s)
+        assert s["k_err"] <= tol and s["v_err"] <= tol, (case, s)
+        assert s["lengths_equal"]
+        if s["replicas_equal"] is not None:  # devices sharing a KV head computed the same bits
+            assert s["replicas_equal"], (case, s)
+    if case == "moe-4dev-mixed":
+        assert r["races"] is False
+    assert r["schedule"] == ("direct" if n == 2 else "rsag")
+
+    # The same build compiles deviceless for a multi-chip TPU7x topology: one kernel, no XLA
+    # collective (interpret mode does not check Mosaic's layout rules).
+    from tpumk.compile.aot import compile_plan
+    from tpumk.plan.plan import make_plan
+
+    c = compile_plan(make_plan(_spec(case, "tpu7x")))
+    assert c.custom_calls == 1
+    assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)
+
+
+@pytest.mark.parametrize("target,case", [("v5e", "moe-4dev-mixed"), ("v6e", "dense-4dev-kv-replicated-verify"),
+                                         ("v5p", "dense-2dev-kv-split")])
+def test_compiles_for_other_generations(target, case):
+    from tpumk.compile.aot import compile_plan
+    from tpumk.plan.plan import make_plan
+
+    plan = make_plan(_spec(case, target))
+    if target == "v5e":  # power-of-two offsets only (TPU_FACTS 8)
+        assert plan.all_reduce.schedule == "doubling"
+    c = compile_plan(plan)
+    assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
+
+
+# ---------------------------------------------------------------------- the plan
+def _plan(model: str, target: str = "tpu7x", devices: int = 1, **kw):
+    from tpumk.model.config import resolve_model
+    from tpumk.plan.knobs import TuningConfig
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    tuning = TuningConfig(**kw.pop("tuning", {}))
+    return make_plan(BuildSpec(resolve_model(model), get_target(target), devices=devices, tuning=tuning, **kw))
+
+
+def test_sharding_of_public_models():
+    p = _plan("qwen3-32b", devices=8)
+    sh = p.sharding
+    assert (sh.q_heads, sh.kv_heads, sh.kv_replicas, sh.ffn, sh.vocab) == (8, 1, 1, 3200, 151936 // 8)
+    assert p.cfg.num_q_heads == 8 and p.whole_model.num_q_heads == 64
+    big = _plan("qwen3-235b-a22b", devices=32)
+    sh = big.sharding
+    # 4 KV heads over 32 devices: each read by 8; experts 8 groups x 4-way width (1536 / 32 = 48
+    # lanes would not be whole lanes), as the published 16-chip model splits them.
+    assert (sh.q_heads, sh.kv_heads, sh.kv_replicas) == (2, 1, 8)
+    assert (sh.expert_parallel, sh.expert_tensor, sh.experts, sh.expert_ffn) == (8, 4, 16, 384)
+    assert big.moe.local_experts == 16 and big.moe.num_experts == 128
+    s = big.summary()
+    assert s["devices"] == 32 and s["sharding"]["experts"]["mode"] == "expert_x_tensor"
+    assert s["collectives_per_step"] == 2 * 94
+    assert s["interconnect_bytes_per_step"] == 2 * 94 * big.all_reduce.send_bytes
+    # rsag: each device sends 2 (N-1) chunks of [8 rows, 128 lanes] f32 per all-reduce
+    assert big.all_reduce.send_bytes == 2 * 31 * 8 * 128 * 4
+    # per-device HBM: about a 32nd of the active weights plus the replicated embedding
+    one = _plan("qwen3-8b")
+    assert big.hbm_bytes < 2.2e9 and one.hbm_bytes > 15e9
+
+
+def test_one_device_plan_is_unchanged_by_the_sharding_code():
+    p = _plan("qwen3-8b")
+    assert p.sharding is None and p.all_reduce is None and p.devices == 1
+    assert p.whole_model is p.cfg and "sharding" not in p.summary()
+    assert not any(b.component == "collectives" for b in p.contract.scratch)
+
+
+def test_expert_parallel_knob():
+    from tpumk.errors import PlanError
+    from tpumk.plan.sharding import expert_parallel_choices
+    from tpumk.model.config import resolve_model
+
+    assert _plan("tiny-moe", devices=4, tuning={"expert_parallel": 4}).sharding.experts == 2
+    assert expert_parallel_choices(resolve_model("qwen3-235b-a22b"), 32) == [8, 16, 32]
+    with pytest.raises(PlanError) as e:
+        _plan("tiny-moe", devices=4, tuning={"expert_parallel": 1})
+    assert "'expert_parallel' = 1" in str(e.value) and "possible: 2, 4" in str(e.value)
+
+
+@pytest.mark.parametrize("model,devices,target,words", [
+    ("tiny-dense", 3, "tpu7x", "devices = 3: expected a divisor of num_q_heads (4)"),
+    ("qwen3-235b-a22b", 1, "tpu7x", "does not fit one tpu7x device"),
+    ("qwen3-235b-a22b", 4, "tpu7x", "does not fit 4 tpu7x devices"),
+    ("qwen3-8b", 300, "tpu7x", "devices = 300: expected a positive integer at most 256"),
+    ("qwen3-8b", 12, "v5e", "devices = 12: expected a divisor of num_q_heads (32)"),
+])
+def test_refusals_are_one_line(model, devices, target, words):
+    from tpumk.errors import TpumkError
+
+    with pytest.raises(TpumkError) as e:
+        _plan(model, target, devices=devices)
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg, msg
+    if "does not fit" in msg:
+        assert "GB" in msg  # names the bytes
+
+
+def test_kv_head_split_must_be_whole():
+    from tpumk.errors import PlanError
+    from tpumk.model.config import load_preset
+    from tpumk.plan.sharding import plan_sharding
+
+    cfg = load_preset("tiny-dense").replace(num_q_heads=12, num_kv_heads=6)
+    with pytest.raises(PlanError, match=r"devices = 4: expected a divisor of num_kv_heads \(6\)"):
+        plan_sharding(cfg, 4)
+    assert plan_sharding(cfg, 6).kv_heads == 1 and plan_sharding(cfg, 12).kv_replicas == 2
+
+
+def test_topologies_per_device_count():
+    from tpumk.targets import get_target, topology_for
+
+    t7 = get_target("tpu7x")
+    assert topology_for(t7, 1) == "tpu7x:2x2x1" and topology_for(t7, 8) == "tpu7x:2x2x1"
+    assert topology_for(t7, 32) == "tpu7x:4x4x1" and topology_for(t7, 16) == "tpu7x:2x2x2"
+    assert topology_for(get_target("v6e"), 8) == "v6e:2x4"
+    assert topology_for(get_target("cpu"), 8) is None
+
+
+# ---------------------------------------------------------------------- transformers, from the CLI
+@pytest.mark.parametrize("fixture", ["hf_qwen3_dir", "hf_qwen3_moe_dir"])
+def test_generate_devices_4_equals_transformers(fixture, request):
+    """`tpumk generate --backend megakernel --devices 4` on transformers' own checkpoints (4 query
+    heads, 2 KV heads: KV heads replicated on 4 devices) gives transformers' greedy tokens."""
+    from hf_utils import hf_greedy
+
+    ckpt = request.getfixturevalue(fixture)
+    prompts = [[3, 17, 42, 7, 99], [250, 1, 64]]
+    want = hf_greedy(ckpt, prompts, 6)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the command makes its host devices itself
+    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
+                           ";".join(",".join(map(str, p)) for p in prompts), "--steps", "6", "--backend",
+                           "megakernel", "--devices", "4", "--json"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["devices"] == 4 and "4 devices" in got["ran_on"]
+    assert got["tokens"] == want
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(sys.argv[1], bool(int(sys.argv[2])))))

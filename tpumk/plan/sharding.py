@@ -1,0 +1,267 @@
+"""How an N-device step splits the model: the sharding plan, and the per-device model it leaves.
+
+One decode step spans N devices (TensorCores) on a 1-D mesh axis "tp", every device running the
+same megakernel on its own slice of the weights (SPMD). The split, per family:
+
+- attention: query heads split N ways (device d holds heads [d * Hq/N, (d+1) * Hq/N)); KV heads
+  split with them while N <= Hkv, and replicated when N > Hkv (then N / Hkv devices hold, and
+  write, the same KV head: the one their query heads read). The o-projection is split by its
+  input rows (the device's heads), so each device holds a partial sum of o's output.
+- dense FFN (and a MoE model's shared experts): split by width; gate / up by columns, down by
+  rows: again a partial sum of the output.
+- routed experts: `expert_parallel` groups of N / expert_parallel devices. Group g owns experts
+  [g * E/ep, (g+1) * E/ep) (expert parallel); inside a group each expert's width is split
+  (expert-tensor parallel). ep = 1 is pure expert-tensor parallel (every device streams every
+  picked expert, a slice of its width), ep = N pure expert parallel. The router runs whole on
+  every device over the replicated activations, so routing agrees everywhere.
+- lm_head: split by vocabulary columns (device d scores tokens [d * V/N, (d+1) * V/N)).
+- embedding, norms, router: replicated.
+
+After the o-projection and after the FFN / MoE of every layer the partial sums are all-reduced
+inside the kernel (`tpumk.kernel.collectives`), in a fixed device order, so every device holds
+bit-identical activations: 2 collectives per layer. The logits leave the kernel vocab-sharded.
+
+`ShardingPlan.local_config(cfg)` is the model ONE device computes (its heads, widths, vocab
+slice); the plan, the contract and the kernel are built from it exactly as for one device, plus
+the collectives. `device_params` cuts reference-layout weights into a device's part;
+`expand_cache` / `collapse_cache` convert a reference KV cache to the sharded layout and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpumk.errors import PlanError
+from tpumk.model.config import ModelConfig
+from tpumk.plan.geometry import LANE, round_up
+
+MESH_AXIS = "tp"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The split of one model over `devices` devices (all static ints; see the module doc)."""
+
+    devices: int
+    q_heads: int  # query heads per device
+    kv_heads: int  # KV heads per device
+    kv_replicas: int  # devices holding the same KV head (1 while devices <= num_kv_heads)
+    ffn: int  # dense FFN width per device (lane-rounded; 0 without dense layers)
+    shared_ffn: int  # shared-expert width per device (0 without shared experts)
+    expert_parallel: int  # expert groups (1 without experts)
+    experts: int  # experts each device owns (0 without experts)
+    expert_ffn: int  # width of each owned expert on a device
+    vocab: int  # lm_head columns per device (the last device's tail may pass the vocab)
+
+    @property
+    def expert_tensor(self) -> int:
+        """Devices that split one expert's width (devices per expert group)."""
+        return self.devices // self.expert_parallel
+
+    def expert_group(self, d: int) -> int:
+        return d // self.expert_tensor
+
+    def kv_head(self, d: int) -> int:
+        """First (global) KV head device d holds."""
+        return d * self.kv_heads if self.kv_replicas == 1 else d // self.kv_replicas
+
+    # ---------------------------------------------------------------- the per-device model
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model one device computes. Routing stays global (num_experts = E, the router is
+        whole); the packed experts hold only the owned ones (`experts`)."""
+        if self.devices == 1:
+            return cfg
+        shared = {"num_shared_experts": 1, "shared_expert_ffn_size": self.shared_ffn} if self.shared_ffn else {}
+        return cfg.replace(
+            name=f"{cfg.name}-tp{self.devices}", num_q_heads=self.q_heads, num_kv_heads=self.kv_heads,
+            ffn_size=self.ffn, vocab_size=self.vocab,
+            expert_ffn_size=self.expert_ffn if cfg.is_moe else 0, **shared)
+
+    def summary(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Plain data for the build report: what each device holds."""
+        out: dict[str, Any] = {
+            "devices": self.devices, "mesh_axis": MESH_AXIS,
+            "attention": {"q_heads_per_device": self.q_heads, "kv_heads_per_device": self.kv_heads,
+                          "kv_replicas": self.kv_replicas,
+                          "o_proj": "split by input rows (heads), partial sums all-reduced"},
+            "lm_head": {"split": "vocabulary", "columns_per_device": self.vocab},
+            "replicated": ["embedding", "norms"] + (["router"] if cfg.is_moe else []),
+            "collectives_per_layer": 2 if self.devices > 1 else 0,
+        }
+        if cfg.num_dense_layers:
+            out["dense_ffn"] = {"split": "width", "width_per_device": self.ffn}
+        if cfg.is_moe:
+            mode = ("expert_tensor" if self.expert_parallel == 1 else
+                    "expert" if self.expert_parallel == self.devices else "expert_x_tensor")
+            out["experts"] = {"mode": mode, "expert_parallel": self.expert_parallel,
+                              "expert_tensor": self.expert_tensor, "experts_per_device": self.experts,
+                              "expert_width_per_device": self.expert_ffn}
+            if self.shared_ffn:
+                out["shared_experts"] = {"split": "width", "width_per_device": self.shared_ffn}
+        return out
+
+    # ---------------------------------------------------------------- weights
+    def device_params(self, cfg: ModelConfig, params: dict, d: int) -> dict:
+        """Device d's part of reference-layout weights, in the reference layout of
+        `local_config(cfg)` (numpy arrays; widths zero-padded past the model's own). The
+        embedding is cut to the device's vocabulary slice (it only feeds a tied lm_head there:
+        the step gathers token rows from the whole, replicated embedding)."""
+        if self.devices == 1:
+            return params
+        dd = cfg.head_dim
+
+        def cols(a, lo: int, width: int, axis: int = -1):
+            a = np.asarray(a)
+            axis %= a.ndim
+            hi = min(lo + width, a.shape[axis])
+            part = np.take(a, np.arange(lo, hi), axis=axis) if hi > lo else np.take(a, np.arange(0), axis=axis)
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, width - part.shape[axis])
+            return np.pad(part, pad)
+
+        q_lo, kv_lo = d * self.q_heads * dd, self.kv_head(d) * dd
+        layers = []
+        for i, lay in enumerate(params["layers"]):
+            out = {k: np.asarray(lay[k]) for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if k in lay}
+            out["wq"] = cols(lay["wq"], q_lo, self.q_heads * dd)
+            out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
+            out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
+            out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
+            if cfg.layer_is_dense(i):
+                lo = d * self.ffn
+                out["w_gate"] = cols(lay["w_gate"], lo, self.ffn)
+                out["w_up"] = cols(lay["w_up"], lo, self.ffn)
+                out["w_down"] = cols(lay["w_down"], lo, self.ffn, axis=0)
+            else:
+                out["router"] = np.asarray(lay["router"])
+                e_lo = self.expert_group(d) * self.experts
+                f_lo = (d % self.expert_tensor) * self.expert_ffn
+                for k in ("e_gate", "e_up"):
+                    out[k] = cols(np.asarray(lay[k])[e_lo:e_lo + self.experts], f_lo, self.expert_ffn)
+                out["e_down"] = cols(np.asarray(lay["e_down"])[e_lo:e_lo + self.experts], f_lo, self.expert_ffn, axis=1)
+                if self.shared_ffn:
+                    lo = d * self.shared_ffn
+                    out["s_gate"] = cols(lay["s_gate"], lo, self.shared_ffn)
+                    out["s_up"] = cols(lay["s_up"], lo, self.shared_ffn)
+                    out["s_down"] = cols(lay["s_down"], lo, self.shared_ffn, axis=0)
+            layers.append(out)
+        v_lo = d * self.vocab
+        top = {"embed": cols(params["embed"], v_lo, self.vocab, axis=0), "final_norm": np.asarray(params["final_norm"]),
+               "layers": layers}
+        if not cfg.tie_embeddings:
+            top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
+        return top
+
+    # ---------------------------------------------------------------- the KV cache
+    def cache_heads(self, cfg: ModelConfig) -> int:
+        """KV heads along the sharded cache's last axis: Hkv, or N when heads are replicated."""
+        return self.devices * self.kv_heads
+
+    def expand_cache(self, cfg: ModelConfig, kv):
+        """A reference cache array [L, pages, P, Hkv*D] -> the sharded layout [L, pages, P,
+        N*kv_heads*D] (device d's lanes [d*kv_heads*D, ...)): the same array while N <= Hkv,
+        each KV head repeated kv_replicas times when replicated."""
+        if self.kv_replicas == 1:
+            return kv
+        import jax.numpy as jnp
+
+        *lead, _ = kv.shape
+        heads = kv.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        return jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, self.devices * cfg.head_dim)
+
+    def collapse_cache(self, cfg: ModelConfig, kv):
+        """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
+        if self.kv_replicas == 1:
+            return kv
+        *lead, _ = kv.shape
+        heads = kv.reshape(*lead, self.devices, cfg.head_dim)[..., ::self.kv_replicas, :]
+        return heads.reshape(*lead, cfg.kv_size)
+
+
+def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> ShardingPlan:
+    """The sharding of `cfg` over `devices` devices (`expert_parallel` 0 = auto). Raises
+    PlanError (one line naming the field) when the model cannot be split that way."""
+    n = devices
+    hq, hkv = cfg.num_q_heads, cfg.num_kv_heads
+    if n == 1:
+        e = cfg.num_experts
+        return ShardingPlan(1, hq, hkv, 1, cfg.ffn_size if cfg.num_dense_layers else 0,
+                            cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0,
+                            1, e, cfg.expert_ffn_size if e else 0, cfg.vocab_size)
+    if hq % n:
+        raise PlanError(f"sharding: devices = {n}: expected a divisor of num_q_heads ({hq}) of model '{cfg.name}' "
+                        f"(query heads are split across devices)")
+    if n <= hkv and hkv % n:
+        raise PlanError(f"sharding: devices = {n}: expected a divisor of num_kv_heads ({hkv}) of model '{cfg.name}', "
+                        f"or a multiple of it (KV heads are split, or replicated when devices exceed them)")
+    if n > hkv and n % hkv:
+        raise PlanError(f"sharding: devices = {n}: expected a multiple of num_kv_heads ({hkv}) of model '{cfg.name}' "
+                        f"when devices exceed the KV heads (each device must read one whole KV head)")
+    kv_heads, replicas = (hkv // n, 1) if n <= hkv else (1, n // hkv)
+    ffn = round_up(-(-cfg.ffn_size // n), LANE) if cfg.num_dense_layers else 0
+    shared_total = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    shared = round_up(-(-shared_total // n), LANE) if shared_total else 0
+    ep, experts, expert_ffn = 1, 0, 0
+    if cfg.is_moe:
+        e, fe = cfg.num_experts, cfg.expert_ffn_size
+
+        def fits(g: int) -> bool:
+            return n % g == 0 and e % g == 0 and fe % (n // g) == 0 and (fe // (n // g)) % LANE == 0
+
+        if expert_parallel:
+            ep = expert_parallel
+            if not fits(ep):
+                ok = [g for g in _divisors(n) if fits(g)]
+                raise PlanError(
+                    f"tuning: 'expert_parallel' = {ep}: expected a divisor of devices ({n}) and num_experts ({e}) "
+                    f"leaving each device a multiple of {LANE} of expert_ffn_size ({fe}); "
+                    f"possible: {', '.join(map(str, ok)) or 'none'}")
+        else:
+            # Auto: the widest expert-tensor split whose width slices stay whole lanes (every
+            # device streams every picked expert: balanced load whatever the routing), then more
+            # expert groups only as the width requires.
+            ok = [g for g in _divisors(n) if fits(g)]
+            if not ok:
+                raise PlanError(f"sharding: devices = {n}: no split of model '{cfg.name}''s {e} experts of width {fe} "
+                                f"gives every device whole experts and a multiple of {LANE} of their width")
+            ep = ok[0]
+        experts, expert_ffn = e // ep, fe // (n // ep)
+    return ShardingPlan(n, hq // n, kv_heads, replicas, ffn, shared, ep, experts, expert_ffn,
+                        -(-cfg.vocab_size // n))
+
+
+def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
+    """Every valid `expert_parallel` for `cfg` on `devices` devices (the tuner's choices)."""
+    if not cfg.is_moe or devices == 1:
+        return [1]
+    e, fe = cfg.num_experts, cfg.expert_ffn_size
+    return [g for g in _divisors(devices)
+            if e % g == 0 and fe % (devices // g) == 0 and (fe // (devices // g)) % LANE == 0]
+
+
+def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan) -> int:
+    """Closed-form weight bytes one device holds (no padding, before planning): its slice of the
+    split matrices plus the replicated embedding, router and norms."""
+    local = sharding.local_config(cfg)
+    h = cfg.hidden_size
+    total = local.param_count() - local.vocab_size * h * (1 if local.tie_embeddings else 2)
+    total += cfg.vocab_size * h + (0 if cfg.tie_embeddings else sharding.vocab * h)
+    if cfg.is_moe:  # local.param_count counts all E experts of the local width; a device owns `experts`
+        moe_layers = cfg.num_layers - cfg.num_dense_layers
+        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size
+    return int(total * cfg.dtype_bytes)
+
+
+def mesh_shape_text(devices: int) -> str:
+    return f"{MESH_AXIS}={devices}"
+
+
+__all__ = ["MESH_AXIS", "ShardingPlan", "plan_sharding", "expert_parallel_choices", "per_device_weight_bytes",
+           "mesh_shape_text"]
