@@ -52,6 +52,17 @@ class BuildReport:
     notes: list[str] = field(default_factory=list)
     # The speculative verify step (q = verify_q) of the same build, see `verify_figures`.
     verify: dict[str, Any] | None = None
+    # Devices one step spans (every per-step figure above is per device: its VMEM, its HBM
+    # bytes and floor), the deviceless topology compiled for, the mesh, and how the model is
+    # split; interconnect bytes one device sends and in-kernel collectives per step (plan
+    # accounting); collective ops XLA runs outside the kernel (0 is the aim).
+    devices: int = 1
+    topology: str | None = None
+    mesh: dict[str, Any] | None = None
+    sharding: dict[str, Any] | None = None
+    interconnect_bytes_per_step: float = 0.0
+    collectives_per_step: int = 0
+    xla_collectives: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,8 +152,22 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildRe
             notes.append(
                 f"INVALID ESTIMATE: {est_seconds * 1e6:.1f} us is faster than the HBM floor {floor * 1e6:.1f} us; "
                 "the compiler model or the calibration is wrong for this kernel, do not use it as a result")
+    from tpumk.targets import topology_for
+
+    mesh = None
+    if plan.devices > 1:
+        from tpumk.kernel.megakernel import step_mesh
+
+        m = step_mesh(plan)
+        mesh = {"axes": {name: size for name, size in m.shape.items()},
+                "device_ids": [int(d.id) for d in m.devices.flat],
+                "device_coords": [list(getattr(d, "coords", []) or []) for d in m.devices.flat]}
     return BuildReport(
-        model=plan.cfg.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
+        devices=plan.devices, topology=topology_for(target, plan.devices), mesh=mesh,
+        sharding=plan.sharding.summary(plan.whole_model) if plan.sharding is not None else None,
+        interconnect_bytes_per_step=plan.interconnect_bytes, collectives_per_step=plan.collectives_per_step,
+        xla_collectives=compiled.xla_collectives,
+        model=plan.whole_model.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
         compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,
         custom_calls=compiled.custom_calls, vmem_bytes=plan.vmem_total, vmem_budget_bytes=plan.vmem_budget,
         vmem_capacity_bytes=target.vmem_bytes, hbm_bytes_per_step=plan.hbm_bytes, floor_seconds=floor,

@@ -92,16 +92,24 @@ def _us(s):
 
 
 def print_build_report(r) -> None:
-    click.echo(f"built {r.model} for {r.target}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
+    on = f"{r.devices} x {r.target} ({r.topology})" if r.devices > 1 else r.target
+    click.echo(f"built {r.model} for {on}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
+    if r.devices > 1:
+        click.echo(f"sharding: {sharding_line(r.sharding)}")
+    each = " per device" if r.devices > 1 else ""
     rows = [
         ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
         ["Pallas TPU kernels in the step", r.custom_calls if r.target != "cpu"
          else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
-        ["VMEM plan / budget / capacity", f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
-                                          f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
-        ["HBM bytes per step (plan)", f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
+        ["VMEM plan / budget / capacity" + each, f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
+                                                 f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
+        ["HBM bytes per step (plan)" + each, f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
         ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
     ]
+    if r.devices > 1:
+        rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
+                 ["interconnect bytes sent per step" + each, f"{r.interconnect_bytes_per_step / 1e6:,.2f} MB"],
+                 ["XLA collectives outside the kernel", r.xla_collectives]]
     if r.estimated_seconds is not None:
         rows += [["compiler estimated cycles", f"{r.estimated_cycles:,}"],
                  ["estimated step time", _us(r.estimated_seconds)],
@@ -117,6 +125,21 @@ def print_build_report(r) -> None:
         click.echo(f"note: {n}")
     if r.verify:
         print_verify_figures(r)
+
+
+def sharding_line(sh: dict) -> str:
+    """One line of `ShardingPlan.summary()`: what each device holds."""
+    a = sh["attention"]
+    parts = [f"{a['q_heads_per_device']} q heads / {a['kv_heads_per_device']} kv heads per device"
+             + (f" (each kv head on {a['kv_replicas']} devices)" if a["kv_replicas"] > 1 else "")]
+    if "dense_ffn" in sh:
+        parts.append(f"FFN width {sh['dense_ffn']['width_per_device']}")
+    if "experts" in sh:
+        e = sh["experts"]
+        parts.append(f"experts {e['mode']} ({e['expert_parallel']} groups x {e['expert_tensor']}-way width: "
+                     f"{e['experts_per_device']} experts of width {e['expert_width_per_device']})")
+    parts.append(f"vocab {sh['lm_head']['columns_per_device']}")
+    return "; ".join(parts)
 
 
 def print_verify_figures(r) -> None:

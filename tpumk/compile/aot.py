@@ -6,6 +6,7 @@ compile with no weights in memory.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,6 +16,10 @@ from jax.sharding import SingleDeviceSharding
 
 from tpumk.errors import CompileError
 from tpumk.targets import Target
+
+# An XLA collective instruction in HLO text (`-start` of an async pair; its `-done` not counted).
+XLA_COLLECTIVE = re.compile(r"= [^=\n]*\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
+                            r"|collective-broadcast)(?:-start)?\(")
 
 # Status words of XLA / Mosaic errors, most telling first: the line holding one says why.
 _STATUS_WORDS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", "UNIMPLEMENTED", "Mosaic", "error:")
@@ -32,6 +37,12 @@ class Compiled:
     def custom_calls(self) -> int:
         """Pallas TPU kernels in the compiled program (each is one tpu_custom_call)."""
         return self.hlo_text.count('custom_call_target="tpu_custom_call"')
+
+    @property
+    def xla_collectives(self) -> int:
+        """Collective ops XLA runs outside the kernels (an async pair counts once): 0 when every
+        cross-device exchange happens inside the megakernel."""
+        return len(XLA_COLLECTIVE.findall(self.hlo_text))
 
 
 def place(specs: Any, device) -> Any:
