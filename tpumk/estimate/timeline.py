@@ -66,7 +66,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpumk.estimate.hlo import DTYPE_BYTES, HloInstr, called_computation, contracting_length, parse_hlo, trip_count
+from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
+                                parse_hlo, replica_group, source_target_pairs, trip_count)
+from tpumk.estimate.interconnect import collective_kind, collective_op_seconds
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -374,12 +376,16 @@ class OpCost:
 
     name: str
     opcode: str
-    kind: str  # "kernel" | "scalar" | "async_dma" | "free" | "custom_kernel"
+    kind: str  # "kernel" | "scalar" | "async_dma" | "free" | "custom_kernel" | "collective"
     read_bytes: float = 0.0  # HBM bytes read
     write_bytes: float = 0.0  # HBM bytes written
     mxu_seconds: float = 0.0
     window_bytes: float = 0.0  # VMEM the op's pipeline buffers use (its bytes in flight)
     times: float = 1.0  # executions per step (while-loop trips)
+    collective: str = ""  # kind "collective": "all-reduce", "all-gather", ... (the -start form's base name)
+    collective_bytes: float = 0.0  # its operand on one device (tpumk.estimate.interconnect's convention)
+    group: tuple[int, ...] | None = None  # device ids of its (first) replica group; None: every device
+    peer_offset: int = 1  # collective-permute: distance from source to target, in group positions
 
 
 class _Program:
@@ -474,6 +480,40 @@ class _Program:
                 seconds += self._mxu(called_computation(i), depth + 1)
         return seconds
 
+    # ---- collectives
+    def _find_collective(self, comp: str, depth: int = 0) -> tuple[str, HloInstr] | None:
+        """The collective a called computation runs (XLA wraps an async or SparseCore-offloaded
+        collective in an async computation, sometimes behind a custom call), or None."""
+        if depth > 4 or comp not in self.comps:
+            return None
+        for i in self.comps[comp]:
+            if collective_kind(i.opcode) and not i.opcode.endswith("-done"):
+                return comp, i
+        for i in self.comps[comp]:
+            for c in called_computations(i):
+                found = self._find_collective(c, depth + 1)
+                if found:
+                    return found
+        return None
+
+    def _collective_cost(self, comp: str, i: HloInstr, name: str, opcode: str, times: float) -> OpCost:
+        """A collective op: its kind, operand bytes on one device and replica-group size."""
+        kind = collective_kind(i.opcode) or ""
+        group = replica_group(i)
+        nbytes = sum(s.nbytes for o in i.operands if o in self.by_name[comp] for s in self.by_name[comp][o].shapes)
+        if not nbytes:  # operands not resolvable here: the result (without an async op's scalar context),
+            # scaled back to one device's share
+            result = [s for s in i.shapes if s.dtype not in ("u32", "s32") or s.dims] or i.shapes
+            nbytes = sum(s.nbytes for s in result)
+            if kind == "all-gather" and group:
+                nbytes /= len(group)
+        pairs = source_target_pairs(i)
+        offset = 1
+        if pairs and group:
+            offset = (group.index(pairs[0][1]) - group.index(pairs[0][0])) % len(group) or 1
+        return OpCost(name, opcode, "collective", times=times, collective=kind, collective_bytes=float(nbytes),
+                      group=group, peer_offset=offset)
+
     # ---- walk the entry computation
     def ops(self) -> list[OpCost]:
         return self._walk(self.entry, 1.0, 0)
@@ -488,6 +528,25 @@ class _Program:
             if op == "custom-call" and (i.attr("custom_call_target") or "") in _FREE_CUSTOM:
                 out.append(OpCost(i.name, op, "free", times=times))
                 continue
+            if _is_collective(op):
+                out.append(self._collective_cost(comp, i, i.name, op, times))
+                continue
+            if op == "async-start":
+                called = called_computation(i)
+                found = self._find_collective(called)
+                if found:  # an async (possibly SparseCore-offloaded) collective
+                    out.append(self._collective_cost(found[0], found[1], i.name, op, times))
+                    continue
+                root = next((r for r in self.comps.get(called, []) if r.root), None)
+                shapes = i.shapes
+                if root is not None and root.opcode in ("copy", "slice", "dynamic-slice") and len(shapes) >= 2:
+                    # the HLO dump's spelling of copy-start / slice-start: ((source), destination, context)
+                    dst, src = shapes[-2], shapes[0]
+                    hbm_to_chip = src.in_hbm and not dst.in_hbm
+                    chip_to_hbm = dst.in_hbm and not src.in_hbm
+                    out.append(OpCost(i.name, op, "async_dma", read_bytes=dst.nbytes if hbm_to_chip else 0.0,
+                                      write_bytes=dst.nbytes if chip_to_hbm else 0.0, times=times))
+                    continue
             if op in ("copy-start", "slice-start"):  # an async DMA that overlaps other ops
                 shapes = i.shapes
                 if len(shapes) >= 2:
@@ -561,6 +620,10 @@ class _Program:
         return OpCost(i.name, i.opcode, "kernel", read, write, mxu, window, times)
 
 
+def _is_collective(opcode: str) -> bool:
+    return collective_kind(opcode) is not None and not opcode.endswith("-done")
+
+
 def program_ops(target: Target, hlo_text: str) -> tuple[list[OpCost], list[str]]:
     """The cost of every top-level op of a compiled program's HLO, and notes on what the
     parse could not resolve (e.g. a while loop without a known trip count)."""
@@ -580,8 +643,28 @@ def kernel_op_seconds(target: Target, op: OpCost) -> tuple[float, float, float]:
     return boundary + max(dma, op.mxu_seconds), dma, boundary
 
 
+def program_collectives(target: Target, hlo_text: str) -> dict[str, int]:
+    """XLA collective ops a compiled program runs per step, by kind (loop trips counted; an
+    async pair counts once)."""
+    ops, _ = program_ops(target, hlo_text)
+    out: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "collective":
+            out[o.collective] = out.get(o.collective, 0) + int(o.times)
+    return out
+
+
+def collective_op_cost(target: Target, op: OpCost, devices: int | None = None) -> dict:
+    """tpumk's interconnect model of one collective op (`collective_op_seconds`) over its
+    replica group's devices; a group XLA leaves empty spans every device (`devices`)."""
+    group = op.group if op.group else (tuple(range(devices)) if devices else None)
+    if group is None:
+        raise ValueError(f"collective {op.name}: its replica groups span every device; pass devices")
+    return collective_op_seconds(target, op.collective, op.collective_bytes, len(group), op.peer_offset, group)
+
+
 def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, floor_seconds: float = 0.0,
-             what: str = "XLA program") -> StepModel:
+             what: str = "XLA program", devices: int | None = None) -> StepModel:
     """tpumk's timeline model of a compiled program, op by op, from its post-optimization HLO.
 
     Each kernel op (fusion, copy, in-place update, ...) is costed by `kernel_op_seconds`: its
@@ -592,6 +675,13 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
     time only beyond the DMA slack the kernels leave. Scalar-unit ops and views cost nothing.
     Ops inside a while loop count once per trip (known trip counts).
 
+    Collectives of an SPMD program (all-reduce, all-gather, ... and their async and
+    SparseCore-offloaded forms) are costed per device by tpumk's interconnect model
+    (`tpumk.estimate.interconnect.collective_op_seconds`) and reported as the stage
+    "collectives", with a note; they are charged in full, with no overlap: at decode each
+    reduction feeds the very next op. `devices`: the program's device count, for a collective
+    whose replica groups XLA leaves empty (all devices).
+
     `kernel`: the model of the program's Pallas kernel (a `tpu_custom_call`), e.g.
     `megakernel_step(plan)`; its time replaces that op's (it already includes its boundary).
     `floor_seconds`: the step's HBM floor, kept on the result for floor fractions."""
@@ -600,8 +690,15 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
     slack = 0.0
     background = 0.0
     kernels = 0
+    coll_count, coll_bytes, coll_seconds = 0, 0.0, 0.0
     for op in ops:
-        if op.kind == "kernel":
+        if op.kind == "collective":
+            cost = collective_op_cost(target, op, devices)
+            ledger.add("collectives", cost["seconds"], times=op.times)
+            coll_count += int(op.times)
+            coll_bytes += cost["send_bytes"] * op.times
+            coll_seconds += cost["seconds"] * op.times
+        elif op.kind == "kernel":
             seconds, dma, boundary = kernel_op_seconds(target, op)
             stage = "matmul ops" if op.mxu_seconds > 0 else ("copies" if op.opcode == "copy" else "other ops")
             ledger.add(stage, seconds - boundary, op.read_bytes + op.write_bytes, dma, op.mxu_seconds, op.times)
@@ -621,6 +718,9 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
         # prefetches run on the engine while kernels compute or wait on boundaries
         busy = load_seconds(target, background, background, 1.0)
         ledger.add("async prefetch", max(0.0, busy - slack), background, busy)
+    if coll_count:
+        notes.append(f"collectives: {coll_count} XLA collective ops, {coll_bytes / 1e6:.3f} MB sent per device, "
+                     f"{coll_seconds * 1e6:.1f} us (tpumk interconnect model, not a measurement)")
     return StepModel(seconds=ledger.seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu,
                      hbm_bytes=ledger.hbm_bytes, source=model_source(what), stages=ledger.stages, kernels=kernels,
                      floor_seconds=floor_seconds, notes=tuple(notes))
