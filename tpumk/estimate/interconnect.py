@@ -223,6 +223,8 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
 
     "direct": one round, every device pushes its [rows, width] slot to each of the N-1 peers.
     "doubling": log2 N rounds; in round s device i pushes its 2^s gathered slots to i XOR 2^s.
+    "rsag": two rounds (reduce-scatter, all-gather), each a push of one [rows, chunk] chunk to
+    each of the N-1 peers.
     Returns seconds, rounds, latency / transfer seconds, send_bytes (per device per call, as
     `geom.send_bytes`), messages (remote DMAs per device) and the model's source."""
     geom.validate()
@@ -234,6 +236,10 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
     coords = device_coords(target, n)
     if geom.schedule == "direct":
         rounds = [{i: {(i + off) % n: slot for off in geom.peer_offsets()} for i in range(n)}]
+    elif geom.schedule == "rsag":
+        chunk = float(geom.chunk_bytes)
+        one = {i: {(i + off) % n: chunk for off in geom.peer_offsets()} for i in range(n)}
+        rounds = [one, one]
     else:
         rounds = [{i: {i ^ off: off * slot} for i in range(n)} for off in geom.peer_offsets()]
     return {**out, **_rounds(link_figures(target), coords, rounds)}

@@ -68,7 +68,8 @@ from typing import Any
 
 from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
-from tpumk.estimate.interconnect import collective_kind, collective_op_seconds
+from tpumk.estimate.interconnect import all_reduce_seconds, collective_kind, collective_op_seconds
+from tpumk.estimate.interconnect import model_source as interconnect_source
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -307,7 +308,10 @@ def megakernel_step(plan) -> StepModel:
     engine with the routed experts' chunks (`expert_slots` in flight). Then the lm_head with
     its logits write-back, and one kernel boundary for the whole step. Bytes are the plan's
     own accounting (KV at the full context, experts at the expected distinct count), so
-    `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor."""
+    `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor.
+    Many devices: the figures are one device's (its bytes, its floor), plus a "collectives"
+    stage: each all-reduce after o and after the FFN / MoE stalls the compute for
+    `all_reduce_seconds` (tpumk.estimate.interconnect) while the ring keeps prefetching."""
     ledger = _Ledger()
     ring = _Ring(plan, ledger)
     cfg, t = plan.cfg, plan.target
@@ -324,6 +328,15 @@ def megakernel_step(plan) -> StepModel:
     entry = OP_DISPATCH_S + 2 * DMA_LATENCY_S + copy_in
     ledger.add("kernel_boundary", entry, inputs, copy_in)
 
+    # Many devices: the partial sums of o and of the FFN / MoE are all-reduced in the kernel
+    # (tpumk.kernel.collectives). The compute waits for each; the ring's outstanding loads go on.
+    reduce = all_reduce_seconds(t, plan.all_reduce)["seconds"] if plan.all_reduce is not None else 0.0
+
+    def collective(times: float) -> None:
+        if reduce:
+            ledger.add("collectives", reduce, times=times)
+            ring.prefetch_during(reduce, 0.0, depth_bytes)
+
     for seg in plan.segments[:-1]:
         # Every layer of a segment walks the same schedule: model the first layer (entering
         # from the previous stage) and the steady layer separately, then scale.
@@ -335,16 +348,23 @@ def megakernel_step(plan) -> StepModel:
             att, att_bytes = _attention_stage(plan, ledger, extra, times)
             ring.prefetch_during(att, att_bytes, depth_bytes)
             ring.family("o", "weight_ring", times)
+            collective(times)
             if seg.kind == "dense":
                 ring.family("gate_up", "weight_ring", times)
                 ring.family("down", "weight_ring", times)
             else:
                 _moe_stage(plan, ring, ledger, times)
+            collective(times)
     head = plan.families["lm_head"]
     ring.family("lm_head", "lm_head", 1.0, extra_bytes_per_block=float(plan.rows * head.tile_cols * 4))
     ledger.add("kernel_boundary", DMA_LATENCY_S)  # the last logits block's write-back drains
 
     notes = []
+    if reduce:
+        n = plan.collectives_per_step
+        notes.append(f"collectives: {n} in-kernel all-reduces ({plan.all_reduce.schedule}), "
+                     f"{plan.interconnect_bytes / 1e6:.3f} MB sent per device, {n * reduce * 1e6:.1f} us of waits "
+                     f"while the weight ring keeps loading ({interconnect_source('all-reduce', t)})")
     floor = plan.floor_seconds
     seconds = ledger.seconds
     if seconds < floor:  # cannot happen when every byte is accounted; never report it if it does
