@@ -175,7 +175,7 @@ def test_geometry():
     assert (v.schedule, v.stages, v.messages, v.peer_offsets()) == ("doubling", 2, 2, (1, 2))
     assert v.send_bytes == 3 * 8 * 128 * 4
     assert AllReduceGeometry.for_chip("v5e", 2, 8, 128).schedule == "direct"
-    for bad in (dict(rows=4), dict(width=100), dict(devices=0), dict(dtype="int8"),
+    for bad in (dict(rows=0), dict(width=100), dict(devices=0), dict(dtype="int8"),
                 dict(schedule="ring"), dict(devices=6, schedule="doubling"), dict(schedule="rsag", dtype="bfloat16")):
         kw = dict(devices=4, rows=8, width=128, dtype="float32", schedule="direct")
         kw.update(bad)

@@ -161,14 +161,19 @@ def _read_dumped_hlo(dump_dir: Path) -> str:
 
 
 def compile_program(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) -> CompiledProgram:
-    """jit(fn).lower(*specs).compile() for the target's device, keeping the compiled HLO text.
+    """jit(fn).lower(*specs).compile() for the target's device, keeping the compiled HLO text."""
+    from tpumk.compile.aot import place
+
+    return compile_placed(fn, place(arg_specs, target.device()), **jit_kwargs)
+
+
+def compile_placed(fn: Callable, specs: tuple, **jit_kwargs) -> CompiledProgram:
+    """jit(fn).lower(*specs).compile() for specs that already carry their shardings (one
+    device, or a mesh of them), keeping the compiled HLO text.
 
     `Compiled.as_text()` fails on some XLA TPU programs (jax 0.10.2: an async-update
     instruction's proto does not round-trip), so the HLO is also dumped by XLA itself and read
     back when as_text() fails. The dump does not change the executable."""
-    from tpumk.compile.aot import place
-
-    specs = place(arg_specs, target.device())
     with tempfile.TemporaryDirectory(prefix="tpumk-bench-hlo-") as d:
         t0 = time.perf_counter()
         lowered = jax.jit(fn, **jit_kwargs).lower(*specs)

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # Bytes per element of each HLO element type.
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -168,3 +170,50 @@ def contracting_length(i: HloInstr, a: ArrayShape, b: ArrayShape) -> int:
         return 1
     kernel = labels.group(2)
     return b.dims[kernel.index("i")] if "i" in kernel and len(b.dims) == len(kernel) else 1
+
+
+def replica_group(i: HloInstr) -> tuple[int, ...] | None:
+    """The device ids of a collective's first replica group, in any of the forms XLA prints:
+    `{{0,2},{1,3}}`, the iota form `[groups,size]<=[dims]` (with an optional `T(perm)`), and
+    the mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_0'}` (ids laid out row-major over the
+    mesh axes; a group varies the named axes, the others at 0). A collective-permute's
+    `source_target_pairs` give the ids they name. None when the groups are empty (every
+    device of the program) or absent. Ids are partition ids (mesh positions) in SPMD programs."""
+    a = i.attrs
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", a)
+    if m:
+        axes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        named = set(re.findall(r"'([^']+)'", m.group(2)))
+        if not named:
+            return None
+        ids = np.arange(math.prod(v for _, v in axes)).reshape([v for _, v in axes])
+        return tuple(int(x) for x in ids[tuple(slice(None) if k in named else 0 for k, _ in axes)].ravel())
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", a)
+    if m:
+        shape = [int(d) for d in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape([int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return tuple(int(x) for x in ids.reshape(shape[0], -1)[0])
+    m = re.search(r"replica_groups=\{\{([0-9,\s]*)\}", a)
+    if m:
+        return tuple(int(d) for d in m.group(1).split(",") if d.strip())
+    pairs = source_target_pairs(i)
+    if pairs:
+        return tuple(sorted({d for p in pairs for d in p}))
+    return None
+
+def source_target_pairs(i: HloInstr) -> list[tuple[int, int]]:
+    """A collective-permute's (source, target) device pairs; [] when it has none."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", i.attrs)
+    return [(int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] if m else []
+
+
+def called_computations(i: HloInstr) -> list[str]:
+    """Every computation an instruction runs as its body (`calls=`, `called_computations={...}`),
+    without the %; not the reduction functions of `to_apply=`."""
+    out = [called_computation(i)] if called_computation(i) else []
+    m = re.search(r"called_computations=\{([^}]*)\}", i.attrs)
+    if m:
+        out += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+    return out

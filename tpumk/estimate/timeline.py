@@ -66,7 +66,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpumk.estimate.hlo import DTYPE_BYTES, HloInstr, called_computation, contracting_length, parse_hlo, trip_count
+from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
+                                parse_hlo, replica_group, source_target_pairs, trip_count)
+from tpumk.estimate.interconnect import all_reduce_seconds, collective_kind, collective_op_seconds
+from tpumk.estimate.interconnect import model_source as interconnect_source
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -305,7 +308,10 @@ def megakernel_step(plan) -> StepModel:
     engine with the routed experts' chunks (`expert_slots` in flight). Then the lm_head with
     its logits write-back, and one kernel boundary for the whole step. Bytes are the plan's
     own accounting (KV at the full context, experts at the expected distinct count), so
-    `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor."""
+    `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor.
+    Many devices: the figures are one device's (its bytes, its floor), plus a "collectives"
+    stage: each all-reduce after o and after the FFN / MoE stalls the compute for
+    `all_reduce_seconds` (tpumk.estimate.interconnect) while the ring keeps prefetching."""
     ledger = _Ledger()
     ring = _Ring(plan, ledger)
     cfg, t = plan.cfg, plan.target
@@ -322,6 +328,15 @@ def megakernel_step(plan) -> StepModel:
     entry = OP_DISPATCH_S + 2 * DMA_LATENCY_S + copy_in
     ledger.add("kernel_boundary", entry, inputs, copy_in)
 
+    # Many devices: the partial sums of o and of the FFN / MoE are all-reduced in the kernel
+    # (tpumk.kernel.collectives). The compute waits for each; the ring's outstanding loads go on.
+    reduce = all_reduce_seconds(t, plan.all_reduce)["seconds"] if plan.all_reduce is not None else 0.0
+
+    def collective(times: float) -> None:
+        if reduce:
+            ledger.add("collectives", reduce, times=times)
+            ring.prefetch_during(reduce, 0.0, depth_bytes)
+
     for seg in plan.segments[:-1]:
         # Every layer of a segment walks the same schedule: model the first layer (entering
         # from the previous stage) and the steady layer separately, then scale.
@@ -333,16 +348,23 @@ def megakernel_step(plan) -> StepModel:
             att, att_bytes = _attention_stage(plan, ledger, extra, times)
             ring.prefetch_during(att, att_bytes, depth_bytes)
             ring.family("o", "weight_ring", times)
+            collective(times)
             if seg.kind == "dense":
                 ring.family("gate_up", "weight_ring", times)
                 ring.family("down", "weight_ring", times)
             else:
                 _moe_stage(plan, ring, ledger, times)
+            collective(times)
     head = plan.families["lm_head"]
     ring.family("lm_head", "lm_head", 1.0, extra_bytes_per_block=float(plan.rows * head.tile_cols * 4))
     ledger.add("kernel_boundary", DMA_LATENCY_S)  # the last logits block's write-back drains
 
     notes = []
+    if reduce:
+        n = plan.collectives_per_step
+        notes.append(f"collectives: {n} in-kernel all-reduces ({plan.all_reduce.schedule}), "
+                     f"{plan.interconnect_bytes / 1e6:.3f} MB sent per device, {n * reduce * 1e6:.1f} us of waits "
+                     f"while the weight ring keeps loading ({interconnect_source('all-reduce', t)})")
     floor = plan.floor_seconds
     seconds = ledger.seconds
     if seconds < floor:  # cannot happen when every byte is accounted; never report it if it does
@@ -374,12 +396,16 @@ class OpCost:
 
     name: str
     opcode: str
-    kind: str  # "kernel" | "scalar" | "async_dma" | "free" | "custom_kernel"
+    kind: str  # "kernel" | "scalar" | "async_dma" | "free" | "custom_kernel" | "collective"
     read_bytes: float = 0.0  # HBM bytes read
     write_bytes: float = 0.0  # HBM bytes written
     mxu_seconds: float = 0.0
     window_bytes: float = 0.0  # VMEM the op's pipeline buffers use (its bytes in flight)
     times: float = 1.0  # executions per step (while-loop trips)
+    collective: str = ""  # kind "collective": "all-reduce", "all-gather", ... (the -start form's base name)
+    collective_bytes: float = 0.0  # its operand on one device (tpumk.estimate.interconnect's convention)
+    group: tuple[int, ...] | None = None  # device ids of its (first) replica group; None: every device
+    peer_offset: int = 1  # collective-permute: distance from source to target, in group positions
 
 
 class _Program:
@@ -474,6 +500,40 @@ class _Program:
                 seconds += self._mxu(called_computation(i), depth + 1)
         return seconds
 
+    # ---- collectives
+    def _find_collective(self, comp: str, depth: int = 0) -> tuple[str, HloInstr] | None:
+        """The collective a called computation runs (XLA wraps an async or SparseCore-offloaded
+        collective in an async computation, sometimes behind a custom call), or None."""
+        if depth > 4 or comp not in self.comps:
+            return None
+        for i in self.comps[comp]:
+            if collective_kind(i.opcode) and not i.opcode.endswith("-done"):
+                return comp, i
+        for i in self.comps[comp]:
+            for c in called_computations(i):
+                found = self._find_collective(c, depth + 1)
+                if found:
+                    return found
+        return None
+
+    def _collective_cost(self, comp: str, i: HloInstr, name: str, opcode: str, times: float) -> OpCost:
+        """A collective op: its kind, operand bytes on one device and replica-group size."""
+        kind = collective_kind(i.opcode) or ""
+        group = replica_group(i)
+        nbytes = sum(s.nbytes for o in i.operands if o in self.by_name[comp] for s in self.by_name[comp][o].shapes)
+        if not nbytes:  # operands not resolvable here: the result (without an async op's scalar context),
+            # scaled back to one device's share
+            result = [s for s in i.shapes if s.dtype not in ("u32", "s32") or s.dims] or i.shapes
+            nbytes = sum(s.nbytes for s in result)
+            if kind == "all-gather" and group:
+                nbytes /= len(group)
+        pairs = source_target_pairs(i)
+        offset = 1
+        if pairs and group:
+            offset = (group.index(pairs[0][1]) - group.index(pairs[0][0])) % len(group) or 1
+        return OpCost(name, opcode, "collective", times=times, collective=kind, collective_bytes=float(nbytes),
+                      group=group, peer_offset=offset)
+
     # ---- walk the entry computation
     def ops(self) -> list[OpCost]:
         return self._walk(self.entry, 1.0, 0)
@@ -488,6 +548,25 @@ class _Program:
             if op == "custom-call" and (i.attr("custom_call_target") or "") in _FREE_CUSTOM:
                 out.append(OpCost(i.name, op, "free", times=times))
                 continue
+            if _is_collective(op):
+                out.append(self._collective_cost(comp, i, i.name, op, times))
+                continue
+            if op == "async-start":
+                called = called_computation(i)
+                found = self._find_collective(called)
+                if found:  # an async (possibly SparseCore-offloaded) collective
+                    out.append(self._collective_cost(found[0], found[1], i.name, op, times))
+                    continue
+                root = next((r for r in self.comps.get(called, []) if r.root), None)
+                shapes = i.shapes
+                if root is not None and root.opcode in ("copy", "slice", "dynamic-slice") and len(shapes) >= 2:
+                    # the HLO dump's spelling of copy-start / slice-start: ((source), destination, context)
+                    dst, src = shapes[-2], shapes[0]
+                    hbm_to_chip = src.in_hbm and not dst.in_hbm
+                    chip_to_hbm = dst.in_hbm and not src.in_hbm
+                    out.append(OpCost(i.name, op, "async_dma", read_bytes=dst.nbytes if hbm_to_chip else 0.0,
+                                      write_bytes=dst.nbytes if chip_to_hbm else 0.0, times=times))
+                    continue
             if op in ("copy-start", "slice-start"):  # an async DMA that overlaps other ops
                 shapes = i.shapes
                 if len(shapes) >= 2:
@@ -561,6 +640,10 @@ class _Program:
         return OpCost(i.name, i.opcode, "kernel", read, write, mxu, window, times)
 
 
+def _is_collective(opcode: str) -> bool:
+    return collective_kind(opcode) is not None and not opcode.endswith("-done")
+
+
 def program_ops(target: Target, hlo_text: str) -> tuple[list[OpCost], list[str]]:
     """The cost of every top-level op of a compiled program's HLO, and notes on what the
     parse could not resolve (e.g. a while loop without a known trip count)."""
@@ -580,8 +663,28 @@ def kernel_op_seconds(target: Target, op: OpCost) -> tuple[float, float, float]:
     return boundary + max(dma, op.mxu_seconds), dma, boundary
 
 
+def program_collectives(target: Target, hlo_text: str) -> dict[str, int]:
+    """XLA collective ops a compiled program runs per step, by kind (loop trips counted; an
+    async pair counts once)."""
+    ops, _ = program_ops(target, hlo_text)
+    out: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "collective":
+            out[o.collective] = out.get(o.collective, 0) + int(o.times)
+    return out
+
+
+def collective_op_cost(target: Target, op: OpCost, devices: int | None = None) -> dict:
+    """tpumk's interconnect model of one collective op (`collective_op_seconds`) over its
+    replica group's devices; a group XLA leaves empty spans every device (`devices`)."""
+    group = op.group if op.group else (tuple(range(devices)) if devices else None)
+    if group is None:
+        raise ValueError(f"collective {op.name}: its replica groups span every device; pass devices")
+    return collective_op_seconds(target, op.collective, op.collective_bytes, len(group), op.peer_offset, group)
+
+
 def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, floor_seconds: float = 0.0,
-             what: str = "XLA program") -> StepModel:
+             what: str = "XLA program", devices: int | None = None) -> StepModel:
     """tpumk's timeline model of a compiled program, op by op, from its post-optimization HLO.
 
     Each kernel op (fusion, copy, in-place update, ...) is costed by `kernel_op_seconds`: its
@@ -592,6 +695,13 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
     time only beyond the DMA slack the kernels leave. Scalar-unit ops and views cost nothing.
     Ops inside a while loop count once per trip (known trip counts).
 
+    Collectives of an SPMD program (all-reduce, all-gather, ... and their async and
+    SparseCore-offloaded forms) are costed per device by tpumk's interconnect model
+    (`tpumk.estimate.interconnect.collective_op_seconds`) and reported as the stage
+    "collectives", with a note; they are charged in full, with no overlap: at decode each
+    reduction feeds the very next op. `devices`: the program's device count, for a collective
+    whose replica groups XLA leaves empty (all devices).
+
     `kernel`: the model of the program's Pallas kernel (a `tpu_custom_call`), e.g.
     `megakernel_step(plan)`; its time replaces that op's (it already includes its boundary).
     `floor_seconds`: the step's HBM floor, kept on the result for floor fractions."""
@@ -600,8 +710,15 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
     slack = 0.0
     background = 0.0
     kernels = 0
+    coll_count, coll_bytes, coll_seconds = 0, 0.0, 0.0
     for op in ops:
-        if op.kind == "kernel":
+        if op.kind == "collective":
+            cost = collective_op_cost(target, op, devices)
+            ledger.add("collectives", cost["seconds"], times=op.times)
+            coll_count += int(op.times)
+            coll_bytes += cost["send_bytes"] * op.times
+            coll_seconds += cost["seconds"] * op.times
+        elif op.kind == "kernel":
             seconds, dma, boundary = kernel_op_seconds(target, op)
             stage = "matmul ops" if op.mxu_seconds > 0 else ("copies" if op.opcode == "copy" else "other ops")
             ledger.add(stage, seconds - boundary, op.read_bytes + op.write_bytes, dma, op.mxu_seconds, op.times)
@@ -621,6 +738,9 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
         # prefetches run on the engine while kernels compute or wait on boundaries
         busy = load_seconds(target, background, background, 1.0)
         ledger.add("async prefetch", max(0.0, busy - slack), background, busy)
+    if coll_count:
+        notes.append(f"collectives: {coll_count} XLA collective ops, {coll_bytes / 1e6:.3f} MB sent per device, "
+                     f"{coll_seconds * 1e6:.1f} us (tpumk interconnect model, not a measurement)")
     return StepModel(seconds=ledger.seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu,
                      hbm_bytes=ledger.hbm_bytes, source=model_source(what), stages=ledger.stages, kernels=kernels,
                      floor_seconds=floor_seconds, notes=tuple(notes))

@@ -103,7 +103,7 @@ def _kernel(plan: Plan):
         vector_copy(0, 0).start()
         s.resid[...] = x0[...]
         if ar is not None:
-            s.partial[...] = jnp.zeros(s.partial.shape, jnp.float32)  # pad rows stay 0 in every sum
+            s.partial[...] = jnp.zeros(s.partial.shape, jnp.float32)  # pad columns stay 0 in every sum
             all_reduce_barrier(ar)  # peers are in the kernel before the first remote write
 
         def layer_vectors(layer):

@@ -194,7 +194,7 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         act.append(vmem("moe_out", (n, h), "float32", "[N, H] shared-expert output, then the MoE output"))
     if plan.all_reduce is not None:
         act.append(vmem("partial", (plan.all_reduce.rows, plan.all_reduce.padded_width), "float32",
-                        "[N rounded up to 8, H (padded to whole all-reduce chunks)] this device's partial sum (o / FFN output) to all-reduce; pad rows 0"))
+                        "[N, H padded to whole all-reduce chunks] this device's partial sum (o / FFN output) to all-reduce; pad columns 0"))
     out += comp("activations", *act)
     out += comp("logits_staging",
                 vmem("logits", (n, plan.families["lm_head"].tile_cols), "float32",

@@ -31,7 +31,7 @@ from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
-from tpumk.plan.geometry import (F32_SUBLANES, LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
                                  MoEGeometry, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -429,9 +429,9 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                                       owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor)
     all_reduce = None
     if sharding.devices > 1:
-        # f32 partial sums (exact); rows padded to whole f32 sublane tiles so each slot DMA is
-        # tile-aligned (the pad rows stay zero).
-        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, round_up(rows, F32_SUBLANES),
+        # f32 partial sums (exact), one row per token row: padding to the 8-row tile would
+        # send 8x the bytes at batch 1.
+        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows,
                                                 cfg.hidden_size)
 
     plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,

@@ -1,0 +1,159 @@
+"""XLA's SPMD decode step (tpumk.decode.xla_spmd): the sharding, deviceless compiles for TPU7x
+with 4 and 8 devices (about a second each, shared by the tests through a cache), the
+collectives XLA inserts, per-device shapes, and the timeline model of the result."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+from tpumk.decode import xla_spmd as xs
+from tpumk.decode.bench import xla_step_specs
+from tpumk.errors import ConfigError
+from tpumk.estimate.timeline import xla_step
+from tpumk.model.config import load_preset
+from tpumk.targets import get_target
+
+TPU7X = get_target("tpu7x")
+
+
+@functools.lru_cache(maxsize=None)
+def _program(preset: str, devices: int, expert_parallel: bool = False) -> xs.SpmdProgram:
+    return xs.compile_xla_spmd(load_preset(preset), 1, 4096, 1, TPU7X, devices, expert_parallel)
+
+
+def _ways(spec, layout: xs.SpmdLayout) -> list[int]:
+    """How many ways each dimension of a tensor is split under `spec`."""
+    size = {xs.AXIS: layout.kv_split, xs.REP_AXIS: layout.replicas}
+    out = []
+    for entry in tuple(spec):
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        out.append(math.prod(size[n] for n in names))
+    return out
+
+
+# ---------------------------------------------------------------------- the sharding (no compile)
+def test_megatron_layout_when_heads_divide():
+    layout = xs.spmd_layout(load_preset("qwen3-32b"), 8)  # 64 q / 8 kv heads
+    lay = layout.params["layers"][0]
+    assert (layout.kv_split, layout.replicas, layout.axes) == (8, 1, ("tp",))
+    assert lay["wq"] == lay["wk"] == lay["wv"] == lay["w_gate"] == lay["w_up"] == xs.P(None, "tp")
+    assert lay["wo"] == lay["w_down"] == xs.P("tp", None)
+    assert lay["attn_norm"] == layout.params["embed"] == xs.P()
+    assert layout.params["lm_head"] == xs.P(None, "tp") and layout.cache == xs.P(None, None, "tp", None, None)
+    assert not layout.notes
+
+
+def test_more_devices_than_kv_heads_split_kv_as_far_as_heads_allow():
+    layout = xs.spmd_layout(load_preset("qwen3-32b"), 32)
+    lay = layout.params["layers"][0]
+    assert (layout.kv_split, layout.replicas) == (8, 4)
+    assert lay["wk"] == xs.P(None, "tp") and layout.cache == xs.P(None, None, "tp", None, None)
+    assert lay["wq"] == xs.P(None, ("tp", "tp_rep"))  # 64 query heads still split 32 ways
+    assert any("num_kv_heads = 8" in n and "replicated 4 ways" in n for n in layout.notes)
+    tiny = xs.spmd_layout(load_preset("tiny-dense"), 8)  # 4 q / 2 kv heads
+    assert tiny.params["layers"][0]["wq"] == xs.P(None, "tp") and tiny.params["layers"][0]["wo"] == xs.P("tp", None)
+    assert any(n.startswith("num_q_heads = 4") for n in tiny.notes)
+
+
+def test_expert_tensor_and_expert_parallel():
+    cfg = load_preset("tiny-moe")  # 8 experts, expert FFN 256; layer 0 dense
+    etp = xs.spmd_layout(cfg, 4).params["layers"][1]
+    assert etp["e_gate"] == etp["e_up"] == xs.P(None, None, ("tp", "tp_rep")) and etp["router"] == xs.P()
+    assert etp["e_down"] == xs.P(None, ("tp", "tp_rep"), None)
+    ep = xs.spmd_layout(cfg, 8, expert_parallel=True).params["layers"][1]
+    assert ep["e_gate"] == ep["e_up"] == ep["e_down"] == xs.P(("tp", "tp_rep"), None, None)
+    assert "e_gate" not in xs.spmd_layout(cfg, 8).params["layers"][0]  # the dense layer
+
+
+@pytest.mark.parametrize("preset, devices, ep, match", [
+    ("tiny-moe", 16, True, r"^expert_parallel: num_experts = 8 does not split over 16 devices$"),
+    ("tiny-dense", 4, True, r"^expert_parallel: model 'tiny-dense' has no experts$"),
+    ("tiny-dense", 0, False, r"^devices = 0: expected a positive integer$"),
+])
+def test_bad_input_is_one_line_naming_the_field(preset, devices, ep, match):
+    with pytest.raises(ConfigError, match=match):
+        xs.spmd_layout(load_preset(preset), devices, ep)
+
+
+def test_specs_carry_their_shardings_and_the_mesh_must_be_1d():
+    import numpy as np
+    from jax.sharding import Mesh
+
+    cfg = load_preset("tiny-dense")
+    mesh = xs.spmd_mesh(TPU7X, 4)
+    specs = xs.xla_spmd_specs(cfg, 1, 256, 1, mesh)
+    plain = xla_step_specs(cfg, 1, 256, 1)
+    assert specs[0]["layers"][0]["wq"].shape == plain[0]["layers"][0]["wq"].shape  # global shapes
+    sh = specs[0]["layers"][0]["wq"].sharding
+    assert sh.shard_shape(plain[0]["layers"][0]["wq"].shape) == (256, 128)
+    assert list(sh.mesh.devices.flat) == list(mesh.devices.flat)  # same devices, same order
+    with pytest.raises(ConfigError, match=r"^mesh: axis names"):
+        xs.xla_spmd_specs(cfg, 1, 256, 1, Mesh(np.array(mesh.devices).reshape(2, 2), ("a", "b")))
+
+
+# ---------------------------------------------------------------------- compiled, deviceless
+CASES = [("tiny-dense", 4, False), ("tiny-dense", 8, False), ("tiny-moe", 4, False), ("tiny-moe", 8, False),
+         ("tiny-moe", 8, True)]
+
+
+@pytest.mark.parametrize("preset, devices, ep", CASES)
+def test_spmd_program_holds_xla_collectives(preset, devices, ep):
+    cfg = load_preset(preset)
+    p = _program(preset, devices, ep)
+    assert p.devices == devices and p.topology == "tpu7x:2x2x1" and p.expert_parallel == ep
+    assert p.collective_ops > 0
+    # every layer's last projection (w_down / e_down split by rows, or wo) leaves partial sums to reduce
+    assert p.collectives.get("all-reduce", 0) >= cfg.num_layers
+    if cfg.num_q_heads % devices == 0:  # wo split too: its partial sums are reduced as well
+        assert p.collectives["all-reduce"] >= 2 * cfg.num_layers
+
+
+@pytest.mark.parametrize("preset, devices, ep", CASES)
+def test_per_device_shapes_are_the_global_ones_split(preset, devices, ep):
+    cfg = load_preset(preset)
+    p = _program(preset, devices, ep)
+    shapes = xs.entry_parameter_shapes(p.hlo_text)
+    params = xla_step_specs(cfg, 1, 4096, 1)[0]
+    checked = 0
+    for i, (lay, spec) in enumerate(zip(params["layers"], p.layout.params["layers"])):
+        for name, s in lay.items():
+            ways = _ways(spec[name], p.layout) + [1] * len(s.shape)
+            expected = tuple(d // w for d, w in zip(s.shape, ways))
+            assert shapes[f"p['layers'][{i}]['{name}']"] == expected, (name, s.shape, spec[name])
+            checked += 1
+    assert checked >= 8 * cfg.num_layers  # every tensor of every layer
+    # the FFN (dense, or each expert's width / the expert axis) is 1/N of its global size per device
+    dense = shapes["p['layers'][0]['w_gate']"]
+    assert dense[1] == cfg.ffn_size // devices
+    if cfg.num_experts:
+        e = shapes["p['layers'][1]['e_gate']"]
+        assert e == ((cfg.num_experts // devices, cfg.hidden_size, cfg.expert_ffn_size) if ep
+                     else (cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size // devices))
+    assert shapes["p['lm_head']"] == (cfg.hidden_size, cfg.vocab_size // devices)
+
+
+@pytest.mark.parametrize("preset, devices", [("tiny-dense", 4), ("tiny-moe", 8)])
+def test_timeline_model_charges_the_collectives(preset, devices):
+    p = _program(preset, devices)
+    m = xla_step(TPU7X, p.hlo_text, devices=devices)
+    coll = m.stages["collectives"]["seconds"]
+    assert coll > 0 and m.seconds > coll
+    assert any(f"{p.collective_ops} XLA collective ops" in n and "tpumk interconnect model" in n for n in m.notes)
+    assert "tpumk timeline model" in m.source
+
+
+@pytest.mark.slow
+def test_qwen3_32b_on_8_tpu7x_devices_compiles():
+    """About 50 s deviceless on a 2-core host (64 unrolled layers)."""
+    cfg = load_preset("qwen3-32b")
+    p = xs.compile_xla_spmd(cfg, 1, 4096, 1, TPU7X, 8)
+    assert p.topology == "tpu7x:2x2x1" and not p.layout.notes
+    assert p.collectives["all-reduce"] >= 2 * cfg.num_layers  # o-projection and down-projection per layer
+    shapes = xs.entry_parameter_shapes(p.hlo_text)
+    assert shapes["p['layers'][0]['wq']"] == (cfg.hidden_size, cfg.q_size // 8)
+    assert shapes["p['layers'][0]['w_down']"] == (cfg.ffn_size // 8, cfg.hidden_size)
+    m = xla_step(TPU7X, p.hlo_text, devices=8)
+    assert m.stages["collectives"]["seconds"] > 0

@@ -1,0 +1,243 @@
+"""XLA's SPMD decode step: the multi-device baseline for `tpumk bench` (issue 13).
+
+The program is `tpumk.decode.bench.xla_decode_step` unchanged (the same reference-layout
+weights, head-major contiguous KV cache, unrolled layers), compiled for N devices with its
+weights and cache sharded over a 1-D mesh axis "tp" (Megatron-style tensor parallelism) and
+XLA's SPMD partitioner inserting whatever collectives the sharding needs. Nothing here writes a
+collective by hand: what XLA inserts is what the baseline pays.
+
+Sharding (`spmd_layout`), per layer:
+- wq split by output columns (query heads), wo by input rows: each device attends with its own
+  heads and holds a partial o-projection, which XLA all-reduces;
+- wk, wv and the KV cache [layers, batch, kv_heads, context, head_dim] split on the KV-head axis.
+  With more devices than KV heads (Qwen3-32B's 8 KV heads on 32 devices) a KV head cannot be
+  split N ways (cutting its 128-wide dimension would cut attention's contraction), so they are
+  split as far as the heads allow, kv = gcd(num_kv_heads, N) ways, and replicated N / kv ways:
+  the devices' axis is factored as ("tp" = kv, "tp_rep" = N / kv) over the same devices in the
+  same order, every N-way split using both. Each query head stays on the devices holding its
+  KV head (when the query heads do not divide over N either, wq / wo split kv ways with them).
+  Fully replicating K/V instead was tried and rejected: XLA then computes the cache update
+  sharded and all-gathers every layer's whole cache back to replicated, megabytes per layer,
+  which no serving stack would run;
+- w_gate, w_up (and the shared expert's) split by columns, w_down by rows (partial sums,
+  all-reduced);
+- routed experts e_gate / e_up / e_down [experts, ...]: expert-tensor parallel by default (each
+  expert's FFN width split, every device holds a slice of every expert), or expert parallel
+  (`expert_parallel=True`: the expert axis split, each device owns num_experts / N experts).
+  The step gathers the routed experts' weights per token, so under expert parallelism XLA
+  moves those weight slices between devices (an all-reduce of the masked local gathers), not
+  the tokens: a real cost of this formulation, reported as XLA's collectives;
+- router, norms and the embedding replicated; lm_head split by vocabulary columns, the logits
+  gathered to every device (the step returns full logits, as the one-device step does).
+A dimension that does not divide over the devices is replicated instead, and `SpmdLayout.notes`
+says which and why (an explicit `expert_parallel` that cannot split is refused instead).
+
+`compile_xla_spmd` compiles it deviceless for `tpumk.targets.mesh_devices(target, n)` (the
+smallest topology holding n devices: TPU7x 8 devices -> tpu7x:2x2x1) and returns the program
+with its per-device HLO and the collective ops XLA put in it
+(`tpumk.estimate.timeline.program_collectives`); `tpumk.estimate.timeline.xla_step` models it,
+collectives included, as tpumk's model (never a measurement).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tpumk.decode.bench import CompiledProgram, compile_placed, xla_decode_step, xla_step_specs
+from tpumk.errors import CompileError, ConfigError
+from tpumk.model.config import ModelConfig
+from tpumk.targets import Target, mesh_devices, topology_for
+
+AXIS = "tp"  # the devices' one axis, as the caller's mesh names it
+REP_AXIS = "tp_rep"  # its minor factor, when the KV heads split fewer ways than the devices
+REPLICATED = P()
+
+
+@dataclass(frozen=True)
+class SpmdLayout:
+    """How every tensor of the XLA step is split over the devices.
+
+    The device axis is factored as (kv_split, replicas): kv_split = gcd(num_kv_heads, N) ways
+    by KV head on axis "tp", times `replicas` on axis "tp_rep" (1 when the KV heads divide
+    over the devices: then the mesh is the plain 1-D "tp"). A tensor split N ways is split
+    over both axes jointly, i.e. over the devices in their 1-D order."""
+
+    devices: int
+    expert_parallel: bool
+    kv_split: int
+    params: Any  # the params pytree (as `xla_step_specs` builds it) with a PartitionSpec per leaf
+    cache: P  # both KV caches [layers, batch, kv_heads, context, head_dim]
+    notes: tuple[str, ...] = ()  # what is not split N ways, and why
+
+    @property
+    def replicas(self) -> int:
+        return self.devices // self.kv_split
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (AXIS,) if self.replicas == 1 else (AXIS, REP_AXIS)
+
+    def mesh(self, mesh: Mesh) -> Mesh:
+        """The caller's 1-D mesh over the same devices, in the same order, factored as `axes`."""
+        return Mesh(np.asarray(mesh.devices).reshape(self.kv_split, self.replicas)
+                    if self.replicas > 1 else np.asarray(mesh.devices), self.axes)
+
+    def describe(self) -> dict[str, str]:
+        """One spec per tensor role (the first layer that has it), for reports."""
+        out = {k: str(v) for k, v in self.params.items() if k != "layers"}
+        for lay in self.params["layers"]:
+            out.update({k: str(v) for k, v in lay.items() if k not in out})
+        out["kv_cache"] = str(self.cache)
+        return out
+
+
+def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -> SpmdLayout:
+    """The Megatron-style sharding of `cfg`'s XLA step over `devices` (see the module doc)."""
+    if not (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1):
+        raise ConfigError(f"devices = {devices!r}: expected a positive integer")
+    n = devices
+    kvs = math.gcd(cfg.num_kv_heads, n)
+    every = AXIS if kvs == n else (AXIS, REP_AXIS)  # split over all n devices
+    col, row = P(None, every), P(every, None)
+    notes: list[str] = []
+
+    def split(size: int, what: str, field_name: str) -> P:
+        if size % n == 0:
+            return col
+        notes.append(f"{field_name} = {size} does not divide over {n} devices: {what} replicated")
+        return REPLICATED
+
+    kv = P(None, AXIS) if kvs > 1 else REPLICATED
+    cache = P(None, None, AXIS, None, None) if kvs > 1 else REPLICATED
+    if kvs < n:
+        notes.append(f"num_kv_heads = {cfg.num_kv_heads} with {n} devices: wk, wv and the KV cache split {kvs} "
+                     f"way(s) by KV head, replicated {n // kvs} ways")
+    if cfg.num_q_heads % n == 0:
+        q = col
+    else:  # keep each query head on the devices that hold its KV head
+        q = kv
+        notes.append(f"num_q_heads = {cfg.num_q_heads} does not divide over {n} devices: wq, wo split {kvs} way(s) "
+                     f"with their KV heads")
+    wo = P(q[1], None) if q != REPLICATED else REPLICATED
+    dense = split(cfg.ffn_size, "w_gate, w_up, w_down", "ffn_size") if cfg.ffn_size else REPLICATED
+    shared_size = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.num_experts else 0
+    shared = split(shared_size, "s_gate, s_up, s_down", "shared expert width") if shared_size else REPLICATED
+    experts: dict[str, P] = {}
+    if cfg.num_experts:
+        if expert_parallel:
+            if cfg.num_experts % n:
+                raise ConfigError(f"expert_parallel: num_experts = {cfg.num_experts} does not split over {n} devices")
+            experts = {k: P(every, None, None) for k in ("e_gate", "e_up", "e_down")}
+        elif split(cfg.expert_ffn_size, "e_gate, e_up, e_down", "expert_ffn_size") == col:
+            experts = {"e_gate": P(None, None, every), "e_up": P(None, None, every), "e_down": P(None, every, None)}
+    elif expert_parallel:
+        raise ConfigError(f"expert_parallel: model '{cfg.name}' has no experts")
+    roles = {"wq": q, "wo": wo, "wk": kv, "wv": kv,
+             "w_gate": dense, "w_up": dense, "w_down": row if dense == col else REPLICATED,
+             "s_gate": shared, "s_up": shared, "s_down": row if shared == col else REPLICATED, **experts}
+    if not cfg.tie_embeddings:
+        roles["lm_head"] = split(cfg.vocab_size, "lm_head", "vocab_size")
+
+    params, _, _, _, _, _ = xla_step_specs(cfg, 1, 1, 1)
+    tree = {k: roles.get(k, REPLICATED) for k in params if k != "layers"}
+    tree["layers"] = [{k: roles.get(k, REPLICATED) for k in lay} for lay in params["layers"]]
+    return SpmdLayout(n, expert_parallel, kvs, tree, cache, tuple(dict.fromkeys(notes)))
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    if tuple(mesh.axis_names) != (AXIS,):
+        raise ConfigError(f"mesh: axis names {tuple(mesh.axis_names)}: expected the one axis ('{AXIS}',)")
+
+
+def xla_spmd_specs(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh: Mesh,
+                   expert_parallel: bool = False) -> tuple:
+    """`xla_step_specs`' (params, tokens, positions, k_cache, v_cache, lengths), each a global
+    ShapeDtypeStruct carrying its NamedSharding, per `spmd_layout`. `mesh` is 1-D ("tp"); the
+    shardings use it factored as `SpmdLayout.mesh` (same devices, same order)."""
+    _check_mesh(mesh)
+    layout = spmd_layout(cfg, int(mesh.size), expert_parallel)
+    m = layout.mesh(mesh)
+    params, tok, pos, kc, vc, lengths = xla_step_specs(cfg, batch, context, q_len)
+
+    def on(s: jax.ShapeDtypeStruct, spec: P) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(m, spec))
+
+    sharded = {k: on(v, layout.params[k]) for k, v in params.items() if k != "layers"}
+    sharded["layers"] = [{k: on(v, lay_spec[k]) for k, v in lay.items()}
+                         for lay, lay_spec in zip(params["layers"], layout.params["layers"])]
+    return (sharded, on(tok, REPLICATED), on(pos, REPLICATED), on(kc, layout.cache), on(vc, layout.cache),
+            on(lengths, REPLICATED))
+
+
+def xla_spmd_out_shardings(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> tuple:
+    """(logits, k_cache, v_cache, lengths): logits and lengths on every device, the caches as
+    they came in (so the donated caches are updated in place)."""
+    _check_mesh(mesh)
+    layout = spmd_layout(cfg, int(mesh.size), expert_parallel)
+    m = layout.mesh(mesh)
+    cache, rep = NamedSharding(m, layout.cache), NamedSharding(m, REPLICATED)
+    return rep, cache, cache, rep
+
+
+def spmd_mesh(target: Target, devices: int) -> Mesh:
+    """A 1-D mesh "tp" over `tpumk.targets.mesh_devices(target, devices)`, in their order."""
+    return Mesh(np.array(mesh_devices(target, devices)), (AXIS,))
+
+
+@dataclass
+class SpmdProgram(CompiledProgram):
+    """The compiled SPMD step (`hlo_text` is one device's program, shapes per device)."""
+
+    devices: int = 1
+    topology: str | None = None
+    expert_parallel: bool = False
+    collectives: dict[str, int] = field(default_factory=dict)  # XLA collective ops per step, by kind
+    layout: SpmdLayout | None = None
+
+    @property
+    def collective_ops(self) -> int:
+        return sum(self.collectives.values())
+
+
+def compile_xla_spmd(cfg: ModelConfig, batch: int, context: int, q_len: int, target: Target, devices: int,
+                     expert_parallel: bool = False) -> SpmdProgram:
+    """The XLA decode step sharded over `devices` devices of `target` (deviceless unless they
+    are attached), compiled by XLA's SPMD partitioner; caches donated as in serving."""
+    from tpumk.compile.aot import compiler_error_line
+    from tpumk.estimate.timeline import program_collectives
+
+    layout = spmd_layout(cfg, devices, expert_parallel)  # refuses bad input before any compile
+    mesh = spmd_mesh(target, devices)
+    specs = xla_spmd_specs(cfg, batch, context, q_len, mesh, expert_parallel)
+    try:
+        prog = compile_placed(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n), specs,
+                              donate_argnums=(3, 4), out_shardings=xla_spmd_out_shardings(cfg, mesh, expert_parallel))
+    except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this program, not a tpumk bug
+        raise CompileError(f"{target.name}: XLA rejected the {devices}-device SPMD step: {compiler_error_line(e)}") \
+            from e
+    return SpmdProgram(prog.compiled, prog.lower_seconds, prog.compile_seconds, prog.hlo_text, devices=devices,
+                       topology=topology_for(target, devices), expert_parallel=expert_parallel,
+                       collectives=program_collectives(target, prog.hlo_text), layout=layout)
+
+
+def entry_parameter_shapes(hlo_text: str) -> dict[str, tuple[int, ...]]:
+    """Shape of every ENTRY parameter of a compiled program by its JAX path (the `op_name`
+    metadata XLA keeps, e.g. "p['layers'][0]['wq']"): one device's shapes for an SPMD program."""
+    from tpumk.estimate.hlo import parse_hlo
+
+    comps, entry = parse_hlo(hlo_text)
+    out = {}
+    for i in comps[entry]:
+        if i.opcode != "parameter":
+            continue
+        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', i.attrs)
+        if m and i.shapes:
+            out[m.group(1).replace("\\'", "'")] = i.shapes[0].dims
+    return out
