@@ -123,8 +123,8 @@ def test_v5e_gets_its_routable_schedule():
 def test_all_reduce_rejects_a_bad_geometry():
     from tpumk.errors import PlanError
 
-    with pytest.raises(PlanError, match="rows"):
-        ic.all_reduce_seconds(TPU7X, AllReduceGeometry(8, 3, 1024))
+    with pytest.raises(PlanError, match="width"):
+        ic.all_reduce_seconds(TPU7X, AllReduceGeometry(8, 8, 1000))
 
 
 # ---------------------------------------------------------------------- XLA's collectives
