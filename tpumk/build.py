@@ -9,6 +9,8 @@ Every number in the report names its source:
 - `estimated_cycles` is the TPU compiler's static profile plus tpumk's model of the nested-loop
   trips it misses, and `estimated_seconds` converts it through `tpumk.estimate.calibration`
   (both in `tpumk.estimate.compiler`; the basis is repeated in `estimate_source`);
+- `model_seconds` is tpumk's timeline model of the step (`tpumk.estimate.timeline`), with its
+  stated assumptions in `model_source` (on many devices it counts the in-kernel collectives);
 - `compile_seconds` is measured on this host;
 - `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
   figures, and the compiler's estimate only when asked for (`verify_figures` says why).
@@ -63,6 +65,13 @@ class BuildReport:
     interconnect_bytes_per_step: float = 0.0
     collectives_per_step: int = 0
     xla_collectives: int = 0
+    # tpumk's timeline model of the step (`tpumk.estimate.timeline.megakernel_step`), beside the
+    # compiler's estimate: on many devices it is the estimate that counts the collectives
+    # (what the compiler charges for remote DMAs is not known, TPU_FACTS 8).
+    model_seconds: float | None = None
+    model_floor_fraction: float | None = None
+    model_collectives_seconds: float = 0.0
+    model_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,8 +161,10 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildRe
             notes.append(
                 f"INVALID ESTIMATE: {est_seconds * 1e6:.1f} us is faster than the HBM floor {floor * 1e6:.1f} us; "
                 "the compiler model or the calibration is wrong for this kernel, do not use it as a result")
+    from tpumk.estimate.timeline import megakernel_step
     from tpumk.targets import topology_for
 
+    model = megakernel_step(plan)
     mesh = None
     if plan.devices > 1:
         from tpumk.kernel.megakernel import step_mesh
@@ -166,7 +177,9 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildRe
         devices=plan.devices, topology=topology_for(target, plan.devices), mesh=mesh,
         sharding=plan.sharding.summary(plan.whole_model) if plan.sharding is not None else None,
         interconnect_bytes_per_step=plan.interconnect_bytes, collectives_per_step=plan.collectives_per_step,
-        xla_collectives=compiled.xla_collectives,
+        xla_collectives=compiled.xla_collectives, model_seconds=model.seconds,
+        model_floor_fraction=model.floor_fraction, model_source=model.source,
+        model_collectives_seconds=model.stages.get("collectives", {}).get("seconds", 0.0),
         model=plan.whole_model.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
         compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,
         custom_calls=compiled.custom_calls, vmem_bytes=plan.vmem_total, vmem_budget_bytes=plan.vmem_budget,

@@ -110,6 +110,9 @@ def print_build_report(r) -> None:
         rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
                  ["interconnect bytes sent per step" + each, f"{r.interconnect_bytes_per_step / 1e6:,.2f} MB"],
                  ["XLA collectives outside the kernel", r.xla_collectives]]
+    if r.model_seconds is not None:
+        coll = f", {_us(r.model_collectives_seconds)} of it collectives" if r.model_collectives_seconds else ""
+        rows.append(["tpumk model step time", f"{_us(r.model_seconds)} (floor / model {r.model_floor_fraction:.2f}{coll})"])
     if r.estimated_seconds is not None:
         rows += [["compiler estimated cycles", f"{r.estimated_cycles:,}"],
                  ["estimated step time", _us(r.estimated_seconds)],
@@ -117,6 +120,8 @@ def print_build_report(r) -> None:
     else:
         rows.append(["estimated step time", "none (see below)"])
     click.echo(tabulate(rows, tablefmt="plain"))
+    if r.model_seconds is not None:
+        click.echo(f"model source: {r.model_source}")
     if r.estimated_seconds is not None:
         click.echo(f"estimate source: {r.estimate_source}")
     else:
