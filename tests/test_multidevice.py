@@ -83,6 +83,9 @@ def _worker(case: str, races: bool) -> dict:
         positions = jnp.asarray(lengths[:, None] + np.arange(q)[None], jnp.int32)
         want, ref_cache = ref.decode_step(params, cfg, tokens, positions, ref_cache)
         got, wide = step(packed, tokens, positions, wide)
+        # the in-kernel all-gather left the same logits on every device
+        shards = [np.asarray(x.data, np.float32) for x in got.addressable_shards]
+        same_everywhere = len(shards) == sh.devices and all(np.array_equal(x, shards[0]) for x in shards)
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         k = np.asarray(wide.k, np.float32)
         per_dev = k.reshape(*k.shape[:-1], sh.devices, -1)
@@ -97,7 +100,7 @@ def _worker(case: str, races: bool) -> dict:
             "v_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.v), np.float32)
                                          - np.asarray(ref_cache.v, np.float32)))),
             "lengths_equal": bool(np.array_equal(np.asarray(wide.lengths), np.asarray(ref_cache.lengths))),
-            "replicas_equal": replicas_equal,
+            "replicas_equal": replicas_equal, "logits_same_everywhere": same_everywhere,
         })
     r = interpret_races()
     out["races"] = None if (r is None or not races) else bool(r.races_found)
@@ -131,7 +134,7 @@ def test_interpret_matches_reference_and_compiles(case):
         assert s["max_err"] <= tol, (case, s)
         assert s["argmax_equal"], (case, s)
         assert s["k_err"] <= tol and s["v_err"] <= tol, (case, s)
-        assert s["lengths_equal"]
+        assert s["lengths_equal"] and s["logits_same_everywhere"]
         if s["replicas_equal"] is not None:  # devices sharing a KV head computed the same bits
             assert s["replicas_equal"], (case, s)
     if case == "moe-4dev-mixed":
@@ -187,8 +190,10 @@ def test_sharding_of_public_models():
     assert big.moe.local_experts == 16 and big.moe.num_experts == 128
     s = big.summary()
     assert s["devices"] == 32 and s["sharding"]["experts"]["mode"] == "expert_x_tensor"
-    assert s["collectives_per_step"] == 2 * 94
-    assert s["interconnect_bytes_per_step"] == 2 * 94 * big.all_reduce.send_bytes
+    assert s["collectives_per_step"] == 2 * 94 + 1  # 2 all-reduces per layer, the logits all-gather
+    from tpumk.plan.plan import logits_slice_bytes
+
+    assert s["interconnect_bytes_per_step"] == 2 * 94 * big.all_reduce.send_bytes + 31 * logits_slice_bytes(big)
     # rsag: each device sends 2 (N-1) chunks of [1 token row, 128 lanes] f32 per all-reduce
     assert big.all_reduce.send_bytes == 2 * 31 * 1 * 128 * 4
     # per-device HBM: about a 32nd of the active weights plus the replicated embedding
@@ -267,7 +272,7 @@ def test_build_report_json_for_four_devices():
     assert (rep["devices"], rep["topology"], rep["custom_calls"], rep["xla_collectives"]) == (4, "tpu7x:2x2x1", 1, 0)
     assert rep["mesh"]["axes"] == {"tp": 4} and len(rep["mesh"]["device_ids"]) == 4
     assert rep["sharding"]["experts"]["mode"] == "expert_x_tensor"
-    assert rep["collectives_per_step"] == 2 * 3 and rep["interconnect_bytes_per_step"] > 0
+    assert rep["collectives_per_step"] == 2 * 3 + 1 and rep["interconnect_bytes_per_step"] > 0
     # per device: a quarter of the attention heads' bytes and so on, so less than one device's
     one = json.loads(CliRunner().invoke(main, ["build", "--model", "tiny-moe", "--target", "tpu7x", "--verify-q", "0",
                                                "--json"]).output)

@@ -88,7 +88,6 @@ def compile_plan(plan) -> Compiled:
     if plan.devices == 1:
         return compile_for(step, step_specs(plan), plan.target, donate_argnums=(3,))
     # Many devices: the specs carry their NamedShardings over the step's mesh (one SPMD program).
-    step = getattr(step, "program", step)  # the program itself, not the vocab-unpadding wrapper
     return _compile_lowered(jax.jit(step, donate_argnums=(3,)), step_specs(plan),
                             f"{plan.target.name} x {plan.devices}")
 

@@ -245,6 +245,23 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
     return {**out, **_rounds(link_figures(target), coords, rounds)}
 
 
+def all_gather_seconds(target: Target, geom: AllReduceGeometry, slice_bytes: float) -> dict:
+    """tpumk's in-kernel all-gather of one `slice_bytes` slice per device
+    (`tpumk.kernel.collectives.all_gather_slices`, the logits): one round pushing the slice to
+    every peer, or log2 N doubling rounds of 2^s slices (v5e)."""
+    n = geom.devices
+    out = {"devices": n, "schedule": "doubling" if geom.schedule == "doubling" else "direct",
+           "send_bytes": (n - 1) * float(slice_bytes), "source": model_source("in-kernel all-gather", target)}
+    if n == 1 or slice_bytes <= 0:
+        return {**out, "seconds": 0.0, "rounds": 0, "latency_seconds": 0.0, "transfer_seconds": 0.0}
+    coords = device_coords(target, n)
+    if out["schedule"] == "direct":
+        rounds = [{i: {(i + off) % n: float(slice_bytes) for off in geom.gather_offsets()} for i in range(n)}]
+    else:
+        rounds = [{i: {i ^ off: off * float(slice_bytes)} for i in range(n)} for off in geom.gather_offsets()]
+    return {**out, **_rounds(link_figures(target), coords, rounds)}
+
+
 # ---------------------------------------------------------------------- XLA's collectives
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

@@ -68,8 +68,9 @@ from typing import Any
 
 from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
-from tpumk.estimate.interconnect import all_reduce_seconds, collective_kind, collective_op_seconds
+from tpumk.estimate.interconnect import all_gather_seconds, all_reduce_seconds, collective_kind, collective_op_seconds
 from tpumk.estimate.interconnect import model_source as interconnect_source
+from tpumk.plan.plan import logits_slice_bytes
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -358,13 +359,16 @@ def megakernel_step(plan) -> StepModel:
     head = plan.families["lm_head"]
     ring.family("lm_head", "lm_head", 1.0, extra_bytes_per_block=float(plan.rows * head.tile_cols * 4))
     ledger.add("kernel_boundary", DMA_LATENCY_S)  # the last logits block's write-back drains
+    if plan.all_reduce is not None:  # then every device's slice goes to every peer
+        ledger.add("collectives", all_gather_seconds(t, plan.all_reduce, logits_slice_bytes(plan))["seconds"])
 
     notes = []
     if reduce:
-        n = plan.collectives_per_step
-        notes.append(f"collectives: {n} in-kernel all-reduces ({plan.all_reduce.schedule}), "
-                     f"{plan.interconnect_bytes / 1e6:.3f} MB sent per device, {n * reduce * 1e6:.1f} us of waits "
-                     f"while the weight ring keeps loading ({interconnect_source('all-reduce', t)})")
+        waits = ledger.stages["collectives"]["seconds"]
+        notes.append(f"collectives: {plan.collectives_per_step} in-kernel collectives ({plan.all_reduce.schedule} "
+                     f"all-reduces and the logits all-gather), {plan.interconnect_bytes / 1e6:.3f} MB sent per "
+                     f"device, {waits * 1e6:.1f} us of waits; the weight ring keeps loading during the all-reduces "
+                     f"({interconnect_source('collectives', t)})")
     floor = plan.floor_seconds
     seconds = ledger.seconds
     if seconds < floor:  # cannot happen when every byte is accounted; never report it if it does

@@ -189,3 +189,38 @@ def _reduce_scatter_all_gather(geom: AllReduceGeometry, x, scr: AllReduceScratch
     scr.slots[p, 1, my_id] = acc.astype(scr.slots.dtype)
     push_round(1, lambda peer: scr.slots.at[p, 1, my_id])
     return jnp.concatenate([scr.slots[p, 1, k].astype(jnp.float32) for k in range(n)], axis=1)
+
+
+def all_gather_slices(geom: AllReduceGeometry, out_ref, per_device: int, send_sems, recv_sems) -> None:
+    """out_ref [N * per_device, ...] (HBM or VMEM) holds this device's slice at rows
+    [my_id * per_device, (my_id + 1) * per_device); on return every device holds every slice
+    (the same bits: copies). Direct: one push of the slice to every peer, at the same offset;
+    doubling (v5e): log2 N rounds, round s pushing the aligned block of 2^s slices gathered
+    so far to the XOR partner. Each device writes only slices other than the receiver's own and
+    waits every arrival before returning, so a peer's output is complete when its kernel ends.
+    Needs the barrier (`all_reduce_barrier`) earlier in the kernel: peers write this output."""
+    n = geom.devices
+    if n == 1:
+        return
+    my_id = lax.axis_index(geom.axis)
+
+    def push(first, count: int, stage: int, peer):
+        part = out_ref.at[pl.ds(first * per_device, count * per_device)]
+        return pltpu.make_async_remote_copy(part, part, send_sems.at[stage], recv_sems.at[stage],
+                                            device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+
+    if geom.schedule != "doubling":
+        copies = [push(my_id, 1, 0, lax.rem(my_id + off, n)) for off in geom.gather_offsets()]
+        for c in copies:
+            c.start()
+        for c in copies:  # N-1 arrivals of one slice each on recv_sems[0]
+            c.wait_recv()
+        for c in copies:
+            c.wait_send()
+        return
+    for s, off in enumerate(geom.gather_offsets()):
+        base = lax.bitwise_and(my_id, jnp.int32(~(off - 1)))
+        c = push(base, off, s, lax.bitwise_xor(my_id, jnp.int32(off)))
+        c.start()
+        c.wait_recv()
+        c.wait_send()

@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel import attention as attn
 from tpumk.kernel import moe as moe_mod
-from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_reduce, all_reduce_barrier
+from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_gather_slices, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
@@ -229,8 +229,11 @@ def _kernel(plan: Plan):
         s.normed[...] = rms_norm(s.resid[...], final_norm[...], eps)
         head_blocks = plan.families["lm_head"].col_blocks
 
+        # This device's blocks go to its slice of the output (one device: the whole output).
+        head_base = lax.axis_index(ar.axis) * head_blocks if ar is not None else 0
+
         def logits_copy(j):
-            return pltpu.make_async_copy(s.logits, logits_ref.at[j], s.logits_sems.at[0])
+            return pltpu.make_async_copy(s.logits, logits_ref.at[head_base + j], s.logits_sems.at[0])
 
         def write_logits(j, acc):
             """Block j leaves through the staging buffer while block j + 1 is computed."""
@@ -241,6 +244,8 @@ def _kernel(plan: Plan):
 
         ring.lm_head(s.normed, write_logits)
         logits_copy(head_blocks - 1).wait()
+        if ar is not None:  # every device ends with every device's vocabulary slice
+            all_gather_slices(ar, logits_ref, head_blocks, s.gather_send_sems, s.gather_recv_sems)
 
     return kernel
 
@@ -295,8 +300,12 @@ def _device_step(plan: Plan, call) -> Callable:
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                               for b in contract.operands))
-        logits = blocks.transpose(1, 0, 2).reshape(n, plan.vocab_pad)[:, :cfg.vocab_size].reshape(b, t, -1)
-        return logits, k, v
+        # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
+        # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
+        d = plan.devices
+        logits = blocks.reshape(d, -1, n, blocks.shape[-1]).transpose(2, 0, 1, 3).reshape(n, d, plan.vocab_pad)
+        logits = logits[:, :, :cfg.vocab_size].reshape(n, d * cfg.vocab_size)[:, :plan.whole_model.vocab_size]
+        return logits.reshape(b, t, -1), k, v
 
     return run
 
@@ -338,21 +347,17 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
 
     from tpumk.plan.sharding import MESH_AXIS
 
-    mesh, vocab = step_mesh(plan), plan.whole_model.vocab_size
-    vocab_local, kv_spec = cfg.vocab_size, P(None, None, None, MESH_AXIS)
+    mesh, kv_spec = step_mesh(plan), P(None, None, None, MESH_AXIS)
 
     def body(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
         local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
-        logits, k, v = run(local, tokens, positions, k_cache, v_cache, block_tables, lengths)
-        if plan.devices * vocab_local > vocab:  # the last shard's columns past the vocab never win
-            col = lax.axis_index(MESH_AXIS) * vocab_local + lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-            logits = jnp.where(col < vocab, logits, -jnp.inf)
-        return logits, k, v
+        return run(local, tokens, positions, k_cache, v_cache, block_tables, lengths)
 
     def sharded(packed: dict, tokens, positions, k, v, block_tables, lengths):
         specs = ({key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
                   for key, val in packed.items()}, P(), P(), kv_spec, kv_spec, P(), P())
-        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(None, None, MESH_AXIS), kv_spec, kv_spec),
+        # The logits are all-gathered in the kernel: every device holds the same [B, q, V].
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), kv_spec, kv_spec),
                              check_vma=False)(packed, tokens, positions, k, v, block_tables, lengths)
 
     def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
@@ -363,16 +368,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
         return logits, KVCache(k, v, cache.block_tables, lengths)
 
-    program = jax.jit(step, donate_argnums=(3,) if donate_cache else ())
-    if plan.devices * vocab_local == vocab:
-        return program
-
-    def step_unpadded(packed, tokens, positions, cache):
-        logits, cache = program(packed, tokens, positions, cache)
-        return logits[..., :vocab], cache  # a separate op: the step program stays collective-free
-
-    step_unpadded.program = program
-    return step_unpadded
+    return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
 
 
 def _shape_check(plan: Plan) -> Callable:

@@ -24,8 +24,9 @@ dt the model dtype. Operands, in order:
     router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
 
-Outputs: logits f32 [lm_head column blocks, N, lm_head tile_cols] (block j = vocab columns
-j*tile_cols ..), then the two caches (updated in place). Scratch: see `_kernel_scratch`, then
+Outputs: logits f32 [devices x lm_head column blocks, N, lm_head tile_cols] (block j of
+device d's vocabulary slice at d * column blocks + j; one device: block j = vocab columns
+j*tile_cols ..; many: every device ends with every slice, all-gathered in the kernel), then the two caches (updated in place). Scratch: see `_kernel_scratch`, then
 the attention stage's (`AttentionGeometry.scratch`) and the MoE stage's (`MoEGeometry.scratch`),
 named "attention.<name>" / "moe.<name>", and on many devices the all-reduce's
 (`AllReduceGeometry.scratch`, "collectives.<name>") with the `partial` buffer it reduces.
@@ -200,6 +201,12 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
                 vmem("logits", (n, plan.families["lm_head"].tile_cols), "float32",
                      "[N, tile_cols]: block j staged here, DMA'd out while block j + 1 computes"),
                 dma_sems("logits_sems", (1,), "the staging buffer's DMA"))
+    if plan.all_reduce is not None:
+        out += comp("logits_staging",
+                    dma_sems("gather_send_sems", (plan.all_reduce.gather_stages,),
+                             "per round: pushes of this device's logits slice to its peers"),
+                    dma_sems("gather_recv_sems", (plan.all_reduce.gather_stages,),
+                             "per round: peers' logits slices arriving in this device's output"))
     return out
 
 
@@ -211,8 +218,10 @@ def kernel_contract(plan: Plan) -> KernelContract:
     head = plan.families["lm_head"]
     cache = operands[-1]
     outputs = (
-        Buffer("logits", (head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm", component="outputs",
-               layout="[column block j, N, tile_cols]: vocab column j*tile_cols + c"),
+        Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
+               component="outputs",
+               layout="[device d, column block j (d-major), N, tile_cols]: device d's vocab column j*tile_cols + c "
+                      "(one device: d = 0; many: every device's slice, all-gathered in the kernel)"),
         _with(operands[-2], source=""),
         _with(cache, source=""),
     )

@@ -658,6 +658,18 @@ class AllReduceGeometry:
             return 2 * (self.devices - 1)
         return self.devices - 1 if self.schedule == "direct" else self.stages
 
+    @property
+    def gather_stages(self) -> int:
+        """Rounds of `all_gather_slices` (the logits): 1 (a direct push to every peer) or log2 N
+        (recursive doubling, where only power-of-two offsets route)."""
+        return self.stages if self.schedule == "doubling" else 1
+
+    def gather_offsets(self) -> tuple[int, ...]:
+        """Device offsets `all_gather_slices` pushes to: every peer, or 2^s (XOR) for doubling."""
+        if self.devices == 1:
+            return ()
+        return self.peer_offsets() if self.schedule == "doubling" else tuple(range(1, self.devices))
+
     def peer_offsets(self) -> tuple[int, ...]:
         """Device-id offsets (mod N) the schedule sends to: direct 1..N-1; doubling 2^s (XOR)."""
         if self.devices == 1:

@@ -489,17 +489,29 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
     out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * cfg.head_dim + plan.vocab_pad))
+    if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
+        out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
     return out
 
 
 def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
     """What one device sends to its peers per step: two all-reduces per layer (after the
-    o-projection and after the FFN / MoE), each sending `AllReduceGeometry.send_bytes`."""
+    o-projection and after the FFN / MoE), each sending `AllReduceGeometry.send_bytes`, and
+    the logits all-gather after the lm_head."""
     g = plan.all_reduce
     if g is None:
         return {}
     return {"all_reduce": {"count": 2 * plan.cfg.num_layers, "bytes_each": float(g.send_bytes),
-                           "messages_each": g.messages, "rounds": g.stages}}
+                           "messages_each": g.messages, "rounds": g.stages},
+            # every device's logits slice to every peer (N - 1 slices sent, either schedule)
+            "logits_all_gather": {"count": 1, "bytes_each": float((g.devices - 1) * logits_slice_bytes(plan)),
+                                  "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages}}
+
+
+def logits_slice_bytes(plan: Plan) -> int:
+    """Bytes of one device's logits slice in the output: its column blocks x rows x tile_cols, f32."""
+    head = plan.families["lm_head"]
+    return head.col_blocks * plan.rows * head.tile_cols * 4
 
 
 def _full_lengths(plan: Plan) -> list[int]:

@@ -19,7 +19,8 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
 
 After the o-projection and after the FFN / MoE of every layer the partial sums are all-reduced
 inside the kernel (`tpumk.kernel.collectives`), in a fixed device order, so every device holds
-bit-identical activations: 2 collectives per layer. The logits leave the kernel vocab-sharded.
+bit-identical activations: 2 collectives per layer. Each device computes the logits of its
+vocabulary slice and all-gathers them in the kernel at the end, so every device returns them all.
 
 `ShardingPlan.local_config(cfg)` is the model ONE device computes (its heads, widths, vocab
 slice); the plan, the contract and the kernel are built from it exactly as for one device, plus
