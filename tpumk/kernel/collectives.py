@@ -1,4 +1,6 @@
-"""In-kernel collectives of a tensor-parallel megakernel: an all-reduce from remote DMAs.
+"""In-kernel collectives of a tensor-parallel megakernel, from remote DMAs: an all-reduce of
+partial sums (`all_reduce`) and an all-gather of per-device slices (`all_gather_slices`, the
+logits at the end of the kernel).
 
 The megakernel of an N-device step (issue 13) is one grid-less `pallas_call` per device inside
 `jax.shard_map` over a 1-D mesh axis (`AllReduceGeometry.axis`, "tp"). After the o-projection

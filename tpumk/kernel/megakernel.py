@@ -10,8 +10,9 @@ Outside the kernel (thin glue, all O(B * q * (H + V)) elementwise work):
   in one op; inside the kernel it would be B*q tiny DMAs for no gain;
 - RoPE cos / sin rows from the positions (`norms.rope_tables`): a function of the positions
   only, shared by every layer, computed once instead of once per layer;
-- reshapes: logits come out as [column blocks, B*q, tile_cols] (one whole tile per lm_head
-  step) and are put back to [B, q, V] by a transpose and a slice of the vocab padding;
+- reshapes: logits come out as [devices x column blocks, B*q, tile_cols] (one whole tile per
+  lm_head step; on many devices every device's vocabulary slice, all-gathered in the kernel)
+  and are put back to [B, q, V] by a transpose and slices of the vocab padding;
   `lengths = max(lengths, last in-range position + 1)` for the returned cache.
 
 Inside, per layer (one top-level loop per segment of same-kind layers, see tpumk.kernel.ring):
