@@ -548,6 +548,11 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 # ---------------------------------------------------------------------- collectives
 ALL_REDUCE_SCHEDULES = ("direct", "doubling", "rsag")
+# Auto all-reduce: a direct push (one round) while each device sends at most this many bytes,
+# else reduce-scatter + all-gather (two rounds, about 2 / N of the bytes). The break-even is
+# one remote round's latency times the cross-chip bandwidth: 2.2 us x 134 GB/s = 295 KB with
+# the published TPU7x figures (tpumk.estimate.interconnect); rounded down to 256 KiB.
+DIRECT_ALL_REDUCE_MAX_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -585,14 +590,21 @@ class AllReduceGeometry:
 
     @classmethod
     def for_chip(cls, chip: str, devices: int, rows: int, width: int, dtype: str = "float32",
-                 axis: str = "tp") -> "AllReduceGeometry":
-        """The schedule a chip can route: v5e reaches only power-of-two device offsets, so it gets
-        recursive doubling once N > 2; other chips route any offset and get reduce-scatter +
-        all-gather once N > 2 (two rounds of concurrent pushes, 2 (N-1) / N of a slot sent
-        instead of N-1 slots: over 8-32 devices the direct push's bytes dominate), and the
-        direct push for N = 2 (the same bytes in one round)."""
-        schedule = ("doubling" if chip == "v5e" and devices > 2 else
-                    "rsag" if devices > 2 and dtype == "float32" else "direct")
+                 axis: str = "tp", schedule: str = "auto") -> "AllReduceGeometry":
+        """The geometry with `schedule` ("auto": the one the chip routes best). v5e reaches only
+        power-of-two device offsets, so it gets recursive doubling once N > 2. Other chips
+        route any offset: the direct push while the N-1 slots it sends are at most
+        DIRECT_ALL_REDUCE_MAX_BYTES (one round; 2 devices always: the same bytes either way),
+        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent)."""
+        pow2_only = chip == "v5e" and devices > 2
+        if schedule == "auto":
+            direct_bytes = (devices - 1) * rows * width * DTYPE_BYTES.get(dtype, 4)
+            schedule = ("doubling" if pow2_only else
+                        "direct" if devices <= 2 or direct_bytes <= DIRECT_ALL_REDUCE_MAX_BYTES or dtype != "float32"
+                        else "rsag")
+        elif pow2_only and schedule != "doubling":
+            raise PlanError(f"tuning: 'all_reduce' = {schedule}: {chip} routes remote DMAs only to power-of-two "
+                            f"device offsets; {devices} devices need 'doubling' (or auto)")
         geom = cls(devices, rows, width, dtype, schedule, axis)
         geom.validate()
         return geom

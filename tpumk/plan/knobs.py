@@ -22,6 +22,7 @@ MIB = 1 << 20
 
 # Weight-matrix families streamed through the ring. Each has a tile shape knob pair
 # `<family>_tile_rows` / `<family>_tile_cols`; 0 means "auto" (see tpumk.plan.plan).
+ALL_REDUCE_CHOICES = ("auto", "direct", "rsag", "doubling")  # tpumk.plan.geometry.ALL_REDUCE_SCHEDULES + auto
 FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
 
@@ -56,6 +57,10 @@ class TuningConfig:
     # devices / expert_parallel devices of its group. 1 = expert-tensor parallel (every device
     # streams every picked expert, a slice of its width), devices = expert parallel; 0 = auto.
     expert_parallel: int = 0
+    # Devices > 1: the in-kernel all-reduce's schedule: "direct" (one round, every device's
+    # partial to every peer), "rsag" (reduce-scatter + all-gather: two rounds, 2 / N of the
+    # bytes), "doubling" (log2 N rounds, power-of-two offsets: what v5e routes) or "auto".
+    all_reduce: str = "auto"
     # ---- VMEM budget
     vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
 
@@ -88,6 +93,8 @@ class TuningConfig:
             raise bad("kv_buffers", "at least 2")
         if self.expert_slots < 1:
             raise bad("expert_slots", "at least 1")
+        if self.all_reduce not in ALL_REDUCE_CHOICES:
+            raise bad("all_reduce", f"one of {', '.join(ALL_REDUCE_CHOICES)}")
         if self.expert_parallel < 0:
             raise bad("expert_parallel", "0 (auto) or a positive number of expert groups")
         if self.expert_chunk < 0 or self.expert_chunk % 128:

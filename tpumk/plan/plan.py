@@ -431,8 +431,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     if sharding.devices > 1:
         # f32 partial sums (exact), one row per token row: padding to the 8-row tile would
         # send 8x the bytes at batch 1.
-        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows,
-                                                cfg.hidden_size)
+        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows, cfg.hidden_size,
+                                                schedule=tuning.all_reduce)
 
     plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
                 num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
