@@ -63,6 +63,8 @@ class Target:
             "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth, "bf16_flops": self.bf16_flops,
             "mxu": f"{self.mxu_shape[0]} x {self.mxu_shape[1]}", "static_profile": self.static_profile,
             "interpret": self.interpret,
+            # --devices N compiles for the smallest of these holding N devices (topology_for)
+            "multi_device_topologies": {} if self.interpret else dict(TOPOLOGIES[self.chip]),
         }
 
     # ---- devices

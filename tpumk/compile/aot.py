@@ -54,16 +54,20 @@ def place(specs: Any, device) -> Any:
 def compile_for(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) -> Compiled:
     """jit(fn).lower(*specs).compile() for the target's device (attached or deviceless)."""
     dev = target.device()
-    specs = place(arg_specs, dev)
+    return _compile_lowered(jax.jit(fn, **jit_kwargs), place(arg_specs, dev), target.name, dev.device_kind)
+
+
+def _compile_lowered(jitted, specs: tuple, what: str, device_kind: str) -> Compiled:
+    """Lower and compile, timing each; the compiler's rejection is a CompileError naming `what`."""
     t0 = time.perf_counter()
-    lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
+    lowered = jitted.lower(*specs)
     t1 = time.perf_counter()
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this build, not a tpumk bug
-        raise CompileError(f"{target.name}: the compiler rejected this build: {compiler_error_line(e)}") from e
+        raise CompileError(f"{what}: the compiler rejected this build: {compiler_error_line(e)}") from e
     t2 = time.perf_counter()
-    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), dev.device_kind)
+    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), device_kind)
 
 
 def compiler_error_line(exc: BaseException) -> str:
@@ -88,21 +92,9 @@ def compile_plan(plan) -> Compiled:
     if plan.devices == 1:
         return compile_for(step, step_specs(plan), plan.target, donate_argnums=(3,))
     # Many devices: the specs carry their NamedShardings over the step's mesh (one SPMD program).
-    return _compile_lowered(jax.jit(step, donate_argnums=(3,)), step_specs(plan),
-                            f"{plan.target.name} x {plan.devices}")
-
-
-def _compile_lowered(jitted, specs: tuple, what: str) -> Compiled:
-    t0 = time.perf_counter()
-    lowered = jitted.lower(*specs)
-    t1 = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        raise CompileError(f"{what}: the compiler rejected this build: {compiler_error_line(e)}") from e
-    t2 = time.perf_counter()
-    kind = jax.tree.leaves(specs)[0].sharding.device_set.pop().device_kind
-    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), kind)
+    specs = step_specs(plan)
+    kind = jax.tree.leaves(specs)[0].sharding.mesh.devices.flat[0].device_kind
+    return _compile_lowered(jax.jit(step, donate_argnums=(3,)), specs, f"{plan.target.name} x {plan.devices}", kind)
 
 
 def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", in_specs: Any = None,
@@ -125,13 +117,5 @@ def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", 
     specs = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
                          tuple(arg_specs), tuple(in_specs))
     step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False))
-    t0 = time.perf_counter()
-    lowered = step.lower(*specs)
-    t1 = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        kind = mesh.devices.flat[0].device_kind
-        raise CompileError(f"{kind} x {mesh.size}: the compiler rejected this build: {compiler_error_line(e)}") from e
-    t2 = time.perf_counter()
-    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), mesh.devices.flat[0].device_kind)
+    kind = mesh.devices.flat[0].device_kind
+    return _compile_lowered(step, specs, f"{kind} x {mesh.size}", kind)

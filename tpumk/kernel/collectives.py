@@ -101,6 +101,31 @@ def _peer(geom: AllReduceGeometry, my_id, offset: int):
     return lax.rem(my_id + offset, geom.devices)
 
 
+def _push_to_peers(geom: AllReduceGeometry, my_id, offsets, src_of, dst, send_sem, recv_sem) -> None:
+    """One round of direct pushes: src_of(peer) into `dst` on every peer at `offsets` (all in
+    flight at once), then wait as many arrivals into this device's `dst` (equal sizes, so
+    they all count on `recv_sem`) and this device's own sends."""
+    copies = []
+    for off in offsets:
+        peer = _peer(geom, my_id, off)
+        c = pltpu.make_async_remote_copy(src_of(peer), dst, send_sem, recv_sem, device_id=(peer,),
+                                         device_id_type=pl.DeviceIdType.MESH)
+        c.start()
+        copies.append(c)
+    for c in copies:
+        c.wait_recv()
+    for c in copies:
+        c.wait_send()
+
+
+def _ordered_sum(slots, n: int):
+    """slots[0] + slots[1] + ... + slots[n-1] in f32, left to right (the same bits everywhere)."""
+    acc = slots[0].astype(jnp.float32)
+    for k in range(1, n):
+        acc = acc + slots[k].astype(jnp.float32)
+    return acc
+
+
 def all_reduce_barrier(geom: AllReduceGeometry) -> None:
     """Once per kernel, before the first `all_reduce`: wait until every peer this device will
     write to has entered the kernel (and signal the peers that write to it)."""
@@ -130,33 +155,18 @@ def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
         return _reduce_scatter_all_gather(geom, x, scr, my_id, p)
     scr.slots[p, my_id] = x.astype(scr.slots.dtype)
 
-    def push(src_dst, stage: int, peer):
-        return pltpu.make_async_remote_copy(
-            src_dst, src_dst, scr.send_sems.at[p, stage], scr.recv_sems.at[p, stage],
-            device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
-
     if geom.schedule == "direct":
-        copies = []
-        for off in geom.peer_offsets():
-            c = push(scr.slots.at[p, my_id], 0, _peer(geom, my_id, off))
-            c.start()
-            copies.append(c)
-        # The N-1 arrivals (slots of the same size) all count on recv_sems[p, 0].
-        for c in copies:
-            c.wait_recv()
-        for c in copies:
-            c.wait_send()
+        mine = scr.slots.at[p, my_id]
+        _push_to_peers(geom, my_id, geom.peer_offsets(), lambda _: mine, mine, scr.send_sems.at[p, 0],
+                       scr.recv_sems.at[p, 0])
     else:
         for s, off in enumerate(geom.peer_offsets()):
             base = lax.bitwise_and(my_id, jnp.int32(~(off - 1)))  # my aligned block of `off` slots
-            c = push(scr.slots.at[p, pl.ds(base, off)], s, _peer(geom, my_id, off))
-            c.start()
-            c.wait_recv()  # the partner's block of the same size, into its own positions
-            c.wait_send()
-    acc = scr.slots[p, 0].astype(jnp.float32)
-    for k in range(1, n):
-        acc = acc + scr.slots[p, k].astype(jnp.float32)
-    return acc
+            block = scr.slots.at[p, pl.ds(base, off)]
+            # the partner's block of the same size arrives into its own positions
+            _push_to_peers(geom, my_id, (off,), lambda _: block, block, scr.send_sems.at[p, s],
+                           scr.recv_sems.at[p, s])
+    return _ordered_sum([scr.slots[p, k] for k in range(n)], n)
 
 
 def _reduce_scatter_all_gather(geom: AllReduceGeometry, x, scr: AllReduceScratch, my_id, p):
@@ -170,24 +180,11 @@ def _reduce_scatter_all_gather(geom: AllReduceGeometry, x, scr: AllReduceScratch
     scr.slots[p, 0, my_id] = scr.staging[my_id]
 
     def push_round(rnd: int, src_of) -> None:
-        copies = []
-        for off in geom.peer_offsets():
-            peer = _peer(geom, my_id, off)
-            c = pltpu.make_async_remote_copy(
-                src_of(peer), scr.slots.at[p, rnd, my_id], scr.send_sems.at[p, rnd], scr.recv_sems.at[p, rnd],
-                device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
-            c.start()
-            copies.append(c)
-        # The N-1 arrivals (chunks of one size) all count on recv_sems[p, rnd].
-        for c in copies:
-            c.wait_recv()
-        for c in copies:
-            c.wait_send()
+        _push_to_peers(geom, my_id, geom.peer_offsets(), src_of, scr.slots.at[p, rnd, my_id],
+                       scr.send_sems.at[p, rnd], scr.recv_sems.at[p, rnd])
 
     push_round(0, lambda peer: scr.staging.at[peer])
-    acc = scr.slots[p, 0, 0].astype(jnp.float32)
-    for k in range(1, n):
-        acc = acc + scr.slots[p, 0, k].astype(jnp.float32)
+    acc = _ordered_sum([scr.slots[p, 0, k] for k in range(n)], n)
     scr.slots[p, 1, my_id] = acc.astype(scr.slots.dtype)
     push_round(1, lambda peer: scr.slots.at[p, 1, my_id])
     return jnp.concatenate([scr.slots[p, 1, k].astype(jnp.float32) for k in range(n)], axis=1)
@@ -206,23 +203,13 @@ def all_gather_slices(geom: AllReduceGeometry, out_ref, per_device: int, send_se
         return
     my_id = lax.axis_index(geom.axis)
 
-    def push(first, count: int, stage: int, peer):
-        part = out_ref.at[pl.ds(first * per_device, count * per_device)]
-        return pltpu.make_async_remote_copy(part, part, send_sems.at[stage], recv_sems.at[stage],
-                                            device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+    def part(first, count: int):
+        return out_ref.at[pl.ds(first * per_device, count * per_device)]
 
     if geom.schedule != "doubling":
-        copies = [push(my_id, 1, 0, lax.rem(my_id + off, n)) for off in geom.gather_offsets()]
-        for c in copies:
-            c.start()
-        for c in copies:  # N-1 arrivals of one slice each on recv_sems[0]
-            c.wait_recv()
-        for c in copies:
-            c.wait_send()
+        mine = part(my_id, 1)
+        _push_to_peers(geom, my_id, geom.gather_offsets(), lambda _: mine, mine, send_sems.at[0], recv_sems.at[0])
         return
     for s, off in enumerate(geom.gather_offsets()):
-        base = lax.bitwise_and(my_id, jnp.int32(~(off - 1)))
-        c = push(base, off, s, lax.bitwise_xor(my_id, jnp.int32(off)))
-        c.start()
-        c.wait_recv()
-        c.wait_send()
+        block = part(lax.bitwise_and(my_id, jnp.int32(~(off - 1))), off)
+        _push_to_peers(geom, my_id, (off,), lambda _: block, block, send_sems.at[s], recv_sems.at[s])

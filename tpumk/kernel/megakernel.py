@@ -323,27 +323,32 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
 
     Many devices (`plan.devices` > 1): one SPMD program, `jax.shard_map` over the 1-D mesh
     `step_mesh(plan)` around the same kernel; the cache is in the sharded layout
-    (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices), the
-    logits come back vocab-sharded as [B, q, V] (the vocab padding of the last shard, if any,
-    sliced off outside the program)."""
-    cfg = plan.cfg
+    (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices); the
+    logits [B, q, V] are all-gathered inside the kernel, so every device holds them whole."""
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
     run = _device_step(plan, _pallas_call(plan, detect_races, portable))
     check = _shape_check(plan)
 
-    if plan.devices == 1:
-        def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
-            check(tokens)
-            tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
-            logits, k, v = run(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
-                               cache.lengths.astype(jnp.int32))
-            # As the reference: positions outside the pages write nothing and do not move lengths.
-            lengths = new_lengths(positions, cache.lengths, cache.max_context)
-            return logits, KVCache(k, v, cache.block_tables, lengths)
+    device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
 
-        return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+        check(tokens)
+        tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
+        logits, k, v = device_run(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
+                                  cache.lengths.astype(jnp.int32))
+        # As the reference: positions outside the pages write nothing and do not move lengths.
+        lengths = new_lengths(positions, cache.lengths, cache.max_context)
+        return logits, KVCache(k, v, cache.block_tables, lengths)
 
+    return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+
+
+def _shard_mapped(plan: Plan, run: Callable) -> Callable:
+    """`run` (one device's glue and kernel) as one SPMD program over `step_mesh(plan)`: packed
+    weights split along their leading device axis (the embedding whole), the step inputs
+    replicated, the caches split along their last axis; the logits are all-gathered in the
+    kernel, so every device holds the same [B, q, V]."""
     from jax.sharding import PartitionSpec as P
 
     from tpumk.plan.sharding import MESH_AXIS
@@ -357,19 +362,10 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     def sharded(packed: dict, tokens, positions, k, v, block_tables, lengths):
         specs = ({key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
                   for key, val in packed.items()}, P(), P(), kv_spec, kv_spec, P(), P())
-        # The logits are all-gathered in the kernel: every device holds the same [B, q, V].
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), kv_spec, kv_spec),
                              check_vma=False)(packed, tokens, positions, k, v, block_tables, lengths)
 
-    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
-        check(tokens)
-        tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
-        logits, k, v = sharded(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
-                               cache.lengths.astype(jnp.int32))
-        lengths = new_lengths(positions, cache.lengths, cache.max_context)
-        return logits, KVCache(k, v, cache.block_tables, lengths)
-
-    return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+    return sharded
 
 
 def _shape_check(plan: Plan) -> Callable:

@@ -510,7 +510,7 @@ class MoEGeometry:
 
     def packed(self) -> tuple[Buffer, ...]:
         """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
-        lm, h, e, fe, dt = self.num_moe_layers, self.hidden, self.num_experts, self.expert_ffn, self.dtype
+        lm, h, fe, dt = self.num_moe_layers, self.hidden, self.expert_ffn, self.dtype
         return (
             hbm("router", (lm, h, self.experts_padded), dt, "[Lm, H, Ep], columns E..Ep-1 zero"),
             hbm("e_gateup", (lm, self.local_experts, fe // LANE, h, 2 * LANE), dt,
