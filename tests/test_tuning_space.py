@@ -23,6 +23,8 @@ from tpumk.plan.spec import BuildSpec
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 MIB = 1 << 20
 TINY_SPACE = SPACES_DIR / "tiny.toml"
+# A build where the default space's computed knob (expert_parallel) has choices: 2 or 4 groups.
+MOE_4DEV = BuildSpec(load_preset("tiny-moe"), get_target("tpu7x"), batch=2, context=1024, devices=4)
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +87,23 @@ def test_facts_cover_the_documented_names():
 
 # ---------------------------------------------------------------------- Optuna
 def test_fixed_trial_of_the_defaults_gives_the_default_config(default_space):
-    values = default_space.default_values()
-    assert values == {k: getattr(TuningConfig(), k) for k in default_space.knobs}
-    suggested = default_space.suggest(optuna.trial.FixedTrial(values))
+    one = default_space.for_build(BuildSpec(load_preset("tiny-moe"), get_target("tpu7x")))
+    values = one.default_values()
+    assert values == {k: getattr(TuningConfig(), k) for k in one.knobs} and "expert_parallel" not in values
+    suggested = one.suggest(optuna.trial.FixedTrial(values))
     assert suggested == values
-    assert default_space.tuning_for(suggested) == TuningConfig()
+    assert one.tuning_for(suggested) == TuningConfig()
+    # Many devices: the computed knob's default is the split its auto makes (the same plan).
+    many = default_space.for_build(MOE_4DEV)
+    values = many.default_values()
+    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2}
+    tuning = many.tuning_for(many.suggest(optuna.trial.FixedTrial(values)))
+    assert make_plan(MOE_4DEV.replace(tuning=tuning)).sharding == make_plan(MOE_4DEV).sharding
 
 
 @pytest.mark.parametrize("space_fixture", ["default_space", "tiny_space"])
 def test_study_suggestions_are_valid_configs(space_fixture, request):
-    space = request.getfixturevalue(space_fixture)
+    space = request.getfixturevalue(space_fixture).for_build(MOE_4DEV)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     study.enqueue_trial(space.default_values())
     seen = []
@@ -189,30 +198,35 @@ def test_constraint_kv_budget_true_and_false():
     assert c.names[:3] == ("kv_buffers", "kv_tile_pages", "kv_auto_tile_pages")
 
 
-@pytest.mark.parametrize("model, target, batch, context", [
-    ("qwen3-8b", "tpu7x", 1, 4096),
-    ("qwen3-8b", "v6e", 8, 4096),
-    ("qwen3-30b-a3b", "tpu7x", 8, 4096),
-    ("tiny-moe", "tpu7x", 2, 1024),
+@pytest.mark.parametrize("model, target, batch, context, devices", [
+    ("qwen3-8b", "tpu7x", 1, 4096, 1),
+    ("qwen3-8b", "v6e", 8, 4096, 1),
+    ("qwen3-30b-a3b", "tpu7x", 8, 4096, 1),
+    ("tiny-moe", "tpu7x", 2, 1024, 1),
+    # many devices: the facts are one device's share (its vocabulary slice, heads, expert width)
+    ("tiny-moe", "tpu7x", 2, 1024, 4),
+    ("qwen3-32b", "tpu7x", 1, 4096, 8),
+    ("qwen3-235b-a22b", "tpu7x", 1, 4096, 32),
 ])
-def test_default_constraints_are_necessary_conditions_of_the_plan(default_space, model, target, batch, context):
+def test_default_constraints_are_necessary_conditions_of_the_plan(default_space, model, target, batch, context,
+                                                                  devices):
     """Every random configuration the constraints reject, the plan rejects too."""
-    cfg, tgt = load_preset(model), get_target(target)
-    facts = space_facts(BuildSpec(cfg, tgt, batch, context))
-    assert default_space.violated(TuningConfig(), facts) is None
+    spec = BuildSpec(load_preset(model), get_target(target), batch, context, devices=devices)
+    space = default_space.for_build(spec)
+    assert space.violated(TuningConfig(), space_facts(spec)) is None
     rng = random.Random(model + target)
     rejected = 0
     for _ in range(200):
-        values = {n: rng.choice(k.values()) for n, k in default_space.knobs.items()}
+        values = {n: rng.choice(k.values()) for n, k in space.knobs.items()}
         for name in values:  # mostly auto tile shapes, so the tile_bytes bounds get exercised too
             if "_tile_" in name and rng.random() < 0.8:
                 values[name] = 0
-        tuning = default_space.tuning_for(values)
-        reason = default_space.violated(tuning, facts)
+        tuning = space.tuning_for(values)
+        reason = space.violated(tuning, space_facts(spec.replace(tuning=tuning)))
         if reason is not None:
             rejected += 1
             with pytest.raises(PlanError):
-                make_plan(BuildSpec(cfg, tgt, batch, context, tuning))
+                make_plan(spec.replace(tuning=tuning))
     assert rejected > 0  # the check above ran
 
 
@@ -311,6 +325,12 @@ BROKEN = [
     ("boolean choice", '[knobs.expert_slots]\ntype = "categorical"\nchoices = [1, true]\n',
      r"knob 'expert_slots': candidate True is not valid: .*an integer"),
     ("no knobs", "[fixed]\nring_depth = 4\n", r"no knobs to search"),
+    ("unknown computed function", '[knobs.expert_parallel]\ntype = "computed"\nfunction = "best_split"\n',
+     r"knob 'expert_parallel': 'function' = 'best_split': expected one of expert_parallel_choices"),
+    ("computed function of another knob", '[knobs.ring_depth]\ntype = "computed"\nfunction = "expert_parallel_choices"\n',
+     r"knob 'ring_depth': function 'expert_parallel_choices' computes choices of 'expert_parallel', not 'ring_depth'"),
+    ("computed knob with choices", '[knobs.expert_parallel]\ntype = "computed"\nchoices = [1, 2]\n',
+     r"knob 'expert_parallel': unknown key 'choices' for type 'computed' \(expected: type, function\)"),
 ]
 
 

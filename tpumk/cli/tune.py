@@ -159,8 +159,9 @@ def tune(spec, space_file, trials, max_infeasible,
         check_study_name(study_name, "--study")
     if space_file is not None and not space_file.strip():
         raise ConfigError("--space: expected a tuning-space TOML file, got an empty path")
-    space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file)
     problem = spec
+    # Computed knobs (expert_parallel) take this build's choices, so the grid size printed is the searched one.
+    space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file).for_build(problem)
     choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
     settings = TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
                             cache_dir=Path(cache_dir) if cache_dir else None, top=top,

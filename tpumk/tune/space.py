@@ -4,7 +4,8 @@ A space is a TOML file (schema and examples: tuning_spaces/README.md):
 
     [space]            name, description
     [knobs.<knob>]     a searched TuningConfig knob: type = "int" (low, high, step),
-                       "pow2" (powers of two from low to high) or "categorical" (choices)
+                       "pow2" (powers of two from low to high), "categorical" (choices) or
+                       "computed" (function: choices computed from the build, see COMPUTED)
     [fixed]            knob = value, held for every trial
     [[constraints]]    expr over knobs and model/target facts, why
 
@@ -12,6 +13,10 @@ Knobs neither searched nor fixed keep their TuningConfig defaults. Every candida
 checked against TuningConfig's validation when the file loads, and the TuningConfig default of
 each searched knob is always one of its candidates (added when the file leaves it out), so the
 default configuration is a legal trial the tuner can measure first.
+
+A computed knob's choices depend on the build (model, devices): `TuningSpace.for_build(spec)`
+turns it into a categorical knob of the choices its function computes, or leaves it out of the
+search when the build has fewer than two. The tuner binds its space to the study's build first.
 
 Constraints are cheap prefilters, checked before a trial is planned; the plan stays the
 authority on what builds. They are a small arithmetic language parsed with `ast` and evaluated
@@ -29,9 +34,9 @@ import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, PlanError
 from tpumk.tomlfile import read_toml
 from tpumk.plan.knobs import TuningConfig
 
@@ -45,9 +50,9 @@ DEFAULT_SPACE_PATH = SPACES_DIR / "default.toml"
 
 KNOB_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TuningConfig))
 _INT_KNOBS = frozenset(f.name for f in dataclasses.fields(TuningConfig) if f.type in ("int", int))
-KINDS = ("int", "pow2", "categorical")
+KINDS = ("int", "pow2", "categorical", "computed")
 _KIND_KEYS = {"int": ("type", "low", "high", "step"), "pow2": ("type", "low", "high"),
-              "categorical": ("type", "choices")}
+              "categorical": ("type", "choices"), "computed": ("type", "function")}
 _TOP_KEYS = ("space", "knobs", "fixed", "constraints")
 
 # Every fact `space_facts` gives, with what it is (tuning_spaces/README.md lists the same).
@@ -59,7 +64,8 @@ FACTS: dict[str, str] = {
     "bf16_flops": "bf16 peak of the target, FLOP/s",
     "num_mxus": "matrix units of the target",
     "mxu_size": "columns of one matrix unit (128 or 256)",
-    # model
+    "devices": "devices (TensorCores) one step spans; the model facts below are one device's share",
+    # model (on many devices: what one device computes, tpumk.plan.sharding.ShardingPlan.local_config)
     "num_layers": "transformer layers",
     "num_dense_layers": "layers with a dense FFN",
     "num_moe_layers": "mixture-of-experts layers",
@@ -74,14 +80,15 @@ FACTS: dict[str, str] = {
     "kv_size": "num_kv_heads * head_dim (lanes of one KV-cache row)",
     "ffn_size": "dense FFN width (intermediate size); 0 without dense layers",
     "vocab_size": "vocabulary size (lm_head columns)",
-    "num_experts": "routed experts per MoE layer (0 for a dense model)",
+    "num_experts": "routed experts per MoE layer (0 for a dense model); routing is over all of them",
+    "experts_per_device": "routed experts one device owns (num_experts on one device, 0 for a dense model)",
     "top_k": "experts each token picks",
     "expert_ffn_size": "FFN width of one routed expert",
     "num_shared_experts": "shared experts per MoE layer",
     "shared_expert_ffn_size": "FFN width of one shared expert",
     "dtype_bytes": "bytes per weight (2 for bfloat16, 4 for float32)",
-    "weight_bytes": "bytes of all the model's weights",
-    "step_weight_bytes": "weight bytes one decode step reads (MoE: expected distinct experts)",
+    "weight_bytes": "bytes of the weights one device holds (all of them on one device)",
+    "step_weight_bytes": "weight bytes one decode step reads per device (MoE: expected distinct experts it owns)",
     # shapes of the step
     "batch": "sequences per step",
     "context": "KV-cache capacity per sequence, tokens",
@@ -121,7 +128,10 @@ MAX_KNOB_VALUE = 2**53  # exact in a float, far above any real knob value (bytes
 @dataclass(frozen=True)
 class Knob:
     """One searched knob. int: low..high by step; pow2: powers of two in [low, high];
-    categorical: choices. `default` (the TuningConfig default) is always among values()."""
+    categorical: choices; computed: choices that `function` (a name in COMPUTED) computes from
+    the build, known only once the space is bound to one (TuningSpace.for_build). `default`
+    (the TuningConfig default; for a bound computed knob the choice its auto makes) is always
+    among values()."""
 
     name: str
     kind: str
@@ -130,8 +140,15 @@ class Knob:
     step: int = 1
     choices: tuple[Any, ...] = ()
     default: Any = None
+    function: str = ""
+
+    def _unbound(self) -> ConfigError:
+        return ConfigError(f"knob '{self.name}': its choices are computed from the build by '{self.function}': "
+                           "bind the space to a build first (TuningSpace.for_build)")
 
     def values(self) -> list[Any]:
+        if self.kind == "computed":
+            raise self._unbound()
         if self.kind == "int":  # at most MAX_INT_CANDIDATES (load_space checks)
             return list(range(self.low, self.high + 1, self.step))
         if self.kind == "pow2":
@@ -150,14 +167,51 @@ class Knob:
     def distribution(self) -> "optuna.distributions.BaseDistribution":
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
+        if self.kind == "computed":
+            raise self._unbound()
         if self.kind == "int":
             return IntDistribution(self.low, self.high, step=self.step)
         return CategoricalDistribution(self.values())
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> Any:
+        if self.kind == "computed":
+            raise self._unbound()
         if self.kind == "int":
             return trial.suggest_int(self.name, self.low, self.high, step=self.step)
         return trial.suggest_categorical(self.name, self.values())
+
+
+# ---------------------------------------------------------------------- computed choices
+@dataclass(frozen=True)
+class ComputedChoices:
+    """A named function of the build giving one knob's choices: `compute(spec)` returns the
+    candidates and the one the knob's TuningConfig default (its auto) stands for."""
+
+    knob: str
+    doc: str
+    compute: Callable[["BuildSpec"], tuple[list[Any], Any]]
+
+
+def _expert_parallel_choices(spec: "BuildSpec") -> tuple[list[int], int | None]:
+    from tpumk.plan.sharding import expert_parallel_choices, plan_sharding
+
+    choices = expert_parallel_choices(spec.model, spec.devices)
+    if len(choices) < 2:
+        return choices, None
+    try:
+        auto = plan_sharding(spec.model, spec.devices).expert_parallel
+    except PlanError:  # the build cannot split whatever the knob: every trial is pruned with the plan's reason
+        return [], None
+    return choices, auto
+
+
+COMPUTED: dict[str, ComputedChoices] = {
+    "expert_parallel_choices": ComputedChoices(
+        "expert_parallel",
+        "expert groups that split a MoE model's experts over the build's devices "
+        "(tpumk.plan.sharding.expert_parallel_choices); none on one device or for a dense model",
+        _expert_parallel_choices),
+}
 
 
 # ---------------------------------------------------------------------- constraints
@@ -368,6 +422,37 @@ class TuningSpace:
     fixed: dict[str, Any]
     constraints: tuple[Constraint, ...]
     description: str = ""
+    build: dict[str, Any] | None = None  # the build a computed knob's choices were computed for
+    origin: "TuningSpace | None" = field(default=None, repr=False)  # the space as loaded, before for_build
+
+    def for_build(self, spec: "BuildSpec") -> "TuningSpace":
+        """This space for one build: every computed knob becomes a categorical knob of the
+        choices its function computes for `spec`, defaulting to the choice its auto makes (so
+        the default configuration plans as TuningConfig() does), or leaves the search when
+        there are fewer than two (it keeps its TuningConfig default). A space without computed
+        knobs is returned as it is."""
+        src = self.origin or self
+        if not any(k.kind == "computed" for k in src.knobs.values()):
+            return src
+        build = {k: v for k, v in spec.to_dict().items() if k != "tuning"}
+        if self.build == build:
+            return self
+        knobs: dict[str, Knob] = {}
+        for name, knob in src.knobs.items():
+            if knob.kind != "computed":
+                knobs[name] = knob
+                continue
+            choices, auto = COMPUTED[knob.function].compute(spec)
+            if len(choices) < 2:  # nothing to choose for this build: no trial spent on it
+                continue
+            for v in choices:
+                try:
+                    TuningConfig(**{**src.fixed, name: v})
+                except ConfigError as e:
+                    raise ConfigError(f"{src.source}: knob '{name}': computed candidate {v!r} is not valid: "
+                                      f"{str(e).removeprefix('tuning: ')}") from None
+            knobs[name] = Knob(name, "categorical", choices=tuple(choices), default=auto, function=knob.function)
+        return dataclasses.replace(src, knobs=knobs, build=build, origin=src)
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> dict[str, Any]:
         """The trial's value of every searched knob (Optuna parameter names = knob names)."""
@@ -398,9 +483,9 @@ class TuningSpace:
         return None
 
     def default_values(self) -> dict[str, Any]:
-        """TuningConfig's default of each searched knob (always a candidate: see load_space)."""
-        d = TuningConfig()
-        return {name: getattr(d, name) for name in self.knobs}
+        """The default configuration: TuningConfig's default of each searched knob (always a
+        candidate: see load_space), for a bound computed knob the choice its auto makes."""
+        return {name: knob.default for name, knob in self.knobs.items()}
 
     def size(self) -> int:
         """Points of the grid of searched values (constraints not applied)."""
@@ -499,6 +584,14 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
         raise err(f"{where}: type '{kind}' needs an integer knob; use type 'categorical' for this one")
     default = getattr(TuningConfig(), knob)
 
+    if kind == "computed":
+        fn = spec.get("function")
+        if fn not in COMPUTED:
+            raise err(f"{where}: 'function' = {fn!r}: expected one of {', '.join(COMPUTED)}")
+        if COMPUTED[fn].knob != knob:
+            raise err(f"{where}: function '{fn}' computes choices of '{COMPUTED[fn].knob}', not '{knob}'")
+        # Its candidates are known per build (TuningSpace.for_build checks them there).
+        return Knob(knob, kind, default=default, function=fn)
     if kind == "categorical":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
@@ -557,20 +650,37 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
 
 # ---------------------------------------------------------------------- facts
 def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
-    """The names of FACTS with their values for this model, target and step shape."""
-    from tpumk.plan.plan import KV_TILE_TOKENS
+    """The names of FACTS with their values for this model, target and step shape.
 
-    cfg, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
+    On many devices the model and weight facts are one device's share (the plan builds each
+    device's kernel from `ShardingPlan.local_config`), so a constraint that is a condition of
+    the plan stays one; that share depends on `spec.tuning.expert_parallel`. Raises PlanError
+    when the model does not split over `spec.devices` that way."""
+    from tpumk.model.config import expected_distinct_experts
+    from tpumk.plan.plan import KV_TILE_TOKENS
+    from tpumk.plan.sharding import per_device_weight_bytes, plan_sharding
+
+    model, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
+    sharding = plan_sharding(model, spec.devices, spec.tuning.expert_parallel)
+    cfg = sharding.local_config(model)  # the model itself on one device
     n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     page = spec.page_size
     pages = -(-context // page)
     rows = batch * q_len
     num_mxus, mxu_size = target.mxu_shape
+    weight_bytes = cfg.param_count() * cfg.dtype_bytes
+    step_weight_bytes = cfg.decode_weight_bytes(rows)
+    if spec.devices > 1:
+        weight_bytes = per_device_weight_bytes(model, sharding)
+        if cfg.is_moe:  # a device streams only the picked experts it owns (1 / expert_parallel of them)
+            picked = n_moe * 3 * cfg.hidden_size * cfg.expert_ffn_size * cfg.dtype_bytes \
+                * expected_distinct_experts(cfg.num_experts, cfg.top_k, rows)
+            step_weight_bytes = int(round(step_weight_bytes - picked * (1 - sharding.experts / cfg.num_experts)))
     facts: dict[str, int | float] = {
         "vmem_bytes": target.vmem_bytes, "hbm_bytes": target.hbm_bytes,
         "hbm_bandwidth": target.hbm_bandwidth, "bf16_flops": target.bf16_flops,
-        "num_mxus": num_mxus, "mxu_size": mxu_size,
+        "num_mxus": num_mxus, "mxu_size": mxu_size, "devices": spec.devices,
         "num_layers": cfg.num_layers, "num_dense_layers": n_dense, "num_moe_layers": n_moe,
         "has_dense_layers": int(n_dense > 0),
         "has_shared_expert": int(n_moe > 0 and cfg.num_shared_experts * cfg.shared_expert_ffn_size > 0),
@@ -578,11 +688,12 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "q_size": cfg.q_size, "kv_size": cfg.kv_size,
         "ffn_size": cfg.ffn_size, "vocab_size": cfg.vocab_size,
-        "num_experts": cfg.num_experts, "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
+        "num_experts": cfg.num_experts, "experts_per_device": sharding.experts if cfg.is_moe else 0,
+        "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
         "num_shared_experts": cfg.num_shared_experts, "shared_expert_ffn_size": cfg.shared_expert_ffn_size,
         "dtype_bytes": cfg.dtype_bytes,
-        "weight_bytes": cfg.param_count() * cfg.dtype_bytes,
-        "step_weight_bytes": cfg.decode_weight_bytes(rows),
+        "weight_bytes": weight_bytes,
+        "step_weight_bytes": step_weight_bytes,
         "batch": batch, "context": context, "q_len": q_len, "rows": rows,
         "page_size": page, "pages_per_seq": pages,
         # the plan's auto KV tile (tpumk.plan.plan.make_plan)

@@ -83,6 +83,7 @@ def study_identity(problem: BuildSpec, space: TuningSpace, objective: str,
     resuming the old one; resuming would gain nothing anyway, since every result-cache entry
     of the old code misses."""
     ev = evaluator if evaluator is not None else evaluator_inputs()
+    space = space.for_build(problem)  # a computed knob's choices are part of what the study searches
     return {"problem": describe(problem), "space": space_fingerprint(space), "objective": objective,
             "evaluator": {"units": ev["units"], "sha256": ev["sha256"]}}
 
@@ -94,7 +95,8 @@ def study_name_for(problem: BuildSpec, space: TuningSpace, objective: str,
     digest = hashlib.sha256(canonical(identity)).hexdigest()[:10]
     dt = {"bfloat16": "bf16", "float32": "f32"}.get(problem.model.dtype, problem.model.dtype)
     q = f"-q{problem.q_len}" if problem.q_len > 1 else ""
-    name = (f"{problem.model.name}-{dt}-{problem.target.name}-b{problem.batch}-c{problem.context}{q}"
+    d = f"-d{problem.devices}" if problem.devices > 1 else ""
+    name = (f"{problem.model.name}-{dt}-{problem.target.name}{d}-b{problem.batch}-c{problem.context}{q}"
             f"-{space.name}-{objective}-{digest}")
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
@@ -140,7 +142,8 @@ def open_study(url: str, study_name: str, identity: dict[str, Any] | None, seed:
 
 def _identity_label(stored: dict[str, Any]) -> str:
     p = stored.get("problem", {})
-    return (f"{p.get('model', {}).get('name')} on {p.get('target')}, batch {p.get('batch')}, context "
+    on = f"{p.get('devices')} x {p.get('target')}" if (p.get("devices") or 1) > 1 else p.get("target")
+    return (f"{p.get('model', {}).get('name')} on {on}, batch {p.get('batch')}, context "
             f"{p.get('context')}, objective {stored.get('objective')}")
 
 
@@ -177,6 +180,7 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
     `keys`: the problem's ResultKeys when the caller already made them (the evaluator's source
     is then read once, and the study name and the keys name the same code)."""
     settings.validate()
+    space = space.for_build(problem)  # computed knobs get this build's choices (the default too)
     if out is not None:
         check_writable(out, "--out")
     if objective.name == "device" and settings.workers > 1:
@@ -364,6 +368,7 @@ class TuneResult:
     already_complete: bool = False  # the study had its trials before this run: nothing was run
     reused: int = 0  # finished trials that took an earlier result (result cache or another trial), no compile
     repeated: int = 0  # trials of a configuration the study had already evaluated: outside the budget
+    devices: int = 1  # devices one step of the tuned build spans (--devices)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -377,6 +382,8 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
               problem: BuildSpec | None = None, objective: ObjectiveChoice | None = None) -> TuneResult:
     """The study's state: counts, the best distinct configurations, the default's trial and
     the ratio of the best over the default."""
+    if problem is not None:
+        space = space.for_build(problem)
     trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for t in trials:
@@ -430,7 +437,8 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
         counts=counts, evaluated=evaluated, infeasible=infeasible, this_run={}, reused=reused, repeated=repeated,
         best=best, default=default,
         best_over_default=ratio, best_tuning=best_tuning,
-        floor_seconds=best[0]["floor_seconds"] if best else None, prune_reasons=reasons, notes=notes)
+        floor_seconds=best[0]["floor_seconds"] if best else None, prune_reasons=reasons, notes=notes,
+        devices=problem.devices if problem else (stored.get("problem") or {}).get("devices", 1))
 
 
 def write_tuned(path: str | Path, result: TuneResult) -> None:

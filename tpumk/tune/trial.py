@@ -66,9 +66,10 @@ class TrialRunner:
 
     def __init__(self, problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, settings: TuneSettings,
                  cache: ResultCache, study_name: str, keys: ResultKeys | None = None):
-        self.problem, self.space, self.objective = problem, space, objective
+        self.problem, self.objective = problem, objective
+        self.space = space.for_build(problem)  # computed knobs get this build's choices
         self.settings, self.cache, self.study_name = settings, cache, study_name
-        self.facts = space_facts(problem)
+        self._facts: dict[int, dict[str, Any]] = {}  # by expert_parallel, the one knob facts depend on
         self.keys = keys or ResultKeys(problem)
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -104,9 +105,13 @@ class TrialRunner:
         except ConfigError as e:
             self._prune(trial, "tuning", str(e))
         trial.set_user_attr("cached", False)
+        try:
+            facts = self.facts_for(tuning)
+        except PlanError as e:  # the model does not split over the devices this way
+            self._prune(trial, "plan", str(e))
         # Bounded cost by construction (tpumk.tune.space), and under the trial's time budget; a
         # constraint that cannot be evaluated for this configuration prunes it with the reason.
-        reason = self.space.violated(tuning, self.facts, deadline=time.monotonic() + self.settings.timeout)
+        reason = self.space.violated(tuning, facts, deadline=time.monotonic() + self.settings.timeout)
         if reason:
             self._prune(trial, "constraint", reason)
         try:
@@ -204,6 +209,18 @@ class TrialRunner:
         return self._result(trial, entry)
 
     # ---- helpers
+    def facts_for(self, tuning: TuningConfig) -> dict[str, Any]:
+        """The constraints' facts for this configuration: on many devices one device's share of
+        the model, which only expert_parallel changes (tpumk.tune.space.space_facts)."""
+        ep = tuning.expert_parallel
+        with self.lock:
+            found = self._facts.get(ep)
+        if found is None:
+            found = space_facts(self.problem.replace(tuning=TuningConfig(expert_parallel=ep)))
+            with self.lock:
+                self._facts[ep] = found
+        return found
+
     def key_of(self, tuning: TuningConfig) -> str:
         return self.keys(tuning)
 
