@@ -28,6 +28,7 @@ def export(spec, out_dir, as_json):
     what = "cache hit, nothing compiled" if r.cache_hit else f"exported in {r.seconds:.2f} s"
     signed = r.manifest.get("signing", {})
     click.echo(f"{r.path} ({what})")
+    click.echo(f"  devices: {_devices_line(r.manifest.get('mesh', {}))}")
     click.echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
                "  signed:  no (no signing key configured: set TPUMK_SIGNING_KEY to sign)")
     click.echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
@@ -43,10 +44,11 @@ def export(spec, out_dir, as_json):
 @fail_cleanly
 def cache_key(spec, out_dir, as_json):
     """Print the build's cache key (no compile)."""
-    from tpumk.export.artifacts import artifact_path
+    from tpumk.export.artifacts import artifact_path, check_exportable
     from tpumk.export.paths import check_out_dir
     from tpumk.compile.keys import cache_key as key_of, key_inputs
 
+    check_exportable(spec)  # no key for an artifact export refuses to write
     inputs = key_inputs(spec)
     key = key_of(inputs)
     path = None
@@ -102,6 +104,40 @@ def inspect(path, as_json):
         _fail_inspect(info["problem"])
 
 
+def _devices_line(mesh: dict, kind=None) -> str:
+    """The manifest's [mesh] in one line (an unverified manifest's may hold anything)."""
+    n = mesh.get("devices")
+    if n == 1:
+        return "1 (no mesh)"
+    if not isinstance(n, int):
+        return "? (no [mesh] table)"
+    try:
+        order = ", ".join(f"{i}@{tuple(c)}/{core}" for i, c, core in
+                          zip(mesh["device_ids"], mesh["device_coords"], mesh["core_on_chip"]))
+    except (KeyError, TypeError):
+        order = "?"
+    return (f"{n}{f' x {kind}' if kind else ''}, mesh {mesh.get('axis')}={mesh.get('axis_size')} on "
+            f"{mesh.get('topology')}; device order id@(chip coords)/core: {order}")
+
+
+def _sharding_line(sh: dict) -> str:
+    parts = []
+    a = sh.get("attention")
+    if isinstance(a, dict):
+        parts.append(f"q heads {a.get('q_heads_per_device')}/device, kv heads {a.get('kv_heads_per_device')}/device "
+                     f"(x{a.get('kv_replicas')} replicas)")
+    for name, what in (("dense_ffn", "width_per_device"), ("shared_experts", "width_per_device")):
+        if isinstance(sh.get(name), dict):
+            parts.append(f"{name} {sh[name].get(what)}/device")
+    e = sh.get("experts")
+    if isinstance(e, dict):
+        parts.append(f"experts {e.get('mode')} (ep {e.get('expert_parallel')} x et {e.get('expert_tensor')}: "
+                     f"{e.get('experts_per_device')} experts of width {e.get('expert_width_per_device')}/device)")
+    if isinstance(sh.get("lm_head"), dict):
+        parts.append(f"lm_head {sh['lm_head'].get('columns_per_device')} columns/device")
+    return "; ".join(parts) or "?"
+
+
 def _fail_inspect(problem) -> None:
     """The report is on stdout; the error is one line on stderr, exit code 1 (README)."""
     import sys
@@ -132,9 +168,9 @@ def _print_listing(listing: dict) -> None:
         status = (", all valid (fields, hashes and versions checked; manifests not authenticated: "
                   "set TPUMK_SIGNING_KEY to verify signatures)")
     click.echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}" + status)
-    rows = [[i["path"], i["model"] or "?", i["target"] or "?", (i["key"] or "?")[:12],
+    rows = [[i["path"], i["model"] or "?", i["target"] or "?", i.get("devices") or "?", (i["key"] or "?")[:12],
              "valid" if i["valid"] else f"INVALID: {_short_problem(i)}"] for i in items]
-    click.echo(tabulate(rows, headers=["path", "model", "target", "key", "status"], tablefmt="simple"))
+    click.echo(tabulate(rows, headers=["path", "model", "target", "devices", "key", "status"], tablefmt="simple"))
     click.echo("details of one: tpumk inspect PATH")
 
 
@@ -150,6 +186,10 @@ def _print_inspect(info: dict) -> None:
     click.echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
                f"batch {sh['batch']}  context {sh['context']}  q_len {sh['q_len']}  page {sh['page_size']}")
     click.echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    click.echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
+    sharding = (info.get("mesh") or {}).get("sharding")
+    if isinstance(sharding, dict):
+        click.echo(f"  sharding  {_sharding_line(sharding)}")
     default = TuningConfig().to_dict()
     changed = {k: v for k, v in info.get("tuning", {}).items() if default.get(k) != v}
     click.echo(f"  tuning    {changed or 'defaults'}")

@@ -12,7 +12,8 @@ place, so a reader never sees half an artifact):
                      StableHLO of the same step (tpu_custom_call is a stable custom call); any
                      host deserializes it (flatbuffers, no pickle), and it compiles on load for
                      the platform it names
-    manifest.toml    model, target, shapes, tuning, the cache-key inputs (exact, as canonical
+    manifest.toml    model, target, shapes, tuning, the mesh (devices, topology, mesh axis and
+                     size, device order, sharding), the cache-key inputs (exact, as canonical
                      JSON, plus readable tables), stack versions, the build report, input/output
                      signatures, whether it is signed and the sha256 of every file above
     manifest.sig     only when signed: HMAC-SHA256 of manifest.toml (tpumk.export.signing)
@@ -22,7 +23,16 @@ from the manifest's plan and checks them against the structures recorded at expo
 
 `cpu`-target artifacts hold real programs too: their kernel runs in Pallas' discharge
 interpreter (`interpret=True`: the same kernel lowered to ordinary XLA ops, no host callbacks),
-so the portable export runs on any machine's CPU.
+so the portable export runs on any machine's CPU. That interpreter has none of the in-kernel
+collectives, so a `cpu` artifact spans one device (`checks.unexportable` says why).
+
+Many devices (`spec.devices` > 1, TPU targets): both files hold the ONE SPMD program over the
+plan's 1-D mesh (`tpumk.kernel.megakernel.step_mesh`), compiled deviceless for the topology
+`tpumk.targets.topology_for` names unless that many devices of the kind are attached. The
+serialized executable names its devices by id, so `load` runs it on the attached devices with
+the recorded ids, in the recorded mesh order, and refuses (one line) a host that lacks them;
+the step then takes and returns global arrays on that mesh (`DecodeStep.pack`,
+`DecodeStep.shard_cache`, `DecodeStep.shardings`).
 
 An existing key is a cache hit: nothing is compiled. `load(path)` verifies, then returns a
 `DecodeStep`: step(packed, tokens, positions, cache) -> (logits, cache).
@@ -61,7 +71,8 @@ from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
 
-FORMAT = 3  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig
+FORMAT = 4  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig.
+# 4: [mesh] table (devices, topology, mesh axis, device order, sharding)
 MANIFEST = "manifest.toml"
 EXECUTABLE = "executable.bin"
 EXPORTED = "exported.bin"
@@ -133,7 +144,8 @@ class ExportResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "key": self.key, "cache_hit": self.cache_hit, "seconds": self.seconds,
-                "signed": bool(self.manifest.get("signing", {}).get("signed"))}
+                "signed": bool(self.manifest.get("signing", {}).get("signed")),
+                "devices": self.manifest.get("mesh", {}).get("devices", 1)}
 
 
 def artifact_path(out_dir: str | Path, spec: BuildSpec, key: str) -> Path:
@@ -155,11 +167,37 @@ def _refuse_foreign(final: Path) -> None:
                             "copy): refusing to replace what tpumk did not write; remove it and export again")
 
 
+def check_exportable(spec: BuildSpec) -> None:
+    """ArtifactError (one line saying why) for a build no artifact can hold: a `cpu` build over
+    many devices (tpumk.export.checks.unexportable)."""
+    why = checks.unexportable(spec.target, spec.devices)
+    if why:
+        raise ArtifactError(why)
+
+
+def _program(step):
+    """The jitted SPMD program of a many-device step (without its vocab-unpadding wrapper)."""
+    return getattr(step, "program", step)
+
+
+def _compiled_mesh(compiled, plan) -> list:
+    """The devices of the mesh the executable was compiled for, in mesh order."""
+    import jax
+
+    from tpumk.plan.sharding import MESH_AXIS
+
+    mesh = jax.tree.leaves(compiled.compiled.input_shardings)[0].mesh
+    if tuple(mesh.axis_names) != (MESH_AXIS,) or mesh.size != plan.devices:
+        raise ArtifactError(f"internal: compiled for mesh {dict(mesh.shape)}, the plan's is {MESH_AXIS}={plan.devices}")
+    return list(mesh.devices.flat)
+
+
 def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False) -> ExportResult:
     """Build and write the artifact, or find it already there (cache hit: compiles nothing).
     Signed when a signing key is configured (tpumk.export.signing)."""
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
+    check_exportable(spec)
     sign_key = signing.configured_key()  # a misconfigured key fails before compiling
     inputs = key_inputs(spec)
     key = cache_key(inputs)
@@ -175,7 +213,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     from jax.experimental import serialize_executable
 
     from tpumk.build import make_report
-    from tpumk.compile.aot import compile_for
+    from tpumk.compile.aot import compile_for, compile_plan
     from tpumk.estimate.profiler import estimate_in_subprocess
     from tpumk.kernel.megakernel import make_decode_step, step_specs
     from tpumk.plan.plan import make_plan
@@ -183,11 +221,20 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     _register_pytrees()
     plan = make_plan(spec)  # PlanError before compiling
     specs = step_specs(plan)
-    # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
-    # donate in compile_for's own jit too: a donation inside a nested jit is not honoured, and
-    # without it XLA copies both KV caches every step
-    compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
-                           donate_argnums=(3,))
+    if plan.devices == 1:
+        # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
+        # donate in compile_for's own jit too: a donation inside a nested jit is not honoured, and
+        # without it XLA copies both KV caches every step
+        compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
+                               donate_argnums=(3,))
+        program = make_decode_step(plan, portable=True)
+        compiled_devices = None
+    else:
+        # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it;
+        # the vocab-unpadding wrapper, if any, stays outside: `load` slices the logits
+        compiled = compile_plan(plan)
+        program = _program(make_decode_step(plan))
+        compiled_devices = _compiled_mesh(compiled, plan)
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
     except Exception as e:
@@ -197,7 +244,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
     platform = checks.export_platform(target.interpret)
     t1 = time.perf_counter()
-    exported = jexport.export(make_decode_step(plan, portable=True), platforms=[platform])(*specs)
+    exported = jexport.export(program, platforms=[platform])(*specs)
     export_seconds = time.perf_counter() - t1
     est = estimate_in_subprocess(spec) if estimate and target.static_profile else None
     report = make_report(plan, compiled, est)
@@ -224,6 +271,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
                        "device_kind": compiled.device_kind, "interpret": target.interpret,
                        "export_platform": platform, "kernel_mode": checks.KERNEL_MODE[target.interpret]},
             "shapes": spec.shapes(),
+            "mesh": checks.mesh_record(plan, compiled_devices),
             "tuning": tuning.to_dict(),
             "versions": stack_versions(),
             "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
@@ -284,12 +332,15 @@ def _parse_manifest(mf: Path, data: bytes) -> dict[str, Any]:
         m = parse_toml(data, str(mf))
     except ConfigError as e:  # not UTF-8, bad syntax, nesting or integers the parser refuses
         raise ArtifactError(f"{mf}: malformed manifest: {str(e).removeprefix(f'{mf}: ')}") from None
-    for field in ("format", "key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model",
-                  "report", "report_json", "signature"):
+    if "format" not in m:
+        raise ArtifactError(f"{mf}: malformed manifest: missing 'format'")
+    if m["format"] != FORMAT:  # before the tables: an older format lacks some (e.g. [mesh] before 4)
+        got = m["format"] if isinstance(m["format"], int) else repr(m["format"])[:60]
+        raise ArtifactError(f"{mf}: artifact format {got}, this tpumk reads format {FORMAT} (re-export)")
+    for field in ("key", "target", "versions", "cache_key", "files", "shapes", "tuning", "model",
+                  "report", "report_json", "signature", "mesh"):
         if field not in m:
             raise ArtifactError(f"{mf}: malformed manifest: missing '{field}'")
-    if m["format"] != FORMAT:
-        raise ArtifactError(f"{mf}: artifact format {m['format']}, this tpumk reads format {FORMAT} (re-export)")
     if not isinstance(m.get("signing"), dict) or not isinstance(m["signing"].get("signed"), bool):
         raise ArtifactError(f"{mf}: malformed manifest: missing 'signing'")
     return m
@@ -397,15 +448,25 @@ class DecodeStep:
     at the cache length and below the capacity; PositionError otherwise) so a bad position
     is reported before any cache row is touched. Serving loops that guarantee their inputs
     skip it (a device-to-host read of positions and lengths) with `step(..., check=False)` or
-    for every call with `step.check_inputs = False`."""
+    for every call with `step.check_inputs = False`.
+
+    Many devices (an N-device artifact): `devices` are the mesh's devices in the recorded order,
+    `mesh` the 1-D mesh over them, and the step takes global arrays in `shardings` (for
+    (packed, tokens, positions, cache): weights stacked per device and split on that axis, the
+    embedding and the step inputs replicated, the K/V in the sharded layout split on their last
+    axis). `pack(params)` and `init_cache()` / `shard_cache(cache)` build them; any other
+    argument is placed there first, each process filling only the shards it addresses. Logits
+    come back [B, q, vocab], split over the devices by vocabulary."""
 
     check_inputs: bool = True
 
-    def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str, plan=None):
+    def __init__(self, path: Path, manifest: dict[str, Any], fn, kind: str, plan=None, devices=None):
         self.path, self.manifest, self._fn, self.kind = path, manifest, fn, kind
         self._plan = plan  # verify's (load passes it); else planned from the manifest when first asked
         self.batch = manifest["shapes"]["batch"]
         self.q_len = manifest["shapes"]["q_len"]
+        self.devices = list(devices) if devices is not None else None
+        self._shardings = self._specs = None
 
     @property
     def key(self) -> str:
@@ -413,17 +474,108 @@ class DecodeStep:
 
     @property
     def plan(self):
-        """The plan the artifact was built from: what `tpumk.pack_weights(step.plan, params)` needs."""
+        """The plan the artifact was built from (`step.pack(params)` packs weights for it; one
+        device: also `tpumk.pack_weights(step.plan, params)`)."""
         if self._plan is None:
             self._plan = plan_of(self.manifest)
         return self._plan
 
+    @property
+    def mesh(self):
+        """The 1-D mesh the step runs on (many devices), else None."""
+        return None if self.shardings is None else self.shardings[1].mesh
+
+    @property
+    def shardings(self):
+        """NamedShardings of (packed, tokens, positions, cache) on the step's mesh (many devices),
+        else None: what each host needs to build its inputs (e.g. jax.make_array_from_callback)."""
+        if self.devices is None:
+            return None
+        if self._shardings is None:
+            import jax
+            import numpy as np
+            from jax.sharding import Mesh, NamedSharding
+
+            from tpumk.kernel.megakernel import step_specs
+            from tpumk.plan.sharding import MESH_AXIS
+
+            mesh = Mesh(np.asarray(self.devices), (MESH_AXIS,))
+            self._specs = step_specs(self.plan)  # the GLOBAL shapes
+            self._shardings = jax.tree.map(lambda a: NamedSharding(mesh, a.sharding.spec), self._specs)
+        return self._shardings
+
+    def pack(self, params: dict):
+        """Reference-layout weights -> the packed weights this step takes. One device:
+        `tpumk.pack_weights(step.plan, params)`. Many devices: each device's part
+        (`ShardingPlan.device_params`) is packed on the host CPU and put on that device alone,
+        so no device ever holds more than its part; each process packs only the devices it
+        addresses (every process passes the whole model's params)."""
+        from tpumk.kernel.layout import pack_weights
+
+        plan = self.plan
+        if self.devices is None:
+            return pack_weights(plan, params)
+        import jax
+        import jax.numpy as jnp
+
+        from tpumk.model.reference import jnp_dtype
+
+        sh, model, specs = plan.sharding, plan.whole_model, self.shardings[0]
+        parts = []
+        with jax.default_device(jax.devices("cpu")[0]):
+            for i, d in enumerate(self.devices):
+                if d.process_index != jax.process_index():
+                    continue
+                part = pack_weights(plan, sh.device_params(model, params, i))
+                part.pop("embed")
+                parts.append(jax.device_put(jax.tree.map(lambda a: a[None], part), d))
+            embed = jnp.asarray(params["embed"], jnp_dtype(model))
+        shapes = {k: v for k, v in self._specs[0].items() if k != "embed"}  # global, stacked per device
+        out = jax.tree.map(lambda a, s, *leaves: jax.make_array_from_single_device_arrays(a.shape, s, list(leaves)),
+                           shapes, {k: v for k, v in specs.items() if k != "embed"}, *parts)
+        out["embed"] = _place(embed, specs["embed"])
+        return out
+
     def init_cache(self):
-        """An empty paged KV cache of the artifact's shapes."""
+        """An empty paged KV cache of the artifact's shapes (many devices: on its mesh, as
+        `shard_cache` places it)."""
+        import jax
+
         from tpumk.model.reference import init_cache
 
         p = self.plan
-        return init_cache(p.cfg, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+        if self.devices is None:
+            return init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+        with jax.default_device(jax.devices("cpu")[0]):  # built on the host, placed shard by shard
+            cache = init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+        return self.shard_cache(cache)
+
+    def shard_cache(self, cache):
+        """A KV cache in the reference layout (e.g. filled by `tpumk.model.reference.prefill`) ->
+        the one this step takes: one device, the same; many, the sharded layout
+        (`ShardingPlan.expand_cache`) on the step's mesh, each process placing its shards."""
+        if self.devices is None:
+            return cache
+        import jax
+        import numpy as np
+
+        from tpumk.model.reference import KVCache
+
+        sh, model = self.plan.sharding, self.plan.whole_model
+        with jax.default_device(jax.devices("cpu")[0]):
+            k, v = (sh.expand_cache(model, np.asarray(a)) for a in (cache.k, cache.v))
+        return _place(KVCache(k, v, cache.block_tables, cache.lengths), self.shardings[3])
+
+    def unshard_cache(self, cache):
+        """The inverse of `shard_cache`: the reference layout (one process must address every
+        device: a single host)."""
+        if self.devices is None:
+            return cache
+        from tpumk.model.reference import KVCache
+
+        sh, model = self.plan.sharding, self.plan.whole_model
+        return KVCache(sh.collapse_cache(model, cache.k), sh.collapse_cache(model, cache.v), cache.block_tables,
+                       cache.lengths)
 
     def __call__(self, packed, tokens, positions, cache, check: bool | None = None):
         b, t = tokens.shape
@@ -433,10 +585,55 @@ class DecodeStep:
             from tpumk.model.positions import check_step
 
             check_step(positions, cache, where=f"artifact {self.key[:12]}")
-        return self._fn(packed, tokens, positions, cache)
+        if self.devices is None:
+            return self._fn(packed, tokens, positions, cache)
+        self._check_packed(packed)
+        # the program takes its arguments in exactly these shardings (the executable refuses others)
+        logits, cache = self._fn(*_place((packed, tokens, positions, cache), self.shardings))
+        vocab = self.plan.whole_model.vocab_size
+        if logits.shape[-1] != vocab:  # the last device's vocab padding (make_decode_step slices it the same way)
+            logits = logits[..., :vocab]
+        return logits, cache
+
+    def _check_packed(self, packed) -> None:
+        """Many devices: weights packed for one device (e.g. `tpumk.pack_weights(step.plan, ...)`,
+        the per-device layout without the device axis) are refused here, in one line."""
+        import jax
+
+        want = self.shardings and self._specs[0]
+        got_leaves, got_tree = jax.tree.flatten_with_path(packed)
+        if got_tree != jax.tree.structure(want):
+            raise ArtifactError(f"artifact {self.key[:12]}: packed weights of another structure than this step's "
+                                "(pack them with step.pack(params))")
+        for (where, a), s in zip(got_leaves, jax.tree.leaves(want)):
+            if tuple(getattr(a, "shape", ())) != tuple(s.shape):
+                raise ArtifactError(f"artifact {self.key[:12]}: packed weight {jax.tree_util.keystr(where)} has shape "
+                                    f"{list(getattr(a, 'shape', ()))}, this {len(self.devices)}-device step takes "
+                                    f"{list(s.shape)} (pack them with step.pack(params))")
 
     def __repr__(self) -> str:
-        return f"DecodeStep({self.path}, {self.kind})"
+        on = f", {len(self.devices)} devices" if self.devices else ""
+        return f"DecodeStep({self.path}, {self.kind}{on})"
+
+
+def _place(tree, shardings):
+    """Every leaf of `tree` as a global array of the matching sharding in `shardings`: one already
+    there is kept, a process-local jax array is resharded on device, anything else is sliced on
+    the host and each shard this process addresses put on its device (every process passes the
+    same value)."""
+    import jax
+    import numpy as np
+
+    def one(x, s):
+        if isinstance(x, jax.Array):
+            if x.sharding == s:
+                return x
+            if x.is_fully_addressable and s.is_fully_addressable:  # one process: a device-side reshard
+                return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def plan_of(m: dict[str, Any]):
@@ -481,12 +678,16 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
     path = Path(path)
     m, _, plan = _verify(path)  # the plan too: verify re-plans the key inputs to check the manifest
     target = get_target(m["target"]["name"])
-    if not target.interpret and not target.is_attached():
+    devices = None
+    if plan.devices > 1:  # the recorded mesh's devices, attached, in its order (or one line why not)
+        devices = _attached_mesh(path, m["mesh"], target)
+    elif not target.interpret and not target.is_attached():
         attached = _attached_kind()
         raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
                             f"{attached}; load it where a {target.device_kind} is attached")
+    on = f"{target.name} x {plan.devices}" if devices else target.name
     if use == "exported" or (use == "auto" and target.interpret):
-        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({target.name})", plan)
+        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({on})", plan, devices)
         step.check_inputs = check_inputs
         return step
     from jax.experimental import serialize_executable
@@ -496,13 +697,64 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
     in_tree, out_tree = step_trees(plan)
     blob = _read_payload(path, EXECUTABLE, m)
     try:
+        # many devices: the executable names its devices by id; these are the recorded ones
         compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
-                                                             backend="cpu" if target.interpret else "tpu")
+                                                             backend="cpu" if target.interpret else "tpu",
+                                                             execution_devices=devices)
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
-    step = DecodeStep(path, m, compiled, f"executable ({target.name})", plan)
+    step = DecodeStep(path, m, compiled, f"executable ({on})", plan, devices)
     step.check_inputs = check_inputs
     return step
+
+
+def _attached_mesh(path: Path, mesh: dict[str, Any], target) -> list:
+    """The attached devices of `target`'s kind with the recorded mesh's ids, in its order."""
+    import jax
+
+    try:
+        # after jax.distributed.initialize(): every host's devices, addressable or not
+        have = [d for d in jax.devices("tpu") if d.device_kind == target.device_kind]
+    except RuntimeError:
+        have = []
+    return mesh_order(path, mesh, have, target)
+
+
+def _ids(ids: list) -> str:
+    ids = sorted(ids)
+    if ids and ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2:
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids[:16])) + (",..." if len(ids) > 16 else "")
+
+
+def mesh_order(path: Path, mesh: dict[str, Any], have: list, target) -> list:
+    """Of the devices `have` (attached, of the artifact's kind), the recorded mesh's, in mesh
+    order: the device with each recorded id, which must sit at the recorded chip coordinates
+    and core (the executable runs on the device ids it was compiled for; the same ids at other
+    places would be another topology). ArtifactError (one line naming what is missing) if not."""
+    n, kind = mesh["devices"], target.device_kind
+    want = (f"{n} {kind} devices ({target.name}, mesh {mesh['axis']}={mesh['axis_size']} on {mesh['topology']}, "
+            f"device ids {_ids(mesh['device_ids'])})")
+    if len(have) < n:
+        here = f"{len(have)} {kind} device{'' if len(have) == 1 else 's'}"
+        if not have:
+            here += f" ({_attached_kind()})"
+        raise ArtifactError(f"{path}: built for {want}, but this host has {here}; load it where {n} {kind} devices "
+                            "are attached (a slice over several hosts: jax.distributed.initialize() on each first)")
+    by_id = {int(d.id): d for d in have}
+    out = []
+    for i, (did, coords, core) in enumerate(zip(mesh["device_ids"], mesh["device_coords"], mesh["core_on_chip"])):
+        d = by_id.get(did)
+        if d is None:
+            raise ArtifactError(f"{path}: mesh position {i} is {kind} device id {did}, not among the attached ones "
+                                f"(ids {_ids(list(by_id))}): the executable runs on the device ids it was compiled for")
+        got = ([int(c) for c in getattr(d, "coords", ())], int(getattr(d, "core_on_chip", 0)))
+        if got != (list(coords), core):
+            raise ArtifactError(f"{path}: {kind} device id {did} is at coords {got[0]} core {got[1]} here, the "
+                                f"artifact's mesh has it at {list(coords)} core {core}: another topology "
+                                "(export it on this slice)")
+        out.append(d)
+    return out
 
 
 def _attached_kind() -> str:
@@ -550,8 +802,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
     def show(m: Any) -> None:
         if _displayable(m):
             out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
-                       tuning=m["tuning"], versions=m["versions"], files=m["files"], report=m.get("report", {}),
-                       signature=m.get("signature", {}), signed=bool(m.get("signing", {}).get("signed")))
+                       mesh=m.get("mesh", {}), tuning=m["tuning"], versions=m["versions"], files=m["files"],
+                       report=m.get("report", {}), signature=m.get("signature", {}),
+                       signed=bool(m.get("signing", {}).get("signed")))
 
     problem = None
     try:
@@ -619,7 +872,7 @@ def _displayable(m: Any) -> bool:
         return False
     if not all(isinstance(m.get(k), dict) for k in ("model", "target", "shapes", "tuning", "versions", "files")):
         return False
-    if not all(isinstance(m.get(k, {}), dict) for k in ("report", "signature", "signing")):
+    if not all(isinstance(m.get(k, {}), dict) for k in ("report", "signature", "signing", "mesh")):
         return False
     sh = m["shapes"]
     if not all(isinstance(sh.get(k), int) for k in ("batch", "context", "q_len", "page_size")):
@@ -649,6 +902,7 @@ def inspect_tree(root: str | Path) -> dict[str, Any]:
         info = inspect(path)
         target = info.get("target") or {}
         items.append({"path": info["path"], "model": info.get("model"), "target": target.get("name"),
+                      "devices": (info.get("mesh") or {}).get("devices"),
                       "key": info.get("key"), "valid": info["valid"], "problem": info["problem"],
                       "signed": info.get("signed", False), "authenticated": info["authenticated"]})
     return {"path": str(Path(root)), "artifacts": items, "valid": all(i["valid"] for i in items),

@@ -3,9 +3,10 @@
 `cache_key.inputs_json` is the manifest's one authoritative record (its sha256 is the key, and
 the key is the directory's name). Every other field that can be derived from it is re-derived
 and compared: model, target (and what the target registry says about it), shapes, tuning,
-versions, the plan figures of the build report and the step's input signature. An edited field
-is refused with one line naming it, with or without a signing key. What cannot be re-derived
-(measured compile times, the estimate, the creation time) is covered only by a signature.
+versions, the plan figures of the build report, the step's input signature and the mesh (devices,
+topology, mesh axis, device order, sharding). An edited field is refused with one line naming
+it, with or without a signing key. What cannot be re-derived (measured compile times, the
+estimate, the creation time) is covered only by a signature.
 """
 
 from __future__ import annotations
@@ -20,18 +21,71 @@ from tpumk.compile.keys import cache_key
 from tpumk.errors import ArtifactError, TpumkError
 
 TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
-             "report", "report_json", "timings", "signature", "files", "signing"}
+             "report", "report_json", "timings", "signature", "files", "signing", "mesh"}
 TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
 KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
                False: "Mosaic TPU kernel (tpu_custom_call)"}
 # report figures the plan decides (the rest are measured at export: only a signature covers them)
 PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
-               "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning")
+               "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning", "devices", "topology",
+               "mesh", "sharding")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def export_platform(interpret: bool) -> str:
     return "cpu" if interpret else "tpu"
+
+
+def unexportable(target, devices: int) -> str | None:
+    """Why a build of `target` over `devices` devices cannot be an artifact (None: it can).
+
+    A `cpu` artifact's kernel runs in Pallas' discharge interpreter (interpret=True) so that
+    its program serializes. That interpreter (checked on JAX 0.10.2) implements none of the
+    many-device kernel's collectives: a remote semaphore signal raises "Remote signal not
+    implemented", the barrier semaphore has no discharge rule, and a remote DMA addressed by
+    mesh coordinates fails in its discharge rule. The TPU interpreter that runs them (tpumk
+    generate --devices N) calls back into Python, so its program cannot be serialized."""
+    if not (target.interpret and devices > 1):
+        return None
+    from tpumk.compile.keys import stack_versions
+
+    return (f"{target.name}: --devices {devices} cannot be exported: the many-device step's in-kernel "
+            f"collectives (remote DMAs and semaphore signals, the barrier semaphore) run only in Pallas' TPU "
+            f"interpreter, whose host callbacks cannot be serialized, and the discharge interpreter (interpret=True) "
+            f"of jax {stack_versions().get('jax', '?')} does not implement them; export for a TPU target "
+            f"(e.g. --target tpu7x), or run it here with `tpumk generate --backend megakernel --devices {devices}`")
+
+
+def mesh_record(plan, devices=None) -> dict[str, Any]:
+    """The manifest's [mesh] table for a plan: devices and the topology compiled for; on many
+    devices also the mesh axis and its size, the device order (ids, chip coordinates and core
+    on the chip, in mesh order: the executable runs on exactly those device ids) and how the
+    model is split. `devices`: the mesh's devices in order; default the ones tpumk compiles
+    this plan for (`tpumk.targets.mesh_devices`: attached ones of the kind, else the
+    deviceless topology's)."""
+    from tpumk.targets import topology_for
+
+    n, target = plan.devices, plan.target
+    rec: dict[str, Any] = {"devices": n, "topology": topology_for(target, n) or ""}
+    if n == 1:
+        return rec
+    from tpumk.plan.sharding import MESH_AXIS
+    from tpumk.targets import mesh_devices
+
+    devices = list(mesh_devices(target, n) if devices is None else devices)
+    rec.update(axis=MESH_AXIS, axis_size=n, device_ids=[int(d.id) for d in devices],
+               device_coords=[[int(c) for c in getattr(d, "coords", ())] for d in devices],
+               core_on_chip=[int(getattr(d, "core_on_chip", 0)) for d in devices],
+               sharding=without_none(plan.sharding.summary(plan.whole_model)))
+    return rec
+
+
+def report_mesh(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The build report's `mesh` (tpumk.build.make_report) for a [mesh] table."""
+    if rec["devices"] == 1:
+        return None
+    return {"axes": {rec["axis"]: rec["axis_size"]}, "device_ids": rec["device_ids"],
+            "device_coords": rec["device_coords"]}
 
 
 def without_none(v: Any) -> Any:
@@ -139,6 +193,10 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     c.field("target.kernel_mode", t.get("kernel_mode"), KERNEL_MODE[target.interpret], "its target's")
     if target.device_kind is not None:
         c.field("target.device_kind", t.get("device_kind"), target.device_kind, "its target's")
+    devices = inputs["shapes"].get("devices", 1)
+    why = unexportable(target, devices) if isinstance(devices, int) else None
+    if why:  # export refuses it: only a forged manifest says so
+        c.fail(f"not a loadable artifact: {why}")
 
     for name, entry in m["files"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
@@ -155,10 +213,22 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
         c.fail("malformed manifest: bad report_json")
     c.field("report", m["report"], without_none({k: v for k, v in full.items() if k != "plan"}), "report_json's")
     plan = _plan(c, inputs)
-    want = {"model": plan.cfg.name, "target": plan.target.name, "batch": plan.batch, "context": plan.context,
-            "q_len": plan.q_len, "vmem_bytes": plan.vmem_total, "vmem_budget_bytes": plan.vmem_budget,
-            "vmem_capacity_bytes": plan.target.vmem_bytes, "hbm_bytes_per_step": plan.hbm_bytes,
-            "floor_seconds": plan.floor_seconds, "tuning": without_none(plan.tuning.to_dict())}
+    # the mesh: what this tpumk compiles the plan for (the deviceless topology's devices, or the
+    # attached ones of its kind), device order included, and how the model is split
+    if not isinstance(m.get("mesh"), dict):
+        c.fail("malformed manifest: 'mesh' is not a table")
+    try:
+        mesh = mesh_record(plan)
+    except TpumkError as e:
+        c.fail(f"its mesh cannot be rebuilt here: {e}")
+    c.field("mesh", m["mesh"], mesh, "the plan's")
+    want = {"model": plan.whole_model.name, "target": plan.target.name, "batch": plan.batch,
+            "context": plan.context, "q_len": plan.q_len, "vmem_bytes": plan.vmem_total,
+            "vmem_budget_bytes": plan.vmem_budget, "vmem_capacity_bytes": plan.target.vmem_bytes,
+            "hbm_bytes_per_step": plan.hbm_bytes, "floor_seconds": plan.floor_seconds,
+            "tuning": without_none(plan.tuning.to_dict()), "devices": plan.devices,
+            "topology": mesh["topology"] or None, "mesh": report_mesh(mesh),
+            "sharding": mesh.get("sharding")}
     for f in PLAN_REPORT:
         c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
 
