@@ -175,11 +175,6 @@ def check_exportable(spec: BuildSpec) -> None:
         raise ArtifactError(why)
 
 
-def _program(step):
-    """The jitted SPMD program of a many-device step (without its vocab-unpadding wrapper)."""
-    return getattr(step, "program", step)
-
-
 def _compiled_mesh(compiled, plan) -> list:
     """The devices of the mesh the executable was compiled for, in mesh order."""
     import jax
@@ -230,10 +225,9 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         program = make_decode_step(plan, portable=True)
         compiled_devices = None
     else:
-        # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it;
-        # the vocab-unpadding wrapper, if any, stays outside: `load` slices the logits
+        # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it
         compiled = compile_plan(plan)
-        program = _program(make_decode_step(plan))
+        program = make_decode_step(plan)
         compiled_devices = _compiled_mesh(compiled, plan)
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
@@ -456,7 +450,7 @@ class DecodeStep:
     embedding and the step inputs replicated, the K/V in the sharded layout split on their last
     axis). `pack(params)` and `init_cache()` / `shard_cache(cache)` build them; any other
     argument is placed there first, each process filling only the shards it addresses. Logits
-    come back [B, q, vocab], split over the devices by vocabulary."""
+    come back [B, q, vocab] on every device (all-gathered inside the kernel)."""
 
     check_inputs: bool = True
 
@@ -589,11 +583,7 @@ class DecodeStep:
             return self._fn(packed, tokens, positions, cache)
         self._check_packed(packed)
         # the program takes its arguments in exactly these shardings (the executable refuses others)
-        logits, cache = self._fn(*_place((packed, tokens, positions, cache), self.shardings))
-        vocab = self.plan.whole_model.vocab_size
-        if logits.shape[-1] != vocab:  # the last device's vocab padding (make_decode_step slices it the same way)
-            logits = logits[..., :vocab]
-        return logits, cache
+        return self._fn(*_place((packed, tokens, positions, cache), self.shardings))
 
     def _check_packed(self, packed) -> None:
         """Many devices: weights packed for one device (e.g. `tpumk.pack_weights(step.plan, ...)`,
