@@ -96,9 +96,10 @@ def test_fixed_trial_of_the_defaults_gives_the_default_config(default_space):
     # Many devices: the computed knob's default is the split its auto makes (the same plan).
     many = default_space.for_build(MOE_4DEV)
     values = many.default_values()
-    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2}
+    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2, "all_reduce": "direct"}
     tuning = many.tuning_for(many.suggest(optuna.trial.FixedTrial(values)))
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).sharding == make_plan(MOE_4DEV).sharding
+    assert make_plan(MOE_4DEV.replace(tuning=tuning)).all_reduce == make_plan(MOE_4DEV).all_reduce
 
 
 @pytest.mark.parametrize("space_fixture", ["default_space", "tiny_space"])
@@ -326,7 +327,7 @@ BROKEN = [
      r"knob 'expert_slots': candidate True is not valid: .*an integer"),
     ("no knobs", "[fixed]\nring_depth = 4\n", r"no knobs to search"),
     ("unknown computed function", '[knobs.expert_parallel]\ntype = "computed"\nfunction = "best_split"\n',
-     r"knob 'expert_parallel': 'function' = 'best_split': expected one of expert_parallel_choices"),
+     r"knob 'expert_parallel': 'function' = 'best_split': expected one of all_reduce_choices, expert_parallel_choices"),
     ("computed function of another knob", '[knobs.ring_depth]\ntype = "computed"\nfunction = "expert_parallel_choices"\n',
      r"knob 'ring_depth': function 'expert_parallel_choices' computes choices of 'expert_parallel', not 'ring_depth'"),
     ("computed knob with choices", '[knobs.expert_parallel]\ntype = "computed"\nchoices = [1, 2]\n',

@@ -205,7 +205,23 @@ def _expert_parallel_choices(spec: "BuildSpec") -> tuple[list[int], int | None]:
     return choices, auto
 
 
+def _all_reduce_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
+    from tpumk.plan.geometry import AllReduceGeometry
+
+    n = spec.devices
+    if n <= 2 or spec.target.chip == "v5e":  # one schedule serves: the direct push, or (v5e) doubling
+        return [], None
+    choices = ["direct", "rsag"] + (["doubling"] if n & (n - 1) == 0 else [])
+    auto = AllReduceGeometry.for_chip(spec.target.chip, n, spec.batch * spec.q_len, spec.model.hidden_size).schedule
+    return choices, auto
+
+
 COMPUTED: dict[str, ComputedChoices] = {
+    "all_reduce_choices": ComputedChoices(
+        "all_reduce",
+        "the in-kernel all-reduce schedules the build's chip routes over its devices "
+        "(tpumk.plan.geometry.AllReduceGeometry); none on one or two devices, or on v5e (doubling only)",
+        _all_reduce_choices),
     "expert_parallel_choices": ComputedChoices(
         "expert_parallel",
         "expert groups that split a MoE model's experts over the build's devices "
