@@ -167,7 +167,12 @@ def serve(request: dict[str, Any]) -> dict[str, Any]:
                              "source": None, "compile_seconds": None, "lower_seconds": None, "custom_calls": None,
                              "model_seconds": None, "model_source": None, "details": {}}
     try:
-        plan = make_plan(BuildSpec.from_dict(request["spec"], "tune worker request"))
+        spec = BuildSpec.from_dict(request["spec"], "tune worker request")
+        if spec.target.interpret:  # a cpu build over N devices runs on N host CPU devices
+            from tpumk.targets import ensure_host_devices
+
+            ensure_host_devices(spec.devices)
+        plan = make_plan(spec)
     except TpumkError as e:
         reply["error"] = str(e)
         return reply
