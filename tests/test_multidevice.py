@@ -31,13 +31,14 @@ CASES = {
     "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {"all_reduce": "rsag"}),
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),
+    "moe-4dev-int8": (dict(base="tiny-moe", dtype="bfloat16", quant="int8"), 4, 2, 1, {}),  # scales shard too
 }
 
 
 def _config(model: dict):
     from tpumk.model.config import load_preset
 
-    over = dict(model)
+    over = {k: v for k, v in model.items() if k != "quant"}
     return load_preset(over.pop("base")).replace(**over)
 
 
@@ -48,7 +49,7 @@ def _spec(case: str, target: str):
 
     model, n, batch, q_len, tuning = CASES[case]
     return BuildSpec(_config(model), get_target(target), batch=batch, context=64, q_len=q_len, devices=n,
-                     tuning=TuningConfig(**tuning))
+                     tuning=TuningConfig(**tuning), quant=model.get("quant", "none"))
 
 
 # ---------------------------------------------------------------------- the subprocess
@@ -62,13 +63,14 @@ def _worker(case: str, races: bool) -> dict:
     from tpumk.kernel.layout import pack_sharded
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.model import reference as ref
+    from tpumk.model.quantize import quantize_params
     from tpumk.model.weights import random_params
     from tpumk.plan.plan import make_plan
 
     spec = _spec(case, "cpu")
     plan = make_plan(spec)
     cfg, sh = spec.model, plan.sharding
-    params = random_params(cfg, seed=7)
+    params = quantize_params(cfg, random_params(cfg, seed=7), spec.quant)
     b, q = spec.batch, spec.q_len
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(0, cfg.vocab_size, 5 + 3 * i)) for i in range(b)]
@@ -159,7 +161,8 @@ def test_compiles_for_other_generations(target, case):
     from tpumk.compile.aot import compile_plan
     from tpumk.plan.plan import make_plan
 
-    plan = make_plan(_spec(case, target))
+    spec = _spec(case, target)
+    plan = make_plan(spec.replace(tuning=spec.tuning.replace(all_reduce="auto")))
     if target == "v5e":  # power-of-two offsets only (TPU_FACTS 8)
         assert plan.all_reduce.schedule == "doubling"
     c = compile_plan(plan)

@@ -59,6 +59,7 @@ class BuildReport:
     # split; interconnect bytes one device sends and in-kernel collectives per step (plan
     # accounting); collective ops XLA runs outside the kernel (0 is the aim).
     devices: int = 1
+    quant: str = "none"  # format of the streamed matrices (tpumk.model.quantize)
     topology: str | None = None
     mesh: dict[str, Any] | None = None
     sharding: dict[str, Any] | None = None
@@ -174,7 +175,7 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildRe
                 "device_ids": [int(d.id) for d in m.devices.flat],
                 "device_coords": [list(getattr(d, "coords", []) or []) for d in m.devices.flat]}
     return BuildReport(
-        devices=plan.devices, topology=topology_for(target, plan.devices), mesh=mesh,
+        devices=plan.devices, quant=plan.quant, topology=topology_for(target, plan.devices), mesh=mesh,
         sharding=plan.sharding.summary(plan.whole_model) if plan.sharding is not None else None,
         interconnect_bytes_per_step=plan.interconnect_bytes, collectives_per_step=plan.collectives_per_step,
         xla_collectives=compiled.xla_collectives, model_seconds=model.seconds,

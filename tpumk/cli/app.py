@@ -93,7 +93,8 @@ def _us(s):
 
 def print_build_report(r) -> None:
     on = f"{r.devices} x {r.target} ({r.topology})" if r.devices > 1 else r.target
-    click.echo(f"built {r.model} for {on}: batch {r.batch}, q_len {r.q_len}, context {r.context}")
+    fmt = f", {r.quant} weights" if r.quant != "none" else ""
+    click.echo(f"built {r.model} for {on}: batch {r.batch}, q_len {r.q_len}, context {r.context}{fmt}")
     if r.devices > 1:
         click.echo(f"sharding: {sharding_line(r.sharding)}")
     each = " per device" if r.devices > 1 else ""
@@ -219,6 +220,8 @@ def build(spec, verify_q, verify_estimate, as_json):
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
 @click.option("--devices", default=1, show_default=True,
               help="Devices the megakernel spans (host CPU devices in interpret mode without a TPU).")
+@click.option("--quant", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
+              help="Quantize the streamed matrices (both backends run the same quantized weights).")
 @click.option("--spec", default="none", show_default=True,
               help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
                    "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
@@ -228,7 +231,7 @@ def build(spec, verify_q, verify_estimate, as_json):
                    "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, devices, spec, draft_tokens,
+def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, devices, quant, spec, draft_tokens,
              draft_model, as_json):
     """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
     from tpumk.decode import generate as gen
@@ -236,7 +239,7 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
 
     gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
     gen.prepare_devices(devices)  # host devices must exist before JAX starts its backends
-    m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
+    m = gen.quantized(gen.load_model(model, checkpoint, seed=seed, dtype=dtype), quant)
     prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     if draft_model is not None and spec != "draft":
         raise ConfigError("--draft-model: only used with --spec draft")

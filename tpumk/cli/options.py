@@ -18,6 +18,7 @@ import sys
 import click
 
 from tpumk.errors import TpumkError
+from tpumk.model.quantize import SCHEMES as QUANT_SCHEMES
 
 
 def fail_cleanly(fn):
@@ -115,7 +116,7 @@ def emit_json(obj) -> None:
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "devices",
-               "tuning_file")
+               "quant", "tuning_file")
 
 
 def spec_options(tuning: bool = True):
@@ -137,6 +138,9 @@ def spec_options(tuning: bool = True):
         click.option("--devices", default=S.DEFAULT_DEVICES, show_default=True,
                      help="TensorCores (devices) one step spans: heads, FFN widths, experts and vocabulary split "
                           "across them, collectives inside the kernel."),
+        click.option("--quant", type=click.Choice(list(QUANT_SCHEMES)), default=S.DEFAULT_QUANT, show_default=True,
+                     help="Format of the streamed matrices (every layer's projections and the lm_head): int8 or "
+                          "fp8 (e4m3) codes with one float32 scale per output column, quantized at pack time."),
     ]
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),
@@ -156,7 +160,7 @@ def spec_options(tuning: bool = True):
 
 
 def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=None, context=None, q_len=None,
-                 page_size=None, devices=None, tuning_file=None):
+                 page_size=None, devices=None, quant=None, tuning_file=None):
     """A BuildSpec from command-line values (None: the default)."""
     from tpumk.errors import ConfigError
     from tpumk.model.config import load_hf_config, resolve_model
@@ -178,6 +182,6 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
-                                 ("page_size", page_size), ("devices", devices)) if v is not None}
+                                 ("page_size", page_size), ("devices", devices), ("quant", quant)) if v is not None}
     return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),
                        tuning=load_tuning(tuning_file) if tuning_file is not None else TuningConfig(), **shapes)

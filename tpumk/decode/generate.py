@@ -37,6 +37,7 @@ class Model:
     cfg: ModelConfig
     params: dict
     source: str  # "random weights (seed N)" or the checkpoint directory
+    quant: str = "none"  # the scheme `params`' streamed matrices are quantized with
 
 
 def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: str | None = None) -> Model:
@@ -59,6 +60,16 @@ def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: 
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     return Model(cfg, random_params(cfg, seed), f"random weights (seed {seed})")
+
+
+def quantized(m: Model, scheme: str) -> Model:
+    """`m` with its streamed matrices quantized (`tpumk.model.quantize`): the reference and the
+    megakernel then run the same quantized weights. "none": `m` itself."""
+    from tpumk.model.quantize import quantize_params, weight_format
+
+    if weight_format(scheme) is None:
+        return m
+    return Model(m.cfg, quantize_params(m.cfg, m.params, scheme), f"{m.source}, {scheme} weights", scheme)
 
 
 @functools.lru_cache(maxsize=16)
@@ -85,7 +96,8 @@ def truncated_model(m: Model, layers: int) -> Model:
             changes["dense_layers"] = dense
     params = dict(m.params)
     params["layers"] = list(m.params["layers"][:layers])
-    return Model(cfg.replace(**changes), params, f"first {layers} of {cfg.num_layers} layers of the target ({m.source})")
+    return Model(cfg.replace(**changes), params, f"first {layers} of {cfg.num_layers} layers of the target ({m.source})",
+                 m.quant)
 
 
 def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None = None) -> Model:
@@ -318,7 +330,8 @@ def _megakernel_where(devices: int = 1) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int, devices: int = 1):
+def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int, devices: int = 1,
+                 quant: str = "none"):
     """(plan, step) of the megakernel for these shapes, on an attached TPU when there is one,
     else in Pallas TPU interpret mode on the host. Cached so repeated generations in one
     process (tests, notebooks) trace and compile each shape once."""
@@ -330,7 +343,8 @@ def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_l
     target = attached_target() or get_target("cpu")
     if target.interpret:
         ensure_host_devices(devices)
-    plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size, devices=devices))
+    plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size, devices=devices,
+                               quant=quant))
     return plan, make_decode_step(plan)
 
 
@@ -341,7 +355,7 @@ def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len:
     (`ShardingPlan.expand_cache`: the same array unless KV heads are replicated)."""
     from tpumk.kernel.layout import pack_sharded
 
-    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices)
+    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices, m.quant)
     packed = pack_sharded(plan, m.params)
     if plan.sharding is None:
         return (lambda toks, pos, c: step(packed, toks, pos, c)), plan

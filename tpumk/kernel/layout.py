@@ -40,7 +40,9 @@ import jax.numpy as jnp
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
 from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, round_up
-from tpumk.plan.plan import MatrixFamily, Plan, plan_families
+from tpumk.errors import PlanError
+from tpumk.model.quantize import QuantizedMatrix, scheme_of
+from tpumk.plan.plan import MatrixFamily, Plan, plan_families, scale_offsets
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 
@@ -63,11 +65,14 @@ def interleave_gate_up(gate: jax.Array, up: jax.Array, f_pad: int, tile_cols: in
     return jnp.concatenate([g, u], axis=-1).reshape(h, 2 * f_pad)
 
 
-def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None):
+def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None, quant: str):
     if isinstance(plan_or_cfg, Plan):
+        if plan_or_cfg.quant != quant:
+            raise PlanError(f"pack_weights: weights quantized as '{quant}', the plan streams '{plan_or_cfg.quant}' "
+                            "(quantize them with tpumk.model.quantize.quantize_params(cfg, params, plan.quant))")
         return plan_or_cfg.cfg, plan_or_cfg.families, plan_or_cfg.ffn_pad, plan_or_cfg.shared_ffn_pad
     cfg = plan_or_cfg
-    fams, ffn_pad, shared_pad = plan_families(cfg, tuning or TuningConfig())
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning or TuningConfig(), quant)
     return cfg, fams, ffn_pad, shared_pad
 
 
@@ -76,7 +81,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
 
     Pass the Plan the kernel is built from (or a ModelConfig plus the TuningConfig, which fix
     the same layout)."""
-    cfg, fams, ffn_pad, shared_pad = _families_of(plan_or_cfg, tuning)
+    quant = scheme_of(params)
+    cfg, fams, ffn_pad, shared_pad = _families_of(plan_or_cfg, tuning, quant)
     dt = jnp_dtype(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     width = round_up(max(h, d), 128)
@@ -92,7 +98,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         return block
 
     def cast(a) -> jax.Array:
-        return jnp.asarray(a, dt)
+        """A matrix in the ring dtype: quantized codes as they are, else the model dtype."""
+        return a.q if isinstance(a, QuantizedMatrix) else jnp.asarray(a, dt)
 
     out: dict[str, Any] = {
         "embed": cast(params["embed"]),
@@ -118,9 +125,40 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
                 cast(l["s_gate"]), cast(l["s_up"]), shared_pad, gu.tile_cols), gu) for l in moe_layers])
             out["shared_down"] = jnp.stack([tile_matrix(cast(l["s_down"]), dn) for l in moe_layers])
         out["moe"] = pack_experts(cfg, params)
-    head = cast(params["embed"]).T if cfg.tie_embeddings else cast(params["lm_head"])
+    head = cast(params["lm_head"]) if "lm_head" in params else cast(params["embed"]).T
     out["lm_head"] = tile_matrix(head, fams["lm_head"])
+    if quant != "none":
+        out.update(_pack_scales(cfg, fams, ffn_pad, shared_pad, params))
     return out
+
+
+def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict) -> dict:
+    """Column scales of a quantized build in the packed column order: `layer_scales` [L, 1, S]
+    (each layer family at `scale_offsets`, a family the layer lacks left 0) and `head_scales`
+    [1, padded vocab]. Padded columns get 0 (their codes are 0 too)."""
+    offsets = scale_offsets(fams)
+    width = sum(fams[n].m_pad for n in offsets)
+
+    def padded(v, m_pad: int):
+        return jnp.pad(jnp.asarray(v, jnp.float32), (0, m_pad - v.shape[0]))
+
+    def row(i: int, lay: dict):
+        parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
+        for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),
+                                            ("shared_", "s_gate", "s_up", "s_down", shared_pad)):
+            if gate in lay and f"{prefix}gate_up" in fams:
+                tc = fams[f"{prefix}gate_up"].tile_cols
+                parts[f"{prefix}gate_up"] = interleave_gate_up(lay[gate].scale[None], lay[up].scale[None], pad, tc)[0]
+                parts[f"{prefix}down"] = lay[down].scale
+        r = jnp.zeros((width,), jnp.float32)
+        for name, v in parts.items():
+            lo = offsets[name]
+            r = r.at[lo:lo + fams[name].m_pad].set(padded(v, fams[name].m_pad))
+        return r
+
+    rows = jnp.stack([row(i, lay) for i, lay in enumerate(params["layers"])])[:, None, :]
+    head = params["lm_head"].scale
+    return {"layer_scales": rows, "head_scales": padded(head, fams["lm_head"].m_pad)[None, :]}
 
 
 def packed_specs(plan: Plan) -> dict:

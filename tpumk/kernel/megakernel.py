@@ -97,26 +97,48 @@ def _kernel(plan: Plan):
         s = _Scratch(contract, list(refs[n_in + n_out:]))
         ring = WeightRing(plan, weights, s.ring, s.ring_sems)
 
+        quantized = plan.weight_format is not None
+
         def vector_copy(layer, slot):
             return pltpu.make_async_copy(vec_hbm.at[layer], s.vectors.at[slot], s.vector_sems.at[slot])
 
+        def scale_copy(layer, slot):
+            return pltpu.make_async_copy(ins["layer_scales"].at[layer], s.scales.at[slot], s.scale_sems.at[slot])
+
         ring.prologue()
         vector_copy(0, 0).start()
+        if quantized:
+            scale_copy(0, 0).start()
         s.resid[...] = x0[...]
         if ar is not None:
             s.partial[...] = jnp.zeros(s.partial.shape, jnp.float32)  # pad columns stay 0 in every sum
             all_reduce_barrier(ar)  # peers are in the kernel before the first remote write
 
         def layer_vectors(layer):
-            """This layer's norm vectors [8, W] (prefetched); starts the next layer's fetch."""
+            """This layer's norm vectors [8, W] (prefetched); starts the next layer's fetch (and
+            likewise its column scales, when quantized)."""
             slot = lax.rem(layer, 2)
             vector_copy(layer, slot).wait()
+            if quantized:
+                scale_copy(layer, slot).wait()
             vec = s.vectors[slot]
 
             @pl.when(layer + 1 < cfg.num_layers)
             def _():
                 vector_copy(layer + 1, 1 - slot).start()
+                if quantized:
+                    scale_copy(layer + 1, 1 - slot).start()
             return vec
+
+        def family_scales(layer, family: str):
+            """Quantized builds: scales(j) of `family` this layer, [1, tile_cols] f32."""
+            if not quantized:
+                return None
+            slot, off, tc = lax.rem(layer, 2), plan.scale_offsets[family], plan.families[family].tile_cols
+            return lambda j: s.scales[slot, :, pl.ds(off + j * tc, tc)]
+
+        def matmul(seg, layer, family: str, x_ref, epilogue) -> None:
+            ring.matmul(seg, layer, family, x_ref, epilogue, family_scales(layer, family))
 
         def row(vec, name, width):
             r = VECTOR_ROW[name]
@@ -167,7 +189,7 @@ def _kernel(plan: Plan):
         def attention_block(seg, layer, vec):
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
             qkv = plan.families["qkv"]
-            ring.matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
+            matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned).
             cos, sin = cos_ref[...], sin_ref[...]  # loaded per layer: a value live across loops spills
             for name, heads, base in (("q_norm", cfg.num_q_heads, 0), ("k_norm", cfg.num_kv_heads, q_size)):
@@ -184,7 +206,7 @@ def _kernel(plan: Plan):
             s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
                                                    block_tables, lengths, positions, s.attention)
             o = plan.families["o"]
-            ring.matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
+            matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(2 * layer)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps)
 
@@ -192,8 +214,8 @@ def _kernel(plan: Plan):
             def body(layer):
                 vec = layer_vectors(layer)
                 attention_block(seg, layer, vec)
-                ring.matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
-                ring.matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
+                matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
+                matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
                 reduce_into_resid(2 * layer + 1)
             return body
 
@@ -211,9 +233,9 @@ def _kernel(plan: Plan):
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
                                                router_started=True)
                 if "shared_gate_up" in seg.families:
-                    ring.matmul(seg, layer, "shared_gate_up", s.normed,
+                    matmul(seg, layer, "shared_gate_up", s.normed,
                                 swiglu_into(s.act, plan.families["shared_gate_up"].tile_cols))
-                    ring.matmul(seg, layer, "shared_down", s.act,
+                    matmul(seg, layer, "shared_down", s.act,
                                 store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
                 routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe)
                 if "shared_gate_up" in seg.families:
@@ -243,7 +265,13 @@ def _kernel(plan: Plan):
             s.logits[...] = acc
             logits_copy(j).start()
 
-        ring.lm_head(s.normed, write_logits)
+        head_tc = plan.families["lm_head"].tile_cols
+
+        def head_scales(j):  # block 0 is peeled off the lm_head loop: a Python int there
+            lo = j * head_tc if isinstance(j, int) else pl.multiple_of(j * head_tc, head_tc)
+            return ins["head_scales"][:, pl.ds(lo, head_tc)]
+
+        ring.lm_head(s.normed, write_logits, head_scales if quantized else None)
         logits_copy(head_blocks - 1).wait()
         if ar is not None:  # every device ends with every device's vocabulary slice
             all_gather_slices(ar, logits_ref, head_blocks, s.gather_send_sems, s.gather_recv_sems)

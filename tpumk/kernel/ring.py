@@ -40,7 +40,8 @@ class WeightRing:
     Args:
       plan: the Plan the kernel is built from.
       weights: family name -> HBM ref (`pl.ANY`) of that family's packed tiles.
-      buf: VMEM scratch [depth, slot_rows, slot_cols] in the weight dtype.
+      buf: VMEM scratch [depth, slot_rows, slot_cols] in the ring dtype (the model dtype, or the
+        quantized codes' dtype).
       sems: DMA semaphores [depth].
     """
 
@@ -54,6 +55,9 @@ class WeightRing:
         self.dtype = jnp.float32 if plan.cfg.dtype == "float32" else jnp.bfloat16
         # f32 weights: full-precision MXU passes so the kernel matches the f32 reference tightly.
         self.precision = lax.Precision.HIGHEST if plan.cfg.dtype == "float32" else None
+        # Quantized tiles (int8 / e4m3 codes) are converted to the compute dtype in VMEM (exact:
+        # every code is a bfloat16 value) and the column sums scaled after the K sweep.
+        self.quantized = plan.weight_format is not None
 
     # ------------------------------------------------------------------ addressing
     def _global(self, seg: Segment, layer, t):
@@ -144,12 +148,19 @@ class WeightRing:
                 pl.when(layer == l0)(lambda g=g: self.start_global(g))
 
     # ------------------------------------------------------------------ streamed matmul
-    def matmul(self, seg: Segment, layer, family: str, x_ref, epilogue: Callable) -> None:
+    def _tile(self, w):
+        """A waited tile's values in the compute dtype."""
+        return w[...].astype(self.dtype) if self.quantized else w[...]
+
+    def matmul(self, seg: Segment, layer, family: str, x_ref, epilogue: Callable,
+               scales: Callable | None = None) -> None:
         """y = x @ W_family(layer), one column block at a time, inside a layer loop body.
 
         x_ref: VMEM ref [N, >= K] f32 (or the weight dtype); each row block of the tiles
         multiplies the matching column slice, cast to the weight dtype (the reference's matmul
-        contract). epilogue(j, acc) receives column block j's finished f32 [N, tile_cols]."""
+        contract). epilogue(j, acc) receives column block j's finished f32 [N, tile_cols].
+        Quantized builds: scales(j) gives column block j's [1, tile_cols] f32 scales, applied
+        to the block's sum over K."""
         fam = self.plan.families[family]
         off = seg.family_offsets[seg.families.index(family)]
         r, rb = fam.tile_rows, fam.row_blocks
@@ -159,12 +170,12 @@ class WeightRing:
             for i in range(rb):
                 t = off + j * rb + i
                 w = self.wait(seg, layer, t)
-                part = jnp.dot(xs[i], w[...], preferred_element_type=jnp.float32, precision=self.precision)
+                part = jnp.dot(xs[i], self._tile(w), preferred_element_type=jnp.float32, precision=self.precision)
                 acc = part if acc is None else acc + part
                 self.refill(seg, layer, t)
-            epilogue(j, acc)
+            epilogue(j, acc * scales(j) if self.quantized else acc)
 
-    def lm_head(self, x_ref, epilogue: Callable) -> None:
+    def lm_head(self, x_ref, epilogue: Callable, scales: Callable | None = None) -> None:
         """The lm_head as a top-level loop over column blocks j: epilogue(j, acc) gets logits
         block j ([N, tile_cols] f32). Block 0 is peeled off the loop (j = Python 0 there, traced
         after), so an epilogue can pair each DMA it waits with one started a step earlier
@@ -179,10 +190,10 @@ class WeightRing:
             for i in range(rb):
                 t = j * rb + i
                 w = self.wait(seg, seg.first_layer, t)
-                part = jnp.dot(xs[i], w[...], preferred_element_type=jnp.float32, precision=self.precision)
+                part = jnp.dot(xs[i], self._tile(w), preferred_element_type=jnp.float32, precision=self.precision)
                 acc = part if acc is None else acc + part
                 self.refill(seg, seg.first_layer, t)
-            epilogue(j, acc)
+            epilogue(j, acc * scales(j) if self.quantized else acc)
             return carry
 
         column_block(0, 0)

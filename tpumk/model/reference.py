@@ -38,6 +38,7 @@ import numpy as np
 
 from tpumk.model.config import ModelConfig
 from tpumk.model.positions import new_lengths
+from tpumk.model.quantize import QuantizedMatrix
 
 Params = dict[str, Any]
 
@@ -88,8 +89,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract)."""
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract).
+    A `QuantizedMatrix` (tpumk.model.quantize): x and the codes in its compute dtype, the
+    float32 column sums times the column scales (what the kernel computes, tile by tile)."""
+    if isinstance(w, QuantizedMatrix):
+        dt = w.compute.dtype
+        return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -158,7 +164,7 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
     q = rope(q, positions, cfg.rope_theta)
     k = rope(k, positions, cfg.rope_theta)
-    dt = layer["wk"].dtype
+    dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
     return q, k.astype(dt), v.astype(dt)
 
 
@@ -184,7 +190,8 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
 
 def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return matmul(x, head)
 
 

@@ -133,7 +133,11 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
         if name in plan.families:
             fam = plan.families[name]
             tiles = "[tiles, rows, cols]" if name == "lm_head" else "[matrices, tiles, rows, cols]"
-            out.append(hbm(name, fam.packed_shape, dt, f"{tiles}, tile t = column block t // row_blocks"))
+            out.append(hbm(name, fam.packed_shape, plan.ring_dtype, f"{tiles}, tile t = column block t // row_blocks"))
+    if plan.weight_format is not None:
+        out.append(hbm("layer_scales", (cfg.num_layers, 1, plan.scales_width), "float32",
+                       "[L, 1, S]: each layer family's column scales at plan.scale_offsets (packed column order)"))
+        out.append(hbm("head_scales", (1, plan.vocab_pad), "float32", "[1, padded vocab]: the lm_head's column scales"))
     out = [_with(b, source=f"packed.{b.name}") for b in out]
     if plan.moe is not None:
         out += [_with(b, source=f"packed.moe.{b.name}") for b in plan.moe.packed()]
@@ -157,6 +161,9 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         _with(packed["packed.layer_vectors"], component="layer_vectors"),
     ]
     out += [_with(packed[f"packed.{f}"], component="weights") for f in RING_FAMILIES if f in plan.families]
+    if plan.weight_format is not None:
+        out += [_with(packed["packed.layer_scales"], component="layer_vectors"),
+                _with(packed["packed.head_scales"], space="vmem", component="inputs")]
     if plan.moe is not None:
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in MOE_OPERANDS]
     for name in ("k", "v"):
@@ -174,13 +181,18 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         return [_with(b, component=component) for b in bufs]
 
     out = comp("weight_ring",
-               vmem("ring", (plan.ring_depth, plan.slot_rows, plan.slot_cols), cfg.dtype,
+               vmem("ring", (plan.ring_depth, plan.slot_rows, plan.slot_cols), plan.ring_dtype,
                     "[slot, rows, cols]: global tile g in slot g % ring_depth, at the top-left"),
                dma_sems("ring_sems", (plan.ring_depth,), "one per ring slot"))
     out += comp("layer_vectors",
                 vmem("vectors", (2, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
                      "[layer % 2, 8, W]: this layer's norm rows and the next one's, prefetched"),
                 dma_sems("vector_sems", (2,), "one per vector slot"))
+    if plan.weight_format is not None:
+        out += comp("layer_vectors",
+                    vmem("scales", (2, 1, plan.scales_width), "float32",
+                         "[layer % 2, 1, S]: this layer's column scales and the next one's, prefetched"),
+                    dma_sems("scale_sems", (2,), "one per scale slot"))
     act = [
         vmem("resid", (n, h), "float32", "[N, H] residual stream"),
         vmem("normed", (n, h), "float32", "[N, H] normed input of the current matmul family"),

@@ -29,10 +29,11 @@ F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
 WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Every dtype a kernel buffer may have ("dma" marks a DMA semaphore array).
-BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32}
+# (int8 / float8_e4m3fn: quantized weight tiles, tpumk.model.quantize)
+BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
 # Rows of one VMEM tile per dtype: the second-minor tiling Mosaic requires of DMA offsets and
 # sizes (hence of page_size, TPU_FACTS 4) and the row padding of every VMEM buffer.
-SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8}
+SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, pad

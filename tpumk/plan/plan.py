@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import WeightFormat, quantized_weight_bytes, weight_format
 from tpumk.errors import PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
@@ -154,6 +155,7 @@ class Plan:
     sharding: ShardingPlan | None = None
     all_reduce: AllReduceGeometry | None = None  # the in-kernel all-reduce (None on one device)
     interconnect: dict[str, dict[str, float]] = field(default_factory=dict)  # per device, per step
+    quant: str = "none"  # format of the ring's matrices (tpumk.model.quantize)
 
     # ---- derived facts
     @functools.cached_property
@@ -168,7 +170,28 @@ class Plan:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
         return BuildSpec(self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
-                         self.page_size, self.devices)
+                         self.page_size, self.devices, self.quant)
+
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """The ring matrices' quantized format (None: the model dtype)."""
+        return weight_format(self.quant)
+
+    @property
+    def ring_dtype(self) -> str:
+        """dtype of the ring's tiles in HBM and VMEM."""
+        return self.weight_format.dtype if self.weight_format is not None else self.cfg.dtype
+
+    @functools.cached_property
+    def scale_offsets(self) -> dict[str, int]:
+        """Quantized builds: where each layer family's column scales start in a layer's scale
+        row (`layer_scales`, f32 [L, 1, scales_width]; families in ring order, each m_pad wide;
+        a layer lacking a family leaves its columns zero). Empty without quantization."""
+        return scale_offsets(self.families) if self.weight_format is not None else {}
+
+    @property
+    def scales_width(self) -> int:
+        return sum(self.families[n].m_pad for n in self.scale_offsets)
 
     @property
     def whole_model(self) -> ModelConfig:
@@ -243,8 +266,9 @@ class Plan:
             "batch": self.batch, "q_len": self.q_len,
             "context": self.context, "page_size": self.page_size, "num_pages": self.num_pages,
             "tuning": self.tuning.to_dict(),
+            "quant": self.quant, "ring_dtype": self.ring_dtype,
             "ring": {"depth": self.ring_depth, "slot": [self.slot_rows, self.slot_cols],
-                     "slot_bytes": self.slot_rows * self.slot_cols * self.cfg.dtype_bytes,
+                     "slot_bytes": self.slot_rows * self.slot_cols * self.families["lm_head"].itemsize,
                      "tiles_per_step": self.total_tiles},
             "families": {n: f.summary() for n, f in self.families.items()},
             "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
@@ -264,8 +288,18 @@ class Plan:
         }
 
 
+def scale_offsets(families: dict[str, MatrixFamily]) -> dict[str, int]:
+    """Start of each layer family's column scales in a layer's scale row: ring order, m_pad each."""
+    out, at = {}, 0
+    for name, fam in families.items():
+        if name != "lm_head":
+            out[name] = at
+            at += fam.m_pad
+    return out
+
+
 # ---------------------------------------------------------------------- tiling
-def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig) -> int:
+def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig, itemsize: int) -> int:
     """A row count shared by every family whose knob is auto, so default tiles share one shape.
 
     The largest multiple of 128 dividing every K whose [rows, AUTO_MIN_TILE_COLS] tile still
@@ -273,7 +307,7 @@ def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig) -> int:
     g = 0
     for k in ks:
         g = math.gcd(g, k)
-    cap = max(LANE, tuning.tile_bytes // (AUTO_MIN_TILE_COLS * cfg.dtype_bytes))
+    cap = max(LANE, tuning.tile_bytes // (AUTO_MIN_TILE_COLS * itemsize))
     best = LANE
     for r in range(LANE, min(g, cap) + 1, LANE):
         if g % r == 0:
@@ -298,12 +332,14 @@ def _family(name: str, k: int, m: int, stack: int, rows: int, cols: int, itemsiz
                         m_pad if m_pad is not None else round_up(m, cols), rows, cols, stack, itemsize)
 
 
-def plan_families(cfg: ModelConfig, tuning: TuningConfig) -> tuple[dict[str, MatrixFamily], int, int]:
+def plan_families(cfg: ModelConfig, tuning: TuningConfig,
+                  quant: str = "none") -> tuple[dict[str, MatrixFamily], int, int]:
     """The streamed matrix families of `cfg` under `tuning`: (families, ffn_pad, shared_ffn_pad).
 
     Depends only on the model and the knobs (not on the target or batch), so packed weights
     can be reused across targets that share a tuning."""
-    h, isz = cfg.hidden_size, cfg.dtype_bytes
+    fmt = weight_format(quant)
+    h, isz = cfg.hidden_size, fmt.itemsize if fmt is not None else cfg.dtype_bytes
     n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
@@ -319,7 +355,7 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig) -> tuple[dict[str, Mat
         + (["shared_gate_up", "shared_down"] if shared else [])
     ks = {"qkv": h, "o": cfg.q_size, "lm_head": h, "gate_up": h, "shared_gate_up": h,
           "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
-    auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning)
+    auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning, isz)
 
     def shape(fam: str, k: int, m: int, lane: int) -> tuple[int, int]:
         rows, cols = tuning.tile_shape(fam)
@@ -408,9 +444,9 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                         f"{batch} sequences of {context} tokens")
     sharding = plan_sharding(model, spec.devices, tuning.expert_parallel)
     cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
-    _check_hbm(model, target, num_pages, page_size, sharding)  # before any per-tile or per-page work
+    _check_hbm(model, target, num_pages, page_size, sharding, spec.quant)  # before any per-tile or per-page work
 
-    fams, ffn_pad, shared_pad = plan_families(cfg, tuning)
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant)
     segments = plan_segments(cfg, fams)
     used = {n for s in segments for n in s.families}
     fams = {n: f for n, f in fams.items() if n in used}
@@ -437,7 +473,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
                 num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                 model=model if sharding.devices > 1 else None, sharding=sharding if sharding.devices > 1 else None,
-                all_reduce=all_reduce)
+                all_reduce=all_reduce, quant=spec.quant)
     vmem = _vmem_breakdown(plan)
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
     plan = _replace(plan, vmem=vmem, vmem_temporaries=_vmem_temporaries(plan), vmem_budget=budget,
@@ -484,6 +520,8 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
             ring[n] = ring.get(n, 0) + s.num_layers * plan.families[n].tiles * plan.families[n].tile_bytes
     out: dict[str, float] = {f"weights_{n}": float(b) for n, b in ring.items()}
     out["layer_vectors"] = float(cfg.num_layers * LAYER_VECTOR_ROWS * plan.vector_width * 4)
+    if plan.weight_format is not None:  # column scales: one row per layer, the lm_head's whole
+        out["weight_scales"] = float(4 * (cfg.num_layers * plan.scales_width + plan.vocab_pad))
     if plan.moe is not None:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
@@ -526,6 +564,8 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
         out[f"ring_{n}"] = {"count": count, "bytes_each": f.tile_bytes}
     vec_bytes = LAYER_VECTOR_ROWS * plan.vector_width * 4
     out["layer_vectors"] = {"count": plan.cfg.num_layers, "bytes_each": vec_bytes}
+    if plan.weight_format is not None:
+        out["layer_scales"] = {"count": plan.cfg.num_layers, "bytes_each": 4 * plan.scales_width}
     att = plan.attention
     lengths = _full_lengths(plan)
     c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
@@ -544,16 +584,16 @@ def _mib(b: float) -> str:
 
 
 def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
-               sharding: ShardingPlan | None = None) -> None:
+               sharding: ShardingPlan | None = None, quant: str = "none") -> None:
     """The model's weights plus the KV cache must fit each device's HBM (closed form, O(1)):
     one device holds everything; on many, each holds its share (`per_device_weight_bytes`) and
     its KV heads."""
     n = sharding.devices if sharding is not None else 1
     if n == 1:
-        weights = cfg.param_count() * cfg.dtype_bytes
+        weights = quantized_weight_bytes(cfg, quant)
         kv_size = cfg.kv_size
     else:
-        weights = per_device_weight_bytes(cfg, sharding)
+        weights = per_device_weight_bytes(cfg, sharding, quant)
         kv_size = sharding.kv_heads * cfg.head_dim
     kv = 2 * cfg.num_layers * num_pages * page_size * kv_size * cfg.dtype_bytes
     if weights + kv > target.hbm_bytes:
@@ -565,7 +605,7 @@ def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
 
 
 def _check_fits(plan: Plan) -> None:
-    _check_hbm(plan.whole_model, plan.target, plan.num_pages, plan.page_size, plan.sharding)
+    _check_hbm(plan.whole_model, plan.target, plan.num_pages, plan.page_size, plan.sharding, plan.quant)
     target = plan.target
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted({**plan.vmem, **plan.vmem_temporaries}.items(),
                                                           key=lambda kv: -kv[1]))

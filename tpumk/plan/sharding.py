@@ -37,6 +37,7 @@ import numpy as np
 
 from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import QuantizedMatrix, quantized_weight_bytes
 from tpumk.plan.geometry import LANE, round_up
 
 MESH_AXIS = "tp"
@@ -119,6 +120,10 @@ class ShardingPlan:
         dd = cfg.head_dim
 
         def cols(a, lo: int, width: int, axis: int = -1):
+            if isinstance(a, QuantizedMatrix):  # codes split like the matrix; scales follow the columns
+                q = cols(a.q, lo, width, axis)
+                scale = cols(a.scale, lo, width) if axis in (-1, a.q.ndim - 1) else np.asarray(a.scale)
+                return QuantizedMatrix(q, scale, a.compute)
             a = np.asarray(a)
             axis %= a.ndim
             hi = min(lo + width, a.shape[axis])
@@ -156,7 +161,7 @@ class ShardingPlan:
         v_lo = d * self.vocab
         top = {"embed": cols(params["embed"], v_lo, self.vocab, axis=0), "final_norm": np.asarray(params["final_norm"]),
                "layers": layers}
-        if not cfg.tie_embeddings:
+        if "lm_head" in params:  # untied, or a quantized build's own copy of a tied head
             top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
         return top
 
@@ -247,17 +252,18 @@ def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
             if e % g == 0 and fe % (devices // g) == 0 and (fe // (devices // g)) % LANE == 0]
 
 
-def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan) -> int:
+def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str = "none") -> int:
     """Closed-form weight bytes one device holds (no padding, before planning): its slice of the
-    split matrices plus the replicated embedding, router and norms."""
+    split matrices (in the `quant` format where quantized) plus the replicated embedding,
+    router and norms."""
     local = sharding.local_config(cfg)
-    h = cfg.hidden_size
-    total = local.param_count() - local.vocab_size * h * (1 if local.tie_embeddings else 2)
-    total += cfg.vocab_size * h + (0 if cfg.tie_embeddings else sharding.vocab * h)
-    if cfg.is_moe:  # local.param_count counts all E experts of the local width; a device owns `experts`
+    h, db = cfg.hidden_size, cfg.dtype_bytes
+    # the local model's bytes, its embedding slice swapped for the whole (replicated) embedding
+    total = quantized_weight_bytes(local, quant) + (cfg.vocab_size - local.vocab_size) * h * db
+    if cfg.is_moe:  # local counts all E experts of the local width; a device owns `experts`
         moe_layers = cfg.num_layers - cfg.num_dense_layers
-        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size
-    return int(total * cfg.dtype_bytes)
+        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * db
+    return int(total)
 
 
 def mesh_shape_text(devices: int) -> str:

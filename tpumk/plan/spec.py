@@ -24,6 +24,7 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_Q_LEN = 1
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_DEVICES = 1
+DEFAULT_QUANT = "none"
 # Bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
 # per-page loop), so that no input can make planning hang. They sit far above what the models
 # tpumk builds serve (Qwen3: 32k native, 128k with YaRN, which tpumk refuses for now); raise
@@ -47,6 +48,7 @@ class BuildSpec:
     q_len: int = DEFAULT_Q_LEN  # new tokens per sequence per step (> 1: speculative verification)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV-cache page
     devices: int = DEFAULT_DEVICES  # TensorCores (JAX devices) one step spans: tensor/expert parallel
+    quant: str = DEFAULT_QUANT  # format of the streamed matrices (tpumk.model.quantize.SCHEMES)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +70,10 @@ class BuildSpec:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= upper):
                 raise PlanError(f"build spec: {name} = {v!r:.60}: expected a positive integer at most {upper:,}")
+        from tpumk.model.quantize import SCHEMES
+
+        if self.quant not in SCHEMES:
+            raise PlanError(f"build spec: quant = {self.quant!r:.40}: expected one of {', '.join(SCHEMES)}")
         if self.context % self.page_size:
             lo = self.context // self.page_size * self.page_size
             near = f"{lo} or {lo + self.page_size}" if lo else f"{self.page_size}"
@@ -80,8 +86,9 @@ class BuildSpec:
         return dataclasses.replace(self, **changes)
 
     def shapes(self) -> dict[str, int]:
+        # everything but the model, target and knobs (the cache key and manifests record these)
         return {"batch": self.batch, "context": self.context, "q_len": self.q_len, "page_size": self.page_size,
-                "devices": self.devices}
+                "devices": self.devices, "quant": self.quant}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-safe) that `from_dict` turns back into the same spec."""
@@ -100,10 +107,11 @@ class BuildSpec:
             raise PlanError(f"{where}: missing field '{missing[0]}'")
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
                    TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"],
-                   d.get("devices", DEFAULT_DEVICES))
+                   d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT))
 
     def label(self) -> str:
         q = f", q_len {self.q_len}" if self.q_len > 1 else ""
         on = f"{self.devices} x {self.target.name}" if self.devices > 1 else self.target.name
-        return (f"{self.model.name} ({self.model.dtype}) on {on}, batch {self.batch}, "
+        fmt = f", {self.quant} weights" if self.quant != "none" else ""
+        return (f"{self.model.name} ({self.model.dtype}{fmt}) on {on}, batch {self.batch}, "
                 f"context {self.context}{q}")

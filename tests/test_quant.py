@@ -1,0 +1,185 @@
+"""Quantized weights (issue 14): int8 and fp8 codes with per-column scales through the ring.
+
+The reference decode step takes the same quantized weights (`QuantizedMatrix`), so the kernel
+is checked against it to float tolerance in interpret mode, and the same builds compile
+deviceless for v6e and TPU7x. The quality figure (relative RMS of the logits against the
+unquantized model) is measured on fixed prompts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpumk.compile.aot import compile_plan
+from tpumk.errors import ConfigError, PlanError
+from tpumk.kernel.layout import pack_weights
+from tpumk.kernel.megakernel import make_decode_step
+from tpumk.model import reference as ref
+from tpumk.model.config import load_preset, resolve_model
+from tpumk.model.quantize import (QuantizedMatrix, quantize_matrix, quantize_params, quantized_weight_bytes,
+                                  relative_rms, scheme_of, weight_format)
+from tpumk.model.weights import random_params
+from tpumk.plan.plan import make_plan
+from tpumk.plan.spec import BuildSpec
+from tpumk.targets import get_target
+
+CASES = [  # (preset, dtype, scheme, batch, q_len)
+    ("tiny-dense", "bfloat16", "int8", 2, 1),
+    ("tiny-dense", "float32", "fp8", 1, 2),
+    ("tiny-moe", "bfloat16", "fp8", 3, 1),
+    ("tiny-moe", "float32", "int8", 2, 1),
+]
+
+
+def _spec(preset, dtype, scheme, batch, q_len, target="cpu", **kw):
+    return BuildSpec(load_preset(preset).replace(dtype=dtype), get_target(target), batch=batch, context=64,
+                     q_len=q_len, quant=scheme, **kw)
+
+
+# ---------------------------------------------------------------------- the quantizer
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_quantize_matrix_per_column(scheme):
+    fmt = weight_format(scheme)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 384)).astype(np.float32) * rng.uniform(0.01, 3.0, (1, 384)).astype(np.float32)
+    w[:, 7] = 0.0  # an all-zero column: codes 0, no division by zero
+    qm = quantize_matrix(w, fmt)
+    assert qm.q.dtype == fmt.jnp_dtype and qm.scale.shape == (384,) and qm.scale.dtype == jnp.float32
+    np.testing.assert_allclose(np.max(np.abs(np.asarray(qm.q, np.float32)), axis=0)[np.arange(384) != 7], fmt.qmax,
+                               rtol=0, atol=0.5 if scheme == "int8" else 0)
+    assert float(np.abs(np.asarray(qm.q[:, 7], np.float32)).max()) == 0.0
+    err = relative_rms(qm.dequantized(), w)
+    # int8: half a step of absmax/127 per element; e4m3: 3 mantissa bits (~3 % relative)
+    assert err < (0.01 if scheme == "int8" else 0.04), err
+    # every code is exact in bfloat16: converting a tile in VMEM rounds nothing
+    codes = np.asarray(qm.q, np.float32)
+    assert np.array_equal(np.asarray(jnp.asarray(codes, jnp.bfloat16), np.float32), codes)
+
+
+def test_quantize_params_covers_the_ring_matrices_only():
+    cfg = load_preset("tiny-moe")
+    qp = quantize_params(cfg, random_params(cfg, seed=0), "int8")
+    assert scheme_of(qp) == "int8" and isinstance(qp["lm_head"], QuantizedMatrix)
+    moe = qp["layers"][1]
+    assert all(isinstance(moe[k], QuantizedMatrix) for k in ("wq", "wk", "wv", "wo", "s_gate", "s_up", "s_down"))
+    assert not isinstance(moe["router"], QuantizedMatrix) and moe["e_gate"].dtype == jnp.float32  # routing exact
+    assert qp["embed"].dtype == jnp.float32
+    with pytest.raises(ConfigError, match="quant = 'int4': expected one of none, int8, fp8"):
+        quantize_params(cfg, qp, "int4")
+
+
+# ---------------------------------------------------------------------- the kernel against the reference
+@pytest.mark.parametrize("preset,dtype,scheme,batch,q_len", CASES)
+def test_kernel_matches_the_quantized_reference_and_compiles(preset, dtype, scheme, batch, q_len):
+    spec = _spec(preset, dtype, scheme, batch, q_len)
+    plan = make_plan(spec)
+    cfg = spec.model
+    assert plan.ring_dtype == weight_format(scheme).dtype and plan.contract.operand("qkv").dtype == plan.ring_dtype
+    params = random_params(cfg, seed=3)
+    qp = quantize_params(cfg, params, scheme)
+    cache = ref.init_cache(cfg, batch, spec.context)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, cfg.vocab_size, 4 + 2 * i)) for i in range(batch)]
+    _, cache = ref.prefill(qp, cfg, prompts, cache)
+    step = make_decode_step(plan)
+    packed = pack_weights(plan, qp)
+    kcache = cache
+    for _ in range(2):
+        lengths = np.asarray(cache.lengths)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+        positions = jnp.asarray(lengths[:, None] + np.arange(q_len)[None], jnp.int32)
+        want, cache = ref.decode_step(qp, cfg, tokens, positions, cache)
+        got, kcache = step(packed, tokens, positions, kcache)
+        scale = max(1.0, float(jnp.max(jnp.abs(want))))
+        # the same products in the same dtype; only the f32 summation order over K differs (in a
+        # bf16 model such a last-bit difference can flip the bf16 rounding of an activation)
+        tol = 1e-4 if dtype == "float32" else 3e-2
+        assert float(jnp.max(jnp.abs(got - want))) <= tol * scale
+        assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
+        assert float(jnp.max(jnp.abs(kcache.k.astype(jnp.float32) - cache.k.astype(jnp.float32)))) <= 3e-2
+    # and the same build compiles for TPUs (interpret mode does not check Mosaic's layout rules)
+    for target in ("v6e", "tpu7x"):
+        c = compile_plan(make_plan(spec.replace(target=get_target(target))))
+        assert c.custom_calls == 1
+
+
+def test_pack_refuses_weights_of_another_scheme():
+    spec = _spec("tiny-dense", "bfloat16", "int8", 1, 1)
+    cfg = spec.model
+    params = random_params(cfg, seed=0)
+    with pytest.raises(PlanError, match="weights quantized as 'none', the plan streams 'int8'"):
+        pack_weights(make_plan(spec), params)
+    with pytest.raises(PlanError, match="weights quantized as 'fp8', the plan streams 'int8'"):
+        pack_weights(make_plan(spec), quantize_params(cfg, params, "fp8"))
+
+
+# ---------------------------------------------------------------------- plan figures
+def test_qwen3_8b_int8_moves_about_half_the_bytes():
+    base = make_plan(BuildSpec(resolve_model("qwen3-8b"), get_target("tpu7x")))
+    q = make_plan(BuildSpec(resolve_model("qwen3-8b"), get_target("tpu7x"), quant="int8"))
+    ratio = q.hbm_bytes / base.hbm_bytes
+    assert ratio <= 0.56, ratio  # the issue's bar (the KV cache and norms stay bf16)
+    # same tile bytes, twice the elements; the scales are counted
+    assert q.families["qkv"].tile_bytes == base.families["qkv"].tile_bytes
+    assert q.families["qkv"].tile_rows * q.families["qkv"].tile_cols == 2 * base.families["qkv"].tile_rows * \
+        base.families["qkv"].tile_cols
+    assert q.hbm["weight_scales"] > 0 and q.summary()["quant"] == "int8"
+    cfg = resolve_model("qwen3-8b")
+    assert quantized_weight_bytes(cfg, "int8") < 0.55 * quantized_weight_bytes(cfg, "none")
+
+
+def test_bad_scheme_is_one_line():
+    with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected one of none, int8, fp8$"):
+        BuildSpec(load_preset("tiny-dense"), get_target("tpu7x"), quant="int3")
+
+
+# ---------------------------------------------------------------------- quality
+def test_quality_figures_on_fixed_prompts():
+    """Relative RMS of the logits of the quantized model against the unquantized one, over a
+    short greedy decode from fixed prompts (tiny-moe, bfloat16): int8 per-column lands near the
+    published 1.0-1.3 % per matrix; e4m3's 3 mantissa bits give a few percent."""
+    cfg = load_preset("tiny-moe").replace(dtype="bfloat16")
+    params = random_params(cfg, seed=5)
+    prompts = [[1, 2, 3, 4], [7, 8, 9, 10]]
+    errs = {}
+    for scheme in ("int8", "fp8"):
+        qp = quantize_params(cfg, params, scheme)
+        cache_f = ref.init_cache(cfg, 2, 64)
+        cache_q = ref.init_cache(cfg, 2, 64)
+        lf, _ = ref.prefill(params, cfg, prompts, cache_f)
+        lq, _ = ref.prefill(qp, cfg, prompts, cache_q)
+        errs[scheme] = relative_rms(lq, lf)
+    assert 0.003 < errs["int8"] < 0.03, errs
+    assert errs["int8"] < errs["fp8"] < 0.08, errs
+
+
+# ---------------------------------------------------------------------- checkpoints, end to end
+@pytest.mark.parametrize("fixture,scheme", [("hf_qwen3_dir", "fp8"), ("hf_qwen3_moe_dir", "int8")])
+def test_checkpoint_greedy_tokens_megakernel_equals_reference(fixture, scheme, request):
+    """A transformers checkpoint quantized at pack time: the megakernel and the reference, fed the
+    same quantized weights, generate the same greedy tokens."""
+    from tpumk.decode.generate import generate, load_model, quantized
+
+    m = quantized(load_model(None, str(request.getfixturevalue(fixture))), scheme)
+    assert m.quant == scheme and f"{scheme} weights" in m.source
+    prompts = [[3, 17, 42, 7, 99], [250, 1, 64]]
+    want = generate(m, prompts, 8, backend="reference")["tokens"]
+    got = generate(m, prompts, 8, backend="megakernel")["tokens"]
+    assert got == want
+
+
+def test_many_devices_with_quantized_weights_compile():
+    """The scales shard with their weights (column splits cut them, row splits keep them)."""
+    from tpumk.plan.sharding import plan_sharding
+
+    cfg = load_preset("tiny-moe").replace(dtype="bfloat16")
+    qp = quantize_params(cfg, random_params(cfg, seed=2), "int8")
+    sh = plan_sharding(cfg, 4)
+    part = sh.device_params(cfg, qp, 1)
+    assert part["layers"][0]["wq"].q.shape == (256, 128) and part["layers"][0]["wq"].scale.shape == (128,)
+    assert part["layers"][0]["wo"].q.shape == (128, 256) and part["layers"][0]["wo"].scale.shape == (256,)
+    np.testing.assert_array_equal(part["layers"][0]["wq"].scale, np.asarray(qp["layers"][0]["wq"].scale)[128:256])
+    c = compile_plan(make_plan(BuildSpec(cfg, get_target("tpu7x"), devices=4, quant="int8")))
+    assert c.custom_calls == 1 and c.xla_collectives == 0
