@@ -135,7 +135,10 @@ def print_bench_devices(r: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def bench(spec, runs, warmup, verify_q, as_json):
-    """The megakernel decode step side by side with the same step compiled by XLA."""
+    """The megakernel decode step side by side with the same step compiled by XLA.
+
+    With --devices N: the N-device megakernel beside XLA's SPMD step on the same devices, both
+    by tpumk's timeline model (collectives included), per device."""
     from tpumk.decode.bench import run_bench
     from tpumk.errors import ConfigError
 
