@@ -80,7 +80,7 @@ def print_bench_devices(r: dict) -> None:
         ["Pallas kernels / kernels launched (HLO ops)", f"{mk['pallas_kernels']} / {mk['kernels']} ({mk['hlo_ops']})",
          f"{x['pallas_kernels']} / {x['kernels']} ({x['hlo_ops']})", ""],
         ["XLA collective ops per step", _kinds(mk), _kinds(x), ""],
-        ["in-kernel all-reduces per step", f"{mk['in_kernel_collectives']}", "0", ""],
+        ["in-kernel collectives per step (all-reduces + logits all-gather)", f"{mk['in_kernel_collectives']}", "0", ""],
         ["interconnect bytes sent per step", _bytes(mk["interconnect_bytes"]) + " (plan)",
          _bytes(x["interconnect_bytes"]) + " (model)", ""],
         ["collectives (modelled waits)", _ms(mk["collectives_seconds"]), _ms(x["collectives_seconds"]), ""],

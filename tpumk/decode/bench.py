@@ -556,7 +556,7 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
     mk = side(compiles.megakernel_compile_seconds, compiles.megakernel_lower_seconds, plan.hbm_bytes,
               "tpumk plan accounting, one device (KV at the full context, MoE at the expected distinct experts)",
               compiles.megakernel_hlo, mk_model, mk_coll, plan.interconnect_bytes,
-              "tpumk plan accounting: the in-kernel all-reduces' remote-DMA bytes one device sends per step")
+              "tpumk plan accounting: the in-kernel collectives' remote-DMA bytes one device sends per step")
     mk["in_kernel_collectives"] = plan.collectives_per_step
     mk["all_reduce"] = {"schedule": plan.all_reduce.schedule, "slot": [plan.all_reduce.rows, plan.all_reduce.width],
                         "dtype": plan.all_reduce.dtype}
