@@ -7,11 +7,13 @@ target's TPU is attached, else tpumk's timeline model of both compiled programs.
 that does not fit the target is recorded with the plan's reason instead of a row.
 
     python benchmarks/bench_presets.py [--preset tiny-dense ...] [--target tpu7x v6e] [--batch 1 8]
-                                       [--context 4096] [--out rows.json] [--save-hlo DIR]
+                                       [--context 4096] [--devices N] [--out rows.json] [--save-hlo DIR]
     python benchmarks/bench_presets.py --remodel rows.json --save-hlo DIR [--out rows.json]
 
 `--remodel` re-runs only the timeline model on the HLO saved by an earlier run (no compiles):
-the compile figures stay those measured then.
+the compile figures stay those measured then. `--devices N` (> 1) benches the N-device
+megakernel against XLA's SPMD step (tpumk.decode.bench.compare_devices); `--no-compiler-estimate`
+skips the megakernel's static-profile compile there.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def _row(r: dict) -> dict:
         "xla_tok_s_seq": r["tokens_per_second"]["xla"]["per_sequence"],
         "xla_tok_s_all": r["tokens_per_second"]["xla"]["aggregate"],
         "step_source": "measured" if mk["measured"] else "model",
+        **(_devices_row(r) if r.get("devices", 1) > 1 else {}),
+    }
+
+
+def _devices_row(r: dict) -> dict:
+    mk, x, est = r["megakernel"], r["xla"], r["compiler_estimate"]
+    return {
+        "devices": r["devices"], "mk_floor_coll_fraction": mk["floor_with_collectives_fraction"],
+        "xla_floor_coll_fraction": x["floor_with_collectives_fraction"],
+        "mk_collectives_ms": mk["collectives_seconds"] * 1e3, "xla_collectives_ms": x["collectives_seconds"] * 1e3,
+        "mk_xla_collectives": mk["xla_collectives"], "xla_xla_collectives": x["xla_collectives"],
+        "mk_in_kernel_collectives": mk["in_kernel_collectives"],
+        "mk_interconnect_mb": mk["interconnect_bytes"] / 1e6, "xla_interconnect_mb": x["interconnect_bytes"] / 1e6,
+        "est_step_ms": est["step_seconds"] * 1e3 if est["step_seconds"] else None, "est_source": est["source"],
     }
 
 
@@ -52,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--save-hlo", metavar="DIR", help="also save both compiled HLO texts per row (re-run the model "
                                                         "offline, e.g. with other constants)")
     ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size of the megakernel (tokens)")
+    ap.add_argument("--devices", type=int, default=1, help="devices one step spans (> 1: against XLA's SPMD step)")
+    ap.add_argument("--no-compiler-estimate", action="store_true",
+                    help="with --devices: skip the megakernel's static-profile compile")
     ap.add_argument("--remodel", metavar="ROWS_JSON", help="re-run the model on rows saved with --out/--save-hlo")
     ap.add_argument("--constants", metavar="LATENCY,DESCRIPTOR,DISPATCH",
                     help="with --remodel: the timeline model's three constants in seconds (sensitivity runs)")
@@ -72,13 +91,14 @@ def main(argv=None) -> int:
             for batch in args.batch:
                 cmd = (f"tpumk bench --model {preset} --target {target_name} --batch {batch} "
                        f"--context {args.context}" + (f" --page-size {args.page_size}" if args.page_size != 16 else "")
-                       + " --json")
+                       + (f" --devices {args.devices}" if args.devices > 1 else "") + " --json")
                 row = {"preset": preset, "target": target_name, "batch": batch, "context": args.context,
-                       "page_size": args.page_size, "command": cmd}
+                       "page_size": args.page_size, "devices": args.devices, "command": cmd}
                 t0 = time.perf_counter()
                 try:
                     r = run_bench(BuildSpec(load_preset(preset), get_target(target_name), batch, args.context,
-                                            page_size=args.page_size), keep_hlo=bool(args.save_hlo))
+                                            page_size=args.page_size, devices=args.devices),
+                                  keep_hlo=bool(args.save_hlo), compiler_estimate=not args.no_compiler_estimate)
                 except PlanError as e:
                     row["skipped"] = str(e)
                 else:
@@ -101,12 +121,13 @@ def main(argv=None) -> int:
 
 def _hlo_path(d: Path, row: dict, side: str) -> Path:
     page = f"_p{row['page_size']}" if row.get("page_size", 16) != 16 else ""
-    return d / f"{row['preset']}_{row['target']}_b{row['batch']}{page}_{side}.hlo"
+    devices = f"_d{row['devices']}" if row.get("devices", 1) > 1 else ""
+    return d / f"{row['preset']}_{row['target']}_b{row['batch']}{page}{devices}_{side}.hlo"
 
 
 def remodel(args) -> int:
     """Recompute every row's figures from its saved HLO with the current model (no compiles)."""
-    from tpumk.decode.bench import Compiles, compare
+    from tpumk.decode.bench import Compiles, SpmdCompiles, compare
     from tpumk.model.config import load_preset
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import DEFAULT_PAGE_SIZE, BuildSpec
@@ -129,8 +150,10 @@ def remodel(args) -> int:
                 "xla_compile_seconds": old["xla"]["compile_seconds"], "xla_lower_seconds": old["xla"]["lower_seconds"],
                 "xla_cost_bytes": old["xla"]["hbm_bytes"]}
             plan = make_plan(BuildSpec(load_preset(row["preset"]), get_target(row["target"]), row["batch"],
-                                       row["context"], page_size=row.get("page_size", DEFAULT_PAGE_SIZE)))
-            compiles = Compiles(_hlo_path(d, row, "megakernel").read_text(), _hlo_path(d, row, "xla").read_text(), **c)
+                                       row["context"], page_size=row.get("page_size", DEFAULT_PAGE_SIZE),
+                                       devices=row.get("devices", 1)))
+            kind = SpmdCompiles if plan.devices > 1 else Compiles
+            compiles = kind(_hlo_path(d, row, "megakernel").read_text(), _hlo_path(d, row, "xla").read_text(), **c)
             r = compare(plan, compiles)
             row.update(_row(r))
             row["result"] = r
@@ -143,7 +166,8 @@ def remodel(args) -> int:
 
 def _print(row: dict) -> None:
     head = f"{row['preset']:>14} {row['target']:>6} B={row['batch']}" + (
-        f" page {row['page_size']}" if row.get("page_size", 16) != 16 else "")
+        f" page {row['page_size']}" if row.get("page_size", 16) != 16 else "") + (
+        f" x{row['devices']}" if row.get("devices", 1) > 1 else "")
     if "skipped" in row:
         print(f"{head}  skipped: {row['skipped']}", flush=True)
         return
@@ -151,7 +175,10 @@ def _print(row: dict) -> None:
           f"HBM {row['mk_hbm_gb']:7.3f} / {row['xla_hbm_gb']:7.3f} GB  floor {row['floor_ms']:7.3f} ms  "
           f"kernels {row['mk_kernels']} / {row['xla_kernels']}  step ({row['step_source']}) "
           f"{row['mk_step_ms']:7.3f} / {row['xla_step_ms']:7.3f} ms  XLA/mk {row['speedup']:.2f}x  "
-          f"floor frac {row['mk_floor_fraction']:.2f} / {row['xla_floor_fraction']:.2f}", flush=True)
+          f"floor frac {row['mk_floor_fraction']:.2f} / {row['xla_floor_fraction']:.2f}"
+          + (f"  floor+coll frac {row['mk_floor_coll_fraction']:.2f} / {row['xla_floor_coll_fraction']:.2f}  "
+             f"XLA collectives {row['mk_xla_collectives']} / {row['xla_xla_collectives']}"
+             if row.get("devices", 1) > 1 else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,13 @@ class Compiled:
     def xla_collectives(self) -> int:
         """Collective ops XLA runs outside the kernels (an async pair counts once): 0 when every
         cross-device exchange happens inside the megakernel."""
-        return len(XLA_COLLECTIVE.findall(self.hlo_text))
+        return count_xla_collectives(self.hlo_text)
+
+
+def count_xla_collectives(hlo_text: str) -> int:
+    """Collective ops XLA runs outside any kernel in a compiled program's HLO text (an async
+    pair counts once): `Compiled.xla_collectives` for a program kept only as text."""
+    return len(XLA_COLLECTIVE.findall(hlo_text))
 
 
 def place(specs: Any, device) -> Any:

@@ -26,6 +26,15 @@ would lay it out for XLA, with no tpumk kernel:
 Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
 which is all the bench feeds it: it does not implement the reference's handling of positions
 outside the cache (tpumk.model.positions).
+
+Many devices (`BuildSpec.devices` > 1, `compare_devices`): the N-device megakernel (one SPMD
+program, `jax.shard_map` around one `pallas_call`, its all-reduces inside the kernel) beside the
+same XLA step compiled by XLA's SPMD partitioner with Megatron-sharded weights
+(`tpumk.decode.xla_spmd`, XLA's own collectives). Both step times are tpumk's timeline model of
+one device's program, collectives costed by tpumk.estimate.interconnect; every per-step figure
+is one device's. The compiler's static profile of the N-device kernel, when libtpu gives one, is
+reported as its own column (megakernel only). On-device timing is implemented for one device
+only: with devices > 1 the bench always models, and refuses an explicit `measure=True`.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -286,8 +295,16 @@ class Compiles:
 def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None) -> dict[str, Any]:
     """The side-by-side figures from a plan, both compiled programs and, when a TPU was
     attached, both timings ((megakernel, xla) from `measure_seconds`). Without timings the step
-    times are tpumk's timeline model of each compiled program, labelled as such."""
+    times are tpumk's timeline model of each compiled program, labelled as such. A plan of
+    many devices takes `SpmdCompiles` and no timings (`compare_devices`)."""
     from tpumk.estimate.timeline import megakernel_step, model_source, published_ring_check, xla_step
+
+    if plan.devices > 1:
+        if measured is not None:
+            raise ValueError("compare: on-device timings are implemented for one device only")
+        if not isinstance(compiles, SpmdCompiles):
+            raise ValueError(f"compare: a {plan.devices}-device plan needs SpmdCompiles (both SPMD programs)")
+        return compare_devices(plan, compiles)
 
     cfg, target, batch, q_len = plan.cfg, plan.target, plan.batch, plan.q_len
     floor = plan.floor_seconds
@@ -351,12 +368,13 @@ def verify_step(plain, verify_q: int) -> dict[str, Any]:
 
 
 def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | None = None, keep_hlo: bool = False,
-              verify_q: int = 8) -> dict[str, Any]:
+              verify_q: int = 8, compiler_estimate: bool = True) -> dict[str, Any]:
     """Build both steps for `target` and compare them (see the module doc). `measure` None:
     time on the device when this target's TPU is attached, else use the timeline model.
     `keep_hlo` adds both compiled HLO texts and compile figures under "compiles" (to re-run
     the model offline with `compare`). `verify_q` > 1 (plain steps only) adds the speculative
-    verify step's modelled cost under "verify" (see `verify_step`)."""
+    verify step's modelled cost under "verify" (see `verify_step`). `spec.devices` > 1: see
+    `run_bench_devices` (`compiler_estimate` is used only there)."""
     from tpumk.build import build
     from tpumk.errors import TargetError
 
@@ -365,6 +383,12 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         raise TargetError("bench: target 'cpu' runs kernels in interpret mode on the host, which says nothing "
                           "about TPU speed; choose a TPU target (v5e, v5p, v6e, tpu7x)")
     attached = target.attached_device() is not None
+    if spec.devices > 1:
+        if measure:
+            raise TargetError(f"bench: devices = {spec.devices}: on-device timing is implemented for one device "
+                              f"only; bench {spec.devices} devices by the model (no timing) or time one device")
+        return run_bench_devices(spec, keep_hlo=keep_hlo, verify_q=verify_q, compiler_estimate=compiler_estimate,
+                                 attached=attached)
     measure = attached if measure is None else measure
     if measure and not attached:
         raise TargetError(f"bench: timing needs an attached {target.name}; none is attached")
@@ -391,3 +415,209 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
     if keep_hlo:
         out["compiles"] = asdict(compiles)
     return out
+
+
+# ---------------------------------------------------------------------- many devices
+@dataclass
+class SpmdCompiles(Compiles):
+    """`Compiles` of an N-device bench: each HLO text is ONE device's program of an SPMD step
+    (the megakernel's shard_map program; XLA's partitioned program, whose `xla_cost_bytes` are
+    one device's too), plus what the comparison reports about them, so `compare` can re-run the
+    model without compiling."""
+
+    devices: int = 2
+    topology: str | None = None
+    xla_expert_parallel: bool = False
+    xla_expert_parallel_reason: str = ""
+    xla_layout_notes: list[str] = field(default_factory=list)  # what XLA's layout does not split N ways
+    estimate: dict[str, Any] | None = None  # the megakernel's static profile (asdict(Estimate)); None: not run
+
+
+def xla_expert_parallel(plan) -> tuple[bool, str]:
+    """The MoE split of the XLA SPMD baseline for `plan` (tpumk.decode.xla_spmd knows two:
+    expert-tensor and expert parallel), and why: the plan's own when it is one of the two."""
+    s, n = plan.sharding, plan.devices
+    if not plan.whole_model.is_moe:
+        return False, "dense model (no experts)"
+    if s.expert_parallel == n:
+        return True, f"expert parallel, as the megakernel's plan (each device owns {s.experts} experts)"
+    if s.expert_parallel == 1:
+        return False, "expert-tensor parallel, as the megakernel's plan (every expert's width split over the devices)"
+    # The XLA step has no mixed form. Its expert-parallel form moves the gathered expert weights
+    # between devices (an all-reduce of masked gathers); expert-tensor moves only the partial sums.
+    return False, (f"expert-tensor parallel (every expert's width split {n} ways): the megakernel's plan mixes "
+                   f"{s.expert_parallel} expert groups x {s.expert_tensor}-way width, which the XLA step has no form "
+                   "for; of its two forms expert-tensor is the cheaper one for XLA (its expert-parallel form "
+                   "all-reduces the gathered expert weights every layer)")
+
+
+def run_bench_devices(spec: BuildSpec, keep_hlo: bool = False, verify_q: int = 8, compiler_estimate: bool = True,
+                      attached: bool = False) -> dict[str, Any]:
+    """`run_bench` for `spec.devices` > 1: plan (a split the model does not allow is refused
+    here, before any compile), compile the N-device megakernel and the XLA SPMD step for the
+    same devices, batch, context and q_len, and with `compiler_estimate` (targets with a static
+    profile) profile the megakernel in a separate process; then `compare_devices`."""
+    from tpumk.build import build
+    from tpumk.decode.xla_spmd import compile_xla_spmd
+    from tpumk.estimate.profiler import estimate_in_subprocess
+    from tpumk.targets import topology_for
+
+    b = build(spec, estimate=False)
+    plan = b.plan
+    ep, why = xla_expert_parallel(plan)
+    xp = compile_xla_spmd(plan.whole_model, plan.batch, plan.context, plan.q_len, plan.target, plan.devices, ep)
+    cost = xp.compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    est = estimate_in_subprocess(spec) if compiler_estimate and spec.target.static_profile else None
+    compiles = SpmdCompiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
+                            xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)),
+                            devices=plan.devices, topology=topology_for(plan.target, plan.devices),
+                            xla_expert_parallel=ep, xla_expert_parallel_reason=why,
+                            xla_layout_notes=list(xp.layout.notes) if xp.layout is not None else [],
+                            estimate=asdict(est) if est is not None else None)
+    out = compare(plan, compiles)
+    out["tpu_attached"] = attached
+    if attached:
+        out["notes"].append("a TPU is attached, but on-device timing is implemented for one device only: both step "
+                            "times are the model")
+    out["verify"] = verify_step(plan, verify_q) if verify_q > 1 and plan.q_len == 1 else None
+    if keep_hlo:
+        out["compiles"] = asdict(compiles)
+    return out
+
+
+FLOOR_WITH_COLLECTIVES = (
+    "(HBM floor + this program's modelled collective seconds) / its modelled step: the fraction of the step "
+    "that is either the floor's HBM traffic or the all-reduce waits the model charges, i.e. how close the step "
+    "comes to a device that streams at the HBM floor and then waits out its collectives with nothing to overlap. "
+    "A yardstick, not a bound: the model lets the weight ring keep loading during the waits")
+
+
+def _estimate_column(plan, est: dict | None) -> dict[str, Any]:
+    """The TPU compiler's static profile of the N-device kernel, as `tpumk build` converts it."""
+    from tpumk.estimate.compiler import convert_estimate
+    from tpumk.estimate.profiler import Estimate
+
+    e = convert_estimate(plan, Estimate(**est) if est is not None else None)
+    secs, floor = e["estimated_seconds"], plan.floor_seconds
+    notes = list(e["notes"])
+    if secs is not None:
+        notes.append("what the compiler charges for the kernel's remote DMAs and semaphore waits is not known "
+                     "(TPU_FACTS 8); not comparable with the XLA column (TPU_FACTS 3), so never used for the ratio")
+        if secs < floor:
+            notes.append(f"INVALID ESTIMATE: {secs * 1e6:.1f} us is faster than the HBM floor {floor * 1e6:.1f} us; "
+                         "do not use it as a result")
+    return {"step_seconds": secs, "floor_fraction": floor / secs if secs else None,
+            "estimated_cycles": e["estimated_cycles"], "compiler_cycles": e["compiler_cycles"],
+            "nested_loop_cycles": e["nested_loop_cycles"], "source": e["estimate_source"],
+            "error": est.get("error") if est else None, "notes": notes}
+
+
+def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
+    """The N-device side-by-side (see the module doc): both step times by the timeline model
+    of one device's compiled program (`xla_step(..., devices=N)`; the megakernel's Pallas kernel
+    walked by `megakernel_step(plan)`, its in-kernel all-reduces included), the same per-device
+    HBM floor for both, kernels and XLA collective ops from each HLO, interconnect bytes one
+    device sends, and the compiler's static profile of the kernel as its own column."""
+    from tpumk.compile.aot import count_xla_collectives
+    from tpumk.estimate.interconnect import model_source as link_source
+    from tpumk.estimate.interconnect import published_collective_check
+    from tpumk.estimate.timeline import (collective_op_cost, megakernel_step, model_source, program_collectives,
+                                         program_ops, published_ring_check, xla_step)
+
+    cfg, target, batch, q_len, n = plan.whole_model, plan.target, plan.batch, plan.q_len, plan.devices
+    floor = plan.floor_seconds
+    kernel = megakernel_step(plan)
+    mk_model = xla_step(target, compiles.megakernel_hlo, kernel=kernel, floor_seconds=floor, devices=n,
+                        what=f"{n}-device megakernel step (one device's program: the Pallas kernel walked by its plan, "
+                             "in-kernel all-reduces by the interconnect model, glue ops from the HLO)")
+    x_model = xla_step(target, compiles.xla_hlo, floor_seconds=floor, devices=n,
+                       what=f"{n}-device XLA SPMD step (one device's program op by op from its compiled HLO, XLA's "
+                            "collectives by the interconnect model)")
+    x_ops, _ = program_ops(target, compiles.xla_hlo)
+    x_send = sum(collective_op_cost(target, o, n)["send_bytes"] * o.times for o in x_ops if o.kind == "collective")
+    mk_coll = kernel.stages.get("collectives", {}).get("seconds", 0.0)
+    x_coll = x_model.stages.get("collectives", {}).get("seconds", 0.0)
+
+    def side(compile_s, lower_s, hbm, hbm_src, hlo, model, coll_s, send, send_src) -> dict[str, Any]:
+        kernels, ops = _count_ops(target, hlo)
+        s = model.seconds
+        d = BenchSide(compile_s, lower_s, hbm, hbm_src, kernels, ops, s, "MODEL, not measured: " + model.source,
+                      floor / s, model.to_dict()).to_dict()
+        d.update({"pallas_kernels": hlo.count('custom_call_target="tpu_custom_call"'),
+                  "xla_collectives": count_xla_collectives(hlo),
+                  "xla_collectives_by_kind": program_collectives(target, hlo),
+                  "interconnect_bytes": send, "interconnect_bytes_source": send_src,
+                  "collectives_seconds": coll_s, "floor_with_collectives_seconds": floor + coll_s,
+                  "floor_with_collectives_fraction": (floor + coll_s) / s})
+        return d
+
+    mk = side(compiles.megakernel_compile_seconds, compiles.megakernel_lower_seconds, plan.hbm_bytes,
+              "tpumk plan accounting, one device (KV at the full context, MoE at the expected distinct experts)",
+              compiles.megakernel_hlo, mk_model, mk_coll, plan.interconnect_bytes,
+              "tpumk plan accounting: the in-kernel collectives' remote-DMA bytes one device sends per step")
+    mk["in_kernel_collectives"] = plan.collectives_per_step
+    mk["all_reduce"] = {"schedule": plan.all_reduce.schedule, "slot": [plan.all_reduce.rows, plan.all_reduce.width],
+                        "dtype": plan.all_reduce.dtype}
+    xs = side(compiles.xla_compile_seconds, compiles.xla_lower_seconds, compiles.xla_cost_bytes,
+              "XLA cost_analysis() 'bytes accessed' of the partitioned program (one device's)",
+              compiles.xla_hlo, x_model, x_coll, x_send,
+              "tpumk interconnect model: bytes one device sends for XLA's collective ops under the algorithm the "
+              "model picks for each (collective_op_seconds), operands read from the HLO")
+    xs["expert_parallel"] = compiles.xla_expert_parallel
+    mk_s, x_s = mk["step_seconds"], xs["step_seconds"]
+    tok = q_len
+    notes = []
+    if mk["xla_collectives"]:
+        notes.append(f"the megakernel program holds {mk['xla_collectives']} XLA collective op(s) outside the kernel "
+                     "(the aim is 0)")
+    copies = mk_model.stages.get("copies", {}).get("seconds", 0.0)
+    if copies > 0.01 * mk_s:  # a whole-buffer copy in the glue is the model's to charge, and the reader's to see
+        notes.append(f"the megakernel program's glue copies {mk_model.stages['copies']['hbm_bytes'] / 1e9:.3f} GB "
+                     f"per step outside the kernel ({copies * 1e6:.1f} us of the modelled step)")
+    link = link_source("collectives", target)
+    return {
+        "model": cfg.name, "target": target.name, "devices": n, "topology": compiles.topology, "batch": batch,
+        "context": plan.context, "q_len": q_len, "page_size": plan.page_size, "dtype": cfg.dtype,
+        "tuning": plan.tuning.to_dict(),
+        "floor_seconds": floor,
+        "floor_source": "plan HBM bytes of one device / chip HBM bandwidth (Pallas chip table)",
+        "megakernel": mk, "xla": xs, "compiler_estimate": _estimate_column(plan, compiles.estimate),
+        "speedup": x_s / mk_s,
+        "tokens_per_second": {
+            "megakernel": {"per_sequence": tok / mk_s, "aggregate": batch * tok / mk_s},
+            "xla": {"per_sequence": tok / x_s, "aggregate": batch * tok / x_s},
+        },
+        "sharding": plan.sharding.summary(cfg),
+        "xla_sharding": {"expert_parallel": compiles.xla_expert_parallel, "why": compiles.xla_expert_parallel_reason,
+                         "notes": list(compiles.xla_layout_notes),
+                         "source": "tpumk.decode.xla_spmd.spmd_layout (Megatron-style; XLA's SPMD partitioner "
+                                   "inserts the collectives)"},
+        "layouts": {"megakernel": f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices), "
+                                  "weights packed per device into ring tiles, all-reduces inside the kernel",
+                    "xla": "contiguous head-major KV cache, reference weights one array per matrix sharded "
+                           "Megatron-style, layers unrolled, routed experts gathered per token, XLA's collectives"},
+        "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
+        "collective_check": published_collective_check(target) if target.name == "tpu7x" else None,
+        "model_constants": model_source("timeline model"),
+        "interconnect_constants": link,
+        "sources": {
+            "compile_seconds": "measured on this host",
+            "floor_seconds": "tpumk plan accounting: one device's HBM bytes per step / the chip's HBM bandwidth",
+            "hbm_bytes": {"megakernel": mk["hbm_bytes_source"], "xla": xs["hbm_bytes_source"]},
+            "step_seconds": {"megakernel": mk["step_source"], "xla": xs["step_source"]},
+            "collectives_seconds": ("MODEL, not measured: the timeline model's 'collectives' stage (the megakernel's "
+                                    "in-kernel all-reduce waits; XLA's collective ops, charged in full), " + link),
+            "interconnect_bytes": {"megakernel": mk["interconnect_bytes_source"],
+                                   "xla": xs["interconnect_bytes_source"]},
+            "kernels": "the compiled HLO of one device's program (tpumk.estimate.timeline.program_ops; pallas_kernels: "
+                       "its tpu_custom_calls)",
+            "xla_collectives": "the compiled HLO (tpumk.compile.aot.XLA_COLLECTIVE; an async pair counts once); "
+                               "by kind: tpumk.estimate.timeline.program_collectives",
+            "floor_with_collectives_fraction": FLOOR_WITH_COLLECTIVES,
+            "speedup": "XLA SPMD step / megakernel step, both the timeline model (the same measure for both)",
+            "compiler_estimate": "the TPU compiler's static profile of the megakernel only (see its source)",
+        },
+        "notes": notes,
+    }

@@ -124,7 +124,16 @@ def parse_hlo(text: str) -> tuple[dict[str, list[HloInstr]], str]:
     """(computations by name, the entry computation's name) of an HLO module's text."""
     comps: dict[str, list[HloInstr]] = {}
     entry, current = "", None
+    pending = ""
     for line in text.splitlines():
+        if pending:
+            line, pending = pending + " " + line, ""
+        if current is not None and _unclosed(line):
+            # An attribute runs onto the next lines (a many-device Pallas kernel's
+            # frontend_attributes={kernel_metadata={<newline>"mesh_axes":...<newline>}}): its last
+            # line starts with "}", which is not the computation's end.
+            pending = line
+            continue
         m = _COMP.match(line)
         if m:
             current = m.group(2)
@@ -143,6 +152,14 @@ def parse_hlo(text: str) -> tuple[dict[str, list[HloInstr]], str]:
     if not entry:
         raise ValueError("HLO text has no ENTRY computation")
     return comps, entry
+
+
+def _unclosed(line: str) -> bool:
+    """Whether a line of an instruction leaves a brace open (quoted strings ignored)."""
+    if "{" not in line:
+        return False
+    bare = re.sub(r'"[^"]*"', "", re.sub(r"\\.", "", line))
+    return bare.count("{") > bare.count("}")
 
 
 # ---------------------------------------------------------------------- reading one instruction
