@@ -23,8 +23,9 @@ def print_bench(r: dict) -> None:
     mk, x = r["megakernel"], r["xla"]
     measured = mk["measured"] is not None
     how = "measured on device" if measured else "MODEL (no TPU attached)"
+    fmt = f", {r['quant']} weights (both steps)" if r.get("quant", "none") != "none" else ""
     click.echo(f"bench {r['model']} on {r['target']}: batch {r['batch']}, q_len {r['q_len']}, context {r['context']}, "
-               f"{r['dtype']}")
+               f"{r['dtype']}{fmt}")
     tps = r["tokens_per_second"]
     rows = [
         ["compile (this host, measured)", f"{mk['compile_seconds']:.2f} s", f"{x['compile_seconds']:.2f} s"],

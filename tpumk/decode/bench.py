@@ -129,8 +129,11 @@ def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array
     return one(cache.k), one(cache.v)
 
 
-def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1) -> tuple:
-    """ShapeDtypeStructs of (params, tokens, positions, k_cache, v_cache, lengths)."""
+def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, quant: str = "none") -> tuple:
+    """ShapeDtypeStructs of (params, tokens, positions, k_cache, v_cache, lengths); with `quant`
+    the streamed matrices are `QuantizedMatrix` specs (the same weights the megakernel reads)."""
+    from tpumk.model.quantize import quantized_specs
+
     from tpumk.model.weights import expected_shapes
 
     dt = ref.jnp_dtype(cfg)
@@ -141,6 +144,7 @@ def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1) -
     shapes = expected_shapes(cfg)
     params = {k: spec(k, v) for k, v in shapes.items() if k != "layers"}
     params["layers"] = [{k: spec(k, v) for k, v in lay.items()} for lay in shapes["layers"]]
+    params = quantized_specs(cfg, params, quant)
     i32 = jnp.int32
     tok = jax.ShapeDtypeStruct((batch, q_len), i32)
     cache = jax.ShapeDtypeStruct(xla_cache_shape(cfg, batch, context), dt)
@@ -331,7 +335,7 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
     tok = q_len  # tokens each sequence advances per step
     return {
         "model": cfg.name, "target": target.name, "batch": batch, "context": plan.context, "q_len": q_len,
-        "page_size": plan.page_size, "dtype": cfg.dtype, "tuning": plan.tuning.to_dict(),
+        "page_size": plan.page_size, "dtype": cfg.dtype, "quant": plan.quant, "tuning": plan.tuning.to_dict(),
         "floor_seconds": floor, "floor_source": "plan HBM bytes / chip HBM bandwidth (Pallas chip table)",
         "megakernel": mk.to_dict(), "xla": xs.to_dict(),
         "speedup": x_s / mk_s,
@@ -352,7 +356,7 @@ def verify_step(plain, verify_q: int) -> dict[str, Any]:
     same timeline model (kernel only; no second compile): what one verification costs relative
     to one plain step, hence the mean acceptance length at which speculation breaks even."""
     from tpumk.estimate.timeline import megakernel_step
-    from tpumk.errors import PlanError
+    from tpumk.errors import ConfigError, PlanError
     from tpumk.plan.plan import make_plan
 
     out: dict[str, Any] = {"q_len": verify_q, "draft_tokens": verify_q - 1}
@@ -384,6 +388,9 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                           "about TPU speed; choose a TPU target (v5e, v5p, v6e, tpu7x)")
     attached = target.attached_device() is not None
     if spec.devices > 1:
+        if spec.quant != "none":
+            raise ConfigError(f"bench: --quant {spec.quant} with --devices {spec.devices}: the XLA SPMD baseline "
+                              "does not shard quantized weights yet; bench one device, or the unquantized step")
         if measure:
             raise TargetError(f"bench: devices = {spec.devices}: on-device timing is implemented for one device "
                               f"only; bench {spec.devices} devices by the model (no timing) or time one device")
@@ -396,7 +403,7 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
     b = build(spec, estimate=False)
     plan = b.plan
     xp = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),
-                         xla_step_specs(cfg, batch, plan.context, q_len), target, donate_argnums=(3, 4))
+                         xla_step_specs(cfg, batch, plan.context, q_len, spec.quant), target, donate_argnums=(3, 4))
     cost = xp.compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax returned one dict per module
         cost = cost[0] if cost else {}
@@ -404,9 +411,10 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
     measured = None
     if measure:
+        from tpumk.model.quantize import quantize_params
         from tpumk.model.weights import random_params
 
-        params = random_params(cfg, 0)
+        params = quantize_params(cfg, random_params(cfg, 0), spec.quant)  # both steps read the same weights
         measured = (_measure_megakernel(b, cfg, params, warmup, runs),
                     _measure_xla(xp, cfg, params, batch, plan.context, q_len, warmup, runs))
     out = compare(plan, compiles, measured)

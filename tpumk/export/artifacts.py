@@ -503,10 +503,15 @@ class DecodeStep:
         `tpumk.pack_weights(step.plan, params)`. Many devices: each device's part
         (`ShardingPlan.device_params`) is packed on the host CPU and put on that device alone,
         so no device ever holds more than its part; each process packs only the devices it
-        addresses (every process passes the whole model's params)."""
+        addresses (every process passes the whole model's params). A quantized artifact
+        quantizes float weights here (`tpumk.model.quantize`); already quantized ones must use
+        its scheme."""
         from tpumk.kernel.layout import pack_weights
+        from tpumk.model.quantize import quantize_params, scheme_of
 
         plan = self.plan
+        if scheme_of(params) == "none":
+            params = quantize_params(plan.whole_model, params, plan.quant)
         if self.devices is None:
             return pack_weights(plan, params)
         import jax

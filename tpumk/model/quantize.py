@@ -161,3 +161,21 @@ def ring_output_columns(cfg) -> int:
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
     return (cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size + h) + n_dense * (2 * cfg.ffn_size + h)
             + (n_moe * (2 * shared + h) if shared else 0) + cfg.vocab_size)
+
+
+def quantized_specs(cfg, params: dict, scheme: str) -> dict:
+    """`quantize_params` on ShapeDtypeStructs: the same pytree with each ring matrix a
+    QuantizedMatrix of specs (codes [K, M], float32 scales [M]), for deviceless compiles."""
+    fmt = weight_format(scheme)
+    if fmt is None:
+        return params
+    dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
+
+    def spec(s) -> QuantizedMatrix:
+        return QuantizedMatrix(jax.ShapeDtypeStruct(tuple(s.shape), fmt.jnp_dtype),
+                               jax.ShapeDtypeStruct((s.shape[-1],), jnp.float32), jax.ShapeDtypeStruct((0,), dt))
+
+    layers = [{k: spec(v) if k in RING_MATRICES else v for k, v in lay.items()} for lay in params["layers"]]
+    head = params["lm_head"] if "lm_head" in params else jax.ShapeDtypeStruct(params["embed"].shape[::-1],
+                                                                              params["embed"].dtype)
+    return {**params, "layers": layers, "lm_head": spec(head)}
