@@ -356,7 +356,7 @@ def verify_step(plain, verify_q: int) -> dict[str, Any]:
     same timeline model (kernel only; no second compile): what one verification costs relative
     to one plain step, hence the mean acceptance length at which speculation breaks even."""
     from tpumk.estimate.timeline import megakernel_step
-    from tpumk.errors import ConfigError, PlanError
+    from tpumk.errors import PlanError
     from tpumk.plan.plan import make_plan
 
     out: dict[str, Any] = {"q_len": verify_q, "draft_tokens": verify_q - 1}
@@ -380,7 +380,7 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
     verify step's modelled cost under "verify" (see `verify_step`). `spec.devices` > 1: see
     `run_bench_devices` (`compiler_estimate` is used only there)."""
     from tpumk.build import build
-    from tpumk.errors import TargetError
+    from tpumk.errors import ConfigError, TargetError
 
     cfg, target, batch, q_len = spec.model, spec.target, spec.batch, spec.q_len
     if target.interpret:
