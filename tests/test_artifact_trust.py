@@ -18,6 +18,8 @@ import pytest
 import tomli_w
 from click.testing import CliRunner
 
+from artifact_helpers import copy_artifact, edit_manifest
+
 from tpumk.cli import main
 from tpumk.errors import ArtifactError, ArtifactPathError, SignatureError, SigningKeyError
 from tpumk.export import artifacts as A
@@ -89,19 +91,6 @@ def exported(tmp_path_factory):
     return {"unsigned": unsigned, "signed": signed, "planted": planted}
 
 
-def _copy(res, tmp_path: Path) -> Path:
-    dst = tmp_path / "copy" / res.key
-    shutil.copytree(res.path, dst)
-    return dst
-
-
-def _edit_manifest(d: Path, edit) -> None:
-    mf = d / A.MANIFEST
-    m = tomllib.loads(mf.read_text())
-    edit(m)
-    mf.write_text(tomli_w.dumps(m))
-
-
 def _plant_pickle(d: Path, marker: Path) -> None:
     """The attack: executable.bin replaced by a pickle whose __reduce__ runs a shell command,
     its sha256 and size fixed in manifest.toml."""
@@ -116,7 +105,7 @@ def _plant_pickle(d: Path, marker: Path) -> None:
     def fix(m):
         m["files"][A.EXECUTABLE] = {"sha256": A.hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
 
-    _edit_manifest(d, fix)
+    edit_manifest(d, fix)
 
 
 def _one_line_error(r) -> str:
@@ -133,7 +122,7 @@ def _cli(args, env=None):
 # ---------------------------------------------------------------------- code execution on load
 def test_pickle_attack_refused_with_a_key(exported, tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
-    d = _copy(exported["signed"], tmp_path)
+    d = copy_artifact(exported["signed"], tmp_path)
     _plant_pickle(d, marker)
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     for use in ("executable", "auto", "exported"):
@@ -143,7 +132,7 @@ def test_pickle_attack_refused_with_a_key(exported, tmp_path, monkeypatch):
     assert r.exit_code == 1 and "INVALID" in r.output and "signature does not match" in r.output
     # the attacker also drops the signature and marks the manifest unsigned
     (d / A.SIGNATURE).unlink()
-    _edit_manifest(d, lambda m: m.update(signing={"signed": False}))
+    edit_manifest(d, lambda m: m.update(signing={"signed": False}))
     with pytest.raises(SignatureError, match=r"not signed \(no manifest.sig\) and TPUMK_SIGNING_KEY is set"):
         A.load(d, use="executable")
     assert not marker.exists()
@@ -152,7 +141,7 @@ def test_pickle_attack_refused_with_a_key(exported, tmp_path, monkeypatch):
 def test_pickle_attack_without_a_key_is_reported_unauthenticated_and_refused_when_required(
         exported, tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
-    d = _copy(exported["unsigned"], tmp_path)
+    d = copy_artifact(exported["unsigned"], tmp_path)
     _plant_pickle(d, marker)
     r = _cli(["inspect", str(d)])  # hashes match: inspect must not claim more than that
     assert r.exit_code == 0
@@ -171,7 +160,7 @@ def test_pickle_attack_without_a_key_is_reported_unauthenticated_and_refused_whe
 def test_swap_after_verify_is_caught_before_deserializing(exported, tmp_path, monkeypatch):
     """load hashes the bytes it deserializes: a file swapped between verify and read is refused."""
     marker = tmp_path / "pwned"
-    d = _copy(exported["signed"], tmp_path)
+    d = copy_artifact(exported["signed"], tmp_path)
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     real_verify = A._verify  # what load runs (it reuses the plan verify makes)
 
@@ -234,11 +223,11 @@ def test_unsigned_artifact_refused_when_a_key_is_configured(exported, monkeypatc
 
 
 def test_removed_or_added_signature_file(exported, tmp_path, monkeypatch):
-    d = _copy(exported["signed"], tmp_path / "a")
+    d = copy_artifact(exported["signed"], tmp_path / "a")
     (d / A.SIGNATURE).unlink()
     with pytest.raises(SignatureError, match="manifest says it is signed .* manifest.sig is missing"):
         A.verify(d)  # even without a key
-    d = _copy(exported["unsigned"], tmp_path / "b")
+    d = copy_artifact(exported["unsigned"], tmp_path / "b")
     shutil.copy(exported["signed"].path / A.SIGNATURE, d / A.SIGNATURE)
     with pytest.raises(SignatureError, match="present but the manifest says it is unsigned"):
         A.verify(d)
@@ -301,8 +290,8 @@ EDITS = {
 @pytest.mark.parametrize("name", sorted(EDITS))
 def test_edited_field_refused_naming_it(exported, tmp_path, monkeypatch, name):
     edit, field = EDITS[name]
-    d = _copy(exported["unsigned"], tmp_path)
-    _edit_manifest(d, edit)
+    d = copy_artifact(exported["unsigned"], tmp_path)
+    edit_manifest(d, edit)
     with pytest.raises(ArtifactError) as e:
         A.verify(d)
     msg = str(e.value)
@@ -310,8 +299,8 @@ def test_edited_field_refused_naming_it(exported, tmp_path, monkeypatch, name):
     r = _cli(["inspect", str(d)])
     assert r.exit_code == 1 and "INVALID" in r.output and field in r.output
     # signed: the signature already refuses any edit, before the fields are read
-    d = _copy(exported["signed"], tmp_path / "s")
-    _edit_manifest(d, edit)
+    d = copy_artifact(exported["signed"], tmp_path / "s")
+    edit_manifest(d, edit)
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     with pytest.raises(SignatureError, match="signature does not match"):
         A.load(d)
@@ -323,12 +312,12 @@ def test_measured_figures_edited_consistently_need_a_signature(exported, tmp_pat
         m["report"]["compile_seconds"] = 0.001
         m["report_json"] = json.dumps({**json.loads(m["report_json"]), "compile_seconds": 0.001}, sort_keys=True)
 
-    d = _copy(exported["unsigned"], tmp_path)
-    _edit_manifest(d, edit)
+    d = copy_artifact(exported["unsigned"], tmp_path)
+    edit_manifest(d, edit)
     info = A.inspect(d)
     assert info["valid"] and not info["authenticated"] and "not authenticated" in info["proved"]
-    d = _copy(exported["signed"], tmp_path / "s")
-    _edit_manifest(d, edit)
+    d = copy_artifact(exported["signed"], tmp_path / "s")
+    edit_manifest(d, edit)
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     assert not A.inspect(d)["valid"]
 
@@ -470,8 +459,8 @@ REMOVED = {
 def test_a_removed_manifest_table_is_refused_by_verify_not_a_crash_in_load(exported, tmp_path, name):
     """Before: an unsigned manifest without [signature] (or without both report tables) passed
     verify and inspect, then load(use="executable") died with KeyError: 'signature'."""
-    d = _copy(exported["unsigned"], tmp_path)
-    _edit_manifest(d, lambda m: [m.pop(t) for t in REMOVED[name]])
+    d = copy_artifact(exported["unsigned"], tmp_path)
+    edit_manifest(d, lambda m: [m.pop(t) for t in REMOVED[name]])
     with pytest.raises(ArtifactError, match=f"malformed manifest: missing '({'|'.join(REMOVED[name])})'") as e:
         A.verify(d)
     assert "\n" not in str(e.value)
@@ -498,7 +487,7 @@ def test_malformed_json_in_the_manifest_is_one_line_from_verify_load_and_a_cache
         exported, tmp_path, monkeypatch, name):
     edit, said = MALFORMED[name]
     out, d = _in_out(exported["unsigned"], tmp_path)
-    _edit_manifest(d, edit)
+    edit_manifest(d, edit)
     for fn in (A.verify, A.load):
         with pytest.raises(ArtifactError, match=said) as e:
             fn(d)
@@ -523,7 +512,7 @@ def _list_target_name(inputs):
 def test_key_inputs_of_unexpected_types_are_one_line(exported, tmp_path, edit_inputs, edit, raised):
     """Key inputs edited with the key and directory made to agree: a target without a name or with
     a list for one made the field checks raise KeyError / TypeError (a traceback from verify and load)."""
-    d = _rekey(_copy(exported["unsigned"], tmp_path), edit_inputs, edit)
+    d = _rekey(copy_artifact(exported["unsigned"], tmp_path), edit_inputs, edit)
     for fn in (A.verify, A.load):
         with pytest.raises(ArtifactError, match=rf"manifest.toml: malformed manifest \({raised}") as e:
             fn(d)
@@ -583,8 +572,8 @@ def test_an_unreadable_file_is_one_line_from_verify_load_inspect_and_a_cache_hit
 def test_inspect_checks_the_signature_before_parsing_the_manifest(exported, tmp_path, monkeypatch):
     """README: with a key, inspect checks the signature "before any other part of the artifact is
     read". Before, it parsed the unauthenticated manifest first (for display)."""
-    d = _copy(exported["signed"], tmp_path)
-    _edit_manifest(d, lambda m: m["shapes"].update(context=64))
+    d = copy_artifact(exported["signed"], tmp_path)
+    edit_manifest(d, lambda m: m["shapes"].update(context=64))
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     order = []
     real_check, real_parse = signing.check_signature, A._parse_manifest
@@ -603,7 +592,7 @@ def test_a_manifest_or_signature_growing_past_its_limit_is_refused_from_what_was
                                                                                      monkeypatch):
     """The size is judged from at most limit + 1 bytes read, not from a stat taken before reading
     (a file can grow in between: here stat is made to report the size it had before)."""
-    d = _copy(exported["signed"], tmp_path)
+    d = copy_artifact(exported["signed"], tmp_path)
     real_stat = Path.stat
 
     def stale_stat(self, *a, **k):

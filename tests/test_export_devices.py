@@ -31,6 +31,8 @@ import pytest
 import tomli_w
 from click.testing import CliRunner
 
+from artifact_helpers import copy_artifact, edit_manifest
+
 from tpumk.cli import main
 from tpumk.errors import ArtifactError, SignatureError
 from tpumk.export import artifacts as A
@@ -66,21 +68,6 @@ def exported(tmp_path_factory):
         for v, val in saved.items():
             if val is not None:
                 os.environ[v] = val
-
-
-def _copy(res, tmp_path: Path) -> Path:
-    import shutil
-
-    dst = tmp_path / "copy" / res.key
-    shutil.copytree(res.path, dst)
-    return dst
-
-
-def _edit(d: Path, edit) -> None:
-    mf = d / A.MANIFEST
-    m = tomllib.loads(mf.read_text())
-    edit(m)
-    mf.write_text(tomli_w.dumps(m))
 
 
 def _one_line(r) -> str:
@@ -177,8 +164,8 @@ MESH_EDITS = {
 
 @pytest.mark.parametrize("field", sorted(MESH_EDITS))
 def test_an_edited_mesh_field_is_refused_naming_it(exported, tmp_path, field):
-    d = _copy(exported["tiny-dense"], tmp_path)
-    _edit(d, MESH_EDITS[field])
+    d = copy_artifact(exported["tiny-dense"], tmp_path)
+    edit_manifest(d, MESH_EDITS[field])
     for fn in (A.verify, A.load):
         with pytest.raises(ArtifactError) as e:
             fn(d)
@@ -192,15 +179,15 @@ def test_a_signed_mesh_edit_is_refused_by_the_signature(tmp_path, monkeypatch):
     monkeypatch.setenv(signing.KEY_ENV, KEY)
     res = A.export(_spec("tiny-dense", 4), out_dir=tmp_path)
     assert A.inspect(res.path)["authenticated"]
-    d = _copy(res, tmp_path)
-    _edit(d, _ids)
+    d = copy_artifact(res, tmp_path)
+    edit_manifest(d, _ids)
     with pytest.raises(SignatureError, match="signature does not match manifest.toml"):
         A.load(d)
 
 
 def test_an_older_format_is_refused_with_one_line(exported, tmp_path):
-    d = _copy(exported["tiny-dense"], tmp_path)
-    _edit(d, lambda m: (m.update(format=3), m.pop("mesh")))  # what a format-3 manifest looks like
+    d = copy_artifact(exported["tiny-dense"], tmp_path)
+    edit_manifest(d, lambda m: (m.update(format=3), m.pop("mesh")))  # what a format-3 manifest looks like
     for fn in (A.verify, A.load):
         with pytest.raises(ArtifactError, match=r"artifact format 3, this tpumk reads format 4 \(re-export\)$"):
             fn(d)
@@ -302,7 +289,7 @@ def test_a_forged_cpu_mesh_manifest_is_refused(exported, tmp_path):
     someone who can write the directory can do without a signing key): refused, saying why."""
     from tpumk.export import checks
 
-    d = _copy(exported["tiny-dense"], tmp_path)
+    d = copy_artifact(exported["tiny-dense"], tmp_path)
     m = tomllib.loads((d / A.MANIFEST).read_text())
     inputs = json.loads(m["cache_key"]["inputs_json"])
     inputs["target"] = {"name": "cpu", "chip": "7x", "topology": None, "interpret": True}
