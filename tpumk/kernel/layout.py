@@ -142,7 +142,7 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
     def padded(v, m_pad: int):
         return jnp.pad(jnp.asarray(v, jnp.float32), (0, m_pad - v.shape[0]))
 
-    def row(i: int, lay: dict):
+    def row(lay: dict):
         parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
         for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),
                                             ("shared_", "s_gate", "s_up", "s_down", shared_pad)):
@@ -156,7 +156,7 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
             r = r.at[lo:lo + fams[name].m_pad].set(padded(v, fams[name].m_pad))
         return r
 
-    rows = jnp.stack([row(i, lay) for i, lay in enumerate(params["layers"])])[:, None, :]
+    rows = jnp.stack([row(lay) for lay in params["layers"]])[:, None, :]
     head = params["lm_head"].scale
     return {"layer_scales": rows, "head_scales": padded(head, fams["lm_head"].m_pad)[None, :]}
 

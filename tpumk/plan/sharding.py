@@ -217,14 +217,10 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
     ep, experts, expert_ffn = 1, 0, 0
     if cfg.is_moe:
         e, fe = cfg.num_experts, cfg.expert_ffn_size
-
-        def fits(g: int) -> bool:
-            return n % g == 0 and e % g == 0 and fe % (n // g) == 0 and (fe // (n // g)) % LANE == 0
-
+        ok = expert_parallel_choices(cfg, n)
         if expert_parallel:
             ep = expert_parallel
-            if not fits(ep):
-                ok = [g for g in _divisors(n) if fits(g)]
+            if ep not in ok:
                 raise PlanError(
                     f"tuning: 'expert_parallel' = {ep}: expected a divisor of devices ({n}) and num_experts ({e}) "
                     f"leaving each device a multiple of {LANE} of expert_ffn_size ({fe}); "
@@ -233,7 +229,6 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
             # Auto: the widest expert-tensor split whose width slices stay whole lanes (every
             # device streams every picked expert: balanced load whatever the routing), then more
             # expert groups only as the width requires.
-            ok = [g for g in _divisors(n) if fits(g)]
             if not ok:
                 raise PlanError(f"sharding: devices = {n}: no split of model '{cfg.name}''s {e} experts of width {fe} "
                                 f"gives every device whole experts and a multiple of {LANE} of their width")
@@ -266,9 +261,4 @@ def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str
     return int(total)
 
 
-def mesh_shape_text(devices: int) -> str:
-    return f"{MESH_AXIS}={devices}"
-
-
-__all__ = ["MESH_AXIS", "ShardingPlan", "plan_sharding", "expert_parallel_choices", "per_device_weight_bytes",
-           "mesh_shape_text"]
+__all__ = ["MESH_AXIS", "ShardingPlan", "plan_sharding", "expert_parallel_choices", "per_device_weight_bytes"]
