@@ -81,3 +81,45 @@ def hf_greedy(path: str | Path, prompt_ids: Sequence[Sequence[int]], steps: int)
                                  eos_token_id=None)
         out.append(gen[0, ids.shape[1]:].tolist())
     return out
+
+
+# Linear weights an official FP8 release stores as e4m3 blocks (the router `mlp.gate` and the
+# lm_head stay in the model dtype there).
+_FP8_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_checkpoint(src: str | Path, out: str | Path) -> Path:
+    """`src` rewritten in Hugging Face's official FP8 format: every projection weight [out, in] as
+    float8_e4m3fn with a float32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] (one per
+    128 x 128 block, amax / 448: dequantized = weight x scale_inv), and config.json's
+    `quantization_config` = {quant_method fp8, fmt e4m3, weight_block_size [128, 128]}."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stored = {}
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _FP8_LINEAR):
+            stored[name] = w
+            continue
+        o, i = w.shape
+        bo, bi = -(-o // 128), -(-i // 128)
+        padded = torch.zeros(bo * 128, bi * 128, dtype=torch.float32)
+        padded[:o, :i] = w.float()
+        amax = padded.reshape(bo, 128, bi, 128).abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:o, :i]
+        stored[name] = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        stored[name[:-len("weight")] + "weight_scale_inv"] = scale.contiguous()
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

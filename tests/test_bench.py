@@ -118,11 +118,14 @@ def test_bench_errors_are_one_line(args, message):
     assert message in res.output and len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
-def test_xla_step_matches_the_reference(preset):
-    """The XLA step (contiguous head-major cache, gathered experts) computes the reference step."""
+@pytest.mark.parametrize("preset,quant", [("tiny-moe", "none"), ("tiny-dense", "none"), ("tiny-moe", "int4")])
+def test_xla_step_matches_the_reference(preset, quant):
+    """The XLA step (contiguous head-major cache, gathered experts) computes the reference step,
+    with the same quantized weights too (int4: int8 ring matrices, group-scaled int4 experts)."""
+    from tpumk.model.quantize import quantize_params
+
     cfg = load_preset(preset)
-    params = random_params(cfg, 3)
+    params = quantize_params(cfg, random_params(cfg, 3), quant)
     batch, context, prompt = 2, 64, 5
     cache = ref.init_cache(cfg, batch, context, page_size=16)
     rng = np.random.default_rng(0)

@@ -248,7 +248,15 @@ def test_geometry_bytes_and_budget():
     assert geom.scratch_bytes() < geom.vmem_bytes() < geom.scratch_bytes() + (2 << 20)
     assert geom.max_distinct_experts == 64
     # The scratch list (what the kernel contract and the plan count) is what the stage unpacks.
-    assert tuple(b.name for b in geom.scratch()) == MoEScratch._fields
+    assert tuple(b.name for b in geom.scratch()) == MoEScratch._fields[:8]
+    # int4 experts: half a byte per code in HBM, plus one f32 scale per 128 rows (gate|up: H/128 =
+    # 16 rows a block; down: a 384-row chunk's 3 groups padded to 8 rows); the scale buffers
+    # complete the stage's scratch list.
+    q = MoEGeometry.from_config(cfg, rows=8, expert_slots=4, expert_chunk=384, expert_format="int4-g128")
+    scales = 3 * 16 * 256 * 4 + 8 * 2048 * 4
+    assert q.chunk_bytes == 3 * 2048 * 384 // 2 + scales and q.dma_count(5) == 2 + 4 * 2 * 5
+    assert tuple(b.name for b in q.scratch()) == MoEScratch._fields
+    assert q.code_dtype == "int4" and q.packed()[1].dtype == "int4"
     assert sum(b.nbytes for b in geom.scratch() if b.space == "smem") == geom.smem_bytes()
 
 

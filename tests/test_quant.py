@@ -19,7 +19,8 @@ from tpumk.kernel.megakernel import make_decode_step
 from tpumk.model import reference as ref
 from tpumk.model.config import load_preset, resolve_model
 from tpumk.model.quantize import (QuantizedMatrix, quantize_matrix, quantize_params, quantized_weight_bytes,
-                                  relative_rms, scheme_of, weight_format)
+                                  relative_rms, scheme_of, weight_format, expert_format,
+                                  FORMATS, Scheme, canonical_scheme, parse_scheme)
 from tpumk.model.weights import random_params
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
@@ -30,6 +31,10 @@ CASES = [  # (preset, dtype, scheme, batch, q_len)
     ("tiny-dense", "float32", "fp8", 1, 2),
     ("tiny-moe", "bfloat16", "fp8", 3, 1),
     ("tiny-moe", "float32", "int8", 2, 1),
+    ("tiny-moe", "bfloat16", "int4", 2, 1),  # int8 ring, int4 experts with group-128 scales
+    ("tiny-moe", "float32", "int4", 1, 2),
+    ("tiny-dense", "bfloat16", "fp8-b128", 2, 1),  # e4m3 with 128 x 128 block scales: per-tile scales
+    ("tiny-moe", "float32", "fp8-b128", 1, 2),
 ]
 
 
@@ -66,8 +71,46 @@ def test_quantize_params_covers_the_ring_matrices_only():
     assert all(isinstance(moe[k], QuantizedMatrix) for k in ("wq", "wk", "wv", "wo", "s_gate", "s_up", "s_down"))
     assert not isinstance(moe["router"], QuantizedMatrix) and moe["e_gate"].dtype == jnp.float32  # routing exact
     assert qp["embed"].dtype == jnp.float32
-    with pytest.raises(ConfigError, match="quant = 'int4': expected one of none, int8, fp8"):
-        quantize_params(cfg, qp, "int4")
+    with pytest.raises(ConfigError, match="quant = 'int3': expected none, int8, fp8, int4, fp8-b128, or ring=FMT"):
+        quantize_params(cfg, qp, "int3")
+
+
+@pytest.mark.parametrize("name", ["int4-g128", "fp8-b128"])
+def test_quantize_matrix_group_scales(name):
+    """Group formats: one scale per 128 input rows and column (fp8-b128: per 128 x 128 block,
+    repeated over the block's columns); stacked matrices (experts) quantize per matrix."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 256, 200)).astype(np.float32) * rng.uniform(0.01, 3.0, (3, 256, 1)).astype(np.float32)
+    w[1, 128:, :] = 0.0  # an all-zero group: scale 1, codes 0
+    qm = quantize_matrix(w, fmt)
+    assert qm.grouped and qm.group == 128 and qm.scale.shape == (3, 2, 200) and qm.q.dtype == fmt.jnp_dtype
+    assert np.all(np.asarray(qm.scale)[1, 1] == 1.0) and not np.asarray(qm.q[1, 128:], np.float32).any()
+    codes = np.asarray(qm.q, np.float32)
+    assert np.abs(codes).max() <= fmt.qmax
+    if name == "fp8-b128":  # columns 0..127 share a scale, 128..199 another
+        sc = np.asarray(qm.scale)
+        assert np.all(sc[..., :128] == sc[..., :1]) and np.all(sc[..., 128:] == sc[..., 128:129])
+    err = relative_rms(qm.dequantized(), w)
+    # int4: 15 levels per group, rms error step / sqrt(12) ~ 0.11 of a gaussian group (more with uneven rows)
+    assert err < (0.2 if name == "int4-g128" else 0.04), err
+    assert np.array_equal(np.asarray(jnp.asarray(codes, jnp.bfloat16), np.float32), codes)
+    # the reference's group-scaled matmul equals x @ dequantized, up to f32 rounding
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    qm0 = QuantizedMatrix(qm.q[0], qm.scale[0], jnp.zeros((0,), jnp.float32))
+    np.testing.assert_allclose(ref.matmul(jnp.asarray(x), qm0), x @ np.asarray(qm0.dequantized()), rtol=2e-5, atol=2e-4)
+
+
+def test_schemes_parse_to_one_spelling():
+    assert parse_scheme("int4") == Scheme(FORMATS["int8"], FORMATS["int4-g128"])
+    assert canonical_scheme("ring=int8,experts=int4-g128") == "int4"
+    assert canonical_scheme("experts=fp8-b128") == "ring=none,experts=fp8-b128"
+    assert canonical_scheme("ring=fp8") == "fp8"
+    spec = BuildSpec(load_preset("tiny-moe"), get_target("tpu7x"), quant="ring=int8, experts=int4-g128")
+    assert spec.quant == "int4"  # equal builds share one cache key
+    for bad in ("ring=int4-g128", "experts=int8", "ring=int8;experts=x", "dense=int8", 3):
+        with pytest.raises(ConfigError, match="expected none, int8, fp8, int4, fp8-b128, or ring=FMT,experts=FMT"):
+            parse_scheme(bad)
 
 
 # ---------------------------------------------------------------------- the kernel against the reference
@@ -77,6 +120,9 @@ def test_kernel_matches_the_quantized_reference_and_compiles(preset, dtype, sche
     plan = make_plan(spec)
     cfg = spec.model
     assert plan.ring_dtype == weight_format(scheme).dtype and plan.contract.operand("qkv").dtype == plan.ring_dtype
+    if expert_format(scheme) is not None and plan.moe is not None:
+        assert plan.moe.code_dtype == expert_format(scheme).dtype
+        assert plan.contract.operand("e_gateup").dtype == plan.moe.code_dtype
     params = random_params(cfg, seed=3)
     qp = quantize_params(cfg, params, scheme)
     cache = ref.init_cache(cfg, batch, spec.context)
@@ -131,8 +177,28 @@ def test_qwen3_8b_int8_moves_about_half_the_bytes():
 
 
 def test_bad_scheme_is_one_line():
-    with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected one of none, int8, fp8$"):
+    with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected none, int8, fp8, int4, fp8-b128, "
+                                        r"or ring=FMT,experts=FMT with ring in none\|int8\|fp8\|fp8-b128 and experts in "
+                                        r"none\|int4-g128\|fp8-b128$"):
         BuildSpec(load_preset("tiny-dense"), get_target("tpu7x"), quant="int3")
+
+
+def test_qwen3_30b_a3b_int4_fits_v6e_and_compiles():
+    """The issue's bar: bfloat16 qwen3-30b-a3b does not fit a v6e device; with int4 experts
+    (and int8 dense matrices) it fits, and compiles to one kernel for v6e and TPU7x."""
+    cfg = resolve_model("qwen3-30b-a3b")
+    with pytest.raises(PlanError, match="does not fit one v6e device"):
+        make_plan(BuildSpec(cfg, get_target("v6e")))
+    for target in ("v6e", "tpu7x"):
+        plan = make_plan(BuildSpec(cfg, get_target(target), quant="int4"))
+        assert plan.moe.code_dtype == "int4" and plan.ring_dtype == "int8"
+        assert quantized_weight_bytes(cfg, "int4") < 0.3 * quantized_weight_bytes(cfg, "none")
+        # an expert chunk's bytes: half a byte per code plus one f32 scale per 128 rows (padded to 8 rows)
+        m = plan.moe
+        codes = 3 * m.hidden * m.expert_chunk // 2
+        assert codes < m.chunk_bytes < codes * 1.2
+        c = compile_plan(plan)
+        assert c.custom_calls == 1
 
 
 # ---------------------------------------------------------------------- quality
@@ -156,7 +222,8 @@ def test_quality_figures_on_fixed_prompts():
 
 
 # ---------------------------------------------------------------------- checkpoints, end to end
-@pytest.mark.parametrize("fixture,scheme", [("hf_qwen3_dir", "fp8"), ("hf_qwen3_moe_dir", "int8")])
+@pytest.mark.parametrize("fixture,scheme", [("hf_qwen3_dir", "fp8"), ("hf_qwen3_moe_dir", "int8"),
+                                            ("hf_qwen3_moe_dir", "int4")])
 def test_checkpoint_greedy_tokens_megakernel_equals_reference(fixture, scheme, request):
     """A transformers checkpoint quantized at pack time: the megakernel and the reference, fed the
     same quantized weights, generate the same greedy tokens."""
@@ -183,3 +250,102 @@ def test_many_devices_with_quantized_weights_compile():
     np.testing.assert_array_equal(part["layers"][0]["wq"].scale, np.asarray(qp["layers"][0]["wq"].scale)[128:256])
     c = compile_plan(make_plan(BuildSpec(cfg, get_target("tpu7x"), devices=4, quant="int8")))
     assert c.custom_calls == 1 and c.xla_collectives == 0
+
+
+# ---------------------------------------------------------------------- FP8 checkpoints as stored
+@pytest.fixture(scope="module")
+def fp8_dense_dir(tmp_path_factory):
+    """A transformers Qwen3 with FFN 320 (the down projection's last 128-row group is partial),
+    rewritten in the official FP8 format."""
+    from hf_utils import build_checkpoint, fp8_checkpoint
+
+    src = build_checkpoint(tmp_path_factory.mktemp("fp8_src"), seed=4, intermediate_size=320)
+    return fp8_checkpoint(src, tmp_path_factory.mktemp("fp8_dense"))
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_dir(tmp_path_factory, hf_qwen3_moe_dir):
+    from hf_utils import fp8_checkpoint
+
+    return fp8_checkpoint(hf_qwen3_moe_dir, tmp_path_factory.mktemp("fp8_moe"))
+
+
+def _dequantized_float(cfg, params):
+    """The same model with every quantized matrix dequantized into float32 (the checkpoint's
+    own definition: weight x scale_inv)."""
+    def f(a):
+        return jnp.asarray(a.dequantized(), jnp.float32) if isinstance(a, QuantizedMatrix) else a
+
+    return {**{k: f(v) for k, v in params.items() if k != "layers"},
+            "layers": [{k: f(v) for k, v in lay.items()} for lay in params["layers"]]}
+
+
+@pytest.mark.parametrize("fixture", ["fp8_dense_dir", "fp8_moe_dir"])
+def test_fp8_checkpoint_loads_as_stored_and_matches_its_dequantized_reference(fixture, request):
+    import torch
+    from safetensors import safe_open
+
+    from tpumk.decode.generate import generate, load_model
+    from tpumk.model.checkpoint import load_checkpoint
+
+    d = request.getfixturevalue(fixture)
+    cfg, params = load_checkpoint(d)
+    assert scheme_of(params) == "fp8-b128"
+    # bit for bit: the codes are the stored e4m3 bytes (transposed), the scales the stored blocks
+    with safe_open(str(d / "model.safetensors"), "pt") as h:  # numpy has no e4m3 reader
+        w = h.get_tensor("model.layers.0.mlp.down_proj.weight").view(torch.uint8).numpy()
+        s = h.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").numpy()
+    got = params["layers"][0]["w_down"]
+    assert np.array_equal(np.asarray(got.q).T.view(np.uint8), w)
+    np.testing.assert_array_equal(np.asarray(got.scale), np.repeat(s.T, 128, axis=1)[:, :w.shape[0]])
+    # the reference on the stored weights = the reference on their float dequantization
+    prompts = [[3, 17, 42, 7, 99], [250, 1, 64]]
+    want, _ = ref.prefill(_dequantized_float(cfg, params), cfg, prompts, ref.init_cache(cfg, 2, 64))
+    got_l, _ = ref.prefill(params, cfg, prompts, ref.init_cache(cfg, 2, 64))
+    np.testing.assert_allclose(got_l, want, rtol=0, atol=2e-4 * float(jnp.max(jnp.abs(want))))
+    # and the megakernel (interpret mode) generates the reference's greedy tokens
+    m = load_model(None, str(d))
+    assert m.quant == "fp8-b128" and "fp8-b128 as stored" in m.source
+    assert generate(m, prompts, 6, backend="megakernel")["tokens"] == generate(m, prompts, 6, backend="reference")["tokens"]
+
+
+def test_fp8_checkpoint_refusals(fp8_dense_dir, tmp_path):
+    import json
+    import shutil
+
+    from tpumk.decode.generate import load_model, quantized
+    from tpumk.errors import NotSupportedError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    with pytest.raises(ConfigError, match=r"^--quant int8: the checkpoint stores its weights as fp8-b128"):
+        quantized(load_model(None, str(fp8_dense_dir)), "int8")
+    other = tmp_path / "awq"
+    shutil.copytree(fp8_dense_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    for qc, msg in (({"quant_method": "awq"}, r"quantized checkpoint \('awq'"),
+                    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [1, 128]},
+                     r"weight_block_size \[1, 128\]")):
+        (other / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+        with pytest.raises(NotSupportedError, match=msg):
+            load_checkpoint(other)
+
+
+def test_quality_command_prints_each_scheme(tmp_path):
+    """`tpumk quality`: one row per scheme, figures measured by the reference on fixed prompts
+    (teacher-forced on the float model's greedy tokens, so every scheme sees the same inputs)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from tpumk.cli.app import main
+
+    r = CliRunner().invoke(main, ["quality", "--model", "tiny-moe", "--dtype", "bfloat16", "--steps", "2",
+                                  "--quant", "int8,int4", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    rows = {row["quant"]: row for row in out["schemes"]}
+    assert set(rows) == {"int8", "int4"} and out["tokens_compared"] == 4 * 3
+    assert 0.003 < rows["int8"]["logit_relative_rms"] < rows["int4"]["logit_relative_rms"] < 0.2
+    assert 0.5 <= rows["int8"]["greedy_agreement"] <= 1.0
+    bad = CliRunner().invoke(main, ["quality", "--model", "tiny-moe", "--quant", "int3"])
+    assert bad.exit_code != 0 and "quant = 'int3'" in bad.output

@@ -9,7 +9,7 @@ import tpumk
 from tpumk.cli.bench import bench
 from tpumk.cli.export import cache_key, export, inspect
 from tpumk.cli.tune import report, tune
-from tpumk.cli.options import TpumkGroup, emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import QUANT_HELP, TpumkGroup, emit_json, fail_cleanly, spec_options
 
 
 def _gb(n: float) -> str:
@@ -220,8 +220,8 @@ def build(spec, verify_q, verify_estimate, as_json):
 @click.option("--page-size", default=16, show_default=True, help="Tokens per KV-cache page.")
 @click.option("--devices", default=1, show_default=True,
               help="Devices the megakernel spans (host CPU devices in interpret mode without a TPU).")
-@click.option("--quant", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
-              help="Quantize the streamed matrices (both backends run the same quantized weights).")
+@click.option("--quant", default="none", show_default=True, metavar="SCHEME",
+              help="Quantize the weights (both backends run the same quantized weights): " + QUANT_HELP)
 @click.option("--spec", default="none", show_default=True,
               help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
                    "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
@@ -265,6 +265,34 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
         click.echo(f"  tokens per target step {sp['tokens_per_target_step']:.2f} ({sp['target_steps']} verify steps "
                    f"for {sp['decode_tokens_per_sequence']} tokens per sequence after the prefill; plain greedy: 1.00)")
 
+
+
+@main.command()
+@click.option("--model", default=None, help="Preset name, model TOML or config.json (random weights, --seed).")
+@click.option("--checkpoint", type=click.Path(), help="A Hugging Face checkpoint directory (float weights).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
+@click.option("--quant", "schemes", default="int8,fp8,int4,fp8-b128", show_default=True, metavar="SCHEME[;SCHEME..]",
+              help="Schemes to compare with the float model, separated by ';' (a ',' inside ring=..,experts=..); "
+                   "the presets may also be separated by ','.")
+@click.option("--steps", default=8, show_default=True, help="Decode steps after each fixed prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def quality(model, checkpoint, seed, dtype, schemes, steps, as_json):
+    """Logit error of each weight format against the float model, on fixed prompts (reference decode)."""
+    from tpumk.decode import generate as gen
+    from tpumk.decode.quality import logit_quality
+
+    parts = schemes.split(";") if ";" in schemes or "=" in schemes else schemes.split(",")
+    m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
+    r = logit_quality(m.cfg, m.params, [p.strip() for p in parts if p.strip()], steps=steps)
+    if as_json:
+        emit_json(r)
+        return
+    click.echo(f"model {r['model']} ({r['dtype']}, {m.source}): {r['prompts']} fixed prompts x {1 + steps} steps, "
+               f"{r['source']}")
+    click.echo(tabulate([[s["quant"], f"{100 * s['logit_relative_rms']:.2f} %", f"{100 * s['greedy_agreement']:.1f} %"]
+                         for s in r["schemes"]], headers=["quant", "logit relative RMS", "greedy token agreement"]))
 
 main.add_command(export)
 main.add_command(cache_key)

@@ -20,6 +20,12 @@ import click
 from tpumk.errors import TpumkError
 from tpumk.model.quantize import SCHEMES as QUANT_SCHEMES
 
+QUANT_HELP = (f"Weight formats: {', '.join(QUANT_SCHEMES)}, or ring=FMT,experts=FMT. int8 / fp8: every matrix "
+              "the ring streams (projections, dense FFN, shared experts, lm_head) as int8 or e4m3 codes with a "
+              "float32 scale per output column; int4: those int8 and the routed experts int4 with a scale per "
+              "128 input rows; fp8-b128: e4m3 with 128 x 128 block scales (how FP8 checkpoints are stored). "
+              "Float weights are quantized at pack time.")
+
 
 def fail_cleanly(fn):
     """Turn tpumk's user errors into one line on stderr and exit code 1 (no traceback)."""
@@ -138,9 +144,8 @@ def spec_options(tuning: bool = True):
         click.option("--devices", default=S.DEFAULT_DEVICES, show_default=True,
                      help="TensorCores (devices) one step spans: heads, FFN widths, experts and vocabulary split "
                           "across them, collectives inside the kernel."),
-        click.option("--quant", type=click.Choice(list(QUANT_SCHEMES)), default=S.DEFAULT_QUANT, show_default=True,
-                     help="Format of the streamed matrices (every layer's projections and the lm_head): int8 or "
-                          "fp8 (e4m3) codes with one float32 scale per output column, quantized at pack time."),
+        click.option("--quant", default=S.DEFAULT_QUANT, show_default=True, metavar="SCHEME",
+                     help=QUANT_HELP),
     ]
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),

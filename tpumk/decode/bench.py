@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.model import reference as ref
+from tpumk.model.quantize import QuantizedMatrix
 from tpumk.model.config import ModelConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import Target
@@ -81,16 +82,31 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
 def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
     ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]))  # [N, k]
-    dt = layer["e_gate"].dtype
-    xe = x.astype(dt)
-    g = jnp.einsum("nh,nkhf->nkf", xe, layer["e_gate"][ids], preferred_element_type=jnp.float32)
-    u = jnp.einsum("nh,nkhf->nkf", xe, layer["e_up"][ids], preferred_element_type=jnp.float32)
-    a = (jax.nn.silu(g) * u).astype(dt)
-    y = jnp.einsum("nkf,nkfh->nkh", a, layer["e_down"][ids], preferred_element_type=jnp.float32)
+    g = _picked_matmul(x, layer["e_gate"], ids)
+    u = _picked_matmul(x, layer["e_up"], ids)
+    y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
     out = jnp.einsum("nkh,nk->nh", y, weights)
     if cfg.num_shared_experts:
         out = out + ref.swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])
     return out
+
+
+def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
+    """Each row's picked experts only: x [N, K] (or [N, k, K]) @ w[ids] -> [N, k, M] f32, the
+    reference's matmul contract (quantized experts: group scales per 128 rows, `reference.matmul`)."""
+    xs = "nkc" if x.ndim == 3 else "nc"
+    if not isinstance(w, QuantizedMatrix):
+        return jnp.einsum(f"{xs},nkcm->nkm", x.astype(w.dtype), w[ids], preferred_element_type=jnp.float32)
+    dt = w.compute.dtype
+    q, scale = w.q[ids], w.scale[ids]  # [N, k, K, M], [N, k, G, M]
+    g = scale.shape[-2]
+    pad = g * w.group - q.shape[-2]
+    xg = jnp.pad(x.astype(dt).astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    xg = xg.reshape(*x.shape[:-1], g, w.group)
+    qg = jnp.pad(q.astype(dt).astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    qg = qg.reshape(*q.shape[:2], g, w.group, q.shape[-1])
+    parts = jnp.einsum(f"{xs[:-1]}gc,nkgcm->nkgm", xg, qg, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(parts * scale, axis=-2)
 
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,

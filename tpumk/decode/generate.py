@@ -52,8 +52,12 @@ def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: 
     if checkpoint is not None:
         from tpumk.model.checkpoint import load_checkpoint
 
+        from tpumk.model.quantize import scheme_of
+
         cfg, params = load_checkpoint(Path(checkpoint), dtype=dtype)
-        return Model(cfg, params, f"checkpoint {checkpoint}")
+        quant = scheme_of(params)  # "none", or how a quantized checkpoint stores its weights
+        return Model(cfg, params, f"checkpoint {checkpoint}" + (f" ({quant} as stored)" if quant != "none" else ""),
+                     quant)
     from tpumk.model.weights import random_params
 
     cfg = resolve_model("tiny-moe" if model is None else model)
@@ -65,10 +69,14 @@ def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: 
 def quantized(m: Model, scheme: str) -> Model:
     """`m` with its streamed matrices quantized (`tpumk.model.quantize`): the reference and the
     megakernel then run the same quantized weights. "none": `m` itself."""
-    from tpumk.model.quantize import quantize_params, weight_format
+    from tpumk.model.quantize import canonical_scheme, quantize_params
 
-    if weight_format(scheme) is None:
+    scheme = canonical_scheme(scheme, m.cfg)
+    if scheme in ("none", m.quant):
         return m
+    if m.quant != "none":
+        raise ConfigError(f"--quant {scheme}: the checkpoint stores its weights as {m.quant}; re-quantizing "
+                          f"them would be a lossy round trip (leave --quant out, or give {m.quant})")
     return Model(m.cfg, quantize_params(m.cfg, m.params, scheme), f"{m.source}, {scheme} weights", scheme)
 
 

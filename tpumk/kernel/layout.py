@@ -32,6 +32,7 @@ stacks them along a leading device axis (the embedding stays whole and shared).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -41,8 +42,8 @@ from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
 from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, round_up
 from tpumk.errors import PlanError
-from tpumk.model.quantize import QuantizedMatrix, scheme_of
-from tpumk.plan.plan import MatrixFamily, Plan, plan_families, scale_offsets
+from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
+from tpumk.plan.plan import MatrixFamily, Plan, auto_expert_chunk, plan_families, scale_offsets
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 
@@ -70,10 +71,13 @@ def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None, q
         if plan_or_cfg.quant != quant:
             raise PlanError(f"pack_weights: weights quantized as '{quant}', the plan streams '{plan_or_cfg.quant}' "
                             "(quantize them with tpumk.model.quantize.quantize_params(cfg, params, plan.quant))")
-        return plan_or_cfg.cfg, plan_or_cfg.families, plan_or_cfg.ffn_pad, plan_or_cfg.shared_ffn_pad
-    cfg = plan_or_cfg
-    fams, ffn_pad, shared_pad = plan_families(cfg, tuning or TuningConfig(), quant)
-    return cfg, fams, ffn_pad, shared_pad
+        plan = plan_or_cfg
+        chunk = plan.moe.expert_chunk if plan.moe is not None else None
+        return plan.cfg, plan.families, plan.ffn_pad, plan.shared_ffn_pad, chunk
+    cfg, tuning = plan_or_cfg, tuning or TuningConfig()
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning, quant)
+    chunk = (tuning.expert_chunk or auto_expert_chunk(cfg, tuning, expert_format(quant))) if cfg.is_moe else None
+    return cfg, fams, ffn_pad, shared_pad, chunk
 
 
 def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningConfig | None = None) -> dict:
@@ -82,7 +86,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     Pass the Plan the kernel is built from (or a ModelConfig plus the TuningConfig, which fix
     the same layout)."""
     quant = scheme_of(params)
-    cfg, fams, ffn_pad, shared_pad = _families_of(plan_or_cfg, tuning, quant)
+    cfg, fams, ffn_pad, shared_pad, expert_chunk = _families_of(plan_or_cfg, tuning, quant)
     dt = jnp_dtype(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     width = round_up(max(h, d), 128)
@@ -124,11 +128,43 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
             out["shared_gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(
                 cast(l["s_gate"]), cast(l["s_up"]), shared_pad, gu.tile_cols), gu) for l in moe_layers])
             out["shared_down"] = jnp.stack([tile_matrix(cast(l["s_down"]), dn) for l in moe_layers])
-        out["moe"] = pack_experts(cfg, params)
+        out["moe"] = pack_experts(cfg, params, expert_chunk)
     head = cast(params["lm_head"]) if "lm_head" in params else cast(params["embed"]).T
     out["lm_head"] = tile_matrix(head, fams["lm_head"])
-    if quant != "none":
+    fmt = weight_format(quant)
+    if fmt is not None and fmt.group:
+        out.update(_pack_tile_scales(cfg, fams, ffn_pad, shared_pad, params))
+    elif fmt is not None:
         out.update(_pack_scales(cfg, fams, ffn_pad, shared_pad, params))
+    return out
+
+
+def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict) -> dict:
+    """Group scales of a group-scaled ring (fp8-b128) as `scales_<family>`: each family's scale
+    matrix [K/group, M] in the packed column order, cut like the codes (a tile of r rows has
+    r/group scale rows), each tile's rows padded to `scale_rows`. Padded rows and columns get 0
+    (their codes are 0 too)."""
+    layers = params["layers"]
+
+    def tiles(scale: jax.Array, fam: MatrixFamily) -> jax.Array:
+        g = fam.group
+        shape = dataclasses.replace(fam, k=scale.shape[0], k_pad=fam.k_pad // g, tile_rows=fam.tile_rows // g)
+        t = tile_matrix(jnp.asarray(scale, jnp.float32), shape)
+        return jnp.pad(t, ((0, 0), (0, fam.scale_rows - shape.tile_rows), (0, 0)))
+
+    out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l["wq"].scale, l["wk"].scale, l["wv"].scale], 1),
+                                          fams["qkv"]) for l in layers]),
+           "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in layers])}
+    dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
+    moe = [l for i, l in enumerate(layers) if not cfg.layer_is_dense(i)]
+    for prefix, group, pad, (gate, up, down) in (("", dense, ffn_pad, ("w_gate", "w_up", "w_down")),
+                                                 ("shared_", moe, shared_pad, ("s_gate", "s_up", "s_down"))):
+        if group and f"{prefix}gate_up" in fams:
+            gu, dn = fams[f"{prefix}gate_up"], fams[f"{prefix}down"]
+            out[f"scales_{prefix}gate_up"] = jnp.stack([tiles(interleave_gate_up(
+                l[gate].scale, l[up].scale, pad, gu.tile_cols), gu) for l in group])
+            out[f"scales_{prefix}down"] = jnp.stack([tiles(l[down].scale, dn) for l in group])
+    out["scales_lm_head"] = tiles(params["lm_head"].scale, fams["lm_head"])
     return out
 
 

@@ -40,7 +40,7 @@ from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan.contract import MOE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
+from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.plan.geometry import VECTOR_ROW
 from tpumk.plan.plan import Plan
 from tpumk.model.positions import new_lengths
@@ -92,12 +92,17 @@ def _kernel(plan: Plan):
         x0, cos_ref, sin_ref, final_norm, vec_hbm = (ins[k] for k in ("x0", "cos", "sin", "final_norm", "layer_vectors"))
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
+        moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
         # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place.
         logits_ref, k_out, v_out = refs[n_in:n_in + n_out]
         s = _Scratch(contract, list(refs[n_in + n_out:]))
-        ring = WeightRing(plan, weights, s.ring, s.ring_sems)
+        if plan.ring_grouped:  # each tile's scales stream with it
+            ring = WeightRing(plan, weights, s.ring, s.ring_sems, {f: ins[f"scales_{f}"] for f in fams},
+                              s.tile_scales, s.tile_scale_sems)
+        else:
+            ring = WeightRing(plan, weights, s.ring, s.ring_sems)
 
-        quantized = plan.weight_format is not None
+        quantized = plan.column_scaled  # one scale row per layer, applied after each column block
 
         def vector_copy(layer, slot):
             return pltpu.make_async_copy(vec_hbm.at[layer], s.vectors.at[slot], s.vector_sems.at[slot])
@@ -231,13 +236,14 @@ def _kernel(plan: Plan):
                 x = s.normed[...]
                 # Routing first, so the expert loads are in flight while the shared expert streams.
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
-                                               router_started=True)
+                                               router_started=True, scales_hbm=moe_scales)
                 if "shared_gate_up" in seg.families:
                     matmul(seg, layer, "shared_gate_up", s.normed,
                                 swiglu_into(s.act, plan.families["shared_gate_up"].tile_cols))
                     matmul(seg, layer, "shared_down", s.act,
                                 store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
-                routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe)
+                routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe,
+                                             scales_hbm=moe_scales)
                 if "shared_gate_up" in seg.families:
                     routed = routed + s.moe_out[...]  # reference: routed + shared, then the residual
                 if ar is None:

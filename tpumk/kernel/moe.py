@@ -46,11 +46,12 @@ from jax.experimental.pallas import tpu as pltpu
 from tpumk.errors import PlanError
 from tpumk.kernel.memory import scratch_shape, shape_struct
 from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import GROUP, QuantizedMatrix
 from tpumk.plan.geometry import LANE, MoEGeometry, moe_layer_ids, round_up
 
 
 # ---------------------------------------------------------------------- packing
-def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
+def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None) -> dict[str, jax.Array]:
     """Reference-layout MoE weights -> the stage's kernel layout, stacked over MoE layers.
 
     Input (tpumk.model.weights): per MoE layer `router [H, E]`, `e_gate [E, H, Fe]`, `e_up [E, H, Fe]`,
@@ -65,6 +66,13 @@ def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
     - `e_down  [Lm, E, Fe, H]` (the reference layout): a chunk is rows [c*C, (c+1)*C), again
       one contiguous, tile-aligned DMA.
 
+    Quantized experts (`QuantizedMatrix` with group scales, tpumk.model.quantize): the codes in
+    the same layout, and their float32 scales, padded to whole (8, 128) tiles so each chunk's
+    scales are one tile-aligned DMA too (this needs the chunk width, `expert_chunk`):
+    - `e_gateup_scales [Lm, E, nb, G8, 256]`: block b's scales, row g for input rows
+      [128g, 128g+128) (G8 = H/128 rounded up to 8), gate | up lanes as the codes;
+    - `e_down_scales [Lm, E, Fe/C, C8, H]`: chunk c's scales, row g for its rows [128g, 128g+128).
+
     Works on jax or numpy arrays (jnp ops; numpy inputs land on the default device).
     """
     if not cfg.is_moe:
@@ -74,16 +82,38 @@ def pack_experts(cfg: ModelConfig, params: dict) -> dict[str, jax.Array]:
         raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
     ep, nb = round_up(e, LANE), fe // LANE
-    routers, gateups, downs = [], [], []
+    routers, gateups, downs, gu_scales, dn_scales = [], [], [], [], []
+
+    def codes(a):
+        return a.q if isinstance(a, QuantizedMatrix) else jnp.asarray(a, dt)
+
+    def blocks(a, owned):  # [E, H, Fe] -> [E, nb, H, 128]
+        return a.reshape(owned, a.shape[1], nb, LANE).transpose(0, 2, 1, 3)
+
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
         routers.append(jnp.pad(jnp.asarray(layer["router"], dt), ((0, 0), (0, ep - e))))
         owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)
-        gate = jnp.asarray(layer["e_gate"], dt).reshape(owned, h, nb, LANE).transpose(0, 2, 1, 3)
-        up = jnp.asarray(layer["e_up"], dt).reshape(owned, h, nb, LANE).transpose(0, 2, 1, 3)
-        gateups.append(jnp.concatenate([gate, up], axis=-1))
-        downs.append(jnp.asarray(layer["e_down"], dt))
-    return {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
+        gateups.append(jnp.concatenate([blocks(codes(layer["e_gate"]), owned), blocks(codes(layer["e_up"]), owned)],
+                                       axis=-1))
+        downs.append(codes(layer["e_down"]))
+        if isinstance(layer["e_gate"], QuantizedMatrix):
+            gate, up, down = layer["e_gate"], layer["e_up"], layer["e_down"]
+            if not (gate.grouped and gate.group == GROUP and down.grouped and down.group == GROUP):
+                raise PlanError(f"pack_experts: quantized experts need scales per {GROUP} input rows "
+                                f"(got groups of {gate.group} / {down.group})")
+            if expert_chunk is None:
+                raise PlanError("pack_experts: quantized experts are packed per chunk: pass expert_chunk")
+            g = h // GROUP
+            gs = jnp.concatenate([blocks(gate.scale, owned), blocks(up.scale, owned)], axis=-1)  # [E, nb, G, 256]
+            gu_scales.append(jnp.pad(gs, ((0, 0), (0, 0), (0, round_up(g, 8) - g), (0, 0))))
+            per_chunk = expert_chunk // GROUP
+            ds = down.scale.reshape(owned, fe // expert_chunk, per_chunk, h)
+            dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, 8) - per_chunk), (0, 0))))
+    out = {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
+    if gu_scales:
+        out.update(e_gateup_scales=jnp.stack(gu_scales), e_down_scales=jnp.stack(dn_scales))
+    return out
 
 
 def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
@@ -102,7 +132,9 @@ class MoEScratch(NamedTuple):
     ids_vmem: Any  # VMEM [2, Ep] int32: row 0 distinct picked ids ascending, row 1 their count
     ids_smem: Any  # SMEM [2, Ep] int32: the same, read as scalars
     sems: Any  # DMA semaphores [2]: 0 router, 1 ids VMEM->SMEM
-    slot_sems: Any  # DMA semaphores [2, S]: gate|up and down chunk of each slot
+    slot_sems: Any  # DMA semaphores [2 | 4, S]: gate|up and down chunk of each slot (and their scales)
+    gateup_scales: Any = None  # quantized: VMEM [S, C/128, G8, 256] f32, each block's group scales
+    down_scales: Any = None  # quantized: VMEM [S, C8, H] f32, the down chunk's group scales
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
@@ -192,41 +224,48 @@ def _expert_base(geom: MoEGeometry):
     return lax.div(lax.axis_index(geom.axis), jnp.int32(geom.expert_tensor)) * geom.local_experts
 
 
-def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch):
-    """The two DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S.
-    Returns the expert's global id (the combine column) with the copies; the packed arrays hold
-    only the owned experts, addressed from the device's first one."""
+def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch, scales_hbm=None):
+    """The DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S: gate|up
+    codes, down codes and (quantized) their scales. Returns the expert's global id (the combine
+    column), the slot and the copies; the packed arrays hold only the owned experts, addressed
+    from the device's first one."""
     nc, kb, c_cols, s = geom.chunks_per_expert, geom.blocks_per_chunk, geom.expert_chunk, geom.expert_slots
     slot = 0 if s == 1 else lax.rem(t, jnp.int32(s))
     if nc == 1:
+        c = jnp.int32(0)
         e = scr.ids_smem[0, t]
-        local = e - _expert_base(geom) if geom.sharded else e
-        gu_src = e_gateup_hbm.at[moe_layer, local]
-        dn_src = e_down_hbm.at[moe_layer, local]
     else:  # lax.div/rem, not // and %: Python floor division lowers through a TPU-info query
         c = lax.rem(t, jnp.int32(nc))
         e = scr.ids_smem[0, lax.div(t, jnp.int32(nc))]
-        local = e - _expert_base(geom) if geom.sharded else e
-        gu_src = e_gateup_hbm.at[moe_layer, local, pl.ds(pl.multiple_of(c * kb, kb), kb)]
+    local = e - _expert_base(geom) if geom.sharded else e
+    if nc == 1:
+        gu_src, gs_src = e_gateup_hbm.at[moe_layer, local], None
+        dn_src = e_down_hbm.at[moe_layer, local]
+    else:
+        blocks = pl.ds(pl.multiple_of(c * kb, kb), kb)
+        gu_src = e_gateup_hbm.at[moe_layer, local, blocks]
         dn_src = e_down_hbm.at[moe_layer, local, pl.ds(pl.multiple_of(c * c_cols, c_cols), c_cols)]
-    return (
-        e,
-        slot,
-        pltpu.make_async_copy(gu_src, scr.gateup.at[slot], scr.slot_sems.at[0, slot]),
-        pltpu.make_async_copy(dn_src, scr.down.at[slot], scr.slot_sems.at[1, slot]),
-    )
+    copies = [pltpu.make_async_copy(gu_src, scr.gateup.at[slot], scr.slot_sems.at[0, slot]),
+              pltpu.make_async_copy(dn_src, scr.down.at[slot], scr.slot_sems.at[1, slot])]
+    if geom.quantized:
+        gs_hbm, ds_hbm = scales_hbm
+        gs_src = gs_hbm.at[moe_layer, local] if nc == 1 else gs_hbm.at[moe_layer, local, blocks]
+        copies += [pltpu.make_async_copy(gs_src, scr.gateup_scales.at[slot], scr.slot_sems.at[2, slot]),
+                   pltpu.make_async_copy(ds_hbm.at[moe_layer, local, c], scr.down_scales.at[slot],
+                                         scr.slot_sems.at[3, slot])]
+    return e, slot, copies
 
 
-def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts) -> None:
-    e, _, gu, dn = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr)
-    gu.start()
-    dn.start()
+def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm=None) -> None:
+    e, _, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm)
+    for cp in copies:
+        cp.start()
     if load_counts is not None:
         load_counts[e] = load_counts[e] + 1
 
 
 def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup_hbm, e_down_hbm,
-                           scratch, *, router_started: bool = False, load_counts=None) -> None:
+                           scratch, *, router_started: bool = False, load_counts=None, scales_hbm=None) -> None:
     """Phase 1: route x, publish the distinct-expert list, start the first `expert_slots` chunk loads.
 
     Split from `moe_experts` so the composer can overlap other work (e.g. the shared expert from
@@ -253,16 +292,31 @@ def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup
     for t in range(geom.expert_slots):
         @pl.when(t < total)
         def _():
-            _start_chunk(geom, moe_layer, jnp.int32(t), e_gateup_hbm, e_down_hbm, scr, load_counts)
+            _start_chunk(geom, moe_layer, jnp.int32(t), e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
+
+
+def _grouped_dot(x_groups, codes, scales, dt, prec):
+    """sum over 128-row groups g of (x_g @ codes_g in dt, f32) * scales[g]: a group-scaled
+    matmul (x_groups: the [N, 128] slices of x in dt; codes a VMEM ref [K, M]; scales [>= K/128, M]
+    f32). Each group's float32 sum is scaled before the groups are added, as the reference."""
+    acc = None
+    for g, xg in enumerate(x_groups):
+        part = jnp.dot(xg, codes[g * GROUP:(g + 1) * GROUP, :].astype(dt), preferred_element_type=jnp.float32,
+                       precision=prec) * scales[g:g + 1, :]
+        acc = part if acc is None else acc + part
+    return acc
 
 
 def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
-                load_counts=None):
-    """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32."""
+                load_counts=None, scales_hbm=None):
+    """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32.
+    Quantized experts: the chunk's codes are converted to the compute dtype in VMEM (exact) and
+    each 128-row group's sum is scaled (`_grouped_dot`); `scales_hbm` = (e_gateup_scales, e_down_scales)."""
     scr = _as_scratch(scratch)
     n, ep, s, dt = geom.rows, geom.experts_padded, geom.expert_slots, geom.jnp_dtype
     prec = _precision(geom)
     xw = x.astype(dt)
+    x_groups = [xw[:, g * GROUP:(g + 1) * GROUP] for g in range(geom.hidden // GROUP)] if geom.quantized else None
     total = scr.ids_smem[1, 0] * geom.chunks_per_expert
     lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
 
@@ -274,26 +328,33 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
             # process on the refill form for some one-slot geometries.
             @pl.when(t > 0)
             def _():
-                _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts)
+                _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
 
-        e, slot, gu, dn = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr)
-        gu.wait()
-        dn.wait()
+        e, slot, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm)
+        for cp in copies:
+            cp.wait()
         weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
         gu_slot = scr.gateup.at[slot]
         acts = []
         for b in range(geom.blocks_per_chunk):
-            h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
+            if geom.quantized:
+                h = _grouped_dot(x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
+            else:
+                h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
             acts.append(jax.nn.silu(h[:, :LANE]) * h[:, LANE:])
         act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
-        part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
+        if geom.quantized:
+            act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down
+            part = _grouped_dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
+        else:
+            part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
         acc = acc + weight * part
 
         if s > 1:
             # The slot is consumed: refill it with chunk t + S.
             @pl.when(t + s < total)
             def _():
-                _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts)
+                _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
 
         return acc
 
@@ -301,7 +362,7 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
 
 
 def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch, *,
-              router_started: bool = False, load_counts=None):
+              router_started: bool = False, load_counts=None, scales_hbm=None):
     """Routed experts of one MoE layer, called inside a kernel body.
 
     Args:
@@ -316,9 +377,11 @@ def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_
       router_started: the caller already called `start_router_fetch` for this layer.
       load_counts: optional int32 SMEM ref [>= E] (e.g. `out.at[layer]`); each chunk DMA issued
         for expert e adds 1 to load_counts[e]. For tests and instrumentation.
+      scales_hbm: quantized experts: (e_gateup_scales, e_down_scales) HBM refs (`pack_experts`).
 
     Returns y: f32 [N, H], the sum over each row's selected experts of weight * SwiGLU expert(x).
     """
     moe_route_and_prefetch(geom, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch,
-                           router_started=router_started, load_counts=load_counts)
-    return moe_experts(geom, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, load_counts=load_counts)
+                           router_started=router_started, load_counts=load_counts, scales_hbm=scales_hbm)
+    return moe_experts(geom, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, load_counts=load_counts,
+                       scales_hbm=scales_hbm)

@@ -45,11 +45,18 @@ class WeightRing:
       sems: DMA semaphores [depth].
     """
 
-    def __init__(self, plan: Plan, weights: dict, buf, sems):
+    def __init__(self, plan: Plan, weights: dict, buf, sems, tile_scales: dict | None = None,
+                 scale_buf=None, scale_sems=None):
         self.plan = plan
         self.weights = weights
         self.buf = buf
         self.sems = sems
+        # Group-scaled formats (fp8-b128): each tile's scales [groups (padded to 8), cols] f32
+        # travel with it, from `tile_scales[family]` into slot g % depth of `scale_buf`.
+        self.tile_scales = tile_scales
+        self.scale_buf = scale_buf
+        self.scale_sems = scale_sems
+        self.grouped = tile_scales is not None
         self.depth = plan.ring_depth
         self.total = plan.total_tiles
         self.dtype = jnp.float32 if plan.cfg.dtype == "float32" else jnp.bfloat16
@@ -57,7 +64,7 @@ class WeightRing:
         self.precision = lax.Precision.HIGHEST if plan.cfg.dtype == "float32" else None
         # Quantized tiles (int8 / e4m3 codes) are converted to the compute dtype in VMEM (exact:
         # every code is a bfloat16 value) and the column sums scaled after the K sweep.
-        self.quantized = plan.weight_format is not None
+        self.quantized = plan.weight_format is not None and not self.grouped
 
     # ------------------------------------------------------------------ addressing
     def _global(self, seg: Segment, layer, t):
@@ -91,7 +98,14 @@ class WeightRing:
             dst = self.buf.at[slot]
         else:
             dst = self.buf.at[slot, pl.ds(0, fam.tile_rows), pl.ds(0, fam.tile_cols)]
-        return pltpu.make_async_copy(src, dst, self.sems.at[slot]), slot, fam
+        copies = [pltpu.make_async_copy(src, dst, self.sems.at[slot])]
+        if self.grouped:
+            table = self.tile_scales[name]
+            ssrc = table.at[local] if seg.kind == "lm_head" else table.at[seg.stack_base[pos] + (layer - seg.first_layer), local]
+            rows = table.shape[-2]
+            sdst = self.scale_buf.at[slot, pl.ds(0, rows), pl.ds(0, fam.tile_cols)]
+            copies.append(pltpu.make_async_copy(ssrc, sdst, self.scale_sems.at[slot]))
+        return copies, slot, fam
 
     def _locate(self, g: int) -> tuple[Segment, int, int]:
         for seg in self.plan.segments:
@@ -102,7 +116,8 @@ class WeightRing:
 
     # ------------------------------------------------------------------ issue / wait
     def start(self, seg: Segment, layer, t) -> None:
-        self._copy(seg, layer, t)[0].start()
+        for cp in self._copy(seg, layer, t)[0]:
+            cp.start()
 
     def start_global(self, g: int) -> None:
         self.start(*self._locate(g))
@@ -114,8 +129,10 @@ class WeightRing:
 
     def wait(self, seg: Segment, layer, t):
         """Wait for tile t of `layer`; returns its VMEM view (a ref [tile_rows, tile_cols])."""
-        copy, slot, fam = self._copy(seg, layer, t)
-        copy.wait()
+        copies, slot, fam = self._copy(seg, layer, t)
+        for cp in copies:
+            cp.wait()
+        self.last_slot = slot
         if (fam.tile_rows, fam.tile_cols) == (self.plan.slot_rows, self.plan.slot_cols):
             return self.buf.at[slot]
         return self.buf.at[slot, pl.ds(0, fam.tile_rows), pl.ds(0, fam.tile_cols)]
@@ -152,6 +169,21 @@ class WeightRing:
         """A waited tile's values in the compute dtype."""
         return w[...].astype(self.dtype) if self.quantized else w[...]
 
+    def _dot(self, x, w, fam):
+        """x [N, tile_rows] @ the waited tile w, f32. Group-scaled tiles: each 128-row group's sum
+        times its scale row (the tile's scales, in `scale_buf` at the slot `wait` just used)."""
+        if not self.grouped:
+            return jnp.dot(x, self._tile(w), preferred_element_type=jnp.float32, precision=self.precision)
+        group = self.plan.weight_format.group
+        sc = self.scale_buf.at[self.last_slot]
+        acc = None
+        for g in range(fam.tile_rows // group):
+            part = jnp.dot(x[:, g * group:(g + 1) * group], w[g * group:(g + 1) * group, :].astype(self.dtype),
+                           preferred_element_type=jnp.float32, precision=self.precision)
+            part = part * sc[g:g + 1, 0:fam.tile_cols]
+            acc = part if acc is None else acc + part
+        return acc
+
     def matmul(self, seg: Segment, layer, family: str, x_ref, epilogue: Callable,
                scales: Callable | None = None) -> None:
         """y = x @ W_family(layer), one column block at a time, inside a layer loop body.
@@ -170,7 +202,7 @@ class WeightRing:
             for i in range(rb):
                 t = off + j * rb + i
                 w = self.wait(seg, layer, t)
-                part = jnp.dot(xs[i], self._tile(w), preferred_element_type=jnp.float32, precision=self.precision)
+                part = self._dot(xs[i], w, fam)
                 acc = part if acc is None else acc + part
                 self.refill(seg, layer, t)
             epilogue(j, acc * scales(j) if self.quantized else acc)
@@ -190,7 +222,7 @@ class WeightRing:
             for i in range(rb):
                 t = j * rb + i
                 w = self.wait(seg, seg.first_layer, t)
-                part = jnp.dot(xs[i], self._tile(w), preferred_element_type=jnp.float32, precision=self.precision)
+                part = self._dot(xs[i], w, fam)
                 acc = part if acc is None else acc + part
                 self.refill(seg, seg.first_layer, t)
             epilogue(j, acc * scales(j) if self.quantized else acc)

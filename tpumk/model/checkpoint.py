@@ -19,6 +19,15 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
 or the fused expert tensors of transformers 5's in-memory layout:
     model.layers.{i}.mlp.experts.gate_up_proj  [E, 2*Fe, H] (gate rows first, then up rows)
     model.layers.{i}.mlp.experts.down_proj     [E, H, Fe]
+
+FP8 checkpoints in the official format (`quantization_config` quant_method "fp8", e4m3,
+weight_block_size [128, 128], TPU_FACTS 9): a projection's `weight` is e4m3 and a float32
+`weight_scale_inv` [ceil(out/128), ceil(in/128)] sits beside it (dequantized = weight x
+scale_inv). Such a weight is loaded as it is stored, bit for bit, as a `QuantizedMatrix` in the
+fp8-b128 format (its block scales repeated over their 128 columns); the model then builds with
+`--quant fp8-b128` (float matrices left in the checkpoint, e.g. the lm_head, are quantized at
+pack time). Activations stay in the model dtype: the checkpoint's "dynamic" activation
+quantization (a serving kernel's choice) is not emulated.
 """
 
 from __future__ import annotations
@@ -35,12 +44,18 @@ from safetensors import SafetensorError, safe_open
 
 from tpumk.model.config import ModelConfig, load_hf_config
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
+from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params
 from tpumk.model.weights import expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype tags of the float formats read as is; anything else (int / fp8 / packed) is quantized.
+# safetensors dtype tags of the float formats read as is; e4m3 is read in FP8 checkpoints only
+# (see `_fp8_config`); anything else (int / packed) is a quantization tpumk does not read.
 _DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+FP8_TAG = "F8_E4M3"
+# Reference keys a checkpoint may store in FP8 (the ring's matrices and the routed experts: the
+# formats tpumk streams); the router, embedding and norms must be float.
+_FP8_KEYS = frozenset(RING_MATRICES + EXPERT_MATRICES + ("lm_head",))
 # Buffers some older exports saved alongside the weights; they are derived, not parameters.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -55,14 +70,29 @@ class _Tensor:
         self.shape = tuple(int(s) for s in info.get_shape())
         self.dtype_tag = info.get_dtype()
 
-    def read(self) -> np.ndarray:
-        if self.dtype_tag not in _DTYPES:
+    def read(self, fp8: bool = False) -> np.ndarray:
+        if self.dtype_tag not in _DTYPES and not (fp8 and self.dtype_tag == FP8_TAG):
             raise NotSupportedError(f"{self.file}: not supported yet: tensor '{self.name}' has dtype "
                                     f"{self.dtype_tag} (quantized checkpoints are not supported)")
         try:
+            if self.dtype_tag == FP8_TAG:
+                return self._read_fp8()
             return self._handle.get_tensor(self.name)
-        except (SafetensorError, OSError, ValueError) as e:
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({_one_line(e)})") from None
+
+
+    def _read_fp8(self) -> np.ndarray:
+        """An e4m3 tensor's bytes as float8_e4m3fn (safetensors' numpy reader has no fp8 dtype):
+        the file is an 8-byte little-endian header length, a JSON header giving each tensor's
+        [begin, end) byte offsets past it, then the data."""
+        with open(self.file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(n))[self.name]
+            begin, end = entry["data_offsets"]
+            f.seek(8 + n + begin)
+            data = f.read(end - begin)
+        return np.frombuffer(data, dtype=jnp.float8_e4m3fn).reshape(self.shape)
 
 
 def _one_line(e: BaseException) -> str:
@@ -201,18 +231,66 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg = load_hf_config(d / "config.json")
-    quant = json.loads((d / "config.json").read_text()).get("quantization_config")  # a JSON object: checked above
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise NotSupportedError(f"{d / 'config.json'}: not supported yet: quantized checkpoint ({method})")
+    fp8 = _fp8_config(d / "config.json")
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
-        return cfg, _load_params(d, cfg, out_dt, _index_tensors(d, stack))
+        params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), fp8)
+    # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
+    # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
+    return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
 
 
-def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor]) -> Params:
+def _fp8_config(config_json: Path) -> bool:
+    """True for an FP8 checkpoint in the official Hugging Face format (`quantization_config`
+    quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]); any other quantization is
+    refused in one line naming it."""
+    quant = json.loads(config_json.read_text()).get("quantization_config")  # a JSON object: checked by load_hf_config
+    if not quant:
+        return False
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    if method != "fp8":
+        raise NotSupportedError(f"{config_json}: not supported yet: quantized checkpoint ({_short(method)}; "
+                                "tpumk reads fp8 checkpoints with 128 x 128 block scales)")
+    fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+    if fmt != "e4m3" or block != [GROUP, GROUP]:
+        raise NotSupportedError(f"{config_json}: not supported yet: fp8 checkpoint with fmt {_short(fmt)} and "
+                                f"weight_block_size {_short(block)} (tpumk reads e4m3 with [{GROUP}, {GROUP}] blocks)")
+    return True
+
+
+def _short(v: Any) -> str:
+    return repr(v)[:60]
+
+
+def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, ...], compute) -> QuantizedMatrix:
+    """An FP8 [out, in] weight and its [ceil(out/128), ceil(in/128)] `weight_scale_inv` as the
+    reference's QuantizedMatrix: codes fn(weight) ([in, out], bit for bit) and one scale per
+    (128 input rows, output column), each block's scale repeated over its 128 columns (exact:
+    dequantized = weight * scale_inv, as the checkpoint defines it)."""
+    out_dim, in_dim = hf_shape[-2:]
+    want = (*hf_shape[:-2], -(-out_dim // GROUP), -(-in_dim // GROUP))
+    if scale.shape != want:
+        raise CheckpointError(f"{scale.file}: tensor '{scale.name}' has shape {list(scale.shape)}, expected {list(want)}")
+    q = fn(t.read(fp8=True))
+    s = np.asarray(fn(scale.read()), np.float32)  # [.., ceil(in/128), ceil(out/128)]
+    s = np.repeat(s, GROUP, axis=-1)[..., :out_dim]
+    return QuantizedMatrix(jnp.asarray(q), jnp.asarray(s), jnp.zeros((0,), compute))
+
+
+def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor], fp8: bool = False) -> Params:
     plan, ignored = _plan(cfg, set(tensors))
+    # FP8 checkpoints: a weight with a `weight_scale_inv` beside it is stored in e4m3 blocks.
+    scales = {n[:-len("_scale_inv")]: n for n in tensors if fp8 and n.endswith(".weight_scale_inv")}
+    ignored = ignored + [n for w, n in scales.items() if w in plan]
+    for w in scales:
+        if w in plan and not all(key in _FP8_KEYS and layer is not None or key == "lm_head"
+                                 for layer, key, *_ in plan[w]):
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' stored in fp8 "
+                                    "(tpumk keeps the router, embedding and norms in float)")
+        if w in plan and any(expert is None and key in EXPERT_MATRICES for _, key, expert, *_ in plan[w]):
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused expert tensor '{w}' in fp8 "
+                                    "(official fp8 releases store one tensor per expert)")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -239,7 +317,22 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
     # over as soon as its last expert arrives (the plan runs layer by layer).
     stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
+    fp8_experts: dict[tuple[int, str], dict[int, QuantizedMatrix]] = {}
     for name, dests in plan.items():
+        if name in scales:
+            for layer, key, expert, hf_shape, fn in dests:
+                m = _fp8_matrix(name, tensors[name], tensors[scales[name]], fn, hf_shape, out_dt)
+                if expert is None:
+                    (params if layer is None else params["layers"][layer])[key] = m
+                    continue
+                got = fp8_experts.setdefault((layer, key), {})
+                got[expert] = m
+                if len(got) == shapes["layers"][layer][key][0]:
+                    params["layers"][layer][key] = QuantizedMatrix(
+                        jnp.stack([got[j].q for j in range(len(got))]), jnp.stack([got[j].scale for j in range(len(got))]),
+                        m.compute)
+                    del fp8_experts[(layer, key)]
+            continue
         raw = tensors[name].read()
         for layer, key, expert, _, fn in dests:
             if expert is None:
@@ -260,6 +353,8 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
 def _check_complete(params: Params, shapes: Params, d: Path) -> None:
     """Every reference tensor is present with its expected shape (guards the mapping itself)."""
     def check(got: Any, want: tuple[int, ...], where: str) -> None:
+        if isinstance(got, QuantizedMatrix) and jnp.dtype(got.q.dtype) != jnp.dtype(FORMATS["fp8-b128"].jnp_dtype):
+            raise CheckpointError(f"{d}: reference tensor '{where}' not built as e4m3 codes")
         if got is None or tuple(got.shape) != tuple(want):
             raise CheckpointError(f"{d}: reference tensor '{where}' not built with shape {list(want)}")
 

@@ -1,24 +1,43 @@
-"""Quantized weights: the schemes, the quantizer, and the matrix type the reference multiplies.
+"""Quantized weights: the formats, the schemes, the quantizer, and the matrix type the reference multiplies.
 
-A scheme (`BuildSpec.quant`, `--quant`) sets the format of every matrix the megakernel's weight
-ring streams (q|k|v, o, the dense and shared-expert gate / up / down, and the lm_head):
+A *format* is how one matrix is stored (`FORMATS`):
 
-- "none": the model dtype (bfloat16 or float32), as before;
 - "int8": symmetric int8, one float32 scale per output column, s = absmax over K / 127
   (the published TPU7x kernel's dense format, TPU_FACTS 9);
-- "fp8": float8_e4m3fn, one float32 scale per output column, s = absmax over K / 448.
+- "fp8": float8_e4m3fn, one float32 scale per output column, s = absmax over K / 448;
+- "fp8-b128": float8_e4m3fn with one float32 scale per 128 x 128 block, as Hugging Face FP8
+  checkpoints store them (`weight_scale_inv`, TPU_FACTS 9); kept as one scale per (group of 128
+  input rows, output column), the block's scale repeated over its 128 columns (exact);
+- "int4-g128": symmetric int4 (codes -7..7) with one float32 scale per (group of 128 input rows,
+  output column), the published kernel's expert format.
+
+A *scheme* (`BuildSpec.quant`, `--quant`) gives a format to each of two families of matrices:
+`ring`, every matrix the megakernel's weight ring streams (q|k|v, o, the dense and
+shared-expert gate / up / down, and the lm_head), and `experts`, the routed experts' gate / up /
+down. Written `ring=FMT,experts=FMT` (a family left out stays in the model dtype) or by a
+preset name: "int8" (ring int8), "fp8" (ring fp8), "int4" (ring int8, experts int4-g128:
+the published kernel's mix), "fp8-b128" (both fp8-b128: how an FP8 checkpoint is stored). The
+ring streams one buffer of one dtype, so its matrices share one format; that is why the
+per-family choice is ring vs experts, not per projection.
 
 `quantize_params(cfg, params, scheme)` turns reference-layout weights into the same structure
 with those matrices as `QuantizedMatrix(q, scale)`. The reference decode step and the kernel
-packer both take that: `reference.matmul(x, QuantizedMatrix)` computes
-(x in the compute dtype) @ (q in the compute dtype), float32 accumulation, times the column
-scales, which is what the kernel computes tile by tile (every int8 and e4m3 code is exact in
-bfloat16, so converting the tile in VMEM rounds nothing), so the kernel is checked against the
-reference to float tolerance. Applying a per-column scale after the contraction equals
-dequantizing first up to float32 rounding.
+packers both take that: `reference.matmul(x, QuantizedMatrix)` computes (x in the compute
+dtype) @ (q in the compute dtype) with float32 accumulation, times the scales: per-column
+scales after the whole contraction, group scales after each 128-row group's contraction. That
+is what the kernel computes tile by tile (every int8, int4 and e4m3 code is exact in bfloat16,
+so converting a tile in VMEM rounds nothing), so the kernel is checked against the reference
+to float tolerance. Applying a scale after the (group's) contraction equals dequantizing first
+up to float32 rounding.
 
 Embedding rows (gathered outside the kernel), norms, the MoE router (it decides routing: kept
-exact), the routed experts and the KV cache stay in the model dtype.
+exact) and the KV cache stay in the model dtype.
+
+Why not a quantization library (e.g. qwix): tpumk needs the codes and scales themselves, laid
+out in the ring's tile order and the expert stage's chunk order, with the exact dequantization
+contract above shared by the reference and the kernel; qwix quantizes a Flax model's
+einsums in place (its own layouts and numerics) and is not installed with JAX. The quantizer
+here is a few array lines; what matters is the layout, which is tpumk's.
 """
 
 from __future__ import annotations
@@ -32,38 +51,118 @@ import numpy as np
 
 from tpumk.errors import ConfigError
 
-SCHEMES = ("none", "int8", "fp8")
-# Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top).
-RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+GROUP = 128  # input rows per scale of the group formats (and the block side of fp8-b128)
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a quantized matrix is stored: element dtype and the largest code."""
+    """How a quantized matrix is stored: element dtype, largest code, scale granularity."""
 
-    name: str  # the scheme
-    dtype: str  # "int8" | "float8_e4m3fn"
+    name: str
+    dtype: str  # "int8" | "float8_e4m3fn" | "int4"
     qmax: float  # codes lie in [-qmax, qmax]
+    group: int = 0  # input rows per scale (0: one scale per output column over all of K)
+    block_cols: int = 0  # fp8-b128: output columns sharing a scale when quantizing (1 otherwise)
+    bits: int = 8
 
     @property
     def jnp_dtype(self):
-        return jnp.int8 if self.dtype == "int8" else jnp.float8_e4m3fn
+        return {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4}[self.dtype]
 
-    itemsize = 1
+    @property
+    def itemsize(self) -> float:
+        """HBM bytes per code (int4: two codes a byte)."""
+        return self.bits / 8
+
+    def scale_rows(self, k: int) -> int:
+        """Scales per output column of a [k, M] matrix (a last, partial group has its own)."""
+        return -(-k // self.group) if self.group else 1
 
 
-FORMATS = {"int8": WeightFormat("int8", "int8", 127.0), "fp8": WeightFormat("fp8", "float8_e4m3fn", 448.0)}
+FORMATS = {
+    "int8": WeightFormat("int8", "int8", 127.0),
+    "fp8": WeightFormat("fp8", "float8_e4m3fn", 448.0),
+    "fp8-b128": WeightFormat("fp8-b128", "float8_e4m3fn", 448.0, group=GROUP, block_cols=GROUP),
+    "int4-g128": WeightFormat("int4-g128", "int4", 7.0, group=GROUP, bits=4),
+}
+RING_FORMATS = ("int8", "fp8", "fp8-b128")  # int4 tiles are not streamed by the ring (TPU7x holds one per byte)
+EXPERT_FORMATS = ("int4-g128", "fp8-b128")
+PRESETS = {"none": ("none", "none"), "int8": ("int8", "none"), "fp8": ("fp8", "none"),
+           "int4": ("int8", "int4-g128"), "fp8-b128": ("fp8-b128", "fp8-b128")}
+SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme too
+# Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top)
+# and of the routed experts' stacks.
+RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+EXPERT_MATRICES = ("e_gate", "e_up", "e_down")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The formats of one scheme: `ring` and `experts` (None: the model dtype)."""
+
+    ring: WeightFormat | None
+    experts: WeightFormat | None
+
+    @property
+    def name(self) -> str:
+        """Canonical text: the preset's name when one matches, else `ring=..,experts=..`."""
+        pair = (self.ring.name if self.ring else "none", self.experts.name if self.experts else "none")
+        for name, formats in PRESETS.items():
+            if formats == pair:
+                return name
+        return f"ring={pair[0]},experts={pair[1]}"
+
+    def name_for(self, moe: bool) -> str:
+        """The name for a model with (moe) or without routed experts: without, the experts'
+        format is moot and the first preset with this ring format names the build."""
+        if moe:
+            return self.name
+        ring = self.ring.name if self.ring else "none"
+        return next(name for name, formats in PRESETS.items() if formats[0] == ring)
+
+
+def parse_scheme(text: Any) -> Scheme:
+    """A scheme from its text: a preset name or `ring=FMT,experts=FMT` (either part optional)."""
+    expected = (f"expected {', '.join(SCHEMES)}, or ring=FMT,experts=FMT with ring in "
+                f"{'|'.join(('none',) + RING_FORMATS)} and experts in {'|'.join(('none',) + EXPERT_FORMATS)}")
+    if not isinstance(text, str):
+        raise ConfigError(f"quant = {text!r:.40}: {expected}")
+    if text in PRESETS:
+        ring, experts = PRESETS[text]
+    else:
+        parts = dict(ring="none", experts="none")
+        for item in text.split(","):
+            key, eq, val = item.strip().partition("=")
+            if not eq or key not in parts:
+                raise ConfigError(f"quant = {text!r:.60}: {expected}")
+            parts[key] = val.strip()
+        ring, experts = parts["ring"], parts["experts"]
+        if ring not in ("none",) + RING_FORMATS or experts not in ("none",) + EXPERT_FORMATS:
+            raise ConfigError(f"quant = {text!r:.60}: {expected}")
+    return Scheme(FORMATS.get(ring), FORMATS.get(experts))
+
+
+def canonical_scheme(text: Any, cfg=None) -> str:
+    """The one spelling of a scheme; given the model, the experts' format is dropped when it
+    has no routed experts (the same build, so the same name and cache key)."""
+    s = parse_scheme(text)
+    return s.name if cfg is None else s.name_for(cfg.is_moe)
 
 
 def weight_format(scheme: Any) -> WeightFormat | None:
     """The format of the ring's matrices under `scheme` (None: the model dtype)."""
-    if scheme not in SCHEMES:
-        raise ConfigError(f"quant = {scheme!r:.40}: expected one of {', '.join(SCHEMES)}")
-    return FORMATS.get(scheme)
+    return parse_scheme(scheme).ring
+
+
+def expert_format(scheme: Any) -> WeightFormat | None:
+    """The format of the routed experts under `scheme` (None: the model dtype)."""
+    return parse_scheme(scheme).experts
 
 
 class QuantizedMatrix(NamedTuple):
-    """A [K, M] matrix as codes q [K, M] and float32 scales [M] (dequantized: q * scale).
+    """A [..., K, M] matrix (leading dims: a stack, e.g. experts) as codes q [..., K, M] and
+    float32 scales: [..., M] (one per output column) or [..., K / group, M] (one per group of
+    input rows and column). Dequantized: q * scale, the scale repeated over its group.
     `compute` is an empty array of the dtype the codes are multiplied in (the model dtype): a
     leaf, so the type passes through jit like any weight."""
 
@@ -75,52 +174,94 @@ class QuantizedMatrix(NamedTuple):
     def shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
 
+    @property
+    def grouped(self) -> bool:
+        return len(self.scale.shape) == len(self.q.shape)
+
+    @property
+    def group(self) -> int:
+        """Input rows per scale (K for per-column scales; the group formats' 128, the last
+        group partial when 128 does not divide K)."""
+        return GROUP if self.grouped else self.q.shape[-2]
+
     def dequantized(self) -> jax.Array:
-        return self.q.astype(jnp.float32) * self.scale.astype(jnp.float32)
+        q = self.q.astype(jnp.float32)
+        if not self.grouped:
+            return q * self.scale.astype(jnp.float32)[..., None, :]
+        return q * jnp.repeat(self.scale.astype(jnp.float32), GROUP, axis=-2)[..., :q.shape[-2], :]
 
 
 def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatrix:
-    """Symmetric per-output-column quantization of w [K, M]: scale = absmax over K / qmax (a
-    zero column gets scale 1: its codes are 0 whatever the scale)."""
+    """Symmetric quantization of w [..., K, M] in `fmt`: scale = absmax / qmax over each column
+    (per-column formats), each (128-row group, column) (int4-g128) or each 128 x 128 block
+    (fp8-b128); an all-zero group gets scale 1 (its codes are 0 whatever the scale)."""
     w = jnp.asarray(w, jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=0)
-    scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
-    x = w / scale
-    if fmt.dtype == "int8":
-        q = jnp.clip(jnp.round(x), -fmt.qmax, fmt.qmax).astype(jnp.int8)
-    else:  # e4m3 rounds to nearest itself; |x| <= 448 is within its range
+    k, m = w.shape[-2:]
+    if fmt.group:
+        groups = fmt.scale_rows(k)  # a partial last group: zero rows pad it (they never set the max)
+        padded = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, groups * fmt.group - k), (0, 0)])
+        g = padded.reshape(*w.shape[:-2], groups, fmt.group, m)
+        amax = jnp.max(jnp.abs(g), axis=-2)  # [..., G, M]
+        if fmt.block_cols:  # one scale per 128 x 128 block, repeated over the block's columns
+            pad = -m % fmt.block_cols
+            blocks = jnp.pad(amax, [(0, 0)] * (amax.ndim - 1) + [(0, pad)])
+            blocks = jnp.max(blocks.reshape(*amax.shape[:-1], -1, fmt.block_cols), axis=-1)
+            amax = jnp.repeat(blocks, fmt.block_cols, axis=-1)[..., :m]
+        scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
+        x = w / jnp.repeat(scale, fmt.group, axis=-2)[..., :k, :]
+    else:
+        amax = jnp.max(jnp.abs(w), axis=-2)
+        scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
+        x = w / scale[..., None, :]
+    if fmt.dtype == "float8_e4m3fn":  # e4m3 rounds to nearest itself; |x| <= 448 is within its range
         q = jnp.clip(x, -fmt.qmax, fmt.qmax).astype(jnp.float8_e4m3fn)
+    else:
+        q = jnp.clip(jnp.round(x), -fmt.qmax, fmt.qmax).astype(fmt.jnp_dtype)
     return QuantizedMatrix(q, scale, jnp.zeros((0,), compute))
 
 
 def quantize_params(cfg, params: dict, scheme: str) -> dict:
-    """Reference-layout weights with every ring matrix quantized under `scheme` (the lm_head too:
-    a tied model's lm_head becomes a quantized copy of embed.T, kept as `lm_head`; the
-    embedding itself stays, for the row gather). "none" returns `params` unchanged."""
-    fmt = weight_format(scheme)
-    if fmt is None:
+    """Reference-layout weights with every ring matrix and routed expert stack quantized under
+    `scheme` (the lm_head too: a tied model's lm_head becomes a quantized copy of embed.T, kept
+    as `lm_head`; the embedding itself stays, for the row gather). Matrices already quantized
+    (a checkpoint stored so) are kept as they are. "none" returns `params` unchanged."""
+    s = parse_scheme(scheme)
+    if s.ring is None and s.experts is None:
         return params
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
     layers = []
     for lay in params["layers"]:
         out = dict(lay)
-        for k in RING_MATRICES:
-            if k in lay and not isinstance(lay[k], QuantizedMatrix):
-                out[k] = quantize_matrix(lay[k], fmt, dt)
+        for keys, fmt in ((RING_MATRICES, s.ring), (EXPERT_MATRICES, s.experts)):
+            for k in keys:
+                if fmt is not None and k in lay and not isinstance(lay[k], QuantizedMatrix):
+                    out[k] = quantize_matrix(lay[k], fmt, dt)
         layers.append(out)
     top = {**params, "layers": layers}
-    head = params["lm_head"] if "lm_head" in params else jnp.asarray(params["embed"]).T
-    if not isinstance(head, QuantizedMatrix):
-        top["lm_head"] = quantize_matrix(head, fmt, dt)
+    if s.ring is not None:
+        head = params["lm_head"] if "lm_head" in params else jnp.asarray(params["embed"]).T
+        if not isinstance(head, QuantizedMatrix):
+            top["lm_head"] = quantize_matrix(head, s.ring, dt)
     return top
 
 
+def format_of(m: Any) -> WeightFormat | None:
+    """The format a matrix is stored in (None: a float matrix)."""
+    if not isinstance(m, QuantizedMatrix):
+        return None
+    dtype = jnp.dtype(m.q.dtype).name
+    for f in FORMATS.values():
+        if jnp.dtype(f.jnp_dtype).name == dtype and bool(f.group) == m.grouped:
+            return f
+    raise ConfigError(f"quantized matrix of {dtype} codes with scales {tuple(m.scale.shape)}: no format matches")
+
+
 def scheme_of(params: dict) -> str:
-    """The scheme reference-layout weights were quantized with ("none" if they were not)."""
-    head = params.get("lm_head")
-    if not isinstance(head, QuantizedMatrix):
-        return "none"
-    return next(f.name for f in FORMATS.values() if jnp.dtype(head.q.dtype) == jnp.dtype(f.jnp_dtype))
+    """The scheme reference-layout weights were quantized with ("none" if they were not): the
+    lm_head's format for the ring, the first MoE layer's gate for the experts."""
+    ring = format_of(params.get("lm_head"))
+    moe = [lay["e_gate"] for lay in params["layers"] if "e_gate" in lay]
+    return Scheme(ring, format_of(moe[0]) if moe else None).name_for(bool(moe))
 
 
 def relative_rms(got, want) -> float:
@@ -130,7 +271,7 @@ def relative_rms(got, want) -> float:
 
 
 def ring_parameter_count(cfg) -> int:
-    """Parameters of the matrices a scheme quantizes: every layer's q|k|v and o, the dense and
+    """Parameters of the matrices the ring streams: every layer's q|k|v and o, the dense and
     shared-expert gate / up / down, and the lm_head (a tied model's head counts: it becomes its
     own quantized copy). Closed form, no loop over layers."""
     h = cfg.hidden_size
@@ -141,41 +282,84 @@ def ring_parameter_count(cfg) -> int:
     return cfg.num_layers * attn + n_dense * 3 * h * cfg.ffn_size + n_moe * 3 * h * shared + h * cfg.vocab_size
 
 
-def quantized_weight_bytes(cfg, scheme: str) -> int:
-    """HBM bytes of the model's weights under `scheme`: ring matrices at 1 byte per weight plus
-    their float32 column scales, everything else in the model dtype."""
-    fmt = weight_format(scheme)
-    total = cfg.param_count() * cfg.dtype_bytes
-    if fmt is None:
-        return total
-    ring = ring_parameter_count(cfg)
-    untied_head = 0 if cfg.tie_embeddings else cfg.hidden_size * cfg.vocab_size
-    kept = total - (ring - cfg.hidden_size * cfg.vocab_size + untied_head) * cfg.dtype_bytes
-    return int(kept + ring * fmt.itemsize + 4 * ring_output_columns(cfg))
+def expert_parameter_count(cfg) -> int:
+    """Parameters of the routed experts (every MoE layer's E gate / up / down)."""
+    if not cfg.is_moe:
+        return 0
+    return (cfg.num_layers - cfg.num_dense_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_ffn_size
 
 
-def ring_output_columns(cfg) -> int:
-    """Output columns of the quantized matrices: one float32 scale each."""
+def _scale_count(fmt: WeightFormat, matrices: list[tuple[int, int, int]]) -> int:
+    """float32 scales of `count` [k, m] matrices for each (count, k, m)."""
+    return sum(n * fmt.scale_rows(k) * m for n, k, m in matrices)
+
+
+def ring_matrices(cfg) -> list[tuple[int, int, int]]:
+    """(count, K, M) of the ring's matrices (the lm_head included)."""
     h, n_dense = cfg.hidden_size, cfg.num_dense_layers
     n_moe = cfg.num_layers - n_dense
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
-    return (cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size + h) + n_dense * (2 * cfg.ffn_size + h)
-            + (n_moe * (2 * shared + h) if shared else 0) + cfg.vocab_size)
+    out = [(cfg.num_layers, h, cfg.q_size + 2 * cfg.kv_size), (cfg.num_layers, cfg.q_size, h), (1, h, cfg.vocab_size)]
+    if n_dense:
+        out += [(n_dense, h, 2 * cfg.ffn_size), (n_dense, cfg.ffn_size, h)]
+    if shared and n_moe:
+        out += [(n_moe, h, 2 * shared), (n_moe, shared, h)]
+    return out
+
+
+def expert_matrices(cfg) -> list[tuple[int, int, int]]:
+    if not cfg.is_moe:
+        return []
+    n = (cfg.num_layers - cfg.num_dense_layers) * cfg.num_experts
+    return [(n, cfg.hidden_size, 2 * cfg.expert_ffn_size), (n, cfg.expert_ffn_size, cfg.hidden_size)]
+
+
+def quantized_weight_bytes(cfg, scheme: str) -> int:
+    """HBM bytes of the model's weights under `scheme`: quantized matrices at their code size
+    plus their float32 scales, everything else in the model dtype."""
+    s = parse_scheme(scheme)
+    total = cfg.param_count() * cfg.dtype_bytes
+    if s.ring is not None:
+        ring = ring_parameter_count(cfg)
+        untied_head = 0 if cfg.tie_embeddings else cfg.hidden_size * cfg.vocab_size
+        total -= (ring - cfg.hidden_size * cfg.vocab_size + untied_head) * cfg.dtype_bytes
+        total += ring * s.ring.itemsize + 4 * _scale_count(s.ring, ring_matrices(cfg))
+    if s.experts is not None and cfg.is_moe:
+        n = expert_parameter_count(cfg)
+        total += n * (s.experts.itemsize - cfg.dtype_bytes) + 4 * _scale_count(s.experts, expert_matrices(cfg))
+    return int(total)
+
+
+def ring_output_columns(cfg) -> int:
+    """Output columns of the ring's matrices: one float32 scale each in the per-column formats."""
+    return sum(n * m for n, _, m in ring_matrices(cfg))
 
 
 def quantized_specs(cfg, params: dict, scheme: str) -> dict:
-    """`quantize_params` on ShapeDtypeStructs: the same pytree with each ring matrix a
-    QuantizedMatrix of specs (codes [K, M], float32 scales [M]), for deviceless compiles."""
-    fmt = weight_format(scheme)
-    if fmt is None:
+    """`quantize_params` on ShapeDtypeStructs: the same pytree with each quantized matrix a
+    QuantizedMatrix of specs (codes, float32 scales), for deviceless compiles."""
+    s = parse_scheme(scheme)
+    if s.ring is None and s.experts is None:
         return params
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
 
-    def spec(s) -> QuantizedMatrix:
-        return QuantizedMatrix(jax.ShapeDtypeStruct(tuple(s.shape), fmt.jnp_dtype),
-                               jax.ShapeDtypeStruct((s.shape[-1],), jnp.float32), jax.ShapeDtypeStruct((0,), dt))
+    def spec(a, fmt: WeightFormat) -> QuantizedMatrix:
+        *lead, k, m = a.shape
+        scale = (*lead, fmt.scale_rows(k), m) if fmt.group else (*lead, m)
+        return QuantizedMatrix(jax.ShapeDtypeStruct(tuple(a.shape), fmt.jnp_dtype),
+                               jax.ShapeDtypeStruct(scale, jnp.float32), jax.ShapeDtypeStruct((0,), dt))
 
-    layers = [{k: spec(v) if k in RING_MATRICES else v for k, v in lay.items()} for lay in params["layers"]]
-    head = params["lm_head"] if "lm_head" in params else jax.ShapeDtypeStruct(params["embed"].shape[::-1],
-                                                                              params["embed"].dtype)
-    return {**params, "layers": layers, "lm_head": spec(head)}
+    def layer(lay):
+        out = dict(lay)
+        for keys, fmt in ((RING_MATRICES, s.ring), (EXPERT_MATRICES, s.experts)):
+            for k in keys:
+                if fmt is not None and k in lay:
+                    out[k] = spec(lay[k], fmt)
+        return out
+
+    top = {**params, "layers": [layer(lay) for lay in params["layers"]]}
+    if s.ring is not None:
+        head = params["lm_head"] if "lm_head" in params else jax.ShapeDtypeStruct(params["embed"].shape[::-1],
+                                                                                  params["embed"].dtype)
+        top["lm_head"] = spec(head, s.ring)
+    return top

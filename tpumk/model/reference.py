@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from tpumk.model.config import ModelConfig
@@ -95,8 +96,43 @@ def matmul(x: jax.Array, w) -> jax.Array:
     float32 column sums times the column scales (what the kernel computes, tile by tile)."""
     if isinstance(w, QuantizedMatrix):
         dt = w.compute.dtype
-        return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
+        if not w.grouped:
+            return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
+        # Group scales: each 128-row group's float32 sum times its scales, then the groups summed.
+        # (Operands rounded to the compute dtype, then multiplied in float32: the same products,
+        # exact, and XLA:CPU has no batched bf16 x bf16 -> f32 dot.)
+        k, m = w.q.shape
+        g = w.scale.shape[-2]
+        pad = g * w.group - k  # a partial last group: zero rows on both sides
+        xg = jnp.pad(_in(x, dt), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], g, w.group)
+        qg = jnp.pad(_in(w.q, dt), ((0, pad), (0, 0))).reshape(g, w.group, m)
+        parts = jnp.einsum("...gk,gkm->...gm", xg, qg, precision=lax.Precision.HIGHEST)
+        return jnp.sum(parts * w.scale, axis=-2)
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def expert_matmul(x: jax.Array, w) -> jax.Array:
+    """Every expert at once: x [E, N, K] (or [N, K], shared by all experts) @ w [E, K, M] ->
+    [E, N, M] float32, `matmul`'s contract per expert (group scales per 128-row group)."""
+    dt = w.compute.dtype if isinstance(w, QuantizedMatrix) else w.dtype
+    xs = "enk" if x.ndim == 3 else "nk"
+    if not isinstance(w, QuantizedMatrix):
+        return jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w, preferred_element_type=jnp.float32)
+    e, k, m = w.q.shape
+    if not w.grouped:
+        y = jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32)
+        return y * w.scale[:, None, :]
+    g = w.scale.shape[-2]
+    pad = g * w.group - k
+    xg = jnp.pad(_in(x, dt), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], g, w.group)
+    qg = jnp.pad(_in(w.q, dt), ((0, 0), (0, pad), (0, 0))).reshape(e, g, w.group, m)
+    parts = jnp.einsum(f"{xs[:-1]}gk,egkm->engm", xg, qg, precision=lax.Precision.HIGHEST)
+    return jnp.sum(parts * w.scale[:, None], axis=-2)
+
+
+def _in(a: jax.Array, dt) -> jax.Array:
+    """a rounded to dtype dt, held in float32 (a product of two such values is exact in f32)."""
+    return a.astype(dt).astype(jnp.float32)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -136,11 +172,10 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
     combine = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    xe = x.astype(layer["e_gate"].dtype)
-    g = jnp.einsum("nh,ehf->enf", xe, layer["e_gate"], preferred_element_type=jnp.float32)
-    u = jnp.einsum("nh,ehf->enf", xe, layer["e_up"], preferred_element_type=jnp.float32)
-    a = (jax.nn.silu(g) * u).astype(layer["e_down"].dtype)
-    y = jnp.einsum("enf,efh->enh", a, layer["e_down"], preferred_element_type=jnp.float32)
+    g = expert_matmul(x, layer["e_gate"])
+    u = expert_matmul(x, layer["e_up"])
+    a = jax.nn.silu(g) * u  # cast to the compute dtype by expert_matmul, as the kernel does
+    y = expert_matmul(a, layer["e_down"])
     out = jnp.einsum("enh,ne->nh", y, combine)
     if cfg.num_shared_experts:
         out = out + swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])

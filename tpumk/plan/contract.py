@@ -21,7 +21,11 @@ dt the model dtype. Operands, in order:
     layer_vectors hbm   f32 [L, 8, W]                 packed.layer_vectors (norm rows, see layout)
     <family>      hbm   dt  packed tiles              packed.<family> for each streamed family, in
                                                       RING_FAMILIES order (this module)
-    router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only)
+    scales_<family> hbm f32 scale tiles              group-scaled rings (fp8-b128) only, same order
+    layer_scales  hbm   f32 [L, 1, S]                 column-scaled rings (int8, fp8) only
+    head_scales   vmem  f32 [1, padded vocab]         column-scaled rings only
+    router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only; quantized
+                                                      experts: codes, then e_gateup_scales, e_down_scales)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
 
 Outputs: logits f32 [devices x lm_head column blocks, N, lm_head tile_cols] (block j of
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 # Streamed matrix families in the order their packed arrays are kernel operands.
 RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
+MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
 VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe",
                    "collectives")
@@ -134,7 +139,13 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
             fam = plan.families[name]
             tiles = "[tiles, rows, cols]" if name == "lm_head" else "[matrices, tiles, rows, cols]"
             out.append(hbm(name, fam.packed_shape, plan.ring_dtype, f"{tiles}, tile t = column block t // row_blocks"))
-    if plan.weight_format is not None:
+    if plan.ring_grouped:
+        for name in RING_FAMILIES:
+            if name in plan.families:
+                fam = plan.families[name]
+                out.append(hbm(f"scales_{name}", fam.packed_scale_shape, "float32",
+                               f"scale tiles in the tiles' order: row g = tile rows [{fam.group}g, {fam.group}(g+1))"))
+    if plan.column_scaled:
         out.append(hbm("layer_scales", (cfg.num_layers, 1, plan.scales_width), "float32",
                        "[L, 1, S]: each layer family's column scales at plan.scale_offsets (packed column order)"))
         out.append(hbm("head_scales", (1, plan.vocab_pad), "float32", "[1, padded vocab]: the lm_head's column scales"))
@@ -161,11 +172,14 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         _with(packed["packed.layer_vectors"], component="layer_vectors"),
     ]
     out += [_with(packed[f"packed.{f}"], component="weights") for f in RING_FAMILIES if f in plan.families]
-    if plan.weight_format is not None:
+    if plan.ring_grouped:
+        out += [_with(packed[f"packed.scales_{f}"], component="weights") for f in RING_FAMILIES if f in plan.families]
+    if plan.column_scaled:
         out += [_with(packed["packed.layer_scales"], component="layer_vectors"),
                 _with(packed["packed.head_scales"], space="vmem", component="inputs")]
     if plan.moe is not None:
-        out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in MOE_OPERANDS]
+        names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ())
+        out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
     for name in ("k", "v"):
         out.append(_with(hbm(f"{name}_cache", cache, cfg.dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
                          source=f"cache.{name}", component="kv_cache"))
@@ -188,7 +202,13 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
                 vmem("vectors", (2, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
                      "[layer % 2, 8, W]: this layer's norm rows and the next one's, prefetched"),
                 dma_sems("vector_sems", (2,), "one per vector slot"))
-    if plan.weight_format is not None:
+    if plan.ring_grouped:
+        rows = max(f.scale_rows for f in plan.families.values())
+        out += comp("weight_ring",
+                    vmem("tile_scales", (plan.ring_depth, rows, plan.slot_cols), "float32",
+                         "[slot, groups, cols]: the scales of the tile in the same ring slot"),
+                    dma_sems("tile_scale_sems", (plan.ring_depth,), "one per ring slot"))
+    if plan.column_scaled:
         out += comp("layer_vectors",
                     vmem("scales", (2, 1, plan.scales_width), "float32",
                          "[layer % 2, 1, S]: this layer's column scales and the next one's, prefetched"),

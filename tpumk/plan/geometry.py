@@ -22,6 +22,7 @@ import numpy as np
 
 from tpumk.errors import PlanError
 from tpumk.model.config import SCORINGS, ModelConfig, expected_distinct_experts
+from tpumk.model.quantize import EXPERT_FORMATS, FORMATS, GROUP
 
 LANE = 128  # TPU lane width: the minor dim of every VMEM tile
 F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
@@ -29,11 +30,15 @@ F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
 WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Every dtype a kernel buffer may have ("dma" marks a DMA semaphore array).
-# (int8 / float8_e4m3fn: quantized weight tiles, tpumk.model.quantize)
-BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
+# (int8 / float8_e4m3fn / int4: quantized weight codes, tpumk.model.quantize)
+BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn,
+                 "int4": jnp.int4}
+# int4 codes take half a byte in HBM (two a byte) but one byte each in VMEM (TPU7x, TPU_FACTS 9;
+# counted so on every target: the larger of the two possibilities).
+HBM_BITS = {"int4": 4}
 # Rows of one VMEM tile per dtype: the second-minor tiling Mosaic requires of DMA offsets and
 # sizes (hence of page_size, TPU_FACTS 4) and the row padding of every VMEM buffer.
-SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32}
+SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, pad
@@ -92,6 +97,9 @@ class Buffer:
 
     @property
     def logical_bytes(self) -> int:
+        """Bytes of the elements packed as HBM stores them (int4: two a byte)."""
+        if self.dtype in HBM_BITS:
+            return -(-self.count * HBM_BITS[self.dtype] // 8)
         return self.count * self.itemsize
 
     @property
@@ -379,11 +387,14 @@ class MoEGeometry:
     owned_experts: int = 0
     expert_tensor: int = 1
     axis: str = "tp"
+    # Quantized experts (tpumk.model.quantize EXPERT_FORMATS): codes of `code_dtype` with one
+    # float32 scale per (128-row group, column); "none": the weight dtype, no scales.
+    expert_format: str = "none"
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
                     expert_chunk: int | None = None, owned_experts: int = 0,
-                    expert_tensor: int = 1) -> "MoEGeometry":
+                    expert_tensor: int = 1, expert_format: str = "none") -> "MoEGeometry":
         """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
         if not cfg.is_moe:
             raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
@@ -393,6 +404,7 @@ class MoEGeometry:
             num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
             expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
+            expert_format=expert_format,
         )
         geom.validate()
         return geom
@@ -425,6 +437,8 @@ class MoEGeometry:
              and (self.owned_experts == 0 or self.num_experts % self.owned_experts == 0),
              f"owned_experts = {self.owned_experts!r}: expected 0 (all) or a divisor of num_experts ({self.num_experts})")
         need(pos_int(self.expert_tensor), f"expert_tensor = {self.expert_tensor!r}: expected a positive integer")
+        need(self.expert_format in ("none",) + EXPERT_FORMATS,
+             f"expert_format = {self.expert_format!r}: expected none or one of {', '.join(EXPERT_FORMATS)}")
 
     @property
     def local_experts(self) -> int:
@@ -464,26 +478,49 @@ class MoEGeometry:
 
     # ---------------------------------------------------------------- bytes and DMAs
     @property
+    def quantized(self) -> bool:
+        return self.expert_format != "none"
+
+    @property
+    def code_dtype(self) -> str:
+        """dtype of the packed expert matrices: the weight dtype, or the format's codes."""
+        return FORMATS[self.expert_format].dtype if self.quantized else self.dtype
+
+    @property
+    def gateup_scale_rows(self) -> int:
+        """Scale rows of one [H, 256] gate|up block: H / 128 groups, padded to the f32 tile."""
+        return round_up(self.hidden // GROUP, F32_SUBLANES)
+
+    @property
+    def down_scale_rows(self) -> int:
+        """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile."""
+        return round_up(self.expert_chunk // GROUP, F32_SUBLANES)
+
+    @property
     def router_bytes(self) -> int:
         return self.hidden * self.experts_padded * self.dtype_bytes
 
     @property
-    def expert_bytes(self) -> int:
-        """HBM bytes of one expert (gate, up, down)."""
-        return 3 * self.hidden * self.expert_ffn * self.dtype_bytes
+    def chunk_bytes(self) -> int:
+        """HBM bytes of one slot's loads: a gate|up chunk [C/128, H, 256] plus a down chunk
+        [C, H] (codes at their packed size) and, quantized, their scale tiles."""
+        return sum(b.logical_bytes for b in self.scratch() if b.name in self._CHUNK_BUFFERS) // self.expert_slots
+
+    _CHUNK_BUFFERS = ("gateup", "down", "gateup_scales", "down_scales")
 
     @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one slot: a gate|up chunk [C/128, H, 256] plus a down chunk [C, H]."""
-        return 3 * self.hidden * self.expert_chunk * self.dtype_bytes
+    def expert_bytes(self) -> int:
+        """HBM bytes of one expert (gate, up, down, and their scales when quantized)."""
+        return self.chunks_per_expert * self.chunk_bytes
 
     def hbm_bytes(self, distinct_experts: float) -> float:
         """HBM bytes this stage reads per MoE layer: the router plus each distinct expert once."""
         return self.router_bytes + distinct_experts * self.expert_bytes
 
     def dma_count(self, distinct_experts: float) -> float:
-        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk."""
-        return 2 + 2 * self.chunks_per_expert * distinct_experts
+        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk (4
+        with scales)."""
+        return 2 + (4 if self.quantized else 2) * self.chunks_per_expert * distinct_experts
 
     def expected_distinct_experts(self) -> float:
         """Expected distinct experts per layer this device streams under uniform routing of
@@ -496,28 +533,40 @@ class MoEGeometry:
     def scratch(self) -> tuple[Buffer, ...]:
         """Every scratch buffer of the stage, in the order the MoE stage takes their refs
         (`tpumk.kernel.moe.MoEScratch` names them the same way)."""
-        h, ep, dt, s = self.hidden, self.experts_padded, self.dtype, self.expert_slots
+        h, ep, dt, s, cd = self.hidden, self.experts_padded, self.dtype, self.expert_slots, self.code_dtype
+        scales = (
+            vmem("gateup_scales", (s, self.blocks_per_chunk, self.gateup_scale_rows, 2 * LANE), "float32",
+                 "per slot: each gate|up block's scales, row g = input rows [128g, 128g+128)"),
+            vmem("down_scales", (s, self.down_scale_rows, h), "float32",
+                 "per slot: the down chunk's scales, row g = chunk rows [128g, 128g+128)"),
+        ) if self.quantized else ()
         return (
             vmem("router", (h, ep), dt, "this layer's router [H, Ep]"),
-            vmem("gateup", (s, self.blocks_per_chunk, h, 2 * LANE), dt,
+            vmem("gateup", (s, self.blocks_per_chunk, h, 2 * LANE), cd,
                  "per slot: the chunk's 128-column blocks, gate lanes 0..127 | up lanes 128..255"),
-            vmem("down", (s, self.expert_chunk, h), dt, "per slot: the chunk's down rows"),
+            vmem("down", (s, self.expert_chunk, h), cd, "per slot: the chunk's down rows"),
             vmem("combine", (self.rows, ep), "float32", "combine weight of (row, expert), 0 where not picked"),
             vmem("ids_vmem", (2, ep), "int32", "row 0: distinct picked ids ascending; row 1: their count"),
             smem("ids_smem", (2, ep), "int32", "the same, read as scalars"),
             dma_sems("sems", (2,), "0 router, 1 ids VMEM->SMEM"),
-            dma_sems("slot_sems", (2, s), "[gate|up | down, slot]"),
-        )
+            dma_sems("slot_sems", (4 if self.quantized else 2, s),
+                     "[gate|up | down (| their scales), slot]"),
+        ) + scales
 
     def packed(self) -> tuple[Buffer, ...]:
         """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
-        lm, h, fe, dt = self.num_moe_layers, self.hidden, self.expert_ffn, self.dtype
+        lm, h, fe, dt, cd, e = self.num_moe_layers, self.hidden, self.expert_ffn, self.dtype, self.code_dtype, self.local_experts
+        scales = (
+            hbm("e_gateup_scales", (lm, e, fe // LANE, self.gateup_scale_rows, 2 * LANE), "float32",
+                "[Lm, E (owned), Fe/128, H/128 groups (padded to 8), gate 128 | up 128]"),
+            hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), "float32",
+                "[Lm, E (owned), chunk, C/128 groups (padded to 8), H]"),
+        ) if self.quantized else ()
         return (
             hbm("router", (lm, h, self.experts_padded), dt, "[Lm, H, Ep], columns E..Ep-1 zero"),
-            hbm("e_gateup", (lm, self.local_experts, fe // LANE, h, 2 * LANE), dt,
-                "[Lm, E (owned), Fe/128, H, gate 128 | up 128]"),
-            hbm("e_down", (lm, self.local_experts, fe, h), dt, "[Lm, E (owned), Fe, H]"),
-        )
+            hbm("e_gateup", (lm, e, fe // LANE, h, 2 * LANE), cd, "[Lm, E (owned), Fe/128, H, gate 128 | up 128]"),
+            hbm("e_down", (lm, e, fe, h), cd, "[Lm, E (owned), Fe, H]"),
+        ) + scales
 
     def scratch_bytes(self) -> int:
         """Exact VMEM bytes of the stage's scratch buffers (rows padded to the sublane tile):

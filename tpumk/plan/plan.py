@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import WeightFormat, quantized_weight_bytes, weight_format
+from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
 from tpumk.errors import PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
@@ -61,6 +61,7 @@ class MatrixFamily:
     tile_cols: int
     stack: int  # matrices of this family stacked in HBM (layers that carry it; 1 for lm_head)
     itemsize: int
+    group: int = 0  # group-scaled formats (fp8-b128): input rows per scale; 0: none or per column
 
     @property
     def row_blocks(self) -> int:
@@ -85,10 +86,27 @@ class MatrixFamily:
         tile = (self.tiles, self.tile_rows, self.tile_cols)
         return tile if self.name == "lm_head" else (self.stack, *tile)
 
+    @property
+    def scale_rows(self) -> int:
+        """Group-scaled: a tile's scale rows (one per `group` input rows), padded to the f32
+        (8, 128) tile so each tile's scales are one aligned DMA; 0 otherwise."""
+        return round_up(self.tile_rows // self.group, 8) if self.group else 0
+
+    @property
+    def scale_tile_bytes(self) -> int:
+        return self.scale_rows * self.tile_cols * 4
+
+    @property
+    def packed_scale_shape(self) -> tuple[int, ...]:
+        """Group-scaled: the HBM array of the tiles' scales, in the tiles' order."""
+        tile = (self.tiles, self.scale_rows, self.tile_cols)
+        return tile if self.name == "lm_head" else (self.stack, *tile)
+
     def summary(self) -> dict[str, Any]:
         return {"matrix": [self.k, self.m], "padded": [self.k_pad, self.m_pad],
                 "tile": [self.tile_rows, self.tile_cols], "tiles_per_matrix": self.tiles,
-                "matrices": self.stack, "tile_bytes": self.tile_bytes}
+                "matrices": self.stack, "tile_bytes": self.tile_bytes,
+                **({"scale_group": self.group, "scale_tile_bytes": self.scale_tile_bytes} if self.group else {})}
 
 
 @dataclass(frozen=True)
@@ -182,12 +200,23 @@ class Plan:
         """dtype of the ring's tiles in HBM and VMEM."""
         return self.weight_format.dtype if self.weight_format is not None else self.cfg.dtype
 
+    @property
+    def ring_grouped(self) -> bool:
+        """The ring's format has scales per 128 input rows (fp8-b128): each tile's scales
+        stream with it, instead of one scale row per layer."""
+        return self.weight_format is not None and bool(self.weight_format.group)
+
+    @property
+    def column_scaled(self) -> bool:
+        """The ring's format has one scale per output column (int8, fp8)."""
+        return self.weight_format is not None and not self.weight_format.group
+
     @functools.cached_property
     def scale_offsets(self) -> dict[str, int]:
-        """Quantized builds: where each layer family's column scales start in a layer's scale
+        """Column-scaled builds: where each layer family's column scales start in a layer's scale
         row (`layer_scales`, f32 [L, 1, scales_width]; families in ring order, each m_pad wide;
-        a layer lacking a family leaves its columns zero). Empty without quantization."""
-        return scale_offsets(self.families) if self.weight_format is not None else {}
+        a layer lacking a family leaves its columns zero). Empty otherwise."""
+        return scale_offsets(self.families) if self.column_scaled else {}
 
     @property
     def scales_width(self) -> int:
@@ -315,21 +344,23 @@ def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig, itemsize: 
     return best
 
 
-def _auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig) -> int:
+def auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig, fmt: WeightFormat | None = None) -> int:
     """Expert FFN columns per load: the largest 128-multiple dividing Fe whose chunk (gate, up and
     down rows, 3 * H * C) stays within two ring tiles, so `expert_slots` slots cost about as much
-    VMEM as a few ring slots (whole Qwen3-30B-A3B experts are 9 MiB each)."""
+    VMEM as a few ring slots (whole Qwen3-30B-A3B experts are 9 MiB each). Quantized experts
+    count one byte per code (an int4 code takes a byte of VMEM on TPU7x)."""
     fe, best = cfg.expert_ffn_size, LANE
+    nbytes = 1 if fmt is not None else cfg.dtype_bytes
     for c in range(LANE, fe + 1, LANE):
-        if fe % c == 0 and 3 * cfg.hidden_size * c * cfg.dtype_bytes <= 2 * tuning.tile_bytes:
+        if fe % c == 0 and 3 * cfg.hidden_size * c * nbytes <= 2 * tuning.tile_bytes:
             best = c
     return best
 
 
 def _family(name: str, k: int, m: int, stack: int, rows: int, cols: int, itemsize: int,
-            k_pad: int | None = None, m_pad: int | None = None) -> MatrixFamily:
+            k_pad: int | None = None, m_pad: int | None = None, group: int = 0) -> MatrixFamily:
     return MatrixFamily(name, k, m, k_pad if k_pad is not None else k,
-                        m_pad if m_pad is not None else round_up(m, cols), rows, cols, stack, itemsize)
+                        m_pad if m_pad is not None else round_up(m, cols), rows, cols, stack, itemsize, group)
 
 
 def plan_families(cfg: ModelConfig, tuning: TuningConfig,
@@ -339,7 +370,8 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     Depends only on the model and the knobs (not on the target or batch), so packed weights
     can be reused across targets that share a tuning."""
     fmt = weight_format(quant)
-    h, isz = cfg.hidden_size, fmt.itemsize if fmt is not None else cfg.dtype_bytes
+    h, isz = cfg.hidden_size, fmt.bits // 8 if fmt is not None else cfg.dtype_bytes  # ring formats are 8-bit
+    group = fmt.group if fmt is not None else 0
     n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
@@ -370,9 +402,9 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
 
     fams: dict[str, MatrixFamily] = {}
     r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
-    fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz)
+    fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz, group=group)
     r, c = shape("o", cfg.q_size, h, LANE)
-    fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz)
+    fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz, group=group)
 
     def ffn_pair(prefix: str, width: int, stack: int) -> int:
         gu, dn = f"{prefix}gate_up", f"{prefix}down"
@@ -381,15 +413,15 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
         # silu(0) * 0 = 0 and zero down rows add nothing).
         dn_rows = tuning.tile_shape(dn)[0] or auto_rows
         f_pad = round_up(width, math.lcm(gu_cols // 2, dn_rows))
-        fams[gu] = _family(gu, h, 2 * width, stack, gu_rows, gu_cols, isz, m_pad=2 * f_pad)
+        fams[gu] = _family(gu, h, 2 * width, stack, gu_rows, gu_cols, isz, m_pad=2 * f_pad, group=group)
         dn_rows, dn_cols = shape(dn, f_pad, h, LANE)
-        fams[dn] = _family(dn, width, h, stack, dn_rows, dn_cols, isz, k_pad=f_pad)
+        fams[dn] = _family(dn, width, h, stack, dn_rows, dn_cols, isz, k_pad=f_pad, group=group)
         return f_pad
 
     ffn_pad = ffn_pair("", cfg.ffn_size, n_dense) if n_dense else 0
     shared_pad = ffn_pair("shared_", shared, n_moe) if shared else 0
     r, c = shape("lm_head", h, cfg.vocab_size, LANE)
-    fams["lm_head"] = _family("lm_head", h, cfg.vocab_size, 1, r, c, isz)
+    fams["lm_head"] = _family("lm_head", h, cfg.vocab_size, 1, r, c, isz, group=group)
     return fams, ffn_pad, shared_pad
 
 
@@ -461,8 +493,11 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     attention.validate()
     moe = None
     if cfg.is_moe:
-        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots, tuning.expert_chunk or _auto_expert_chunk(cfg, tuning),
-                                      owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor)
+        efmt = expert_format(spec.quant)
+        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots,
+                                      tuning.expert_chunk or auto_expert_chunk(cfg, tuning, efmt),
+                                      owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor,
+                                      expert_format=efmt.name if efmt is not None else "none")
     all_reduce = None
     if sharding.devices > 1:
         # f32 partial sums (exact), one row per token row: padding to the 8-row tile would
@@ -520,8 +555,11 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
             ring[n] = ring.get(n, 0) + s.num_layers * plan.families[n].tiles * plan.families[n].tile_bytes
     out: dict[str, float] = {f"weights_{n}": float(b) for n, b in ring.items()}
     out["layer_vectors"] = float(cfg.num_layers * LAYER_VECTOR_ROWS * plan.vector_width * 4)
-    if plan.weight_format is not None:  # column scales: one row per layer, the lm_head's whole
+    if plan.column_scaled:  # column scales: one row per layer, the lm_head's whole
         out["weight_scales"] = float(4 * (cfg.num_layers * plan.scales_width + plan.vocab_pad))
+    if plan.ring_grouped:  # group scales: one scale tile per weight tile
+        out["weight_scales"] = float(sum(s.num_layers * plan.families[n].tiles * plan.families[n].scale_tile_bytes
+                                         for s in plan.segments for n in s.families))
     if plan.moe is not None:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
@@ -564,8 +602,12 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
         out[f"ring_{n}"] = {"count": count, "bytes_each": f.tile_bytes}
     vec_bytes = LAYER_VECTOR_ROWS * plan.vector_width * 4
     out["layer_vectors"] = {"count": plan.cfg.num_layers, "bytes_each": vec_bytes}
-    if plan.weight_format is not None:
+    if plan.column_scaled:
         out["layer_scales"] = {"count": plan.cfg.num_layers, "bytes_each": 4 * plan.scales_width}
+    for n, f in plan.families.items():
+        if f.group:
+            count = sum(s.num_layers * f.tiles for s in plan.segments if n in s.families)
+            out[f"ring_{n}_scales"] = {"count": count, "bytes_each": f.scale_tile_bytes}
     att = plan.attention
     lengths = _full_lengths(plan)
     c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])

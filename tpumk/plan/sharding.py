@@ -37,7 +37,7 @@ import numpy as np
 
 from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import QuantizedMatrix, quantized_weight_bytes
+from tpumk.model.quantize import QuantizedMatrix, expert_format, quantized_weight_bytes
 from tpumk.plan.geometry import LANE, round_up
 
 MESH_AXIS = "tp"
@@ -120,9 +120,19 @@ class ShardingPlan:
         dd = cfg.head_dim
 
         def cols(a, lo: int, width: int, axis: int = -1):
-            if isinstance(a, QuantizedMatrix):  # codes split like the matrix; scales follow the columns
+            if isinstance(a, QuantizedMatrix):  # codes split like the matrix; scales follow them
                 q = cols(a.q, lo, width, axis)
-                scale = cols(a.scale, lo, width) if axis in (-1, a.q.ndim - 1) else np.asarray(a.scale)
+                ax = axis % a.q.ndim
+                if ax == a.q.ndim - 1:  # a column split: every scale row keeps its columns
+                    scale = cols(a.scale, lo, width)
+                elif a.grouped:  # a row split: whole 128-row groups go with their rows
+                    g = a.group
+                    if lo % g or width % g:
+                        raise PlanError(f"sharding: rows [{lo}, {lo + width}) of a matrix with scales per {g} "
+                                        f"rows do not split into whole groups")
+                    scale = cols(a.scale, lo // g, width // g, axis=ax)
+                else:
+                    scale = np.asarray(a.scale)
                 return QuantizedMatrix(q, scale, a.compute)
             a = np.asarray(a)
             axis %= a.ndim
@@ -149,9 +159,14 @@ class ShardingPlan:
                 out["router"] = np.asarray(lay["router"])
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
+                def owned(a):  # this device's experts (the leading axis)
+                    if isinstance(a, QuantizedMatrix):
+                        return QuantizedMatrix(owned(a.q), owned(a.scale), a.compute)
+                    return np.asarray(a)[e_lo:e_lo + self.experts]
+
                 for k in ("e_gate", "e_up"):
-                    out[k] = cols(np.asarray(lay[k])[e_lo:e_lo + self.experts], f_lo, self.expert_ffn)
-                out["e_down"] = cols(np.asarray(lay["e_down"])[e_lo:e_lo + self.experts], f_lo, self.expert_ffn, axis=1)
+                    out[k] = cols(owned(lay[k]), f_lo, self.expert_ffn)
+                out["e_down"] = cols(owned(lay["e_down"]), f_lo, self.expert_ffn, axis=1)
                 if self.shared_ffn:
                     lo = d * self.shared_ffn
                     out["s_gate"] = cols(lay["s_gate"], lo, self.shared_ffn)
@@ -257,7 +272,9 @@ def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str
     total = quantized_weight_bytes(local, quant) + (cfg.vocab_size - local.vocab_size) * h * db
     if cfg.is_moe:  # local counts all E experts of the local width; a device owns `experts`
         moe_layers = cfg.num_layers - cfg.num_dense_layers
-        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * db
+        efmt = expert_format(quant)  # codes plus one f32 scale per 128 rows, or the model dtype
+        per_param = efmt.itemsize + 4 / efmt.group if efmt is not None else db
+        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * per_param
     return int(total)
 
 

@@ -48,7 +48,7 @@ class BuildSpec:
     q_len: int = DEFAULT_Q_LEN  # new tokens per sequence per step (> 1: speculative verification)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV-cache page
     devices: int = DEFAULT_DEVICES  # TensorCores (JAX devices) one step spans: tensor/expert parallel
-    quant: str = DEFAULT_QUANT  # format of the streamed matrices (tpumk.model.quantize.SCHEMES)
+    quant: str = DEFAULT_QUANT  # weight formats (tpumk.model.quantize: a preset or ring=..,experts=..)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,10 +70,13 @@ class BuildSpec:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= upper):
                 raise PlanError(f"build spec: {name} = {v!r:.60}: expected a positive integer at most {upper:,}")
-        from tpumk.model.quantize import SCHEMES
+        from tpumk.errors import ConfigError
+        from tpumk.model.quantize import canonical_scheme
 
-        if self.quant not in SCHEMES:
-            raise PlanError(f"build spec: quant = {self.quant!r:.40}: expected one of {', '.join(SCHEMES)}")
+        try:  # one spelling per scheme, so equal builds share a cache key
+            object.__setattr__(self, "quant", canonical_scheme(self.quant, self.model))
+        except ConfigError as e:
+            raise PlanError(f"build spec: {e}") from None
         if self.context % self.page_size:
             lo = self.context // self.page_size * self.page_size
             near = f"{lo} or {lo + self.page_size}" if lo else f"{self.page_size}"

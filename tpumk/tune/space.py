@@ -87,6 +87,9 @@ FACTS: dict[str, str] = {
     "num_shared_experts": "shared experts per MoE layer",
     "shared_expert_ffn_size": "FFN width of one shared expert",
     "dtype_bytes": "bytes per weight (2 for bfloat16, 4 for float32)",
+    "ring_code_bytes": "VMEM bytes per element of a ring tile: 1 with quantized ring matrices (int8, fp8), else dtype_bytes",
+    "expert_code_bytes": "VMEM bytes per element of an expert chunk: 1 with quantized experts (int4 takes a byte "
+                         "in VMEM), else dtype_bytes",
     "weight_bytes": "bytes of the weights one device holds (all of them on one device)",
     "step_weight_bytes": "weight bytes one decode step reads per device (MoE: expected distinct experts it owns)",
     # shapes of the step
@@ -673,6 +676,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     the plan stays one; that share depends on `spec.tuning.expert_parallel`. Raises PlanError
     when the model does not split over `spec.devices` that way."""
     from tpumk.model.config import expected_distinct_experts
+    from tpumk.model.quantize import expert_format, quantized_weight_bytes, weight_format
     from tpumk.plan.plan import KV_TILE_TOKENS
     from tpumk.plan.sharding import per_device_weight_bytes, plan_sharding
 
@@ -685,12 +689,14 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     pages = -(-context // page)
     rows = batch * q_len
     num_mxus, mxu_size = target.mxu_shape
-    weight_bytes = cfg.param_count() * cfg.dtype_bytes
-    step_weight_bytes = cfg.decode_weight_bytes(rows)
+    ring_fmt, expert_fmt = weight_format(spec.quant), expert_format(spec.quant)
+    weight_bytes = quantized_weight_bytes(cfg, spec.quant)
+    # bytes a step reads, scaled by the quantized share of the weights (closed form, no plan)
+    step_weight_bytes = cfg.decode_weight_bytes(rows) * weight_bytes / max(cfg.param_count() * cfg.dtype_bytes, 1)
     if spec.devices > 1:
-        weight_bytes = per_device_weight_bytes(model, sharding)
+        weight_bytes = per_device_weight_bytes(model, sharding, spec.quant)
         if cfg.is_moe:  # a device streams only the picked experts it owns (1 / expert_parallel of them)
-            picked = n_moe * 3 * cfg.hidden_size * cfg.expert_ffn_size * cfg.dtype_bytes \
+            picked = n_moe * 3 * cfg.hidden_size * cfg.expert_ffn_size * (expert_fmt.itemsize if expert_fmt else cfg.dtype_bytes) \
                 * expected_distinct_experts(cfg.num_experts, cfg.top_k, rows)
             step_weight_bytes = int(round(step_weight_bytes - picked * (1 - sharding.experts / cfg.num_experts)))
     facts: dict[str, int | float] = {
@@ -708,8 +714,10 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
         "num_shared_experts": cfg.num_shared_experts, "shared_expert_ffn_size": cfg.shared_expert_ffn_size,
         "dtype_bytes": cfg.dtype_bytes,
+        "ring_code_bytes": 1 if ring_fmt is not None else cfg.dtype_bytes,
+        "expert_code_bytes": 1 if expert_fmt is not None else cfg.dtype_bytes,
         "weight_bytes": weight_bytes,
-        "step_weight_bytes": step_weight_bytes,
+        "step_weight_bytes": int(round(step_weight_bytes)),
         "batch": batch, "context": context, "q_len": q_len, "rows": rows,
         "page_size": page, "pages_per_seq": pages,
         # the plan's auto KV tile (tpumk.plan.plan.make_plan)
