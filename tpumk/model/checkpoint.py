@@ -19,6 +19,18 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
 or the fused expert tensors of transformers 5's in-memory layout:
     model.layers.{i}.mlp.experts.gate_up_proj  [E, 2*Fe, H] (gate rows first, then up rows)
     model.layers.{i}.mlp.experts.down_proj     [E, H, Fe]
+
+DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
+    model.layers.{i}.self_attn.q_a_proj / q_b_proj (or q_proj)  -> wq_a / wq_b (or wq)
+    model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm   -> q_a_norm / kv_a_norm
+    model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
+    model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
+    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down
+With `rope_interleave` (transformers' default for these models) the roped output rows of
+q_b_proj (or q_proj) and kv_a_proj_with_mqa hold interleaved pairs; they are permuted to
+rotate-half order (evens, then odds), which is exactly what transformers' interleaved RoPE
+computes, so the reference needs no interleaved variant. The multi-token-prediction layers
+(model.layers.{L..L+num_nextn_predict_layers-1}) are not part of the decode step and are skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 from tpumk.model.config import ModelConfig, load_hf_config
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.reference import Params
-from tpumk.model.weights import expected_shapes
+from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype tags of the float formats read as is; anything else (int / fp8 / packed) is quantized.
@@ -125,11 +137,47 @@ def _same(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], list[str]]:
+def _rope_deinterleave(a: np.ndarray, heads: int, head_rows: int, rope: int) -> np.ndarray:
+    """Rows [out, in] whose per-head last `rope` rows are interleaved pairs -> evens then odds."""
+    idx = np.arange(a.shape[0]).reshape(heads, head_rows)
+    tail = idx[:, head_rows - rope:]
+    idx[:, head_rows - rope:] = np.concatenate([tail[:, 0::2], tail[:, 1::2]], 1)
+    return a[idx.reshape(-1)]
+
+
+def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> None:
+    n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_fix = ((lambda a: _rope_deinterleave(a, cfg.num_q_heads, n + r, r).T) if interleave else _t)
+    kv_fix = ((lambda a: _rope_deinterleave(a, 1, c + r, r).T) if interleave else _t)
+    if cfg.q_lora_rank:
+        add(p + "self_attn.q_a_proj.weight", i, "wq_a", _t)
+        add(p + "self_attn.q_a_layernorm.weight", i, "q_a_norm")
+        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(cfg.q_size, cfg.q_lora_rank))
+    else:
+        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(cfg.q_size, cfg.hidden_size))
+    add(p + "self_attn.kv_a_proj_with_mqa.weight", i, "wkv_a", kv_fix, hf_shape=(c + r, cfg.hidden_size))
+    add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
+    add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
+    add(p + "self_attn.o_proj.weight", i, "wo", _t)
+
+
+def _mtp_layers(cfg: ModelConfig, config_json: dict[str, Any], names: set[str]) -> list[str]:
+    """Tensors of the multi-token-prediction layers a DeepSeek-V3 checkpoint appends."""
+    extra = config_json.get("num_nextn_predict_layers") or 0
+    if not (cfg.is_mla and isinstance(extra, int) and extra > 0):
+        return []
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return [n for n in names if (m := layer.match(n)) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra]
+
+
+def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None
+          ) -> tuple[dict[str, list[_Dest]], list[str]]:
     """Map every expected HF tensor name to its destinations; also return names to ignore."""
+    config_json = config_json or {}
     shapes = expected_shapes(cfg)
     plan: dict[str, list[_Dest]] = {}
-    ignored = [n for n in names if _IGNORED.match(n)]
+    ignored = [n for n in names if _IGNORED.match(n)] + _mtp_layers(cfg, config_json, names)
+    interleave = cfg.is_mla and config_json.get("rope_interleave", True) is not False
 
     def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
             hf_shape: tuple[int, ...] | None = None) -> None:
@@ -151,7 +199,9 @@ def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], li
         p = f"model.layers.{i}."
         add(p + "input_layernorm.weight", i, "attn_norm")
         add(p + "post_attention_layernorm.weight", i, "mlp_norm")
-        for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+        if cfg.is_mla:
+            _mla_attention(cfg, p, i, add, interleave)
+        for proj, key in () if cfg.is_mla else (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
             add(p + f"self_attn.{proj}.weight", i, key, _t)
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
@@ -161,6 +211,11 @@ def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], li
                 add(p + f"mlp.{proj}.weight", i, key, _t)
             continue
         add(p + "mlp.gate.weight", i, "router", _t)
+        if cfg.router_correction_bias:
+            add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
+        if cfg.num_shared_experts:
+            for proj, key in (("gate_proj", "s_gate"), ("up_proj", "s_up"), ("down_proj", "s_down")):
+                add(p + f"mlp.shared_experts.{proj}.weight", i, key, _t)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         if p + "mlp.experts.gate_up_proj" in names:
             gu = p + "mlp.experts.gate_up_proj"
@@ -201,18 +256,20 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg = load_hf_config(d / "config.json")
-    quant = json.loads((d / "config.json").read_text()).get("quantization_config")  # a JSON object: checked above
+    config_json = json.loads((d / "config.json").read_text())  # a JSON object: checked above
+    quant = config_json.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise NotSupportedError(f"{d / 'config.json'}: not supported yet: quantized checkpoint ({method})")
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
-        return cfg, _load_params(d, cfg, out_dt, _index_tensors(d, stack))
+        return cfg, _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json)
 
 
-def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor]) -> Params:
-    plan, ignored = _plan(cfg, set(tensors))
+def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
+                 config_json: dict[str, Any] | None = None) -> Params:
+    plan, ignored = _plan(cfg, set(tensors), config_json)
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -236,6 +293,9 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     def put(layer: int | None, key: str, arr: np.ndarray) -> None:
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
 
+    def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
+        return np.dtype(np.float32) if cfg.router_correction_bias and key in FLOAT32_TENSORS else out_dt
+
     # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
     # over as soon as its last expert arrives (the plan runs layer by layer).
     stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
@@ -243,7 +303,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         raw = tensors[name].read()
         for layer, key, expert, _, fn in dests:
             if expert is None:
-                put(layer, key, np.asarray(fn(raw), dtype=out_dt))
+                put(layer, key, np.asarray(fn(raw), dtype=dtype_of(key)))
                 continue
             if (layer, key) not in stacks:
                 stacks[(layer, key)] = (np.empty(shapes["layers"][layer][key], out_dt), set())
