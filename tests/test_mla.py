@@ -284,3 +284,18 @@ def test_bias_selects_but_does_not_weigh():
     ids, w = reference.route(cfg, logits, bias)
     assert sorted(np.asarray(ids)[0].tolist()) == [0, 3]
     np.testing.assert_allclose(sorted(np.asarray(w)[0].tolist()), sorted([0.5, float(jax.nn.sigmoid(3.0))]))
+
+
+def test_benchmarks_latent_cache_figures():
+    """The BENCHMARKS.md "MLA" table's figures (benchmarks/mla_cache_bytes.py)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "mla_cache_bytes.py"
+    spec = importlib.util.spec_from_file_location("mla_cache_bytes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ds = mod.rows(["deepseek-v3"], 32768)[0]
+    assert ds["latent_bytes_per_sequence"] == 61 * 576 * 2 * 32768
+    assert ds["per_head_bytes_per_sequence"] == 61 * 128 * (192 + 128) * 2 * 32768
+    assert round(ds["per_head_over_latent"], 1) == 71.1 and round(ds["per_head_over_padded"], 1) == 64.0
