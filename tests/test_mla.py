@@ -150,13 +150,6 @@ def test_megakernel_refuses_mla_with_one_line(model, devices):
     _one_line(e)
 
 
-def test_megakernel_refuses_deepseek_routing_on_gqa_with_one_line():
-    cfg = load_preset("tiny-moe").replace(router_groups=4, router_topk_groups=2)
-    with pytest.raises(NotSupportedError, match="DeepSeek-V3 routing .* is not in the megakernel yet") as e:
-        make_plan(BuildSpec(cfg, get_target("cpu"), 1, 64))
-    _one_line(e)
-
-
 def test_quantizing_mla_weights_refused():
     from tpumk.model.quantize import quantize_params
 

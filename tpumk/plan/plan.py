@@ -448,9 +448,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     if model.is_mla:  # after the HBM check: a model too big is refused for that first
         raise NotSupportedError(f"model '{model.name}': MLA attention is not in the megakernel yet "
                                 "(run it with --backend reference)")
-    if model.router_groups > 1 or model.router_correction_bias or model.routed_scaling_factor != 1.0:
-        raise NotSupportedError(f"model '{model.name}': DeepSeek-V3 routing (router_groups, router_correction_bias, "
-                                "routed_scaling_factor) is not in the megakernel yet (run it with --backend reference)")
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant)
     segments = plan_segments(cfg, fams)
