@@ -201,8 +201,9 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         add(p + "post_attention_layernorm.weight", i, "mlp_norm")
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
-        for proj, key in () if cfg.is_mla else (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
-            add(p + f"self_attn.{proj}.weight", i, key, _t)
+        else:
+            for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+                add(p + f"self_attn.{proj}.weight", i, key, _t)
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")

@@ -178,11 +178,11 @@ class ModelConfig:
             need(_is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
         for f in ("yarn_beta_fast", "yarn_beta_slow"):
             need(_is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
-        deepseek_routing = (self.router_groups > 1 or self.router_topk_groups > 1 or self.router_correction_bias
-                            or self.routed_scaling_factor != 1.0)
-        if deepseek_routing:
-            need(self.is_moe, "router_groups" if self.router_groups > 1 else "routed_scaling_factor",
-                 "its default for a dense model (num_experts = 0)")
+        set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
+                                           ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
+                      if getattr(self, f) != default]
+        if set_fields:  # DeepSeek-V3 routing
+            need(self.is_moe, set_fields[0], "its default for a dense model (num_experts = 0)")
             g = self.router_groups
             need(self.num_experts % g == 0, "router_groups", f"a divisor of num_experts ({self.num_experts})")
             need(g == 1 or self.num_experts // g >= 2, "router_groups",
