@@ -17,6 +17,19 @@ def build_checkpoint(*args, **kwargs) -> Path:
     return build(*args, **kwargs)
 
 
+def build_deepseek_checkpoint(*args, **kwargs) -> Path:
+    from hf_utils import build_deepseek_checkpoint as build
+
+    return build(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek_dir(tmp_path_factory) -> Path:
+    """DeepseekV3ForCausalLM (hf_utils.DEEPSEEK_V3_KW): MLA with q-LoRA, YaRN, interleaved RoPE,
+    group-limited routing with a non-zero correction bias, 1 dense + 2 MoE layers."""
+    return build_deepseek_checkpoint(tmp_path_factory.mktemp("hf_deepseek"), seed=3)
+
+
 @pytest.fixture(scope="session")
 def hf_qwen3_dir(tmp_path_factory) -> Path:
     """Qwen3ForCausalLM: 2 layers, hidden 256, 4 q / 2 kv heads of 128, FFN 512, vocab 512."""

@@ -54,6 +54,42 @@ def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shar
     return out
 
 
+# DeepSeek-V3 with every feature tpumk models switched on and no size a multiple of 128: q-LoRA,
+# YaRN with both mscales (attention factor and softmax scale != 1), interleaved RoPE rows, 4
+# expert groups of which 2 are kept, a scaling factor, a shared expert, one dense layer first.
+DEEPSEEK_V3_KW = dict(
+    num_hidden_layers=3, hidden_size=96, num_attention_heads=3, num_key_value_heads=3, intermediate_size=80,
+    moe_intermediate_size=48, vocab_size=320, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=56, kv_lora_rank=40, qk_nope_head_dim=24,
+    qk_rope_head_dim=8, v_head_dim=20, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+    max_position_embeddings=256, rope_interleave=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                         beta_fast=32, beta_slow=1, mscale=1.2, mscale_all_dim=0.8))
+
+
+def build_deepseek_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random float32 DeepseekV3ForCausalLM saved with `save_pretrained` into `out` (the
+    public releases' tensor names: per-expert experts.{j}.*_proj, gate.e_score_correction_bias).
+
+    Norm weights are drawn around 1, and the correction bias is non-zero and large enough
+    (0.3 x N(0, 1) against sigmoid scores) to change which experts some tokens pick."""
+    kw = dict(DEEPSEEK_V3_KW, initializer_range=0.1, tie_word_embeddings=False)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    out = Path(out)
+    model.save_pretrained(out)
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def load_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

@@ -235,8 +235,9 @@ def test_hf_invalid_value_names_field():
 
 
 @pytest.mark.parametrize("changes, what", [
-    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536}, "MLA attention"),
-    ({"model_type": "kimi_k2", "kv_lora_rank": 512}, "MLA attention"),
+    ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "q_lora_rank": 1536}, "MLA attention"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ({"model_type": "kimi_k2", "kv_lora_rank": 512, "topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
     ({"model_type": "llama"}, "model_type 'llama'"),
     ({"attention_bias": True}, "attention_bias"),

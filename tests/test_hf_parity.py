@@ -236,7 +236,7 @@ def test_wrong_shape(hf_qwen3_dir, tmp_path):
 
 def test_unsupported_architecture(hf_qwen3_dir, tmp_path):
     config = json.loads((hf_qwen3_dir / "config.json").read_text())
-    config.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512,
+    config.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=512,
                   q_lora_rank=1536)
     with pytest.raises(NotSupportedError, match="not supported yet: MLA") as e:
         load_checkpoint(_write_copy(hf_qwen3_dir, tmp_path / "c", _load_tensors(hf_qwen3_dir), config))

@@ -91,6 +91,11 @@ HF_TINY = dict(model_type="qwen3", _name_or_path="tiny-ckpt", hidden_size=128, n
                num_key_value_heads=1, head_dim=128, num_hidden_layers=1, intermediate_size=256, vocab_size=256,
                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, torch_dtype="float32",
                hidden_act="silu")
+HF_TINY_MLA = dict(HF_TINY, model_type="deepseek_v3", num_attention_heads=2, num_key_value_heads=2, head_dim=None,
+                   kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+                   first_k_dense_replace=1, num_hidden_layers=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
 HF_TINY_MOE = dict(HF_TINY, model_type="qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 
@@ -336,6 +341,11 @@ CASES: list[Case] = [
     # ---- model configs: architectures tpumk does not implement
     json_case("json-deepseek-v3-mla", hf_json(model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536)),
     json_case("json-qwen3-with-mla-fields", hf_json(kv_lora_rank=512)),
+    json_case("json-mla-megakernel-refused", hf_json(HF_TINY_MLA)),  # valid: the megakernel says MLA is not in it yet
+    json_case("json-mla-yarn-nan-factor", hf_json(HF_TINY_MLA, rope_scaling=Raw(
+        '{"type": "yarn", "factor": NaN, "original_max_position_embeddings": 64}'))),
+    json_case("json-mla-groups-not-dividing", hf_json(HF_TINY_MLA, n_group=3)),
+    json_case("json-mla-softmax-scoring", hf_json(HF_TINY_MLA, scoring_func="softmax")),
     json_case("json-sliding-window", hf_json(use_sliding_window=True, sliding_window=4096)),
     json_case("json-layer-types-sliding", hf_json(layer_types=["sliding_attention"])),
     json_case("json-attention-bias", hf_json(attention_bias=True)),

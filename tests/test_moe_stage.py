@@ -65,6 +65,11 @@ def _moe_params(cfg: ModelConfig, seed: int) -> dict:
               {"router": normal(h, e, scale=4.0), "e_gate": normal(e, h, fe), "e_up": normal(e, h, fe),
                "e_down": normal(e, fe, h)}
               for i in range(cfg.num_layers)]
+    if cfg.router_correction_bias:  # DeepSeek-V3: a float32 router and a bias that changes picks
+        for lay in layers:
+            if lay is not None:
+                lay["router"] = lay["router"].astype(jnp.float32)
+                lay["router_bias"] = jnp.asarray(rng.normal(0, 0.3, e).astype(np.float32))
     return {"layers": layers}
 
 
@@ -116,6 +121,14 @@ CASES = {
         32, dict(num_experts=8, top_k=2, dtype="bfloat16"), 3, "half", False, False),
     "r8-e128-k8-softmax-norm-bf16-s3-whole-1layer": (
         8, dict(num_experts=128, top_k=8, dtype="bfloat16", num_layers=1, dense_layers=[]), 3, "whole", False, False),
+    # DeepSeek-V3 routing: sigmoid, correction bias, 4 groups of which 2 kept, scaling factor
+    "r8-e16-k3-deepseek-g4-norm-f32-s2-half": (
+        8, dict(num_experts=16, top_k=3, router_scoring="sigmoid", router_groups=4, router_topk_groups=2,
+                router_correction_bias=True, routed_scaling_factor=2.5), 2, "half", True, False),
+    "r4-e32-k2-deepseek-g8-bf16-s2-whole": (
+        4, dict(num_experts=32, top_k=2, router_scoring="sigmoid", router_groups=8, router_topk_groups=3,
+                router_correction_bias=True, routed_scaling_factor=1.5, norm_topk_prob=False, dtype="bfloat16"),
+        2, "whole", False, False),
 }
 
 
@@ -143,7 +156,8 @@ def test_moe_stage_matches_reference(name):
     y, counts = np.asarray(y), np.asarray(counts)
 
     # One jit for the oracle (eager einsums compile op by op, seconds per config).
-    oracle = jax.jit(lambda layer, xl: (R.moe_ffn(cfg, layer, xl), R.route(cfg, R.matmul(xl, layer["router"]))[0]))
+    oracle = jax.jit(lambda layer, xl: (R.moe_ffn(cfg, layer, xl),
+                                        R.route(cfg, R.matmul(xl, layer["router"]), layer.get("router_bias"))[0]))
     for j, i in enumerate(moe_layer_ids(cfg)):
         ref, ids = oracle(params["layers"][i], x[j])
         ref = np.asarray(ref)

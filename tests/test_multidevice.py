@@ -32,6 +32,9 @@ CASES = {
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),
     "moe-4dev-int8": (dict(base="tiny-moe", dtype="bfloat16", quant="int8"), 4, 2, 1, {}),  # scales shard too
+    # DeepSeek-V3 routing: the float32 router and its correction-bias row are replicated
+    "moe-4dev-deepseek-routing": (dict(base="tiny-moe", router_scoring="sigmoid", router_groups=4, router_topk_groups=2,
+                                       router_correction_bias=True, routed_scaling_factor=2.5), 4, 2, 1, {}),
 }
 
 

@@ -8,7 +8,11 @@ One call of `moe_stage` does, for one MoE layer and all N token rows:
 2. **Routing in the kernel.** Logits on the MXU (f32 accumulation), softmax or sigmoid in f32,
    top-k by repeated lane max + lowest-lane-of-the-max (ties go to the lower expert id, as
    `jax.lax.top_k`), optional renormalisation. The result is a combine matrix `[N, Ep]` (weight
-   of expert e for row n, 0 if n did not pick e), kept in VMEM scratch.
+   of expert e for row n, 0 if n did not pick e), kept in VMEM scratch. DeepSeek-V3 routing
+   (`MoEGeometry.groups / correction_bias / scaling`): the picks follow the biased scores of the
+   `topk_groups` best groups (a group scored by its two best, groups ranked pairwise), the
+   weights are the unbiased scores, times the scaling factor; the float32 router carries the
+   bias in row H, so the same single DMA fetches both.
 3. **Distinct experts.** The experts picked by ANY row are compacted, in ascending id order, into
    a list of D ids (1 <= D <= min(E, N * top_k)) with exact 0/1 matmuls and an iota compare;
    the list and D go VMEM -> SMEM by a local DMA so they can be read as scalars to address DMAs.
@@ -59,6 +63,8 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     are cast to `cfg.dtype`. Output, with Lm MoE layers, Ep = E rounded up to 128, nb = Fe / 128:
 
     - `router  [Lm, H, Ep]`: columns E..Ep-1 are zero (the kernel masks them out of routing).
+      With a correction bias (DeepSeek-V3 routing) it is float32 `[Lm, H + 8, Ep]`, the bias in
+      row H (rows H+1.. zero): one DMA brings both.
     - `e_gateup [Lm, E, nb, H, 256]`: block b holds gate columns [128b, 128b+128) in lanes
       0..127 and the same up columns in lanes 128..255, so one x @ block matmul feeds both.
       A chunk of C columns is blocks [c*C/128, (c+1)*C/128): ONE contiguous DMA of whole
@@ -92,7 +98,12 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
 
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
-        routers.append(jnp.pad(jnp.asarray(layer["router"], dt), ((0, 0), (0, ep - e))))
+        if cfg.router_correction_bias:  # float32, the bias in row H (MoEGeometry.router_rows)
+            bias = jnp.zeros((8, e), jnp.float32).at[0].set(jnp.asarray(layer["router_bias"], jnp.float32))
+            router = jnp.concatenate([jnp.asarray(layer["router"], jnp.float32), bias], 0)
+        else:
+            router = jnp.asarray(layer["router"], dt)
+        routers.append(jnp.pad(router, ((0, 0), (0, ep - e))))
         owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)
         gateups.append(jnp.concatenate([blocks(codes(layer["e_gate"]), owned), blocks(codes(layer["e_up"]), owned)],
                                        axis=-1))
@@ -125,7 +136,7 @@ def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
 class MoEScratch(NamedTuple):
     """The stage's scratch refs, in the order `moe_scratch` lists their shapes."""
 
-    router: Any  # VMEM [H, Ep] weight dtype: this layer's router
+    router: Any  # VMEM [H (+8), Ep] router dtype: this layer's router (+ correction bias in row H)
     gateup: Any  # VMEM [S, C/128, H, 256] weight dtype: gate|up blocks of one chunk per slot
     down: Any  # VMEM [S, C, H] weight dtype: down rows of one chunk per slot
     combine: Any  # VMEM [N, Ep] f32: combine weight of (row, expert), 0 where not picked
@@ -165,11 +176,46 @@ def start_router_fetch(geom: MoEGeometry, moe_layer, router_hbm, scratch) -> Non
     _router_copy(moe_layer, router_hbm, _as_scratch(scratch)).start()
 
 
+_EXCLUDED, _TAKEN = -1e30, -2e30  # below any (biased) score: never picked
+
+
+def _group_mask(geom: MoEGeometry, choice, lane):
+    """DeepSeek-V3 group limit: True on the lanes of the `topk_groups` groups whose two best
+    choice scores sum highest (ties: the lower group, as jax.lax.top_k). choice [N, Ep] with
+    padding lanes at _EXCLUDED."""
+    g, per, ep = geom.groups, geom.num_experts // geom.groups, geom.experts_padded
+    group_of = jnp.zeros_like(lane)
+    for k in range(1, g):  # lane // per without an integer division
+        group_of = group_of + (lane >= k * per).astype(jnp.int32)
+    in_group = [(group_of == k) & (lane < geom.num_experts) for k in range(g)]
+    score = []
+    for k in range(g):
+        masked = jnp.where(in_group[k], choice, _EXCLUDED)
+        b1 = jnp.max(masked, axis=1, keepdims=True)
+        first = jnp.min(jnp.where(masked == b1, lane, ep), axis=1, keepdims=True)
+        b2 = jnp.max(jnp.where(lane == first, _EXCLUDED, masked), axis=1, keepdims=True)
+        score.append(b1 + b2)  # [N, 1]
+    keep = jnp.zeros(choice.shape, jnp.bool_)
+    for k in range(g):
+        rank = jnp.zeros_like(score[k])
+        for j in range(g):
+            if j != k:
+                beats = (score[j] > score[k]) | ((score[j] == score[k]) & (j < k))
+                rank = rank + beats.astype(jnp.float32)
+        keep = keep | (in_group[k] & (rank < geom.topk_groups))
+    return keep
+
+
 def _route(geom: MoEGeometry, x, router_vmem):
     """x [N, H] f32 -> (combine [N, Ep] f32, picked [1, Ep] f32 0/1), as reference.route."""
     n, ep, e = geom.rows, geom.experts_padded, geom.num_experts
-    logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[...], preferred_element_type=jnp.float32,
-                     precision=_precision(geom))
+    if geom.correction_bias:  # float32 router and bias (row H): full f32 contraction, as the reference
+        logits = jnp.dot(x, router_vmem[: geom.hidden, :], preferred_element_type=jnp.float32,
+                         precision=lax.Precision.HIGHEST)
+        bias = router_vmem[geom.hidden: geom.hidden + 1, :]  # [1, Ep]
+    else:
+        logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[...], preferred_element_type=jnp.float32,
+                         precision=_precision(geom))
     lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
     valid = lane < e
     if geom.scoring == "softmax":
@@ -178,21 +224,41 @@ def _route(geom: MoEGeometry, x, router_vmem):
         scores = p / jnp.sum(p, axis=1, keepdims=True)
     else:
         scores = jax.nn.sigmoid(logits)
-    # Real scores are >= 0; padding lanes at -1 and taken lanes at -2 can never win.
-    scores = jnp.where(valid, scores, -1.0)
-    combine = jnp.zeros((n, ep), jnp.float32)
-    picked = jnp.zeros((n, ep), jnp.float32)
-    total = jnp.zeros((n, 1), jnp.float32)
-    for _ in range(geom.top_k):  # top_k is small and static: unrolled
-        best = jnp.max(scores, axis=1, keepdims=True)
-        first = jnp.min(jnp.where(scores == best, lane, ep), axis=1, keepdims=True)  # ties -> lower id
-        hit = lane == first
-        combine = jnp.where(hit, best, combine)
-        picked = jnp.where(hit, 1.0, picked)
-        total = total + best  # descending order, as the reference sums its top-k weights
-        scores = jnp.where(hit, -2.0, scores)
+    if not (geom.correction_bias or geom.groups > 1):
+        # Real scores are >= 0; padding lanes at -1 and taken lanes at -2 can never win.
+        scores = jnp.where(valid, scores, -1.0)
+        combine = jnp.zeros((n, ep), jnp.float32)
+        picked = jnp.zeros((n, ep), jnp.float32)
+        total = jnp.zeros((n, 1), jnp.float32)
+        for _ in range(geom.top_k):  # top_k is small and static: unrolled
+            best = jnp.max(scores, axis=1, keepdims=True)
+            first = jnp.min(jnp.where(scores == best, lane, ep), axis=1, keepdims=True)  # ties -> lower id
+            hit = lane == first
+            combine = jnp.where(hit, best, combine)
+            picked = jnp.where(hit, 1.0, picked)
+            total = total + best  # descending order, as the reference sums its top-k weights
+            scores = jnp.where(hit, -2.0, scores)
+    else:
+        # DeepSeek-V3: pick by the biased, group-limited `choice`; weigh by the unbiased score.
+        choice = jnp.where(valid, scores + bias if geom.correction_bias else scores, _EXCLUDED)
+        if geom.groups > 1:
+            choice = jnp.where(_group_mask(geom, choice, lane), choice, _EXCLUDED)
+        combine = jnp.zeros((n, ep), jnp.float32)
+        picked = jnp.zeros((n, ep), jnp.float32)
+        total = jnp.zeros((n, 1), jnp.float32)
+        for _ in range(geom.top_k):
+            best = jnp.max(choice, axis=1, keepdims=True)
+            first = jnp.min(jnp.where(choice == best, lane, ep), axis=1, keepdims=True)
+            hit = lane == first
+            weight = jnp.sum(jnp.where(hit, scores, 0.0), axis=1, keepdims=True)
+            combine = jnp.where(hit, weight, combine)
+            picked = jnp.where(hit, 1.0, picked)
+            total = total + weight  # in pick order, as the reference sums its gathered weights
+            choice = jnp.where(hit, _TAKEN, choice)
     if geom.norm_topk:
         combine = combine / total
+    if geom.scaling != 1.0:
+        combine = combine * geom.scaling
     return combine, jnp.max(picked, axis=0, keepdims=True)
 
 

@@ -28,6 +28,17 @@ fp8-b128 format (its block scales repeated over their 128 columns); the model th
 `--quant fp8-b128` (float matrices left in the checkpoint, e.g. the lm_head, are quantized at
 pack time). Activations stay in the model dtype: the checkpoint's "dynamic" activation
 quantization (a serving kernel's choice) is not emulated.
+DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
+    model.layers.{i}.self_attn.q_a_proj / q_b_proj (or q_proj)  -> wq_a / wq_b (or wq)
+    model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm   -> q_a_norm / kv_a_norm
+    model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
+    model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
+    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down
+With `rope_interleave` (transformers' default for these models) the roped output rows of
+q_b_proj (or q_proj) and kv_a_proj_with_mqa hold interleaved pairs; they are permuted to
+rotate-half order (evens, then odds), which is exactly what transformers' interleaved RoPE
+computes, so the reference needs no interleaved variant. The multi-token-prediction layers
+(model.layers.{L..L+num_nextn_predict_layers-1}) are not part of the decode step and are skipped.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from tpumk.model.config import ModelConfig, load_hf_config
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params
-from tpumk.model.weights import expected_shapes
+from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype tags of the float formats read as is; e4m3 is read in FP8 checkpoints only
@@ -155,11 +166,47 @@ def _same(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], list[str]]:
+def _rope_deinterleave(a: np.ndarray, heads: int, head_rows: int, rope: int) -> np.ndarray:
+    """Rows [out, in] whose per-head last `rope` rows are interleaved pairs -> evens then odds."""
+    idx = np.arange(a.shape[0]).reshape(heads, head_rows)
+    tail = idx[:, head_rows - rope:]
+    idx[:, head_rows - rope:] = np.concatenate([tail[:, 0::2], tail[:, 1::2]], 1)
+    return a[idx.reshape(-1)]
+
+
+def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> None:
+    n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_fix = ((lambda a: _rope_deinterleave(a, cfg.num_q_heads, n + r, r).T) if interleave else _t)
+    kv_fix = ((lambda a: _rope_deinterleave(a, 1, c + r, r).T) if interleave else _t)
+    if cfg.q_lora_rank:
+        add(p + "self_attn.q_a_proj.weight", i, "wq_a", _t)
+        add(p + "self_attn.q_a_layernorm.weight", i, "q_a_norm")
+        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(cfg.q_size, cfg.q_lora_rank))
+    else:
+        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(cfg.q_size, cfg.hidden_size))
+    add(p + "self_attn.kv_a_proj_with_mqa.weight", i, "wkv_a", kv_fix, hf_shape=(c + r, cfg.hidden_size))
+    add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
+    add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
+    add(p + "self_attn.o_proj.weight", i, "wo", _t)
+
+
+def _mtp_layers(cfg: ModelConfig, config_json: dict[str, Any], names: set[str]) -> list[str]:
+    """Tensors of the multi-token-prediction layers a DeepSeek-V3 checkpoint appends."""
+    extra = config_json.get("num_nextn_predict_layers") or 0
+    if not (cfg.is_mla and isinstance(extra, int) and extra > 0):
+        return []
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return [n for n in names if (m := layer.match(n)) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra]
+
+
+def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None
+          ) -> tuple[dict[str, list[_Dest]], list[str]]:
     """Map every expected HF tensor name to its destinations; also return names to ignore."""
+    config_json = config_json or {}
     shapes = expected_shapes(cfg)
     plan: dict[str, list[_Dest]] = {}
-    ignored = [n for n in names if _IGNORED.match(n)]
+    ignored = [n for n in names if _IGNORED.match(n)] + _mtp_layers(cfg, config_json, names)
+    interleave = cfg.is_mla and config_json.get("rope_interleave", True) is not False
 
     def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
             hf_shape: tuple[int, ...] | None = None) -> None:
@@ -181,8 +228,11 @@ def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], li
         p = f"model.layers.{i}."
         add(p + "input_layernorm.weight", i, "attn_norm")
         add(p + "post_attention_layernorm.weight", i, "mlp_norm")
-        for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
-            add(p + f"self_attn.{proj}.weight", i, key, _t)
+        if cfg.is_mla:
+            _mla_attention(cfg, p, i, add, interleave)
+        else:
+            for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+                add(p + f"self_attn.{proj}.weight", i, key, _t)
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
@@ -191,6 +241,11 @@ def _plan(cfg: ModelConfig, names: set[str]) -> tuple[dict[str, list[_Dest]], li
                 add(p + f"mlp.{proj}.weight", i, key, _t)
             continue
         add(p + "mlp.gate.weight", i, "router", _t)
+        if cfg.router_correction_bias:
+            add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
+        if cfg.num_shared_experts:
+            for proj, key in (("gate_proj", "s_gate"), ("up_proj", "s_up"), ("down_proj", "s_down")):
+                add(p + f"mlp.shared_experts.{proj}.weight", i, key, _t)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         if p + "mlp.experts.gate_up_proj" in names:
             gu = p + "mlp.experts.gate_up_proj"
@@ -231,11 +286,15 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg = load_hf_config(d / "config.json")
+    config_json = json.loads((d / "config.json").read_text())  # a JSON object: checked above
     fp8 = _fp8_config(d / "config.json")
+    if fp8 and cfg.is_mla:
+        raise NotSupportedError(f"{d / 'config.json'}: not supported yet: an fp8 checkpoint of an MLA model "
+                                "(its MLA matrices have no quantized path)")
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
-        params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), fp8)
+        params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
@@ -278,8 +337,9 @@ def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, 
     return QuantizedMatrix(jnp.asarray(q), jnp.asarray(s), jnp.zeros((0,), compute))
 
 
-def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor], fp8: bool = False) -> Params:
-    plan, ignored = _plan(cfg, set(tensors))
+def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
+                 config_json: dict[str, Any] | None = None, fp8: bool = False) -> Params:
+    plan, ignored = _plan(cfg, set(tensors), config_json)
     # FP8 checkpoints: a weight with a `weight_scale_inv` beside it is stored in e4m3 blocks.
     scales = {n[:-len("_scale_inv")]: n for n in tensors if fp8 and n.endswith(".weight_scale_inv")}
     ignored = ignored + [n for w, n in scales.items() if w in plan]
@@ -314,6 +374,9 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     def put(layer: int | None, key: str, arr: np.ndarray) -> None:
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
 
+    def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
+        return np.dtype(np.float32) if cfg.router_correction_bias and key in FLOAT32_TENSORS else out_dt
+
     # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
     # over as soon as its last expert arrives (the plan runs layer by layer).
     stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
@@ -336,7 +399,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         raw = tensors[name].read()
         for layer, key, expert, _, fn in dests:
             if expert is None:
-                put(layer, key, np.asarray(fn(raw), dtype=out_dt))
+                put(layer, key, np.asarray(fn(raw), dtype=dtype_of(key)))
                 continue
             if (layer, key) not in stacks:
                 stacks[(layer, key)] = (np.empty(shapes["layers"][layer][key], out_dt), set())

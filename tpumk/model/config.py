@@ -45,7 +45,17 @@ MAX_SIZES = {
     "expert_ffn_size": 1 << 20,
     "num_shared_experts": 64,
     "shared_expert_ffn_size": 1 << 20,
+    "q_lora_rank": 1 << 16,
+    "kv_lora_rank": 1 << 16,
+    "qk_nope_head_dim": 4096,
+    "qk_rope_head_dim": 4096,
+    "v_head_dim": 4096,
+    "router_groups": 4096,
+    "router_topk_groups": 4096,
+    "yarn_original_max_position": 1 << 30,
 }
+# The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,31 @@ class ModelConfig:
     num_shared_experts: int = 0
     shared_expert_ffn_size: int = 0
     dense_layers: tuple[int, ...] = field(default_factory=tuple)  # dense layers of a MoE model
+    # Multi-head latent attention (DeepSeek-V3 / Kimi K2; kv_lora_rank = 0: GQA). An MLA model
+    # has num_kv_heads = num_q_heads and head_dim = qk_nope_head_dim + qk_rope_head_dim (the
+    # query / key head width); q_lora_rank = 0 means a plain q projection.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek-V3 routing: group-limited top-k (the best `router_topk_groups` of `router_groups`
+    # expert groups, a group scored by its two best experts), a per-expert correction bias that
+    # only selects, and a factor on the routed experts' weights.
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    # YaRN RoPE (rope_scaling type yarn; yarn_factor = 0: plain RoPE), MLA models only. The
+    # mscales follow transformers: 0 = absent; yarn_attention_factor 0 = derived from them.
+    yarn_factor: float = 0.0
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0
+    yarn_truncate: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -98,13 +133,15 @@ class ModelConfig:
         for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
             need(_is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
                  f"a positive integer at most {MAX_SIZES[f]:,}")
-        for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size"):
+        for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
+                  *MLA_FIELDS, "yarn_original_max_position"):
             need(_is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
                  f"a non-negative integer at most {MAX_SIZES[f]:,}")
         need(isinstance(self.dense_layers, tuple) and all(_is_int(i) for i in self.dense_layers), "dense_layers",
              "a list of layer indices")
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
-        need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
+        if not self.is_mla:
+            need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
         need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
         need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
         need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
@@ -127,6 +164,50 @@ class ModelConfig:
             need(not self.dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
         if self.num_dense_layers:  # closed form: no loop over num_layers
             need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
+        self._validate_mla_and_routing(need)
+
+    def _validate_mla_and_routing(self, need) -> None:
+        for f in ("router_groups", "router_topk_groups"):
+            need(_is_int(getattr(self, f)) and 1 <= getattr(self, f) <= MAX_SIZES[f], f,
+                 f"a positive integer at most {MAX_SIZES[f]:,}")
+        need(isinstance(self.router_correction_bias, bool), "router_correction_bias", "true or false")
+        need(isinstance(self.yarn_truncate, bool), "yarn_truncate", "true or false")
+        need(_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
+             "a positive finite number")
+        for f in ("yarn_factor", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+            need(_is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
+        for f in ("yarn_beta_fast", "yarn_beta_slow"):
+            need(_is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
+        set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
+                                           ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
+                      if getattr(self, f) != default]
+        if set_fields:  # DeepSeek-V3 routing
+            need(self.is_moe, set_fields[0], "its default for a dense model (num_experts = 0)")
+            g = self.router_groups
+            need(self.num_experts % g == 0, "router_groups", f"a divisor of num_experts ({self.num_experts})")
+            need(g == 1 or self.num_experts // g >= 2, "router_groups",
+                 "at most num_experts / 2 (a group is scored by its two best experts)")
+            need(self.router_topk_groups <= g, "router_topk_groups", f"at most router_groups ({g})")
+            need(self.top_k <= self.router_topk_groups * (self.num_experts // g), "top_k",
+                 "at most router_topk_groups x experts per group (the experts the kept groups hold)")
+        if self.yarn_factor:
+            need(self.is_mla, "yarn_factor", "0 for a GQA model (YaRN RoPE is modelled for MLA models only)")
+            need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
+            need(self.yarn_original_max_position > 0, "yarn_original_max_position",
+                 "a positive integer when yarn_factor is set")
+        if not self.is_mla:
+            for f in MLA_FIELDS:
+                need(getattr(self, f) == 0, f, "0 for a GQA model (kv_lora_rank = 0)")
+            return
+        need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             "a positive even number for an MLA model (RoPE rotates pairs)")
+        need(self.qk_nope_head_dim > 0, "qk_nope_head_dim", "a positive integer for an MLA model")
+        need(self.v_head_dim > 0, "v_head_dim", "a positive integer for an MLA model")
+        need(self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim, "head_dim",
+             f"qk_nope_head_dim + qk_rope_head_dim ({self.qk_nope_head_dim + self.qk_rope_head_dim}) for an MLA model")
+        need(self.num_kv_heads == self.num_q_heads, "num_kv_heads",
+             f"num_q_heads ({self.num_q_heads}) for an MLA model (every head reads the shared latent)")
+        need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -142,6 +223,35 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Elements one token caches per layer: K and V of every KV head, or for MLA the
+        normalized latent c_kv and the roped key part (one row shared by all heads)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.kv_size
+
+    def attention_param_count(self) -> int:
+        """Parameters of one layer's attention matrices (norms not included)."""
+        h = self.hidden_size
+        if not self.is_mla:
+            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        q = self.q_lora_rank * (h + self.q_size) if self.q_lora_rank else h * self.q_size
+        kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + h * self.kv_cache_width + kv_b + self.num_q_heads * self.v_head_dim * h
+
+    def attention_output_columns(self) -> int:
+        """Output columns of one layer's attention matrices (one quantization scale each)."""
+        h = self.hidden_size
+        if not self.is_mla:
+            return self.q_size + 2 * self.kv_size + h
+        q = self.q_lora_rank + self.q_size if self.q_lora_rank else self.q_size
+        return q + self.kv_cache_width + self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim) + h
+
+    @property
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
@@ -155,13 +265,14 @@ class ModelConfig:
     def layer_param_counts(self, i: int) -> dict[str, int]:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        attn = self.attention_param_count()
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + self.q_lora_rank + self.kv_lora_rank
         if self.layer_is_dense(i):
             return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
         shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
         return {
-            "always": attn + norms + h * self.num_experts + shared,
+            "always": attn + norms + h * self.num_experts + shared
+                      + (self.num_experts if self.router_correction_bias else 0),
             "per_expert": 3 * h * self.expert_ffn_size,
             "experts": self.num_experts,
         }
@@ -198,7 +309,7 @@ class ModelConfig:
         return int(round(params * self.dtype_bytes))
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+        return self.num_layers * self.kv_cache_width * self.dtype_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -239,6 +350,7 @@ def _short_repr(v: Any, limit: int = 60) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type == "float")
 
 
 def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
@@ -252,7 +364,7 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
         if required not in data:
             raise ConfigError(f"{source}: missing required field '{required}'")
     for key, value in data.items():
-        if key in ("rms_eps", "rope_theta") and _is_int(value) and _is_number(value):
+        if key in _FLOAT_FIELDS and _is_int(value) and _is_number(value):
             data = {**data, key: float(value)}
         if key == "dense_layers" and not (isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
             raise ConfigError(f"{source}: field 'dense_layers' = {value!r}: expected a list of layer indices")
@@ -275,11 +387,10 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe")
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+_HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
-    "deepseek_v3": "MLA attention (multi-head latent attention) of DeepSeek-V3",
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-    "kimi_k2": "MLA attention (multi-head latent attention) of Kimi K2",
     "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
     "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
 }
@@ -298,7 +409,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     mt = hf.str_("model_type", None)
     if mt in _HF_KNOWN_UNSUPPORTED:
         raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
-    if "kv_lora_rank" in data or "q_lora_rank" in data:
+    if mt not in _HF_MLA and ("kv_lora_rank" in data or "q_lora_rank" in data):
         raise NotSupportedError(f"{source}: not supported yet: MLA attention (kv_lora_rank / q_lora_rank)")
     if mt not in _HF_SUPPORTED:
         raise NotSupportedError(
@@ -316,7 +427,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope = data.get(key)
         if rope is not None and not isinstance(rope, dict):
             raise ConfigError(f"{source}: field '{key}' = {_short_repr(rope)}: expected an object or null")
-        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
+        kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+        if kind not in (None, "default") and not (kind == "yarn" and mt in _HF_MLA):
             raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
     rope_params = data.get("rope_parameters") or {}
     if rope_params.get("rope_theta") is not None:
@@ -349,7 +461,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], default=0) or 0,
         rms_eps=hf.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        qk_norm=True,  # Qwen3 and Qwen3-MoE always normalise q and k per head
+        qk_norm=mt not in _HF_MLA,  # Qwen3 and Qwen3-MoE always normalise q and k per head
         tie_embeddings=hf.bool_("tie_word_embeddings", False),
         dtype=dtype,
     )
@@ -368,7 +480,69 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             norm_topk_prob=hf.bool_("norm_topk_prob", False),
             dense_layers=dense,
         )
+    if mt in _HF_MLA:
+        fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
     return from_dict(fields, source)
+
+
+def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers: int, heads: int) -> dict[str, Any]:
+    """The MLA, DeepSeek-V3 routing and YaRN fields of a deepseek_v3 / kimi_k2 config.json, as
+    transformers' DeepseekV3 modelling reads them (which always scores experts by sigmoid with
+    a correction bias and picks them group-limited: other scoring_func / topk_method values
+    would be built wrong, so they are refused)."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        got = hf.str_(key, want)
+        if got != want:
+            raise NotSupportedError(f"{source}: not supported yet: {key} {got!r} (only {want!r})")
+    if hf.int_("moe_layer_freq", MAX_SIZES["num_layers"], default=1) != 1:
+        raise NotSupportedError(f"{source}: not supported yet: moe_layer_freq {data['moe_layer_freq']!r} (only 1)")
+    hf.bool_("rope_interleave", True)  # checked here; the checkpoint loader applies it (tpumk.model.checkpoint)
+    nope = hf.int_("qk_nope_head_dim", MAX_SIZES["qk_nope_head_dim"], _REQUIRED)
+    rope_dim = hf.int_("qk_rope_head_dim", MAX_SIZES["qk_rope_head_dim"], _REQUIRED)
+    n_exp = hf.int_("n_routed_experts", MAX_SIZES["num_experts"], default=0) or 0
+    first_dense = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=0) or 0
+    fields: dict[str, Any] = dict(
+        num_kv_heads=heads,  # transformers repeats the one latent for every head (num_key_value_heads unused)
+        head_dim=nope + rope_dim,
+        q_lora_rank=hf.int_("q_lora_rank", MAX_SIZES["q_lora_rank"], default=0) or 0,
+        kv_lora_rank=hf.int_("kv_lora_rank", MAX_SIZES["kv_lora_rank"], _REQUIRED),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED),
+    )
+    if n_exp:
+        fe = hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED)
+        shared = hf.int_("n_shared_experts", MAX_SIZES["num_shared_experts"], default=0) or 0
+        fields.update(
+            num_experts=n_exp,
+            top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+            expert_ffn_size=fe,
+            num_shared_experts=shared,
+            shared_expert_ffn_size=fe if shared else 0,
+            router_scoring="sigmoid",
+            norm_topk_prob=hf.bool_("norm_topk_prob", False),
+            dense_layers=list(range(min(first_dense, n_layers))),
+            router_groups=hf.int_("n_group", MAX_SIZES["router_groups"], default=1) or 1,
+            router_topk_groups=hf.int_("topk_group", MAX_SIZES["router_topk_groups"], default=1) or 1,
+            router_correction_bias=True,  # transformers always carries e_score_correction_bias
+            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
+        )
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) == "yarn":
+        where = f"{source}: {'rope_parameters' if data.get('rope_parameters') else 'rope_scaling'}"
+        r = _HFFields(rope, where)
+        fields.update(
+            yarn_factor=r.number("factor", None),
+            yarn_original_max_position=r.int_("original_max_position_embeddings",
+                                              MAX_SIZES["yarn_original_max_position"], _REQUIRED),
+            yarn_beta_fast=r.number("beta_fast", 32.0) or 32.0,  # transformers: `or 32`
+            yarn_beta_slow=r.number("beta_slow", 1.0) or 1.0,
+            yarn_mscale=r.number("mscale", 0.0),
+            yarn_mscale_all_dim=r.number("mscale_all_dim", 0.0),
+            yarn_attention_factor=r.number("attention_factor", 0.0),
+            yarn_truncate=r.bool_("truncate", True),
+        )
+    return fields
 
 
 def _json_kind(v: Any) -> str:

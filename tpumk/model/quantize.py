@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, NotSupportedError
 
 GROUP = 128  # input rows per scale of the group formats (and the block side of fp8-b128)
 
@@ -228,6 +228,8 @@ def quantize_params(cfg, params: dict, scheme: str) -> dict:
     s = parse_scheme(scheme)
     if s.ring is None and s.experts is None:
         return params
+    if cfg.is_mla:  # the MLA matrices (wq_a, wq_b, wkv_a, wkv_b) have no quantized path yet
+        raise NotSupportedError(f"--quant {scheme}: not supported yet: quantized weights of an MLA model ('{cfg.name}')")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
     layers = []
     for lay in params["layers"]:
@@ -277,7 +279,7 @@ def ring_parameter_count(cfg) -> int:
     h = cfg.hidden_size
     n_dense = cfg.num_dense_layers
     n_moe = cfg.num_layers - n_dense
-    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    attn = cfg.attention_param_count()
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
     return cfg.num_layers * attn + n_dense * 3 * h * cfg.ffn_size + n_moe * 3 * h * shared + h * cfg.vocab_size
 

@@ -10,6 +10,9 @@ Paged KV cache layout (shared with the kernel, so caches compare element for ele
 - `k`, `v`: `[num_layers, num_pages, page_size, num_kv_heads * head_dim]`;
 - `block_tables`: `[batch, pages_per_seq]` int32, page ids of each sequence in order;
 - `lengths`: `[batch]` int32, tokens already cached per sequence.
+An MLA model (DeepSeek-V3, Kimi K2; `tpumk.model.mla`, which `decode_step` and `forward_full`
+hand it to) caches one latent row per token in `k` (`[..., kv_lora_rank + qk_rope_head_dim]`)
+and nothing in `v` (`[..., 0]`).
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
 returns `lengths = max(lengths, last position + 1)`.
@@ -80,6 +83,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     tables = order[:needed].reshape(batch, pages_per_seq).astype(np.int32)
     shape = (cfg.num_layers, num_pages, page_size, cfg.kv_size)
     dt = jnp_dtype(cfg)
+    if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla); v stays empty
+        return KVCache(jnp.zeros(shape[:3] + (cfg.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
+                       jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
                    jnp.zeros((batch,), jnp.int32))
 
@@ -151,24 +157,42 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
 
 
-def route(cfg: ModelConfig, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(cfg: ModelConfig, router_logits: jax.Array, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """Top-k routing: returns (expert ids [..., k] int32, weights [..., k] float32).
 
     Softmax scoring takes the softmax over all experts, then the top k; sigmoid scoring takes
     per-expert sigmoids. With `norm_topk_prob` the k weights are renormalised to sum to 1.
     Ties break toward the lower expert id (jax.lax.top_k semantics).
+
+    DeepSeek-V3 routing (transformers' DeepseekV3TopkRouter): `bias` (the correction bias,
+    [E] float32) is added to the scores for selection only; with router_groups > 1 only the
+    experts of the router_topk_groups best groups (a group scored by the sum of its two best
+    biased scores) can be picked; the picked experts' unbiased scores are the weights, times
+    routed_scaling_factor after any renormalisation.
     """
     logits = router_logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, -1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
-    weights, ids = jax.lax.top_k(scores, cfg.top_k)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.router_groups > 1:
+        g = cfg.router_groups
+        grouped = choice.reshape(*choice.shape[:-1], g, cfg.num_experts // g)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], -1)  # [..., G]
+        _, keep = jax.lax.top_k(group_scores, cfg.router_topk_groups)
+        kept = jnp.any(keep[..., :, None] == jnp.arange(g), -2)  # [..., G]
+        choice = jnp.where(jnp.repeat(kept, cfg.num_experts // g, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.top_k)
+    weights = jnp.take_along_axis(scores, ids, -1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
     return ids.astype(jnp.int32), weights
 
 
 def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     """x: [N, H] float32 normed activations -> [N, H] float32."""
-    ids, weights = route(cfg, matmul(x, layer["router"]))
+    ids, weights = route(cfg, matmul(x, layer["router"]), layer.get("router_bias"))
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
     combine = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
@@ -238,6 +262,9 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
+    if cfg.is_mla:
+        from tpumk.model import mla
+        return mla.decode_step(params, cfg, tokens, positions, cache)
     b, t = tokens.shape
     ps = cache.page_size
     ctx = cache.max_context
@@ -273,6 +300,9 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
 
     K/V are rounded to the model dtype exactly as the cache would store them, so this is the
     full-recompute twin of `decode_step`."""
+    if cfg.is_mla:
+        from tpumk.model import mla
+        return mla.forward_full(params, cfg, tokens)
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)

@@ -9,6 +9,10 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
       MoE:     router [H, E], e_gate [E, H, Fe], e_up [E, H, Fe], e_down [E, Fe, H],
                s_gate [H, S*Fs], s_up [H, S*Fs], s_down [S*Fs, H] (S shared experts side by side;
                a sum of SwiGLU experts equals one SwiGLU of the concatenated widths)
+      DeepSeek-V3 routing (router_correction_bias): router [H, E] and router_bias [E] are
+               float32 whatever the model dtype (transformers keeps the gate in float32)
+    MLA layers (tpumk.model.mla) replace wq, wk, wv, q_norm, k_norm by wq_a, q_a_norm, wq_b
+    (or wq when q_lora_rank = 0), wkv_a, kv_a_norm, wkv_b; wo is [Hq*V, H].
 
 Loading real checkpoints lives in `tpumk.model.checkpoint`; packing into the kernel layout lives
 with the kernel's plan.
@@ -35,8 +39,11 @@ def expected_shapes(cfg: ModelConfig) -> Params:
         top["lm_head"] = (h, v)
     layers = []
     for i in range(cfg.num_layers):
-        lay = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
-               "wo": (cfg.q_size, h), "mlp_norm": (h,)}
+        if cfg.is_mla:
+            lay = {"attn_norm": (h,), **_mla_shapes(cfg), "mlp_norm": (h,)}
+        else:
+            lay = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
+                   "wo": (cfg.q_size, h), "mlp_norm": (h,)}
         if cfg.qk_norm:
             lay.update(q_norm=(d,), k_norm=(d,))
         if cfg.layer_is_dense(i):
@@ -44,12 +51,34 @@ def expected_shapes(cfg: ModelConfig) -> Params:
         else:
             e, f = cfg.num_experts, cfg.expert_ffn_size
             lay.update(router=(h, e), e_gate=(e, h, f), e_up=(e, h, f), e_down=(e, f, h))
+            if cfg.router_correction_bias:
+                lay.update(router_bias=(e,))
             if cfg.num_shared_experts:
                 s = cfg.num_shared_experts * cfg.shared_expert_ffn_size
                 lay.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
         layers.append(lay)
     top["layers"] = layers
     return top
+
+
+def _mla_shapes(cfg: ModelConfig) -> Params:
+    h, hq = cfg.hidden_size, cfg.num_q_heads
+    out: Params = {}
+    if cfg.q_lora_rank:
+        out.update(wq_a=(h, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,), wq_b=(cfg.q_lora_rank, cfg.q_size))
+    else:
+        out.update(wq=(h, cfg.q_size))
+    out.update(wkv_a=(h, cfg.kv_cache_width), kv_a_norm=(cfg.kv_lora_rank,),
+               wkv_b=(cfg.kv_lora_rank, hq * (cfg.qk_nope_head_dim + cfg.v_head_dim)), wo=(hq * cfg.v_head_dim, h))
+    return out
+
+
+FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 routing
+
+
+def tensor_dtype(cfg: ModelConfig, name: str, dt):
+    """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate."""
+    return jnp.float32 if cfg.router_correction_bias and name in FLOAT32_TENSORS else dt
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
@@ -69,6 +98,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
     def make(name: str, shape: tuple[int, ...], k) -> jax.Array:
         if name.endswith("norm"):
             w = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "router_bias":  # large enough to change some picks (it selects, never weighs)
+            w = 0.1 * jax.random.normal(k, shape, jnp.float32)
         elif name == "embed":
             w = jax.random.normal(k, shape, jnp.float32)
         else:
@@ -78,7 +109,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
                 w = w * depth_scale
             if name == "router":
                 w = w * 4.0
-        return w.astype(dt)
+        return w.astype(tensor_dtype(cfg, name, dt))
 
     out: Params = {}
     for name, shape in shapes.items():

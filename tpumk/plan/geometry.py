@@ -29,6 +29,7 @@ F32_SUBLANES = 8  # rows of one (8 x 128) 32-bit VMEM tile
 # Weight / cache dtypes a model may use, and their bytes.
 WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MAX_ROUTER_GROUPS = 32  # DeepSeek-V3 uses 8; the kernel ranks groups pairwise
 # Every dtype a kernel buffer may have ("dma" marks a DMA semaphore array).
 # (int8 / float8_e4m3fn / int4: quantized weight codes, tpumk.model.quantize)
 BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -390,6 +391,13 @@ class MoEGeometry:
     # Quantized experts (tpumk.model.quantize EXPERT_FORMATS): codes of `code_dtype` with one
     # float32 scale per (128-row group, column); "none": the weight dtype, no scales.
     expert_format: str = "none"
+    # DeepSeek-V3 routing (tpumk.model.reference.route): group-limited top-k, a per-expert
+    # correction bias for selection only (packed as row H of a float32 router, which
+    # transformers keeps in float32), a factor on the weights.
+    groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False
+    scaling: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
@@ -405,6 +413,8 @@ class MoEGeometry:
             expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
             expert_format=expert_format,
+            groups=cfg.router_groups, topk_groups=cfg.router_topk_groups, correction_bias=cfg.router_correction_bias,
+            scaling=float(cfg.routed_scaling_factor),
         )
         geom.validate()
         return geom
@@ -439,6 +449,15 @@ class MoEGeometry:
         need(pos_int(self.expert_tensor), f"expert_tensor = {self.expert_tensor!r}: expected a positive integer")
         need(self.expert_format in ("none",) + EXPERT_FORMATS,
              f"expert_format = {self.expert_format!r}: expected none or one of {', '.join(EXPERT_FORMATS)}")
+        # the kernel ranks groups pairwise (groups^2 row compares): keep it to what models use
+        need(pos_int(self.groups) and self.groups <= MAX_ROUTER_GROUPS and self.num_experts % self.groups == 0
+             and (self.groups == 1 or self.num_experts // self.groups >= 2),
+             f"groups = {self.groups!r}: expected a divisor of num_experts ({self.num_experts}) at most "
+             f"{MAX_ROUTER_GROUPS}, leaving at least 2 experts per group")
+        need(pos_int(self.topk_groups) and self.topk_groups <= self.groups,
+             f"topk_groups = {self.topk_groups!r}: expected 1..groups ({self.groups})")
+        need(isinstance(self.correction_bias, bool), f"correction_bias = {self.correction_bias!r}: expected true or false")
+        need(isinstance(self.scaling, float) and self.scaling > 0, f"scaling = {self.scaling!r}: expected a positive float")
 
     @property
     def local_experts(self) -> int:
@@ -497,8 +516,17 @@ class MoEGeometry:
         return round_up(self.expert_chunk // GROUP, F32_SUBLANES)
 
     @property
+    def router_dtype(self) -> str:
+        return "float32" if self.correction_bias else self.dtype
+
+    @property
+    def router_rows(self) -> int:
+        """H, plus one sublane tile whose first row is the correction bias when there is one."""
+        return self.hidden + (8 if self.correction_bias else 0)
+
+    @property
     def router_bytes(self) -> int:
-        return self.hidden * self.experts_padded * self.dtype_bytes
+        return self.router_rows * self.experts_padded * DTYPE_BYTES[self.router_dtype]
 
     @property
     def chunk_bytes(self) -> int:
@@ -541,7 +569,8 @@ class MoEGeometry:
                  "per slot: the down chunk's scales, row g = chunk rows [128g, 128g+128)"),
         ) if self.quantized else ()
         return (
-            vmem("router", (h, ep), dt, "this layer's router [H, Ep]"),
+            vmem("router", (self.router_rows, ep), self.router_dtype,
+                 "this layer's router [H, Ep] (+ the correction bias in row H)"),
             vmem("gateup", (s, self.blocks_per_chunk, h, 2 * LANE), cd,
                  "per slot: the chunk's 128-column blocks, gate lanes 0..127 | up lanes 128..255"),
             vmem("down", (s, self.expert_chunk, h), cd, "per slot: the chunk's down rows"),
@@ -563,7 +592,8 @@ class MoEGeometry:
                 "[Lm, E (owned), chunk, C/128 groups (padded to 8), H]"),
         ) if self.quantized else ()
         return (
-            hbm("router", (lm, h, self.experts_padded), dt, "[Lm, H, Ep], columns E..Ep-1 zero"),
+            hbm("router", (lm, self.router_rows, self.experts_padded), self.router_dtype,
+                "[Lm, H (+8: bias in row H), Ep], columns E..Ep-1 zero"),
             hbm("e_gateup", (lm, e, fe // LANE, h, 2 * LANE), cd, "[Lm, E (owned), Fe/128, H, gate 128 | up 128]"),
             hbm("e_down", (lm, e, fe, h), cd, "[Lm, E (owned), Fe, H]"),
         ) + scales

@@ -29,7 +29,7 @@ from typing import Any
 
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
-from tpumk.errors import PlanError
+from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
@@ -477,6 +477,9 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     sharding = plan_sharding(model, spec.devices, tuning.expert_parallel)
     cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
     _check_hbm(model, target, num_pages, page_size, sharding, spec.quant)  # before any per-tile or per-page work
+    if model.is_mla:  # after the HBM check: a model too big is refused for that first
+        raise NotSupportedError(f"model '{model.name}': MLA attention is not in the megakernel yet "
+                                "(run it with --backend reference)")
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant)
     segments = plan_segments(cfg, fams)
@@ -633,11 +636,12 @@ def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
     n = sharding.devices if sharding is not None else 1
     if n == 1:
         weights = quantized_weight_bytes(cfg, quant)
-        kv_size = cfg.kv_size
+        kv_width = cfg.kv_cache_width
     else:
         weights = per_device_weight_bytes(cfg, sharding, quant)
-        kv_size = sharding.kv_heads * cfg.head_dim
-    kv = 2 * cfg.num_layers * num_pages * page_size * kv_size * cfg.dtype_bytes
+        # MLA: every device holds the whole latent row (it is shared by all heads)
+        kv_width = cfg.kv_cache_width if cfg.is_mla else 2 * sharding.kv_heads * cfg.head_dim
+    kv = cfg.num_layers * num_pages * page_size * kv_width * cfg.dtype_bytes
     if weights + kv > target.hbm_bytes:
         where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
         each = "" if n == 1 else " per device"

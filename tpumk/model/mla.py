@@ -1,0 +1,160 @@
+"""The reference decode step of an MLA model (DeepSeek-V3, Kimi K2): multi-head latent attention
+in the absorbed form over a paged latent cache.
+
+Weights (reference layout, matrices `[in, out]`; Hq heads, N = qk_nope_head_dim, R =
+qk_rope_head_dim, V = v_head_dim, C = kv_lora_rank, Rq = q_lora_rank):
+
+    wq_a [H, Rq], q_a_norm [Rq], wq_b [Rq, Hq*(N+R)]   (q-LoRA; or wq [H, Hq*(N+R)] when Rq = 0)
+    wkv_a [H, C+R], kv_a_norm [C], wkv_b [C, Hq*(N+V)], wo [Hq*V, H]
+
+Each head's columns of wq_b are its N "nope" lanes then its R roped lanes; of wkv_b, its N key
+lanes (W_UK) then its V value lanes (W_UV). The roped lanes are in rotate-half order (a
+checkpoint stored for interleaved RoPE is permuted on load, tpumk.model.checkpoint).
+
+Per token and layer the cache holds one row `c_kv | k_rope` of C + R elements in the model
+dtype: the kv_a-normalized latent and the roped key part, shared by all heads (`KVCache.k`
+`[L, pages, page_size, C+R]`; `KVCache.v` is empty, `[L, pages, page_size, 0]`).
+
+The absorbed step: q_lat = q_nope @ W_UK (per head, [C]), each head scores the row with
+`q_lat | q_rope` (one C+R wide dot product), the probabilities weight the cached c_kv into a
+latent output o_lat [C], and o_lat @ W_UV gives the head's value output. Numerics follow
+`tpumk.model.reference`: matrix products cast the activation to the weight dtype and accumulate
+in float32; the query row is cast to the cache dtype for the scores, probabilities for p . c_kv.
+`forward_full` is the expanded twin (keys and values rebuilt per head from the latent, the way
+transformers computes them) and checks the absorption algebra.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpumk.model import yarn
+from tpumk.model.config import ModelConfig
+from tpumk.model.positions import new_lengths
+
+
+def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
+    """Rotate-half RoPE with given inverse frequencies; cos and sin carry `factor` (YaRN's
+    attention factor). x: [..., T, heads, R], positions [..., T]."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, R/2]
+    cos = (jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1) * factor)[..., None, :]
+    sin = (jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1) * factor)[..., None, :]
+    r = x.shape[-1]
+    rotated = jnp.concatenate([-x[..., r // 2:], x[..., : r // 2]], -1)
+    return x * cos + rotated * sin
+
+
+def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
+    """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
+    cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope)."""
+    from tpumk.model.reference import jnp_dtype, matmul, rms_norm
+
+    b, t, _ = x.shape
+    n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.rms_eps), layer["wq_b"])
+    else:
+        q = matmul(x, layer["wq"])
+    q = q.reshape(b, t, cfg.num_q_heads, n + r)
+    kv = matmul(x, layer["wkv_a"])  # [B, T, C+R]
+    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.rms_eps)
+    freqs, factor = yarn.inv_freq(cfg), yarn.attention_factor(cfg)
+    q_rope = rope_rows(q[..., n:], positions, freqs, factor)
+    k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
+    row = jnp.concatenate([c_kv, k_rope], -1).astype(jnp_dtype(cfg))
+    return q[..., :n], q_rope, row
+
+
+def _split_kv_b(cfg: ModelConfig, layer):
+    w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]  # W_UK [C,Hq,N], W_UV [C,Hq,V]
+
+
+def _softmax_masked(s: jax.Array, mask: jax.Array) -> jax.Array:
+    s = jnp.where(mask, s, -jnp.inf)
+    # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
+    return jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
+
+
+def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array,
+                  q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+    """Absorbed MLA attention. q_nope [B,T,Hq,N], q_rope [B,T,Hq,R] f32; rows [B,S,C+R] (cache
+    dtype); q_pos [B,T]; k_pos, k_valid [B,S] -> [B, T, Hq*V] f32."""
+    w_uk, w_uv = _split_kv_b(cfg, layer)
+    b, t = q_nope.shape[:2]
+    q_lat = jnp.einsum("bthn,chn->bthc", q_nope.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
+    q_row = jnp.concatenate([q_lat, q_rope], -1).astype(rows.dtype)  # [B,T,Hq,C+R]
+    s = jnp.einsum("bthd,bsd->bhts", q_row, rows, preferred_element_type=jnp.float32) * yarn.softmax_scale(cfg)
+    mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
+    p = _softmax_masked(s, mask)
+    # (as bhtc, then transposed: XLA:CPU has no bfloat16 kernel for the bthc form of this product)
+    o_lat = jnp.einsum("bhts,bsc->bhtc", p.astype(rows.dtype), rows[..., : cfg.kv_lora_rank],
+                       preferred_element_type=jnp.float32).transpose(0, 2, 1, 3)
+    o = jnp.einsum("bthc,chv->bthv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, cfg.num_q_heads * cfg.v_head_dim)
+
+
+def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array,
+                    q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+    """The same attention with per-head keys and values rebuilt from the latent (transformers'
+    form): k = [c_kv @ W_UK | k_rope], v = c_kv @ W_UV, then ordinary multi-head attention."""
+    w_uk, w_uv = _split_kv_b(cfg, layer)
+    b, t = q_nope.shape[:2]
+    c_kv, k_rope = rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
+    k_nope = jnp.einsum("bsc,chn->bshn", c_kv.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
+    v = jnp.einsum("bsc,chv->bshv", c_kv.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
+    s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
+         + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(jnp.float32))) * yarn.softmax_scale(cfg)
+    mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
+    p = _softmax_masked(s, mask)
+    o = jnp.einsum("bhts,bshv->bthv", p, v)
+    return o.reshape(b, t, cfg.num_q_heads * cfg.v_head_dim)
+
+
+def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
+    """`tpumk.model.reference.decode_step` for an MLA model (same contract, latent cache)."""
+    from tpumk.model.reference import KVCache, embed, ffn, logits_from, matmul, rms_norm
+
+    b, t = tokens.shape
+    ps, ctx = cache.page_size, cache.max_context
+    in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
+    lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
+    page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)
+    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
+    slots = positions % ps
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    new_pos = jnp.where(in_range, positions, -1)
+    new_len = new_lengths(positions, cache.lengths, ctx)
+    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
+
+    lc = cache.k
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = project(cfg, layer, h, positions)
+        lc = lc.at[i, page_ids, slots].set(row, mode="drop")
+        rows = lc[i][cache.block_tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
+        o = attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
+
+
+def forward_full(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Causal forward without a cache in the expanded form: tokens [B, T] -> logits [B, T, V]."""
+    from tpumk.model.reference import embed, ffn, logits_from, matmul, rms_norm
+
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = project(cfg, layer, h, pos)
+        o = attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x)
