@@ -561,7 +561,7 @@ class MoEGeometry:
     def scratch(self) -> tuple[Buffer, ...]:
         """Every scratch buffer of the stage, in the order the MoE stage takes their refs
         (`tpumk.kernel.moe.MoEScratch` names them the same way)."""
-        h, ep, dt, s, cd = self.hidden, self.experts_padded, self.dtype, self.expert_slots, self.code_dtype
+        h, ep, s, cd = self.hidden, self.experts_padded, self.expert_slots, self.code_dtype
         scales = (
             vmem("gateup_scales", (s, self.blocks_per_chunk, self.gateup_scale_rows, 2 * LANE), "float32",
                  "per slot: each gate|up block's scales, row g = input rows [128g, 128g+128)"),
@@ -584,7 +584,7 @@ class MoEGeometry:
 
     def packed(self) -> tuple[Buffer, ...]:
         """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
-        lm, h, fe, dt, cd, e = self.num_moe_layers, self.hidden, self.expert_ffn, self.dtype, self.code_dtype, self.local_experts
+        lm, h, fe, cd, e = self.num_moe_layers, self.hidden, self.expert_ffn, self.code_dtype, self.local_experts
         scales = (
             hbm("e_gateup_scales", (lm, e, fe // LANE, self.gateup_scale_rows, 2 * LANE), "float32",
                 "[Lm, E (owned), Fe/128, H/128 groups (padded to 8), gate 128 | up 128]"),
