@@ -32,7 +32,7 @@ from tpumk.model.quantize import WeightFormat, quantized_weight_bytes, weight_fo
 from tpumk.errors import PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, heads_per_lane_block, AllReduceGeometry, AttentionGeometry,
                                  MoEGeometry, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -347,8 +347,8 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
                     ("num_kv_heads * head_dim", cfg.kv_size)):
         if v % LANE:
             raise PlanError(f"model '{cfg.name}': {what} = {v} must be a multiple of {LANE} (TPU lane tile)")
-    if cfg.head_dim % LANE:
-        raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs a multiple of {LANE}")
+    if cfg.head_dim % LANE and cfg.head_dim != LANE // 2:
+        raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs 64 or a multiple of {LANE}")
 
     # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
     present = ["qkv", "o", "lm_head"] + (["gate_up", "down"] if n_dense else []) \
@@ -526,7 +526,8 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
-    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * cfg.head_dim + plan.vocab_pad))
+    rope_lanes = cfg.head_dim * heads_per_lane_block(cfg.head_dim)  # cos/sin rows (contract)
+    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
     if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
         out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
     return out
@@ -568,9 +569,9 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
         out["layer_scales"] = {"count": plan.cfg.num_layers, "bytes_each": 4 * plan.scales_width}
     att = plan.attention
     lengths = _full_lengths(plan)
-    c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
-    pages = c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"]
-    out["kv_cache_pages"] = {"count": 2 * plan.cfg.num_layers * pages, "bytes_each": att.page_bytes}
+    pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
+                for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
+    out["kv_cache_pages"] = {"count": 2 * pages, "bytes_each": att.page_bytes}
     if plan.moe is not None:
         m = plan.moe
         distinct = m.expected_distinct_experts()
