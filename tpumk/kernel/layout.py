@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, round_up
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block, round_up
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, scheme_of
 from tpumk.plan.plan import MatrixFamily, Plan, plan_families, scale_offsets
