@@ -124,3 +124,13 @@ def test_head_dim_the_kernel_cannot_build_is_refused():
     with pytest.raises(PlanError, match="num_kv_heads"):  # 64-wide kv heads go in pairs
         make_plan(BuildSpec(cfg.replace(num_q_heads=6, num_kv_heads=3, hidden_size=384),
                             get_target("tpu7x"), 1, CONTEXT, page_size=PAGE))
+
+
+def test_plan_states_the_head_layout_and_counts_unpadded_kv():
+    """64-wide heads are not padded: the cache and the plan's KV bytes are Hkv * 64 per token."""
+    cfg, _ = model("moe-d64-w20", "float32")  # 2 kv heads x 64: one 128-lane block
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, CONTEXT, TuningConfig(kv_tile_pages=1), page_size=PAGE))
+    assert plan.summary()["attention"] == {
+        "head_dim": 64, "kv_heads": 2, "kv_heads_per_128_lanes": 2,
+        "kv_cache_bytes_per_token_per_layer": 2 * 2 * 64 * 4, "sliding_window": 20, "sliding_layers": 2}
+    assert plan.attention.page_bytes == PAGE * 2 * 64 * 4

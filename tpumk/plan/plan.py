@@ -259,6 +259,18 @@ class Plan:
         """HBM floor of one step: bytes moved / the target's HBM bandwidth."""
         return self.hbm_bytes / self.target.hbm_bandwidth
 
+    def attention_summary(self) -> dict[str, Any]:
+        """How the attention stage lays out heads and which layers slide (plain data)."""
+        a = self.attention
+        return {
+            "head_dim": a.head_dim, "kv_heads": a.num_kv_heads,
+            "kv_heads_per_128_lanes": a.heads_per_block,
+            # unpadded: 64-wide heads share lane blocks, so a cached token is Hkv * D per cache
+            "kv_cache_bytes_per_token_per_layer": 2 * a.kv_size * a.itemsize,
+            "sliding_window": self.cfg.sliding_window,
+            "sliding_layers": sum(1 for w in a.windows if w),
+        }
+
     def summary(self) -> dict[str, Any]:
         """Plain data for reports and JSON (every number says what it counts)."""
         return {
@@ -273,6 +285,7 @@ class Plan:
             "families": {n: f.summary() for n, f in self.families.items()},
             "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
                           "tiles_per_layer": s.tiles_per_layer} for s in self.segments],
+            "attention": self.attention_summary(),
             "vmem_bytes": dict(self.vmem), "vmem_total_bytes": self.vmem_total,
             "vmem_temporaries_bytes": dict(self.vmem_temporaries), "vmem_needed_bytes": self.vmem_needed,
             "vmem_budget_bytes": self.vmem_budget, "vmem_limit_bytes": self.vmem_limit, "vmem_capacity_bytes": self.target.vmem_bytes,
