@@ -17,7 +17,11 @@ loop), and follows `tpumk.model.reference.decode_step` for one layer exactly:
    pipeline (a `fori_loop` over every (sequence, tile) pair), so the prefetch runs across
    sequence boundaries and the pipeline fills once per layer, not once per sequence.
    Per tile and kv head, ONE matmul covers all `group` q heads and all `q_len` rows; the
-   softmax is online (running max and sum in float32).
+   softmax is online (running max and sum in float32). 64-wide heads go two kv heads per
+   128-lane block, with a block-diagonal query (`AttentionGeometry`): one matmul per block.
+   In a sliding-window layer (`AttentionGeometry.windows`; the layer's window is selected from
+   the traced layer index) a sequence's stream starts at the tile of the lowest key some
+   query's window holds, and keys with p - k >= window are masked.
 
 Ordering of the in-place writes: a page the step writes is never DMA'd from HBM by the
 attention loop. Its tile slot is filled by a local VMEM->VMEM DMA from the patched copy
