@@ -54,6 +54,7 @@ class Case:
     nan_garbage: bool = False  # unused cache rows hold NaN (an uninitialised cache)
     head_dim: int = 128
     windows: tuple[int, ...] = ()  # per layer sliding window (0: full), empty: all full
+    nan_below_window: bool = False  # sliding layers: cached rows of tiles below every window are NaN
 
     @property
     def page_size(self) -> int:  # the smallest page each dtype's sublane tiling allows
@@ -97,7 +98,10 @@ CASES = {
     "f32-b1-q2-t1-n2-d256": Case("float32", 1, 2, 1, 2, (11,), num_q_heads=2, num_kv_heads=1, head_dim=256),
     # Sliding windows (layer 0 full, layer 1 sliding): tiles below every query's window are
     # skipped; sequence 0 (window 10 at 20..22) starts at tile 1, sequence 2 at tile 3.
-    "f32-b3-q3-t1-n2-w10": Case("float32", 3, 3, 1, 2, (20, 2, 33), windows=(0, 10), nan_garbage=True),
+    # Cached rows in the tiles below every query's window are NaN in the sliding layer: a stage
+    # that streamed them would put 0 * NaN into p.V (they are valid keys, so V is not zeroed).
+    "f32-b3-q3-t1-n2-w10": Case("float32", 3, 3, 1, 2, (20, 2, 33), windows=(0, 10), nan_garbage=True,
+                                nan_below_window=True),
     "bf16-b2-q2-t1-n3-d64-w20": Case("bfloat16", 2, 2, 1, 3, (40, 15), num_q_heads=4, num_kv_heads=2,
                                      head_dim=64, pages_per_seq=4, windows=(0, 20)),
 }
@@ -170,6 +174,16 @@ def make_inputs(case: Case, layer_loop: bool = False, seed: int = 0):
                 used[tables[b, p // geom.page_size], p % geom.page_size] = True
         k[:, ~used] = np.nan
         v[:, ~used] = np.nan
+    if case.nan_below_window:
+        s = geom.tile_rows
+        for layer, w in enumerate(case.windows):
+            for b in range(case.batch * bool(w)):
+                row = positions[b]
+                kv_end = max(int(x) + 1 for x in row)
+                first = min([kv_end - 1] + [max(int(x) - w + 1, 0) for x in row if x >= 0]) // s * s
+                for p in range(first):
+                    k[layer, tables[b, p // geom.page_size], p % geom.page_size] = np.nan
+                    v[layer, tables[b, p // geom.page_size], p % geom.page_size] = np.nan
     lead = (NUM_LAYERS,) if layer_loop else ()
     q = rng.standard_normal(lead + (geom.tokens, geom.q_size), np.float32)
     k_new = rng.standard_normal(lead + (geom.tokens, geom.kv_size), np.float32)
@@ -301,7 +315,8 @@ def test_attention_stage_static_profile_on_tpu7x(tmp_path):
     """libtpu 0.0.52's static profiler crashed (a DMA wait inside a branch) or ran out of memory
     (vector work inside branches of the tile loop) on earlier versions of this stage, on TPU7x
     only. The flag must be set before libtpu starts, so this runs in a fresh process."""
-    names = ["loop-f32-b4-q3-t2-n3", "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4"]
+    names = ["loop-f32-b4-q3-t2-n3", "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4",
+             "loop-bf16-b2-q2-t1-n3-d64-w20"]
     env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
     args = [str(Path(__file__).parent), str(tmp_path), "tpu7x", *names]
     proc = subprocess.run([sys.executable, "-c", _PROFILE_SCRIPT, *args],
@@ -393,3 +408,17 @@ def test_the_sink_page_is_always_allocated():
         assert g.patch_pages == g.tokens + 1
         shapes = {b.name: b.shape for b in g.scratch()}
         assert shapes["k_patch"][0] == shapes["v_patch"][0] == g.tokens + 1
+
+
+def test_dma_counts_stream_only_the_window_tiles():
+    g = _geom(batch=2, q_len=1, kv_tile_pages=1)  # f32, page = tile = 8 tokens
+    pos, lengths = np.array([[20], [5]]), [20, 5]
+    # Full: sequence 0 streams tiles 0..2 (page 2 patched, a VMEM copy), sequence 1 tile 0.
+    assert g.dma_counts(pos, lengths) == {"hbm_tile_pages": 2, "local_tile_pages": 2, "patched_pages": 2, "tiles": 4}
+    # Window 10: the query at 20 sees keys 11..20, so sequence 0 starts at tile 1; sequence 1's
+    # window reaches key 0.
+    assert g.dma_counts(pos, lengths, window=10) == {
+        "hbm_tile_pages": 1, "local_tile_pages": 2, "patched_pages": 2, "tiles": 3}
+    # hbm_bytes sums the layers' own windows (layer 0 full, layer 1 sliding).
+    gw = dataclasses.replace(g, windows=(0, 10))
+    assert gw.hbm_bytes(lengths) == 2 * ((2 + 2 * 2) + (1 + 2 * 2)) * g.page_bytes
