@@ -279,3 +279,11 @@ def test_sliding_layers_cost_only_their_window():
     # 28 full layers read the whole context, 8 only the tiles of the last 4096 keys (+ a tile).
     assert kv_full * 28 / 36 < kv_slide < kv_full * (28 + 8 * (4096 + 2048) / 32768) / 36
     assert models[4096].seconds < models[0].seconds
+    # The compiler estimate's nested-loop trips (tpumk.estimate.compiler) count the same tiles.
+    from tpumk.estimate.compiler import uncounted_nested_work
+
+    s = plans[0].attention.tile_rows
+    per_layer = {0: -(-32768 // s), 4096: -(-32768 // s) - (32767 - 4095) // s}
+    want = {0: 36 * (per_layer[0] - 1), 4096: 28 * per_layer[0] + 8 * per_layer[4096] - 36}
+    for w, p in plans.items():
+        assert uncounted_nested_work(p)[0]["uncounted_trips"] == pytest.approx(want[w])
