@@ -52,6 +52,9 @@ class Case:
     pages_per_seq: int = 6
     positions: tuple[tuple[int, ...], ...] | None = None  # default: lengths[b] + i
     nan_garbage: bool = False  # unused cache rows hold NaN (an uninitialised cache)
+    head_dim: int = 128
+    windows: tuple[int, ...] = ()  # per layer sliding window (0: full), empty: all full
+    nan_below_window: bool = False  # sliding layers: cached rows of tiles below every window are NaN
 
     @property
     def page_size(self) -> int:  # the smallest page each dtype's sublane tiling allows
@@ -60,9 +63,10 @@ class Case:
     def geometry(self) -> AttentionGeometry:
         return AttentionGeometry(
             batch=self.batch, q_len=self.q_len, num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=128, page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
             pages_per_seq=self.pages_per_seq, num_layers=NUM_LAYERS,
-            kv_tile_pages=self.kv_tile_pages, kv_buffers=self.kv_buffers, dtype=self.dtype)
+            kv_tile_pages=self.kv_tile_pages, kv_buffers=self.kv_buffers, dtype=self.dtype,
+            windows=self.windows)
 
     def position_array(self) -> np.ndarray:
         if self.positions is not None:
@@ -85,6 +89,21 @@ CASES = {
     "bf16-b4-q1-t2-n2": Case("bfloat16", 4, 1, 2, 2, (0, 31, 32, 50), pages_per_seq=4),
     "bf16-b4-q3-t2-n2-g4": Case("bfloat16", 4, 3, 2, 2, (29, 1, 45, 16), num_q_heads=8,
                                 num_kv_heads=2, pages_per_seq=4, nan_garbage=True),
+    # head_dim 64: two kv heads per 128-lane block (block-diagonal q); group 3, so a q head's
+    # 64 lanes sit in the other half of their block than its kv head's (the roll path).
+    "f32-b2-q1-t1-n2-d64": Case("float32", 2, 1, 1, 2, (13, 30), num_q_heads=6, num_kv_heads=2,
+                                head_dim=64),
+    "bf16-b2-q2-t1-n3-d64-g2": Case("bfloat16", 2, 2, 1, 3, (29, 7), num_q_heads=8, num_kv_heads=4,
+                                    head_dim=64, pages_per_seq=4, nan_garbage=True),
+    "f32-b1-q2-t1-n2-d256": Case("float32", 1, 2, 1, 2, (11,), num_q_heads=2, num_kv_heads=1, head_dim=256),
+    # Sliding windows (layer 0 full, layer 1 sliding): tiles below every query's window are
+    # skipped; sequence 0 (window 10 at 20..22) starts at tile 1, sequence 2 at tile 3.
+    # Cached rows in the tiles below every query's window are NaN in the sliding layer: a stage
+    # that streamed them would put 0 * NaN into p.V (they are valid keys, so V is not zeroed).
+    "f32-b3-q3-t1-n2-w10": Case("float32", 3, 3, 1, 2, (20, 2, 33), windows=(0, 10), nan_garbage=True,
+                                nan_below_window=True),
+    "bf16-b2-q2-t1-n3-d64-w20": Case("bfloat16", 2, 2, 1, 3, (40, 15), num_q_heads=4, num_kv_heads=2,
+                                     head_dim=64, pages_per_seq=4, windows=(0, 20)),
 }
 
 
@@ -155,6 +174,16 @@ def make_inputs(case: Case, layer_loop: bool = False, seed: int = 0):
                 used[tables[b, p // geom.page_size], p % geom.page_size] = True
         k[:, ~used] = np.nan
         v[:, ~used] = np.nan
+    if case.nan_below_window:
+        s = geom.tile_rows
+        for layer, w in enumerate(case.windows):
+            for b in range(case.batch * bool(w)):
+                row = positions[b]
+                kv_end = max(int(x) + 1 for x in row)
+                first = min([kv_end - 1] + [max(int(x) - w + 1, 0) for x in row if x >= 0]) // s * s
+                for p in range(first):
+                    k[layer, tables[b, p // geom.page_size], p % geom.page_size] = np.nan
+                    v[layer, tables[b, p // geom.page_size], p % geom.page_size] = np.nan
     lead = (NUM_LAYERS,) if layer_loop else ()
     q = rng.standard_normal(lead + (geom.tokens, geom.q_size), np.float32)
     k_new = rng.standard_normal(lead + (geom.tokens, geom.kv_size), np.float32)
@@ -167,6 +196,7 @@ def expected(case: Case, layer, tables, lengths, positions, q, k_new, v_new, k, 
     """One layer of tpumk.model.reference.decode_step: in-place page writes, gather, reference.attend."""
     geom = case.geometry()
     b, t, ps = case.batch, case.q_len, geom.page_size
+    window = geom.window(int(np.asarray(layer)[0]))
     cfg = ModelConfig(name="attention-test", num_layers=NUM_LAYERS, hidden_size=geom.q_size,
                       num_q_heads=geom.num_q_heads, num_kv_heads=geom.num_kv_heads,
                       head_dim=geom.head_dim, vocab_size=128, ffn_size=128, dtype=case.dtype)
@@ -186,7 +216,7 @@ def expected(case: Case, layer, tables, lengths, positions, q, k_new, v_new, k, 
         ks = jnp.nan_to_num(kc[layer][tables]).reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
         vs = jnp.nan_to_num(vc[layer][tables]).reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
         qr = q.reshape(b, t, geom.num_q_heads, geom.head_dim)
-        o = reference.attend(cfg, qr, ks, vs, positions, k_pos, k_valid)
+        o = reference.attend(cfg, qr, ks, vs, positions, k_pos, k_valid, window)
         return o.reshape(b * t, geom.q_size), kc, vc
 
     return run(layer, tables, lengths, positions, q, k_new, v_new, k, v)
@@ -195,7 +225,9 @@ def expected(case: Case, layer, tables, lengths, positions, q, k_new, v_new, k, 
 # What runs in interpret mode and compiles: each geometry once, two of them in the megakernel's
 # shape ("loop-" + name: a layer loop with attention_prefetch), which also covers both layers.
 RUNS = ["f32-b1-q1-t1-n2", "loop-f32-b4-q3-t2-n3", "f32-b8-q1-t2-n2-g8", "f32-b2-q3-t1-n3-overwrite-nan",
-        "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4"]
+        "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4",
+        "f32-b2-q1-t1-n2-d64", "loop-bf16-b2-q2-t1-n3-d64-g2", "f32-b1-q2-t1-n2-d256",
+        "loop-f32-b3-q3-t1-n2-w10", "loop-bf16-b2-q2-t1-n3-d64-w20"]
 
 
 def _resolve(name: str) -> tuple[Case, bool]:
@@ -283,7 +315,8 @@ def test_attention_stage_static_profile_on_tpu7x(tmp_path):
     """libtpu 0.0.52's static profiler crashed (a DMA wait inside a branch) or ran out of memory
     (vector work inside branches of the tile loop) on earlier versions of this stage, on TPU7x
     only. The flag must be set before libtpu starts, so this runs in a fresh process."""
-    names = ["loop-f32-b4-q3-t2-n3", "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4"]
+    names = ["loop-f32-b4-q3-t2-n3", "bf16-b1-q3-t1-n3", "bf16-b4-q1-t2-n2", "loop-bf16-b4-q3-t2-n2-g4",
+             "loop-bf16-b2-q2-t1-n3-d64-w20"]
     env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
     args = [str(Path(__file__).parent), str(tmp_path), "tpu7x", *names]
     proc = subprocess.run([sys.executable, "-c", _PROFILE_SCRIPT, *args],
@@ -302,7 +335,9 @@ def _geom(**changes) -> AttentionGeometry:
     (dict(kv_tile_pages=0), "kv_tile_pages"),
     (dict(kv_tile_pages=7), "kv_tile_pages"),
     (dict(kv_buffers=1), "kv_buffers"),
-    (dict(head_dim=64), "head_dim"),
+    (dict(head_dim=96), "head_dim"),
+    (dict(head_dim=64, num_q_heads=3, num_kv_heads=1), "num_kv_heads"),
+    (dict(windows=(4,)), "windows"),
     (dict(num_q_heads=6, num_kv_heads=4), "num_kv_heads"),
     (dict(dtype="float16"), "dtype"),
 ])
@@ -320,7 +355,7 @@ def test_from_config_and_vmem_formula():
                                       kv_tile_pages=3, kv_buffers=3)
     g.validate()
     assert (g.num_layers, g.group, g.kv_size, g.dtype) == (3, 4, 256, "bfloat16")
-    assert (g.smem_bytes(), g.dma_semaphores()) == (4 * 3 * (2 + 2), 2 * 3 + 2 * 6)
+    assert (g.smem_bytes(), g.dma_semaphores()) == (4 * 3 * (3 + 2), 2 * 3 + 2 * 6)
     # R = round_up(4 * 2, 8), Bq8 = round_up(6, 8); 6 patch pages + the sink (q_len > 1).
     hd, s, r, bq8 = 256, 3 * 16, 8, 8
     want = (2 * 3 * s * hd * 2 + 2 * (6 + 1) * 16 * hd * 2 + 4 * (2 * bq8 * hd + bq8 * 8 * 128)
@@ -347,7 +382,7 @@ def test_hbm_bytes_counts_the_kernels_dmas():
     # Sequence 1: length 16 -> token 16 on page 2, tiles (0, 1) and (2, 2 repeated): 2 HBM
     # tile pages + 1 read + 1 write; both copies of page 2 come from the patch buffer.
     assert g.dma_counts(np.array([[15], [16]])) == {
-        "hbm_tile_pages": 3, "local_tile_pages": 3, "patched_pages": 2}
+        "hbm_tile_pages": 3, "local_tile_pages": 3, "patched_pages": 2, "tiles": 3}
     assert g.hbm_bytes([15, 16]) == 2 * (3 + 2 * 2) * page * NUM_LAYERS
 
 
@@ -358,9 +393,10 @@ def test_dma_counts_clamp_as_the_kernel_does():
     # Sequence 0 at 60 with 9 cached tokens: rows 0..8, one tile of pages 0 and 1, both from HBM.
     # Sequence 1 at -3: one tile (kv_end 1) whose two slots repeat page 0.
     assert g.dma_counts(np.array([[60], [-3]]), lengths=[9, 4]) == {
-        "hbm_tile_pages": 4, "local_tile_pages": 0, "patched_pages": 0}
+        "hbm_tile_pages": 4, "local_tile_pages": 0, "patched_pages": 0, "tiles": 2}
     # Without lengths a position past the capacity streams the whole capacity (an upper bound).
-    assert g.dma_counts(np.array([[60], [-3]])) == {"hbm_tile_pages": 8, "local_tile_pages": 0, "patched_pages": 0}
+    assert g.dma_counts(np.array([[60], [-3]])) == {"hbm_tile_pages": 8, "local_tile_pages": 0, "patched_pages": 0,
+                                                    "tiles": 4}
     assert g.hbm_bytes([9, 4], positions=np.array([[60], [-3]])) == 2 * 4 * g.page_bytes * NUM_LAYERS
 
 
@@ -372,3 +408,17 @@ def test_the_sink_page_is_always_allocated():
         assert g.patch_pages == g.tokens + 1
         shapes = {b.name: b.shape for b in g.scratch()}
         assert shapes["k_patch"][0] == shapes["v_patch"][0] == g.tokens + 1
+
+
+def test_dma_counts_stream_only_the_window_tiles():
+    g = _geom(batch=2, q_len=1, kv_tile_pages=1)  # f32, page = tile = 8 tokens
+    pos, lengths = np.array([[20], [5]]), [20, 5]
+    # Full: sequence 0 streams tiles 0..2 (page 2 patched, a VMEM copy), sequence 1 tile 0.
+    assert g.dma_counts(pos, lengths) == {"hbm_tile_pages": 2, "local_tile_pages": 2, "patched_pages": 2, "tiles": 4}
+    # Window 10: the query at 20 sees keys 11..20, so sequence 0 starts at tile 1; sequence 1's
+    # window reaches key 0.
+    assert g.dma_counts(pos, lengths, window=10) == {
+        "hbm_tile_pages": 1, "local_tile_pages": 2, "patched_pages": 2, "tiles": 3}
+    # hbm_bytes sums the layers' own windows (layer 0 full, layer 1 sliding).
+    gw = dataclasses.replace(g, windows=(0, 10))
+    assert gw.hbm_bytes(lengths) == 2 * ((2 + 2 * 2) + (1 + 2 * 2)) * g.page_bytes

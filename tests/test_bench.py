@@ -118,15 +118,19 @@ def test_bench_errors_are_one_line(args, message):
     assert message in res.output and len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("preset,quant", [("tiny-moe", "none"), ("tiny-dense", "none"), ("tiny-moe", "int4")])
-def test_xla_step_matches_the_reference(preset, quant):
-    """The XLA step (contiguous head-major cache, gathered experts) computes the reference step,
-    with the same quantized weights too (int4: int8 ring matrices, group-scaled int4 experts)."""
+@pytest.mark.parametrize("preset, overrides, quant", [
+    ("tiny-moe", {}, "none"), ("tiny-dense", {}, "none"),
+    # 64-wide heads and a sliding layer whose 8-token window is shorter than the 20-token prompt
+    ("tiny-dense", dict(head_dim=64, sliding_window=8, sliding_layers=[1]), "none"),
+    ("tiny-moe", {}, "int4"),  # the same quantized weights: int8 ring matrices, group-scaled int4 experts
+])
+def test_xla_step_matches_the_reference(preset, overrides, quant):
+    """The XLA step (contiguous head-major cache, gathered experts) computes the reference step."""
     from tpumk.model.quantize import quantize_params
 
-    cfg = load_preset(preset)
+    cfg = load_preset(preset).replace(**overrides)
     params = quantize_params(cfg, random_params(cfg, 3), quant)
-    batch, context, prompt = 2, 64, 5
+    batch, context, prompt = 2, 64, 20 if overrides else 5
     cache = ref.init_cache(cfg, batch, context, page_size=16)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt)) for _ in range(batch)]

@@ -241,8 +241,14 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
     ({"model_type": "llama"}, "model_type 'llama'"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+    ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
+    ({"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
+    ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+    ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
+    ({"use_sinks": True}, "attention sinks"),
+    ({"model_type": "gpt_oss"}, "attention sinks"),
+    ({"model_type": "gemma2"}, "soft-capping"),
+    ({"model_type": "qwen3_next"}, "linear-attention"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "rope_scaling"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
@@ -272,3 +278,67 @@ def test_load_hf_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="malformed JSON") as e:
         load_hf_config(tmp_path)
     _one_line(e)
+
+
+# ---------------------------------------------------------------------- sliding windows
+@pytest.mark.parametrize("changes, window, layers", [
+    # transformers' Qwen3: no window unless use_sliding_window (sliding_window alone is ignored)
+    ({"sliding_window": 4096}, 0, ()),
+    # without layer_types: the layers from max_window_layers on slide
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}, 4096, tuple(range(28, 36))),
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 36}, 0, ()),
+    # layer_types, when given, names the sliding layers
+    ({"use_sliding_window": True, "sliding_window": 512,
+      "layer_types": ["sliding_attention", "full_attention"] * 18}, 512, tuple(range(0, 36, 2))),
+])
+def test_hf_sliding_window_qwen3(changes, window, layers):
+    cfg = from_hf_config({**QWEN3_8B, **changes})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
+    assert [cfg.layer_window(i) for i in range(36)] == [window if i in layers else 0 for i in range(36)]
+
+
+def test_hf_sliding_window_qwen3_moe_covers_every_layer():
+    cfg = from_hf_config({**QWEN3_30B_A3B, "use_sliding_window": True, "sliding_window": 1024})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (1024, tuple(range(48)))
+
+
+def test_hf_sliding_window_matches_transformers_config():
+    """The layer kinds are those transformers' own Qwen3Config derives."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3Config(num_hidden_layers=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=64, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    cfg = from_hf_config({**hf.to_dict(), "model_type": "qwen3"})
+    assert cfg.sliding_window == hf.sliding_window == 6
+    assert cfg.sliding_layers == tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"layer_types": ["sliding_attention"] * 36}, "layer_types"),  # no window to slide
+    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"use_sliding_window": True, "sliding_window": 0}, "sliding_window"),
+    ({"use_sliding_window": True, "sliding_window": -4}, "sliding_window"),
+    ({"use_sliding_window": "yes", "sliding_window": 4}, "use_sliding_window"),
+])
+def test_hf_bad_sliding_window(changes, field):
+    with pytest.raises(ConfigError, match=f"'{field}'") as e:
+        from_hf_config({**QWEN3_8B, **changes}, "x/config.json")
+    _one_line(e)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(sliding_window=-1), "sliding_window"),
+    (dict(sliding_window=8), "sliding_layers"),  # a window for no layer
+    (dict(sliding_layers=[1]), "sliding_layers"),  # layers without a window
+    (dict(sliding_window=8, sliding_layers=[2]), "sliding_layers"),  # out of range (2 layers)
+])
+def test_bad_sliding_window_fields(changes, field):
+    base = load_preset("tiny-dense").to_dict()
+    with pytest.raises(ConfigError, match=f"field '{field}'") as e:
+        from_dict({**base, **changes}, "m.toml")
+    _one_line(e)
+
+
+def test_sliding_window_round_trips_through_a_dict():
+    cfg = load_preset("tiny-dense").replace(sliding_window=8, sliding_layers=[1, 0, 1])
+    assert cfg.sliding_layers == (0, 1)
+    assert from_dict(cfg.to_dict(), "m") == cfg

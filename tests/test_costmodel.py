@@ -263,3 +263,27 @@ def test_xla_program_model_against_its_cost_analysis():
     assert m.seconds >= m.hbm_bytes / TPU7X.hbm_bandwidth
     assert m.kernels > 10 * cfg.num_layers  # op by op: many kernels per layer
     assert m.stages["kernel boundaries"]["seconds"] >= m.kernels * cm.OP_DISPATCH_S
+
+
+def test_sliding_layers_cost_only_their_window():
+    """Qwen3-8B with its last 8 layers sliding a 4096-token window (max_window_layers 28) at
+    32k context: the model moves the plan's bytes, and the KV bytes and seconds drop."""
+    full = load_preset("qwen3-8b")
+    slide = full.replace(sliding_window=4096, sliding_layers=list(range(28, 36)))
+    plans = {c.sliding_window: make_plan(BuildSpec(c, TPU7X, 1, 32768)) for c in (full, slide)}
+    models = {w: cm.megakernel_step(p) for w, p in plans.items()}
+    for w, p in plans.items():
+        assert models[w].hbm_bytes == pytest.approx(p.hbm_bytes, rel=1e-9)
+        assert models[w].seconds >= p.floor_seconds
+    kv_full, kv_slide = (plans[w].hbm["kv_cache"] for w in (0, 4096))
+    # 28 full layers read the whole context, 8 only the tiles of the last 4096 keys (+ a tile).
+    assert kv_full * 28 / 36 < kv_slide < kv_full * (28 + 8 * (4096 + 2048) / 32768) / 36
+    assert models[4096].seconds < models[0].seconds
+    # The compiler estimate's nested-loop trips (tpumk.estimate.compiler) count the same tiles.
+    from tpumk.estimate.compiler import uncounted_nested_work
+
+    s = plans[0].attention.tile_rows
+    per_layer = {0: -(-32768 // s), 4096: -(-32768 // s) - (32767 - 4095) // s}
+    want = {0: 36 * (per_layer[0] - 1), 4096: 28 * per_layer[0] + 8 * per_layer[4096] - 36}
+    for w, p in plans.items():
+        assert uncounted_nested_work(p)[0]["uncounted_trips"] == pytest.approx(want[w])

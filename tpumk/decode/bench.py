@@ -64,9 +64,10 @@ def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ..
 
 
 def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                       k_valid: jax.Array) -> jax.Array:
+                       k_valid: jax.Array, window: int = 0) -> jax.Array:
     """`tpumk.model.reference.attend` with the cache head-major: q [B,T,Hq,D] f32; k, v [B,Hkv,S,D];
-    q_pos [B,T]; k_valid [B,S]. Same casts, scaling and softmax as the reference."""
+    q_pos [B,T]; k_valid [B,S]; window > 0: a sliding-window layer. Same casts, scaling, masks
+    and softmax as the reference (XLA computes every key's score; the mask drops the rest)."""
     group = cfg.num_q_heads // cfg.num_kv_heads
     b, t = q.shape[:2]
     s_len = k.shape[2]
@@ -74,6 +75,8 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(cfg.head_dim)
     k_pos = jnp.arange(s_len, dtype=jnp.int32)
     mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
+    if window:
+        mask = mask & (k_pos[None, None, None, None, :] > q_pos[:, None, None, :, None] - window)
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, cfg.q_size)
@@ -126,7 +129,7 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
         q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid)
+        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
         x = x + ref.matmul(o, layer["wo"])
         h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
         f = (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)

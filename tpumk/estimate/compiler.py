@@ -21,9 +21,15 @@ def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
     """Loops nested inside the layer loop, whose trips the static profile counts once per
     layer (TPU_FACTS 3): the attention KV-tile loop and the MoE expert-chunk loop. Each entry
     gives the trips per step the profile did not count and the bytes each trip streams, at the
-    plan's accounting (full context; expected distinct experts)."""
+    plan's accounting (full context, a sliding layer only its window's tiles; expected distinct
+    experts)."""
     a, cfg = plan.attention, plan.cfg
-    tiles = a.batch * -(-a.pages_per_seq // a.kv_tile_pages)
+    if a.windows:
+        lengths = [plan.context - plan.q_len] * plan.batch
+        counts = a.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths], lengths)
+        tiles = sum(n * c["tiles"] for n, c in counts) / cfg.num_layers  # mean over the layers
+    else:
+        tiles = a.batch * -(-a.pages_per_seq // a.kv_tile_pages)
     out = [{"loop": "attention KV tiles", "trips_per_layer": tiles, "uncounted_trips": (tiles - 1) * cfg.num_layers,
             "bytes_per_trip": 2 * a.tile_rows * a.kv_size * a.itemsize}]
     if plan.moe is not None:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
@@ -224,33 +224,44 @@ class _Ring:
         self.ahead = min(depth_bytes, self.ahead + spare)
 
 
-def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float) -> tuple[float, float]:
+def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
+                     windows: Sequence[int] = (0,)) -> tuple[float, float]:
     """One layer's attention (patch reads, KV tiles, write-backs) at the plan's full context.
-    `extra_bytes` (layer vectors, the MoE router) load meanwhile. Returns (seconds, bytes)."""
+    `extra_bytes` (layer vectors, the MoE router) load meanwhile. `windows`: the sliding
+    windows (0: full) of the `times` layers this stands for, each an equal share; a sliding
+    layer streams only its window's tiles. Returns the mean (seconds, bytes) of one layer."""
     t, a = plan.target, plan.attention
     pb = float(a.page_bytes)
     lengths = [plan.context - plan.q_len] * plan.batch
-    c = a.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
-    patched = c["patched_pages"]
-    # 1. the pages this step writes are read first (K and V), a round trip before the tiles
-    patch_read = DMA_LATENCY_S + load_seconds(t, 2 * patched * pb, 2 * patched * pb, 2 * patched)
-    # 2. KV tiles through kv_buffers slots, 2 * kv_tile_pages page DMAs per tile
-    n_tiles = plan.batch * -(-plan.context // a.tile_rows)
-    tile_hbm = 2 * c["hbm_tile_pages"] * pb / n_tiles
-    window = a.kv_buffers * 2 * a.kv_tile_pages * pb  # all slots load while the loop waits
-    per_head = mxu_seconds(t, a.tile_rows * a.head_dim, 2.0 * a.q_rows * a.tile_rows * a.head_dim, _passes(a.dtype))
-    compute = 2 * a.num_kv_heads * per_head  # q.k^T and p.v per kv head
-    descriptors = 2 * a.kv_tile_pages
-    load = load_seconds(t, tile_hbm, window, descriptors)
-    kv = DMA_LATENCY_S + n_tiles * max(load, compute)
-    # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
-    side = 2 * patched * pb + extra_bytes
-    side_dma = load_seconds(t, side, window + side, 2 * patched + 1)
-    seconds = patch_read + max(kv, n_tiles * load + side_dma)
-    nbytes = 2 * patched * pb + n_tiles * tile_hbm + side
-    dma = patch_read - DMA_LATENCY_S + n_tiles * load + side_dma
-    ledger.add("attention", seconds, nbytes, dma, n_tiles * compute, times)
-    return seconds, nbytes
+    positions = [[n + i for i in range(plan.q_len)] for n in lengths]
+    total_s = total_b = 0.0
+    for window in windows:
+        share = times / len(windows)
+        c = a.dma_counts(positions, lengths, window)
+        patched = c["patched_pages"]
+        # 1. the pages this step writes are read first (K and V), a round trip before the tiles
+        patch_read = DMA_LATENCY_S + load_seconds(t, 2 * patched * pb, 2 * patched * pb, 2 * patched)
+        # 2. KV tiles through kv_buffers slots, 2 * kv_tile_pages page DMAs per tile
+        n_tiles = c["tiles"]
+        tile_hbm = 2 * c["hbm_tile_pages"] * pb / n_tiles
+        slots = a.kv_buffers * 2 * a.kv_tile_pages * pb  # all slots load while the loop waits
+        # one matmul per kv head block (two 64-wide heads share one: AttentionGeometry)
+        per_block = mxu_seconds(t, a.tile_rows * a.block_lanes, 2.0 * a.block_rows * a.tile_rows * a.block_lanes,
+                                _passes(a.dtype))
+        compute = 2 * a.head_blocks * per_block  # q.k^T and p.v per block
+        descriptors = 2 * a.kv_tile_pages
+        load = load_seconds(t, tile_hbm, slots, descriptors)
+        kv = DMA_LATENCY_S + n_tiles * max(load, compute)
+        # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
+        side = 2 * patched * pb + extra_bytes
+        side_dma = load_seconds(t, side, slots + side, 2 * patched + 1)
+        seconds = patch_read + max(kv, n_tiles * load + side_dma)
+        nbytes = 2 * patched * pb + n_tiles * tile_hbm + side
+        dma = patch_read - DMA_LATENCY_S + n_tiles * load + side_dma
+        ledger.add("attention", seconds, nbytes, dma, n_tiles * compute, share)
+        total_s += seconds / len(windows)
+        total_b += nbytes / len(windows)
+    return total_s, total_b
 
 
 def _moe_stage(plan, ring: _Ring, ledger: _Ledger, times: float) -> None:
@@ -346,7 +357,9 @@ def megakernel_step(plan) -> StepModel:
                 continue
             ring.family("qkv", "weight_ring", times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
-            att, att_bytes = _attention_stage(plan, ledger, extra, times)
+            layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))
+            att, att_bytes = _attention_stage(plan, ledger, extra, times,
+                                              [plan.attention.window(i) for i in layers])
             ring.prefetch_during(att, att_bytes, depth_bytes)
             ring.family("o", "weight_ring", times)
             collective(times)

@@ -17,7 +17,11 @@ loop), and follows `tpumk.model.reference.decode_step` for one layer exactly:
    pipeline (a `fori_loop` over every (sequence, tile) pair), so the prefetch runs across
    sequence boundaries and the pipeline fills once per layer, not once per sequence.
    Per tile and kv head, ONE matmul covers all `group` q heads and all `q_len` rows; the
-   softmax is online (running max and sum in float32).
+   softmax is online (running max and sum in float32). 64-wide heads go two kv heads per
+   128-lane block, with a block-diagonal query (`AttentionGeometry`): one matmul per block.
+   In a sliding-window layer (`AttentionGeometry.windows`; the layer's window is selected from
+   the traced layer index) a sequence's stream starts at the tile of the lowest key some
+   query's window holds, and keys with p - k >= window are masked.
 
 Ordering of the in-place writes: a page the step writes is never DMA'd from HBM by the
 attention loop. Its tile slot is filled by a local VMEM->VMEM DMA from the patched copy
@@ -69,11 +73,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel.memory import scratch_shape
-from tpumk.plan.geometry import AttentionGeometry
+from tpumk.plan.geometry import LANE, AttentionGeometry
 
 # Finite stand-in for -inf in masked scores: exp(MASK - m) underflows to exactly 0 once a row
 # has seen one real key, and a fully masked tile cannot produce inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Window of a full-attention layer in a model with sliding layers: larger than any capacity, and
+# p - NO_WINDOW stays in int32 for every non-negative position.
+NO_WINDOW = 1 << 30
 
 
 class AttentionScratch(NamedTuple):
@@ -84,12 +91,12 @@ class AttentionScratch(NamedTuple):
     k_patch: Any  # [B*q (+1 sink), page_size, kv_size]: page of new token i of seq b (slot b*q+i)
     v_patch: Any
     new_rows: Any  # [2, Bq8, kv_size] f32: k_new / v_new rows, addressable one row at a time
-    q_heads: Any  # [B, Hkv, R, D] f32: q regrouped per kv head; overwritten by o per sequence
-    m: Any  # [Hkv, R, 128] f32 running max (lane-replicated)
-    l: Any  # [Hkv, R, 128] f32 running sum (lane-replicated)
-    acc: Any  # [Hkv, R, D] f32 running p.v
+    q_heads: Any  # [B, Hb, Rb, Db] f32: q regrouped per kv head block; overwritten by o per sequence
+    m: Any  # [Hb, Rb, 128] f32 running max (lane-replicated)
+    l: Any  # [Hb, Rb, 128] f32 running sum (lane-replicated)
+    acc: Any  # [Hb, Rb, Db] f32 running p.v
     flat: Any  # [Bq8, Hq*D] f32: q as given, later o in the same layout
-    seq_meta: Any  # SMEM int32 [B * (2 + q)]: per sequence ntiles, npages, page of each new token
+    seq_meta: Any  # SMEM int32 [B * (3 + q)]: per sequence end tile, npages, first tile, page of each new token
     tile_sems: Any  # DMA semaphores [2 (K, V), kv_buffers]
     patch_sems: Any  # DMA semaphores [2 (read, write), B*q] (one per patch slot)
 
@@ -111,8 +118,20 @@ class _Stage:
         self.sc = AttentionScratch(*scratch)
         self.caches = (k_cache, v_cache)
         self.patches = (self.sc.k_patch, self.sc.v_patch)
-        self.meta_width = 2 + geom.q_len  # seq_meta entries per sequence
+        self.meta_width = 3 + geom.q_len  # seq_meta entries per sequence
         self._tokens = None
+        self.window = self._window(layer)
+
+    def _window(self, layer):
+        """This layer's sliding window as an int32 scalar (NO_WINDOW for a full layer), or None
+        when no layer of the model has one (then the stage has no window logic at all)."""
+        runs = self.g.window_runs()
+        if not runs:
+            return None
+        w = jnp.int32(NO_WINDOW)
+        for first, end, size in runs:  # one compare per run of equal windows
+            w = jnp.where(jnp.logical_and(layer >= first, layer < end), jnp.int32(size), w)
+        return w
 
     @property
     def capacity(self) -> int:
@@ -271,25 +290,46 @@ def _stage_rows(st: _Stage, q, k_new, v_new) -> None:
 
 
 def _regroup_q(st: _Stage):
-    """Phase 2b: regroup q per kv head, so ONE matmul per kv head and tile covers every q head
-    of its group and every new token.
+    """Phase 2b: regroup q per kv head block, so ONE matmul per block and tile covers every q
+    head of its group(s) and every new token.
 
-    Row gi*q_len + i of q_heads[b, h] = q head h*group + gi of token i of sequence b; rows past
-    group*q_len (padding to whole f32 tiles) are zeroed. Returns token_of_row [R, 1] int32: the
-    token index i each query row holds (-1 for pad rows)."""
+    One kv head per block (head_dim a multiple of 128): row gi*q_len + i of q_heads[b, h] = q
+    head h*group + gi of token i of sequence b. Two 64-wide kv heads per block (block j, head
+    p of it, h = 2j + p): row p*q_rows + gi*q_len + i holds that q head in lanes p*64 .. p*64+63
+    and zeros in the other half (the block-diagonal query, AttentionGeometry). Pad rows are
+    zero. Returns token_of_row [Rb, 1] int32: the token index i each query row holds (-1 for
+    pad rows)."""
     g, sc = st.g, st.sc
-    B, T, Hkv, G, D, R = g.batch, g.q_len, g.num_kv_heads, g.group, g.head_dim, g.q_rows
-    for b in range(B):
-        for h in range(Hkv):
-            for gi in range(G):
-                sc.q_heads[b, h, pl.ds(gi * T, T), :] = sc.flat[pl.ds(b * T, T), pl.ds((h * G + gi) * D, D)]
-            if R > G * T:
-                sc.q_heads[b, h, pl.ds(G * T, R - G * T), :] = jnp.zeros((R - G * T, D), jnp.float32)
-    qrow = lax.broadcasted_iota(jnp.int32, (R, 1), 0)
-    token_of_row = jnp.full((R, 1), -1, jnp.int32)  # token index i of each query row
-    for gi in range(G):
-        for i in range(T):
-            token_of_row = jnp.where(qrow == gi * T + i, i, token_of_row)
+    B, T, G, D, R = g.batch, g.q_len, g.group, g.head_dim, g.q_rows
+    pack, NBK, BR = g.heads_per_block, g.head_blocks, g.block_rows
+    if pack == 1:
+        for b in range(B):
+            for h in range(NBK):
+                for gi in range(G):
+                    sc.q_heads[b, h, pl.ds(gi * T, T), :] = sc.flat[pl.ds(b * T, T), pl.ds((h * G + gi) * D, D)]
+                if R > G * T:
+                    sc.q_heads[b, h, pl.ds(G * T, R - G * T), :] = jnp.zeros((R - G * T, D), jnp.float32)
+    else:
+        # A q head's 64 lanes are read as the 128-lane block holding them (no unaligned lane
+        # slices), moved to the block's half p by a half-block roll when they sit in the other
+        # half (a roll by 64 of 128 lanes swaps the halves either way round), the rest zeroed.
+        half = lax.div(lax.broadcasted_iota(jnp.int32, (1, LANE), 1), D)  # lax: no jnp sign lowering
+        for b in range(B):
+            for j in range(NBK):
+                sc.q_heads[b, j] = jnp.zeros((BR, LANE), jnp.float32)
+                for p_ in range(pack):
+                    for gi in range(G):
+                        qh = (j * pack + p_) * G + gi
+                        src = sc.flat[pl.ds(b * T, T), pl.ds((qh // pack) * LANE, LANE)]
+                        if qh % pack != p_:
+                            src = pltpu.roll(src, D, 1)
+                        sc.q_heads[b, j, pl.ds(p_ * R + gi * T, T), :] = jnp.where(half == p_, src, 0.0)
+    qrow = lax.broadcasted_iota(jnp.int32, (BR, 1), 0)
+    token_of_row = jnp.full((BR, 1), -1, jnp.int32)  # token index i of each query row
+    for p_ in range(pack):
+        for gi in range(G):
+            for i in range(T):
+                token_of_row = jnp.where(qrow == p_ * R + gi * T + i, i, token_of_row)
     return token_of_row
 
 
@@ -297,9 +337,13 @@ def _tabulate_sequences(st: _Stage, lengths):
     """Phase 2c: each sequence's extent, in SMEM for the tile loop. Returns the total number of
     (sequence, tile) steps (a traced int32).
 
-    seq_meta[b * (2 + q_len) + k]: k = 0 the sequence's KV tiles, 1 its pages, 2 + i the
-    logical page of new token i, or -1 when that token is outside [0, capacity) (it patches
-    no page, so no tile page takes its stand-in slot).
+    seq_meta[b * (3 + q_len) + k]: k = 0 the sequence's end tile (its tiles are first .. end - 1),
+    1 its pages, 2 its first tile, 3 + i the logical page of new token i, or -1 when that token
+    is outside [0, capacity) (it patches no page, so no tile page takes its stand-in slot).
+
+    The first tile is 0, or in a sliding-window layer the tile of the lowest key some query's
+    window holds: min over non-negative positions p of max(p - window + 1, 0), at most
+    kv_end - 1 (tiles wholly below every query's window are never read).
 
     The extent is kv_end = max(largest in-range position + 1, min(lengths[b], capacity) if a
     position is at or past the capacity (its query sees every cached key), 1) rows: keys past
@@ -321,11 +365,18 @@ def _tabulate_sequences(st: _Stage, lengths):
             end = jnp.where(st.in_range(p_), p_ + 1, jnp.where(p_ >= st.capacity, length, 0))
             kv_end = jnp.maximum(kv_end, end)
         ntiles = lax.div(kv_end + (S - 1), S)
+        first = jnp.int32(0)
+        if st.window is not None:
+            lo = kv_end - 1
+            for p_ in pos:
+                lo = jnp.minimum(lo, jnp.where(p_ >= 0, jnp.maximum(p_ - st.window + 1, 0), lo))
+            first = lax.div(lo, S)
         sc.seq_meta[b * meta_width] = ntiles
         sc.seq_meta[b * meta_width + 1] = lax.div(kv_end + (P - 1), P)
+        sc.seq_meta[b * meta_width + 2] = first
         for i in range(T):
-            sc.seq_meta[b * meta_width + 2 + i] = jnp.where(st.in_range(pos[i]), tokens[b * T + i][3][i], -1)
-        total = total + ntiles
+            sc.seq_meta[b * meta_width + 3 + i] = jnp.where(st.in_range(pos[i]), tokens[b * T + i][3][i], -1)
+        total = total + ntiles - first
     return total
 
 
@@ -362,7 +413,8 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
     q_heads block holds o (acc / l)."""
     g, sc, layer, positions = st.g, st.sc, st.layer, st.positions
     B, T, P, KT, NB = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers
-    Hkv, D, S, R = g.num_kv_heads, g.head_dim, g.tile_rows, g.q_rows
+    D, S = g.head_dim, g.tile_rows
+    NBK, BL, BR = g.head_blocks, g.block_lanes, g.block_rows
     dt = g.jnp_dtype
     scale = 1.0 / math.sqrt(D)
     # f32 caches: ask the MXU for full f32 products (the reference contract), not one bf16 pass.
@@ -373,7 +425,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
     def fetch(b, t, slot):
         """Start the DMAs filling tile slot `slot` with tile t of sequence b."""
         npages = sc.seq_meta[b * meta_width + 1]
-        lps = [sc.seq_meta[b * meta_width + 2 + i] for i in range(T)]
+        lps = [sc.seq_meta[b * meta_width + 3 + i] for i in range(T)]
         for j in range(KT):
             # Page slots past the sequence's last needed page repeat that page: a valid page id
             # whose rows the position mask drops; no read outside the sequence's own pages.
@@ -411,7 +463,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
         # The selects cost a few vregs per kv head and tile.
         pos = [positions[b, i] for i in range(T)]
         length = jnp.minimum(lengths[b], st.capacity)
-        first_tile, last_tile = t == 0, t == sc.seq_meta[b * meta_width] - 1
+        first_tile, last_tile = t == sc.seq_meta[b * meta_width + 2], t == sc.seq_meta[b * meta_width] - 1
         # Out-of-range positions are written nowhere, so they are no key (-1 matches no row).
         new_pos = [jnp.where(st.in_range(p_), p_, -1) for p_ in pos]
 
@@ -423,22 +475,26 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
 
         kpos_lane = t * S + lax.broadcasted_iota(jnp.int32, (1, S), 1)
         kpos_row = t * S + lax.broadcasted_iota(jnp.int32, (S, 1), 0)
-        qpos = jnp.full((R, 1), -1, jnp.int32)  # pad rows see nothing
+        qpos = jnp.full((BR, 1), -1, jnp.int32)  # pad rows see nothing
         for i in range(T):
             qpos = jnp.where(token_of_row == i, pos[i], qpos)
-        mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)  # [R, S]
+        mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)  # [Rb, S]
+        if st.window is not None:  # sliding layer: keys k with p - k < window only
+            mask = jnp.logical_and(mask, kpos_lane > qpos - st.window)
         v_ok = key_valid(kpos_row)  # [S, 1]
 
         # The heads go in phases (every QK^T, then every softmax, then every p.v), not one head
         # at a time: with independent matmuls back to back the MXU need not idle through each
         # head's softmax (libtpu's static profile of one tile, 8 kv heads: 2.6x fewer cycles).
-        q_blk = [sc.q_heads[b, h] for h in range(Hkv)]  # [R, D] f32
-        scores = [lax.dot_general(q_blk[h].astype(dt), sc.k_tiles[slot, :, pl.ds(h * D, D)],
+        # One block is one kv head, or two 64-wide ones (block-diagonal q: each row's scores
+        # are its own head's; of p.V each head's rows keep their own lane half).
+        q_blk = [sc.q_heads[b, h] for h in range(NBK)]  # [Rb, Db] f32
+        scores = [lax.dot_general(q_blk[h].astype(dt), sc.k_tiles[slot, :, pl.ds(h * BL, BL)],
                                   (((1,), (1,)), ((), ())), precision=precision,
                                   preferred_element_type=jnp.float32) * scale
-                  for h in range(Hkv)]  # [R, S]
+                  for h in range(NBK)]  # [Rb, S]
         probs, stats = [], []
-        for h in range(Hkv):
+        for h in range(NBK):
             s = jnp.where(mask, scores[h], MASK_VALUE)
             # A sequence's first tile starts from an empty state (max -inf, sum 0, acc 0).
             m_prev = jnp.where(first_tile, -jnp.inf, sc.m[h])  # [R, 128] lane-replicated
@@ -449,11 +505,11 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             probs.append(p.astype(dt))
             stats.append((m_next, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), alpha))
         zero_v = jnp.zeros((), dt)
-        pvs = [lax.dot_general(probs[h], jnp.where(v_ok, sc.v_tiles[slot, :, pl.ds(h * D, D)], zero_v),
+        pvs = [lax.dot_general(probs[h], jnp.where(v_ok, sc.v_tiles[slot, :, pl.ds(h * BL, BL)], zero_v),
                                (((1,), (0,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
-               for h in range(Hkv)]  # [R, D]
-        for h in range(Hkv):
+               for h in range(NBK)]  # [Rb, Db]
+        for h in range(NBK):
             m_next, l_next, alpha = stats[h]
             acc_next = jnp.where(first_tile, 0.0, sc.acc[h]) * alpha[:, :1] + pvs[h]
             sc.m[h], sc.l[h], sc.acc[h] = m_next, l_next, acc_next
@@ -463,12 +519,14 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             sc.q_heads[b, h] = jnp.where(last_tile, o, q_blk[h])
 
     def advance(b, t):
-        """The (sequence, tile) step after (b, t); (B, 0) after the last one."""
+        """The (sequence, tile) step after (b, t); (B, first tile of the last) after the last one."""
         wrap = t + 1 >= sc.seq_meta[jnp.minimum(b, B - 1) * meta_width]
-        return jnp.where(wrap, b + 1, b), jnp.where(wrap, 0, t + 1)
+        first_next = sc.seq_meta[jnp.minimum(b + 1, B - 1) * meta_width + 2]
+        return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
 
     zero = jnp.int32(0)
-    pb, pt = zero, zero  # prefetch cursor, kv_buffers - 1 steps ahead of the compute cursor
+    t_first = sc.seq_meta[2]  # sequence 0's first tile
+    pb, pt = zero, t_first  # prefetch cursor, kv_buffers - 1 steps ahead of the compute cursor
     for k in range(NB - 1):
         pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
         pb, pt = advance(pb, pt)
@@ -485,7 +543,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
         b, t = advance(b, t)
         return b, t, pb, pt
 
-    lax.fori_loop(0, total, step, (zero, zero, pb, pt))
+    lax.fori_loop(0, total, step, (zero, t_first, pb, pt))
 
 
 def _retire_write_backs(st: _Stage) -> None:
@@ -496,14 +554,31 @@ def _retire_write_backs(st: _Stage) -> None:
 
 
 def _ungroup_o(st: _Stage) -> jax.Array:
-    """Phase 6: o from q_heads [B, Hkv, R, D] back to [B*q_len, Hq*D] rows (b-major, heads along
-    lanes: the layout q came in), through the flat buffer."""
+    """Phase 6: o from q_heads [B, Hb, Rb, Db] back to [B*q_len, Hq*D] rows (b-major, heads along
+    lanes: the layout q came in), through the flat buffer. Two 64-wide heads per block: each
+    head's rows keep its own lane half (moved by a half-block roll when its q head sits in the
+    other half of its 128-lane block of `flat`), merged into that block by a lane select."""
     g, sc = st.g, st.sc
-    B, T, Hkv, G, D = g.batch, g.q_len, g.num_kv_heads, g.group, g.head_dim
-    for b in range(B):
-        for h in range(Hkv):
-            for gi in range(G):
-                sc.flat[pl.ds(b * T, T), pl.ds((h * G + gi) * D, D)] = sc.q_heads[b, h, pl.ds(gi * T, T), :]
+    B, T, G, D, R = g.batch, g.q_len, g.group, g.head_dim, g.q_rows
+    pack, NBK = g.heads_per_block, g.head_blocks
+    if pack == 1:
+        for b in range(B):
+            for h in range(NBK):
+                for gi in range(G):
+                    sc.flat[pl.ds(b * T, T), pl.ds((h * G + gi) * D, D)] = sc.q_heads[b, h, pl.ds(gi * T, T), :]
+    else:
+        half = lax.div(lax.broadcasted_iota(jnp.int32, (1, LANE), 1), D)  # lax: no jnp sign lowering
+        for b in range(B):
+            for j in range(NBK):
+                for p_ in range(pack):
+                    for gi in range(G):
+                        qh = (j * pack + p_) * G + gi
+                        o = sc.q_heads[b, j, pl.ds(p_ * R + gi * T, T), :]
+                        if qh % pack != p_:
+                            o = pltpu.roll(o, D, 1)
+                        cols = pl.ds((qh // pack) * LANE, LANE)
+                        sc.flat[pl.ds(b * T, T), cols] = jnp.where(half == qh % pack, o,
+                                                                   sc.flat[pl.ds(b * T, T), cols])
     return sc.flat[pl.ds(0, g.tokens), :]
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, round_up
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block, round_up
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
 from tpumk.plan.plan import MatrixFamily, Plan, auto_expert_chunk, plan_families, scale_offsets
@@ -96,9 +96,10 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         block = jnp.zeros((LAYER_VECTOR_ROWS, width), jnp.float32)
         block = block.at[VECTOR_ROW["attn_norm"], :h].set(jnp.asarray(lay["attn_norm"], jnp.float32))
         block = block.at[VECTOR_ROW["mlp_norm"], :h].set(jnp.asarray(lay["mlp_norm"], jnp.float32))
+        pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
         for name in ("q_norm", "k_norm"):
             w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
-            block = block.at[VECTOR_ROW[name], :d].set(w)
+            block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
         return block
 
     def cast(a) -> jax.Array:

@@ -38,10 +38,10 @@ from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_gather_slices, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
-from tpumk.kernel.norms import rms_norm, rope, rope_tables, swiglu_act
+from tpumk.kernel.norms import rms_norm, rms_norm_heads, rope_heads, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
-from tpumk.plan.geometry import VECTOR_ROW
+from tpumk.plan.geometry import VECTOR_ROW, heads_per_lane_block
 from tpumk.plan.plan import Plan
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, jnp_dtype
@@ -195,16 +195,18 @@ def _kernel(plan: Plan):
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
-            # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned).
+            # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
+            # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
             cos, sin = cos_ref[...], sin_ref[...]  # loaded per layer: a value live across loops spills
+            pack = heads_per_lane_block(d)
             for name, heads, base in (("q_norm", cfg.num_q_heads, 0), ("k_norm", cfg.num_kv_heads, q_size)):
-                w = row(vec, name, d)
-                for i in range(heads):
-                    lo = base + i * d
-                    x = s.qkv[:, lo:lo + d]
+                w = row(vec, name, d * pack)
+                for i in range(heads // pack):
+                    lo = base + i * d * pack
+                    x = s.qkv[:, lo:lo + d * pack]
                     if cfg.qk_norm:
-                        x = rms_norm(x, w, eps)
-                    s.qkv[:, lo:lo + d] = rope(x, cos, sin)
+                        x = rms_norm_heads(x, w, eps, d)
+                    s.qkv[:, lo:lo + d * pack] = rope_heads(x, cos, sin, d)
             q = s.qkv[:, :q_size]
             k_new = s.qkv[:, q_size:q_size + kv_size].astype(dt)
             v_new = s.qkv[:, q_size + kv_size:q_size + 2 * kv_size].astype(dt)
@@ -330,7 +332,8 @@ def _device_step(plan: Plan, call) -> Callable:
         b, t = tokens.shape
         n = b * t
         x0 = jnp.take(packed["embed"], tokens.reshape(n), axis=0).astype(jnp.float32)
-        cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta,
+                               heads_per_lane_block(cfg.head_dim))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)

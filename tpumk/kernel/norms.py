@@ -17,8 +17,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """positions [N] -> (cos [N, D], signed sin [N, D]) for rotate-half RoPE (glue, outside the kernel).
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, heads: int = 1) -> tuple[jax.Array, jax.Array]:
+    """positions [N] -> (cos [N, heads*D], signed sin [N, heads*D]) for rotate-half RoPE (glue,
+    outside the kernel); `heads` > 1 repeats the row for that many heads side by side (64-wide
+    heads are rotated two per 128-lane block, `rope_heads`).
 
     The sin row carries the rotate-half sign (-sin on the first half), so in the kernel
     rope(x) = x * cos + roll(x, D/2) * sin: roll by half swaps the halves, the sign makes it
@@ -27,13 +29,44 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     ang = positions.astype(jnp.float32)[:, None] * inv_freq
     cos, sin = jnp.cos(ang), jnp.sin(ang)
-    return jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)
+    return jnp.concatenate([cos, cos] * heads, -1), jnp.concatenate([-sin, sin] * heads, -1)
 
 
 def rope(x: jax.Array, cos: jax.Array, sin_signed: jax.Array) -> jax.Array:
     """x [N, D] f32 (one head) rotated by the rows' positions (see rope_tables)."""
     half = x.shape[-1] // 2
     return x * cos + pltpu.roll(x, half, 1) * sin_signed
+
+
+def _lane(x: jax.Array) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (1, x.shape[-1]), 1)
+
+
+def rms_norm_heads(x: jax.Array, w: jax.Array, eps: float, head_dim: int) -> jax.Array:
+    """rms_norm of each head_dim-wide head of x [N, K] separately (K = head_dim: rms_norm);
+    w [1, K] holds the weight once per head. Two 64-wide heads: masked lane sums, no
+    unaligned lane slices."""
+    if x.shape[-1] == head_dim:
+        return rms_norm(x, w, eps)
+    assert x.shape[-1] == 2 * head_dim, "two heads per block"
+    first = _lane(x) < head_dim
+    sq = x * x
+    s0 = jnp.sum(jnp.where(first, sq, 0.0), axis=-1, keepdims=True)
+    s1 = jnp.sum(jnp.where(first, 0.0, sq), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.where(first, s0, s1) / head_dim + eps) * w
+
+
+def rope_heads(x: jax.Array, cos: jax.Array, sin_signed: jax.Array, head_dim: int) -> jax.Array:
+    """rope of each head_dim-wide head of x [N, K] (K = head_dim: rope); cos / sin from
+    rope_tables(..., heads=K // head_dim). Two 64-wide heads [a1 a2 b1 b2] (32 lanes each):
+    the per-head half swap [a2 a1 b2 b1] takes lanes i % 64 < 32 from roll(x, 96) (x[i + 32],
+    jnp.roll's convention, which pltpu.roll follows) and the others from roll(x, 32) (x[i - 32])."""
+    if x.shape[-1] == head_dim:
+        return rope(x, cos, sin_signed)
+    k, half = x.shape[-1], head_dim // 2
+    low = jax.lax.rem(_lane(x), head_dim) < half
+    swapped = jnp.where(low, pltpu.roll(x, k - half, 1), pltpu.roll(x, half, 1))
+    return x * cos + swapped * sin_signed
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -53,6 +53,7 @@ MAX_SIZES = {
     "router_groups": 4096,
     "router_topk_groups": 4096,
     "yarn_original_max_position": 1 << 30,
+    "sliding_window": 1 << 30,
 }
 # The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -109,13 +110,18 @@ class ModelConfig:
     yarn_mscale_all_dim: float = 0.0
     yarn_attention_factor: float = 0.0
     yarn_truncate: bool = True
+    # Sliding-window attention: the layers in `sliding_layers` let a query at position p see
+    # only keys k with p - k < sliding_window (transformers' convention); 0 = no window.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
         # as given for `validate` to reject by name).
-        dl = self.dense_layers
-        if isinstance(dl, (list, tuple)) and all(_is_int(i) for i in dl):
-            object.__setattr__(self, "dense_layers", tuple(sorted(set(dl))))
+        for name in ("dense_layers", "sliding_layers"):
+            dl = getattr(self, name)
+            if isinstance(dl, (list, tuple)) and all(_is_int(i) for i in dl):
+                object.__setattr__(self, name, tuple(sorted(set(dl))))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -164,6 +170,16 @@ class ModelConfig:
             need(not self.dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
         if self.num_dense_layers:  # closed form: no loop over num_layers
             need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
+        need(_is_int(self.sliding_window) and 0 <= self.sliding_window <= MAX_SIZES["sliding_window"],
+             "sliding_window", f"a non-negative integer at most {MAX_SIZES['sliding_window']:,} (0: no window)")
+        need(isinstance(self.sliding_layers, tuple) and all(_is_int(i) for i in self.sliding_layers),
+             "sliding_layers", "a list of layer indices")
+        need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
+             f"layer indices in [0, {self.num_layers})")
+        if self.sliding_window:
+            need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
+        else:
+            need(not self.sliding_layers, "sliding_layers", "empty when sliding_window = 0 (no window)")
         self._validate_mla_and_routing(need)
 
     def _validate_mla_and_routing(self, need) -> None:
@@ -262,6 +278,10 @@ class ModelConfig:
     def layer_is_dense(self, i: int) -> bool:
         return (not self.is_moe) or i in self.dense_layers
 
+    def layer_window(self, i: int) -> int:
+        """Layer i's attention window (a query at p sees keys k with p - k < window), 0 = full."""
+        return self.sliding_window if i in self.sliding_layers else 0
+
     def layer_param_counts(self, i: int) -> dict[str, int]:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
@@ -314,6 +334,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["dense_layers"] = list(self.dense_layers)
+        d["sliding_layers"] = list(self.sliding_layers)
         return d
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -366,8 +387,9 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
     for key, value in data.items():
         if key in _FLOAT_FIELDS and _is_int(value) and _is_number(value):
             data = {**data, key: float(value)}
-        if key == "dense_layers" and not (isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
-            raise ConfigError(f"{source}: field 'dense_layers' = {value!r}: expected a list of layer indices")
+        if key in ("dense_layers", "sliding_layers") and not (
+                isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
+            raise ConfigError(f"{source}: field '{key}' = {_short_repr(value)}: expected a list of layer indices")
     try:
         return ModelConfig(**data)
     except ConfigError as e:
@@ -393,7 +415,18 @@ _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
     "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
     "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
+    "gpt_oss": "attention sinks of gpt-oss",
+    "gemma2": "attention logit soft-capping of Gemma 2",
+    "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
+# Config fields that change the math of a supported model type when set (not modelled).
+_HF_UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "sinks": "attention sinks",
+    "use_sinks": "attention sinks",
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
@@ -416,11 +449,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
     if hf.bool_("attention_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
-    if hf.bool_("use_sliding_window", False):
-        raise NotSupportedError(f"{source}: not supported yet: sliding-window attention")
-    layer_types = hf.list_("layer_types", str, "a list of layer type names")
-    if any(t != "full_attention" for t in layer_types):
-        raise NotSupportedError(f"{source}: not supported yet: sliding-window attention (layer_types)")
+    for key, what in _HF_UNSUPPORTED_FIELDS.items():
+        if data.get(key) not in (None, False):
+            raise NotSupportedError(f"{source}: not supported yet: {what} ({key})")
     # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
     # top-level `rope_theta` plus an optional `rope_scaling`.
     for key in ("rope_scaling", "rope_parameters"):
@@ -465,6 +496,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         tie_embeddings=hf.bool_("tie_word_embeddings", False),
         dtype=dtype,
     )
+    fields.update(_hf_sliding_window(hf, mt, n_layers))
     if mt == "qwen3_moe":
         step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
         mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
@@ -543,6 +575,37 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
             yarn_truncate=r.bool_("truncate", True),
         )
     return fields
+def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any]:
+    """sliding_window / sliding_layers as transformers reads them: the window is
+    `sliding_window` only when `use_sliding_window` is true. Qwen3: the sliding layers are those
+    `layer_types` names "sliding_attention", or (without layer_types) the layers from
+    `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types)."""
+    layer_types = hf.list_("layer_types", str, "a list of layer type names")
+    if mt == "qwen3":
+        for t in layer_types:
+            if t not in _LAYER_TYPES:
+                raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
+                                        f"(supported: {', '.join(_LAYER_TYPES)})")
+        if layer_types and len(layer_types) != n_layers:
+            raise ConfigError(f"{hf.source}: field 'layer_types' has {len(layer_types)} entries: expected one per "
+                              f"layer ({n_layers})")
+    window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
+        if hf.bool_("use_sliding_window", False) else None
+    if mt == "qwen3" and window is None and "sliding_attention" in layer_types:
+        raise ConfigError(f"{hf.source}: field 'layer_types' names sliding_attention layers but there is no "
+                          "window (use_sliding_window false or sliding_window null)")
+    if window is None:
+        return {}
+    if window < 1:
+        raise ConfigError(f"{hf.source}: field 'sliding_window' = {window}: expected a positive integer")
+    if mt != "qwen3":
+        layers = list(range(n_layers))
+    elif layer_types:
+        layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    else:
+        first = hf.int_("max_window_layers", 1 << 30, default=28)
+        layers = list(range(first, n_layers))
+    return {"sliding_window": window, "sliding_layers": layers} if layers else {}
 
 
 def _json_kind(v: Any) -> str:

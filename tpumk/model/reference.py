@@ -15,7 +15,8 @@ hand it to) caches one latent row per token in `k` (`[..., kv_lora_rank + qk_rop
 and nothing in `v` (`[..., 0]`).
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
-returns `lengths = max(lengths, last position + 1)`.
+returns `lengths = max(lengths, last position + 1)`. In a sliding-window layer
+(`ModelConfig.layer_window`) a query at p sees only the keys k with p - k < window.
 
 Positions contract (checked on the host by `tpumk.model.positions.check_step`, which generate,
 speculation and loaded artifacts call by default): per sequence b the step's positions are
@@ -228,8 +229,11 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
 
 
 def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-           k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+           k_pos: jax.Array, k_valid: jax.Array, window: int = 0) -> jax.Array:
     """GQA attention. q [B,T,Hq,D] f32; k, v [B,S,Hkv,D]; q_pos [B,T]; k_pos, k_valid [B,S].
+
+    window > 0 (a sliding-window layer): a query at p sees only keys k with p - k < window
+    (transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
 
     Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D);
     the softmax runs in float32; probabilities are cast to the cache dtype for p . v.
@@ -240,6 +244,8 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = s / np.sqrt(cfg.head_dim)
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
+    if window:
+        mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
     s = jnp.where(mask, s, -jnp.inf)
     # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
     p = jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
@@ -288,7 +294,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        o = attend(cfg, q, ks, vs, positions, k_pos, k_valid)
+        o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
@@ -309,7 +315,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
         q, k, v = qkv(cfg, layer, h, pos)
-        o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool))
+        o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)

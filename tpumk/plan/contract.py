@@ -16,7 +16,8 @@ dt the model dtype. Operands, in order:
     lengths       smem  int32 [B]                     cache.lengths (tokens cached before the step)
     positions     smem  int32 [B, q_len]              the new tokens' positions
     x0            vmem  f32 [N, H]                    embedded token rows (gathered by the glue)
-    cos, sin      vmem  f32 [N, D]                    RoPE rows (sin signed, `norms.rope_tables`)
+    cos, sin      vmem  f32 [N, D]                    RoPE rows (sin signed, `norms.rope_tables`;
+                                                      head_dim 64: each row twice, D = 128)
     final_norm    vmem  f32 [1, H]                    packed.final_norm
     layer_vectors hbm   f32 [L, 8, W]                 packed.layer_vectors (norm rows, see layout)
     <family>      hbm   dt  packed tiles              packed.<family> for each streamed family, in
@@ -42,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, smem, vmem
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, heads_per_lane_block, smem, vmem
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
@@ -157,7 +158,8 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
 
 def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     cfg, n = plan.cfg, plan.rows
-    h, d = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
+    d = cfg.head_dim * heads_per_lane_block(cfg.head_dim)  # 64-wide heads: rows tiled to 128 lanes
     cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
     out = [
         _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),

@@ -140,6 +140,12 @@ def hbm(name: str, shape: Sequence[int], dtype: str, layout: str = "") -> Buffer
 
 
 # ---------------------------------------------------------------------- attention
+def heads_per_lane_block(head_dim: int) -> int:
+    """Heads that share one 128-lane block in the kernel: 2 for 64-wide heads (no padding,
+    see AttentionGeometry), else 1 (a head is one or more whole lane blocks)."""
+    return 2 if head_dim == LANE // 2 else 1
+
+
 @dataclass(frozen=True)
 class AttentionGeometry:
     """Static facts of the attention stage: model shape, cache shape and two tuning knobs.
@@ -150,6 +156,16 @@ class AttentionGeometry:
         are masked), so no tile DMA reads past the last page the sequence uses this step (page
         ids are also clipped into the pool, so no DMA ever leaves the cache).
     kv_buffers: VMEM tile slots (>= 2); kv_buffers - 1 tiles are in flight during compute.
+    windows: per layer, its sliding window (0: full attention); empty: every layer is full.
+        A sliding layer streams only the tiles holding keys inside some query's window.
+
+    Head dim 64: a cache row holds the heads side by side with no padding (the KV bytes are
+    num_kv_heads * 64 per token), and the stage works on 128-lane blocks of `heads_per_block`
+    = 2 kv heads: the two heads' queries are stacked into one block-diagonal query block
+    (head p's rows carry its q in lanes p*64 .. p*64+63 and zeros elsewhere), so one matmul
+    against the 128-lane K block gives both heads' scores, and p.V the two heads' outputs in
+    their own lane halves (the cross-head quadrants are computed and dropped: the MXU pass is
+    128 lanes wide either way).
     """
 
     batch: int
@@ -163,14 +179,16 @@ class AttentionGeometry:
     kv_tile_pages: int
     kv_buffers: int
     dtype: str
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
                     kv_tile_pages: int, kv_buffers: int) -> "AttentionGeometry":
+        windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers)) if cfg.sliding_window else ()
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
-                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype)
+                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -185,6 +203,40 @@ class AttentionGeometry:
     @property
     def q_size(self) -> int:
         return self.num_q_heads * self.head_dim
+
+    @property
+    def heads_per_block(self) -> int:
+        """KV heads per lane block the stage computes on: 2 for head_dim 64, else 1."""
+        return heads_per_lane_block(self.head_dim)
+
+    @property
+    def head_blocks(self) -> int:
+        return self.num_kv_heads // self.heads_per_block
+
+    @property
+    def block_lanes(self) -> int:
+        """Lanes of one block: head_dim, or 128 for two 64-wide heads."""
+        return self.head_dim * self.heads_per_block
+
+    @property
+    def block_rows(self) -> int:
+        """Query rows of one block: q_rows per head of the block, stacked."""
+        return self.q_rows * self.heads_per_block
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.windows[layer] if self.windows else 0
+
+    def window_runs(self) -> list[tuple[int, int, int]]:
+        """(first layer, end layer, window) of each run of consecutive layers with one nonzero
+        window: the kernel selects a traced layer's window with one compare per run."""
+        runs: list[tuple[int, int, int]] = []
+        for i, w in enumerate(self.windows):
+            if w and runs and runs[-1][1] == i and runs[-1][2] == w:
+                runs[-1] = (runs[-1][0], i + 1, w)
+            elif w:
+                runs.append((i, i + 1, w))
+        return runs
 
     @property
     def tokens(self) -> int:
@@ -237,8 +289,15 @@ class AttentionGeometry:
         need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads",
              f"a divisor of num_q_heads ({self.num_q_heads})")
-        need(self.head_dim % LANE == 0, "head_dim",
-             f"a multiple of {LANE} (each head is a lane-aligned slice of a cache row)")
+        need(self.head_dim % LANE == 0 or self.head_dim == LANE // 2, "head_dim",
+             f"64 or a multiple of {LANE} (heads are lane-aligned slices of a cache row, or two "
+             f"64-wide heads share one {LANE}-lane block)")
+        need(self.num_kv_heads % self.heads_per_block == 0, "num_kv_heads",
+             f"a multiple of {self.heads_per_block} (head_dim {self.head_dim}: kv heads go in pairs per "
+             f"{LANE}-lane block)")
+        need(isinstance(self.windows, tuple) and len(self.windows) in (0, self.num_layers)
+             and all(isinstance(w, int) and w >= 0 for w in self.windows), "windows",
+             f"empty or one non-negative window per layer ({self.num_layers})")
         sub = SUBLANES[self.dtype]
         need(self.page_size % sub == 0, "page_size",
              f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "
@@ -256,7 +315,7 @@ class AttentionGeometry:
         the other row counts are padded), so the logical bytes are the bytes VMEM allocates."""
         dt = self.dtype
         nb, s, p, hd = self.kv_buffers, self.tile_rows, self.page_size, self.kv_size
-        hkv, r, d = self.num_kv_heads, self.q_rows, self.head_dim
+        hkv, r, d = self.head_blocks, self.block_rows, self.block_lanes
         return (
             vmem("k_tiles", (nb, s, hd), dt, "streamed K tiles: [slot, token of the tile, kv heads along lanes]"),
             vmem("v_tiles", (nb, s, hd), dt, "same for V"),
@@ -266,13 +325,14 @@ class AttentionGeometry:
             vmem("new_rows", (2, self.staged_rows, hd), "float32",
                  "[k_new | v_new, token row b*q_len + i, kv heads]: one row addressable at a time"),
             vmem("q_heads", (self.batch, hkv, r, d), "float32",
-                 "q regrouped per kv head: [b, h] row g*q_len + i = q head h*group + g of token i; then o"),
+                 "q regrouped per kv head block: [b, j] row p*q_rows + g*q_len + i = q head h*group + g of "
+                 "token i (h = j*heads_per_block + p, in lanes p*head_dim ..); then o"),
             vmem("m", (hkv, r, LANE), "float32", "running max, lane-replicated"),
             vmem("l", (hkv, r, LANE), "float32", "running sum, lane-replicated"),
             vmem("acc", (hkv, r, d), "float32", "running p.v"),
             vmem("flat", (self.staged_rows, self.q_size), "float32", "q as given ([B*q_len, Hq*D], b-major), later o"),
-            smem("seq_meta", (self.batch * (2 + self.q_len),), "int32",
-                 "per sequence b at b*(2+q_len): ntiles, npages, then the page of each new token"),
+            smem("seq_meta", (self.batch * (3 + self.q_len),), "int32",
+                 "per sequence b at b*(3+q_len): end tile, npages, first tile, then the page of each new token"),
             dma_sems("tile_sems", (2, self.kv_buffers), "[K | V, tile slot]"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, patch slot]"),
         )
@@ -287,8 +347,9 @@ class AttentionGeometry:
         2*kv_buffers*tile_rows*kv_size*itemsize          KV tile slots
         + 2*(B*q + 1)*page_size*kv_size*itemsize        patch pages (per new token, + sink)
         + 4*(2*Bq8*kv_size + Bq8*q_size)                 staged new K/V rows, q in / o out
-        + 4*B*Hkv*R*D + 4*Hkv*R*(2*128 + D)              per-head q/o, softmax m, l, acc
-        with Bq8 = round_up(B*q, 8), R = round_up(group*q, 8)."""
+        + 4*B*Hb*Rb*Db + 4*Hb*Rb*(2*128 + Db)            per-block q/o, softmax m, l, acc
+        with Bq8 = round_up(B*q, 8), R = round_up(group*q, 8), and per head block (heads_per_block
+        kv heads) Hb = Hkv / heads_per_block, Rb = heads_per_block * R, Db = heads_per_block * D."""
         return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
 
     def temporaries_bytes(self) -> int:
@@ -305,63 +366,82 @@ class AttentionGeometry:
         hidden 2048, bf16), Mosaic's scoped VMEM beyond the contract's buffers was 0.3-3.4 MiB and
         grew by at most 0.12 MiB from kv_tile_pages 1 to 32 (16 query rows per kv head); the
         bound keeps the plan safe if the compiler materialises more of them."""
-        s, r, isz = self.tile_rows, self.q_rows, self.itemsize
+        s, r, isz = self.tile_rows, self.block_rows, self.itemsize
         s_lanes = round_up(s, LANE)
         per_head = r * s_lanes * (4 + 4 + isz)
         masked_v = round_up(s, SUBLANES[self.dtype]) * round_up(self.kv_size, LANE) * isz
         mask = r * s_lanes * 4
-        return self.num_kv_heads * per_head + masked_v + mask
+        return self.head_blocks * per_head + masked_v + mask
 
     def smem_bytes(self) -> int:
-        """SMEM scratch: per sequence, its tile count, page count and each new token's page."""
-        return 4 * self.batch * (2 + self.q_len)
+        """SMEM scratch: per sequence, its end and first tile, page count and each new token's page."""
+        return 4 * self.batch * (3 + self.q_len)
 
     def dma_semaphores(self) -> int:
         """DMA semaphores the stage allocates: (K, V) x kv_buffers + (read, write) x B*q."""
         return 2 * self.kv_buffers + 2 * self.tokens
 
-    def dma_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None) -> dict[str, int]:
+    def dma_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None,
+                   window: int = 0) -> dict[str, int]:
         """Page DMAs of one layer for concrete `positions` [B, q] (the kernel's own logic).
 
         hbm_tile_pages: pages streamed from HBM into tile slots; local_tile_pages: tile pages
-        copied from a patched page in VMEM; patched_pages: pages read, patched and written back.
-        Each count is per cache (K and V each move this many pages). Clamped as the kernel
-        clamps: positions outside [0, capacity) patch nothing, and a sequence streams
+        copied from a patched page in VMEM; patched_pages: pages read, patched and written back;
+        tiles: (sequence, tile) steps of the tile loop. Each page count is per cache (K and V
+        each move this many pages). Clamped as the kernel clamps: positions outside [0, capacity)
+        patch nothing, and a sequence streams the tiles from `first_key // tile_rows` up to
         max(largest in-range position + 1, min(length, capacity) if a position is at or past the
-        capacity, 1) rows; `lengths` [B] (tokens cached before the step) default to the capacity."""
+        capacity, 1) rows; `lengths` [B] (tokens cached before the step) default to the capacity.
+        first_key is 0, or with a sliding `window` the lowest key some query's window holds:
+        min over non-negative positions p of max(p - window + 1, 0), at most the last row."""
         positions = np.asarray(positions).reshape(self.batch, self.q_len)
         p, s, kt = self.page_size, self.tile_rows, self.kv_tile_pages
         cap = self.pages_per_seq * p
         lengths = np.full(self.batch, cap) if lengths is None else np.asarray(lengths).reshape(self.batch)
-        hbm = local = patched = 0
+        hbm = local = patched = tiles = 0
         for row, n in zip(positions, lengths):
             n = min(max(int(n), 0), cap)
             kv_end = max([1] + [int(x) + 1 if 0 <= x < cap else (n if x >= cap else 0) for x in row])
             npages, ntiles = -(-kv_end // p), -(-kv_end // s)
+            first = 0
+            if window:
+                first = min([kv_end - 1] + [max(int(x) - window + 1, 0) for x in row if x >= 0]) // s
             written = {int(x) // p for x in row if 0 <= x < cap}
             patched += len(written)
-            # Tile page slot lp holds page min(lp, npages - 1): pages 0 .. npages - 2 once each,
-            # the last page in every remaining slot. Closed form (no loop over the context).
-            slots = ntiles * kt
-            uses = {pg: (slots - (npages - 1) if pg == npages - 1 else 1) for pg in written if 0 <= pg < npages}
+            # Tile page slot lp (from first * kt on) holds page min(lp, npages - 1): pages
+            # first*kt .. npages - 2 once each, the last page in every remaining slot. Closed
+            # form (no loop over the context). A written page is never below the first tile.
+            slots = (ntiles - first) * kt
+            last_uses = slots - (npages - 1 - first * kt)
+            uses = {pg: (last_uses if pg == npages - 1 else 1) for pg in written if first * kt <= pg < npages}
             local += sum(uses.values())
             hbm += slots - sum(uses.values())
-        return {"hbm_tile_pages": hbm, "local_tile_pages": local, "patched_pages": patched}
+            tiles += ntiles - first
+        return {"hbm_tile_pages": hbm, "local_tile_pages": local, "patched_pages": patched, "tiles": tiles}
+
+    def layer_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None
+                     ) -> list[tuple[int, dict[str, int]]]:
+        """(layers, dma_counts) per distinct window: the counts of every layer of the step."""
+        if not self.windows:
+            return [(self.num_layers, self.dma_counts(positions, lengths))]
+        return [(self.windows.count(w), self.dma_counts(positions, lengths, w))
+                for w in sorted(set(self.windows))]
 
     def hbm_bytes(self, context_lengths: Sequence[int], positions: np.ndarray | None = None) -> int:
         """KV-cache bytes read + written in HBM by one decode step over all layers.
 
         `context_lengths` [B] are the tokens cached before the step; the new tokens sit at
         positions length .. length + q_len - 1 unless `positions` [B, q] is given. Counts the
-        tile pages streamed from HBM, the pages read for patching and the pages written back,
-        for K and V, times num_layers. Pages repeated to fill a sequence's last tile are its
-        last page, which the step always writes, so they are VMEM copies and cost no HBM."""
+        tile pages streamed from HBM (a sliding-window layer only its window's tiles), the pages
+        read for patching and the pages written back, for K and V, summed over the layers.
+        Pages repeated to fill a sequence's last tile are its last page, which the step always
+        writes, so they are VMEM copies and cost no HBM."""
         lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
         if positions is None:
             positions = lengths[:, None] + np.arange(self.q_len)[None, :]
-        c = self.dma_counts(positions, lengths)
-        pages = c["hbm_tile_pages"] + 2 * c["patched_pages"]
-        return 2 * pages * self.page_bytes * self.num_layers
+        pages = sum(n * (c["hbm_tile_pages"] + 2 * c["patched_pages"])
+                    for n, c in self.layer_counts(positions, lengths))
+        return 2 * pages * self.page_bytes
 
 
 # ---------------------------------------------------------------------- mixture of experts

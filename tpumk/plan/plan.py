@@ -32,7 +32,7 @@ from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_b
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, heads_per_lane_block, AllReduceGeometry, AttentionGeometry,
                                  MoEGeometry, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -288,6 +288,18 @@ class Plan:
         """HBM floor of one step: bytes moved / the target's HBM bandwidth."""
         return self.hbm_bytes / self.target.hbm_bandwidth
 
+    def attention_summary(self) -> dict[str, Any]:
+        """How the attention stage lays out heads and which layers slide (plain data)."""
+        a = self.attention
+        return {
+            "head_dim": a.head_dim, "kv_heads": a.num_kv_heads,
+            "kv_heads_per_128_lanes": a.heads_per_block,
+            # unpadded: 64-wide heads share lane blocks, so a cached token is Hkv * D per cache
+            "kv_cache_bytes_per_token_per_layer": 2 * a.kv_size * a.itemsize,
+            "sliding_window": self.cfg.sliding_window,
+            "sliding_layers": sum(1 for w in a.windows if w),
+        }
+
     def summary(self) -> dict[str, Any]:
         """Plain data for reports and JSON (every number says what it counts)."""
         return {
@@ -302,6 +314,7 @@ class Plan:
             "families": {n: f.summary() for n, f in self.families.items()},
             "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
                           "tiles_per_layer": s.tiles_per_layer} for s in self.segments],
+            "attention": self.attention_summary(),
             "vmem_bytes": dict(self.vmem), "vmem_total_bytes": self.vmem_total,
             "vmem_temporaries_bytes": dict(self.vmem_temporaries), "vmem_needed_bytes": self.vmem_needed,
             "vmem_budget_bytes": self.vmem_budget, "vmem_limit_bytes": self.vmem_limit, "vmem_capacity_bytes": self.target.vmem_bytes,
@@ -379,8 +392,8 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
                     ("num_kv_heads * head_dim", cfg.kv_size)):
         if v % LANE:
             raise PlanError(f"model '{cfg.name}': {what} = {v} must be a multiple of {LANE} (TPU lane tile)")
-    if cfg.head_dim % LANE:
-        raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs a multiple of {LANE}")
+    if cfg.head_dim % LANE and cfg.head_dim != LANE // 2:
+        raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs 64 or a multiple of {LANE}")
 
     # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
     present = ["qkv", "o", "lm_head"] + (["gate_up", "down"] if n_dense else []) \
@@ -567,7 +580,8 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
-    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * cfg.head_dim + plan.vocab_pad))
+    rope_lanes = cfg.head_dim * heads_per_lane_block(cfg.head_dim)  # cos/sin rows (contract)
+    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
     if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
         out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
     return out
@@ -613,9 +627,9 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
             out[f"ring_{n}_scales"] = {"count": count, "bytes_each": f.scale_tile_bytes}
     att = plan.attention
     lengths = _full_lengths(plan)
-    c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths])
-    pages = c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"]
-    out["kv_cache_pages"] = {"count": 2 * plan.cfg.num_layers * pages, "bytes_each": att.page_bytes}
+    pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
+                for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
+    out["kv_cache_pages"] = {"count": 2 * pages, "bytes_each": att.page_bytes}
     if plan.moe is not None:
         m = plan.moe
         distinct = m.expected_distinct_experts()
