@@ -157,3 +157,24 @@ def test_qwen3_32b_on_8_tpu7x_devices_compiles():
     assert shapes["p['layers'][0]['w_down']"] == (cfg.ffn_size // 8, cfg.hidden_size)
     m = xla_step(TPU7X, p.hlo_text, devices=8)
     assert m.stages["collectives"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_quantized_weights_shard_with_their_scales(ep):
+    """`--quant int4` on 4 devices: the codes shard as the matrices, the scales follow them
+    (column splits cut their columns, row splits cut whole 128-row groups or keep them whole,
+    the expert split cuts the expert axis), and XLA compiles the SPMD step."""
+    cfg = load_preset("tiny-moe")
+    p = xs.compile_xla_spmd(cfg, 1, 4096, 1, TPU7X, 4, ep, quant="int4")
+    shapes = xs.entry_parameter_shapes(p.hlo_text)
+    e, h, fe = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+    gate_q, gate_s = shapes["p['layers'][1]['e_gate'].q"], shapes["p['layers'][1]['e_gate'].scale"]
+    down_q, down_s = shapes["p['layers'][1]['e_down'].q"], shapes["p['layers'][1]['e_down'].scale"]
+    if ep:  # expert parallel: a quarter of the experts, whole
+        assert gate_q == (e // 4, h, fe) and gate_s == (e // 4, h // 128, fe)
+        assert down_q == (e // 4, fe, h) and down_s == (e // 4, fe // 128, h)
+    else:  # expert-tensor: a quarter of each expert's width; down's rows keep their scale groups
+        assert gate_q == (e, h, fe // 4) and gate_s == (e, h // 128, fe // 4)
+        assert down_q == (e, fe // 4, h) and down_s[0] == e and down_s[2] == h
+    wq = shapes["p['layers'][0]['wq'].q"]  # int8 per column: the column scales split with the columns
+    assert shapes["p['layers'][0]['wq'].scale"] == (wq[1],) and p.collective_ops > 0

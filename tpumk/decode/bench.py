@@ -399,7 +399,7 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
     verify step's modelled cost under "verify" (see `verify_step`). `spec.devices` > 1: see
     `run_bench_devices` (`compiler_estimate` is used only there)."""
     from tpumk.build import build
-    from tpumk.errors import ConfigError, TargetError
+    from tpumk.errors import TargetError
 
     cfg, target, batch, q_len = spec.model, spec.target, spec.batch, spec.q_len
     if target.interpret:
@@ -407,9 +407,6 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                           "about TPU speed; choose a TPU target (v5e, v5p, v6e, tpu7x)")
     attached = target.attached_device() is not None
     if spec.devices > 1:
-        if spec.quant != "none":
-            raise ConfigError(f"bench: --quant {spec.quant} with --devices {spec.devices}: the XLA SPMD baseline "
-                              "does not shard quantized weights yet; bench one device, or the unquantized step")
         if measure:
             raise TargetError(f"bench: devices = {spec.devices}: on-device timing is implemented for one device "
                               f"only; bench {spec.devices} devices by the model (no timing) or time one device")
@@ -492,7 +489,8 @@ def run_bench_devices(spec: BuildSpec, keep_hlo: bool = False, verify_q: int = 8
     b = build(spec, estimate=False)
     plan = b.plan
     ep, why = xla_expert_parallel(plan)
-    xp = compile_xla_spmd(plan.whole_model, plan.batch, plan.context, plan.q_len, plan.target, plan.devices, ep)
+    xp = compile_xla_spmd(plan.whole_model, plan.batch, plan.context, plan.q_len, plan.target, plan.devices, ep,
+                          plan.quant)
     cost = xp.compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}

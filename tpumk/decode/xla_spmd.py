@@ -53,6 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpumk.decode.bench import CompiledProgram, compile_placed, xla_decode_step, xla_step_specs
 from tpumk.errors import CompileError, ConfigError
 from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import QuantizedMatrix
 from tpumk.targets import Target, mesh_devices, topology_for
 
 AXIS = "tp"  # the devices' one axis, as the caller's mesh names it
@@ -156,17 +157,38 @@ def _check_mesh(mesh: Mesh) -> None:
         raise ConfigError(f"mesh: axis names {tuple(mesh.axis_names)}: expected the one axis ('{AXIS}',)")
 
 
+def scale_spec(matrix: P, qm: QuantizedMatrix, ways: int) -> P:
+    """The sharding of a quantized matrix's scales, following its codes' `matrix` spec: a
+    column split cuts the scales' columns alike; a row split keeps per-column scales whole
+    (replicated) and cuts group scales by their groups when whole groups fall to each of the
+    `ways` devices (else keeps them whole); a leading (expert) split cuts them alike."""
+    if matrix == REPLICATED:
+        return REPLICATED
+    parts = tuple(matrix) + (None,) * (len(qm.q.shape) - len(tuple(matrix)))
+    lead, row, col = parts[:-2], parts[-2], parts[-1]
+    if not qm.grouped:
+        return P(*lead, col)
+    groups = qm.scale.shape[-2]
+    whole = row is not None and qm.q.shape[-2] % ways == 0 and (qm.q.shape[-2] // ways) % qm.group == 0 \
+        and groups % ways == 0
+    return P(*lead, row if whole else None, col)
+
+
 def xla_spmd_specs(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh: Mesh,
-                   expert_parallel: bool = False) -> tuple:
+                   expert_parallel: bool = False, quant: str = "none") -> tuple:
     """`xla_step_specs`' (params, tokens, positions, k_cache, v_cache, lengths), each a global
     ShapeDtypeStruct carrying its NamedSharding, per `spmd_layout`. `mesh` is 1-D ("tp"); the
-    shardings use it factored as `SpmdLayout.mesh` (same devices, same order)."""
+    shardings use it factored as `SpmdLayout.mesh` (same devices, same order). With `quant`
+    the quantized matrices' codes shard as the matrices and their scales follow (`scale_spec`)."""
     _check_mesh(mesh)
     layout = spmd_layout(cfg, int(mesh.size), expert_parallel)
     m = layout.mesh(mesh)
-    params, tok, pos, kc, vc, lengths = xla_step_specs(cfg, batch, context, q_len)
+    params, tok, pos, kc, vc, lengths = xla_step_specs(cfg, batch, context, q_len, quant)
 
-    def on(s: jax.ShapeDtypeStruct, spec: P) -> jax.ShapeDtypeStruct:
+    def on(s, spec: P):
+        if isinstance(s, QuantizedMatrix):
+            return QuantizedMatrix(on(s.q, spec), on(s.scale, scale_spec(spec, s, layout.devices)),
+                                   on(s.compute, REPLICATED))
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(m, spec))
 
     sharded = {k: on(v, layout.params[k]) for k, v in params.items() if k != "layers"}
@@ -207,7 +229,7 @@ class SpmdProgram(CompiledProgram):
 
 
 def compile_xla_spmd(cfg: ModelConfig, batch: int, context: int, q_len: int, target: Target, devices: int,
-                     expert_parallel: bool = False) -> SpmdProgram:
+                     expert_parallel: bool = False, quant: str = "none") -> SpmdProgram:
     """The XLA decode step sharded over `devices` devices of `target` (deviceless unless they
     are attached), compiled by XLA's SPMD partitioner; caches donated as in serving."""
     from tpumk.compile.aot import compiler_error_line
@@ -215,7 +237,7 @@ def compile_xla_spmd(cfg: ModelConfig, batch: int, context: int, q_len: int, tar
 
     layout = spmd_layout(cfg, devices, expert_parallel)  # refuses bad input before any compile
     mesh = spmd_mesh(target, devices)
-    specs = xla_spmd_specs(cfg, batch, context, q_len, mesh, expert_parallel)
+    specs = xla_spmd_specs(cfg, batch, context, q_len, mesh, expert_parallel, quant)
     try:
         prog = compile_placed(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n), specs,
                               donate_argnums=(3, 4), out_shardings=xla_spmd_out_shardings(cfg, mesh, expert_parallel))
