@@ -73,7 +73,8 @@ def main(argv=None) -> int:
                     help="with --devices: skip the megakernel's static-profile compile")
     ap.add_argument("--remodel", metavar="ROWS_JSON", help="re-run the model on rows saved with --out/--save-hlo")
     ap.add_argument("--constants", metavar="LATENCY,DESCRIPTOR,DISPATCH",
-                    help="with --remodel: the timeline model's three constants in seconds (sensitivity runs)")
+                    help="with --remodel: the timeline model's three constants in seconds (sensitivity runs; "
+                         "DESCRIPTOR replaces every target's probe figure)")
     args = ap.parse_args(argv)
     if args.remodel:
         return remodel(args)
@@ -139,6 +140,8 @@ def remodel(args) -> int:
     if args.constants:
         costmodel.DMA_LATENCY_S, costmodel.DMA_DESCRIPTOR_S, costmodel.OP_DISPATCH_S = \
             (float(v) for v in args.constants.split(","))
+        for name, eng in list(costmodel.DMA_ENGINE.items()):  # the descriptor cost of every target
+            costmodel.DMA_ENGINE[name] = costmodel.DmaEngine(costmodel.DMA_DESCRIPTOR_S, eng.queue_bytes_per_s)
     rows = json.loads(Path(args.remodel).read_text())
     d = Path(args.save_hlo or ".")
     for row in rows:

@@ -347,7 +347,7 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
                     "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
                            "routed experts gathered per token"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
-        "model_constants": model_source("timeline model"),
+        "model_constants": model_source("timeline model", target),
     }
 
 
@@ -608,7 +608,7 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
                            "Megatron-style, layers unrolled, routed experts gathered per token, XLA's collectives"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "collective_check": published_collective_check(target) if target.name == "tpu7x" else None,
-        "model_constants": model_source("timeline model"),
+        "model_constants": model_source("timeline model", target),
         "interconnect_constants": link,
         "sources": {
             "compile_seconds": "measured on this host",
