@@ -42,7 +42,16 @@ def _row(r: dict) -> dict:
         "xla_tok_s_all": r["tokens_per_second"]["xla"]["aggregate"],
         "step_source": "measured" if mk["measured"] else "model",
         **(_devices_row(r) if r.get("devices", 1) > 1 else {}),
+        **(_serving_row(r) if r.get("serving") else {}),
     }
+
+
+def _serving_row(r: dict) -> dict:
+    """The serving-stack column (XLA + jax's ragged paged attention), always by the model."""
+    sv = r["serving"]
+    return {"serving_compile_s": sv["compile_seconds"], "serving_step_ms": sv["step_seconds"] * 1e3,
+            "speedup_vs_serving": r["speedup_vs_serving"], "serving_floor_fraction": sv["floor_fraction"],
+            "serving_kernels": sv["kernels"], "serving_blocks": r["serving_blocks"]}
 
 
 def _devices_row(r: dict) -> dict:

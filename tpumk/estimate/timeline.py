@@ -119,9 +119,8 @@ SOURCE = ("tpumk timeline model (chip figures from Pallas' table; DMA latency {l
 
 def model_source(what: str, target: Target | None = None) -> str:
     eng = dma_engine(target) if target is not None else DmaEngine(DMA_DESCRIPTOR_S, None)
-    queue = (f", {eng.queue_bytes_per_s / 1e9:.0f} GB/s per DMA queue of the megakernel (both from the compiler's "
-             f"DMA model)"
-             if eng.queue_bytes_per_s else "")
+    queue = (f", {eng.queue_bytes_per_s / 1e9:.0f} GB/s per DMA queue of the Pallas kernels (both from the "
+             "compiler's DMA model)" if eng.queue_bytes_per_s else "")
     return f"{what}: " + SOURCE.format(lat=DMA_LATENCY_S * 1e6, desc=eng.descriptor_s * 1e9, queue=queue,
                                        disp=OP_DISPATCH_S * 1e6)
 
