@@ -24,8 +24,10 @@ How a step is modelled
   with `groups_in_flight` queues outstanding, costs at least groups * (L + s / q) /
   groups_in_flight per item: a ring of a few big tiles, or a KV tile of many pages on one
   semaphore, is bound by its queues, not by its bytes in flight. Applied where tpumk knows
-  the DMA structure (the megakernel's ring and KV tiles); not to XLA's generated kernels,
-  whose DMA structure the HLO does not show.
+  the DMA structure: the megakernel's ring (a queue per tile) and KV tiles (a semaphore per
+  page DMA), and jax's ragged paged attention in the bench's serving column
+  (tpumk.decode.serving); not to XLA's generated kernels, whose DMA structure the HLO does
+  not show.
 - **MXU.** A matmul whose stationary operand (the weight tile, the K or V tile) has E elements
   takes at least 2 * E * mxu_cols / peak: the operand must be pushed through a systolic array
   `mxu_cols` wide whatever the number of rows streamed past it, so decode-sized matmuls run at
@@ -288,9 +290,9 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float) ->
     per_head = mxu_seconds(t, a.tile_rows * a.head_dim, 2.0 * a.q_rows * a.tile_rows * a.head_dim, _passes(a.dtype))
     compute = 2 * a.num_kv_heads * per_head  # q.k^T and p.v per kv head
     descriptors = 2 * a.kv_tile_pages
-    # K and V each signal one semaphore per tile slot (two queues per tile); kv_buffers tiles are
+    # every page DMA (K and V) signals its own semaphore (a queue each); kv_buffers tiles are
     # outstanding when a tile is waited for (the refill is issued before the wait)
-    load = load_seconds(t, tile_hbm, window, descriptors, 2, 2 * a.kv_buffers)
+    load = load_seconds(t, tile_hbm, window, descriptors, descriptors, descriptors * a.kv_buffers)
     kv = DMA_LATENCY_S + n_tiles * max(load, compute)
     # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
     side = 2 * patched * pb + extra_bytes
