@@ -49,7 +49,7 @@ DEEP_GROUPED = [(16, 16, nb) for nb in (8, 16)] + [(16, 4, nb) for nb in (32, 64
 
 
 def probe_kernel(rows_per_dma: int, dmas_per_slot: int, depth: int, total_rows: int, scatter: bool,
-                 sem_per_dma: bool = False):
+                 sem_per_dma: bool = False, outer: int = 1):
     """(fn, arg specs, bytes moved, DMAs issued) of one probe variant (see the module doc)."""
     import jax
     import jax.numpy as jnp
@@ -72,24 +72,34 @@ def probe_kernel(rows_per_dma: int, dmas_per_slot: int, depth: int, total_rows: 
                                                  sems.at[slot, j if sem_per_dma else 0]))
             return out
 
-        for g in range(min(depth, count)):
-            for c in copies(g, g):
-                c.start()
+        per_layer = count // outer
 
-        def body(g, acc):
-            slot = jax.lax.rem(g, depth)
-            for c in copies(g, slot):
-                c.wait()
-            acc = acc + ring[slot, pl.ds(0, 8), :].astype(jnp.float32)
-
-            @pl.when(g + depth < count)
-            def _():
-                for c in copies(g + depth, slot):
+        def stream(base, acc):
+            """Steps base .. base + per_layer: `depth` slots in flight, refilled after each wait."""
+            for g in range(min(depth, per_layer)):
+                for c in copies(base + g, g):
                     c.start()
 
-            return acc
+            def body(g, acc):
+                slot = jax.lax.rem(g, depth)
+                for c in copies(base + g, slot):
+                    c.wait()
+                acc = acc + ring[slot, pl.ds(0, 8), :].astype(jnp.float32)
 
-        o_ref[...] = jax.lax.fori_loop(0, count, body, jnp.zeros(o_ref.shape, jnp.float32))
+                @pl.when(g + depth < per_layer)
+                def _():
+                    for c in copies(base + g + depth, slot):
+                        c.start()
+
+                return acc
+
+            return jax.lax.fori_loop(0, per_layer, body, acc)
+
+        acc = jnp.zeros(o_ref.shape, jnp.float32)
+        if outer == 1:
+            o_ref[...] = stream(0, acc)
+        else:  # the same stream split into `outer` layers: a loop nested in a loop, as attention's tiles
+            o_ref[...] = jax.lax.fori_loop(0, outer, lambda layer, a: stream(layer * per_layer, a), acc)
 
     def step(table, x):
         return pl.pallas_call(
@@ -119,7 +129,7 @@ def model_seconds(target, rows_per_dma: int, dmas_per_slot: int, depth: int, tot
 
 
 def run(targets: list[str], total_mib: int, scatter: bool, sweeps: dict[str, list],
-        sem_per_dma: bool = False) -> list[dict]:
+        sem_per_dma: bool = False, outer: int = 1) -> list[dict]:
     from tpumk.compile.aot import compile_for
     from tpumk.estimate import static_profile
     from tpumk.estimate.calibration import calibration_for
@@ -134,7 +144,7 @@ def run(targets: list[str], total_mib: int, scatter: bool, sweeps: dict[str, lis
             for variant in variants:
                 rpd, k, depth = variant[:3]
                 per_dma = bool(variant[3]) if len(variant) > 3 else sem_per_dma
-                fn, specs, nbytes, dmas = probe_kernel(rpd, k, depth, total_rows, scatter, per_dma)
+                fn, specs, nbytes, dmas = probe_kernel(rpd, k, depth, total_rows, scatter, per_dma, outer)
                 static_profile.clear()
                 t0 = time.perf_counter()
                 try:
@@ -144,7 +154,7 @@ def run(targets: list[str], total_mib: int, scatter: bool, sweeps: dict[str, lis
                 except Exception as e:  # noqa: BLE001 - a probe row records the compiler's verdict
                     cycles, err = 0, str(e).splitlines()[0][:200]
                 row = {"target": name, "sweep": sweep, "dma_kib": rpd * ROW_BYTES // 1024, "dmas_per_slot": k,
-                       "depth": depth, "sem_per_dma": per_dma, "scatter": scatter, "in_flight_kib": depth * k * rpd * ROW_BYTES // 1024, "dmas": dmas,
+                       "depth": depth, "outer": outer, "sem_per_dma": per_dma, "scatter": scatter, "in_flight_kib": depth * k * rpd * ROW_BYTES // 1024, "dmas": dmas,
                        "mib": nbytes / 2**20, "cycles": cycles, "cycles_per_dma": cycles / dmas if cycles else None,
                        "cycles_per_mib": cycles / (nbytes / 2**20) if cycles else None,
                        "compiler_us": cal.seconds(cycles) * 1e6 if (cal and cycles) else None,
@@ -168,6 +178,9 @@ def main(argv=None) -> int:
                          "1: a semaphore per DMA)")
     ap.add_argument("--sem-per-dma", action="store_true",
                     help="every DMA of a slot signals its own semaphore (default: one per slot, as attention's tiles)")
+    ap.add_argument("--outer", type=int, default=1,
+                    help="split the stream into this many layers of an outer fori_loop (a nested loop, as the "
+                         "megakernel's attention tiles inside its layer loop)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
 
@@ -181,8 +194,7 @@ def main(argv=None) -> int:
     sweeps = {k: table[k] for k in args.sweep}
     if args.variant:
         sweeps = {"variant": [tuple(int(x) for x in v.split(",")) for v in args.variant]}
-    rows = run(args.target, args.total_mib, args.scatter, sweeps,
-               args.sem_per_dma)
+    rows = run(args.target, args.total_mib, args.scatter, sweeps, args.sem_per_dma, args.outer)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

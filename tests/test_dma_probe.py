@@ -96,3 +96,20 @@ def test_targets_without_probe_figures_keep_the_stated_assumption():
     v5e = get_target("v5e")
     assert cm.dma_engine(v5e) == cm.DmaEngine(cm.DMA_DESCRIPTOR_S, None)
     assert cm.load_seconds(v5e, 512 * KIB, 1 * MIB, 16, 1, 2) == cm.load_seconds(v5e, 512 * KIB, 1 * MIB, 16)
+
+
+def test_compiler_counts_a_nested_stream_once_per_step():
+    """The static profile's blind spot (TPU_FACTS 3) applies to DMA streams: the same 64 MiB
+    stream split over 4 trips of an outer loop (the megakernel's KV tiles inside its layer loop)
+    gets well under half the cycles. So the compiler's estimate of the megakernel does not see
+    attention's per-layer tile trips, and is no check of attention's cost."""
+    env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cycles = {}
+    for outer in (1, 4):
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dma_probe.py"), "--target", "tpu7x",
+                              "--total-mib", "64", "--variant", "64,1,4", "--outer", str(outer)],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        cycles[outer] = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("{")))["cycles"]
+    assert 0 < cycles[4] < 0.6 * cycles[1], cycles
