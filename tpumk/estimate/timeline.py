@@ -53,8 +53,8 @@ real check). Their values are stated assumptions, with the reasoning:
   converted by tpumk.estimate.calibration, so v6e's figures carry its ASSUMED calibration):
   TPU7x: descriptor_s 14 ns (17 cycles per 32 KiB DMA with 256 outstanding, 16 per loop
   step), queue rate 405 GB/s (a single DMA's latency grows by 3,140 cycles per MiB);
-  v6e: 56 ns (27 cycles, an upper bound: 64 outstanding), 355 GB/s (1,430 cycles per MiB). Targets with no static profile
-  (v5e, v5p) keep the earlier stated assumption DMA_DESCRIPTOR_S = 50 ns and no queue limit.
+  v6e: 56 ns (27 cycles, an upper bound: 64 outstanding), 355 GB/s (1,430 cycles per MiB).
+  Targets with no static profile (v5e, v5p) keep the earlier stated assumption DMA_DESCRIPTOR_S = 50 ns and no queue limit.
   The compiler's own unloaded latency (2,820 cycles: 2.3 us on TPU7x, 1.2 us on v6e) is NOT
   adopted for DMA_LATENCY_S: it would also double every XLA op's fill and drain, for which
   the probe says nothing; BENCHMARKS.md has the sensitivity to it.
