@@ -42,7 +42,16 @@ def _row(r: dict) -> dict:
         "xla_tok_s_all": r["tokens_per_second"]["xla"]["aggregate"],
         "step_source": "measured" if mk["measured"] else "model",
         **(_devices_row(r) if r.get("devices", 1) > 1 else {}),
+        **(_serving_row(r) if r.get("serving") else {}),
     }
+
+
+def _serving_row(r: dict) -> dict:
+    """The serving-stack column (XLA + jax's ragged paged attention), always by the model."""
+    sv = r["serving"]
+    return {"serving_compile_s": sv["compile_seconds"], "serving_step_ms": sv["step_seconds"] * 1e3,
+            "speedup_vs_serving": r["speedup_vs_serving"], "serving_floor_fraction": sv["floor_fraction"],
+            "serving_kernels": sv["kernels"], "serving_blocks": r["serving_blocks"]}
 
 
 def _devices_row(r: dict) -> dict:
@@ -73,7 +82,8 @@ def main(argv=None) -> int:
                     help="with --devices: skip the megakernel's static-profile compile")
     ap.add_argument("--remodel", metavar="ROWS_JSON", help="re-run the model on rows saved with --out/--save-hlo")
     ap.add_argument("--constants", metavar="LATENCY,DESCRIPTOR,DISPATCH",
-                    help="with --remodel: the timeline model's three constants in seconds (sensitivity runs)")
+                    help="with --remodel: the timeline model's three constants in seconds (sensitivity runs; "
+                         "DESCRIPTOR replaces every target's probe figure)")
     args = ap.parse_args(argv)
     if args.remodel:
         return remodel(args)
@@ -139,6 +149,8 @@ def remodel(args) -> int:
     if args.constants:
         costmodel.DMA_LATENCY_S, costmodel.DMA_DESCRIPTOR_S, costmodel.OP_DISPATCH_S = \
             (float(v) for v in args.constants.split(","))
+        for name, eng in list(costmodel.DMA_ENGINE.items()):  # the descriptor cost of every target
+            costmodel.DMA_ENGINE[name] = costmodel.DmaEngine(costmodel.DMA_DESCRIPTOR_S, eng.queue_bytes_per_s)
     rows = json.loads(Path(args.remodel).read_text())
     d = Path(args.save_hlo or ".")
     for row in rows:

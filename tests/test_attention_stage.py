@@ -355,7 +355,7 @@ def test_from_config_and_vmem_formula():
                                       kv_tile_pages=3, kv_buffers=3)
     g.validate()
     assert (g.num_layers, g.group, g.kv_size, g.dtype) == (3, 4, 256, "bfloat16")
-    assert (g.smem_bytes(), g.dma_semaphores()) == (4 * 3 * (3 + 2), 2 * 3 + 2 * 6)
+    assert (g.smem_bytes(), g.dma_semaphores()) == (4 * 3 * (3 + 2), 2 * 3 * 3 + 2 * 6)
     # R = round_up(4 * 2, 8), Bq8 = round_up(6, 8); 6 patch pages + the sink (q_len > 1).
     hd, s, r, bq8 = 256, 3 * 16, 8, 8
     want = (2 * 3 * s * hd * 2 + 2 * (6 + 1) * 16 * hd * 2 + 4 * (2 * bq8 * hd + bq8 * 8 * 128)

@@ -67,6 +67,12 @@ def _consistent(r: dict, preset: str, target: str, batch: int, dtype: str | None
         assert side["measured"] is None and side["step_source"].startswith("MODEL, not measured")
         assert side["step_seconds"] == pytest.approx(side["model"]["seconds"])
         assert side["step_seconds"] >= r["floor_seconds"] * 0.999 or name == "xla"
+    # the serving-stack column: XLA + jax's ragged paged attention, one kernel call per layer, by the model
+    sv = r["serving"]
+    assert sv["step_source"].startswith("MODEL, not measured") and sv["compile_seconds"] > 0
+    assert r["speedup_vs_serving"] == pytest.approx(sv["step_seconds"] / mk["step_seconds"])
+    assert sv["model"]["stages"]["pallas: attention (ragged paged attention kernel)"]["seconds"] > 0
+    assert r["tokens_per_second"]["serving"]["aggregate"] == pytest.approx(batch / sv["step_seconds"])
     # one fused program against an op-by-op one
     assert mk["kernels"] < x["kernels"] and x["kernels"] > 5 * cfg.num_layers
     # the megakernel program's model contains its Pallas kernel walked by the plan
@@ -103,6 +109,7 @@ def test_bench_table_prints_provenance():
     assert "MODEL (no TPU attached)" in res.output and "NOT measurements" in res.output
     assert "XLA step / megakernel step" in res.output and "fraction of the HBM floor" in res.output
     assert "verify step (q = 8: 7 drafts + 1)" in res.output and "mean acceptance length" in res.output
+    assert "XLA + ragged paged attn" in res.output and "serving-stack step / megakernel step" in res.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -36,7 +36,7 @@ def test_ring_check_is_not_a_knife_edge(monkeypatch, latency, descriptor):
     """The check holds for DMA latencies from 0.5 to 2 us and descriptor costs from 0 to 200 ns:
     it follows from the bandwidth and the bytes in flight, not from a tuned constant."""
     monkeypatch.setattr(cm, "DMA_LATENCY_S", latency)
-    monkeypatch.setattr(cm, "DMA_DESCRIPTOR_S", descriptor)
+    monkeypatch.setitem(cm.DMA_ENGINE, "tpu7x", cm.DmaEngine(descriptor, cm.DMA_ENGINE["tpu7x"].queue_bytes_per_s))
     assert 0.8 <= cm.published_ring_check(TPU7X)["ratio"] <= 1.2
 
 
@@ -49,7 +49,7 @@ def test_bandwidth_delay_shape():
     assert rates[-1] < bw
     # small DMAs are bound by the descriptor rate, not their bytes
     small = cm.load_seconds(TPU7X, 100 * 4096, 64 * MIB, descriptors=100)
-    assert small == pytest.approx(100 * cm.DMA_DESCRIPTOR_S)
+    assert small == pytest.approx(100 * cm.dma_engine(TPU7X).descriptor_s)
 
 
 def test_stall_when_compute_exceeds_the_load():
@@ -108,11 +108,13 @@ def test_deeper_ring_is_faster_until_it_saturates():
     assert (t[0] - t[1]) > (t[1] - t[2]) > (t[2] - t[3])
 
 
-def test_small_tiles_pay_per_dma_overhead():
-    """The same 4 MiB in flight in 64 KiB tiles (64 deep) against 1 MiB tiles (4 deep)."""
+def test_more_queues_beat_bigger_tiles_at_equal_bytes_in_flight():
+    """The same 4 MiB in flight in 64 KiB tiles (64 deep) against 1 MiB tiles (4 deep): the
+    compiler's DMA model prefers the deeper ring (tests/test_dma_probe.py, BENCHMARKS.md), and so
+    does the model since its queue law; per-DMA setup still binds far smaller tiles."""
     small = _seconds("qwen3-8b", ring_depth=64, tile_bytes=64 * 1024)
     large = _seconds("qwen3-8b", ring_depth=4, tile_bytes=MIB)
-    assert small > large
+    assert small < large
 
 
 def test_kv_buffers_and_tile_size_matter():
@@ -120,8 +122,11 @@ def test_kv_buffers_and_tile_size_matter():
     assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=128, kv_buffers=6)
     assert _seconds("qwen3-8b", 8, page_size=128, kv_tile_pages=1) > _seconds("qwen3-8b", 8, page_size=128,
                                                                                kv_tile_pages=4)
-    # 16-token pages (32 KiB DMAs): bound by the descriptor rate, so bigger pages win at equal bytes
-    assert _seconds("qwen3-8b", 8, page_size=16) > _seconds("qwen3-8b", 8, page_size=128)
+    # 16-token pages (32 KiB DMAs, one semaphore per K / V tile slot): bound by the DMA queues
+    # (tests/test_dma_probe.py), so more tiles in flight and fewer, bigger tiles per queue both win
+    assert _seconds("qwen3-8b", 8, page_size=16, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=16, kv_buffers=4)
+    assert _seconds("qwen3-8b", 8, page_size=16, kv_tile_pages=4) > _seconds("qwen3-8b", 8, page_size=16,
+                                                                              kv_tile_pages=16)
 
 
 def test_moe_reads_only_routed_experts_and_dense_does_not_route():

@@ -37,9 +37,25 @@ def print_bench(r: dict) -> None:
         ["tokens/s per sequence", f"{tps['megakernel']['per_sequence']:,.0f}", f"{tps['xla']['per_sequence']:,.0f}"],
         ["tokens/s aggregate", f"{tps['megakernel']['aggregate']:,.0f}", f"{tps['xla']['aggregate']:,.0f}"],
     ]
-    click.echo(tabulate(rows, headers=["", "megakernel", "XLA"], tablefmt="simple"))
+    headers = ["", "megakernel", "XLA"]
+    sv = r.get("serving")
+    if sv:  # the serving-stack column (XLA + jax's ragged paged attention), always by the model
+        headers.append("XLA + ragged paged attn")
+        for row, cell in zip(rows, [f"{sv['compile_seconds']:.2f} s", f"{_bytes(sv['hbm_bytes'])} (cost_analysis, "
+                                    "w/o Pallas)", _ms(r["floor_seconds"]), f"{sv['kernels']} ({sv['hlo_ops']})",
+                                    _ms(sv["step_seconds"]) + ("" if not measured else " (MODEL)"),
+                                    f"{sv['floor_fraction']:.2f}", f"{tps['serving']['per_sequence']:,.0f}",
+                                    f"{tps['serving']['aggregate']:,.0f}"]):
+            row.append(cell)
+    click.echo(tabulate(rows, headers=headers, tablefmt="simple"))
     click.echo(f"XLA step / megakernel step: {r['speedup']:.2f}x ({how}, the same measure for both)")
-    click.echo(f"layouts: megakernel: {r['layouts']['megakernel']}; XLA: {r['layouts']['xla']}")
+    if sv:
+        b = r["serving_blocks"]
+        click.echo(f"serving-stack step / megakernel step: {r['speedup_vs_serving']:.2f}x (MODEL for the serving "
+                   f"step; ragged paged attention with {b['num_kv_pages_per_block']} KV pages and "
+                   f"{b['num_queries_per_block']} queries per block)")
+    click.echo(f"layouts: megakernel: {r['layouts']['megakernel']}; XLA: {r['layouts']['xla']}"
+               + (f"; serving: {r['layouts']['serving']}" if sv else ""))
     if measured:
         click.echo(f"step times: {mk['step_source']}")
     else:
@@ -133,10 +149,13 @@ def print_bench_devices(r: dict) -> None:
 @click.option("--warmup", default=3, show_default=True, help="Untimed runs first when a TPU is attached.")
 @click.option("--verify-q", default=8, show_default=True,
               help="Also model the speculative verify step with this q_len (K drafts + 1); 0: off.")
+@click.option("--serving/--no-serving", default=True, show_default=True,
+              help="Also build the serving-stack step (XLA + jax's ragged paged attention kernel), one device only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def bench(spec, runs, warmup, verify_q, as_json):
-    """The megakernel decode step side by side with the same step compiled by XLA.
+def bench(spec, runs, warmup, verify_q, serving, as_json):
+    """The megakernel decode step side by side with the same step compiled by XLA, and with the
+    serving-stack step (XLA plus jax's ragged paged attention Pallas kernel).
 
     With --devices N: the N-device megakernel beside XLA's SPMD step on the same devices, both
     by tpumk's timeline model (collectives included), per device."""
@@ -147,7 +166,7 @@ def bench(spec, runs, warmup, verify_q, as_json):
         raise ConfigError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
     if verify_q < 0 or verify_q == 1:
         raise ConfigError(f"--verify-q: expected 0 (off) or at least 2 tokens per sequence, got {verify_q}")
-    r = run_bench(spec, warmup=warmup, runs=runs, verify_q=verify_q)
+    r = run_bench(spec, warmup=warmup, runs=runs, verify_q=verify_q, serving=serving)
     if as_json:
         emit_json(r)
     else:

@@ -313,6 +313,11 @@ class Compiles:
     xla_compile_seconds: float
     xla_lower_seconds: float
     xla_cost_bytes: float  # XLA cost_analysis() "bytes accessed"
+    # the serving-stack step (tpumk.decode.serving): XLA + jax's ragged paged attention; None: not built
+    serving_hlo: str | None = None
+    serving_compile_seconds: float = 0.0
+    serving_lower_seconds: float = 0.0
+    serving_cost_bytes: float = 0.0
 
 
 def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None) -> dict[str, Any]:
@@ -352,7 +357,8 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
                    "XLA cost_analysis() 'bytes accessed'", x_kernels, x_ops, x_s, x_src, floor / x_s,
                    x_model.to_dict(), measured[1] if measured else None)
     tok = q_len  # tokens each sequence advances per step
-    return {
+    serving = _serving_side(plan, compiles, measured is not None) if compiles.serving_hlo else None
+    out = {
         "model": cfg.name, "target": target.name, "batch": batch, "context": plan.context, "q_len": q_len,
         "page_size": plan.page_size, "dtype": cfg.dtype, "quant": plan.quant, "tuning": plan.tuning.to_dict(),
         "floor_seconds": floor, "floor_source": "plan HBM bytes / chip HBM bandwidth (Pallas chip table)",
@@ -366,8 +372,41 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
                     "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
                            "routed experts gathered per token"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
-        "model_constants": model_source("timeline model"),
+        "model_constants": model_source("timeline model", target),
     }
+    if serving is not None:
+        side, blocks = serving
+        s_s = side.step_seconds
+        out["serving"] = side.to_dict()
+        out["serving_blocks"] = blocks
+        out["speedup_vs_serving"] = s_s / mk_s
+        out["tokens_per_second"]["serving"] = {"per_sequence": tok / s_s, "aggregate": batch * tok / s_s}
+        out["layouts"]["serving"] = ("paged KV cache, one [pages, page, 2 x kv_heads, head_dim] array per layer "
+                                     f"({plan.page_size}-token pages), new rows written by an XLA scatter, attention "
+                                     "by jax's ragged_paged_attention Pallas kernel; dense parts as the XLA step")
+    return out
+
+
+def _serving_side(plan, compiles: Compiles, measured: bool) -> tuple[BenchSide, dict]:
+    """The serving-stack column (tpumk.decode.serving): tpumk's timeline model of its compiled
+    program, each ragged paged attention call costed by `rpa_call_model`. Never timed on a
+    device (not implemented): with a TPU attached it stays MODEL, and says so."""
+    from tpumk.decode.serving import describe, rpa_block_sizes, rpa_call_model
+    from tpumk.estimate.timeline import xla_step
+
+    cfg, target = plan.cfg, plan.target
+    blocks = rpa_block_sizes(target, cfg, plan.batch, plan.q_len, plan.context, plan.page_size)
+    call = rpa_call_model(target, cfg, plan.batch, plan.q_len, plan.context, plan.page_size, blocks)
+    model = xla_step(target, compiles.serving_hlo, kernel=call, floor_seconds=plan.floor_seconds,
+                     what="serving-stack step (XLA ops from its compiled HLO, each ragged paged attention call by "
+                          "its DMA structure)")
+    kernels, ops = _count_ops(target, compiles.serving_hlo)
+    src = ("MODEL, not measured" + (" (on-device timing of this column is not implemented)" if measured else "")
+           + ": " + model.source)
+    side = BenchSide(compiles.serving_compile_seconds, compiles.serving_lower_seconds, compiles.serving_cost_bytes,
+                     "XLA cost_analysis() 'bytes accessed' (the Pallas attention calls not included)", kernels, ops,
+                     model.seconds, src, plan.floor_seconds / model.seconds, model.to_dict())
+    return side, describe(target, cfg, plan.batch, plan.q_len, plan.context, plan.page_size)
 
 
 def verify_step(plain, verify_q: int) -> dict[str, Any]:
@@ -391,13 +430,15 @@ def verify_step(plain, verify_q: int) -> dict[str, Any]:
 
 
 def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | None = None, keep_hlo: bool = False,
-              verify_q: int = 8, compiler_estimate: bool = True) -> dict[str, Any]:
+              verify_q: int = 8, compiler_estimate: bool = True, serving: bool = True) -> dict[str, Any]:
     """Build both steps for `target` and compare them (see the module doc). `measure` None:
     time on the device when this target's TPU is attached, else use the timeline model.
     `keep_hlo` adds both compiled HLO texts and compile figures under "compiles" (to re-run
     the model offline with `compare`). `verify_q` > 1 (plain steps only) adds the speculative
     verify step's modelled cost under "verify" (see `verify_step`). `spec.devices` > 1: see
-    `run_bench_devices` (`compiler_estimate` is used only there)."""
+    `run_bench_devices` (`compiler_estimate` is used only there). `serving`: also build the
+    serving-stack step (tpumk.decode.serving: XLA + jax's ragged paged attention) as a third
+    column (one device only)."""
     from tpumk.build import build
     from tpumk.errors import TargetError
 
@@ -425,6 +466,16 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         cost = cost[0] if cost else {}
     compiles = Compiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
+    if serving:
+        from tpumk.decode.serving import compile_serving_step
+
+        sp = compile_serving_step(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant)
+        s_cost = sp.compiled.cost_analysis() or {}
+        if isinstance(s_cost, list):
+            s_cost = s_cost[0] if s_cost else {}
+        compiles.serving_hlo, compiles.serving_compile_seconds = sp.hlo_text, sp.compile_seconds
+        compiles.serving_lower_seconds = sp.lower_seconds
+        compiles.serving_cost_bytes = float(s_cost.get("bytes accessed", 0.0))
     measured = None
     if measure:
         from tpumk.model.quantize import quantize_params
@@ -625,7 +676,7 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
                            "Megatron-style, layers unrolled, routed experts gathered per token, XLA's collectives"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "collective_check": published_collective_check(target) if target.name == "tpu7x" else None,
-        "model_constants": model_source("timeline model"),
+        "model_constants": model_source("timeline model", target),
         "interconnect_constants": link,
         "sources": {
             "compile_seconds": "measured on this host",

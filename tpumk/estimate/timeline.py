@@ -13,9 +13,21 @@ How a step is modelled
   few bytes in flight leave the engine waiting on latency, many saturate it; half the
   peak is reached at W = BW * L0, the bandwidth-delay product. TPU_FACTS section 3 shows the
   same shape in the compiler's own DMA model (throughput grows with ring depth x tile bytes,
-  then flattens). The engine also starts at most one descriptor per DMA_DESCRIPTOR_S, so a
+  then flattens). The engine also starts at most one descriptor per `descriptor_s`, so a
   stream of small DMAs (16-token KV-cache pages, narrow tiles) is bound by its descriptor
-  count rather than its bytes: load = max(bytes / bw(W), descriptors * DMA_DESCRIPTOR_S).
+  count rather than its bytes: load = max(bytes / bw(W), descriptors * descriptor_s).
+- **DMA queues** (benchmarks/dma_probe.py, BENCHMARKS.md "What the compiler charges a DMA"):
+  in the TPU compiler's static model one DMA of s bytes completes L + s / q after its issue (q,
+  `queue_bytes_per_s`: one queue's rate, a few hundred GB/s, far below the chip's bandwidth),
+  DMAs waited on different semaphores overlap completely, and DMAs signalling ONE semaphore
+  cost as one DMA of their summed bytes. So a stream whose items are `groups` such queues,
+  with `groups_in_flight` queues outstanding, costs at least groups * (L + s / q) /
+  groups_in_flight per item: a ring of a few big tiles, or a KV tile of many pages on one
+  semaphore, is bound by its queues, not by its bytes in flight. Applied where tpumk knows
+  the DMA structure: the megakernel's ring (a queue per tile) and KV tiles (a semaphore per
+  page DMA), and jax's ragged paged attention in the bench's serving column
+  (tpumk.decode.serving); not to XLA's generated kernels, whose DMA structure the HLO does
+  not show.
 - **MXU.** A matmul whose stationary operand (the weight tile, the K or V tile) has E elements
   takes at least 2 * E * mxu_cols / peak: the operand must be pushed through a systolic array
   `mxu_cols` wide whatever the number of rows streamed past it, so decode-sized matmuls run at
@@ -36,10 +48,16 @@ real check). Their values are stated assumptions, with the reasoning:
   signal, beyond the transfer itself. HBM access latency on current accelerators is about
   0.5 us; descriptor processing, the on-chip network and the semaphore signal are taken to
   double it.
-- DMA_DESCRIPTOR_S = 50 ns: the engine's setup time per descriptor (address generation,
-  queueing), tens of cycles at a ~1 GHz clock; it overlaps other descriptors' transfers.
-  (The compiler's own DMA model charges far more per descriptor: in TPU_FACTS 3, 1 MiB tiles
-  16 or 24 deep cap at the same cycles per byte, i.e. a per-descriptor cost of ~0.5 us.)
+- Per-DMA figures (`DMA_ENGINE`, per target), from the compiler's static model of probe
+  kernels that differ only in DMA count, size and depth (benchmarks/dma_probe.py; cycles
+  converted by tpumk.estimate.calibration, so v6e's figures carry its ASSUMED calibration):
+  TPU7x: descriptor_s 14 ns (17 cycles per 32 KiB DMA with 256 outstanding, 16 per loop
+  step), queue rate 405 GB/s (a single DMA's latency grows by 3,140 cycles per MiB);
+  v6e: 56 ns (27 cycles, an upper bound: 64 outstanding), 355 GB/s (1,430 cycles per MiB).
+  Targets with no static profile (v5e, v5p) keep the earlier stated assumption DMA_DESCRIPTOR_S = 50 ns and no queue limit.
+  The compiler's own unloaded latency (2,820 cycles: 2.3 us on TPU7x, 1.2 us on v6e) is NOT
+  adopted for DMA_LATENCY_S: it would also double every XLA op's fill and drain, for which
+  the probe says nothing; BENCHMARKS.md has the sensitivity to it.
 - OP_DISPATCH_S = 0.25 us: the TensorCore's scalar unit sequencing one kernel of a program
   (program setup, synchronisation flags), beyond its pipeline fill and drain.
 
@@ -47,7 +65,8 @@ The model check (tests/test_costmodel.py): the published TPU7x megakernel's dens
 banks of 2 MiB, bf16, 76 MiB of weights per layer) was measured on chip at 26.4 us per layer
 (TPU_FACTS section 6). `ring_layer_seconds` predicts it from those shapes and the chip
 figures alone: 24.7 us (0.94x). The test requires 20 %, and that the check holds for DMA
-latencies of 0.5-2 us and descriptor costs of 0-200 ns (it is not a knife-edge).
+latencies of 0.5-2 us and descriptor costs of 0-200 ns (it is not a knife-edge); the queue
+limit does not bind there (12 queues of 2 MiB).
 
 What the model cannot know: the chip's real DMA latency and descriptor rate, HBM efficiency
 (refresh, bank conflicts), vector-unit work, and how XLA's generated kernels really pipeline.
@@ -74,16 +93,38 @@ from tpumk.plan.plan import logits_slice_bytes
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
-DMA_DESCRIPTOR_S = 50e-9
+DMA_DESCRIPTOR_S = 50e-9  # targets with no probe figures (DMA_ENGINE)
 OP_DISPATCH_S = 0.25e-6
 F32_MXU_PASSES = 6  # Precision.HIGHEST: float32 products as six bf16 MXU passes (XLA's bf16_6x)
 
-SOURCE = ("tpumk timeline model (chip figures from Pallas' table; DMA latency {lat:.2g} us, {desc:.0f} ns per "
-          "descriptor, {disp:.2g} us per kernel dispatch: stated assumptions, not measurements)")
 
 
-def model_source(what: str) -> str:
-    return f"{what}: " + SOURCE.format(lat=DMA_LATENCY_S * 1e6, desc=DMA_DESCRIPTOR_S * 1e9, disp=OP_DISPATCH_S * 1e6)
+@dataclass(frozen=True)
+class DmaEngine:
+    """Per-DMA figures of a target's DMA engine (see the module doc)."""
+
+    descriptor_s: float  # serial issue cost of one DMA
+    queue_bytes_per_s: float | None  # rate of one DMA queue; None: no queue limit
+
+
+# From the compiler's static model of benchmarks/dma_probe.py's kernels (BENCHMARKS.md).
+DMA_ENGINE = {"tpu7x": DmaEngine(14e-9, 405e9), "v6e": DmaEngine(56e-9, 355e9)}
+
+
+def dma_engine(target: Target) -> DmaEngine:
+    return DMA_ENGINE.get(target.name, DmaEngine(DMA_DESCRIPTOR_S, None))
+
+
+SOURCE = ("tpumk timeline model (chip figures from Pallas' table; DMA latency {lat:.2g} us (assumed), {desc:.0f} ns "
+          "per descriptor{queue}, {disp:.2g} us per kernel dispatch (assumed): not measurements)")
+
+
+def model_source(what: str, target: Target | None = None) -> str:
+    eng = dma_engine(target) if target is not None else DmaEngine(DMA_DESCRIPTOR_S, None)
+    queue = (f", {eng.queue_bytes_per_s / 1e9:.0f} GB/s per DMA queue of the Pallas kernels (both from the "
+             "compiler's DMA model)" if eng.queue_bytes_per_s else "")
+    return f"{what}: " + SOURCE.format(lat=DMA_LATENCY_S * 1e6, desc=eng.descriptor_s * 1e9, queue=queue,
+                                       disp=OP_DISPATCH_S * 1e6)
 
 
 # ---------------------------------------------------------------------- primitives
@@ -94,13 +135,21 @@ def achieved_bandwidth(target: Target, in_flight_bytes: float) -> float:
     return bw * w / (w + bw * DMA_LATENCY_S)
 
 
-def load_seconds(target: Target, nbytes: float, in_flight_bytes: float, descriptors: float = 1.0) -> float:
+def load_seconds(target: Target, nbytes: float, in_flight_bytes: float, descriptors: float = 1.0,
+                 groups: float = 0.0, groups_in_flight: float = 0.0) -> float:
     """Engine time to move `nbytes` in `descriptors` DMAs with `in_flight_bytes` outstanding:
-    the slower of the byte stream and the descriptor rate (setup of one descriptor overlaps
-    the transfer of others, so it only binds when DMAs are small)."""
+    the slowest of the byte stream, the descriptor rate (setup of one descriptor overlaps the
+    transfer of others, so it only binds when DMAs are small) and, when the caller knows its
+    DMA queues (`groups` queues of nbytes / groups each, `groups_in_flight` outstanding) and
+    the target has a queue rate, the queues' latency-bound rate (module doc)."""
     if nbytes <= 0 and descriptors <= 0:
         return 0.0
-    return max(nbytes / achieved_bandwidth(target, in_flight_bytes), descriptors * DMA_DESCRIPTOR_S)
+    eng = dma_engine(target)
+    seconds = max(nbytes / achieved_bandwidth(target, in_flight_bytes), descriptors * eng.descriptor_s)
+    if groups > 0 and groups_in_flight > 0 and eng.queue_bytes_per_s:
+        per_queue = DMA_LATENCY_S + nbytes / groups / eng.queue_bytes_per_s
+        seconds = max(seconds, groups * per_queue / groups_in_flight)
+    return seconds
 
 
 def mxu_seconds(target: Target, stationary_elements: float, flops: float = 0.0, passes: int = 1) -> float:
@@ -210,7 +259,7 @@ class _Ring:
         n = f.tiles
         # extra bytes (lm_head logits blocks written back) ride the same engine, per tile
         extra = extra_bytes_per_block * f.col_blocks / n
-        load = load_seconds(self.t, tb + extra, w, 1.0 + (1.0 if extra else 0.0))
+        load = load_seconds(self.t, tb + extra, w, 1.0 + (1.0 if extra else 0.0), 1.0, plan.ring_depth)
         ready = min(float(n), self.ahead / tb)  # tiles the ring loaded during earlier stages
         self.ahead = max(0.0, self.ahead - ready * tb)
         seconds = ready * compute + (n - ready) * max(load, compute)
@@ -250,7 +299,9 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
                                 _passes(a.dtype))
         compute = 2 * a.head_blocks * per_block  # q.k^T and p.v per block
         descriptors = 2 * a.kv_tile_pages
-        load = load_seconds(t, tile_hbm, slots, descriptors)
+        # every page DMA (K and V) signals its own semaphore (a queue each); kv_buffers tiles are
+        # outstanding when a tile is waited for (the refill is issued before the wait)
+        load = load_seconds(t, tile_hbm, slots, descriptors, descriptors, descriptors * a.kv_buffers)
         kv = DMA_LATENCY_S + n_tiles * max(load, compute)
         # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
         side = 2 * patched * pb + extra_bytes
@@ -388,7 +439,7 @@ def megakernel_step(plan) -> StepModel:
         notes.append(f"model walk gave {seconds * 1e6:.1f} us < HBM floor {floor * 1e6:.1f} us; clamped to the floor")
         seconds = floor
     return StepModel(seconds=seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu, hbm_bytes=ledger.hbm_bytes,
-                     source=model_source("megakernel"), stages=ledger.stages, kernels=1, floor_seconds=floor,
+                     source=model_source("megakernel", t), stages=ledger.stages, kernels=1, floor_seconds=floor,
                      notes=tuple(notes))
 
 
@@ -759,5 +810,5 @@ def xla_step(target: Target, hlo_text: str, kernel: StepModel | None = None, flo
         notes.append(f"collectives: {coll_count} XLA collective ops, {coll_bytes / 1e6:.3f} MB sent per device, "
                      f"{coll_seconds * 1e6:.1f} us (tpumk interconnect model, not a measurement)")
     return StepModel(seconds=ledger.seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu,
-                     hbm_bytes=ledger.hbm_bytes, source=model_source(what), stages=ledger.stages, kernels=kernels,
+                     hbm_bytes=ledger.hbm_bytes, source=model_source(what, target), stages=ledger.stages, kernels=kernels,
                      floor_seconds=floor_seconds, notes=tuple(notes))

@@ -97,7 +97,7 @@ class AttentionScratch(NamedTuple):
     acc: Any  # [Hb, Rb, Db] f32 running p.v
     flat: Any  # [Bq8, Hq*D] f32: q as given, later o in the same layout
     seq_meta: Any  # SMEM int32 [B * (3 + q)]: per sequence end tile, npages, first tile, page of each new token
-    tile_sems: Any  # DMA semaphores [2 (K, V), kv_buffers]
+    tile_sems: Any  # DMA semaphores [2 (K, V), kv_buffers, kv_tile_pages]: one per page DMA (see _tile_loop)
     patch_sems: Any  # DMA semaphores [2 (read, write), B*q] (one per patch slot)
 
 
@@ -436,7 +436,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
                 pslot = jnp.where(hit, b * T + i, pslot)
                 patched = jnp.logical_or(patched, hit)
             dsts = [tiles[c].at[slot, pl.ds(j * P, P)] for c in range(2)]
-            sems = [sc.tile_sems.at[c, slot] for c in range(2)]
+            sems = [sc.tile_sems.at[c, slot, j] for c in range(2)]
 
             @pl.when(patched)
             def _():  # a page this step writes: copy its patched VMEM image, never read HBM
@@ -450,12 +450,14 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
                     pltpu.make_async_copy(st.caches[c].at[layer, pg], dsts[c], sems[c]).start()
 
     def wait_tile(slot):
+        # One semaphore per page DMA: the compiler's DMA model serializes the DMAs that signal one
+        # semaphore and overlaps those on different ones (benchmarks/dma_probe.py, BENCHMARKS.md).
         # A DMA wait counts the bytes of its descriptor's destination; both sources of a page
         # (HBM or the patch buffer) move the same bytes, so one descriptor shape waits for either.
         for j in range(KT):
             for c in range(2):
                 dst = tiles[c].at[slot, pl.ds(j * P, P)]
-                pltpu.make_async_copy(st.caches[c].at[layer, 0], dst, sc.tile_sems.at[c, slot]).wait()
+                pltpu.make_async_copy(st.caches[c].at[layer, 0], dst, sc.tile_sems.at[c, slot, j]).wait()
 
     def compute(b, t, slot):
         # Branch-free on purpose: with the first-tile reset and the last-tile output inside

@@ -333,7 +333,7 @@ class AttentionGeometry:
             vmem("flat", (self.staged_rows, self.q_size), "float32", "q as given ([B*q_len, Hq*D], b-major), later o"),
             smem("seq_meta", (self.batch * (3 + self.q_len),), "int32",
                  "per sequence b at b*(3+q_len): end tile, npages, first tile, then the page of each new token"),
-            dma_sems("tile_sems", (2, self.kv_buffers), "[K | V, tile slot]"),
+            dma_sems("tile_sems", (2, self.kv_buffers, self.kv_tile_pages), "[K | V, tile slot, page]"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, patch slot]"),
         )
 
@@ -378,8 +378,9 @@ class AttentionGeometry:
         return 4 * self.batch * (3 + self.q_len)
 
     def dma_semaphores(self) -> int:
-        """DMA semaphores the stage allocates: (K, V) x kv_buffers + (read, write) x B*q."""
-        return 2 * self.kv_buffers + 2 * self.tokens
+        """DMA semaphores the stage allocates: (K, V) x kv_buffers x kv_tile_pages (one per page
+        DMA) + (read, write) x B*q."""
+        return 2 * self.kv_buffers * self.kv_tile_pages + 2 * self.tokens
 
     def dma_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None,
                    window: int = 0) -> dict[str, int]:

@@ -1,0 +1,93 @@
+"""The serving-stack step (tpumk.decode.serving): XLA for the dense parts, jax's ragged paged
+attention kernel for attention, the third column of `tpumk bench`.
+
+Pallas' TPU interpret mode cannot run the kernel in jax 0.10.2 (no reshape of a ref in its
+interpreter), so the step's wiring (cache layout, lengths, block table, causal offsets) is checked
+against tpumk's reference through the kernel's own pure-JAX reference, and the kernel itself is
+compiled deviceless for TPU7x and v6e."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpumk.decode import serving as sv
+from tpumk.estimate.timeline import dma_engine, xla_step
+from tpumk.model import reference as ref
+from tpumk.model.config import load_preset
+from tpumk.model.weights import random_params
+from tpumk.targets import get_target
+
+
+def _paged_to_serving(cache: ref.KVCache, cfg) -> list:
+    """A reference paged cache [L, pages, page * kv] as one [pages, page, 2 * Hkv, D] array per layer."""
+    out = []
+    for i in range(cfg.num_layers):
+        k = cache.k[i].reshape(cache.k.shape[1], cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        v = cache.v[i].reshape(cache.v.shape[1], cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        out.append(jnp.stack([k, v], axis=3).reshape(k.shape[0], cache.page_size, 2 * cfg.num_kv_heads, cfg.head_dim))
+    return out
+
+
+@pytest.mark.parametrize("preset, q_len", [("tiny-dense", 1), ("tiny-moe", 2)])
+def test_serving_step_matches_the_reference(preset, q_len):
+    cfg = load_preset(preset)
+    batch, ctx, page = 3, 64, 16
+    params = random_params(cfg, 0)
+    rng = np.random.default_rng(1)
+    cache = ref.init_cache(cfg, batch, ctx, page)  # a shuffled block table
+    lengths = jnp.array([37, 20, 5], jnp.int32)
+    cache = cache._replace(k=jnp.asarray(rng.normal(size=cache.k.shape), cache.k.dtype),
+                           v=jnp.asarray(rng.normal(size=cache.v.shape), cache.v.dtype), lengths=lengths)
+    positions = lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+    want, new_cache = ref.decode_step(params, cfg, tokens, positions, cache)
+    got, caches, kv_lens = sv.serving_decode_step(params, cfg, tokens, positions, _paged_to_serving(cache, cfg),
+                                                  cache.block_tables, lengths, blocks=(2, 8), kernel_reference=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(kv_lens), np.asarray(lengths + q_len))
+    # the new rows landed where the reference wrote them
+    for a, b in zip(caches, _paged_to_serving(new_cache, cfg)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_block_sizes_follow_the_kernels_table():
+    cfg = load_preset("qwen3-8b")
+    # TPU7x has no entry in jax 0.10.2's table: the kernel's defaults (128 pages, 32 queries), capped
+    assert sv.rpa_block_sizes(get_target("tpu7x"), cfg, 8, 1, 4096, 16) == (128, 8)
+    assert sv.rpa_block_sizes(get_target("tpu7x"), cfg, 8, 1, 1024, 16) == (64, 8)
+    # v6e reads its tuned entry when there is one (whatever it is, within the caps)
+    kv, q = sv.rpa_block_sizes(get_target("v6e"), cfg, 8, 1, 4096, 16)
+    assert 1 <= kv <= 256 and 1 <= q <= 8
+
+
+@pytest.mark.parametrize("target", ["tpu7x", "v6e"])
+def test_serving_step_compiles_deviceless_and_is_modelled(target):
+    cfg = load_preset("tiny-dense").replace(dtype="bfloat16")
+    t = get_target(target)
+    batch, ctx, page = 2, 1024, 16
+    prog = sv.compile_serving_step(cfg, t, batch, ctx, page)
+    assert prog.hlo_text.count('custom_call_target="tpu_custom_call"') == cfg.num_layers  # one kernel per layer
+    blocks = sv.rpa_block_sizes(t, cfg, batch, 1, ctx, page)
+    call = sv.rpa_call_model(t, cfg, batch, 1, ctx, page, blocks)
+    # the kernel reads every sequence's whole KV (K and V) once per call at the full context
+    kv_bytes = batch * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
+    assert call.hbm_bytes >= kv_bytes
+    step = xla_step(t, prog.hlo_text, kernel=call)
+    attn = step.stages["pallas: attention (ragged paged attention kernel)"]
+    assert attn["seconds"] == pytest.approx(cfg.num_layers * call.seconds)
+    assert step.seconds > attn["seconds"]
+
+
+def test_rpa_model_pays_its_single_semaphore_blocks():
+    """The kernel fetches a block's pages on one semaphore, double-buffered: by the queue law
+    (tests/test_dma_probe.py) fewer pages per block stream faster per byte only up to the
+    latency; the model must follow the block size it is given."""
+    cfg = load_preset("qwen3-8b")
+    t = get_target("tpu7x")
+    assert dma_engine(t).queue_bytes_per_s
+    small = sv.rpa_call_model(t, cfg, 8, 1, 4096, 16, (8, 8))
+    big = sv.rpa_call_model(t, cfg, 8, 1, 4096, 16, (128, 8))
+    assert small.hbm_bytes == pytest.approx(big.hbm_bytes)
+    assert small.seconds != pytest.approx(big.seconds)
