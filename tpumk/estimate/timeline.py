@@ -252,14 +252,17 @@ class _Ring:
     def family(self, name: str, stage: str, times: float = 1.0, extra_bytes_per_block: float = 0.0) -> None:
         plan = self.plan
         f = plan.families[name]
-        tb = float(f.tile_bytes)
+        # a group-scaled tile's scale tile streams beside it (its own DMA and semaphore)
+        tb = float(f.tile_bytes + f.scale_tile_bytes)
+        per_tile = 2.0 if f.group else 1.0
         w = plan.ring_depth * tb
         compute = mxu_seconds(self.t, f.tile_rows * f.tile_cols, 2.0 * plan.rows * f.tile_rows * f.tile_cols,
                               _passes(plan.cfg.dtype))
         n = f.tiles
         # extra bytes (lm_head logits blocks written back) ride the same engine, per tile
         extra = extra_bytes_per_block * f.col_blocks / n
-        load = load_seconds(self.t, tb + extra, w, 1.0 + (1.0 if extra else 0.0), 1.0, plan.ring_depth)
+        load = load_seconds(self.t, tb + extra, w, per_tile + (1.0 if extra else 0.0), per_tile,
+                            per_tile * plan.ring_depth)
         ready = min(float(n), self.ahead / tb)  # tiles the ring loaded during earlier stages
         self.ahead = max(0.0, self.ahead - ready * tb)
         seconds = ready * compute + (n - ready) * max(load, compute)
@@ -378,8 +381,9 @@ def megakernel_step(plan) -> StepModel:
     ledger = _Ledger()
     ring = _Ring(plan, ledger)
     cfg, t = plan.cfg, plan.target
-    depth_bytes = plan.ring_depth * plan.slot_rows * plan.slot_cols * cfg.dtype_bytes
-    vec_bytes = plan.hbm.get("layer_vectors", 0.0) / max(cfg.num_layers, 1)
+    depth_bytes = plan.ring_depth * plan.slot_rows * plan.slot_cols * plan.families["lm_head"].itemsize
+    # a layer's norm vectors, and its column scales when the ring is column-scaled (one row each)
+    vec_bytes = plan.hbm.get("layer_vectors", 0.0) / max(cfg.num_layers, 1) + 4.0 * plan.scales_width
     router = float(plan.moe.router_bytes) if plan.moe is not None else 0.0
 
     # kernel entry: dispatch, the kernel's VMEM inputs (embedded rows, cos/sin) copied in, and
