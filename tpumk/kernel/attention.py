@@ -422,6 +422,12 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
     tiles, patches = (sc.k_tiles, sc.v_tiles), st.patches
     meta_width = st.meta_width
 
+    def first_of(b):
+        """Sequence b's first tile: a static 0 unless some layer slides (with the SMEM reads
+        in the tile loop, libtpu 0.0.52's static profiler aborts on an LLO check for some
+        many-device builds; models without windows keep the old loop)."""
+        return sc.seq_meta[b * meta_width + 2] if st.window is not None else jnp.int32(0)
+
     def fetch(b, t, slot):
         """Start the DMAs filling tile slot `slot` with tile t of sequence b."""
         npages = sc.seq_meta[b * meta_width + 1]
@@ -465,7 +471,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
         # The selects cost a few vregs per kv head and tile.
         pos = [positions[b, i] for i in range(T)]
         length = jnp.minimum(lengths[b], st.capacity)
-        first_tile, last_tile = t == sc.seq_meta[b * meta_width + 2], t == sc.seq_meta[b * meta_width] - 1
+        first_tile, last_tile = t == first_of(b), t == sc.seq_meta[b * meta_width] - 1
         # Out-of-range positions are written nowhere, so they are no key (-1 matches no row).
         new_pos = [jnp.where(st.in_range(p_), p_, -1) for p_ in pos]
 
@@ -523,11 +529,11 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
     def advance(b, t):
         """The (sequence, tile) step after (b, t); (B, first tile of the last) after the last one."""
         wrap = t + 1 >= sc.seq_meta[jnp.minimum(b, B - 1) * meta_width]
-        first_next = sc.seq_meta[jnp.minimum(b + 1, B - 1) * meta_width + 2]
+        first_next = first_of(jnp.minimum(b + 1, B - 1))
         return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
 
     zero = jnp.int32(0)
-    t_first = sc.seq_meta[2]  # sequence 0's first tile
+    t_first = first_of(0)  # sequence 0's first tile
     pb, pt = zero, t_first  # prefetch cursor, kv_buffers - 1 steps ahead of the compute cursor
     for k in range(NB - 1):
         pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
