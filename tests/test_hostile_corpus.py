@@ -346,7 +346,7 @@ CASES: list[Case] = [
         '{"type": "yarn", "factor": NaN, "original_max_position_embeddings": 64}'))),
     json_case("json-mla-groups-not-dividing", hf_json(HF_TINY_MLA, n_group=3)),
     json_case("json-mla-softmax-scoring", hf_json(HF_TINY_MLA, scoring_func="softmax")),
-    json_case("json-sliding-window", hf_json(use_sliding_window=True, sliding_window=4096)),
+    json_case("json-sliding-window-zero", hf_json(use_sliding_window=True, sliding_window=0)),
     json_case("json-layer-types-sliding", hf_json(layer_types=["sliding_attention"])),
     json_case("json-attention-bias", hf_json(attention_bias=True)),
     json_case("json-rope-yarn", hf_json(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
