@@ -117,10 +117,10 @@ def compile_for_tpus(cfg, batch, q_len, tuning):
         assert "tpu_custom_call" in compiled.hlo_text
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_step_matches_reference(case):
-    name, preset, dtype, lengths, q_len, knobs = case
-    cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
+def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: dict) -> None:
+    """One megakernel step after a reference prefill of `lengths`-token prompts, in interpret
+    mode with the race detector, against the reference step (logits and cache); then the same
+    build compiled deviceless for the TPU targets."""
     batch = len(lengths)
     tuning = TuningConfig(**knobs)
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
@@ -138,6 +138,13 @@ def test_step_matches_reference(case):
     assert_logits_close(logits, want_logits, dtype)
     assert_cache_equal(new_cache, want_cache, dtype)
     compile_for_tpus(cfg, batch, q_len, tuning)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_step_matches_reference(case):
+    name, preset, dtype, lengths, q_len, knobs = case
+    cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
+    check_step(cfg, params, dtype, lengths, q_len, knobs)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])

@@ -9,14 +9,10 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from test_megakernel import (CONTEXT, PAGE, SMALL_TILES, assert_cache_equal, assert_logits_close,
-                             compile_for_tpus, prompts_of, races_found)
+from test_megakernel import CONTEXT, PAGE, SMALL_TILES, check_step, prompts_of
 from tpumk.errors import PlanError
-from tpumk.kernel.layout import pack_weights
-from tpumk.kernel.megakernel import make_decode_step
 from tpumk.model import reference as R
 from tpumk.model.config import load_preset
 from tpumk.model.weights import random_params
@@ -65,21 +61,7 @@ CASES = [
 def test_step_matches_reference(case):
     name, dtype, lengths, q_len, knobs = case
     cfg, params = model(name, dtype)
-    batch = len(lengths)
-    tuning = TuningConfig(**knobs)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
-    cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
-    _, cache = R.prefill(params, cfg, prompts_of(lengths, cfg.vocab_size), cache, step_fn=reference_step(cfg))
-    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
-    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-
-    step = make_decode_step(plan, detect_races=True)
-    logits, new_cache = step(pack_weights(plan, params), tokens, positions, cache)
-    assert not races_found(), "the interpreter's race detector reported a DMA race"
-    want_logits, want_cache = reference_step(cfg)(params, tokens, positions, cache)
-    assert_logits_close(logits, want_logits, dtype)
-    assert_cache_equal(new_cache, want_cache, dtype)
-    compile_for_tpus(cfg, batch, q_len, tuning)
+    check_step(cfg, params, dtype, lengths, q_len, knobs)
 
 
 def test_window_changes_the_output():

@@ -32,7 +32,6 @@ import numpy as np
 
 from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
-from tpumk.model.positions import new_lengths
 
 
 def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
@@ -115,19 +114,11 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
 
 def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
     """`tpumk.model.reference.decode_step` for an MLA model (same contract, latent cache)."""
-    from tpumk.model.reference import KVCache, embed, ffn, logits_from, matmul, rms_norm
+    from tpumk.model.reference import KVCache, cache_slots, embed, ffn, logits_from, matmul, rms_norm
 
     b, t = tokens.shape
-    ps, ctx = cache.page_size, cache.max_context
-    in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
-    lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
-    page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)
-    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
-    slots = positions % ps
-    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
-    new_pos = jnp.where(in_range, positions, -1)
-    new_len = new_lengths(positions, cache.lengths, ctx)
-    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
+    ctx = cache.max_context
+    page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
 
     lc = cache.k
     x = embed(params, tokens)

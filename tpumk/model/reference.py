@@ -265,6 +265,22 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- whole steps
+def cache_slots(cache: KVCache, positions: jax.Array):
+    """Where a step's new tokens go and which keys it sees, for any paged cache layout:
+    (page_ids [B, q] (past the pool for an out-of-range token: its write is dropped), slots
+    [B, q], k_pos [B, ctx], k_valid [B, ctx] (cached, or written by this step), new lengths [B])."""
+    b = positions.shape[0]
+    ps, ctx = cache.page_size, cache.max_context
+    in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
+    lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
+    page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)  # [B, q]
+    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    new_pos = jnp.where(in_range, positions, -1)
+    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
+    return page_ids, positions % ps, k_pos, k_valid, new_lengths(positions, cache.lengths, ctx)
+
+
 def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
@@ -272,17 +288,8 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         from tpumk.model import mla
         return mla.decode_step(params, cfg, tokens, positions, cache)
     b, t = tokens.shape
-    ps = cache.page_size
     ctx = cache.max_context
-    in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
-    lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
-    page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)  # [B, q]
-    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
-    slots = positions % ps
-    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
-    new_pos = jnp.where(in_range, positions, -1)
-    new_len = new_lengths(positions, cache.lengths, ctx)
-    k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
+    page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
 
     kc, vc = cache.k, cache.v
     x = embed(params, tokens)
