@@ -488,8 +488,11 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int) -> dict[str,
         for r in range(LANE, k_pad + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
             if k_pad % r == 0 and r * min(m_lane, AUTO_MIN_TILE_COLS) * isz <= tuning.tile_bytes:
                 rows = r
-        cols = max(LANE, min(m_lane, tuning.tile_bytes // (rows * isz) // LANE * LANE))
-        return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=round_up(m_lane, cols))
+        cap = max(LANE, tuning.tile_bytes // (rows * isz))
+        # the widest 128-multiple dividing m_lane: no zero columns streamed beyond the lane padding
+        # (q_a's output is q_b's input: DeepSeek-V3's 1536 would otherwise stream as 2048 rows)
+        cols = max(c for c in range(LANE, min(m_lane, cap) + 1, LANE) if m_lane % c == 0)
+        return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane)
 
     out = {}
     if cfg.q_lora_rank:
