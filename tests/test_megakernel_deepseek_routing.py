@@ -2,8 +2,7 @@
 (sigmoid scores, a float32 router with the selection-only correction bias, 4 expert groups of
 which 2 are kept, a scaling factor, a shared expert) against the reference, in interpret mode
 with the race detector, and compiled deviceless for TPU7x and v6e in the same test. Tolerances
-and helpers as tests/test_megakernel.py. (MLA models themselves are refused by the megakernel:
-tests/test_mla.py.)
+and helpers as tests/test_megakernel.py. (MLA models in the megakernel: tests/test_megakernel_mla.py.)
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, calle
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
 from tpumk.estimate.interconnect import all_gather_seconds, all_reduce_seconds, collective_kind, collective_op_seconds
 from tpumk.estimate.interconnect import model_source as interconnect_source
-from tpumk.plan.plan import logits_slice_bytes
+from tpumk.plan.plan import MLA_FAMILIES, logits_slice_bytes
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -284,6 +284,7 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
     layer streams only its window's tiles. Returns the mean (seconds, bytes) of one layer."""
     t, a = plan.target, plan.attention
     pb = float(a.page_bytes)
+    nc = a.caches  # K and V; MLA: the one latent cache
     lengths = [plan.context - plan.q_len] * plan.batch
     positions = [[n + i for i in range(plan.q_len)] for n in lengths]
     total_s = total_b = 0.0
@@ -292,25 +293,27 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
         c = a.dma_counts(positions, lengths, window)
         patched = c["patched_pages"]
         # 1. the pages this step writes are read first (K and V), a round trip before the tiles
-        patch_read = DMA_LATENCY_S + load_seconds(t, 2 * patched * pb, 2 * patched * pb, 2 * patched)
-        # 2. KV tiles through kv_buffers slots, 2 * kv_tile_pages page DMAs per tile
+        patch_read = DMA_LATENCY_S + load_seconds(t, nc * patched * pb, nc * patched * pb, nc * patched)
+        # 2. KV tiles through kv_buffers slots, nc * kv_tile_pages page DMAs per tile
         n_tiles = c["tiles"]
-        tile_hbm = 2 * c["hbm_tile_pages"] * pb / n_tiles
-        slots = a.kv_buffers * 2 * a.kv_tile_pages * pb  # all slots load while the loop waits
+        tile_hbm = nc * c["hbm_tile_pages"] * pb / n_tiles
+        slots = a.kv_buffers * nc * a.kv_tile_pages * pb  # all slots load while the loop waits
         # one matmul per kv head block (two 64-wide heads share one: AttentionGeometry)
         per_block = mxu_seconds(t, a.tile_rows * a.block_lanes, 2.0 * a.block_rows * a.tile_rows * a.block_lanes,
                                 _passes(a.dtype))
         compute = 2 * a.head_blocks * per_block  # q.k^T and p.v per block
-        descriptors = 2 * a.kv_tile_pages
-        # every page DMA (K and V) signals its own semaphore (a queue each); kv_buffers tiles are
-        # outstanding when a tile is waited for (the refill is issued before the wait)
-        load = load_seconds(t, tile_hbm, slots, descriptors, descriptors, descriptors * a.kv_buffers)
+        descriptors = nc * a.kv_tile_pages
+        # GQA: every page DMA (K and V) signals its own semaphore (a queue each); the MLA stage's
+        # pages of a tile share one. kv_buffers tiles are outstanding when a tile is waited for
+        # (the refill is issued before the wait)
+        queues = descriptors if nc == 2 else 1
+        load = load_seconds(t, tile_hbm, slots, descriptors, queues, queues * a.kv_buffers)
         kv = DMA_LATENCY_S + n_tiles * max(load, compute)
         # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
-        side = 2 * patched * pb + extra_bytes
-        side_dma = load_seconds(t, side, slots + side, 2 * patched + 1)
+        side = nc * patched * pb + extra_bytes
+        side_dma = load_seconds(t, side, slots + side, nc * patched + 1)
         seconds = patch_read + max(kv, n_tiles * load + side_dma)
-        nbytes = 2 * patched * pb + n_tiles * tile_hbm + side
+        nbytes = nc * patched * pb + n_tiles * tile_hbm + side
         dma = patch_read - DMA_LATENCY_S + n_tiles * load + side_dma
         ledger.add("attention", seconds, nbytes, dma, n_tiles * compute, share)
         total_s += seconds / len(windows)
@@ -410,13 +413,17 @@ def megakernel_step(plan) -> StepModel:
         for first, times in ((True, 1.0), (False, float(seg.num_layers - 1))):
             if times <= 0:
                 continue
-            ring.family("qkv", "weight_ring", times)
+            before, after = (("qkv",), ("o",)) if "qkv" in plan.families else (
+                tuple(n for n in seg.families if n in MLA_FAMILIES and n != "uv"), ("uv", "o"))
+            for name in before:  # the projections ahead of attention (MLA: q path, kv_a, W_UK)
+                ring.family(name, "weight_ring", times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
             layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))
             att, att_bytes = _attention_stage(plan, ledger, extra, times,
                                               [plan.attention.window(i) for i in layers])
             ring.prefetch_during(att, att_bytes, depth_bytes)
-            ring.family("o", "weight_ring", times)
+            for name in after:
+                ring.family(name, "weight_ring", times)
             collective(times)
             if seg.kind == "dense":
                 ring.family("gate_up", "weight_ring", times)

@@ -20,6 +20,18 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     shared_gate_up [Lm, T, r, c]   the same for the shared experts (side by side), MoE models only
     shared_down    [Lm, T, r, c]
     lm_head        [T, r, c]       lm_head (or embed.T when tied), vocab padded to whole tiles
+
+MLA models (tpumk.model.mla; lane layout `tpumk.plan.plan.mla_dims`: nope / latent / value
+parts padded per head to 128 lanes) stream, instead of qkv and o:
+
+    q_a, q_b       [L, T, r, c]    wq_a; wq_b (rows padded like q_a's output) with its columns
+                                   regrouped: every head's nope columns (each padded to 128),
+                                   then every head's roped columns side by side (or q: wq so)
+    kv_a           [L, T, r, c]    wkv_a: c_kv columns (padded to 128), then k_rope's
+    uk             [L, Hq, n, c]   block-diagonal: tile h = head h's W_UK^T [nope, latent]
+    uv             [L, Hq, c, v]   block-diagonal: tile h = head h's W_UV [latent, value]
+    o              [L, T, r, c]    wo, each head's rows padded to 128
+and the layer vectors' q_norm / k_norm rows hold q_a_norm / kv_a_norm.
     moe            {router, e_gateup, e_down}  tpumk.kernel.moe.pack_experts (MoE models only)
 
 Inside a family, tile t of a matrix is (row block t % RB, column block t // RB) with RB =
@@ -40,10 +52,11 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block, round_up
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
-from tpumk.plan.plan import MatrixFamily, Plan, auto_expert_chunk, plan_families, scale_offsets
+from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, mla_dims, plan_families,
+                             scale_offsets)
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 
@@ -64,6 +77,41 @@ def interleave_gate_up(gate: jax.Array, up: jax.Array, f_pad: int, tile_cols: in
     g = jnp.pad(gate, ((0, 0), (0, f_pad - f))).reshape(h, f_pad // half, half)
     u = jnp.pad(up, ((0, 0), (0, f_pad - f))).reshape(h, f_pad // half, half)
     return jnp.concatenate([g, u], axis=-1).reshape(h, 2 * f_pad)
+
+
+def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
+    """The MLA families of every layer (layout in the module docstring)."""
+    dims = mla_dims(cfg)
+    hq, n, r, c, v = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    npad, cpad, vpad = dims["nope"], dims["latent"], dims["value"]
+
+    def q_columns(w):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
+        k = w.shape[0]
+        heads = w.reshape(k, hq, n + r)
+        nope = jnp.pad(heads[..., :n], ((0, 0), (0, 0), (0, npad - n))).reshape(k, hq * npad)
+        return jnp.concatenate([nope, heads[..., n:].reshape(k, hq * r)], 1)
+
+    def diagonal(blocks, fam):  # [Hq, rows, cols] -> tiles padded to [tile_rows, tile_cols]
+        return jnp.pad(blocks, ((0, 0), (0, fam.tile_rows - blocks.shape[1]), (0, fam.tile_cols - blocks.shape[2])))
+
+    out: dict[str, list] = {}
+    for l in layers:
+        mats = {}
+        if cfg.q_lora_rank:
+            mats["q_a"] = cast(l["wq_a"])
+            mats["q_b"] = q_columns(cast(l["wq_b"]))
+        else:
+            mats["q"] = q_columns(cast(l["wq"]))
+        wkv_a = cast(l["wkv_a"])
+        mats["kv_a"] = jnp.concatenate([jnp.pad(wkv_a[:, :c], ((0, 0), (0, cpad - c))), wkv_a[:, c:]], 1)
+        wkv_b = cast(l["wkv_b"]).reshape(c, hq, n + v)
+        wo = cast(l["wo"]).reshape(hq, v, -1)
+        mats["o"] = jnp.pad(wo, ((0, 0), (0, vpad - v), (0, 0))).reshape(hq * vpad, -1)
+        for name, m in mats.items():
+            out.setdefault(name, []).append(tile_matrix(m, fams[name]))
+        out.setdefault("uk", []).append(diagonal(wkv_b[..., :n].transpose(1, 2, 0), fams["uk"]))  # [Hq, N, C]
+        out.setdefault("uv", []).append(diagonal(wkv_b[..., n:].transpose(1, 0, 2), fams["uv"]))  # [Hq, C, V]
+    return {name: jnp.stack(tiles) for name, tiles in out.items()}
 
 
 def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None, quant: str):
@@ -89,7 +137,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     cfg, fams, ffn_pad, shared_pad, expert_chunk = _families_of(plan_or_cfg, tuning, quant)
     dt = jnp_dtype(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
-    width = round_up(max(h, d), 128)
+    width = layer_vector_width(cfg)
     layers = params["layers"]
 
     def vectors(lay: dict) -> jax.Array:
@@ -97,6 +145,10 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         block = block.at[VECTOR_ROW["attn_norm"], :h].set(jnp.asarray(lay["attn_norm"], jnp.float32))
         block = block.at[VECTOR_ROW["mlp_norm"], :h].set(jnp.asarray(lay["mlp_norm"], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
+        if cfg.is_mla:  # the latent norms take the q_norm / k_norm rows
+            if cfg.q_lora_rank:
+                block = block.at[VECTOR_ROW["q_norm"], :cfg.q_lora_rank].set(jnp.asarray(lay["q_a_norm"], jnp.float32))
+            return block.at[VECTOR_ROW["k_norm"], :cfg.kv_lora_rank].set(jnp.asarray(lay["kv_a_norm"], jnp.float32))
         for name in ("q_norm", "k_norm"):
             w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
             block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
@@ -110,10 +162,13 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         "embed": cast(params["embed"]),
         "final_norm": jnp.asarray(params["final_norm"], jnp.float32).reshape(1, h),
         "layer_vectors": jnp.stack([vectors(lay) for lay in layers]),
-        "qkv": jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
-                                      fams["qkv"]) for l in layers]),
-        "o": jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in layers]),
     }
+    if cfg.is_mla:
+        out.update(_pack_mla(cfg, fams, layers, cast))
+    else:
+        out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
+                                            fams["qkv"]) for l in layers])
+        out["o"] = jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in layers])
     dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
     if dense and "gate_up" in fams:
         gu, dn = fams["gate_up"], fams["down"]

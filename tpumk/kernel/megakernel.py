@@ -19,7 +19,10 @@ Inside, per layer (one top-level loop per segment of same-kind layers, see tpumk
 RMSNorm -> q|k|v tiles -> QK-norm + RoPE -> paged attention with the cache write
 (tpumk.kernel.attention) -> o tiles + residual -> RMSNorm -> SwiGLU gate|up tiles and down tiles
 (dense) or router, expert slots and the shared expert's tiles (MoE, tpumk.kernel.moe) ->
-residual. Then the final norm and the lm_head as its own loop. The ring keeps `ring_depth`
+residual. MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and attention: the q
+path (q_a -> q_a norm -> q_b, or q), kv_a -> kv_a norm + RoPE of k_rope (the new latent cache
+rows), RoPE of the q rope lanes, q_nope . W_UK per head (block-diagonal ring family), latent
+attention with the cache write, . W_UV per head, then o. Then the final norm and the lm_head as its own loop. The ring keeps `ring_depth`
 weight tiles in flight across all of it; a layer's norm vectors are prefetched one layer ahead.
 """
 
@@ -41,8 +44,9 @@ from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import rms_norm, rms_norm_heads, rope_heads, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
-from tpumk.plan.geometry import VECTOR_ROW, heads_per_lane_block
-from tpumk.plan.plan import Plan
+from tpumk.kernel.mla_attention import mla_attention_stage
+from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
+from tpumk.plan.plan import Plan, mla_dims
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, jnp_dtype
 
@@ -93,8 +97,9 @@ def _kernel(plan: Plan):
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
-        # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place.
-        logits_ref, k_out, v_out = refs[n_in:n_in + n_out]
+        # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place
+        # (MLA: the one latent cache, output 1).
+        logits_ref, k_out, v_out = (*refs[n_in:n_in + n_out], None)[:3]
         s = _Scratch(contract, list(refs[n_in + n_out:]))
         if plan.ring_grouped:  # each tile's scales stream with it
             ring = WeightRing(plan, weights, s.ring, s.ring_sems, {f: ins[f"scales_{f}"] for f in fams},
@@ -115,6 +120,8 @@ def _kernel(plan: Plan):
         if quantized:
             scale_copy(0, 0).start()
         s.resid[...] = x0[...]
+        if cfg.is_mla:  # its pad lanes (between heads' latent outputs) are never written: keep them 0
+            s.mla_olat[...] = jnp.zeros(s.mla_olat.shape, jnp.float32)
         if ar is not None:
             s.partial[...] = jnp.zeros(s.partial.shape, jnp.float32)  # pad columns stay 0 in every sum
             all_reduce_barrier(ar)  # peers are in the kernel before the first remote write
@@ -191,7 +198,48 @@ def _kernel(plan: Plan):
                 ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:])
             return epilogue
 
+        def mla_attention_block(seg, layer, vec):
+            """MLA (absorbed form): q path, kv_a, latent norm + RoPE, q_nope . W_UK, attention
+            over the latent cache (tpumk.kernel.mla_attention), . W_UV, o + residual."""
+            dims, fam = mla_dims(cfg), plan.families
+            hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
+            lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
+            if "q_a" in fam:
+                rq = cfg.q_lora_rank
+                matmul(seg, layer, "q_a", s.normed, store_to(s.mla_qa, fam["q_a"].m_pad, fam["q_a"].tile_cols))
+                s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), eps)
+                matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
+            else:
+                matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
+            matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
+            cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile
+            for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
+                s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)
+            s.mla_kv[:, lat:lat + LANE] = rope_heads(s.mla_kv[:, lat:lat + LANE], cos, sin, r)
+            # this step's cache rows c_kv | k_rope, rounded to the cache dtype (as the reference)
+            s.mla_row[:, :c] = rms_norm(s.mla_kv[:, :c], row(vec, "k_norm", c), eps).astype(dt).astype(jnp.float32)
+            s.mla_row[:, c:c + r] = s.mla_kv[:, lat:lat + r].astype(dt).astype(jnp.float32)
+            matmul(seg, layer, "uk", s.mla_q, store_to(s.mla_qlat, fam["uk"].m_pad, fam["uk"].tile_cols))
+
+            def q_rows(b, head):
+                rows_ = slice(b * t, (b + 1) * t)
+                return [(0, s.mla_qlat[rows_, head * lat:head * lat + c]),
+                        (c, s.mla_q[rows_, rope0 + head * r:rope0 + (head + 1) * r])]
+
+            o_lat = mla_attention_stage(plan.attention, layer, q_rows, s.mla_row[...], k_out, block_tables, lengths,
+                                        positions, s.attention)
+            for b in range(plan.batch):
+                for head in range(hq):
+                    s.mla_olat[b * t:(b + 1) * t, head * lat:head * lat + c] = o_lat[b, head * t:(head + 1) * t, 0:c]
+            matmul(seg, layer, "uv", s.mla_olat, store_to(s.attn_out, fam["uv"].m_pad, fam["uv"].tile_cols))
+            matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, fam["o"].tile_cols))
+            reduce_into_resid(2 * layer)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps)
+
         def attention_block(seg, layer, vec):
+            if cfg.is_mla:
+                return mla_attention_block(seg, layer, vec)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
@@ -287,6 +335,22 @@ def _kernel(plan: Plan):
     return kernel
 
 
+def mla_rope_tables(positions: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
+    """positions [N] -> (cos, signed sin) [N, 128] of an MLA model's R-wide rotations (YaRN
+    frequencies, cos and sin times the attention factor: `tpumk.model.mla.rope_rows`, the same
+    ops so the tables are bitwise equal), tiled 128 / R times for `rope_heads` on a lane tile."""
+    from tpumk.model import yarn
+
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn.inv_freq(cfg))
+    factor = yarn.attention_factor(cfg)
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1) * factor
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1) * factor
+    half = cfg.qk_rope_head_dim // 2
+    sin = jnp.concatenate([-sin[:, :half], sin[:, half:]], -1)
+    reps = LANE // cfg.qk_rope_head_dim
+    return jnp.tile(cos, (1, reps)), jnp.tile(sin, (1, reps))
+
+
 def _interpret_mode(plan: Plan, detect_races: bool, portable: bool):
     """How the `cpu` target runs the kernel (TPU targets compile it: False).
 
@@ -332,12 +396,16 @@ def _device_step(plan: Plan, call) -> Callable:
         b, t = tokens.shape
         n = b * t
         x0 = jnp.take(packed["embed"], tokens.reshape(n), axis=0).astype(jnp.float32)
-        cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta,
-                               heads_per_lane_block(cfg.head_dim))
+        if cfg.is_mla:
+            cos, sin = mla_rope_tables(positions.reshape(n), cfg)
+        else:
+            cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta,
+                                   heads_per_lane_block(cfg.head_dim))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
-        blocks, k, v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
-                              for b in contract.operands))
+        blocks, k, *v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
+                               for b in contract.operands))
+        v = v[0] if v else v_cache  # MLA: KVCache.v (empty) never enters the kernel
         # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
         # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
         d = plan.devices
@@ -441,7 +509,12 @@ def step_specs(plan: Plan) -> tuple:
     NamedSharding of `step_mesh(plan)` the step takes it in (weights stacked per device, the
     embedding and the step inputs replicated, the cache split along its last axis)."""
     c = plan.contract
-    cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
+    if plan.cfg.is_mla:  # the empty value cache of an MLA model is not an operand
+        k = shape_struct(c.operand("k_cache"))
+        cache = KVCache(k, jax.ShapeDtypeStruct((*k.shape[:3], 0), k.dtype),
+                        *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")))
+    else:
+        cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
     tok = shape_struct(c.operand("positions"))
     if plan.devices == 1:
         return packed_specs(plan), tok, tok, cache

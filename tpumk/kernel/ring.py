@@ -189,6 +189,7 @@ class WeightRing:
         """y = x @ W_family(layer), one column block at a time, inside a layer loop body.
 
         x_ref: VMEM ref [N, >= K] f32 (or the weight dtype); each row block of the tiles
+        (block-diagonal families: row block j only, for column block j)
         multiplies the matching column slice, cast to the weight dtype (the reference's matmul
         contract). epilogue(j, acc) receives column block j's finished f32 [N, tile_cols].
         Quantized builds: scales(j) gives column block j's [1, tile_cols] f32 scales, applied
@@ -199,8 +200,9 @@ class WeightRing:
         xs = [x_ref[:, i * r:(i + 1) * r].astype(self.dtype) for i in range(rb)]
         for j in range(fam.col_blocks):
             acc = None
-            for i in range(rb):
-                t = off + j * rb + i
+            # block-diagonal: column block j is row block j times tile j (one tile per column)
+            for i in ([j] if fam.diagonal else range(rb)):
+                t = off + j if fam.diagonal else off + j * rb + i
                 w = self.wait(seg, layer, t)
                 part = self._dot(xs[i], w, fam)
                 acc = part if acc is None else acc + part

@@ -28,6 +28,10 @@ dt the model dtype. Operands, in order:
     router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only; quantized
                                                       experts: codes, then e_gateup_scales, e_down_scales)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
+MLA models (tpumk.kernel.mla_attention): the families q_a, q_b (or q), kv_a, uk, uv, o instead of
+qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE cache operand
+k_cache [L, num_pages, P, C + R] (the latent rows), aliased to output 1; `KVCache.v` (empty)
+stays outside the kernel.
 
 Outputs: logits f32 [devices x lm_head column blocks, N, lm_head tile_cols] (block j of
 device d's vocabulary slice at d * column blocks + j; one device: block j = vocab columns
@@ -43,13 +47,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, heads_per_lane_block, smem, vmem
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, smem, vmem
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
-RING_FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
+RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
@@ -159,7 +163,9 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
 def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     cfg, n = plan.cfg, plan.rows
     h = cfg.hidden_size
-    d = cfg.head_dim * heads_per_lane_block(cfg.head_dim)  # 64-wide heads: rows tiled to 128 lanes
+    from tpumk.plan.plan import rope_table_lanes
+
+    d = rope_table_lanes(cfg)  # 64-wide heads: rows tiled to 128 lanes; MLA: one lane tile
     cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
     out = [
         _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),
@@ -182,6 +188,11 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     if plan.moe is not None:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
+    if cfg.is_mla:  # one latent cache; KVCache.v (empty) stays outside the kernel
+        out.append(_with(hbm("k_cache", (*cache[:3], cfg.kv_cache_width), cfg.dtype,
+                             "[L, num_pages, page_size, C + R]: c_kv | k_rope per token"),
+                         source="cache.k", component="kv_cache"))
+        return out
     for name in ("k", "v"):
         out.append(_with(hbm(f"{name}_cache", cache, cfg.dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
                          source=f"cache.{name}", component="kv_cache"))
@@ -218,8 +229,26 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
     act = [
         vmem("resid", (n, h), "float32", "[N, H] residual stream"),
         vmem("normed", (n, h), "float32", "[N, H] normed input of the current matmul family"),
-        vmem("qkv", (n, plan.families["qkv"].m_pad), "float32", "[N, q | k | v (| pad)], normed and roped in place"),
-        vmem("attn_out", (n, cfg.q_size), "float32", "[N, Hq*D] attention output"),
+    ]
+    if cfg.is_mla:
+        fams = plan.families
+        if "q_a" in fams:
+            act.append(vmem("mla_qa", (n, fams["q_a"].m_pad), "float32", "[N, q_lora (| pad)] q_a output, normed in place"))
+        qf = fams["q_b"] if "q_b" in fams else fams["q"]
+        act += [
+            vmem("mla_q", (n, qf.m_pad), "float32", "[N, per head nope (128-lane padded) | all heads' rope (| pad)]"),
+            vmem("mla_kv", (n, fams["kv_a"].m_pad), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
+            vmem("mla_row", (n, cfg.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
+            vmem("mla_qlat", (n, fams["uk"].m_pad), "float32", "[N, per head q_nope . W_UK (128-lane padded)]"),
+            vmem("mla_olat", (n, fams["uv"].k_pad), "float32", "[N, per head latent output (pad lanes 0)]"),
+            vmem("attn_out", (n, fams["o"].k_pad), "float32", "[N, per head value output (128-lane padded)]"),
+        ]
+    else:
+        act += [
+            vmem("qkv", (n, plan.families["qkv"].m_pad), "float32", "[N, q | k | v (| pad)], normed and roped in place"),
+            vmem("attn_out", (n, cfg.q_size), "float32", "[N, Hq*D] attention output"),
+        ]
+    act += [
         # At least one lane tile wide even when no family uses it (MoE-only models without
         # shared experts): the kernel allocates it regardless, so it is counted.
         vmem("act", (n, max(plan.ffn_pad, plan.shared_ffn_pad, 128)), "float32",
@@ -250,16 +279,15 @@ def kernel_contract(plan: Plan) -> KernelContract:
     packed = packed_buffers(plan)
     operands = tuple(_operands(plan, {b.source: b for b in packed}))
     head = plan.families["lm_head"]
-    cache = operands[-1]
+    caches = 1 if cfg.is_mla else 2  # the caches are the last operands, updated in place
     outputs = (
         Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
                component="outputs",
                layout="[device d, column block j (d-major), N, tile_cols]: device d's vocab column j*tile_cols + c "
                       "(one device: d = 0; many: every device's slice, all-gathered in the kernel)"),
-        _with(operands[-2], source=""),
-        _with(cache, source=""),
+        *(_with(c, source="") for c in operands[-caches:]),
     )
-    aliases = ((len(operands) - 2, 1), (len(operands) - 1, 2))
+    aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches))
     scratch = _kernel_scratch(plan)
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
     if plan.moe is not None:

@@ -442,7 +442,97 @@ class AttentionGeometry:
             positions = lengths[:, None] + np.arange(self.q_len)[None, :]
         pages = sum(n * (c["hbm_tile_pages"] + 2 * c["patched_pages"])
                     for n, c in self.layer_counts(positions, lengths))
-        return 2 * pages * self.page_bytes
+        return self.caches * pages * self.page_bytes
+
+    @property
+    def caches(self) -> int:
+        """Cache arrays the stage reads and writes page by page: K and V."""
+        return 2
+
+
+@dataclass(frozen=True)
+class MLAGeometry(AttentionGeometry):
+    """The MLA attention stage (`tpumk.kernel.mla_attention`): multi-query attention over ONE
+    paged latent cache whose row is `c_kv | k_rope` (latent + rope lanes, the model's
+    kv_cache_width, stored unpadded). In AttentionGeometry's terms: one kv head of head_dim =
+    latent + rope lanes shared by all num_q_heads query heads (group = num_q_heads), one cache
+    (no V: the values are the first `latent` lanes of the same rows). `scale` is the softmax
+    scale (YaRN's, `tpumk.model.yarn.softmax_scale`)."""
+
+    latent: int = 0
+    rope: int = 0
+    scale: float = 0.0
+
+    @classmethod
+    def for_mla(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int, kv_tile_pages: int,
+                kv_buffers: int) -> "MLAGeometry":
+        from tpumk.model import yarn
+
+        return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads, num_kv_heads=1,
+                   head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, page_size=page_size,
+                   pages_per_seq=pages_per_seq, num_layers=cfg.num_layers, kv_tile_pages=kv_tile_pages,
+                   kv_buffers=kv_buffers, dtype=cfg.dtype, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim,
+                   scale=float(yarn.softmax_scale(cfg)))
+
+    @property
+    def caches(self) -> int:
+        return 1
+
+    @property
+    def heads_per_block(self) -> int:
+        return 1
+
+    def validate(self) -> None:
+        def need(cond: bool, knob: str, expected: str) -> None:
+            if not cond:
+                raise PlanError(f"attention: {knob} = {getattr(self, knob)!r}: expected {expected}")
+
+        for knob in ("batch", "q_len", "num_q_heads", "page_size", "pages_per_seq", "num_layers",
+                     "kv_tile_pages", "kv_buffers", "latent", "rope"):
+            v = getattr(self, knob)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
+        need(self.head_dim == self.latent + self.rope, "head_dim", f"latent + rope ({self.latent + self.rope})")
+        need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
+        sub = SUBLANES[self.dtype]
+        need(self.page_size % sub == 0, "page_size",
+             f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "
+             f"tile-aligned VMEM rows)")
+        need(self.kv_tile_pages <= self.pages_per_seq, "kv_tile_pages",
+             f"at most pages_per_seq ({self.pages_per_seq})")
+        need(self.kv_buffers >= 2, "kv_buffers", "at least 2 (one tile computed while the next loads)")
+
+    def scratch(self) -> tuple[Buffer, ...]:
+        """The MLA stage's scratch, in the order `mla_attention.MLAScratch` names it. Rows of
+        `latent + rope` lanes are padded to whole 128-lane tiles in VMEM (Buffer.nbytes)."""
+        dt, w, nb, s, p, r = self.dtype, self.kv_size, self.kv_buffers, self.tile_rows, self.page_size, self.q_rows
+        return (
+            vmem("tiles", (nb, s, w), dt, "streamed latent tiles: [slot, token of the tile, c_kv | k_rope]"),
+            vmem("patch", (self.patch_pages, p, w), dt,
+                 "page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
+            vmem("new_rows", (self.staged_rows, w), "float32", "this step's latent rows, one addressable at a time"),
+            vmem("q_heads", (self.batch, r, w), "float32",
+                 "[b, h*q_len + i]: q_lat | q_rope of head h, token i; then o_lat in the first latent lanes"),
+            vmem("m", (r, LANE), "float32", "running max, lane-replicated"),
+            vmem("l", (r, LANE), "float32", "running sum, lane-replicated"),
+            vmem("acc", (r, self.latent), "float32", "running p . c_kv"),
+            smem("seq_meta", (self.batch * (3 + self.q_len),), "int32",
+                 "per sequence b at b*(3+q_len): end tile, npages, first tile, then the page of each new token"),
+            dma_sems("tile_sems", (1, self.kv_buffers), "[latent, tile slot]"),
+            dma_sems("patch_sems", (2, self.tokens), "[read | write, patch slot]"),
+        )
+
+    def temporaries_bytes(self) -> int:
+        """Scores, exp and the cast probabilities [q_rows, S], the mask, and the masked value
+        tile [S, latent] of one KV-tile step (an upper bound, as AttentionGeometry's)."""
+        s, r, isz = self.tile_rows, self.q_rows, self.itemsize
+        s_lanes = round_up(s, LANE)
+        return r * s_lanes * (4 + 4 + isz + 4) + round_up(s, SUBLANES[self.dtype]) * round_up(self.latent, LANE) * isz
+
+    def smem_bytes(self) -> int:
+        return 4 * self.batch * (3 + self.q_len)
+
+    def dma_semaphores(self) -> int:
+        return self.kv_buffers + 2 * self.tokens
 
 
 # ---------------------------------------------------------------------- mixture of experts

@@ -33,7 +33,7 @@ from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import KernelContract, kernel_contract
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, heads_per_lane_block, AllReduceGeometry, AttentionGeometry,
-                                 MoEGeometry, round_up)
+                                 MLAGeometry, MoEGeometry, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
 from tpumk.plan.spec import BuildSpec
@@ -62,6 +62,9 @@ class MatrixFamily:
     stack: int  # matrices of this family stacked in HBM (layers that carry it; 1 for lm_head)
     itemsize: int
     group: int = 0  # group-scaled formats (fp8-b128): input rows per scale; 0: none or per column
+    # Block-diagonal (MLA's per-head W_UK / W_UV): tile t is block (t, t), the input's row block
+    # t times it gives output column block t; the off-diagonal blocks are zero and not stored.
+    diagonal: bool = False
 
     @property
     def row_blocks(self) -> int:
@@ -74,7 +77,7 @@ class MatrixFamily:
     @property
     def tiles(self) -> int:
         """Tiles of one matrix (one layer's)."""
-        return self.row_blocks * self.col_blocks
+        return self.col_blocks if self.diagonal else self.row_blocks * self.col_blocks
 
     @property
     def tile_bytes(self) -> int:
@@ -106,6 +109,7 @@ class MatrixFamily:
         return {"matrix": [self.k, self.m], "padded": [self.k_pad, self.m_pad],
                 "tile": [self.tile_rows, self.tile_cols], "tiles_per_matrix": self.tiles,
                 "matrices": self.stack, "tile_bytes": self.tile_bytes,
+                **({"block_diagonal": True} if self.diagonal else {}),
                 **({"scale_group": self.group, "scale_tile_bytes": self.scale_tile_bytes} if self.group else {})}
 
 
@@ -255,7 +259,7 @@ class Plan:
 
     @property
     def vector_width(self) -> int:
-        return round_up(max(self.cfg.hidden_size, self.cfg.head_dim), LANE)
+        return layer_vector_width(self.cfg)
 
     @property
     def vmem_total(self) -> int:
@@ -295,7 +299,9 @@ class Plan:
             "head_dim": a.head_dim, "kv_heads": a.num_kv_heads,
             "kv_heads_per_128_lanes": a.heads_per_block,
             # unpadded: 64-wide heads share lane blocks, so a cached token is Hkv * D per cache
-            "kv_cache_bytes_per_token_per_layer": 2 * a.kv_size * a.itemsize,
+            "kv_cache_bytes_per_token_per_layer": a.caches * a.kv_size * a.itemsize,
+            **({"latent_cache": {"c_kv": a.latent, "k_rope": a.rope, "softmax_scale": a.scale}}
+               if isinstance(a, MLAGeometry) else {}),
             "sliding_window": self.cfg.sliding_window,
             "sliding_layers": sum(1 for w in a.windows if w),
         }
@@ -328,6 +334,12 @@ class Plan:
                 "all_reduce": {"schedule": self.all_reduce.schedule, "slot": [self.all_reduce.rows, self.all_reduce.width],
                                "dtype": self.all_reduce.dtype}} if self.devices > 1 else {}),
         }
+
+
+def layer_vector_width(cfg: ModelConfig) -> int:
+    """Lanes of a layer's norm rows: the hidden size, the head dim, and for MLA the q_a and
+    kv_a norms' widths (they take the q_norm / k_norm rows)."""
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank), LANE)
 
 
 def scale_offsets(families: dict[str, MatrixFamily]) -> dict[str, int]:
@@ -388,17 +400,18 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
-    for what, v in (("hidden_size", h), ("num_q_heads * head_dim", cfg.q_size),
-                    ("num_kv_heads * head_dim", cfg.kv_size)):
+    for what, v in ((("hidden_size", h),) if cfg.is_mla else
+                    (("hidden_size", h), ("num_q_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size))):
         if v % LANE:
             raise PlanError(f"model '{cfg.name}': {what} = {v} must be a multiple of {LANE} (TPU lane tile)")
-    if cfg.head_dim % LANE and cfg.head_dim != LANE // 2:
+    if not cfg.is_mla and cfg.head_dim % LANE and cfg.head_dim != LANE // 2:
         raise PlanError(f"model '{cfg.name}': head_dim = {cfg.head_dim}: the kernel needs 64 or a multiple of {LANE}")
 
     # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
-    present = ["qkv", "o", "lm_head"] + (["gate_up", "down"] if n_dense else []) \
+    present = (["o", "lm_head"] if cfg.is_mla else ["qkv", "o", "lm_head"]) + (["gate_up", "down"] if n_dense else []) \
         + (["shared_gate_up", "shared_down"] if shared else [])
-    ks = {"qkv": h, "o": cfg.q_size, "lm_head": h, "gate_up": h, "shared_gate_up": h,
+    ks = {"qkv": h, "o": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.q_size, "lm_head": h, "gate_up": h,
+          "shared_gate_up": h,
           "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
     auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning, isz)
 
@@ -414,10 +427,15 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
         return rows, cols
 
     fams: dict[str, MatrixFamily] = {}
-    r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
-    fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz, group=group)
-    r, c = shape("o", cfg.q_size, h, LANE)
-    fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz, group=group)
+    if cfg.is_mla:
+        fams.update(_mla_families(cfg, tuning, isz))
+        r, c = shape("o", ks["o"], h, LANE)
+        fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"])
+    else:
+        r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
+        fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz, group=group)
+        r, c = shape("o", cfg.q_size, h, LANE)
+        fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz, group=group)
 
     def ffn_pair(prefix: str, width: int, stack: int) -> int:
         gu, dn = f"{prefix}gate_up", f"{prefix}down"
@@ -438,6 +456,59 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     return fams, ffn_pad, shared_pad
 
 
+# The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the q path
+# (q_a, then q_b after the q_a norm; or a plain q), kv_a, the per-head absorbed W_UK ("uk") and
+# W_UV ("uv", block-diagonal families), then o.
+MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")
+
+
+def mla_dims(cfg: ModelConfig) -> dict[str, int]:
+    """The lane layout of the MLA activations in the kernel (every block 128-lane aligned so
+    the streamed matmuls slice whole lane tiles): per head, the nope part of q padded to
+    `nope` lanes, the latent to `latent` lanes, the value to `value` lanes; all heads' roped q
+    lanes side by side after the nope parts (`rope_q` lanes, whole 128-lane blocks, rotated
+    R-wide per head, R dividing 128); kv_a's output is c_kv then k_rope from lane `latent_1`
+    (one lane block). `o_rows`: the o projection's input rows (per head `value`)."""
+    hq, r = cfg.num_q_heads, cfg.qk_rope_head_dim
+    nope, latent, value = (round_up(v, LANE) for v in (cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim))
+    rope_q = round_up(hq * r, LANE)
+    return {"nope": nope, "latent": latent, "value": value, "rope_q": rope_q, "q_cols": hq * nope + rope_q,
+            "kv_a_cols": latent + LANE, "latent_1": latent, "o_rows": hq * value,
+            "q_lora": round_up(cfg.q_lora_rank, LANE) if cfg.q_lora_rank else 0}
+
+
+def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int) -> dict[str, MatrixFamily]:
+    """The MLA attention families (auto tiles: no tuning knobs of their own; `tile_bytes` caps
+    a tile). Output widths are padded to whole column tiles; the diagonal families' tiles are
+    one head's [nope, latent] / [latent, value] block."""
+    dims, h, hq, L = mla_dims(cfg), cfg.hidden_size, cfg.num_q_heads, cfg.num_layers
+
+    def tiled(name: str, k: int, k_pad: int, m: int, m_lane: int) -> MatrixFamily:
+        rows = LANE
+        for r in range(LANE, k_pad + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
+            if k_pad % r == 0 and r * min(m_lane, AUTO_MIN_TILE_COLS) * isz <= tuning.tile_bytes:
+                rows = r
+        cap = max(LANE, tuning.tile_bytes // (rows * isz))
+        # the widest 128-multiple dividing m_lane: no zero columns streamed beyond the lane padding
+        # (q_a's output is q_b's input: DeepSeek-V3's 1536 would otherwise stream as 2048 rows)
+        cols = max(c for c in range(LANE, min(m_lane, cap) + 1, LANE) if m_lane % c == 0)
+        return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane)
+
+    out = {}
+    if cfg.q_lora_rank:
+        out["q_a"] = tiled("q_a", h, h, cfg.q_lora_rank, dims["q_lora"])
+        out["q_b"] = tiled("q_b", cfg.q_lora_rank, out["q_a"].m_pad, hq * cfg.head_dim, dims["q_cols"])
+    else:
+        out["q"] = tiled("q", h, h, hq * cfg.head_dim, dims["q_cols"])
+    out["kv_a"] = tiled("kv_a", h, h, cfg.kv_cache_width, dims["kv_a_cols"])
+    n, c, v = dims["nope"], dims["latent"], dims["value"]
+    out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
+                             diagonal=True)
+    out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
+                             diagonal=True)
+    return out
+
+
 def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segment, ...]:
     """Consecutive same-kind layers grouped into segments, then the lm_head, in ring order."""
     segments: list[Segment] = []
@@ -449,12 +520,13 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
         j = i
         while j < cfg.num_layers and cfg.layer_is_dense(j) == dense:
             j += 1
+        att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
         if dense:
-            names = ("qkv", "o", "gate_up", "down")
-            base = (i, i, dense_seen, dense_seen)
+            names = att + ("gate_up", "down")
+            base = (i,) * len(att) + (dense_seen, dense_seen)
         else:
-            names = ("qkv", "o") + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ())
-            base = (i, i) + ((moe_seen, moe_seen) if len(names) == 4 else ())
+            names = att + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ())
+            base = (i,) * len(att) + ((moe_seen, moe_seen) if len(names) > len(att) else ())
         offsets, t = [], 0
         for n in names:
             offsets.append(t)
@@ -491,8 +563,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
     _check_hbm(model, target, num_pages, page_size, sharding, spec.quant)  # before any per-tile or per-page work
     if model.is_mla:  # after the HBM check: a model too big is refused for that first
-        raise NotSupportedError(f"model '{model.name}': MLA attention is not in the megakernel yet "
-                                "(run it with --backend reference)")
+        _check_mla(model, spec)
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant)
     segments = plan_segments(cfg, fams)
@@ -504,8 +575,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
 
     kv_tile_pages = tuning.kv_tile_pages or max(1, min(pages_per_seq, KV_TILE_TOKENS // page_size))
     rows = batch * q_len
-    attention = AttentionGeometry.from_config(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages,
-                                              tuning.kv_buffers)
+    make_geometry = MLAGeometry.for_mla if cfg.is_mla else AttentionGeometry.from_config
+    attention = make_geometry(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, tuning.kv_buffers)
     attention.validate()
     moe = None
     if cfg.is_moe:
@@ -531,6 +602,19 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                     hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan), interconnect=_interconnect(plan))
     _check_fits(plan)
     return plan
+
+
+def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
+    """What the megakernel's MLA attention does not do yet, refused with one line each."""
+    if spec.devices > 1:
+        raise NotSupportedError(f"model '{model.name}': MLA attention in the megakernel runs on one device "
+                                f"(got --devices {spec.devices}; run it with --backend reference)")
+    if spec.quant != "none":
+        raise NotSupportedError(f"model '{model.name}': MLA models have no quantized megakernel yet "
+                                f"(got --quant {spec.quant}; build it unquantized)")
+    if LANE % model.qk_rope_head_dim:
+        raise NotSupportedError(f"model '{model.name}': qk_rope_head_dim = {model.qk_rope_head_dim}: the MLA "
+                                f"megakernel needs a divisor of {LANE} (roped heads are rotated inside lane tiles)")
 
 
 def _replace(plan: Plan, **changes) -> Plan:
@@ -580,7 +664,7 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
-    rope_lanes = cfg.head_dim * heads_per_lane_block(cfg.head_dim)  # cos/sin rows (contract)
+    rope_lanes = rope_table_lanes(cfg)  # cos/sin rows (contract)
     out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
     if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
         out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
@@ -599,6 +683,12 @@ def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
             # every device's logits slice to every peer (N - 1 slices sent, either schedule)
             "logits_all_gather": {"count": 1, "bytes_each": float((g.devices - 1) * logits_slice_bytes(plan)),
                                   "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages}}
+
+
+def rope_table_lanes(cfg: ModelConfig) -> int:
+    """Lanes of the cos / sin rows the glue passes: one head (two 64-wide heads), or for MLA
+    one lane tile of R-wide rotations (`tpumk.kernel.megakernel`)."""
+    return LANE if cfg.is_mla else cfg.head_dim * heads_per_lane_block(cfg.head_dim)
 
 
 def logits_slice_bytes(plan: Plan) -> int:
@@ -629,7 +719,7 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
     lengths = _full_lengths(plan)
     pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
                 for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
-    out["kv_cache_pages"] = {"count": 2 * pages, "bytes_each": att.page_bytes}
+    out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
     if plan.moe is not None:
         m = plan.moe
         distinct = m.expected_distinct_experts()

@@ -1,0 +1,209 @@
+"""The MLA attention stage of the megakernel: multi-query attention over the paged latent cache.
+
+Absorbed form (tpumk.model.mla.attend_latent): one shared "kv head" of W = C + R lanes per
+token (c_kv | k_rope), every q head's row q_lat | q_rope scored against it in ONE matmul per
+KV tile for all heads and all q_len rows of a sequence, online softmax in f32, values = the
+tile's first C lanes. The cache update (read-modify-write of whole pages) and the paged tile
+pipeline are tpumk.kernel.attention's, with one cache instead of two (`_LatentStage` reuses its
+page addressing, token table, sequence tabulation and write-back retirement; this module has
+its own page patching and tile loop, whose K and V are the same tile here). Everything that
+module's docstring says about write ordering (a page the step writes is never read from HBM by
+the tile loop), out-of-range positions, masking and the profiler-friendly control flow (DMAs
+started in branches, every wait unconditional, branch-free tile compute) holds here too.
+
+Numerics follow the reference: the query row cast to the cache dtype, scores with float32
+accumulation times the YaRN softmax scale (`MLAGeometry.scale`), softmax in float32 (online),
+probabilities cast to the cache dtype for p . c_kv. The latent rows stay unpadded in HBM
+(C + R lanes, e.g. 576 for DeepSeek-V3 or 48 for the tests' tiny model); Mosaic pads them to
+128 lanes in VMEM, which `MLAGeometry.scratch` counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpumk.kernel import attention as attn
+from tpumk.plan.geometry import MLAGeometry
+
+
+class MLAScratch(NamedTuple):
+    tiles: Any
+    patch: Any
+    new_rows: Any
+    q_heads: Any
+    m: Any
+    l: Any
+    acc: Any
+    seq_meta: Any
+    tile_sems: Any
+    patch_sems: Any
+
+
+class _LatentStage(attn._Stage):
+    """attention._Stage with one cache (the latent rows) instead of K and V."""
+
+    def __init__(self, geom, layer, cache, block_tables, positions, scratch):
+        self.g, self.layer = geom, layer
+        self.block_tables, self.positions = block_tables, positions
+        self.sc = MLAScratch(*scratch)
+        self.caches = (cache,)
+        self.patches = (self.sc.patch,)
+        self.meta_width = 3 + geom.q_len
+        self._tokens = None
+        self.window = None
+
+    def start_patch_dma(self, slot, pg, first, write):
+        pl.when(first)(lambda: self._patch_copy(0, slot, pg, write).start())
+        pl.when(jnp.logical_not(first))(lambda: self._sink_copy(0, slot, write).start())
+
+    def wait_patch_dma(self, slot, pg, write):
+        self._patch_copy(0, slot, pg, write).wait()
+
+
+def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block_tables, lengths, positions,
+                        scratch: Sequence) -> Any:
+    """One layer of MLA attention with the in-place latent cache update. Call inside a kernel.
+
+    q_rows: callable (b, h) -> [(lane offset, f32 [q_len, width]), ...]: the pieces of the row
+        q_lat | q_rope (W = latent + rope lanes) of query head h for sequence b's new tokens
+        (roped; the stage casts the row to the cache dtype for the scores);
+    new_rows: f32 [B*q_len, W]: this step's cache rows c_kv | k_rope (exact in the cache dtype);
+    cache: HBM ref [num_layers, num_pages, page_size, W] (aliased in -> out, updated in place);
+    block_tables, lengths, positions, scratch: as `tpumk.kernel.attention.attention_stage`.
+    Returns the q_heads scratch ref: after the stage, row h*q_len + i of q_heads[b] holds head
+    h's latent output o_lat (softmax(q . rows) . c_kv) of token i in its first `latent` lanes."""
+    st = _LatentStage(geom, layer, cache, block_tables, positions, scratch)
+    sc, g = st.sc, geom
+    B, T, H, W = g.batch, g.q_len, g.num_q_heads, g.kv_size
+    st.start_patch_reads()
+    sc.new_rows[pl.ds(0, g.tokens), :] = new_rows
+    for b in range(B):
+        for h in range(H):
+            for lo, value in q_rows(b, h):
+                sc.q_heads[b, pl.ds(h * T, T), pl.ds(lo, value.shape[1])] = value
+        if g.q_rows > H * T:
+            sc.q_heads[b, pl.ds(H * T, g.q_rows - H * T), :] = jnp.zeros((g.q_rows - H * T, W), jnp.float32)
+    qrow = lax.broadcasted_iota(jnp.int32, (g.q_rows, 1), 0)
+    token_of_row = jnp.full((g.q_rows, 1), -1, jnp.int32)
+    for h in range(H):
+        for i in range(T):
+            token_of_row = jnp.where(qrow == h * T + i, i, token_of_row)
+    total = attn._tabulate_sequences(st, lengths)
+    _patch(st)
+    _tiles(st, lengths, token_of_row, total)
+    attn._retire_write_backs(st)
+    return sc.q_heads
+
+
+def _patch(st) -> None:
+    g, sc = st.g, st.sc
+    T, P = g.q_len, g.page_size
+    rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
+    for b, i, slot, lps, pos, pg, first in st.tokens():
+        st.wait_patch_dma(slot, pg, write=False)
+        hits = [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
+                for j in range(T)]
+        page = sc.patch[slot].astype(jnp.float32)
+        for j in range(T):
+            page = jnp.where(rows == hits[j], sc.new_rows[pl.ds(b * T + j, 1), :], page)
+        sc.patch[slot] = page.astype(g.jnp_dtype)
+        st.start_patch_dma(slot, pg, first, write=True)
+
+
+def _tiles(st, lengths, token_of_row, total) -> None:
+    g, sc, layer, positions = st.g, st.sc, st.layer, st.positions
+    B, T, P, KT, NB, S, C = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers, g.tile_rows, g.latent
+    RB = g.q_rows
+    dt = g.jnp_dtype
+    precision = lax.Precision.HIGHEST if g.dtype == "float32" else None
+    mw = st.meta_width
+
+    def fetch(b, t, slot):
+        npages = sc.seq_meta[b * mw + 1]
+        lps = [sc.seq_meta[b * mw + 3 + i] for i in range(T)]
+        for j in range(KT):
+            lp = jnp.minimum(t * KT + j, npages - 1)
+            patched, pslot = False, 0
+            for i in reversed(range(T)):
+                hit = lps[i] == lp
+                pslot = jnp.where(hit, b * T + i, pslot)
+                patched = jnp.logical_or(patched, hit)
+            dst, sem = sc.tiles.at[slot, pl.ds(j * P, P)], sc.tile_sems.at[0, slot]
+            pl.when(patched)(lambda dst=dst, sem=sem, pslot=pslot:
+                             pltpu.make_async_copy(sc.patch.at[pslot], dst, sem).start())
+            pl.when(jnp.logical_not(patched))(
+                lambda dst=dst, sem=sem, b=b, lp=lp:
+                pltpu.make_async_copy(st.caches[0].at[layer, st.page_id(b, lp)], dst, sem).start())
+
+    def wait_tile(slot):
+        for j in range(KT):
+            pltpu.make_async_copy(st.caches[0].at[layer, 0], sc.tiles.at[slot, pl.ds(j * P, P)],
+                                  sc.tile_sems.at[0, slot]).wait()
+
+    def compute(b, t, slot):
+        pos = [positions[b, i] for i in range(T)]
+        length = jnp.minimum(lengths[b], st.capacity)
+        first_tile, last_tile = t == sc.seq_meta[b * mw + 2], t == sc.seq_meta[b * mw] - 1
+        new_pos = [jnp.where(st.in_range(p_), p_, -1) for p_ in pos]
+
+        def key_valid(kpos):
+            ok = kpos < length
+            for p_ in new_pos:
+                ok = jnp.logical_or(ok, kpos == p_)
+            return ok
+
+        kpos_lane = t * S + lax.broadcasted_iota(jnp.int32, (1, S), 1)
+        kpos_row = t * S + lax.broadcasted_iota(jnp.int32, (S, 1), 0)
+        qpos = jnp.full((RB, 1), -1, jnp.int32)
+        for i in range(T):
+            qpos = jnp.where(token_of_row == i, pos[i], qpos)
+        mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)
+        v_ok = key_valid(kpos_row)
+        q = sc.q_heads[b]
+        tile = sc.tiles[slot]
+        s = lax.dot_general(q.astype(dt), tile, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * g.scale
+        s = jnp.where(mask, s, attn.MASK_VALUE)
+        m_prev = jnp.where(first_tile, -jnp.inf, sc.m[...])
+        l_prev = jnp.where(first_tile, 0.0, sc.l[...])
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next[:, :1])
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        vals = jnp.where(v_ok, tile[:, :C], jnp.zeros((), dt))
+        pv = lax.dot_general(p.astype(dt), vals, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        acc = jnp.where(first_tile, 0.0, sc.acc[...]) * alpha[:, :1] + pv
+        sc.m[...], sc.l[...], sc.acc[...] = m_next, l_next, acc
+        o = jnp.where(m_next[:, :1] <= 0.5 * attn.MASK_VALUE, 0.0, acc / l_next[:, :1])
+        sc.q_heads[b, :, pl.ds(0, C)] = jnp.where(last_tile, o, q[:, :C])
+
+    def advance(b, t):
+        wrap = t + 1 >= sc.seq_meta[jnp.minimum(b, B - 1) * mw]
+        first_next = sc.seq_meta[jnp.minimum(b + 1, B - 1) * mw + 2]
+        return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
+
+    zero = jnp.int32(0)
+    t_first = sc.seq_meta[2]
+    pb, pt = zero, t_first
+    for k in range(NB - 1):
+        pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
+        pb, pt = advance(pb, pt)
+
+    def step(gidx, carry):
+        b, t, pb, pt = carry
+        ahead = gidx + (NB - 1)
+        pl.when(ahead < total)(lambda: fetch(pb, pt, lax.rem(ahead, NB)))
+        pb, pt = advance(pb, pt)
+        slot = lax.rem(gidx, NB)
+        wait_tile(slot)
+        compute(b, t, slot)
+        b, t = advance(b, t)
+        return b, t, pb, pt
+
+    lax.fori_loop(0, total, step, (zero, t_first, pb, pt))
