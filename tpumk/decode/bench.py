@@ -100,16 +100,9 @@ def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
     xs = "nkc" if x.ndim == 3 else "nc"
     if not isinstance(w, QuantizedMatrix):
         return jnp.einsum(f"{xs},nkcm->nkm", x.astype(w.dtype), w[ids], preferred_element_type=jnp.float32)
-    dt = w.compute.dtype
-    q, scale = w.q[ids], w.scale[ids]  # [N, k, K, M], [N, k, G, M]
-    g = scale.shape[-2]
-    pad = g * w.group - q.shape[-2]
-    xg = jnp.pad(x.astype(dt).astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    xg = xg.reshape(*x.shape[:-1], g, w.group)
-    qg = jnp.pad(q.astype(dt).astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
-    qg = qg.reshape(*q.shape[:2], g, w.group, q.shape[-1])
+    xg, qg = ref.grouped_operands(x, w.q[ids], w)  # codes [N, k, K, M] -> [N, k, G, group, M]
     parts = jnp.einsum(f"{xs[:-1]}gc,nkgcm->nkgm", xg, qg, precision=jax.lax.Precision.HIGHEST)
-    return jnp.sum(parts * scale, axis=-2)
+    return jnp.sum(parts * w.scale[ids], axis=-2)
 
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,

@@ -526,9 +526,21 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             o = jnp.where(m_next[:, :1] <= 0.5 * MASK_VALUE, 0.0, acc_next / l_next[:, :1])  # NaN stays NaN
             sc.q_heads[b, h] = jnp.where(last_tile, o, q_blk[h])
 
+    run_tile_pipeline(sc.seq_meta, meta_width, B, NB, total, first_of, fetch, wait_tile, compute)
+
+
+def run_tile_pipeline(seq_meta, meta_width: int, batch: int, buffers: int, total, first_of,
+                      fetch, wait_tile, compute) -> None:
+    """The flat (sequence, tile) pipeline every attention stage drives: `buffers - 1` tile
+    loads issued ahead, then one `fori_loop` over all `total` steps that refills the slot the
+    previous step freed, waits for its own tile and computes it, crossing sequence boundaries
+    without a drain. seq_meta[b * meta_width] is sequence b's end tile; first_of(b) its first
+    tile; fetch(b, t, slot), wait_tile(slot) and compute(b, t, slot) are the stage's own."""
+    B, NB = batch, buffers
+
     def advance(b, t):
         """The (sequence, tile) step after (b, t); (B, first tile of the last) after the last one."""
-        wrap = t + 1 >= sc.seq_meta[jnp.minimum(b, B - 1) * meta_width]
+        wrap = t + 1 >= seq_meta[jnp.minimum(b, B - 1) * meta_width]
         first_next = first_of(jnp.minimum(b + 1, B - 1))
         return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
 

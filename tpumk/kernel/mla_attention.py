@@ -183,27 +183,5 @@ def _tiles(st, lengths, token_of_row, total) -> None:
         o = jnp.where(m_next[:, :1] <= 0.5 * attn.MASK_VALUE, 0.0, acc / l_next[:, :1])
         sc.q_heads[b, :, pl.ds(0, C)] = jnp.where(last_tile, o, q[:, :C])
 
-    def advance(b, t):
-        wrap = t + 1 >= sc.seq_meta[jnp.minimum(b, B - 1) * mw]
-        first_next = sc.seq_meta[jnp.minimum(b + 1, B - 1) * mw + 2]
-        return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
-
-    zero = jnp.int32(0)
-    t_first = sc.seq_meta[2]
-    pb, pt = zero, t_first
-    for k in range(NB - 1):
-        pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
-        pb, pt = advance(pb, pt)
-
-    def step(gidx, carry):
-        b, t, pb, pt = carry
-        ahead = gidx + (NB - 1)
-        pl.when(ahead < total)(lambda: fetch(pb, pt, lax.rem(ahead, NB)))
-        pb, pt = advance(pb, pt)
-        slot = lax.rem(gidx, NB)
-        wait_tile(slot)
-        compute(b, t, slot)
-        b, t = advance(b, t)
-        return b, t, pb, pt
-
-    lax.fori_loop(0, total, step, (zero, t_first, pb, pt))
+    attn.run_tile_pipeline(sc.seq_meta, mw, B, NB, total, lambda b: sc.seq_meta[b * mw + 2], fetch, wait_tile,
+                           compute)

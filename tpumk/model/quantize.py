@@ -332,11 +332,6 @@ def quantized_weight_bytes(cfg, scheme: str) -> int:
     return int(total)
 
 
-def ring_output_columns(cfg) -> int:
-    """Output columns of the ring's matrices: one float32 scale each in the per-column formats."""
-    return sum(n * m for n, _, m in ring_matrices(cfg))
-
-
 def quantized_specs(cfg, params: dict, scheme: str) -> dict:
     """`quantize_params` on ShapeDtypeStructs: the same pytree with each quantized matrix a
     QuantizedMatrix of specs (codes, float32 scales), for deviceless compiles."""

@@ -106,13 +106,7 @@ def matmul(x: jax.Array, w) -> jax.Array:
         if not w.grouped:
             return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
         # Group scales: each 128-row group's float32 sum times its scales, then the groups summed.
-        # (Operands rounded to the compute dtype, then multiplied in float32: the same products,
-        # exact, and XLA:CPU has no batched bf16 x bf16 -> f32 dot.)
-        k, m = w.q.shape
-        g = w.scale.shape[-2]
-        pad = g * w.group - k  # a partial last group: zero rows on both sides
-        xg = jnp.pad(_in(x, dt), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], g, w.group)
-        qg = jnp.pad(_in(w.q, dt), ((0, pad), (0, 0))).reshape(g, w.group, m)
+        xg, qg = grouped_operands(x, w.q, w)
         parts = jnp.einsum("...gk,gkm->...gm", xg, qg, precision=lax.Precision.HIGHEST)
         return jnp.sum(parts * w.scale, axis=-2)
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
@@ -125,21 +119,24 @@ def expert_matmul(x: jax.Array, w) -> jax.Array:
     xs = "enk" if x.ndim == 3 else "nk"
     if not isinstance(w, QuantizedMatrix):
         return jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w, preferred_element_type=jnp.float32)
-    e, k, m = w.q.shape
     if not w.grouped:
         y = jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32)
         return y * w.scale[:, None, :]
-    g = w.scale.shape[-2]
-    pad = g * w.group - k
-    xg = jnp.pad(_in(x, dt), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], g, w.group)
-    qg = jnp.pad(_in(w.q, dt), ((0, 0), (0, pad), (0, 0))).reshape(e, g, w.group, m)
+    xg, qg = grouped_operands(x, w.q, w)
     parts = jnp.einsum(f"{xs[:-1]}gk,egkm->engm", xg, qg, precision=lax.Precision.HIGHEST)
     return jnp.sum(parts * w.scale[:, None], axis=-2)
 
 
-def _in(a: jax.Array, dt) -> jax.Array:
-    """a rounded to dtype dt, held in float32 (a product of two such values is exact in f32)."""
-    return a.astype(dt).astype(jnp.float32)
+def grouped_operands(x: jax.Array, q: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] and codes q [..., K, M] (w's codes, or a gather of them) split into w's scale
+    groups, [..., G, group] and [..., G, group, M], a partial last group zero-padded on both
+    sides. Both are rounded to w's compute dtype and held in float32: a product of two such
+    values is exact in f32, and XLA:CPU has no batched bf16 x bf16 -> f32 dot."""
+    dt, g = w.compute.dtype, w.scale.shape[-2]
+    pad = g * w.group - q.shape[-2]
+    xg = jnp.pad(x.astype(dt).astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    qg = jnp.pad(q.astype(dt).astype(jnp.float32), [(0, 0)] * (q.ndim - 2) + [(0, pad), (0, 0)])
+    return xg.reshape(*x.shape[:-1], g, w.group), qg.reshape(*q.shape[:-2], g, w.group, q.shape[-1])
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
