@@ -31,7 +31,10 @@ parts padded per head to 128 lanes) stream, instead of qkv and o:
     uk             [L, Hq, n, c]   block-diagonal: tile h = head h's W_UK^T [nope, latent]
     uv             [L, Hq, c, v]   block-diagonal: tile h = head h's W_UV [latent, value]
     o              [L, T, r, c]    wo, each head's rows padded to 128
-and the layer vectors' q_norm / k_norm rows hold q_a_norm / kv_a_norm.
+and the layer vectors' q_norm / k_norm rows hold q_a_norm / kv_a_norm. Quantized (uk / uv from
+the quantized layer's own per-head `w_uk` / `w_uv`, tpumk.model.quantize): the scales follow the
+same column (and row) orders, padded with zeros; uk / uv's column scales sit head block by head
+block, their group scales one [scale_rows, tile_cols] block per diagonal tile.
     moe            {router, e_gateup, e_down}  tpumk.kernel.moe.pack_experts (MoE models only)
 
 Inside a family, tile t of a matrix is (row block t % RB, column block t // RB) with RB =
@@ -79,39 +82,90 @@ def interleave_gate_up(gate: jax.Array, up: jax.Array, f_pad: int, tile_cols: in
     return jnp.concatenate([g, u], axis=-1).reshape(h, 2 * f_pad)
 
 
-def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
-    """The MLA families of every layer (layout in the module docstring)."""
-    dims = mla_dims(cfg)
-    hq, n, r, c, v = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-    npad, cpad, vpad = dims["nope"], dims["latent"], dims["value"]
+class _MLAColumns:
+    """The MLA families' row and column orders (module docstring), applied alike to a matrix's
+    codes and to its scales (per-column scales are a 1-row matrix, group scales one row per
+    128 input rows): every padding is zeros."""
 
-    def q_columns(w):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
-        k = w.shape[0]
+    def __init__(self, cfg: ModelConfig, fams: dict):
+        dims = mla_dims(cfg)
+        self.cfg, self.fams = cfg, fams
+        self.npad, self.cpad, self.vpad = dims["nope"], dims["latent"], dims["value"]
+
+    def q(self, w):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
+        cfg, k = self.cfg, w.shape[0]
+        hq, n, r = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         heads = w.reshape(k, hq, n + r)
-        nope = jnp.pad(heads[..., :n], ((0, 0), (0, 0), (0, npad - n))).reshape(k, hq * npad)
+        nope = jnp.pad(heads[..., :n], ((0, 0), (0, 0), (0, self.npad - n))).reshape(k, hq * self.npad)
         return jnp.concatenate([nope, heads[..., n:].reshape(k, hq * r)], 1)
 
-    def diagonal(blocks, fam):  # [Hq, rows, cols] -> tiles padded to [tile_rows, tile_cols]
-        return jnp.pad(blocks, ((0, 0), (0, fam.tile_rows - blocks.shape[1]), (0, fam.tile_cols - blocks.shape[2])))
+    def kv_a(self, w):  # [K, C+R] -> [K, cpad + R]: c_kv padded to whole lane tiles, then k_rope
+        c = self.cfg.kv_lora_rank
+        return jnp.concatenate([jnp.pad(w[:, :c], ((0, 0), (0, self.cpad - c))), w[:, c:]], 1)
 
+    def o_rows(self, w):  # [Hq*V, H] -> [Hq*vpad, H]: each head's rows padded
+        hq, v = self.cfg.num_q_heads, self.cfg.v_head_dim
+        return jnp.pad(w.reshape(hq, v, -1), ((0, 0), (0, self.vpad - v), (0, 0))).reshape(hq * self.vpad, -1)
+
+    def diagonal(self, blocks, name: str, rows: int | None = None):
+        """[Hq, r, c] -> tiles [Hq, rows (default tile_rows), tile_cols], zero-padded."""
+        fam = self.fams[name]
+        rows = fam.tile_rows if rows is None else rows
+        return jnp.pad(blocks, ((0, 0), (0, rows - blocks.shape[1]), (0, fam.tile_cols - blocks.shape[2])))
+
+    def flat_columns(self, blocks, name: str):
+        """Per-head column scales [Hq, c] -> [Hq * tile_cols]: head h's block at h * tile_cols."""
+        return self.diagonal(blocks[:, None, :], name, 1).reshape(-1)
+
+
+def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
+    """The MLA families of every layer (layout in the module docstring)."""
+    from tpumk.model.mla import absorbed_weights
+
+    cols = _MLAColumns(cfg, fams)
     out: dict[str, list] = {}
     for l in layers:
         mats = {}
         if cfg.q_lora_rank:
             mats["q_a"] = cast(l["wq_a"])
-            mats["q_b"] = q_columns(cast(l["wq_b"]))
+            mats["q_b"] = cols.q(cast(l["wq_b"]))
         else:
-            mats["q"] = q_columns(cast(l["wq"]))
-        wkv_a = cast(l["wkv_a"])
-        mats["kv_a"] = jnp.concatenate([jnp.pad(wkv_a[:, :c], ((0, 0), (0, cpad - c))), wkv_a[:, c:]], 1)
-        wkv_b = cast(l["wkv_b"]).reshape(c, hq, n + v)
-        wo = cast(l["wo"]).reshape(hq, v, -1)
-        mats["o"] = jnp.pad(wo, ((0, 0), (0, vpad - v), (0, 0))).reshape(hq * vpad, -1)
+            mats["q"] = cols.q(cast(l["wq"]))
+        mats["kv_a"] = cols.kv_a(cast(l["wkv_a"]))
+        mats["o"] = cols.o_rows(cast(l["wo"]))
         for name, m in mats.items():
             out.setdefault(name, []).append(tile_matrix(m, fams[name]))
-        out.setdefault("uk", []).append(diagonal(wkv_b[..., :n].transpose(1, 2, 0), fams["uk"]))  # [Hq, N, C]
-        out.setdefault("uv", []).append(diagonal(wkv_b[..., n:].transpose(1, 0, 2), fams["uv"]))  # [Hq, C, V]
+        w_uk, w_uv = absorbed_weights(cfg, l)  # [Hq, N, C], [Hq, C, V]
+        out.setdefault("uk", []).append(cols.diagonal(cast(w_uk), "uk"))
+        out.setdefault("uv", []).append(cols.diagonal(cast(w_uv), "uv"))
     return {name: jnp.stack(tiles) for name, tiles in out.items()}
+
+
+def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool) -> dict:
+    """One MLA layer's scales in the families' packed order: column-scaled formats, each family's
+    [M] row (uk / uv: every head's block side by side, as the diagonal tiles' column blocks);
+    group-scaled, each family's [K/128, M] matrix (uk / uv: the tiles' scale blocks [Hq,
+    scale_rows, tile_cols])."""
+    from tpumk.model.mla import absorbed_weights
+
+    cols = _MLAColumns(cfg, fams)
+
+    def s(key):  # as a matrix: [1, M] or [K/128, M]
+        return lay[key].scale if grouped else lay[key].scale[None]
+
+    out = {"kv_a": cols.kv_a(s("wkv_a"))}
+    if cfg.q_lora_rank:
+        out["q_a"], out["q_b"] = s("wq_a"), cols.q(s("wq_b"))
+    else:
+        out["q"] = cols.q(s("wq"))
+    # o: its rows are padded per head, but a grouped build has V % 128 == 0 (the plan refuses
+    # others), so no padding lands inside a row group: its group scales keep their order
+    out["o"] = s("wo")
+    w_uk, w_uv = absorbed_weights(cfg, lay)
+    for name, w in (("uk", w_uk), ("uv", w_uv)):
+        out[name] = (cols.diagonal(w.scale, name, fams[name].scale_rows) if grouped
+                     else cols.flat_columns(w.scale, name)[None])
+    return out if grouped else {k: v[0] for k, v in out.items()}
 
 
 def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None, quant: str):
@@ -208,9 +262,14 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
         t = tile_matrix(jnp.asarray(scale, jnp.float32), shape)
         return jnp.pad(t, ((0, 0), (0, fam.scale_rows - shape.tile_rows), (0, 0)))
 
-    out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l["wq"].scale, l["wk"].scale, l["wv"].scale], 1),
-                                          fams["qkv"]) for l in layers]),
-           "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in layers])}
+    if cfg.is_mla:
+        parts = [_mla_scale_parts(cfg, fams, l, grouped=True) for l in layers]
+        out = {f"scales_{name}": jnp.stack([p[name] if fams[name].diagonal else tiles(p[name], fams[name])
+                                            for p in parts]) for name in parts[0]}
+    else:
+        out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l["wq"].scale, l["wk"].scale, l["wv"].scale], 1),
+                                              fams["qkv"]) for l in layers]),
+               "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in layers])}
     dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
     moe = [l for i, l in enumerate(layers) if not cfg.layer_is_dense(i)]
     for prefix, group, pad, (gate, up, down) in (("", dense, ffn_pad, ("w_gate", "w_up", "w_down")),
@@ -235,7 +294,10 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
         return jnp.pad(jnp.asarray(v, jnp.float32), (0, m_pad - v.shape[0]))
 
     def row(lay: dict):
-        parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
+        if cfg.is_mla:
+            parts = _mla_scale_parts(cfg, fams, lay, grouped=False)
+        else:
+            parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
         for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),
                                             ("shared_", "s_gate", "s_up", "s_down", shared_pad)):
             if gate in lay and f"{prefix}gate_up" in fams:

@@ -22,6 +22,11 @@ latent output o_lat [C], and o_lat @ W_UV gives the head's value output. Numeric
 in float32; the query row is cast to the cache dtype for the scores, probabilities for p . c_kv.
 `forward_full` is the expanded twin (keys and values rebuilt per head from the latent, the way
 transformers computes them) and checks the absorption algebra.
+
+Quantized weights (tpumk.model.quantize): wq_a, wq_b / wq, wkv_a and wo are QuantizedMatrix
+(`reference.matmul` takes them); wkv_b is replaced by `w_uk` [Hq, N, C] and `w_uv` [Hq, C, V],
+the per-head absorbed blocks quantized block by block, multiplied head by head with the same
+contract (`_per_head`), which is what the kernel's block-diagonal uk / uv tiles compute.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 
 from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import QuantizedMatrix
 
 
 def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
@@ -66,9 +72,27 @@ def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
     return q[..., :n], q_rope, row
 
 
-def _split_kv_b(cfg: ModelConfig, layer):
-    w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]  # W_UK [C,Hq,N], W_UV [C,Hq,V]
+def absorbed_weights(cfg: ModelConfig, layer):
+    """(W_UK^T [Hq, N, C], W_UV [Hq, C, V]): each head's absorbed blocks, the kernel's uk / uv
+    tiles. Views of wkv_b, or a quantized layer's own `w_uk` / `w_uv` (QuantizedMatrix stacks
+    over heads, tpumk.model.quantize)."""
+    if "w_uk" in layer:
+        return layer["w_uk"], layer["w_uv"]
+    n = cfg.qk_nope_head_dim
+    w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, n + cfg.v_head_dim)
+    return w[..., :n].transpose(1, 2, 0), w[..., n:].transpose(1, 0, 2)
+
+
+def _per_head(x: jax.Array, w) -> jax.Array:
+    """x [B, T, Hq, K] @ w [Hq, K, M] head by head -> [B, T, Hq, M] f32: `reference.matmul`'s
+    contract per head (a quantized stack: its codes, scales per head block, as the kernel)."""
+    from tpumk.model.reference import expert_matmul
+
+    if not isinstance(w, QuantizedMatrix):
+        return jnp.einsum("bthk,hkm->bthm", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    b, t, hq, k = x.shape
+    y = expert_matmul(x.transpose(2, 0, 1, 3).reshape(hq, b * t, k), w)  # [Hq, B*T, M]
+    return y.reshape(hq, b, t, -1).transpose(1, 2, 0, 3)
 
 
 def _softmax_masked(s: jax.Array, mask: jax.Array) -> jax.Array:
@@ -81,9 +105,9 @@ def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array,
                   q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
     """Absorbed MLA attention. q_nope [B,T,Hq,N], q_rope [B,T,Hq,R] f32; rows [B,S,C+R] (cache
     dtype); q_pos [B,T]; k_pos, k_valid [B,S] -> [B, T, Hq*V] f32."""
-    w_uk, w_uv = _split_kv_b(cfg, layer)
+    w_uk, w_uv = absorbed_weights(cfg, layer)
     b, t = q_nope.shape[:2]
-    q_lat = jnp.einsum("bthn,chn->bthc", q_nope.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
+    q_lat = _per_head(q_nope, w_uk)
     q_row = jnp.concatenate([q_lat, q_rope], -1).astype(rows.dtype)  # [B,T,Hq,C+R]
     s = jnp.einsum("bthd,bsd->bhts", q_row, rows, preferred_element_type=jnp.float32) * yarn.softmax_scale(cfg)
     mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
@@ -91,7 +115,7 @@ def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array,
     # (as bhtc, then transposed: XLA:CPU has no bfloat16 kernel for the bthc form of this product)
     o_lat = jnp.einsum("bhts,bsc->bhtc", p.astype(rows.dtype), rows[..., : cfg.kv_lora_rank],
                        preferred_element_type=jnp.float32).transpose(0, 2, 1, 3)
-    o = jnp.einsum("bthc,chv->bthv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
+    o = _per_head(o_lat, w_uv)
     return o.reshape(b, t, cfg.num_q_heads * cfg.v_head_dim)
 
 
@@ -99,11 +123,12 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
                     q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
     """The same attention with per-head keys and values rebuilt from the latent (transformers'
     form): k = [c_kv @ W_UK | k_rope], v = c_kv @ W_UV, then ordinary multi-head attention."""
-    w_uk, w_uv = _split_kv_b(cfg, layer)
+    # (quantized blocks enter dequantized: this twin checks the algebra, not the kernel's rounding)
+    w_uk, w_uv = (w.dequantized() if isinstance(w, QuantizedMatrix) else w for w in absorbed_weights(cfg, layer))
     b, t = q_nope.shape[:2]
     c_kv, k_rope = rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
-    k_nope = jnp.einsum("bsc,chn->bshn", c_kv.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
-    v = jnp.einsum("bsc,chv->bshv", c_kv.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
+    k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
+    v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
     s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
          + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(jnp.float32))) * yarn.softmax_scale(cfg)
     mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])

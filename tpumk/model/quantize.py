@@ -33,6 +33,14 @@ up to float32 rounding.
 Embedding rows (gathered outside the kernel), norms, the MoE router (it decides routing: kept
 exact) and the KV cache stay in the model dtype.
 
+MLA models (tpumk.model.mla): the ring streams wq_a, wq_b (or wq), wkv_a and wo in the ring
+format, and wkv_b as the two absorbed per-head matrices the kernel multiplies by: a quantized
+layer holds `w_uk` [Hq, N, C] (head h's W_UK^T) and `w_uv` [Hq, C, V] (head h's W_UV) in place
+of `wkv_b`, each head's block quantized on its own like a stack of experts (per-column: one
+scale per (head, latent / value column); fp8-b128: per (head, 128 contraction rows, column)),
+because the kernel streams one head block per tile. The q_a / kv_a norms stay in the model
+dtype, the router and its correction bias in float32.
+
 Why not a quantization library (e.g. qwix): tpumk needs the codes and scales themselves, laid
 out in the ring's tile order and the expert stage's chunk order, with the exact dequantization
 contract above shared by the reference and the kernel; qwix quantizes a Flax model's
@@ -49,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.errors import ConfigError, NotSupportedError
+from tpumk.errors import ConfigError
 
 GROUP = 128  # input rows per scale of the group formats (and the block side of fp8-b128)
 
@@ -92,8 +100,10 @@ PRESETS = {"none": ("none", "none"), "int8": ("int8", "none"), "fp8": ("fp8", "n
 SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme too
 # Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top)
 # and of the routed experts' stacks.
-RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
+                 "wq_a", "wq_b", "wkv_a")
 EXPERT_MATRICES = ("e_gate", "e_up", "e_down")
+ABSORBED_MATRICES = ("w_uk", "w_uv")  # an MLA layer's wkv_b, split per head (quantized layers only)
 
 
 @dataclass(frozen=True)
@@ -228,12 +238,16 @@ def quantize_params(cfg, params: dict, scheme: str) -> dict:
     s = parse_scheme(scheme)
     if s.ring is None and s.experts is None:
         return params
-    if cfg.is_mla:  # the MLA matrices (wq_a, wq_b, wkv_a, wkv_b) have no quantized path yet
-        raise NotSupportedError(f"--quant {scheme}: not supported yet: quantized weights of an MLA model ('{cfg.name}')")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
     layers = []
     for lay in params["layers"]:
         out = dict(lay)
+        if s.ring is not None and "wkv_b" in lay:  # MLA: the absorbed per-head blocks (module docstring)
+            from tpumk.model.mla import absorbed_weights
+
+            del out["wkv_b"]
+            for k, w in zip(ABSORBED_MATRICES, absorbed_weights(cfg, lay)):
+                out[k] = quantize_matrix(w, s.ring, dt)
         for keys, fmt in ((RING_MATRICES, s.ring), (EXPERT_MATRICES, s.experts)):
             for k in keys:
                 if fmt is not None and k in lay and not isinstance(lay[k], QuantizedMatrix):
@@ -298,10 +312,16 @@ def _scale_count(fmt: WeightFormat, matrices: list[tuple[int, int, int]]) -> int
 
 def ring_matrices(cfg) -> list[tuple[int, int, int]]:
     """(count, K, M) of the ring's matrices (the lm_head included)."""
-    h, n_dense = cfg.hidden_size, cfg.num_dense_layers
-    n_moe = cfg.num_layers - n_dense
+    h, n_dense, L = cfg.hidden_size, cfg.num_dense_layers, cfg.num_layers
+    n_moe = L - n_dense
     shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
-    out = [(cfg.num_layers, h, cfg.q_size + 2 * cfg.kv_size), (cfg.num_layers, cfg.q_size, h), (1, h, cfg.vocab_size)]
+    if cfg.is_mla:  # q path, kv_a, the per-head absorbed blocks (quantized head by head), o
+        hq, rq, c = cfg.num_q_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        out = [(L, h, rq), (L, rq, cfg.q_size)] if rq else [(L, h, cfg.q_size)]
+        out += [(L, h, cfg.kv_cache_width), (L * hq, cfg.qk_nope_head_dim, c), (L * hq, c, cfg.v_head_dim),
+                (L, hq * cfg.v_head_dim, h), (1, h, cfg.vocab_size)]
+    else:
+        out = [(L, h, cfg.q_size + 2 * cfg.kv_size), (L, cfg.q_size, h), (1, h, cfg.vocab_size)]
     if n_dense:
         out += [(n_dense, h, 2 * cfg.ffn_size), (n_dense, cfg.ffn_size, h)]
     if shared and n_moe:
@@ -348,6 +368,11 @@ def quantized_specs(cfg, params: dict, scheme: str) -> dict:
 
     def layer(lay):
         out = dict(lay)
+        if s.ring is not None and "wkv_b" in lay:  # MLA: wkv_b becomes the per-head W_UK^T and W_UV
+            hq, n, c, v = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+            del out["wkv_b"]
+            for k, shape in zip(ABSORBED_MATRICES, ((hq, n, c), (hq, c, v))):
+                out[k] = spec(jax.ShapeDtypeStruct(shape, dt), s.ring)
         for keys, fmt in ((RING_MATRICES, s.ring), (EXPERT_MATRICES, s.experts)):
             for k in keys:
                 if fmt is not None and k in lay:

@@ -428,9 +428,10 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
 
     fams: dict[str, MatrixFamily] = {}
     if cfg.is_mla:
-        fams.update(_mla_families(cfg, tuning, isz))
+        fams.update(_mla_families(cfg, tuning, isz, group))
         r, c = shape("o", ks["o"], h, LANE)
-        fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"])
+        fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"],
+                            group=group)
     else:
         r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
         fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz, group=group)
@@ -477,10 +478,11 @@ def mla_dims(cfg: ModelConfig) -> dict[str, int]:
             "q_lora": round_up(cfg.q_lora_rank, LANE) if cfg.q_lora_rank else 0}
 
 
-def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int) -> dict[str, MatrixFamily]:
+def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0) -> dict[str, MatrixFamily]:
     """The MLA attention families (auto tiles: no tuning knobs of their own; `tile_bytes` caps
     a tile). Output widths are padded to whole column tiles; the diagonal families' tiles are
-    one head's [nope, latent] / [latent, value] block."""
+    one head's [nope, latent] / [latent, value] block. `group`: the ring format's scale group
+    (fp8-b128: 128 input rows; every MLA tile height is a multiple of 128)."""
     dims, h, hq, L = mla_dims(cfg), cfg.hidden_size, cfg.num_q_heads, cfg.num_layers
 
     def tiled(name: str, k: int, k_pad: int, m: int, m_lane: int) -> MatrixFamily:
@@ -492,7 +494,7 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int) -> dict[str,
         # the widest 128-multiple dividing m_lane: no zero columns streamed beyond the lane padding
         # (q_a's output is q_b's input: DeepSeek-V3's 1536 would otherwise stream as 2048 rows)
         cols = max(c for c in range(LANE, min(m_lane, cap) + 1, LANE) if m_lane % c == 0)
-        return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane)
+        return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane, group=group)
 
     out = {}
     if cfg.q_lora_rank:
@@ -503,9 +505,9 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int) -> dict[str,
     out["kv_a"] = tiled("kv_a", h, h, cfg.kv_cache_width, dims["kv_a_cols"])
     n, c, v = dims["nope"], dims["latent"], dims["value"]
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
-                             diagonal=True)
+                             group=group, diagonal=True)
     out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
-                             diagonal=True)
+                             group=group, diagonal=True)
     return out
 
 
@@ -609,9 +611,12 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     if spec.devices > 1:
         raise NotSupportedError(f"model '{model.name}': MLA attention in the megakernel runs on one device "
                                 f"(got --devices {spec.devices}; run it with --backend reference)")
-    if spec.quant != "none":
-        raise NotSupportedError(f"model '{model.name}': MLA models have no quantized megakernel yet "
-                                f"(got --quant {spec.quant}; build it unquantized)")
+    fmt = weight_format(spec.quant)
+    if fmt is not None and fmt.group and model.v_head_dim % fmt.group:
+        # o's rows are padded per head in the kernel: its 128-row scale groups must not straddle heads
+        raise NotSupportedError(f"model '{model.name}': v_head_dim = {model.v_head_dim}: --quant {spec.quant} "
+                                f"(ring {fmt.name}) needs a multiple of {fmt.group} (o's scale groups would "
+                                f"straddle heads); use int8 or fp8")
     if LANE % model.qk_rope_head_dim:
         raise NotSupportedError(f"model '{model.name}': qk_rope_head_dim = {model.qk_rope_head_dim}: the MLA "
                                 f"megakernel needs a divisor of {LANE} (roped heads are rotated inside lane tiles)")
