@@ -34,6 +34,12 @@ DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
     model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
     model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down
+Their FP8 releases (the format above) store q_a_proj, q_b_proj (q_proj), kv_a_proj_with_mqa,
+kv_b_proj, o_proj, the dense / shared / routed experts' projections in e4m3 blocks; each loads
+bit for bit like any fp8 weight (the RoPE row permutation below moves each row's scales with
+its codes), and kv_b_proj loads as the absorbed per-head `w_uk` / `w_uv` a quantized MLA layer
+holds (tpumk.model.quantize), codes unchanged (`_fp8_absorbed`: when a head's nope rows would
+straddle two 128-row scale blocks the checkpoint is refused rather than re-quantized).
 With `rope_interleave` (transformers' default for these models) the roped output rows of
 q_b_proj (or q_proj) and kv_a_proj_with_mqa hold interleaved pairs; they are permuted to
 rotate-half order (evens, then odds), which is exactly what transformers' interleaved RoPE
@@ -66,7 +72,7 @@ _DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 FP8_TAG = "F8_E4M3"
 # Reference keys a checkpoint may store in FP8 (the ring's matrices and the routed experts: the
 # formats tpumk streams); the router, embedding and norms must be float.
-_FP8_KEYS = frozenset(RING_MATRICES + EXPERT_MATRICES + ("lm_head",))
+_FP8_KEYS = frozenset(RING_MATRICES + EXPERT_MATRICES + ("lm_head", "wkv_b"))
 # Buffers some older exports saved alongside the weights; they are derived, not parameters.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -288,9 +294,6 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     cfg = load_hf_config(d / "config.json")
     config_json = json.loads((d / "config.json").read_text())  # a JSON object: checked above
     fp8 = _fp8_config(d / "config.json")
-    if fp8 and cfg.is_mla:
-        raise NotSupportedError(f"{d / 'config.json'}: not supported yet: an fp8 checkpoint of an MLA model "
-                                "(its MLA matrices have no quantized path)")
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
@@ -332,9 +335,37 @@ def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, 
     if scale.shape != want:
         raise CheckpointError(f"{scale.file}: tensor '{scale.name}' has shape {list(scale.shape)}, expected {list(want)}")
     q = fn(t.read(fp8=True))
-    s = np.asarray(fn(scale.read()), np.float32)  # [.., ceil(in/128), ceil(out/128)]
-    s = np.repeat(s, GROUP, axis=-1)[..., :out_dim]
+    # one scale row per output row first, so fn (a transpose, or the RoPE row permutation of
+    # q_b / kv_a then a transpose) moves each row's scales with its codes
+    s = np.repeat(np.asarray(scale.read(), np.float32), GROUP, axis=-2)[..., :out_dim, :]
+    s = np.asarray(fn(s), np.float32)  # [.., ceil(in/128), out]
     return QuantizedMatrix(jnp.asarray(q), jnp.asarray(s), jnp.zeros((0,), compute))
+
+
+def _fp8_absorbed(cfg: ModelConfig, t: _Tensor, scale: _Tensor, compute) -> tuple[QuantizedMatrix, QuantizedMatrix]:
+    """An FP8 kv_b_proj [Hq*(N+V), C] as the absorbed per-head blocks a quantized MLA layer holds
+    (tpumk.model.quantize): w_uk [Hq, N, C] = head h's nope rows as stored, w_uv [Hq, C, V] = its
+    value rows transposed, every code bit for bit. W_UV contracts over C, so its scales are the
+    stored blocks per (128 latent rows, value column). W_UK^T contracts over N: head h's nope
+    rows [128g, 128g+128) need one stored block row, which holds whenever the head and nope
+    widths keep them inside one 128-row block (DeepSeek-V3 / Kimi K2: N = V = 128); otherwise
+    the checkpoint is refused (re-quantizing would change the stored codes)."""
+    hq, n, v, c = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    m = _fp8_matrix(t.name, t, scale, _same, (hq * (n + v), c), compute)  # codes [Hq*(N+V), C], scales [., C/128-blocks]
+    codes = np.asarray(m.q).reshape(hq, n + v, c)
+    rows = np.asarray(m.scale).reshape(hq, n + v, -1)  # [Hq, N+V, ceil(C/128)]: each row's stored scales
+    block = (np.arange(hq * (n + v)) // GROUP).reshape(hq, n + v)[:, :n]  # stored block row of each nope row
+    groups = -(-n // GROUP)
+    starts = block[:, ::GROUP]  # [Hq, groups]
+    if not np.array_equal(block, np.repeat(starts, GROUP, axis=1)[:, :n]):
+        raise NotSupportedError(f"{t.file}: not supported yet: fp8 tensor '{t.name}': a head's W_UK rows straddle "
+                                f"two {GROUP}-row scale blocks (qk_nope_head_dim {n}, v_head_dim {v}), so its "
+                                f"codes cannot keep one scale per {GROUP} nope rows in the absorbed layout")
+    uk_scale = np.repeat(rows[:, ::GROUP][:, :groups], GROUP, axis=-1)[..., :c]  # [Hq, groups, C]
+    uv_scale = rows[:, n:].transpose(0, 2, 1)  # [Hq, ceil(C/128), V]
+    dt = jnp.zeros((0,), compute)
+    return (QuantizedMatrix(jnp.asarray(codes[:, :n]), jnp.asarray(uk_scale), dt),
+            QuantizedMatrix(jnp.asarray(codes[:, n:].transpose(0, 2, 1)), jnp.asarray(uv_scale), dt))
 
 
 def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
@@ -384,6 +415,11 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     for name, dests in plan.items():
         if name in scales:
             for layer, key, expert, hf_shape, fn in dests:
+                if key == "wkv_b":  # MLA: stored as the absorbed per-head blocks, codes as they are
+                    lay = params["layers"][layer]
+                    del lay["wkv_b"]
+                    lay["w_uk"], lay["w_uv"] = _fp8_absorbed(cfg, tensors[name], tensors[scales[name]], out_dt)
+                    continue
                 m = _fp8_matrix(name, tensors[name], tensors[scales[name]], fn, hf_shape, out_dt)
                 if expert is None:
                     (params if layer is None else params["layers"][layer])[key] = m
@@ -409,11 +445,11 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
             if len(seen) == buf.shape[0]:
                 put(layer, key, buf)
                 del stacks[(layer, key)]
-    _check_complete(params, shapes, d)
+    _check_complete(params, shapes, d, cfg)
     return params
 
 
-def _check_complete(params: Params, shapes: Params, d: Path) -> None:
+def _check_complete(params: Params, shapes: Params, d: Path, cfg: ModelConfig) -> None:
     """Every reference tensor is present with its expected shape (guards the mapping itself)."""
     def check(got: Any, want: tuple[int, ...], where: str) -> None:
         if isinstance(got, QuantizedMatrix) and jnp.dtype(got.q.dtype) != jnp.dtype(FORMATS["fp8-b128"].jnp_dtype):
@@ -425,5 +461,11 @@ def _check_complete(params: Params, shapes: Params, d: Path) -> None:
         if k != "layers":
             check(params[k], s, k)
     for i, lay in enumerate(shapes["layers"]):
+        got = params["layers"][i]
         for k, s in lay.items():
-            check(params["layers"][i][k], s, f"layers[{i}].{k}")
+            if k == "wkv_b" and "w_uk" in got:  # an fp8 kv_b_proj, loaded as its absorbed blocks
+                hq, n, v = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+                check(got["w_uk"], (hq, n, s[0]), f"layers[{i}].w_uk")
+                check(got["w_uv"], (hq, s[0], v), f"layers[{i}].w_uv")
+                continue
+            check(got[k], s, f"layers[{i}].{k}")
