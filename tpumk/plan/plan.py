@@ -428,7 +428,7 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
 
     fams: dict[str, MatrixFamily] = {}
     if cfg.is_mla:
-        fams.update(_mla_families(cfg, tuning, isz, group))
+        fams.update(_mla_families(cfg, tuning, isz, group, auto_rows))
         r, c = shape("o", ks["o"], h, LANE)
         fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"],
                             group=group)
@@ -478,16 +478,21 @@ def mla_dims(cfg: ModelConfig) -> dict[str, int]:
             "q_lora": round_up(cfg.q_lora_rank, LANE) if cfg.q_lora_rank else 0}
 
 
-def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0) -> dict[str, MatrixFamily]:
+def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0,
+                  max_rows: int = 0) -> dict[str, MatrixFamily]:
     """The MLA attention families (auto tiles: no tuning knobs of their own; `tile_bytes` caps
-    a tile). Output widths are padded to whole column tiles; the diagonal families' tiles are
-    one head's [nope, latent] / [latent, value] block. `group`: the ring format's scale group
-    (fp8-b128: 128 input rows; every MLA tile height is a multiple of 128)."""
+    a tile, `max_rows` (the other families' auto rows) its height, so the ring's slot, the
+    widest rows times the widest columns, does not grow: with 1-byte codes a 2 MiB tile of
+    DeepSeek-V3's q_a would otherwise be 1792 rows high against the others' 1024 x 2048 and
+    the slot 3.5 MiB). Output widths are padded to whole column tiles; the diagonal families'
+    tiles are one head's [nope, latent] / [latent, value] block. `group`: the ring format's
+    scale group (fp8-b128: 128 input rows; every MLA tile height is a multiple of 128)."""
     dims, h, hq, L = mla_dims(cfg), cfg.hidden_size, cfg.num_q_heads, cfg.num_layers
 
     def tiled(name: str, k: int, k_pad: int, m: int, m_lane: int) -> MatrixFamily:
         rows = LANE
-        for r in range(LANE, k_pad + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
+        top = min(k_pad, max(max_rows, LANE)) if max_rows else k_pad
+        for r in range(LANE, top + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
             if k_pad % r == 0 and r * min(m_lane, AUTO_MIN_TILE_COLS) * isz <= tuning.tile_bytes:
                 rows = r
         cap = max(LANE, tuning.tile_bytes // (rows * isz))
