@@ -137,7 +137,7 @@ def test_kernel_matches_the_quantized_reference_and_compiles(scheme, dtype, v_he
     assert_cache_equal(new_cache, want_cache, dtype)
     # the tolerance separates the quantized model from the float one (the scales matter)
     flt, _ = reference_step(cfg)(params, tokens, positions, cache)
-    assert float(jnp.max(jnp.abs(flt - want))) > 4 * (1e-5 if dtype == "float32" else 2 ** -6) * \
+    assert float(jnp.max(jnp.abs(flt - want))) > 2 * (1e-5 if dtype == "float32" else 2 ** -6) * \
         float(jnp.max(jnp.abs(want)))
     compile_for_tpus_quant(cfg, batch, q_len, tuning, scheme)
 
@@ -230,7 +230,10 @@ def test_fp8_deepseek_checkpoint_loads_as_stored_and_runs_the_megakernel(fp8_dee
     assert np.array_equal(np.asarray(lay["w_uv"].q).view(np.uint8), heads[:, n:].transpose(0, 2, 1))
     row_scales = np.repeat(s, 128, axis=0)[:hq * (n + v)].reshape(hq, n + v, -1)  # each stored row's block scale
     np.testing.assert_array_equal(np.asarray(lay["w_uv"].scale), row_scales[:, n:].transpose(0, 2, 1))
-    np.testing.assert_array_equal(np.asarray(lay["w_uk"].scale)[:, 0, :], row_scales[:, 0, :])
+    # one scale per (128 nope rows, latent column): exactly the stored scale of every nope row
+    col_scales = np.repeat(row_scales, 128, axis=-1)[..., :c]  # [Hq, N+V, C]
+    for i in range(n):
+        np.testing.assert_array_equal(np.asarray(lay["w_uk"].scale)[:, 0, :], col_scales[:, i, :])
     # q_b_proj: its roped rows are permuted (interleaved -> rotate-half) with their scales
     w, s = _stored(d, "model.layers.1.self_attn.q_b_proj")
     got = lay["wq_b"]
