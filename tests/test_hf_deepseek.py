@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import build_deepseek_checkpoint
 from hf_utils import DEEPSEEK_V3_KW, hf_greedy, hf_logits
-from tpumk.errors import CheckpointError, NotSupportedError
+from tpumk.errors import CheckpointError
 from tpumk.model import yarn
 from tpumk.model.checkpoint import load_checkpoint
 from tpumk.model.reference import forward_full, greedy_generate, init_cache
@@ -175,10 +175,17 @@ def test_missing_correction_bias_and_shared_expert_named(hf_deepseek_dir, tmp_pa
             load_checkpoint(_copy_with(hf_deepseek_dir, tmp_path / str(i), broken))
 
 
-def test_fp8_release_refused_with_one_line(hf_deepseek_dir, tmp_path):
+def test_fp8_config_with_float_tensors_loads_as_fp8_blocks(hf_deepseek_dir, tmp_path):
+    """An MLA checkpoint declared fp8 whose tensors are float: loaded, then quantized to the
+    fp8-b128 scheme it declares (wkv_b as the absorbed per-head blocks). FP8 tensors as the
+    releases store them: tests/test_megakernel_mla_quant.py."""
+    from tpumk.model.quantize import QuantizedMatrix, scheme_of
+
     config = json.loads((hf_deepseek_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     d = _copy_with(hf_deepseek_dir, tmp_path / "fp8", load_file(hf_deepseek_dir / "model.safetensors"), config)
-    with pytest.raises(NotSupportedError, match=r"not supported yet: an fp8 checkpoint of an MLA model"):
-        load_checkpoint(d)
+    cfg, params = load_checkpoint(d)
+    lay = params["layers"][0]
+    assert scheme_of(params) == "fp8-b128" and "wkv_b" not in lay
+    assert isinstance(lay["w_uk"], QuantizedMatrix) and lay["w_uk"].shape == (3, 24, 40)
 

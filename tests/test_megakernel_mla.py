@@ -3,7 +3,8 @@ cache (tpumk.kernel.mla_attention, the MLA families of the ring) against the ref
 (tpumk.model.mla) in interpret mode with the race detector, for f32 and bf16, q_len 1 and the
 verify step's q_len 3, each build also compiled deviceless for TPU7x and v6e; greedy tokens of a
 tiny transformers DeepseekV3ForCausalLM through the megakernel equal transformers' and the
-reference's; the builds MLA does not have yet are refused with one line.
+reference's; the builds MLA does not have yet are refused with one line (quantized MLA weights:
+tests/test_megakernel_mla_quant.py).
 
 The megakernel needs the hidden size and the expert width in whole 128-lane tiles, so these
 models are tiny-mla / the tests' DeepSeek-V3 config with hidden 128 and experts 128 wide (the
@@ -97,7 +98,6 @@ def test_plan_counts_the_latent_cache():
 @pytest.mark.parametrize("preset, spec, match", [
     ("deepseek-v3", dict(devices=32, quant="fp8"), "MLA attention in the megakernel runs on one device"),
     ("kimi-k2", dict(devices=64, quant="fp8"), "MLA attention in the megakernel runs on one device"),
-    (None, dict(quant="int8"), "MLA models have no quantized megakernel yet"),
 ])
 def test_refusals_are_one_line(preset, spec, match):
     cfg = load_preset(preset) if preset else model("bfloat16")[0]

@@ -150,13 +150,22 @@ def test_megakernel_refuses_many_device_mla_with_one_line(model, devices):
     _one_line(e)
 
 
-def test_quantizing_mla_weights_refused():
-    from tpumk.model.quantize import quantize_params
+def test_quantized_mla_weights_hold_the_absorbed_blocks():
+    """wkv_b quantizes as the per-head W_UK^T / W_UV blocks the kernel streams; the expanded twin
+    (dequantized blocks) agrees with the absorbed step on them. Kernel checks:
+    tests/test_megakernel_mla_quant.py."""
+    from tpumk.model.quantize import QuantizedMatrix, quantize_params
 
     cfg = load_preset("tiny-mla")
-    with pytest.raises(NotSupportedError, match="quantized weights of an MLA model") as e:
-        quantize_params(cfg, random_params(cfg), "int8")
-    _one_line(e)
+    qp = quantize_params(cfg, random_params(cfg), "int8")
+    lay = qp["layers"][0]
+    assert "wkv_b" not in lay and isinstance(lay["w_uk"], QuantizedMatrix)
+    assert lay["w_uk"].shape == (3, 24, 40) and lay["w_uv"].shape == (3, 40, 20)
+    tokens = jnp.asarray([[5, 9, 2, 77, 31]], jnp.int32)
+    full = mla.forward_full(qp, cfg, tokens)
+    cache = reference.init_cache(cfg, 1, 32, 8)
+    step, _ = reference.decode_step(qp, cfg, tokens, jnp.arange(5, dtype=jnp.int32)[None], cache)
+    np.testing.assert_allclose(step, full, rtol=0, atol=1e-3 * float(jnp.max(jnp.abs(full))))
 
 
 # ---------------------------------------------------------------------- the reference step
