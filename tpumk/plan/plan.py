@@ -606,9 +606,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
-    if spec.devices > 1:
-        raise NotSupportedError(f"model '{model.name}': MLA attention in the megakernel runs on one device "
-                                f"(got --devices {spec.devices}; run it with --backend reference)")
     if spec.quant != "none":
         raise NotSupportedError(f"model '{model.name}': MLA models have no quantized megakernel yet "
                                 f"(got --quant {spec.quant}; build it unquantized)")
