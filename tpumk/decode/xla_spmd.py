@@ -114,7 +114,7 @@ def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -
         return _mla_layout(cfg, n, expert_parallel)
     kvs = math.gcd(cfg.num_kv_heads, n)
     every = AXIS if kvs == n else (AXIS, REP_AXIS)  # split over all n devices
-    col, row = P(None, every), P(every, None)
+    col = P(None, every)
     notes: list[str] = []
 
     def split(size: int, what: str, field_name: str) -> P:
