@@ -678,9 +678,12 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
                          "notes": list(compiles.xla_layout_notes),
                          "source": "tpumk.decode.xla_spmd.spmd_layout (Megatron-style; XLA's SPMD partitioner "
                                    "inserts the collectives)"},
-        "layouts": {"megakernel": f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices), "
-                                  "weights packed per device into ring tiles, all-reduces inside the kernel",
-                    "xla": "contiguous head-major KV cache, reference weights one array per matrix sharded "
+        "layouts": {"megakernel": (f"paged latent cache ({plan.page_size}-token pages, replicated on every device)"
+                                   if cfg.is_mla else
+                                   f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices)")
+                                  + ", weights packed per device into ring tiles, all-reduces inside the kernel",
+                    "xla": ("contiguous latent cache replicated on every device" if cfg.is_mla else
+                            "contiguous head-major KV cache") + ", reference weights one array per matrix sharded "
                            "Megatron-style, layers unrolled, routed experts gathered per token, XLA's collectives"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "collective_check": published_collective_check(target) if target.name == "tpu7x" else None,
