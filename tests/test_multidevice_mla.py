@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tpumk.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from test_multidevice import XLA_COLLECTIVES  # noqa: E402
@@ -105,6 +107,25 @@ def _worker(case: str) -> dict:
             "copies_equal": all(np.array_equal(copies[..., d, :], copies[..., 0, :]) for d in range(sh.devices)),
             "logits_same_everywhere": same_everywhere,
         })
+    # The XLA SPMD baseline (tpumk bench --devices N) on the same host devices: its head-parallel
+    # sharding of the same weights gives the reference's step.
+    from tpumk.decode.bench import paged_to_head_major, xla_decode_step
+    from tpumk.decode.xla_spmd import spmd_mesh, xla_spmd_out_shardings, xla_spmd_specs
+
+    mesh = spmd_mesh(spec.target, n)
+    specs = xla_spmd_specs(cfg, b, CONTEXT, q, mesh, expert_parallel=False)
+    k_x, v_x = paged_to_head_major(cache, cfg)
+    args = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding),
+                        (params, tokens, positions, k_x, v_x, cache.lengths), specs)
+    xla_logits, xla_k, _, _ = jax.jit(lambda p, t, pos, kc, vc, ln: xla_decode_step(p, cfg, t, pos, kc, vc, ln),
+                                      out_shardings=xla_spmd_out_shardings(cfg, mesh))(*args)
+    wq_b = args[0]["layers"][0]["wq_b" if cfg.q_lora_rank else "wq"]
+    want_k, _ = paged_to_head_major(ref_cache, cfg)
+    out["xla"] = {"max_err": float(np.max(np.abs(np.asarray(xla_logits, np.float32) - want))),
+                  "k_err": float(np.max(np.abs(np.asarray(xla_k, np.float32) - np.asarray(want_k, np.float32)))),
+                  "wq_b_shard": list(wq_b.addressable_shards[0].data.shape), "wq_b": list(wq_b.shape),
+                  "cache_replicated": xla_k.sharding.is_fully_replicated}
+
     # Greedy generation through the CLI's path against the reference backend: plain steps
     # (q_len 1) or speculative ones (n-gram drafts, each verify step q_len 3).
     m = Model(cfg, params, "random weights (seed 5)")
@@ -148,6 +169,10 @@ def test_interpret_matches_reference_and_compiles(case):
         assert s["wide_k"][-1] == n * (40 + 8) and s["v_width"] == 0
         assert s["copies_equal"], (case, s)  # every device wrote the same bits
         assert s["lengths_equal"] and s["logits_same_everywhere"]
+    x = r["xla"]  # the XLA SPMD baseline: heads split, the latent cache replicated, the reference's numbers
+    tol = (3e-2 if bf16 else 2e-5) * max(1.0, r["steps"][0]["scale"])
+    assert x["max_err"] <= tol and x["k_err"] <= tol, x
+    assert x["wq_b_shard"][1] * n == x["wq_b"][1] and x["wq_b_shard"][0] == x["wq_b"][0] and x["cache_replicated"]
     g = r["generate"]
     assert f"{n} devices" in g["ran_on"] and r["compiles"] == 1
     assert g["got"] == g["want"], g
@@ -312,6 +337,69 @@ def test_heads_not_divisible_are_refused_with_one_line():
         _plan(cfg, 4)
     msg = str(e.value)
     assert "devices = 4: expected a divisor of num_q_heads (6)" in msg and "\n" not in msg
+
+
+# ---------------------------------------------------------------------- the XLA SPMD baseline
+def test_xla_step_matches_the_reference_on_one_device():
+    """The bench's XLA step for an MLA model (absorbed attention over a contiguous latent cache)
+    against the reference, q_len 2, from a prefilled cache (DeepSeek-V3 routing with the bias)."""
+    import jax.numpy as jnp
+
+    from tpumk.decode.bench import make_xla_step, paged_to_head_major
+    from tpumk.model import reference as R
+    from tpumk.model.weights import random_params
+
+    cfg = _config(MLA)
+    params = random_params(cfg, seed=1)
+    cache = R.init_cache(cfg, 2, CONTEXT, 16)
+    _, cache = R.prefill(params, cfg, [[1, 2, 3, 4, 5], [7, 8, 9]], cache)
+    tokens = jnp.asarray([[5, 6], [7, 8]], jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+    want, want_cache = R.decode_step(params, cfg, tokens, positions, cache)
+    k, v = paged_to_head_major(cache, cfg)
+    got, k2, v2, lengths = make_xla_step(cfg)(params, tokens, positions, k, v, cache.lengths)
+    assert k.shape == (cfg.num_layers, 2, CONTEXT, 48) and v2.shape[-1] == 0
+    assert float(jnp.max(jnp.abs(got - want))) <= 2e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
+    assert float(jnp.max(jnp.abs(k2 - paged_to_head_major(want_cache, cfg)[0]))) <= 2e-5
+    assert np.array_equal(lengths, want_cache.lengths)
+
+
+def test_xla_spmd_program_splits_heads_and_replicates_the_latent():
+    """Deviceless for 4 TPU7x devices: one device's program holds its heads' q_b / wkv_b columns
+    and o rows, the whole q_a / kv_a and latent cache, and XLA's all-reduces."""
+    from tpumk.decode.xla_spmd import compile_xla_spmd, entry_parameter_shapes, spmd_layout
+    from tpumk.targets import get_target
+
+    cfg = _config(dict(MLA, dtype="bfloat16", num_q_heads=8, num_kv_heads=8))
+    prog = compile_xla_spmd(cfg, 1, 256, 1, get_target("tpu7x"), 4)
+    shapes = entry_parameter_shapes(prog.hlo_text)
+    lay = "p['layers'][1]"
+    n, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    assert shapes[f"{lay}['wq_b']"] == (cfg.q_lora_rank, 2 * (n + r))
+    assert shapes[f"{lay}['wkv_b']"] == (c, 2 * (n + v)) and shapes[f"{lay}['wo']"] == (2 * v, cfg.hidden_size)
+    assert shapes[f"{lay}['wq_a']"] == (cfg.hidden_size, cfg.q_lora_rank)
+    assert shapes[f"{lay}['wkv_a']"] == (cfg.hidden_size, c + r)
+    assert prog.collectives.get("all-reduce", 0) >= cfg.num_layers
+    assert any("latent cache replicated" in note for note in prog.layout.notes)
+    with pytest.raises(ConfigError) as e:
+        spmd_layout(_config(dict(MLA, num_q_heads=6, num_kv_heads=6)), 4)
+    assert "devices = 4: expected a divisor of num_q_heads (6)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bench_devices_runs_on_an_mla_model():
+    """`tpumk bench --devices 4` (run_bench) on an MLA model: both programs compiled for
+    tpu7x:2x2x1, both modelled (tpumk's timeline model), the layouts naming the latent cache."""
+    from tpumk.decode.bench import run_bench
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    cfg = _config(dict(MLA, dtype="bfloat16", num_q_heads=8, num_kv_heads=8))
+    r = run_bench(BuildSpec(cfg, get_target("tpu7x"), devices=4, context=1024), verify_q=0, compiler_estimate=False)
+    assert r["devices"] == 4 and r["topology"] == "tpu7x:2x2x1"
+    assert r["megakernel"]["step_seconds"] > 0 and r["xla"]["step_seconds"] > 0
+    assert "MODEL" in r["xla"]["step_source"]
+    assert "latent cache" in r["layouts"]["megakernel"] and "latent cache" in r["layouts"]["xla"]
+    assert r["sharding"]["attention"]["heads_per_device"] == 2
 
 
 if __name__ == "__main__":
