@@ -299,6 +299,12 @@ def test_plan_counts_the_whole_latent_cache_on_every_device():
     for fam in ("uk", "uv"):  # block-diagonal per head: exactly a quarter of the heads' blocks
         assert four.hbm[f"weights_{fam}"] * 4 == one.hbm[f"weights_{fam}"]
     assert four.hbm["weights_q_b"] < one.hbm["weights_q_b"] and four.hbm["weights_o"] < one.hbm["weights_o"]
+    from tpumk.plan.plan import resident_bytes
+
+    whole_kv = cfg.num_layers * four.num_pages * four.page_size * 48 * 2  # every device's copy: all of it
+    res = four.summary()["resident_bytes_per_device"]
+    assert res["kv_cache"] == whole_kv == resident_bytes(cfg, one.num_pages, one.page_size)[1]
+    assert res["weights"] < resident_bytes(cfg, one.num_pages, one.page_size)[0]
     s = four.summary()["sharding"]["attention"]
     assert s["kv_cache_bytes_per_token_per_layer_per_device"] == 48 * 2
     assert s["split_by_heads"] == ["q_b", "uk", "uv"] and "kv_a" in s["replicated"]
