@@ -58,8 +58,12 @@ from tpumk.targets import Target
 
 
 # ---------------------------------------------------------------------- the XLA decode step
-def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ...]:
-    """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]."""
+def xla_cache_shape(cfg: ModelConfig, batch: int, context: int, value: bool = False) -> tuple[int, ...]:
+    """K (and V, `value`) cache of the XLA step: [layers, batch, kv_heads, context, head_dim].
+    MLA: the latent cache [layers, batch, context, C+R] (each sequence's rows contiguous, the
+    reference's latent row) as K, and an empty V [layers, batch, context, 0]."""
+    if cfg.is_mla:
+        return (cfg.num_layers, batch, context, 0 if value else cfg.kv_cache_width)
     return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
 
 
@@ -84,7 +88,7 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
 
 def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
-    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]))  # [N, k]
+    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
     g = _picked_matmul(x, layer["e_gate"], ids)
     u = _picked_matmul(x, layer["e_up"], ids)
     y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
@@ -107,10 +111,10 @@ def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
-    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D];
-    lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
+    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D]
+    (MLA: `xla_cache_shape`'s latent cache and empty V); lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
     b, t = tokens.shape
-    ctx = k_cache.shape[3]
+    ctx = k_cache.shape[2 if cfg.is_mla else 3]
     k_pos = jnp.arange(ctx, dtype=jnp.int32)[None, :]
     k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
     bi = jnp.arange(b)[:, None, None]
@@ -119,10 +123,18 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     x = ref.embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
-        k_cache = k_cache.at[i, bi, hi, pi].set(k)
-        v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
+        if cfg.is_mla:  # absorbed MLA over the contiguous latent cache (tpumk.model.mla)
+            from tpumk.model import mla
+
+            q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R]
+            k_cache = k_cache.at[i, bi[..., 0], pi[..., 0]].set(row)
+            o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions,
+                                  jnp.broadcast_to(k_pos, (b, ctx)), k_valid)
+        else:
+            q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
+            k_cache = k_cache.at[i, bi, hi, pi].set(k)
+            v_cache = v_cache.at[i, bi, hi, pi].set(v)
+            o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
         x = x + ref.matmul(o, layer["wo"])
         h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
         f = (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
@@ -132,10 +144,13 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
 
 
 def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """A reference paged cache as the XLA step's contiguous head-major caches (for tests)."""
+    """A reference paged cache as the XLA step's contiguous head-major caches (for tests); MLA:
+    the latent rows [L, B, context, C+R] and the empty V."""
     def one(c):
         b, pps = cache.block_tables.shape
         seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
+        if cfg.is_mla:
+            return seq.reshape(cfg.num_layers, b, pps * cache.page_size, c.shape[-1])
         seq = seq.reshape(cfg.num_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
         return seq.transpose(0, 1, 3, 2, 4)
     return one(cache.k), one(cache.v)
@@ -159,8 +174,8 @@ def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, q
     params = quantized_specs(cfg, params, quant)
     i32 = jnp.int32
     tok = jax.ShapeDtypeStruct((batch, q_len), i32)
-    cache = jax.ShapeDtypeStruct(xla_cache_shape(cfg, batch, context), dt)
-    return params, tok, tok, cache, cache, jax.ShapeDtypeStruct((batch,), i32)
+    kc, vc = (jax.ShapeDtypeStruct(xla_cache_shape(cfg, batch, context, value), dt) for value in (False, True))
+    return params, tok, tok, kc, vc, jax.ShapeDtypeStruct((batch,), i32)
 
 
 def make_xla_step(cfg: ModelConfig):
@@ -257,7 +272,7 @@ def _measure_xla(program: CompiledProgram, cfg: ModelConfig, params, batch: int,
                  warmup: int, runs: int) -> dict[str, Any]:
     dt = ref.jnp_dtype(cfg)
     tokens, positions, lengths = _full_context_inputs(batch, context, q_len)
-    caches = (jnp.zeros(xla_cache_shape(cfg, batch, context), dt), jnp.zeros(xla_cache_shape(cfg, batch, context), dt))
+    caches = tuple(jnp.zeros(xla_cache_shape(cfg, batch, context, value), dt) for value in (False, True))
     step = program.compiled
 
     def call(kv):
@@ -663,9 +678,12 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
                          "notes": list(compiles.xla_layout_notes),
                          "source": "tpumk.decode.xla_spmd.spmd_layout (Megatron-style; XLA's SPMD partitioner "
                                    "inserts the collectives)"},
-        "layouts": {"megakernel": f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices), "
-                                  "weights packed per device into ring tiles, all-reduces inside the kernel",
-                    "xla": "contiguous head-major KV cache, reference weights one array per matrix sharded "
+        "layouts": {"megakernel": (f"paged latent cache ({plan.page_size}-token pages, replicated on every device)"
+                                   if cfg.is_mla else
+                                   f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices)")
+                                  + ", weights packed per device into ring tiles, all-reduces inside the kernel",
+                    "xla": ("contiguous latent cache replicated on every device" if cfg.is_mla else
+                            "contiguous head-major KV cache") + ", reference weights one array per matrix sharded "
                            "Megatron-style, layers unrolled, routed experts gathered per token, XLA's collectives"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "collective_check": published_collective_check(target) if target.name == "tpu7x" else None,

@@ -32,6 +32,12 @@ Sharding (`spmd_layout`), per layer:
 A dimension that does not divide over the devices is replicated instead, and `SpmdLayout.notes`
 says which and why (an explicit `expert_parallel` that cannot split is refused instead).
 
+MLA models (head-parallel, as the megakernel splits them, tpumk.plan.sharding): wq_b (or wq) and
+wkv_b split by output columns (whole heads: each head's columns are contiguous), wo by input
+rows; wq_a, wkv_a and their norms replicated, and the latent cache [layers, batch, context, C+R]
+replicated (every head reads all of it; every device computes and writes the same rows). Query
+heads that do not divide over the devices are refused with one line.
+
 `compile_xla_spmd` compiles it deviceless for `tpumk.targets.mesh_devices(target, n)` (the
 smallest topology holding n devices: TPU7x 8 devices -> tpu7x:2x2x1) and returns the program
 with its per-device HLO and the collective ops XLA put in it
@@ -104,9 +110,11 @@ def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -
     if not (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1):
         raise ConfigError(f"devices = {devices!r}: expected a positive integer")
     n = devices
+    if cfg.is_mla:
+        return _mla_layout(cfg, n, expert_parallel)
     kvs = math.gcd(cfg.num_kv_heads, n)
     every = AXIS if kvs == n else (AXIS, REP_AXIS)  # split over all n devices
-    col, row = P(None, every), P(every, None)
+    col = P(None, every)
     notes: list[str] = []
 
     def split(size: int, what: str, field_name: str) -> P:
@@ -127,6 +135,34 @@ def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -
         notes.append(f"num_q_heads = {cfg.num_q_heads} does not divide over {n} devices: wq, wo split {kvs} way(s) "
                      f"with their KV heads")
     wo = P(q[1], None) if q != REPLICATED else REPLICATED
+    roles = {"wq": q, "wo": wo, "wk": kv, "wv": kv, **_ffn_roles(cfg, n, expert_parallel, every, split)}
+    return _layout(cfg, n, expert_parallel, kvs, roles, cache, notes)
+
+
+def _mla_layout(cfg: ModelConfig, n: int, expert_parallel: bool) -> SpmdLayout:
+    """Head-parallel MLA (module doc): the latent path and cache replicated, heads split."""
+    if cfg.num_q_heads % n:
+        raise ConfigError(f"devices = {n}: expected a divisor of num_q_heads ({cfg.num_q_heads}) of model "
+                          f"'{cfg.name}' (MLA heads are split across devices)")
+    notes: list[str] = []
+
+    def split(size: int, what: str, field_name: str) -> P:
+        if size % n == 0:
+            return P(None, AXIS)
+        notes.append(f"{field_name} = {size} does not divide over {n} devices: {what} replicated")
+        return REPLICATED
+
+    heads = P(None, AXIS) if n > 1 else REPLICATED
+    roles = {"wq_b": heads, "wq": heads, "wkv_b": heads, "wo": P(AXIS, None) if n > 1 else REPLICATED,
+             **_ffn_roles(cfg, n, expert_parallel, AXIS, split)}
+    if n > 1:
+        notes.append("MLA: wq_a, wkv_a and the latent cache replicated (every head reads the whole latent)")
+    return _layout(cfg, n, expert_parallel, n, roles, REPLICATED, notes)
+
+
+def _ffn_roles(cfg: ModelConfig, n: int, expert_parallel: bool, every, split) -> dict[str, P]:
+    """Specs of the FFN / expert matrices and the lm_head (the same for GQA and MLA models)."""
+    col, row = P(None, every), P(every, None)
     dense = split(cfg.ffn_size, "w_gate, w_up, w_down", "ffn_size") if cfg.ffn_size else REPLICATED
     shared_size = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.num_experts else 0
     shared = split(shared_size, "s_gate, s_up, s_down", "shared expert width") if shared_size else REPLICATED
@@ -140,12 +176,15 @@ def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -
             experts = {"e_gate": P(None, None, every), "e_up": P(None, None, every), "e_down": P(None, every, None)}
     elif expert_parallel:
         raise ConfigError(f"expert_parallel: model '{cfg.name}' has no experts")
-    roles = {"wq": q, "wo": wo, "wk": kv, "wv": kv,
-             "w_gate": dense, "w_up": dense, "w_down": row if dense == col else REPLICATED,
+    roles = {"w_gate": dense, "w_up": dense, "w_down": row if dense == col else REPLICATED,
              "s_gate": shared, "s_up": shared, "s_down": row if shared == col else REPLICATED, **experts}
     if not cfg.tie_embeddings:
         roles["lm_head"] = split(cfg.vocab_size, "lm_head", "vocab_size")
+    return roles
 
+
+def _layout(cfg: ModelConfig, n: int, expert_parallel: bool, kvs: int, roles: dict, cache: P,
+            notes: list[str]) -> SpmdLayout:
     params, _, _, _, _, _ = xla_step_specs(cfg, 1, 1, 1)
     tree = {k: roles.get(k, REPLICATED) for k in params if k != "layers"}
     tree["layers"] = [{k: roles.get(k, REPLICATED) for k in lay} for lay in params["layers"]]

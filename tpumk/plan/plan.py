@@ -328,6 +328,8 @@ class Plan:
             "hbm_floor_seconds": self.floor_seconds,
             "dmas_per_step": {k: dict(v) for k, v in self.dmas.items()},
             **({"sharding": self.sharding.summary(self.whole_model),
+                "resident_bytes_per_device": dict(zip(("weights", "kv_cache"), resident_bytes(
+                    self.whole_model, self.num_pages, self.page_size, self.sharding, self.quant))),
                 "interconnect_per_step": {k: dict(v) for k, v in self.interconnect.items()},
                 "interconnect_bytes_per_step": self.interconnect_bytes,
                 "collectives_per_step": self.collectives_per_step,
@@ -613,9 +615,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
-    if spec.devices > 1:
-        raise NotSupportedError(f"model '{model.name}': MLA attention in the megakernel runs on one device "
-                                f"(got --devices {spec.devices}; run it with --backend reference)")
     fmt = weight_format(spec.quant)
     if fmt is not None and fmt.group and model.v_head_dim % fmt.group:
         # o's rows are padded per head in the kernel: its 128-row scale groups must not straddle heads
@@ -742,20 +741,27 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
 
-def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
-               sharding: ShardingPlan | None = None, quant: str = "none") -> None:
-    """The model's weights plus the KV cache must fit each device's HBM (closed form, O(1)):
-    one device holds everything; on many, each holds its share (`per_device_weight_bytes`) and
-    its KV heads."""
+def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: ShardingPlan | None = None,
+                   quant: str = "none") -> tuple[int, int]:
+    """(weights, KV cache) bytes each device holds in HBM (closed form, O(1)): one device holds
+    everything; on many, each holds its share of the weights (`per_device_weight_bytes`) and its
+    KV heads' cache, or for MLA the whole latent cache (every device keeps a copy: it is
+    shared by all heads)."""
     n = sharding.devices if sharding is not None else 1
     if n == 1:
         weights = quantized_weight_bytes(cfg, quant)
         kv_width = cfg.kv_cache_width
     else:
         weights = per_device_weight_bytes(cfg, sharding, quant)
-        # MLA: every device holds the whole latent row (it is shared by all heads)
         kv_width = cfg.kv_cache_width if cfg.is_mla else 2 * sharding.kv_heads * cfg.head_dim
-    kv = cfg.num_layers * num_pages * page_size * kv_width * cfg.dtype_bytes
+    return int(weights), cfg.num_layers * num_pages * page_size * kv_width * cfg.dtype_bytes
+
+
+def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
+               sharding: ShardingPlan | None = None, quant: str = "none") -> None:
+    """The model's weights plus the KV cache must fit each device's HBM (`resident_bytes`)."""
+    n = sharding.devices if sharding is not None else 1
+    weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant)
     if weights + kv > target.hbm_bytes:
         where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
         each = "" if n == 1 else " per device"

@@ -7,6 +7,11 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
   split with them while N <= Hkv, and replicated when N > Hkv (then N / Hkv devices hold, and
   write, the same KV head: the one their query heads read). The o-projection is split by its
   input rows (the device's heads), so each device holds a partial sum of o's output.
+- MLA attention (head-parallel, as serving stacks shard it): q_a, kv_a and their norms are
+  replicated (they make the latent every head reads: each device computes the same bits from
+  the same all-reduced activations); q_b (or q), W_UK and W_UV are split by heads, o by its
+  input rows as above. The latent cache is replicated: every device holds, and writes, the
+  whole cache (the same rows), so a device's cache bytes are those of the whole latent cache.
 - dense FFN (and a MoE model's shared experts): split by width; gate / up by columns, down by
   rows: again a partial sum of the output.
 - routed experts: `expert_parallel` groups of N / expert_parallel devices. Group g owns experts
@@ -97,6 +102,14 @@ class ShardingPlan:
             "replicated": ["embedding", "norms"] + (["router"] if cfg.is_moe else []),
             "collectives_per_layer": 2 if self.devices > 1 else 0,
         }
+        if cfg.is_mla:
+            out["attention"] = {
+                "heads_per_device": self.q_heads,
+                "split_by_heads": ["q_b" if cfg.q_lora_rank else "q", "uk", "uv"],
+                "replicated": (["q_a", "q_a_norm"] if cfg.q_lora_rank else []) + ["kv_a", "kv_a_norm"],
+                "o_proj": "split by input rows (heads), partial sums all-reduced",
+                "latent_cache": "replicated: every device holds and writes the whole latent cache",
+                "kv_cache_bytes_per_token_per_layer_per_device": cfg.kv_cache_width * cfg.dtype_bytes}
         if cfg.num_dense_layers:
             out["dense_ffn"] = {"split": "width", "width_per_device": self.ffn}
         if cfg.is_moe:
@@ -146,10 +159,13 @@ class ShardingPlan:
         layers = []
         for i, lay in enumerate(params["layers"]):
             out = {k: np.asarray(lay[k]) for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if k in lay}
-            out["wq"] = cols(lay["wq"], q_lo, self.q_heads * dd)
-            out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
-            out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
-            out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
+            if cfg.is_mla:
+                out.update(self._mla_params(cfg, lay, d, cols))
+            else:
+                out["wq"] = cols(lay["wq"], q_lo, self.q_heads * dd)
+                out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
+                out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
+                out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
             if cfg.layer_is_dense(i):
                 lo = d * self.ffn
                 out["w_gate"] = cols(lay["w_gate"], lo, self.ffn)
@@ -182,18 +198,41 @@ class ShardingPlan:
             top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
         return top
 
+    def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
+        """Device d's MLA attention weights: its heads' columns of q_b (or q) and of wkv_b
+        (each head's columns are contiguous: N + R of q, N key then V value lanes of wkv_b), its
+        heads' rows of o; q_a, kv_a and their norms whole."""
+        hl, h0 = self.q_heads, d * self.q_heads
+        out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
+               for k in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm") if k in lay}
+        q = "wq_b" if "wq_b" in lay else "wq"
+        out[q] = cols(lay[q], h0 * cfg.head_dim, hl * cfg.head_dim)
+        kv_b = cfg.qk_nope_head_dim + cfg.v_head_dim
+        out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)
+        out["wo"] = cols(lay["wo"], h0 * cfg.v_head_dim, hl * cfg.v_head_dim, axis=0)
+        return out
+
     # ---------------------------------------------------------------- the KV cache
     def cache_heads(self, cfg: ModelConfig) -> int:
-        """KV heads along the sharded cache's last axis: Hkv, or N when heads are replicated."""
-        return self.devices * self.kv_heads
+        """KV heads along the sharded cache's last axis: Hkv, or N when heads are replicated
+        (MLA: N copies of the one latent row)."""
+        return self.devices * self.kv_heads if not cfg.is_mla else self.devices
+
+    def _replicated_cache(self, cfg: ModelConfig) -> bool:
+        """Every device holds a copy of the whole cache row (MLA's latent cache)."""
+        return cfg.is_mla and self.devices > 1
 
     def expand_cache(self, cfg: ModelConfig, kv):
         """A reference cache array [L, pages, P, Hkv*D] -> the sharded layout [L, pages, P,
         N*kv_heads*D] (device d's lanes [d*kv_heads*D, ...)): the same array while N <= Hkv,
-        each KV head repeated kv_replicas times when replicated."""
+        each KV head repeated kv_replicas times when replicated. MLA: the latent row [C+R]
+        repeated N times (device d's copy in lanes [d*(C+R), ...))."""
+        import jax.numpy as jnp
+
+        if self._replicated_cache(cfg):
+            return jnp.tile(kv, (1,) * (kv.ndim - 1) + (self.devices,))
         if self.kv_replicas == 1:
             return kv
-        import jax.numpy as jnp
 
         *lead, _ = kv.shape
         heads = kv.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
@@ -201,6 +240,8 @@ class ShardingPlan:
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
+        if self._replicated_cache(cfg):
+            return kv[..., :kv.shape[-1] // self.devices]
         if self.kv_replicas == 1:
             return kv
         *lead, _ = kv.shape
