@@ -2,9 +2,12 @@
 q_b / W_UK / W_UV split by heads, o input-sharded and all-reduced, the latent cache replicated on
 every device) on 2 and 4 host devices in interpret mode against the one-device reference, for
 q_len 1 and a verify step (q_len 3); greedy tokens through `generate(..., devices=N)` (the path
-`tpumk generate --devices N --backend megakernel` takes) equal the reference's, plain and
-speculative; the same builds compiled deviceless for multi-chip TPU7x and v6e topologies (one
-kernel, no XLA collective); the plan's per-device latent-cache bytes; the refusals.
+`tpumk generate --devices N --backend megakernel` takes: plain, and speculative with the verify
+step) equal the reference's; the same builds compiled deviceless for multi-chip TPU7x and v6e
+topologies (one kernel, no XLA collective); the plan's per-device latent-cache bytes, the full
+DeepSeek-V3 on 32 TPU7x devices (plan), the refusals; and the XLA baseline for MLA models (the
+bench's XLA step against the reference, its SPMD layout's per-device shapes and numerics on the
+host devices, `tpumk bench --devices 4`).
 
 Interpret runs need N host devices, which JAX makes only before its backends start, so each
 runs in a subprocess: this file as a script (`_worker`), as tests/test_multidevice.py does.
