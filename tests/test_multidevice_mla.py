@@ -2,9 +2,12 @@
 q_b / W_UK / W_UV split by heads, o input-sharded and all-reduced, the latent cache replicated on
 every device) on 2 and 4 host devices in interpret mode against the one-device reference, for
 q_len 1 and a verify step (q_len 3); greedy tokens through `generate(..., devices=N)` (the path
-`tpumk generate --devices N --backend megakernel` takes) equal the reference's, plain and
-speculative; the same builds compiled deviceless for multi-chip TPU7x and v6e topologies (one
-kernel, no XLA collective); the plan's per-device latent-cache bytes; the refusals.
+`tpumk generate --devices N --backend megakernel` takes: plain, and speculative with the verify
+step) equal the reference's; the same builds compiled deviceless for multi-chip TPU7x and v6e
+topologies (one kernel, no XLA collective); the plan's per-device latent-cache bytes, the full
+DeepSeek-V3 on 32 TPU7x devices (plan), the refusals; and the XLA baseline for MLA models (the
+bench's XLA step against the reference, its SPMD layout's per-device shapes and numerics on the
+host devices, `tpumk bench --devices 4`).
 
 Interpret runs need N host devices, which JAX makes only before its backends start, so each
 runs in a subprocess: this file as a script (`_worker`), as tests/test_multidevice.py does.
@@ -335,6 +338,28 @@ def test_full_deepseek_v3_per_device_hbm():
     P._check_hbm(cfg, t7, 4096 // 16, 16, sh)
 
 
+def test_full_deepseek_v3_plans_on_32_tpu7x_devices():
+    """The public DeepSeek-V3 (bf16) on 32 TPU7x TensorCores: 4 heads per device, the whole
+    latent cache on each; with benchmarks/deepseek-v3-tp32-tuning.toml it fits VMEM (`tpumk
+    build --devices 32` compiles it to one kernel: see the tuning file); with the default
+    tiles the ring's slot (1024-row MLA tiles x 7168-wide o / down tiles) is refused with one line."""
+    from tpumk.errors import PlanError
+    from tpumk.model.config import load_preset
+    from tpumk.plan.knobs import load_tuning
+
+    cfg = load_preset("deepseek-v3")
+    p = _plan(cfg, 32, tuning=load_tuning(ROOT / "benchmarks" / "deepseek-v3-tp32-tuning.toml"))
+    assert p.cfg.num_q_heads == 4 and (p.slot_rows, p.slot_cols) == (1024, 1280)
+    assert p.vmem_needed <= p.vmem_budget
+    s = p.summary()
+    assert s["resident_bytes_per_device"]["kv_cache"] == cfg.num_layers * p.num_pages * p.page_size * 576 * 2
+    assert s["hbm_bytes_per_step"]["kv_cache"] >= cfg.num_layers * 4095 * 576 * 2  # every device reads it all
+    assert s["collectives_per_step"] == 2 * cfg.num_layers + 1
+    with pytest.raises(PlanError) as e:
+        _plan(cfg, 32)
+    assert "does not fit tpu7x VMEM" in str(e.value) and "weight_ring" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_heads_not_divisible_are_refused_with_one_line():
     from tpumk.errors import PlanError
 
@@ -406,6 +431,9 @@ def test_bench_devices_runs_on_an_mla_model():
     assert "MODEL" in r["xla"]["step_source"]
     assert "latent cache" in r["layouts"]["megakernel"] and "latent cache" in r["layouts"]["xla"]
     assert r["sharding"]["attention"]["heads_per_device"] == 2
+    one = run_bench(BuildSpec(cfg, get_target("tpu7x"), context=1024), verify_q=0)  # one device: no serving column
+    assert one["xla"]["step_seconds"] > 0 and "serving" not in one and "MLA" in one["serving_skipped"]
+    assert one["layouts"]["xla"].startswith("contiguous latent cache")
 
 
 if __name__ == "__main__":

@@ -376,9 +376,11 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
             "megakernel": {"per_sequence": tok / mk_s, "aggregate": batch * tok / mk_s},
             "xla": {"per_sequence": tok / x_s, "aggregate": batch * tok / x_s},
         },
-        "layouts": {"megakernel": f"paged KV cache ({plan.page_size}-token pages), weights packed into ring tiles",
-                    "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
-                           "routed experts gathered per token"},
+        "layouts": {"megakernel": f"paged {'latent' if cfg.is_mla else 'KV'} cache ({plan.page_size}-token pages), "
+                                  "weights packed into ring tiles",
+                    "xla": ("contiguous latent cache" if cfg.is_mla else "contiguous head-major KV cache")
+                           + ", reference weights one array per matrix, layers unrolled, routed experts gathered "
+                             "per token"},
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "model_constants": model_source("timeline model", target),
     }
@@ -474,7 +476,7 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         cost = cost[0] if cost else {}
     compiles = Compiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
-    if serving:
+    if serving and not cfg.is_mla:  # jax's ragged paged attention kernel is GQA only
         from tpumk.decode.serving import compile_serving_step
 
         sp = compile_serving_step(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant)
@@ -494,6 +496,8 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                     _measure_xla(xp, cfg, params, batch, plan.context, q_len, warmup, runs))
     out = compare(plan, compiles, measured)
     out["tpu_attached"] = attached
+    if serving and cfg.is_mla:
+        out["serving_skipped"] = "no serving-stack column: jax's ragged paged attention kernel has no MLA form"
     out["verify"] = verify_step(plan, verify_q) if verify_q > 1 and q_len == 1 else None
     if keep_hlo:
         out["compiles"] = asdict(compiles)
