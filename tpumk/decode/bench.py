@@ -59,8 +59,19 @@ from tpumk.targets import Target
 
 # ---------------------------------------------------------------------- the XLA decode step
 def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ...]:
-    """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]."""
+    """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]. MLA: the
+    latent cache `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (one row per token,
+    shared by all heads, as the megakernel's paged cache holds it)."""
+    if cfg.is_mla:
+        return (cfg.num_layers, batch, context, cfg.kv_cache_width)
     return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
+
+
+def xla_cache_shapes(cfg: ModelConfig, batch: int, context: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(K, V) cache shapes of the XLA step; an MLA model's V cache is empty (width 0), as
+    `reference.init_cache` keeps it."""
+    k = xla_cache_shape(cfg, batch, context)
+    return k, (k[:-1] + (0,) if cfg.is_mla else k)
 
 
 def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -84,7 +95,7 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
 
 def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
-    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]))  # [N, k]
+    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
     g = _picked_matmul(x, layer["e_gate"], ids)
     u = _picked_matmul(x, layer["e_up"], ids)
     y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
@@ -109,6 +120,8 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
                     k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
     """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D];
     lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
+    if cfg.is_mla:
+        return _xla_mla_step(params, cfg, tokens, positions, k_cache, v_cache, lengths)
     b, t = tokens.shape
     ctx = k_cache.shape[3]
     k_pos = jnp.arange(ctx, dtype=jnp.int32)[None, :]
@@ -125,17 +138,49 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
         o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
         x = x + ref.matmul(o, layer["wo"])
         h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
-        f = (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
-             else _moe_gathered(cfg, layer, h))
-        x = x + f.reshape(b, t, -1)
+        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
+    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+
+
+def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
+    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
+            else _moe_gathered(cfg, layer, h))
+
+
+def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                  k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
+    """`xla_decode_step` of an MLA model, in the absorbed form serving stacks run at decode
+    (tpumk.model.mla's projections and latent attention, the reference's own code): the
+    contiguous latent cache k_cache [L, B, ctx, C+R] gets the step's rows, every head scores
+    them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values. v_cache is the
+    empty value cache, passed through."""
+    from tpumk.model import mla
+
+    b, t = tokens.shape
+    ctx = k_cache.shape[2]
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
+    bi = jnp.arange(b)[:, None]
+    x = ref.embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
+        k_cache = k_cache.at[i, bi, positions].set(row)
+        o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
+        x = x + ref.matmul(o, layer["wo"])
+        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
+        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 
 
 def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """A reference paged cache as the XLA step's contiguous head-major caches (for tests)."""
+    """A reference paged cache as the XLA step's contiguous head-major caches (for tests); MLA:
+    the latent cache [L, B, ctx, C+R] and the empty value cache."""
     def one(c):
         b, pps = cache.block_tables.shape
         seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
+        if cfg.is_mla:
+            return seq.reshape(cfg.num_layers, b, pps * cache.page_size, c.shape[-1])
         seq = seq.reshape(cfg.num_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
         return seq.transpose(0, 1, 3, 2, 4)
     return one(cache.k), one(cache.v)
@@ -159,8 +204,8 @@ def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, q
     params = quantized_specs(cfg, params, quant)
     i32 = jnp.int32
     tok = jax.ShapeDtypeStruct((batch, q_len), i32)
-    cache = jax.ShapeDtypeStruct(xla_cache_shape(cfg, batch, context), dt)
-    return params, tok, tok, cache, cache, jax.ShapeDtypeStruct((batch,), i32)
+    k, v = (jax.ShapeDtypeStruct(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
+    return params, tok, tok, k, v, jax.ShapeDtypeStruct((batch,), i32)
 
 
 def make_xla_step(cfg: ModelConfig):
@@ -257,7 +302,7 @@ def _measure_xla(program: CompiledProgram, cfg: ModelConfig, params, batch: int,
                  warmup: int, runs: int) -> dict[str, Any]:
     dt = ref.jnp_dtype(cfg)
     tokens, positions, lengths = _full_context_inputs(batch, context, q_len)
-    caches = (jnp.zeros(xla_cache_shape(cfg, batch, context), dt), jnp.zeros(xla_cache_shape(cfg, batch, context), dt))
+    caches = tuple(jnp.zeros(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
     step = program.compiled
 
     def call(kv):
@@ -361,9 +406,7 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
             "megakernel": {"per_sequence": tok / mk_s, "aggregate": batch * tok / mk_s},
             "xla": {"per_sequence": tok / x_s, "aggregate": batch * tok / x_s},
         },
-        "layouts": {"megakernel": f"paged KV cache ({plan.page_size}-token pages), weights packed into ring tiles",
-                    "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
-                           "routed experts gathered per token"},
+        "layouts": _layouts(plan),
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "model_constants": model_source("timeline model", target),
     }
@@ -378,6 +421,19 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
                                      f"({plan.page_size}-token pages), new rows written by an XLA scatter, attention "
                                      "by jax's ragged_paged_attention Pallas kernel; dense parts as the XLA step")
     return out
+
+
+def _layouts(plan) -> dict[str, str]:
+    if plan.cfg.is_mla:
+        c = plan.cfg
+        return {"megakernel": f"paged latent cache ({plan.page_size}-token pages, one {c.kv_lora_rank} + "
+                              f"{c.qk_rope_head_dim} row per token), absorbed MLA, weights packed into ring tiles",
+                "xla": f"contiguous latent cache ({c.kv_lora_rank} + {c.qk_rope_head_dim} per token), absorbed MLA "
+                       "(tpumk.model.mla), reference weights one array per matrix, layers unrolled, routed experts "
+                       "gathered per token"}
+    return {"megakernel": f"paged KV cache ({plan.page_size}-token pages), weights packed into ring tiles",
+            "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
+                   "routed experts gathered per token"}
 
 
 def _serving_side(plan, compiles: Compiles, measured: bool) -> tuple[BenchSide, dict]:
@@ -459,7 +515,8 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         cost = cost[0] if cost else {}
     compiles = Compiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
-    if serving:
+    serving_refused = serving_refusal(cfg) if serving else None
+    if serving and serving_refused is None:
         from tpumk.decode.serving import compile_serving_step
 
         sp = compile_serving_step(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant)
@@ -479,10 +536,26 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                     _measure_xla(xp, cfg, params, batch, plan.context, q_len, warmup, runs))
     out = compare(plan, compiles, measured)
     out["tpu_attached"] = attached
+    if serving_refused:
+        out["serving"], out["serving_refused"] = None, serving_refused
     out["verify"] = verify_step(plan, verify_q) if verify_q > 1 and q_len == 1 else None
     if keep_hlo:
         out["compiles"] = asdict(compiles)
     return out
+
+
+def serving_refusal(cfg: ModelConfig) -> str | None:
+    """Why the serving-stack column cannot be built for `cfg` (None: it can). jax's
+    ragged_paged_attention (the only paged attention jax ships in
+    jax.experimental.pallas.ops.tpu, besides the older paged_attention of the same form)
+    attends per-head K and V pages; an MLA model's cache holds one latent row per token
+    shared by all heads, which it has no form for, and expanding the latent into per-head
+    K / V pages would be a different (much larger) cache than the megakernel's."""
+    if cfg.is_mla:
+        return ("not built: jax's ragged_paged_attention (jax.experimental.pallas.ops.tpu) attends per-head K/V "
+                "pages; it has no form for MLA's latent cache (one c_kv | k_rope row per token) and jax ships no "
+                "MLA paged attention kernel")
+    return None
 
 
 # ---------------------------------------------------------------------- many devices
