@@ -223,31 +223,34 @@ def test_two_trial_study_of_an_mla_model_compiles(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------- export, inspect, load
 def test_mla_artifact_round_trips(tmp_path, monkeypatch):
-    """A TPU7x export that inspect reads back valid, and a cpu export whose loaded step (the
-    portable export, interpret mode) gives the reference's logits on the latent cache."""
+    """`tpumk export` writes an MLA artifact that `tpumk inspect` reads back valid, and whose
+    loaded step (the portable export, interpret mode on the host) gives the reference's logits
+    and latent cache rows."""
     from tpumk.export import artifacts as A
     from tpumk.kernel.layout import pack_weights
 
     for var in ("TPUMK_SIGNING_KEY", "TPUMK_SIGNING_KEY_FILE", "TPUMK_REQUIRE_SIGNED"):
         monkeypatch.delenv(var, raising=False)
-    r = cli("export", "--model", "tiny-mla", "--target", "tpu7x", "--context", 64, "--out", tmp_path, "--json")
+    r = cli("export", "--model", "tiny-mla", "--target", "cpu", "--context", 32, "--out", tmp_path, "--json")
     assert r.exit_code == 0, r.output
     path = json.loads(r.stdout)["path"]
     info = json.loads(cli("inspect", "--json", path).stdout)
     assert info["valid"] and set(info["files"]) == {A.EXECUTABLE, A.EXPORTED}
     text = cli("inspect", path).output
-    assert "tiny-mla" in text and "TPU7x" in text and "files match the manifest's sha256" in text
+    assert "tiny-mla" in text and "context 32" in text and "files match the manifest's sha256" in text
+    again = cli("export", "--model", "tiny-mla", "--target", "cpu", "--context", 32, "--out", tmp_path, "--json")
+    assert json.loads(again.stdout)["cache_hit"] and json.loads(again.stdout)["path"] == path
 
     cfg = load_preset("tiny-mla")
-    res = A.export(BuildSpec(cfg, get_target("cpu"), 1, 32, page_size=16), out_dir=tmp_path)
-    step = A.load(res.path)
+    step = A.load(path)
     params = random_params(cfg, seed=0)
     cache = step.init_cache()
     assert cache.k.shape[-1] == cfg.kv_cache_width and cache.v.shape[-1] == 0
     _, cache = ref.prefill(params, cfg, [[3, 1, 4, 1, 5, 9, 2]], cache)
     tokens, positions = jnp.asarray([[6]], jnp.int32), cache.lengths[:, None]
     want, want_cache = ref.decode_step(params, cfg, tokens, positions, cache)
-    got, got_cache = step(pack_weights(step.plan, params), tokens, positions, cache)
+    got, got_cache = step(pack_weights(step.plan, params), tokens, positions, cache)  # donates `cache`
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(want_cache.k), rtol=1e-5, atol=1e-5)
+    assert int(got_cache.lengths[0]) == 8
