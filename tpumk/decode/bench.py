@@ -22,7 +22,13 @@ would lay it out for XLA, with no tpumk kernel:
   (attention's dot contracts the minor dim, so XLA needs no relayout of the cache), updated in
   place (the cache is donated);
 - MoE layers gather the routed experts' weights per token (a serving stack does not evaluate
-  all experts at decode time).
+  all experts at decode time);
+- MLA models (DeepSeek-V3, Kimi K2) run the absorbed form over a contiguous latent cache
+  `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (the same rows the megakernel's
+  paged cache holds), with tpumk.model.mla's own projection and attention code.
+The serving-stack column (XLA + jax's ragged paged attention) exists for GQA models only: for
+MLA it is refused with one line (`serving_refusal`), since jax ships no paged attention over a
+latent cache.
 Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
 which is all the bench feeds it: it does not implement the reference's handling of positions
 outside the cache (tpumk.model.positions).
