@@ -204,6 +204,21 @@ def test_default_constraints_are_necessary_conditions_for_mla(model, tuning):
     assert rejected > 0
 
 
+def test_auto_objective_of_an_mla_model_is_the_model():
+    """libtpu's static profiler aborts on the MLA megakernel (bfloat16 too), so `auto` does not
+    pick the compiler objective, and asking for it is one line saying why."""
+    from tpumk.errors import ConfigError
+    from tpumk.tune.objectives import choose_objective
+
+    cfg = load_preset("tiny-mla").replace(dtype="bfloat16")
+    c = choose_objective("auto", cfg, TPU7X, tpu_kind=None)
+    assert c.name == "model" and "MLA" in c.reason
+    with pytest.raises(ConfigError, match="MLA model") as e:
+        choose_objective("compiler", cfg, TPU7X)
+    assert "\n" not in str(e.value)
+    assert choose_objective("auto", load_preset("tiny-moe").replace(dtype="bfloat16"), TPU7X).name == "compiler"
+
+
 def test_two_trial_study_of_an_mla_model_compiles(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = cli("tune", "--model", "tiny-mla", "--target", "tpu7x", "--space", SPACES_DIR / "tiny.toml",
