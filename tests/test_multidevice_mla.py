@@ -432,7 +432,7 @@ def test_bench_devices_runs_on_an_mla_model():
     assert "latent cache" in r["layouts"]["megakernel"] and "latent cache" in r["layouts"]["xla"]
     assert r["sharding"]["attention"]["heads_per_device"] == 2
     one = run_bench(BuildSpec(cfg, get_target("tpu7x"), context=1024), verify_q=0)  # one device: no serving column
-    assert one["xla"]["step_seconds"] > 0 and "serving" not in one and "MLA" in one["serving_skipped"]
+    assert one["xla"]["step_seconds"] > 0 and one["serving"] is None and "latent" in one["serving_refused"]
     assert one["layouts"]["xla"].startswith("contiguous latent cache")
 
 

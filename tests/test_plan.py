@@ -74,10 +74,6 @@ def test_default_plan_fits_or_says_does_not_fit(preset, target):
             with pytest.raises(PlanError, match=f"does not fit one {target} device"):
                 make_plan(BuildSpec(cfg, tgt, batch, 4096))
             continue
-        if cfg.is_mla and cfg.hidden_size % 128:  # tiny-mla (hidden 96): the kernel needs whole lane tiles
-            with pytest.raises(PlanError, match="hidden_size = 96 must be a multiple of 128"):
-                make_plan(BuildSpec(cfg, tgt, batch, 4096))
-            continue
         plan = make_plan(BuildSpec(cfg, tgt, batch, 4096))
         assert plan.vmem_total <= plan.vmem_budget <= tgt.vmem_bytes
         json.dumps(plan.summary())  # plain data

@@ -54,6 +54,8 @@ def print_bench(r: dict) -> None:
         click.echo(f"serving-stack step / megakernel step: {r['speedup_vs_serving']:.2f}x (MODEL for the serving "
                    f"step; ragged paged attention with {b['num_kv_pages_per_block']} KV pages and "
                    f"{b['num_queries_per_block']} queries per block)")
+    if r.get("serving_refused"):
+        click.echo(f"serving-stack column (XLA + ragged paged attention): {r['serving_refused']}")
     click.echo(f"layouts: megakernel: {r['layouts']['megakernel']}; XLA: {r['layouts']['xla']}"
                + (f"; serving: {r['layouts']['serving']}" if sv else ""))
     if measured:

@@ -22,7 +22,13 @@ would lay it out for XLA, with no tpumk kernel:
   (attention's dot contracts the minor dim, so XLA needs no relayout of the cache), updated in
   place (the cache is donated);
 - MoE layers gather the routed experts' weights per token (a serving stack does not evaluate
-  all experts at decode time).
+  all experts at decode time);
+- MLA models (DeepSeek-V3, Kimi K2) run the absorbed form over a contiguous latent cache
+  `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (the same rows the megakernel's
+  paged cache holds), with tpumk.model.mla's own projection and attention code.
+The serving-stack column (XLA + jax's ragged paged attention) exists for GQA models only: for
+MLA it is refused with one line (`serving_refusal`), since jax ships no paged attention over a
+latent cache.
 Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
 which is all the bench feeds it: it does not implement the reference's handling of positions
 outside the cache (tpumk.model.positions).
@@ -58,13 +64,20 @@ from tpumk.targets import Target
 
 
 # ---------------------------------------------------------------------- the XLA decode step
-def xla_cache_shape(cfg: ModelConfig, batch: int, context: int, value: bool = False) -> tuple[int, ...]:
-    """K (and V, `value`) cache of the XLA step: [layers, batch, kv_heads, context, head_dim].
-    MLA: the latent cache [layers, batch, context, C+R] (each sequence's rows contiguous, the
-    reference's latent row) as K, and an empty V [layers, batch, context, 0]."""
+def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ...]:
+    """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]. MLA: the
+    latent cache `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (one row per token,
+    shared by all heads, as the megakernel's paged cache holds it)."""
     if cfg.is_mla:
-        return (cfg.num_layers, batch, context, 0 if value else cfg.kv_cache_width)
+        return (cfg.num_layers, batch, context, cfg.kv_cache_width)
     return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
+
+
+def xla_cache_shapes(cfg: ModelConfig, batch: int, context: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(K, V) cache shapes of the XLA step; an MLA model's V cache is empty (width 0), as
+    `reference.init_cache` keeps it."""
+    k = xla_cache_shape(cfg, batch, context)
+    return k, (k[:-1] + (0,) if cfg.is_mla else k)
 
 
 def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -111,10 +124,12 @@ def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
-    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D]
-    (MLA: `xla_cache_shape`'s latent cache and empty V); lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
+    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D];
+    lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
+    if cfg.is_mla:
+        return _xla_mla_step(params, cfg, tokens, positions, k_cache, v_cache, lengths)
     b, t = tokens.shape
-    ctx = k_cache.shape[2 if cfg.is_mla else 3]
+    ctx = k_cache.shape[3]
     k_pos = jnp.arange(ctx, dtype=jnp.int32)[None, :]
     k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
     bi = jnp.arange(b)[:, None, None]
@@ -123,29 +138,50 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     x = ref.embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        if cfg.is_mla:  # absorbed MLA over the contiguous latent cache (tpumk.model.mla)
-            from tpumk.model import mla
-
-            q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R]
-            k_cache = k_cache.at[i, bi[..., 0], pi[..., 0]].set(row)
-            o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions,
-                                  jnp.broadcast_to(k_pos, (b, ctx)), k_valid)
-        else:
-            q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
-            k_cache = k_cache.at[i, bi, hi, pi].set(k)
-            v_cache = v_cache.at[i, bi, hi, pi].set(v)
-            o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
+        q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
+        k_cache = k_cache.at[i, bi, hi, pi].set(k)
+        v_cache = v_cache.at[i, bi, hi, pi].set(v)
+        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
         x = x + ref.matmul(o, layer["wo"])
         h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
-        f = (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
-             else _moe_gathered(cfg, layer, h))
-        x = x + f.reshape(b, t, -1)
+        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
+    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+
+
+def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
+    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
+            else _moe_gathered(cfg, layer, h))
+
+
+def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                  k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
+    """`xla_decode_step` of an MLA model, in the absorbed form serving stacks run at decode
+    (tpumk.model.mla's projections and latent attention, the reference's own code): the
+    contiguous latent cache k_cache [L, B, ctx, C+R] gets the step's rows, every head scores
+    them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values. v_cache is the
+    empty value cache, passed through."""
+    from tpumk.model import mla
+
+    b, t = tokens.shape
+    ctx = k_cache.shape[2]
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
+    bi = jnp.arange(b)[:, None]
+    x = ref.embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
+        k_cache = k_cache.at[i, bi, positions].set(row)
+        o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
+        x = x + ref.matmul(o, layer["wo"])
+        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
+        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 
 
 def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """A reference paged cache as the XLA step's contiguous head-major caches (for tests); MLA:
-    the latent rows [L, B, context, C+R] and the empty V."""
+    the latent cache [L, B, ctx, C+R] and the empty value cache."""
     def one(c):
         b, pps = cache.block_tables.shape
         seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
@@ -174,8 +210,8 @@ def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, q
     params = quantized_specs(cfg, params, quant)
     i32 = jnp.int32
     tok = jax.ShapeDtypeStruct((batch, q_len), i32)
-    kc, vc = (jax.ShapeDtypeStruct(xla_cache_shape(cfg, batch, context, value), dt) for value in (False, True))
-    return params, tok, tok, kc, vc, jax.ShapeDtypeStruct((batch,), i32)
+    k, v = (jax.ShapeDtypeStruct(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
+    return params, tok, tok, k, v, jax.ShapeDtypeStruct((batch,), i32)
 
 
 def make_xla_step(cfg: ModelConfig):
@@ -272,7 +308,7 @@ def _measure_xla(program: CompiledProgram, cfg: ModelConfig, params, batch: int,
                  warmup: int, runs: int) -> dict[str, Any]:
     dt = ref.jnp_dtype(cfg)
     tokens, positions, lengths = _full_context_inputs(batch, context, q_len)
-    caches = tuple(jnp.zeros(xla_cache_shape(cfg, batch, context, value), dt) for value in (False, True))
+    caches = tuple(jnp.zeros(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
     step = program.compiled
 
     def call(kv):
@@ -376,11 +412,7 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
             "megakernel": {"per_sequence": tok / mk_s, "aggregate": batch * tok / mk_s},
             "xla": {"per_sequence": tok / x_s, "aggregate": batch * tok / x_s},
         },
-        "layouts": {"megakernel": f"paged {'latent' if cfg.is_mla else 'KV'} cache ({plan.page_size}-token pages), "
-                                  "weights packed into ring tiles",
-                    "xla": ("contiguous latent cache" if cfg.is_mla else "contiguous head-major KV cache")
-                           + ", reference weights one array per matrix, layers unrolled, routed experts gathered "
-                             "per token"},
+        "layouts": _layouts(plan),
         "model_check": published_ring_check(target) if target.name == "tpu7x" else None,
         "model_constants": model_source("timeline model", target),
     }
@@ -395,6 +427,19 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
                                      f"({plan.page_size}-token pages), new rows written by an XLA scatter, attention "
                                      "by jax's ragged_paged_attention Pallas kernel; dense parts as the XLA step")
     return out
+
+
+def _layouts(plan) -> dict[str, str]:
+    if plan.cfg.is_mla:
+        c = plan.cfg
+        return {"megakernel": f"paged latent cache ({plan.page_size}-token pages, one {c.kv_lora_rank} + "
+                              f"{c.qk_rope_head_dim} row per token), absorbed MLA, weights packed into ring tiles",
+                "xla": f"contiguous latent cache ({c.kv_lora_rank} + {c.qk_rope_head_dim} per token), absorbed MLA "
+                       "(tpumk.model.mla), reference weights one array per matrix, layers unrolled, routed experts "
+                       "gathered per token"}
+    return {"megakernel": f"paged KV cache ({plan.page_size}-token pages), weights packed into ring tiles",
+            "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
+                   "routed experts gathered per token"}
 
 
 def _serving_side(plan, compiles: Compiles, measured: bool) -> tuple[BenchSide, dict]:
@@ -476,7 +521,8 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         cost = cost[0] if cost else {}
     compiles = Compiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
-    if serving and not cfg.is_mla:  # jax's ragged paged attention kernel is GQA only
+    serving_refused = serving_refusal(cfg) if serving else None
+    if serving and serving_refused is None:
         from tpumk.decode.serving import compile_serving_step
 
         sp = compile_serving_step(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant)
@@ -496,12 +542,26 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
                     _measure_xla(xp, cfg, params, batch, plan.context, q_len, warmup, runs))
     out = compare(plan, compiles, measured)
     out["tpu_attached"] = attached
-    if serving and cfg.is_mla:
-        out["serving_skipped"] = "no serving-stack column: jax's ragged paged attention kernel has no MLA form"
+    if serving_refused:
+        out["serving"], out["serving_refused"] = None, serving_refused
     out["verify"] = verify_step(plan, verify_q) if verify_q > 1 and q_len == 1 else None
     if keep_hlo:
         out["compiles"] = asdict(compiles)
     return out
+
+
+def serving_refusal(cfg: ModelConfig) -> str | None:
+    """Why the serving-stack column cannot be built for `cfg` (None: it can). jax's
+    ragged_paged_attention (the only paged attention jax ships in
+    jax.experimental.pallas.ops.tpu, besides the older paged_attention of the same form)
+    attends per-head K and V pages; an MLA model's cache holds one latent row per token
+    shared by all heads, which it has no form for, and expanding the latent into per-head
+    K / V pages would be a different (much larger) cache than the megakernel's."""
+    if cfg.is_mla:
+        return ("not built: jax's ragged_paged_attention (jax.experimental.pallas.ops.tpu) attends per-head K/V "
+                "pages; it has no form for MLA's latent cache (one c_kv | k_rope row per token) and jax ships no "
+                "MLA paged attention kernel")
+    return None
 
 
 # ---------------------------------------------------------------------- many devices

@@ -10,7 +10,8 @@ obtained (tpumk.tune.worker.VALUE_KINDS), because they are not interchangeable:
   tpumk's model of the nested-loop trips the profile counts once, converted to seconds by the
   stated calibration (tpumk.build.make_report, tpumk.estimate.calibration). Only for targets whose
   static profile works (v6e, tpu7x) and bfloat16 weights (libtpu 0.0.52's profiler aborts on
-  float32 kernels). An estimate below the HBM floor is invalid and prunes its trial.
+  float32 kernels), and not for MLA models (it aborts on their kernel too). An estimate below
+  the HBM floor is invalid and prunes its trial.
 - `model`: tpumk's own timeline model of the plan (tpumk.estimate.timeline.megakernel_step), from the
   chip figures; no TPU and no profile needed. The configuration is still compiled, so one the
   compiler rejects is caught.
@@ -58,6 +59,9 @@ def compiler_unsupported(cfg: ModelConfig, target: Target) -> str | None:
     if cfg.dtype != "bfloat16":
         return (f"model '{cfg.name}' has {cfg.dtype} weights and libtpu's static profiler aborts on float32 "
                 "kernels (use --dtype bfloat16)")
+    if cfg.is_mla:  # seen for tiny-mla and benchmarks/deepseek-v3-reduced.toml in bfloat16 on tpu7x
+        return (f"model '{cfg.name}' is an MLA model and libtpu 0.0.52's static profiler aborts on the MLA "
+                "megakernel (an LLO check failure), whatever its dtype")
     return None
 
 

@@ -77,7 +77,13 @@ FACTS: dict[str, str] = {
     "num_kv_heads": "key/value heads",
     "head_dim": "head dimension",
     "q_size": "num_q_heads * head_dim (input dim of o)",
-    "kv_size": "num_kv_heads * head_dim (lanes of one KV-cache row)",
+    "kv_size": "num_kv_heads * head_dim (lanes of one KV-cache row; MLA: see kv_row_lanes)",
+    "is_mla": "1 for a multi-head latent attention model (DeepSeek-V3, Kimi K2), else 0",
+    "kv_caches": "paged caches the attention streams: 2 (K and V), 1 for MLA (the latent cache)",
+    "kv_row_lanes": "VMEM lanes of one cache row: kv_size; MLA: kv_lora_rank + qk_rope_head_dim in whole "
+                    "128-lane tiles",
+    "o_rows": "input dim of the o matrix: q_size; MLA: every head's value lanes as the kernel lays them out "
+              "(tpumk.plan.plan.mla_dims)",
     "ffn_size": "dense FFN width (intermediate size); 0 without dense layers",
     "vocab_size": "vocabulary size (lm_head columns)",
     "num_experts": "routed experts per MoE layer (0 for a dense model); routing is over all of them",
@@ -231,6 +237,18 @@ COMPUTED: dict[str, ComputedChoices] = {
         "(tpumk.plan.sharding.expert_parallel_choices); none on one device or for a dense model",
         _expert_parallel_choices),
 }
+
+
+def unused_knobs(spec: "BuildSpec") -> dict[str, str]:
+    """Knobs that have no effect on this build's kernel, with why; `TuningSpace.for_build`
+    leaves them out of the search (they keep their TuningConfig defaults). An MLA model streams
+    no fused qkv matrix: its q path, kv_a and the per-head W_UK / W_UV families take auto tiles
+    shaped from tile_bytes (tpumk.plan.plan), so only tile_bytes, ring_depth and the other
+    families' knobs reach them."""
+    if spec.model.is_mla:
+        why = "an MLA model has no qkv family (its MLA families take auto tiles from tile_bytes)"
+        return {"qkv_tile_rows": why, "qkv_tile_cols": why}
+    return {}
 
 
 # ---------------------------------------------------------------------- constraints
@@ -451,13 +469,16 @@ class TuningSpace:
         there are fewer than two (it keeps its TuningConfig default). A space without computed
         knobs is returned as it is."""
         src = self.origin or self
-        if not any(k.kind == "computed" for k in src.knobs.values()):
+        unused = unused_knobs(spec)
+        if not any(k.kind == "computed" or k.name in unused for k in src.knobs.values()):
             return src
         build = {k: v for k, v in spec.to_dict().items() if k != "tuning"}
         if self.build == build:
             return self
         knobs: dict[str, Knob] = {}
         for name, knob in src.knobs.items():
+            if name in unused:  # no effect on this build: every value would compile the same kernel
+                continue
             if knob.kind != "computed":
                 knobs[name] = knob
                 continue
@@ -677,7 +698,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     when the model does not split over `spec.devices` that way."""
     from tpumk.model.config import expected_distinct_experts
     from tpumk.model.quantize import expert_format, quantized_weight_bytes, weight_format
-    from tpumk.plan.plan import KV_TILE_TOKENS
+    from tpumk.plan.plan import KV_TILE_TOKENS, mla_dims
     from tpumk.plan.sharding import per_device_weight_bytes, plan_sharding
 
     model, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
@@ -709,6 +730,9 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "is_moe": int(cfg.is_moe),
         "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "q_size": cfg.q_size, "kv_size": cfg.kv_size,
+        "is_mla": int(cfg.is_mla), "kv_caches": 1 if cfg.is_mla else 2,
+        "kv_row_lanes": -(-cfg.kv_cache_width // 128) * 128 if cfg.is_mla else cfg.kv_size,
+        "o_rows": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.q_size,
         "ffn_size": cfg.ffn_size, "vocab_size": cfg.vocab_size,
         "num_experts": cfg.num_experts, "experts_per_device": sharding.experts if cfg.is_moe else 0,
         "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
