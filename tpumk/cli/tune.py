@@ -160,12 +160,6 @@ def tune(spec, space_file, trials, max_infeasible,
     if space_file is not None and not space_file.strip():
         raise ConfigError("--space: expected a tuning-space TOML file, got an empty path")
     problem = spec
-    if problem.model.is_mla and (problem.devices > 1 or problem.quant != "none"):
-        from tpumk.plan.plan import make_plan
-
-        # The megakernel builds MLA on one device, unquantized, whatever the knobs: the plan's
-        # one-line refusal now, not a study of pruned trials (a later tpumk that builds it plans here).
-        make_plan(problem)
     # Computed knobs (expert_parallel) take this build's choices, so the grid size printed is the searched one.
     space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file).for_build(problem)
     choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
