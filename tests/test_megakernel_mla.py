@@ -22,7 +22,7 @@ import pytest
 from hf_utils import build_deepseek_checkpoint, hf_greedy
 from test_megakernel import (CONTEXT, PAGE, assert_cache_equal, assert_logits_close, compile_for_tpus, prompts_of,
                              races_found, reference_step)
-from tpumk.errors import NotSupportedError, PlanError
+from tpumk.errors import PlanError
 from tpumk.kernel.layout import pack_weights
 from tpumk.kernel.megakernel import make_decode_step
 from tpumk.model import reference as R
