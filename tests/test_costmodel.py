@@ -118,15 +118,19 @@ def test_more_queues_beat_bigger_tiles_at_equal_bytes_in_flight():
 
 
 def test_kv_buffers_and_tile_size_matter():
+    # The other KV knob fixed at its pre-auto default (2 pages of 128 / 16 of 16, 3 buffers):
+    # with both at auto the plan picks the pair itself (test_plan.py).
     # 128-token pages (256 KiB DMAs): the KV stream is bound by its bytes in flight
-    assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=128, kv_buffers=6)
-    assert _seconds("qwen3-8b", 8, page_size=128, kv_tile_pages=1) > _seconds("qwen3-8b", 8, page_size=128,
-                                                                               kv_tile_pages=4)
-    # 16-token pages (32 KiB DMAs, one semaphore per K / V tile slot): bound by the DMA queues
-    # (tests/test_dma_probe.py), so more tiles in flight and fewer, bigger tiles per queue both win
-    assert _seconds("qwen3-8b", 8, page_size=16, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=16, kv_buffers=4)
-    assert _seconds("qwen3-8b", 8, page_size=16, kv_tile_pages=4) > _seconds("qwen3-8b", 8, page_size=16,
-                                                                              kv_tile_pages=16)
+    big = dict(page_size=128, kv_tile_pages=2)
+    assert _seconds("qwen3-8b", 8, **big, kv_buffers=2) > _seconds("qwen3-8b", 8, **big, kv_buffers=6)
+    assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=3, kv_tile_pages=1) > \
+        _seconds("qwen3-8b", 8, page_size=128, kv_buffers=3, kv_tile_pages=4)
+    # 16-token pages (32 KiB DMAs, one semaphore per page DMA): bound by the DMA queues
+    # (tests/test_dma_probe.py), so more tiles in flight and bigger tiles both win
+    small = dict(page_size=16, kv_tile_pages=16)
+    assert _seconds("qwen3-8b", 8, **small, kv_buffers=2) > _seconds("qwen3-8b", 8, **small, kv_buffers=4)
+    assert _seconds("qwen3-8b", 8, page_size=16, kv_buffers=3, kv_tile_pages=4) > \
+        _seconds("qwen3-8b", 8, page_size=16, kv_buffers=3, kv_tile_pages=16)
 
 
 def test_moe_reads_only_routed_experts_and_dense_does_not_route():
