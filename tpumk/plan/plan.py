@@ -627,7 +627,7 @@ AUTO_KV_BUFFERS = tuple(range(2, 9))
 # Modelled step times within this share of the best count as equal: then the least VMEM for
 # KV tiles wins, then the larger tile (fewer trips of the tile loop, whose per-trip scalar and
 # vector work the model does not count).
-AUTO_KV_TIE = 0.002
+AUTO_KV_TIE = 0.0005
 
 
 def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish) -> "Plan":
