@@ -306,9 +306,10 @@ def test_next_layer_kv_prefetch_is_modelled_where_the_kernel_does_it(monkeypatch
     calls = []
     real = cm._attention_stage
 
-    def spy(plan, ledger, extra, times, windows=(0,), started=False, ring_bytes_in_flight=0.0):
+    def spy(plan, ledger, extra, times, windows=(0,), started=False, ring_bytes_in_flight=0.0, patches_early=False):
         calls.append((times, started))
-        return real(plan, ledger, extra, times, windows, started, ring_bytes_in_flight)
+        assert patches_early == (not plan.cfg.is_mla)  # the megakernel's GQA path: attention_prefetch
+        return real(plan, ledger, extra, times, windows, started, ring_bytes_in_flight, patches_early)
 
     monkeypatch.setattr(cm, "_attention_stage", spy)
     dense = make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, 8, 4096))  # (auto KV knobs walk it too)

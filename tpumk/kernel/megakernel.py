@@ -241,6 +241,9 @@ def _kernel(plan: Plan):
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
                 return mla_attention_block(seg, layer, vec)
+            # The reads of the pages this step writes depend only on the layer, tables and
+            # positions: start them now, so their round trip hides behind the q|k|v tiles.
+            attn.attention_prefetch(plan.attention, layer, k_out, v_out, block_tables, positions, s.attention)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
@@ -263,7 +266,7 @@ def _kernel(plan: Plan):
             # tile loop ends (they fly during o and the FFN), and takes its own from the previous.
             kv_ahead = not plan.attention.window_runs()
             s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
-                                                   block_tables, lengths, positions, s.attention,
+                                                   block_tables, lengths, positions, s.attention, prefetched=True,
                                                    tiles_started=kv_ahead and layer > 0,
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers)
             o = plan.families["o"]
