@@ -13,7 +13,9 @@ that does not fit the target is recorded with the plan's reason instead of a row
 `--remodel` re-runs only the timeline model on the HLO saved by an earlier run (no compiles):
 the compile figures stay those measured then. `--devices N` (> 1) benches the N-device
 megakernel against XLA's SPMD step (tpumk.decode.bench.compare_devices); `--no-compiler-estimate`
-skips the megakernel's static-profile compile there.
+skips the megakernel's static-profile compile there. On one device `--compiler-estimate` adds
+the megakernel's calibrated compiler estimate (a profiling compile in a fresh process,
+tpumk.estimate.profiler.estimate_in_subprocess) beside the model's figures.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=1, help="devices one step spans (> 1: against XLA's SPMD step)")
     ap.add_argument("--no-compiler-estimate", action="store_true",
                     help="with --devices: skip the megakernel's static-profile compile")
+    ap.add_argument("--compiler-estimate", action="store_true",
+                    help="one device: also the megakernel's calibrated compiler estimate (a profiling compile)")
     ap.add_argument("--remodel", metavar="ROWS_JSON", help="re-run the model on rows saved with --out/--save-hlo")
     ap.add_argument("--constants", metavar="LATENCY,DESCRIPTOR,DISPATCH",
                     help="with --remodel: the timeline model's three constants in seconds (sensitivity runs; "
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
         return remodel(args)
 
     from tpumk.decode.bench import run_bench
+    from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
     from tpumk.model.config import load_preset
     from tpumk.errors import PlanError
@@ -121,12 +126,34 @@ def main(argv=None) -> int:
                         row["compiles"] = compiles
                     row.update(_row(r))
                     row["result"] = r
+                    a = make_plan(BuildSpec(load_preset(preset), get_target(target_name), batch, args.context,
+                                            page_size=args.page_size, devices=args.devices)).attention
+                    row["kv_tiles"] = [a.kv_tile_pages, a.kv_buffers]  # as the plan chose them (auto)
+                    if args.compiler_estimate and args.devices == 1:
+                        row.update(_estimate_row(r, BuildSpec(load_preset(preset), get_target(target_name), batch,
+                                                              args.context, page_size=args.page_size)))
                 row["wall_s"] = time.perf_counter() - t0
                 rows.append(row)
                 _print(row)
                 if args.out:  # after every row, so a long run leaves what it finished
                     write_text_atomic(args.out, json.dumps(rows, indent=1))
     return 0
+
+
+def _estimate_row(r: dict, spec) -> dict:
+    """The megakernel's step by the calibrated compiler estimate (COMPILER), beside the model."""
+    from tpumk.estimate.profiler import estimate_in_subprocess
+
+    if not spec.target.static_profile:
+        return {"est_step_ms": None, "est_source": f"none: {spec.target.name} has no static profile"}
+    t0 = time.perf_counter()
+    est = estimate_in_subprocess(spec)
+    out = {"est_step_ms": est.seconds * 1e3 if est.seconds else None, "est_cycles": est.cycles,
+           "est_source": "compiler static profile, calibrated" if est.seconds else f"none: {est.error}",
+           "est_wall_s": time.perf_counter() - t0}
+    if est.seconds:
+        out["est_floor_fraction"] = r["floor_seconds"] / est.seconds
+    return out
 
 
 def _hlo_path(d: Path, row: dict, side: str) -> Path:
@@ -190,7 +217,12 @@ def _print(row: dict) -> None:
           f"floor frac {row['mk_floor_fraction']:.2f} / {row['xla_floor_fraction']:.2f}"
           + (f"  floor+coll frac {row['mk_floor_coll_fraction']:.2f} / {row['xla_floor_coll_fraction']:.2f}  "
              f"XLA collectives {row['mk_xla_collectives']} / {row['xla_xla_collectives']}"
-             if row.get("devices", 1) > 1 else ""), flush=True)
+             if row.get("devices", 1) > 1 else "")
+          + (f"  serving {row['serving_step_ms']:7.3f} ms ({row['speedup_vs_serving']:.2f}x)" if "serving_step_ms" in row
+             else "")
+          + (f"  COMPILER {row['est_step_ms']:7.3f} ms (floor frac {row['est_floor_fraction']:.3f})"
+             if row.get("est_step_ms") else (f"  COMPILER {row['est_source']}" if "est_source" in row else "")),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,11 @@ def make_call(geom: AttentionGeometry, pages: int, interpret: bool, layer_loop: 
 
     layer_loop=False: one attention_stage for layer `layer`. layer_loop=True: the megakernel's
     shape, a fori_loop over every layer (traced layer index) calling attention_prefetch then
-    attention_stage(prefetched=True) on per-layer q / k_new / v_new [L, B*q, ...] -> o [L, ...].
+    attention_stage(prefetched=True) on per-layer q / k_new / v_new [L, B*q, ...] -> o [L, ...];
+    without sliding windows each layer also starts the next layer's first KV tiles
+    (prefetch_next) and the next takes them (tiles_started), as the megakernel does.
     """
+    kv_ahead = layer_loop and not geom.window_runs()
 
     def kernel(layer_ref, tables_ref, lengths_ref, positions_ref, q_ref, k_new_ref, v_new_ref,
                k_ref, v_ref, o_ref, k_out, v_out, *scratch):
@@ -132,7 +135,8 @@ def make_call(geom: AttentionGeometry, pages: int, interpret: bool, layer_loop: 
             attention_prefetch(geom, layer, k_ref, v_ref, tables_ref, positions_ref, scratch)
             o_ref[layer] = attention_stage(geom, layer, q_ref[layer], k_new_ref[layer], v_new_ref[layer],
                                            k_ref, v_ref, tables_ref, lengths_ref, positions_ref, scratch,
-                                           prefetched=True)
+                                           prefetched=True, tiles_started=kv_ahead and layer > 0,
+                                           prefetch_next=kv_ahead and layer + 1 < geom.num_layers)
             return carry
 
         lax.fori_loop(0, geom.num_layers, layer_body, 0)

@@ -118,15 +118,19 @@ def test_more_queues_beat_bigger_tiles_at_equal_bytes_in_flight():
 
 
 def test_kv_buffers_and_tile_size_matter():
+    # The other KV knob fixed at its pre-auto default (2 pages of 128 / 16 of 16, 3 buffers):
+    # with both at auto the plan picks the pair itself (test_plan.py).
     # 128-token pages (256 KiB DMAs): the KV stream is bound by its bytes in flight
-    assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=128, kv_buffers=6)
-    assert _seconds("qwen3-8b", 8, page_size=128, kv_tile_pages=1) > _seconds("qwen3-8b", 8, page_size=128,
-                                                                               kv_tile_pages=4)
-    # 16-token pages (32 KiB DMAs, one semaphore per K / V tile slot): bound by the DMA queues
-    # (tests/test_dma_probe.py), so more tiles in flight and fewer, bigger tiles per queue both win
-    assert _seconds("qwen3-8b", 8, page_size=16, kv_buffers=2) > _seconds("qwen3-8b", 8, page_size=16, kv_buffers=4)
-    assert _seconds("qwen3-8b", 8, page_size=16, kv_tile_pages=4) > _seconds("qwen3-8b", 8, page_size=16,
-                                                                              kv_tile_pages=16)
+    big = dict(page_size=128, kv_tile_pages=2)
+    assert _seconds("qwen3-8b", 8, **big, kv_buffers=2) > _seconds("qwen3-8b", 8, **big, kv_buffers=6)
+    assert _seconds("qwen3-8b", 8, page_size=128, kv_buffers=3, kv_tile_pages=1) > \
+        _seconds("qwen3-8b", 8, page_size=128, kv_buffers=3, kv_tile_pages=4)
+    # 16-token pages (32 KiB DMAs, one semaphore per page DMA): bound by the DMA queues
+    # (tests/test_dma_probe.py), so more tiles in flight and bigger tiles both win
+    small = dict(page_size=16, kv_tile_pages=16)
+    assert _seconds("qwen3-8b", 8, **small, kv_buffers=2) > _seconds("qwen3-8b", 8, **small, kv_buffers=4)
+    assert _seconds("qwen3-8b", 8, page_size=16, kv_buffers=3, kv_tile_pages=4) > \
+        _seconds("qwen3-8b", 8, page_size=16, kv_buffers=3, kv_tile_pages=16)
 
 
 def test_moe_reads_only_routed_experts_and_dense_does_not_route():
@@ -287,8 +291,46 @@ def test_sliding_layers_cost_only_their_window():
     # The compiler estimate's nested-loop trips (tpumk.estimate.compiler) count the same tiles.
     from tpumk.estimate.compiler import uncounted_nested_work
 
-    s = plans[0].attention.tile_rows
-    per_layer = {0: -(-32768 // s), 4096: -(-32768 // s) - (32767 - 4095) // s}
-    want = {0: 36 * (per_layer[0] - 1), 4096: 28 * per_layer[0] + 8 * per_layer[4096] - 36}
-    for w, p in plans.items():
-        assert uncounted_nested_work(p)[0]["uncounted_trips"] == pytest.approx(want[w])
+    for w, p in plans.items():  # each plan's own KV tile (auto knobs may differ)
+        s = p.attention.tile_rows
+        full_layer, slide_layer = -(-32768 // s), -(-32768 // s) - (32767 - 4095) // s
+        want = 36 * (full_layer - 1) if w == 0 else 28 * full_layer + 8 * slide_layer - 36
+        assert uncounted_nested_work(p)[0]["uncounted_trips"] == pytest.approx(want)
+
+
+def test_next_layer_kv_prefetch_is_modelled_where_the_kernel_does_it(monkeypatch):
+    """The kernel starts a layer's first kv_buffers - 1 KV tiles at the end of the previous
+    layer's tile loop (GQA, no sliding windows: tpumk.kernel.attention, prefetch_next): the
+    model skips those tiles' fill there and charges their bytes beside the previous tail's ring,
+    for every layer but the kernel's first, and nowhere else (MLA, sliding layers)."""
+    calls = []
+    real = cm._attention_stage
+
+    def spy(plan, ledger, extra, times, windows=(0,), started=False, ring_bytes_in_flight=0.0, patches_early=False):
+        calls.append((times, started))
+        assert patches_early == (not plan.cfg.is_mla)  # the megakernel's GQA path: attention_prefetch
+        return real(plan, ledger, extra, times, windows, started, ring_bytes_in_flight, patches_early)
+
+    monkeypatch.setattr(cm, "_attention_stage", spy)
+    dense = make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, 8, 4096))  # (auto KV knobs walk it too)
+    calls.clear()
+    cm.megakernel_step(dense)
+    assert calls == [(1.0, False), (35.0, True)]
+    slide = load_preset("qwen3-8b").replace(sliding_window=4096, sliding_layers=list(range(28, 36)))
+    for plan in (make_plan(BuildSpec(slide, TPU7X, 1, 32768)),
+                 make_plan(BuildSpec(load_preset("tiny-mla").replace(hidden_size=128, expert_ffn_size=128,
+                                                                     shared_expert_ffn_size=128), TPU7X, 2, 256))):
+        calls.clear()
+        cm.megakernel_step(plan)
+        assert calls and not any(s for _, s in calls)
+    monkeypatch.undo()
+
+    # Same bytes; the prefetched layer skips the fill and pays the early tiles' transfer beside
+    # the previous tail's ring instead: a small gain where the layer's KV stream is engine-bound.
+    for batch in (1, 8):
+        plan = make_plan(BuildSpec(load_preset("qwen3-8b"), TPU7X, batch, 4096))
+        depth = plan.ring_depth * plan.slot_rows * plan.slot_cols * 2
+        cold = cm._attention_stage(plan, cm._Ledger(), 0.0, 1.0, (0,), False, depth)
+        warm = cm._attention_stage(plan, cm._Ledger(), 0.0, 1.0, (0,), True, depth)
+        assert warm[1] == cold[1]
+        assert warm[0] < cold[0]

@@ -177,3 +177,70 @@ def test_bad_shapes_are_plan_errors():
         make_plan(BuildSpec(load_preset("tiny-dense"), get_target("cpu"), 2, 64), num_pages=3)
     with pytest.raises(PlanError, match="page_size"):  # bf16 pages must be whole 16-row tiles
         make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 64, page_size=8))
+
+
+# ---------------------------------------------------------------------- KV knobs chosen by the plan
+def _kv_plan(batch, context=4096, preset="qwen3-8b", target="tpu7x", **knobs):
+    return make_plan(BuildSpec(load_preset(preset), get_target(target), batch, context, TuningConfig(**knobs)))
+
+
+def test_auto_kv_knobs_are_the_models_best_within_vmem():
+    """kv_tile_pages / kv_buffers at 0 (the defaults): the plan plans every candidate pair of the
+    tuning space's values and keeps the one tpumk's timeline model walks fastest, within the VMEM
+    budget; no fixed pair beats it by more than the tie margin. qwen3-8b at batch 8 on TPU7x,
+    context 4096 (issue 16): at least 0.75 of the HBM floor by the model with default knobs."""
+    from tpumk.estimate.timeline import megakernel_step
+    from tpumk.plan.plan import AUTO_KV_BUFFERS, AUTO_KV_TILE_PAGES, AUTO_KV_TIE
+
+    assert TuningConfig().kv_tile_pages == 0 and TuningConfig().kv_buffers == 0
+    auto = _kv_plan(8)
+    best = megakernel_step(auto)
+    assert best.floor_fraction >= 0.75
+    assert auto.vmem_needed <= auto.vmem_budget
+    fixed = []
+    for kt in AUTO_KV_TILE_PAGES:
+        for nb in AUTO_KV_BUFFERS[::2]:
+            try:
+                fixed.append(megakernel_step(_kv_plan(8, kv_tile_pages=kt, kv_buffers=nb)).seconds)
+            except PlanError:
+                pass
+    assert min(fixed) >= best.seconds / (1 + AUTO_KV_TIE)
+    # the pre-auto default (16 pages x 3 buffers) was 0.71 of the floor: the choice moved it
+    assert megakernel_step(_kv_plan(8, kv_tile_pages=16, kv_buffers=3)).seconds > best.seconds * 1.05
+
+
+def test_auto_kv_knobs_follow_batch_and_context_and_show_in_summary():
+    a1, a8 = _kv_plan(1, 512), _kv_plan(8, 512)
+    pair = lambda p: (p.attention.kv_tile_pages, p.attention.kv_buffers)  # noqa: E731
+    assert pair(a1) != pair(a8)  # the model wants more KV in flight for 8 sequences
+    assert pair(_kv_plan(8, 512)) != pair(_kv_plan(8, 32768))
+    s = a8.summary()["attention"]
+    assert (s["kv_tile_pages"], s["kv_buffers"]) == pair(a8)
+    assert s["kv_tile_tokens"] == a8.attention.kv_tile_pages * a8.page_size
+    assert s["kv_knobs"] == {"kv_tile_pages": "auto (plan: timeline model)", "kv_buffers": "auto (plan: timeline model)"}
+    assert a8.summary()["tuning"]["kv_buffers"] == 0  # the knob as given; the choice is the plan's
+    json.dumps(a8.summary())
+
+
+def test_fixed_kv_knobs_are_kept():
+    p = _kv_plan(8, kv_buffers=3)
+    assert p.attention.kv_buffers == 3
+    assert p.summary()["attention"]["kv_knobs"] == {"kv_tile_pages": "auto (plan: timeline model)",
+                                                    "kv_buffers": "fixed"}
+    p = _kv_plan(8, kv_tile_pages=4)
+    assert p.attention.kv_tile_pages == 4
+    p = _kv_plan(8, kv_tile_pages=2, kv_buffers=5)
+    assert (p.attention.kv_tile_pages, p.attention.kv_buffers) == (2, 5)
+    # a fixed pair that cannot fit is refused, naming the knobs to lower
+    with pytest.raises(PlanError, match="kv_buffers"):
+        _kv_plan(8, kv_tile_pages=256, kv_buffers=64)
+
+
+def test_auto_kv_knobs_stay_inside_a_tight_budget():
+    """With a budget too small for the model's favourite pair, auto picks one that fits."""
+    roomy = _kv_plan(8)
+    kv = lambda p: p.vmem["attention"]  # noqa: E731
+    tight_fraction = (roomy.vmem_needed - kv(roomy) // 2) / get_target("tpu7x").vmem_bytes
+    tight = _kv_plan(8, vmem_limit_fraction=round(tight_fraction, 3))
+    assert tight.vmem_needed <= tight.vmem_budget
+    assert kv(tight) < kv(roomy)

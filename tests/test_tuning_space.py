@@ -322,7 +322,7 @@ BROKEN = [
      r"knob 'gate_up_tile_cols': candidate 384 is not valid: .*multiple of 256"),
     ("int range below the minimum", '[knobs.ring_depth]\ntype = "int"\nlow = 0\nhigh = 12\nstep = 4\n',
      r"knob 'ring_depth': candidate 0 is not valid: .*at least 2"),
-    ("invalid fixed value", MINIMAL + "[fixed]\nkv_buffers = 1\n", r"\[fixed\].*'kv_buffers' = 1: expected at least 2"),
+    ("invalid fixed value", MINIMAL + "[fixed]\nkv_buffers = 1\n", r"\[fixed\].*'kv_buffers' = 1: expected 0 \(auto\) or at least 2"),
     ("boolean choice", '[knobs.expert_slots]\ntype = "categorical"\nchoices = [1, true]\n',
      r"knob 'expert_slots': candidate True is not valid: .*an integer"),
     ("no knobs", "[fixed]\nring_depth = 4\n", r"no knobs to search"),

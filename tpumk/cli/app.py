@@ -107,6 +107,7 @@ def print_build_report(r) -> None:
                                                  f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
         ["HBM bytes per step (plan)" + each, f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
         ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
+        ["KV tiles", kv_tiles_line(r.plan["attention"])],
     ]
     if r.devices > 1:
         rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
@@ -132,6 +133,12 @@ def print_build_report(r) -> None:
         click.echo(f"note: {n}")
     if r.verify:
         print_verify_figures(r)
+
+
+def kv_tiles_line(a: dict) -> str:
+    """The attention stage's KV tiling from `Plan.attention_summary()`, and who chose it."""
+    how = "; ".join(f"{k} {v}" for k, v in a["kv_knobs"].items())
+    return f"{a['kv_tile_pages']} pages ({a['kv_tile_tokens']} tokens) x {a['kv_buffers']} buffers ({how})"
 
 
 def sharding_line(sh: dict) -> str:

@@ -277,11 +277,17 @@ class _Ring:
 
 
 def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
-                     windows: Sequence[int] = (0,)) -> tuple[float, float]:
+                     windows: Sequence[int] = (0,), started: bool = False,
+                     ring_bytes_in_flight: float = 0.0, patches_early: bool = False) -> tuple[float, float]:
     """One layer's attention (patch reads, KV tiles, write-backs) at the plan's full context.
     `extra_bytes` (layer vectors, the MoE router) load meanwhile. `windows`: the sliding
     windows (0: full) of the `times` layers this stands for, each an equal share; a sliding
-    layer streams only its window's tiles. Returns the mean (seconds, bytes) of one layer."""
+    layer streams only its window's tiles. `started`: the previous layer's stage started this
+    layer's first kv_buffers - 1 tiles when its tile loop ended (`attention_stage`'s
+    prefetch_next): they loaded during its tail, beside the ring's `ring_bytes_in_flight`, so
+    the tile loop starts without the pipeline fill. `patches_early`: the reads of the pages the
+    step writes started before the q|k|v tiles (`attention_prefetch`): their round trip hides
+    there, their bytes load beside the ring. Returns the mean (seconds, bytes) of one layer."""
     t, a = plan.target, plan.attention
     pb = float(a.page_bytes)
     nc = a.caches  # K and V; MLA: the one latent cache
@@ -293,7 +299,8 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
         c = a.dma_counts(positions, lengths, window)
         patched = c["patched_pages"]
         # 1. the pages this step writes are read first (K and V), a round trip before the tiles
-        patch_read = DMA_LATENCY_S + load_seconds(t, nc * patched * pb, nc * patched * pb, nc * patched)
+        patch_read = load_seconds(t, nc * patched * pb, ring_bytes_in_flight + nc * patched * pb, nc * patched) \
+            if patches_early else DMA_LATENCY_S + load_seconds(t, nc * patched * pb, nc * patched * pb, nc * patched)
         # 2. KV tiles through kv_buffers slots, nc * kv_tile_pages page DMAs per tile
         n_tiles = c["tiles"]
         tile_hbm = nc * c["hbm_tile_pages"] * pb / n_tiles
@@ -308,13 +315,17 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
         # (the refill is issued before the wait)
         queues = descriptors if nc == 2 else 1
         load = load_seconds(t, tile_hbm, slots, descriptors, queues, queues * a.kv_buffers)
-        kv = DMA_LATENCY_S + n_tiles * max(load, compute)
+        ahead = min(a.kv_buffers - 1, n_tiles) if started else 0
+        # prefetched tiles: their bytes took their share of the previous tail's engine time
+        early = load_seconds(t, ahead * tile_hbm, ring_bytes_in_flight + ahead * tile_hbm, ahead * descriptors) \
+            if ahead else 0.0
+        kv = (0.0 if ahead else DMA_LATENCY_S) + (n_tiles - ahead) * max(load, compute) + ahead * compute + early
         # 3. write-backs (K, V per patched page) and the extra loads share the engine meanwhile
         side = nc * patched * pb + extra_bytes
         side_dma = load_seconds(t, side, slots + side, nc * patched + 1)
-        seconds = patch_read + max(kv, n_tiles * load + side_dma)
+        seconds = patch_read + max(kv, (n_tiles - ahead) * load + early + side_dma)
         nbytes = nc * patched * pb + n_tiles * tile_hbm + side
-        dma = patch_read - DMA_LATENCY_S + n_tiles * load + side_dma
+        dma = patch_read - (0.0 if patches_early else DMA_LATENCY_S) + (n_tiles - ahead) * load + early + side_dma
         ledger.add("attention", seconds, nbytes, dma, n_tiles * compute, share)
         total_s += seconds / len(windows)
         total_b += nbytes / len(windows)
@@ -407,6 +418,7 @@ def megakernel_step(plan) -> StepModel:
             ledger.add("collectives", reduce, times=times)
             ring.prefetch_during(reduce, 0.0, depth_bytes)
 
+    kv_ahead = not cfg.is_mla and not plan.attention.window_runs()
     for seg in plan.segments[:-1]:
         # Every layer of a segment walks the same schedule: model the first layer (entering
         # from the previous stage) and the steady layer separately, then scale.
@@ -419,8 +431,11 @@ def megakernel_step(plan) -> StepModel:
                 ring.family(name, "weight_ring", times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
             layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))
-            att, att_bytes = _attention_stage(plan, ledger, extra, times,
-                                              [plan.attention.window(i) for i in layers])
+            # the kernel's next-layer KV prefetch: GQA without sliding windows, every layer but
+            # the kernel's first (tpumk.kernel.attention.attention_stage, prefetch_next)
+            started = kv_ahead and not (first and seg is plan.segments[0])
+            att, att_bytes = _attention_stage(plan, ledger, extra, times, [plan.attention.window(i) for i in layers],
+                                              started, depth_bytes, patches_early=not cfg.is_mla)
             ring.prefetch_during(att, att_bytes, depth_bytes)
             for name in after:
                 ring.family(name, "weight_ring", times)

@@ -15,7 +15,10 @@ loop), and follows `tpumk.model.reference.decode_step` for one layer exactly:
    through `kv_buffers` VMEM slots of `kv_tile_pages` pages each, with the DMAs of the next
    `kv_buffers - 1` tiles in flight while a tile is computed. All sequences share one flat
    pipeline (a `fori_loop` over every (sequence, tile) pair), so the prefetch runs across
-   sequence boundaries and the pipeline fills once per layer, not once per sequence.
+   sequence boundaries and the pipeline fills once per layer, not once per sequence. In the
+   megakernel (no sliding windows) it does not fill per layer either: when a layer's tile loop
+   ends, the HBM page DMAs of the next layer's first `kv_buffers - 1` tiles start
+   (`prefetch_next`), so they fly during the layer's o projection and FFN.
    Per tile and kv head, ONE matmul covers all `group` q heads and all `q_len` rows; the
    softmax is online (running max and sum in float32). 64-wide heads go two kv heads per
    128-lane block, with a block-diagonal query (`AttentionGeometry`): one matmul per block.
@@ -230,7 +233,7 @@ def attention_prefetch(geom: AttentionGeometry, layer, k_cache, v_cache, block_t
 
 def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_cache,
                     block_tables, lengths, positions, scratch: Sequence,
-                    prefetched: bool = False) -> jax.Array:
+                    prefetched: bool = False, tiles_started: Any = False, prefetch_next: Any = False) -> jax.Array:
     """One layer of paged GQA attention with the in-place cache update. Call inside a kernel.
 
     layer: int32 scalar (traced: the megakernel's layer loop index) or Python int.
@@ -246,8 +249,17 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         full contract (`tpumk.model.positions.check_step`).
     scratch: the refs allocated from `attention_scratch(geom)`, in order.
     prefetched: True when `attention_prefetch` already started this layer's patch reads.
+    tiles_started: bool or traced bool: the previous layer's stage (`prefetch_next`) already
+        started the HBM page DMAs of this layer's first kv_buffers - 1 tile steps; the stage
+        then issues only their pages this step writes (copies of the patched images).
+    prefetch_next: bool or traced bool: once this layer's tile loop is done, start the HBM page
+        DMAs of layer + 1's first kv_buffers - 1 tile steps, so they fly during this layer's
+        tail (o projection, FFN / MoE) and the next tile loop starts without a pipeline fill
+        (the published kernel issues a layer's KV loads at layer start). Layer + 1's stage must
+        then run with tiles_started true, and nothing may touch the KV tile slots in between.
+        Only for models without sliding windows (a window moves a layer's first tile).
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
-    been waited when it returns, so nothing is in flight across layers.
+    been waited when it returns, except the next layer's first tile DMAs under prefetch_next.
 
     The phases, in order (each a function below):
     1. `_start_cache_reads`: read every page this step writes (cache update, part 1);
@@ -260,13 +272,16 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     """
     st = _Stage(geom, layer, k_cache, v_cache, block_tables, positions, scratch)
     _check_shapes(geom, q, k_new, v_new, k_cache, v_cache, block_tables, lengths, positions)
+    if st.window is not None and (tiles_started is not False or prefetch_next is not False):
+        raise ValueError("attention_stage: tiles_started / prefetch_next need a model without sliding windows "
+                         "(a window moves each layer's first tile)")
     if not prefetched:
         _start_cache_reads(st)
     _stage_rows(st, q, k_new, v_new)
     token_of_row = _regroup_q(st)
     total = _tabulate_sequences(st, lengths)
     _patch_pages(st)
-    _tile_loop(st, lengths, token_of_row, total)
+    _tile_loop(st, lengths, token_of_row, total, tiles_started, prefetch_next)
     _retire_write_backs(st)
     return _ungroup_o(st)
 
@@ -403,9 +418,11 @@ def _patch_pages(st: _Stage) -> None:
         st.start_patch_dma(slot, pg, first, write=True)
 
 
-def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
+def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, prefetch_next=False) -> None:
     """Phase 4: stream KV tiles through a kv_buffers-deep ring, all sequences in one flat
     `fori_loop` over the `total` (sequence, tile) steps, kv_buffers - 1 tiles in flight.
+    `tiles_started` / `prefetch_next`: see `attention_stage` (the first kv_buffers - 1 steps'
+    HBM page DMAs come from the previous layer's stage / are started for the next layer's).
 
     A tile page this step writes is copied from its patched VMEM image (never read from HBM,
     so it cannot race the write-back). Per tile and kv head, one matmul covers the whole
@@ -428,8 +445,10 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
         many-device builds; models without windows keep the old loop)."""
         return sc.seq_meta[b * meta_width + 2] if st.window is not None else jnp.int32(0)
 
-    def fetch(b, t, slot):
-        """Start the DMAs filling tile slot `slot` with tile t of sequence b."""
+    def fetch(b, t, slot, layer_=layer, hbm: Any = True, local: bool = True):
+        """Start the DMAs filling tile slot `slot` with tile t of sequence b of layer `layer_`:
+        the pages this step writes from their patched images (`local`), the others from HBM
+        (`hbm`: a bool or a traced bool)."""
         npages = sc.seq_meta[b * meta_width + 1]
         lps = [sc.seq_meta[b * meta_width + 3 + i] for i in range(T)]
         for j in range(KT):
@@ -444,16 +463,18 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             dsts = [tiles[c].at[slot, pl.ds(j * P, P)] for c in range(2)]
             sems = [sc.tile_sems.at[c, slot, j] for c in range(2)]
 
-            @pl.when(patched)
-            def _():  # a page this step writes: copy its patched VMEM image, never read HBM
-                for c in range(2):
-                    pltpu.make_async_copy(patches[c].at[pslot], dsts[c], sems[c]).start()
+            if local:
+                @pl.when(patched)
+                def _():  # a page this step writes: copy its patched VMEM image, never read HBM
+                    for c in range(2):
+                        pltpu.make_async_copy(patches[c].at[pslot], dsts[c], sems[c]).start()
 
-            @pl.when(jnp.logical_not(patched))
-            def _():
-                pg = st.page_id(b, lp)
-                for c in range(2):
-                    pltpu.make_async_copy(st.caches[c].at[layer, pg], dsts[c], sems[c]).start()
+            if hbm is not False:
+                @pl.when(jnp.logical_not(patched) if hbm is True else jnp.logical_and(hbm, jnp.logical_not(patched)))
+                def _():
+                    pg = st.page_id(b, lp)
+                    for c in range(2):
+                        pltpu.make_async_copy(st.caches[c].at[layer_, pg], dsts[c], sems[c]).start()
 
     def wait_tile(slot):
         # One semaphore per page DMA: the compiler's DMA model serializes the DMAs that signal one
@@ -526,30 +547,59 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total) -> None:
             o = jnp.where(m_next[:, :1] <= 0.5 * MASK_VALUE, 0.0, acc_next / l_next[:, :1])  # NaN stays NaN
             sc.q_heads[b, h] = jnp.where(last_tile, o, q_blk[h])
 
-    run_tile_pipeline(sc.seq_meta, meta_width, B, NB, total, first_of, fetch, wait_tile, compute)
+    # A step's pages this step writes come from the patch images, ready only in this stage: the
+    # previous layer's stage started the others' DMAs of the first steps when tiles_started.
+    prologue = fetch if tiles_started is False else \
+        (lambda b, t, slot: fetch(b, t, slot, hbm=jnp.logical_not(tiles_started)))
+    run_tile_pipeline(sc.seq_meta, meta_width, B, NB, total, first_of, fetch, wait_tile, compute, prologue)
+    if prefetch_next is not False:
+        # The loop has waited every tile and computed the last: all slots are free. The next
+        # layer's first steps are this layer's (no windows: same extents, same seq_meta).
+        nxt = jnp.minimum(layer + 1, g.num_layers - 1)
+        later = lambda b, t, slot: fetch(b, t, slot, layer_=nxt, local=False)  # noqa: E731
+
+        @pl.when(prefetch_next)
+        def _():
+            issue_ahead(sc.seq_meta, meta_width, B, NB, total, first_of, later)
+
+
+def _advance(seq_meta, meta_width: int, batch: int, first_of):
+    """The flat pipeline's cursor step: (b, t) -> the (sequence, tile) step after it; after the
+    last one (batch, first tile of the last)."""
+    B = batch
+
+    def advance(b, t):
+        wrap = t + 1 >= seq_meta[jnp.minimum(b, B - 1) * meta_width]
+        first_next = first_of(jnp.minimum(b + 1, B - 1))
+        return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
+    return advance
+
+
+def issue_ahead(seq_meta, meta_width: int, batch: int, buffers: int, total, first_of, fetch):
+    """Start the first `buffers - 1` steps' tile loads into slots 0 .. buffers - 2 (the
+    pipeline's fill). Returns the prefetch cursor after them."""
+    advance = _advance(seq_meta, meta_width, batch, first_of)
+    pb, pt = jnp.int32(0), first_of(0)  # sequence 0's first tile
+    for k in range(buffers - 1):
+        pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
+        pb, pt = advance(pb, pt)
+    return pb, pt
 
 
 def run_tile_pipeline(seq_meta, meta_width: int, batch: int, buffers: int, total, first_of,
-                      fetch, wait_tile, compute) -> None:
+                      fetch, wait_tile, compute, prologue_fetch=None) -> None:
     """The flat (sequence, tile) pipeline every attention stage drives: `buffers - 1` tile
     loads issued ahead, then one `fori_loop` over all `total` steps that refills the slot the
     previous step freed, waits for its own tile and computes it, crossing sequence boundaries
     without a drain. seq_meta[b * meta_width] is sequence b's end tile; first_of(b) its first
-    tile; fetch(b, t, slot), wait_tile(slot) and compute(b, t, slot) are the stage's own."""
+    tile; fetch(b, t, slot), wait_tile(slot) and compute(b, t, slot) are the stage's own;
+    prologue_fetch (default fetch) issues the first buffers - 1 steps."""
     B, NB = batch, buffers
-
-    def advance(b, t):
-        """The (sequence, tile) step after (b, t); (B, first tile of the last) after the last one."""
-        wrap = t + 1 >= seq_meta[jnp.minimum(b, B - 1) * meta_width]
-        first_next = first_of(jnp.minimum(b + 1, B - 1))
-        return jnp.where(wrap, b + 1, b), jnp.where(wrap, first_next, t + 1)
-
+    advance = _advance(seq_meta, meta_width, B, first_of)
     zero = jnp.int32(0)
     t_first = first_of(0)  # sequence 0's first tile
-    pb, pt = zero, t_first  # prefetch cursor, kv_buffers - 1 steps ahead of the compute cursor
-    for k in range(NB - 1):
-        pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
-        pb, pt = advance(pb, pt)
+    # prefetch cursor, kv_buffers - 1 steps ahead of the compute cursor
+    pb, pt = issue_ahead(seq_meta, meta_width, B, NB, total, first_of, prologue_fetch or fetch)
 
     def step(gidx, carry):
         b, t, pb, pt = carry

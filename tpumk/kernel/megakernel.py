@@ -23,7 +23,8 @@ residual. MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and atte
 path (q_a -> q_a norm -> q_b, or q), kv_a -> kv_a norm + RoPE of k_rope (the new latent cache
 rows), RoPE of the q rope lanes, q_nope . W_UK per head (block-diagonal ring family), latent
 attention with the cache write, . W_UV per head, then o. Then the final norm and the lm_head as its own loop. The ring keeps `ring_depth`
-weight tiles in flight across all of it; a layer's norm vectors are prefetched one layer ahead.
+weight tiles in flight across all of it; a layer's norm vectors are prefetched one layer ahead,
+and (GQA, no sliding windows) its first KV tiles start at the end of the previous layer's tile loop.
 """
 
 from __future__ import annotations
@@ -240,6 +241,9 @@ def _kernel(plan: Plan):
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
                 return mla_attention_block(seg, layer, vec)
+            # The reads of the pages this step writes depend only on the layer, tables and
+            # positions: start them now, so their round trip hides behind the q|k|v tiles.
+            attn.attention_prefetch(plan.attention, layer, k_out, v_out, block_tables, positions, s.attention)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
@@ -258,8 +262,13 @@ def _kernel(plan: Plan):
             q = s.qkv[:, :q_size]
             k_new = s.qkv[:, q_size:q_size + kv_size].astype(dt)
             v_new = s.qkv[:, q_size + kv_size:q_size + 2 * kv_size].astype(dt)
+            # Without sliding windows every layer starts the next layer's first KV tiles when its
+            # tile loop ends (they fly during o and the FFN), and takes its own from the previous.
+            kv_ahead = not plan.attention.window_runs()
             s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
-                                                   block_tables, lengths, positions, s.attention)
+                                                   block_tables, lengths, positions, s.attention, prefetched=True,
+                                                   tiles_started=kv_ahead and layer > 0,
+                                                   prefetch_next=kv_ahead and layer + 1 < cfg.num_layers)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(2 * layer)

@@ -47,8 +47,10 @@ class TuningConfig:
     lm_head_tile_rows: int = 0
     lm_head_tile_cols: int = 0
     # ---- attention over the paged KV cache
-    kv_tile_pages: int = 0  # pages per KV tile; 0 = auto (about 256 tokens per tile)
-    kv_buffers: int = 3  # KV tiles in flight
+    # 0 = auto: the plan picks the pair from the batch and context with the timeline model,
+    # within the VMEM budget (tpumk.plan.plan._choose_kv_knobs); a value set here is kept.
+    kv_tile_pages: int = 0  # pages per KV tile
+    kv_buffers: int = 0  # KV tile slots (kv_buffers - 1 tiles in flight while one is computed)
     # ---- mixture of experts
     expert_slots: int = 4  # expert weight slots in VMEM (loads start as soon as routing is known)
     expert_chunk: int = 0  # expert FFN columns per load; 0 = auto (chunks of about 2 ring tiles)
@@ -89,8 +91,8 @@ class TuningConfig:
                 raise bad(cols, f"0 (auto) or a positive multiple of {lane}{why}")
         if self.kv_tile_pages < 0:
             raise bad("kv_tile_pages", "0 (auto) or a positive number of pages")
-        if self.kv_buffers < 2:
-            raise bad("kv_buffers", "at least 2")
+        if self.kv_buffers < 0 or self.kv_buffers == 1:
+            raise bad("kv_buffers", "0 (auto) or at least 2")
         if self.expert_slots < 1:
             raise bad("expert_slots", "at least 1")
         if self.all_reduce not in ALL_REDUCE_CHOICES:

@@ -42,6 +42,8 @@ from tpumk.plan.spec import BuildSpec
 # tiles of [4096, 256] cost 1.6x the cycles per byte of [1024, 1024], [512, 2048] or [2048, 512]
 # (narrow tiles starve the MXU), so auto rows stop where the width would drop below this.
 AUTO_MIN_TILE_COLS = 1024
+# Tokens per KV tile behind the tuning space's `kv_auto_tile_pages` fact (tpumk.tune.space); the
+# plan's own auto choice is `_choose_kv_knobs`.
 KV_TILE_TOKENS = 256
 COMPILER_DEFAULT_SCOPED_VMEM = 32 * 2**20  # XLA:TPU's scoped VMEM limit unless a kernel sets one
 MOSAIC_HEADROOM = 4 * 2**20  # Mosaic internal scratch + register spills (3.9 MiB measured, qwen3-8b)
@@ -302,6 +304,10 @@ class Plan:
             "kv_cache_bytes_per_token_per_layer": a.caches * a.kv_size * a.itemsize,
             **({"latent_cache": {"c_kv": a.latent, "k_rope": a.rope, "softmax_scale": a.scale}}
                if isinstance(a, MLAGeometry) else {}),
+            # the KV tiling the kernel streams with; "auto": chosen by `_choose_kv_knobs`
+            "kv_tile_pages": a.kv_tile_pages, "kv_tile_tokens": a.tile_rows, "kv_buffers": a.kv_buffers,
+            "kv_knobs": {k: "auto (plan: timeline model)" if not getattr(self.tuning, k) else "fixed"
+                         for k in ("kv_tile_pages", "kv_buffers")},
             "sliding_window": self.cfg.sliding_window,
             "sliding_layers": sum(1 for w in a.windows if w),
         }
@@ -582,10 +588,14 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     slot_cols = max(f.tile_cols for f in fams.values())
     depth = tuning.ring_depth
 
-    kv_tile_pages = tuning.kv_tile_pages or max(1, min(pages_per_seq, KV_TILE_TOKENS // page_size))
     rows = batch * q_len
     make_geometry = MLAGeometry.for_mla if cfg.is_mla else AttentionGeometry.from_config
-    attention = make_geometry(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, tuning.kv_buffers)
+
+    def geometry(kv_tile_pages: int, kv_buffers: int):
+        return make_geometry(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, kv_buffers)
+
+    # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
+    attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
     attention.validate()
     moe = None
     if cfg.is_moe:
@@ -605,12 +615,55 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                 num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                 model=model if sharding.devices > 1 else None, sharding=sharding if sharding.devices > 1 else None,
                 all_reduce=all_reduce, quant=spec.quant)
-    vmem = _vmem_breakdown(plan)
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
-    plan = _replace(plan, vmem=vmem, vmem_temporaries=_vmem_temporaries(plan), vmem_budget=budget,
-                    hbm=_hbm_breakdown(plan), dmas=_dma_breakdown(plan), interconnect=_interconnect(plan))
-    _check_fits(plan)
-    return plan
+
+    def finish(geom) -> Plan:
+        p = _replace(plan, attention=geom)
+        p = _replace(p, vmem=_vmem_breakdown(p), vmem_temporaries=_vmem_temporaries(p), vmem_budget=budget,
+                     hbm=_hbm_breakdown(p), dmas=_dma_breakdown(p), interconnect=_interconnect(p))
+        _check_fits(p)
+        return p
+
+    if tuning.kv_tile_pages and tuning.kv_buffers:
+        return finish(attention)
+    return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
+
+
+# KV knobs the plan chooses from when the tuning leaves them at 0 (auto): the tuning space's
+# own ranges (tuning_spaces/default.toml), so `tpumk tune` and the plan search the same values.
+AUTO_KV_TILE_PAGES = (1, 2, 4, 8, 16, 32, 64)
+AUTO_KV_BUFFERS = tuple(range(2, 9))
+# Modelled step times within this share of the best count as equal: then the least VMEM for
+# KV tiles wins, then the larger tile (fewer trips of the tile loop, whose per-trip scalar and
+# vector work the model does not count).
+AUTO_KV_TIE = 0.0005
+
+
+def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish) -> "Plan":
+    """`kv_tile_pages` / `kv_buffers` left at 0 (auto): every candidate pair that fits the VMEM
+    budget is planned and walked by tpumk's timeline model (`megakernel_step`, the tuner's
+    `model` objective), and the fastest wins (ties: see AUTO_KV_TIE). A fixed knob is kept.
+    The KV tiles' size and depth trade VMEM for DMAs in flight, and the best pair depends on
+    the batch and the context (how many tiles a layer streams), which is why the plan, not a
+    constant, picks them. Raises the smallest candidate's PlanError when none fits."""
+    from tpumk.estimate.timeline import megakernel_step  # the model imports the plan
+
+    pages = [tuning.kv_tile_pages] if tuning.kv_tile_pages else \
+        sorted({k for k in AUTO_KV_TILE_PAGES if k <= pages_per_seq} | ({pages_per_seq} if pages_per_seq < 64 else set()))
+    buffers = [tuning.kv_buffers] if tuning.kv_buffers else list(AUTO_KV_BUFFERS)
+    scored, first_error = [], None
+    for kt in pages:
+        for nb in buffers:
+            try:
+                p = finish(geometry(kt, nb))
+            except PlanError as e:
+                first_error = first_error or e
+                continue
+            scored.append((megakernel_step(p).seconds, kt * nb, kt, p))
+    if not scored:
+        raise first_error
+    best = min(s for s, *_ in scored)
+    return min((c for c in scored if c[0] <= best * (1 + AUTO_KV_TIE)), key=lambda c: (c[1], -c[2]))[3]
 
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
