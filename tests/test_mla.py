@@ -18,6 +18,7 @@ from tpumk.errors import ConfigError, NotSupportedError, PlanError
 from tpumk.model import mla, reference
 from tpumk.model.config import from_dict, from_hf_config, load_preset
 from tpumk.model.weights import expected_shapes, random_params
+from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
@@ -147,9 +148,20 @@ def test_big_mla_presets_plan_on_their_slices_in_fp8(model, devices):
     """Issue 15's build: the full public configs in fp8 over a TPU7x slice plan (heads and
     experts split, the latent cache whole on every device); the compile is a slow test
     (tests/test_multidevice_mla.py)."""
-    plan = make_plan(BuildSpec(load_preset(model), get_target("tpu7x"), 1, 4096, devices=devices, quant="fp8"))
-    assert plan.sharding.devices == devices
-    assert plan.hbm["weights"] < get_target("tpu7x").hbm_bytes
+    tpu7x = get_target("tpu7x")
+    plan = make_plan(BuildSpec(load_preset(model), tpu7x, 1, 4096, devices=devices, quant="fp8"))
+    assert plan.sharding.devices == devices and plan.sharding.q_heads * devices == plan.whole_model.num_q_heads
+    resident = plan.summary()["resident_bytes_per_device"]
+    assert 10e9 < resident["weights"] + resident["kv_cache"] < tpu7x.hbm_bytes
+    # the ring's slot is sized against W_UV's 512 latent rows, not 512 x the whole hidden width
+    assert plan.slot_rows * plan.slot_cols * plan.families["o"].itemsize <= plan.tuning.tile_bytes
+    assert plan.vmem_needed <= plan.vmem_budget
+    # expert_slots auto: the most (up to 4) that fit; 4 fixed does not fit, refused in one line
+    assert 1 <= plan.moe.expert_slots < 4
+    with pytest.raises(PlanError, match="plan does not fit tpu7x VMEM") as e:
+        make_plan(BuildSpec(load_preset(model), tpu7x, 1, 4096, devices=devices, quant="fp8",
+                            tuning=TuningConfig(expert_slots=4)))
+    _one_line(e)
 
 
 def test_quantized_mla_weights_hold_the_absorbed_blocks():

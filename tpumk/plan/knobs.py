@@ -52,7 +52,9 @@ class TuningConfig:
     kv_tile_pages: int = 0  # pages per KV tile
     kv_buffers: int = 0  # KV tile slots (kv_buffers - 1 tiles in flight while one is computed)
     # ---- mixture of experts
-    expert_slots: int = 4  # expert weight slots in VMEM (loads start as soon as routing is known)
+    # expert weight slots in VMEM (loads start as soon as routing is known); 0 = auto: the most,
+    # up to 4, that fit the VMEM budget (tpumk.plan.plan.AUTO_EXPERT_SLOTS)
+    expert_slots: int = 0
     expert_chunk: int = 0  # expert FFN columns per load; 0 = auto (chunks of about 2 ring tiles)
     # Devices > 1: experts split over `expert_parallel` groups of devices (each group owns
     # num_experts / expert_parallel whole experts), each expert's width split over the
@@ -93,8 +95,8 @@ class TuningConfig:
             raise bad("kv_tile_pages", "0 (auto) or a positive number of pages")
         if self.kv_buffers < 0 or self.kv_buffers == 1:
             raise bad("kv_buffers", "0 (auto) or at least 2")
-        if self.expert_slots < 1:
-            raise bad("expert_slots", "at least 1")
+        if self.expert_slots < 0:
+            raise bad("expert_slots", "0 (auto) or at least 1")
         if self.all_reduce not in ALL_REDUCE_CHOICES:
             raise bad("all_reduce", f"one of {', '.join(ALL_REDUCE_CHOICES)}")
         if self.expert_parallel < 0:

@@ -422,12 +422,17 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
           "shared_gate_up": h,
           "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
     auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning, isz)
+    # The ring's slot is the tallest tile's rows x the widest tile's columns. MLA's W_UV blocks
+    # are `latent` rows high whatever the knobs, so auto widths are sized against that height:
+    # otherwise a narrow-input family (o with 4 heads per device: 512 rows) gets 128-row tiles
+    # the whole 7168 wide and the slot becomes 512 x 7168 (DeepSeek-V3 on 32 devices).
+    fixed_rows = max(mla_dims(cfg)["latent"], mla_dims(cfg)["nope"]) if cfg.is_mla else 0
 
     def shape(fam: str, k: int, m: int, lane: int) -> tuple[int, int]:
         rows, cols = tuning.tile_shape(fam)
         rows = rows or auto_rows
         if not cols:  # auto: fill tile_bytes, never wider than the (lane-rounded) matrix
-            cols = max(lane, tuning.tile_bytes // (rows * isz) // lane * lane)
+            cols = max(lane, tuning.tile_bytes // (max(rows, fixed_rows) * isz) // lane * lane)
             cols = min(cols, round_up(m, lane))
         if k % rows:
             raise PlanError(f"tuning: '{fam}_tile_rows' = {rows} must divide the {fam} input dim {k} "
@@ -503,7 +508,7 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
         for r in range(LANE, top + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
             if k_pad % r == 0 and r * min(m_lane, AUTO_MIN_TILE_COLS) * isz <= tuning.tile_bytes:
                 rows = r
-        cap = max(LANE, tuning.tile_bytes // (rows * isz))
+        cap = max(LANE, tuning.tile_bytes // (max(rows, dims["latent"], dims["nope"]) * isz))
         # the widest 128-multiple dividing m_lane: no zero columns streamed beyond the lane padding
         # (q_a's output is q_b's input: DeepSeek-V3's 1536 would otherwise stream as 2048 rows)
         cols = max(c for c in range(LANE, min(m_lane, cap) + 1, LANE) if m_lane % c == 0)
@@ -597,13 +602,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
     attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
     attention.validate()
-    moe = None
-    if cfg.is_moe:
-        efmt = expert_format(spec.quant)
-        moe = MoEGeometry.from_config(cfg, rows, tuning.expert_slots,
-                                      tuning.expert_chunk or auto_expert_chunk(cfg, tuning, efmt),
-                                      owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor,
-                                      expert_format=efmt.name if efmt is not None else "none")
     all_reduce = None
     if sharding.devices > 1:
         # f32 partial sums (exact), one row per token row: padding to the 8-row tile would
@@ -611,22 +609,48 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows, cfg.hidden_size,
                                                 schedule=tuning.all_reduce)
 
-    plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
-                num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
-                model=model if sharding.devices > 1 else None, sharding=sharding if sharding.devices > 1 else None,
-                all_reduce=all_reduce, quant=spec.quant)
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
 
-    def finish(geom) -> Plan:
-        p = _replace(plan, attention=geom)
-        p = _replace(p, vmem=_vmem_breakdown(p), vmem_temporaries=_vmem_temporaries(p), vmem_budget=budget,
-                     hbm=_hbm_breakdown(p), dmas=_dma_breakdown(p), interconnect=_interconnect(p))
-        _check_fits(p)
-        return p
+    def plan_with(expert_slots: int) -> Plan:
+        moe = None
+        if cfg.is_moe:
+            efmt = expert_format(spec.quant)
+            moe = MoEGeometry.from_config(cfg, rows, expert_slots,
+                                          tuning.expert_chunk or auto_expert_chunk(cfg, tuning, efmt),
+                                          owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor,
+                                          expert_format=efmt.name if efmt is not None else "none")
+        plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
+                    num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
+                    model=model if sharding.devices > 1 else None,
+                    sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant)
 
-    if tuning.kv_tile_pages and tuning.kv_buffers:
-        return finish(attention)
-    return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
+        def finish(geom) -> Plan:
+            p = _replace(plan, attention=geom)
+            p = _replace(p, vmem=_vmem_breakdown(p), vmem_temporaries=_vmem_temporaries(p), vmem_budget=budget,
+                         hbm=_hbm_breakdown(p), dmas=_dma_breakdown(p), interconnect=_interconnect(p))
+            _check_fits(p)
+            return p
+
+        if tuning.kv_tile_pages and tuning.kv_buffers:
+            return finish(attention)
+        return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
+
+    if tuning.expert_slots or not cfg.is_moe:
+        return plan_with(tuning.expert_slots or 1)
+    # expert_slots auto: the most slots that fit (each is one more expert chunk load in flight);
+    # a wide model on many devices (DeepSeek-V3 on 32 TPU7x cores, bf16 experts) fits only 2.
+    error = None
+    for slots in range(AUTO_EXPERT_SLOTS, 0, -1):
+        try:
+            return plan_with(slots)
+        except PlanError as e:
+            error = e
+    raise error
+
+
+# expert_slots = 0 (auto): the plan takes the most slots up to this that fit the VMEM budget
+# (4 was the fixed default before the plan chose).
+AUTO_EXPERT_SLOTS = 4
 
 
 # KV knobs the plan chooses from when the tuning leaves them at 0 (auto): the tuning space's
