@@ -339,25 +339,17 @@ def test_full_deepseek_v3_per_device_hbm():
 
 
 def test_full_deepseek_v3_plans_on_32_tpu7x_devices():
-    """The public DeepSeek-V3 (bf16) on 32 TPU7x TensorCores: 4 heads per device, the whole
-    latent cache on each; with benchmarks/deepseek-v3-tp32-tuning.toml it fits VMEM (`tpumk
-    build --devices 32` compiles it to one kernel: see the tuning file); with the default
-    tiles the ring's slot (1024-row MLA tiles x 7168-wide o / down tiles) is refused with one line."""
-    from tpumk.errors import PlanError
+    """The public DeepSeek-V3 (bf16) on 32 TPU7x TensorCores with default knobs: 4 heads per
+    device, the whole latent cache on each, read whole by every device every step."""
     from tpumk.model.config import load_preset
-    from tpumk.plan.knobs import load_tuning
 
     cfg = load_preset("deepseek-v3")
-    p = _plan(cfg, 32, tuning=load_tuning(ROOT / "benchmarks" / "deepseek-v3-tp32-tuning.toml"))
-    assert p.cfg.num_q_heads == 4 and (p.slot_rows, p.slot_cols) == (1024, 1280)
-    assert p.vmem_needed <= p.vmem_budget
+    p = _plan(cfg, 32)
+    assert p.cfg.num_q_heads == 4 and p.vmem_needed <= p.vmem_budget
     s = p.summary()
     assert s["resident_bytes_per_device"]["kv_cache"] == cfg.num_layers * p.num_pages * p.page_size * 576 * 2
     assert s["hbm_bytes_per_step"]["kv_cache"] >= cfg.num_layers * 4095 * 576 * 2  # every device reads it all
     assert s["collectives_per_step"] == 2 * cfg.num_layers + 1
-    with pytest.raises(PlanError) as e:
-        _plan(cfg, 32)
-    assert "does not fit tpu7x VMEM" in str(e.value) and "weight_ring" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_heads_not_divisible_are_refused_with_one_line():

@@ -88,8 +88,8 @@ def _per_head(x: jax.Array, w) -> jax.Array:
     contract per head (a quantized stack: its codes, scales per head block, as the kernel)."""
     from tpumk.model.reference import expert_matmul
 
-    if not isinstance(w, QuantizedMatrix):
-        return jnp.einsum("bthk,hkm->bthm", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    # heads as the leading batch axis for both forms (XLA:CPU has no bfloat16 dot kernel for
+    # the bthk,hkm form with a float32 result)
     b, t, hq, k = x.shape
     y = expert_matmul(x.transpose(2, 0, 1, 3).reshape(hq, b * t, k), w)  # [Hq, B*T, M]
     return y.reshape(hq, b, t, -1).transpose(1, 2, 0, 3)
