@@ -215,7 +215,7 @@ def space(knobs: str = "", constraints: str = "", fixed: str = "", head: str = '
 
 
 RING = '[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n'
-KV = '[knobs.kv_buffers]\ntype = "int"\nlow = 2\nhigh = 3\n'
+KV = '[knobs.kv_buffers]\ntype = "categorical"\nchoices = [0, 3]\n'  # 0: the default, auto
 
 
 def constraint(expr: str, why: str = "hostile") -> str:

@@ -384,7 +384,7 @@ def test_cli_logs_one_line_per_trial_and_says_when_a_study_is_complete(tmp_path,
     space = tmp_path / "rings.toml"
     # Six configurations: --trials counts distinct ones, so 4 and then 5 must be reachable.
     space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
-                     '[knobs.kv_buffers]\ntype = "int"\nlow = 2\nhigh = 3\n')
+                     '[knobs.kv_buffers]\ntype = "categorical"\nchoices = [0, 3]\n')  # 0: the default, auto
     args = tune_cmd("--space", space, "--objective", "model", "--seed", 1)
     r = cli(*args, "--trials", 4)
     assert r.exit_code == 0, r.output

@@ -310,7 +310,7 @@ def test_trials_count_distinct_configurations_and_the_summary_counts_reuse(tmp_p
 
     space = tmp_path / "two.toml"
     space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
-                     '[knobs.kv_buffers]\ntype = "int"\nlow = 2\nhigh = 3\n')
+                     '[knobs.kv_buffers]\ntype = "categorical"\nchoices = [0, 3]\n')  # 0: the default, auto
     space = load_space(space)
     problem, objective = problem_and_objective()
     storage = str(tmp_path / "b.journal")

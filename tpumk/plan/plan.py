@@ -654,7 +654,8 @@ AUTO_EXPERT_SLOTS = 4
 
 
 # KV knobs the plan chooses from when the tuning leaves them at 0 (auto): the tuning space's
-# own ranges (tuning_spaces/default.toml), so `tpumk tune` and the plan search the same values.
+# ranges (tuning_spaces/default.toml: up to 64 pages, 2-8 buffers), plus the small tiles (1, 2
+# pages, or a whole sequence of fewer than 64) that short contexts need.
 AUTO_KV_TILE_PAGES = (1, 2, 4, 8, 16, 32, 64)
 AUTO_KV_BUFFERS = tuple(range(2, 9))
 # Modelled step times within this share of the best count as equal: then the least VMEM for
