@@ -105,7 +105,7 @@ FACTS: dict[str, str] = {
     "rows": "batch * q_len: token rows one step computes",
     "page_size": "tokens per KV-cache page",
     "pages_per_seq": "KV-cache pages per sequence (ceil(context / page_size))",
-    "kv_auto_tile_pages": "pages per KV tile when kv_tile_pages = 0 (auto)",
+    "kv_auto_tile_pages": "pages in about 256 tokens (a fixed size for constraints: kv_tile_pages = 0 is chosen by the plan's timeline model)",
 }
 assert not set(FACTS) & set(KNOB_NAMES), "a fact may not shadow a knob"
 
