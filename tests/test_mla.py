@@ -315,3 +315,21 @@ def test_benchmarks_latent_cache_figures():
     assert ds["latent_bytes_per_sequence"] == 61 * 576 * 2 * 32768
     assert ds["per_head_bytes_per_sequence"] == 61 * 128 * (192 + 128) * 2 * 32768
     assert round(ds["per_head_over_latent"], 1) == 71.1 and round(ds["per_head_over_padded"], 1) == 64.0
+
+
+def test_auto_expert_slots_are_weighed_against_the_kv_tiles_by_the_model():
+    """Slots and KV tiles share the VMEM the ring leaves: on DeepSeek-V3 over 32 TPU7x cores
+    (bf16 experts) 3 slots fit only beside 1-page KV tiles; the plan's auto choice is the
+    fastest count by the timeline model, so never slower than any fixed count that plans."""
+    from tpumk.estimate.timeline import megakernel_step
+
+    spec = dict(devices=32, quant="fp8")
+    cfg, tpu7x = load_preset("deepseek-v3"), get_target("tpu7x")
+    auto = make_plan(BuildSpec(cfg, tpu7x, 1, 4096, **spec))
+    fixed = {n: make_plan(BuildSpec(cfg, tpu7x, 1, 4096, tuning=TuningConfig(expert_slots=n), **spec))
+             for n in (1, 2, 3)}
+    assert fixed[3].attention.kv_tile_pages == 1 < auto.attention.kv_tile_pages
+    t = megakernel_step(auto).seconds
+    assert all(t <= megakernel_step(p).seconds for p in fixed.values())
+    assert t < 0.5 * megakernel_step(fixed[3]).seconds
+    assert auto.summary()["moe"]["expert_slots"] == auto.moe.expert_slots == 2

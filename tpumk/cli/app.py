@@ -109,6 +109,9 @@ def print_build_report(r) -> None:
         ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
         ["KV tiles", kv_tiles_line(r.plan["attention"])],
     ]
+    if "moe" in r.plan:
+        m = r.plan["moe"]
+        rows.append(["expert slots", f"{m['expert_slots']} of {m['expert_chunk']} columns ({m['expert_slots_knob']})"])
     if r.devices > 1:
         rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
                  ["interconnect bytes sent per step" + each, f"{r.interconnect_bytes_per_step / 1e6:,.2f} MB"],

@@ -327,6 +327,9 @@ class Plan:
             "segments": [{"kind": s.kind, "layers": [s.first_layer, s.end_layer], "families": list(s.families),
                           "tiles_per_layer": s.tiles_per_layer} for s in self.segments],
             "attention": self.attention_summary(),
+            **({"moe": {"expert_slots": self.moe.expert_slots, "expert_chunk": self.moe.expert_chunk,
+                        "expert_slots_knob": "fixed" if self.tuning.expert_slots else "auto (plan: timeline model)"}}
+               if self.moe is not None else {}),
             "vmem_bytes": dict(self.vmem), "vmem_total_bytes": self.vmem_total,
             "vmem_temporaries_bytes": dict(self.vmem_temporaries), "vmem_needed_bytes": self.vmem_needed,
             "vmem_budget_bytes": self.vmem_budget, "vmem_limit_bytes": self.vmem_limit, "vmem_capacity_bytes": self.target.vmem_bytes,
@@ -637,20 +640,35 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
 
     if tuning.expert_slots or not cfg.is_moe:
         return plan_with(tuning.expert_slots or 1)
-    # expert_slots auto: the most slots that fit (each is one more expert chunk load in flight);
-    # a wide model on many devices (DeepSeek-V3 on 32 TPU7x cores, bf16 experts) fits only 2.
-    error = None
-    for slots in range(AUTO_EXPERT_SLOTS, 0, -1):
-        try:
-            return plan_with(slots)
-        except PlanError as e:
-            error = e
-    raise error
+    return _choose_expert_slots(plan_with)
 
 
-# expert_slots = 0 (auto): the plan takes the most slots up to this that fit the VMEM budget
-# (4 was the fixed default before the plan chose).
+# expert_slots = 0 (auto): the plan weighs 1 to this many slots (4 was the fixed default before
+# the plan chose).
 AUTO_EXPERT_SLOTS = 4
+
+
+def _choose_expert_slots(plan_with) -> Plan:
+    """`expert_slots` left at 0 (auto): every count up to AUTO_EXPERT_SLOTS is planned (with its
+    own KV choice) and walked by tpumk's timeline model; the fastest wins, ties (AUTO_KV_TIE)
+    to more slots. Expert slots and KV tiles share the VMEM left by the ring, so the most slots
+    is not always best: DeepSeek-V3 on 32 TPU7x cores with bfloat16 experts fits 3 slots only
+    beside 1-page KV tiles (attention 4.4 ms by the model), 2 slots beside 8-page tiles. Raises
+    the one-slot plan's PlanError when no count fits."""
+    from tpumk.estimate.timeline import megakernel_step  # the model imports the plan
+
+    scored, error = [], None
+    for slots in range(1, AUTO_EXPERT_SLOTS + 1):
+        try:
+            p = plan_with(slots)
+        except PlanError as e:
+            error = error or e
+            continue
+        scored.append((megakernel_step(p).seconds, slots, p))
+    if not scored:
+        raise error
+    best = min(s for s, *_ in scored)
+    return max((c for c in scored if c[0] <= best * (1 + AUTO_KV_TIE)), key=lambda c: c[1])[2]
 
 
 # KV knobs the plan chooses from when the tuning leaves them at 0 (auto): the tuning space's
