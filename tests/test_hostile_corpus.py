@@ -341,8 +341,9 @@ CASES: list[Case] = [
     # ---- model configs: architectures tpumk does not implement
     json_case("json-deepseek-v3-mla", hf_json(model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536)),
     json_case("json-qwen3-with-mla-fields", hf_json(kv_lora_rank=512)),
-    # valid, and one-device unquantized MLA builds; a quantized MLA megakernel is refused
-    Case("json-mla-megakernel-quant-refused", ["build", "--model", "config.json", "--target", "cpu", "--quant", "int8"],
+    # valid; a block-scaled ring with v_head_dim 32 is refused (o's scale groups would straddle heads)
+    Case("json-mla-megakernel-block-quant-refused", ["build", "--model", "config.json", "--target", "cpu",
+                                                     "--quant", "fp8-b128"],
          INPUT, files={"config.json": hf_json(HF_TINY_MLA)}),
     json_case("json-mla-yarn-nan-factor", hf_json(HF_TINY_MLA, rope_scaling=Raw(
         '{"type": "yarn", "factor": NaN, "original_max_position_embeddings": 64}'))),
