@@ -246,7 +246,8 @@ def test_attention_tile_temporaries_are_counted():
 def test_a_plan_whose_scoped_limit_would_exceed_the_chip_is_refused():
     cfg, t = _dense_2048(), get_target("tpu7x")
     with pytest.raises(PlanError, match="Mosaic headroom > capacity"):
-        make_plan(BuildSpec(cfg, t, 1, 4096, TuningConfig(ring_depth=29, vmem_limit_fraction=1.0)))
+        make_plan(BuildSpec(cfg, t, 1, 4096, TuningConfig(ring_depth=29, vmem_limit_fraction=1.0,
+                                                         kv_tile_pages=16, kv_buffers=3)))
 
 
 # (kv_tile_pages, kv_buffers, batch): the kv_tile_pages = 32 case of the issue, deeper KV rings,
