@@ -38,13 +38,16 @@ def _spec(preset: str, devices: int = 4, batch: int = 1, dtype: str | None = Non
     return BuildSpec(cfg, TPU7X, batch, 4096, devices=devices, tuning=TuningConfig(**tuning))
 
 
+DENSE_KV = dict(kv_tile_pages=16, kv_buffers=3)  # see `dense`
+
+
 @pytest.fixture(scope="module")
 def dense() -> dict:
     """bfloat16, so libtpu's static profile works and the compiler column has a figure; KV tiles
     of 16 pages: with the 8 the plan picks here (and the next-layer prefetch) libtpu 0.0.52's
     profiling compile aborts (an LLO check on a vnop operand, as on every MLA kernel) though the
     kernel itself compiles."""
-    return run_bench(_spec("tiny-dense", dtype="bfloat16", kv_tile_pages=16, kv_buffers=3), keep_hlo=True)
+    return run_bench(_spec("tiny-dense", dtype="bfloat16", **DENSE_KV), keep_hlo=True)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +126,7 @@ def test_compiler_profile_is_its_own_column(dense, moe):
 def test_compare_reruns_the_model_from_kept_programs(dense):
     c = dense["compiles"]
     assert count_xla_collectives(c["megakernel_hlo"]) == 0 and count_xla_collectives(c["xla_hlo"]) > 0
-    again = compare(make_plan(_spec("tiny-dense", dtype="bfloat16")), SpmdCompiles(**c))
+    again = compare(make_plan(_spec("tiny-dense", dtype="bfloat16", **DENSE_KV)), SpmdCompiles(**c))
     assert again["speedup"] == pytest.approx(dense["speedup"])
     assert again["compiler_estimate"]["step_seconds"] == pytest.approx(dense["compiler_estimate"]["step_seconds"])
 
