@@ -653,22 +653,31 @@ def _choose_expert_slots(plan_with) -> Plan:
     own KV choice) and walked by tpumk's timeline model; the fastest wins, ties (AUTO_KV_TIE)
     to more slots. Expert slots and KV tiles share the VMEM left by the ring, so the most slots
     is not always best: DeepSeek-V3 on 32 TPU7x cores with bfloat16 experts fits 3 slots only
-    beside 1-page KV tiles (attention 4.4 ms by the model), 2 slots beside 8-page tiles. Raises
+    beside 1-page KV tiles (attention 4.4 ms by the model), 2 slots beside 32-page tiles. Raises
     the one-slot plan's PlanError when no count fits."""
-    from tpumk.estimate.timeline import megakernel_step  # the model imports the plan
+    return _fastest_plan(((-slots,), lambda slots=slots: plan_with(slots))
+                         for slots in range(1, AUTO_EXPERT_SLOTS + 1))
+
+
+def _fastest_plan(candidates) -> Plan:
+    """The fastest of `candidates` ((tie key, build) pairs; build() returns a Plan or raises
+    PlanError when it does not fit) by tpumk's timeline model; plans within AUTO_KV_TIE of the
+    fastest count as equal and the smallest tie key wins. Raises the first candidate's
+    PlanError when none fits."""
+    from tpumk.estimate.timeline import megakernel_step  # the model imports the plan (lazy: layer rule)
 
     scored, error = [], None
-    for slots in range(1, AUTO_EXPERT_SLOTS + 1):
+    for key, build in candidates:
         try:
-            p = plan_with(slots)
+            p = build()
         except PlanError as e:
             error = error or e
             continue
-        scored.append((megakernel_step(p).seconds, slots, p))
+        scored.append((megakernel_step(p).seconds, key, p))
     if not scored:
         raise error
-    best = min(s for s, *_ in scored)
-    return max((c for c in scored if c[0] <= best * (1 + AUTO_KV_TIE)), key=lambda c: c[1])[2]
+    best = min(c[0] for c in scored)
+    return min((c for c in scored if c[0] <= best * (1 + AUTO_KV_TIE)), key=lambda c: c[1])[2]
 
 
 # KV knobs the plan chooses from when the tuning leaves them at 0 (auto): the tuning space's
@@ -689,24 +698,11 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
     The KV tiles' size and depth trade VMEM for DMAs in flight, and the best pair depends on
     the batch and the context (how many tiles a layer streams), which is why the plan, not a
     constant, picks them. Raises the smallest candidate's PlanError when none fits."""
-    from tpumk.estimate.timeline import megakernel_step  # the model imports the plan
-
     pages = [tuning.kv_tile_pages] if tuning.kv_tile_pages else \
         sorted({k for k in AUTO_KV_TILE_PAGES if k <= pages_per_seq} | ({pages_per_seq} if pages_per_seq < 64 else set()))
     buffers = [tuning.kv_buffers] if tuning.kv_buffers else list(AUTO_KV_BUFFERS)
-    scored, first_error = [], None
-    for kt in pages:
-        for nb in buffers:
-            try:
-                p = finish(geometry(kt, nb))
-            except PlanError as e:
-                first_error = first_error or e
-                continue
-            scored.append((megakernel_step(p).seconds, kt * nb, kt, p))
-    if not scored:
-        raise first_error
-    best = min(s for s, *_ in scored)
-    return min((c for c in scored if c[0] <= best * (1 + AUTO_KV_TIE)), key=lambda c: (c[1], -c[2]))[3]
+    return _fastest_plan(((kt * nb, -kt), lambda kt=kt, nb=nb: finish(geometry(kt, nb)))
+                         for kt in pages for nb in buffers)
 
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
