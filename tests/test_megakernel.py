@@ -109,6 +109,7 @@ def assert_cache_equal(got: R.KVCache, want: R.KVCache, dtype):
         assert np.all(a[untouched] == 0), name
 
 
+@functools.lru_cache(maxsize=None)  # shared with tests/test_kv_guard.py (same builds)
 def compile_for_tpus(cfg, batch, q_len, tuning):
     for target in ("tpu7x", "v6e"):
         plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))

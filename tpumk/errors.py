@@ -39,6 +39,10 @@ class PositionError(TpumkError):
     (`tpumk.model.positions`)."""
 
 
+class TokenError(TpumkError):
+    """A decode step's token ids are outside the model's vocabulary."""
+
+
 class NonFiniteError(TpumkError):
     """A decode step produced NaN or infinite logits (e.g. a NaN weight or an absurd rope_theta)."""
 

@@ -439,8 +439,9 @@ class DecodeStep:
 
     Before running, a call checks the positions contract on the host
     (`tpumk.model.positions.check_step`: per sequence, consecutive positions starting at most
-    at the cache length and below the capacity; PositionError otherwise) so a bad position
-    is reported before any cache row is touched. Serving loops that guarantee their inputs
+    at the cache length and below the capacity, distinct valid page ids; PositionError
+    otherwise) and the token ids (`check_tokens`: in the vocabulary; TokenError otherwise) so a
+    bad input is reported before any cache row is touched. Serving loops that guarantee their inputs
     skip it (a device-to-host read of positions and lengths) with `step(..., check=False)` or
     for every call with `step.check_inputs = False`.
 
@@ -581,8 +582,9 @@ class DecodeStep:
         if (b, t) != (self.batch, self.q_len):
             raise ArtifactError(f"artifact {self.key[:12]} takes tokens [{self.batch}, {self.q_len}], got [{b}, {t}]")
         if self.check_inputs if check is None else check:
-            from tpumk.model.positions import check_step
+            from tpumk.model.positions import check_step, check_tokens
 
+            check_tokens(tokens, self.plan.whole_model.vocab_size, where=f"artifact {self.key[:12]}")
             check_step(positions, cache, where=f"artifact {self.key[:12]}")
         if self.devices is None:
             return self._fn(packed, tokens, positions, cache)

@@ -56,7 +56,11 @@ max(largest in-range position + 1, min(lengths[b], capacity) when a position is 
 capacity, 1) (at least one tile, so the flat tile loop stays aligned with the sequences), and
 a query that sees no key at all (a negative position) gets output 0. Cached keys are those
 below min(lengths[b], capacity). Page ids are clipped into [0, num_pages) for addressing, so
-even a block-table entry outside the pool is never an out-of-bounds DMA.
+even a block-table entry outside the pool is never an out-of-bounds DMA; and a token whose
+entry is outside the pool writes nothing (the in-kernel guard, which holds whether or not the
+host checked): like an out-of-range token its patch slot takes stand-in DMAs, so no page is
+read for patching or written back for it, and its sequence reads that logical page from HBM
+through the clipped id, as the reference does (`tpumk.model.reference.read_tables`).
 
 Rows of a tile that are not valid keys (past a sequence's last position, gaps, repeated
 pages at the end of the last tile) get zero weight, and their V rows are zeroed, so stale or
@@ -149,32 +153,45 @@ class _Stage:
         stay in bounds (out-of-range tokens take stand-in DMAs and never patch that page)."""
         return jnp.clip(lax.div(p_, self.g.page_size), 0, self.g.pages_per_seq - 1)
 
-    def page_id(self, b, lp):
-        """Page id of b's logical page `lp` (already in [0, pages_per_seq)), clipped into
-        [0, num_pages) for addressing only: an entry a step does not use may be -1 or past the
-        pool (the host check covers the entries it uses), and no DMA may leave the cache."""
+    def raw_page_id(self, b, lp):
+        """Block-table entry of b's logical page `lp` (already in [0, pages_per_seq)), as given."""
         pps = self.g.pages_per_seq
         if len(self.block_tables.shape) == 1:
-            pg = self.block_tables[b * pps + lp]
-        else:
-            pg = self.block_tables[b, lp]
-        return jnp.clip(pg, 0, self.caches[0].shape[1] - 1)
+            return self.block_tables[b * pps + lp]
+        return self.block_tables[b, lp]
+
+    def page_id(self, b, lp):
+        """Page id of b's logical page `lp`, clipped into [0, num_pages) for addressing only:
+        an entry may be -1 or past the pool (the host check refuses the entries a step uses,
+        unless skipped), and no DMA may leave the cache. Writes never use a clipped id: a token
+        whose entry is outside the pool writes nothing (`writes`)."""
+        return jnp.clip(self.raw_page_id(b, lp), 0, self.caches[0].shape[1] - 1)
+
+    def writes(self, b, p_, lp):
+        """Whether a token at position p_ on b's logical page lp writes its row: p_ in
+        [0, capacity) and the page's block-table entry in [0, num_pages) (the in-kernel guard:
+        an entry outside the pool is never clipped onto another sequence's page)."""
+        pg = self.raw_page_id(b, lp)
+        in_pool = jnp.logical_and(pg >= 0, pg < self.caches[0].shape[1])
+        return jnp.logical_and(self.in_range(p_), in_pool)
 
     def tokens(self):
         """Per new token: (b, i, patch slot, pages of b's tokens, b's positions, page id, first).
 
-        `first` is True only for an in-range token that no earlier in-range token of the same
-        sequence shares a page with: that token's slot reads, patches (with every row of the
-        step on the page) and writes back the page, so each page is written once. Every other
-        token (a later one on the same page, or one outside [0, capacity), which writes
-        nothing) takes stand-in DMAs from the sink page: no read or write-back of a page that
-        may belong to another sequence."""
+        `first` is True only for a writing token (`writes`: in range, its page in the pool) that
+        no earlier writing token of the same sequence shares a page with: that token's slot
+        reads, patches (with every row of the step on the page) and writes back the page, so
+        each page is written once. Every other token (a later one on the same page, or one that
+        writes nothing) takes stand-in DMAs from the sink page: no read or write-back of a page
+        that may belong to another sequence."""
         if self._tokens is None:
             g, out = self.g, []
+            self._writes = []
             for b in range(g.batch):
                 pos = [self.positions[b, i] for i in range(g.q_len)]
                 lps = [self.logical_page(p_) for p_ in pos]
-                ok = [self.in_range(p_) for p_ in pos]
+                ok = [self.writes(b, p_, lp) for p_, lp in zip(pos, lps)]
+                self._writes.extend(ok)
                 for i in range(g.q_len):
                     first = ok[i]
                     for j in range(i):
@@ -354,7 +371,8 @@ def _tabulate_sequences(st: _Stage, lengths):
 
     seq_meta[b * (3 + q_len) + k]: k = 0 the sequence's end tile (its tiles are first .. end - 1),
     1 its pages, 2 its first tile, 3 + i the logical page of new token i, or -1 when that token
-    is outside [0, capacity) (it patches no page, so no tile page takes its stand-in slot).
+    writes nothing (outside [0, capacity), or its page outside the pool: it patches no page, so
+    no tile page takes its stand-in slot; the tile reads that page from HBM).
 
     The first tile is 0, or in a sliding-window layer the tile of the lowest key some query's
     window holds: min over non-negative positions p of max(p - window + 1, 0), at most
@@ -390,7 +408,7 @@ def _tabulate_sequences(st: _Stage, lengths):
         sc.seq_meta[b * meta_width + 1] = lax.div(kv_end + (P - 1), P)
         sc.seq_meta[b * meta_width + 2] = first
         for i in range(T):
-            sc.seq_meta[b * meta_width + 3 + i] = jnp.where(st.in_range(pos[i]), tokens[b * T + i][3][i], -1)
+            sc.seq_meta[b * meta_width + 3 + i] = jnp.where(st._writes[b * T + i], tokens[b * T + i][3][i], -1)
         total = total + ntiles - first
     return total
 

@@ -49,7 +49,7 @@ from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
 from tpumk.plan.plan import Plan, mla_dims
 from tpumk.model.positions import new_lengths
-from tpumk.model.reference import KVCache, jnp_dtype
+from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype
 
 
 class _Scratch:
@@ -404,7 +404,7 @@ def _device_step(plan: Plan, call) -> Callable:
     def run(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
         b, t = tokens.shape
         n = b * t
-        x0 = jnp.take(packed["embed"], tokens.reshape(n), axis=0).astype(jnp.float32)
+        x0 = embed(packed, tokens.reshape(n))  # a token id outside the vocabulary: zeros, as the reference
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
@@ -450,6 +450,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
         check(tokens)
         tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
+        # As the reference: a token id outside the vocabulary runs at position -1 (writes nothing).
+        positions = guard_positions(tokens, positions, plan.whole_model.vocab_size)
         logits, k, v = device_run(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
                                   cache.lengths.astype(jnp.int32))
         # As the reference: positions outside the pages write nothing and do not move lengths.

@@ -139,11 +139,14 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
 
 def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
     """`tpumk.model.reference.decode_step` for an MLA model (same contract, latent cache)."""
-    from tpumk.model.reference import KVCache, cache_slots, embed, ffn, logits_from, matmul, rms_norm
+    from tpumk.model.reference import (KVCache, cache_slots, embed, ffn, guard_positions, logits_from, matmul,
+                                       read_tables, rms_norm)
 
     b, t = tokens.shape
     ctx = cache.max_context
+    positions = guard_positions(tokens, positions, cfg.vocab_size)
     page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
+    tables = read_tables(cache)
 
     lc = cache.k
     x = embed(params, tokens)
@@ -151,7 +154,7 @@ def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arra
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
         q_nope, q_rope, row = project(cfg, layer, h, positions)
         lc = lc.at[i, page_ids, slots].set(row, mode="drop")
-        rows = lc[i][cache.block_tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
+        rows = lc[i][tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
         o = attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)

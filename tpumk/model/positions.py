@@ -13,7 +13,11 @@ with positions `[B, q]` over a cache of capacity C = pages_per_seq * page_size:
 5. the block-table entries of the pages the step reads or writes are page ids in
    [0, num_pages); no page the step writes belongs to another sequence's written pages, nor
    to another sequence's read pages (pages 0 .. its last position's page: the kernel streams
-   them while the write-back is in flight, so a shared page must not be written in that step).
+   them while the write-back is in flight, so a shared page must not be written in that step);
+6. no page id appears twice among the entries of a sequence's read pages (two logical pages
+   of one sequence on one physical page would overwrite each other's rows).
+
+`check_tokens` checks that a step's token ids are in [0, vocab_size).
 
 `check_step` raises a one-line `PositionError` naming the sequence, the position and what was
 expected (numpy over [B, pages_per_seq] masks: no per-page Python loop). Generation,
@@ -21,8 +25,9 @@ speculation and loaded artifacts (`tpumk.load(...)(...)`) call it by default; se
 that guarantee their inputs (it costs a device-to-host read of the positions and lengths per
 step) opt out with `step(..., check=False)`, `step.check_inputs = False` or
 `tpumk.load(path, check_inputs=False)`. Without the check the kernel and the reference still
-never write outside a sequence's own pages: out-of-range positions write nothing (see
-`tpumk.model.reference`).
+never write outside a sequence's own pages: out-of-range positions, block-table entries
+outside [0, num_pages) and token ids outside the vocabulary write nothing (see
+`tpumk.model.reference`, "Defined behaviour").
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.errors import NonFiniteError, PositionError
+from tpumk.errors import NonFiniteError, PositionError, TokenError
 
 
 def new_lengths(positions, lengths, capacity: int):
@@ -79,6 +84,16 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     writes = reads & (lp >= (np.clip(start, 0, None) // page_size)[:, None])
     bad_entry = reads & ((tables < 0) | (tables >= num_pages))
     entry_bad = first_true(bad_entry)
+    # a page id twice among one sequence's read entries: stable sort of each row's read entries
+    # (unread ones keyed past every page id), then equal neighbours; report the later entry
+    keyed = np.where(reads, tables.astype(np.int64), np.int64(num_pages) + 1 + lp)
+    order = np.argsort(keyed, axis=1, kind="stable")
+    srt = np.take_along_axis(keyed, order, axis=1)
+    dup_sorted = np.zeros_like(reads)
+    dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
+    dup = np.zeros_like(reads)
+    np.put_along_axis(dup, order, dup_sorted, axis=1)
+    dup_entry = first_true(dup & reads)
     # page conflicts with earlier sequences: the first sequence to write / read each page
     pages = np.clip(tables, 0, max(num_pages - 1, 0))
     bw, lw = np.nonzero(writes)
@@ -89,7 +104,8 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     np.minimum.at(first_r, pages[br, lr], br)
     ww = writes & (first_w[pages] < rows[:, None])
     wr = (reads & ~writes & (first_w[pages] < rows[:, None])) | (writes & (first_r[pages] < rows[:, None]))
-    failing = bad_len | (tok_bad >= 0) | bad_start | (entry_bad >= 0) | ww.any(axis=1) | wr.any(axis=1)
+    failing = (bad_len | (tok_bad >= 0) | bad_start | (entry_bad >= 0) | (dup_entry >= 0) | ww.any(axis=1)
+               | wr.any(axis=1))
     if not failing.any():
         return
     b = int(np.argmax(failing))
@@ -111,6 +127,12 @@ def check_step(positions, cache, where: str = "decode step") -> None:
         e = int(entry_bad[b])
         raise PositionError(f"{where}: sequence {b} block table entry {e} is page {int(tables[b, e])}, expected a "
                             f"page id in [0, {num_pages})")
+    if dup_entry[b] >= 0:
+        e = int(dup_entry[b])
+        page = int(tables[b, e])
+        e0 = int(np.argmax(reads[b] & (tables[b] == page)))
+        raise PositionError(f"{where}: sequence {b} block table entries {e0} and {e} are both page {page}, expected "
+                            "distinct pages (one would overwrite the other's rows)")
     if ww[b].any():
         page = int(tables[b, int(np.argmax(ww[b]))])
         raise PositionError(f"{where}: sequences {int(first_w[page])} and {b} both write page {page} in one step, "
@@ -120,6 +142,20 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     raise PositionError(f"{where}: sequence {writer} writes page {page} that sequence {reader} reads in one step, "
                         "expected a page a step writes to be read by no other sequence (the kernel streams it "
                         "while the write-back is in flight)")
+
+
+def check_tokens(tokens, vocab_size: int, where: str = "decode step") -> None:
+    """Raise TokenError naming the first sequence and token whose id is outside [0, vocab_size)
+    (unchecked, such a token embeds as zeros and writes no cache row: see
+    `tpumk.model.reference`)."""
+    t = np.asarray(tokens)
+    if t.ndim != 2 or not np.issubdtype(t.dtype, np.integer):
+        raise TokenError(f"{where}: token ids must be integers [B, q], got {t.dtype} {tuple(t.shape)}")
+    bad = (t < 0) | (t >= vocab_size)
+    if bad.any():
+        b, i = (int(x) for x in np.argwhere(bad)[0])
+        raise TokenError(f"{where}: sequence {b} token {i} has id {int(t[b, i])}, expected a token id in "
+                         f"[0, {vocab_size}) (the model's vocabulary)")
 
 
 def check_finite(logits, where: str, rows=None, names=None) -> None:

@@ -30,6 +30,15 @@ no key for any query, does not move `lengths` (`lengths = max(lengths, largest i
 position + 1)`), and its query sees the valid keys at positions <= its position (every valid
 key when past the capacity, none when negative; a query with no key gets attention output 0).
 Cached keys are those at positions < min(lengths, capacity).
+
+Defined behaviour for block-table entries outside [0, num_pages) and token ids outside
+[0, vocab_size) (the host checks both by default; unchecked, the kernel does exactly this too):
+- a token whose page entry is outside the pool writes no row (no page is written for it; the
+  write is dropped, never clipped or wrapped onto another page); pages are *read* through the
+  entry clipped into [0, num_pages), as the kernel addresses them, so its position is still a
+  key (whatever row the clipped page holds there) and still moves `lengths`;
+- a token id outside the vocabulary embeds as zeros and is treated as a token at position -1:
+  it writes no row, is no key, does not move `lengths`, and its logits are finite (not NaN).
 """
 
 from __future__ import annotations
@@ -258,20 +267,39 @@ def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.float32)
+    """Embedding rows [..., H] float32; a token id outside [0, vocab) embeds as zeros (not NaN)."""
+    table = params["embed"]
+    ok = (tokens >= 0) & (tokens < table.shape[0])
+    rows = jnp.take(table, jnp.where(ok, tokens, 0), axis=0).astype(jnp.float32)
+    return jnp.where(ok[..., None], rows, 0.0)
+
+
+def guard_positions(tokens: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """The positions a step runs at: a token id outside [0, vocab_size) puts its token at -1
+    (out of range: it writes no row, is no key and does not move lengths). The kernel's step
+    applies the same rule."""
+    return jnp.where((tokens >= 0) & (tokens < vocab_size), positions, -1).astype(positions.dtype)
+
+
+def read_tables(cache: KVCache) -> jax.Array:
+    """The block tables as pages are read: entries clipped into [0, num_pages), as the kernel
+    addresses them (writes never go through this: an entry outside the pool writes nothing)."""
+    return jnp.clip(cache.block_tables, 0, cache.k.shape[1] - 1)
 
 
 # ---------------------------------------------------------------------- whole steps
 def cache_slots(cache: KVCache, positions: jax.Array):
     """Where a step's new tokens go and which keys it sees, for any paged cache layout:
-    (page_ids [B, q] (past the pool for an out-of-range token: its write is dropped), slots
-    [B, q], k_pos [B, ctx], k_valid [B, ctx] (cached, or written by this step), new lengths [B])."""
+    (page_ids [B, q] (past the pool for an out-of-range token or a block-table entry outside
+    [0, num_pages): its write is dropped), slots [B, q], k_pos [B, ctx], k_valid [B, ctx]
+    (cached, or at an in-range position of this step), new lengths [B])."""
     b = positions.shape[0]
-    ps, ctx = cache.page_size, cache.max_context
+    ps, ctx, num_pages = cache.page_size, cache.max_context, cache.k.shape[1]
     in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
     lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
     page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)  # [B, q]
-    page_ids = jnp.where(in_range, page_ids, cache.k.shape[1])  # an index past the pages: dropped
+    in_pool = (page_ids >= 0) & (page_ids < num_pages)  # never clipped or wrapped onto another page
+    page_ids = jnp.where(in_range & in_pool, page_ids, num_pages)  # an index past the pages: dropped
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
     new_pos = jnp.where(in_range, positions, -1)
     k_valid = (k_pos < cache.lengths[:, None]) | jnp.any(k_pos[:, :, None] == new_pos[:, None, :], -1)
@@ -286,7 +314,9 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         return mla.decode_step(params, cfg, tokens, positions, cache)
     b, t = tokens.shape
     ctx = cache.max_context
+    positions = guard_positions(tokens, positions, cfg.vocab_size)
     page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
+    tables = read_tables(cache)
 
     kc, vc = cache.k, cache.v
     x = embed(params, tokens)
@@ -296,8 +326,8 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
         vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
-        ks = kc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        vs = vc[i][cache.block_tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+        ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+        vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
@@ -333,10 +363,10 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
     Returns the logits of each prompt's last token [B, V] and the filled cache. `step_fn` is
     the decode step to use (default: the reference, jitted); the same path serves any backend
     whose step has the reference's signature. `check` (default) checks each chunk's positions
-    (`tpumk.model.positions.check_step`) before it runs and raises NonFiniteError on NaN or
-    infinite last-token logits.
+    (`tpumk.model.positions.check_step`) and token ids (`check_tokens`) before it runs and
+    raises NonFiniteError on NaN or infinite last-token logits.
     """
-    from tpumk.model.positions import check_finite, check_step
+    from tpumk.model.positions import check_finite, check_step, check_tokens
 
     if len(prompts) != cache.block_tables.shape[0]:
         raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
@@ -353,6 +383,7 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
         pos = jnp.arange(start, start + len(prompt), dtype=jnp.int32)[None]
         sub = KVCache(k, v, cache.block_tables[b:b + 1], lengths[b:b + 1])
         if check:
+            check_tokens(toks, cfg.vocab_size, where=f"prefill of sequence {b}")
             check_step(pos, sub, where=f"prefill of sequence {b}")
         logits, sub = step(params, toks, pos, sub)
         k, v = sub.k, sub.v
