@@ -96,6 +96,21 @@ def test_check_tokens_refuses_ids_outside_the_vocabulary(bad):
     assert msg == f"artifact abc: sequence 1 token 1 has id {bad}, expected a token id in [0, 128) (the model's vocabulary)"
 
 
+def test_artifact_step_checks_token_ids_before_running():
+    from tpumk.export.artifacts import DecodeStep
+
+    calls = []
+    manifest = {"shapes": {"batch": 2, "q_len": 1}, "key": "0123456789abcdef", "model": {"vocab_size": 100}}
+    step = DecodeStep(None, manifest, lambda *a: calls.append(a) or "ran", "test")
+    cache = _cache([[3, 5, 7, 6], [0, 1, 2, 4]], [1, 5])
+    pos = np.asarray([[1], [5]])
+    with pytest.raises(TokenError, match=r"^artifact 0123456789ab: sequence 1 token 0 has id 100, expected a token id in \[0, 100\)"):
+        step(None, np.asarray([[99], [100]]), pos, cache)
+    assert calls == []
+    assert step(None, np.asarray([[99], [0]]), pos, cache) == "ran"
+    assert step(None, np.asarray([[99], [100]]), pos, cache, check=False) == "ran"  # unchecked: the kernel's guard
+
+
 def test_prefill_refuses_an_out_of_vocabulary_prompt():
     cfg, params = _dense()
     cache = R.init_cache(cfg, 1, 32, 16)
@@ -323,13 +338,14 @@ def _worker() -> dict:
     sh = plan.sharding
     params = random_params(cfg, seed=7)
     step, packed = make_decode_step(plan), pack_sharded(plan, params)
+    reference = R.jitted_decode_step(cfg)
     out = []
     for tables, tokens, pos in _dense_steps(cfg.vocab_size):
         cache = _random_cache(cfg, DENSE_TABLES, DENSE_LENGTHS)._replace(block_tables=jnp.asarray(tables))
         wide = R.KVCache(sh.expand_cache(cfg, cache.k), sh.expand_cache(cfg, cache.v), cache.block_tables,
                          cache.lengths)
         logits, got = step(packed, jnp.asarray(tokens), jnp.asarray(pos), wide)
-        want_logits, want = R.decode_step(params, cfg, jnp.asarray(tokens), jnp.asarray(pos), cache)
+        want_logits, want = reference(params, jnp.asarray(tokens), jnp.asarray(pos), cache)
         rows = written_rows(tables, pos, tokens, cfg.vocab_size, 8, 16, 64)
         res = {}
         for name in ("k", "v"):

@@ -151,6 +151,12 @@ def loop_check(positions, cache):
         for lp in range(last + 1):
             if not 0 <= int(tables[b, lp]) < num_pages:
                 return f"sequence {b} block table entry {lp} is page {int(tables[b, lp])}"
+        seen = {}
+        for lp in range(last + 1):  # a page twice in one sequence's read pages (issue 24)
+            page = int(tables[b, lp])
+            if page in seen:
+                return f"sequence {b} block table entries {seen[page]} and {lp} are both page {page}"
+            seen[page] = lp
         mine = {int(tables[b, lp]) for lp in range(start // page_size, last + 1)}
         for lp in range(start // page_size, last + 1):
             page = int(tables[b, lp])

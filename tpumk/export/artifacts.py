@@ -584,7 +584,9 @@ class DecodeStep:
         if self.check_inputs if check is None else check:
             from tpumk.model.positions import check_step, check_tokens
 
-            check_tokens(tokens, self.plan.whole_model.vocab_size, where=f"artifact {self.key[:12]}")
+            vocab = (self.manifest.get("model") or {}).get("vocab_size")  # load checks it against the key
+            if vocab is not None:
+                check_tokens(tokens, int(vocab), where=f"artifact {self.key[:12]}")
             check_step(positions, cache, where=f"artifact {self.key[:12]}")
         if self.devices is None:
             return self._fn(packed, tokens, positions, cache)
