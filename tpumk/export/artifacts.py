@@ -102,7 +102,7 @@ def _register_pytrees() -> None:
 # ---------------------------------------------------------------------- small helpers
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with paths.open_regular_file(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -418,7 +418,7 @@ def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
     if entry is None:
         raise ArtifactError(f"{path}: no {name} in this artifact")
     try:
-        data = (path / name).read_bytes()
+        data = paths.read_at_most(path / name, entry["bytes"])
     except OSError as e:
         raise ArtifactError(f"{path / name}: cannot read: {paths.os_reason(e)}") from None
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:

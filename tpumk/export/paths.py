@@ -81,8 +81,30 @@ def os_reason(e: OSError) -> str:
 def read_at_most(path: Path, limit: int) -> bytes:
     """Up to limit + 1 bytes of `path`: a caller refuses more than `limit` from the length of what
     it got (a size checked first, then read, can be outrun by a file growing in between)."""
-    with open(path, "rb") as f:
+    with open_regular_file(path) as f:
         return f.read(limit + 1)
+
+
+def _nonblocking(path, flags):
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+
+
+def open_regular_file(path: Path):
+    """`open(path, "rb")` that refuses anything but a regular file (a FIFO or device swapped in
+    for an artifact's file would block or never end): opened non-blocking, checked by fstat.
+    Raises OSError (ArtifactError's callers turn it into one line)."""
+    import errno
+    import stat
+
+    f = open(path, "rb", opener=_nonblocking)
+    mode = os.fstat(f.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        from tpumk.files import kind_of
+
+        raise OSError(errno.EINVAL, f"is {kind_of(mode)}, not a regular file", str(path))
+    os.set_blocking(f.fileno(), True)
+    return f
 
 
 def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None, probe: bool = True) -> None:
