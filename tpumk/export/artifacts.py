@@ -56,7 +56,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,7 +248,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         parent.mkdir(parents=True, exist_ok=True)
         paths.check_inside(out_dir, parent)
         paths.clean_stale_tmps(parent)  # temporaries of killed exports
-        tmp = Path(tempfile.mkdtemp(prefix=paths.tmp_prefix(key), dir=parent))
+        tmp = paths.make_tmp(parent, key)
     except OSError as e:
         raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {paths.os_reason(e)}") from None
     try:
@@ -285,6 +284,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         (tmp / MANIFEST).write_bytes(text)
         if sign_key is not None:
             (tmp / SIGNATURE).write_text(signing.signature_text(text, sign_key))
+        paths.unmark_tmp(tmp)
         for f in tmp.iterdir():  # durable before it becomes visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
