@@ -99,9 +99,37 @@ def _one_line(e: click.ClickException) -> click.ClickException:
     return OneLineError(usage_line(e), e.exit_code)
 
 
+# Options (and arguments) whose value is a file or directory path, in every command.
+PATH_PARAMS = frozenset({"model", "checkpoint", "tuning_file", "space_file", "storage", "out_dir", "out_file",
+                         "report_dir", "cache_dir", "draft_model", "path"})
+
+
+def _check_path(callback):
+    """A parameter callback that first refuses a path the OS would refuse as too long (a
+    component over 255 bytes, the whole over 4095): one line naming the option, exit 1 (the
+    command line is well-formed; the file system refuses the name), instead of an OSError
+    wherever the path is first used."""
+    from tpumk.files import name_problem, shown
+
+    def check(ctx, param, value):
+        for v in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(v, str) and (problem := name_problem(v)):
+                raise OneLineError(f"{_param_name(param)} {shown(v, 60)}: {problem}", INPUT_EXIT)
+        return callback(ctx, param, value) if callback is not None else value
+
+    return check
+
+
 class TpumkGroup(click.Group):
     """The `tpumk` group: Click's errors (usage errors, exit 2; others keep their code) become
-    one line on stderr, for the group and every command under it."""
+    one line on stderr, for the group and every command under it. Every path option of every
+    command added refuses over-long names in one line (`_check_path`)."""
+
+    def add_command(self, cmd, name=None):
+        for param in cmd.params:
+            if param.name in PATH_PARAMS or isinstance(param.type, click.Path):
+                param.callback = _check_path(param.callback)
+        super().add_command(cmd, name)
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
