@@ -412,11 +412,14 @@ def test_journal_that_is_no_journal_is_still_refused(tmp_path):
     from tpumk.errors import ConfigError
     from tpumk.tune.storage import open_storage
 
-    j = tmp_path / "s.journal"
-    j.write_bytes(b"this is not a journal\nnor this\n")
-    with pytest.raises(ConfigError, match="not a readable Optuna journal"):
-        open_storage(f"journal:{j}")
-    assert j.read_bytes() == b"this is not a journal\nnor this\n"  # nothing rewritten
+    for i, text in enumerate([b"this is not a journal\nnor this",  # looks torn: no final newline
+                              b'{"a": 1}\n{"b": 2}\n{"c":',  # JSON lines, but not Optuna's records
+                              b'{"op_code": 0}\nnot json\n{"op_code"']):
+        j = tmp_path / f"s{i}.journal"
+        j.write_bytes(text)
+        with pytest.raises(ConfigError, match="not a readable Optuna journal"):
+            open_storage(f"journal:{j}")
+        assert j.read_bytes() == text  # nothing rewritten, nothing truncated
 
 
 def test_tune_resumes_a_torn_journal(tmp_path, monkeypatch, warm):

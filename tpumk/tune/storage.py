@@ -340,8 +340,8 @@ def repair_journal(path: Path, lock, salvage: bool = False) -> str | None:
     except OSError:
         return None  # no permission, a FIFO with no reader...: opening the journal says why
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.pread(fd, len(_RECORD_START), 0) != _RECORD_START:
+            return None  # empty, or not an Optuna journal: never touched (opening it says why)
         lock.acquire()
         try:
             size = os.fstat(fd).st_size
@@ -359,6 +359,8 @@ def repair_journal(path: Path, lock, salvage: bool = False) -> str | None:
                     keep = size - tail_len + cut + 1
                     break
                 tail_len = min(size, tail_len * 4)
+            if not _whole_record(fd, keep):
+                return None  # what precedes the tail is not a complete record: not a torn journal
             os.ftruncate(fd, keep)
             os.fsync(fd)
             return (f"repaired the tuning journal {path}: dropped a partial last record ({size - keep} bytes, "
@@ -372,6 +374,25 @@ def repair_journal(path: Path, lock, salvage: bool = False) -> str | None:
 _RECORD_START = b'{"op_code":'  # how Optuna's JournalStorage writes each record (compact JSON)
 
 
+def _whole_record(fd: int, keep: int) -> bool:
+    """The last line of the first `keep` bytes (ending in a newline) is a complete journal record
+    (a record over 1 MiB counts as not: no repair), or nothing is kept (one torn record)."""
+    if keep == 0:
+        return True
+    n = min(keep, 1 << 20)
+    line = os.pread(fd, n, keep - n)[:-1].rsplit(b"\n", 1)[-1]
+    return line.startswith(_RECORD_START) and _parses(line)
+
+
+def _parses(line: bytes) -> bool:
+    import json
+
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 def _salvage_journal(path: Path, fd: int) -> str | None:
     import json
 
@@ -381,12 +402,9 @@ def _salvage_journal(path: Path, fd: int) -> str | None:
     tail = lines.pop()  # b"" after a final newline; else a torn record
     out, fixed = [], 0
     for ln in lines:
-        try:
-            json.loads(ln)
+        if ln.startswith(_RECORD_START) and _parses(ln):
             out.append(ln)
             continue
-        except ValueError:
-            pass
         start = ln.rfind(_RECORD_START)
         while start > 0:
             try:
