@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import resource
 import shutil
 import sqlite3
 import stat
@@ -270,8 +269,10 @@ def _unblock_after(fifos: list[Path], seconds: float, fired: list[bool]) -> thre
     return done
 
 
-def _cap_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+# `python -m tpumk.cli ARGS` with its address space capped first (set in the child itself: no
+# preexec_fn, which forks a multithreaded JAX process)
+CAPPED_CLI = (f"import resource, runpy; resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP}, {MEMORY_CAP})); "
+              "runpy.run_module('tpumk.cli', run_name='__main__', alter_sys=True)")
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +319,8 @@ def test_hostile_file(case: Case, tmp_path: Path, monkeypatch, warm):
     if case.subprocess:
         env = {k: v for k, v in os.environ.items() if k not in SIGNING_VARS} | case.env
         try:
-            p = subprocess.run([sys.executable, "-m", "tpumk.cli", *case.args], cwd=cwd, env=env,
-                               capture_output=True, text=True, timeout=PROC_LIMIT, preexec_fn=_cap_memory)
+            p = subprocess.run([sys.executable, "-c", CAPPED_CLI, *case.args], cwd=cwd, env=env,
+                               capture_output=True, text=True, timeout=PROC_LIMIT)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{case.id}: still running after {PROC_LIMIT:.0f} s", pytrace=False)
         code, stdout, stderr, exc = p.returncode, p.stdout, p.stderr, None
