@@ -75,12 +75,18 @@ def exported(tmp_path_factory):
             "old": parent / f".tmp-{unsigned.key[:16]}-legacy",  # the old naming: no pid, only its age
             "live": parent / f".tmp-{unsigned.key[:16]}.{os.getppid()}.{host}.xyz",
             "fresh_other_host": parent / f".tmp-{unsigned.key[:16]}.{_dead_pid()}.00000000.def",
+            # not tpumk's (no marker): a user's directories that merely share the name pattern
+            "foreign_old": parent / f".tmp-{unsigned.key[:16]}-mine",
+            "foreign_dead": parent / f".tmp-{unsigned.key[:16]}.{_dead_pid()}.{host}.usr",
         }
-        for p in planted.values():
+        for name, p in planted.items():
             p.mkdir()
             (p / A.EXECUTABLE).write_bytes(b"x" * 1000)
+            if not name.startswith("foreign"):  # what a killed tpumk export leaves: its marker
+                (p / paths.TMP_MARKER).write_bytes(paths.TMP_MARKER_TEXT)
         old = time.time() - 2 * paths.STALE_SECONDS
-        os.utime(planted["old"], (old, old))
+        for name in ("old", "foreign_old"):
+            os.utime(planted[name], (old, old))
         os.environ[signing.KEY_ENV] = KEY
         signed = A.export(_spec(), out_dir=out)
     finally:
@@ -389,11 +395,14 @@ def test_export_removes_stale_temporaries_and_keeps_live_ones(exported):
     assert planted["live"].exists()  # a live process (pytest's parent) may still be writing it
     assert planted["fresh_other_host"].exists()  # another host's pid cannot be checked: age only
     parent = exported["signed"].path.parent
+    assert planted["foreign_old"].exists() and planted["foreign_dead"].exists()  # not tpumk's: never removed
     assert sorted(p.name for p in parent.iterdir() if p.name.startswith(".tmp-")) == \
-        sorted([planted["live"].name, planted["fresh_other_host"].name])  # and none of the export's own
+        sorted(planted[n].name for n in ("live", "fresh_other_host", "foreign_old", "foreign_dead"))
     removed = paths.clean_stale_tmps(parent, now=time.time() + 2 * paths.STALE_SECONDS)
     assert sorted(removed) == sorted([planted["live"], planted["fresh_other_host"]])
+    assert planted["foreign_old"].exists() and planted["foreign_dead"].exists()
     assert exported["signed"].path.is_dir()  # never the artifacts themselves
+    assert not (exported["signed"].path / paths.TMP_MARKER).exists()  # the published artifact carries no marker
 
 
 def test_artifact_dir_without_manifest_is_refused(tmp_path, monkeypatch):

@@ -18,16 +18,12 @@ from typing import Any
 from tpumk.errors import ConfigError
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
-    except OSError as e:  # permission denied, a path through a regular file, an I/O error
-        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
+def read_toml(path: str | Path, limit: int | None = None) -> dict[str, Any]:
+    """A TOML file, read only as a regular file of at most `limit` bytes (tpumk.files): a FIFO,
+    a device, a directory or an oversized file is a one-line ConfigError naming it."""
+    from tpumk.files import TEXT_LIMIT, read_regular
+
+    data = read_regular(path, TEXT_LIMIT if limit is None else limit, "expected a TOML file")
     return parse_toml(data, str(path))
 
 

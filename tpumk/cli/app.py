@@ -9,7 +9,7 @@ import tpumk
 from tpumk.cli.bench import bench
 from tpumk.cli.export import cache_key, export, inspect
 from tpumk.cli.tune import report, tune
-from tpumk.cli.options import QUANT_HELP, TpumkGroup, emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import QUANT_HELP, TpumkGroup, echo, emit_json, fail_cleanly, spec_options
 
 
 def _gb(n: float) -> str:
@@ -57,9 +57,9 @@ def models(as_json):
     table = [[r["name"], r["layers"], r["hidden"], r["attention"], r["ffn"], r["dtype"],
               readable_count(r["params"]), _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
              for r in rows]
-    click.echo(tabulate(table, headers=["model", "layers", "hidden", "attention", "ffn", "dtype", "params",
+    echo(tabulate(table, headers=["model", "layers", "hidden", "attention", "ffn", "dtype", "params",
                                         "weights/step b=1", "weights/step b=8"]))
-    click.echo("\nweights/step: bytes of weights one decode step reads (MoE: expected distinct experts"
+    echo("\nweights/step: bytes of weights one decode step reads (MoE: expected distinct experts"
                " under uniform routing); tpumk's own count from the config, not a measurement.")
 
 
@@ -82,9 +82,9 @@ def targets(as_json):
               f"{r['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", f"{r['bf16_flops'] / 1e12:.0f} TFLOP/s", r["mxu"],
               "yes" if r["static_profile"] else "no", "yes" if r["attached"] else "no (deviceless)"]
              for r in rows]
-    click.echo(tabulate(table, headers=["target", "topology", "VMEM", "HBM", "HBM BW", "bf16 peak", "MXU",
+    echo(tabulate(table, headers=["target", "topology", "VMEM", "HBM", "HBM BW", "bf16 peak", "MXU",
                                         "static profile", "attached"]))
-    click.echo("\nThe cpu target runs kernels in Pallas TPU interpret mode and plans with TPU7x figures.")
+    echo("\nThe cpu target runs kernels in Pallas TPU interpret mode and plans with TPU7x figures.")
 
 
 # ---------------------------------------------------------------------- build
@@ -95,9 +95,9 @@ def _us(s):
 def print_build_report(r) -> None:
     on = f"{r.devices} x {r.target} ({r.topology})" if r.devices > 1 else r.target
     fmt = f", {r.quant} weights" if r.quant != "none" else ""
-    click.echo(f"built {r.model} for {on}: batch {r.batch}, q_len {r.q_len}, context {r.context}{fmt}")
+    echo(f"built {r.model} for {on}: batch {r.batch}, q_len {r.q_len}, context {r.context}{fmt}")
     if r.devices > 1:
-        click.echo(f"sharding: {sharding_line(r.sharding)}")
+        echo(f"sharding: {sharding_line(r.sharding)}")
     each = " per device" if r.devices > 1 else ""
     rows = [
         ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
@@ -125,15 +125,15 @@ def print_build_report(r) -> None:
                  ["floor / estimate", f"{r.floor_fraction:.2f}"]]
     else:
         rows.append(["estimated step time", "none (see below)"])
-    click.echo(tabulate(rows, tablefmt="plain"))
+    echo(tabulate(rows, tablefmt="plain"))
     if r.model_seconds is not None:
-        click.echo(f"model source: {r.model_source}")
+        echo(f"model source: {r.model_source}")
     if r.estimated_seconds is not None:
-        click.echo(f"estimate source: {r.estimate_source}")
+        echo(f"estimate source: {r.estimate_source}")
     else:
-        click.echo(f"no estimate: {r.estimate_source.removeprefix('none: ')}")
+        echo(f"no estimate: {r.estimate_source.removeprefix('none: ')}")
     for n in r.notes:
-        click.echo(f"note: {n}")
+        echo(f"note: {n}")
     if r.verify:
         print_verify_figures(r)
 
@@ -162,10 +162,10 @@ def sharding_line(sh: dict) -> str:
 def print_verify_figures(r) -> None:
     """The speculative verify step beside the plain step (tpumk.build.verify_figures)."""
     v = r.verify
-    click.echo(f"\nverify step (speculative decoding: q_len {v['q_len']} = {v['draft_tokens']} drafts + 1, "
+    echo(f"\nverify step (speculative decoding: q_len {v['q_len']} = {v['draft_tokens']} drafts + 1, "
                f"same batch and context)")
     if "error" in v:
-        click.echo(f"  {v['error']}")
+        echo(f"  {v['error']}")
         return
 
     def ratio(key):
@@ -182,19 +182,19 @@ def print_verify_figures(r) -> None:
         rows.append(["estimated step time", "not requested (--verify-estimate: a second profiling compile)"])
     else:
         rows.append(["estimated step time", "none (see below)"])
-    click.echo(tabulate(rows, tablefmt="plain"))
+    echo(tabulate(rows, tablefmt="plain"))
     if v.get("estimated_seconds") is not None:
-        click.echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
+        echo(f"figures: {v['source']}; estimate source: {v['estimate_source']}")
     else:
-        click.echo(f"figures: {v['source']}")
+        echo(f"figures: {v['source']}")
         if not v["estimate_source"].startswith("none: not requested"):
-            click.echo(f"no estimate: {v['estimate_source'].removeprefix('none: ')}")
+            echo(f"no estimate: {v['estimate_source'].removeprefix('none: ')}")
     be = v.get("estimate_vs_plain") or v["floor_vs_plain"]
-    click.echo(f"speculation beats plain decoding in target time when the mean acceptance length "
+    echo(f"speculation beats plain decoding in target time when the mean acceptance length "
                f"(accepted drafts + bonus) exceeds {be:.2f} ({'estimate' if v.get('estimate_vs_plain') else 'floor'} "
                f"ratio; drafting not counted)")
     for n in v.get("notes", []):
-        click.echo(f"note: {n}")
+        echo(f"note: {n}")
 
 
 @main.command()
@@ -261,19 +261,19 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
         emit_json(result)
         return
     on = f" on {devices} devices" if devices > 1 else ""
-    click.echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}")
+    echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}")
     for p, toks in zip(prompts, result["tokens"]):
-        click.echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
-    click.echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
+        echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
     sp = result["spec"]
     if sp["method"] != "none" and not sp["target_steps"]:
-        click.echo("speculation: no verify step ran (the prefill gives the only token)")
+        echo("speculation: no verify step ran (the prefill gives the only token)")
     elif sp["method"] != "none":
-        click.echo(f"speculation: {sp['drafter']}, {sp['draft_tokens']} drafts per target step (verify q_len "
+        echo(f"speculation: {sp['drafter']}, {sp['draft_tokens']} drafts per target step (verify q_len "
                    f"{sp['verify_q']})")
-        click.echo(f"  mean acceptance length {sp['mean_acceptance_length']:.2f} tokens per verify step "
+        echo(f"  mean acceptance length {sp['mean_acceptance_length']:.2f} tokens per verify step "
                    f"(accepted drafts + bonus, at most {sp['draft_tokens'] + 1})")
-        click.echo(f"  tokens per target step {sp['tokens_per_target_step']:.2f} ({sp['target_steps']} verify steps "
+        echo(f"  tokens per target step {sp['tokens_per_target_step']:.2f} ({sp['target_steps']} verify steps "
                    f"for {sp['decode_tokens_per_sequence']} tokens per sequence after the prefill; plain greedy: 1.00)")
 
 
@@ -300,9 +300,9 @@ def quality(model, checkpoint, seed, dtype, schemes, steps, as_json):
     if as_json:
         emit_json(r)
         return
-    click.echo(f"model {r['model']} ({r['dtype']}, {m.source}): {r['prompts']} fixed prompts x {1 + steps} steps, "
+    echo(f"model {r['model']} ({r['dtype']}, {m.source}): {r['prompts']} fixed prompts x {1 + steps} steps, "
                f"{r['source']}")
-    click.echo(tabulate([[s["quant"], f"{100 * s['logit_relative_rms']:.2f} %", f"{100 * s['greedy_agreement']:.1f} %"]
+    echo(tabulate([[s["quant"], f"{100 * s['logit_relative_rms']:.2f} %", f"{100 * s['greedy_agreement']:.1f} %"]
                          for s in r["schemes"]], headers=["quant", "logit relative RMS", "greedy token agreement"]))
 
 main.add_command(export)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from tabulate import tabulate
 
-from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
 
 
 def _ms(s: float) -> str:
@@ -24,7 +24,7 @@ def print_bench(r: dict) -> None:
     measured = mk["measured"] is not None
     how = "measured on device" if measured else "MODEL (no TPU attached)"
     fmt = f", {r['quant']} weights (both steps)" if r.get("quant", "none") != "none" else ""
-    click.echo(f"bench {r['model']} on {r['target']}: batch {r['batch']}, q_len {r['q_len']}, context {r['context']}, "
+    echo(f"bench {r['model']} on {r['target']}: batch {r['batch']}, q_len {r['q_len']}, context {r['context']}, "
                f"{r['dtype']}{fmt}")
     tps = r["tokens_per_second"]
     rows = [
@@ -47,35 +47,35 @@ def print_bench(r: dict) -> None:
                                     f"{sv['floor_fraction']:.2f}", f"{tps['serving']['per_sequence']:,.0f}",
                                     f"{tps['serving']['aggregate']:,.0f}"]):
             row.append(cell)
-    click.echo(tabulate(rows, headers=headers, tablefmt="simple"))
-    click.echo(f"XLA step / megakernel step: {r['speedup']:.2f}x ({how}, the same measure for both)")
+    echo(tabulate(rows, headers=headers, tablefmt="simple"))
+    echo(f"XLA step / megakernel step: {r['speedup']:.2f}x ({how}, the same measure for both)")
     if sv:
         b = r["serving_blocks"]
-        click.echo(f"serving-stack step / megakernel step: {r['speedup_vs_serving']:.2f}x (MODEL for the serving "
+        echo(f"serving-stack step / megakernel step: {r['speedup_vs_serving']:.2f}x (MODEL for the serving "
                    f"step; ragged paged attention with {b['num_kv_pages_per_block']} KV pages and "
                    f"{b['num_queries_per_block']} queries per block)")
     if r.get("serving_refused"):
-        click.echo(f"serving-stack column (XLA + ragged paged attention): {r['serving_refused']}")
-    click.echo(f"layouts: megakernel: {r['layouts']['megakernel']}; XLA: {r['layouts']['xla']}"
+        echo(f"serving-stack column (XLA + ragged paged attention): {r['serving_refused']}")
+    echo(f"layouts: megakernel: {r['layouts']['megakernel']}; XLA: {r['layouts']['xla']}"
                + (f"; serving: {r['layouts']['serving']}" if sv else ""))
     if measured:
-        click.echo(f"step times: {mk['step_source']}")
+        echo(f"step times: {mk['step_source']}")
     else:
-        click.echo("step times are tpumk's timeline model of each compiled program (tpumk.estimate.timeline), NOT "
+        echo("step times are tpumk's timeline model of each compiled program (tpumk.estimate.timeline), NOT "
                    "measurements; the TPU compiler's static profile is not used (it is not comparable between a "
                    "Pallas kernel and an XLA program).")
-        click.echo(f"model: {r['model_constants']}")
+        echo(f"model: {r['model_constants']}")
     v = r.get("verify")
     if v and v["feasible"]:
-        click.echo(f"verify step (q = {v['q_len']}: {v['draft_tokens']} drafts + 1): {_bytes(v['hbm_bytes'])}, floor "
+        echo(f"verify step (q = {v['q_len']}: {v['draft_tokens']} drafts + 1): {_bytes(v['hbm_bytes'])}, floor "
                    f"{_ms(v['floor_seconds'])}, kernel {_ms(v['kernel_seconds'])} vs plain {_ms(v['plain_kernel_seconds'])}"
                    f" = {v['cost_vs_plain']:.3f}x (MODEL): speculation pays off above a mean acceptance length of "
                    f"{v['cost_vs_plain']:.2f} tokens per step, drafting aside")
     elif v:
-        click.echo(f"verify step (q = {v['q_len']}): does not plan: {v['reason']}")
+        echo(f"verify step (q = {v['q_len']}): does not plan: {v['reason']}")
     if r.get("model_check"):
         c = r["model_check"]
-        click.echo(f"model check: the published TPU7x ring (12 x 2 MiB, 76 MiB/layer) modelled at "
+        echo(f"model check: the published TPU7x ring (12 x 2 MiB, 76 MiB/layer) modelled at "
                    f"{c['predicted_seconds'] * 1e6:.1f} us/layer vs 26.4 us measured on chip ({c['ratio']:.2f}x)")
 
 
@@ -88,7 +88,7 @@ def print_bench_devices(r: dict) -> None:
     """The N-device table: three columns, each named by what produced its step time."""
     mk, x, est = r["megakernel"], r["xla"], r["compiler_estimate"]
     n = r["devices"]
-    click.echo(f"bench {r['model']} on {n} x {r['target']} ({r['topology']}): batch {r['batch']}, q_len {r['q_len']}, "
+    echo(f"bench {r['model']} on {n} x {r['target']} ({r['topology']}): batch {r['batch']}, q_len {r['q_len']}, "
                f"context {r['context']}, {r['page_size']}-token pages, {r['dtype']}; every figure per device")
     tps = r["tokens_per_second"]
     est_s = est["step_seconds"]
@@ -111,36 +111,36 @@ def print_bench_devices(r: dict) -> None:
         ["tokens/s per sequence", f"{tps['megakernel']['per_sequence']:,.0f}", f"{tps['xla']['per_sequence']:,.0f}", ""],
         ["tokens/s aggregate", f"{tps['megakernel']['aggregate']:,.0f}", f"{tps['xla']['aggregate']:,.0f}", ""],
     ]
-    click.echo(tabulate(rows, headers=["", "megakernel (MODEL)", "XLA SPMD (MODEL)", "megakernel (compiler profile)"],
+    echo(tabulate(rows, headers=["", "megakernel (MODEL)", "XLA SPMD (MODEL)", "megakernel (compiler profile)"],
                         tablefmt="simple"))
-    click.echo(f"XLA SPMD step / megakernel step: {r['speedup']:.2f}x (tpumk's timeline model for both, the same "
+    echo(f"XLA SPMD step / megakernel step: {r['speedup']:.2f}x (tpumk's timeline model for both, the same "
                f"measure; no TPU measured anything)")
-    click.echo("(floor + collectives) / step: (HBM floor + the program's modelled collective waits) / its modelled step; "
+    echo("(floor + collectives) / step: (HBM floor + the program's modelled collective waits) / its modelled step; "
                "a yardstick, not a bound (the model lets the weight ring load during the waits)")
-    click.echo(f"compiler profile column: {est['source']}")
+    echo(f"compiler profile column: {est['source']}")
     s = r["sharding"]
     parts = [f"{s['attention']['q_heads_per_device']} query / {s['attention']['kv_heads_per_device']} KV heads per device"
              f" (KV replicated {s['attention']['kv_replicas']}x)"]
     if "experts" in s:
         e = s["experts"]
         parts.append(f"experts {e['mode']} ({e['expert_parallel']} groups x {e['expert_tensor']}-way width)")
-    click.echo(f"megakernel sharding: {'; '.join(parts)}; all-reduce {mk['all_reduce']['schedule']}")
+    echo(f"megakernel sharding: {'; '.join(parts)}; all-reduce {mk['all_reduce']['schedule']}")
     xs = r["xla_sharding"]
-    click.echo("XLA SPMD sharding: Megatron-style (tpumk.decode.xla_spmd)" + (f"; experts: {xs['why']}" if "experts" in s
+    echo("XLA SPMD sharding: Megatron-style (tpumk.decode.xla_spmd)" + (f"; experts: {xs['why']}" if "experts" in s
                                                                                else ""))
     for note in xs["notes"] + r["notes"]:
-        click.echo(f"note: {note}")
-    click.echo(f"step times: {r['model_constants']}")
-    click.echo(r["interconnect_constants"])
+        echo(f"note: {note}")
+    echo(f"step times: {r['model_constants']}")
+    echo(r["interconnect_constants"])
     v = r.get("verify")
     if v and v["feasible"]:
-        click.echo(f"verify step (q = {v['q_len']}): kernel {_ms(v['kernel_seconds'])} vs plain "
+        echo(f"verify step (q = {v['q_len']}): kernel {_ms(v['kernel_seconds'])} vs plain "
                    f"{_ms(v['plain_kernel_seconds'])} = {v['cost_vs_plain']:.3f}x (MODEL)")
     elif v:
-        click.echo(f"verify step (q = {v['q_len']}): does not plan: {v['reason']}")
+        echo(f"verify step (q = {v['q_len']}): does not plan: {v['reason']}")
     c = r.get("collective_check")
     if c:
-        click.echo(f"model check: the published TPU7x collective pattern (8 devices, 2 all-reduces per layer) modelled "
+        echo(f"model check: the published TPU7x collective pattern (8 devices, 2 all-reduces per layer) modelled "
                    f"at {c['layer_seconds'] * 1e6:.1f} us/layer vs {c['published_layer_seconds'] * 1e6:.0f} us "
                    f"published ({c['ratio']:.2f}x)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
 
 
 @click.command()
@@ -27,13 +27,13 @@ def export(spec, out_dir, as_json):
         return
     what = "cache hit, nothing compiled" if r.cache_hit else f"exported in {r.seconds:.2f} s"
     signed = r.manifest.get("signing", {})
-    click.echo(f"{r.path} ({what})")
-    click.echo(f"  devices: {_devices_line(r.manifest.get('mesh', {}))}")
-    click.echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
+    echo(f"{r.path} ({what})")
+    echo(f"  devices: {_devices_line(r.manifest.get('mesh', {}))}")
+    echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
                "  signed:  no (no signing key configured: set TPUMK_SIGNING_KEY to sign)")
-    click.echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
+    echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
     for name, entry in r.manifest["files"].items():
-        click.echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
+        echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
 
 
 @click.command("cache-key")
@@ -59,7 +59,7 @@ def cache_key(spec, out_dir, as_json):
     if as_json:
         emit_json({"key": key, "path": path, "inputs": inputs})
     else:
-        click.echo(path or key)
+        echo(path or key)
 
 
 @click.command()
@@ -142,10 +142,9 @@ def _fail_inspect(problem) -> None:
     """The report is on stdout; the error is one line on stderr, exit code 1 (README)."""
     import sys
 
-    from tpumk.cli.options import INPUT_EXIT
+    from tpumk.cli.options import INPUT_EXIT, error_line
 
-    line = str(problem or "invalid artifact").replace("\r", "\\r").replace("\n", "\\n")
-    click.echo(f"tpumk: error: {line}", err=True)
+    error_line(problem or "invalid artifact")
     sys.exit(INPUT_EXIT)
 
 
@@ -167,32 +166,32 @@ def _print_listing(listing: dict) -> None:
     else:
         status = (", all valid (fields, hashes and versions checked; manifests not authenticated: "
                   "set TPUMK_SIGNING_KEY to verify signatures)")
-    click.echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}" + status)
+    echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}" + status)
     rows = [[i["path"], i["model"] or "?", i["target"] or "?", i.get("devices") or "?", (i["key"] or "?")[:12],
              "valid" if i["valid"] else f"INVALID: {_short_problem(i)}"] for i in items]
-    click.echo(tabulate(rows, headers=["path", "model", "target", "devices", "key", "status"], tablefmt="simple"))
-    click.echo("details of one: tpumk inspect PATH")
+    echo(tabulate(rows, headers=["path", "model", "target", "devices", "key", "status"], tablefmt="simple"))
+    echo("details of one: tpumk inspect PATH")
 
 
 def _print_inspect(info: dict) -> None:
     from tpumk.plan.knobs import TuningConfig
 
-    click.echo(info["path"])
+    echo(info["path"])
     if "key" not in info:
-        click.echo(f"  INVALID: {info['problem']}")
+        echo(f"  INVALID: {info['problem']}")
         return
     t, sh, rep = info["target"], info["shapes"], info.get("report", {})
-    click.echo(f"  key       {info['key']}")
-    click.echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
+    echo(f"  key       {info['key']}")
+    echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
                f"batch {sh['batch']}  context {sh['context']}  q_len {sh['q_len']}  page {sh['page_size']}")
-    click.echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
-    click.echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
+    echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
     sharding = (info.get("mesh") or {}).get("sharding")
     if isinstance(sharding, dict):
-        click.echo(f"  sharding  {_sharding_line(sharding)}")
+        echo(f"  sharding  {_sharding_line(sharding)}")
     default = TuningConfig().to_dict()
     changed = {k: v for k, v in info.get("tuning", {}).items() if default.get(k) != v}
-    click.echo(f"  tuning    {changed or 'defaults'}")
+    echo(f"  tuning    {changed or 'defaults'}")
     if rep:
         est = rep.get("estimated_seconds")
         try:  # an unverified manifest's report may hold anything
@@ -203,14 +202,14 @@ def _print_inspect(info: dict) -> None:
                        f"none ({rep.get('estimate_source', 'not requested')})"))
         except (TypeError, ValueError):
             line = "  build     (the report's figures are not numbers)"
-        click.echo(line)
-    click.echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+        echo(line)
+    echo("  versions  " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     for name, entry in info["files"].items():
-        click.echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
+        echo(f"  file      {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
     if info["valid"]:
         sig = info.get("signing") or {}
-        click.echo("  signed    " + (f"yes, key id {sig.get('key_id')} ({'verified' if sig.get('verified') else 'not checked: no key configured'})"
+        echo("  signed    " + (f"yes, key id {sig.get('key_id')} ({'verified' if sig.get('verified') else 'not checked: no key configured'})"
                                     if sig.get("signed") else "no"))
-        click.echo(f"  valid: {info['proved']}")
+        echo(f"  valid: {info['proved']}")
     else:
-        click.echo(f"  INVALID: {info['problem']}")
+        echo(f"  INVALID: {info['problem']}")

@@ -27,6 +27,45 @@ QUANT_HELP = (f"Weight formats: {', '.join(QUANT_SCHEMES)}, or ring=FMT,experts=
               "Float weights are quantized at pack time.")
 
 
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
+
+
+def terminal_safe(text: str, one_line: bool = False) -> str:
+    """`text` with every character that could drive a terminal written as an escape: C0 and C1
+    control characters (ESC sequences, carriage returns, bells), line and paragraph separators
+    and bidirectional overrides. Newlines and tabs stay unless `one_line` (an error line).
+    Whatever a file held (a manifest's fields, a model's name, a path) reaches the terminal as
+    visible text, never as commands to it."""
+    keep = "" if one_line else "\n\t"
+    out = []
+    for c in text:
+        n = ord(c)
+        if c in keep:
+            out.append(c)
+        elif n < 0x20 or 0x7F <= n < 0xA0 or c in _BIDI or c in "\u2028\u2029":
+            out.append({"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or _escape(c))
+        elif 0xD800 <= n < 0xE000:  # a lone surrogate (bytes that were not UTF-8 in a path)
+            out.append(_escape(c))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def echo(message=None, err: bool = False, **kw) -> None:
+    """click.echo with `terminal_safe` text: every line tpumk prints goes through it."""
+    click.echo(terminal_safe(str(message)) if message is not None else None, err=err, **kw)
+
+
+def error_line(message: object) -> None:
+    """`tpumk: error: ...`, one line, escaped (the message may quote what a file held)."""
+    click.echo(f"tpumk: error: {terminal_safe(str(message), one_line=True)}", err=True)
+
+
 def fail_cleanly(fn):
     """Turn tpumk's user errors into one line on stderr and exit code 1 (no traceback)."""
 
@@ -35,7 +74,7 @@ def fail_cleanly(fn):
         try:
             return fn(*args, **kwargs)
         except TpumkError as e:
-            click.echo(f"tpumk: error: {e}", err=True)
+            error_line(e)
             sys.exit(INPUT_EXIT)
 
     return wrapper
@@ -52,7 +91,7 @@ class OneLineError(click.ClickException):
         self.exit_code = exit_code
 
     def show(self, file=None) -> None:
-        click.echo(f"tpumk: error: {self.message}", err=True)
+        error_line(self.message)
 
 
 def _param_name(param) -> str:
@@ -99,9 +138,37 @@ def _one_line(e: click.ClickException) -> click.ClickException:
     return OneLineError(usage_line(e), e.exit_code)
 
 
+# Options (and arguments) whose value is a file or directory path, in every command.
+PATH_PARAMS = frozenset({"model", "checkpoint", "tuning_file", "space_file", "storage", "out_dir", "out_file",
+                         "report_dir", "cache_dir", "draft_model", "path"})
+
+
+def _check_path(callback):
+    """A parameter callback that first refuses a path the OS would refuse as too long (a
+    component over 255 bytes, the whole over 4095): one line naming the option, exit 1 (the
+    command line is well-formed; the file system refuses the name), instead of an OSError
+    wherever the path is first used."""
+    from tpumk.files import name_problem, shown
+
+    def check(ctx, param, value):
+        for v in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(v, str) and (problem := name_problem(v)):
+                raise OneLineError(f"{_param_name(param)} {shown(v, 60)}: {problem}", INPUT_EXIT)
+        return callback(ctx, param, value) if callback is not None else value
+
+    return check
+
+
 class TpumkGroup(click.Group):
     """The `tpumk` group: Click's errors (usage errors, exit 2; others keep their code) become
-    one line on stderr, for the group and every command under it."""
+    one line on stderr, for the group and every command under it. Every path option of every
+    command added refuses over-long names in one line (`_check_path`)."""
+
+    def add_command(self, cmd, name=None):
+        for param in cmd.params:
+            if param.name in PATH_PARAMS or isinstance(param.type, click.Path):
+                param.callback = _check_path(param.callback)
+        super().add_command(cmd, name)
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
@@ -118,7 +185,7 @@ class TpumkGroup(click.Group):
 
 def emit_json(obj) -> None:
     # default=str: what JSON has no type for (a TOML date in an unverified manifest) is shown as text
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "devices",

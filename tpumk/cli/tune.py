@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from tpumk.cli.options import emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
 
 
 def _us(s) -> str:
@@ -46,40 +46,40 @@ def trial_line(info: dict) -> str:
 def print_result(r) -> None:
     notes = list(r.notes)
     if r.already_complete and notes:
-        click.echo(notes.pop(0))
+        echo(notes.pop(0))
     c = r.counts
     complete = c.get("COMPLETE", 0)
-    click.echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} distinct configurations evaluated "
+    echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} distinct configurations evaluated "
                f"({complete} trials complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
                f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
-    click.echo(f"{r.reused} trials reused earlier results without compiling ({r.repeated} of them repeated a "
+    echo(f"{r.reused} trials reused earlier results without compiling ({r.repeated} of them repeated a "
                "configuration the study had evaluated: outside the budget)")
     if r.prune_reasons:
-        click.echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
+        echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
     run = r.this_run
-    click.echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
+    echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
                f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
                f"{run.get('wall_seconds', 0):.1f} s wall")
     if not r.best:
-        click.echo("no trial completed: nothing to rank")
+        echo("no trial completed: nothing to rank")
     else:
         rows = [[b["rank"], b["trial"], _us(b["value_seconds"]), b["value_kind"], _knobs(b["changed_knobs"]),
                  "n/a" if b["compile_seconds"] is None else f"{b['compile_seconds']:.2f}",
                  "yes" if b["cached"] else "no"] for b in r.best]
-        click.echo(tabulate(rows, headers=["rank", "trial", "step", "value is", "knobs changed from default",
+        echo(tabulate(rows, headers=["rank", "trial", "step", "value is", "knobs changed from default",
                                            "compile s (measured)", "cached"]))
         best = r.best[0]
-        click.echo(f"objective source (best): {best['objective_source']}")
+        echo(f"objective source (best): {best['objective_source']}")
         if r.default is not None and r.default.get("value_seconds") is not None:
-            click.echo(f"default configuration (trial {r.default['trial']}): {_us(r.default['value_seconds'])}; "
+            echo(f"default configuration (trial {r.default['trial']}): {_us(r.default['value_seconds'])}; "
                        f"best / default = {r.best_over_default:.3f} ({best['value_kind']})")
         if r.floor_seconds:
-            click.echo(f"HBM floor of the best (tpumk plan accounting): {_us(r.floor_seconds)}; "
+            echo(f"HBM floor of the best (tpumk plan accounting): {_us(r.floor_seconds)}; "
                        f"floor / best = {r.floor_seconds / best['value_seconds']:.2f}")
     for n in notes:
-        click.echo(f"note: {n}")
+        echo(f"note: {n}")
     if r.out:
-        click.echo(f"wrote {r.out} (tpumk build --tuning {r.out})")
+        echo(f"wrote {r.out} (tpumk build --tuning {r.out})")
 
 
 class _Bar:
@@ -184,7 +184,7 @@ def tune(spec, space_file, trials, max_infeasible,
     check_writable(out, "--out")
     if report_dir:
         check_writable(report_dir, "--report", directory=True)
-    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    say = (lambda m: echo(m, err=True)) if as_json else echo
     size = space.size()
     say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} distinct configurations to evaluate")
     say(f"objective: {choice.name} ({choice.reason})")
@@ -199,7 +199,7 @@ def tune(spec, space_file, trials, max_infeasible,
                      on_trial=on_trial, keys=keys)
     except KeyboardInterrupt:
         bar.close()
-        click.echo(f"interrupted: rerun the same command to resume study {name}", err=True)
+        echo(f"interrupted: rerun the same command to resume study {name}", err=True)
         sys.exit(130)
     finally:
         bar.close()
@@ -224,9 +224,9 @@ def tune(spec, space_file, trials, max_infeasible,
 
 def _print_report(report: dict) -> None:
     for p in report["written"]:
-        click.echo(f"wrote {p}")
+        echo(f"wrote {p}")
     for name, why in report["skipped"].items():
-        click.echo(f"skipped {name}: {why}")
+        echo(f"skipped {name}: {why}")
 
 
 @click.command()

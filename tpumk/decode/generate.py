@@ -122,8 +122,10 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
         except ValueError:
             raise ConfigError(f"--draft-model {spec}: expected layers:N with an integer N") from None
         return truncated_model(target, n)
+    from tpumk.files import is_dir
+
     p = Path(spec)
-    if p.is_dir() and any(p.glob("*.safetensors")):
+    if is_dir(p) and any(p.glob("*.safetensors")):
         d = load_model(None, spec, dtype=dtype or target.cfg.dtype)
     else:
         d = load_model(spec, None, seed=seed, dtype=dtype or target.cfg.dtype)

@@ -125,8 +125,11 @@ def calibration_for(target_name: str) -> Calibration | None:
     cache = _cache_file()
     key = _stack_key(target)
     try:
-        stored = json.loads(cache.read_text())
-    except (OSError, ValueError):
+        from tpumk.errors import TpumkError
+        from tpumk.files import MiB, read_regular
+
+        stored = json.loads(read_regular(cache, MiB))
+    except (TpumkError, ValueError, RecursionError):
         stored = {}
     if key in stored:
         return Calibration(**stored[key])

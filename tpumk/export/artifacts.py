@@ -56,7 +56,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +101,7 @@ def _register_pytrees() -> None:
 # ---------------------------------------------------------------------- small helpers
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with paths.open_regular_file(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -249,7 +248,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         parent.mkdir(parents=True, exist_ok=True)
         paths.check_inside(out_dir, parent)
         paths.clean_stale_tmps(parent)  # temporaries of killed exports
-        tmp = Path(tempfile.mkdtemp(prefix=paths.tmp_prefix(key), dir=parent))
+        tmp = paths.make_tmp(parent, key)
     except OSError as e:
         raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {paths.os_reason(e)}") from None
     try:
@@ -285,6 +284,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         (tmp / MANIFEST).write_bytes(text)
         if sign_key is not None:
             (tmp / SIGNATURE).write_text(signing.signature_text(text, sign_key))
+        paths.unmark_tmp(tmp)
         for f in tmp.iterdir():  # durable before it becomes visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -418,7 +418,7 @@ def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
     if entry is None:
         raise ArtifactError(f"{path}: no {name} in this artifact")
     try:
-        data = (path / name).read_bytes()
+        data = paths.read_at_most(path / name, entry["bytes"])
     except OSError as e:
         raise ArtifactError(f"{path / name}: cannot read: {paths.os_reason(e)}") from None
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:

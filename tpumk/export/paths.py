@@ -6,10 +6,14 @@ the directory differ from the name the user reads in their config (and two names
 one), while a refusal says exactly what to change.
 
 Exports write into `.tmp-<key16>.<pid>.<host>.<random>` beside the final directory and rename it
-into place. A killed export leaves its temporary behind; the next export into the same parent
-removes temporaries whose process is gone (same host, pid not alive) or that are older than an
-hour (any host: writing an artifact takes seconds, the compile happens before the temporary
-exists).
+into place. Each temporary holds a marker file (`TMP_MARKER`, tpumk's own text) from its
+creation until just before the rename, and tpumk only ever removes a directory that carries it
+and is owned by the user running tpumk: a directory someone else made, even one named `.tmp-*`,
+is never touched. A killed export leaves its temporary behind; the next export into the same
+parent removes marked temporaries whose process is gone (same host, pid not alive) or that are
+older than an hour (any host: writing an artifact takes seconds, the compile happens before the
+temporary exists). A published artifact directory gets the mode a plain mkdir would give
+(0o777 less the umask), not mkdtemp's owner-only 0700.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +30,8 @@ from pathlib import Path
 from tpumk.errors import ArtifactPathError
 
 TMP_PREFIX = ".tmp-"
+TMP_MARKER = ".tpumk-export-temporary"
+TMP_MARKER_TEXT = b"tpumk export temporary: removed by tpumk when its export dies\n"
 STALE_SECONDS = 3600
 _RULE = "one path component: no '/', '\\', NUL or control characters, not '.' or '..', no leading '.'"
 
@@ -81,8 +88,30 @@ def os_reason(e: OSError) -> str:
 def read_at_most(path: Path, limit: int) -> bytes:
     """Up to limit + 1 bytes of `path`: a caller refuses more than `limit` from the length of what
     it got (a size checked first, then read, can be outrun by a file growing in between)."""
-    with open(path, "rb") as f:
+    with open_regular_file(path) as f:
         return f.read(limit + 1)
+
+
+def _nonblocking(path, flags):
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+
+
+def open_regular_file(path: Path):
+    """`open(path, "rb")` that refuses anything but a regular file (a FIFO or device swapped in
+    for an artifact's file would block or never end): opened non-blocking, checked by fstat.
+    Raises OSError (ArtifactError's callers turn it into one line)."""
+    import errno
+    import stat
+
+    f = open(path, "rb", opener=_nonblocking)
+    mode = os.fstat(f.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        from tpumk.files import kind_of
+
+        raise OSError(errno.EINVAL, f"is {kind_of(mode)}, not a regular file", str(path))
+    os.set_blocking(f.fileno(), True)
+    return f
 
 
 def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None, probe: bool = True) -> None:
@@ -153,15 +182,62 @@ def is_stale(tmp: Path, now: float | None = None, max_age: float = STALE_SECONDS
     return False
 
 
+def make_tmp(parent: Path, key: str) -> Path:
+    """A new export temporary in `parent`, marked as tpumk's (`TMP_MARKER`) before anything else
+    goes into it, with the mode the umask gives a new directory."""
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(key), dir=parent))
+    try:
+        fd = os.open(tmp / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, TMP_MARKER_TEXT)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o777 & ~current_umask())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def unmark_tmp(tmp: Path) -> None:
+    """Before the rename that publishes it: the artifact carries no marker."""
+    (tmp / TMP_MARKER).unlink()
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def is_marked_tmp(p: Path) -> bool:
+    """A directory tpumk made as an export temporary: a real directory (not a symlink) owned by
+    this user, holding the marker file with tpumk's text."""
+    try:
+        st = p.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        fd = os.open(p / TMP_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(TMP_MARKER_TEXT) + 1) == TMP_MARKER_TEXT
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def clean_stale_tmps(parent: Path, now: float | None = None, max_age: float = STALE_SECONDS) -> list[Path]:
-    """Remove the stale export temporaries directly in `parent`; returns what was removed."""
+    """Remove the stale export temporaries directly in `parent` (only directories tpumk marked as
+    its own: `is_marked_tmp`); returns what was removed."""
     removed = []
     try:
         entries = list(parent.iterdir())
     except OSError:
         return removed
     for p in entries:
-        if p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink() and is_stale(p, now, max_age):
+        if p.name.startswith(TMP_PREFIX) and is_marked_tmp(p) and is_stale(p, now, max_age):
             shutil.rmtree(p, ignore_errors=True)
             if not p.exists():
                 removed.append(p)

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 from tpumk.errors import ArtifactError, ConfigError, SignatureError, SigningKeyError
 from tpumk.export.paths import os_reason, read_at_most
+from tpumk.files import shown
 from tpumk.tomlfile import parse_toml
 
 KEY_ENV = "TPUMK_SIGNING_KEY"
@@ -67,17 +68,29 @@ def configured_key(environ: Mapping[str, str] | None = None) -> SigningKey | Non
         raise SigningKeyError(f"both {KEY_ENV} and {KEY_FILE_ENV} are set: set one of them")
     if file is not None:
         source = f"{KEY_FILE_ENV} ({file})"
+        from tpumk.files import KEY_LIMIT, read_regular
+
+        def refused(msg: str) -> SigningKeyError:  # "PATH: why" -> one line naming the variable
+            return SigningKeyError(f"{KEY_FILE_ENV}={shown(file)}: cannot read the signing key: "
+                                   f"{msg.removeprefix(shown(file) + ': ')}")
+
+        raw = read_regular(file, KEY_LIMIT, "expected a key file", refused)
         try:
-            text = Path(file).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = os_reason(e) if isinstance(e, OSError) else type(e).__name__
-            raise SigningKeyError(f"{KEY_FILE_ENV}={file}: cannot read the signing key: {reason}") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SigningKeyError(f"{KEY_FILE_ENV}={shown(file)}: the signing key is not UTF-8 text (byte "
+                                  f"0x{raw[e.start]:02x} at offset {e.start}); store it as text, e.g. "
+                                  "`openssl rand -hex 32`") from None
     if text is None:
         if env.get(REQUIRE_ENV, "").strip() not in ("", "0"):
             raise SigningKeyError(f"{REQUIRE_ENV} is set but no signing key is configured: "
                                   f"set {KEY_ENV} or {KEY_FILE_ENV}")
         return None
-    secret = text.strip().encode()
+    try:
+        secret = text.strip().encode()
+    except UnicodeEncodeError:  # bytes that are not UTF-8 in the environment (surrogate-escaped)
+        raise SigningKeyError(f"{source}: the signing key is not UTF-8 text; store it as text, e.g. "
+                              "`openssl rand -hex 32`") from None
     if not secret:
         raise SigningKeyError(f"{source}: the signing key is empty")
     if len(secret) < MIN_KEY_BYTES:

@@ -50,6 +50,7 @@ computes, so the reference needs no interleaved variant. The multi-token-predict
 from __future__ import annotations
 
 import json
+import os
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -59,6 +60,7 @@ import jax.numpy as jnp  # also imports ml_dtypes, which safetensors needs for B
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
 from tpumk.model.config import ModelConfig, load_hf_config
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
@@ -116,8 +118,25 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own bound on a header
+
+
+def _check_safetensors(file: Path) -> None:
+    """Before the library opens it: a regular file (a FIFO would block its open, a device read
+    without end) whose 8-byte header length fits in the file."""
+    fd = open_regular(file, "expected a safetensors file", CheckpointError)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or n > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(f"{file}: not a readable safetensors file (header length {n} in a file of "
+                              f"{size} bytes)")
+
+
 def _open_file(file: Path, stack: ExitStack) -> dict[str, _Tensor]:
     """The tensors of one safetensors file, which stays open until `stack` closes."""
+    _check_safetensors(file)
     try:
         handle = stack.enter_context(safe_open(str(file), framework="numpy"))
         return {name: _Tensor(name, file, handle) for name in handle.keys()}
@@ -130,8 +149,9 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
     index = d / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            weight_map = json.loads(read_regular(index, TEXT_LIMIT, "expected a JSON index",
+                                                 CheckpointError).decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise CheckpointError(f"{index}: malformed index ({_one_line(e)})") from None
         if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
             raise CheckpointError(f"{index}: malformed index (field 'weight_map': expected an object of "
@@ -287,12 +307,14 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     not model raises NotSupportedError.
     """
     d = Path(path)
+    if name_problem(d):
+        raise CheckpointError(f"{shown(d)}: {name_problem(d)}")
     if not d.is_dir():
         raise CheckpointError(f"{d}: checkpoint directory does not exist")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg = load_hf_config(d / "config.json")
-    config_json = json.loads((d / "config.json").read_text())  # a JSON object: checked above
+    config_json = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
     fp8 = _fp8_config(d / "config.json")
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
@@ -307,7 +329,7 @@ def _fp8_config(config_json: Path) -> bool:
     """True for an FP8 checkpoint in the official Hugging Face format (`quantization_config`
     quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]); any other quantization is
     refused in one line naming it."""
-    quant = json.loads(config_json.read_text()).get("quantization_config")  # a JSON object: checked by load_hf_config
+    quant = json.loads(read_regular(config_json)).get("quantization_config")  # a JSON object: checked by load_hf_config
     if not quant:
         return False
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant

@@ -671,15 +671,14 @@ _REQUIRED = object()
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:
+    from tpumk.files import TEXT_LIMIT, is_dir, read_regular
+
     path = Path(path)
-    if path.is_dir():
+    if is_dir(path):
         path = path / "config.json"
+    raw = read_regular(path, TEXT_LIMIT, "expected a config.json file")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a config.json file") from None
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
@@ -704,9 +703,14 @@ def load_preset(name: str) -> ModelConfig:
 
 def resolve_model(spec: str) -> ModelConfig:
     """A preset name, a TOML file, a Hugging Face config.json, or a checkpoint directory."""
+    from tpumk.files import is_dir, name_problem, shown
+
     p = Path(spec)
+    problem = name_problem(spec)
+    if problem:
+        raise ConfigError(f"--model {shown(spec)}: {problem}")
     if spec.endswith(".toml"):
         return load_toml(p)
-    if spec.endswith(".json") or p.is_dir():
+    if spec.endswith(".json") or is_dir(p):
         return load_hf_config(p)
     return load_preset(spec)

@@ -26,14 +26,17 @@ A later failure never replaces an ok entry; it is added as that objective's fail
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
 
 from tpumk.compile.keys import cache_key, key_inputs, source_inputs
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, TpumkError
+from tpumk.files import MiB, read_regular
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tomlfile import write_text_atomic
@@ -45,6 +48,10 @@ EVALUATOR = "tpumk.tune.worker"
 def evaluator_inputs() -> dict[str, Any]:
     """The code behind a trial's value: the units reachable from the evaluator and their digest."""
     return source_inputs(EVALUATOR)
+
+
+ENTRY_LIMIT = 1 * MiB  # a cache entry tpumk writes is a few KiB
+LOG_LIMIT = 256 * MiB  # the compile log: one short line per compile
 
 
 class ResultKeys:
@@ -143,8 +150,8 @@ class ResultCache:
         """The entry of this key, or None: absent, unreadable, or not of the shape this code
         writes (a damaged or foreign file is a miss; it will be rewritten)."""
         try:
-            entry = json.loads(self._path(key).read_text())
-        except (OSError, ValueError, RecursionError):
+            entry = json.loads(read_regular(self._path(key), ENTRY_LIMIT))
+        except (TpumkError, ValueError, RecursionError):  # also a FIFO, device or oversized file
             return None
         return entry if valid_entry(entry, key) else None
 
@@ -173,8 +180,16 @@ class ResultCache:
     def log_compile(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
         # One write() on an O_APPEND file: lines of concurrent processes never interleave.
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # O_NONBLOCK: a FIFO planted in its place fails the open (ENXIO) instead of blocking it
         try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # a FIFO nobody reads: not tpumk's log, nothing to append to
+                return
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return  # not tpumk's log (a device, a FIFO with a reader): write nothing to it
             os.write(fd, line)
         finally:
             os.close(fd)
@@ -182,8 +197,8 @@ class ResultCache:
     def compile_log(self) -> list[dict[str, Any]]:
         """The logged compiles; a line that is not a JSON object (a damaged file) is skipped."""
         try:
-            lines = self.log_path.read_bytes().decode("utf-8", errors="replace").splitlines()
-        except OSError:
+            lines = read_regular(self.log_path, LOG_LIMIT).decode("utf-8", errors="replace").splitlines()
+        except TpumkError:  # absent, not a regular file, larger than any log tpumk writes
             return []
         records = []
         for ln in lines:

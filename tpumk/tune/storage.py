@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
+import sys
 import threading
 import time
 import warnings
@@ -234,21 +236,32 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
         from optuna.storages.journal import JournalFileBackend
 
         lock = _flock_lock_class()(str(path))
-        try:
-            backend = JournalFileBackend(str(path), lock_obj=lock)
-            # Reading the journal replays every log line; a corrupt file fails here.
-            return _journal_heartbeat_class()(backend, heartbeat, grace)
-        except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line naming it
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"--storage {url}: {path} is not a readable Optuna journal "
-                              f"({type(e).__name__}: {first[:200]}); move it aside or give another --storage") from None
+        for salvage in (False, True):
+            repaired = repair_journal(path, lock, salvage)
+            if repaired:
+                print(f"tpumk: {repaired}", file=sys.stderr, flush=True)
+            try:
+                backend = JournalFileBackend(str(path), lock_obj=lock)
+                # Reading the journal replays every log line; a corrupt file fails here.
+                return _journal_heartbeat_class()(backend, heartbeat, grace)
+            except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line naming it
+                if not salvage and isinstance(e, ValueError):  # a record an old tpumk appended onto a torn line
+                    continue
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ConfigError(f"--storage {url}: {path} is not a readable Optuna journal "
+                                  f"({type(e).__name__}: {first[:200]}); move it aside or give another "
+                                  "--storage") from None
     scheme = url.split("://", 1)[0].split("+", 1)[0]
     db = sqlite_path(url)
+    if scheme == "sqlite" and db is None:
+        raise ConfigError(f"--storage {url}: an in-memory SQLite database keeps no study (it is gone when tpumk "
+                          "exits, and trial processes cannot see it); give a file, e.g. sqlite:///study.db")
     if db is not None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a parent that is a regular file, no permission
             raise ConfigError(f"--storage {url}: cannot create {db.parent}: {e.strerror or e}") from None
+        check_sqlite(url, db)
     if scheme in ("postgresql", "postgres"):
         if "+" not in url.split("://", 1)[0]:
             # SQLAlchemy 2.1 defaults to the psycopg 3 driver; tpumk depends on psycopg2-binary.
@@ -273,6 +286,152 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
                 time.sleep(0.2 * (attempt + 1))
                 continue
             raise ConfigError(f"--storage {redact(url)}: cannot open: {first[:300]}") from None
+
+
+def check_sqlite(url: str, db: Path) -> None:
+    """Refuse, in one line that says how to recover, a SQLite file that is not a sound database
+    (not SQLite at all, or pages damaged by a crash, a full disk or a partial copy), before
+    Optuna opens it: a damaged page would otherwise surface as a traceback mid-study."""
+    import sqlite3
+
+    try:
+        st = os.stat(db)
+    except FileNotFoundError:
+        return  # a new study: Optuna creates it
+    except OSError as e:
+        raise ConfigError(f"--storage {url}: cannot open {db}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--storage {url}: {db} is not a regular file (a SQLite database is one)")
+    if st.st_size == 0:
+        return  # created empty (a killed first open): SQLite treats it as a new database
+    recover = (f"restore it from a backup, or move it aside to start a new study (`sqlite3 {db} .recover "
+               f"| sqlite3 recovered.db` may salvage its trials; then give --storage sqlite:///recovered.db)")
+    why = None
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = con.execute("PRAGMA quick_check").fetchall()
+        finally:
+            con.close()
+        if rows != [("ok",)]:
+            why = f"damaged ({' '.join(str(rows[0][0]).split())[:120]})" if rows else "damaged"
+    except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed"
+        why = " ".join(str(e).split())[:120]
+    except sqlite3.Error as e:  # locked for longer than the timeout, cannot open
+        raise ConfigError(f"--storage {url}: cannot open {db}: {' '.join(str(e).split())[:200]}") from None
+    if why:
+        raise ConfigError(f"--storage {url}: {db} is not a sound SQLite database ({why}); {recover}")
+
+
+def repair_journal(path: Path, lock, salvage: bool = False) -> str | None:
+    """Repair a journal a crash (or a full disk) left torn, under the journal's lock; returns
+    what was done, or None when the file is whole.
+
+    A torn tail (the last record cut short: no newline at the end) is truncated away: Optuna
+    would append the next record onto it and every later read would fail. With `salvage`, a
+    file already damaged that way (a line that is a partial record with a complete one appended,
+    written by an older tpumk) has each bad line replaced by the complete record it ends with,
+    and the file is replaced atomically. Every complete record is kept; a line that holds none is
+    left, and opening the journal then fails in one line."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # no permission, a FIFO with no reader...: opening the journal says why
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.pread(fd, len(_RECORD_START), 0) != _RECORD_START:
+            return None  # empty, or not an Optuna journal: never touched (opening it says why)
+        lock.acquire()
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            if salvage:
+                return _salvage_journal(path, fd)
+            tail_len = min(size, 1 << 16)
+            while True:  # the last newline: scan back from the end
+                tail = os.pread(fd, tail_len, size - tail_len)
+                if tail.endswith(b"\n"):
+                    return None
+                cut = tail.rfind(b"\n")
+                if cut >= 0 or tail_len == size:
+                    keep = size - tail_len + cut + 1
+                    break
+                tail_len = min(size, tail_len * 4)
+            if not _whole_record(fd, keep):
+                return None  # what precedes the tail is not a complete record: not a torn journal
+            os.ftruncate(fd, keep)
+            os.fsync(fd)
+            return (f"repaired the tuning journal {path}: dropped a partial last record ({size - keep} bytes, "
+                    "what a crash or a full disk leaves mid-write); every complete record is kept")
+        finally:
+            lock.release()
+    finally:
+        os.close(fd)
+
+
+_RECORD_START = b'{"op_code":'  # how Optuna's JournalStorage writes each record (compact JSON)
+
+
+def _whole_record(fd: int, keep: int) -> bool:
+    """The last line of the first `keep` bytes (ending in a newline) is a complete journal record
+    (a record over 1 MiB counts as not: no repair), or nothing is kept (one torn record)."""
+    if keep == 0:
+        return True
+    n = min(keep, 1 << 20)
+    line = os.pread(fd, n, keep - n)[:-1].rsplit(b"\n", 1)[-1]
+    return line.startswith(_RECORD_START) and _parses(line)
+
+
+def _parses(line: bytes) -> bool:
+    import json
+
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _salvage_journal(path: Path, fd: int) -> str | None:
+    import json
+
+    with open(fd, "rb", closefd=False) as f:
+        f.seek(0)
+        lines = f.read().split(b"\n")
+    tail = lines.pop()  # b"" after a final newline; else a torn record
+    out, fixed = [], 0
+    for ln in lines:
+        if ln.startswith(_RECORD_START) and _parses(ln):
+            out.append(ln)
+            continue
+        start = ln.rfind(_RECORD_START)
+        while start > 0:
+            try:
+                json.loads(ln[start:])
+                break
+            except ValueError:
+                start = ln.rfind(_RECORD_START, 0, start)
+        if start <= 0:
+            return None  # not the damage a torn append leaves: let the open say the file is unreadable
+        out.append(ln[start:])
+        fixed += 1
+    if not fixed and not tail:
+        return None
+    text = b"".join(ln + b"\n" for ln in out)
+    tmp = path.with_name(f".{path.name}.repair-{os.getpid()}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IMODE(os.fstat(fd).st_mode))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    return (f"repaired the tuning journal {path}: dropped {fixed + bool(tail)} partial record(s) a crash or a "
+            f"full disk left mid-write; kept every complete record ({len(out)})")
 
 
 def fail_stale(study) -> None:
