@@ -346,6 +346,10 @@ def check_host_memory(cfg: ModelConfig, batch: int, context: int, chunks: list[t
     host = _host_memory_bytes()
     kv = batch * context * cfg.kv_bytes_per_token()
     work = max((step_working_bytes(cfg, r, q, context) for r, q in chunks), default=0)
+    if host is not None and kv > host:
+        raise ConfigError(f"{flag}: the {whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, "
+                          f"{cfg.name}) needs {_size(kv)}, more than this host's {_size(host)} of memory "
+                          "(fewer --steps, shorter prompts or fewer sequences)")
     if host is not None and kv + work > host:
         rows, q = max(chunks, key=lambda c: step_working_bytes(cfg, c[0], c[1], context))
         raise ConfigError(f"{flag}: {whose}{cfg.name} over {batch} x {context:,} tokens needs about {_size(kv + work)} "
