@@ -459,3 +459,22 @@ def test_a_failed_wait_kills_the_compile_worker(monkeypatch):
     with pytest.raises(OverflowError):
         obj._run_worker(None, TuningConfig())
     assert started and started[0].poll() is not None, "the worker is still running"
+
+
+def test_a_relative_path_out_of_the_presets_directory_is_not_a_preset(tmp_path, monkeypatch, warm):
+    """`--model ../../x` named a file outside the presets directory, joined onto it: a model
+    TOML planted there was built. Now a value with a path separator is a path (from the working
+    directory), never a preset; there it names no file."""
+    from importlib import resources
+
+    (tmp_path / "planted.toml").write_text('name = "planted"\nnum_layers = 1\nhidden_size = 128\nnum_q_heads = 2\n'
+                                           'num_kv_heads = 1\nhead_dim = 128\nffn_size = 256\nvocab_size = 256\n'
+                                           'dtype = "float32"\n')
+    presets = Path(str(resources.files("tpumk.model.presets")))
+    rel = os.path.relpath(tmp_path / "planted", presets)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    r, _ = run_cli(["cache-key", "--model", rel, "--target", "cpu"])
+    assert r.exit_code == INPUT and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.startswith("tpumk: error:") and len(r.stderr.splitlines()) == 1 and "no such model file" in r.stderr
