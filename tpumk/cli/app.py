@@ -292,11 +292,13 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
 def quality(model, checkpoint, seed, dtype, schemes, steps, as_json):
     """Logit error of each weight format against the float model, on fixed prompts (reference decode)."""
     from tpumk.decode import generate as gen
-    from tpumk.decode.quality import logit_quality
+    from tpumk.decode.quality import check_request, logit_quality
 
     parts = schemes.split(";") if ";" in schemes or "=" in schemes else schemes.split(",")
+    parts = [p.strip() for p in parts if p.strip()]
+    check_request(steps, parts)  # before a model is loaded
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
-    r = logit_quality(m.cfg, m.params, [p.strip() for p in parts if p.strip()], steps=steps)
+    r = logit_quality(m.cfg, m.params, parts, steps=steps)
     if as_json:
         emit_json(r)
         return

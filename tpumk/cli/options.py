@@ -211,8 +211,9 @@ def spec_options(tuning: bool = True):
         click.option("--devices", default=S.DEFAULT_DEVICES, show_default=True,
                      help="TensorCores (devices) one step spans: heads, FFN widths, experts and vocabulary split "
                           "across them, collectives inside the kernel."),
-        click.option("--quant", default=S.DEFAULT_QUANT, show_default=True, metavar="SCHEME",
-                     help=QUANT_HELP),
+        click.option("--quant", default=None, metavar="SCHEME",
+                     help=QUANT_HELP + f" Default: {S.DEFAULT_QUANT}, or the format a quantized checkpoint stores "
+                                       "(an FP8 checkpoint: fp8-b128)."),
     ]
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),
@@ -235,7 +236,8 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
                  page_size=None, devices=None, quant=None, tuning_file=None):
     """A BuildSpec from command-line values (None: the default)."""
     from tpumk.errors import ConfigError
-    from tpumk.model.config import load_hf_config, resolve_model
+    from tpumk.model.config import load_hf_model, resolve_model_scheme
+    from tpumk.model.quantize import build_scheme
     from tpumk.plan import spec as S
     from tpumk.plan.knobs import TuningConfig, load_tuning
     from tpumk.targets import get_target
@@ -249,10 +251,14 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
             raise ConfigError(f"{flag}: empty value (expected {what}; leave the option out for the default)")
     if model is not None and checkpoint is not None:
         raise ConfigError("give either --model or --checkpoint, not both")
-    cfg = load_hf_config(checkpoint) if checkpoint is not None else \
-        resolve_model(S.DEFAULT_MODEL if model is None else model)
+    cfg, stored = load_hf_model(checkpoint) if checkpoint is not None else \
+        resolve_model_scheme(S.DEFAULT_MODEL if model is None else model)
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
+    try:  # a quantized checkpoint builds as stored (the loader packs that format)
+        quant = build_scheme(stored, quant, cfg)
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(e).startswith("--quant") else f"--quant: {e}") from None
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
                                  ("page_size", page_size), ("devices", devices), ("quant", quant)) if v is not None}
     return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),

@@ -167,6 +167,10 @@ def tune(spec, space_file, trials, max_infeasible,
                             cache_dir=Path(cache_dir) if cache_dir else None, top=top,
                             max_infeasible=max_infeasible)
     settings.validate()  # (run() validates again: cheap, and here it errs before any output)
+    nothing = space.admits_nothing(problem)
+    if nothing is not None:
+        raise ConfigError(f"--space {space.source}: the constraints admit no configuration of its {space.size():,} "
+                          f"grid points for this build; e.g. {nothing}")
     keys = ResultKeys(problem)  # the evaluator's source, read once for the name and the study
     if study_name is None:
         name = study_name_for(problem, space, choice.name, keys.evaluator)

@@ -2,7 +2,8 @@
 
 The key covers the model config, the target and its topology, the step shapes, the tuning
 knobs, the source of the code that computed the value, the jax / jaxlib / libtpu versions
-and the compile flags. It is computed from files and metadata only (no JAX backend, no
+and the compile settings (`compile_flags`: the environment libtpu and XLA read, and every
+JAX option that changes what JAX traces, lowers, exports or asks XLA to compile). It is computed from files and metadata only (no JAX backend, no
 compile), so CI can ask for it in about a second. The encoding is canonical JSON (sorted keys,
 no whitespace, floats by repr), so the same inputs give the same key in any process on any
 machine.
@@ -49,12 +50,30 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../tpumk
 ARTIFACT_ENTRY = "tpumk.export.artifacts"
 # Bump when the artifact layout or what the key covers changes (old keys then miss, never collide).
 # 2: source by import closure of whole units (was: a hand-kept list of files).
-KEY_SCHEMA = 2
+# 3: the JAX options that change the program (`jax_options`), TPU_MEGACORE.
+KEY_SCHEMA = 3
 # libtpu flags that only write reports beside a compile and do not change the executable: left
 # out of the key (the static-profile dump, tpumk.estimate.static_profile).
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
-# Environment variables that feed the compiler.
-COMPILE_ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS", "JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION")
+# Environment variables libtpu and XLA read that change the executable: libtpu's and XLA's
+# compiler flags, and libtpu's megacore mode (how a chip's TensorCores are used). The other
+# TPU_* variables libtpu reads name the host's chips and workers, logging and runtime buffers:
+# a deviceless compile names its topology itself (tpumk.targets), so they do not reach the
+# program; tpumk's own defaults for them (tpumk._env) are among those. JAX_* variables are
+# covered by their effect, the options' values (`jax_options`).
+COMPILE_ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS", "TPU_MEGACORE")
+# JAX options that change the program beyond the ones JAX keys its own traces on
+# (`trace_context_names()`: x64, matmul precision, Shardy, PRNG, dtype promotion, ...): the
+# options JAX passes to XLA's compile (optimisation effort and levels, the remat pass), the
+# source locations written into the exported StableHLO, the PRNG implementation, and the export
+# format versions.
+JAX_COMPILE_OPTIONS = (
+    "jax_exec_time_optimization_effort", "jax_memory_fitting_effort", "jax_optimization_level",
+    "jax_memory_fitting_level", "jax_compiler_enable_remat_pass", "jax_include_full_tracebacks_in_locations",
+    "jax_traceback_in_locations_limit", "jax_hlo_source_file_canonicalization_regex", "jax_default_prng_impl",
+    "jax_enable_custom_prng", "jax_legacy_prng_key", "jax_serialization_version",
+    "jax_export_calling_convention_version", "jax_persistent_cache_enable_xla_caches",
+)
 ROOT = PACKAGE  # the unit name of the package root, tpumk/__init__.py
 
 
@@ -211,8 +230,8 @@ def stack_versions() -> dict[str, str]:
 
 
 def compile_flags() -> dict[str, str]:
-    """Compiler-relevant environment, minus the static-profile dump flag (it only writes a
-    report next to the compile and does not change the executable)."""
+    """Compiler-relevant environment (COMPILE_ENV), minus the static-profile dump flag (it only
+    writes a report next to the compile and does not change the executable)."""
     out = {}
     for var in COMPILE_ENV:
         v = os.environ.get(var)
@@ -221,6 +240,37 @@ def compile_flags() -> dict[str, str]:
         if v:
             out[var] = " ".join(v.split())
     return out
+
+
+def jax_option_names() -> list[str]:
+    """The JAX options that change the program: those JAX itself keys its traces and jit cache
+    on (so no list here goes stale when JAX adds one) and JAX_COMPILE_OPTIONS; only the ones
+    this JAX defines."""
+    from jax._src import config as jc
+
+    try:
+        traced = list(jc.trace_context_names())
+    except NotImplementedError:  # older jaxlib: the compile options and the well-known traced ones
+        traced = ["jax_enable_x64", "jax_default_matmul_precision", "jax_use_shardy_partitioner",
+                  "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion", "jax_threefry_partitionable"]
+    defined = jc.config._value_holders
+    return sorted({n for n in traced + list(JAX_COMPILE_OPTIONS) if n in defined})
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return repr(v)
+    return str(getattr(v, "name", v))  # enums, dtypes, precision objects
+
+
+def jax_options() -> dict[str, Any]:
+    """The values the JAX options that change the program have in this process (set by their
+    JAX_* environment variables, jax.config.update or a context manager), by name."""
+    from jax._src import config as jc
+
+    return {name: _plain(jc.config._read(name)) for name in jax_option_names()}
 
 
 # ---------------------------------------------------------------------- the key
@@ -237,6 +287,7 @@ def key_inputs(spec: BuildSpec) -> dict[str, Any]:
         "source": source_inputs(ARTIFACT_ENTRY),
         "versions": stack_versions(),
         "compile_flags": compile_flags(),
+        "jax_options": jax_options(),
     }
 
 

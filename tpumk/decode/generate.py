@@ -69,14 +69,11 @@ def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: 
 def quantized(m: Model, scheme: str) -> Model:
     """`m` with its streamed matrices quantized (`tpumk.model.quantize`): the reference and the
     megakernel then run the same quantized weights. "none": `m` itself."""
-    from tpumk.model.quantize import canonical_scheme, quantize_params
+    from tpumk.model.quantize import build_scheme, quantize_params
 
-    scheme = canonical_scheme(scheme, m.cfg)
-    if scheme in ("none", m.quant):
+    scheme = build_scheme(m.quant, scheme, m.cfg)  # the one decision (a quantized checkpoint: as stored)
+    if scheme == m.quant:
         return m
-    if m.quant != "none":
-        raise ConfigError(f"--quant {scheme}: the checkpoint stores its weights as {m.quant}; re-quantizing "
-                          f"them would be a lossy round trip (leave --quant out, or give {m.quant})")
     return Model(m.cfg, quantize_params(m.cfg, m.params, scheme), f"{m.source}, {scheme} weights", scheme)
 
 
@@ -241,6 +238,12 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         raise ConfigError(f"--context: {context} tokens < {need} needed for the longest prompt plus steps"
                           + (f" plus {k} draft tokens" if k else ""))
     context = -(-context // page_size) * page_size  # the cache holds whole pages (plans require it)
+    longest = max(len(p) for p in prompts)
+    chunks = [(1, longest), (len(prompts), k + 1)]  # the longest prompt's prefill; a decode / verify step
+    flag = "--prompt-ids" if longest > steps + k else "--steps"
+    check_host_memory(m.cfg, len(prompts), context, chunks, flag=flag)
+    if draft is not None:
+        check_host_memory(draft.cfg, len(prompts), context, chunks, flag=flag, whose="the draft model ")
     cache = _init_cache(m.cfg, len(prompts), context, page_size, "")
     ref_step = reference_step(m.cfg)
     t0 = time.perf_counter()
@@ -304,10 +307,57 @@ def _size(nbytes: int) -> str:
 
 
 def _host_memory_bytes() -> int | None:
+    """The memory this host can give a request now: MemAvailable (Linux), else the physical
+    memory."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def step_working_bytes(cfg: ModelConfig, rows: int, q: int, context: int) -> int:
+    """An estimate of the largest temporaries of one reference step of `rows` sequences x `q`
+    tokens over a `context`-token cache (a prefill chunk is 1 x prompt length): the float32
+    attention scores and probabilities [rows, Hq, q, context] (four live copies: scores, the
+    masked scores, the softmax and its exponentials; a 20,000-token prefill of tiny-dense was
+    measured at 12 GB resident, this gives 13), the key-validity mask, the float32 logits [rows, q, vocab]
+    (two), and the FFN activations (the reference evaluates every routed expert densely:
+    [E, rows * q, 3 * expert width + hidden])."""
+    n = rows * q
+    attn = 4 * 4 * rows * cfg.num_q_heads * q * context + 2 * rows * q * context
+    logits = 2 * 4 * n * cfg.vocab_size
+    ffn = 3 * 4 * n * max(cfg.ffn_size, cfg.hidden_size)
+    if cfg.is_moe:
+        ffn = max(ffn, 4 * n * cfg.num_experts * (3 * cfg.expert_ffn_size + cfg.hidden_size))
+    return int(attn + logits + ffn)
+
+
+def check_host_memory(cfg: ModelConfig, batch: int, context: int, chunks: list[tuple[int, int]],
+                      flag: str = "--steps", whose: str = "") -> None:
+    """Refuse (one line naming `flag`) a request whose KV cache of `batch` x `context` tokens plus
+    the largest step's temporaries (`step_working_bytes` over each (rows, q) in `chunks`: the
+    longest prompt's prefill, the decode or verify step) would not fit in this host's memory,
+    before anything is allocated or compiled. Arithmetic only, so it runs first."""
+    host = _host_memory_bytes()
+    kv = batch * context * cfg.kv_bytes_per_token()
+    work = max((step_working_bytes(cfg, r, q, context) for r, q in chunks), default=0)
+    if host is not None and kv > host:
+        raise ConfigError(f"{flag}: the {whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, "
+                          f"{cfg.name}) needs {_size(kv)}, more than this host's {_size(host)} of memory "
+                          "(fewer --steps, shorter prompts or fewer sequences)")
+    if host is not None and kv + work > host:
+        rows, q = max(chunks, key=lambda c: step_working_bytes(cfg, c[0], c[1], context))
+        raise ConfigError(f"{flag}: {whose}{cfg.name} over {batch} x {context:,} tokens needs about {_size(kv + work)} "
+                          f"(KV cache {_size(kv)}, the {rows} x {q:,}-token step's temporaries {_size(work)}), more "
+                          f"than this host's {_size(host)} of available memory (fewer --steps, shorter prompts or fewer "
+                          "sequences)")
 
 
 def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str):
@@ -316,10 +366,7 @@ def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whos
     nbytes = batch * context * cfg.kv_bytes_per_token()
     what = (f"{whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, {cfg.name}) needs "
             f"{_size(nbytes)}")
-    host = _host_memory_bytes()
-    if host is not None and nbytes > host:
-        raise ConfigError(f"--steps: the {what}, more than this host's {_size(host)} of memory "
-                          "(fewer --steps, shorter prompts or fewer sequences)")
+    check_host_memory(cfg, batch, context, [], whose=whose)
     try:
         return reference.init_cache(cfg, batch, context, page_size=page_size)
     except MemoryError:

@@ -50,12 +50,36 @@ def ref_context(prompts, steps: int, page: int = 16) -> int:
     return -(-longest // page) * page
 
 
+def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PROMPTS - 1)) -> None:
+    """--steps a positive count within the longest context after the longest prompt, and
+    --quant at least one scheme, each parsing and none given twice: checked before a model is
+    loaded (`longest` defaults to the fixed prompts' longest)."""
+    from tpumk.plan.spec import MAX_CONTEXT
+
+    upper = MAX_CONTEXT - longest - 1
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= upper):
+        raise ConfigError(f"--steps: expected a positive number of decode steps at most {upper:,} (the longest "
+                          f"context a sequence can have, less the prompt), got {steps!r:.40}")
+    names = [canonical_scheme(s) for s in schemes]
+    if not names:
+        raise ConfigError("--quant: expected at least one scheme to compare with the float model")
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise ConfigError(f"--quant: scheme {dup} given twice")
+
+
 def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
                   prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """Relative RMS of the logits and greedy agreement of each scheme against `params` (float)."""
+    from tpumk.decode.generate import check_host_memory
+
     if any(not isinstance(v, (np.ndarray, jnp.ndarray)) for v in params["layers"][0].values()):
         raise ConfigError("quality: the weights are quantized already; give float weights to compare against")
     prompts = [list(p) for p in (prompts or fixed_prompts(cfg.vocab_size))]
+    longest = max(len(p) for p in prompts)
+    check_request(steps, schemes, longest)
+    schemes = [canonical_scheme(s, cfg) for s in schemes]
+    check_host_memory(cfg, len(prompts), ref_context(prompts, steps), [(1, longest), (len(prompts), 1)])
     want, forced = _logits(cfg, params, prompts, None, steps)
     rows = []
     for scheme in schemes:

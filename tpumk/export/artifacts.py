@@ -166,12 +166,17 @@ def _refuse_foreign(final: Path) -> None:
                             "copy): refusing to replace what tpumk did not write; remove it and export again")
 
 
-def check_exportable(spec: BuildSpec) -> None:
-    """ArtifactError (one line saying why) for a build no artifact can hold: a `cpu` build over
-    many devices (tpumk.export.checks.unexportable)."""
+def check_exportable(spec: BuildSpec):
+    """The build's plan, after the checks `tpumk build` makes before compiling (the same
+    `make_plan`: a spec build refuses gets no key and no artifact, PlanError naming why), and
+    ArtifactError (one line saying why) for a build no artifact can hold: a `cpu` build over
+    many devices (tpumk.export.checks.unexportable). Plan arithmetic only, no compile."""
+    from tpumk.plan.plan import make_plan
+
     why = checks.unexportable(spec.target, spec.devices)
     if why:
         raise ArtifactError(why)
+    return make_plan(spec)
 
 
 def _compiled_mesh(compiled, plan) -> list:
@@ -191,7 +196,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     Signed when a signing key is configured (tpumk.export.signing)."""
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
-    check_exportable(spec)
+    plan = check_exportable(spec)  # refused as `tpumk build` refuses it, before the key and any cache hit
     sign_key = signing.configured_key()  # a misconfigured key fails before compiling
     inputs = key_inputs(spec)
     key = cache_key(inputs)
@@ -210,10 +215,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     from tpumk.compile.aot import compile_for, compile_plan
     from tpumk.estimate.profiler import estimate_in_subprocess
     from tpumk.kernel.megakernel import make_decode_step, step_specs
-    from tpumk.plan.plan import make_plan
-
     _register_pytrees()
-    plan = make_plan(spec)  # PlanError before compiling
     specs = step_specs(plan)
     if plan.devices == 1:
         # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it

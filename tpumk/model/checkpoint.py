@@ -61,7 +61,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import ModelConfig, load_hf_config
+from tpumk.model.config import ModelConfig, load_hf_model
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params
@@ -69,7 +69,7 @@ from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype tags of the float formats read as is; e4m3 is read in FP8 checkpoints only
-# (see `_fp8_config`); anything else (int / packed) is a quantization tpumk does not read.
+# (see `tpumk.model.config.stored_scheme`); anything else (int / packed) is a quantization tpumk does not read.
 _DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 FP8_TAG = "F8_E4M3"
 # Reference keys a checkpoint may store in FP8 (the ring's matrices and the routed experts: the
@@ -313,9 +313,9 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         raise CheckpointError(f"{d}: checkpoint directory does not exist")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
-    cfg = load_hf_config(d / "config.json")
+    cfg, stored = load_hf_model(d / "config.json")  # refuses a quantization tpumk does not read
     config_json = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
-    fp8 = _fp8_config(d / "config.json")
+    fp8 = stored == "fp8-b128"
     cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
@@ -323,28 +323,6 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
-
-
-def _fp8_config(config_json: Path) -> bool:
-    """True for an FP8 checkpoint in the official Hugging Face format (`quantization_config`
-    quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]); any other quantization is
-    refused in one line naming it."""
-    quant = json.loads(read_regular(config_json)).get("quantization_config")  # a JSON object: checked by load_hf_config
-    if not quant:
-        return False
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-    if method != "fp8":
-        raise NotSupportedError(f"{config_json}: not supported yet: quantized checkpoint ({_short(method)}; "
-                                "tpumk reads fp8 checkpoints with 128 x 128 block scales)")
-    fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
-    if fmt != "e4m3" or block != [GROUP, GROUP]:
-        raise NotSupportedError(f"{config_json}: not supported yet: fp8 checkpoint with fmt {_short(fmt)} and "
-                                f"weight_block_size {_short(block)} (tpumk reads e4m3 with [{GROUP}, {GROUP}] blocks)")
-    return True
-
-
-def _short(v: Any) -> str:
-    return repr(v)[:60]
 
 
 def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, ...], compute) -> QuantizedMatrix:
@@ -359,7 +337,12 @@ def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, 
     q = fn(t.read(fp8=True))
     # one scale row per output row first, so fn (a transpose, or the RoPE row permutation of
     # q_b / kv_a then a transpose) moves each row's scales with its codes
-    s = np.repeat(np.asarray(scale.read(), np.float32), GROUP, axis=-2)[..., :out_dim, :]
+    blocks = np.asarray(scale.read(), np.float32)
+    if not np.all(np.isfinite(blocks) & (blocks > 0)):
+        bad = blocks[~(np.isfinite(blocks) & (blocks > 0))].flat[0]
+        raise CheckpointError(f"{scale.file}: tensor '{scale.name}' holds a block scale of {float(bad)!r}: expected "
+                              "finite scales above zero (dequantized = weight x scale_inv)")
+    s = np.repeat(blocks, GROUP, axis=-2)[..., :out_dim, :]
     s = np.asarray(fn(s), np.float32)  # [.., ceil(in/128), out]
     return QuantizedMatrix(jnp.asarray(q), jnp.asarray(s), jnp.zeros((0,), compute))
 

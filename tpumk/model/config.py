@@ -670,7 +670,36 @@ class _HFFields:
 _REQUIRED = object()
 
 
+def stored_scheme(data: Any, source: str) -> str:
+    """The weight scheme (tpumk.model.quantize) a Hugging Face checkpoint stores its weights in,
+    from its config.json's `quantization_config`: "none" without one, "fp8-b128" for the
+    official FP8 format (quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]). Every
+    place a build's weights are derived from a checkpoint's config asks here (the spec's
+    default --quant, the checkpoint loader). Any other quantization is refused in one line."""
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    if quant is None or quant == {}:
+        return "none"
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{source}: field 'quantization_config' = {_short_repr(quant)}: expected an object "
+                          f"(e.g. {{\"quant_method\": \"fp8\", ...}}) or null")
+    method = quant.get("quant_method", "?")
+    if method != "fp8":
+        raise NotSupportedError(f"{source}: not supported yet: quantized checkpoint ({_short_repr(method)}; "
+                                "tpumk reads fp8 checkpoints with 128 x 128 block scales)")
+    fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+    if fmt != "e4m3" or block != [128, 128] or any(isinstance(b, bool) for b in block):
+        raise NotSupportedError(f"{source}: not supported yet: fp8 checkpoint with fmt {_short_repr(fmt)} and "
+                                f"weight_block_size {_short_repr(block)} (tpumk reads e4m3 with [128, 128] blocks)")
+    return "fp8-b128"
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
+    return load_hf_model(path)[0]
+
+
+def load_hf_model(path: str | Path) -> tuple[ModelConfig, str]:
+    """A config.json (or a checkpoint directory's) as (ModelConfig, the scheme its weights are
+    stored in: `stored_scheme`), read once."""
     from tpumk.files import TEXT_LIMIT, is_dir, read_regular
 
     path = Path(path)
@@ -683,9 +712,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
-    except OSError as e:  # permission denied, a path through a regular file, an I/O error
-        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
-    return from_hf_config(data, str(path))
+    return from_hf_config(data, str(path)), stored_scheme(data, str(path))
 
 
 # ---------------------------------------------------------------------- presets
@@ -693,16 +720,30 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".toml"))
 
 
+def is_preset_name(name: str) -> bool:
+    """A plain name (letters, digits, '.', '_', '-'; no path separator, not '.' or '..'): only
+    such a name is looked up among the presets, never joined into their directory otherwise."""
+    return (isinstance(name, str) and 0 < len(name) <= 100 and name.strip(".") != ""
+            and all(c.isascii() and (c.isalnum() or c in "._-") for c in name))
+
+
 def load_preset(name: str) -> ModelConfig:
+    if not is_preset_name(name) or name not in preset_names():
+        raise ConfigError(f"unknown model preset {_short_repr(name)} (presets: {', '.join(preset_names())})")
     res = resources.files(PRESET_PACKAGE) / f"{name}.toml"
-    if not res.is_file():
-        raise ConfigError(f"unknown model preset '{name}' (presets: {', '.join(preset_names())})")
     data = tomllib.loads(res.read_text())
     return from_dict(data, f"preset {name}")
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, a TOML file, a Hugging Face config.json, or a checkpoint directory."""
+    return resolve_model_scheme(spec)[0]
+
+
+def resolve_model_scheme(spec: str) -> tuple[ModelConfig, str]:
+    """A preset name, a TOML file, a Hugging Face config.json, or a checkpoint directory, with
+    the scheme its weights are stored in ("none" but for a quantized checkpoint's config.json:
+    `stored_scheme`). A value that is not a plain name (a path: it holds a '/') is a file or
+    directory, never a preset."""
     from tpumk.files import is_dir, name_problem, shown
 
     p = Path(spec)
@@ -710,7 +751,13 @@ def resolve_model(spec: str) -> ModelConfig:
     if problem:
         raise ConfigError(f"--model {shown(spec)}: {problem}")
     if spec.endswith(".toml"):
-        return load_toml(p)
+        return load_toml(p), "none"
     if spec.endswith(".json") or is_dir(p):
-        return load_hf_config(p)
-    return load_preset(spec)
+        return load_hf_model(p)
+    if is_preset_name(spec):
+        return load_preset(spec), "none"
+    if not p.exists():
+        raise ConfigError(f"{_short_repr(spec)}: no such model file or directory, and not a preset name "
+                          f"(presets: {', '.join(preset_names())})")
+    raise ConfigError(f"{_short_repr(spec)}: a model file is a model TOML (*.toml) or a config.json (*.json), "
+                      "or give a checkpoint directory")

@@ -141,10 +141,15 @@ def parse_scheme(text: Any) -> Scheme:
         ring, experts = PRESETS[text]
     else:
         parts = dict(ring="none", experts="none")
+        seen = set()
         for item in text.split(","):
             key, eq, val = item.strip().partition("=")
+            key = key.strip()
             if not eq or key not in parts:
                 raise ConfigError(f"quant = {text!r:.60}: {expected}")
+            if key in seen:  # never "the last one wins"
+                raise ConfigError(f"quant = {text!r:.60}: '{key}' given twice (give each of ring, experts once)")
+            seen.add(key)
             parts[key] = val.strip()
         ring, experts = parts["ring"], parts["experts"]
         if ring not in ("none",) + RING_FORMATS or experts not in ("none",) + EXPERT_FORMATS:
@@ -157,6 +162,23 @@ def canonical_scheme(text: Any, cfg=None) -> str:
     has no routed experts (the same build, so the same name and cache key)."""
     s = parse_scheme(text)
     return s.name if cfg is None else s.name_for(cfg.is_moe)
+
+
+def build_scheme(stored: str, requested: Any, cfg=None) -> str:
+    """The one decision of a build's weight scheme: `requested` (--quant; None: not given) over
+    weights stored as `stored` ("none": float weights, quantized as requested at pack time; a
+    quantized checkpoint's format, tpumk.model.config.stored_scheme). A quantized checkpoint
+    builds as it is stored: not given or the same scheme is that format, any other is refused
+    (re-quantizing stored codes would be a lossy round trip). "none" asks for no quantization at
+    pack time, so it too is the stored format."""
+    stored = canonical_scheme(stored, cfg)
+    scheme = "none" if requested is None else canonical_scheme(requested, cfg)
+    if scheme == "none":
+        return stored
+    if stored not in ("none", scheme):
+        raise ConfigError(f"--quant {scheme}: the checkpoint stores its weights as {stored}; re-quantizing "
+                          f"them would be a lossy round trip (leave --quant out, or give {stored})")
+    return scheme
 
 
 def weight_format(scheme: Any) -> WeightFormat | None:

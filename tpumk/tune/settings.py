@@ -9,6 +9,10 @@ from tpumk.errors import ConfigError
 from tpumk.tune.storage import DEFAULT_HEARTBEAT, DEFAULT_ROOT
 
 DEFAULT_TIMEOUT = 900.0  # seconds per trial: compile (+ profiling compile, + timing)
+# The longest --timeout: a day per trial is far past any compile tpumk makes (the largest,
+# DeepSeek-V3 over 32 devices, takes minutes); past it a value is a mistake (inf, 1e300), and
+# the wait primitives refuse what does not fit their clocks (OverflowError).
+MAX_TIMEOUT = 86400.0
 INFEASIBLE_FACTOR = 10  # default max_infeasible = this x trials
 
 
@@ -40,5 +44,7 @@ class TuneSettings:
         m = self.max_infeasible
         if m is not None and not (isinstance(m, int) and not isinstance(m, bool) and m >= 0):
             raise ConfigError(f"--max-infeasible: {m!r}: expected an integer >= 0")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ConfigError(f"--timeout: {self.timeout!r}: expected a positive number of seconds")
+        t = self.timeout
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= MAX_TIMEOUT):
+            raise ConfigError(f"--timeout: {t!r}: expected a positive, finite number of seconds at most "
+                              f"{MAX_TIMEOUT:,.0f} (a day)")

@@ -130,6 +130,9 @@ _MAX_DEPTH = 200
 # An int knob's range is searched by Optuna's IntDistribution and checked at a few candidates,
 # never listed, but its candidates must stay countable and its bounds sane integers.
 MAX_INT_CANDIDATES = 1_000_000
+# A bound space's grid up to this many points is walked before a study starts, so constraints
+# that admit no configuration are refused in one line (tpumk tune) rather than spent trial by trial.
+MAX_GRID_CHECK = 4096
 MAX_KNOB_VALUE = 2**53  # exact in a float, far above any real knob value (bytes of a tile, pages)
 
 
@@ -530,6 +533,55 @@ class TuningSpace:
     def size(self) -> int:
         """Points of the grid of searched values (constraints not applied)."""
         return math.prod(k.size() for k in self.knobs.values())
+
+    def admits_nothing(self, spec: "BuildSpec", seconds: float = 10.0) -> str | None:
+        """Why no configuration of this (bound) space can be a trial, when its grid is at most
+        MAX_GRID_CHECK points and every point is refused: a constraint evaluates to false for it,
+        or its knobs are not a valid TuningConfig, or the model does not split that way. None
+        when some point passes, when a constraint cannot be evaluated at some point (that prunes
+        the trial and the study goes on, as the README says), or when the grid is too large to
+        walk (the study finds out trial by trial). Arithmetic on the grid only, no plan or compile."""
+        import itertools
+
+        from tpumk.plan.knobs import TuningConfig
+
+        if not self.constraints or self.size() > MAX_GRID_CHECK:
+            return None
+        deadline = time.monotonic() + seconds
+        names = list(self.knobs)
+        facts: dict[int, dict[str, Any] | str] = {}
+        first = None
+        for combo in itertools.product(*(k.values() for k in self.knobs.values())):
+            if time.monotonic() > deadline:
+                return None
+            values = dict(zip(names, combo))
+            try:
+                tuning = self.tuning_for(values)
+            except ConfigError as e:
+                first = first or str(e)
+                continue
+            ep = tuning.expert_parallel
+            if ep not in facts:
+                try:
+                    facts[ep] = space_facts(spec.replace(tuning=TuningConfig(expert_parallel=ep)))
+                except (PlanError, ConfigError) as e:
+                    facts[ep] = str(e)
+            if isinstance(facts[ep], str):
+                first = first or facts[ep]
+                continue
+            env = {**facts[ep], **tuning.to_dict()}
+            for c in self.constraints:
+                try:
+                    ok = c.holds(env, deadline)
+                except ConstraintError:
+                    return None  # not evaluable here: the trial is pruned, the study goes on
+                if not ok:
+                    used = ", ".join(f"{n}={env[n]!r}" for n in c.names)
+                    first = first or f"{c.why} ({' '.join(c.expr.split())}; {used})"
+                    break
+            else:
+                return None
+        return first
 
 
 # ---------------------------------------------------------------------- loading

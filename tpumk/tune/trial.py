@@ -298,6 +298,10 @@ class TrialRunner:
             kill_group(proc)
             proc.communicate()
             return None, f"timed out after {self.settings.timeout:g} s (worker killed)", None
+        except BaseException:  # an interrupt, or anything else: no worker outlives its trial
+            kill_group(proc)
+            proc.communicate()
+            raise
         finally:
             with self.lock:
                 self.procs.discard(proc)
