@@ -48,3 +48,22 @@ def hf_qwen3_moe_dir(tmp_path_factory) -> Path:
 
     Saved in small shards so the index-file path of the loader is exercised too."""
     return build_checkpoint(tmp_path_factory.mktemp("hf_qwen3_moe"), moe=True, seed=2, max_shard_size="4MB")
+
+
+# One pytest-xdist worker per core, as long as each gets GIB_PER_WORKER of memory: a worker holds
+# JAX, libtpu and its files' compiled programs (about 4 GiB at its peak), and a multi-device test
+# starts a subprocess of about as much beside it.
+GIB_PER_WORKER = 8
+
+
+@pytest.hookimpl(optionalhook=True)  # a run with -p no:xdist has no such hook
+def pytest_xdist_auto_num_workers(config) -> int:
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:  # MemAvailable counts the page cache a worker can reclaim (a fresh pip install fills it)
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return cores
+    return max(1, min(cores, avail // (GIB_PER_WORKER << 30)))

@@ -47,9 +47,15 @@ def test_serving_step_matches_the_reference(preset, q_len):
                                                   cache.block_tables, lengths, blocks=(2, 8), kernel_reference=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(kv_lens), np.asarray(lengths + q_len))
-    # the new rows landed where the reference wrote them
+    # The new rows landed where the reference wrote them. The old rows are copied (exact); the new
+    # ones are float32 projections that XLA sums in another order than the reference's dot: a
+    # K-term float32 dot is off by at most K * 2^-24 of the sum of |terms| (K = hidden size), and
+    # QK-norm / RoPE keep the row's scale, so the bound is that much of the largest cache value.
     for a, b in zip(caches, _paged_to_serving(new_cache, cfg)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=cfg.hidden_size * 2.0 ** -24 * np.max(np.abs(b)))
+        written = np.any(a != b, axis=(1, 2, 3))  # pages holding a new row; every other page is bit-exact
+        assert written.sum() <= batch * q_len
 
 
 def test_block_sizes_follow_the_kernels_table():
