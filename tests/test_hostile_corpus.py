@@ -37,6 +37,8 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 
+from file_trees import Symlink, snapshot, stray, write_tree
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPACE = str(REPO / "tuning_spaces" / "tiny.toml")
 TPUMK_BIN = Path(sys.executable).parent / "tpumk"
@@ -73,11 +75,7 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
-class Symlink:
-    """A symbolic link to `target` (relative to the link's directory)."""
 
-    def __init__(self, target: str):
-        self.target = target
 
 
 class Raw:
@@ -602,46 +600,6 @@ assert len(_ids) == len(set(_ids)), sorted({i for i in _ids if _ids.count(i) > 1
 
 
 # ---------------------------------------------------------------------- the harness
-def _write(root: Path, files: dict[str, Any]) -> None:
-    for rel, content in files.items():
-        p = root / rel
-        if rel.endswith("/"):
-            p.mkdir(parents=True, exist_ok=True)
-            continue
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, Symlink):
-            p.symlink_to(content.target)
-            continue
-        if callable(content):
-            content = content()
-        if isinstance(content, bytes):
-            p.write_bytes(content)
-        else:
-            p.write_text(content)
-
-
-def _snapshot(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
-def _stray(before: dict, after: dict, allowed: list[str]) -> list[str]:
-    """Paths created, changed or removed outside the allowed directories."""
-    def ok(rel: str) -> bool:
-        return any(rel == a or rel.startswith(a + os.sep) for a in allowed)
-
-    changed = [p for p in after if before.get(p) != after[p] and not ok(p)]
-    # an allowed directory itself may appear (or get a new mtime) when files go into it
-    changed = [p for p in changed if not any(a.startswith(p + os.sep) for a in allowed)]
-    removed = [p for p in before if p not in after and not ok(p)]
-    return sorted(changed) + [f"(removed) {p}" for p in sorted(removed)]
-
-
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SIGNING_VARS}
     env.update(extra)
@@ -664,8 +622,8 @@ def test_hostile_input(case: Case, tmp_path: Path, monkeypatch, warm):
     cwd = parent / "cwd"
     cwd.mkdir(parents=True)
     (parent / "SENTINEL").write_text("nothing may change here\n")
-    _write(cwd, case.files)
-    before = _snapshot(parent)
+    write_tree(cwd, case.files)
+    before = snapshot(parent)
     monkeypatch.chdir(cwd)
     for k in SIGNING_VARS:
         monkeypatch.delenv(k, raising=False)
@@ -684,7 +642,7 @@ def test_hostile_input(case: Case, tmp_path: Path, monkeypatch, warm):
         r = CliRunner().invoke(main, case.args, catch_exceptions=True)
         code, stdout, stderr, exc = r.exit_code, r.stdout, r.stderr, r.exception
     seconds = time.perf_counter() - t0
-    after = _snapshot(parent)
+    after = snapshot(parent)
 
     problems = []
     if exc is not None and not isinstance(exc, SystemExit):
@@ -700,9 +658,9 @@ def test_hostile_input(case: Case, tmp_path: Path, monkeypatch, warm):
         lines = stderr.splitlines()
         if len(lines) != 1 or not lines[0].startswith("tpumk: error:") or not lines[0][len("tpumk: error:"):].strip():
             problems.append(f"stderr is not one 'tpumk: error: ...' line ({len(lines)} lines)")
-    stray = _stray(before, after, [str(Path("cwd") / a) for a in case.allow])
-    if stray:
-        problems.append(f"wrote outside {list(case.allow) or 'nothing allowed'}: {stray[:5]}")
+    outside = stray(before, after, [str(Path("cwd") / a) for a in case.allow])
+    if outside:
+        problems.append(f"wrote outside {list(case.allow) or 'nothing allowed'}: {outside[:5]}")
     if seconds > case.limit:
         problems.append(f"took {seconds:.1f} s (limit {case.limit:.0f} s)")
     if problems:
@@ -727,7 +685,7 @@ def _check_prunes(stdout: str) -> list[str]:
 # ---------------------------------------------------------------------- controls
 def test_control_checkpoint_generates(tmp_path, monkeypatch, warm):
     """The checkpoint the ckpt-* cases damage is itself valid: the failures are the damage's."""
-    _write(tmp_path, checkpoint(tensors=lambda: safetensors_bytes(tiny_tensors())))
+    write_tree(tmp_path, checkpoint(tensors=lambda: safetensors_bytes(tiny_tensors())))
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(main, [*CKPT_GEN, "--json"])
     assert r.exit_code == 0, (r.stderr, r.exception)

@@ -23,11 +23,9 @@ subprocess with an address-space limit (a read of /dev/zero must not take the ma
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
-import sqlite3
 import stat
 import subprocess
 import sys
@@ -41,6 +39,8 @@ import pytest
 from click.testing import CliRunner
 
 from tpumk.cli import main
+
+from file_trees import Fifo, Sparse, Symlink, snapshot, stray, write_tree
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPACE = str(REPO / "tuning_spaces" / "tiny.toml")
@@ -59,24 +59,6 @@ MODEL_TOML = ('name = "hostile"\nnum_layers = 1\nhidden_size = 128\nnum_q_heads 
 KEY = "k" * 64
 LONG = "n" * 300  # one path component over NAME_MAX (255 bytes)
 DEEP = "/".join(["d" * 100] * 45)  # short components, the whole over PATH_MAX (4095 bytes)
-
-
-class Fifo:
-    """A named pipe nobody writes to."""
-
-
-class Link:
-    """A symbolic link to `target`."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-
-class Sparse:
-    """A file of `size` bytes (sparse: zeros), far larger than any config tpumk reads."""
-
-    def __init__(self, size: int, head: bytes = b""):
-        self.size, self.head = size, head
 
 
 BUILD = ["build", "--target", "cpu"]
@@ -119,7 +101,7 @@ CASES: list[Case] = [
     Case("fifo-model-toml", [*BUILD, "--model", "m.toml"], {"m.toml": Fifo()}, says=("m.toml", "FIFO")),
     Case("fifo-model-config-json", [*BUILD, "--model", "config.json"], {"config.json": Fifo()}, says=("FIFO",)),
     Case("fifo-model-via-symlink", ["cache-key", "--model", "link.toml", "--target", "cpu"],
-         {"p": Fifo(), "link.toml": Link("p")}, says=("FIFO",)),
+         {"p": Fifo(), "link.toml": Symlink("p")}, says=("FIFO",)),
     Case("fifo-tuning", [*KEY_ARGS, "--tuning", "t.toml"], {"t.toml": Fifo()}, says=("t.toml", "FIFO")),
     Case("fifo-tuning-build", ["build", "--model", "tiny-dense", "--target", "cpu", "--tuning", "t.toml"],
          {"t.toml": Fifo()}, says=("FIFO",)),
@@ -151,15 +133,15 @@ CASES: list[Case] = [
     Case("safetensors-header-past-its-end", CKPT_GEN, ckpt(tensors=(1 << 40).to_bytes(8, "little") + b"{}"),
          says=("model.safetensors",)),
     # ---- devices (a fresh process with an address-space cap: the old read never ended)
-    Case("dev-zero-model-toml", [*BUILD, "--model", "z.toml"], {"z.toml": Link("/dev/zero")},
+    Case("dev-zero-model-toml", [*BUILD, "--model", "z.toml"], {"z.toml": Symlink("/dev/zero")},
          says=("character device",), subprocess=True),
     Case("dev-zero-tuning", [*KEY_ARGS, "--tuning", "/dev/zero"], says=("/dev/zero", "character device"),
          subprocess=True),
-    Case("dev-zero-checkpoint-config", CKPT_BUILD, ckpt(config=Link("/dev/zero")), says=("character device",),
+    Case("dev-zero-checkpoint-config", CKPT_BUILD, ckpt(config=Symlink("/dev/zero")), says=("character device",),
          subprocess=True),
     Case("dev-zero-signing-key-file", EXPORT, env={"TPUMK_SIGNING_KEY_FILE": "/dev/zero"},
          says=("TPUMK_SIGNING_KEY_FILE", "character device"), subprocess=True, allow=("out",)),
-    Case("dev-zero-safetensors", CKPT_GEN, ckpt(tensors=Link("/dev/zero")), says=("character device",),
+    Case("dev-zero-safetensors", CKPT_GEN, ckpt(tensors=Symlink("/dev/zero")), says=("character device",),
          subprocess=True),
     # ---- names the OS refuses as too long, for every path option
     Case("long-model", [*BUILD, "--model", LONG + ".toml"], says=("--model", "255")),
@@ -204,48 +186,6 @@ assert len(_ids) == len(set(_ids))
 
 
 # ---------------------------------------------------------------------- the harness
-def _write(root: Path, files: dict[str, Any]) -> list[Path]:
-    fifos = []
-    for rel, content in files.items():
-        p = root / rel
-        if rel.endswith("/"):
-            p.mkdir(parents=True, exist_ok=True)
-            continue
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, Fifo):
-            os.mkfifo(p)
-            fifos.append(p)
-        elif isinstance(content, Link):
-            p.symlink_to(content.target)
-        elif isinstance(content, Sparse):
-            with open(p, "wb") as f:
-                f.write(content.head)
-                f.truncate(content.size)
-        elif isinstance(content, bytes):
-            p.write_bytes(content)
-        else:
-            p.write_text(content)
-    return fifos
-
-
-def _snapshot(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
-def _stray(before: dict, after: dict, allowed: list[str]) -> list[str]:
-    def ok(rel: str) -> bool:
-        return any(rel == a or rel.startswith(a + os.sep) for a in allowed)
-
-    changed = [p for p in after if before.get(p) != after[p] and not ok(p)]
-    changed = [p for p in changed if not any(a.startswith(p + os.sep) for a in allowed)]
-    removed = [p for p in before if p not in after and not ok(p)]
-    return sorted(changed) + [f"(removed) {p}" for p in sorted(removed)]
 
 
 def _unblock_after(fifos: list[Path], seconds: float, fired: list[bool]) -> threading.Event:
@@ -308,8 +248,8 @@ def test_hostile_file(case: Case, tmp_path: Path, monkeypatch, warm):
     cwd = parent / "cwd"
     cwd.mkdir(parents=True)
     (parent / "SENTINEL").write_text("nothing may change here\n")
-    fifos = _write(cwd, case.files)
-    before = _snapshot(parent)
+    fifos = write_tree(cwd, case.files)
+    before = snapshot(parent)
     monkeypatch.chdir(cwd)
     for k in SIGNING_VARS:
         monkeypatch.delenv(k, raising=False)
@@ -336,14 +276,14 @@ def test_hostile_file(case: Case, tmp_path: Path, monkeypatch, warm):
         code, stdout, stderr, exc = r.exit_code, r.stdout, r.stderr, r.exception
         limit = LIMIT
     seconds = time.perf_counter() - t0
-    after = _snapshot(parent)
+    after = snapshot(parent)
 
     problems = check_one_line(code, stdout, stderr, exc, case.code, case.says)
     if fired:
         problems.insert(0, f"blocked on a FIFO for {LIMIT:.0f} s (a hang: unblocked by the test)")
-    stray = _stray(before, after, [str(Path("cwd") / a) for a in case.allow])
-    if stray:
-        problems.append(f"wrote or removed outside {list(case.allow) or 'nothing allowed'}: {stray[:5]}")
+    outside = stray(before, after, [str(Path("cwd") / a) for a in case.allow])
+    if outside:
+        problems.append(f"wrote or removed outside {list(case.allow) or 'nothing allowed'}: {outside[:5]}")
     if seconds > limit:
         problems.append(f"took {seconds:.1f} s (limit {limit:.0f} s)")
     if problems:

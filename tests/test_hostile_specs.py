@@ -30,6 +30,8 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 
+from file_trees import write_tree
+
 TPUMK_BIN = Path(sys.executable).parent / "tpumk"
 USAGE, INPUT = 2, 1
 FAST = 10.0  # seconds: refused before any real work (no weights, no cache, no compile)
@@ -91,17 +93,6 @@ class Case:
     match: str = ""  # a piece of the error line that says why
 
 
-def _write(root: Path, files: dict[str, Any]) -> None:
-    for rel, content in files.items():
-        p = root / rel
-        if rel.endswith("/"):
-            p.mkdir(parents=True, exist_ok=True)
-            continue
-        p.parent.mkdir(parents=True, exist_ok=True)
-        content = content() if callable(content) else content
-        p.write_bytes(content) if isinstance(content, bytes) else p.write_text(content)
-
-
 def run_cli(args: list[str]):
     t0 = time.perf_counter()
     r = CliRunner().invoke(main, args, catch_exceptions=True)
@@ -111,7 +102,7 @@ def run_cli(args: list[str]):
 def check_refusal(case: Case, tmp_path: Path, monkeypatch) -> str:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    _write(cwd, case.files)
+    write_tree(cwd, case.files)
     monkeypatch.chdir(cwd)
     r, seconds = run_cli(case.args)
     problems = []
@@ -278,7 +269,7 @@ def test_cache_key_refuses_exactly_what_build_refuses(args, tmp_path, monkeypatc
 def test_fp8_checkpoint_spec_is_its_stored_format_everywhere(tmp_path, monkeypatch, warm):
     """build, export and cache-key derive one spec: an FP8 checkpoint is fp8-b128 whether it is
     given as --checkpoint, its directory or its config.json, and its key is not the float one."""
-    _write(tmp_path, {"fp8/config.json": hf_json(quantization_config=FP8_QC), "float/config.json": hf_json()})
+    write_tree(tmp_path, {"fp8/config.json": hf_json(quantization_config=FP8_QC), "float/config.json": hf_json()})
     monkeypatch.chdir(tmp_path)
 
     def key(*args):
