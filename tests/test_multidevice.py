@@ -291,7 +291,9 @@ def test_build_report_json_for_four_devices():
 
 
 # ---------------------------------------------------------------------- transformers, from the CLI
-@pytest.mark.parametrize("fixture", ["hf_qwen3_dir", "hf_qwen3_moe_dir"])
+# The dense checkpoint is the `full` tier: the MoE one runs the same generate path on 4 devices
+# (its dense layer 0 included), and dense 4-device steps are checked against the reference above.
+@pytest.mark.parametrize("fixture", [pytest.param("hf_qwen3_dir", marks=pytest.mark.full), "hf_qwen3_moe_dir"])
 def test_generate_devices_4_equals_transformers(fixture, request):
     """`tpumk generate --backend megakernel --devices 4` on transformers' own checkpoints (4 query
     heads, 2 KV heads: KV heads replicated on 4 devices) gives transformers' greedy tokens."""
