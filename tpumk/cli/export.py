@@ -45,9 +45,11 @@ def export(spec, out_dir, as_json):
 def cache_key(spec, out_dir, as_json):
     """Print the build's cache key (no compile)."""
     from tpumk.export.artifacts import artifact_path, check_exportable
-    from tpumk.export.paths import check_out_dir
+    from tpumk.export.paths import check_names, check_out_dir
     from tpumk.compile.keys import cache_key as key_of, key_inputs
 
+    if out_dir is not None:  # the directory names first, as export checks them
+        check_names(spec.model.name, spec.target.name)
     check_exportable(spec)  # no key for an artifact export refuses to write
     inputs = key_inputs(spec)
     key = key_of(inputs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpumk.estimate.profiler import Estimate
+from tpumk.estimate.profiler import F32_PROFILER_ABORTS, Estimate
 from tpumk.plan.plan import Plan
 
 
@@ -54,8 +54,9 @@ def convert_estimate(plan: Plan, est: Estimate | None) -> dict[str, Any]:
                   "(libtpu's static profiler crashes on them); build for tpu7x or v6e to get an estimate")
     elif est is None:
         source = "none: not requested"
-    elif est.cycles is None and plan.cfg.dtype == "float32" and "float32" in (est.error or ""):
-        # libtpu 0.0.52's static profiler aborts on multi-pass float32 matmuls (tpumk.estimate.profiler)
+    elif est.cycles is None and plan.cfg.dtype == "float32" and (
+            "float32" in (est.error or "") or any(s in (est.error or "") for s in F32_PROFILER_ABORTS)):
+        # libtpu 0.0.52's static profiler aborts on float32 kernels (tpumk.estimate.profiler)
         source = ("none: the TPU compiler's cost estimator crashes on this model's float32 weights; "
                   "build with --dtype bfloat16 to get an estimate")
     elif est.cycles is None:

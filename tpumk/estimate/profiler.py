@@ -72,6 +72,11 @@ def estimate_in_subprocess(spec, timeout: float | None = 900) -> Estimate:
 
 
 FIFO_FULL = "Cannot schedule FIFO push"  # libtpu 0.0.52's static profiler, on some DMA ring shapes
+# libtpu 0.0.52's static profiler aborts on float32 kernels with one of these LLO checks: the type
+# check on multi-pass f32 matmuls, and (seen since the attention stage's in-kernel write guard, on
+# tiny-moe float32 over 4 TPU7x devices) a control-operand check; the same kernels in bfloat16
+# profile, and both compile.
+F32_PROFILER_ABORTS = ("got vector-bf16packed", "IsControlOperandFull")
 
 
 def _failure_line(stderr: str, returncode: int | None = None) -> str:

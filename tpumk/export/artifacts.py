@@ -196,6 +196,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     Signed when a signing key is configured (tpumk.export.signing)."""
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
+    paths.check_names(cfg.name, target.name)  # the directory names first: no plan for a path export refuses
     plan = check_exportable(spec)  # refused as `tpumk build` refuses it, before the key and any cache hit
     sign_key = signing.configured_key()  # a misconfigured key fails before compiling
     inputs = key_inputs(spec)

@@ -65,11 +65,17 @@ def check_component(kind: str, name: object, hint: str = "") -> str:
     return name  # type: ignore[return-value]
 
 
+def check_names(model: str, target: str) -> None:
+    """The model and target names as directory names under --out (ArtifactPathError naming why):
+    a cheap check that runs before any plan or key."""
+    check_component("model", model, "; set `name` in the model TOML or `_name_or_path` in config.json")
+    check_component("target", target)
+
+
 def artifact_dir(out_dir: str | Path, model: str, target: str, key: str) -> Path:
     """OUT/<model>/<target>/<key>, refused unless every name is safe and the resolved path stays
     inside the resolved OUT (a symlinked model or target directory pointing elsewhere is refused)."""
-    check_component("model", model, "; set `name` in the model TOML or `_name_or_path` in config.json")
-    check_component("target", target)
+    check_names(model, target)
     check_component("cache key", key)
     out = Path(out_dir)
     final = out / model / target / key
