@@ -61,30 +61,42 @@ def os_reason(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
 
+class NotRegularFile(OSError):
+    """The path opened, but is a FIFO, a device, a socket or a directory (strerror says which)."""
+
+
+def open_fd(path: str | os.PathLike) -> int:
+    """A blocking read-only descriptor of `path`, which must be a regular file (symlinks
+    followed): opened with O_NONBLOCK, so a FIFO with no writer does not block the open, and
+    checked by fstat on that descriptor. Raises OSError (NotRegularFile for another kind)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"is {kind_of(mode)}, not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_regular(path: str | os.PathLike, what: str = "", error: Callable[[str], Exception] = ConfigError) -> int:
-    """A read-only descriptor of `path`, which must be a regular file (symlinks followed). `what`
-    ("expected a TOML file") ends the refusal; `error` is the exception class to raise."""
+    """`open_fd`, its refusals one line: `what` ("expected a TOML file") ends the refusal; `error`
+    is the exception class to raise."""
     name = shown(path)
     tail = f" ({what})" if what else ""
     problem = name_problem(path)
     if problem:
         raise error(f"{name}: {problem}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+        return open_fd(path)
     except FileNotFoundError:
         raise error(f"{name}: no such file{tail}") from None
+    except NotRegularFile as e:
+        raise error(f"{name}: {e.strerror}{tail}") from None
     except OSError as e:  # permission denied, a path through a regular file, ELOOP, EIO
         raise error(f"{name}: cannot read: {os_reason(e)}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = kind_of(st.st_mode)
-            raise error(f"{name}: is {kind}, not a regular file{tail}")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def read_regular(path: str | os.PathLike, limit: int = TEXT_LIMIT, what: str = "",

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from tpumk.errors import ArtifactPathError
+from tpumk.files import open_fd, os_reason
 
 TMP_PREFIX = ".tmp-"
 TMP_MARKER = ".tpumk-export-temporary"
@@ -86,11 +87,6 @@ def artifact_dir(out_dir: str | Path, model: str, target: str, key: str) -> Path
     return final
 
 
-def os_reason(e: OSError) -> str:
-    """An OSError's reason for a one-line message ("Permission denied"), never a traceback."""
-    return e.strerror or type(e).__name__
-
-
 def read_at_most(path: Path, limit: int) -> bytes:
     """Up to limit + 1 bytes of `path`: a caller refuses more than `limit` from the length of what
     it got (a size checked first, then read, can be outrun by a file growing in between)."""
@@ -98,26 +94,11 @@ def read_at_most(path: Path, limit: int) -> bytes:
         return f.read(limit + 1)
 
 
-def _nonblocking(path, flags):
-    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
-
-
 def open_regular_file(path: Path):
     """`open(path, "rb")` that refuses anything but a regular file (a FIFO or device swapped in
-    for an artifact's file would block or never end): opened non-blocking, checked by fstat.
-    Raises OSError (ArtifactError's callers turn it into one line)."""
-    import errno
-    import stat
-
-    f = open(path, "rb", opener=_nonblocking)
-    mode = os.fstat(f.fileno()).st_mode
-    if not stat.S_ISREG(mode):
-        f.close()
-        from tpumk.files import kind_of
-
-        raise OSError(errno.EINVAL, f"is {kind_of(mode)}, not a regular file", str(path))
-    os.set_blocking(f.fileno(), True)
-    return f
+    for an artifact's file would block or never end): tpumk.files.open_fd. Raises OSError
+    (ArtifactError's callers turn it into one line)."""
+    return open(path, "rb", opener=lambda p, _flags: open_fd(p))  # read-only whatever the flags
 
 
 def check_out_dir(out_dir: str | Path, target_dir: str | Path | None = None, probe: bool = True) -> None:
