@@ -50,6 +50,37 @@ def hf_qwen3_moe_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("hf_qwen3_moe"), moe=True, seed=2, max_shard_size="4MB")
 
 
+# JAX's persistent compilation cache, for this session only (never across tpumk or JAX versions:
+# a fresh directory per run, removed at its end). It is made by the controlling process before
+# pytest-xdist starts its workers, so the workers and every subprocess a test starts (the
+# multi-device interpret runs, CLI commands, fresh-process artifact loads) inherit it: the
+# small CPU programs each process would otherwise compile again on start are read back instead.
+# Deviceless TPU executables are never written there (tpumk.compat.no_persistent_cache_write).
+SESSION_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config) -> None:
+    import os
+    import tempfile
+
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # a worker inherits the controller's; a directory the user chose is kept
+    config._tpumk_jax_cache = tempfile.mkdtemp(prefix="tpumk-tests-jax-cache-")
+    os.environ.update(SESSION_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=config._tpumk_jax_cache)
+
+
+def pytest_unconfigure(config) -> None:
+    import os
+    import shutil
+
+    d = getattr(config, "_tpumk_jax_cache", None)
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR") == d:
+            for name in (*SESSION_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR"):
+                os.environ.pop(name, None)
+
+
 # One pytest-xdist worker per core, as long as each gets GIB_PER_WORKER of memory: a worker holds
 # JAX, libtpu and its files' compiled programs (about 4 GiB at its peak), and a multi-device test
 # starts a subprocess of about as much beside it.
@@ -67,3 +98,21 @@ def pytest_xdist_auto_num_workers(config) -> int:
     except (OSError, StopIteration, ValueError):
         return cores
     return max(1, min(cores, avail // (GIB_PER_WORKER << 30)))
+
+
+# Whole files go to the workers in collection order (`--no-loadscope-reorder`), so the files that
+# take longest start first and the short ones fill in at the end: otherwise a long file started
+# last keeps one core busy after the other has finished. Ordered by the seconds each took in the
+# default run (tests/README.md, "Where the time goes"); files not named keep their place after them.
+SLOWEST_FILES_FIRST = (
+    "test_multidevice", "test_quant", "test_multidevice_mla", "test_megakernel", "test_cache_keys",
+    "test_tune", "test_build", "test_tune_storage", "test_attention_stage", "test_hf_archs", "test_kv_guard",
+    "test_positions", "test_megakernel_archs", "test_megakernel_mla", "test_artifacts", "test_megakernel_mla_quant",
+    "test_reference", "test_mla_tools", "test_export_devices", "test_mla", "test_speculative",
+    "test_objective_calibration", "test_megakernel_verify", "test_moe_stage", "test_bench", "test_hostile_files",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order within a file kept

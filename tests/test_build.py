@@ -86,6 +86,7 @@ def test_bf16_build_has_a_whole_step_estimate_never_below_the_floor():
     assert "static profile" in r["estimate_source"] and "calibration" in r["estimate_source"]
 
 
+@pytest.mark.full  # the same property, tighter, without the CLI: test_ring.py::test_static_estimate_grows_linearly_with_layers
 def test_compiler_estimate_grows_linearly_with_layers(tmp_path):
     """The kernel is laid out so the static profile counts every layer (one loop level)."""
     cycles = {n: build_json("--model", dense_toml(tmp_path, n))["compiler_cycles"] for n in (2, 4, 8)}

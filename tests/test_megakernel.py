@@ -44,7 +44,11 @@ SMALL_TILES = dict(qkv_tile_cols=256, o_tile_cols=128, gate_up_tile_cols=256, do
 MIXED_TILES = dict(qkv_tile_rows=128, qkv_tile_cols=512, o_tile_cols=256, gate_up_tile_cols=512, down_tile_rows=512,
                    down_tile_cols=128, shared_gate_up_tile_rows=128, shared_down_tile_cols=256, lm_head_tile_cols=256)
 
-# (id, preset, dtype, prompt lengths (= cache lengths before the step), q_len, tuning knobs)
+# (id, preset, dtype, prompt lengths (= cache lengths before the step), q_len, tuning knobs).
+# FULL cases are the full tier: moe-f32-default-b4 (MoE at batch 4: moe-bf16-small-b4; float32
+# MoE: moe-f32-depth3-b1; the default knobs: every test that builds without knobs, e.g.
+# dense-f32-default-b8) and dense-f32-mixed-b4 (the same MIXED_TILES: dense-bf16-mixed-b4).
+FULL = ("moe-f32-default-b4", "dense-f32-mixed-b4")
 CASES = [
     ("dense-f32-depth2-b1-tied", "tiny-dense", "float32", [17], 1,
      dict(ring_depth=2, kv_tile_pages=1, kv_buffers=2, **SMALL_TILES)),
@@ -141,14 +145,16 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
     compile_for_tpus(cfg, batch, q_len, tuning)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=pytest.mark.full) if c[0] in FULL
+                                  else pytest.param(c, id=c[0]) for c in CASES])
 def test_step_matches_reference(case):
     name, preset, dtype, lengths, q_len, knobs = case
     cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
     check_step(cfg, params, dtype, lengths, q_len, knobs)
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+# tiny-dense is the full tier: tiny-moe's layer 0 is a dense layer, decoded by the same steps.
+@pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.full), "tiny-moe"])
 def test_greedy_16_steps_match_reference(preset):
     """Prefill with the reference, then 15 megakernel steps: the 16 greedy tokens and the final
     cache equal the reference's own greedy run."""

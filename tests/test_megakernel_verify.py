@@ -35,7 +35,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+# The dense float32 q = 4 and q = 8 cases are the full tier: moe-f32-q8-b2-rollback verifies
+# q = 8 after a rollback (its layer 0 dense), dense-bf16-q1-b2-rollback a dense model.
+FULL = ("dense-f32-q4-b2", "dense-f32-q8-b2-rollback")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=[pytest.mark.full] if c[0] in FULL else [])
+                                  for c in CASES])
 def test_verify_step_matches_reference(case):
     name, preset, dtype, lengths, q_len, stale, knobs = case
     cfg, params = model(preset, dtype)

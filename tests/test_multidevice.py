@@ -2,8 +2,8 @@
 against the one-device reference, deviceless compiles of the same builds for multi-chip TPU
 topologies, and greedy parity with transformers through `tpumk generate --devices 4`.
 
-Interpret runs need N host devices, which JAX makes only before its backends start, so each
-runs in a subprocess: this file as a script (`_worker`).
+Interpret runs need N host devices, which JAX makes only before its backends start, so they
+run in a subprocess: this file as a script (`_worker_many`), all cases of a session in one.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ CASES = {
     "moe-4dev-deepseek-routing": (dict(base="tiny-moe", router_scoring="sigmoid", router_groups=4, router_topk_groups=2,
                                        router_correction_bias=True, routed_scaling_factor=2.5), 4, 2, 1, {}),
 }
+
+
+RACES_CASE = "moe-4dev-mixed"  # the case run with the interpreter's race detector
 
 
 def _config(model: dict):
@@ -88,7 +91,7 @@ def _worker(case: str, races: bool) -> dict:
         lengths = np.asarray(ref_cache.lengths)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, q)), jnp.int32)
         positions = jnp.asarray(lengths[:, None] + np.arange(q)[None], jnp.int32)
-        want, ref_cache = ref.decode_step(params, cfg, tokens, positions, ref_cache)
+        want, ref_cache = ref.jitted_decode_step(cfg)(params, tokens, positions, ref_cache)
         got, wide = step(packed, tokens, positions, wide)
         # the in-kernel all-gather left the same logits on every device
         shards = [np.asarray(x.data, np.float32) for x in got.addressable_shards]
@@ -116,21 +119,55 @@ def _worker(case: str, races: bool) -> dict:
     return out
 
 
-def _run(case: str, races: bool = False) -> dict:
-    n = CASES[case][1]
+def _worker_many(cases: list[str]) -> dict:
+    """`_worker` for each case in turn, in this one process (a case on n devices uses the first n
+    of its host devices); a case that raises is reported, not fatal to the others."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = _worker(case, races=case == RACES_CASE)
+        except Exception:  # noqa: BLE001 - the test of that case shows it
+            out[case] = {"error": traceback.format_exc()[-3000:]}
+    return out
+
+
+def _run(cases: list[str]) -> dict:
+    n = max(CASES[c][1] for c in cases)
     # NPROC: see tpumk.targets.ensure_host_devices (interpreted devices block pool threads).
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
                XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-    proc = subprocess.run([sys.executable, __file__, case, str(int(races))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, *cases], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600 * len(cases))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def interpret_runs(request) -> dict:
+    """Every case of test_interpret_matches_reference_and_compiles this session runs, in ONE
+    subprocess with as many host devices as the largest case needs: one JAX start-up and one
+    set of shared compiles (random weights, reference steps) instead of one per case. Whole
+    files go to one pytest-xdist worker (`--dist loadfile`), so the cases listed are the ones
+    this process runs."""
+    cases = [item.callspec.params["case"] for item in request.session.items
+             if item.module is request.module and item.originalname == "test_interpret_matches_reference_and_compiles"]
+    return _run(cases)
+
+
 # ---------------------------------------------------------------------- interpret vs reference
-@pytest.mark.parametrize("case", list(CASES))
-def test_interpret_matches_reference_and_compiles(case):
-    r = _run(case, races=case == "moe-4dev-mixed")
+# The full tier: the int8 case (quantized scales sharded: test_quant.py::
+# test_many_devices_with_quantized_weights_compile checks the device parts and compiles them)
+# and DeepSeek routing on 4 devices (the replicated float32 router and correction bias run in
+# tests/test_multidevice_mla.py's 4-device case, whose tiny-mla routes that way).
+FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c in FULL_CASES else c for c in CASES])
+def test_interpret_matches_reference_and_compiles(case, interpret_runs):
+    r = interpret_runs[case]
+    assert "error" not in r, r.get("error")
     model, n, batch, q_len, _ = CASES[case]
     bf16 = model.get("dtype") == "bfloat16"
     for s in r["steps"]:
@@ -144,7 +181,7 @@ def test_interpret_matches_reference_and_compiles(case):
         assert s["lengths_equal"] and s["logits_same_everywhere"]
         if s["replicas_equal"] is not None:  # devices sharing a KV head computed the same bits
             assert s["replicas_equal"], (case, s)
-    if case == "moe-4dev-mixed":
+    if case == RACES_CASE:
         assert r["races"] is False
     assert r["schedule"] == CASES[case][4].get("all_reduce", "direct")
 
@@ -315,4 +352,4 @@ def test_generate_devices_4_equals_transformers(fixture, request):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker(sys.argv[1], bool(int(sys.argv[2])))))
+    print(json.dumps(_worker_many(sys.argv[1:])))

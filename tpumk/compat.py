@@ -40,6 +40,21 @@ def jax_backends_initialised() -> bool:
         return True
 
 
+def no_persistent_cache_write(devices):
+    """A context for compiling for `devices`: when they are deviceless stand-ins (libtpu's
+    compile-only client), JAX writes no persistent compilation cache entry. Such an executable
+    cannot be read back (jax 0.10.2: "PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable"), so an entry would only make every later read warn and
+    recompile. Attached devices keep the cache as configured."""
+    import contextlib
+
+    from jax._src import config
+
+    if any(type(d.client).__name__ == "CompileOnlyPyClient" for d in devices):
+        return config.persistent_cache_min_compile_time_secs(float("inf"))
+    return contextlib.nullcontext()
+
+
 def interpret_races():
     """The race detector's state of Pallas' TPU interpret mode in this process: None before any
     kernel ran with `InterpretParams(detect_races=True)`, else an object whose `races_found`

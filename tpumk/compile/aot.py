@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from tpumk.compat import no_persistent_cache_write
 from tpumk.errors import CompileError
 from tpumk.targets import Target
 
@@ -69,11 +70,18 @@ def _compile_lowered(jitted, specs: tuple, what: str, device_kind: str) -> Compi
     lowered = jitted.lower(*specs)
     t1 = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        with no_persistent_cache_write(spec_devices(specs)):
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this build, not a tpumk bug
         raise CompileError(f"{what}: the compiler rejected this build: {compiler_error_line(e)}") from e
     t2 = time.perf_counter()
     return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), device_kind)
+
+
+def spec_devices(specs) -> list:
+    """The devices the ShapeDtypeStructs of a pytree are placed on."""
+    return [d for s in jax.tree.leaves(specs) if getattr(s, "sharding", None) is not None
+            for d in s.sharding.device_set]
 
 
 def compiler_error_line(exc: BaseException) -> str:

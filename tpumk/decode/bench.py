@@ -250,12 +250,16 @@ def compile_placed(fn: Callable, specs: tuple, **jit_kwargs) -> CompiledProgram:
     `Compiled.as_text()` fails on some XLA TPU programs (jax 0.10.2: an async-update
     instruction's proto does not round-trip), so the HLO is also dumped by XLA itself and read
     back when as_text() fails. The dump does not change the executable."""
+    from tpumk.compat import no_persistent_cache_write
+    from tpumk.compile.aot import spec_devices
+
     with tempfile.TemporaryDirectory(prefix="tpumk-bench-hlo-") as d:
         t0 = time.perf_counter()
         lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
         t1 = time.perf_counter()
-        compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_text": True,
-                                                     "xla_dump_hlo_pass_re": "^$"})
+        with no_persistent_cache_write(spec_devices(specs)):
+            compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_text": True,
+                                                         "xla_dump_hlo_pass_re": "^$"})
         t2 = time.perf_counter()
         try:
             text = compiled.as_text()

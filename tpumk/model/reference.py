@@ -43,6 +43,8 @@ Defined behaviour for block-table entries outside [0, num_pages) and token ids o
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -394,8 +396,10 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
     return jnp.stack(last), KVCache(k, v, cache.block_tables, lengths)
 
 
+@functools.lru_cache(maxsize=32)
 def jitted_decode_step(cfg: ModelConfig):
-    """decode_step with the config bound, jitted (compiled once per input shape)."""
+    """decode_step with the config bound, jitted (compiled once per input shape). One per config
+    in a process, so every prefill, generate and test of a model shares its compiled steps."""
     return jax.jit(lambda p, t, pos, c: decode_step(p, cfg, t, pos, c))
 
 
