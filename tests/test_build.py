@@ -149,3 +149,27 @@ def test_a_compiler_rejection_is_one_line_naming_the_reason():
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("tpu7x: the compiler rejected this build: ")
     assert "RESOURCE_EXHAUSTED" in msg or "vmem" in msg.lower()
+
+
+def test_deviceless_executables_stay_out_of_the_persistent_compilation_cache(tmp_path):
+    """With JAX's persistent cache on (the suite's own, or a user's JAX_COMPILATION_CACHE_DIR),
+    a host CPU program is written there but a deviceless TPU executable is not: it could not be
+    read back, and every later build would warn and recompile."""
+    script = f"""
+import os, jax, jax.numpy as jnp
+from tpumk.compile.aot import compile_for
+from tpumk.targets import get_target
+def tpumk_cache_probe(x):
+    return jnp.tanh(x) * 3
+spec = (jax.ShapeDtypeStruct((8, 128), jnp.float32),)
+jax.jit(tpumk_cache_probe).lower(*spec).compile()
+compile_for(tpumk_cache_probe, spec, get_target("v6e"))
+print(sorted(os.listdir({str(tmp_path)!r})))
+"""
+    env = dict(__import__("os").environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    entries = [e for e in eval(p.stdout.strip().splitlines()[-1]) if e.startswith("jit_tpumk_cache_probe")]
+    assert len(entries) == 1, entries  # the CPU program only
+    assert "persistent compilation cache" not in p.stderr
