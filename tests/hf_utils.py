@@ -30,17 +30,25 @@ QWEN3_MOE_KW = dict(QWEN3_KW, num_hidden_layers=3, num_experts=8, num_experts_pe
                     mlp_only_layers=[0])
 
 
+# Dense families without QK-norm, by transformers' class names (the shared kwargs fit each).
+DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
-                     **overrides) -> Path:
-    """A random float32 Qwen3 (or Qwen3-MoE) model saved with `save_pretrained` into `out`.
+                     arch: str = "qwen3", **overrides) -> Path:
+    """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral) model saved with
+    `save_pretrained` into `out`.
 
     initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding
     is not constant, and norm weights are drawn around 1 so a swapped or dropped norm shows.
     """
     kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False)
     kw.update(overrides)
-    cfg_cls, model_cls = ((transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM) if moe
-                          else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
+    if arch in DENSE_ARCHS:
+        cfg_cls, model_cls = (getattr(transformers, name) for name in DENSE_ARCHS[arch])
+    else:
+        cfg_cls, model_cls = ((transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM) if moe
+                              else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

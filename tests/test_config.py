@@ -110,6 +110,10 @@ BASE = load_preset("tiny-moe").to_dict()
     ({"router_scoring": "relu"}, "router_scoring"),
     ({"rms_eps": 0.0}, "rms_eps"),
     ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"),  # YaRN is modelled for MLA models only
+    ({"rope_scaling": "linear", "rope_factor": 0.5}, "rope_factor"),
+    ({"rope_scaling": "llama3", "rope_high_freq_factor": 0.5}, "rope_high_freq_factor"),
+    ({"rope_scaling": "llama3", "rope_original_max_position": 0}, "rope_original_max_position"),
     ({"qk_norm": 1}, "qk_norm"),
     ({"dense_layers": [0, 3]}, "dense_layers"),
     ({"dense_layers": [-1]}, "dense_layers"),
@@ -239,7 +243,8 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
     ({"model_type": "kimi_k2", "kv_lora_rank": 512, "topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
-    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
+    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
     ({"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
@@ -251,7 +256,7 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "qwen3_next"}, "linear-attention"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "rope_scaling"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
@@ -261,6 +266,97 @@ def test_hf_not_supported(changes, what):
         from_hf_config({**QWEN3_8B, **changes}, "x/config.json")
     msg = _one_line(e)
     assert what in msg and msg.startswith("x/config.json")
+
+
+# Llama-3.1-8B's and Mistral-7B-Instruct-v0.3's published config.json files.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
+    "use_cache": True, "vocab_size": 128256,
+}
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+    "vocab_size": 32768,
+}
+
+
+@pytest.mark.parametrize("preset, data", [("llama-3.1-8b", LLAMA_31_8B), ("mistral-7b", MISTRAL_7B_V03)])
+def test_hf_llama_and_mistral_match_presets(preset, data):
+    cfg = from_hf_config(data)
+    assert cfg.replace(name=preset) == load_preset(preset)
+    assert not cfg.qk_norm and cfg.head_dim == 128  # head_dim absent: hidden / heads
+
+
+def test_hf_mistral_window_is_on_every_layer_and_llama_has_none():
+    cfg = from_hf_config({**MISTRAL_7B_V03, "sliding_window": 4096, "num_hidden_layers": 3})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1, 2))
+    assert from_hf_config({**LLAMA_31_8B, "sliding_window": 4096}).sliding_window == 0  # Llama has no window
+
+
+def test_hf_linear_rope_and_rope_parameters():
+    cfg = from_hf_config({**MISTRAL_7B_V03, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (cfg.rope_scaling, cfg.rope_factor) == ("linear", 2.0)
+    v5 = {k: v for k, v in LLAMA_31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    cfg = from_hf_config({**v5, "rope_parameters": {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0}})
+    assert cfg.replace(name="llama-3.1-8b") == load_preset("llama-3.1-8b")
+
+
+@pytest.mark.parametrize("rope, field", [
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+     "low_freq_factor"),
+    ({"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, "factor"),
+    ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, "rope_high_freq_factor"),
+])
+def test_hf_bad_rope_scaling_names_the_field(rope, field):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config({**LLAMA_31_8B, "rope_scaling": rope}, "x/config.json")
+    msg = _one_line(e)
+    assert field in msg and msg.startswith("x/config.json")
+
+
+def test_hf_dynamic_rope_is_refused_for_good():
+    with pytest.raises(NotSupportedError) as e:
+        from_hf_config({**LLAMA_31_8B, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "x/config.json")
+    assert "rope_type 'dynamic'" in _one_line(e) and "changes with the sequence length" not in _one_line(e)
+
+
+@pytest.mark.parametrize("kind", ["default", "linear", "llama3"])
+def test_rope_frequencies_match_transformers(kind):
+    """tpumk.model.rope.inv_freq against transformers' own RoPE initialisers, to a few float32
+    ulps (numpy's and torch's float32 pow round differently; a wrong band or factor is off by
+    whole factors)."""
+    import numpy as np
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tpumk.model.rope import inv_freq
+
+    rope = {"default": {}, "linear": {"factor": 4.0},
+            "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}[kind]
+    hf = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128,
+                                  rope_parameters={"rope_type": kind, "rope_theta": 500000.0, **rope})
+    # "default" is the plain formula every initialiser starts from (torch, float32)
+    want, factor = (ROPE_INIT_FUNCTIONS[kind](hf, "cpu") if kind != "default"
+                    else (1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128), 1.0))
+    cfg = from_hf_config({**LLAMA_31_8B, "head_dim": 128, "rope_scaling": None,
+                          **({"rope_scaling": {"rope_type": kind, **rope}} if kind != "default" else {})})
+    got = inv_freq(cfg)
+    assert factor == 1.0 and got.dtype == np.float32
+    np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=8 * 2 ** -24)
 
 
 def test_hf_default_rope_is_supported():
@@ -342,3 +438,21 @@ def test_sliding_window_round_trips_through_a_dict():
     cfg = load_preset("tiny-dense").replace(sliding_window=8, sliding_layers=[1, 0, 1])
     assert cfg.sliding_layers == (0, 1)
     assert from_dict(cfg.to_dict(), "m") == cfg
+
+
+def test_smollm2_135m_config_reads_and_its_width_is_refused_in_one_line():
+    """SmolLM2-135M's published config (a Llama, hidden 576): read, then refused by the plan in one
+    line naming the width (widths not multiples of 128 are not planned yet)."""
+    from tpumk.errors import PlanError
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    smol = {**LLAMA_31_8B, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30, "rope_scaling": None,
+            "rope_theta": 100000, "tie_word_embeddings": True, "vocab_size": 49152}
+    cfg = from_hf_config(smol)
+    assert (cfg.hidden_size, cfg.num_kv_heads, cfg.rope_scaling, cfg.qk_norm) == (576, 3, "none", False)
+    with pytest.raises(PlanError) as e:
+        make_plan(BuildSpec(cfg, get_target("tpu7x")))
+    assert "hidden_size = 576 must be a multiple of 128" in _one_line(e)

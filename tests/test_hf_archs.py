@@ -1,8 +1,9 @@
-"""Attention variants from Hugging Face checkpoints built with transformers' own modelling code:
-Qwen3 and Qwen3-MoE with 64-wide heads, and a Qwen3 with a sliding-window layer whose window is
-shorter than the prompts. Each generates the same greedy tokens through transformers, the
-reference and the megakernel (interpret mode), and its megakernel compiles deviceless for
-TPU7x and v6e.
+"""Attention variants and dense families from Hugging Face checkpoints built with transformers'
+own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a sliding-window layer
+whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
+heads, 4 query heads per KV head) and a Mistral whose every layer has a window. Each generates
+the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
+and its megakernel compiles deviceless for TPU7x and v6e.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ SLIDING = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)
 PROMPTS = [[3, 141, 59, 26, 5, 300, 17, 222, 41, 9, 99], [250, 1, 64, 7, 480, 2, 77, 31]]  # longer than 6
 STEPS = 10
 
+# Llama 3's RoPE scaling with an original context of 16 tokens, so the prompts and the 24-token
+# logits run through the scaled, the kept and the blended frequency bands.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
 CHECKPOINTS = {
     "qwen3-d64": dict(seed=3, **D64),
     "qwen3-moe-d64": dict(moe=True, seed=4, **D64),
     "qwen3-sliding": dict(seed=5, **SLIDING),
+    "llama-llama3-d64": dict(arch="llama", seed=6, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
+                             rope_parameters=LLAMA3_ROPE),
+    "mistral-sliding": dict(arch="mistral", seed=8, sliding_window=6),
 }
 
 
@@ -36,7 +44,14 @@ def checkpoint(request, tmp_path_factory):
 def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    if name.endswith("d64"):
+    assert cfg.qk_norm == name.startswith("qwen3")
+    if name.startswith("llama"):
+        assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
+        assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
+        assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    elif name.startswith("mistral"):
+        assert (cfg.sliding_window, cfg.sliding_layers) == (6, (0, 1))
+    elif name.endswith("d64"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 4)
     else:
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (1,))
@@ -51,7 +66,11 @@ def test_reference_logits_match_transformers(checkpoint):
     tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 24))
     want = hf_logits(ckpt, tokens)
     got = np.asarray(forward_full(m.params, m.cfg, tokens))
-    assert np.max(np.abs(got - want)) <= 2e-5 * max(1.0, np.max(np.abs(want)))
+    bound = 2e-5 * max(1.0, np.max(np.abs(want)))
+    assert np.max(np.abs(got - want)) <= bound
+    if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
+        plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
+        assert np.max(np.abs(plain - want)) > 100 * bound
 
 
 def test_greedy_tokens_transformers_reference_megakernel(checkpoint):

@@ -203,7 +203,8 @@ def test_step_rejects_a_batch_it_was_not_planned_for():
 
 
 # ---------------------------------------------------------------------- full-size presets (slow)
-PRESET_BUILDS = [("qwen3-8b", "tpu7x"), ("qwen3-32b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x"), ("qwen3-8b", "v6e")]
+PRESET_BUILDS = [("qwen3-8b", "tpu7x"), ("qwen3-32b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x"), ("qwen3-8b", "v6e"),
+                 ("llama-3.2-1b", "v6e"), ("llama-3.1-8b", "tpu7x"), ("mistral-7b", "tpu7x")]
 
 
 @pytest.mark.slow
@@ -214,6 +215,16 @@ def test_preset_builds_deviceless(preset, target, batch):
     plan = make_plan(BuildSpec(cfg, get_target(target), batch, 4096))
     compiled = compile_for(make_decode_step(plan, donate_cache=True), step_specs(plan), get_target(target))
     assert compiled.custom_calls == 1
+
+
+@pytest.mark.slow
+def test_llama_3_1_70b_on_8_tpu7x_devices_with_int8_weights_is_one_kernel():
+    """The issue's bar: `tpumk build --model llama-3.1-70b --target tpu7x --devices 8 --quant int8`."""
+    from tpumk.compile.aot import compile_plan
+
+    plan = make_plan(BuildSpec(load_preset("llama-3.1-70b"), get_target("tpu7x"), devices=8, quant="int8"))
+    c = compile_plan(plan)
+    assert c.custom_calls == 1 and c.xla_collectives == 0
 
 
 @pytest.mark.parametrize("preset", ["qwen3-32b", "qwen3-30b-a3b"])

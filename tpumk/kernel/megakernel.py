@@ -48,6 +48,7 @@ from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES,
 from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
 from tpumk.plan.plan import Plan, mla_dims
+from tpumk.model import rope
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype
 
@@ -408,8 +409,7 @@ def _device_step(plan: Plan, call) -> Callable:
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
-            cos, sin = rope_tables(positions.reshape(n), cfg.head_dim, cfg.rope_theta,
-                                   heads_per_lane_block(cfg.head_dim))
+            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg), heads_per_lane_block(cfg.head_dim))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, *v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)

@@ -17,17 +17,16 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, heads: int = 1) -> tuple[jax.Array, jax.Array]:
-    """positions [N] -> (cos [N, heads*D], signed sin [N, heads*D]) for rotate-half RoPE (glue,
-    outside the kernel); `heads` > 1 repeats the row for that many heads side by side (64-wide
-    heads are rotated two per 128-lane block, `rope_heads`).
+def rope_tables(positions: jax.Array, inv_freq, heads: int = 1) -> tuple[jax.Array, jax.Array]:
+    """positions [N], inv_freq [D / 2] (tpumk.model.rope.inv_freq) -> (cos [N, heads*D], signed
+    sin [N, heads*D]) for rotate-half RoPE (glue, outside the kernel); `heads` > 1 repeats the
+    row for that many heads side by side (64-wide heads are rotated two per 128-lane block,
+    `rope_heads`).
 
     The sin row carries the rotate-half sign (-sin on the first half), so in the kernel
     rope(x) = x * cos + roll(x, D/2) * sin: roll by half swaps the halves, the sign makes it
     concat(-x2, x1) as in reference.rope. Same ops as the reference, so the tables are bitwise equal."""
-    d = head_dim
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     return jnp.concatenate([cos, cos] * heads, -1), jnp.concatenate([-sin, sin] * heads, -1)
 

@@ -27,6 +27,7 @@ from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("none", "linear", "llama3")  # tpumk.model.rope
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -53,6 +54,7 @@ MAX_SIZES = {
     "router_groups": 4096,
     "router_topk_groups": 4096,
     "yarn_original_max_position": 1 << 30,
+    "rope_original_max_position": 1 << 30,
     "sliding_window": 1 << 30,
 }
 # The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
@@ -110,6 +112,13 @@ class ModelConfig:
     yarn_mscale_all_dim: float = 0.0
     yarn_attention_factor: float = 0.0
     yarn_truncate: bool = True
+    # RoPE scaling of a GQA model (tpumk.model.rope): "none", "linear" (positions divided by
+    # rope_factor) or "llama3" (Llama 3.1's banded rescale over rope_original_max_position).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     # Sliding-window attention: the layers in `sliding_layers` let a query at position p see
     # only keys k with p - k < sliding_window (transformers' convention); 0 = no window.
     sliding_window: int = 0
@@ -150,6 +159,18 @@ class ModelConfig:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
         need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
         need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
+        need(isinstance(self.rope_scaling, str) and self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
+             f"one of {', '.join(ROPE_SCALINGS)}")
+        need(_is_number(self.rope_factor) and self.rope_factor >= 1, "rope_factor", "a finite number of at least 1")
+        need(_is_number(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0, "rope_low_freq_factor",
+             "a positive finite number")
+        need(_is_number(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor,
+             "rope_high_freq_factor", f"a finite number above rope_low_freq_factor ({self.rope_low_freq_factor})")
+        need(_is_int(self.rope_original_max_position)
+             and 0 < self.rope_original_max_position <= MAX_SIZES["rope_original_max_position"],
+             "rope_original_max_position", f"a positive integer at most {MAX_SIZES['rope_original_max_position']:,}")
+        if self.is_mla:
+            need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
         need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
         need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
         need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "true or false")
@@ -409,7 +430,9 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "llama", "mistral", "deepseek_v3", "kimi_k2")
+_HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama and Mistral have no QK-norm
+_HF_ROPE_SCALED = ("llama", "mistral", "qwen3", "qwen3_moe")  # linear / llama3 RoPE (tpumk.model.rope)
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
@@ -449,6 +472,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
     if hf.bool_("attention_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
+    if hf.bool_("mlp_bias", False):
+        raise NotSupportedError(f"{source}: not supported yet: mlp_bias = true")
     for key, what in _HF_UNSUPPORTED_FIELDS.items():
         if data.get(key) not in (None, False):
             raise NotSupportedError(f"{source}: not supported yet: {what} ({key})")
@@ -459,7 +484,11 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         if rope is not None and not isinstance(rope, dict):
             raise ConfigError(f"{source}: field '{key}' = {_short_repr(rope)}: expected an object or null")
         kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
-        if kind not in (None, "default") and not (kind == "yarn" and mt in _HF_MLA):
+        if kind == "dynamic":  # its frequencies follow the sequence length at run time
+            raise NotSupportedError(f"{source}: not supported: {key} rope_type 'dynamic' (frequencies that change "
+                                    "with the sequence length; a megakernel's RoPE rows are fixed per position)")
+        if kind not in (None, "default") and not (kind == "yarn" and mt in _HF_MLA) \
+                and not (kind in ("linear", "llama3") and mt in _HF_ROPE_SCALED):
             raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
     rope_params = data.get("rope_parameters") or {}
     if rope_params.get("rope_theta") is not None:
@@ -492,11 +521,13 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], default=0) or 0,
         rms_eps=hf.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        qk_norm=mt not in _HF_MLA,  # Qwen3 and Qwen3-MoE always normalise q and k per head
+        qk_norm=mt in _HF_QK_NORM,
         tie_embeddings=hf.bool_("tie_word_embeddings", False),
         dtype=dtype,
     )
     fields.update(_hf_sliding_window(hf, mt, n_layers))
+    if mt in _HF_ROPE_SCALED:
+        fields.update(_hf_rope_scaling(data, source))
     if mt == "qwen3_moe":
         step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
         mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
@@ -575,9 +606,30 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
             yarn_truncate=r.bool_("truncate", True),
         )
     return fields
+def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_scaling / rope_factor / the llama3 band of a GQA model, from `rope_parameters`
+    (transformers 5) or `rope_scaling` (4.x); the type was checked by the caller."""
+    key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
+    rope = data.get(key) or {}
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind not in ("linear", "llama3"):
+        return {}
+    r = _HFFields(rope, f"{source}: {key}")
+    fields: dict[str, Any] = {"rope_scaling": kind, "rope_factor": r.number("factor", None)}
+    if kind == "llama3":
+        fields.update(
+            rope_low_freq_factor=r.number("low_freq_factor", None),
+            rope_high_freq_factor=r.number("high_freq_factor", None),
+            rope_original_max_position=r.int_("original_max_position_embeddings",
+                                              MAX_SIZES["rope_original_max_position"], _REQUIRED),
+        )
+    return fields
+
+
 def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any]:
     """sliding_window / sliding_layers as transformers reads them: the window is
-    `sliding_window` only when `use_sliding_window` is true. Qwen3: the sliding layers are those
+    `sliding_window` only when `use_sliding_window` is true (Mistral: whenever it is set, on
+    every layer; Llama: never). Qwen3: the sliding layers are those
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types)."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
@@ -589,8 +641,13 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
         if layer_types and len(layer_types) != n_layers:
             raise ConfigError(f"{hf.source}: field 'layer_types' has {len(layer_types)} entries: expected one per "
                               f"layer ({n_layers})")
-    window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
-        if hf.bool_("use_sliding_window", False) else None
+    if mt == "llama":  # no window in Llama's attention, whatever the file says
+        return {}
+    if mt == "mistral":  # every layer, whenever sliding_window is set (no use_sliding_window flag)
+        window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
+    else:
+        window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
+            if hf.bool_("use_sliding_window", False) else None
     if mt == "qwen3" and window is None and "sliding_attention" in layer_types:
         raise ConfigError(f"{hf.source}: field 'layer_types' names sliding_attention layers but there is no "
                           "window (use_sliding_window false or sliding_window null)")

@@ -55,6 +55,7 @@ import numpy as np
 from tpumk.model.config import ModelConfig
 from tpumk.model.positions import new_lengths
 from tpumk.model.quantize import QuantizedMatrix
+from tpumk.model.rope import inv_freq as rope_freqs
 
 Params = dict[str, Any]
 
@@ -150,11 +151,11 @@ def grouped_operands(x: jax.Array, q: jax.Array, w: QuantizedMatrix) -> tuple[ja
     return xg.reshape(*x.shape[:-1], g, w.group), qg.reshape(*q.shape[:-2], g, w.group, q.shape[-1])
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., T, H, D], positions [..., T]."""
+def rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., T, H, D], positions [..., T],
+    inv_freq [D / 2] (tpumk.model.rope.inv_freq: plain or scaled)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[..., None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -230,8 +231,9 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    freqs = rope_freqs(cfg)
+    q = rope(q, positions, freqs)
+    k = rope(k, positions, freqs)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
     return q, k.astype(dt), v.astype(dt)
 

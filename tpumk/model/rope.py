@@ -1,0 +1,45 @@
+"""RoPE frequencies of a GQA model: plain, or scaled (`rope_scaling` linear or llama3).
+
+What transformers computes (`modeling_rope_utils`), in float32 on the host, over head_dim / 2
+frequencies inv_freq_i = 1 / theta^(2i / head_dim):
+
+- linear: every frequency divided by `rope_factor` (positions interpolated);
+- llama3 (Llama 3.1 / 3.2): wavelengths 2 pi / inv_freq longer than original_max_position /
+  low_freq_factor are divided by `rope_factor`, those shorter than original_max_position /
+  high_freq_factor kept, and the band between blends the two with a weight linear in
+  original_max_position / wavelength;
+- neither changes the attention scale (transformers' attention_factor is 1 for both).
+
+A `dynamic` scaling depends on the sequence length at run time, so it is refused when read
+(tpumk.model.config). MLA models' YaRN lives in tpumk.model.yarn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpumk.model.config import ModelConfig
+
+
+def plain_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """float32 [head_dim / 2]: 1 / theta^(2i / head_dim)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float32 [head_dim / 2] inverse frequencies of a GQA model's rotary lanes."""
+    base = plain_inv_freq(cfg.head_dim, cfg.rope_theta)
+    factor = np.float32(cfg.rope_factor)
+    if cfg.rope_scaling == "linear":
+        return (base / factor).astype(np.float32)
+    if cfg.rope_scaling != "llama3":
+        return base
+    old = np.float32(cfg.rope_original_max_position)
+    low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+    wavelen = np.float32(2 * np.pi) / base
+    scaled = np.where(wavelen > old / low, base / factor, base).astype(np.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+    blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
