@@ -95,25 +95,12 @@ def test_llama_on_4_host_devices_and_with_int8_weights(tmp_path):
     whole lane block, which the plan refuses) through `tpumk generate --devices 4` (2 KV heads
     replicated on 4 devices) gives transformers' greedy tokens; quantized to int8 at pack
     time, the megakernel and the reference fed the same weights give the same tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    from test_multidevice import generate_on_devices
     from tpumk.decode.generate import quantized
 
     ckpt = build_checkpoint(tmp_path / "llama", arch="llama", seed=9, rope_parameters=LLAMA3_ROPE)
     want = hf_greedy(ckpt, PROMPTS, 6)
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the command makes its host devices itself
-    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
-                           ";".join(",".join(map(str, p)) for p in PROMPTS), "--steps", "6", "--backend",
-                           "megakernel", "--devices", "4", "--json"],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout)
+    got = generate_on_devices(ckpt, PROMPTS, 6, 4)
     assert got["devices"] == 4 and got["tokens"] == want
 
     m = quantized(load_model(None, str(ckpt)), "int8")

@@ -339,16 +339,22 @@ def test_generate_devices_4_equals_transformers(fixture, request):
     ckpt = request.getfixturevalue(fixture)
     prompts = [[3, 17, 42, 7, 99], [250, 1, 64]]
     want = hf_greedy(ckpt, prompts, 6)
+    got = generate_on_devices(ckpt, prompts, 6, 4)
+    assert got["devices"] == 4 and "4 devices" in got["ran_on"]
+    assert got["tokens"] == want
+
+
+def generate_on_devices(ckpt, prompts, steps: int, devices: int) -> dict:
+    """`tpumk generate --backend megakernel --devices N --json` on a checkpoint, in a fresh
+    process (it makes its own host devices): the parsed report."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the command makes its host devices itself
     proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
-                           ";".join(",".join(map(str, p)) for p in prompts), "--steps", "6", "--backend",
-                           "megakernel", "--devices", "4", "--json"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           ";".join(",".join(map(str, p)) for p in prompts), "--steps", str(steps), "--backend",
+                           "megakernel", "--devices", str(devices), "--json"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout)
-    assert got["devices"] == 4 and "4 devices" in got["ran_on"]
-    assert got["tokens"] == want
+    return json.loads(proc.stdout)
 
 
 if __name__ == "__main__":
