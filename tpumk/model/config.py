@@ -453,7 +453,8 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face `config.json` (Qwen3 / Qwen3-MoE) into a ModelConfig.
+    """Translate a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama, Mistral, DeepSeek-V3, Kimi K2)
+    into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
     never silently built wrong. A field of the wrong type or out of bounds raises ConfigError
