@@ -409,7 +409,7 @@ def _device_step(plan: Plan, call) -> Callable:
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
-            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg), heads_per_lane_block(cfg.head_dim))
+            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp), heads_per_lane_block(cfg.head_dim))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, *v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)

@@ -231,7 +231,7 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
-    freqs = rope_freqs(cfg)
+    freqs = rope_freqs(cfg, jnp)
     q = rope(q, positions, freqs)
     k = rope(k, positions, freqs)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)

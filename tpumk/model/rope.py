@@ -21,25 +21,28 @@ import numpy as np
 from tpumk.model.config import ModelConfig
 
 
-def plain_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+def plain_inv_freq(head_dim: int, theta: float, xp=np):
     """float32 [head_dim / 2]: 1 / theta^(2i / head_dim)."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    exponents = xp.arange(0, head_dim, 2, dtype=xp.float32) / xp.float32(head_dim)
+    return (xp.float32(1.0) / (xp.float32(theta) ** exponents)).astype(xp.float32)
 
 
-def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """float32 [head_dim / 2] inverse frequencies of a GQA model's rotary lanes."""
-    base = plain_inv_freq(cfg.head_dim, cfg.rope_theta)
-    factor = np.float32(cfg.rope_factor)
+def inv_freq(cfg: ModelConfig, xp=np):
+    """float32 [head_dim / 2] inverse frequencies of a GQA model's rotary lanes. `xp` is numpy
+    (host constants) or jax.numpy: the reference and the kernel's glue compute them in the
+    traced step, as before scaling existed (the compiler's static estimate of the step moved
+    when they became a baked constant), with the same ops on both sides."""
+    base = plain_inv_freq(cfg.head_dim, cfg.rope_theta, xp)
+    factor = xp.float32(cfg.rope_factor)
     if cfg.rope_scaling == "linear":
-        return (base / factor).astype(np.float32)
+        return (base / factor).astype(xp.float32)
     if cfg.rope_scaling != "llama3":
         return base
-    old = np.float32(cfg.rope_original_max_position)
-    low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
-    wavelen = np.float32(2 * np.pi) / base
-    scaled = np.where(wavelen > old / low, base / factor, base).astype(np.float32)
-    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
-    blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    old = xp.float32(cfg.rope_original_max_position)
+    low, high = xp.float32(cfg.rope_low_freq_factor), xp.float32(cfg.rope_high_freq_factor)
+    wavelen = xp.float32(2 * np.pi) / base
+    scaled = xp.where(wavelen > old / low, base / factor, base).astype(xp.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(xp.float32)
+    blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(xp.float32)
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return np.where(medium, blended, scaled).astype(np.float32)
+    return xp.where(medium, blended, scaled).astype(xp.float32)
