@@ -1,6 +1,6 @@
 """RoPE frequencies of a GQA model: plain, or scaled (`rope_scaling` linear or llama3).
 
-What transformers computes (`modeling_rope_utils`), in float32 on the host, over head_dim / 2
+What transformers computes (`modeling_rope_utils`), in float32, over head_dim / 2
 frequencies inv_freq_i = 1 / theta^(2i / head_dim):
 
 - linear: every frequency divided by `rope_factor` (positions interpolated);
