@@ -31,18 +31,22 @@ QWEN3_MOE_KW = dict(QWEN3_KW, num_hidden_layers=3, num_experts=8, num_experts_pe
 
 
 # Dense families without QK-norm, by transformers' class names (the shared kwargs fit each).
-DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+# Phi3Config's default special tokens (32000) lie outside the tiny vocabularies.
+ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
 
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
                      arch: str = "qwen3", **overrides) -> Path:
-    """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral) model saved with
+    """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral / Phi-3) model saved with
     `save_pretrained` into `out`.
 
     initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding
     is not constant, and norm weights are drawn around 1 so a swapped or dropped norm shows.
     """
-    kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False)
+    kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False,
+              **ARCH_KW.get(arch, {}))
     kw.update(overrides)
     if arch in DENSE_ARCHS:
         cfg_cls, model_cls = (getattr(transformers, name) for name in DENSE_ARCHS[arch])

@@ -243,7 +243,7 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
     ({"model_type": "kimi_k2", "kv_lora_rank": 512, "topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
-    ({"model_type": "phi3"}, "model_type 'phi3'"),
+    ({"model_type": "olmo2"}, "model_type 'olmo2'"),
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
@@ -294,6 +294,49 @@ def test_hf_llama_and_mistral_match_presets(preset, data):
     cfg = from_hf_config(data)
     assert cfg.replace(name=preset) == load_preset(preset)
     assert not cfg.qk_norm and cfg.head_dim == 128  # head_dim absent: hidden / heads
+
+
+# Phi-3-mini-4k-instruct's published config.json (transformers 4.x keys).
+PHI3_MINI_4K = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
+    "use_cache": True, "vocab_size": 32064,
+}
+
+
+def test_hf_phi3_reads_with_its_window_on_every_layer_and_its_96_wide_heads_are_refused():
+    """Phi-3-mini: 32 heads of 96 (hidden / heads), a 2047-token window on every layer; the plan
+    refuses the head width in one line (head dims that are not 64 or a multiple of 128 are not planned yet)."""
+    from tpumk.errors import PlanError
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    cfg = from_hf_config(PHI3_MINI_4K)
+    assert (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3072, 32, 32, 96)
+    assert (cfg.ffn_size, cfg.vocab_size, cfg.rms_eps, cfg.rope_theta) == (8192, 32064, 1e-5, 10000.0)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (2047, tuple(range(32)))
+    assert not cfg.qk_norm and cfg.rope_scaling == "none" and not cfg.tie_embeddings
+    with pytest.raises(PlanError) as e:
+        make_plan(BuildSpec(cfg, get_target("tpu7x")))
+    assert "head_dim" in _one_line(e)
+
+
+@pytest.mark.parametrize("changes, what", [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),  # Phi-4-mini (model_type phi3)
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor = 0.5"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}, "longrope"),
+])
+def test_hf_phi3_features_not_modelled_are_refused(changes, what):
+    with pytest.raises(NotSupportedError) as e:
+        from_hf_config({**PHI3_MINI_4K, **changes}, "x/config.json")
+    msg = _one_line(e)
+    assert what in msg and msg.startswith("x/config.json: not supported yet")
 
 
 def test_hf_mistral_window_is_on_every_layer_and_llama_has_none():

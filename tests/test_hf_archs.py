@@ -1,7 +1,8 @@
 """Attention variants and dense families from Hugging Face checkpoints built with transformers'
 own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a sliding-window layer
 whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
-heads, 4 query heads per KV head) and a Mistral whose every layer has a window. Each generates
+heads, 4 query heads per KV head), a Mistral whose every layer has a window and a Phi-3 (fused
+qkv_proj and gate_up_proj tensors, a window on every layer). Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x and v6e.
 """
@@ -33,7 +34,12 @@ CHECKPOINTS = {
     "llama-llama3-d64": dict(arch="llama", seed=6, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
                              rope_parameters=LLAMA3_ROPE),
     "mistral-sliding": dict(arch="mistral", seed=8, sliding_window=6),
+    # Phi-3: q, k, v in one qkv_proj tensor and gate, up in one gate_up_proj; a window on every layer
+    "phi3-sliding": dict(arch="phi3", seed=10, sliding_window=6),
 }
+# Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
+# no QK-norm) and differs only in how its checkpoint stores the projections.
+KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n == "mistral-sliding" else n for n in CHECKPOINTS]
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -49,8 +55,9 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
         assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
-    elif name.startswith("mistral"):
+    elif name.startswith(("mistral", "phi3")):
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (0, 1))
+        assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (128, 4, 2)
     elif name.endswith("d64"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 4)
     else:
@@ -73,6 +80,7 @@ def test_reference_logits_match_transformers(checkpoint):
         assert np.max(np.abs(plain - want)) > 100 * bound
 
 
+@pytest.mark.parametrize("checkpoint", KERNEL_CASES, indirect=True)
 def test_greedy_tokens_transformers_reference_megakernel(checkpoint):
     _, ckpt = checkpoint
     want = hf_greedy(ckpt, PROMPTS, STEPS)
@@ -82,6 +90,7 @@ def test_greedy_tokens_transformers_reference_megakernel(checkpoint):
     assert got["tokens"] == want and "megakernel" in got["ran_on"]
 
 
+@pytest.mark.parametrize("checkpoint", KERNEL_CASES, indirect=True)
 def test_megakernel_compiles_deviceless(checkpoint):
     _, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint (Qwen3 / Qwen3-MoE) into the reference weight layout.
+"""Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Llama, Mistral, Phi-3, DeepSeek-V3, Kimi K2)
+into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -12,8 +13,10 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
     model.layers.{i}.input_layernorm.weight    -> attn_norm
     model.layers.{i}.post_attention_layernorm  -> mlp_norm
     model.layers.{i}.self_attn.{q,k,v,o}_proj  -> wq, wk, wv, wo (transposed)
+    model.layers.{i}.self_attn.qkv_proj        -> wq, wk, wv (Phi-3: q rows, then k, then v)
     model.layers.{i}.self_attn.{q,k}_norm      -> q_norm, k_norm
     model.layers.{i}.mlp.{gate,up,down}_proj   -> w_gate, w_up, w_down (dense layers)
+    model.layers.{i}.mlp.gate_up_proj          -> w_gate, w_up (Phi-3: gate rows, then up rows)
     model.layers.{i}.mlp.gate.weight           -> router (transposed)
     model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight -> e_gate/e_up/e_down[j]
 or the fused expert tensors of transformers 5's in-memory layout:
@@ -256,12 +259,24 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         add(p + "post_attention_layernorm.weight", i, "mlp_norm")
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
+        elif p + "self_attn.qkv_proj.weight" in names:  # Phi-3: q, k and v rows in one tensor
+            q, kv, h = cfg.q_size, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+            for key, lo, hi in (("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)):
+                add(p + "self_attn.qkv_proj.weight", i, key, lambda a, lo=lo, hi=hi: a[lo:hi].T,
+                    hf_shape=(q + 2 * kv, h))
+            add(p + "self_attn.o_proj.weight", i, "wo", _t)
         else:
             for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
                 add(p + f"self_attn.{proj}.weight", i, key, _t)
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
+        if cfg.layer_is_dense(i) and p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
+            f, h = cfg.ffn_size, cfg.hidden_size
+            add(p + "mlp.gate_up_proj.weight", i, "w_gate", lambda a, f=f: a[:f].T, hf_shape=(2 * f, h))
+            add(p + "mlp.gate_up_proj.weight", i, "w_up", lambda a, f=f: a[f:].T, hf_shape=(2 * f, h))
+            add(p + "mlp.down_proj.weight", i, "w_down", _t)
+            continue
         if cfg.layer_is_dense(i):
             for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
                 add(p + f"mlp.{proj}.weight", i, key, _t)
@@ -387,6 +402,8 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         if w in plan and any(expert is None and key in EXPERT_MATRICES for _, key, expert, *_ in plan[w]):
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused expert tensor '{w}' in fp8 "
                                     "(official fp8 releases store one tensor per expert)")
+        if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -430,8 +430,8 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "llama", "mistral", "deepseek_v3", "kimi_k2")
-_HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama and Mistral have no QK-norm
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "llama", "mistral", "phi3", "deepseek_v3", "kimi_k2")
+_HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen3", "qwen3_moe")  # linear / llama3 RoPE (tpumk.model.rope)
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
@@ -453,8 +453,8 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama, Mistral, DeepSeek-V3, Kimi K2)
-    into a ModelConfig.
+    """Translate a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama, Mistral, Phi-3, DeepSeek-V3,
+    Kimi K2) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
     never silently built wrong. A field of the wrong type or out of bounds raises ConfigError
@@ -492,6 +492,13 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                 and not (kind in ("linear", "llama3") and mt in _HF_ROPE_SCALED):
             raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
     rope_params = data.get("rope_parameters") or {}
+    # RoPE on only part of each head (Phi-4-mini: model_type phi3, 0.75); transformers 5 keeps
+    # the factor in rope_parameters, 4.x at top level.
+    for where, table in (("partial_rotary_factor", data), ("rope_parameters.partial_rotary_factor", rope_params)):
+        factor = table.get("partial_rotary_factor") if isinstance(table, dict) else None
+        if factor is not None and factor != 1:
+            raise NotSupportedError(f"{source}: not supported yet: {where} = {_short_repr(factor)} "
+                                    "(RoPE on part of each head; only 1.0)")
     if rope_params.get("rope_theta") is not None:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
@@ -629,8 +636,8 @@ def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any]:
     """sliding_window / sliding_layers as transformers reads them: the window is
-    `sliding_window` only when `use_sliding_window` is true (Mistral: whenever it is set, on
-    every layer; Llama: never). Qwen3: the sliding layers are those
+    `sliding_window` only when `use_sliding_window` is true (Mistral and Phi-3: whenever it is
+    set, on every layer; Llama: never). Qwen3: the sliding layers are those
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types)."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
@@ -644,7 +651,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
                               f"layer ({n_layers})")
     if mt == "llama":  # no window in Llama's attention, whatever the file says
         return {}
-    if mt == "mistral":  # every layer, whenever sliding_window is set (no use_sliding_window flag)
+    if mt in ("mistral", "phi3"):  # every layer, whenever sliding_window is set (no use_sliding_window flag)
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
