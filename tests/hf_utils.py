@@ -134,7 +134,8 @@ def hf_greedy(path: str | Path, prompt_ids: Sequence[Sequence[int]], steps: int)
 # Linear weights an official FP8 release stores as e4m3 blocks (the router `mlp.gate` and the
 # lm_head stay in the model dtype there).
 _FP8_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the last four: MLA (DeepSeek-V3)
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # these four: MLA (DeepSeek-V3)
+               "qkv_proj", "gate_up_proj")  # Phi-3's fused projections
 
 
 def fp8_checkpoint(src: str | Path, out: str | Path) -> Path:

@@ -97,6 +97,20 @@ def test_megakernel_compiles_deviceless(checkpoint):
     compile_for_tpus(cfg, 2, 1, TuningConfig(kv_tile_pages=1))
 
 
+def test_phi3_fused_tensors_in_fp8_are_refused(tmp_path):
+    """An fp8 checkpoint's 128 x 128 scale blocks would be cut by the q / k / v (gate / up)
+    split of a fused tensor in general (here the cuts fall on block edges, still refused: the
+    loader does not split scales), so it is refused in one line naming the tensor."""
+    from hf_utils import fp8_checkpoint
+
+    from tpumk.errors import NotSupportedError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    ckpt = fp8_checkpoint(build_checkpoint(tmp_path / "phi3", arch="phi3", seed=11), tmp_path / "fp8")
+    with pytest.raises(NotSupportedError, match=r"fused tensor 'model\.layers\.0\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight' in fp8$"):
+        load_checkpoint(ckpt)
+
+
 # ---------------------------------------------------------------------- Llama: N devices, int8 (full tier)
 @pytest.mark.full  # every architecture x device count x quant: 4-device and int8 paths run on Qwen3 by default
 def test_llama_on_4_host_devices_and_with_int8_weights(tmp_path):
