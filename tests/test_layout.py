@@ -85,6 +85,65 @@ def test_imports_only_go_down():
     assert not bad, "\n".join(bad)
 
 
+# No import cycle between any two modules, lazy imports included (an import under
+# `if TYPE_CHECKING:` never runs and is left out).
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The tpumk modules `path` imports, `from pkg import submodule` resolved to the submodule."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tpumk"):
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "tpumk"}
+    return out & modules
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycle_between_modules():
+    modules = dict(_modules())
+    names = set(modules) - {"tpumk"}  # the root's lazy public API imports everything, by design
+    graph = {m: _module_imports(modules[m], names) - {m} for m in names}
+    assert _cycles(graph) == [], "import cycles between modules"
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+    assert _cycles(graph) == [["a", "b", "c"], ["d", "e"]]
+
+
 def test_no_relative_imports_and_few_top_level_modules():
     relative = [m for m, p in _modules() for n in ast.walk(ast.parse(p.read_text()))
                 if isinstance(n, ast.ImportFrom) and n.level > 0]

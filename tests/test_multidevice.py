@@ -236,7 +236,7 @@ def test_sharding_of_public_models():
     s = big.summary()
     assert s["devices"] == 32 and s["sharding"]["experts"]["mode"] == "expert_x_tensor"
     assert s["collectives_per_step"] == 2 * 94 + 1  # 2 all-reduces per layer, the logits all-gather
-    from tpumk.plan.plan import logits_slice_bytes
+    from tpumk.plan.contract import logits_slice_bytes
 
     assert s["interconnect_bytes_per_step"] == 2 * 94 * big.all_reduce.send_bytes + 31 * logits_slice_bytes(big)
     # rsag: each device sends 2 (N-1) chunks of [1 token row, 128 lanes] f32 per all-reduce

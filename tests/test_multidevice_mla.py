@@ -112,7 +112,7 @@ def _worker(case: str) -> dict:
         })
     # The XLA SPMD baseline (tpumk bench --devices N) on the same host devices: its head-parallel
     # sharding of the same weights gives the reference's step.
-    from tpumk.decode.bench import paged_to_head_major, xla_decode_step
+    from tpumk.decode.xla_step import paged_to_head_major, xla_decode_step
     from tpumk.decode.xla_spmd import spmd_mesh, xla_spmd_out_shardings, xla_spmd_specs
 
     mesh = spmd_mesh(spec.target, n)
@@ -372,7 +372,7 @@ def test_xla_step_matches_the_reference_on_one_device():
     against the reference, q_len 2, from a prefilled cache (DeepSeek-V3 routing with the bias)."""
     import jax.numpy as jnp
 
-    from tpumk.decode.bench import make_xla_step, paged_to_head_major
+    from tpumk.decode.xla_step import make_xla_step, paged_to_head_major
     from tpumk.model import reference as R
     from tpumk.model.weights import random_params
 

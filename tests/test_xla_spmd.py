@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tpumk.decode import xla_spmd as xs
-from tpumk.decode.bench import xla_step_specs
+from tpumk.decode.xla_step import xla_step_specs
 from tpumk.errors import ConfigError
 from tpumk.estimate.timeline import xla_step
 from tpumk.model.config import load_preset

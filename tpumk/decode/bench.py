@@ -14,24 +14,11 @@ attached) and compared on figures that mean the same thing for both:
   labelled as a model. The compiler's static profile is never used for this ratio: it is not
   comparable between a Pallas kernel and an XLA program (TPU_FACTS section 3).
 
-The XLA step (`xla_decode_step`) is the reference decode step laid out as a serving stack
-would lay it out for XLA, with no tpumk kernel:
-- weights in the reference layout, one HBM array per matrix per layer, layers unrolled (XLA
-  sees and schedules every op of every layer; no loop-carried weight slicing);
-- a contiguous KV cache per sequence, head-major `[layers, batch, kv_heads, context, head_dim]`
-  (attention's dot contracts the minor dim, so XLA needs no relayout of the cache), updated in
-  place (the cache is donated);
-- MoE layers gather the routed experts' weights per token (a serving stack does not evaluate
-  all experts at decode time);
-- MLA models (DeepSeek-V3, Kimi K2) run the absorbed form over a contiguous latent cache
-  `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (the same rows the megakernel's
-  paged cache holds), with tpumk.model.mla's own projection and attention code.
+The XLA step is `tpumk.decode.xla_step.xla_decode_step`: the reference decode step laid out as
+a serving stack would lay it out for XLA (that module says how).
 The serving-stack column (XLA + jax's ragged paged attention) exists for GQA models only: for
 MLA it is refused with one line (`serving_refusal`), since jax ships no paged attention over a
 latent cache.
-Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
-which is all the bench feeds it: it does not implement the reference's handling of positions
-outside the cache (tpumk.model.positions).
 
 Many devices (`BuildSpec.devices` > 1, `compare_devices`): the N-device megakernel (one SPMD
 program, `jax.shard_map` around one `pallas_call`, its all-reduces inside the kernel) beside the
@@ -46,226 +33,18 @@ only: with devices > 1 the bench always models, and refuses an explicit `measure
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tpumk.model import reference as ref
-from tpumk.model.quantize import QuantizedMatrix
+from tpumk.decode.xla_step import CompiledProgram, compile_program, xla_cache_shapes, xla_decode_step, xla_step_specs
 from tpumk.model.config import ModelConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import Target
-
-
-# ---------------------------------------------------------------------- the XLA decode step
-def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ...]:
-    """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]. MLA: the
-    latent cache `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (one row per token,
-    shared by all heads, as the megakernel's paged cache holds it)."""
-    if cfg.is_mla:
-        return (cfg.num_layers, batch, context, cfg.kv_cache_width)
-    return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
-
-
-def xla_cache_shapes(cfg: ModelConfig, batch: int, context: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(K, V) cache shapes of the XLA step; an MLA model's V cache is empty (width 0), as
-    `reference.init_cache` keeps it."""
-    k = xla_cache_shape(cfg, batch, context)
-    return k, (k[:-1] + (0,) if cfg.is_mla else k)
-
-
-def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                       k_valid: jax.Array, window: int = 0) -> jax.Array:
-    """`tpumk.model.reference.attend` with the cache head-major: q [B,T,Hq,D] f32; k, v [B,Hkv,S,D];
-    q_pos [B,T]; k_valid [B,S]; window > 0: a sliding-window layer. Same casts, scaling, masks
-    and softmax as the reference (XLA computes every key's score; the mask drops the rest)."""
-    group = cfg.num_q_heads // cfg.num_kv_heads
-    b, t = q.shape[:2]
-    s_len = k.shape[2]
-    qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(cfg.head_dim)
-    k_pos = jnp.arange(s_len, dtype=jnp.int32)
-    mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
-    if window:
-        mask = mask & (k_pos[None, None, None, None, :] > q_pos[:, None, None, :, None] - window)
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, cfg.q_size)
-
-
-def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
-    """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
-    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
-    g = _picked_matmul(x, layer["e_gate"], ids)
-    u = _picked_matmul(x, layer["e_up"], ids)
-    y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
-    out = jnp.einsum("nkh,nk->nh", y, weights)
-    if cfg.num_shared_experts:
-        out = out + ref.swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])
-    return out
-
-
-def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
-    """Each row's picked experts only: x [N, K] (or [N, k, K]) @ w[ids] -> [N, k, M] f32, the
-    reference's matmul contract (quantized experts: group scales per 128 rows, `reference.matmul`)."""
-    xs = "nkc" if x.ndim == 3 else "nc"
-    if not isinstance(w, QuantizedMatrix):
-        return jnp.einsum(f"{xs},nkcm->nkm", x.astype(w.dtype), w[ids], preferred_element_type=jnp.float32)
-    xg, qg = ref.grouped_operands(x, w.q[ids], w)  # codes [N, k, K, M] -> [N, k, G, group, M]
-    parts = jnp.einsum(f"{xs[:-1]}gc,nkgcm->nkgm", xg, qg, precision=jax.lax.Precision.HIGHEST)
-    return jnp.sum(parts * w.scale[ids], axis=-2)
-
-
-def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                    k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
-    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D];
-    lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
-    if cfg.is_mla:
-        return _xla_mla_step(params, cfg, tokens, positions, k_cache, v_cache, lengths)
-    b, t = tokens.shape
-    ctx = k_cache.shape[3]
-    k_pos = jnp.arange(ctx, dtype=jnp.int32)[None, :]
-    k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(cfg.num_kv_heads)[None, None, :]
-    pi = positions[:, :, None]
-    x = ref.embed(params, tokens)
-    for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
-        k_cache = k_cache.at[i, bi, hi, pi].set(k)
-        v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
-        x = x + ref.matmul(o, layer["wo"])
-        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
-        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
-    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
-
-
-def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
-    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
-            else _moe_gathered(cfg, layer, h))
-
-
-def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
-    """`xla_decode_step` of an MLA model, in the absorbed form serving stacks run at decode
-    (tpumk.model.mla's projections and latent attention, the reference's own code): the
-    contiguous latent cache k_cache [L, B, ctx, C+R] gets the step's rows, every head scores
-    them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values. v_cache is the
-    empty value cache, passed through."""
-    from tpumk.model import mla
-
-    b, t = tokens.shape
-    ctx = k_cache.shape[2]
-    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
-    k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
-    bi = jnp.arange(b)[:, None]
-    x = ref.embed(params, tokens)
-    for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
-        k_cache = k_cache.at[i, bi, positions].set(row)
-        o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
-        x = x + ref.matmul(o, layer["wo"])
-        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
-        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
-    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
-
-
-def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """A reference paged cache as the XLA step's contiguous head-major caches (for tests); MLA:
-    the latent cache [L, B, ctx, C+R] and the empty value cache."""
-    def one(c):
-        b, pps = cache.block_tables.shape
-        seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
-        if cfg.is_mla:
-            return seq.reshape(cfg.num_layers, b, pps * cache.page_size, c.shape[-1])
-        seq = seq.reshape(cfg.num_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
-        return seq.transpose(0, 1, 3, 2, 4)
-    return one(cache.k), one(cache.v)
-
-
-def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, quant: str = "none") -> tuple:
-    """ShapeDtypeStructs of (params, tokens, positions, k_cache, v_cache, lengths); with `quant`
-    the streamed matrices are `QuantizedMatrix` specs (the same weights the megakernel reads)."""
-    from tpumk.model.quantize import quantized_specs
-
-    from tpumk.model.weights import expected_shapes
-
-    dt = ref.jnp_dtype(cfg)
-
-    def spec(name: str, shape) -> jax.ShapeDtypeStruct:  # norm vectors stay f32 (random_params)
-        return jax.ShapeDtypeStruct(tuple(shape), jnp.float32 if name.endswith("norm") else dt)
-
-    shapes = expected_shapes(cfg)
-    params = {k: spec(k, v) for k, v in shapes.items() if k != "layers"}
-    params["layers"] = [{k: spec(k, v) for k, v in lay.items()} for lay in shapes["layers"]]
-    params = quantized_specs(cfg, params, quant)
-    i32 = jnp.int32
-    tok = jax.ShapeDtypeStruct((batch, q_len), i32)
-    k, v = (jax.ShapeDtypeStruct(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
-    return params, tok, tok, k, v, jax.ShapeDtypeStruct((batch,), i32)
-
-
-def make_xla_step(cfg: ModelConfig):
-    """The jitted XLA step with the caches donated (updated in place, as in serving)."""
-    return jax.jit(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n), donate_argnums=(3, 4))
-
-
-# ---------------------------------------------------------------------- deviceless compiles
-@dataclass
-class CompiledProgram:
-    compiled: Any  # jax.stages.Compiled
-    lower_seconds: float
-    compile_seconds: float
-    hlo_text: str  # the compiled (post-optimization) HLO
-
-
-def _read_dumped_hlo(dump_dir: Path) -> str:
-    """The post-codegen HLO XLA dumped for the one module it compiled."""
-    files = sorted(dump_dir.glob("*after_codegen.txt")) or sorted(dump_dir.glob("*after_optimizations.txt"))
-    if not files:
-        raise RuntimeError(f"XLA wrote no post-optimization HLO under {dump_dir}")
-    return files[-1].read_text()
-
-
-def compile_program(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) -> CompiledProgram:
-    """jit(fn).lower(*specs).compile() for the target's device, keeping the compiled HLO text."""
-    from tpumk.compile.aot import place
-
-    return compile_placed(fn, place(arg_specs, target.device()), **jit_kwargs)
-
-
-def compile_placed(fn: Callable, specs: tuple, **jit_kwargs) -> CompiledProgram:
-    """jit(fn).lower(*specs).compile() for specs that already carry their shardings (one
-    device, or a mesh of them), keeping the compiled HLO text.
-
-    `Compiled.as_text()` fails on some XLA TPU programs (jax 0.10.2: an async-update
-    instruction's proto does not round-trip), so the HLO is also dumped by XLA itself and read
-    back when as_text() fails. The dump does not change the executable."""
-    from tpumk.compat import no_persistent_cache_write
-    from tpumk.compile.aot import spec_devices
-
-    with tempfile.TemporaryDirectory(prefix="tpumk-bench-hlo-") as d:
-        t0 = time.perf_counter()
-        lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
-        t1 = time.perf_counter()
-        with no_persistent_cache_write(spec_devices(specs)):
-            compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_text": True,
-                                                         "xla_dump_hlo_pass_re": "^$"})
-        t2 = time.perf_counter()
-        try:
-            text = compiled.as_text()
-        except Exception:  # noqa: BLE001 - see the docstring; the dump has the same module
-            text = _read_dumped_hlo(Path(d))
-    return CompiledProgram(compiled, t1 - t0, t2 - t1, text)
 
 
 # ---------------------------------------------------------------------- timing on a device

@@ -1,6 +1,6 @@
 """XLA's SPMD decode step: the multi-device baseline for `tpumk bench` (issue 13).
 
-The program is `tpumk.decode.bench.xla_decode_step` unchanged (the same reference-layout
+The program is `tpumk.decode.xla_step.xla_decode_step` unchanged (the same reference-layout
 weights, head-major contiguous KV cache, unrolled layers), compiled for N devices with its
 weights and cache sharded over a 1-D mesh axis "tp" (Megatron-style tensor parallelism) and
 XLA's SPMD partitioner inserting whatever collectives the sharding needs. Nothing here writes a
@@ -56,7 +56,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpumk.decode.bench import CompiledProgram, compile_placed, xla_decode_step, xla_step_specs
+from tpumk.decode.xla_step import CompiledProgram, compile_placed, xla_decode_step, xla_step_specs
 from tpumk.errors import CompileError, ConfigError
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import QuantizedMatrix

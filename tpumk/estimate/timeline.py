@@ -89,7 +89,7 @@ from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, calle
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
 from tpumk.estimate.interconnect import all_gather_seconds, all_reduce_seconds, collective_kind, collective_op_seconds
 from tpumk.estimate.interconnect import model_source as interconnect_source
-from tpumk.plan.plan import MLA_FAMILIES, logits_slice_bytes
+from tpumk.plan.contract import MLA_FAMILIES, logits_slice_bytes
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6

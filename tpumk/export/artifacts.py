@@ -114,13 +114,6 @@ def to_toml(doc: dict[str, Any]) -> str:
     return tomli_w.dumps(_without_none(doc))
 
 
-def _signature(tree: Any) -> list[dict[str, Any]]:
-    import jax
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
-
-
 # what a manifest of unexpected types or sizes makes the parsers and checks raise (a 5000-digit
 # integer, nesting past the recursion limit, a string where a table belongs, a missing name)
 MALFORMED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
@@ -236,7 +229,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     except Exception as e:
         raise ArtifactError(f"{target.name}: the compiled step cannot be serialized: "
                             f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if (in_tree, out_tree) != step_trees(plan):  # load() rebuilds them from the plan
+    if (in_tree, out_tree) != checks.step_trees(plan):  # load() rebuilds them from the plan
         raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
     platform = checks.export_platform(target.interpret)
     t1 = time.perf_counter()
@@ -274,8 +267,8 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             "report": {k: v for k, v in report.to_dict().items() if k != "plan"},
             "report_json": json.dumps(report.to_dict(), sort_keys=True, default=str),
             "timings": {"export_seconds": export_seconds},
-            "signature": {"inputs_json": json.dumps(_signature(specs)),
-                          "outputs_json": json.dumps(_signature(out_specs)),
+            "signature": {"inputs_json": json.dumps(checks.tree_signature(specs)),
+                          "outputs_json": json.dumps(checks.tree_signature(out_specs)),
                           "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
                           "exported_in_avals": [str(a) for a in exported.in_avals],
                           "exported_out_avals": [str(a) for a in exported.out_avals]},
@@ -645,17 +638,6 @@ def plan_of(m: dict[str, Any]):
     return make_plan(spec_of(m))
 
 
-def step_trees(plan) -> tuple:
-    """The (in_tree, out_tree) a compiled decode step of this plan has: jit's ((args), {}) and
-    (logits, KVCache). Rebuilt from the plan on load rather than unpickled from the artifact."""
-    import jax
-
-    from tpumk.kernel.megakernel import step_specs
-    from tpumk.model.reference import KVCache
-
-    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, KVCache(0, 0, 0, 0)))
-
-
 USES = ("auto", "executable", "exported")
 
 
@@ -696,7 +678,7 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
 
     _register_pytrees()
     # verify checked the manifest's signature.executable_in_tree / _out_tree against these
-    in_tree, out_tree = step_trees(plan)
+    in_tree, out_tree = checks.step_trees(plan)
     blob = _read_payload(path, EXECUTABLE, m)
     try:
         # many devices: the executable names its devices by id; these are the recorded ones

@@ -232,11 +232,10 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     for f in PLAN_REPORT:
         c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
 
-    from tpumk.export.artifacts import _signature, step_trees
     from tpumk.kernel.megakernel import step_specs
 
     sig = m["signature"]
-    c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(_signature(step_specs(plan))), "the plan's")
+    c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(tree_signature(step_specs(plan))), "the plan's")
     in_tree, out_tree = step_trees(plan)
     c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
     c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
@@ -260,3 +259,22 @@ def _plan(c: _Checker, inputs: dict[str, Any]):
         c.fail(f"its key inputs do not plan: {e}")
     except (KeyError, TypeError, ValueError) as e:
         c.fail(f"malformed manifest: key inputs: {type(e).__name__}: {e}")
+
+
+def tree_signature(tree: Any) -> list[dict[str, Any]]:
+    """Each leaf's path, shape and dtype: what a manifest records of a step's inputs and outputs."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
+
+
+def step_trees(plan) -> tuple:
+    """The (in_tree, out_tree) a compiled decode step of this plan has: jit's ((args), {}) and
+    (logits, KVCache). Rebuilt from the plan on load rather than unpickled from the artifact."""
+    import jax
+
+    from tpumk.kernel.megakernel import step_specs
+    from tpumk.model.reference import KVCache
+
+    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, KVCache(0, 0, 0, 0)))

@@ -120,7 +120,7 @@ class _MLAColumns:
 
 def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
     """The MLA families of every layer (layout in the module docstring)."""
-    from tpumk.model.mla import absorbed_weights
+    from tpumk.model.quantize import absorbed_weights
 
     cols = _MLAColumns(cfg, fams)
     out: dict[str, list] = {}
@@ -146,7 +146,7 @@ def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool) -> 
     [M] row (uk / uv: every head's block side by side, as the diagonal tiles' column blocks);
     group-scaled, each family's [K/128, M] matrix (uk / uv: the tiles' scale blocks [Hq,
     scale_rows, tile_cols])."""
-    from tpumk.model.mla import absorbed_weights
+    from tpumk.model.quantize import absorbed_weights
 
     cols = _MLAColumns(cfg, fams)
 

@@ -1,5 +1,6 @@
-"""The reference decode step of an MLA model (DeepSeek-V3, Kimi K2): multi-head latent attention
-in the absorbed form over a paged latent cache.
+"""The reference's multi-head latent attention (DeepSeek-V3, Kimi K2): projections, the absorbed
+form over a paged latent cache, and its expanded twin. `tpumk.model.reference.decode_step` and
+`forward_full` run an MLA model's layers with these.
 
 Weights (reference layout, matrices `[in, out]`; Hq heads, N = qk_nope_head_dim, R =
 qk_rope_head_dim, V = v_head_dim, C = kv_lora_rank, Rq = q_lora_rank):
@@ -20,8 +21,8 @@ The absorbed step: q_lat = q_nope @ W_UK (per head, [C]), each head scores the r
 latent output o_lat [C], and o_lat @ W_UV gives the head's value output. Numerics follow
 `tpumk.model.reference`: matrix products cast the activation to the weight dtype and accumulate
 in float32; the query row is cast to the cache dtype for the scores, probabilities for p . c_kv.
-`forward_full` is the expanded twin (keys and values rebuilt per head from the latent, the way
-transformers computes them) and checks the absorption algebra.
+`attend_expanded` is the expanded twin (keys and values rebuilt per head from the latent, the way
+transformers computes them; `reference.forward_full` uses it) and checks the absorption algebra.
 
 Quantized weights (tpumk.model.quantize): wq_a, wq_b / wq, wkv_a and wo are QuantizedMatrix
 (`reference.matmul` takes them); wkv_b is replaced by `w_uk` [Hq, N, C] and `w_uv` [Hq, C, V],
@@ -37,7 +38,8 @@ import numpy as np
 
 from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import QuantizedMatrix
+from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, rms_norm
+from tpumk.model.quantize import QuantizedMatrix, absorbed_weights
 
 
 def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
@@ -54,8 +56,6 @@ def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: 
 def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
     """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
     cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope)."""
-    from tpumk.model.reference import jnp_dtype, matmul, rms_norm
-
     b, t, _ = x.shape
     n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
@@ -72,22 +72,9 @@ def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
     return q[..., :n], q_rope, row
 
 
-def absorbed_weights(cfg: ModelConfig, layer):
-    """(W_UK^T [Hq, N, C], W_UV [Hq, C, V]): each head's absorbed blocks, the kernel's uk / uv
-    tiles. Views of wkv_b, or a quantized layer's own `w_uk` / `w_uv` (QuantizedMatrix stacks
-    over heads, tpumk.model.quantize)."""
-    if "w_uk" in layer:
-        return layer["w_uk"], layer["w_uv"]
-    n = cfg.qk_nope_head_dim
-    w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, n + cfg.v_head_dim)
-    return w[..., :n].transpose(1, 2, 0), w[..., n:].transpose(1, 0, 2)
-
-
 def _per_head(x: jax.Array, w) -> jax.Array:
     """x [B, T, Hq, K] @ w [Hq, K, M] head by head -> [B, T, Hq, M] f32: `reference.matmul`'s
     contract per head (a quantized stack: its codes, scales per head block, as the kernel)."""
-    from tpumk.model.reference import expert_matmul
-
     # heads as the leading batch axis for both forms (XLA:CPU has no bfloat16 dot kernel for
     # the bthk,hkm form with a float32 result)
     b, t, hq, k = x.shape
@@ -135,45 +122,3 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
     p = _softmax_masked(s, mask)
     o = jnp.einsum("bhts,bshv->bthv", p, v)
     return o.reshape(b, t, cfg.num_q_heads * cfg.v_head_dim)
-
-
-def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
-    """`tpumk.model.reference.decode_step` for an MLA model (same contract, latent cache)."""
-    from tpumk.model.reference import (KVCache, cache_slots, embed, ffn, guard_positions, logits_from, matmul,
-                                       read_tables, rms_norm)
-
-    b, t = tokens.shape
-    ctx = cache.max_context
-    positions = guard_positions(tokens, positions, cfg.vocab_size)
-    page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
-    tables = read_tables(cache)
-
-    lc = cache.k
-    x = embed(params, tokens)
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        q_nope, q_rope, row = project(cfg, layer, h, positions)
-        lc = lc.at[i, page_ids, slots].set(row, mode="drop")
-        rows = lc[i][tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
-        o = attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
-        x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
-        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
-    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
-
-
-def forward_full(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Causal forward without a cache in the expanded form: tokens [B, T] -> logits [B, T, V]."""
-    from tpumk.model.reference import embed, ffn, logits_from, matmul, rms_norm
-
-    b, t = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens)
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-        q_nope, q_rope, row = project(cfg, layer, h, pos)
-        o = attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
-        x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
-        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
-    return logits_from(cfg, params, x)

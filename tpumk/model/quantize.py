@@ -265,8 +265,6 @@ def quantize_params(cfg, params: dict, scheme: str) -> dict:
     for lay in params["layers"]:
         out = dict(lay)
         if s.ring is not None and "wkv_b" in lay:  # MLA: the absorbed per-head blocks (module docstring)
-            from tpumk.model.mla import absorbed_weights
-
             del out["wkv_b"]
             for k, w in zip(ABSORBED_MATRICES, absorbed_weights(cfg, lay)):
                 out[k] = quantize_matrix(w, s.ring, dt)
@@ -407,3 +405,14 @@ def quantized_specs(cfg, params: dict, scheme: str) -> dict:
                                                                                   params["embed"].dtype)
         top["lm_head"] = spec(head, s.ring)
     return top
+
+
+def absorbed_weights(cfg, layer):
+    """(W_UK^T [Hq, N, C], W_UV [Hq, C, V]): each head's absorbed blocks, the kernel's uk / uv
+    tiles. Views of wkv_b, or a quantized layer's own `w_uk` / `w_uv` (QuantizedMatrix stacks
+    over heads, tpumk.model.quantize)."""
+    if "w_uk" in layer:
+        return layer["w_uk"], layer["w_uv"]
+    n = cfg.qk_nope_head_dim
+    w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, n + cfg.v_head_dim)
+    return w[..., :n].transpose(1, 2, 0), w[..., n:].transpose(1, 0, 2)

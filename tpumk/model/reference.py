@@ -10,8 +10,8 @@ Paged KV cache layout (shared with the kernel, so caches compare element for ele
 - `k`, `v`: `[num_layers, num_pages, page_size, num_kv_heads * head_dim]`;
 - `block_tables`: `[batch, pages_per_seq]` int32, page ids of each sequence in order;
 - `lengths`: `[batch]` int32, tokens already cached per sequence.
-An MLA model (DeepSeek-V3, Kimi K2; `tpumk.model.mla`, which `decode_step` and `forward_full`
-hand it to) caches one latent row per token in `k` (`[..., kv_lora_rank + qk_rope_head_dim]`)
+An MLA model (DeepSeek-V3, Kimi K2; its attention in `tpumk.model.mla`, the matrix-product
+contract in `tpumk.model.ops`) caches one latent row per token in `k` (`[..., kv_lora_rank + qk_rope_head_dim]`)
 and nothing in `v` (`[..., 0]`).
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
@@ -49,12 +49,12 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from tpumk.model.config import ModelConfig
 from tpumk.model.positions import new_lengths
-from tpumk.model.quantize import QuantizedMatrix
+from tpumk.model import mla
+from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, rms_norm
 from tpumk.model.rope import inv_freq as rope_freqs
 
 Params = dict[str, Any]
@@ -73,10 +73,6 @@ class KVCache(NamedTuple):
     @property
     def max_context(self) -> int:
         return self.block_tables.shape[1] * self.page_size
-
-
-def jnp_dtype(cfg: ModelConfig):
-    return jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 16,
@@ -104,53 +100,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
 
 
 # ---------------------------------------------------------------------- building blocks
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
-
-
-def matmul(x: jax.Array, w) -> jax.Array:
-    """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract).
-    A `QuantizedMatrix` (tpumk.model.quantize): x and the codes in its compute dtype, the
-    float32 column sums times the column scales (what the kernel computes, tile by tile)."""
-    if isinstance(w, QuantizedMatrix):
-        dt = w.compute.dtype
-        if not w.grouped:
-            return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
-        # Group scales: each 128-row group's float32 sum times its scales, then the groups summed.
-        xg, qg = grouped_operands(x, w.q, w)
-        parts = jnp.einsum("...gk,gkm->...gm", xg, qg, precision=lax.Precision.HIGHEST)
-        return jnp.sum(parts * w.scale, axis=-2)
-    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
-def expert_matmul(x: jax.Array, w) -> jax.Array:
-    """Every expert at once: x [E, N, K] (or [N, K], shared by all experts) @ w [E, K, M] ->
-    [E, N, M] float32, `matmul`'s contract per expert (group scales per 128-row group)."""
-    dt = w.compute.dtype if isinstance(w, QuantizedMatrix) else w.dtype
-    xs = "enk" if x.ndim == 3 else "nk"
-    if not isinstance(w, QuantizedMatrix):
-        return jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w, preferred_element_type=jnp.float32)
-    if not w.grouped:
-        y = jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32)
-        return y * w.scale[:, None, :]
-    xg, qg = grouped_operands(x, w.q, w)
-    parts = jnp.einsum(f"{xs[:-1]}gk,egkm->engm", xg, qg, precision=lax.Precision.HIGHEST)
-    return jnp.sum(parts * w.scale[:, None], axis=-2)
-
-
-def grouped_operands(x: jax.Array, q: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] and codes q [..., K, M] (w's codes, or a gather of them) split into w's scale
-    groups, [..., G, group] and [..., G, group, M], a partial last group zero-padded on both
-    sides. Both are rounded to w's compute dtype and held in float32: a product of two such
-    values is exact in f32, and XLA:CPU has no batched bf16 x bf16 -> f32 dot."""
-    dt, g = w.compute.dtype, w.scale.shape[-2]
-    pad = g * w.group - q.shape[-2]
-    xg = jnp.pad(x.astype(dt).astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    qg = jnp.pad(q.astype(dt).astype(jnp.float32), [(0, 0)] * (q.ndim - 2) + [(0, pad), (0, 0)])
-    return xg.reshape(*x.shape[:-1], g, w.group), qg.reshape(*q.shape[:-2], g, w.group, q.shape[-1])
-
-
 def rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., T, H, D], positions [..., T],
     inv_freq [D / 2] (tpumk.model.rope.inv_freq: plain or scaled)."""
@@ -314,8 +263,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
                 cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
     if cfg.is_mla:
-        from tpumk.model import mla
-        return mla.decode_step(params, cfg, tokens, positions, cache)
+        return _mla_decode_step(params, cfg, tokens, positions, cache)
     b, t = tokens.shape
     ctx = cache.max_context
     positions = guard_positions(tokens, positions, cfg.vocab_size)
@@ -345,8 +293,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     K/V are rounded to the model dtype exactly as the cache would store them, so this is the
     full-recompute twin of `decode_step`."""
     if cfg.is_mla:
-        from tpumk.model import mla
-        return mla.forward_full(params, cfg, tokens)
+        return _mla_forward_full(params, cfg, tokens)
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
@@ -354,6 +301,45 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
         q, k, v = qkv(cfg, layer, h, pos)
         o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x)
+
+
+def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
+    """`decode_step` for an MLA model (same contract, latent cache; tpumk.model.mla's attention)."""
+
+    b, t = tokens.shape
+    ctx = cache.max_context
+    positions = guard_positions(tokens, positions, cfg.vocab_size)
+    page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
+    tables = read_tables(cache)
+
+    lc = cache.k
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
+        lc = lc.at[i, page_ids, slots].set(row, mode="drop")
+        rows = lc[i][tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
+        o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
+        x = x + matmul(o, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
+
+
+def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`forward_full` for an MLA model, attention in the expanded form (tpumk.model.mla)."""
+
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = embed(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        q_nope, q_rope, row = mla.project(cfg, layer, h, pos)
+        o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)

@@ -47,13 +47,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, smem, vmem
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, rope_table_lanes, smem, vmem
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
 RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
+MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")  # the MLA attention projections among them
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
@@ -163,8 +164,6 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
 def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     cfg, n = plan.cfg, plan.rows
     h = cfg.hidden_size
-    from tpumk.plan.plan import rope_table_lanes
-
     d = rope_table_lanes(cfg)  # 64-wide heads: rows tiled to 128 lanes; MLA: one lane tile
     cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
     out = [
@@ -298,3 +297,9 @@ def kernel_contract(plan: Plan) -> KernelContract:
     assert len(set(names)) == len(names), f"scratch names repeat: {names}"
     return KernelContract(f"tpumk_decode_{cfg.name.replace('-', '_').replace('.', '_')}", operands, outputs, aliases,
                           tuple(scratch), packed)
+
+
+def logits_slice_bytes(plan: Plan) -> int:
+    """Bytes of one device's logits slice in the output: its column blocks x rows x tile_cols, f32."""
+    head = plan.families["lm_head"]
+    return head.col_blocks * plan.rows * head.tile_cols * 4

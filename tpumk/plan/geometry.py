@@ -968,3 +968,9 @@ class AllReduceGeometry:
 
     def dma_semaphores(self) -> int:
         return 4 * self.stages
+
+
+def rope_table_lanes(cfg: ModelConfig) -> int:
+    """Lanes of the cos / sin rows the glue passes: one head (two 64-wide heads), or for MLA
+    one lane tile of R-wide rotations (`tpumk.kernel.megakernel`)."""
+    return LANE if cfg.is_mla else cfg.head_dim * heads_per_lane_block(cfg.head_dim)

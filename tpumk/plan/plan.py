@@ -31,9 +31,9 @@ from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
-from tpumk.plan.contract import KernelContract, kernel_contract
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, heads_per_lane_block, AllReduceGeometry, AttentionGeometry,
-                                 MLAGeometry, MoEGeometry, round_up)
+from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, logits_slice_bytes
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
+                                 MLAGeometry, MoEGeometry, rope_table_lanes, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
 from tpumk.plan.spec import BuildSpec
@@ -476,7 +476,6 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
 # The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the q path
 # (q_a, then q_b after the q_a norm; or a plain q), kv_a, the per-head absorbed W_UK ("uk") and
 # W_UV ("uv", block-diagonal families), then o.
-MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")
 
 
 def mla_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -784,18 +783,6 @@ def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
             # every device's logits slice to every peer (N - 1 slices sent, either schedule)
             "logits_all_gather": {"count": 1, "bytes_each": float((g.devices - 1) * logits_slice_bytes(plan)),
                                   "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages}}
-
-
-def rope_table_lanes(cfg: ModelConfig) -> int:
-    """Lanes of the cos / sin rows the glue passes: one head (two 64-wide heads), or for MLA
-    one lane tile of R-wide rotations (`tpumk.kernel.megakernel`)."""
-    return LANE if cfg.is_mla else cfg.head_dim * heads_per_lane_block(cfg.head_dim)
-
-
-def logits_slice_bytes(plan: Plan) -> int:
-    """Bytes of one device's logits slice in the output: its column blocks x rows x tile_cols, f32."""
-    head = plan.families["lm_head"]
-    return head.col_blocks * plan.rows * head.tile_cols * 4
 
 
 def _full_lengths(plan: Plan) -> list[int]:

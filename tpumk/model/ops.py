@@ -1,0 +1,66 @@
+"""The numerics every reference function shares: the model dtype, RMSNorm and the matrix-product
+contract (activation cast to the weight dtype, float32 accumulation, as the MXU; a
+`QuantizedMatrix` multiplied in its compute dtype with its scales applied as the kernel does).
+
+Below `tpumk.model.reference` and `tpumk.model.mla`, which both build on it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tpumk.model.config import ModelConfig
+from tpumk.model.quantize import QuantizedMatrix
+
+
+def jnp_dtype(cfg: ModelConfig):
+    return jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract).
+    A `QuantizedMatrix` (tpumk.model.quantize): x and the codes in its compute dtype, the
+    float32 column sums times the column scales (what the kernel computes, tile by tile)."""
+    if isinstance(w, QuantizedMatrix):
+        dt = w.compute.dtype
+        if not w.grouped:
+            return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
+        # Group scales: each 128-row group's float32 sum times its scales, then the groups summed.
+        xg, qg = grouped_operands(x, w.q, w)
+        parts = jnp.einsum("...gk,gkm->...gm", xg, qg, precision=lax.Precision.HIGHEST)
+        return jnp.sum(parts * w.scale, axis=-2)
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def expert_matmul(x: jax.Array, w) -> jax.Array:
+    """Every expert at once: x [E, N, K] (or [N, K], shared by all experts) @ w [E, K, M] ->
+    [E, N, M] float32, `matmul`'s contract per expert (group scales per 128-row group)."""
+    dt = w.compute.dtype if isinstance(w, QuantizedMatrix) else w.dtype
+    xs = "enk" if x.ndim == 3 else "nk"
+    if not isinstance(w, QuantizedMatrix):
+        return jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w, preferred_element_type=jnp.float32)
+    if not w.grouped:
+        y = jnp.einsum(f"{xs},ekm->enm", x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32)
+        return y * w.scale[:, None, :]
+    xg, qg = grouped_operands(x, w.q, w)
+    parts = jnp.einsum(f"{xs[:-1]}gk,egkm->engm", xg, qg, precision=lax.Precision.HIGHEST)
+    return jnp.sum(parts * w.scale[:, None], axis=-2)
+
+
+def grouped_operands(x: jax.Array, q: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] and codes q [..., K, M] (w's codes, or a gather of them) split into w's scale
+    groups, [..., G, group] and [..., G, group, M], a partial last group zero-padded on both
+    sides. Both are rounded to w's compute dtype and held in float32: a product of two such
+    values is exact in f32, and XLA:CPU has no batched bf16 x bf16 -> f32 dot."""
+    dt, g = w.compute.dtype, w.scale.shape[-2]
+    pad = g * w.group - q.shape[-2]
+    xg = jnp.pad(x.astype(dt).astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    qg = jnp.pad(q.astype(dt).astype(jnp.float32), [(0, 0)] * (q.ndim - 2) + [(0, pad), (0, 0)])
+    return xg.reshape(*x.shape[:-1], g, w.group), qg.reshape(*q.shape[:-2], g, w.group, q.shape[-1])
