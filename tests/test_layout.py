@@ -46,14 +46,22 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "tpumk"
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, runtime_only: bool = False) -> list[str]:
+    """The tpumk modules `path` imports (`from pkg import submodule` named as the submodule);
+    `runtime_only` leaves out imports under `if TYPE_CHECKING:`, which never run."""
+    tree = ast.parse(path.read_text())
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                node.body = []
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tpumk"):
             if node.module == "tpumk":
                 out += [f"tpumk.{a.name}" if a.name != "__version__" else "tpumk" for a in node.names]
             else:
-                out.append(node.module)
+                out += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULE_NAMES else node.module
+                        for a in node.names]
         elif isinstance(node, ast.Import):
             out += [a.name for a in node.names if a.name.split(".")[0] == "tpumk"]
     return out
@@ -63,6 +71,9 @@ def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
         yield ".".join(p for p in rel.parts if p != "__init__"), path
+
+
+MODULE_NAMES = {m for m, _ in _modules()}
 
 
 def test_every_unit_has_a_layer():
@@ -85,24 +96,7 @@ def test_imports_only_go_down():
     assert not bad, "\n".join(bad)
 
 
-# No import cycle between any two modules, lazy imports included (an import under
-# `if TYPE_CHECKING:` never runs and is left out).
-def _module_imports(path: Path, modules: set[str]) -> set[str]:
-    """The tpumk modules `path` imports, `from pkg import submodule` resolved to the submodule."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            node.body = []
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tpumk"):
-            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                    for a in node.names}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "tpumk"}
-    return out & modules
-
-
+# No import cycle between any two modules, lazy imports included.
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm), sorted."""
     index: dict[str, int] = {}
@@ -135,7 +129,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_between_modules():
     modules = dict(_modules())
     names = set(modules) - {"tpumk"}  # the root's lazy public API imports everything, by design
-    graph = {m: _module_imports(modules[m], names) - {m} for m in names}
+    graph = {m: set(_imports(modules[m], runtime_only=True)) & names - {m} for m in names}
     assert _cycles(graph) == [], "import cycles between modules"
 
 

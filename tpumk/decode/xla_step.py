@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpumk.model import mla
 from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import grouped_operands
@@ -134,8 +135,6 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
     contiguous latent cache k_cache [L, B, ctx, C+R] gets the step's rows, every head scores
     them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values. v_cache is the
     empty value cache, passed through."""
-    from tpumk.model import mla
-
     b, t = tokens.shape
     ctx = k_cache.shape[2]
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))

@@ -260,7 +260,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
         elif p + "self_attn.qkv_proj.weight" in names:  # Phi-3: q, k and v rows in one tensor
-            q, kv, h = cfg.q_size, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+            q, kv, h = cfg.q_size, cfg.kv_size, cfg.hidden_size
             for key, lo, hi in (("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)):
                 add(p + "self_attn.qkv_proj.weight", i, key, lambda a, lo=lo, hi=hi: a[lo:hi].T,
                     hf_shape=(q + 2 * kv, h))

@@ -11,8 +11,8 @@ Paged KV cache layout (shared with the kernel, so caches compare element for ele
 - `block_tables`: `[batch, pages_per_seq]` int32, page ids of each sequence in order;
 - `lengths`: `[batch]` int32, tokens already cached per sequence.
 An MLA model (DeepSeek-V3, Kimi K2; its attention in `tpumk.model.mla`, the matrix-product
-contract in `tpumk.model.ops`) caches one latent row per token in `k` (`[..., kv_lora_rank + qk_rope_head_dim]`)
-and nothing in `v` (`[..., 0]`).
+contract in `tpumk.model.ops`) caches one latent row per token in `k`
+(`[..., kv_lora_rank + qk_rope_head_dim]`) and nothing in `v` (`[..., 0]`).
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
 returns `lengths = max(lengths, last position + 1)`. In a sliding-window layer
@@ -309,7 +309,6 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
 
 def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
     """`decode_step` for an MLA model (same contract, latent cache; tpumk.model.mla's attention)."""
-
     b, t = tokens.shape
     ctx = cache.max_context
     positions = guard_positions(tokens, positions, cfg.vocab_size)
@@ -332,7 +331,6 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
 
 def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """`forward_full` for an MLA model, attention in the expanded form (tpumk.model.mla)."""
-
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)

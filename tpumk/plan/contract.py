@@ -54,7 +54,10 @@ if TYPE_CHECKING:
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
 RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
-MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")  # the MLA attention projections among them
+# The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the q path
+# (q_a, then q_b after the q_a norm; or a plain q), kv_a, the per-head absorbed W_UK ("uk") and
+# W_UV ("uv", block-diagonal families), then o.
+MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).

@@ -473,11 +473,6 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     return fams, ffn_pad, shared_pad
 
 
-# The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the q path
-# (q_a, then q_b after the q_a norm; or a plain q), kv_a, the per-head absorbed W_UK ("uk") and
-# W_UV ("uv", block-diagonal families), then o.
-
-
 def mla_dims(cfg: ModelConfig) -> dict[str, int]:
     """The lane layout of the MLA activations in the kernel (every block 128-lane aligned so
     the streamed matmuls slice whole lane tiles): per head, the nope part of q padded to
