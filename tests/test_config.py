@@ -308,10 +308,11 @@ PHI3_MINI_4K = {
 }
 
 
-def test_hf_phi3_reads_with_its_window_on_every_layer_and_its_96_wide_heads_are_refused():
+def test_hf_phi3_reads_with_its_window_on_every_layer_and_plans_its_96_wide_heads_padded():
     """Phi-3-mini: 32 heads of 96 (hidden / heads), a 2047-token window on every layer; the plan
-    refuses the head width in one line (head dims that are not 64 or a multiple of 128 are not planned yet)."""
-    from tpumk.errors import PlanError
+    runs the heads 128 lanes wide (tpumk.plan.padding), the softmax scale still 1 / sqrt(96), and
+    refuses a group-scaled format whose scale groups would straddle the padded heads."""
+    from tpumk.errors import NotSupportedError
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
     from tpumk.targets import get_target
@@ -321,9 +322,12 @@ def test_hf_phi3_reads_with_its_window_on_every_layer_and_its_96_wide_heads_are_
     assert (cfg.ffn_size, cfg.vocab_size, cfg.rms_eps, cfg.rope_theta) == (8192, 32064, 1e-5, 10000.0)
     assert (cfg.sliding_window, cfg.sliding_layers) == (2047, tuple(range(32)))
     assert not cfg.qk_norm and cfg.rope_scaling == "none" and not cfg.tie_embeddings
-    with pytest.raises(PlanError) as e:
-        make_plan(BuildSpec(cfg, get_target("tpu7x")))
-    assert "head_dim" in _one_line(e)
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x")))
+    assert (plan.cfg.head_dim, plan.cfg.true_head_dim, plan.attention.score_dim) == (128, 96, 96)
+    assert plan.summary()["lane_padding"]["head_dim"] == [96, 128]
+    with pytest.raises(NotSupportedError) as e:
+        make_plan(BuildSpec(cfg, get_target("tpu7x"), quant="fp8-b128"))
+    assert "head_dim = 96 runs padded to 128 lanes" in _one_line(e)
 
 
 @pytest.mark.parametrize("changes, what", [
@@ -483,10 +487,9 @@ def test_sliding_window_round_trips_through_a_dict():
     assert from_dict(cfg.to_dict(), "m") == cfg
 
 
-def test_smollm2_135m_config_reads_and_its_width_is_refused_in_one_line():
-    """SmolLM2-135M's published config (a Llama, hidden 576): read, then refused by the plan in one
-    line naming the width (widths not multiples of 128 are not planned yet)."""
-    from tpumk.errors import PlanError
+def test_smollm2_135m_config_reads_and_plans_lane_padded():
+    """SmolLM2-135M's published config (a Llama, hidden 576, 9 query / 3 KV heads of 64): read,
+    then planned as its lane-padded copy (hidden 640, 12 / 4 heads), RMSNorm still over 576."""
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
     from tpumk.targets import get_target
@@ -496,6 +499,7 @@ def test_smollm2_135m_config_reads_and_its_width_is_refused_in_one_line():
             "rope_theta": 100000, "tie_word_embeddings": True, "vocab_size": 49152}
     cfg = from_hf_config(smol)
     assert (cfg.hidden_size, cfg.num_kv_heads, cfg.rope_scaling, cfg.qk_norm) == (576, 3, "none", False)
-    with pytest.raises(PlanError) as e:
-        make_plan(BuildSpec(cfg, get_target("tpu7x")))
-    assert "hidden_size = 576 must be a multiple of 128" in _one_line(e)
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x")))
+    assert (plan.cfg.hidden_size, plan.cfg.num_q_heads, plan.cfg.num_kv_heads, plan.cfg.norm_width) == (640, 12, 4, 576)
+    pad = plan.summary()["lane_padding"]
+    assert pad["hidden_size"] == [576, 640] and pad["parameters"][0] == cfg.param_count()

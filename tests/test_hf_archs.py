@@ -1,8 +1,9 @@
 """Attention variants and dense families from Hugging Face checkpoints built with transformers'
 own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a sliding-window layer
 whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
-heads, 4 query heads per KV head), a Mistral whose every layer has a window and a Phi-3 (fused
-qkv_proj and gate_up_proj tensors, a window on every layer). Each generates
+heads, 4 query heads per KV head), a Mistral whose every layer has a window, a Phi-3 (fused
+qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
+widths are off the 128-lane grid (the plan pads them). Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x and v6e.
 """
@@ -35,11 +36,21 @@ CHECKPOINTS = {
                              rope_parameters=LLAMA3_ROPE),
     "mistral-sliding": dict(arch="mistral", seed=8, sliding_window=6),
     # Phi-3: q, k, v in one qkv_proj tensor and gate, up in one gate_up_proj; a window on every layer
-    "phi3-sliding": dict(arch="phi3", seed=10, sliding_window=6),
+    # Phi-3's own head width: 2 heads of 96 (run 128 wide), hidden 192, FFN 200
+    "phi3-sliding": dict(arch="phi3", seed=10, sliding_window=6, hidden_size=192, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=96, intermediate_size=200),
+    # SmolLM2's shape in small (a Llama with tied embeddings): hidden 192, FFN 200, vocab 500
+    # and one 64-wide KV head for 3 query heads, none on the 128-lane grid (the plan pads them)
+    "smollm2-lanes": dict(arch="llama", seed=12, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                          head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
+                          rope_theta=100000.0),
 }
 # Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
-# no QK-norm) and differs only in how its checkpoint stores the projections.
-KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n == "mistral-sliding" else n for n in CHECKPOINTS]
+# no QK-norm) and differs only in how its checkpoint stores the projections. So are the Llama 3
+# RoPE Llama's: its scaling lives in the RoPE tables (checked against transformers above by the
+# reference), and smollm2-lanes runs a Llama through the kernel.
+FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64")
+KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -55,9 +66,13 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
         assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    elif name == "smollm2-lanes":
+        assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 64, 3, 1)
+        assert (cfg.ffn_size, cfg.vocab_size, cfg.tie_embeddings) == (200, 500, True)
     elif name.startswith(("mistral", "phi3")):
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (0, 1))
-        assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (128, 4, 2)
+        heads = (96, 2, 1) if name.startswith("phi3") else (128, 4, 2)
+        assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == heads
     elif name.endswith("d64"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 4)
     else:

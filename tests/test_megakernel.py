@@ -29,6 +29,7 @@ from tpumk.model.config import load_preset
 from tpumk.errors import PlanError
 from tpumk.kernel.layout import pack_weights, packed_specs
 from tpumk.kernel.megakernel import make_decode_step, step_specs
+from tpumk.plan.padding import pad_cache, unpad_cache
 from tpumk.plan.plan import make_plan
 from tpumk.compat import interpret_races
 from tpumk.targets import get_target
@@ -135,7 +136,13 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
     positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
 
     step = make_decode_step(plan, detect_races=True)
-    logits, new_cache = step(pack_weights(plan, params), tokens, positions, cache)
+    if plan.unpadded is not None:  # widths off the lane grid: the kernel runs the zero-padded copy
+        logits, wide = step(pack_weights(plan, params), tokens, positions, pad_cache(cfg, plan.cfg, cache))
+        new_cache = unpad_cache(cfg, plan.cfg, wide)
+        again = pad_cache(cfg, plan.cfg, new_cache)  # every padding lane of the written cache is still zero
+        assert jnp.array_equal(again.k, wide.k) and jnp.array_equal(again.v, wide.v), "nonzero cache padding lanes"
+    else:
+        logits, new_cache = step(pack_weights(plan, params), tokens, positions, cache)
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want_logits, want_cache = reference_step(cfg)(params, tokens, positions, cache)
 

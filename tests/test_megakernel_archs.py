@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 from test_megakernel import CONTEXT, PAGE, SMALL_TILES, check_step, prompts_of
-from tpumk.errors import PlanError
 from tpumk.model import reference as R
 from tpumk.model.config import load_preset
 from tpumk.model.weights import random_params
 from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.padding import pad_cache, pad_params, unpad_cache
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
@@ -30,6 +30,12 @@ MODELS = {
     # at 40 needs keys 29..40: tiles 1 and 2 only
     "dense-w12": ("tiny-dense", dict(sliding_window=12, sliding_layers=[1])),
     "moe-d64-w20": ("tiny-moe", dict(head_dim=64, sliding_window=20, sliding_layers=[0, 1])),
+    # SmolLM2's shape in small: hidden 192 and one 64-wide kv head (3 q heads) are off the
+    # 128-lane grid, so the kernel runs the lane-padded copy (hidden 256, 2 kv / 6 q heads)
+    "dense-lanes": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+                                       vocab_size=500)),
+    # 96-wide heads with QK-norm run 128 wide: [q1 0 q2 0] per head, norm and scale over 96
+    "dense-d96": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200)),
 }
 
 
@@ -54,6 +60,8 @@ CASES = [
     ("dense-w12", "float32", [40, 5, 23], 1, dict(kv_tile_pages=1, **SMALL_TILES)),
     ("dense-w12", "bfloat16", [47, 30], 2, dict(kv_tile_pages=1)),  # speculative verify (q = 2)
     ("moe-d64-w20", "float32", [44, 16], 2, dict(kv_tile_pages=1, kv_buffers=3)),
+    ("dense-lanes", "float32", [17, 40], 2, dict(kv_tile_pages=1)),
+    ("dense-d96", "float32", [9, 33], 1, dict(kv_tile_pages=1)),
 ]
 
 
@@ -102,14 +110,25 @@ def test_plan_counts_only_the_window_tiles():
         assert kv[20, context] == 2 * page * (full_layer + sliding_layer)
 
 
-def test_head_dim_the_kernel_cannot_build_is_refused():
-    cfg, _ = model("dense-d64", "float32")
-    with pytest.raises(PlanError, match="head_dim = 96"):
-        make_plan(BuildSpec(cfg.replace(head_dim=96, num_q_heads=8, num_kv_heads=4), get_target("tpu7x"), 1,
-                            CONTEXT, page_size=PAGE))
-    with pytest.raises(PlanError, match="num_kv_heads"):  # 64-wide kv heads go in pairs
-        make_plan(BuildSpec(cfg.replace(num_q_heads=6, num_kv_heads=3, hidden_size=384),
-                            get_target("tpu7x"), 1, CONTEXT, page_size=PAGE))
+def test_widths_off_the_lane_grid_are_padded_and_reported():
+    """hidden 192 and one 64-wide kv head: the plan runs hidden 256 with 2 kv / 6 q heads, says
+    so with the parameter counts both ways, and keeps the model as written in its spec."""
+    cfg, params = model("dense-lanes", "float32")
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, CONTEXT, page_size=PAGE))
+    assert (plan.cfg.hidden_size, plan.cfg.num_kv_heads, plan.cfg.num_q_heads, plan.cfg.norm_width) == (256, 2, 6, 192)
+    pad = plan.summary()["lane_padding"]
+    assert pad["hidden_size"] == [192, 256] and pad["kv_heads"] == [1, 2] and pad["q_heads"] == [3, 6]
+    assert pad["parameters"] == [cfg.param_count(), plan.cfg.param_count()] and pad["parameters"][0] < pad["parameters"][1]
+    assert plan.spec.model == cfg and make_plan(plan.spec).cfg == plan.cfg
+    # the padded copy's reference equals the model's own: zeros after each block, norms over 192
+    wide = pad_params(cfg, plan.cfg, params)
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    tokens, positions = jnp.asarray([[3, 7]], jnp.int32), jnp.asarray([[0, 1]], jnp.int32)
+    want, want_cache = reference_step(cfg)(params, tokens, positions, cache)
+    got, got_cache = reference_step(plan.cfg)(wide, tokens, positions, pad_cache(cfg, plan.cfg, cache))
+    assert jnp.allclose(got, want, rtol=1e-5, atol=1e-5)
+    for got_kv, want_kv in zip(unpad_cache(cfg, plan.cfg, got_cache)[:2], want_cache[:2]):  # summed in another order
+        assert jnp.allclose(got_kv, want_kv, rtol=1e-6, atol=1e-6)
 
 
 def test_plan_states_the_head_layout_and_counts_unpadded_kv():
@@ -122,3 +141,21 @@ def test_plan_states_the_head_layout_and_counts_unpadded_kv():
         "kv_tile_pages": 1, "kv_tile_tokens": PAGE, "kv_buffers": plan.attention.kv_buffers,
         "kv_knobs": {"kv_tile_pages": "fixed", "kv_buffers": "auto (plan: timeline model)"}}
     assert plan.attention.page_bytes == PAGE * 2 * 64 * 4
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8-b128"])
+def test_padding_quantized_weights_equals_quantizing_padded_ones(scheme):
+    """A quantized checkpoint is padded code by code (zero codes, unit scales): the same codes and
+    the same column / block scales as quantizing the padded float weights (zeros never set a
+    maximum), so the kernel streams what the reference multiplies."""
+    from tpumk.model.quantize import quantize_params
+
+    cfg, params = model("dense-lanes", "float32")
+    run = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, CONTEXT, page_size=PAGE)).cfg
+    padded_codes = pad_params(cfg, run, quantize_params(cfg, params, scheme))
+    codes_of_padded = quantize_params(run, pad_params(cfg, run, params), scheme)
+    for name in ("wq", "wk", "wo", "w_down"):
+        a, b = padded_codes["layers"][1][name], codes_of_padded["layers"][1][name]
+        assert a.q.shape == b.q.shape and jnp.array_equal(a.q.astype(jnp.float32), b.q.astype(jnp.float32)), name
+        true_cols = {"wq": cfg.q_size, "wk": cfg.kv_size}.get(name, cfg.hidden_size)  # padded columns: any scale
+        assert jnp.array_equal(a.scale[..., :true_cols], b.scale[..., :true_cols]), name

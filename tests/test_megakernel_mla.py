@@ -96,7 +96,7 @@ def test_plan_counts_the_latent_cache():
 
 
 def test_unaligned_hidden_is_refused_with_one_line():
-    with pytest.raises(PlanError, match="hidden_size = 96 must be a multiple of 128") as e:
+    with pytest.raises(PlanError, match="hidden_size = 96: an MLA model's hidden size must be a multiple of 128") as e:
         make_plan(BuildSpec(load_preset("tiny-mla").replace(hidden_size=96), get_target("tpu7x"), 1, 4096))
     assert "\n" not in str(e.value)
 

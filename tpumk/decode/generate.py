@@ -412,15 +412,20 @@ def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len:
     (`ShardingPlan.expand_cache`: the same array unless KV heads are replicated)."""
     from tpumk.kernel.layout import pack_sharded
 
+    from tpumk.plan.padding import pad_cache, unpad_cache
+
     plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices, m.quant)
     packed = pack_sharded(plan, m.params)
-    if plan.sharding is None:
-        return (lambda toks, pos, c: step(packed, toks, pos, c)), plan
-    sh, cfg = plan.sharding, m.cfg
+    sh, cfg = plan.sharding, plan.whole_model  # a lane-padded model: the padded copy (tpumk.plan.padding)
 
     def decode(toks, pos, c):
-        wide = reference.KVCache(sh.expand_cache(cfg, c.k), sh.expand_cache(cfg, c.v), c.block_tables, c.lengths)
-        logits, out = step(packed, toks, pos, wide)
-        return logits, reference.KVCache(sh.collapse_cache(cfg, out.k), sh.collapse_cache(cfg, out.v),
-                                         out.block_tables, out.lengths)
+        if plan.unpadded is not None:
+            c = pad_cache(m.cfg, cfg, c)
+        if sh is not None:
+            c = reference.KVCache(sh.expand_cache(cfg, c.k), sh.expand_cache(cfg, c.v), c.block_tables, c.lengths)
+        logits, out = step(packed, toks, pos, c)
+        if sh is not None:
+            out = reference.KVCache(sh.collapse_cache(cfg, out.k), sh.collapse_cache(cfg, out.v),
+                                    out.block_tables, out.lengths)
+        return logits, unpad_cache(m.cfg, cfg, out) if plan.unpadded is not None else out
     return decode, plan

@@ -98,7 +98,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     x = ref.embed(params, tokens)
     out_caches = []
     for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D] in the cache dtype
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * cfg.num_kv_heads, cfg.head_dim)
         cache = kv_caches[i].at[pages, slots].set(kv)
@@ -107,13 +107,13 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
 
         args = (qk, cache, kv_lens, page_indices, cu_q_lens, num_seqs)
         if kernel_reference:
-            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.true_head_dim))
         else:
-            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.head_dim),
+            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.true_head_dim),
                                               num_kv_pages_per_block=kv_pages_per_block,
                                               num_queries_per_block=queries_per_block)
         x = x + ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"])
-        hf = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
+        hf = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
         f = (ref.swiglu(hf, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
              else _moe_gathered(cfg, layer, hf))
         x = x + f.reshape(b, t, -1)

@@ -506,7 +506,10 @@ class DecodeStep:
         from tpumk.kernel.layout import pack_weights
         from tpumk.model.quantize import quantize_params, scheme_of
 
+        from tpumk.plan.padding import params_as_run
+
         plan = self.plan
+        params = params_as_run(plan, params)  # a lane-padded plan: zeros after each true block
         if scheme_of(params) == "none":
             params = quantize_params(plan.whole_model, params, plan.quant)
         if self.devices is None:
@@ -549,7 +552,12 @@ class DecodeStep:
     def shard_cache(self, cache):
         """A KV cache in the reference layout (e.g. filled by `tpumk.model.reference.prefill`) ->
         the one this step takes: one device, the same; many, the sharded layout
-        (`ShardingPlan.expand_cache`) on the step's mesh, each process placing its shards."""
+        (`ShardingPlan.expand_cache`) on the step's mesh, each process placing its shards. A
+        lane-padded model's cache gains the padded KV heads' zero lanes (`tpumk.plan.padding`)."""
+        from tpumk.plan.padding import pad_cache
+
+        if self.plan.unpadded is not None:
+            cache = pad_cache(self.plan.unpadded, self.plan.whole_model, cache)
         if self.devices is None:
             return cache
         import jax
@@ -565,13 +573,16 @@ class DecodeStep:
     def unshard_cache(self, cache):
         """The inverse of `shard_cache`: the reference layout (one process must address every
         device: a single host)."""
-        if self.devices is None:
-            return cache
         from tpumk.model.reference import KVCache
+        from tpumk.plan.padding import unpad_cache
 
-        sh, model = self.plan.sharding, self.plan.whole_model
-        return KVCache(sh.collapse_cache(model, cache.k), sh.collapse_cache(model, cache.v), cache.block_tables,
-                       cache.lengths)
+        if self.devices is not None:
+            sh, model = self.plan.sharding, self.plan.whole_model
+            cache = KVCache(sh.collapse_cache(model, cache.k), sh.collapse_cache(model, cache.v), cache.block_tables,
+                            cache.lengths)
+        if self.plan.unpadded is not None:
+            cache = unpad_cache(self.plan.unpadded, self.plan.whole_model, cache)
+        return cache
 
     def __call__(self, packed, tokens, positions, cache, check: bool | None = None):
         b, t = tokens.shape

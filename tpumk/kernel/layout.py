@@ -62,6 +62,7 @@ from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector
                              scale_offsets)
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.padding import params_as_run
 
 
 
@@ -187,6 +188,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
 
     Pass the Plan the kernel is built from (or a ModelConfig plus the TuningConfig, which fix
     the same layout)."""
+    if isinstance(plan_or_cfg, Plan) and plan_or_cfg.sharding is None:
+        params = params_as_run(plan_or_cfg, params)  # a lane-padded plan: the padded model's weights
     quant = scheme_of(params)
     cfg, fams, ffn_pad, shared_pad, expert_chunk = _families_of(plan_or_cfg, tuning, quant)
     dt = jnp_dtype(cfg)
@@ -338,6 +341,7 @@ def pack_sharded(plan: Plan, params: dict) -> dict:
     if plan.sharding is None:
         return pack_weights(plan, params)
     model, sh = plan.whole_model, plan.sharding
+    params = params_as_run(plan, params)
     parts = []
     for d in range(sh.devices):
         part = pack_weights(plan, sh.device_params(model, params, d))

@@ -206,7 +206,7 @@ def _kernel(plan: Plan):
             dims, fam = mla_dims(cfg), plan.families
             hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
             lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, cfg.norm_width)
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
                 matmul(seg, layer, "q_a", s.normed, store_to(s.mla_qa, fam["q_a"].m_pad, fam["q_a"].tile_cols))
@@ -237,7 +237,7 @@ def _kernel(plan: Plan):
             matmul(seg, layer, "uv", s.mla_olat, store_to(s.attn_out, fam["uv"].m_pad, fam["uv"].tile_cols))
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, fam["o"].tile_cols))
             reduce_into_resid(2 * layer)
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
@@ -245,7 +245,7 @@ def _kernel(plan: Plan):
             # The reads of the pages this step writes depend only on the layer, tables and
             # positions: start them now, so their round trip hides behind the q|k|v tiles.
             attn.attention_prefetch(plan.attention, layer, k_out, v_out, block_tables, positions, s.attention)
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, cfg.norm_width)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
@@ -258,7 +258,7 @@ def _kernel(plan: Plan):
                     lo = base + i * d * pack
                     x = s.qkv[:, lo:lo + d * pack]
                     if cfg.qk_norm:
-                        x = rms_norm_heads(x, w, eps, d)
+                        x = rms_norm_heads(x, w, eps, d, cfg.true_head_dim)
                     s.qkv[:, lo:lo + d * pack] = rope_heads(x, cos, sin, d)
             q = s.qkv[:, :q_size]
             k_new = s.qkv[:, q_size:q_size + kv_size].astype(dt)
@@ -273,7 +273,7 @@ def _kernel(plan: Plan):
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(2 * layer)
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
         def dense_layer(seg):
             def body(layer):
@@ -315,7 +315,7 @@ def _kernel(plan: Plan):
 
         for seg in plan.segments[:-1]:
             ring.layer_loop(seg, dense_layer(seg) if seg.kind == "dense" else moe_layer(seg))
-        s.normed[...] = rms_norm(s.resid[...], final_norm[...], eps)
+        s.normed[...] = rms_norm(s.resid[...], final_norm[...], eps, cfg.norm_width)
         head_blocks = plan.families["lm_head"].col_blocks
 
         # This device's blocks go to its slice of the output (one device: the whole output).

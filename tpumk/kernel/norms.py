@@ -12,9 +12,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [N, K] f32, w [1, K] f32 -> x * rsqrt(mean(x^2) + eps) * w (reference.rms_norm)."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
+    """x [N, K] f32, w [1, K] f32 -> x * rsqrt(sum(x^2) / width + eps) * w (reference.rms_norm);
+    `width` < K when x's last lanes are zero padding (ModelConfig.norm_width)."""
+    ms = jnp.sum(x * x, axis=-1, keepdims=True) / (width or x.shape[-1])
+    return x * jax.lax.rsqrt(ms + eps) * w
 
 
 def rope_tables(positions: jax.Array, inv_freq, heads: int = 1) -> tuple[jax.Array, jax.Array]:
@@ -41,12 +43,12 @@ def _lane(x: jax.Array) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, (1, x.shape[-1]), 1)
 
 
-def rms_norm_heads(x: jax.Array, w: jax.Array, eps: float, head_dim: int) -> jax.Array:
-    """rms_norm of each head_dim-wide head of x [N, K] separately (K = head_dim: rms_norm);
-    w [1, K] holds the weight once per head. Two 64-wide heads: masked lane sums, no
-    unaligned lane slices."""
+def rms_norm_heads(x: jax.Array, w: jax.Array, eps: float, head_dim: int, width: int | None = None) -> jax.Array:
+    """rms_norm of each head_dim-wide head of x [N, K] separately (K = head_dim: rms_norm over
+    `width` lanes' worth, a lane-padded head's true width); w [1, K] holds the weight once per
+    head. Two 64-wide heads: masked lane sums, no unaligned lane slices."""
     if x.shape[-1] == head_dim:
-        return rms_norm(x, w, eps)
+        return rms_norm(x, w, eps, width)
     assert x.shape[-1] == 2 * head_dim, "two heads per block"
     first = _lane(x) < head_dim
     sq = x * x

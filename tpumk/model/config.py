@@ -123,6 +123,13 @@ class ModelConfig:
     # only keys k with p - k < sliding_window (transformers' convention); 0 = no window.
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = field(default_factory=tuple)
+    # Lanes RMSNorm averages over when hidden_size carries zero padding lanes (the plan's
+    # lane-padded copy of a model whose width is not a multiple of 128, tpumk.model.padding);
+    # 0: hidden_size.
+    rms_width: int = 0
+    # A lane-padded copy's true head width (its heads are head_dim lanes, the last ones zero):
+    # the softmax scale, the RoPE frequencies and the per-head norms use it; 0: head_dim.
+    head_width: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -197,6 +204,10 @@ class ModelConfig:
              "sliding_layers", "a list of layer indices")
         need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
              f"layer indices in [0, {self.num_layers})")
+        need(_is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
+             f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
+        need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
+             "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         if self.sliding_window:
             need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
         else:
@@ -352,8 +363,21 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.kv_cache_width * self.dtype_bytes
 
+    @property
+    def norm_width(self) -> int:
+        """The width RMSNorm over the residual divides by: the model's true hidden size."""
+        return self.rms_width or self.hidden_size
+
+    @property
+    def true_head_dim(self) -> int:
+        """The head width the softmax scale, RoPE and per-head norms are for (head_dim unless padded)."""
+        return self.head_width or self.head_dim
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for name in ("rms_width", "head_width"):  # set only on a plan's padded copy: other models' keys stay
+            if not d[name]:
+                del d[name]
         d["dense_layers"] = list(self.dense_layers)
         d["sliding_layers"] = list(self.sliding_layers)
         return d

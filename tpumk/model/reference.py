@@ -178,8 +178,8 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
     k = matmul(x, layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = matmul(x, layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
+        q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)
     freqs = rope_freqs(cfg, jnp)
     q = rope(q, positions, freqs)
     k = rope(k, positions, freqs)
@@ -201,7 +201,7 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s / np.sqrt(cfg.head_dim)
+    s = s / np.sqrt(cfg.true_head_dim)
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
@@ -213,7 +213,7 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
 
 
 def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps, cfg.norm_width)
     # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return matmul(x, head)
@@ -273,7 +273,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     kc, vc = cache.k, cache.v
     x = embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = qkv(cfg, layer, h, positions)
         kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
         vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
@@ -282,7 +282,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
@@ -298,11 +298,11 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = qkv(cfg, layer, h, pos)
         o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x)
 
@@ -318,13 +318,13 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     lc = cache.k
     x = embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
         lc = lc.at[i, page_ids, slots].set(row, mode="drop")
         rows = lc[i][tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
 
@@ -335,11 +335,11 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, pos)
         o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps)
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x)
 

@@ -32,7 +32,15 @@ def inv_freq(cfg: ModelConfig, xp=np):
     (host constants) or jax.numpy: the reference and the kernel's glue compute them in the
     traced step, as before scaling existed (the compiler's static estimate of the step moved
     when they became a baked constant), with the same ops on both sides."""
-    base = plain_inv_freq(cfg.head_dim, cfg.rope_theta, xp)
+    freqs = _scaled_inv_freq(cfg, plain_inv_freq(cfg.true_head_dim, cfg.rope_theta, xp), xp)
+    if cfg.true_head_dim == cfg.head_dim:
+        return freqs
+    # a lane-padded head (tpumk.plan.padding): each half of it is its true half then zeros, so
+    # lane i still pairs with lane i + head_dim / 2; the zero lanes' frequency is never seen
+    return xp.concatenate([freqs, xp.zeros(((cfg.head_dim - cfg.true_head_dim) // 2,), xp.float32)])
+
+
+def _scaled_inv_freq(cfg: ModelConfig, base, xp):
     factor = xp.float32(cfg.rope_factor)
     if cfg.rope_scaling == "linear":
         return (base / factor).astype(xp.float32)

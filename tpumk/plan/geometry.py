@@ -180,6 +180,7 @@ class AttentionGeometry:
     kv_buffers: int
     dtype: str
     windows: tuple[int, ...] = ()
+    score_dim: int = 0  # the head width of the softmax scale: a lane-padded head's true width (0: head_dim)
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -188,7 +189,8 @@ class AttentionGeometry:
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
-                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows)
+                   kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
+                   score_dim=cfg.head_width)
 
     # ------------------------------------------------------------------ derived sizes
     @property

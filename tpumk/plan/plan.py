@@ -35,6 +35,7 @@ from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, l
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
                                  MLAGeometry, MoEGeometry, rope_table_lanes, round_up)
 from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.padding import lane_padded
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
 from tpumk.plan.spec import BuildSpec
 
@@ -180,6 +181,9 @@ class Plan:
     all_reduce: AllReduceGeometry | None = None  # the in-kernel all-reduce (None on one device)
     interconnect: dict[str, dict[str, float]] = field(default_factory=dict)  # per device, per step
     quant: str = "none"  # format of the ring's matrices (tpumk.model.quantize)
+    # The model as the user gave it when its widths are lane padded (tpumk.plan.padding): `cfg`
+    # and `model` are then the padded copy the kernel runs. None: no padding.
+    unpadded: ModelConfig | None = None
 
     # ---- derived facts
     @functools.cached_property
@@ -193,7 +197,7 @@ class Plan:
     def spec(self) -> BuildSpec:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
-        return BuildSpec(self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
+        return BuildSpec(self.unpadded or self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
                          self.page_size, self.devices, self.quant)
 
     @property
@@ -312,6 +316,14 @@ class Plan:
             "sliding_layers": sum(1 for w in a.windows if w),
         }
 
+    def padding_summary(self) -> dict[str, Any]:
+        """The widths the kernel pads to 128-lane multiples, [as written, as run], and the
+        parameters each way (the padded count is what the ring streams, zeros included)."""
+        true, run = self.unpadded, self.whole_model
+        return {"hidden_size": [true.hidden_size, run.hidden_size], "q_heads": [true.num_q_heads, run.num_q_heads],
+                "kv_heads": [true.num_kv_heads, run.num_kv_heads], "head_dim": [true.head_dim, run.head_dim],
+                "parameters": [true.param_count(), run.param_count()]}
+
     def summary(self) -> dict[str, Any]:
         """Plain data for reports and JSON (every number says what it counts)."""
         return {
@@ -336,6 +348,7 @@ class Plan:
             "hbm_bytes_per_step": dict(self.hbm), "hbm_total_bytes_per_step": self.hbm_bytes,
             "hbm_floor_seconds": self.floor_seconds,
             "dmas_per_step": {k: dict(v) for k, v in self.dmas.items()},
+            **({"lane_padding": self.padding_summary()} if self.unpadded is not None else {}),
             **({"sharding": self.sharding.summary(self.whole_model),
                 "resident_bytes_per_device": dict(zip(("weights", "kv_cache"), resident_bytes(
                     self.whole_model, self.num_pages, self.page_size, self.sharding, self.quant))),
@@ -569,7 +582,14 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     Raises PlanError for anything that cannot build: bad tiling for this model, a VMEM budget
     overrun on this target, or a model (weights + KV cache) bigger than one device's HBM.
     """
-    model, target, tuning = spec.model, spec.target, spec.tuning
+    target, tuning = spec.target, spec.tuning
+    padded = lane_padded(spec.model)  # widths off the 128-lane grid: the kernel runs a zero-padded copy
+    model = padded or spec.model
+    fmt = weight_format(spec.quant)
+    if padded is not None and padded.head_dim != spec.model.head_dim and fmt is not None and fmt.group:
+        raise NotSupportedError(f"--quant {spec.quant}: head_dim = {spec.model.head_dim} runs padded to "
+                                f"{padded.head_dim} lanes, and wo's {fmt.group}-row scale groups would straddle its "
+                                "heads (use int8 or fp8)")
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
@@ -619,7 +639,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
-                    sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant)
+                    sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant,
+                    unpadded=spec.model if padded is not None else None)
 
         def finish(geom) -> Plan:
             p = _replace(plan, attention=geom)
