@@ -32,18 +32,20 @@ QWEN3_MOE_KW = dict(QWEN3_KW, num_hidden_layers=3, num_experts=8, num_experts_pe
 
 # Dense families without QK-norm, by transformers' class names (the shared kwargs fit each).
 DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "granite": ("GraniteConfig", "GraniteForCausalLM")}
 # Phi3Config's default special tokens (32000) lie outside the tiny vocabularies.
 ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
 
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
                      arch: str = "qwen3", **overrides) -> Path:
-    """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral / Phi-3) model saved with
+    """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral / Phi-3 / Qwen2) model saved with
     `save_pretrained` into `out`.
 
     initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding
-    is not constant, and norm weights are drawn around 1 so a swapped or dropped norm shows.
+    is not constant, norm weights are drawn around 1 and biases around 0 with spread 0.5, so a
+    swapped or dropped norm or bias shows.
     """
     kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False,
               **ARCH_KW.get(arch, {}))
@@ -60,6 +62,8 @@ def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shar
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):  # transformers starts biases at zero: a dropped bias would not show
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     out = Path(out)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)

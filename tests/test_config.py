@@ -296,6 +296,25 @@ def test_hf_llama_and_mistral_match_presets(preset, data):
     assert not cfg.qk_norm and cfg.head_dim == 128  # head_dim absent: hidden / heads
 
 
+# Qwen2.5-7B's published config.json (transformers 4.x keys).
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+
+def test_hf_qwen25_reads_its_biases_and_matches_the_preset():
+    cfg = from_hf_config(QWEN25_7B)
+    assert cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window  # use_sliding_window false: no window
+    assert cfg.replace(name="qwen2.5-7b") == load_preset("qwen2.5-7b")
+    assert load_preset("qwen2.5-7b").param_count() == 7_615_616_512  # the release's parameter count
+
+
 # Phi-3-mini-4k-instruct's published config.json (transformers 4.x keys).
 PHI3_MINI_4K = {
     "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
@@ -318,6 +337,7 @@ def test_hf_phi3_reads_with_its_window_on_every_layer_and_plans_its_96_wide_head
     from tpumk.targets import get_target
 
     cfg = from_hf_config(PHI3_MINI_4K)
+    assert cfg.replace(name="phi-3-mini") == load_preset("phi-3-mini")
     assert (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim) == (3072, 32, 32, 96)
     assert (cfg.ffn_size, cfg.vocab_size, cfg.rms_eps, cfg.rope_theta) == (8192, 32064, 1e-5, 10000.0)
     assert (cfg.sliding_window, cfg.sliding_layers) == (2047, tuple(range(32)))
@@ -503,3 +523,15 @@ def test_smollm2_135m_config_reads_and_plans_lane_padded():
     assert (plan.cfg.hidden_size, plan.cfg.num_q_heads, plan.cfg.num_kv_heads, plan.cfg.norm_width) == (640, 12, 4, 576)
     pad = plan.summary()["lane_padding"]
     assert pad["hidden_size"] == [576, 640] and pad["parameters"][0] == cfg.param_count()
+
+
+def test_hf_granite_reads_as_a_llama_and_refuses_a_non_positive_scalar():
+    """Granite's scalars are folded into the weights when a checkpoint loads, so its config reads
+    as a Llama's; a scalar of 0 or below is refused in one line naming the field."""
+    granite = {**LLAMA_31_8B, "model_type": "granite", "rope_scaling": None, "embedding_multiplier": 12.0,
+               "residual_multiplier": 0.22, "attention_multiplier": 0.0078125, "logits_scaling": 8.0}
+    cfg = from_hf_config(granite)
+    assert (cfg.hidden_size, cfg.num_kv_heads, cfg.qk_norm, cfg.qkv_bias) == (4096, 8, False, False)
+    with pytest.raises(ConfigError) as e:
+        from_hf_config({**granite, "logits_scaling": 0}, "g/config.json")
+    assert _one_line(e) == "g/config.json: field 'logits_scaling' = 0: expected a positive number"

@@ -3,7 +3,7 @@ own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a slidi
 whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
 heads, 4 query heads per KV head), a Mistral whose every layer has a window, a Phi-3 (fused
 qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
-widths are off the 128-lane grid (the plan pads them). Each generates
+widths are off the 128-lane grid (the plan pads them), and a Qwen2 with q / k / v biases. Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x and v6e.
 """
@@ -44,12 +44,22 @@ CHECKPOINTS = {
     "smollm2-lanes": dict(arch="llama", seed=12, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                           head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
                           rope_theta=100000.0),
+    # Qwen2.5's q / k / v biases (o has none), hidden 160 off the lane grid, tied embeddings
+    # Granite's four scalars (folded into the weights on load), tied embeddings, hidden 192
+    "granite-scalars": dict(arch="granite", seed=14, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
+                            embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05,
+                            logits_scaling=4.0),
+    "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
 }
 # Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
 # no QK-norm) and differs only in how its checkpoint stores the projections. So are the Llama 3
 # RoPE Llama's: its scaling lives in the RoPE tables (checked against transformers above by the
 # reference), and smollm2-lanes runs a Llama through the kernel.
-FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64")
+# Granite's too: once its scalars are folded into the weights on load it is a Llama of
+# smollm2-lanes' shapes, the same kernel (its logits are checked against transformers above).
+FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -61,11 +71,15 @@ def checkpoint(request, tmp_path_factory):
 def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    assert cfg.qk_norm == name.startswith("qwen3")
+    assert cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == name.startswith("qwen2")
     if name.startswith("llama"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
         assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    elif name == "granite-scalars":  # a Llama with the scalars in its weights and its own lm_head
+        assert not cfg.tie_embeddings and (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads) == (192, 3, 1)
+    elif name == "qwen2-bias":
+        assert cfg.qkv_bias and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (160, 64, 4, 2)
     elif name == "smollm2-lanes":
         assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 64, 3, 1)
         assert (cfg.ffn_size, cfg.vocab_size, cfg.tie_embeddings) == (200, 500, True)

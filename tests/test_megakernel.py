@@ -211,7 +211,8 @@ def test_step_rejects_a_batch_it_was_not_planned_for():
 
 # ---------------------------------------------------------------------- full-size presets (slow)
 PRESET_BUILDS = [("qwen3-8b", "tpu7x"), ("qwen3-32b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x"), ("qwen3-8b", "v6e"),
-                 ("llama-3.2-1b", "v6e"), ("llama-3.1-8b", "tpu7x"), ("mistral-7b", "tpu7x")]
+                 ("llama-3.2-1b", "v6e"), ("llama-3.1-8b", "tpu7x"), ("mistral-7b", "tpu7x"), ("qwen2.5-7b", "tpu7x"),
+                 ("phi-3-mini", "tpu7x")]
 
 
 @pytest.mark.slow

@@ -111,9 +111,11 @@ def print_build_report(r) -> None:
     ]
     if "lane_padding" in r.plan:  # widths off the 128-lane grid: the kernel runs a zero-padded copy
         p = r.plan["lane_padding"]
-        rows.append(["lane padding (plan)", f"hidden {p['hidden_size'][0]} -> {p['hidden_size'][1]}, q / kv heads "
-                     f"{p['q_heads'][0]} / {p['kv_heads'][0]} -> {p['q_heads'][1]} / {p['kv_heads'][1]}; "
-                     f"{p['parameters'][0] / 1e6:,.1f} M parameters, {p['parameters'][1] / 1e6:,.1f} M streamed"])
+        widths = ", ".join(f"{what} {p[key][0]} -> {p[key][1]}" for key, what in (
+            ("hidden_size", "hidden"), ("head_dim", "head dim"), ("q_heads", "q heads"), ("kv_heads", "kv heads"))
+            if p[key][0] != p[key][1])
+        rows.append(["lane padding (plan)", f"{widths}; {p['parameters'][0] / 1e6:,.1f} M parameters, "
+                                            f"{p['parameters'][1] / 1e6:,.1f} M streamed"])
     if "moe" in r.plan:
         m = r.plan["moe"]
         rows.append(["expert slots", f"{m['expert_slots']} of {m['expert_chunk']} columns ({m['expert_slots_knob']})"])

@@ -209,6 +209,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         for name in ("q_norm", "k_norm"):
             w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
             block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
+        if cfg.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
+            bias = jnp.concatenate([jnp.asarray(lay[n], jnp.float32) for n in ("bq", "bk", "bv")])
+            block = block.at[VECTOR_ROW["qkv_bias"], :bias.shape[0]].set(bias)
         return block
 
     def cast(a) -> jax.Array:

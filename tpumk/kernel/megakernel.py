@@ -248,6 +248,9 @@ def _kernel(plan: Plan):
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, cfg.norm_width)
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
+            if cfg.qkv_bias:  # before QK-norm and RoPE, as transformers adds it
+                width = q_size + 2 * kv_size
+                s.qkv[:, :width] = s.qkv[:, :width] + row(vec, "qkv_bias", width)
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
             # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
             cos, sin = cos_ref[...], sin_ref[...]  # loaded per layer: a value live across loops spills

@@ -64,10 +64,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import ModelConfig, load_hf_model
+from tpumk.model.config import GRANITE_SCALARS, ModelConfig, load_hf_model
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
-from tpumk.model.reference import Params
+from tpumk.model.reference import Params, jnp_dtype
 from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -268,6 +268,9 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         else:
             for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
                 add(p + f"self_attn.{proj}.weight", i, key, _t)
+            if cfg.qkv_bias:  # Qwen2: q, k and v biases (o has none)
+                for proj, key in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
+                    add(p + f"self_attn.{proj}.bias", i, key)
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
@@ -313,6 +316,31 @@ def _target_dtype(cfg: ModelConfig, dtype: Any) -> str:
     return name
 
 
+def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str, Any]) -> tuple[ModelConfig, Params]:
+    """Granite's scalars folded into its weights, after which it is a Llama (transformers'
+    GraniteModel: embeddings x embedding_multiplier, each sublayer's output x residual_multiplier
+    before the residual add, scores x attention_multiplier instead of 1 / sqrt(D), logits /
+    logits_scaling). So the reference, the megakernel and every baseline run it unchanged:
+    wq x attention_multiplier * sqrt(D) (RoPE is linear and Granite has no QK-norm), wo and
+    w_down x residual_multiplier, embed x embedding_multiplier, lm_head / logits_scaling. A tied
+    head becomes its own lm_head (the embedding and the head now differ)."""
+    s = {k: float(config_json.get(k, v)) for k, v in GRANITE_SCALARS.items()}
+    if cfg.qk_norm or cfg.is_moe or any(isinstance(lay["wq"], QuantizedMatrix) for lay in params["layers"]):
+        raise NotSupportedError("granite: not supported yet: its scalars folded into QK-norm, experts or fp8 weights")
+    dt = jnp.dtype(jnp_dtype(cfg))
+
+    def scaled(a, f: float):
+        return (np.asarray(a, np.float32) * np.float32(f)).astype(dt)
+
+    q_scale = s["attention_multiplier"] * np.sqrt(cfg.head_dim)
+    layers = [{**lay, "wq": scaled(lay["wq"], q_scale), "wo": scaled(lay["wo"], s["residual_multiplier"]),
+               "w_down": scaled(lay["w_down"], s["residual_multiplier"])} for lay in params["layers"]]
+    head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
+    out = {**params, "layers": layers, "embed": scaled(params["embed"], s["embedding_multiplier"]),
+           "lm_head": scaled(head, 1.0 / s["logits_scaling"])}
+    return cfg.replace(tie_embeddings=False), out
+
+
 def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into (config, params).
 
@@ -335,6 +363,8 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
         params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
+    if config_json.get("model_type") == "granite":
+        cfg, params = fold_granite_scalars(cfg, params, config_json)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params

@@ -76,6 +76,7 @@ class ModelConfig:
     rms_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     qk_norm: bool = True
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2 / Qwen2.5); o has none
     tie_embeddings: bool = False
     dtype: str = "bfloat16"
     # Mixture of experts (num_experts == 0 means a dense model).
@@ -179,6 +180,7 @@ class ModelConfig:
         if self.is_mla:
             need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
         need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
+        need(isinstance(self.qkv_bias, bool), "qkv_bias", "true or false")
         need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
         need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "true or false")
         need(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
@@ -256,6 +258,7 @@ class ModelConfig:
         need(self.num_kv_heads == self.num_q_heads, "num_kv_heads",
              f"num_q_heads ({self.num_q_heads}) for an MLA model (every head reads the shared latent)")
         need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
+        need(not self.qkv_bias, "qkv_bias", "false for an MLA model (its projections have no biases)")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -286,7 +289,8 @@ class ModelConfig:
         """Parameters of one layer's attention matrices (norms not included)."""
         h = self.hidden_size
         if not self.is_mla:
-            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+            bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + bias
         q = self.q_lora_rank * (h + self.q_size) if self.q_lora_rank else h * self.q_size
         kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + h * self.kv_cache_width + kv_b + self.num_q_heads * self.v_head_dim * h
@@ -375,7 +379,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for name in ("rms_width", "head_width"):  # set only on a plan's padded copy: other models' keys stay
+        for name in ("rms_width", "head_width", "qkv_bias"):  # added later: models without them keep their keys
             if not d[name]:
                 del d[name]
         d["dense_layers"] = list(self.dense_layers)
@@ -454,9 +458,14 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "llama", "mistral", "phi3", "deepseek_v3", "kimi_k2")
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "deepseek_v3", "kimi_k2")
 _HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
-_HF_ROPE_SCALED = ("llama", "mistral", "qwen3", "qwen3_moe")  # linear / llama3 RoPE (tpumk.model.rope)
+_HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_HF_QKV_BIAS = ("qwen2",)
+# Granite's four scalars (transformers' defaults) and the weights each folds into on load
+# (tpumk.model.checkpoint.fold_granite_scalars): the model is a Llama once they are folded.
+GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
+                   "logits_scaling": 1.0}  # Qwen2 / Qwen2.5: q, k and v projections with biases, o without  # linear / llama3 RoPE (tpumk.model.rope)
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
@@ -554,10 +563,15 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rms_eps=hf.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM,
+        qkv_bias=mt in _HF_QKV_BIAS,
         tie_embeddings=hf.bool_("tie_word_embeddings", False),
         dtype=dtype,
     )
     fields.update(_hf_sliding_window(hf, mt, n_layers))
+    if mt == "granite":
+        for key, default in GRANITE_SCALARS.items():
+            if hf.number(key, default) <= 0:
+                raise ConfigError(f"{source}: field '{key}' = {_short_repr(data[key])}: expected a positive number")
     if mt in _HF_ROPE_SCALED:
         fields.update(_hf_rope_scaling(data, source))
     if mt == "qwen3_moe":
@@ -665,7 +679,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types)."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
-    if mt == "qwen3":
+    if mt in ("qwen3", "qwen2"):
         for t in layer_types:
             if t not in _LAYER_TYPES:
                 raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
@@ -680,14 +694,14 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
             if hf.bool_("use_sliding_window", False) else None
-    if mt == "qwen3" and window is None and "sliding_attention" in layer_types:
+    if mt in ("qwen3", "qwen2") and window is None and "sliding_attention" in layer_types:
         raise ConfigError(f"{hf.source}: field 'layer_types' names sliding_attention layers but there is no "
                           "window (use_sliding_window false or sliding_window null)")
     if window is None:
         return {}
     if window < 1:
         raise ConfigError(f"{hf.source}: field 'sliding_window' = {window}: expected a positive integer")
-    if mt != "qwen3":
+    if mt not in ("qwen3", "qwen2"):
         layers = list(range(n_layers))
     elif layer_types:
         layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]

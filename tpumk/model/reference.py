@@ -174,9 +174,12 @@ def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
 def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
     """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype)."""
     b, t, _ = x.shape
-    q = matmul(x, layer["wq"]).reshape(b, t, cfg.num_q_heads, cfg.head_dim)
-    k = matmul(x, layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = matmul(x, layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = (matmul(x, layer[w]) for w in ("wq", "wk", "wv"))
+    if cfg.qkv_bias:  # added in float32 to the float32 products, as the kernel does
+        q, k, v = (a + layer[n].astype(jnp.float32) for a, n in ((q, "bq"), (k, "bk"), (v, "bv")))
+    q = q.reshape(b, t, cfg.num_q_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)

@@ -4,6 +4,7 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
 
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
     layers[i]: attn_norm [H], wq [H, Hq*D], wk [H, Hkv*D], wv [H, Hkv*D], wo [Hq*D, H],
+               bq [Hq*D], bk [Hkv*D], bv [Hkv*D] (when qkv_bias),
                q_norm [D], k_norm [D] (when qk_norm), mlp_norm [H], and either
       dense:   w_gate [H, F], w_up [H, F], w_down [F, H]
       MoE:     router [H, E], e_gate [E, H, Fe], e_up [E, H, Fe], e_down [E, Fe, H],
@@ -44,6 +45,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
         else:
             lay = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
                    "wo": (cfg.q_size, h), "mlp_norm": (h,)}
+            if cfg.qkv_bias:
+                lay.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
         if cfg.qk_norm:
             lay.update(q_norm=(d,), k_norm=(d,))
         if cfg.layer_is_dense(i):
@@ -73,6 +76,7 @@ def _mla_shapes(cfg: ModelConfig) -> Params:
     return out
 
 
+QKV_BIASES = ("bq", "bk", "bv")
 FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 routing
 
 
@@ -101,6 +105,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         elif name == "router_bias":  # large enough to change some picks (it selects, never weighs)
             w = 0.1 * jax.random.normal(k, shape, jnp.float32)
         elif name == "embed":
+            w = jax.random.normal(k, shape, jnp.float32)
+        elif name in QKV_BIASES:  # as large as a projection's output, so a dropped bias shows
             w = jax.random.normal(k, shape, jnp.float32)
         else:
             fan_in = shape[-2]

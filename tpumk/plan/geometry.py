@@ -42,8 +42,8 @@ HBM_BITS = {"int4": 4}
 SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
-LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, pad
-VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3}
+LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, pad
+VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4}
 
 
 def round_up(v: int, m: int) -> int:

@@ -102,7 +102,8 @@ def pad_params(true: ModelConfig, padded: ModelConfig, params: dict) -> dict:
 
     want = expected_shapes(padded)
     d, dp = true.head_dim, padded.head_dim
-    head_axes = {"wq": -1, "wk": -1, "wv": -1, "wo": -2, "q_norm": -1, "k_norm": -1} if dp != d else {}
+    head_axes = ({"wq": -1, "wk": -1, "wv": -1, "wo": -2, "q_norm": -1, "k_norm": -1, "bq": -1, "bk": -1, "bv": -1}
+                 if dp != d else {})
 
     def layer(lay: dict, shapes: dict) -> dict:
         lay = {k: _widen_heads(v, head_axes[k], d, dp) if k in head_axes else v for k, v in lay.items()}

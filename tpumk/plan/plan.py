@@ -361,9 +361,10 @@ class Plan:
 
 
 def layer_vector_width(cfg: ModelConfig) -> int:
-    """Lanes of a layer's norm rows: the hidden size, the head dim, and for MLA the q_a and
-    kv_a norms' widths (they take the q_norm / k_norm rows)."""
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank), LANE)
+    """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
+    norms' widths (they take the q_norm / k_norm rows), and with qkv_bias the q|k|v bias row."""
+    bias = cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias), LANE)
 
 
 def scale_offsets(families: dict[str, MatrixFamily]) -> dict[str, int]:

@@ -166,6 +166,10 @@ class ShardingPlan:
                 out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
                 out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
+                if cfg.qkv_bias:  # each device's heads' biases, as their columns
+                    out["bq"] = cols(lay["bq"], q_lo, self.q_heads * dd)
+                    out["bk"] = cols(lay["bk"], kv_lo, self.kv_heads * dd)
+                    out["bv"] = cols(lay["bv"], kv_lo, self.kv_heads * dd)
             if cfg.layer_is_dense(i):
                 lo = d * self.ffn
                 out["w_gate"] = cols(lay["w_gate"], lo, self.ffn)
