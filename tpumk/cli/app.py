@@ -229,8 +229,13 @@ def build(spec, verify_q, verify_estimate, as_json):
 # ---------------------------------------------------------------------- generate
 @main.command()
 @click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe).")
-@click.option("--checkpoint", type=click.Path(), help="Hugging Face checkpoint directory (config.json + *.safetensors).")
-@click.option("--prompt-ids", required=True, help="Comma-separated token ids; several sequences separated by ';'.")
+@click.option("--checkpoint", type=click.Path(),
+              help="Hugging Face checkpoint directory (config.json + *.safetensors), or a Llama GGUF file "
+                   "(weights dequantized to float32 unless --dtype).")
+@click.option("--prompt-ids", help="Comma-separated token ids; several sequences separated by ';'.")
+@click.option("--prompt", "prompt_text", metavar="TEXT",
+              help="Prompt text instead of --prompt-ids, encoded by the checkpoint's tokenizer (a GGUF file's "
+                   "vocabulary or the directory's tokenizer.json); the continuation is printed as text too.")
 @click.option("--steps", default=16, show_default=True, help="Tokens to generate per sequence.")
 @click.option("--backend", default="reference", show_default=True, help="reference (pure JAX) or megakernel (interpret mode on the host, or an attached TPU).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
@@ -249,21 +254,31 @@ def build(spec, verify_q, verify_estimate, as_json):
                    "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_size, devices, quant, spec, draft_tokens,
-             draft_model, as_json):
-    """Greedy generation from token ids (no tokenizer: ids in, ids out)."""
+def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, dtype, page_size, devices, quant, spec,
+             draft_tokens, draft_model, as_json):
+    """Greedy generation from token ids, or from text through a checkpoint's tokenizer (--prompt)."""
     from tpumk.decode import generate as gen
     from tpumk.errors import ConfigError
 
+    if (prompt_ids is None) == (prompt_text is None):
+        raise click.UsageError("missing option --prompt-ids (or --prompt TEXT)" if prompt_ids is None
+                               else "--prompt-ids and --prompt: give one of them, not both",
+                               ctx=click.get_current_context())
     gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
     gen.prepare_devices(devices)  # host devices must exist before JAX starts its backends
+    tokenizer = gen.prompt_tokenizer(checkpoint) if prompt_text is not None else None  # before the weights
     m = gen.quantized(gen.load_model(model, checkpoint, seed=seed, dtype=dtype), quant)
-    prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
+    if tokenizer is not None:
+        prompts = [gen.encode_prompt(tokenizer, prompt_text, m.cfg.vocab_size)]
+    else:
+        prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     if draft_model is not None and spec != "draft":
         raise ConfigError("--draft-model: only used with --spec draft")
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
     result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
                           draft_tokens=draft_tokens, draft=draft, devices=devices)
+    if tokenizer is not None:
+        result.update(prompt_text=prompt_text, text=tokenizer.decode(result["tokens"][0]), tokenizer=tokenizer.source)
     if as_json:
         emit_json(result)
         return
@@ -271,6 +286,8 @@ def generate(model, checkpoint, prompt_ids, steps, backend, seed, dtype, page_si
     echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}")
     for p, toks in zip(prompts, result["tokens"]):
         echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    if tokenizer is not None:  # repr: the text stays on one line, its spaces and newlines visible
+        echo(f"  {prompt_text!r} -> {result['text']!r}")
     echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
     sp = result["spec"]
     if sp["method"] != "none" and not sp["target_steps"]:

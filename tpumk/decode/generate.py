@@ -132,6 +132,27 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     return d
 
 
+def prompt_tokenizer(checkpoint: str | None):
+    """--prompt's tokenizer: the checkpoint's (tpumk.model.tokenizer); random weights have none."""
+    if checkpoint is None:
+        raise ConfigError("--prompt: needs --checkpoint with a tokenizer (a GGUF file, or a checkpoint directory "
+                          "with tokenizer.json); with --model give --prompt-ids")
+    from tpumk.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(checkpoint)
+
+
+def encode_prompt(tokenizer, text: str, vocab_size: int) -> list[int]:
+    """--prompt's token ids: at least one, each inside the model's vocabulary."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ConfigError("--prompt: the text encodes to no tokens (expected a non-empty prompt)")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ConfigError(f"--prompt: the tokenizer gives id {bad}, outside the model's vocabulary of {vocab_size}")
+    return ids
+
+
 _ID = re.compile(r"[0-9]+", re.ASCII)
 
 

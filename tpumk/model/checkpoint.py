@@ -64,8 +64,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import GRANITE_SCALARS, ModelConfig, load_hf_model
-from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
+from tpumk.model.config import GRANITE_SCALARS, ModelConfig, load_hf_model, override_dtype
+from tpumk.errors import CheckpointError, NotSupportedError
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
 from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
@@ -304,18 +304,6 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
 
 
 # ---------------------------------------------------------------------- public API
-def _target_dtype(cfg: ModelConfig, dtype: Any) -> str:
-    if dtype is None:
-        return cfg.dtype
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
-    if name not in ("float32", "bfloat16"):
-        raise ConfigError(f"load_checkpoint: dtype {dtype!r}: expected float32 or bfloat16")
-    return name
-
-
 def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str, Any]) -> tuple[ModelConfig, Params]:
     """Granite's scalars folded into its weights, after which it is a Llama (transformers'
     GraniteModel: embeddings x embedding_multiplier, each sublayer's output x residual_multiplier
@@ -342,7 +330,8 @@ def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str
 
 
 def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
-    """Read a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into (config, params).
+    """Read a Hugging Face checkpoint directory, or a Llama GGUF file (a path ending in .gguf:
+    `tpumk.model.gguf`), into (config, params).
 
     `dtype` ("float32" / "bfloat16" or a dtype) overrides the checkpoint's dtype: weights are
     cast to it and the returned config carries it, so caches and kernels follow. Any missing,
@@ -350,6 +339,10 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     not model raises NotSupportedError.
     """
     d = Path(path)
+    if d.name.lower().endswith(".gguf"):  # llama.cpp's single file, whatever kind of file the path is
+        from tpumk.model.gguf import load_gguf
+
+        return load_gguf(d, dtype)
     if name_problem(d):
         raise CheckpointError(f"{shown(d)}: {name_problem(d)}")
     if not d.is_dir():
@@ -359,7 +352,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     cfg, stored = load_hf_model(d / "config.json")  # refuses a quantization tpumk does not read
     config_json = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
     fp8 = stored == "fp8-b128"
-    cfg = cfg.replace(dtype=_target_dtype(cfg, dtype))
+    cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
         params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)

@@ -796,6 +796,17 @@ def stored_scheme(data: Any, source: str) -> str:
     return "fp8-b128"
 
 
+def override_dtype(cfg: ModelConfig, dtype: Any) -> str:
+    """The dtype a loaded checkpoint's weights are cast to: `dtype` ("float32" / "bfloat16" or
+    a dtype object) when given, else the one the checkpoint states."""
+    if dtype is None:
+        return cfg.dtype
+    name = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)  # jnp.bfloat16, np.dtype
+    if name not in DTYPES:
+        raise ConfigError(f"load_checkpoint: dtype {dtype!r}: expected float32 or bfloat16")
+    return name
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
     return load_hf_model(path)[0]
 
