@@ -58,3 +58,13 @@ class SigningKeyError(ArtifactError):
 
 class ArtifactPathError(ArtifactError):
     """An artifact path would leave --out (unsafe model or target name), or --out is unusable."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's text on one line (library messages span lines; tpumk's errors are one)."""
+    return " ".join(str(e).split())
+
+
+def and_more(names: list) -> str:
+    """" (and N more)" after the first of `names` an error quotes; empty for one name."""
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""

@@ -65,7 +65,7 @@ from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
 from tpumk.model.config import GRANITE_SCALARS, ModelConfig, load_hf_model, override_dtype
-from tpumk.errors import CheckpointError, NotSupportedError
+from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
 from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
@@ -101,7 +101,7 @@ class _Tensor:
                 return self._read_fp8()
             return self._handle.get_tensor(self.name)
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({_one_line(e)})") from None
+            raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({one_line(e)})") from None
 
 
     def _read_fp8(self) -> np.ndarray:
@@ -115,10 +115,6 @@ class _Tensor:
             f.seek(8 + n + begin)
             data = f.read(end - begin)
         return np.frombuffer(data, dtype=jnp.float8_e4m3fn).reshape(self.shape)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own bound on a header
@@ -144,7 +140,7 @@ def _open_file(file: Path, stack: ExitStack) -> dict[str, _Tensor]:
         handle = stack.enter_context(safe_open(str(file), framework="numpy"))
         return {name: _Tensor(name, file, handle) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file ({one_line(e)})") from None
 
 
 def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
@@ -155,7 +151,7 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
             weight_map = json.loads(read_regular(index, TEXT_LIMIT, "expected a JSON index",
                                                  CheckpointError).decode("utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
-            raise CheckpointError(f"{index}: malformed index ({_one_line(e)})") from None
+            raise CheckpointError(f"{index}: malformed index ({one_line(e)})") from None
         if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
             raise CheckpointError(f"{index}: malformed index (field 'weight_map': expected an object of "
                                   "tensor name -> shard file name)")
@@ -429,13 +425,11 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{more}")
+        raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{and_more(missing)}")
     unexpected = sorted(set(tensors) - set(plan) - set(ignored))
     if unexpected:
         t = tensors[unexpected[0]]
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"{t.file}: unexpected tensor '{t.name}'{more} "
+        raise CheckpointError(f"{t.file}: unexpected tensor '{t.name}'{and_more(unexpected)} "
                               f"(not part of the model config.json describes)")
     for name, dests in plan.items():
         t = tensors[name]

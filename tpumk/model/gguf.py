@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp  # also registers bfloat16 with numpy (ml_dtypes)
 import numpy as np
 
-from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
+from tpumk.errors import CheckpointError, ConfigError, NotSupportedError, and_more, one_line
 from tpumk.files import check_regular, name_problem, shown
 from tpumk.model.config import MAX_SIZES, ModelConfig, _HFFields, from_dict, override_dtype
 from tpumk.model.reference import Params
@@ -42,10 +42,6 @@ ARCHITECTURE = "llama"
 # Metadata arrays read only by the tokenizer (tens of thousands of strings): never converted here.
 _BULKY = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores"})
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def open_gguf(path: str | Path):
@@ -89,7 +85,7 @@ def _reader(path: str, *identity: int):
     except CheckpointError:
         raise
     except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError, OverflowError) as e:
-        raise CheckpointError(f"{shown(path)}: not a readable GGUF file ({_one_line(e)})") from None
+        raise CheckpointError(f"{shown(path)}: not a readable GGUF file ({one_line(e)})") from None
 
 
 def metadata(reader, src: str) -> dict[str, Any]:
@@ -101,7 +97,7 @@ def metadata(reader, src: str) -> dict[str, Any]:
         try:
             out[key] = field.contents()
         except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{src}: metadata field '{key}': unreadable value ({_one_line(e)})") from None
+            raise CheckpointError(f"{src}: metadata field '{key}': unreadable value ({one_line(e)})") from None
     return out
 
 
@@ -200,7 +196,7 @@ def _dequantized(t, src: str) -> np.ndarray:
         raise CheckpointError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the gguf package "
                               "cannot dequantize (expected a float or block-quantized type)") from None
     except (ValueError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{src}: cannot read tensor '{t.name}' ({_one_line(e)})") from None
+        raise CheckpointError(f"{src}: cannot read tensor '{t.name}' ({one_line(e)})") from None
 
 
 def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
@@ -244,12 +240,10 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]
         raise NotSupportedError(f"{src}: not supported yet: tensor 'rope_freqs.weight' (RoPE frequency factors)")
     missing = [n for n in plan if n not in tensors]
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{src}: missing tensor '{missing[0]}'{more}")
+        raise CheckpointError(f"{src}: missing tensor '{missing[0]}'{and_more(missing)}")
     unexpected = [n for n in tensors if n not in plan]
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"{src}: unexpected tensor '{unexpected[0]}'{more} (not part of the llama model its "
+        raise CheckpointError(f"{src}: unexpected tensor '{unexpected[0]}'{and_more(unexpected)} (not part of the llama model its "
                               "metadata describes)")
     for name, (_, _, want, _) in plan.items():
         got = tuple(int(n) for n in reversed(tensors[name].shape.tolist()))  # GGML lists dims innermost first

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpumk.errors import CheckpointError, NotSupportedError
+from tpumk.errors import CheckpointError, NotSupportedError, one_line
 from tpumk.files import TEXT_LIMIT, is_dir, read_regular, shown
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -47,7 +47,7 @@ def from_tokenizer_json(path: str | Path) -> Tokenizer:
     try:
         backend = Backend.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises its own Exception subclass for a malformed file
-        raise CheckpointError(f"{shown(path)}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") \
+        raise CheckpointError(f"{shown(path)}: not a readable tokenizer.json ({one_line(e)[:200]})") \
             from None
     return Tokenizer(backend, str(path))
 
@@ -91,7 +91,7 @@ def from_gguf(path: str | Path) -> Tokenizer:
     try:
         backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:  # a merge naming a token outside the vocabulary
-        raise CheckpointError(f"{src}: metadata field 'tokenizer.ggml.merges': {' '.join(str(e).split())[:200]}") \
+        raise CheckpointError(f"{src}: metadata field 'tokenizer.ggml.merges': {one_line(e)[:200]}") \
             from None
     split = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
     steps = ([pre_tokenizers.Digits(individual_digits=True)] if _PRE_SPLITS[pre] else []) + [
