@@ -48,9 +48,9 @@ _builds: dict = {}
 
 
 def _build(cfg, **knobs):
-    key = (cfg, tuple(sorted(knobs.items())))
+    key = (cfg, TuningConfig(**knobs))  # by the knobs' values: RANKED's last entry is the default build
     if key not in _builds:
-        b = build(BuildSpec(cfg, TARGET, batch=1, context=CONTEXT, tuning=TuningConfig(**knobs)), estimate=True)
+        b = build(BuildSpec(cfg, TARGET, batch=1, context=CONTEXT, tuning=key[1]), estimate=True)
         r = b.report
         assert r.estimated_cycles is not None, f"no compiler estimate for {cfg.name} {knobs}: {r.estimate_source}"
         _builds[key] = b
