@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, one_line
 
 
 def read_toml(path: str | Path, limit: int | None = None) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def parser_refusal(source: str, fmt: str, nests: str, e: ValueError | RecursionE
     if "integer string conversion" in str(e):
         return ConfigError(f"{source}: malformed {fmt}: an integer with more than "
                            f"{sys.get_int_max_str_digits()} digits")
-    return ConfigError(f"{source}: malformed {fmt}: {' '.join(str(e).split())}")
+    return ConfigError(f"{source}: malformed {fmt}: {one_line(e)}")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

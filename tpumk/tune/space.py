@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpumk.errors import ConfigError, PlanError
+from tpumk.errors import ConfigError, PlanError, one_line
 from tpumk.tomlfile import read_toml
 from tpumk.plan.knobs import TuningConfig
 
@@ -304,7 +304,7 @@ def _compile(expr: str) -> tuple[ast.Expression, tuple[str, ...]]:
     except (RecursionError, MemoryError):
         raise ConfigError(f"constraint '{flat[:80]}...': nested too deeply to parse") from None
     except ValueError as e:  # a character Python's parser refuses (a lone surrogate)
-        raise ConfigError(f"constraint {flat[:80]!r}: invalid text ({' '.join(str(e).split())})") from None
+        raise ConfigError(f"constraint {flat[:80]!r}: invalid text ({one_line(e)})") from None
     names: list[str] = []
 
     def bad(node: ast.AST, what: str) -> ConfigError:

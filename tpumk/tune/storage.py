@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, one_line
 
 DEFAULT_ROOT = Path("artifacts") / "tune"
 DEFAULT_HEARTBEAT = 5  # seconds between trial heartbeats
@@ -316,9 +316,9 @@ def check_sqlite(url: str, db: Path) -> None:
         if rows != [("ok",)]:
             why = f"damaged ({' '.join(str(rows[0][0]).split())[:120]})" if rows else "damaged"
     except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed"
-        why = " ".join(str(e).split())[:120]
+        why = one_line(e)[:120]
     except sqlite3.Error as e:  # locked for longer than the timeout, cannot open
-        raise ConfigError(f"--storage {url}: cannot open {db}: {' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(f"--storage {url}: cannot open {db}: {one_line(e)[:200]}") from None
     if why:
         raise ConfigError(f"--storage {url}: {db} is not a sound SQLite database ({why}); {recover}")
 
