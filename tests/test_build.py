@@ -43,6 +43,7 @@ def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate():
     # the default model is bfloat16, so a build with no arguments gets the whole-step estimate
     assert r["estimated_cycles"] == r["compiler_cycles"] + r["nested_loop_cycles"] > 0
     assert r["estimated_seconds"] >= r["floor_seconds"]
+    assert r["floor_fraction"] == pytest.approx(r["floor_seconds"] / r["estimated_seconds"])
     assert "static profile" in r["estimate_source"] and "calibration" in r["estimate_source"]
     # its speculative verify step (q_len 8) profiles too
     v = r["verify"]
@@ -57,6 +58,7 @@ def test_default_build_report_is_complete():
         assert row in out
 
 
+@pytest.mark.full  # v6e's estimate: test_v6e_build_and_v5e_without_estimate; small-moe's: the default build
 def test_small_moe_builds_with_an_estimate_on_v6e():
     r = build_json("--target", "v6e", "--verify-q", "0")
     assert (r["model"], r["custom_calls"]) == ("small-moe", 1)
@@ -76,6 +78,7 @@ def test_float32_build_says_plainly_why_there_is_no_estimate():
         assert jargon not in why[0]
 
 
+@pytest.mark.full  # the same assertions on the default build (small-moe, bfloat16): the first test above
 def test_bf16_build_has_a_whole_step_estimate_never_below_the_floor():
     r = build_json("--model", "tiny-moe", "--dtype", "bfloat16", "--batch", "2")
     assert r["custom_calls"] == 1
@@ -103,6 +106,17 @@ def test_v6e_build_and_v5e_without_estimate():
     r = build_json("--target", "v5e", "--model", "tiny-dense")
     assert r["custom_calls"] == 1 and r["estimated_cycles"] is None
     assert r["estimate_source"].startswith("none:")
+
+
+def test_no_estimate_skips_the_profiling_compile():
+    """--no-estimate: the plan, the compile and tpumk's model, no profiling process; with
+    --verify-estimate it is a one-line usage error."""
+    r = build_json("--model", "tiny-dense", "--dtype", "bfloat16", "--verify-q", "0", "--no-estimate")
+    assert r["custom_calls"] == 1 and r["model_seconds"] >= r["floor_seconds"] > 0
+    assert r["estimated_seconds"] is None and r["compiler_cycles"] is None
+    assert r["estimate_source"] == "none: not requested (estimate=False / --no-estimate skips the profiling compile)"
+    p = tpumk("build", "--no-estimate", "--verify-estimate", check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "drop --no-estimate" in p.stderr
 
 
 def test_infeasible_plan_is_rejected_before_compiling():

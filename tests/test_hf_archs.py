@@ -5,7 +5,7 @@ heads, 4 query heads per KV head), a Mistral whose every layer has a window, a P
 qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
 widths are off the 128-lane grid (the plan pads them), and a Qwen2 with q / k / v biases. Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
-and its megakernel compiles deviceless for TPU7x and v6e.
+and its megakernel compiles deviceless for TPU7x.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ CHECKPOINTS = {
 # reference), and smollm2-lanes runs a Llama through the kernel.
 # Granite's too: once its scalars are folded into the weights on load it is a Llama of
 # smollm2-lanes' shapes, the same kernel (its logits are checked against transformers above).
-FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars")
+# And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
+# dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
+# dense-w12 a window on one layer of two; their configs and reference logits stay above.
+FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 

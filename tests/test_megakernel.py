@@ -1,8 +1,9 @@
 """The whole decode step as one pallas_call, against the pure-JAX reference.
 
 Every configuration runs in Pallas TPU interpret mode with the DMA race detector on, AND is
-compiled deviceless for TPU7x and v6e in the same test (interpret mode does not check TPU
-layout rules; the compiler does). Cache lengths are chosen to cross page (16 tokens) and KV-tile
+compiled deviceless for TPU7x in the same test (interpret mode does not check TPU layout rules;
+the compiler does); the cases in V6E compile for v6e as well, one of each kernel family (the
+other files name theirs: a v6e compile is the same Mosaic lowering for another chip's VMEM). Cache lengths are chosen to cross page (16 tokens) and KV-tile
 boundaries. Tolerances:
 - float32 weights: logits within 1e-5 relative to the logit scale (f32 rounding: the kernel
   sums K in tile order, the reference in one dot);
@@ -114,16 +115,21 @@ def assert_cache_equal(got: R.KVCache, want: R.KVCache, dtype):
         assert np.all(a[untouched] == 0), name
 
 
+# Compiled for v6e too: the dense and the MoE model at batch 4-8 with their default or small tiles.
+V6E = ("dense-f32-default-b8", "moe-bf16-small-b4")
+
+
 @functools.lru_cache(maxsize=None)  # shared with tests/test_kv_guard.py (same builds)
-def compile_for_tpus(cfg, batch, q_len, tuning):
-    for target in ("tpu7x", "v6e"):
+def compile_for_tpus(cfg, batch, q_len, tuning, v6e: bool = False):
+    """One tpu_custom_call, compiled deviceless for TPU7x (and v6e with `v6e`)."""
+    for target in ("tpu7x", "v6e") if v6e else ("tpu7x",):
         plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
         compiled = compile_for(make_decode_step(plan), step_specs(plan), get_target(target))
         assert compiled.custom_calls == 1, f"{target}: expected exactly one tpu_custom_call"
         assert "tpu_custom_call" in compiled.hlo_text
 
 
-def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: dict) -> None:
+def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: dict, v6e: bool = False) -> None:
     """One megakernel step after a reference prefill of `lengths`-token prompts, in interpret
     mode with the race detector, against the reference step (logits and cache); then the same
     build compiled deviceless for the TPU targets."""
@@ -149,7 +155,7 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
     assert logits.shape == (batch, q_len, cfg.vocab_size) and logits.dtype == jnp.float32
     assert_logits_close(logits, want_logits, dtype)
     assert_cache_equal(new_cache, want_cache, dtype)
-    compile_for_tpus(cfg, batch, q_len, tuning)
+    compile_for_tpus(cfg, batch, q_len, tuning, v6e)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=pytest.mark.full) if c[0] in FULL
@@ -157,7 +163,7 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
 def test_step_matches_reference(case):
     name, preset, dtype, lengths, q_len, knobs = case
     cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
-    check_step(cfg, params, dtype, lengths, q_len, knobs)
+    check_step(cfg, params, dtype, lengths, q_len, knobs, v6e=name in V6E)
 
 
 # tiny-dense is the full tier: tiny-moe's layer 0 is a dense layer, decoded by the same steps.

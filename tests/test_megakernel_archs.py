@@ -1,7 +1,7 @@
 """Attention variants through the whole megakernel, against the pure-JAX reference: head_dim 64
 (two kv heads per 128-lane block) and 256, and sliding-window layers (only the window's KV
 tiles streamed). Interpret mode with the race detector on, and the same plans compiled
-deviceless for TPU7x and v6e (tolerances as tests/test_megakernel.py).
+deviceless for TPU7x, the head layouts in V6E for v6e too (tolerances as tests/test_megakernel.py).
 """
 
 from __future__ import annotations
@@ -65,15 +65,22 @@ CASES = [
 ]
 
 
-# moe-d64-w20 is the full tier: moe-d64-g4 runs 64-wide heads in a MoE model, dense-w12 the
-# sliding window (q = 1 and the q = 2 verify).
+# The full tier: moe-d64-w20 (moe-d64-g4 runs 64-wide heads in a MoE model, dense-w12 the
+# sliding window), dense-d64 (64-wide heads, two per 128-lane block: moe-d64-g4 and dense-lanes)
+# and dense-w12 in bfloat16 at q = 2 (the window: dense-w12 in float32; bfloat16 at q = 2:
+# moe-d64-g4; a window on every layer: test_hf_archs.py's phi3-sliding).
+# Compiled for v6e too: two 64-wide heads per lane block, and lane-padded widths.
+V6E = ("moe-d64-g4", "dense-lanes")
+FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16")}
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=f"{c[0]}-{c[1]}-q{c[3]}",
-                                               marks=[pytest.mark.full] if c[0] == "moe-d64-w20" else [])
+                                               marks=[pytest.mark.full] if c[:2] in FULL else [])
                                   for c in CASES])
 def test_step_matches_reference(case):
     name, dtype, lengths, q_len, knobs = case
     cfg, params = model(name, dtype)
-    check_step(cfg, params, dtype, lengths, q_len, knobs)
+    check_step(cfg, params, dtype, lengths, q_len, knobs, v6e=name in V6E)
 
 
 def test_window_changes_the_output():

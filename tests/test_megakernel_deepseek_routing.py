@@ -1,7 +1,7 @@
 """DeepSeek-V3 routing in the megakernel (issue 15): a GQA MoE model routed the DeepSeek-V3 way
 (sigmoid scores, a float32 router with the selection-only correction bias, 4 expert groups of
 which 2 are kept, a scaling factor, a shared expert) against the reference, in interpret mode
-with the race detector, and compiled deviceless for TPU7x and v6e in the same test. Tolerances
+with the race detector, and compiled deviceless for TPU7x in the same test. Tolerances
 and helpers as tests/test_megakernel.py. (MLA models in the megakernel: tests/test_megakernel_mla.py.)
 """
 
@@ -37,11 +37,13 @@ def model(dtype: str):
     return cfg, params
 
 
-# f32-b4-q1 is the full tier: the MoE stage routes the same way in float32 in
-# test_megakernel_mla.py::test_step_matches_reference[f32-b2-q1] (tiny-mla routes DeepSeek's way)
-# and test_moe_stage.py's deepseek cases.
+# Both cases are the full tier: the MoE stage routes the same way in the megakernel in
+# test_megakernel_mla.py::test_step_matches_reference ([f32-b2-q1] and the [bf16-b2-q3] verify
+# step: tiny-mla routes DeepSeek's way) and test_moe_stage.py's deepseek cases; the GQA attention
+# around it runs in tests/test_megakernel.py.
+@pytest.mark.full
 @pytest.mark.parametrize("dtype, lengths, q_len, knobs", [
-    pytest.param("float32", [15, 16, 33, 47], 1, {}, id="f32-b4-q1", marks=pytest.mark.full),
+    pytest.param("float32", [15, 16, 33, 47], 1, {}, id="f32-b4-q1"),
     pytest.param("bfloat16", [16, 31], 3, dict(ring_depth=3, expert_slots=2, expert_chunk=128, **SMALL_TILES),
                  id="bf16-b2-q3"),  # verify step
 ])

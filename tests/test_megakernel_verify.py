@@ -1,7 +1,7 @@
 """The megakernel as a speculative verify step: q = 1, 4, 8 tokens per sequence vs the reference.
 
 Each case runs in Pallas TPU interpret mode with the DMA race detector on and is compiled
-deviceless for TPU7x and v6e (see tests/test_megakernel.py for why both). The rollback cases
+deviceless for TPU7x (the q = 8 rollback case for v6e too; see tests/test_megakernel.py). The rollback cases
 prefill q + 3 tokens more than the cache length they then declare: those rows hold K/V of
 tokens that are no longer part of the sequence (what a rejected draft leaves behind), some of
 them beyond every position the step writes. The step must neither read them (its logits equal
@@ -35,9 +35,10 @@ CASES = [
 ]
 
 
-# The dense float32 q = 4 and q = 8 cases are the full tier: moe-f32-q8-b2-rollback verifies
-# q = 8 after a rollback (its layer 0 dense), dense-bf16-q1-b2-rollback a dense model.
-FULL = ("dense-f32-q4-b2", "dense-f32-q8-b2-rollback")
+# The full tier: dense-f32-q4-b2 (q = 8 after a rollback: dense-f32-q8-b2-rollback) and
+# moe-f32-q8-b2-rollback (the same verify step through MoE layers: test_megakernel_archs.py's
+# moe-d64-g4-bfloat16-q2 against the reference, test_speculative.py's tiny-moe-draft-k3 end to end).
+FULL = ("dense-f32-q4-b2", "moe-f32-q8-b2-rollback")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=[pytest.mark.full] if c[0] in FULL else [])
@@ -80,7 +81,7 @@ def test_verify_step_matches_reference(case):
                 pg, slot = table[p // PAGE], p % PAGE
                 for got, before in ((new_cache.k, cache.k), (new_cache.v, cache.v)):
                     np.testing.assert_array_equal(np.asarray(got[:, pg, slot]), np.asarray(before[:, pg, slot]))
-    compile_for_tpus(cfg, batch, q_len, tuning)
+    compile_for_tpus(cfg, batch, q_len, tuning, v6e=q_len == 8)
 
 
 # ---------------------------------------------------------------------- the build report's verify step

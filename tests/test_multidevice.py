@@ -26,7 +26,8 @@ DENSE8 = dict(base="tiny-dense", name="dense8", num_q_heads=8, num_kv_heads=2, v
 # The tiny models' partials are small, so the auto all-reduce is the direct push; the other
 # schedules are asked for by the knob so every one runs in the megakernel.
 CASES = {
-    "dense-2dev-kv-split": (dict(base="tiny-dense"), 2, 2, 1, {}),
+    # a vocabulary off the lane grid, split over the devices (each pads its slice)
+    "dense-2dev-kv-split": (dict(base="tiny-dense", name="dense-v1001", vocab_size=1001), 2, 2, 1, {}),
     "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense"), 4, 2, 2, {}),
     "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {"all_reduce": "rsag"}),
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
@@ -158,10 +159,13 @@ def interpret_runs(request) -> dict:
 
 # ---------------------------------------------------------------------- interpret vs reference
 # The full tier: the int8 case (quantized scales sharded: test_quant.py::
-# test_many_devices_with_quantized_weights_compile checks the device parts and compiles them)
-# and DeepSeek routing on 4 devices (the replicated float32 router and correction bias run in
-# tests/test_multidevice_mla.py's 4-device case, whose tiny-mla routes that way).
-FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing"}
+# test_many_devices_with_quantized_weights_compile checks the device parts and compiles them),
+# DeepSeek routing on 4 devices (the replicated float32 router and correction bias run in
+# tests/test_multidevice_mla.py's 4-device case, whose tiny-mla routes that way) and the
+# 8-device bf16 model (its odd vocabulary split: dense-2dev-kv-split; KV heads replicated:
+# dense-4dev-kv-replicated-verify; rsag: moe-4dev-mixed; 8 devices: test_collectives.py's
+# 8-device all-reduces). Without it the subprocess needs 4 host devices, not 8.
+FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing", "dense8-8dev-bf16-odd-vocab"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c in FULL_CASES else c for c in CASES])
@@ -310,8 +314,10 @@ def test_build_report_json_for_four_devices():
 
     from tpumk.cli.app import main
 
+    # --no-estimate: the figures checked here are the plan's and the compile's (the profiling
+    # compile, a second process, is tests/test_build.py's)
     r = CliRunner().invoke(main, ["build", "--model", "tiny-moe", "--target", "tpu7x", "--devices", "4",
-                                  "--verify-q", "0", "--json"])
+                                  "--verify-q", "0", "--no-estimate", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output)
     assert (rep["devices"], rep["topology"], rep["custom_calls"], rep["xla_collectives"]) == (4, "tpu7x:2x2x1", 1, 0)
@@ -320,17 +326,18 @@ def test_build_report_json_for_four_devices():
     assert rep["collectives_per_step"] == 2 * 3 + 1 and rep["interconnect_bytes_per_step"] > 0
     # per device: a quarter of the attention heads' bytes and so on, so less than one device's
     one = json.loads(CliRunner().invoke(main, ["build", "--model", "tiny-moe", "--target", "tpu7x", "--verify-q", "0",
-                                               "--json"]).output)
+                                               "--no-estimate", "--json"]).output)
     assert rep["hbm_bytes_per_step"] < one["hbm_bytes_per_step"] and one["devices"] == 1 and one["mesh"] is None
     assert rep["model_collectives_seconds"] > 0 and one["model_collectives_seconds"] == 0
     assert "tpumk timeline model" in rep["model_source"]
-    assert rep["estimate_source"]  # the compiler's estimate, or why there is none
+    assert rep["estimate_source"].startswith("none: not requested") and rep["estimated_seconds"] is None
 
 
 # ---------------------------------------------------------------------- transformers, from the CLI
-# The dense checkpoint is the `full` tier: the MoE one runs the same generate path on 4 devices
-# (its dense layer 0 included), and dense 4-device steps are checked against the reference above.
-@pytest.mark.parametrize("fixture", [pytest.param("hf_qwen3_dir", marks=pytest.mark.full), "hf_qwen3_moe_dir"])
+# The MoE checkpoint is the `full` tier: the dense one runs the same command (host devices made
+# by the command, the checkpoint sharded, greedy tokens against transformers), and 4-device MoE
+# steps are checked against the reference above (test_interpret_matches_reference_and_compiles).
+@pytest.mark.parametrize("fixture", ["hf_qwen3_dir", pytest.param("hf_qwen3_moe_dir", marks=pytest.mark.full)])
 def test_generate_devices_4_equals_transformers(fixture, request):
     """`tpumk generate --backend megakernel --devices 4` on transformers' own checkpoints (4 query
     heads, 2 KV heads: KV heads replicated on 4 devices) gives transformers' greedy tokens."""

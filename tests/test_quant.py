@@ -27,13 +27,15 @@ from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
 
 FULL = pytest.mark.full
-# (preset, dtype, scheme, batch, q_len). The default run keeps each scheme once on tiny-moe,
-# whose layer 0 is dense (so the dense ring runs quantized too), with bf16 and f32 and q = 2;
-# the tiny-dense cases and the second int4 case are the full tier.
+# (preset, dtype, scheme, batch, q_len). The default run keeps each scale layout once on
+# tiny-moe, whose layer 0 is dense (so the dense ring runs quantized too), with bf16 and f32 and
+# q = 2; the tiny-dense cases, the second int4 case and fp8 per column are the full tier (fp8
+# per column is int8's path with e4m3 codes: test_checkpoint_greedy_tokens_megakernel_equals_
+# reference[hf_qwen3_dir-fp8] runs it through the megakernel, fp8-b128 runs e4m3 codes here).
 CASES = [
     pytest.param("tiny-dense", "bfloat16", "int8", 2, 1, marks=FULL),
     pytest.param("tiny-dense", "float32", "fp8", 1, 2, marks=FULL),
-    ("tiny-moe", "bfloat16", "fp8", 3, 1),
+    pytest.param("tiny-moe", "bfloat16", "fp8", 3, 1, marks=FULL),
     ("tiny-moe", "float32", "int8", 2, 1),
     ("tiny-moe", "bfloat16", "int4", 2, 1),  # int8 ring, int4 experts with group-128 scales
     pytest.param("tiny-moe", "float32", "int4", 1, 2, marks=FULL),
@@ -226,10 +228,12 @@ def test_quality_figures_on_fixed_prompts():
 
 
 # ---------------------------------------------------------------------- checkpoints, end to end
-# The MoE checkpoint's int8 case is the full tier: its int4 case packs the same int8 ring.
+# The MoE checkpoint's cases are the full tier: the dense one runs the same path (a checkpoint
+# quantized at pack time, megakernel against reference), and the int4 experts run in the kernel
+# against the reference in test_kernel_matches_the_quantized_reference_and_compiles.
 @pytest.mark.parametrize("fixture,scheme", [("hf_qwen3_dir", "fp8"),
                                             pytest.param("hf_qwen3_moe_dir", "int8", marks=pytest.mark.full),
-                                            ("hf_qwen3_moe_dir", "int4")])
+                                            pytest.param("hf_qwen3_moe_dir", "int4", marks=pytest.mark.full)])
 def test_checkpoint_greedy_tokens_megakernel_equals_reference(fixture, scheme, request):
     """A transformers checkpoint quantized at pack time: the megakernel and the reference, fed the
     same quantized weights, generate the same greedy tokens."""
@@ -286,7 +290,10 @@ def _dequantized_float(cfg, params):
             "layers": [{k: f(v) for k, v in lay.items()} for lay in params["layers"]]}
 
 
-@pytest.mark.parametrize("fixture", ["fp8_dense_dir", "fp8_moe_dir"])
+# The MoE checkpoint is the full tier: the dense one runs the same load (and its partial 128-row
+# block), tests/test_megakernel_mla_quant.py's FP8 DeepSeek checkpoint loads routed experts as
+# stored and runs them in the megakernel.
+@pytest.mark.parametrize("fixture", ["fp8_dense_dir", pytest.param("fp8_moe_dir", marks=FULL)])
 def test_fp8_checkpoint_loads_as_stored_and_matches_its_dequantized_reference(fixture, request):
     import torch
     from safetensors import safe_open

@@ -217,7 +217,8 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     space = load_space(TINY_SPACE)
     assert out["best_tuning"] == space.tuning_for(study.best_trial.params).to_dict()
     # ...which `tpumk build --tuning` accepts and builds.
-    b = cli("build", "--model", "tiny-moe", "--dtype", "bfloat16", "--target", "tpu7x", "--tuning", tuned, "--json")
+    b = cli("build", "--model", "tiny-moe", "--dtype", "bfloat16", "--target", "tpu7x", "--tuning", tuned,
+            "--no-estimate", "--json")
     assert b.exit_code == 0, b.output
     rep = json.loads(b.stdout)
     assert rep["tuning"] == out["best_tuning"] and rep["custom_calls"] == 1
@@ -259,7 +260,7 @@ def test_report_explains_missing_importances(tmp_path):
 
 # ---------------------------------------------------------------------- kill, then resume
 def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
-    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 6, "--seed", 5,
+    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 4, "--seed", 5,
                                                           "--heartbeat", 1, "--json")]
     name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
     db = tmp_path / "artifacts" / "tune" / f"{name}.db"
@@ -292,7 +293,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     log_before = compile_log(tmp_path)
     assert {e["key"] for e in log_before} <= keys_before
     # The sampler of the rerun may well suggest finished configurations again; make sure it does.
-    room = 6 - len([t for t in evaluated(study) if t.number in before])
+    room = 4 - len([t for t in evaluated(study) if t.number in before])
     assert room >= 1
     for t in [t for t in before.values() if "config_key" in t.user_attrs][:room]:
         study.enqueue_trial(t.params)
@@ -301,7 +302,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     study = load(str(db), name)
     after = finished(study)
-    assert len(evaluated(study)) == 6
+    assert len(evaluated(study)) == 4
     for n in killed:  # the killed run's trial was failed by the heartbeat, not left RUNNING
         assert study.trials[n].state.name == "FAIL"
     assert not [t for t in study.trials if t.state.name in ("RUNNING", "WAITING")]

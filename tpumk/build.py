@@ -96,6 +96,8 @@ def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_esti
     compiled = compile_plan(plan)
     est = estimate_in_subprocess(spec) if estimate and spec.target.static_profile else None
     report = make_report(plan, compiled, est)
+    if not estimate and report.estimate_source == "none: not requested":
+        report.estimate_source = "none: not requested (estimate=False / --no-estimate skips the profiling compile)"
     if verify_q:
         report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
                                        plain_estimated_seconds=report.estimated_seconds)
@@ -134,7 +136,7 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
     })
     est = estimate_in_subprocess(vp.spec) if estimate and vp.target.static_profile else None
     e = convert_estimate(vp, est)
-    if not estimate and e["estimate_source"] == "none: not requested":
+    if not estimate and e["estimate_source"].startswith("none: not requested"):
         e["estimate_source"] = "none: not requested (verify_estimate / --verify-estimate runs a second profiling compile)"
     out.update(e)
     secs = e["estimated_seconds"]

@@ -210,16 +210,22 @@ def print_verify_figures(r) -> None:
               help="Also report the speculative verify step with this q_len (K drafts + 1), from the plan; 0: off.")
 @click.option("--verify-estimate", is_flag=True,
               help="Give the verify step the compiler's estimate too (a second profiling compile).")
+@click.option("--estimate/--no-estimate", default=True, show_default=True,
+              help="The compiler's static estimate, from a profiling compile in a second process; "
+                   "--no-estimate skips it (the plan, the compile and tpumk's model are still reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def build(spec, verify_q, verify_estimate, as_json):
+def build(spec, verify_q, verify_estimate, estimate, as_json):
     """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
     from tpumk.build import build as do_build
     from tpumk.errors import ConfigError
 
     if verify_q < 0:
         raise ConfigError(f"--verify-q: expected 0 (off) or a positive number of tokens per sequence, got {verify_q}")
-    b = do_build(spec, verify_q=verify_q if verify_q != spec.q_len else 0, verify_estimate=verify_estimate)
+    if verify_estimate and not estimate:
+        raise ConfigError("--verify-estimate: the verify step's estimate needs the plain one; drop --no-estimate")
+    b = do_build(spec, estimate=estimate, verify_q=verify_q if verify_q != spec.q_len else 0,
+                 verify_estimate=verify_estimate)
     if as_json:
         emit_json(b.report.to_dict())
     else:
