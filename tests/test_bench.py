@@ -127,8 +127,10 @@ def test_bench_errors_are_one_line(args, message):
 
 @pytest.mark.parametrize("preset, overrides, quant", [
     ("tiny-moe", {}, "none"), ("tiny-dense", {}, "none"),
-    # 64-wide heads and a sliding layer whose 8-token window is shorter than the 20-token prompt
-    ("tiny-dense", dict(head_dim=64, sliding_window=8, sliding_layers=[1]), "none"),
+    # 64-wide heads and a sliding layer whose 8-token window is shorter than the 20-token prompt,
+    # with Gemma's GeGLU MLP and embedding factor
+    ("tiny-dense", dict(head_dim=64, sliding_window=8, sliding_layers=[1], mlp_act="gelu_tanh", embed_scale=16.0),
+     "none"),
     ("tiny-moe", {}, "int4"),  # the same quantized weights: int8 ring matrices, group-scaled int4 experts
 ])
 def test_xla_step_matches_the_reference(preset, overrides, quant):

@@ -258,7 +258,8 @@ def test_hf_invalid_value_names_field():
      "rope_scaling"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),  # the exact (erf) GELU: only Gemma reads it as tanh
+    ({"hidden_act": "relu2"}, "hidden_act 'relu2'"),
     ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
 ])
 def test_hf_not_supported(changes, what):
@@ -313,6 +314,54 @@ def test_hf_qwen25_reads_its_biases_and_matches_the_preset():
     assert cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window  # use_sliding_window false: no window
     assert cfg.replace(name="qwen2.5-7b") == load_preset("qwen2.5-7b")
     assert load_preset("qwen2.5-7b").param_count() == 7_615_616_512  # the release's parameter count
+
+
+# Gemma-7B's published config.json (transformers 4.38 keys: the legacy hidden_act "gelu", which
+# transformers' GemmaConfig reads as the tanh approximation).
+GEMMA_7B = {
+    "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
+    "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 24576, "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 16, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "transformers_version": "4.38.0.dev0",
+    "use_cache": True, "vocab_size": 256000,
+}
+
+
+def test_hf_gemma_reads_geglu_and_its_embedding_scale_and_matches_the_preset():
+    cfg = from_hf_config(GEMMA_7B)
+    assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings, cfg.qk_norm) == ("gelu_tanh", 3072 ** 0.5, True, False)
+    assert cfg.replace(name="gemma-7b") == load_preset("gemma-7b")
+    assert round(load_preset("gemma-7b").param_count() / 1e9, 2) == 8.54  # the release's 8.54 B
+    # transformers 5 writes hidden_activation; tied embeddings are Gemma's default
+    new = {k: v for k, v in GEMMA_7B.items() if k != "hidden_act"}
+    assert from_hf_config({**new, "hidden_activation": "gelu_pytorch_tanh"}).mlp_act == "gelu_tanh"
+    with pytest.raises(NotSupportedError, match="hidden_activation 'relu'"):
+        from_hf_config({**new, "hidden_activation": "relu"})
+
+
+@pytest.mark.parametrize("changes, field, expected", [
+    (dict(mlp_act="gelu"), "mlp_act", "one of silu, gelu_tanh"),
+    (dict(embed_scale=0.0), "embed_scale", "a positive finite number"),
+    (dict(embed_scale=float("inf")), "embed_scale", "a positive finite number"),
+])
+def test_mlp_act_and_embed_scale_are_validated(changes, field, expected):
+    with pytest.raises(ConfigError) as e:
+        load_preset("tiny-dense").replace(**changes)
+    msg = _one_line(e)
+    assert f"field '{field}'" in msg and expected in msg
+
+
+def test_geglu_is_refused_for_mixture_of_experts_models():
+    with pytest.raises(ConfigError, match="'mlp_act' = 'gelu_tanh': expected silu for a mixture-of-experts model"):
+        load_preset("tiny-moe").replace(mlp_act="gelu_tanh")
+
+
+def test_new_fields_at_their_defaults_leave_the_config_dict_unchanged():
+    d = load_preset("qwen3-8b").to_dict()
+    assert "mlp_act" not in d and "embed_scale" not in d  # the cache keys of earlier models stay
+    g = load_preset("gemma-7b").to_dict()
+    assert (g["mlp_act"], g["embed_scale"]) == ("gelu_tanh", 3072 ** 0.5)
 
 
 # Phi-3-mini-4k-instruct's published config.json (transformers 4.x keys).

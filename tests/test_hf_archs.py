@@ -3,7 +3,8 @@ own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a slidi
 whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
 heads, 4 query heads per KV head), a Mistral whose every layer has a window, a Phi-3 (fused
 qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
-widths are off the 128-lane grid (the plan pads them), and a Qwen2 with q / k / v biases. Each generates
+widths are off the 128-lane grid (the plan pads them), a Qwen2 with q / k / v biases and a Gemma
+(GeGLU, (1 + w) norms, scaled embeddings, widths off the lane grid). Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x.
 """
@@ -50,6 +51,10 @@ CHECKPOINTS = {
                             head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
                             embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05,
                             logits_scaling=4.0),
+    # Gemma: GeGLU (tanh GELU), RMSNorm scaling by (1 + w) (folded on load), embeddings x
+    # sqrt(hidden), tied embeddings; widths off the lane grid (hidden 192, FFN 200, 64-wide heads)
+    "gemma-geglu": dict(arch="gemma", seed=15, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
 }
@@ -75,12 +80,16 @@ def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
     assert cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == name.startswith("qwen2")
+    assert (cfg.mlp_act == "gelu_tanh") == (cfg.embed_scale != 1.0) == name.startswith("gemma")
     if name.startswith("llama"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
         assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
     elif name == "granite-scalars":  # a Llama with the scalars in its weights and its own lm_head
         assert not cfg.tie_embeddings and (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads) == (192, 3, 1)
+    elif name == "gemma-geglu":
+        assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings) == ("gelu_tanh", 192 ** 0.5, True)
+        assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.ffn_size) == (192, 64, 3, 1, 200)
     elif name == "qwen2-bias":
         assert cfg.qkv_bias and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (160, 64, 4, 2)
     elif name == "smollm2-lanes":
@@ -110,6 +119,9 @@ def test_reference_logits_match_transformers(checkpoint):
     if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
         plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
         assert np.max(np.abs(plain - want)) > 100 * bound
+    if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree
+        for other in (m.cfg.replace(mlp_act="silu"), m.cfg.replace(embed_scale=1.0)):
+            assert np.max(np.abs(np.asarray(forward_full(m.params, other, tokens)) - want)) > 100 * bound
 
 
 @pytest.mark.parametrize("checkpoint", KERNEL_CASES, indirect=True)

@@ -46,7 +46,8 @@ def models(as_json):
             "name": name, "layers": c.num_layers, "hidden": c.hidden_size,
             "attention": (f"MLA {c.num_q_heads}h, latent {c.kv_lora_rank}+{c.qk_rope_head_dim}" if c.is_mla
                           else f"{c.num_q_heads}q/{c.num_kv_heads}kv x {c.head_dim}"),
-            "ffn": (f"{c.num_experts} experts top-{c.top_k} x {c.expert_ffn_size}" if c.is_moe else f"dense {c.ffn_size}"),
+            "ffn": (f"{c.num_experts} experts top-{c.top_k} x {c.expert_ffn_size}" if c.is_moe
+                    else f"dense {c.ffn_size}" + (" GeGLU" if c.mlp_act == "gelu_tanh" else "")),
             "dtype": c.dtype, "params": c.param_count(),
             "weight_bytes_per_step_b1": c.decode_weight_bytes(1),
             "weight_bytes_per_step_b8": c.decode_weight_bytes(8),

@@ -95,7 +95,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * t
     num_seqs = jnp.array([b], jnp.int32)
     kv_pages_per_block, queries_per_block = blocks
-    x = ref.embed(params, tokens)
+    x = ref.embed(params, tokens, cfg.embed_scale)
     out_caches = []
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
@@ -114,7 +114,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
                                               num_queries_per_block=queries_per_block)
         x = x + ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"])
         hf = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
-        f = (ref.swiglu(hf, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
+        f = (ref.swiglu(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
              else _moe_gathered(cfg, layer, hf))
         x = x + f.reshape(b, t, -1)
     return ref.logits_from(cfg, params, x), out_caches, kv_lens

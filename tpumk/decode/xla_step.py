@@ -110,7 +110,7 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(cfg.num_kv_heads)[None, None, :]
     pi = positions[:, :, None]
-    x = ref.embed(params, tokens)
+    x = ref.embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
@@ -124,7 +124,7 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
 
 
 def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
-    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if cfg.layer_is_dense(i)
+    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
             else _moe_gathered(cfg, layer, h))
 
 
@@ -140,7 +140,7 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
     k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
     bi = jnp.arange(b)[:, None]
-    x = ref.embed(params, tokens)
+    x = ref.embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype

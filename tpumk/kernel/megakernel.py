@@ -197,7 +197,7 @@ def _kernel(plan: Plan):
             half = tile_cols // 2
 
             def epilogue(j, acc):
-                ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:])
+                ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:], cfg.mlp_act)
             return epilogue
 
         def mla_attention_block(seg, layer, vec):
@@ -408,7 +408,8 @@ def _device_step(plan: Plan, call) -> Callable:
     def run(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
         b, t = tokens.shape
         n = b * t
-        x0 = embed(packed, tokens.reshape(n))  # a token id outside the vocabulary: zeros, as the reference
+        # a token id outside the vocabulary: zeros, as the reference; Gemma's factor as the reference
+        x0 = embed(packed, tokens.reshape(n), cfg.embed_scale)
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:

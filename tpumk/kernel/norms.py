@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from tpumk.model.reference import mlp_activation
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
     """x [N, K] f32, w [1, K] f32 -> x * rsqrt(sum(x^2) / width + eps) * w (reference.rms_norm);
@@ -70,6 +72,7 @@ def rope_heads(x: jax.Array, cos: jax.Array, sin_signed: jax.Array, head_dim: in
     return x * cos + swapped * sin_signed
 
 
-def swiglu_act(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up in f32 (reference.swiglu before the down projection)."""
-    return jax.nn.silu(gate) * up
+def swiglu_act(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
+    """act(gate) * up in f32 (reference.swiglu before the down projection): SwiGLU, or GeGLU
+    with act = gelu_tanh (ModelConfig.mlp_act)."""
+    return mlp_activation(gate, act) * up

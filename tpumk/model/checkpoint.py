@@ -1,5 +1,5 @@
-"""Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Llama, Mistral, Phi-3, DeepSeek-V3, Kimi K2)
-into the reference weight layout.
+"""Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Phi-3, Granite, Gemma,
+DeepSeek-V3, Kimi K2) into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -325,6 +325,21 @@ def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str
     return cfg.replace(tie_embeddings=False), out
 
 
+def fold_gemma_norms(cfg: ModelConfig, params: Params) -> Params:
+    """Gemma's RMSNorms scale by (1 + weight) (transformers' GemmaRMSNorm, in float32): the 1 is
+    added to every stored norm weight on load, so the reference and the megakernel's plain
+    x_normed * w compute it. Added in float32, then cast to the weights' dtype (a bfloat16
+    checkpoint rounds 1 + w once more than transformers does; float32 is exact)."""
+    dt = jnp.dtype(jnp_dtype(cfg))
+
+    def plus_one(a):
+        return (np.asarray(a, np.float32) + np.float32(1)).astype(dt)
+
+    norms = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+    layers = [{k: plus_one(v) if k in norms else v for k, v in lay.items()} for lay in params["layers"]]
+    return {**params, "layers": layers, "final_norm": plus_one(params["final_norm"])}
+
+
 def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face checkpoint directory, or a Llama GGUF file (a path ending in .gguf:
     `tpumk.model.gguf`), into (config, params).
@@ -354,6 +369,8 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
+    if config_json.get("model_type") == "gemma":
+        params = fold_gemma_norms(cfg, params)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params

@@ -28,6 +28,9 @@ from tpumk.tomlfile import parser_refusal, read_toml
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
 ROPE_SCALINGS = ("none", "linear", "llama3")  # tpumk.model.rope
+# The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
+# gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
+MLP_ACTS = ("silu", "gelu_tanh")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -131,6 +134,10 @@ class ModelConfig:
     # A lane-padded copy's true head width (its heads are head_dim lanes, the last ones zero):
     # the softmax scale, the RoPE frequencies and the per-head norms use it; 0: head_dim.
     head_width: int = 0
+    # The dense MLP's activation (MLP_ACTS) and a factor on the embedding rows (Gemma:
+    # sqrt(hidden_size); applied rounded to the embedding's dtype, as transformers does).
+    mlp_act: str = "silu"
+    embed_scale: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -210,6 +217,11 @@ class ModelConfig:
              f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
         need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
+        need(isinstance(self.mlp_act, str) and self.mlp_act in MLP_ACTS, "mlp_act", f"one of {', '.join(MLP_ACTS)}")
+        if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
+            need(not self.is_moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
+        need(_is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
+             "a positive finite number")
         if self.sliding_window:
             need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
         else:
@@ -379,8 +391,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for name in ("rms_width", "head_width", "qkv_bias"):  # added later: models without them keep their keys
-            if not d[name]:
+        for name, default in (("rms_width", 0), ("head_width", 0), ("qkv_bias", False), ("mlp_act", "silu"),
+                              ("embed_scale", 1.0)):  # added later: models without them keep their keys
+            if d[name] == default:
                 del d[name]
         d["dense_layers"] = list(self.dense_layers)
         d["sliding_layers"] = list(self.sliding_layers)
@@ -458,14 +471,19 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "deepseek_v3", "kimi_k2")
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "gemma", "deepseek_v3",
+                 "kimi_k2")
 _HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-_HF_QKV_BIAS = ("qwen2",)
+_HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
+# hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
+# approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_HF_GEMMA_ACTS = {**_HF_ACTS, "gelu": "gelu_tanh"}
 # Granite's four scalars (transformers' defaults) and the weights each folds into on load
 # (tpumk.model.checkpoint.fold_granite_scalars): the model is a Llama once they are folded.
 GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
-                   "logits_scaling": 1.0}  # Qwen2 / Qwen2.5: q, k and v projections with biases, o without  # linear / llama3 RoPE (tpumk.model.rope)
+                   "logits_scaling": 1.0}
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
@@ -536,9 +554,12 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
         rope_theta = hf.number("rope_theta", 10000.0)
-    act = data.get("hidden_act", "silu")
-    if act != "silu":
-        raise NotSupportedError(f"{source}: not supported yet: hidden_act {_short_repr(act)} (only silu / SwiGLU)")
+    acts = _HF_GEMMA_ACTS if mt == "gemma" else _HF_ACTS
+    act_key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
+    act = data.get(act_key, "gelu_pytorch_tanh" if mt == "gemma" else "silu")
+    if not isinstance(act, str) or act not in acts:
+        raise NotSupportedError(f"{source}: not supported yet: {act_key} {_short_repr(act)} "
+                                f"(supported: {', '.join(acts)})")
     torch_dtype = data.get("torch_dtype") or data.get("dtype") or "bfloat16"
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(torch_dtype) \
         if isinstance(torch_dtype, str) else None
@@ -564,9 +585,12 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM,
         qkv_bias=mt in _HF_QKV_BIAS,
-        tie_embeddings=hf.bool_("tie_word_embeddings", False),
+        tie_embeddings=hf.bool_("tie_word_embeddings", mt == "gemma"),  # Gemma's default: tied
         dtype=dtype,
+        mlp_act=acts[act],
     )
+    if mt == "gemma":  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
+        fields["embed_scale"] = math.sqrt(hidden)
     fields.update(_hf_sliding_window(hf, mt, n_layers))
     if mt == "granite":
         for key, default in GRANITE_SCALARS.items():

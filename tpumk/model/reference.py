@@ -112,8 +112,14 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+def mlp_activation(gate: jax.Array, act: str = "silu") -> jax.Array:
+    """The gated MLP's activation (ModelConfig.mlp_act): silu, or GELU's tanh approximation."""
+    return jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str = "silu") -> jax.Array:
+    """act(x @ w_gate) * (x @ w_up) @ w_down: SwiGLU, or GeGLU with act = gelu_tanh."""
+    return matmul(mlp_activation(matmul(x, w_gate), act) * matmul(x, w_up), w_down)
 
 
 def route(cfg: ModelConfig, router_logits: jax.Array, bias: jax.Array | None = None
@@ -167,7 +173,7 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
 
 def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
     if cfg.layer_is_dense(i):
-        return swiglu(x, layer["w_gate"], layer["w_up"], layer["w_down"])
+        return swiglu(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act)
     return moe_ffn(cfg, layer, x)
 
 
@@ -222,12 +228,17 @@ def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     return matmul(x, head)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """Embedding rows [..., H] float32; a token id outside [0, vocab) embeds as zeros (not NaN)."""
+def embed(params: Params, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Embedding rows [..., H] float32; a token id outside [0, vocab) embeds as zeros (not NaN).
+
+    `scale` (ModelConfig.embed_scale) multiplies the rows as transformers' Gemma does: the
+    factor and the product rounded to the table's dtype."""
     table = params["embed"]
     ok = (tokens >= 0) & (tokens < table.shape[0])
-    rows = jnp.take(table, jnp.where(ok, tokens, 0), axis=0).astype(jnp.float32)
-    return jnp.where(ok[..., None], rows, 0.0)
+    rows = jnp.take(table, jnp.where(ok, tokens, 0), axis=0)
+    if scale != 1.0:
+        rows = rows * jnp.asarray(scale, table.dtype)
+    return jnp.where(ok[..., None], rows.astype(jnp.float32), 0.0)
 
 
 def guard_positions(tokens: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
@@ -274,7 +285,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     tables = read_tables(cache)
 
     kc, vc = cache.k, cache.v
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = qkv(cfg, layer, h, positions)
@@ -299,7 +310,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         return _mla_forward_full(params, cfg, tokens)
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q, k, v = qkv(cfg, layer, h, pos)
@@ -319,7 +330,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     tables = read_tables(cache)
 
     lc = cache.k
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
@@ -336,7 +347,7 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     """`forward_full` for an MLA model, attention in the expanded form (tpumk.model.mla)."""
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, pos)
