@@ -69,7 +69,7 @@ got, cache = R.greedy_generate(params, cfg, prompt, 8, step.init_cache(),
 # one more step, to compare logits against the reference at a tolerance
 tokens = jnp.asarray([[got[0][-1]]], jnp.int32)
 length = int(cache.lengths[0])
-ref_logits, _ = R.decode_step(params, cfg, tokens, cache.lengths[:, None], cache)
+ref_logits, _ = R.jitted_decode_step(cfg)(params, tokens, cache.lengths[:, None], cache)
 logits, _ = step(packed, tokens, cache.lengths[:, None], cache)  # the executable donates `cache`
 scale = float(np.max(np.abs(np.asarray(ref_logits))))
 err = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
@@ -79,10 +79,20 @@ print(json.dumps({"kind": step.kind, "got": got, "want": want, "err": err, "scal
 
 
 @pytest.mark.parametrize("use", ["auto", "executable"])
-def test_cpu_export_loads_in_fresh_process_and_generates_reference_tokens(cpu_artifact, use):
+def test_cpu_export_loads_in_fresh_process_and_generates_reference_tokens(cpu_artifact, use, tmp_path):
     """The cpu artifact holds real programs (no re-tracing): a fresh process loads the portable
-    export (auto) or the serialized executable and greedy-decodes the reference's tokens."""
+    export (auto) or the serialized executable and greedy-decodes the reference's tokens.
+    `executable` loads a second export of the same step made in this process: with JAX's
+    persistent compilation cache on (the suite sets one), its compile would be served from the
+    cache, and such an executable serialized into a blob that failed to load ("Function
+    wrapped_broadcast.N not found"); export compiles past the cache."""
+    from jax._src import compilation_cache
+
     assert not cpu_artifact.cache_hit
+    if use == "executable":
+        assert compilation_cache.is_persistent_cache_enabled()  # the case this checks
+        cpu_artifact = _export(tmp_path, "cpu")
+        assert not cpu_artifact.cache_hit
     m = A.verify(cpu_artifact.path)
     assert set(m["files"]) == {A.EXECUTABLE, A.EXPORTED}
     assert m["target"]["export_platform"] == "cpu" and "interpret=True" in m["target"]["kernel_mode"]

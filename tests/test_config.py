@@ -253,6 +253,7 @@ def test_hf_invalid_value_names_field():
     ({"use_sinks": True}, "attention sinks"),
     ({"model_type": "gpt_oss"}, "attention sinks"),
     ({"model_type": "gemma2"}, "soft-capping"),
+    ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "rope_scaling"),
@@ -295,6 +296,42 @@ def test_hf_llama_and_mistral_match_presets(preset, data):
     cfg = from_hf_config(data)
     assert cfg.replace(name=preset) == load_preset(preset)
     assert not cfg.qk_norm and cfg.head_dim == 128  # head_dim absent: hidden / heads
+
+
+# Gemma 3 1B's config.json in transformers 4.x keys (rope_local_base_freq, sliding_window_pattern;
+# tie_word_embeddings absent: Gemma ties by default).
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144,
+}
+
+
+def test_hf_gemma3_matches_its_preset_and_refuses_what_it_does_not_model():
+    cfg = from_hf_config(GEMMA3_1B)
+    assert cfg.replace(name="gemma-3-1b") == load_preset("gemma-3-1b")
+    assert cfg.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)  # layers 5, 11, 17, 23 full
+    # transformers 4.x's rope_scaling applies to the full layers only
+    scaled = from_hf_config({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (scaled.rope_scaling, scaled.rope_factor, scaled.rope_local_theta) == ("linear", 8.0, 10000)
+    for changes, match in [
+        ({"attn_logit_softcapping": 50.0}, "not supported yet: attention logit soft-capping"),
+        ({"final_logit_softcapping": 30.0}, "not supported yet: final logit soft-capping"),
+        ({"use_bidirectional_attention": True}, "not supported: use_bidirectional_attention = true"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+         "not supported yet: rope_parameters.sliding_attention rope_type 'linear'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "not supported yet: rope_scaling rope_type 'yarn'"),
+    ]:
+        with pytest.raises(NotSupportedError, match=match) as e:
+            from_hf_config({**GEMMA3_1B, **changes}, "x/config.json")
+        assert _one_line(e).startswith("x/config.json")
+    with pytest.raises(ConfigError, match=r"rope_parameters.full_attention.rope_theta' = -1"):
+        from_hf_config({**GEMMA3_1B, "rope_parameters": {"full_attention": {"rope_theta": -1}}})
 
 
 # Qwen2.5-7B's published config.json (transformers 4.x keys).

@@ -420,7 +420,7 @@ def _glue_worker(n: int) -> dict:
     out["steps"] = []
     for _ in range(3):
         positions = cache.lengths[:, None].astype(jnp.int32)
-        want_logits, cache = ref.decode_step(params, cfg, tokens, positions, cache)
+        want_logits, cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
         got, wide = step(packed, np.asarray(tokens), np.asarray(positions), wide)  # host inputs: placed by the step
         g, w = np.asarray(got, np.float32), np.asarray(want_logits, np.float32)
         back = step.unshard_cache(wide)

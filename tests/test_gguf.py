@@ -177,8 +177,8 @@ def test_logits_equal_transformers_on_the_same_gguf(tmp_path, tie):
     with torch.no_grad():
         want = hf_gguf_model(path)(torch.as_tensor(ids)).logits.float().numpy()
     cache = reference.init_cache(cfg, 1, 16)
-    got, _ = reference.decode_step(params, cfg, jnp.asarray(ids, jnp.int32),
-                                   jnp.arange(ids.shape[1], dtype=jnp.int32)[None], cache)
+    got, _ = reference.jitted_decode_step(cfg)(params, jnp.asarray(ids, jnp.int32),
+                                               jnp.arange(ids.shape[1], dtype=jnp.int32)[None], cache)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
 
 

@@ -55,6 +55,15 @@ CHECKPOINTS = {
     # sqrt(hidden), tied embeddings; widths off the lane grid (hidden 192, FFN 200, 64-wide heads)
     "gemma-geglu": dict(arch="gemma", seed=15, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                         head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
+    # Gemma 3: Gemma's parts plus per-head QK-norm, post-sublayer norms, scores / sqrt(48)
+    # (query_pre_attn_scalar), layer 0 sliding a 6-token window with its own RoPE theta (1e4),
+    # layer 1 full with theta 1e6 and a linear RoPE scaling (factor 2)
+    "gemma3-sandwich": dict(arch="gemma3", seed=16, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
+                            sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                            query_pre_attn_scalar=48,
+                            rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                             "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
 }
@@ -67,7 +76,10 @@ CHECKPOINTS = {
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
 # dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
 # dense-w12 a window on one layer of two; their configs and reference logits stay above.
-FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding")
+# And Gemma's: gemma3-sandwich runs the same GeGLU, embedding factor and (1 + w) norms through the
+# kernel, with Gemma 3's parts on top.
+FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
+                     "gemma-geglu")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -79,7 +91,8 @@ def checkpoint(request, tmp_path_factory):
 def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    assert cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == name.startswith("qwen2")
+    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3")) and cfg.qkv_bias == name.startswith("qwen2")
+    assert cfg.post_norms == (cfg.attn_scalar != 0) == (cfg.rope_local_theta != 0) == name.startswith("gemma3")
     assert (cfg.mlp_act == "gelu_tanh") == (cfg.embed_scale != 1.0) == name.startswith("gemma")
     if name.startswith("llama"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
@@ -90,6 +103,10 @@ def test_config_reads_the_variant(checkpoint):
     elif name == "gemma-geglu":
         assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings) == ("gelu_tanh", 192 ** 0.5, True)
         assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.ffn_size) == (192, 64, 3, 1, 200)
+    elif name == "gemma3-sandwich":
+        assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings, cfg.attn_scalar) == ("gelu_tanh", 192 ** 0.5, True, 48)
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.rope_theta, cfg.rope_local_theta) == (6, (0,), 1e6, 1e4)
+        assert (cfg.rope_scaling, cfg.rope_factor) == ("linear", 2.0)
     elif name == "qwen2-bias":
         assert cfg.qkv_bias and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (160, 64, 4, 2)
     elif name == "smollm2-lanes":
@@ -119,8 +136,11 @@ def test_reference_logits_match_transformers(checkpoint):
     if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
         plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
         assert np.max(np.abs(plain - want)) > 100 * bound
-    if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree
-        for other in (m.cfg.replace(mlp_act="silu"), m.cfg.replace(embed_scale=1.0)):
+    if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree; Gemma 3 without a part
+        parts = [dict(mlp_act="silu"), dict(embed_scale=1.0)]
+        if m.cfg.post_norms:
+            parts += [dict(post_norms=False), dict(attn_scalar=0.0), dict(rope_local_theta=0.0)]
+        for other in (m.cfg.replace(**p) for p in parts):
             assert np.max(np.abs(np.asarray(forward_full(m.params, other, tokens)) - want)) > 100 * bound
 
 

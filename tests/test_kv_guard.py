@@ -176,7 +176,10 @@ def _stage_expected(tas, case, loop, args):
     return (jnp.stack(outs) if loop else outs[0]), k, v
 
 
-@pytest.mark.parametrize("name", STAGE_RUNS)
+# loop-f32-b4-q3-t2-n3 is the full tier: the layer loop with the window (loop-...-w10) and
+# batch 1 in bfloat16 stay; the guard is the same write path in every geometry.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n == "loop-f32-b4-q3-t2-n3" else n
+                                  for n in STAGE_RUNS])
 def test_attention_stage_never_writes_outside_the_pool(name):
     from tpumk.compat import interpret_races
     from tpumk.compile.aot import compile_for

@@ -49,8 +49,10 @@ MIXED_TILES = dict(qkv_tile_rows=128, qkv_tile_cols=512, o_tile_cols=256, gate_u
 # (id, preset, dtype, prompt lengths (= cache lengths before the step), q_len, tuning knobs).
 # FULL cases are the full tier: moe-f32-default-b4 (MoE at batch 4: moe-bf16-small-b4; float32
 # MoE: moe-f32-depth3-b1; the default knobs: every test that builds without knobs, e.g.
-# dense-f32-default-b8) and dense-f32-mixed-b4 (the same MIXED_TILES: dense-bf16-mixed-b4).
-FULL = ("moe-f32-default-b4", "dense-f32-mixed-b4")
+# dense-f32-default-b8), dense-f32-mixed-b4 and dense-bf16-mixed-b4 (MIXED_TILES:
+# moe-f32-depth3-b1; bfloat16 dense layers: moe-bf16-small-b4's layer 0) and dense-f32-q2-b2
+# (q = 2: test_megakernel_archs.py's dense-lanes-float32-q2 and dense-d256-float32-q2).
+FULL = ("moe-f32-default-b4", "dense-f32-mixed-b4", "dense-bf16-mixed-b4", "dense-f32-q2-b2")
 CASES = [
     ("dense-f32-depth2-b1-tied", "tiny-dense", "float32", [17], 1,
      dict(ring_depth=2, kv_tile_pages=1, kv_buffers=2, **SMALL_TILES)),
@@ -166,8 +168,10 @@ def test_step_matches_reference(case):
     check_step(cfg, params, dtype, lengths, q_len, knobs, v6e=name in V6E)
 
 
-# tiny-dense is the full tier: tiny-moe's layer 0 is a dense layer, decoded by the same steps.
-@pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.full), "tiny-moe"])
+# The full tier: greedy megakernel decoding over many steps runs in the default run through
+# test_hf_archs.py (every checkpoint family's greedy tokens, the cache carried from step to step).
+@pytest.mark.full
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_greedy_16_steps_match_reference(preset):
     """Prefill with the reference, then 15 megakernel steps: the 16 greedy tokens and the final
     cache equal the reference's own greedy run."""

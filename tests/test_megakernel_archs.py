@@ -1,6 +1,7 @@
 """Attention variants through the whole megakernel, against the pure-JAX reference: head_dim 64
 (two kv heads per 128-lane block) and 256, and sliding-window layers (only the window's KV
-tiles streamed); and Gemma's GeGLU MLP with its embedding factor. Interpret mode with the race detector on, and the same plans compiled
+tiles streamed); and Gemma 3's parts (GeGLU, the embedding factor, post-sublayer norms, its
+score scale and the sliding layers' own RoPE theta). Interpret mode with the race detector on, and the same plans compiled
 deviceless for TPU7x, the head layouts in V6E for v6e too (tolerances as tests/test_megakernel.py).
 """
 
@@ -36,9 +37,13 @@ MODELS = {
                                        vocab_size=500)),
     # 96-wide heads with QK-norm run 128 wide: [q1 0 q2 0] per head, norm and scale over 96
     "dense-d96": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200)),
-    # Gemma's MLP and embedding factor on padded widths: GeGLU (tanh GELU) and embeddings x 13.9
-    "dense-geglu": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
-                                       mlp_act="gelu_tanh", embed_scale=192 ** 0.5)),
+    # Gemma 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, QK-norm, each
+    # sublayer's output normalized before the residual (post_norms), scores / sqrt(48) rather
+    # than sqrt(64), and layer 0 sliding a 12-token window with its own RoPE theta
+    "dense-gemma3": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+                                        mlp_act="gelu_tanh", embed_scale=192 ** 0.5, post_norms=True,
+                                        attn_scalar=48.0, sliding_window=12, sliding_layers=[0],
+                                        rope_local_theta=10000.0)),
 }
 
 
@@ -65,7 +70,8 @@ CASES = [
     ("moe-d64-w20", "float32", [44, 16], 2, dict(kv_tile_pages=1, kv_buffers=3)),
     ("dense-lanes", "float32", [17, 40], 2, dict(kv_tile_pages=1)),
     ("dense-d96", "float32", [9, 33], 1, dict(kv_tile_pages=1)),
-    ("dense-geglu", "float32", [17, 30], 1, dict(kv_tile_pages=1)),  # f32: silu would be 0.6 % off, bf16 allows 1.6 %
+    # float32: silu for GeGLU would be 0.6 % of the logit scale off, a bfloat16 bound allows 1.6 %
+    ("dense-gemma3", "float32", [17, 30], 1, dict(kv_tile_pages=1)),
 ]
 
 
@@ -97,6 +103,20 @@ def test_window_changes_the_output():
     a, _ = reference_step(cfg)(params, tok, pos, cache)
     b, _ = reference_step(full)(params, tok, pos, cache)
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3
+
+
+@pytest.mark.parametrize("off", [dict(post_norms=False), dict(attn_scalar=0.0), dict(rope_local_theta=0.0)],
+                         ids=["post_norms", "attn_scalar", "rope_local_theta"])
+def test_each_gemma3_part_changes_the_output(off):
+    """dense-gemma3's kernel case is not vacuous: without any one of its parts the reference's
+    logits move by more than 1e-3 of their scale (the kernel is held to 1e-5)."""
+    cfg, params = model("dense-gemma3", "float32")
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    b, _ = reference_step(cfg.replace(**off))(params, tok, pos, cache)
+    assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
 
 
 def test_plan_counts_only_the_window_tiles():

@@ -44,8 +44,11 @@ def model(dtype: str, q_lora: bool = True):
     return cfg, random_params(cfg, seed=2)
 
 
+# f32-b2-q1 is the full tier: test_kv_guard.py's [mla] runs the same build (float32, q-LoRA,
+# batch 2, q = 1, default knobs) against the reference step, logits within 1e-5 of the scale
+# and the cache within 1e-5, and compiles it deviceless for TPU7x.
 @pytest.mark.parametrize("dtype, lengths, q_len, q_lora, knobs", [
-    ("float32", [15, 33], 1, True, {}),
+    pytest.param("float32", [15, 33], 1, True, {}, marks=pytest.mark.full),
     ("bfloat16", [16, 31], 3, True, dict(ring_depth=3, kv_tile_pages=1)),  # the verify step
     ("float32", [7], 3, False, dict(kv_buffers=3)),  # a plain q projection (q_lora_rank 0)
 ], ids=["f32-b2-q1", "bf16-b2-q3", "f32-noqlora-b1-q3"])

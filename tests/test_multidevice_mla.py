@@ -384,7 +384,7 @@ def test_xla_step_matches_the_reference_on_one_device():
     _, cache = R.prefill(params, cfg, [[1, 2, 3, 4, 5], [7, 8, 9]], cache)
     tokens = jnp.asarray([[5, 6], [7, 8]], jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
-    want, want_cache = R.decode_step(params, cfg, tokens, positions, cache)
+    want, want_cache = R.jitted_decode_step(cfg)(params, tokens, positions, cache)
     k, v = paged_to_head_major(cache, cfg)
     got, k2, v2, lengths = make_xla_step(cfg)(params, tokens, positions, k, v, cache.lengths)
     assert k.shape == (cfg.num_layers, 2, CONTEXT, 48) and v2.shape[-1] == 0

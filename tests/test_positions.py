@@ -377,7 +377,9 @@ def tail_inputs(q_len, tail, bad):
 TAIL_BAD = [(1, [32]), (1, [40]), (1, [-1]), (2, [32, 33]), (2, [5, 40])]
 
 
-@pytest.mark.parametrize("q_len", [1, 2])
+# q = 2 is the full tier: the tail entries with q = 1 here, positions mixing in-range and
+# out-of-range ones in one q = 2 step in test_kernel_out_of_range_positions_stay_in_their_sequence[2].
+@pytest.mark.parametrize("q_len", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_kernel_bad_position_never_touches_the_block_table_tail(q_len):
     """Sequence 0 has an out-of-range position and its unused tail entry is a page sequence 1
     writes this step (or -1, or past the pool). In interpret mode with the race detector:

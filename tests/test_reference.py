@@ -44,8 +44,41 @@ def test_multi_token_step_is_causal_among_new_tokens(model):
     cache = ref.init_cache(cfg, 2, 16, page_size=8)
     _, cache = ref.prefill(p, cfg, [toks[0, :8].tolist(), toks[1, :8].tolist()], cache)
     pos = cache.lengths[:, None] + jnp.arange(4, dtype=jnp.int32)
-    logits, cache = ref.decode_step(p, cfg, jnp.asarray(toks[:, 8:12]), pos, cache)
+    logits, cache = ref.jitted_decode_step(cfg)(p, jnp.asarray(toks[:, 8:12]), pos, cache)
     np.testing.assert_allclose(np.asarray(logits), full[:, 8:12], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_prefill_equals_one_chunk_per_sequence(model):
+    """`prefill(batched=True)`: all prompts in one right-padded step. Each prompt's last logits
+    and every cache slot inside the lengths equal the per-sequence prefill's (float32, the same
+    operations on more rows: within 1e-5), and two decode steps after it agree as closely (the
+    padding's slots past each prompt are never read). Sequence 1 starts after a first prefill."""
+    cfg, p = model
+    step = ref.jitted_decode_step(cfg)
+    toks = _tokens(cfg, 3, 20, seed=9)
+    prompts = [toks[0, :3].tolist(), toks[1, 4:15].tolist(), toks[2, :7].tolist()]
+    base = ref.init_cache(cfg, 3, 32, page_size=8)
+    _, base = ref.prefill(p, cfg, [[1], toks[1, :4].tolist(), [2]], base, step_fn=step)  # uneven starts
+    base = ref.KVCache(base.k, base.v, base.block_tables, base.lengths.at[0].set(0).at[2].set(0))
+    one, c1 = ref.prefill(p, cfg, prompts, base, step_fn=step)
+    many, c2 = ref.prefill(p, cfg, prompts, base, step_fn=step, batched=True)
+    np.testing.assert_allclose(np.asarray(many), np.asarray(one), rtol=1e-5, atol=1e-5)
+    assert np.asarray(c2.lengths).tolist() == np.asarray(c1.lengths).tolist() == [3, 15, 7]
+    ctx = np.arange(c1.max_context)
+    for b, n in enumerate(np.asarray(c1.lengths)):
+        for name in ("k", "v"):
+            slots = [getattr(c, name)[:, np.asarray(c.block_tables[b])].reshape(cfg.num_layers, -1, *c.k.shape[3:])
+                     for c in (c1, c2)]
+            np.testing.assert_allclose(np.asarray(slots[1])[:, ctx < n], np.asarray(slots[0])[:, ctx < n],
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{name} of sequence {b}")
+    for i in range(2):
+        nxt = jnp.asarray(toks[:, 15 + i:16 + i])
+        l1, c1 = step(p, nxt, c1.lengths[:, None], c1)
+        l2, c2 = step(p, nxt, c2.lengths[:, None], c2)
+        np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"pads every prompt to the longest \(29 tokens\): sequence 1 would need "
+                                         r"33 tokens > context 32"):
+        ref.prefill(p, cfg, [list(range(29)), [1], [2]], base, step_fn=step, batched=True)
 
 
 def test_cache_holds_rope_keys_at_block_table_pages(model):

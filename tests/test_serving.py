@@ -33,8 +33,9 @@ def _paged_to_serving(cache: ref.KVCache, cfg) -> list:
 @pytest.mark.parametrize("preset, q_len", [("tiny-dense", 1), ("tiny-moe", 2)])
 def test_serving_step_matches_the_reference(preset, q_len):
     cfg = load_preset(preset)
-    if not cfg.is_moe:  # Gemma's GeGLU MLP and embedding factor through the serving step too
-        cfg = cfg.replace(mlp_act="gelu_tanh", embed_scale=16.0)
+    if not cfg.is_moe:  # Gemma 3's parts through the serving step too (layer 0 slides a 20-token window)
+        cfg = cfg.replace(mlp_act="gelu_tanh", embed_scale=16.0, post_norms=True, attn_scalar=96.0, sliding_window=20,
+                          sliding_layers=[0], rope_local_theta=10000.0)
     batch, ctx, page = 3, 64, 16
     params = random_params(cfg, 0)
     rng = np.random.default_rng(1)
@@ -44,7 +45,7 @@ def test_serving_step_matches_the_reference(preset, q_len):
                            v=jnp.asarray(rng.normal(size=cache.v.shape), cache.v.dtype), lengths=lengths)
     positions = lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
-    want, new_cache = ref.decode_step(params, cfg, tokens, positions, cache)
+    want, new_cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
     got, caches, kv_lens = sv.serving_decode_step(params, cfg, tokens, positions, _paged_to_serving(cache, cfg),
                                                   cache.block_tables, lengths, blocks=(2, 8), kernel_reference=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

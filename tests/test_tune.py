@@ -260,7 +260,7 @@ def test_report_explains_missing_importances(tmp_path):
 
 # ---------------------------------------------------------------------- kill, then resume
 def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
-    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 4, "--seed", 5,
+    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
                                                           "--heartbeat", 1, "--json")]
     name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
     db = tmp_path / "artifacts" / "tune" / f"{name}.db"
@@ -279,9 +279,9 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
             except (KeyError, Exception):
                 continue
             evaluated_before = [t for t in finished(study) if "compile_seconds" in t.user_attrs]
-            if len(evaluated_before) >= 2:
+            if evaluated_before:  # killed at the first finished compile: at least one is left to do
                 break
-        assert len(evaluated_before) >= 2, "no compile finished in time"
+        assert evaluated_before, "no compile finished in time"
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
@@ -293,7 +293,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     log_before = compile_log(tmp_path)
     assert {e["key"] for e in log_before} <= keys_before
     # The sampler of the rerun may well suggest finished configurations again; make sure it does.
-    room = 4 - len([t for t in evaluated(study) if t.number in before])
+    room = 3 - len([t for t in evaluated(study) if t.number in before])
     assert room >= 1
     for t in [t for t in before.values() if "config_key" in t.user_attrs][:room]:
         study.enqueue_trial(t.params)
@@ -302,7 +302,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     study = load(str(db), name)
     after = finished(study)
-    assert len(evaluated(study)) == 4
+    assert len(evaluated(study)) == 3
     for n in killed:  # the killed run's trial was failed by the heartbeat, not left RUNNING
         assert study.trials[n].state.name == "FAIL"
     assert not [t for t in study.trials if t.state.name in ("RUNNING", "WAITING")]

@@ -95,9 +95,8 @@ def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_esti
     plan = make_plan(spec)
     compiled = compile_plan(plan)
     est = estimate_in_subprocess(spec) if estimate and spec.target.static_profile else None
-    report = make_report(plan, compiled, est)
-    if not estimate and report.estimate_source == "none: not requested":
-        report.estimate_source = "none: not requested (estimate=False / --no-estimate skips the profiling compile)"
+    report = make_report(plan, compiled, est,
+                         not_requested="estimate=False / --no-estimate skips the profiling compile")
     if verify_q:
         report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
                                        plain_estimated_seconds=report.estimated_seconds)
@@ -135,9 +134,7 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
         "hbm_bytes_vs_plain": vp.hbm_bytes / plain_bytes, "floor_vs_plain": vp.floor_seconds / plain_floor,
     })
     est = estimate_in_subprocess(vp.spec) if estimate and vp.target.static_profile else None
-    e = convert_estimate(vp, est)
-    if not estimate and e["estimate_source"].startswith("none: not requested"):
-        e["estimate_source"] = "none: not requested (verify_estimate / --verify-estimate runs a second profiling compile)"
+    e = convert_estimate(vp, est, not_requested="verify_estimate / --verify-estimate runs a second profiling compile")
     out.update(e)
     secs = e["estimated_seconds"]
     if secs is not None:
@@ -150,9 +147,9 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
     return out
 
 
-def make_report(plan: Plan, compiled: Compiled, est: Estimate | None) -> BuildReport:
+def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_requested: str = "") -> BuildReport:
     target = plan.target
-    e = convert_estimate(plan, est)
+    e = convert_estimate(plan, est, not_requested)
     notes = e["notes"]
     est_cycles, est_seconds, source = e["estimated_cycles"], e["estimated_seconds"], e["estimate_source"]
     compiler_cycles, nested_cycles = e["compiler_cycles"], e["nested_loop_cycles"]

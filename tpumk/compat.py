@@ -55,6 +55,31 @@ def no_persistent_cache_write(devices):
     return contextlib.nullcontext()
 
 
+def persistent_cache_bypassed():
+    """A context in which JAX's persistent compilation cache is neither read nor written, for
+    an executable that will be serialized (`tpumk export`): an XLA:CPU executable read back from
+    the cache serializes into a blob whose load fails at its first call ("Function
+    wrapped_broadcast.N not found", jax 0.10.2), so an artifact's executable is always compiled
+    afresh. JAX decides once per process whether the cache is used; its state is reset on
+    entry and exit so the next compile decides again under the user's settings."""
+    import contextlib
+
+    from jax._src import compilation_cache, config
+
+    if not compilation_cache.is_persistent_cache_enabled():
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def bypassed():
+        compilation_cache.reset_cache()
+        try:
+            with config.enable_compilation_cache(False):
+                yield
+        finally:
+            compilation_cache.reset_cache()
+    return bypassed()
+
+
 def interpret_races():
     """The race detector's state of Pallas' TPU interpret mode in this process: None before any
     kernel ran with `InterpretParams(detect_races=True)`, else an object whose `races_found`

@@ -34,7 +34,7 @@ def _logits(cfg, params, prompts: Sequence[Sequence[int]], forced: list[np.ndarr
     token is `forced[step]` when given, else this model's greedy token."""
     cache = ref.init_cache(cfg, len(prompts), ref_context(prompts, steps))
     step = ref.jitted_decode_step(cfg)
-    last, cache = ref.prefill(params, cfg, prompts, cache, step_fn=step)
+    last, cache = ref.prefill(params, cfg, prompts, cache, step_fn=step, batched=True)  # one shape, not one per prompt
     out, tokens = [np.asarray(last, np.float32)], []
     for i in range(steps):
         tok = forced[i] if forced is not None else np.argmax(out[-1], -1)

@@ -25,7 +25,6 @@ bench feeds them); the kernel's causal mask assumes so.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -99,24 +98,26 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     out_caches = []
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
-        q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D] in the cache dtype
+        q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D] in the cache dtype
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * cfg.num_kv_heads, cfg.head_dim)
         cache = kv_caches[i].at[pages, slots].set(kv)
         out_caches.append(cache)
         qk = q.astype(cache.dtype).reshape(b * t, cfg.num_q_heads, cfg.head_dim)
 
         args = (qk, cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+        window = cfg.layer_window(i) or None  # the kernel's convention is transformers': p - k < window
         if kernel_reference:
-            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.true_head_dim))
+            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window)
         else:
-            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / math.sqrt(cfg.true_head_dim),
+            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window,
                                               num_kv_pages_per_block=kv_pages_per_block,
                                               num_queries_per_block=queries_per_block)
-        x = x + ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"])
+        x = x + ref.sublayer_out(cfg, layer, "post_attn_norm",
+                                 ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"]))
         hf = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
-        f = (ref.swiglu(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
+        f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
              else _moe_gathered(cfg, layer, hf))
-        x = x + f.reshape(b, t, -1)
+        x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", f.reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), out_caches, kv_lens
 
 

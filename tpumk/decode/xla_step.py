@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tpumk.model import mla
 from tpumk.model import reference as ref
@@ -64,7 +63,7 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
     b, t = q.shape[:2]
     s_len = k.shape[2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(cfg.true_head_dim)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / cfg.score_divisor
     k_pos = jnp.arange(s_len, dtype=jnp.int32)
     mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
@@ -82,7 +81,7 @@ def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
     out = jnp.einsum("nkh,nk->nh", y, weights)
     if cfg.num_shared_experts:
-        out = out + ref.swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+        out = out + ref.gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
     return out
 
 
@@ -113,18 +112,18 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     x = ref.embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
-        q, k, v = ref.qkv(cfg, layer, h, positions)  # k, v [B, T, Hkv, D]
+        q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
         o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
-        x = x + ref.matmul(o, layer["wo"])
+        x = x + ref.sublayer_out(cfg, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
         h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
-        x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
+        x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 
 
 def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
-    return (ref.swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
+    return (ref.gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
             else _moe_gathered(cfg, layer, h))
 
 

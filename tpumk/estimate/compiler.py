@@ -40,10 +40,11 @@ def uncounted_nested_work(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-def convert_estimate(plan: Plan, est: Estimate | None) -> dict[str, Any]:
+def convert_estimate(plan: Plan, est: Estimate | None, not_requested: str = "") -> dict[str, Any]:
     """The compiler's static profile of `plan`'s step as a whole-step estimate (or why there is
     none): estimated_cycles / estimated_seconds, compiler_cycles, nested_loop_cycles,
-    estimate_source and notes, as `make_report` reports them."""
+    estimate_source and notes, as `make_report` reports them. `est` None on a target with a
+    static profile means the caller did not ask for one; `not_requested` says how to ask."""
     target = plan.target
     notes: list[str] = []
     est_cycles = est_seconds = compiler_cycles = nested_cycles = None
@@ -53,7 +54,7 @@ def convert_estimate(plan: Plan, est: Estimate | None) -> dict[str, Any]:
         source = (f"none: the TPU compiler's cost estimator does not work for {target.name} kernels "
                   "(libtpu's static profiler crashes on them); build for tpu7x or v6e to get an estimate")
     elif est is None:
-        source = "none: not requested"
+        source = f"none: not requested ({not_requested})" if not_requested else "none: not requested"
     elif est.cycles is None and plan.cfg.dtype == "float32" and (
             "float32" in (est.error or "") or any(s in (est.error or "") for s in F32_PROFILER_ABORTS)):
         # libtpu 0.0.52's static profiler aborts on float32 kernels (tpumk.estimate.profiler)

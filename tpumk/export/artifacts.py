@@ -206,24 +206,26 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     from jax.experimental import serialize_executable
 
     from tpumk.build import make_report
+    from tpumk.compat import persistent_cache_bypassed
     from tpumk.compile.aot import compile_for, compile_plan
     from tpumk.estimate.profiler import estimate_in_subprocess
     from tpumk.kernel.megakernel import make_decode_step, step_specs
     _register_pytrees()
     specs = step_specs(plan)
-    if plan.devices == 1:
-        # portable: on the cpu target, the discharge interpreter (serializable); TPU targets ignore it
-        # donate in compile_for's own jit too: a donation inside a nested jit is not honoured, and
-        # without it XLA copies both KV caches every step
-        compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
-                               donate_argnums=(3,))
-        program = make_decode_step(plan, portable=True)
-        compiled_devices = None
-    else:
-        # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it
-        compiled = compile_plan(plan)
-        program = make_decode_step(plan)
-        compiled_devices = _compiled_mesh(compiled, plan)
+    with persistent_cache_bypassed():  # the executable is serialized (tpumk.compat)
+        if plan.devices == 1:
+            # portable: on the cpu target, the discharge interpreter (serializable); TPU targets
+            # ignore it. Donate in compile_for's own jit too: a donation inside a nested jit is
+            # not honoured, and without it XLA copies both KV caches every step
+            compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
+                                   donate_argnums=(3,))
+            program = make_decode_step(plan, portable=True)
+            compiled_devices = None
+        else:
+            # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it
+            compiled = compile_plan(plan)
+            program = make_decode_step(plan)
+            compiled_devices = _compiled_mesh(compiled, plan)
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)
     except Exception as e:

@@ -451,7 +451,7 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, pr
     D, S = g.head_dim, g.tile_rows
     NBK, BL, BR = g.head_blocks, g.block_lanes, g.block_rows
     dt = g.jnp_dtype
-    scale = 1.0 / math.sqrt(g.score_dim or D)  # a lane-padded head: its true width
+    scale = 1.0 / math.sqrt(g.score_dim or D)  # a lane-padded head's true width, or attn_scalar
     # f32 caches: ask the MXU for full f32 products (the reference contract), not one bf16 pass.
     precision = lax.Precision.HIGHEST if g.dtype == "float32" else None
     tiles, patches = (sc.k_tiles, sc.v_tiles), st.patches

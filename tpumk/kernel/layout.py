@@ -11,7 +11,8 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     embed          [V, H] dt       the reference embedding; rows are gathered outside the kernel
     final_norm     [1, H] f32
     layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm, 2 q_norm, 3 k_norm (first D lanes;
-                                   ones when the model has no QK-norm), rows 4..7 zero
+                                   ones when the model has no QK-norm), 4 qkv bias,
+                                   5 post_attn_norm, 6 post_mlp_norm (post_norms), else zero
     qkv            [L,  T, r, c]   [wq | wk | wv]                       (H x (Hq+2Hkv)D)
     o              [L,  T, r, c]   wo                                    (Hq D x H)
     gate_up        [Ld, T, r, c]   gate and up interleaved per column tile: tile column block j
@@ -201,6 +202,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         block = jnp.zeros((LAYER_VECTOR_ROWS, width), jnp.float32)
         block = block.at[VECTOR_ROW["attn_norm"], :h].set(jnp.asarray(lay["attn_norm"], jnp.float32))
         block = block.at[VECTOR_ROW["mlp_norm"], :h].set(jnp.asarray(lay["mlp_norm"], jnp.float32))
+        if cfg.post_norms:
+            for name in ("post_attn_norm", "post_mlp_norm"):
+                block = block.at[VECTOR_ROW[name], :h].set(jnp.asarray(lay[name], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
         if cfg.is_mla:  # the latent norms take the q_norm / k_norm rows
             if cfg.q_lora_rank:

@@ -182,16 +182,28 @@ def _kernel(plan: Plan):
             return epilogue
 
         def residual_epilogue(width: int, tile_cols: int) -> Callable:
-            """resid += this block (one device), or stage the partial sum (many: see `reduce_into_resid`)."""
-            return add_to(s.resid, width, tile_cols) if ar is None else partial_to(width, tile_cols)
+            """resid += this block (one device), or stage the partial sum (many: see
+            `reduce_into_resid`); with post_norms (one device) stage the block in `normed`, which
+            the sublayer has read by then: its output is normalized whole before it is added."""
+            if ar is not None:
+                return partial_to(width, tile_cols)
+            return store_to(s.normed, width, tile_cols) if cfg.post_norms else add_to(s.resid, width, tile_cols)
 
-        def reduce_into_resid(counter) -> None:
+        def reduce_into_resid(counter, vec=None, post_norm: str = "") -> None:
             """Many devices: resid += the sum over devices of `partial`, in device order (the same
-            bits everywhere). `counter` numbers the kernel's collectives (2 per layer)."""
-            if ar is None:
+            bits everywhere). `counter` numbers the kernel's collectives (2 per layer). With
+            post_norms the sublayer's whole output (the sum, or on one device the block staged
+            in `normed`) is normalized by the layer's `post_norm` row, then added."""
+            if ar is not None:
+                s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
+                out = s.partial[0:rows, 0:h]
+            elif cfg.post_norms:
+                out = s.normed[...]
+            else:
                 return
-            s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
-            s.resid[...] = s.resid[...] + s.partial[0:rows, 0:h]
+            if cfg.post_norms:
+                out = rms_norm(out, row(vec, post_norm, h), eps, cfg.norm_width)
+            s.resid[...] = s.resid[...] + out
 
         def swiglu_into(ref, tile_cols: int) -> Callable:
             half = tile_cols // 2
@@ -239,6 +251,17 @@ def _kernel(plan: Plan):
             reduce_into_resid(2 * layer)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
+        def rope_rows(layer):
+            """This layer's cos / sin rows: with rope_local_theta the tables hold the full layers'
+            rows, then the sliding layers' (`_device_step`); a sliding layer takes the second."""
+            if not cfg.rope_local_theta:
+                return cos_ref[...], sin_ref[...]
+            local = jnp.bool_(False)
+            for first, end, _ in plan.attention.window_runs():
+                local = jnp.logical_or(local, jnp.logical_and(layer >= first, layer < end))
+            return (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
+                    jnp.where(local, sin_ref[rows:2 * rows, :], sin_ref[0:rows, :]))
+
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
                 return mla_attention_block(seg, layer, vec)
@@ -253,7 +276,7 @@ def _kernel(plan: Plan):
                 s.qkv[:, :width] = s.qkv[:, :width] + row(vec, "qkv_bias", width)
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
             # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
-            cos, sin = cos_ref[...], sin_ref[...]  # loaded per layer: a value live across loops spills
+            cos, sin = rope_rows(layer)  # loaded per layer: a value live across loops spills
             pack = heads_per_lane_block(d)
             for name, heads, base in (("q_norm", cfg.num_q_heads, 0), ("k_norm", cfg.num_kv_heads, q_size)):
                 w = row(vec, name, d * pack)
@@ -275,7 +298,7 @@ def _kernel(plan: Plan):
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
-            reduce_into_resid(2 * layer)
+            reduce_into_resid(2 * layer, vec, "post_attn_norm")
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
         def dense_layer(seg):
@@ -284,7 +307,7 @@ def _kernel(plan: Plan):
                 attention_block(seg, layer, vec)
                 matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
                 matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
-                reduce_into_resid(2 * layer + 1)
+                reduce_into_resid(2 * layer + 1, vec, "post_mlp_norm")
             return body
 
         def moe_layer(seg):
@@ -414,6 +437,10 @@ def _device_step(plan: Plan, call) -> Callable:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
             cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp), heads_per_lane_block(cfg.head_dim))
+            if cfg.rope_local_theta:  # the sliding layers' rows below the full layers' (`rope_rows`)
+                cos_l, sin_l = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp, local=True),
+                                           heads_per_lane_block(cfg.head_dim))
+                cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
         blocks, k, *v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)

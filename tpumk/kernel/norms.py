@@ -73,6 +73,6 @@ def rope_heads(x: jax.Array, cos: jax.Array, sin_signed: jax.Array, head_dim: in
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
-    """act(gate) * up in f32 (reference.swiglu before the down projection): SwiGLU, or GeGLU
+    """act(gate) * up in f32 (reference.gated_mlp before the down projection): SwiGLU, or GeGLU
     with act = gelu_tanh (ModelConfig.mlp_act)."""
     return mlp_activation(gate, act) * up

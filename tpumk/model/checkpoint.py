@@ -11,7 +11,8 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
     model.norm.weight                          -> final_norm
     lm_head.weight                             -> lm_head (transposed; ignored when tied)
     model.layers.{i}.input_layernorm.weight    -> attn_norm
-    model.layers.{i}.post_attention_layernorm  -> mlp_norm
+    model.layers.{i}.post_attention_layernorm  -> mlp_norm (Gemma 3: post_attn_norm)
+    model.layers.{i}.{pre,post}_feedforward_layernorm -> mlp_norm, post_mlp_norm (Gemma 3)
     model.layers.{i}.self_attn.{q,k,v,o}_proj  -> wq, wk, wv, wo (transposed)
     model.layers.{i}.self_attn.qkv_proj        -> wq, wk, wv (Phi-3: q rows, then k, then v)
     model.layers.{i}.self_attn.{q,k}_norm      -> q_norm, k_norm
@@ -64,7 +65,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import GRANITE_SCALARS, ModelConfig, load_hf_model, override_dtype
+from tpumk.model.config import GRANITE_SCALARS, LAYER_NORMS, ModelConfig, load_hf_model, override_dtype
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
@@ -252,7 +253,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         add(p + "input_layernorm.weight", i, "attn_norm")
-        add(p + "post_attention_layernorm.weight", i, "mlp_norm")
+        if cfg.post_norms:  # Gemma 3: post_attention_layernorm normalizes attention's output
+            add(p + "post_attention_layernorm.weight", i, "post_attn_norm")
+            add(p + "pre_feedforward_layernorm.weight", i, "mlp_norm")
+            add(p + "post_feedforward_layernorm.weight", i, "post_mlp_norm")
+        else:
+            add(p + "post_attention_layernorm.weight", i, "mlp_norm")
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
         elif p + "self_attn.qkv_proj.weight" in names:  # Phi-3: q, k and v rows in one tensor
@@ -335,8 +341,7 @@ def fold_gemma_norms(cfg: ModelConfig, params: Params) -> Params:
     def plus_one(a):
         return (np.asarray(a, np.float32) + np.float32(1)).astype(dt)
 
-    norms = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
-    layers = [{k: plus_one(v) if k in norms else v for k, v in lay.items()} for lay in params["layers"]]
+    layers = [{k: plus_one(v) if k in LAYER_NORMS else v for k, v in lay.items()} for lay in params["layers"]]
     return {**params, "layers": layers, "final_norm": plus_one(params["final_norm"])}
 
 
@@ -369,7 +374,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
-    if config_json.get("model_type") == "gemma":
+    if config_json.get("model_type") in ("gemma", "gemma3_text"):
         params = fold_gemma_norms(cfg, params)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.

@@ -31,6 +31,13 @@ ROPE_SCALINGS = ("none", "linear", "llama3")  # tpumk.model.rope
 # The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
 # gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
 MLP_ACTS = ("silu", "gelu_tanh")
+# A layer's norm weight vectors in the reference layout (replicated on many devices; Gemma's
+# (1 + w) is folded into each on load).
+LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+# Fields added after models were first described: to_dict leaves them out at their defaults, so
+# the description (and every content-addressed key made from it) of an older model is unchanged.
+LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
+                "rope_local_theta")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -138,6 +145,15 @@ class ModelConfig:
     # sqrt(hidden_size); applied rounded to the embedding's dtype, as transformers does).
     mlp_act: str = "silu"
     embed_scale: float = 1.0
+    # Gemma 3's sublayer norms: besides the norms before attention and the MLP (attn_norm,
+    # mlp_norm), each sublayer's output is normalized (post_attn_norm, post_mlp_norm) before it
+    # is added to the residual ("sandwich" norms).
+    post_norms: bool = False
+    # The softmax scale is attn_scalar ** -0.5 (Gemma's query_pre_attn_scalar); 0: the head width.
+    attn_scalar: float = 0.0
+    # RoPE theta of the sliding-window layers (Gemma 3's rope_local_base_freq, without the
+    # full layers' scaling); 0: every layer rotates with rope_theta.
+    rope_local_theta: float = 0.0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -222,6 +238,16 @@ class ModelConfig:
             need(not self.is_moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
         need(_is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
              "a positive finite number")
+        need(isinstance(self.post_norms, bool), "post_norms", "true or false")
+        if self.post_norms:  # the kernel normalizes a dense sublayer's whole output before the residual
+            need(not self.is_moe and not self.is_mla, "post_norms", "false for a mixture-of-experts or MLA model")
+        need(_is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
+             "a non-negative finite number (0: the head width)")
+        need(_is_number(self.rope_local_theta) and 0 <= self.rope_local_theta < math.inf, "rope_local_theta",
+             "a non-negative finite number (0: rope_theta on every layer)")
+        if self.rope_local_theta:
+            need(bool(self.sliding_window) and not self.is_mla, "rope_local_theta",
+                 "0 without sliding-window layers (it is their RoPE theta) or for an MLA model")
         if self.sliding_window:
             need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
         else:
@@ -389,11 +415,20 @@ class ModelConfig:
         """The head width the softmax scale, RoPE and per-head norms are for (head_dim unless padded)."""
         return self.head_width or self.head_dim
 
+    @property
+    def score_divisor(self) -> float:
+        """Attention scores are q . k / this: sqrt(attn_scalar), else sqrt(true head width)."""
+        return math.sqrt(self.attn_scalar or self.true_head_dim)
+
+    def layer_rope_theta(self, i: int) -> float:
+        """Layer i's RoPE theta: rope_local_theta on a sliding-window layer when set."""
+        return self.rope_local_theta if self.rope_local_theta and self.layer_window(i) else self.rope_theta
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for name, default in (("rms_width", 0), ("head_width", 0), ("qkv_bias", False), ("mlp_act", "silu"),
-                              ("embed_scale", 1.0)):  # added later: models without them keep their keys
-            if d[name] == default:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in LATER_FIELDS:  # added later: models without them keep their keys (and cache keys)
+            if d[name] == defaults[name]:
                 del d[name]
         d["dense_layers"] = list(self.dense_layers)
         d["sliding_layers"] = list(self.sliding_layers)
@@ -471,9 +506,11 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "gemma", "deepseek_v3",
-                 "kimi_k2")
-_HF_QK_NORM = ("qwen3", "qwen3_moe")  # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "gemma", "gemma3_text",
+                 "deepseek_v3", "kimi_k2")
+# q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
+_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+_HF_GEMMA = ("gemma", "gemma3_text")  # GeGLU, embeddings x sqrt(hidden), (1 + w) norms, tied by default
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
@@ -491,6 +528,7 @@ _HF_KNOWN_UNSUPPORTED = {
     "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
     "gpt_oss": "attention sinks of gpt-oss",
     "gemma2": "attention logit soft-capping of Gemma 2",
+    "gemma3": "the multimodal Gemma 3 wrapper (its text model, model_type gemma3_text, is supported)",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled).
@@ -531,7 +569,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             raise NotSupportedError(f"{source}: not supported yet: {what} ({key})")
     # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
     # top-level `rope_theta` plus an optional `rope_scaling`.
-    for key in ("rope_scaling", "rope_parameters"):
+    for key in ("rope_scaling", "rope_parameters") if mt != "gemma3_text" else ():  # Gemma 3: _hf_gemma3_rope
         rope = data.get(key)
         if rope is not None and not isinstance(rope, dict):
             raise ConfigError(f"{source}: field '{key}' = {_short_repr(rope)}: expected an object or null")
@@ -554,9 +592,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
         rope_theta = hf.number("rope_theta", 10000.0)
-    acts = _HF_GEMMA_ACTS if mt == "gemma" else _HF_ACTS
+    acts = _HF_GEMMA_ACTS if mt in _HF_GEMMA else _HF_ACTS
     act_key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
-    act = data.get(act_key, "gelu_pytorch_tanh" if mt == "gemma" else "silu")
+    act = data.get(act_key, "gelu_pytorch_tanh" if mt in _HF_GEMMA else "silu")
     if not isinstance(act, str) or act not in acts:
         raise NotSupportedError(f"{source}: not supported yet: {act_key} {_short_repr(act)} "
                                 f"(supported: {', '.join(acts)})")
@@ -585,13 +623,19 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM,
         qkv_bias=mt in _HF_QKV_BIAS,
-        tie_embeddings=hf.bool_("tie_word_embeddings", mt == "gemma"),  # Gemma's default: tied
+        tie_embeddings=hf.bool_("tie_word_embeddings", mt in _HF_GEMMA),  # Gemma's default: tied
         dtype=dtype,
         mlp_act=acts[act],
     )
-    if mt == "gemma":  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
+    if mt in _HF_GEMMA:  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
         fields["embed_scale"] = math.sqrt(hidden)
     fields.update(_hf_sliding_window(hf, mt, n_layers))
+    if mt == "gemma3_text":
+        if hf.bool_("use_bidirectional_attention", False):
+            raise NotSupportedError(f"{source}: not supported: use_bidirectional_attention = true (a decoder "
+                                    "attends causally)")
+        fields.update(post_norms=True, attn_scalar=hf.number("query_pre_attn_scalar", 256.0),
+                      **_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
     if mt == "granite":
         for key, default in GRANITE_SCALARS.items():
             if hf.number(key, default) <= 0:
@@ -676,6 +720,41 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
             yarn_truncate=r.bool_("truncate", True),
         )
     return fields
+def _hf_gemma3_rope(data: dict[str, Any], source: str, sliding: bool) -> dict[str, Any]:
+    """Gemma 3's two RoPEs: the full-attention layers' theta (default 1e6) with an optional
+    linear scaling, the sliding layers' own plain theta (default 1e4). transformers 5 writes
+    them as rope_parameters {full_attention, sliding_attention}; 4.x as rope_theta,
+    rope_scaling and rope_local_base_freq."""
+    rp = data.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        tables = {"full": ("rope_parameters.full_attention", rp.get("full_attention") or {}),
+                  "local": ("rope_parameters.sliding_attention", rp.get("sliding_attention") or {})}
+    else:
+        scaling = data.get("rope_scaling") or {}
+        tables = {"full": ("rope_scaling", {**(scaling if isinstance(scaling, dict) else {"rope_type": scaling}),
+                                            "rope_theta": data.get("rope_theta")}),
+                  "local": ("rope_local_base_freq", {"rope_theta": data.get("rope_local_base_freq")})}
+    out: dict[str, Any] = {}
+    for which, default_theta in (("full", 1e6), ("local", 1e4)):
+        where, table = tables[which]
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: field '{where}' = {_short_repr(table)}: expected an object or null")
+        kind = table.get("rope_type") or table.get("type") or "default"
+        if kind not in (("default", "linear") if which == "full" else ("default",)):
+            raise NotSupportedError(f"{source}: not supported yet: {where} rope_type {_short_repr(kind)}")
+        r = _HFFields(table, f"{source}: {where}")
+        theta = r.number("rope_theta", default_theta)
+        if theta <= 0:
+            raise ConfigError(f"{source}: field '{where}.rope_theta' = {_short_repr(theta)}: expected a positive number")
+        if which == "full":
+            out["rope_theta"] = theta
+            if kind == "linear":
+                out.update(rope_scaling="linear", rope_factor=r.number("factor", None))
+        elif sliding:  # without sliding layers the local theta rotates nothing
+            out["rope_local_theta"] = theta
+    return out
+
+
 def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
     """rope_scaling / rope_factor / the llama3 band of a GQA model, from `rope_parameters`
     (transformers 5) or `rope_scaling` (4.x); the type was checked by the caller."""
@@ -701,9 +780,11 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     `sliding_window` only when `use_sliding_window` is true (Mistral and Phi-3: whenever it is
     set, on every layer; Llama: never). Qwen3: the sliding layers are those
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
-    `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types)."""
+    `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types). Gemma 3:
+    always a window, on the layers `layer_types` names, else on all but every sixth
+    (`sliding_window_pattern`)."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
-    if mt in ("qwen3", "qwen2"):
+    if mt in ("qwen3", "qwen2", "gemma3_text"):
         for t in layer_types:
             if t not in _LAYER_TYPES:
                 raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
@@ -713,7 +794,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
                               f"layer ({n_layers})")
     if mt == "llama":  # no window in Llama's attention, whatever the file says
         return {}
-    if mt in ("mistral", "phi3"):  # every layer, whenever sliding_window is set (no use_sliding_window flag)
+    if mt in ("mistral", "phi3", "gemma3_text"):  # whenever sliding_window is set (no use_sliding_window flag)
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
@@ -725,7 +806,11 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
         return {}
     if window < 1:
         raise ConfigError(f"{hf.source}: field 'sliding_window' = {window}: expected a positive integer")
-    if mt not in ("qwen3", "qwen2"):
+    if mt == "gemma3_text" and not layer_types:
+        key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
+        pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
+        layers = [i for i in range(n_layers) if (i + 1) % pattern]
+    elif mt not in ("qwen3", "qwen2", "gemma3_text"):
         layers = list(range(n_layers))
     elif layer_types:
         layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]

@@ -117,7 +117,7 @@ def mlp_activation(gate: jax.Array, act: str = "silu") -> jax.Array:
     return jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str = "silu") -> jax.Array:
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str = "silu") -> jax.Array:
     """act(x @ w_gate) * (x @ w_up) @ w_down: SwiGLU, or GeGLU with act = gelu_tanh."""
     return matmul(mlp_activation(matmul(x, w_gate), act) * matmul(x, w_up), w_down)
 
@@ -163,22 +163,29 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
     g = expert_matmul(x, layer["e_gate"])
     u = expert_matmul(x, layer["e_up"])
-    a = jax.nn.silu(g) * u  # cast to the compute dtype by expert_matmul, as the kernel does
+    a = mlp_activation(g) * u  # SwiGLU experts; cast to the compute dtype by expert_matmul, as the kernel does
     y = expert_matmul(a, layer["e_down"])
     out = jnp.einsum("enh,ne->nh", y, combine)
     if cfg.num_shared_experts:
-        out = out + swiglu(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+        out = out + gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
     return out
+
+
+def sublayer_out(cfg: ModelConfig, layer: Params, norm: str, y: jax.Array) -> jax.Array:
+    """What a sublayer adds to the residual: its output, or with post_norms (Gemma 3) its
+    output normalized by the layer's `norm` weights (post_attn_norm / post_mlp_norm)."""
+    return rms_norm(y, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.post_norms else y
 
 
 def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
     if cfg.layer_is_dense(i):
-        return swiglu(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act)
+        return gated_mlp(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act)
     return moe_ffn(cfg, layer, x)
 
 
-def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
-    """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype)."""
+def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int = 0):
+    """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype).
+    `i`: the layer (a sliding-window layer may rotate with its own theta, rope_local_theta)."""
     b, t, _ = x.shape
     q, k, v = (matmul(x, layer[w]) for w in ("wq", "wk", "wv"))
     if cfg.qkv_bias:  # added in float32 to the float32 products, as the kernel does
@@ -189,7 +196,7 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array):
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)
-    freqs = rope_freqs(cfg, jnp)
+    freqs = rope_freqs(cfg, jnp, local=bool(cfg.layer_window(i)))
     q = rope(q, positions, freqs)
     k = rope(k, positions, freqs)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
@@ -210,7 +217,7 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s / np.sqrt(cfg.true_head_dim)
+    s = s / cfg.score_divisor
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
@@ -288,16 +295,16 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
-        q, k, v = qkv(cfg, layer, h, positions)
+        q, k, v = qkv(cfg, layer, h, positions, i)
         kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
         vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
-        x = x + matmul(o, layer["wo"])
+        x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
-        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+        x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
 
@@ -313,11 +320,11 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
-        q, k, v = qkv(cfg, layer, h, pos)
+        q, k, v = qkv(cfg, layer, h, pos, i)
         o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
-        x = x + matmul(o, layer["wo"])
+        x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
-        x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+        x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
 
 
@@ -359,7 +366,7 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
 
 
 def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache,
-            step_fn=None, check: bool = True) -> tuple[jax.Array, KVCache]:
+            step_fn=None, check: bool = True, batched: bool = False) -> tuple[jax.Array, KVCache]:
     """Fill the cache from prompts of any lengths (one chunk per sequence, q = prompt length).
 
     Returns the logits of each prompt's last token [B, V] and the filled cache. `step_fn` is
@@ -367,12 +374,18 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
     whose step has the reference's signature. `check` (default) checks each chunk's positions
     (`tpumk.model.positions.check_step`) and token ids (`check_tokens`) before it runs and
     raises NonFiniteError on NaN or infinite last-token logits.
+
+    `batched`: one step for all sequences instead of one per sequence (one compiled shape
+    instead of one per prompt length; `_prefill_batched`). The cache slots past each prompt
+    then hold the padding's keys and values rather than zeros: outside `lengths`, so never read.
     """
     from tpumk.model.positions import check_finite, check_step, check_tokens
 
     if len(prompts) != cache.block_tables.shape[0]:
         raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
     step = step_fn or jitted_decode_step(cfg)
+    if batched:
+        return _prefill_batched(params, cfg, prompts, cache, step, check)
     last = []
     k, v, lengths = cache.k, cache.v, cache.lengths
     for b, prompt in enumerate(prompts):
@@ -394,6 +407,36 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
         if check:
             check_finite(logits[:, -1], where="prefill", names=[b])
     return jnp.stack(last), KVCache(k, v, cache.block_tables, lengths)
+
+
+def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache, step,
+                     check: bool) -> tuple[jax.Array, KVCache]:
+    """Every prompt in one [B, longest] step, right-padded with token 0 at the positions that
+    follow it. Exact: a query sees only keys at positions up to its own, so no prompt token sees
+    padding; the lengths are then set to the prompts' ends, so the padding's slots are outside
+    every sequence and the next step at each end overwrites its slot before reading it."""
+    from tpumk.model.positions import check_finite, check_step, check_tokens
+
+    if any(not p for p in prompts):
+        raise ValueError(f"prefill: prompt {next(b for b, p in enumerate(prompts) if not p)} is empty")
+    longest = max(len(p) for p in prompts)
+    starts = np.asarray(cache.lengths, np.int64)
+    if int(starts.max()) + longest > cache.max_context:
+        b = int(np.argmax(starts + longest))
+        raise ValueError(f"prefill: batched, it pads every prompt to the longest ({longest} tokens): sequence {b} "
+                         f"would need {int(starts[b]) + longest} tokens > context {cache.max_context}")
+    toks = jnp.asarray([list(p) + [0] * (longest - len(p)) for p in prompts], jnp.int32)
+    pos = jnp.asarray(starts[:, None] + np.arange(longest)[None], jnp.int32)
+    if check:
+        check_tokens(toks, cfg.vocab_size, where="prefill")
+        check_step(pos, cache, where="prefill")
+    logits, filled = step(params, toks, pos, cache)
+    ends = np.asarray([len(p) for p in prompts])
+    last = logits[jnp.arange(len(prompts)), jnp.asarray(ends - 1)]
+    if check:
+        check_finite(last, where="prefill")
+    lengths = jnp.asarray(starts + ends, cache.lengths.dtype)
+    return last, KVCache(filled.k, filled.v, cache.block_tables, lengths)
 
 
 @functools.lru_cache(maxsize=32)

@@ -27,12 +27,16 @@ def plain_inv_freq(head_dim: int, theta: float, xp=np):
     return (xp.float32(1.0) / (xp.float32(theta) ** exponents)).astype(xp.float32)
 
 
-def inv_freq(cfg: ModelConfig, xp=np):
+def inv_freq(cfg: ModelConfig, xp=np, local: bool = False):
     """float32 [head_dim / 2] inverse frequencies of a GQA model's rotary lanes. `xp` is numpy
     (host constants) or jax.numpy: the reference and the kernel's glue compute them in the
     traced step, as before scaling existed (the compiler's static estimate of the step moved
-    when they became a baked constant), with the same ops on both sides."""
-    freqs = _scaled_inv_freq(cfg, plain_inv_freq(cfg.true_head_dim, cfg.rope_theta, xp), xp)
+    when they became a baked constant), with the same ops on both sides. `local`: those of the
+    sliding-window layers of a model with `rope_local_theta` (plain, unscaled: Gemma 3)."""
+    if local and cfg.rope_local_theta:
+        freqs = plain_inv_freq(cfg.true_head_dim, cfg.rope_local_theta, xp)
+    else:
+        freqs = _scaled_inv_freq(cfg, plain_inv_freq(cfg.true_head_dim, cfg.rope_theta, xp), xp)
     if cfg.true_head_dim == cfg.head_dim:
         return freqs
     # a lane-padded head (tpumk.plan.padding): each half of it is its true half then zeros, so

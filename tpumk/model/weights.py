@@ -49,6 +49,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
                 lay.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
         if cfg.qk_norm:
             lay.update(q_norm=(d,), k_norm=(d,))
+        if cfg.post_norms:
+            lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         if cfg.layer_is_dense(i):
             lay.update(w_gate=(h, cfg.ffn_size), w_up=(h, cfg.ffn_size), w_down=(cfg.ffn_size, h))
         else:

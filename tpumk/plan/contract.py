@@ -141,7 +141,7 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
         hbm("embed", (cfg.vocab_size, cfg.hidden_size), dt, "[V, H]: rows gathered by the glue"),
         hbm("final_norm", (1, cfg.hidden_size), "float32", "[1, H]"),
         hbm("layer_vectors", (cfg.num_layers, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
-            "[L, 8, W]: rows attn_norm, mlp_norm, q_norm, k_norm, 0.."),
+            "[L, 8, W]: rows attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, 0"),
     ]
     for name in RING_FAMILIES:
         if name in plan.families:
@@ -168,6 +168,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     cfg, n = plan.cfg, plan.rows
     h = cfg.hidden_size
     d = rope_table_lanes(cfg)  # 64-wide heads: rows tiled to 128 lanes; MLA: one lane tile
+    # rope_local_theta: the full layers' N rows, then the sliding layers' N
+    tables, rows = (2, "[2N, D] full layers' then sliding layers' ") if cfg.rope_local_theta else (1, "[N, D] ")
     cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
     out = [
         _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),
@@ -176,8 +178,9 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         _with(smem("positions", (plan.batch, plan.q_len), "int32", "[B, q_len] positions of the new tokens"),
               source="step.positions"),
         _with(vmem("x0", (n, h), "float32", "[N, H] embedded rows, b-major"), source="step.x0", component="inputs"),
-        _with(vmem("cos", (n, d), "float32", "[N, D] cos rows"), source="step.cos", component="inputs"),
-        _with(vmem("sin", (n, d), "float32", "[N, D] signed sin rows"), source="step.sin", component="inputs"),
+        _with(vmem("cos", (n * tables, d), "float32", rows + "cos rows"), source="step.cos", component="inputs"),
+        _with(vmem("sin", (n * tables, d), "float32", rows + "signed sin rows"), source="step.sin",
+              component="inputs"),
         _with(packed["packed.final_norm"], space="vmem", component="inputs"),
         _with(packed["packed.layer_vectors"], component="layer_vectors"),
     ]

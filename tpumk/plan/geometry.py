@@ -42,8 +42,9 @@ HBM_BITS = {"int4": 4}
 SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
-LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, pad
-VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4}
+LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, pad
+VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4, "post_attn_norm": 5,
+              "post_mlp_norm": 6}
 
 
 def round_up(v: int, m: int) -> int:
@@ -180,7 +181,9 @@ class AttentionGeometry:
     kv_buffers: int
     dtype: str
     windows: tuple[int, ...] = ()
-    score_dim: int = 0  # the head width of the softmax scale: a lane-padded head's true width (0: head_dim)
+    # scores are q . k / sqrt(score_dim): a lane-padded head's true width, or the model's
+    # attn_scalar (Gemma's query_pre_attn_scalar); 0: head_dim
+    score_dim: float = 0
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -190,7 +193,7 @@ class AttentionGeometry:
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
-                   score_dim=cfg.head_width)
+                   score_dim=cfg.attn_scalar or cfg.head_width)
 
     # ------------------------------------------------------------------ derived sizes
     @property

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from tpumk.errors import PlanError
-from tpumk.model.config import ModelConfig
+from tpumk.model.config import LAYER_NORMS, ModelConfig
 from tpumk.model.quantize import QuantizedMatrix, expert_format, quantized_weight_bytes
 from tpumk.plan.geometry import LANE, round_up
 
@@ -158,7 +158,7 @@ class ShardingPlan:
         q_lo, kv_lo = d * self.q_heads * dd, self.kv_head(d) * dd
         layers = []
         for i, lay in enumerate(params["layers"]):
-            out = {k: np.asarray(lay[k]) for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if k in lay}
+            out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
             if cfg.is_mla:
                 out.update(self._mla_params(cfg, lay, d, cols))
             else:
