@@ -115,6 +115,18 @@ def attention_scratch(geom: AttentionGeometry) -> list:
     return [scratch_shape(b) for b in geom.scratch()]
 
 
+def traced_window(g: AttentionGeometry, layer):
+    """Traced layer `layer`'s sliding window as an int32 scalar (NO_WINDOW for a full layer), or
+    None when no layer of the model has one (then there is no window logic at all)."""
+    runs = g.window_runs()
+    if not runs:
+        return None
+    w = jnp.int32(NO_WINDOW)
+    for first, end, size in runs:  # one compare per run of equal windows
+        w = jnp.where(jnp.logical_and(layer >= first, layer < end), jnp.int32(size), w)
+    return w
+
+
 class _Stage:
     """Addressing shared by attention_prefetch and attention_stage (trace-time helper)."""
 
@@ -127,18 +139,7 @@ class _Stage:
         self.patches = (self.sc.k_patch, self.sc.v_patch)
         self.meta_width = 3 + geom.q_len  # seq_meta entries per sequence
         self._tokens = None
-        self.window = self._window(layer)
-
-    def _window(self, layer):
-        """This layer's sliding window as an int32 scalar (NO_WINDOW for a full layer), or None
-        when no layer of the model has one (then the stage has no window logic at all)."""
-        runs = self.g.window_runs()
-        if not runs:
-            return None
-        w = jnp.int32(NO_WINDOW)
-        for first, end, size in runs:  # one compare per run of equal windows
-            w = jnp.where(jnp.logical_and(layer >= first, layer < end), jnp.int32(size), w)
-        return w
+        self.window = traced_window(geom, layer)
 
     @property
     def capacity(self) -> int:

@@ -256,9 +256,7 @@ def _kernel(plan: Plan):
             rows, then the sliding layers' (`_device_step`); a sliding layer takes the second."""
             if not cfg.rope_local_theta:
                 return cos_ref[...], sin_ref[...]
-            local = jnp.bool_(False)
-            for first, end, _ in plan.attention.window_runs():
-                local = jnp.logical_or(local, jnp.logical_and(layer >= first, layer < end))
+            local = attn.traced_window(plan.attention, layer) != attn.NO_WINDOW
             return (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
                     jnp.where(local, sin_ref[rows:2 * rows, :], sin_ref[0:rows, :]))
 

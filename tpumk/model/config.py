@@ -420,10 +420,6 @@ class ModelConfig:
         """Attention scores are q . k / this: sqrt(attn_scalar), else sqrt(true head width)."""
         return math.sqrt(self.attn_scalar or self.true_head_dim)
 
-    def layer_rope_theta(self, i: int) -> float:
-        """Layer i's RoPE theta: rope_local_theta on a sliding-window layer when set."""
-        return self.rope_local_theta if self.rope_local_theta and self.layer_window(i) else self.rope_theta
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
@@ -720,6 +716,8 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
             yarn_truncate=r.bool_("truncate", True),
         )
     return fields
+
+
 def _hf_gemma3_rope(data: dict[str, Any], source: str, sliding: bool) -> dict[str, Any]:
     """Gemma 3's two RoPEs: the full-attention layers' theta (default 1e6) with an optional
     linear scaling, the sliding layers' own plain theta (default 1e4). transformers 5 writes

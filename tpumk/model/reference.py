@@ -183,7 +183,7 @@ def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
     return moe_ffn(cfg, layer, x)
 
 
-def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int = 0):
+def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int):
     """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype).
     `i`: the layer (a sliding-window layer may rotate with its own theta, rope_local_theta)."""
     b, t, _ = x.shape
