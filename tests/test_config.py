@@ -6,7 +6,7 @@ import pytest
 
 from tpumk.model.config import (ModelConfig, from_dict, from_hf_config, load_hf_config, load_preset, load_toml,
                           preset_names, resolve_model)
-from tpumk.errors import ConfigError, NotSupportedError
+from tpumk.errors import ConfigError, NotSupportedError, PlanError
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -243,16 +243,15 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
     ({"model_type": "kimi_k2", "kv_lora_rank": 512, "topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
-    ({"model_type": "olmo2"}, "model_type 'olmo2'"),
+    ({"model_type": "olmo"}, "model_type 'olmo'"),  # OLMo (1): non-parametric LayerNorm
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
     ({"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
-    ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+    ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
     ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
     ({"use_sinks": True}, "attention sinks"),
     ({"model_type": "gpt_oss"}, "attention sinks"),
-    ({"model_type": "gemma2"}, "soft-capping"),
     ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
@@ -314,13 +313,15 @@ GEMMA3_1B = {
 def test_hf_gemma3_matches_its_preset_and_refuses_what_it_does_not_model():
     cfg = from_hf_config(GEMMA3_1B)
     assert cfg.replace(name="gemma-3-1b") == load_preset("gemma-3-1b")
+    assert load_preset("gemma-3-1b").param_count() == 999_885_952  # the release's count (4 norms a layer)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (0.0, 0.0)  # null: none
+    capped = from_hf_config({**GEMMA3_1B, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert (capped.attn_softcap, capped.final_softcap) == (50.0, 30.0)  # transformers' Gemma 3 applies them
     assert cfg.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)  # layers 5, 11, 17, 23 full
     # transformers 4.x's rope_scaling applies to the full layers only
     scaled = from_hf_config({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (scaled.rope_scaling, scaled.rope_factor, scaled.rope_local_theta) == ("linear", 8.0, 10000)
     for changes, match in [
-        ({"attn_logit_softcapping": 50.0}, "not supported yet: attention logit soft-capping"),
-        ({"final_logit_softcapping": 30.0}, "not supported yet: final logit soft-capping"),
         ({"use_bidirectional_attention": True}, "not supported: use_bidirectional_attention = true"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                               "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
@@ -332,6 +333,91 @@ def test_hf_gemma3_matches_its_preset_and_refuses_what_it_does_not_model():
         assert _one_line(e).startswith("x/config.json")
     with pytest.raises(ConfigError, match=r"rope_parameters.full_attention.rope_theta' = -1"):
         from_hf_config({**GEMMA3_1B, "rope_parameters": {"full_attention": {"rope_theta": -1}}})
+
+
+# Gemma 2 2B's config.json (transformers 4.42 keys: no layer_types, so the even layers slide).
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+    "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+    "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
+}
+
+
+def test_hf_gemma2_reads_its_soft_caps_and_matches_the_preset():
+    cfg = from_hf_config(GEMMA2_2B)
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.attn_scalar, cfg.post_norms) == (50.0, 30.0, 256.0, True)
+    assert cfg.sliding_layers == tuple(range(0, 26, 2)) and not cfg.qk_norm and cfg.tie_embeddings
+    assert cfg.replace(name="gemma-2-2b", dtype="bfloat16") == load_preset("gemma-2-2b")
+    assert load_preset("gemma-2-2b").param_count() == 2_614_341_888  # the release's count
+    # transformers' defaults when the keys are absent; null: no soft-capping
+    bare = {k: v for k, v in GEMMA2_2B.items() if not k.endswith("softcapping")}
+    assert (from_hf_config(bare).attn_softcap, from_hf_config(bare).final_softcap) == (50.0, 30.0)
+    none = from_hf_config({**GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (none.attn_softcap, none.final_softcap) == (0.0, 0.0)
+    types = ["full_attention", "sliding_attention"] * 13
+    assert from_hf_config({**GEMMA2_2B, "layer_types": types}).sliding_layers == tuple(range(1, 26, 2))
+    for bad in (-1.0, 0, "50", float("inf")):
+        with pytest.raises(ConfigError, match=r"^x/config.json: field 'attn_logit_softcapping' = .*: expected a "
+                                              r"positive number or null$"):
+            from_hf_config({**GEMMA2_2B, "attn_logit_softcapping": bad}, "x/config.json")
+
+
+def test_soft_caps_are_validated_and_refused_with_mla():
+    with pytest.raises(ConfigError, match=r"field 'final_softcap' = -3.0: expected a non-negative finite number"):
+        load_preset("tiny-dense").replace(final_softcap=-3.0)
+    with pytest.raises(ConfigError, match=r"field 'attn_softcap' = 50.0: expected 0 for an MLA model"):
+        load_preset("tiny-mla").replace(attn_softcap=50.0)
+    assert load_preset("tiny-mla").replace(final_softcap=30.0).final_softcap == 30.0  # the lm_head's cap is shared
+
+
+# OLMo-2-1124-7B's config.json (transformers 4.47 keys).
+OLMO2_7B = {
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+    "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "pad_token_id": 100277, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "transformers_version": "4.47.0.dev0", "use_cache": True, "vocab_size": 100352,
+}
+
+
+def test_hf_olmo2_reads_its_norms_and_matches_the_preset():
+    cfg = from_hf_config(OLMO2_7B)
+    assert (cfg.pre_norms, cfg.post_norms, cfg.qk_norm, cfg.qk_norm_whole) == (False, True, True, True)
+    assert cfg.replace(name="olmo-2-7b", dtype="bfloat16") == load_preset("olmo-2-7b")
+    assert load_preset("olmo-2-7b").param_count() == 7_298_617_344  # the release's 7.30 B
+    with pytest.raises(NotSupportedError, match="rope_scaling"):
+        from_hf_config({**OLMO2_7B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_pre_norms_and_whole_qk_norm_are_validated_and_planned_where_they_build():
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    dense = load_preset("tiny-dense")
+    for changes, match in [
+        (dict(pre_norms=False), r"field 'pre_norms' = False: expected true unless post_norms is true"),
+        (dict(qk_norm=False, qk_norm_whole=True), r"field 'qk_norm_whole' = True: expected false without qk_norm"),
+        (dict(pre_norms="no"), r"field 'pre_norms' = 'no': expected true or false"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            dense.replace(**changes)
+    with pytest.raises(ConfigError, match=r"field 'post_norms' = True: expected false for a mixture-of-experts"):
+        load_preset("tiny-moe").replace(pre_norms=False, post_norms=True)
+    olmo = dense.replace(pre_norms=False, post_norms=True, qk_norm_whole=True)
+    assert make_plan(BuildSpec(olmo, get_target("tpu7x"))).cfg.qk_norm_whole
+    with pytest.raises(NotSupportedError, match=r"^--devices 2: model 'tiny-dense' normalizes q and k across all heads "
+                                                r"\(qk_norm_whole, OLMo 2\).*; it builds on one device$"):
+        make_plan(BuildSpec(olmo, get_target("tpu7x"), devices=2))
+    odd = olmo.replace(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1)  # a zero KV head would join
+    with pytest.raises(PlanError, match=r"num_kv_heads = 1: an odd number of 64-wide KV heads is padded"):
+        make_plan(BuildSpec(odd, get_target("tpu7x")))
 
 
 # Qwen2.5-7B's published config.json (transformers 4.x keys).

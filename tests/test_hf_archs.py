@@ -4,7 +4,9 @@ whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no 
 heads, 4 query heads per KV head), a Mistral whose every layer has a window, a Phi-3 (fused
 qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
 widths are off the 128-lane grid (the plan pads them), a Qwen2 with q / k / v biases and a Gemma
-(GeGLU, (1 + w) norms, scaled embeddings, widths off the lane grid). Each generates
+(GeGLU, (1 + w) norms, scaled embeddings, widths off the lane grid), a Gemma 2 (soft-capped
+scores and logits, sandwich norms), a Gemma 3 and an OLMo 2 (norms only after the sublayers,
+QK-norm across all heads). Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x.
 """
@@ -57,13 +59,25 @@ CHECKPOINTS = {
                         head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
     # Gemma 3: Gemma's parts plus per-head QK-norm, post-sublayer norms, scores / sqrt(48)
     # (query_pre_attn_scalar), layer 0 sliding a 6-token window with its own RoPE theta (1e4),
-    # layer 1 full with theta 1e6 and a linear RoPE scaling (factor 2)
+    # layer 1 full with theta 1e6 and a linear RoPE scaling (factor 2). Untied, as gemma2-softcap
+    # (tied, it mostly repeats the last token: a weak greedy check; gemma-geglu is tied)
     "gemma3-sandwich": dict(arch="gemma3", seed=16, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
-                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
+                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False,
                             sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                             query_pre_attn_scalar=48,
                             rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                                              "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    # Gemma 2: Gemma's parts plus post-sublayer norms, scores / sqrt(48) soft-capped at 3, logits
+    # soft-capped at 5, layer 0 sliding a 6-token window (transformers' default pattern: the even
+    # layers). Untied: with a tied head these tiny random Gemmas mostly repeat the last token.
+    "gemma2-softcap": dict(arch="gemma2", seed=17, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                           head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False,
+                           sliding_window=6, query_pre_attn_scalar=48, attn_logit_softcapping=3.0,
+                           final_logit_softcapping=5.0),
+    # OLMo 2: no norm before the sublayers, one after each; q and k normalized across all heads
+    # (a 192-wide norm over 2 heads of 96, run 128 wide); hidden 192, FFN 200, untied
+    "olmo2-postnorm": dict(arch="olmo2", seed=18, hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                           head_dim=96, intermediate_size=200, vocab_size=500, rope_theta=500000.0),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
 }
@@ -78,8 +92,10 @@ CHECKPOINTS = {
 # dense-w12 a window on one layer of two; their configs and reference logits stay above.
 # And Gemma's: gemma3-sandwich runs the same GeGLU, embedding factor and (1 + w) norms through the
 # kernel, with Gemma 3's parts on top.
+# And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
+# heads of 64), run through the megakernel against transformers in the default run.
 FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
-                     "gemma-geglu")
+                     "gemma-geglu", "smollm2-lanes")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -91,8 +107,12 @@ def checkpoint(request, tmp_path_factory):
 def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3")) and cfg.qkv_bias == name.startswith("qwen2")
-    assert cfg.post_norms == (cfg.attn_scalar != 0) == (cfg.rope_local_theta != 0) == name.startswith("gemma3")
+    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo2")) and cfg.qkv_bias == name.startswith("qwen2")
+    assert cfg.qk_norm_whole == (not cfg.pre_norms) == name.startswith("olmo2")
+    assert cfg.post_norms == name.startswith(("gemma2", "gemma3", "olmo2"))
+    assert (cfg.attn_scalar != 0) == name.startswith(("gemma2", "gemma3"))
+    assert (cfg.rope_local_theta != 0) == name.startswith("gemma3")
+    assert (cfg.attn_softcap, cfg.final_softcap) == ((3.0, 5.0) if name.startswith("gemma2") else (0.0, 0.0))
     assert (cfg.mlp_act == "gelu_tanh") == (cfg.embed_scale != 1.0) == name.startswith("gemma")
     if name.startswith("llama"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
@@ -104,9 +124,14 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings) == ("gelu_tanh", 192 ** 0.5, True)
         assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.ffn_size) == (192, 64, 3, 1, 200)
     elif name == "gemma3-sandwich":
-        assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings, cfg.attn_scalar) == ("gelu_tanh", 192 ** 0.5, True, 48)
+        assert (cfg.mlp_act, cfg.embed_scale, cfg.tie_embeddings, cfg.attn_scalar) == ("gelu_tanh", 192 ** 0.5, False, 48)
         assert (cfg.sliding_window, cfg.sliding_layers, cfg.rope_theta, cfg.rope_local_theta) == (6, (0,), 1e6, 1e4)
         assert (cfg.rope_scaling, cfg.rope_factor) == ("linear", 2.0)
+    elif name == "gemma2-softcap":
+        assert (cfg.attn_scalar, cfg.tie_embeddings, cfg.sliding_window, cfg.sliding_layers) == (48, False, 6, (0,))
+    elif name == "olmo2-postnorm":
+        assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 96, 2, 2)
+        assert not cfg.tie_embeddings and cfg.rope_theta == 500000.0
     elif name == "qwen2-bias":
         assert cfg.qkv_bias and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (160, 64, 4, 2)
     elif name == "smollm2-lanes":
@@ -136,12 +161,22 @@ def test_reference_logits_match_transformers(checkpoint):
     if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
         plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
         assert np.max(np.abs(plain - want)) > 100 * bound
-    if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree; Gemma 3 without a part
+    if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree; Gemma 2 or 3 without a part
         parts = [dict(mlp_act="silu"), dict(embed_scale=1.0)]
         if m.cfg.post_norms:
-            parts += [dict(post_norms=False), dict(attn_scalar=0.0), dict(rope_local_theta=0.0)]
+            parts += [dict(post_norms=False), dict(attn_scalar=0.0)]
+        if m.cfg.rope_local_theta:
+            parts += [dict(rope_local_theta=0.0)]
+        if m.cfg.attn_softcap:
+            parts += [dict(attn_softcap=0.0), dict(final_softcap=0.0)]
         for other in (m.cfg.replace(**p) for p in parts):
             assert np.max(np.abs(np.asarray(forward_full(m.params, other, tokens)) - want)) > 100 * bound
+    if not m.cfg.pre_norms:  # OLMo 2: norms before the sublayers (unit weights), or no QK-norm, would not agree
+        ones = {"attn_norm": np.ones(m.cfg.hidden_size, np.float32), "mlp_norm": np.ones(m.cfg.hidden_size, np.float32)}
+        normed = {**m.params, "layers": [{**lay, **ones} for lay in m.params["layers"]]}
+        assert np.max(np.abs(np.asarray(forward_full(normed, m.cfg.replace(pre_norms=True), tokens)) - want)) > 100 * bound
+        plain = m.cfg.replace(qk_norm=False, qk_norm_whole=False)
+        assert np.max(np.abs(np.asarray(forward_full(m.params, plain, tokens)) - want)) > 100 * bound
 
 
 @pytest.mark.parametrize("checkpoint", KERNEL_CASES, indirect=True)

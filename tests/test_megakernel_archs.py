@@ -1,7 +1,8 @@
 """Attention variants through the whole megakernel, against the pure-JAX reference: head_dim 64
 (two kv heads per 128-lane block) and 256, and sliding-window layers (only the window's KV
-tiles streamed); and Gemma 3's parts (GeGLU, the embedding factor, post-sublayer norms, its
-score scale and the sliding layers' own RoPE theta). Interpret mode with the race detector on, and the same plans compiled
+tiles streamed); and Gemma 2 and 3's parts (GeGLU, the embedding factor, post-sublayer norms,
+their score scale, soft-capped scores and logits, the sliding layers' own RoPE theta), and
+OLMo 2's (norms only after the sublayers, QK-norm across all heads). Interpret mode with the race detector on, and the same plans compiled
 deviceless for TPU7x, the head layouts in V6E for v6e too (tolerances as tests/test_megakernel.py).
 """
 
@@ -37,13 +38,19 @@ MODELS = {
                                        vocab_size=500)),
     # 96-wide heads with QK-norm run 128 wide: [q1 0 q2 0] per head, norm and scale over 96
     "dense-d96": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200)),
-    # Gemma 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, QK-norm, each
-    # sublayer's output normalized before the residual (post_norms), scores / sqrt(48) rather
-    # than sqrt(64), and layer 0 sliding a 12-token window with its own RoPE theta
-    "dense-gemma3": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
-                                        mlp_act="gelu_tanh", embed_scale=192 ** 0.5, post_norms=True,
-                                        attn_scalar=48.0, sliding_window=12, sliding_layers=[0],
-                                        rope_local_theta=10000.0)),
+    # Gemma 2 and 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, QK-norm,
+    # each sublayer's output normalized before the residual (post_norms), scores / sqrt(48)
+    # rather than sqrt(64) and soft-capped at 2, logits soft-capped at 3, and layer 0 sliding a
+    # 12-token window with its own RoPE theta
+    "dense-gemma": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+                                       mlp_act="gelu_tanh", embed_scale=192 ** 0.5, post_norms=True,
+                                       attn_scalar=48.0, sliding_window=12, sliding_layers=[0],
+                                       rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)),
+    # OLMo 2 in small, on padded widths: no norm before the sublayers, one after each, and q / k
+    # normalized across all heads (4 q / 2 kv heads of 96, run 128 wide: the norm's divisor is
+    # the true 384 / 192 lanes)
+    "dense-olmo2": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200,
+                                       pre_norms=False, post_norms=True, qk_norm_whole=True)),
 }
 
 
@@ -71,7 +78,8 @@ CASES = [
     ("dense-lanes", "float32", [17, 40], 2, dict(kv_tile_pages=1)),
     ("dense-d96", "float32", [9, 33], 1, dict(kv_tile_pages=1)),
     # float32: silu for GeGLU would be 0.6 % of the logit scale off, a bfloat16 bound allows 1.6 %
-    ("dense-gemma3", "float32", [17, 30], 1, dict(kv_tile_pages=1)),
+    ("dense-gemma", "float32", [17, 30], 1, dict(kv_tile_pages=1)),
+    ("dense-olmo2", "float32", [9, 26], 1, dict(kv_tile_pages=1)),
 ]
 
 
@@ -79,8 +87,8 @@ CASES = [
 # sliding window), dense-d64 (64-wide heads, two per 128-lane block: moe-d64-g4 and dense-lanes)
 # and dense-w12 in bfloat16 at q = 2 (the window: dense-w12 in float32; bfloat16 at q = 2:
 # moe-d64-g4; a window on every layer: test_hf_archs.py's phi3-sliding).
-# Compiled for v6e too: two 64-wide heads per lane block, and lane-padded widths.
-V6E = ("moe-d64-g4", "dense-lanes")
+# Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
+V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2")
 FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16")}
 
 
@@ -105,18 +113,36 @@ def test_window_changes_the_output():
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3
 
 
-@pytest.mark.parametrize("off", [dict(post_norms=False), dict(attn_scalar=0.0), dict(rope_local_theta=0.0)],
-                         ids=["post_norms", "attn_scalar", "rope_local_theta"])
-def test_each_gemma3_part_changes_the_output(off):
-    """dense-gemma3's kernel case is not vacuous: without any one of its parts the reference's
+GEMMA_PARTS = dict(post_norms=False, attn_scalar=0.0, rope_local_theta=0.0, attn_softcap=0.0, final_softcap=0.0)
+
+
+@pytest.mark.parametrize("part", GEMMA_PARTS)
+def test_each_gemma_part_changes_the_output(part):
+    """dense-gemma's kernel case is not vacuous: without any one of its parts the reference's
     logits move by more than 1e-3 of their scale (the kernel is held to 1e-5)."""
-    cfg, params = model("dense-gemma3", "float32")
+    off = {part: GEMMA_PARTS[part]}
+    cfg, params = model("dense-gemma", "float32")
     cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
     _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
     tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
     a, _ = reference_step(cfg)(params, tok, pos, cache)
     b, _ = reference_step(cfg.replace(**off))(params, tok, pos, cache)
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+
+
+def test_each_olmo2_part_changes_the_output():
+    """dense-olmo2's kernel case is not vacuous: norms before the sublayers (unit weights), or
+    no QK-norm, move the reference's logits by more than 1e-3 of their scale."""
+    cfg, params = model("dense-olmo2", "float32")
+    ones = {"attn_norm": jnp.ones(cfg.hidden_size), "mlp_norm": jnp.ones(cfg.hidden_size)}
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    for other, weights in ((cfg.replace(pre_norms=True), {**params, "layers": [{**lay, **ones} for lay in params["layers"]]}),
+                           (cfg.replace(qk_norm=False, qk_norm_whole=False), params)):
+        b, _ = reference_step(other)(weights, tok, pos, cache)
+        assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
 
 
 def test_plan_counts_only_the_window_tiles():

@@ -151,9 +151,17 @@ def test_bench_table_of_an_mla_model_says_why_there_is_no_serving_column(mla_ben
     assert "XLA step / megakernel step" in out and "NOT measurements" in out
 
 
-def test_serving_refusal_is_only_for_mla():
+def test_serving_refusal_is_for_mla_and_heads_off_the_lane_grid():
     assert serving_refusal(load_preset("tiny-moe")) is None
     assert serving_refusal(load_preset("deepseek-v3")) is not None
+    # jax's ragged paged attention cannot build 64-wide heads (it asserts while tracing):
+    # the column is refused in one line instead (when jax builds it, this fails: drop the refusal)
+    from tpumk.decode.serving import compile_serving_step
+
+    d64 = load_preset("tiny-dense").replace(head_dim=64)
+    assert "multiple of 128 lanes; this model's is 64" in serving_refusal(d64)
+    with pytest.raises(AssertionError):
+        compile_serving_step(d64, TPU7X, 1, 64, 16, 1, "none")
 
 
 # ---------------------------------------------------------------------- tuning space and tune

@@ -26,13 +26,15 @@ DENSE8 = dict(base="tiny-dense", name="dense8", num_q_heads=8, num_kv_heads=2, v
 # The tiny models' partials are small, so the auto all-reduce is the direct push; the other
 # schedules are asked for by the knob so every one runs in the megakernel.
 CASES = {
-    # a vocabulary off the lane grid, split over the devices (each pads its slice); Gemma 3's
-    # parts: each sublayer's all-reduced output normalized before the residual (post_norms),
-    # GeGLU, scores / sqrt(96), layer 0 sliding a 20-token window with its own RoPE theta
+    # a vocabulary off the lane grid, split over the devices (each pads its slice); Gemma 2 and
+    # 3's parts: each sublayer's all-reduced output normalized before the residual (post_norms),
+    # GeGLU, scores / sqrt(96) soft-capped at 2, each device's logits slice soft-capped at 3,
+    # layer 0 sliding a 20-token window with its own RoPE theta
     "dense-2dev-kv-split": (dict(base="tiny-dense", name="dense-v1001", vocab_size=1001, post_norms=True,
                                  mlp_act="gelu_tanh", attn_scalar=96.0, sliding_window=20, sliding_layers=[0],
-                                 rope_local_theta=10000.0), 2, 2, 1, {}),
-    "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense"), 4, 2, 2, {}),
+                                 rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0), 2, 2, 1, {}),
+    # OLMo 2's norm placement: no norm before the sublayers, each all-reduced output normalized
+    "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense", pre_norms=False, post_norms=True), 4, 2, 2, {}),
     "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {"all_reduce": "rsag"}),
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),

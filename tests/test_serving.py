@@ -33,9 +33,9 @@ def _paged_to_serving(cache: ref.KVCache, cfg) -> list:
 @pytest.mark.parametrize("preset, q_len", [("tiny-dense", 1), ("tiny-moe", 2)])
 def test_serving_step_matches_the_reference(preset, q_len):
     cfg = load_preset(preset)
-    if not cfg.is_moe:  # Gemma 3's parts through the serving step too (layer 0 slides a 20-token window)
+    if not cfg.is_moe:  # Gemma 2 and 3's parts through the serving step too (layer 0 slides a 20-token window)
         cfg = cfg.replace(mlp_act="gelu_tanh", embed_scale=16.0, post_norms=True, attn_scalar=96.0, sliding_window=20,
-                          sliding_layers=[0], rope_local_theta=10000.0)
+                          sliding_layers=[0], rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)
     batch, ctx, page = 3, 64, 16
     params = random_params(cfg, 0)
     rng = np.random.default_rng(1)
@@ -100,3 +100,18 @@ def test_rpa_model_pays_its_single_semaphore_blocks():
     big = sv.rpa_call_model(t, cfg, 8, 1, 4096, 16, (128, 8))
     assert small.hbm_bytes == pytest.approx(big.hbm_bytes)
     assert small.seconds != pytest.approx(big.seconds)
+
+
+def test_serving_column_reports_what_the_compiler_rejects():
+    """jax 0.10.2's ragged paged attention does not compile for 256-wide heads with two KV heads
+    (Gemma 2's layout): the bench's serving column says so in one line instead of failing the
+    bench; the megakernel and XLA columns do not depend on it."""
+    from tpumk.decode.bench import serving_column
+
+    tpu7x = get_target("tpu7x")
+    wide = load_preset("tiny-dense").replace(num_q_heads=4, num_kv_heads=2, head_dim=256)
+    step, why = serving_column(wide, tpu7x, 1, 64, 16, 1, "none")
+    assert step is None and why.startswith("not built: the tpu7x compiler rejected jax's ragged_paged_attention")
+    assert "\n" not in why and "last dim size is not 128" in why
+    step, why = serving_column(load_preset("tiny-dense"), tpu7x, 1, 64, 16, 1, "none")
+    assert why is None and "tpu_custom_call" in step.hlo_text

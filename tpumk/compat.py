@@ -80,6 +80,19 @@ def persistent_cache_bypassed():
     return bypassed()
 
 
+def compiler_rejections() -> tuple[type[BaseException], ...]:
+    """The exceptions a TPU compile raises when the compiler rejects the program: XLA's
+    JaxRuntimeError, and the MosaicError jax re-raises it as for a Pallas kernel (private in
+    jax 0.10.2: jax._src.pallas.mosaic.error_handling)."""
+    import jax
+
+    try:
+        from jax._src.pallas.mosaic.error_handling import MosaicError
+    except ImportError:  # another jax: its JaxRuntimeError still names the rejection
+        return (jax.errors.JaxRuntimeError,)
+    return (jax.errors.JaxRuntimeError, MosaicError)
+
+
 def interpret_races():
     """The race detector's state of Pallas' TPU interpret mode in this process: None before any
     kernel ran with `InterpretParams(detect_races=True)`, else an object whose `races_found`

@@ -304,11 +304,9 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
         cost = cost[0] if cost else {}
     compiles = Compiles(b.compiled.hlo_text, xp.hlo_text, b.compiled.compile_seconds, b.compiled.lower_seconds,
                         xp.compile_seconds, xp.lower_seconds, float(cost.get("bytes accessed", 0.0)))
-    serving_refused = serving_refusal(cfg) if serving else None
-    if serving and serving_refused is None:
-        from tpumk.decode.serving import compile_serving_step
-
-        sp = compile_serving_step(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant)
+    sp, serving_refused = serving_column(cfg, target, batch, plan.context, plan.page_size, q_len, spec.quant) \
+        if serving else (None, None)
+    if sp is not None:
         s_cost = sp.compiled.cost_analysis() or {}
         if isinstance(s_cost, list):
             s_cost = s_cost[0] if s_cost else {}
@@ -344,7 +342,30 @@ def serving_refusal(cfg: ModelConfig) -> str | None:
         return ("not built: jax's ragged_paged_attention (jax.experimental.pallas.ops.tpu) attends per-head K/V "
                 "pages; it has no form for MLA's latent cache (one c_kv | k_rope row per token) and jax ships no "
                 "MLA paged attention kernel")
+    if cfg.head_dim % 128:  # its softmax statistics are 128 lanes wide, broadcast over the head (an assert)
+        return (f"not built: jax's ragged_paged_attention (jax {jax.__version__}) needs a head_dim that is a multiple "
+                f"of 128 lanes; this model's is {cfg.head_dim}")
     return None
+
+
+def serving_column(cfg: ModelConfig, target, batch: int, context: int, page_size: int, q_len: int, quant: str):
+    """(the compiled serving-stack step, None), or (None, why it is not built): refused up front
+    (`serving_refusal`), or rejected by the TPU compiler (jax's ragged paged attention does not
+    compile for every head layout: jax 0.10.2's Mosaic refuses 256-wide heads with more than one
+    KV head, "The last dim size is not 128 in original base memref"). The megakernel and XLA
+    columns do not depend on it."""
+    from tpumk.compat import compiler_rejections
+    from tpumk.compile.aot import compiler_error_line
+    from tpumk.decode.serving import compile_serving_step
+
+    refused = serving_refusal(cfg)
+    if refused is not None:
+        return None, refused
+    try:
+        return compile_serving_step(cfg, target, batch, context, page_size, q_len, quant), None
+    except compiler_rejections() as e:
+        return None, (f"not built: the {target.name} compiler rejected jax's ragged_paged_attention for this model "
+                      f"(jax {jax.__version__}): {compiler_error_line(e)}")
 
 
 # ---------------------------------------------------------------------- many devices

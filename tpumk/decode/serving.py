@@ -97,7 +97,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     x = ref.embed(params, tokens, cfg.embed_scale)
     out_caches = []
     for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D] in the cache dtype
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * cfg.num_kv_heads, cfg.head_dim)
         cache = kv_caches[i].at[pages, slots].set(kv)
@@ -106,15 +106,18 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
 
         args = (qk, cache, kv_lens, page_indices, cu_q_lens, num_seqs)
         window = cfg.layer_window(i) or None  # the kernel's convention is transformers': p - k < window
+        cap = cfg.attn_softcap or None  # cap * tanh(s / cap) of the scaled scores, as the reference
         if kernel_reference:
-            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window)
+            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window,
+                                                  soft_cap=cap)
         else:
             o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window,
+                                              soft_cap=cap,
                                               num_kv_pages_per_block=kv_pages_per_block,
                                               num_queries_per_block=queries_per_block)
         x = x + ref.sublayer_out(cfg, layer, "post_attn_norm",
                                  ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"]))
-        hf = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
+        hf = ref.sublayer_in(cfg, layer, "mlp_norm", x).reshape(b * t, -1)
         f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
              else _moe_gathered(cfg, layer, hf))
         x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", f.reshape(b, t, -1))

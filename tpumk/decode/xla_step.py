@@ -64,6 +64,7 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
     s_len = k.shape[2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / cfg.score_divisor
+    s = ref.soft_cap(s, cfg.attn_softcap)
     k_pos = jnp.arange(s_len, dtype=jnp.int32)
     mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
@@ -111,13 +112,13 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     pi = positions[:, :, None]
     x = ref.embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
         o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
         x = x + ref.sublayer_out(cfg, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
-        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
+        h = ref.sublayer_in(cfg, layer, "mlp_norm", x).reshape(b * t, -1)
         x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 
@@ -141,12 +142,12 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
     bi = jnp.arange(b)[:, None]
     x = ref.embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = ref.rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
         k_cache = k_cache.at[i, bi, positions].set(row)
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
         x = x + ref.matmul(o, layer["wo"])
-        h = ref.rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width).reshape(b * t, -1)
+        h = ref.sublayer_in(cfg, layer, "mlp_norm", x).reshape(b * t, -1)
         x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 

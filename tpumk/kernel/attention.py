@@ -42,8 +42,8 @@ inside branches of the tile loop: DMAs may be started in branches, every wait is
 unconditional, and the tile compute is branch-free.
 
 Numerics (as the reference): scores are q cast to the cache dtype times k with float32
-accumulation, scaled by 1/sqrt(head_dim); softmax in float32; probabilities cast to the cache
-dtype for p.v with float32 accumulation. The online softmax casts unnormalised probabilities
+accumulation, scaled by 1/sqrt(head_dim) (then soft-capped, Gemma 2); softmax in float32;
+probabilities cast to the cache dtype for p.v with float32 accumulation. The online softmax casts unnormalised probabilities
 and divides by the running sum at the end, so float32 caches agree with the reference to
 rounding and bfloat16 caches to the bfloat16 rounding of p (see tests).
 
@@ -80,6 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel.memory import scratch_shape
+from tpumk.model.reference import soft_cap
 from tpumk.plan.geometry import LANE, AttentionGeometry
 
 # Finite stand-in for -inf in masked scores: exp(MASK - m) underflows to exactly 0 once a row
@@ -537,9 +538,9 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, pr
         # One block is one kv head, or two 64-wide ones (block-diagonal q: each row's scores
         # are its own head's; of p.V each head's rows keep their own lane half).
         q_blk = [sc.q_heads[b, h] for h in range(NBK)]  # [Rb, Db] f32
-        scores = [lax.dot_general(q_blk[h].astype(dt), sc.k_tiles[slot, :, pl.ds(h * BL, BL)],
-                                  (((1,), (1,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32) * scale
+        scores = [soft_cap(lax.dot_general(q_blk[h].astype(dt), sc.k_tiles[slot, :, pl.ds(h * BL, BL)],
+                                           (((1,), (1,)), ((), ())), precision=precision,
+                                           preferred_element_type=jnp.float32) * scale, g.softcap)
                   for h in range(NBK)]  # [Rb, S]
         probs, stats = [], []
         for h in range(NBK):

@@ -10,8 +10,9 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
 
     embed          [V, H] dt       the reference embedding; rows are gathered outside the kernel
     final_norm     [1, H] f32
-    layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm, 2 q_norm, 3 k_norm (first D lanes;
-                                   ones when the model has no QK-norm), 4 qkv bias,
+    layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm (pre_norms), 2 q_norm, 3 k_norm (first
+                                   D lanes, or q_size / kv_size with qk_norm_whole; ones when the
+                                   model has no QK-norm), 4 qkv bias,
                                    5 post_attn_norm, 6 post_mlp_norm (post_norms), else zero
     qkv            [L,  T, r, c]   [wq | wk | wv]                       (H x (Hq+2Hkv)D)
     o              [L,  T, r, c]   wo                                    (Hq D x H)
@@ -200,10 +201,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
 
     def vectors(lay: dict) -> jax.Array:
         block = jnp.zeros((LAYER_VECTOR_ROWS, width), jnp.float32)
-        block = block.at[VECTOR_ROW["attn_norm"], :h].set(jnp.asarray(lay["attn_norm"], jnp.float32))
-        block = block.at[VECTOR_ROW["mlp_norm"], :h].set(jnp.asarray(lay["mlp_norm"], jnp.float32))
-        if cfg.post_norms:
-            for name in ("post_attn_norm", "post_mlp_norm"):
+        # the norms the layer has (no attn_norm / mlp_norm without pre_norms: their rows stay 0, unread)
+        for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
+            if name in lay:
                 block = block.at[VECTOR_ROW[name], :h].set(jnp.asarray(lay[name], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
         if cfg.is_mla:  # the latent norms take the q_norm / k_norm rows
@@ -212,7 +212,10 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
             return block.at[VECTOR_ROW["k_norm"], :cfg.kv_lora_rank].set(jnp.asarray(lay["kv_a_norm"], jnp.float32))
         for name in ("q_norm", "k_norm"):
             w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
-            block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
+            if cfg.qk_norm_whole:  # across every head: laid out as the q (k) columns
+                block = block.at[VECTOR_ROW[name], :w.shape[0]].set(w)
+            else:
+                block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
         if cfg.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
             bias = jnp.concatenate([jnp.asarray(lay[n], jnp.float32) for n in ("bq", "bk", "bv")])
             block = block.at[VECTOR_ROW["qkv_bias"], :bias.shape[0]].set(bias)

@@ -50,7 +50,7 @@ from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
 from tpumk.plan.plan import Plan, mla_dims
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
-from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype
+from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype, soft_cap
 
 
 class _Scratch:
@@ -251,6 +251,12 @@ def _kernel(plan: Plan):
             reduce_into_resid(2 * layer)
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
+        def sublayer_input(vec, norm: str) -> None:
+            """`normed` = what the next sublayer reads: the residual normed by the layer's `norm`
+            row, or without pre_norms (OLMo 2) the residual itself (reference.sublayer_in)."""
+            resid = s.resid[...]
+            s.normed[...] = rms_norm(resid, row(vec, norm, h), eps, cfg.norm_width) if cfg.pre_norms else resid
+
         def rope_rows(layer):
             """This layer's cos / sin rows: with rope_local_theta the tables hold the full layers'
             rows, then the sliding layers' (`_device_step`); a sliding layer takes the second."""
@@ -266,7 +272,7 @@ def _kernel(plan: Plan):
             # The reads of the pages this step writes depend only on the layer, tables and
             # positions: start them now, so their round trip hides behind the q|k|v tiles.
             attn.attention_prefetch(plan.attention, layer, k_out, v_out, block_tables, positions, s.attention)
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, cfg.norm_width)
+            sublayer_input(vec, "attn_norm")
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
             if cfg.qkv_bias:  # before QK-norm and RoPE, as transformers adds it
@@ -274,6 +280,11 @@ def _kernel(plan: Plan):
                 s.qkv[:, :width] = s.qkv[:, :width] + row(vec, "qkv_bias", width)
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
             # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
+            if cfg.qk_norm_whole:  # OLMo 2: one norm across all heads' true lanes (pad lanes are 0)
+                for name, lo, width, heads in (("q_norm", 0, q_size, cfg.num_q_heads),
+                                               ("k_norm", q_size, kv_size, cfg.num_kv_heads)):
+                    s.qkv[:, lo:lo + width] = rms_norm(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
+                                                       heads * cfg.true_head_dim)
             cos, sin = rope_rows(layer)  # loaded per layer: a value live across loops spills
             pack = heads_per_lane_block(d)
             for name, heads, base in (("q_norm", cfg.num_q_heads, 0), ("k_norm", cfg.num_kv_heads, q_size)):
@@ -281,7 +292,7 @@ def _kernel(plan: Plan):
                 for i in range(heads // pack):
                     lo = base + i * d * pack
                     x = s.qkv[:, lo:lo + d * pack]
-                    if cfg.qk_norm:
+                    if cfg.qk_norm and not cfg.qk_norm_whole:
                         x = rms_norm_heads(x, w, eps, d, cfg.true_head_dim)
                     s.qkv[:, lo:lo + d * pack] = rope_heads(x, cos, sin, d)
             q = s.qkv[:, :q_size]
@@ -297,7 +308,7 @@ def _kernel(plan: Plan):
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(2 * layer, vec, "post_attn_norm")
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
+            sublayer_input(vec, "mlp_norm")
 
         def dense_layer(seg):
             def body(layer):
@@ -352,7 +363,7 @@ def _kernel(plan: Plan):
             """Block j leaves through the staging buffer while block j + 1 is computed."""
             if not (isinstance(j, int) and j == 0):
                 logits_copy(j - 1).wait()  # the staging buffer is free once block j - 1 left
-            s.logits[...] = acc
+            s.logits[...] = soft_cap(acc, cfg.final_softcap)
             logits_copy(j).start()
 
         head_tc = plan.families["lm_head"].tile_cols

@@ -65,7 +65,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import GRANITE_SCALARS, LAYER_NORMS, ModelConfig, load_hf_model, override_dtype
+from tpumk.model.config import GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig, load_hf_model, override_dtype
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
@@ -252,10 +252,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         add("lm_head.weight", None, "lm_head", _t)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", i, "attn_norm")
-        if cfg.post_norms:  # Gemma 3: post_attention_layernorm normalizes attention's output
+        if cfg.pre_norms:  # OLMo 2 has none
+            add(p + "input_layernorm.weight", i, "attn_norm")
+        if cfg.post_norms:  # Gemma 2 / 3, OLMo 2: post_attention_layernorm normalizes attention's output
             add(p + "post_attention_layernorm.weight", i, "post_attn_norm")
-            add(p + "pre_feedforward_layernorm.weight", i, "mlp_norm")
+            if cfg.pre_norms:
+                add(p + "pre_feedforward_layernorm.weight", i, "mlp_norm")
             add(p + "post_feedforward_layernorm.weight", i, "post_mlp_norm")
         else:
             add(p + "post_attention_layernorm.weight", i, "mlp_norm")
@@ -374,7 +376,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
-    if config_json.get("model_type") in ("gemma", "gemma3_text"):
+    if config_json.get("model_type") in HF_GEMMA_FAMILIES:
         params = fold_gemma_norms(cfg, params)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.

@@ -37,7 +37,7 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 # Fields added after models were first described: to_dict leaves them out at their defaults, so
 # the description (and every content-addressed key made from it) of an older model is unchanged.
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
-                "rope_local_theta")
+                "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -154,6 +154,16 @@ class ModelConfig:
     # RoPE theta of the sliding-window layers (Gemma 3's rope_local_base_freq, without the
     # full layers' scaling); 0: every layer rotates with rope_theta.
     rope_local_theta: float = 0.0
+    # Gemma 2's soft-capping, cap * tanh(x / cap): of the attention scores after scaling and
+    # before the mask and softmax (attn_logit_softcapping), and of the logits
+    # (final_logit_softcapping); 0: none.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # OLMo 2: no norm before attention and the MLP (attn_norm, mlp_norm), only after them
+    # (post_norms); and QK-norm over the whole q and k projections (one RMSNorm across every
+    # head, weights of q_size / kv_size) rather than per head.
+    pre_norms: bool = True
+    qk_norm_whole: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -248,6 +258,17 @@ class ModelConfig:
         if self.rope_local_theta:
             need(bool(self.sliding_window) and not self.is_mla, "rope_local_theta",
                  "0 without sliding-window layers (it is their RoPE theta) or for an MLA model")
+        need(isinstance(self.pre_norms, bool), "pre_norms", "true or false")
+        if not self.pre_norms:  # a layer keeps its norms after the sublayers
+            need(self.post_norms, "pre_norms", "true unless post_norms is true (a layer needs one of them)")
+        need(isinstance(self.qk_norm_whole, bool), "qk_norm_whole", "true or false")
+        if self.qk_norm_whole:
+            need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
+        for f in ("attn_softcap", "final_softcap"):
+            need(_is_number(getattr(self, f)) and 0 <= getattr(self, f) < math.inf, f,
+                 "a non-negative finite number (0: no soft-capping)")
+        if self.attn_softcap:  # the MLA stage's scores are not capped
+            need(not self.is_mla, "attn_softcap", "0 for an MLA model")
         if self.sliding_window:
             need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
         else:
@@ -360,7 +381,8 @@ class ModelConfig:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
         attn = self.attention_param_count()
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + self.q_lora_rank + self.kv_lora_rank
+        qk = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (2 * self.pre_norms + 2 * self.post_norms) * h + qk + self.q_lora_rank + self.kv_lora_rank
         if self.layer_is_dense(i):
             return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
         shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
@@ -502,11 +524,14 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "gemma", "gemma3_text",
-                 "deepseek_v3", "kimi_k2")
+_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
+                 "gemma3_text", "deepseek_v3", "kimi_k2")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
-_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
-_HF_GEMMA = ("gemma", "gemma3_text")  # GeGLU, embeddings x sqrt(hidden), (1 + w) norms, tied by default
+_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")  # OLMo 2: over the whole projection
+# GeGLU, embeddings x sqrt(hidden), (1 + w) norms (folded on load: tpumk.model.checkpoint), tied by default
+HF_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+# Sandwich norms, query_pre_attn_scalar, soft-capping (attn_logit_softcapping, final_logit_softcapping)
+_HF_GEMMA_SANDWICH = ("gemma2", "gemma3_text")
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
@@ -523,11 +548,11 @@ _HF_KNOWN_UNSUPPORTED = {
     "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
     "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
     "gpt_oss": "attention sinks of gpt-oss",
-    "gemma2": "attention logit soft-capping of Gemma 2",
     "gemma3": "the multimodal Gemma 3 wrapper (its text model, model_type gemma3_text, is supported)",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
-# Config fields that change the math of a supported model type when set (not modelled).
+# Config fields that change the math of a supported model type when set (not modelled; Gemma 2
+# and 3 read the soft-capping ones).
 _HF_UNSUPPORTED_FIELDS = {
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "final logit soft-capping",
@@ -538,7 +563,8 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama, Mistral, Phi-3, DeepSeek-V3,
+    """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
+    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3, DeepSeek-V3,
     Kimi K2) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
@@ -561,7 +587,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if hf.bool_("mlp_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: mlp_bias = true")
     for key, what in _HF_UNSUPPORTED_FIELDS.items():
-        if data.get(key) not in (None, False):
+        if data.get(key) not in (None, False) and not (mt in _HF_GEMMA_SANDWICH and key.endswith("softcapping")):
             raise NotSupportedError(f"{source}: not supported yet: {what} ({key})")
     # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
     # top-level `rope_theta` plus an optional `rope_scaling`.
@@ -588,9 +614,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
         rope_theta = hf.number("rope_theta", 10000.0)
-    acts = _HF_GEMMA_ACTS if mt in _HF_GEMMA else _HF_ACTS
+    acts = _HF_GEMMA_ACTS if mt in HF_GEMMA_FAMILIES else _HF_ACTS
     act_key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
-    act = data.get(act_key, "gelu_pytorch_tanh" if mt in _HF_GEMMA else "silu")
+    act = data.get(act_key, "gelu_pytorch_tanh" if mt in HF_GEMMA_FAMILIES else "silu")
     if not isinstance(act, str) or act not in acts:
         raise NotSupportedError(f"{source}: not supported yet: {act_key} {_short_repr(act)} "
                                 f"(supported: {', '.join(acts)})")
@@ -619,19 +645,30 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM,
         qkv_bias=mt in _HF_QKV_BIAS,
-        tie_embeddings=hf.bool_("tie_word_embeddings", mt in _HF_GEMMA),  # Gemma's default: tied
+        tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES),  # Gemma's default: tied
         dtype=dtype,
         mlp_act=acts[act],
     )
-    if mt in _HF_GEMMA:  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
+    if mt in HF_GEMMA_FAMILIES:  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
         fields["embed_scale"] = math.sqrt(hidden)
     fields.update(_hf_sliding_window(hf, mt, n_layers))
+    if mt in _HF_GEMMA_SANDWICH:
+        caps = {}
+        for f, key, gemma2_default in (("attn_softcap", "attn_logit_softcapping", 50.0),
+                                       ("final_softcap", "final_logit_softcapping", 30.0)):
+            # null is no soft-capping (Gemma 3's default); a missing key is Gemma 2's default
+            v = data[key] if key in data else (gemma2_default if mt == "gemma2" else None)
+            if v is not None and not (_is_number(v) and 0 < v < math.inf):
+                raise ConfigError(f"{source}: field '{key}' = {_short_repr(v)}: expected a positive number or null")
+            caps[f] = float(v or 0.0)
+        fields.update(post_norms=True, attn_scalar=hf.number("query_pre_attn_scalar", 256.0), **caps)
     if mt == "gemma3_text":
         if hf.bool_("use_bidirectional_attention", False):
             raise NotSupportedError(f"{source}: not supported: use_bidirectional_attention = true (a decoder "
                                     "attends causally)")
-        fields.update(post_norms=True, attn_scalar=hf.number("query_pre_attn_scalar", 256.0),
-                      **_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
+        fields.update(_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
+    if mt == "olmo2":  # norms after each sublayer only; q / k normalized across all heads
+        fields.update(pre_norms=False, post_norms=True, qk_norm_whole=True)
     if mt == "granite":
         for key, default in GRANITE_SCALARS.items():
             if hf.number(key, default) <= 0:
@@ -780,9 +817,10 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types). Gemma 3:
     always a window, on the layers `layer_types` names, else on all but every sixth
-    (`sliding_window_pattern`)."""
+    (`sliding_window_pattern`). Gemma 2: always a window, on the layers `layer_types` names, else
+    on the even ones."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
-    if mt in ("qwen3", "qwen2", "gemma3_text"):
+    if mt in ("qwen3", "qwen2", "gemma2", "gemma3_text"):
         for t in layer_types:
             if t not in _LAYER_TYPES:
                 raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
@@ -792,7 +830,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
                               f"layer ({n_layers})")
     if mt == "llama":  # no window in Llama's attention, whatever the file says
         return {}
-    if mt in ("mistral", "phi3", "gemma3_text"):  # whenever sliding_window is set (no use_sliding_window flag)
+    if mt in ("mistral", "phi3", "gemma2", "gemma3_text"):  # whenever sliding_window is set (no use_sliding_window flag)
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
@@ -808,7 +846,9 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
         key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
         pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
         layers = [i for i in range(n_layers) if (i + 1) % pattern]
-    elif mt not in ("qwen3", "qwen2", "gemma3_text"):
+    elif mt == "gemma2" and not layer_types:
+        layers = list(range(0, n_layers, 2))
+    elif mt not in ("qwen3", "qwen2", "gemma2", "gemma3_text"):
         layers = list(range(n_layers))
     elif layer_types:
         layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]

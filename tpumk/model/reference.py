@@ -112,6 +112,11 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); cap 0: x unchanged."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
 def mlp_activation(gate: jax.Array, act: str = "silu") -> jax.Array:
     """The gated MLP's activation (ModelConfig.mlp_act): silu, or GELU's tanh approximation."""
     return jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
@@ -171,6 +176,12 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     return out
 
 
+def sublayer_in(cfg: ModelConfig, layer: Params, norm: str, x: jax.Array) -> jax.Array:
+    """What a sublayer reads: the residual normalized by the layer's `norm` weights (attn_norm /
+    mlp_norm), or without pre_norms (OLMo 2) the residual itself."""
+    return rms_norm(x, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.pre_norms else x
+
+
 def sublayer_out(cfg: ModelConfig, layer: Params, norm: str, y: jax.Array) -> jax.Array:
     """What a sublayer adds to the residual: its output, or with post_norms (Gemma 3) its
     output normalized by the layer's `norm` weights (post_attn_norm / post_mlp_norm)."""
@@ -190,10 +201,13 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: 
     q, k, v = (matmul(x, layer[w]) for w in ("wq", "wk", "wv"))
     if cfg.qkv_bias:  # added in float32 to the float32 products, as the kernel does
         q, k, v = (a + layer[n].astype(jnp.float32) for a, n in ((q, "bq"), (k, "bk"), (v, "bv")))
+    if cfg.qk_norm_whole:  # OLMo 2: one norm across every head (the true lanes of each)
+        q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.num_q_heads * cfg.true_head_dim)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.num_kv_heads * cfg.true_head_dim)
     q = q.reshape(b, t, cfg.num_q_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)
     freqs = rope_freqs(cfg, jnp, local=bool(cfg.layer_window(i)))
@@ -210,14 +224,14 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     window > 0 (a sliding-window layer): a query at p sees only keys k with p - k < window
     (transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
 
-    Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D);
-    the softmax runs in float32; probabilities are cast to the cache dtype for p . v.
+    Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D) (then
+    soft-capped when cfg.attn_softcap); the softmax runs in float32; probabilities are cast to the cache dtype for p . v.
     """
     group = cfg.num_q_heads // cfg.num_kv_heads
     b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s / cfg.score_divisor
+    s = soft_cap(s / cfg.score_divisor, cfg.attn_softcap)
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
@@ -232,7 +246,7 @@ def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params["final_norm"], cfg.rms_eps, cfg.norm_width)
     # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return matmul(x, head)
+    return soft_cap(matmul(x, head), cfg.final_softcap)
 
 
 def embed(params: Params, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -294,7 +308,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     kc, vc = cache.k, cache.v
     x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = sublayer_in(cfg, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, positions, i)
         kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
         vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
@@ -303,7 +317,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
         x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
+        h = sublayer_in(cfg, layer, "mlp_norm", x)
         x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
@@ -319,11 +333,11 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = sublayer_in(cfg, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
         o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
         x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
+        h = sublayer_in(cfg, layer, "mlp_norm", x)
         x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
 

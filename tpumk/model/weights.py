@@ -47,8 +47,10 @@ def expected_shapes(cfg: ModelConfig) -> Params:
                    "wo": (cfg.q_size, h), "mlp_norm": (h,)}
             if cfg.qkv_bias:
                 lay.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
-        if cfg.qk_norm:
-            lay.update(q_norm=(d,), k_norm=(d,))
+        if not cfg.pre_norms:  # OLMo 2: only the post-sublayer norms
+            del lay["attn_norm"], lay["mlp_norm"]
+        if cfg.qk_norm:  # per head, or across every head (qk_norm_whole)
+            lay.update(q_norm=(cfg.q_size if cfg.qk_norm_whole else d,), k_norm=(cfg.kv_size if cfg.qk_norm_whole else d,))
         if cfg.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         if cfg.layer_is_dense(i):

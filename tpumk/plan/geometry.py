@@ -184,6 +184,8 @@ class AttentionGeometry:
     # scores are q . k / sqrt(score_dim): a lane-padded head's true width, or the model's
     # attn_scalar (Gemma's query_pre_attn_scalar); 0: head_dim
     score_dim: float = 0
+    # scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2); 0: not capped
+    softcap: float = 0
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -193,7 +195,7 @@ class AttentionGeometry:
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
-                   score_dim=cfg.attn_scalar or cfg.head_width)
+                   score_dim=cfg.attn_scalar or cfg.head_width, softcap=cfg.attn_softcap)
 
     # ------------------------------------------------------------------ derived sizes
     @property

@@ -39,6 +39,9 @@ def lane_padded(cfg: ModelConfig) -> ModelConfig | None:
     hidden = round_up(cfg.hidden_size, LANE)
     kv_heads, q_heads, d = cfg.num_kv_heads, cfg.num_q_heads, cfg.head_dim
     if not cfg.is_mla and d == LANE // 2 and kv_heads % 2:
+        if cfg.qk_norm_whole:  # the added zero heads would join the norm's count of heads
+            raise PlanError(f"model '{cfg.name}': num_kv_heads = {cfg.num_kv_heads}: an odd number of 64-wide KV heads "
+                            "is padded with a zero head, which a QK-norm across all heads (qk_norm_whole) would count")
         kv_heads, q_heads = kv_heads + 1, q_heads + q_heads // kv_heads
     if not cfg.is_mla and d != LANE // 2 and d % LANE:
         d = round_up(d, LANE)

@@ -362,9 +362,11 @@ class Plan:
 
 def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
-    norms' widths (they take the q_norm / k_norm rows), and with qkv_bias the q|k|v bias row."""
+    norms' widths (they take the q_norm / k_norm rows), with qkv_bias the q|k|v bias row, and
+    with qk_norm_whole the q norm's q_size."""
     bias = cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias), LANE)
+    whole = cfg.q_size if cfg.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole), LANE)
 
 
 def scale_offsets(families: dict[str, MatrixFamily]) -> dict[str, int]:
@@ -591,6 +593,10 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         raise NotSupportedError(f"--quant {spec.quant}: head_dim = {spec.model.head_dim} runs padded to "
                                 f"{padded.head_dim} lanes, and wo's {fmt.group}-row scale groups would straddle its "
                                 "heads (use int8 or fp8)")
+    if spec.devices > 1 and spec.model.qk_norm_whole:
+        raise NotSupportedError(f"--devices {spec.devices}: model '{spec.model.name}' normalizes q and k across all "
+                                "heads (qk_norm_whole, OLMo 2), a sum over every device's heads the kernel does not "
+                                "exchange yet; it builds on one device")
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
