@@ -90,12 +90,14 @@ CHECKPOINTS = {
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
 # dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
 # dense-w12 a window on one layer of two; their configs and reference logits stay above.
-# And Gemma's: gemma3-sandwich runs the same GeGLU, embedding factor and (1 + w) norms through the
-# kernel, with Gemma 3's parts on top.
+# And Gemma's and Gemma 3's: gemma2-softcap runs the same GeGLU, embedding factor, (1 + w) norms
+# and post-sublayer norms from a checkpoint through the kernel (the loader reads Gemma 2 and 3
+# alike, and q_norm / k_norm as for Qwen3); Gemma 3's own parts (per-head QK-norm, the local
+# RoPE theta) run in test_megakernel_archs.py's dense-gemma against the reference.
 # And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
 # heads of 64), run through the megakernel against transformers in the default run.
 FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
-                     "gemma-geglu", "smollm2-lanes")
+                     "gemma-geglu", "smollm2-lanes", "gemma3-sandwich")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -210,21 +212,34 @@ def test_phi3_fused_tensors_in_fp8_are_refused(tmp_path):
         load_checkpoint(ckpt)
 
 
-# ---------------------------------------------------------------------- Llama: N devices, int8 (full tier)
-@pytest.mark.full  # every architecture x device count x quant: 4-device and int8 paths run on Qwen3 by default
-def test_llama_on_4_host_devices_and_with_int8_weights(tmp_path):
-    """A tiny Llama (llama3 RoPE, 128-wide heads: a 64-wide KV head alone on a device is not a
-    whole lane block, which the plan refuses) through `tpumk generate --devices 4` (2 KV heads
-    replicated on 4 devices) gives transformers' greedy tokens; quantized to int8 at pack
-    time, the megakernel and the reference fed the same weights give the same tokens."""
+# ---------------------------------------------------------------------- 4 host devices, int8 (full tier)
+def check_4_devices_and_int8(ckpt) -> None:
+    """`tpumk generate --devices 4` on the checkpoint gives transformers' greedy tokens; quantized
+    to int8 at pack time, the megakernel and the reference fed the same weights give the same
+    tokens."""
     from test_multidevice import generate_on_devices
     from tpumk.decode.generate import quantized
 
-    ckpt = build_checkpoint(tmp_path / "llama", arch="llama", seed=9, rope_parameters=LLAMA3_ROPE)
     want = hf_greedy(ckpt, PROMPTS, 6)
     got = generate_on_devices(ckpt, PROMPTS, 6, 4)
     assert got["devices"] == 4 and got["tokens"] == want
-
     m = quantized(load_model(None, str(ckpt)), "int8")
     ref = generate(m, PROMPTS, 6, backend="reference")["tokens"]
     assert generate(m, PROMPTS, 6, backend="megakernel", page_size=8)["tokens"] == ref
+
+
+@pytest.mark.full  # every architecture x device count x quant: 4-device and int8 paths run on Qwen3 by default
+def test_llama_on_4_host_devices_and_with_int8_weights(tmp_path):
+    """A tiny Llama (llama3 RoPE, 128-wide heads: a 64-wide KV head alone on a device is not a
+    whole lane block, which the plan refuses; 2 KV heads replicated on 4 devices)."""
+    check_4_devices_and_int8(build_checkpoint(tmp_path / "llama", arch="llama", seed=9, rope_parameters=LLAMA3_ROPE))
+
+
+@pytest.mark.full  # the default run has Gemma 3's parts on 2 host devices (test_multidevice.py dense-2dev-kv-split)
+def test_gemma3_on_4_host_devices_and_with_int8_weights(tmp_path):
+    """A tiny Gemma 3 (128-wide heads: 4 query / 2 KV heads, so each of 4 devices holds a whole
+    lane block of a replicated KV head; hidden 192 lane padded; a sliding layer with its own
+    theta; untied): its post-sublayer norms after the all-reduce."""
+    check_4_devices_and_int8(build_checkpoint(tmp_path / "gemma3", **{
+        **CHECKPOINTS["gemma3-sandwich"], "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "seed": 19}))

@@ -43,9 +43,10 @@ unconditional, and the tile compute is branch-free.
 
 Numerics (as the reference): scores are q cast to the cache dtype times k with float32
 accumulation, scaled by 1/sqrt(head_dim) (then soft-capped, Gemma 2); softmax in float32;
-probabilities cast to the cache dtype for p.v with float32 accumulation. The online softmax casts unnormalised probabilities
-and divides by the running sum at the end, so float32 caches agree with the reference to
-rounding and bfloat16 caches to the bfloat16 rounding of p (see tests).
+probabilities cast to the cache dtype for p.v with float32 accumulation. The online softmax
+casts unnormalised probabilities and divides by the running sum at the end, so float32 caches
+agree with the reference to rounding and bfloat16 caches to the bfloat16 rounding of p (see
+tests).
 
 Positions outside [0, pages_per_seq * page_size) (the host checks them by default, see
 `tpumk.model.positions`; the kernel must not touch another sequence's pages or leave the cache
