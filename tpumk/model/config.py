@@ -560,6 +560,10 @@ _HF_UNSUPPORTED_FIELDS = {
     "use_sinks": "attention sinks",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose sliding layers `layer_types` names (without it: each family's default pattern),
+# and those whose window applies whenever `sliding_window` is set (no use_sliding_window flag).
+_HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text")
+_HF_ALWAYS_WINDOWED = ("mistral", "phi3", "gemma2", "gemma3_text")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
@@ -820,7 +824,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     (`sliding_window_pattern`). Gemma 2: always a window, on the layers `layer_types` names, else
     on the even ones."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
-    if mt in ("qwen3", "qwen2", "gemma2", "gemma3_text"):
+    if mt in _HF_LAYER_TYPED:
         for t in layer_types:
             if t not in _LAYER_TYPES:
                 raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
@@ -830,7 +834,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
                               f"layer ({n_layers})")
     if mt == "llama":  # no window in Llama's attention, whatever the file says
         return {}
-    if mt in ("mistral", "phi3", "gemma2", "gemma3_text"):  # whenever sliding_window is set (no use_sliding_window flag)
+    if mt in _HF_ALWAYS_WINDOWED:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
@@ -842,16 +846,16 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
         return {}
     if window < 1:
         raise ConfigError(f"{hf.source}: field 'sliding_window' = {window}: expected a positive integer")
-    if mt == "gemma3_text" and not layer_types:
-        key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
-        pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
-        layers = [i for i in range(n_layers) if (i + 1) % pattern]
-    elif mt == "gemma2" and not layer_types:
-        layers = list(range(0, n_layers, 2))
-    elif mt not in ("qwen3", "qwen2", "gemma2", "gemma3_text"):
+    if mt not in _HF_LAYER_TYPED:
         layers = list(range(n_layers))
     elif layer_types:
         layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    elif mt == "gemma3_text":
+        key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
+        pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
+        layers = [i for i in range(n_layers) if (i + 1) % pattern]
+    elif mt == "gemma2":
+        layers = list(range(0, n_layers, 2))
     else:
         first = hf.int_("max_window_layers", 1 << 30, default=28)
         layers = list(range(first, n_layers))

@@ -225,7 +225,8 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     (transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
 
     Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D) (then
-    soft-capped when cfg.attn_softcap); the softmax runs in float32; probabilities are cast to the cache dtype for p . v.
+    soft-capped when cfg.attn_softcap); the softmax runs in float32; probabilities are cast to
+    the cache dtype for p . v.
     """
     group = cfg.num_q_heads // cfg.num_kv_heads
     b, t = q.shape[:2]

@@ -50,7 +50,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
         if not cfg.pre_norms:  # OLMo 2: only the post-sublayer norms
             del lay["attn_norm"], lay["mlp_norm"]
         if cfg.qk_norm:  # per head, or across every head (qk_norm_whole)
-            lay.update(q_norm=(cfg.q_size if cfg.qk_norm_whole else d,), k_norm=(cfg.kv_size if cfg.qk_norm_whole else d,))
+            q_norm, k_norm = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (d, d)
+            lay.update(q_norm=(q_norm,), k_norm=(k_norm,))
         if cfg.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         if cfg.layer_is_dense(i):
