@@ -89,7 +89,7 @@ CHECKPOINTS = {
 # smollm2-lanes' shapes, the same kernel (its logits are checked against transformers above).
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
 # dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
-# dense-w12 a window on one layer of two; their configs and reference logits stay above.
+# dense-gemma a window on one layer of two; their configs and reference logits stay above.
 # And Gemma's and Gemma 3's: gemma2-softcap runs the same GeGLU, embedding factor, (1 + w) norms
 # and post-sublayer norms from a checkpoint through the kernel (the loader reads Gemma 2 and 3
 # alike, and q_norm / k_norm as for Qwen3); Gemma 3's own parts (per-head QK-norm, the local

@@ -38,11 +38,12 @@ MODELS = {
                                        vocab_size=500)),
     # 96-wide heads with QK-norm run 128 wide: [q1 0 q2 0] per head, norm and scale over 96
     "dense-d96": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200)),
-    # Gemma 2 and 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, QK-norm,
-    # each sublayer's output normalized before the residual (post_norms), scores / sqrt(48)
-    # rather than sqrt(64) and soft-capped at 2, logits soft-capped at 3, and layer 0 sliding a
-    # 12-token window with its own RoPE theta
-    "dense-gemma": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+    # Gemma 2 and 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, per-head
+    # QK-norm on 96-wide heads run 128 wide (as dense-d96), each sublayer's output normalized
+    # before the residual (post_norms), scores / sqrt(48) rather than sqrt(96) and soft-capped
+    # at 2, logits soft-capped at 3, and layer 0 sliding a 12-token window with its own RoPE
+    # theta (as dense-w12: a query at 40 needs KV tiles 1 and 2 only)
+    "dense-gemma": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=3, num_kv_heads=1, ffn_size=200,
                                        mlp_act="gelu_tanh", embed_scale=192 ** 0.5, post_norms=True,
                                        attn_scalar=48.0, sliding_window=12, sliding_layers=[0],
                                        rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)),
@@ -78,18 +79,21 @@ CASES = [
     ("dense-lanes", "float32", [17, 40], 2, dict(kv_tile_pages=1)),
     ("dense-d96", "float32", [9, 33], 1, dict(kv_tile_pages=1)),
     # float32: silu for GeGLU would be 0.6 % of the logit scale off, a bfloat16 bound allows 1.6 %
-    ("dense-gemma", "float32", [17, 30], 1, dict(kv_tile_pages=1)),
+    ("dense-gemma", "float32", [40, 5, 23], 1, dict(kv_tile_pages=1)),
     ("dense-olmo2", "float32", [9, 26], 1, dict(kv_tile_pages=1)),
 ]
 
 
 # The full tier: moe-d64-w20 (moe-d64-g4 runs 64-wide heads in a MoE model, dense-w12 the
 # sliding window), dense-d64 (64-wide heads, two per 128-lane block: moe-d64-g4 and dense-lanes)
-# and dense-w12 in bfloat16 at q = 2 (the window: dense-w12 in float32; bfloat16 at q = 2:
-# moe-d64-g4; a window on every layer: test_hf_archs.py's phi3-sliding).
+# dense-w12 (a window on one layer of two: dense-gemma's layer 0, the same 12-token window and
+# cache lengths; bfloat16 at q = 2: moe-d64-g4; a window on every layer: test_hf_archs.py's
+# phi3-sliding) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
+# across all heads: dense-olmo2's).
 # Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
 V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2")
-FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16")}
+FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16"), ("dense-w12", "float32"),
+        ("dense-d96", "float32")}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=f"{c[0]}-{c[1]}-q{c[3]}",

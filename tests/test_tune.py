@@ -260,8 +260,10 @@ def test_report_explains_missing_importances(tmp_path):
 
 # ---------------------------------------------------------------------- kill, then resume
 def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
+    # --timeout 60: a compile stuck on a loaded host is pruned (counted as evaluated) instead of
+    # outliving the rerun's 300 s limit under the default 900 s.
     args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
-                                                          "--heartbeat", 1, "--json")]
+                                                          "--heartbeat", 1, "--timeout", 60, "--json")]
     name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
     db = tmp_path / "artifacts" / "tune" / f"{name}.db"
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
