@@ -134,6 +134,8 @@ def test_bench_errors_are_one_line(args, message):
     ("tiny-moe", {}, "int4"),  # the same quantized weights: int8 ring matrices, group-scaled int4 experts
     # OLMo 2's norms: none before the sublayers, one after each, QK-norm across all heads
     ("tiny-dense", dict(pre_norms=False, post_norms=True, qk_norm_whole=True), "none"),
+    # Cohere's: LayerNorm without bias, attention and the MLP on one normed input
+    ("tiny-dense", dict(qk_norm=False, norm_kind="layer", parallel_blocks=True), "none"),
 ])
 def test_xla_step_matches_the_reference(preset, overrides, quant):
     """The XLA step (contiguous head-major cache, gathered experts) computes the reference step."""

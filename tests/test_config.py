@@ -420,6 +420,55 @@ def test_pre_norms_and_whole_qk_norm_are_validated_and_planned_where_they_build(
         make_plan(BuildSpec(odd, get_target("tpu7x")))
 
 
+# Command-R's config.json (c4ai-command-r-v01, transformers 4.x keys).
+COMMAND_R = {
+    "architectures": ["CohereForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 5,
+    "eos_token_id": 255001, "hidden_act": "silu", "hidden_size": 8192, "initializer_range": 0.02,
+    "intermediate_size": 22528, "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "max_position_embeddings": 8192,
+    "model_type": "cohere", "num_attention_heads": 64, "num_hidden_layers": 40, "num_key_value_heads": 64,
+    "pad_token_id": 0, "rope_theta": 8000000.0, "torch_dtype": "float16", "use_cache": True, "use_qk_norm": False,
+    "vocab_size": 256000,
+}
+
+
+def test_hf_cohere_reads_layer_norms_and_parallel_blocks():
+    cfg = from_hf_config(COMMAND_R)
+    assert (cfg.norm_kind, cfg.parallel_blocks, cfg.rms_eps, cfg.qk_norm, cfg.tie_embeddings) == \
+        ("layer", True, 1e-5, False, True)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.dtype) == \
+        (8192, 128, 64, 8e6, "bfloat16")
+    # one norm per layer (no mlp_norm): 40 x 8192 fewer parameters than the same model in series
+    assert cfg.replace(parallel_blocks=False).param_count() - cfg.param_count() == 40 * 8192
+    from tpumk.model.weights import expected_shapes
+
+    assert "mlp_norm" not in expected_shapes(cfg)["layers"][0]
+    with pytest.raises(NotSupportedError, match=r"use_qk_norm = true"):
+        from_hf_config({**COMMAND_R, "use_qk_norm": True})
+    with pytest.raises(ConfigError, match=r"field 'logit_scale' = 0: expected a positive number"):
+        from_hf_config({**COMMAND_R, "logit_scale": 0})
+
+
+def test_layer_norm_and_parallel_blocks_are_validated_and_planned():
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    dense = load_preset("tiny-dense").replace(qk_norm=False)
+    for base, changes, match in [
+        (dense, dict(norm_kind="batch"), r"field 'norm_kind' = 'batch': expected one of rms, layer"),
+        (load_preset("tiny-dense"), dict(norm_kind="layer"), r"field 'norm_kind' = 'layer': expected 'rms' for an "
+                                                            r"MLA model or with qk_norm"),
+        (dense, dict(parallel_blocks=True, post_norms=True), r"field 'parallel_blocks' = True: expected false with "
+                                                            r"post_norms"),
+        (load_preset("tiny-moe").replace(qk_norm=False), dict(parallel_blocks=True), r"field 'parallel_blocks'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            base.replace(**changes)
+    cohere = dense.replace(norm_kind="layer", parallel_blocks=True)
+    for devices in (1, 2):  # on 2 devices: tests/test_multidevice.py's dense-2dev-cohere
+        assert make_plan(BuildSpec(cohere, get_target("tpu7x"), devices=devices)).cfg.parallel_blocks
+
+
 # Qwen2.5-7B's published config.json (transformers 4.x keys).
 QWEN25_7B = {
     "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,

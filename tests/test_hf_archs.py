@@ -5,8 +5,9 @@ heads, 4 query heads per KV head), a Mistral whose every layer has a window, a P
 qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
 widths are off the 128-lane grid (the plan pads them), a Qwen2 with q / k / v biases and a Gemma
 (GeGLU, (1 + w) norms, scaled embeddings, widths off the lane grid), a Gemma 2 (soft-capped
-scores and logits, sandwich norms), a Gemma 3 and an OLMo 2 (norms only after the sublayers,
-QK-norm across all heads). Each generates
+scores and logits, sandwich norms), a Gemma 3, an OLMo 2 (norms only after the sublayers,
+QK-norm across all heads) and a Cohere (LayerNorm, parallel attention and MLP, interleaved RoPE,
+logit scale). Each generates
 the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
 and its megakernel compiles deviceless for TPU7x.
 """
@@ -78,6 +79,12 @@ CHECKPOINTS = {
     # (a 192-wide norm over 2 heads of 96, run 128 wide); hidden 192, FFN 200, untied
     "olmo2-postnorm": dict(arch="olmo2", seed=18, hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
                            head_dim=96, intermediate_size=200, vocab_size=500, rope_theta=500000.0),
+    # Cohere (Command-R): LayerNorm without bias, attention and the MLP in parallel on one normed
+    # input, RoPE on interleaved pairs (rows permuted on load), logits x 0.25 (folded into the
+    # final norm); hidden 192, 3 query / 1 KV heads of 64, untied (tied, a tiny random model
+    # mostly repeats its last token)
+    "cohere-parallel": dict(arch="cohere", seed=20, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False, logit_scale=0.25),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
 }
@@ -94,10 +101,14 @@ CHECKPOINTS = {
 # and post-sublayer norms from a checkpoint through the kernel (the loader reads Gemma 2 and 3
 # alike, and q_norm / k_norm as for Qwen3); Gemma 3's own parts (per-head QK-norm, the local
 # RoPE theta) run in test_megakernel_archs.py's dense-gemma against the reference.
+# And Cohere's: its parts (LayerNorm, parallel blocks) run in test_megakernel_archs.py's
+# dense-cohere against the reference (TPU7x and v6e compiles) and test_multidevice.py's
+# dense-2dev-cohere; what only its loader does (interleaved q / k rows permuted, logit_scale
+# folded) is checked by its reference logits against transformers above.
 # And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
 # heads of 64), run through the megakernel against transformers in the default run.
 FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
-                     "gemma-geglu", "smollm2-lanes", "gemma3-sandwich")
+                     "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -116,6 +127,7 @@ def test_config_reads_the_variant(checkpoint):
     assert (cfg.rope_local_theta != 0) == name.startswith("gemma3")
     assert (cfg.attn_softcap, cfg.final_softcap) == ((3.0, 5.0) if name.startswith("gemma2") else (0.0, 0.0))
     assert (cfg.mlp_act == "gelu_tanh") == (cfg.embed_scale != 1.0) == name.startswith("gemma")
+    assert (cfg.norm_kind == "layer") == cfg.parallel_blocks == name.startswith("cohere")
     if name.startswith("llama"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
@@ -134,6 +146,9 @@ def test_config_reads_the_variant(checkpoint):
     elif name == "olmo2-postnorm":
         assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 96, 2, 2)
         assert not cfg.tie_embeddings and cfg.rope_theta == 500000.0
+    elif name == "cohere-parallel":
+        assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 64, 3, 1)
+        assert not cfg.tie_embeddings and cfg.rms_eps == 1e-5 and cfg.sliding_window == 0
     elif name == "qwen2-bias":
         assert cfg.qkv_bias and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (160, 64, 4, 2)
     elif name == "smollm2-lanes":
@@ -149,7 +164,7 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (1,))
 
 
-def test_reference_logits_match_transformers(checkpoint):
+def test_reference_logits_match_transformers(checkpoint, monkeypatch):
     """Full-sequence logits over a 24-token sequence (4x the window) agree to f32 rounding."""
     import numpy as np
 
@@ -179,6 +194,16 @@ def test_reference_logits_match_transformers(checkpoint):
         assert np.max(np.abs(np.asarray(forward_full(normed, m.cfg.replace(pre_norms=True), tokens)) - want)) > 100 * bound
         plain = m.cfg.replace(qk_norm=False, qk_norm_whole=False)
         assert np.max(np.abs(np.asarray(forward_full(m.params, plain, tokens)) - want)) > 100 * bound
+    if m.cfg.parallel_blocks:  # Cohere: RMSNorm, the MLP after attention, or unscaled logits would not agree
+        serial = {**m.params, "layers": [{**lay, "mlp_norm": lay["attn_norm"]} for lay in m.params["layers"]]}
+        unscaled = {**m.params, "final_norm": np.asarray(m.params["final_norm"]) * 4.0}
+        for cfg, params in ((m.cfg.replace(norm_kind="rms"), m.params), (m.cfg.replace(parallel_blocks=False), serial),
+                            (m.cfg, unscaled)):
+            assert np.max(np.abs(np.asarray(forward_full(params, cfg, tokens)) - want)) > 100 * bound
+        # nor would q / k rows loaded as stored (rotate-half RoPE on Cohere's interleaved pairs)
+        monkeypatch.setattr("tpumk.model.checkpoint._rope_deinterleave", lambda a, *_: a)
+        raw = load_model(None, str(ckpt))
+        assert np.max(np.abs(np.asarray(forward_full(raw.params, raw.cfg, tokens)) - want)) > 100 * bound
 
 
 @pytest.mark.parametrize("checkpoint", KERNEL_CASES, indirect=True)
@@ -209,6 +234,20 @@ def test_phi3_fused_tensors_in_fp8_are_refused(tmp_path):
 
     ckpt = fp8_checkpoint(build_checkpoint(tmp_path / "phi3", arch="phi3", seed=11), tmp_path / "fp8")
     with pytest.raises(NotSupportedError, match=r"fused tensor 'model\.layers\.0\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight' in fp8$"):
+        load_checkpoint(ckpt)
+
+
+def test_cohere_q_k_in_fp8_are_refused(tmp_path):
+    """Cohere's q / k rows are permuted on load (interleaved RoPE pairs to rotate-half order); an
+    fp8 checkpoint's scale blocks would have to move with them, which the loader does not do."""
+    from hf_utils import fp8_checkpoint
+
+    from tpumk.errors import NotSupportedError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    ckpt = fp8_checkpoint(build_checkpoint(tmp_path / "cohere", **CHECKPOINTS["cohere-parallel"]), tmp_path / "fp8")
+    with pytest.raises(NotSupportedError, match=r"tensor 'model\.layers\.0\.self_attn\.[qk]_proj\.weight' in fp8 "
+                                                r"\(Cohere's q / k rows are permuted on load"):
         load_checkpoint(ckpt)
 
 

@@ -351,7 +351,8 @@ CASES: list[Case] = [
     json_case("json-layer-types-sliding", hf_json(layer_types=["sliding_attention"])),
     json_case("json-attention-bias", hf_json(attention_bias=True)),
     json_case("json-rope-yarn", hf_json(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
-    json_case("json-cohere", hf_json(model_type="cohere")),  # LayerNorm and parallel blocks: not modelled
+    json_case("json-cohere-qk-norm", hf_json(model_type="cohere", use_qk_norm=True)),  # per-head LayerNorm
+    json_case("json-cohere-logit-scale", hf_json(model_type="cohere", logit_scale=-1.0)),
     json_case("json-gelu", hf_json(hidden_act="gelu")),
     json_case("json-int8-dtype", hf_json(torch_dtype="int8")),
     # ---- model names that are not one path component

@@ -2,7 +2,8 @@
 (two kv heads per 128-lane block) and 256, and sliding-window layers (only the window's KV
 tiles streamed); and Gemma 2 and 3's parts (GeGLU, the embedding factor, post-sublayer norms,
 their score scale, soft-capped scores and logits, the sliding layers' own RoPE theta), and
-OLMo 2's (norms only after the sublayers, QK-norm across all heads). Interpret mode with the race detector on, and the same plans compiled
+OLMo 2's (norms only after the sublayers, QK-norm across all heads), and Cohere's (LayerNorm,
+parallel attention and MLP). Interpret mode with the race detector on, and the same plans compiled
 deviceless for TPU7x, the head layouts in V6E for v6e too (tolerances as tests/test_megakernel.py).
 """
 
@@ -52,6 +53,10 @@ MODELS = {
     # the true 384 / 192 lanes)
     "dense-olmo2": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200,
                                        pre_norms=False, post_norms=True, qk_norm_whole=True)),
+    # Cohere in small, on padded widths: LayerNorm without bias (mean and variance over the true
+    # 192 lanes), attention and the MLP reading one normed input, both added to the residual
+    "dense-cohere": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+                                        qk_norm=False, norm_kind="layer", parallel_blocks=True)),
 }
 
 
@@ -81,6 +86,7 @@ CASES = [
     # float32: silu for GeGLU would be 0.6 % of the logit scale off, a bfloat16 bound allows 1.6 %
     ("dense-gemma", "float32", [40, 5, 23], 1, dict(kv_tile_pages=1)),
     ("dense-olmo2", "float32", [9, 26], 1, dict(kv_tile_pages=1)),
+    ("dense-cohere", "float32", [12, 35], 1, dict(kv_tile_pages=1)),
 ]
 
 
@@ -91,7 +97,7 @@ CASES = [
 # phi3-sliding) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
 # across all heads: dense-olmo2's).
 # Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
-V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2")
+V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere")
 FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16"), ("dense-w12", "float32"),
         ("dense-d96", "float32")}
 
@@ -145,6 +151,21 @@ def test_each_olmo2_part_changes_the_output():
     a, _ = reference_step(cfg)(params, tok, pos, cache)
     for other, weights in ((cfg.replace(pre_norms=True), {**params, "layers": [{**lay, **ones} for lay in params["layers"]]}),
                            (cfg.replace(qk_norm=False, qk_norm_whole=False), params)):
+        b, _ = reference_step(other)(weights, tok, pos, cache)
+        assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+
+
+def test_each_cohere_part_changes_the_output():
+    """dense-cohere's kernel case is not vacuous: RMSNorm instead of LayerNorm, or the MLP after
+    attention (normed by the same weights), move the reference's logits by more than 1e-3 of
+    their scale."""
+    cfg, params = model("dense-cohere", "float32")
+    serial = {**params, "layers": [{**lay, "mlp_norm": lay["attn_norm"]} for lay in params["layers"]]}
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    for other, weights in ((cfg.replace(norm_kind="rms"), params), (cfg.replace(parallel_blocks=False), serial)):
         b, _ = reference_step(other)(weights, tok, pos, cache)
         assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
 

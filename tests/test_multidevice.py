@@ -35,6 +35,10 @@ CASES = {
                                  rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0), 2, 2, 1, {}),
     # OLMo 2's norm placement: no norm before the sublayers, each all-reduced output normalized
     "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense", pre_norms=False, post_norms=True), 4, 2, 2, {}),
+    # Cohere's parts: LayerNorm without bias, attention and the MLP on one normed input (the MLP's
+    # all-reduced output joins the residual after attention's)
+    "dense-2dev-cohere": (dict(base="tiny-dense", name="dense-cohere", qk_norm=False, norm_kind="layer",
+                               parallel_blocks=True), 2, 2, 1, {}),
     "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {"all_reduce": "rsag"}),
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),

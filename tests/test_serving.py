@@ -30,12 +30,17 @@ def _paged_to_serving(cache: ref.KVCache, cfg) -> list:
     return out
 
 
-@pytest.mark.parametrize("preset, q_len", [("tiny-dense", 1), ("tiny-moe", 2)])
-def test_serving_step_matches_the_reference(preset, q_len):
-    cfg = load_preset(preset)
-    if not cfg.is_moe:  # Gemma 2 and 3's parts through the serving step too (layer 0 slides a 20-token window)
-        cfg = cfg.replace(mlp_act="gelu_tanh", embed_scale=16.0, post_norms=True, attn_scalar=96.0, sliding_window=20,
-                          sliding_layers=[0], rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)
+# Gemma 2 and 3's parts through the serving step too (layer 0 slides a 20-token window), and Cohere's
+GEMMA_PARTS = dict(mlp_act="gelu_tanh", embed_scale=16.0, post_norms=True, attn_scalar=96.0, sliding_window=20,
+                   sliding_layers=[0], rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)
+COHERE_PARTS = dict(qk_norm=False, norm_kind="layer", parallel_blocks=True)
+
+
+@pytest.mark.parametrize("preset, parts, q_len", [("tiny-dense", GEMMA_PARTS, 1), ("tiny-moe", {}, 2),
+                                                  ("tiny-dense", COHERE_PARTS, 1)],
+                         ids=["tiny-dense-1", "tiny-moe-2", "tiny-dense-cohere-1"])
+def test_serving_step_matches_the_reference(preset, parts, q_len):
+    cfg = load_preset(preset).replace(**parts)
     batch, ctx, page = 3, 64, 16
     params = random_params(cfg, 0)
     rng = np.random.default_rng(1)

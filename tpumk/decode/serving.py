@@ -117,7 +117,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
                                               num_queries_per_block=queries_per_block)
         x = x + ref.sublayer_out(cfg, layer, "post_attn_norm",
                                  ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"]))
-        hf = ref.sublayer_in(cfg, layer, "mlp_norm", x).reshape(b * t, -1)
+        hf = ref.mlp_in(cfg, layer, x, h).reshape(b * t, -1)
         f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
              else _moe_gathered(cfg, layer, hf))
         x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", f.reshape(b, t, -1))

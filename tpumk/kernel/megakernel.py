@@ -42,7 +42,7 @@ from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_gather_slices, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
-from tpumk.kernel.norms import rms_norm, rms_norm_heads, rope_heads, rope_tables, swiglu_act
+from tpumk.kernel.norms import residual_norm, rms_norm, rms_norm_heads, rope_heads, rope_tables, swiglu_act
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.kernel.mla_attention import mla_attention_stage
@@ -202,7 +202,7 @@ def _kernel(plan: Plan):
             else:
                 return
             if cfg.post_norms:
-                out = rms_norm(out, row(vec, post_norm, h), eps, cfg.norm_width)
+                out = residual_norm(cfg.norm_kind, out, row(vec, post_norm, h), eps, cfg.norm_width)
             s.resid[...] = s.resid[...] + out
 
         def swiglu_into(ref, tile_cols: int) -> Callable:
@@ -255,7 +255,8 @@ def _kernel(plan: Plan):
             """`normed` = what the next sublayer reads: the residual normed by the layer's `norm`
             row, or without pre_norms (OLMo 2) the residual itself (reference.sublayer_in)."""
             resid = s.resid[...]
-            s.normed[...] = rms_norm(resid, row(vec, norm, h), eps, cfg.norm_width) if cfg.pre_norms else resid
+            s.normed[...] = residual_norm(cfg.norm_kind, resid, row(vec, norm, h), eps, cfg.norm_width) \
+                if cfg.pre_norms else resid
 
         def rope_rows(layer):
             """This layer's cos / sin rows: with rope_local_theta the tables hold the full layers'
@@ -308,7 +309,8 @@ def _kernel(plan: Plan):
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(2 * layer, vec, "post_attn_norm")
-            sublayer_input(vec, "mlp_norm")
+            if not cfg.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
+                sublayer_input(vec, "mlp_norm")
 
         def dense_layer(seg):
             def body(layer):
@@ -350,7 +352,7 @@ def _kernel(plan: Plan):
 
         for seg in plan.segments[:-1]:
             ring.layer_loop(seg, dense_layer(seg) if seg.kind == "dense" else moe_layer(seg))
-        s.normed[...] = rms_norm(s.resid[...], final_norm[...], eps, cfg.norm_width)
+        s.normed[...] = residual_norm(cfg.norm_kind, s.resid[...], final_norm[...], eps, cfg.norm_width)
         head_blocks = plan.families["lm_head"].col_blocks
 
         # This device's blocks go to its slice of the output (one device: the whole output).

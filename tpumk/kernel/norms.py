@@ -1,4 +1,4 @@
-"""Elementwise pieces of a layer, written for a kernel body: RMSNorm, QK-norm + RoPE, SwiGLU.
+"""Elementwise pieces of a layer, written for a kernel body: RMSNorm, LayerNorm, QK-norm + RoPE, SwiGLU.
 
 Each follows its twin in tpumk.model.reference op for op (float32 throughout), so interpret-mode runs
 agree with the reference to float32 rounding. `rope_tables` runs outside the kernel (glue): it
@@ -19,6 +19,21 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -
     `width` < K when x's last lanes are zero padding (ModelConfig.norm_width)."""
     ms = jnp.sum(x * x, axis=-1, keepdims=True) / (width or x.shape[-1])
     return x * jax.lax.rsqrt(ms + eps) * w
+
+
+def layer_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
+    """x [N, K] f32, w [1, K] f32 -> LayerNorm without bias (reference's ops.layer_norm): mean
+    and variance over the first `width` lanes (< K when the last lanes are zero padding)."""
+    n = width or x.shape[-1]
+    mean = jnp.sum(x, axis=-1, keepdims=True) / n
+    d = jnp.where(_lane(x) < n, x - mean, 0.0)  # padding lanes stay 0 and out of the variance
+    var = jnp.sum(d * d, axis=-1, keepdims=True) / n
+    return d * jax.lax.rsqrt(var + eps) * w
+
+
+def residual_norm(kind: str, x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
+    """The residual stream's norm of ModelConfig.norm_kind: rms_norm, or layer_norm (Cohere)."""
+    return (layer_norm if kind == "layer" else rms_norm)(x, w, eps, width)
 
 
 def rope_tables(positions: jax.Array, inv_freq, heads: int = 1) -> tuple[jax.Array, jax.Array]:

@@ -1,5 +1,5 @@
 """Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Phi-3, Granite, Gemma,
-DeepSeek-V3, Kimi K2) into the reference weight layout.
+OLMo 2, Cohere, DeepSeek-V3, Kimi K2) into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -11,9 +11,10 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
     model.norm.weight                          -> final_norm
     lm_head.weight                             -> lm_head (transposed; ignored when tied)
     model.layers.{i}.input_layernorm.weight    -> attn_norm
-    model.layers.{i}.post_attention_layernorm  -> mlp_norm (Gemma 3: post_attn_norm)
+    model.layers.{i}.post_attention_layernorm  -> mlp_norm (Gemma 3: post_attn_norm; Cohere has none)
     model.layers.{i}.{pre,post}_feedforward_layernorm -> mlp_norm, post_mlp_norm (Gemma 3)
-    model.layers.{i}.self_attn.{q,k,v,o}_proj  -> wq, wk, wv, wo (transposed)
+    model.layers.{i}.self_attn.{q,k,v,o}_proj  -> wq, wk, wv, wo (transposed; Cohere: each head's
+                                                  q / k rows evens then odds, its RoPE pairs interleaved)
     model.layers.{i}.self_attn.qkv_proj        -> wq, wk, wv (Phi-3: q rows, then k, then v)
     model.layers.{i}.self_attn.{q,k}_norm      -> q_norm, k_norm
     model.layers.{i}.mlp.{gate,up,down}_proj   -> w_gate, w_up, w_down (dense layers)
@@ -65,7 +66,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig, load_hf_model, override_dtype
+from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
+                                load_hf_model, override_dtype)
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
@@ -233,6 +235,9 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     plan: dict[str, list[_Dest]] = {}
     ignored = [n for n in names if _IGNORED.match(n)] + _mtp_layers(cfg, config_json, names)
     interleave = cfg.is_mla and config_json.get("rope_interleave", True) is not False
+    # Cohere rotates interleaved pairs over the whole head: q / k rows permuted the same way
+    # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
+    cohere = config_json.get("model_type") == "cohere"
 
     def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
             hf_shape: tuple[int, ...] | None = None) -> None:
@@ -259,7 +264,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             if cfg.pre_norms:
                 add(p + "pre_feedforward_layernorm.weight", i, "mlp_norm")
             add(p + "post_feedforward_layernorm.weight", i, "post_mlp_norm")
-        else:
+        elif not cfg.parallel_blocks:  # Cohere's MLP reads input_layernorm's output too
             add(p + "post_attention_layernorm.weight", i, "mlp_norm")
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
@@ -270,8 +275,11 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                     hf_shape=(q + 2 * kv, h))
             add(p + "self_attn.o_proj.weight", i, "wo", _t)
         else:
-            for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
-                add(p + f"self_attn.{proj}.weight", i, key, _t)
+            d = cfg.head_dim
+            for proj, key, heads in (("q_proj", "wq", cfg.num_q_heads), ("k_proj", "wk", cfg.num_kv_heads),
+                                     ("v_proj", "wv", 0), ("o_proj", "wo", 0)):
+                fix = (lambda a, n=heads: _rope_deinterleave(a, n, d, d).T) if cohere and heads else _t
+                add(p + f"self_attn.{proj}.weight", i, key, fix, hf_shape=tuple(reversed(shapes["layers"][i][key])))
             if cfg.qkv_bias:  # Qwen2: q, k and v biases (o has none)
                 for proj, key in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
                     add(p + f"self_attn.{proj}.bias", i, key)
@@ -347,6 +355,15 @@ def fold_gemma_norms(cfg: ModelConfig, params: Params) -> Params:
     return {**params, "layers": layers, "final_norm": plus_one(params["final_norm"])}
 
 
+def fold_logit_scale(cfg: ModelConfig, params: Params, config_json: dict[str, Any]) -> Params:
+    """Cohere's logits x logit_scale folded into the final norm's weights (the lm_head is linear
+    in them), so a tied head stays tied: computed in float32, cast to the weights' dtype (exact
+    for a power of two such as the releases' 0.0625)."""
+    s = np.float32(config_json.get("logit_scale", COHERE_LOGIT_SCALE))
+    w = (np.asarray(params["final_norm"], np.float32) * s).astype(jnp.dtype(jnp_dtype(cfg)))
+    return {**params, "final_norm": w}
+
+
 def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face checkpoint directory, or a Llama GGUF file (a path ending in .gguf:
     `tpumk.model.gguf`), into (config, params).
@@ -378,6 +395,8 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         cfg, params = fold_granite_scalars(cfg, params, config_json)
     if config_json.get("model_type") in HF_GEMMA_FAMILIES:
         params = fold_gemma_norms(cfg, params)
+    if config_json.get("model_type") == "cohere":
+        params = fold_logit_scale(cfg, params, config_json)
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
@@ -447,6 +466,9 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                                     "(official fp8 releases store one tensor per expert)")
         if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
+        if w in plan and config_json.get("model_type") == "cohere" and plan[w][0][1] in ("wq", "wk"):
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' in fp8 (Cohere's q / k "
+                                    "rows are permuted on load; the loader does not permute scale blocks)")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
         raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{and_more(missing)}")

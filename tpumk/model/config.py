@@ -31,13 +31,16 @@ ROPE_SCALINGS = ("none", "linear", "llama3")  # tpumk.model.rope
 # The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
 # gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
 MLP_ACTS = ("silu", "gelu_tanh")
+# The residual stream's norms: RMSNorm, or LayerNorm without bias (Cohere: mean subtracted).
+NORM_KINDS = ("rms", "layer")
 # A layer's norm weight vectors in the reference layout (replicated on many devices; Gemma's
 # (1 + w) is folded into each on load).
 LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 # Fields added after models were first described: to_dict leaves them out at their defaults, so
 # the description (and every content-addressed key made from it) of an older model is unchanged.
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
-                "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole")
+                "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
+                "parallel_blocks")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -164,6 +167,11 @@ class ModelConfig:
     # head, weights of q_size / kv_size) rather than per head.
     pre_norms: bool = True
     qk_norm_whole: bool = False
+    # Cohere (Command-R): the residual's norms (attn_norm, mlp_norm, final_norm) are LayerNorm
+    # without bias (NORM_KINDS), and attention and the MLP read the same normed input, both
+    # outputs added to the residual ("parallel" blocks: no mlp_norm).
+    norm_kind: str = "rms"
+    parallel_blocks: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -262,6 +270,13 @@ class ModelConfig:
         if not self.pre_norms:  # a layer keeps its norms after the sublayers
             need(self.post_norms, "pre_norms", "true unless post_norms is true (a layer needs one of them)")
         need(isinstance(self.qk_norm_whole, bool), "qk_norm_whole", "true or false")
+        need(self.norm_kind in NORM_KINDS, "norm_kind", f"one of {', '.join(NORM_KINDS)}")
+        if self.norm_kind != "rms":  # MLA's latent norms and QK-norm are RMSNorms
+            need(not self.is_mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
+        need(isinstance(self.parallel_blocks, bool), "parallel_blocks", "true or false")
+        if self.parallel_blocks:  # the kernel's MLP reads attention's normed input, kept in VMEM
+            need(self.pre_norms and not self.post_norms and not self.is_moe and not self.is_mla, "parallel_blocks",
+                 "false with post_norms, without pre_norms, or for a mixture-of-experts or MLA model")
         if self.qk_norm_whole:
             need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
         for f in ("attn_softcap", "final_softcap"):
@@ -382,7 +397,8 @@ class ModelConfig:
         h = self.hidden_size
         attn = self.attention_param_count()
         qk = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
-        norms = (2 * self.pre_norms + 2 * self.post_norms) * h + qk + self.q_lora_rank + self.kv_lora_rank
+        pre = (1 if self.parallel_blocks else 2) * self.pre_norms  # parallel blocks share one norm
+        norms = (pre + 2 * self.post_norms) * h + qk + self.q_lora_rank + self.kv_lora_rank
         if self.layer_is_dense(i):
             return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
         shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
@@ -525,7 +541,7 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------- Hugging Face import
 _HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "deepseek_v3", "kimi_k2")
+                 "gemma3_text", "cohere", "deepseek_v3", "kimi_k2")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
 _HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")  # OLMo 2: over the whole projection
 # GeGLU, embeddings x sqrt(hidden), (1 + w) norms (folded on load: tpumk.model.checkpoint), tied by default
@@ -542,6 +558,9 @@ _HF_GEMMA_ACTS = {**_HF_ACTS, "gelu": "gelu_tanh"}
 # (tpumk.model.checkpoint.fold_granite_scalars): the model is a Llama once they are folded.
 GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
                    "logits_scaling": 1.0}
+# Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
+# (tpumk.model.checkpoint.fold_logit_scale).
+COHERE_LOGIT_SCALE = 0.0625
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
@@ -568,8 +587,8 @@ _HF_ALWAYS_WINDOWED = ("mistral", "phi3", "gemma2", "gemma3_text")
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
-    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3, DeepSeek-V3,
-    Kimi K2) into a ModelConfig.
+    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3, Cohere,
+    DeepSeek-V3, Kimi K2) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
     never silently built wrong. A field of the wrong type or out of bounds raises ConfigError
@@ -649,7 +668,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM,
         qkv_bias=mt in _HF_QKV_BIAS,
-        tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES),  # Gemma's default: tied
+        tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES + ("cohere",)),  # their default: tied
         dtype=dtype,
         mlp_act=acts[act],
     )
@@ -673,6 +692,14 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         fields.update(_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
     if mt == "olmo2":  # norms after each sublayer only; q / k normalized across all heads
         fields.update(pre_norms=False, post_norms=True, qk_norm_whole=True)
+    if mt == "cohere":  # LayerNorm without bias, attention and MLP in parallel, interleaved RoPE (on load)
+        if hf.bool_("use_qk_norm", False):
+            raise NotSupportedError(f"{source}: not supported yet: use_qk_norm = true "
+                                    "(Cohere's per-head LayerNorm of q / k)")
+        if hf.number("logit_scale", COHERE_LOGIT_SCALE) <= 0:
+            raise ConfigError(f"{source}: field 'logit_scale' = {_short_repr(data['logit_scale'])}: "
+                              "expected a positive number")
+        fields.update(norm_kind="layer", parallel_blocks=True, rms_eps=hf.number("layer_norm_eps", 1e-5))
     if mt == "granite":
         for key, default in GRANITE_SCALARS.items():
             if hf.number(key, default) <= 0:

@@ -27,6 +27,24 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -
     return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
 
 
+def layer_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
+    """LayerNorm without bias over the last axis (Cohere's, in float32): (x - mean) *
+    rsqrt(variance + eps) * w, mean and variance over the first `width` lanes (default: all);
+    zero padding lanes past `width` stay out of both and come out 0."""
+    x = x.astype(jnp.float32)
+    n = width or x.shape[-1]
+    mean = jnp.sum(x, axis=-1, keepdims=True) / n
+    true = jax.lax.broadcasted_iota(jnp.int32, (1,) * (x.ndim - 1) + (x.shape[-1],), x.ndim - 1) < n
+    d = jnp.where(true, x - mean, 0.0)
+    var = jnp.sum(d * d, axis=-1, keepdims=True) / n
+    return d * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32)
+
+
+def residual_norm(kind: str, x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
+    """The residual stream's norm of ModelConfig.norm_kind: RMSNorm, or LayerNorm without bias."""
+    return (layer_norm if kind == "layer" else rms_norm)(x, w, eps, width)
+
+
 def matmul(x: jax.Array, w) -> jax.Array:
     """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract).
     A `QuantizedMatrix` (tpumk.model.quantize): x and the codes in its compute dtype, the

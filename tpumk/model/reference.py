@@ -54,7 +54,7 @@ import numpy as np
 from tpumk.model.config import ModelConfig
 from tpumk.model.positions import new_lengths
 from tpumk.model import mla
-from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, rms_norm
+from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import inv_freq as rope_freqs
 
 Params = dict[str, Any]
@@ -179,13 +179,19 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
 def sublayer_in(cfg: ModelConfig, layer: Params, norm: str, x: jax.Array) -> jax.Array:
     """What a sublayer reads: the residual normalized by the layer's `norm` weights (attn_norm /
     mlp_norm), or without pre_norms (OLMo 2) the residual itself."""
-    return rms_norm(x, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.pre_norms else x
+    return residual_norm(cfg.norm_kind, x, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.pre_norms else x
+
+
+def mlp_in(cfg: ModelConfig, layer: Params, x: jax.Array, attn_in: jax.Array) -> jax.Array:
+    """What the MLP reads: the residual after attention normalized by mlp_norm, or with
+    parallel_blocks (Cohere) attention's own input `attn_in` (both outputs join the residual)."""
+    return attn_in if cfg.parallel_blocks else sublayer_in(cfg, layer, "mlp_norm", x)
 
 
 def sublayer_out(cfg: ModelConfig, layer: Params, norm: str, y: jax.Array) -> jax.Array:
     """What a sublayer adds to the residual: its output, or with post_norms (Gemma 3) its
     output normalized by the layer's `norm` weights (post_attn_norm / post_mlp_norm)."""
-    return rms_norm(y, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.post_norms else y
+    return residual_norm(cfg.norm_kind, y, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.post_norms else y
 
 
 def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
@@ -244,7 +250,7 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
 
 
 def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps, cfg.norm_width)
+    x = residual_norm(cfg.norm_kind, x, params["final_norm"], cfg.rms_eps, cfg.norm_width)
     # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return soft_cap(matmul(x, head), cfg.final_softcap)
@@ -318,7 +324,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
         x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = sublayer_in(cfg, layer, "mlp_norm", x)
+        h = mlp_in(cfg, layer, x, h)
         x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
@@ -338,7 +344,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         q, k, v = qkv(cfg, layer, h, pos, i)
         o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
         x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = sublayer_in(cfg, layer, "mlp_norm", x)
+        h = mlp_in(cfg, layer, x, h)
         x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
 

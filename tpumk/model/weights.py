@@ -49,6 +49,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
                 lay.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
         if not cfg.pre_norms:  # OLMo 2: only the post-sublayer norms
             del lay["attn_norm"], lay["mlp_norm"]
+        elif cfg.parallel_blocks:  # Cohere: attention and the MLP read one normed input
+            del lay["mlp_norm"]
         if cfg.qk_norm:  # per head, or across every head (qk_norm_whole)
             q_norm, k_norm = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (d, d)
             lay.update(q_norm=(q_norm,), k_norm=(k_norm,))
