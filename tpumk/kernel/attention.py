@@ -600,15 +600,11 @@ def issue_ahead(seq_meta, meta_width: int, batch: int, buffers: int, total, firs
     """Start the first `buffers - 1` steps' tile loads into slots 0 .. buffers - 2 (the
     pipeline's fill). Returns the prefetch cursor after them."""
     advance = _advance(seq_meta, meta_width, batch, first_of)
-
-    def issue(k, cursor):
-        pb, pt = cursor
-        pl.when(k < total)(lambda: fetch(pb, pt, k))
-        return advance(pb, pt)
-
-    # A loop, not buffers - 1 unrolled copies of `fetch` (each a few pl.when per page): tracing,
-    # lowering and compiling the kernel cost about that much less.
-    return lax.fori_loop(0, buffers - 1, issue, (jnp.int32(0), first_of(0)))  # from sequence 0's first tile
+    pb, pt = jnp.int32(0), first_of(0)  # sequence 0's first tile
+    for k in range(buffers - 1):
+        pl.when(k < total)(lambda pb=pb, pt=pt, k=k: fetch(pb, pt, k))
+        pb, pt = advance(pb, pt)
+    return pb, pt
 
 
 def run_tile_pipeline(seq_meta, meta_width: int, batch: int, buffers: int, total, first_of,

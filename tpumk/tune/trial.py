@@ -126,7 +126,13 @@ class TrialRunner:
     def _lookup(self, trial, key: str) -> float | None:
         """The value from the result cache or another trial of the study (or PRUNED as that
         one was); None when this trial owns the configuration and must evaluate it."""
-        # Announce the configuration before looking for others (the claim's "choosing" phase).
+        # Announce the configuration before looking for others (the claim's "choosing" phase),
+        # with a heartbeat on record first: Optuna's RDB storages never count a RUNNING trial
+        # without one as stale, so an owner killed before its heartbeat thread's first beat
+        # would hold the waiters of its configuration forever.
+        beat = getattr(trial.study._storage, "record_heartbeat", None)
+        if beat is not None and self.settings.heartbeat:
+            beat(trial._trial_id)
         trial.set_user_attr(KEY_ATTR, key)
         entry = self.cache.lookup(key, self.objective.name)
         if entry is not None:
