@@ -57,14 +57,24 @@ def hf_qwen3_moe_dir(tmp_path_factory) -> Path:
 # small CPU programs each process would otherwise compile again on start are read back instead.
 # Deviceless TPU executables are never written there (tpumk.compat.no_persistent_cache_write).
 SESSION_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+# XLA:CPU without LLVM's optimisation passes, for the session and the subprocesses it starts
+# (tests/host_flags.py keeps them when it sets a host-device count). An interpret-mode kernel
+# lowers to a CPU program of thousands of ops that a test runs a few times, so optimising its
+# machine code costs more than it saves (a 1-device kernel test: 35 s -> 24 s). The flags only
+# reach XLA's CPU backend: a deviceless TPU7x build's HLO is byte-identical with and without.
+FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def pytest_configure(config) -> None:
     import os
     import tempfile
 
-    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return  # a worker inherits the controller's; a directory the user chose is kept
+    if hasattr(config, "workerinput"):
+        return  # a worker inherits the controller's environment
+    config._tpumk_xla_flags = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{config._tpumk_xla_flags or ''} {FAST_CPU_FLAGS}".strip()
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # a directory the user chose is kept
     config._tpumk_jax_cache = tempfile.mkdtemp(prefix="tpumk-tests-jax-cache-")
     os.environ.update(SESSION_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=config._tpumk_jax_cache)
 
@@ -73,6 +83,11 @@ def pytest_unconfigure(config) -> None:
     import os
     import shutil
 
+    if hasattr(config, "_tpumk_xla_flags"):
+        if config._tpumk_xla_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = config._tpumk_xla_flags
     d = getattr(config, "_tpumk_jax_cache", None)
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)

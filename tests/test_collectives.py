@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from host_flags import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 CALLS = 4  # all_reduce calls per kernel: both parities, each twice
 ROWS, WIDTH = 8, 256
@@ -115,7 +117,7 @@ def _run_worker(n: int, schedule: str, dtype: str = "float32", counter_step: int
     # thread: with fewer threads than devices, devices still allocating their scratch wait
     # for a thread while the blocked ones wait for them (seen as a hang with 8 devices).
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+               XLA_FLAGS=xla_flags(n))
     proc = subprocess.run([sys.executable, __file__, str(n), schedule, dtype, str(counter_step)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,6 +31,8 @@ import pytest
 import tomli_w
 from click.testing import CliRunner
 
+from host_flags import xla_flags
+
 from artifact_helpers import copy_artifact, edit_manifest
 
 from tpumk.cli import main
@@ -333,7 +335,7 @@ def test_loaded_step_mesh_glue_matches_the_reference_on_host_devices():
 def _run(what: str, n: int) -> dict:
     # NPROC: interpreted devices block XLA's CPU pool threads (tpumk.targets.ensure_host_devices)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+               XLA_FLAGS=xla_flags(n))
     proc = subprocess.run([sys.executable, __file__, what, str(n)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

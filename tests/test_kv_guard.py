@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from host_flags import xla_flags
+
 from tpumk.errors import PositionError, TokenError, TpumkError
 from tpumk.model import reference as R
 from tpumk.model.positions import check_step, check_tokens
@@ -370,7 +372,7 @@ def _worker() -> dict:
 
 def test_two_devices_never_write_outside_the_contract():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu",
-               NPROC="8", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               NPROC="8", XLA_FLAGS=xla_flags(2))
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from host_flags import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 XLA_COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
 
@@ -148,7 +150,7 @@ def _run(cases: list[str]) -> dict:
     n = max(CASES[c][1] for c in cases)
     # NPROC: see tpumk.targets.ensure_host_devices (interpreted devices block pool threads).
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+               XLA_FLAGS=xla_flags(n))
     proc = subprocess.run([sys.executable, __file__, *cases], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600 * len(cases))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -364,8 +366,8 @@ def test_generate_devices_4_equals_transformers(fixture, request):
 def generate_on_devices(ckpt, prompts, steps: int, devices: int) -> dict:
     """`tpumk generate --backend megakernel --devices N --json` on a checkpoint, in a fresh
     process (it makes its own host devices): the parsed report."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the command makes its host devices itself
+    # the command makes its host devices itself
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
                            ";".join(",".join(map(str, p)) for p in prompts), "--steps", str(steps), "--backend",
                            "megakernel", "--devices", str(devices), "--json"],

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from host_flags import xla_flags
+
 from tpumk.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +152,7 @@ def _worker(case: str) -> dict:
 def _run(case: str) -> dict:
     n = CASES[case][1]
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+               XLA_FLAGS=xla_flags(n))
     proc = subprocess.run([sys.executable, __file__, case], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
