@@ -57,11 +57,12 @@ def hf_qwen3_moe_dir(tmp_path_factory) -> Path:
 # small CPU programs each process would otherwise compile again on start are read back instead.
 # Deviceless TPU executables are never written there (tpumk.compat.no_persistent_cache_write).
 SESSION_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-# XLA:CPU without LLVM's optimisation passes, for the session and the subprocesses it starts
-# (tests/host_flags.py keeps them when it sets a host-device count). An interpret-mode kernel
-# lowers to a CPU program of thousands of ops that a test runs a few times, so optimising its
-# machine code costs more than it saves (a 1-device kernel test: 35 s -> 24 s). The flags only
-# reach XLA's CPU backend: a deviceless TPU7x build's HLO is byte-identical with and without.
+# XLA:CPU without LLVM's optimisation passes for every program of the session and of the
+# subprocesses it starts (tests/host_flags.py keeps them when it sets a host-device count):
+# the interpreted kernels get these and more from tpumk.targets.INTERPRET_COMPILER_OPTIONS, the
+# rest (references, XLA steps, packing) are small programs run a few times. A 1-device kernel
+# test: 35 s -> 24 s on a quiet host. Only flags libtpu knows too (it parses XLA_FLAGS and
+# aborts on others); a deviceless TPU7x build's HLO is byte-identical with and without them.
 FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -72,7 +73,7 @@ def pytest_configure(config) -> None:
     if hasattr(config, "workerinput"):
         return  # a worker inherits the controller's environment
     config._tpumk_xla_flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{config._tpumk_xla_flags or ''} {FAST_CPU_FLAGS}".strip()
+    os.environ["XLA_FLAGS"] = f"{FAST_CPU_FLAGS} {config._tpumk_xla_flags or ''}".strip()  # the user's win
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return  # a directory the user chose is kept
     config._tpumk_jax_cache = tempfile.mkdtemp(prefix="tpumk-tests-jax-cache-")

@@ -32,7 +32,7 @@ from tpumk.model.config import ModelConfig
 from tpumk.errors import PlanError
 from tpumk.kernel.attention import AttentionScratch, attention_prefetch, attention_scratch, attention_stage
 from tpumk.plan.geometry import AttentionGeometry
-from tpumk.targets import get_target
+from tpumk.targets import INTERPRET_COMPILER_OPTIONS, get_target
 
 NUM_LAYERS = 2
 LAYER = 1  # the stage updates layer 1 only; layer 0 must come back untouched
@@ -258,7 +258,8 @@ def test_attention_stage_matches_reference(name):
     geom = case.geometry()
     args = make_inputs(case, loop)
     want_o, want_k, want_v = run_expected(case, loop, args)
-    o, k, v = jax.block_until_ready(jax.jit(make_call(geom, num_pages(case), True, loop))(*args))
+    o, k, v = jax.block_until_ready(jax.jit(make_call(geom, num_pages(case), True, loop),
+                                            compiler_options=INTERPRET_COMPILER_OPTIONS)(*args))
     races = interpret_races()
     assert races is not None and not races.races_found, "data race detected"
 

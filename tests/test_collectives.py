@@ -86,6 +86,7 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
 
     from tpumk.compat import interpret_races
     from tpumk.plan.geometry import AllReduceGeometry
+    from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
     geom = AllReduceGeometry(n, ROWS if dtype == "float32" else 16, WIDTH, dtype, schedule)
     geom.validate()
@@ -95,7 +96,8 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
     local = make_local(geom, CALLS, pltpu.InterpretParams(detect_races=True), counter_step)
     mesh = Mesh(np.asarray(jax.devices("cpu")[:n]), ("tp",))
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False),
+                   compiler_options=INTERPRET_COMPILER_OPTIONS)
     out = np.asarray(step(x))
     want = np.stack([ordered_sum(x[:, t], dtype) for t in range(CALLS)])
     races = interpret_races()

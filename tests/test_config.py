@@ -412,9 +412,13 @@ def test_pre_norms_and_whole_qk_norm_are_validated_and_planned_where_they_build(
         load_preset("tiny-moe").replace(pre_norms=False, post_norms=True)
     olmo = dense.replace(pre_norms=False, post_norms=True, qk_norm_whole=True)
     assert make_plan(BuildSpec(olmo, get_target("tpu7x"))).cfg.qk_norm_whole
-    with pytest.raises(NotSupportedError, match=r"^--devices 2: model 'tiny-dense' normalizes q and k across all heads "
-                                                r"\(qk_norm_whole, OLMo 2\).*; it builds on one device$"):
-        make_plan(BuildSpec(olmo, get_target("tpu7x"), devices=2))
+    # on many devices the rows' sums of squares are all-reduced before the norm: a third
+    # collective per layer (test_multidevice.py runs it against the reference on 4 host devices)
+    for devices, per_layer in ((2, 3), (4, 3)):
+        p = make_plan(BuildSpec(olmo, get_target("tpu7x"), devices=devices))
+        assert p.layer_collectives == per_layer and p.collectives_per_step == per_layer * olmo.num_layers + 1
+        assert p.sharding.summary(p.whole_model)["collectives_per_layer"] == per_layer
+    assert make_plan(BuildSpec(olmo.replace(qk_norm_whole=False), get_target("tpu7x"), devices=2)).layer_collectives == 2
     odd = olmo.replace(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1)  # a zero KV head would join
     with pytest.raises(PlanError, match=r"num_kv_heads = 1: an odd number of 64-wide KV heads is padded"):
         make_plan(BuildSpec(odd, get_target("tpu7x")))
@@ -435,6 +439,8 @@ def test_hf_cohere_reads_layer_norms_and_parallel_blocks():
     cfg = from_hf_config(COMMAND_R)
     assert (cfg.norm_kind, cfg.parallel_blocks, cfg.rms_eps, cfg.qk_norm, cfg.tie_embeddings) == \
         ("layer", True, 1e-5, False, True)
+    assert cfg.replace(name="command-r") == load_preset("command-r")
+    assert cfg.param_count() == 34_980_831_232  # tpumk's count; the release says 35 B
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.dtype) == \
         (8192, 128, 64, 8e6, "bfloat16")
     # one norm per layer (no mlp_norm): 40 x 8192 fewer parameters than the same model in series

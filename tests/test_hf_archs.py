@@ -282,3 +282,11 @@ def test_gemma3_on_4_host_devices_and_with_int8_weights(tmp_path):
     check_4_devices_and_int8(build_checkpoint(tmp_path / "gemma3", **{
         **CHECKPOINTS["gemma3-sandwich"], "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
         "seed": 19}))
+
+
+@pytest.mark.full  # the default run has OLMo 2's parts on 4 host devices (test_multidevice.py dense-4dev-kv-replicated-verify)
+def test_olmo2_on_4_host_devices_and_with_int8_weights(tmp_path):
+    """A tiny OLMo 2 (4 query / 2 KV heads of 96, run 128 wide; each KV head on 2 devices): q and k
+    normalized across every device's heads, the sums of squares all-reduced in the kernel."""
+    check_4_devices_and_int8(build_checkpoint(tmp_path / "olmo2", **{
+        **CHECKPOINTS["olmo2-postnorm"], "num_attention_heads": 4, "num_key_value_heads": 2, "seed": 23}))

@@ -32,6 +32,7 @@ from host_flags import xla_flags
 from tpumk.errors import PositionError, TokenError, TpumkError
 from tpumk.model import reference as R
 from tpumk.model.positions import check_step, check_tokens
+from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_POOL = (10000, -5)
@@ -189,7 +190,8 @@ def test_attention_stage_never_writes_outside_the_pool(name):
 
     tas, case, loop, args = _stage_args(name)
     geom, pages = case.geometry(), tas.num_pages(case)
-    o, k, v = jax.block_until_ready(jax.jit(tas.make_call(geom, pages, True, loop))(*args))
+    o, k, v = jax.block_until_ready(jax.jit(tas.make_call(geom, pages, True, loop),
+                                            compiler_options=INTERPRET_COMPILER_OPTIONS)(*args))
     races = interpret_races()
     assert races is not None and not races.races_found, "data race detected"
     want_o, want_k, want_v = _stage_expected(tas, case, loop, args)

@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpumk.model import reference as R
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import ModelConfig, expected_distinct_experts, load_preset
+from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 from tpumk.errors import PlanError
 from tpumk.kernel.moe import MoEScratch, moe_scratch, moe_stage, pack_experts, packed_shapes, start_router_fetch
 from tpumk.plan.geometry import MoEGeometry, moe_layer_ids
@@ -150,8 +151,9 @@ def test_moe_stage_matches_reference(name):
         x = np.broadcast_to(x[:, :1], x.shape)
     x = jnp.asarray(x)
 
-    y, counts = _wrapper(geom, pltpu.InterpretParams(detect_races=True), started)(
-        x, packed["router"], packed["e_gateup"], packed["e_down"])
+    y, counts = jax.jit(_wrapper(geom, pltpu.InterpretParams(detect_races=True), started),
+                        compiler_options=INTERPRET_COMPILER_OPTIONS)(x, packed["router"], packed["e_gateup"],
+                                                                     packed["e_down"])
     assert not _races_found(), "race detector reported a DMA/compute race"
     y, counts = np.asarray(y), np.asarray(counts)
 

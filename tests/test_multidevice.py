@@ -35,8 +35,11 @@ CASES = {
     "dense-2dev-kv-split": (dict(base="tiny-dense", name="dense-v1001", vocab_size=1001, post_norms=True,
                                  mlp_act="gelu_tanh", attn_scalar=96.0, sliding_window=20, sliding_layers=[0],
                                  rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0), 2, 2, 1, {}),
-    # OLMo 2's norm placement: no norm before the sublayers, each all-reduced output normalized
-    "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense", pre_norms=False, post_norms=True), 4, 2, 2, {}),
+    # OLMo 2's norms: none before the sublayers, each all-reduced output normalized, q and k each
+    # normalized across all heads (the rows' sums of squares all-reduced first: 3 collectives a
+    # layer), here with each KV head on 2 devices (counted once)
+    "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense", pre_norms=False, post_norms=True, qk_norm_whole=True),
+                                        4, 2, 2, {}),
     # Cohere's parts: LayerNorm without bias, attention and the MLP on one normed input (the MLP's
     # all-reduced output joins the residual after attention's)
     "dense-2dev-cohere": (dict(base="tiny-dense", name="dense-cohere", qk_norm=False, norm_kind="layer",

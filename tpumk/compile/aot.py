@@ -102,7 +102,7 @@ def compile_plan(plan) -> Compiled:
     # The cache is donated so the kernel's in-place K/V writes alias it (no copy), as in serving.
     # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
     # every step (the kernel aliases them in place).
-    step = make_decode_step(plan, donate_cache=True)
+    step = make_decode_step(plan, donate_cache=True, nested=True)
     if plan.devices == 1:
         return compile_for(step, step_specs(plan), plan.target, donate_argnums=(3,))
     # Many devices: the specs carry their NamedShardings over the step's mesh (one SPMD program).

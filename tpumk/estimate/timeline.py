@@ -409,7 +409,8 @@ def megakernel_step(plan) -> StepModel:
     entry = OP_DISPATCH_S + 2 * DMA_LATENCY_S + copy_in
     ledger.add("kernel_boundary", entry, inputs, copy_in)
 
-    # Many devices: the partial sums of o and of the FFN / MoE are all-reduced in the kernel
+    # Many devices: the partial sums of o and of the FFN / MoE (and an all-heads QK-norm's sums of
+    # squares) are all-reduced in the kernel
     # (tpumk.kernel.collectives). The compute waits for each; the ring's outstanding loads go on.
     reduce = all_reduce_seconds(t, plan.all_reduce)["seconds"] if plan.all_reduce is not None else 0.0
 
@@ -429,6 +430,8 @@ def megakernel_step(plan) -> StepModel:
                 tuple(n for n in seg.families if n in MLA_FAMILIES and n != "uv"), ("uv", "o"))
             for name in before:  # the projections ahead of attention (MLA: q path, kv_a, W_UK)
                 ring.family(name, "weight_ring", times)
+            if plan.layer_collectives == 3:  # the all-heads QK-norm's sums of squares
+                collective(times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
             layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))
             # the kernel's next-layer KV prefetch: GQA without sliding windows, every layer but

@@ -217,14 +217,14 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             # portable: on the cpu target, the discharge interpreter (serializable); TPU targets
             # ignore it. Donate in compile_for's own jit too: a donation inside a nested jit is
             # not honoured, and without it XLA copies both KV caches every step
-            compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True), specs, target,
-                                   donate_argnums=(3,))
-            program = make_decode_step(plan, portable=True)
+            compiled = compile_for(make_decode_step(plan, donate_cache=True, portable=True, nested=True), specs,
+                                   target, donate_argnums=(3,))
+            program = make_decode_step(plan, portable=True, nested=True)
             compiled_devices = None
         else:
             # the SPMD program over the plan's mesh (donating the cache), as `tpumk build` compiles it
             compiled = compile_plan(plan)
-            program = make_decode_step(plan)
+            program = make_decode_step(plan, nested=True)
             compiled_devices = _compiled_mesh(compiled, plan)
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled.compiled)

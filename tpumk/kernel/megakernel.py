@@ -29,6 +29,7 @@ and (GQA, no sliding windows) its first KV tiles start at the end of the previou
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -42,7 +43,8 @@ from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_gather_slices, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
 from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
-from tpumk.kernel.norms import residual_norm, rms_norm, rms_norm_heads, rope_heads, rope_tables, swiglu_act
+from tpumk.kernel.norms import (residual_norm, rms_norm, rms_norm_from_sums, rms_norm_heads, rope_heads, rope_tables,
+                                swiglu_act)
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.kernel.mla_attention import mla_attention_stage
@@ -51,6 +53,7 @@ from tpumk.plan.plan import Plan, mla_dims
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype, soft_cap
+from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
 
 class _Scratch:
@@ -189,9 +192,22 @@ def _kernel(plan: Plan):
                 return partial_to(width, tile_cols)
             return store_to(s.normed, width, tile_cols) if cfg.post_norms else add_to(s.resid, width, tile_cols)
 
+        # The collectives' counters, consecutive through the kernel: per layer the QK-norm's
+        # sums of squares (all-heads QK-norm only), o's partial sums, the FFN's / MoE's.
+        per_layer = plan.layer_collectives
+
+        def qk_sums_counter(layer):
+            return per_layer * layer
+
+        def attention_counter(layer):
+            return per_layer * layer + per_layer - 2
+
+        def ffn_counter(layer):
+            return per_layer * layer + per_layer - 1
+
         def reduce_into_resid(counter, vec=None, post_norm: str = "") -> None:
             """Many devices: resid += the sum over devices of `partial`, in device order (the same
-            bits everywhere). `counter` numbers the kernel's collectives (2 per layer). With
+            bits everywhere). `counter` numbers the kernel's collectives (`per_layer` per layer). With
             post_norms the sublayer's whole output (the sum, or on one device the block staged
             in `normed`) is normalized by the layer's `post_norm` row, then added."""
             if ar is not None:
@@ -248,7 +264,7 @@ def _kernel(plan: Plan):
                     s.mla_olat[b * t:(b + 1) * t, head * lat:head * lat + c] = o_lat[b, head * t:(head + 1) * t, 0:c]
             matmul(seg, layer, "uv", s.mla_olat, store_to(s.attn_out, fam["uv"].m_pad, fam["uv"].tile_cols))
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, fam["o"].tile_cols))
-            reduce_into_resid(2 * layer)
+            reduce_into_resid(attention_counter(layer))
             s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
 
         def sublayer_input(vec, norm: str) -> None:
@@ -267,6 +283,31 @@ def _kernel(plan: Plan):
             return (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
                     jnp.where(local, sin_ref[rows:2 * rows, :], sin_ref[0:rows, :]))
 
+        def whole_qk_norm(layer, vec) -> None:
+            """RMSNorm of q's and of k's rows across all heads, in place in the q|k|v scratch.
+            Many devices: each holds some heads, so the rows' sums of squares are all-reduced
+            first (the layer's first collective; lanes 0 and 1 of `partial`), a KV head held by
+            kv_replicas devices counted once (by the first of them)."""
+            whole = plan.whole_model
+            parts = (("q_norm", 0, q_size, whole.num_q_heads), ("k_norm", q_size, kv_size, whole.num_kv_heads))
+            if ar is None:
+                for name, lo, width, heads in parts:
+                    s.qkv[:, lo:lo + width] = rms_norm(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
+                                                       heads * cfg.true_head_dim)
+                return
+            sums = [jnp.sum(s.qkv[:, lo:lo + width] ** 2, axis=-1, keepdims=True) for _, lo, width, _ in parts]
+            replicas = plan.sharding.kv_replicas
+            if replicas > 1:
+                first = lax.rem(lax.axis_index(ar.axis), replicas) == 0
+                sums[1] = jnp.where(first, sums[1], 0.0)
+            lane = lax.broadcasted_iota(jnp.int32, s.partial.shape, 1)
+            s.partial[...] = jnp.where(lane == 0, sums[0], jnp.where(lane == 1, sums[1], 0.0))
+            # pad columns stay 0; o's blocks overwrite every other column of `partial` next
+            total = all_reduce(ar, s.partial[...], s.collectives, qk_sums_counter(layer))
+            for i, (name, lo, width, heads) in enumerate(parts):
+                s.qkv[:, lo:lo + width] = rms_norm_from_sums(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
+                                                             total[:, i:i + 1], heads * cfg.true_head_dim)
+
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
                 return mla_attention_block(seg, layer, vec)
@@ -282,10 +323,7 @@ def _kernel(plan: Plan):
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
             # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
             if cfg.qk_norm_whole:  # OLMo 2: one norm across all heads' true lanes (pad lanes are 0)
-                for name, lo, width, heads in (("q_norm", 0, q_size, cfg.num_q_heads),
-                                               ("k_norm", q_size, kv_size, cfg.num_kv_heads)):
-                    s.qkv[:, lo:lo + width] = rms_norm(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
-                                                       heads * cfg.true_head_dim)
+                whole_qk_norm(layer, vec)
             cos, sin = rope_rows(layer)  # loaded per layer: a value live across loops spills
             pack = heads_per_lane_block(d)
             for name, heads, base in (("q_norm", cfg.num_q_heads, 0), ("k_norm", cfg.num_kv_heads, q_size)):
@@ -308,7 +346,7 @@ def _kernel(plan: Plan):
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
-            reduce_into_resid(2 * layer, vec, "post_attn_norm")
+            reduce_into_resid(attention_counter(layer), vec, "post_attn_norm")
             if not cfg.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
                 sublayer_input(vec, "mlp_norm")
 
@@ -318,7 +356,7 @@ def _kernel(plan: Plan):
                 attention_block(seg, layer, vec)
                 matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
                 matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
-                reduce_into_resid(2 * layer + 1, vec, "post_mlp_norm")
+                reduce_into_resid(ffn_counter(layer), vec, "post_mlp_norm")
             return body
 
         def moe_layer(seg):
@@ -347,7 +385,7 @@ def _kernel(plan: Plan):
                     s.resid[...] = s.resid[...] + routed
                 else:  # this device's experts / widths: a partial sum
                     s.partial[0:rows, 0:h] = routed
-                    reduce_into_resid(2 * layer + 1)
+                    reduce_into_resid(ffn_counter(layer))
             return body
 
         for seg in plan.segments[:-1]:
@@ -467,7 +505,8 @@ def _device_step(plan: Plan, call) -> Callable:
     return run
 
 
-def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False):
+def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False,
+                     nested: bool = False):
     """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
 
     `packed` is `tpumk.kernel.layout.pack_weights(plan, params)` (one device) or
@@ -476,6 +515,11 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     `donate_cache` donates the input cache so the in-place update needs no copy (serving);
     off by default so callers may keep using the cache they passed in. `portable` (cpu target
     only) interprets the kernel without host callbacks so the step can be exported.
+
+    On the cpu target a call with concrete arrays compiles with `INTERPRET_COMPILER_OPTIONS`;
+    traced (inside a caller's jit, make_jaxpr, eval_shape) it is the plain jit, as JAX takes
+    compiler options only at the top level. `nested`: return the plain `jax.jit` object itself,
+    for callers that need one (`compile_for`, `jax.export`).
 
     Many devices (`plan.devices` > 1): one SPMD program, `jax.shard_map` over the 1-D mesh
     `step_mesh(plan)` around the same kernel; the cache is in the sharded layout
@@ -500,7 +544,19 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
         return logits, KVCache(k, v, cache.block_tables, lengths)
 
-    return jax.jit(step, donate_argnums=(3,) if donate_cache else ())
+    donate = (3,) if donate_cache else ()
+    plain = jax.jit(step, donate_argnums=donate)
+    if not plan.target.interpret or nested:
+        return plain
+    fast = jax.jit(step, donate_argnums=donate, compiler_options=INTERPRET_COMPILER_OPTIONS)
+
+    @functools.wraps(step)
+    def interpreted_step(*args):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            return plain(*args)
+        return fast(*args)
+
+    return interpreted_step
 
 
 def _shard_mapped(plan: Plan, run: Callable) -> Callable:

@@ -21,6 +21,12 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -
     return x * jax.lax.rsqrt(ms + eps) * w
 
 
+def rms_norm_from_sums(x: jax.Array, w: jax.Array, eps: float, sums: jax.Array, width: int) -> jax.Array:
+    """rms_norm of rows whose sums of squares `sums` [N, 1] were taken elsewhere (a norm across
+    heads that several devices hold, all-reduced): x * rsqrt(sums / width + eps) * w."""
+    return x * jax.lax.rsqrt(sums / width + eps) * w
+
+
 def layer_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
     """x [N, K] f32, w [1, K] f32 -> LayerNorm without bias (reference's ops.layer_norm): mean
     and variance over the first `width` lanes (< K when the last lanes are zero padding)."""

@@ -453,6 +453,7 @@ def _fp8_absorbed(cfg: ModelConfig, t: _Tensor, scale: _Tensor, compute) -> tupl
 def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
                  config_json: dict[str, Any] | None = None, fp8: bool = False) -> Params:
     plan, ignored = _plan(cfg, set(tensors), config_json)
+    cohere = (config_json or {}).get("model_type") == "cohere"
     # FP8 checkpoints: a weight with a `weight_scale_inv` beside it is stored in e4m3 blocks.
     scales = {n[:-len("_scale_inv")]: n for n in tensors if fp8 and n.endswith(".weight_scale_inv")}
     ignored = ignored + [n for w, n in scales.items() if w in plan]
@@ -466,7 +467,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                                     "(official fp8 releases store one tensor per expert)")
         if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
-        if w in plan and config_json.get("model_type") == "cohere" and plan[w][0][1] in ("wq", "wk"):
+        if w in plan and cohere and any(key in ("wq", "wk") for _, key, *_ in plan[w]):
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' in fp8 (Cohere's q / k "
                                     "rows are permuted on load; the loader does not permute scale blocks)")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer

@@ -242,6 +242,15 @@ class Plan:
         return self.sharding.devices if self.sharding is not None else 1
 
     @property
+    def layer_collectives(self) -> int:
+        """In-kernel all-reduces per layer on many devices: the o-projection's and the FFN's
+        partial sums, and first, with a QK-norm across all heads (OLMo 2), the sums of squares
+        of q's and k's rows (each device holds some heads). 0 on one device."""
+        if self.all_reduce is None:
+            return 0
+        return 3 if self.cfg.qk_norm_whole else 2
+
+    @property
     def collectives_per_step(self) -> int:
         return int(sum(v["count"] for v in self.interconnect.values()))
 
@@ -593,10 +602,6 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         raise NotSupportedError(f"--quant {spec.quant}: head_dim = {spec.model.head_dim} runs padded to "
                                 f"{padded.head_dim} lanes, and wo's {fmt.group}-row scale groups would straddle its "
                                 "heads (use int8 or fp8)")
-    if spec.devices > 1 and spec.model.qk_norm_whole:
-        raise NotSupportedError(f"--devices {spec.devices}: model '{spec.model.name}' normalizes q and k across all "
-                                "heads (qk_norm_whole, OLMo 2), a sum over every device's heads the kernel does not "
-                                "exchange yet; it builds on one device")
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
@@ -795,13 +800,14 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
 
 
 def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
-    """What one device sends to its peers per step: two all-reduces per layer (after the
-    o-projection and after the FFN / MoE), each sending `AllReduceGeometry.send_bytes`, and
-    the logits all-gather after the lm_head."""
+    """What one device sends to its peers per step: `Plan.layer_collectives` all-reduces per
+    layer (after the o-projection and after the FFN / MoE; with an all-heads QK-norm also its
+    sums of squares, in the same slot-sized buffers), each sending
+    `AllReduceGeometry.send_bytes`, and the logits all-gather after the lm_head."""
     g = plan.all_reduce
     if g is None:
         return {}
-    return {"all_reduce": {"count": 2 * plan.cfg.num_layers, "bytes_each": float(g.send_bytes),
+    return {"all_reduce": {"count": plan.layer_collectives * plan.cfg.num_layers, "bytes_each": float(g.send_bytes),
                            "messages_each": g.messages, "rounds": g.stages},
             # every device's logits slice to every peer (N - 1 slices sent, either schedule)
             "logits_all_gather": {"count": 1, "bytes_each": float((g.devices - 1) * logits_slice_bytes(plan)),

@@ -100,7 +100,7 @@ class ShardingPlan:
                           "o_proj": "split by input rows (heads), partial sums all-reduced"},
             "lm_head": {"split": "vocabulary", "columns_per_device": self.vocab},
             "replicated": ["embedding", "norms"] + (["router"] if cfg.is_moe else []),
-            "collectives_per_layer": 2 if self.devices > 1 else 0,
+            "collectives_per_layer": (3 if cfg.qk_norm_whole else 2) if self.devices > 1 else 0,
         }
         if cfg.is_mla:
             out["attention"] = {
@@ -159,6 +159,9 @@ class ShardingPlan:
         layers = []
         for i, lay in enumerate(params["layers"]):
             out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
+            if cfg.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
+                out["q_norm"] = cols(lay["q_norm"], q_lo, self.q_heads * dd)
+                out["k_norm"] = cols(lay["k_norm"], kv_lo, self.kv_heads * dd)
             if cfg.is_mla:
                 out.update(self._mla_params(cfg, lay, d, cols))
             else:
