@@ -243,12 +243,8 @@ class Plan:
 
     @property
     def layer_collectives(self) -> int:
-        """In-kernel all-reduces per layer on many devices: the o-projection's and the FFN's
-        partial sums, and first, with a QK-norm across all heads (OLMo 2), the sums of squares
-        of q's and k's rows (each device holds some heads). 0 on one device."""
-        if self.all_reduce is None:
-            return 0
-        return 3 if self.cfg.qk_norm_whole else 2
+        """In-kernel all-reduces per layer (`ShardingPlan.collectives_per_layer`); 0 on one device."""
+        return self.sharding.collectives_per_layer(self.cfg) if self.sharding is not None else 0
 
     @property
     def collectives_per_step(self) -> int:

@@ -91,6 +91,14 @@ class ShardingPlan:
             ffn_size=self.ffn, vocab_size=self.vocab,
             expert_ffn_size=self.expert_ffn if cfg.is_moe else 0, **shared)
 
+    def collectives_per_layer(self, cfg: ModelConfig) -> int:
+        """In-kernel all-reduces per layer: the o-projection's and the FFN's partial sums, and
+        first, with a QK-norm across all heads (OLMo 2), the sums of squares of q's and k's rows
+        (each device holds some heads). 0 on one device."""
+        if self.devices == 1:
+            return 0
+        return 3 if cfg.qk_norm_whole else 2
+
     def summary(self, cfg: ModelConfig) -> dict[str, Any]:
         """Plain data for the build report: what each device holds."""
         out: dict[str, Any] = {
@@ -100,7 +108,7 @@ class ShardingPlan:
                           "o_proj": "split by input rows (heads), partial sums all-reduced"},
             "lm_head": {"split": "vocabulary", "columns_per_device": self.vocab},
             "replicated": ["embedding", "norms"] + (["router"] if cfg.is_moe else []),
-            "collectives_per_layer": (3 if cfg.qk_norm_whole else 2) if self.devices > 1 else 0,
+            "collectives_per_layer": self.collectives_per_layer(cfg),
         }
         if cfg.is_mla:
             out["attention"] = {
