@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.model import reference
 
-from tpumk.compat import interpret_races
+from tpumk.compat import interpret_races, tpu_interpreter
 from tpumk.estimate import static_profile
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import ModelConfig
@@ -155,7 +155,7 @@ def make_call(geom: AttentionGeometry, pages: int, interpret: bool, layer_loop: 
         out_specs=(vmem, hbm, hbm),
         scratch_shapes=attention_scratch(geom),
         input_output_aliases={7: 1, 8: 2},
-        interpret=pltpu.InterpretParams(detect_races=True) if interpret else False,
+        interpret=tpu_interpreter(detect_races=True) if interpret else False,
     )
 
 

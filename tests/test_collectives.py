@@ -81,10 +81,9 @@ def ordered_sum(x: np.ndarray, dtype: str) -> np.ndarray:
 def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     """Runs in a subprocess with n host devices: the kernel on random per-device inputs."""
     import jax
-    from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from tpumk.compat import interpret_races
+    from tpumk.compat import interpret_races, tpu_interpreter
     from tpumk.plan.geometry import AllReduceGeometry
     from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
@@ -94,7 +93,7 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     # Values of mixed magnitudes, so the summation order changes the f32 bits.
     shape = (n, CALLS, geom.rows, geom.padded_width)
     x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
-    local = make_local(geom, CALLS, pltpu.InterpretParams(detect_races=True), counter_step)
+    local = make_local(geom, CALLS, tpu_interpreter(detect_races=True), counter_step)
     mesh = Mesh(np.asarray(jax.devices("cpu")[:n]), ("tp",))
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False),
                    compiler_options=INTERPRET_COMPILER_OPTIONS)

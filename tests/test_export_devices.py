@@ -350,6 +350,7 @@ def _discharge_worker(n: int) -> dict:
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, PartitionSpec as P
 
+    from tpumk.compat import tpu_interpreter
     from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_reduce, all_reduce_barrier, all_reduce_scratch
     from tpumk.plan.geometry import AllReduceGeometry
 
@@ -376,7 +377,7 @@ def _discharge_worker(n: int) -> dict:
             return {"failed": True, "error": type(e).__name__, "message": str(e).splitlines()[0][:300]}
         return {"failed": not bool(np.all(y == n))}
 
-    return {"tpu_interpreter": run(pltpu.InterpretParams()), "discharge": run(True)}
+    return {"tpu_interpreter": run(tpu_interpreter()), "discharge": run(True)}
 
 
 def _glue_worker(n: int) -> dict:

@@ -97,18 +97,22 @@ CHECKPOINTS = {
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
 # dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
 # dense-gemma a window on one layer of two; their configs and reference logits stay above.
-# And Gemma's and Gemma 3's: gemma2-softcap runs the same GeGLU, embedding factor, (1 + w) norms
-# and post-sublayer norms from a checkpoint through the kernel (the loader reads Gemma 2 and 3
-# alike, and q_norm / k_norm as for Qwen3); Gemma 3's own parts (per-head QK-norm, the local
-# RoPE theta) run in test_megakernel_archs.py's dense-gemma against the reference.
 # And Cohere's: its parts (LayerNorm, parallel blocks) run in test_megakernel_archs.py's
 # dense-cohere against the reference (TPU7x and v6e compiles) and test_multidevice.py's
 # dense-2dev-cohere; what only its loader does (interleaved q / k rows permuted, logit_scale
 # folded) is checked by its reference logits against transformers above.
+# And every Gemma's (gemma-geglu, gemma3-sandwich, gemma2-softcap) and OLMo 2's: every kernel part of
+# each runs against the reference in test_megakernel_archs.py (dense-gemma: GeGLU, embedding
+# factor, post-sublayer norms, both soft-caps, query_pre_attn_scalar, a local window and theta;
+# dense-olmo2: post-norms only, QK-norm across all heads; TPU7x and v6e compiles) and on 2 / 4
+# devices in test_multidevice.py (dense-2dev-kv-split, dense-4dev-kv-replicated-verify); what
+# their loaders do ((1 + w) norms, q_norm / k_norm over the whole projection) is checked by their
+# reference logits against transformers above.
 # And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
 # heads of 64), run through the megakernel against transformers in the default run.
 FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
-                     "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel")
+                     "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel", "gemma2-softcap",
+                     "olmo2-postnorm")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 

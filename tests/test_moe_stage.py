@@ -34,7 +34,7 @@ from tpumk.errors import PlanError
 from tpumk.kernel.moe import MoEScratch, moe_scratch, moe_stage, pack_experts, packed_shapes, start_router_fetch
 from tpumk.plan.geometry import MoEGeometry, moe_layer_ids
 from tpumk.estimate.static_profile import FLAG
-from tpumk.compat import interpret_races
+from tpumk.compat import interpret_races, tpu_interpreter
 from tpumk.targets import get_target
 
 
@@ -151,7 +151,7 @@ def test_moe_stage_matches_reference(name):
         x = np.broadcast_to(x[:, :1], x.shape)
     x = jnp.asarray(x)
 
-    y, counts = jax.jit(_wrapper(geom, pltpu.InterpretParams(detect_races=True), started),
+    y, counts = jax.jit(_wrapper(geom, tpu_interpreter(detect_races=True), started),
                         compiler_options=INTERPRET_COMPILER_OPTIONS)(x, packed["router"], packed["e_gateup"],
                                                                      packed["e_down"])
     assert not _races_found(), "race detector reported a DMA/compute race"

@@ -23,6 +23,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tpumk.compat import tpu_interpreter
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import load_preset
 from tpumk.kernel.layout import tile_matrix
@@ -69,7 +70,7 @@ def ring_kernel_fn(plan, interpret):
         in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [pl.BlockSpec(memory_space=pl.ANY)] * len(fams),
         scratch_shapes=[pltpu.VMEM((plan.ring_depth, plan.slot_rows, plan.slot_cols), jnp.float32),
                         pltpu.SemaphoreType.DMA((plan.ring_depth,))],
-        interpret=pltpu.InterpretParams(detect_races=True) if interpret else False,
+        interpret=tpu_interpreter(detect_races=True) if interpret else False,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=60 << 20),  # depth 40 x 1 MiB tiles
     )
     return call, fams

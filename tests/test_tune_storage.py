@@ -114,6 +114,10 @@ def run_two_processes(tmp_path: Path, storage: str, name: str) -> None:
     assert dups >= 2  # the queued duplicates
 
 
+# The full tier: two processes on one study run in the default run through PostgreSQL (below:
+# the same claim protocol, storage-agnostic); tune on a journal file, resumed after a torn
+# write, in test_hostile_files.py::test_tune_resumes_a_torn_journal.
+@pytest.mark.full
 def test_two_processes_share_a_journal_file(tmp_path):
     run_two_processes(tmp_path, str(tmp_path / "study.journal"), "shared-journal")
 
