@@ -49,10 +49,13 @@ MIXED_TILES = dict(qkv_tile_rows=128, qkv_tile_cols=512, o_tile_cols=256, gate_u
 # (id, preset, dtype, prompt lengths (= cache lengths before the step), q_len, tuning knobs).
 # FULL cases are the full tier: moe-f32-default-b4 (MoE at batch 4: moe-bf16-small-b4; float32
 # MoE: moe-f32-depth3-b1; the default knobs: every test that builds without knobs, e.g.
-# dense-f32-default-b8), dense-f32-mixed-b4 and dense-bf16-mixed-b4 (MIXED_TILES:
+# test_multidevice.py's cases and test_hf_archs.py's greedy runs), dense-f32-default-b8 (batch 8
+# with cache lengths on both sides of page boundaries: test_attention_stage.py's
+# f32-b8-q1-t2-n2-g8 in the stage; a batch-4 step: moe-bf16-small-b4; the default knobs as
+# above; tiny-dense compiled for v6e: dense-f32-depth2-b1-tied), dense-f32-mixed-b4 and dense-bf16-mixed-b4 (MIXED_TILES:
 # moe-f32-depth3-b1; bfloat16 dense layers: moe-bf16-small-b4's layer 0) and dense-f32-q2-b2
 # (q = 2: test_megakernel_archs.py's dense-lanes-float32-q2 and dense-d256-float32-q2).
-FULL = ("moe-f32-default-b4", "dense-f32-mixed-b4", "dense-bf16-mixed-b4", "dense-f32-q2-b2")
+FULL = ("moe-f32-default-b4", "dense-f32-mixed-b4", "dense-bf16-mixed-b4", "dense-f32-q2-b2", "dense-f32-default-b8")
 CASES = [
     ("dense-f32-depth2-b1-tied", "tiny-dense", "float32", [17], 1,
      dict(ring_depth=2, kv_tile_pages=1, kv_buffers=2, **SMALL_TILES)),
@@ -118,7 +121,7 @@ def assert_cache_equal(got: R.KVCache, want: R.KVCache, dtype):
 
 
 # Compiled for v6e too: the dense and the MoE model at batch 4-8 with their default or small tiles.
-V6E = ("dense-f32-default-b8", "moe-bf16-small-b4")
+V6E = ("dense-f32-depth2-b1-tied", "moe-bf16-small-b4")
 
 
 @functools.lru_cache(maxsize=None)  # shared with tests/test_kv_guard.py (same builds)

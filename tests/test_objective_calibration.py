@@ -29,6 +29,7 @@ from tpumk.model.config import load_preset
 from tpumk.estimate.timeline import achieved_bandwidth, megakernel_step
 from tpumk.targets import get_target
 from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
 
 TARGET = get_target("tpu7x")
@@ -66,8 +67,13 @@ def _per_layer(values: dict[int, float]) -> tuple[float, float]:
     return (values[4] - values[2]) / 2, (values[8] - values[4]) / 4
 
 
+def _plan(cfg):
+    """The plan `_build` would compile (tpumk's model needs no compile), default knobs."""
+    return make_plan(BuildSpec(cfg, TARGET, batch=1, context=CONTEXT, tuning=TuningConfig()))
+
+
 def _layer_bytes(cfg) -> float:
-    lo, hi = _build(_layers(cfg, 2)).plan.hbm_bytes, _build(_layers(cfg, 4)).plan.hbm_bytes
+    lo, hi = _plan(_layers(cfg, 2)).hbm_bytes, _plan(_layers(cfg, 4)).hbm_bytes
     return (hi - lo) / 2
 
 
@@ -86,9 +92,10 @@ def test_compiler_objective_is_linear_in_layers_nested_trips_included():
         assert r.estimated_seconds >= r.floor_seconds  # a figure under the floor would be no result
 
 
-def _marginal(cost) -> tuple[float, float]:
-    """(extra cost per layer, extra bytes per layer) of WIDE over BASE, from 2- and 4-layer builds."""
-    per_layer = {c: (cost(_build(_layers(c, 4))) - cost(_build(_layers(c, 2)))) / 2 for c in (BASE, WIDE)}
+def _marginal(cost, of=_build) -> tuple[float, float]:
+    """(extra cost per layer, extra bytes per layer) of WIDE over BASE, from 2- and 4-layer
+    builds (`of`: `_build`, or `_plan` for a cost that reads only the plan)."""
+    per_layer = {c: (cost(of(_layers(c, 4))) - cost(of(_layers(c, 2)))) / 2 for c in (BASE, WIDE)}
     return per_layer[WIDE] - per_layer[BASE], _layer_bytes(WIDE) - _layer_bytes(BASE)
 
 
@@ -115,11 +122,11 @@ def test_compiler_objective_grows_with_the_bytes_a_layer_streams():
 
 # ---------------------------------------------------------------------- (b) the model objective
 def test_model_objective_is_linear_in_layers_and_grows_with_bytes():
-    seconds = {n: megakernel_step(_build(_layers(BASE, n)).plan).seconds for n in (2, 4, 8)}
+    seconds = {n: megakernel_step(_plan(_layers(BASE, n))).seconds for n in (2, 4, 8)}
     first, second = _per_layer(seconds)
     assert first > 0 and second == pytest.approx(first, rel=0.02)
-    extra_seconds, extra_bytes = _marginal(lambda b: megakernel_step(b.plan).seconds)
-    plan = _build(_layers(WIDE, 2)).plan
+    extra_seconds, extra_bytes = _marginal(lambda plan: megakernel_step(plan).seconds, of=_plan)
+    plan = _plan(_layers(WIDE, 2))
     ring_seconds_per_byte = 1 / achieved_bandwidth(TARGET, plan.ring_depth * plan.tuning.tile_bytes)
     ratio = (extra_seconds / extra_bytes) / ring_seconds_per_byte
     assert MARGINAL[0] <= ratio <= MARGINAL[1], ratio
