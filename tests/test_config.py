@@ -252,7 +252,6 @@ def test_hf_invalid_value_names_field():
     ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
     ({"use_sinks": True}, "attention sinks"),
     ({"model_type": "gpt_oss"}, "attention sinks"),
-    ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "rope_scaling"),
@@ -333,6 +332,65 @@ def test_hf_gemma3_matches_its_preset_and_refuses_what_it_does_not_model():
         assert _one_line(e).startswith("x/config.json")
     with pytest.raises(ConfigError, match=r"rope_parameters.full_attention.rope_theta' = -1"):
         from_hf_config({**GEMMA3_1B, "rope_parameters": {"full_attention": {"rope_theta": -1}}})
+
+
+# Gemma 3 27B's published config.json (Gemma3ForConditionalGeneration): its text_config lists
+# only what differs from Gemma3TextConfig's defaults. Checked against the technical report's
+# 25.6 B non-embedding and 1.4 B embedding parameters.
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_multimodal_gemma3_reads_its_language_model():
+    cfg = from_hf_config(GEMMA3_27B)
+    assert cfg.replace(name="gemma-3-27b") == load_preset("gemma-3-27b")
+    p = load_preset("gemma-3-27b")
+    embedding = p.vocab_size * p.hidden_size
+    assert round(embedding / 1e9, 1) == 1.4 and round((p.param_count() - embedding) / 1e9, 1) == 25.6
+    # the wrapper's dtype reaches the text model; the text_config's own wins
+    assert from_hf_config({**GEMMA3_27B, "torch_dtype": "float32"}).dtype == "float32"
+    inner = {**GEMMA3_27B, "text_config": {**GEMMA3_27B["text_config"], "torch_dtype": "bfloat16"}}
+    assert from_hf_config({**inner, "torch_dtype": "float32"}).dtype == "bfloat16"
+    # the head is tied by the wrapper's flag, as transformers ties it
+    assert cfg.tie_embeddings and not from_hf_config({**GEMMA3_27B, "tie_word_embeddings": False}).tie_embeddings
+    untied_text = {**GEMMA3_27B, "text_config": {**GEMMA3_27B["text_config"], "tie_word_embeddings": False}}
+    assert from_hf_config(untied_text).tie_embeddings
+    # a field of the text model is named with where it sits
+    bad = {**GEMMA3_27B, "text_config": {**GEMMA3_27B["text_config"], "num_hidden_layers": -1}}
+    with pytest.raises(ConfigError, match=r"^x/config.json: text_config: .*'num_hidden_layers'") as e:
+        from_hf_config(bad, "x/config.json")
+    _one_line(e)
+    for text, match in [(None, r"field 'text_config' = None: expected an object"),
+                        ({"model_type": "siglip_vision_model"}, r"'text_config.model_type' = 'siglip_vision_model'")]:
+        with pytest.raises(ConfigError, match=match) as e:
+            from_hf_config({**GEMMA3_27B, "text_config": text}, "x/config.json")
+        assert _one_line(e).startswith("x/config.json")
+
+
+def test_gemma3_text_defaults_are_transformers():
+    """The defaults a sparse text_config leaves to transformers are transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    from tpumk.model.config import GEMMA3_TEXT_DEFAULTS
+
+    theirs = transformers.Gemma3TextConfig().to_dict()
+    assert {k: theirs[k] for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
+    # and the RoPE and window pattern tpumk's gemma3_text reader assumes when they are absent
+    full, local = theirs["rope_parameters"]["full_attention"], theirs["rope_parameters"]["sliding_attention"]
+    sparse = from_hf_config({"model_type": "gemma3", "text_config": {}})
+    assert (sparse.rope_theta, sparse.rope_local_theta) == (full["rope_theta"], local["rope_theta"])
+    assert [i for i in range(sparse.num_layers) if i not in sparse.sliding_layers] == \
+        [i for i, t in enumerate(theirs["layer_types"]) if t == "full_attention"]
 
 
 # Gemma 2 2B's config.json (transformers 4.42 keys: no layer_types, so the even layers slide).

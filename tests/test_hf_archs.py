@@ -227,6 +227,83 @@ def test_megakernel_compiles_deviceless(checkpoint):
     compile_for_tpus(cfg, 2, 1, TuningConfig(kv_tile_pages=1))
 
 
+# ---------------------------------------------------------------------- a multimodal Gemma 3 checkpoint
+# The published files' names for the parts of Gemma3ForConditionalGeneration (what
+# save_pretrained writes), and the names of transformers 5's modules, which tpumk reads too.
+MODULE_NAMES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def test_multimodal_gemma3_checkpoint_decodes_its_language_model(tmp_path):
+    """Gemma 3 4B / 12B / 27B are published as Gemma3ForConditionalGeneration: a gemma3_text
+    language model beside a SigLIP vision tower. Built by transformers' own class (the text part
+    is gemma3-sandwich's), tpumk reads its text_config and its language model's tensors, skips
+    the vision tower, and the reference gives transformers' logits on text; the same tensors
+    under transformers 5's module names load to the same weights; a stray tensor is still refused."""
+    import json
+
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from tpumk.errors import CheckpointError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    from hf_utils import QWEN3_KW  # the sizes build_checkpoint starts from
+
+    text = {**QWEN3_KW, **{k: v for k, v in CHECKPOINTS["gemma3-sandwich"].items() if k not in ("arch", "seed")}}
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    # untied (the wrapper's flag decides): the head is a tensor of its own
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text, initializer_range=0.1),
+                                       vision_config=vision.to_dict(), mm_tokens_per_image=4, tie_word_embeddings=False)
+    torch.manual_seed(29)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(30)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    ckpt = tmp_path / "gemma3-mm"
+    model.save_pretrained(ckpt)
+    stored = json.loads((ckpt / "config.json").read_text())
+    assert stored["model_type"] == "gemma3" and stored["text_config"]["model_type"] == "gemma3_text"
+    names = set(load_file(ckpt / "model.safetensors"))
+    assert {"language_model.lm_head.weight", "language_model.model.layers.0.self_attn.q_proj.weight"} <= names
+    assert any(n.startswith("vision_tower.") for n in names)  # the vision tower is in the file
+
+    m = load_model(None, str(ckpt))
+    assert (m.cfg.num_layers, m.cfg.hidden_size, m.cfg.attn_scalar, m.cfg.sliding_layers) == (2, 192, 48.0, (0,))
+    assert not m.cfg.tie_embeddings and m.cfg.rope_scaling == "linear"
+    tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    got = np.asarray(forward_full(m.params, m.cfg, tokens))
+    assert np.max(np.abs(got - want)) <= 2e-5 * max(1.0, np.max(np.abs(want)))
+
+    # transformers 5's module names: the same weights.
+    hub = tmp_path / "gemma3-modules"
+    hub.mkdir()
+    (hub / "config.json").write_text((ckpt / "config.json").read_text())
+    renamed = {}
+    for name, a in load_file(ckpt / "model.safetensors").items():
+        new = next((to + name[len(frm):] for frm, to in MODULE_NAMES if name.startswith(frm)), name)
+        renamed[new] = a
+    assert "lm_head.weight" in renamed and any(n.startswith("model.language_model.layers.") for n in renamed)
+    save_file(renamed, hub / "model.safetensors")
+    cfg, params = load_checkpoint(hub)
+    assert cfg == m.cfg
+    assert jax.tree.structure(params) == jax.tree.structure(m.params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(m.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A tensor of neither part is refused, named as stored.
+    save_file({**renamed, "model.language_model.extra.weight": np.zeros(3, np.float32)}, hub / "model.safetensors")
+    with pytest.raises(CheckpointError, match="extra.weight"):
+        load_checkpoint(hub)
+
+
 def test_phi3_fused_tensors_in_fp8_are_refused(tmp_path):
     """An fp8 checkpoint's 128 x 128 scale blocks would be cut by the q / k / v (gate / up)
     split of a fused tensor in general (here the cuts fall on block edges, still refused: the

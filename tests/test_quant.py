@@ -42,11 +42,18 @@ CASES = [
     pytest.param("tiny-dense", "bfloat16", "fp8-b128", 2, 1, marks=FULL),  # 128 x 128 block scales: per-tile scales
     # block scales in the kernel: test_megakernel_mla_quant.py's fp8-b128 case (ring and experts)
     pytest.param("tiny-moe", "float32", "fp8-b128", 1, 2, marks=FULL),
+    # Cohere's parts (LayerNorm, attention and the MLP on one normed input) with quantized
+    # matrices; their float kernel: test_megakernel_archs.py's dense-cohere
+    pytest.param("tiny-cohere", "float32", "int8", 2, 1, marks=FULL),
+    pytest.param("tiny-cohere", "bfloat16", "fp8-b128", 1, 1, marks=FULL),
 ]
+# Models of CASES that are a preset with some parts changed.
+VARIANTS = {"tiny-cohere": ("tiny-dense", dict(qk_norm=False, norm_kind="layer", parallel_blocks=True))}
 
 
 def _spec(preset, dtype, scheme, batch, q_len, target="cpu", **kw):
-    return BuildSpec(load_preset(preset).replace(dtype=dtype), get_target(target), batch=batch, context=64,
+    base, parts = VARIANTS.get(preset, (preset, {}))
+    return BuildSpec(load_preset(base).replace(dtype=dtype, **parts), get_target(target), batch=batch, context=64,
                      q_len=q_len, quant=scheme, **kw)
 
 

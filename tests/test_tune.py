@@ -39,8 +39,8 @@ def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def tune_cmd(*extra):
-    return ["tune", "--model", "tiny-moe", "--target", "tpu7x", "--space", TINY_SPACE, *map(str, extra)]
+def tune_cmd(*extra, model: str = "tiny-moe"):
+    return ["tune", "--model", model, "--target", "tpu7x", "--space", TINY_SPACE, *map(str, extra)]
 
 
 def load(url_or_path: str, study: str):
@@ -173,8 +173,10 @@ def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp
 def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tuned = tmp_path / "tuned.toml"
+    # tiny-dense: a study's path is the same for every model and its compiles are the quickest
+    # (a MoE model's expert split is searched in tests/test_tune_devices.py)
     r = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 3, "--workers", 2,
-                      "--seed", 0, "--out", tuned, "--report", tmp_path / "report", "--json"))
+                      "--seed", 0, "--out", tuned, "--report", tmp_path / "report", "--json", model="tiny-dense"))
     assert r.exit_code == 0, r.output
     assert "objective: compiler" in r.stderr and "static estimate" in r.stderr  # said at the start
     out = json.loads(r.stdout)
@@ -217,7 +219,7 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     space = load_space(TINY_SPACE)
     assert out["best_tuning"] == space.tuning_for(study.best_trial.params).to_dict()
     # ...which `tpumk build --tuning` accepts and builds.
-    b = cli("build", "--model", "tiny-moe", "--dtype", "bfloat16", "--target", "tpu7x", "--tuning", tuned,
+    b = cli("build", "--model", "tiny-dense", "--dtype", "bfloat16", "--target", "tpu7x", "--tuning", tuned,
             "--no-estimate", "--json")
     assert b.exit_code == 0, b.output
     rep = json.loads(b.stdout)
@@ -234,7 +236,7 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     assert [ln for ln in logged if ln.startswith("trial 0 (default configuration): COMPLETE ")]
     assert all("(compiler estimate)" in ln for ln in logged if ": COMPLETE " in ln)
     # Rerunning the finished study evaluates nothing, and says so.
-    r2 = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 3, "--json"))
+    r2 = cli(*tune_cmd("--dtype", "bfloat16", "--objective", "compiler", "--trials", 3, "--json", model="tiny-dense"))
     assert r2.exit_code == 0, r2.output
     out2 = json.loads(r2.stdout)
     assert out2["study"] == out["study"] and out2["this_run"]["trials"] == 0
@@ -262,9 +264,11 @@ def test_report_explains_missing_importances(tmp_path):
 def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     # --timeout 60: a compile stuck on a loaded host is pruned (counted as evaluated) instead of
     # outliving the rerun's 300 s limit under the default 900 s.
+    # tiny-dense: resuming is the same for every model, and its compile is the quickest
     args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
-                                                          "--heartbeat", 1, "--timeout", 60, "--json")]
-    name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
+                                                          "--heartbeat", 1, "--timeout", 60, "--json",
+                                                          model="tiny-dense")]
+    name = study_name_for(BuildSpec(resolve_model("tiny-dense"), get_target("tpu7x")), load_space(TINY_SPACE), "model")
     db = tmp_path / "artifacts" / "tune" / f"{name}.db"
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -72,7 +72,8 @@ def run_two_processes(tmp_path: Path, storage: str, name: str) -> None:
         study.enqueue_trial({**d, "ring_depth": ring})
     procs = []
     for i in range(2):
-        cmd = [sys.executable, "-m", "tpumk.cli", "tune", "--model", "tiny-moe", "--target", "tpu7x", "--space",
+        # tiny-dense: the claim protocol is the same for every model, its compile the quickest
+        cmd = [sys.executable, "-m", "tpumk.cli", "tune", "--model", "tiny-dense", "--target", "tpu7x", "--space",
                TINY_SPACE, "--objective", "model", "--trials", "4", "--storage", storage, "--study", name,
                "--heartbeat", "1", "--seed", str(10 + i), "--cache-dir", str(tmp_path / f"cache{i}"), "--json"]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

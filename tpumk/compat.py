@@ -141,6 +141,7 @@ def fast_interpret_callbacks() -> bool:
             return tree_util.tree_map(np.asarray, callback(*args))
 
     io_callback_impl._tpumk_fast_interpret = True
+    io_callback_impl._tpumk_jax_impl = impl  # JAX's own, for whoever needs the slow path back
     cb.io_callback_impl = io_callback_impl
     return True
 

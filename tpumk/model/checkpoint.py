@@ -67,7 +67,7 @@ from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
 from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
-                                load_hf_model, override_dtype)
+                                hf_text_config, load_hf_model, override_dtype)
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
 from tpumk.model.reference import Params, jnp_dtype
@@ -385,12 +385,16 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg, stored = load_hf_model(d / "config.json")  # refuses a quantization tpumk does not read
-    config_json = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
+    raw = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
+    config_json = hf_text_config(raw)[0]  # a multimodal Gemma 3: its language model's
     fp8 = stored == "fp8-b128"
     cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
-        params = _load_params(d, cfg, out_dt, _index_tensors(d, stack), config_json, fp8)
+        tensors = _index_tensors(d, stack)
+        if raw.get("model_type") == "gemma3":
+            tensors = language_model_tensors(tensors)
+        params = _load_params(d, cfg, out_dt, tensors, config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
     if config_json.get("model_type") in HF_GEMMA_FAMILIES:
@@ -400,6 +404,30 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     # An FP8 checkpoint's float matrices among those the fp8-b128 scheme streams (typically the
     # lm_head) are quantized now, so the weights are one scheme the kernel can stream.
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
+
+
+# Where a multimodal Gemma 3 checkpoint keeps its language model: the published files
+# (transformers 4.x: language_model.model.*, language_model.lm_head.*) or transformers 5's save
+# format (model.language_model.*, lm_head.*), and the vision parts a text step never reads.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(tensors: dict[str, _Tensor]) -> dict[str, _Tensor]:
+    """A multimodal checkpoint's tensors under the names of its language model alone (errors
+    still name each tensor as stored); the vision tower and projector dropped. Any other name
+    is kept as it is, so a tensor that belongs nowhere is still refused."""
+    out: dict[str, _Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        new = next((short + name[len(long):] for long, short in _LANGUAGE_MODEL_PREFIXES if name.startswith(long)),
+                   name)
+        if new in out:
+            raise CheckpointError(f"{t.file}: tensor '{name}' is stored twice (as '{out[new].name}' too)")
+        out[new] = t
+    return out
 
 
 def _fp8_matrix(name: str, t: _Tensor, scale: _Tensor, fn, hf_shape: tuple[int, ...], compute) -> QuantizedMatrix:

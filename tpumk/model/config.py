@@ -567,7 +567,6 @@ _HF_KNOWN_UNSUPPORTED = {
     "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
     "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
     "gpt_oss": "attention sinks of gpt-oss",
-    "gemma3": "the multimodal Gemma 3 wrapper (its text model, model_type gemma3_text, is supported)",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled; Gemma 2
@@ -585,9 +584,45 @@ _HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text")
 _HF_ALWAYS_WINDOWED = ("mistral", "phi3", "gemma2", "gemma3_text")
 
 
+# A multimodal Gemma 3 release (model_type gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B,
+# 12B, 27B) holds a gemma3_text language model, which is what tpumk decodes: text in, text out,
+# the vision tower and its projector unread. Its text_config lists only what differs from
+# transformers' Gemma3TextConfig, whose defaults (transformers 4.50 to 5.x; tests/test_config.py
+# compares them with the installed transformers) fill the rest.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+}
+# Top-level keys of the wrapper that describe the stored weights, not the vision part.
+_GEMMA3_SHARED_KEYS = ("torch_dtype", "dtype", "_name_or_path", "quantization_config")
+
+
+def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
+    """The config of the language model a Hugging Face config.json describes, and where it
+    came from: the config itself, or a multimodal Gemma 3's `text_config` with
+    Gemma3TextConfig's defaults filled in."""
+    if not (isinstance(data, dict) and data.get("model_type") == "gemma3"):
+        return data, source
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: field 'text_config' = {_short_repr(text)}: expected an object (a multimodal "
+                          "Gemma 3 config holds its language model's fields there)")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(f"{source}: field 'text_config.model_type' = {_short_repr(text['model_type'])}: "
+                          "expected 'gemma3_text'")
+    shared = {k: data[k] for k in _GEMMA3_SHARED_KEYS if k in data and k not in text}
+    # transformers ties the head by the wrapper's own flag (Gemma3Config: default true), whatever
+    # the text_config says
+    tied = data.get("tie_word_embeddings", True)
+    return ({**GEMMA3_TEXT_DEFAULTS, **shared, **text, "model_type": "gemma3_text", "tie_word_embeddings": tied},
+            f"{source}: text_config")
+
+
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
-    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3, Cohere,
+    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a multimodal Gemma 3's
+    language model: `hf_text_config`), Cohere,
     DeepSeek-V3, Kimi K2) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
@@ -596,6 +631,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object of model fields, got a JSON {_json_kind(data)}")
+    data, source = hf_text_config(data, source)
     hf = _HFFields(data, source)
     mt = hf.str_("model_type", None)
     if mt in _HF_KNOWN_UNSUPPORTED:
