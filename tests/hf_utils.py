@@ -30,12 +30,14 @@ QWEN3_MOE_KW = dict(QWEN3_KW, num_hidden_layers=3, num_experts=8, num_experts_pe
                     mlp_only_layers=[0])
 
 
-# Dense families without QK-norm, by transformers' class names (the shared kwargs fit each).
+# Families without QK-norm, by transformers' class names (the shared kwargs fit each; Mixtral
+# reads intermediate_size as its experts' width and needs num_local_experts too).
 DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "granite": ("GraniteConfig", "GraniteForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
                "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM")}
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 # Phi3Config's default special tokens (32000) lie outside the tiny vocabularies.
 ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
@@ -43,7 +45,7 @@ ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
                      arch: str = "qwen3", **overrides) -> Path:
     """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral / Phi-3 / Qwen2 / Granite / OLMo 2 /
-    Gemma / Gemma 2 / Gemma 3 text / Cohere) model saved with
+    Gemma / Gemma 2 / Gemma 3 text / Cohere / Mixtral) model saved with
     `save_pretrained` into `out`.
 
     initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding

@@ -378,6 +378,30 @@ def test_multimodal_gemma3_reads_its_language_model():
         assert _one_line(e).startswith("x/config.json")
 
 
+# Mixtral-8x7B-v0.1's published config.json.
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True,
+    "vocab_size": 32000,
+}
+
+
+def test_hf_mixtral_matches_its_preset():
+    cfg = from_hf_config(MIXTRAL_8X7B)
+    assert cfg.replace(name="mixtral-8x7b") == load_preset("mixtral-8x7b")
+    assert cfg.param_count() == 46_702_792_704  # the release: 46.7 B
+    assert cfg.dense_layers == () and cfg.ffn_size == 0 and cfg.norm_topk_prob and not cfg.qk_norm
+    windowed = from_hf_config({**MIXTRAL_8X7B, "sliding_window": 4096})
+    assert windowed.sliding_window == 4096 and windowed.sliding_layers == tuple(range(32))
+    with pytest.raises(ConfigError, match="'num_local_experts'") as e:
+        from_hf_config({k: v for k, v in MIXTRAL_8X7B.items() if k != "num_local_experts"}, "x/config.json")
+    assert _one_line(e).startswith("x/config.json")
+
+
 def test_gemma3_text_defaults_are_transformers():
     """The defaults a sparse text_config leaves to transformers are transformers' own."""
     transformers = pytest.importorskip("transformers")

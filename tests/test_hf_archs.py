@@ -87,6 +87,13 @@ CHECKPOINTS = {
                             head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False, logit_scale=0.25),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
+    # Mixtral: every layer's MLP is 4 routed experts of width 256 (an expert width off the lane
+    # grid is refused by the plan), 2 per token (softmax over all, the top 2 renormalised),
+    # Mistral's window (6 tokens) on both layers; hidden 192 (lane padded), 3 query / 1 KV heads
+    # of 64; the files' block_sparse_moe names
+    "mixtral-moe": dict(arch="mixtral", seed=21, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                        head_dim=64, intermediate_size=256, vocab_size=500, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=6),
 }
 # Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
 # no QK-norm) and differs only in how its checkpoint stores the projections. So are the Llama 3
@@ -158,6 +165,10 @@ def test_config_reads_the_variant(checkpoint):
     elif name == "smollm2-lanes":
         assert (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (192, 64, 3, 1)
         assert (cfg.ffn_size, cfg.vocab_size, cfg.tie_embeddings) == (200, 500, True)
+    elif name == "mixtral-moe":
+        assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (4, 2, 256, (), 0)
+        assert cfg.router_scoring == "softmax" and cfg.norm_topk_prob and not cfg.tie_embeddings
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.hidden_size, cfg.num_kv_heads) == (6, (0, 1), 192, 1)
     elif name.startswith(("mistral", "phi3")):
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (0, 1))
         heads = (96, 2, 1) if name.startswith("phi3") else (128, 4, 2)
@@ -363,6 +374,39 @@ def test_gemma3_on_4_host_devices_and_with_int8_weights(tmp_path):
     check_4_devices_and_int8(build_checkpoint(tmp_path / "gemma3", **{
         **CHECKPOINTS["gemma3-sandwich"], "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
         "seed": 19}))
+
+
+def test_mixtral_fused_expert_tensors_load_to_the_same_weights(tmp_path):
+    """transformers 5's Mixtral modules hold each layer's experts fused (mlp.experts.gate_up_proj
+    [E, 2 Fe, H], gate rows first; mlp.experts.down_proj) and the router as mlp.gate; files
+    written from them load to the same weights as the published block_sparse_moe names."""
+    import jax
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from hf_utils import load_model as hf_model
+    from tpumk.model.checkpoint import load_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "mixtral", **CHECKPOINTS["mixtral-moe"])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((ckpt / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in hf_model(str(ckpt)).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and not any("block_sparse_moe" in k for k in state)
+    save_file(state, fused / "model.safetensors")
+    (cfg_a, a), (cfg_b, b) = load_checkpoint(ckpt), load_checkpoint(fused)
+    assert cfg_a == cfg_b and jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.full  # the default run has MoE layers on 4 host devices (test_multidevice.py's moe-4dev cases)
+def test_mixtral_on_4_host_devices_and_with_int8_weights(tmp_path):
+    """A tiny Mixtral (4 query / 2 KV heads of 128, each KV head on 2 devices; its 4 experts split
+    over the devices; Mistral's window on both layers)."""
+    check_4_devices_and_int8(build_checkpoint(tmp_path / "mixtral", **{
+        **CHECKPOINTS["mixtral-moe"], "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "seed": 24}))
 
 
 @pytest.mark.full  # the default run has OLMo 2's parts on 4 host devices (test_multidevice.py dense-4dev-kv-replicated-verify)

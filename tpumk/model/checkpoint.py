@@ -21,6 +21,7 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
     model.layers.{i}.mlp.gate_up_proj          -> w_gate, w_up (Phi-3: gate rows, then up rows)
     model.layers.{i}.mlp.gate.weight           -> router (transposed)
     model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight -> e_gate/e_up/e_down[j]
+    model.layers.{i}.block_sparse_moe.gate.weight, .experts.{j}.{w1,w3,w2}.weight (Mixtral) -> the same
 or the fused expert tensors of transformers 5's in-memory layout:
     model.layers.{i}.mlp.experts.gate_up_proj  [E, 2*Fe, H] (gate rows first, then up rows)
     model.layers.{i}.mlp.experts.down_proj     [E, H, Fe]
@@ -296,7 +297,10 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
                 add(p + f"mlp.{proj}.weight", i, key, _t)
             continue
-        add(p + "mlp.gate.weight", i, "router", _t)
+        # Mixtral's files keep the routed MLP under block_sparse_moe, its experts' matrices as w1
+        # (gate), w3 (up) and w2 (down); transformers 5's modules under mlp, fused as Qwen3-MoE's
+        mixtral = p + "block_sparse_moe.gate.weight" in names
+        add(p + ("block_sparse_moe." if mixtral else "mlp.") + "gate.weight", i, "router", _t)
         if cfg.router_correction_bias:
             add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
         if cfg.num_shared_experts:
@@ -309,9 +313,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             add(gu, i, "e_up", lambda a, f=f: a[:, f:].transpose(0, 2, 1), hf_shape=(e, 2 * f, h))
             add(p + "mlp.experts.down_proj", i, "e_down", lambda a: a.transpose(0, 2, 1), hf_shape=(e, h, f))
         else:
+            projs = (("w1", "e_gate"), ("w3", "e_up"), ("w2", "e_down")) if mixtral else \
+                (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down"))
+            where = "block_sparse_moe.experts" if mixtral else "mlp.experts"
             for j in range(e):
-                for proj, key in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
-                    add(p + f"mlp.experts.{j}.{proj}.weight", i, key, _t, expert=j)
+                for proj, key in projs:
+                    add(p + f"{where}.{j}.{proj}.weight", i, key, _t, expert=j)
     return plan, ignored
 
 

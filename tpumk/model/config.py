@@ -541,7 +541,7 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------- Hugging Face import
 _HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "cohere", "deepseek_v3", "kimi_k2")
+                 "gemma3_text", "cohere", "mixtral", "deepseek_v3", "kimi_k2")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
 _HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")  # OLMo 2: over the whole projection
 # GeGLU, embeddings x sqrt(hidden), (1 + w) norms (folded on load: tpumk.model.checkpoint), tied by default
@@ -565,7 +565,6 @@ _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture 
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
     "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
-    "mixtral": "Mixtral architecture (sliding-window attention, no QK-norm)",
     "gpt_oss": "attention sinks of gpt-oss",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
@@ -581,7 +580,7 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose sliding layers `layer_types` names (without it: each family's default pattern),
 # and those whose window applies whenever `sliding_window` is set (no use_sliding_window flag).
 _HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text")
-_HF_ALWAYS_WINDOWED = ("mistral", "phi3", "gemma2", "gemma3_text")
+_HF_ALWAYS_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
 
 
 # A multimodal Gemma 3 release (model_type gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B,
@@ -756,6 +755,19 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             router_scoring="softmax",
             norm_topk_prob=hf.bool_("norm_topk_prob", False),
             dense_layers=dense,
+        )
+    if mt == "mixtral":
+        # Mistral's attention; every layer's MLP is routed experts of width intermediate_size,
+        # softmax over all of them, the top-k's weights renormalised (the softmax of the top-k
+        # logits), as transformers' Mixtral routes
+        fields.update(
+            ffn_size=0,
+            num_experts=hf.int_("num_local_experts", MAX_SIZES["num_experts"], _REQUIRED),
+            top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+            expert_ffn_size=hf.int_("intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
+            router_scoring="softmax",
+            norm_topk_prob=True,
+            dense_layers=[],
         )
     if mt in _HF_MLA:
         fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
