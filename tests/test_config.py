@@ -402,6 +402,59 @@ def test_hf_mixtral_matches_its_preset():
     assert _one_line(e).startswith("x/config.json")
 
 
+# GLM-4.5-Air's and OLMoE-1B-7B-0924's published config.json files.
+GLM_45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.54.0",
+    "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
+}
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None,
+    "eos_token_id": 50279, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 1024, "max_position_embeddings": 4096, "model_type": "olmoe", "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16,
+    "num_key_value_heads": 16, "output_router_logits": False, "pad_token_id": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 50304,
+}
+
+
+def test_hf_glm45_and_olmoe_match_their_presets():
+    glm = from_hf_config(GLM_45_AIR)
+    assert glm.replace(name="glm-4.5-air") == load_preset("glm-4.5-air")
+    assert glm.param_count() == 106_852_251_264  # the release: 106 B total
+    assert (glm.rotary_dim, glm.qkv_bias, glm.qk_norm, glm.router_scoring, glm.dense_layers) == \
+        (64, True, False, "sigmoid", (0,))
+    # transformers' GLM-4.5 turns half of each head when the file does not say
+    assert from_hf_config({k: v for k, v in GLM_45_AIR.items() if k != "partial_rotary_factor"}).rotary_dim == 64
+    assert from_hf_config({**GLM_45_AIR, "use_qk_norm": True}).qk_norm
+    olmoe = from_hf_config(OLMOE_1B_7B)
+    assert olmoe.replace(name="olmoe-1b-7b") == load_preset("olmoe-1b-7b")
+    assert olmoe.param_count() == 6_919_161_856  # the release: 6.9 B total
+    assert olmoe.qk_norm_whole and olmoe.pre_norms and not olmoe.norm_topk_prob and olmoe.dense_layers == ()
+
+
+@pytest.mark.parametrize("data, err, what", [
+    ({**OLMOE_1B_7B, "clip_qkv": 8.0}, NotSupportedError, "clip_qkv = 8.0"),
+    ({**OLMOE_1B_7B, "head_dim": 64}, ConfigError, "field 'head_dim' = 64: expected hidden_size / num_attention_heads"),
+    ({**GLM_45_AIR, "partial_rotary_factor": 0.01}, NotSupportedError, "turns 1 of head_dim 128 lanes"),
+    ({**GLM_45_AIR, "n_routed_experts": 0, "num_experts_per_tok": 0}, None, None),  # a dense GLM reads as one
+])
+def test_hf_glm45_and_olmoe_refusals(data, err, what):
+    if err is None:
+        assert not from_hf_config(data).is_moe
+        return
+    with pytest.raises(err) as e:
+        from_hf_config(data, "x/config.json")
+    assert what in _one_line(e) and _one_line(e).startswith("x/config.json")
+
+
 def test_gemma3_text_defaults_are_transformers():
     """The defaults a sparse text_config leaves to transformers are transformers' own."""
     transformers = pytest.importorskip("transformers")
@@ -659,10 +712,28 @@ def test_hf_phi3_reads_with_its_window_on_every_layer_and_plans_its_96_wide_head
     assert "head_dim = 96 runs padded to 128 lanes" in _one_line(e)
 
 
+def test_hf_phi3_partial_rotary_turns_part_of_each_head():
+    """partial_rotary_factor (Phi-4-mini: 0.75; top level in transformers 4.x, in rope_parameters
+    in 5.x): int(head_dim x factor) lanes turn, as transformers' Phi-3 modelling counts them."""
+    assert from_hf_config({**PHI3_MINI_4K, "partial_rotary_factor": 0.75}).rotary_dim == 72
+    five = {**PHI3_MINI_4K, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    assert from_hf_config(five).rotary_dim == 48
+    assert from_hf_config({**PHI3_MINI_4K, "partial_rotary_factor": 1.0}).rotary_dim == 0
+    assert from_hf_config({**PHI3_MINI_4K, "partial_rotary_factor": 0.51}).rotary_dim == 48  # int(48.96)
+    for factor, err, what in ((0.01, NotSupportedError, "turns 0 of head_dim 96 lanes"),
+                              (0.49, NotSupportedError, "turns 47 of head_dim 96 lanes"),
+                              (1.5, ConfigError, "expected a number in (0, 1]")):
+        with pytest.raises(err) as e:
+            from_hf_config({**PHI3_MINI_4K, "partial_rotary_factor": factor}, "x/config.json")
+        assert what in _one_line(e) and _one_line(e).startswith("x/config.json")
+    # Llama's modelling rotates the whole head whatever the factor: refused rather than built wrong
+    with pytest.raises(NotSupportedError) as e:
+        from_hf_config({**PHI3_MINI_4K, "model_type": "llama", "partial_rotary_factor": 0.5}, "x/config.json")
+    assert "partial_rotary_factor = 0.5 for model_type 'llama'" in _one_line(e)
+
+
 @pytest.mark.parametrize("changes, what", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),  # Phi-4-mini (model_type phi3)
-    ({"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     "rope_parameters.partial_rotary_factor = 0.5"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}, "longrope"),
 ])
 def test_hf_phi3_features_not_modelled_are_refused(changes, what):
@@ -844,3 +915,50 @@ def test_hf_granite_reads_as_a_llama_and_refuses_a_non_positive_scalar():
     with pytest.raises(ConfigError) as e:
         from_hf_config({**granite, "logits_scaling": 0}, "g/config.json")
     assert _one_line(e) == "g/config.json: field 'logits_scaling' = 0: expected a positive number"
+
+
+def test_rotary_dim_is_validated_and_keeps_older_descriptions():
+    dense = load_preset("tiny-dense")
+    assert "rotary_dim" not in dense.to_dict()  # 0: older models' descriptions (and keys) unchanged
+    assert dense.replace(rotary_dim=64).to_dict()["rotary_dim"] == 64
+    for cfg, changes, match in (
+        (dense, dict(rotary_dim=63), r"field 'rotary_dim' = 63: expected an even integer in \[0, the head width 128\]"),
+        (dense, dict(rotary_dim=256), r"field 'rotary_dim' = 256"),
+        (load_preset("tiny-mla"), dict(rotary_dim=8), r"field 'rotary_dim' = 8: expected 0 for an MLA model"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            cfg.replace(**changes)
+
+
+# Qwen1.5-MoE-A2.7B's published config.json (model_type qwen2_moe).
+QWEN15_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632,
+    "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe", "num_attention_heads": 16,
+    "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+
+
+def test_hf_qwen2_moe_reads_its_gated_shared_expert():
+    cfg = from_hf_config(QWEN15_MOE)
+    assert cfg.param_count() == 14_315_784_192  # the release: 14.3 B total
+    assert (cfg.num_shared_experts, cfg.shared_expert_ffn_size, cfg.shared_expert_gate) == (1, 5632, True)
+    assert cfg.qkv_bias and not cfg.norm_topk_prob and cfg.dense_layers == () and cfg.sliding_window == 0
+    assert not from_hf_config({**QWEN15_MOE, "qkv_bias": False}).qkv_bias
+    with pytest.raises(NotSupportedError) as e:
+        from_hf_config({**QWEN15_MOE, "use_sliding_window": True}, "x/config.json")
+    assert "use_sliding_window = true for model_type 'qwen2_moe'" in _one_line(e)
+
+
+def test_shared_expert_gate_is_validated():
+    moe = load_preset("tiny-moe")
+    assert "shared_expert_gate" not in moe.to_dict()
+    assert moe.replace(shared_expert_gate=True).param_count() - moe.param_count() == 2 * moe.hidden_size  # 2 MoE layers
+    for changes in (dict(num_shared_experts=0, shared_expert_ffn_size=0), dict(router_correction_bias=True)):
+        with pytest.raises(ConfigError, match=r"field 'shared_expert_gate' = True: expected false without shared"):
+            moe.replace(shared_expert_gate=True, **changes)

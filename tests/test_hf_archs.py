@@ -1,15 +1,16 @@
-"""Attention variants and dense families from Hugging Face checkpoints built with transformers'
-own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a sliding-window layer
-whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling (no QK-norm, 64-wide
-heads, 4 query heads per KV head), a Mistral whose every layer has a window, a Phi-3 (fused
-qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads) and a SmolLM2-shaped Llama whose
-widths are off the 128-lane grid (the plan pads them), a Qwen2 with q / k / v biases and a Gemma
-(GeGLU, (1 + w) norms, scaled embeddings, widths off the lane grid), a Gemma 2 (soft-capped
-scores and logits, sandwich norms), a Gemma 3, an OLMo 2 (norms only after the sublayers,
-QK-norm across all heads) and a Cohere (LayerNorm, parallel attention and MLP, interleaved RoPE,
-logit scale). Each generates
-the same greedy tokens through transformers, the reference and the megakernel (interpret mode),
-and its megakernel compiles deviceless for TPU7x.
+"""Attention variants and dense and MoE families from Hugging Face checkpoints built with
+transformers' own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen3 with a
+sliding-window layer whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling
+(no QK-norm, 64-wide heads, 4 query heads per KV head), a Mistral whose every layer has a window,
+a Phi-3 (fused qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads, RoPE on
+part of each head) and a SmolLM2-shaped Llama whose widths are off the 128-lane grid (the plan
+pads them), a Qwen2 with q / k / v biases and a Gemma (GeGLU, (1 + w) norms, scaled embeddings,
+widths off the lane grid), a Gemma 2 (soft-capped scores and logits, sandwich norms), a Gemma 3,
+an OLMo 2 (norms only after the sublayers, QK-norm across all heads), a Cohere (LayerNorm,
+parallel attention and MLP, interleaved RoPE, logit scale), a Mixtral, an OLMoE, a GLM-4.5 and a
+Qwen2-MoE (their routing, shared experts and gate, QK-norm, biases and partial rotary kept). Each generates the same greedy tokens
+through transformers, the reference and the megakernel (interpret mode), and its megakernel
+compiles deviceless for TPU7x (the MoE families also for v6e).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ CHECKPOINTS = {
                              rope_parameters=LLAMA3_ROPE),
     "mistral-sliding": dict(arch="mistral", seed=8, sliding_window=6),
     # Phi-3: q, k, v in one qkv_proj tensor and gate, up in one gate_up_proj; a window on every layer
-    # Phi-3's own head width: 2 heads of 96 (run 128 wide), hidden 192, FFN 200
-    "phi3-sliding": dict(arch="phi3", seed=10, sliding_window=6, hidden_size=192, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=96, intermediate_size=200),
+    # Phi-3's own head width: 2 heads of 96 (run 128 wide), hidden 192, FFN 200; RoPE on 72 of the
+    # 96 lanes (Phi-4-mini's partial_rotary_factor 0.75: q / k rows permuted on load)
+    "phi3-partial": dict(arch="phi3", seed=10, sliding_window=6, hidden_size=192, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=96, intermediate_size=200, partial_rotary_factor=0.75),
     # SmolLM2's shape in small (a Llama with tied embeddings): hidden 192, FFN 200, vocab 500
     # and one 64-wide KV head for 3 query heads, none on the 128-lane grid (the plan pads them)
     "smollm2-lanes": dict(arch="llama", seed=12, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
@@ -94,6 +96,26 @@ CHECKPOINTS = {
     "mixtral-moe": dict(arch="mixtral", seed=21, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                         head_dim=64, intermediate_size=256, vocab_size=500, num_local_experts=4,
                         num_experts_per_tok=2, sliding_window=6),
+    # OLMoE: every layer routed (4 experts of 256, top 2 by softmax over all, NOT renormalised),
+    # QK-norm across all heads before RoPE, pre-norms; 4 query / 2 KV heads of 64 (OLMoE's head
+    # width is hidden / heads; an odd count of 64-wide KV heads under a whole-projection QK-norm
+    # is refused by the plan), vocabulary 500
+    "olmoe-moe": dict(arch="olmoe", seed=22, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=256, vocab_size=500, num_experts=4, num_experts_per_tok=2),
+    # GLM-4.5: q / k / v biases (attention_bias), RoPE on half of each 64-wide head, layer 0 dense
+    # (FFN 200), layer 1 DeepSeek-V3's routing on GQA: sigmoid scores with a non-zero correction
+    # bias, 2 of 4 expert groups, top 2 of 8 experts of 256 renormalised then x 2.5, one shared expert
+    "glm45-moe": dict(arch="glm4_moe", seed=23, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                      head_dim=64, intermediate_size=200, moe_intermediate_size=256, vocab_size=500, n_routed_experts=8,
+                      num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, attention_bias=True),
+    # Qwen2-MoE: q / k / v biases, layer 0 dense (mlp_only_layers, FFN 200), layer 1 routed (top 2
+    # of 6 experts of 256 by softmax over all, not renormalised) beside one shared expert of
+    # width 320 (off the lane grid) whose output is scaled by sigmoid(shared_expert_gate(x))
+    "qwen2moe-shared": dict(arch="qwen2_moe", seed=26, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                            head_dim=64, intermediate_size=200, moe_intermediate_size=256,
+                            shared_expert_intermediate_size=320, vocab_size=500, num_experts=6, num_experts_per_tok=2,
+                            mlp_only_layers=[0]),
 }
 # Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
 # no QK-norm) and differs only in how its checkpoint stores the projections. So are the Llama 3
@@ -102,7 +124,7 @@ CHECKPOINTS = {
 # Granite's too: once its scalars are folded into the weights on load it is a Llama of
 # smollm2-lanes' shapes, the same kernel (its logits are checked against transformers above).
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
-# dense), phi3-sliding a checkpoint's window (on every layer) and test_megakernel_archs.py's
+# dense), phi3-partial a checkpoint's window (on every layer) and test_megakernel_archs.py's
 # dense-gemma a window on one layer of two; their configs and reference logits stay above.
 # And Cohere's: its parts (LayerNorm, parallel blocks) run in test_megakernel_archs.py's
 # dense-cohere against the reference (TPU7x and v6e compiles) and test_multidevice.py's
@@ -117,9 +139,12 @@ CHECKPOINTS = {
 # reference logits against transformers above.
 # And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
 # heads of 64), run through the megakernel against transformers in the default run.
+# And Mixtral's: its routing (softmax over all, the top k renormalised) is Qwen3-MoE's, run by
+# qwen3-moe-d64; olmoe-moe routes every layer and glm45-moe and phi3-partial run 64-wide heads
+# and a window on every layer; its loader's names and reference logits stay above.
 FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
                      "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel", "gemma2-softcap",
-                     "olmo2-postnorm")
+                     "olmo2-postnorm", "mixtral-moe")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 
@@ -131,8 +156,10 @@ def checkpoint(request, tmp_path_factory):
 def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo2")) and cfg.qkv_bias == name.startswith("qwen2")
-    assert cfg.qk_norm_whole == (not cfg.pre_norms) == name.startswith("olmo2")
+    assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo"))
+    assert cfg.qkv_bias == name.startswith(("qwen2", "glm45")) and cfg.shared_expert_gate == name.startswith("qwen2moe")
+    assert cfg.qk_norm_whole == name.startswith(("olmo2", "olmoe")) and (not cfg.pre_norms) == name.startswith("olmo2")
+    assert cfg.rotary_dim == {"phi3-partial": 72, "glm45-moe": 32}.get(name, 0)
     assert cfg.post_norms == name.startswith(("gemma2", "gemma3", "olmo2"))
     assert (cfg.attn_scalar != 0) == name.startswith(("gemma2", "gemma3"))
     assert (cfg.rope_local_theta != 0) == name.startswith("gemma3")
@@ -169,6 +196,19 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (4, 2, 256, (), 0)
         assert cfg.router_scoring == "softmax" and cfg.norm_topk_prob and not cfg.tie_embeddings
         assert (cfg.sliding_window, cfg.sliding_layers, cfg.hidden_size, cfg.num_kv_heads) == (6, (0, 1), 192, 1)
+    elif name == "olmoe-moe":
+        assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (4, 2, 256, (), 0)
+        assert cfg.router_scoring == "softmax" and not cfg.norm_topk_prob and cfg.sliding_window == 0
+    elif name == "glm45-moe":
+        assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (8, 2, 256, (0,), 200)
+        assert (cfg.router_scoring, cfg.router_groups, cfg.router_topk_groups, cfg.routed_scaling_factor) == \
+            ("sigmoid", 4, 2, 2.5)
+        assert cfg.router_correction_bias and cfg.norm_topk_prob and not cfg.qk_norm
+        assert (cfg.num_shared_experts, cfg.shared_expert_ffn_size, cfg.head_dim) == (1, 256, 64)
+    elif name == "qwen2moe-shared":
+        assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (6, 2, 256, (0,), 200)
+        assert (cfg.num_shared_experts, cfg.shared_expert_ffn_size, cfg.router_scoring) == (1, 320, "softmax")
+        assert not cfg.norm_topk_prob and not cfg.qk_norm
     elif name.startswith(("mistral", "phi3")):
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (0, 1))
         heads = (96, 2, 1) if name.startswith("phi3") else (128, 4, 2)
@@ -190,6 +230,15 @@ def test_reference_logits_match_transformers(checkpoint, monkeypatch):
     got = np.asarray(forward_full(m.params, m.cfg, tokens))
     bound = 2e-5 * max(1.0, np.max(np.abs(want)))
     assert np.max(np.abs(got - want)) <= bound
+    if m.cfg.rotary_dim:  # RoPE over the whole head would not agree
+        whole = np.asarray(forward_full(m.params, m.cfg.replace(rotary_dim=0), tokens))
+        assert np.max(np.abs(whole - want)) > 100 * bound
+    if m.cfg.is_moe and not m.cfg.norm_topk_prob:  # OLMoE: renormalised top-k weights would not agree
+        renorm = np.asarray(forward_full(m.params, m.cfg.replace(norm_topk_prob=True), tokens))
+        assert np.max(np.abs(renorm - want)) > 100 * bound
+    if m.cfg.shared_expert_gate:  # Qwen2-MoE: the shared expert ungated would not agree
+        ungated = np.asarray(forward_full(m.params, m.cfg.replace(shared_expert_gate=False), tokens))
+        assert np.max(np.abs(ungated - want)) > 100 * bound
     if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
         plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
         assert np.max(np.abs(plain - want)) > 100 * bound
@@ -235,7 +284,7 @@ def test_greedy_tokens_transformers_reference_megakernel(checkpoint):
 def test_megakernel_compiles_deviceless(checkpoint):
     _, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
-    compile_for_tpus(cfg, 2, 1, TuningConfig(kv_tile_pages=1))
+    compile_for_tpus(cfg, 2, 1, TuningConfig(kv_tile_pages=1), v6e=cfg.is_moe)
 
 
 # ---------------------------------------------------------------------- a multimodal Gemma 3 checkpoint
@@ -415,3 +464,50 @@ def test_olmo2_on_4_host_devices_and_with_int8_weights(tmp_path):
     normalized across every device's heads, the sums of squares all-reduced in the kernel."""
     check_4_devices_and_int8(build_checkpoint(tmp_path / "olmo2", **{
         **CHECKPOINTS["olmo2-postnorm"], "num_attention_heads": 4, "num_key_value_heads": 2, "seed": 23}))
+
+
+@pytest.mark.full  # the default run has MoE layers on 4 host devices (test_multidevice.py's moe-4dev cases)
+@pytest.mark.parametrize("name", ["olmoe-moe", "glm45-moe", "qwen2moe-shared"])
+def test_moe_families_on_4_host_devices_and_with_int8_weights(tmp_path, name):
+    """A tiny OLMoE (4 query / 2 KV heads of 128: each KV head on 2 devices, q and k normalized
+    across every device's heads), a tiny GLM-4.5 (the same heads, RoPE on 64 of 128 lanes,
+    q / k / v biases cut with their columns; sigmoid group routing with its correction bias
+    replicated, the shared expert split like a dense MLP) and a tiny Qwen2-MoE (its gated shared
+    expert split over the devices, each partial scaled by the replicated gate)."""
+    check_4_devices_and_int8(build_checkpoint(tmp_path / name, **{
+        **CHECKPOINTS[name], "hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 128, "seed": 25}))
+
+
+def test_glm45_multi_token_prediction_layer_is_skipped(tmp_path):
+    """Published GLM-4.5 files carry a multi-token-prediction layer after the last decoder layer
+    (num_nextn_predict_layers, model.layers.{num_hidden_layers}.*; transformers writes the count,
+    1 by default): not part of the decode step, skipped; without the count in config.json the
+    same tensors are refused by name."""
+    import json
+
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tpumk.errors import CheckpointError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "glm", **CHECKPOINTS["glm45-moe"])
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    config = json.loads((ckpt / "config.json").read_text())
+    tensors = load_file(ckpt / "model.safetensors")
+    extra = {"model.layers.2.eh_proj.weight": np.ones((192, 384), np.float32),
+             "model.layers.2.mlp.gate.weight": np.ones((8, 192), np.float32)}
+    save_file({**tensors, **extra}, mtp / "model.safetensors")
+    assert config["num_nextn_predict_layers"] == 1
+    (mtp / "config.json").write_text(json.dumps(config))
+    (cfg_a, a), (cfg_b, b) = load_checkpoint(ckpt), load_checkpoint(mtp)
+    assert cfg_a == cfg_b
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    bare = {k: v for k, v in config.items() if k not in ("num_nextn_predict_layers", "num_mtp_layers")}
+    (mtp / "config.json").write_text(json.dumps(bare))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.2."):
+        load_checkpoint(mtp)

@@ -27,16 +27,18 @@ from tpumk.targets import get_target
 # (preset, overrides of its config)
 MODELS = {
     "dense-d64": ("tiny-dense", dict(head_dim=64)),  # 4 q heads x 64 = 256, 2 kv heads = one block
-    "moe-d64-g4": ("tiny-moe", dict(head_dim=64, num_q_heads=8, num_kv_heads=2)),
+    # with Qwen2-MoE's gate on the shared expert (sigmoid(x . w) from router column E)
+    "moe-d64-g4": ("tiny-moe", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, shared_expert_gate=True)),
     "dense-d256": ("tiny-dense", dict(head_dim=256, num_q_heads=2, num_kv_heads=1)),
     # layer 1 slides a 12-token window; with 16-token pages and one page per KV tile, a query
     # at 40 needs keys 29..40: tiles 1 and 2 only
     "dense-w12": ("tiny-dense", dict(sliding_window=12, sliding_layers=[1])),
     "moe-d64-w20": ("tiny-moe", dict(head_dim=64, sliding_window=20, sliding_layers=[0, 1])),
     # SmolLM2's shape in small: hidden 192 and one 64-wide kv head (3 q heads) are off the
-    # 128-lane grid, so the kernel runs the lane-padded copy (hidden 256, 2 kv / 6 q heads)
+    # 128-lane grid, so the kernel runs the lane-padded copy (hidden 256, 2 kv / 6 q heads);
+    # RoPE on 48 of each head's 64 lanes (partial rotary: 8 lanes of each half unturned)
     "dense-lanes": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
-                                       vocab_size=500)),
+                                       vocab_size=500, rotary_dim=48)),
     # 96-wide heads with QK-norm run 128 wide: [q1 0 q2 0] per head, norm and scale over 96
     "dense-d96": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200)),
     # Gemma 2 and 3 in small, on padded widths: GeGLU (tanh GELU), embeddings x 13.9, per-head
@@ -50,9 +52,10 @@ MODELS = {
                                        rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)),
     # OLMo 2 in small, on padded widths: no norm before the sublayers, one after each, and q / k
     # normalized across all heads (4 q / 2 kv heads of 96, run 128 wide: the norm's divisor is
-    # the true 384 / 192 lanes)
+    # the true 384 / 192 lanes); RoPE on 64 of the 96 lanes (GLM-4.5's partial rotary on a
+    # padded head: each 64-lane half is 32 turned, 16 unturned, 16 zero)
     "dense-olmo2": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=4, num_kv_heads=2, ffn_size=200,
-                                       pre_norms=False, post_norms=True, qk_norm_whole=True)),
+                                       pre_norms=False, post_norms=True, qk_norm_whole=True, rotary_dim=64)),
     # Cohere in small, on padded widths: LayerNorm without bias (mean and variance over the true
     # 192 lanes), attention and the MLP reading one normed input, both added to the residual
     "dense-cohere": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
@@ -94,7 +97,7 @@ CASES = [
 # sliding window), dense-d64 (64-wide heads, two per 128-lane block: moe-d64-g4 and dense-lanes)
 # dense-w12 (a window on one layer of two: dense-gemma's layer 0, the same 12-token window and
 # cache lengths; bfloat16 at q = 2: moe-d64-g4; a window on every layer: test_hf_archs.py's
-# phi3-sliding) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
+# phi3-partial) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
 # across all heads: dense-olmo2's).
 # Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
 V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere")

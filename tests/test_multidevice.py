@@ -44,7 +44,8 @@ CASES = {
     # all-reduced output joins the residual after attention's)
     "dense-2dev-cohere": (dict(base="tiny-dense", name="dense-cohere", qk_norm=False, norm_kind="layer",
                                parallel_blocks=True), 2, 2, 1, {}),
-    "moe-4dev-mixed": (dict(base="tiny-moe"), 4, 2, 1, {"all_reduce": "rsag"}),
+    # the shared expert's columns split over the devices, each partial scaled by Qwen2-MoE's gate
+    "moe-4dev-mixed": (dict(base="tiny-moe", shared_expert_gate=True), 4, 2, 1, {"all_reduce": "rsag"}),
     "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),
     "moe-4dev-int8": (dict(base="tiny-moe", dtype="bfloat16", quant="int8"), 4, 2, 1, {}),  # scales shard too

@@ -82,7 +82,7 @@ def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
     out = jnp.einsum("nkh,nk->nh", y, weights)
     if cfg.num_shared_experts:
-        out = out + ref.gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+        out = out + ref.shared_experts(cfg, layer, x)
     return out
 
 

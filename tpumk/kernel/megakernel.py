@@ -380,8 +380,11 @@ def _kernel(plan: Plan):
                                 store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
                 routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe,
                                              scales_hbm=moe_scales)
-                if "shared_gate_up" in seg.families:
-                    routed = routed + s.moe_out[...]  # reference: routed + shared, then the residual
+                if "shared_gate_up" in seg.families:  # reference: routed + shared, then the residual
+                    shared = s.moe_out[...]
+                    if plan.moe.shared_gate:  # Qwen2-MoE: sigmoid(x . w) per row, from the routing
+                        shared = moe_mod.shared_gate_of(plan.moe, s.moe) * shared
+                    routed = routed + shared
                 if ar is None:
                     s.resid[...] = s.resid[...] + routed
                 else:  # this device's experts / widths: a partial sum

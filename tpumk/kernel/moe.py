@@ -12,7 +12,9 @@ One call of `moe_stage` does, for one MoE layer and all N token rows:
    (`MoEGeometry.groups / correction_bias / scaling`): the picks follow the biased scores of the
    `topk_groups` best groups (a group scored by its two best, groups ranked pairwise), the
    weights are the unbiased scores, times the scaling factor; the float32 router carries the
-   bias in row H, so the same single DMA fetches both.
+   bias in row H, so the same single DMA fetches both. A shared-expert gate (Qwen2-MoE) is
+   router column E: its sigmoid is left in the combine matrix's column E for the composer
+   (`shared_gate_of`), which scales the shared experts' output by it.
 3. **Distinct experts.** The experts picked by ANY row are compacted, in ascending id order, into
    a list of D ids (1 <= D <= min(E, N * top_k)) with exact 0/1 matmuls and an iota compare;
    the list and D go VMEM -> SMEM by a local DMA so they can be read as scalars to address DMAs.
@@ -62,7 +64,8 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     `e_down [E, Fe, H]`. MoE layers are stacked in model order (`moe_layer_ids(cfg)`); arrays
     are cast to `cfg.dtype`. Output, with Lm MoE layers, Ep = E rounded up to 128, nb = Fe / 128:
 
-    - `router  [Lm, H, Ep]`: columns E..Ep-1 are zero (the kernel masks them out of routing).
+    - `router  [Lm, H, Ep]`: columns E..Ep-1 are zero (the kernel masks them out of routing);
+      with a shared-expert gate (Qwen2-MoE) column E holds its weight `shared_router`.
       With a correction bias (DeepSeek-V3 routing) it is float32 `[Lm, H + 8, Ep]`, the bias in
       row H (rows H+1.. zero): one DMA brings both.
     - `e_gateup [Lm, E, nb, H, 256]`: block b holds gate columns [128b, 128b+128) in lanes
@@ -87,7 +90,7 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     if fe % LANE or h % LANE:
         raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
-    ep, nb = round_up(e, LANE), fe // LANE
+    ep, nb = round_up(e + cfg.shared_expert_gate, LANE), fe // LANE
     routers, gateups, downs, gu_scales, dn_scales = [], [], [], [], []
 
     def codes(a):
@@ -103,7 +106,9 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
             router = jnp.concatenate([jnp.asarray(layer["router"], jnp.float32), bias], 0)
         else:
             router = jnp.asarray(layer["router"], dt)
-        routers.append(jnp.pad(router, ((0, 0), (0, ep - e))))
+        if cfg.shared_expert_gate:
+            router = jnp.concatenate([router, jnp.asarray(layer["shared_router"], router.dtype)], 1)
+        routers.append(jnp.pad(router, ((0, 0), (0, ep - router.shape[1]))))
         owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)
         gateups.append(jnp.concatenate([blocks(codes(layer["e_gate"]), owned), blocks(codes(layer["e_up"]), owned)],
                                        axis=-1))
@@ -259,7 +264,18 @@ def _route(geom: MoEGeometry, x, router_vmem):
         combine = combine / total
     if geom.scaling != 1.0:
         combine = combine * geom.scaling
+    if geom.shared_gate:  # column E is no expert: it carries the shared experts' gate (shared_gate_of)
+        gate = jax.nn.sigmoid(jnp.sum(jnp.where(lane == e, logits, 0.0), axis=1, keepdims=True))
+        combine = jnp.where(lane == e, gate, combine)
     return combine, jnp.max(picked, axis=0, keepdims=True)
+
+
+def shared_gate_of(geom: MoEGeometry, scratch):
+    """[N, 1] f32: sigmoid(x . shared_router) of the layer routed last (reference.shared_experts),
+    left by the routing in the combine matrix's column E (a lane mask: no unaligned slice)."""
+    combine = _as_scratch(scratch).combine[...]
+    lane = lax.broadcasted_iota(jnp.int32, combine.shape, 1)
+    return jnp.sum(jnp.where(lane == geom.num_experts, combine, 0.0), axis=1, keepdims=True)
 
 
 def _compact(geom: MoEGeometry, picked):

@@ -39,7 +39,10 @@ DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
     model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm   -> q_a_norm / kv_a_norm
     model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
     model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
-    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down
+    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down (GLM-4.5 too)
+Qwen2-MoE's one shared expert and its gate:
+    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj      -> s_gate, s_up, s_down
+    model.layers.{i}.mlp.shared_expert_gate.weight [1, H]       -> shared_router [H, 1]
 Their FP8 releases (the format above) store q_a_proj, q_b_proj (q_proj), kv_a_proj_with_mqa,
 kv_b_proj, o_proj, the dense / shared / routed experts' projections in e4m3 blocks; each loads
 bit for bit like any fp8 weight (the RoPE row permutation below moves each row's scales with
@@ -220,12 +223,29 @@ def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> N
 
 
 def _mtp_layers(cfg: ModelConfig, config_json: dict[str, Any], names: set[str]) -> list[str]:
-    """Tensors of the multi-token-prediction layers a DeepSeek-V3 checkpoint appends."""
-    extra = config_json.get("num_nextn_predict_layers") or 0
-    if not (cfg.is_mla and isinstance(extra, int) and extra > 0):
+    """Tensors of the multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint appends
+    (transformers 5 names the count num_mtp_layers for GLM)."""
+    extra = config_json.get("num_nextn_predict_layers") or config_json.get("num_mtp_layers") or 0
+    mtp_family = cfg.is_mla or config_json.get("model_type") == "glm4_moe"
+    if not (mtp_family and isinstance(extra, int) and extra > 0):
         return []
     layer = re.compile(r"model\.layers\.(\d+)\.")
     return [n for n in names if (m := layer.match(n)) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra]
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """One head's lanes in tpumk's partial-rotary layout (ModelConfig.rotary_dim), as indices into
+    transformers' [rotary lanes (rotate-half within them), unrotated lanes]: each half of the
+    head takes its rotary_dim / 2 rotary lanes, then half of the unrotated ones."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    rot, keep = np.arange(rotary_dim), np.arange(rotary_dim, head_dim)
+    return np.concatenate([rot[:half], keep[:rest], rot[half:], keep[rest:]])
+
+
+def _rotary_rows(a: np.ndarray, heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Rows (or a vector) of `heads` heads of head_dim, each put in rotary_order."""
+    order = (np.arange(heads)[:, None] * head_dim + rotary_order(head_dim, rotary_dim)[None]).reshape(-1)
+    return a[order]
 
 
 def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None
@@ -239,14 +259,28 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     # Cohere rotates interleaved pairs over the whole head: q / k rows permuted the same way
     # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
     cohere = config_json.get("model_type") == "cohere"
+    d, rd = cfg.head_dim, cfg.rotary_dim
+    heads_of = {"wq": cfg.num_q_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_q_heads, "bk": cfg.num_kv_heads}
+
+    def rotary(key: str, fn):
+        """fn, then (partial rotary) the q / k heads' lanes put in rotary_order: the columns of wq
+        / wk ([in, out] once fn has run), the biases and the QK-norm weights."""
+        if not rd or rd == d or key not in (*heads_of, "q_norm", "k_norm"):
+            return fn
+        n = heads_of.get(key, 1 if not cfg.qk_norm_whole else
+                         (cfg.num_q_heads if key == "q_norm" else cfg.num_kv_heads))
+        perm = _rotary_rows(np.arange(n * d), n, d, rd)
+        return (lambda a: fn(a)[:, perm]) if key in ("wq", "wk") else (lambda a: fn(a)[perm])
 
     def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
             hf_shape: tuple[int, ...] | None = None) -> None:
+        fn_in = fn
+        fn = rotary(key, fn)
         ref = shapes["layers"][layer][key] if layer is not None else shapes[key]
         if expert is not None:
             ref = ref[1:]
         if hf_shape is None:
-            hf_shape = tuple(reversed(ref)) if fn is _t else ref
+            hf_shape = tuple(reversed(ref)) if fn_in is _t else ref
         plan.setdefault(hf, []).append((layer, key, expert, hf_shape, fn))
 
     add("model.embed_tokens.weight", None, "embed")
@@ -276,7 +310,6 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                     hf_shape=(q + 2 * kv, h))
             add(p + "self_attn.o_proj.weight", i, "wo", _t)
         else:
-            d = cfg.head_dim
             for proj, key, heads in (("q_proj", "wq", cfg.num_q_heads), ("k_proj", "wk", cfg.num_kv_heads),
                                      ("v_proj", "wv", 0), ("o_proj", "wo", 0)):
                 fix = (lambda a, n=heads: _rope_deinterleave(a, n, d, d).T) if cohere and heads else _t
@@ -303,9 +336,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         add(p + ("block_sparse_moe." if mixtral else "mlp.") + "gate.weight", i, "router", _t)
         if cfg.router_correction_bias:
             add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
-        if cfg.num_shared_experts:
+        if cfg.num_shared_experts:  # DeepSeek-V3 / GLM-4.5: shared_experts; Qwen2-MoE: shared_expert
+            where = "mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_experts."
             for proj, key in (("gate_proj", "s_gate"), ("up_proj", "s_up"), ("down_proj", "s_down")):
-                add(p + f"mlp.shared_experts.{proj}.weight", i, key, _t)
+                add(p + f"{where}{proj}.weight", i, key, _t)
+            if cfg.shared_expert_gate:  # [1, H] -> [H, 1]
+                add(p + "mlp.shared_expert_gate.weight", i, "shared_router", _t)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         if p + "mlp.experts.gate_up_proj" in names:
             gu = p + "mlp.experts.gate_up_proj"
@@ -502,9 +538,11 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                                     "(official fp8 releases store one tensor per expert)")
         if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
-        if w in plan and cohere and any(key in ("wq", "wk") for _, key, *_ in plan[w]):
-            raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' in fp8 (Cohere's q / k "
-                                    "rows are permuted on load; the loader does not permute scale blocks)")
+        if w in plan and (cohere or 0 < cfg.rotary_dim < cfg.head_dim) \
+                and any(key in ("wq", "wk") for _, key, *_ in plan[w]):
+            why = "Cohere's q / k rows are" if cohere else "partial rotary: q / k rows are"
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' in fp8 ({why} "
+                                    "permuted on load; the loader does not permute scale blocks)")
     missing = [n for n in plan if n not in tensors]  # plan order: layer by layer
     if missing:
         raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{and_more(missing)}")

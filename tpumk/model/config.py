@@ -40,7 +40,7 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 # the description (and every content-addressed key made from it) of an older model is unchanged.
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
-                "parallel_blocks")
+                "parallel_blocks", "rotary_dim", "shared_expert_gate")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -172,6 +172,17 @@ class ModelConfig:
     # outputs added to the residual ("parallel" blocks: no mlp_norm).
     norm_kind: str = "rms"
     parallel_blocks: bool = False
+    # Partial rotary (Phi-4-mini, GLM-4.5: partial_rotary_factor): RoPE turns only rotary_dim of
+    # each head's lanes; 0: all of them. tpumk's head layout keeps rotate-half pairs (lane i with
+    # lane i + head / 2): each half holds its rotary_dim / 2 rotary lanes first, then its share of
+    # the unrotated ones, whose RoPE frequency is 0 (cos 1, sin 0: exactly unchanged). A
+    # checkpoint's q / k rows are permuted into this layout on load (tpumk.model.checkpoint);
+    # scores are unchanged because q and k move alike.
+    rotary_dim: int = 0
+    # Qwen2-MoE: the shared experts' output is scaled per token by sigmoid(x . w), w a learned
+    # [hidden] vector (`shared_router` [H, 1]; transformers' shared_expert_gate) before it joins
+    # the routed experts'. The kernel packs w as one more router column (tpumk.kernel.moe).
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -251,6 +262,14 @@ class ModelConfig:
              f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
         need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
+        need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.true_head_dim and self.rotary_dim % 2 == 0,
+             "rotary_dim", f"an even integer in [0, the head width {self.true_head_dim}] (0: the whole head)")
+        need(isinstance(self.shared_expert_gate, bool), "shared_expert_gate", "true or false")
+        if self.shared_expert_gate:  # the gate shares the router's one DMA and dtype (not DeepSeek's float32 router)
+            need(self.is_moe and self.num_shared_experts > 0 and not self.router_correction_bias, "shared_expert_gate",
+                 "false without shared experts or with router_correction_bias")
+        if self.rotary_dim:
+            need(not self.is_mla, "rotary_dim", "0 for an MLA model (qk_rope_head_dim says which lanes turn)")
         need(isinstance(self.mlp_act, str) and self.mlp_act in MLP_ACTS, "mlp_act", f"one of {', '.join(MLP_ACTS)}")
         if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
             need(not self.is_moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
@@ -403,7 +422,7 @@ class ModelConfig:
             return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
         shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
         return {
-            "always": attn + norms + h * self.num_experts + shared
+            "always": attn + norms + h * (self.num_experts + self.shared_expert_gate) + shared
                       + (self.num_experts if self.router_correction_bias else 0),
             "per_expert": 3 * h * self.expert_ffn_size,
             "experts": self.num_experts,
@@ -541,14 +560,18 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------- Hugging Face import
 _HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "cohere", "mixtral", "deepseek_v3", "kimi_k2")
+                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "deepseek_v3", "kimi_k2")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
-_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")  # OLMo 2: over the whole projection
+_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmoe")  # OLMo 2, OLMoE: over the whole projection
+_HF_QK_NORM_WHOLE = ("olmo2", "olmoe")
 # GeGLU, embeddings x sqrt(hidden), (1 + w) norms (folded on load: tpumk.model.checkpoint), tied by default
 HF_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # Sandwich norms, query_pre_attn_scalar, soft-capping (attn_logit_softcapping, final_logit_softcapping)
 _HF_GEMMA_SANDWICH = ("gemma2", "gemma3_text")
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# partial_rotary_factor < 1 turns only the first lanes of each head (transformers' Phi-3 modelling
+# rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
+_HF_PARTIAL_ROTARY = ("phi3", "glm4_moe")
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
 # approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
@@ -564,7 +587,6 @@ COHERE_LOGIT_SCALE = 0.0625
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-    "qwen2_moe": "sigmoid-gated shared expert of Qwen2-MoE",
     "gpt_oss": "attention sinks of gpt-oss",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
@@ -621,7 +643,7 @@ def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
     Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a multimodal Gemma 3's
-    language model: `hf_text_config`), Cohere,
+    language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
     DeepSeek-V3, Kimi K2) into a ModelConfig.
 
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
@@ -640,7 +662,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if mt not in _HF_SUPPORTED:
         raise NotSupportedError(
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
-    if hf.bool_("attention_bias", False):
+    # GLM-4.5's attention_bias is on q, k and v only (o_proj has none): qkv_bias
+    if hf.bool_("attention_bias", False) and mt != "glm4_moe":
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
     if hf.bool_("mlp_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: mlp_bias = true")
@@ -663,11 +686,20 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     rope_params = data.get("rope_parameters") or {}
     # RoPE on only part of each head (Phi-4-mini: model_type phi3, 0.75); transformers 5 keeps
     # the factor in rope_parameters, 4.x at top level.
+    rotary_factor = ("partial_rotary_factor", 0.5) if mt == "glm4_moe" else None  # transformers' GLM-4.5 default
     for where, table in (("partial_rotary_factor", data), ("rope_parameters.partial_rotary_factor", rope_params)):
         factor = table.get("partial_rotary_factor") if isinstance(table, dict) else None
-        if factor is not None and factor != 1:
-            raise NotSupportedError(f"{source}: not supported yet: {where} = {_short_repr(factor)} "
-                                    "(RoPE on part of each head; only 1.0)")
+        if factor is None:
+            continue
+        if factor == 1:
+            rotary_factor = None
+            continue
+        if mt not in _HF_PARTIAL_ROTARY:  # their modelling rotates the whole head whatever the factor says
+            raise NotSupportedError(f"{source}: not supported yet: {where} = {_short_repr(factor)} for model_type "
+                                    f"{mt!r} (RoPE on part of each head: {', '.join(_HF_PARTIAL_ROTARY)})")
+        if not (_is_number(factor) and 0 < factor < 1):
+            raise ConfigError(f"{source}: field '{where}' = {_short_repr(factor)}: expected a number in (0, 1]")
+        rotary_factor = (where, factor)
     if rope_params.get("rope_theta") is not None:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
@@ -701,12 +733,20 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], default=0) or 0,
         rms_eps=hf.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        qk_norm=mt in _HF_QK_NORM,
-        qkv_bias=mt in _HF_QKV_BIAS,
+        qk_norm=mt in _HF_QK_NORM or (mt == "glm4_moe" and hf.bool_("use_qk_norm", False)),
+        qkv_bias=mt in _HF_QKV_BIAS or (mt == "glm4_moe" and hf.bool_("attention_bias", False))
+        or (mt == "qwen2_moe" and hf.bool_("qkv_bias", True)),
         tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES + ("cohere",)),  # their default: tied
         dtype=dtype,
         mlp_act=acts[act],
     )
+    if rotary_factor is not None:  # transformers: int(head_dim * factor) lanes turn, rotate-half among them
+        where, factor = rotary_factor
+        rotary = int(head_dim * factor)
+        if rotary < 2 or rotary % 2:
+            raise NotSupportedError(f"{source}: not supported: {where} = {_short_repr(factor)} turns {rotary} of "
+                                    f"head_dim {head_dim} lanes (RoPE needs an even, positive number)")
+        fields["rotary_dim"] = rotary
     if mt in HF_GEMMA_FAMILIES:  # embeddings x sqrt(hidden_size) (tpumk.model.reference.embed rounds it as transformers)
         fields["embed_scale"] = math.sqrt(hidden)
     fields.update(_hf_sliding_window(hf, mt, n_layers))
@@ -725,8 +765,13 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             raise NotSupportedError(f"{source}: not supported: use_bidirectional_attention = true (a decoder "
                                     "attends causally)")
         fields.update(_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
-    if mt == "olmo2":  # norms after each sublayer only; q / k normalized across all heads
-        fields.update(pre_norms=False, post_norms=True, qk_norm_whole=True)
+    if mt == "olmo2":  # norms after each sublayer only
+        fields.update(pre_norms=False, post_norms=True)
+    if mt in _HF_QK_NORM_WHOLE:  # q / k normalized across all heads
+        fields.update(qk_norm_whole=True)
+    if mt == "olmoe" and data.get("clip_qkv") is not None:
+        raise NotSupportedError(f"{source}: not supported yet: clip_qkv = {_short_repr(data['clip_qkv'])} "
+                                "(q, k and v clamped after their projections)")
     if mt == "cohere":  # LayerNorm without bias, attention and MLP in parallel, interleaved RoPE (on load)
         if hf.bool_("use_qk_norm", False):
             raise NotSupportedError(f"{source}: not supported yet: use_qk_norm = true "
@@ -741,7 +786,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                 raise ConfigError(f"{source}: field '{key}' = {_short_repr(data[key])}: expected a positive number")
     if mt in _HF_ROPE_SCALED:
         fields.update(_hf_rope_scaling(data, source))
-    if mt == "qwen3_moe":
+    if mt == "qwen2_moe" and hf.bool_("use_sliding_window", False):  # its own odd-layers pattern, unused by releases
+        raise NotSupportedError(f"{source}: not supported yet: use_sliding_window = true for model_type 'qwen2_moe'")
+    if mt in ("qwen3_moe", "qwen2_moe"):
         step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
         mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
         # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
@@ -756,6 +803,10 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             norm_topk_prob=hf.bool_("norm_topk_prob", False),
             dense_layers=dense,
         )
+    if mt == "qwen2_moe":  # one shared expert, its output scaled by sigmoid(shared_expert_gate(x))
+        shared = hf.int_("shared_expert_intermediate_size", MAX_SIZES["shared_expert_ffn_size"], default=0) or 0
+        if shared:
+            fields.update(num_shared_experts=1, shared_expert_ffn_size=shared, shared_expert_gate=True)
     if mt == "mixtral":
         # Mistral's attention; every layer's MLP is routed experts of width intermediate_size,
         # softmax over all of them, the top-k's weights renormalised (the softmax of the top-k
@@ -769,9 +820,54 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             norm_topk_prob=True,
             dense_layers=[],
         )
+    if mt == "olmoe":
+        if head_dim * heads != hidden:  # its q_norm is hidden_size wide, its k_norm kv_heads x hidden / heads
+            raise ConfigError(f"{source}: field 'head_dim' = {head_dim}: expected hidden_size / num_attention_heads "
+                              f"= {hidden / heads:g} (OLMoE's QK-norm widths assume it)")
+        # every layer's MLP is routed experts of width intermediate_size, softmax over all of
+        # them, the top-k's weights renormalised only with norm_topk_prob (default false)
+        key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
+        fields.update(
+            ffn_size=0,
+            num_experts=hf.int_(key, MAX_SIZES["num_experts"], _REQUIRED, what="num_experts"),
+            top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+            expert_ffn_size=hf.int_("intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
+            router_scoring="softmax",
+            norm_topk_prob=hf.bool_("norm_topk_prob", False),
+            dense_layers=[],
+        )
+    if mt == "glm4_moe":  # DeepSeek-V3's routing and shared experts (transformers' Glm4MoeMoE) on GQA attention
+        fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=True))
     if mt in _HF_MLA:
         fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
     return from_dict(fields, source)
+
+
+def _hf_sigmoid_moe_fields(hf: "_HFFields", n_layers: int, experts_key: str, norm_default: bool) -> dict[str, Any]:
+    """DeepSeek-V3's MoE as transformers' DeepseekV3 and Glm4Moe modelling read it: sigmoid scores
+    with a selection-only correction bias, group-limited top-k, the weights renormalised (with
+    norm_topk_prob) then scaled, shared experts of n_shared_experts x moe_intermediate_size, the
+    first first_k_dense_replace layers dense. {} without routed experts."""
+    n_exp = hf.int_(experts_key, MAX_SIZES["num_experts"], default=0) or 0
+    if not n_exp:
+        return {}
+    fe = hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED)
+    shared = hf.int_("n_shared_experts", MAX_SIZES["num_shared_experts"], default=0) or 0
+    first_dense = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=0) or 0
+    return dict(
+        num_experts=n_exp,
+        top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+        expert_ffn_size=fe,
+        num_shared_experts=shared,
+        shared_expert_ffn_size=fe if shared else 0,
+        router_scoring="sigmoid",
+        norm_topk_prob=hf.bool_("norm_topk_prob", norm_default),
+        dense_layers=list(range(min(first_dense, n_layers))),
+        router_groups=hf.int_("n_group", MAX_SIZES["router_groups"], default=1) or 1,
+        router_topk_groups=hf.int_("topk_group", MAX_SIZES["router_topk_groups"], default=1) or 1,
+        router_correction_bias=True,  # transformers always carries e_score_correction_bias
+        routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
+    )
 
 
 def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers: int, heads: int) -> dict[str, Any]:
@@ -788,8 +884,6 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
     hf.bool_("rope_interleave", True)  # checked here; the checkpoint loader applies it (tpumk.model.checkpoint)
     nope = hf.int_("qk_nope_head_dim", MAX_SIZES["qk_nope_head_dim"], _REQUIRED)
     rope_dim = hf.int_("qk_rope_head_dim", MAX_SIZES["qk_rope_head_dim"], _REQUIRED)
-    n_exp = hf.int_("n_routed_experts", MAX_SIZES["num_experts"], default=0) or 0
-    first_dense = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=0) or 0
     fields: dict[str, Any] = dict(
         num_kv_heads=heads,  # transformers repeats the one latent for every head (num_key_value_heads unused)
         head_dim=nope + rope_dim,
@@ -799,23 +893,7 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
         qk_rope_head_dim=rope_dim,
         v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED),
     )
-    if n_exp:
-        fe = hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED)
-        shared = hf.int_("n_shared_experts", MAX_SIZES["num_shared_experts"], default=0) or 0
-        fields.update(
-            num_experts=n_exp,
-            top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
-            expert_ffn_size=fe,
-            num_shared_experts=shared,
-            shared_expert_ffn_size=fe if shared else 0,
-            router_scoring="sigmoid",
-            norm_topk_prob=hf.bool_("norm_topk_prob", False),
-            dense_layers=list(range(min(first_dense, n_layers))),
-            router_groups=hf.int_("n_group", MAX_SIZES["router_groups"], default=1) or 1,
-            router_topk_groups=hf.int_("topk_group", MAX_SIZES["router_topk_groups"], default=1) or 1,
-            router_correction_bias=True,  # transformers always carries e_score_correction_bias
-            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
-        )
+    fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False))
     rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type")) == "yarn":
         where = f"{source}: {'rope_parameters' if data.get('rope_parameters') else 'rope_scaling'}"

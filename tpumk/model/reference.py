@@ -172,7 +172,16 @@ def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     y = expert_matmul(a, layer["e_down"])
     out = jnp.einsum("enh,ne->nh", y, combine)
     if cfg.num_shared_experts:
-        out = out + gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+        out = out + shared_experts(cfg, layer, x)
+    return out
+
+
+def shared_experts(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
+    """The shared experts' output [N, H] f32; with shared_expert_gate (Qwen2-MoE) scaled per row by
+    sigmoid(x @ shared_router) (the logit as the router's: x cast to the weight dtype, f32 sums)."""
+    out = gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
+    if cfg.shared_expert_gate:
+        out = jax.nn.sigmoid(matmul(x, layer["shared_router"])) * out
     return out
 
 

@@ -33,15 +33,18 @@ def inv_freq(cfg: ModelConfig, xp=np, local: bool = False):
     traced step, as before scaling existed (the compiler's static estimate of the step moved
     when they became a baked constant), with the same ops on both sides. `local`: those of the
     sliding-window layers of a model with `rope_local_theta` (plain, unscaled: Gemma 3)."""
+    rotary = cfg.rotary_dim or cfg.true_head_dim
     if local and cfg.rope_local_theta:
-        freqs = plain_inv_freq(cfg.true_head_dim, cfg.rope_local_theta, xp)
+        freqs = plain_inv_freq(rotary, cfg.rope_local_theta, xp)
     else:
-        freqs = _scaled_inv_freq(cfg, plain_inv_freq(cfg.true_head_dim, cfg.rope_theta, xp), xp)
-    if cfg.true_head_dim == cfg.head_dim:
+        freqs = _scaled_inv_freq(cfg, plain_inv_freq(rotary, cfg.rope_theta, xp), xp)
+    if rotary == cfg.head_dim:
         return freqs
-    # a lane-padded head (tpumk.plan.padding): each half of it is its true half then zeros, so
-    # lane i still pairs with lane i + head_dim / 2; the zero lanes' frequency is never seen
-    return xp.concatenate([freqs, xp.zeros(((cfg.head_dim - cfg.true_head_dim) // 2,), xp.float32)])
+    # Partial rotary (ModelConfig.rotary_dim): each half of a head holds its rotary lanes first,
+    # then unrotated ones, whose frequency 0 leaves them exactly as they are (cos 1, sin 0). A
+    # lane-padded head (tpumk.plan.padding): each half of it is its true half then zeros, so
+    # lane i still pairs with lane i + head_dim / 2; the zero lanes' frequency is never seen.
+    return xp.concatenate([freqs, xp.zeros(((cfg.head_dim - rotary) // 2,), xp.float32)])
 
 
 def _scaled_inv_freq(cfg: ModelConfig, base, xp):

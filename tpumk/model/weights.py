@@ -9,7 +9,8 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
       dense:   w_gate [H, F], w_up [H, F], w_down [F, H]
       MoE:     router [H, E], e_gate [E, H, Fe], e_up [E, H, Fe], e_down [E, Fe, H],
                s_gate [H, S*Fs], s_up [H, S*Fs], s_down [S*Fs, H] (S shared experts side by side;
-               a sum of SwiGLU experts equals one SwiGLU of the concatenated widths)
+               a sum of SwiGLU experts equals one SwiGLU of the concatenated widths),
+               shared_router [H, 1] (shared_expert_gate: the shared output's sigmoid gate)
       DeepSeek-V3 routing (router_correction_bias): router [H, E] and router_bias [E] are
                float32 whatever the model dtype (transformers keeps the gate in float32)
     MLA layers (tpumk.model.mla) replace wq, wk, wv, q_norm, k_norm by wq_a, q_a_norm, wq_b
@@ -66,6 +67,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
             if cfg.num_shared_experts:
                 s = cfg.num_shared_experts * cfg.shared_expert_ffn_size
                 lay.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
+                if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ shared_router) scales the shared output
+                    lay.update(shared_router=(h, 1))
         layers.append(lay)
     top["layers"] = layers
     return top

@@ -576,6 +576,9 @@ class MoEGeometry:
     topk_groups: int = 1
     correction_bias: bool = False
     scaling: float = 1.0
+    # Qwen2-MoE's shared-expert gate: its [H] weight is router column E (so Ep covers E + 1); the
+    # stage leaves sigmoid(x . w) in the combine matrix's column E (`shared_gate_of`).
+    shared_gate: bool = False
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
@@ -592,7 +595,7 @@ class MoEGeometry:
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
             expert_format=expert_format,
             groups=cfg.router_groups, topk_groups=cfg.router_topk_groups, correction_bias=cfg.router_correction_bias,
-            scaling=float(cfg.routed_scaling_factor),
+            scaling=float(cfg.routed_scaling_factor), shared_gate=cfg.shared_expert_gate,
         )
         geom.validate()
         return geom
@@ -636,6 +639,8 @@ class MoEGeometry:
              f"topk_groups = {self.topk_groups!r}: expected 1..groups ({self.groups})")
         need(isinstance(self.correction_bias, bool), f"correction_bias = {self.correction_bias!r}: expected true or false")
         need(isinstance(self.scaling, float) and self.scaling > 0, f"scaling = {self.scaling!r}: expected a positive float")
+        need(isinstance(self.shared_gate, bool) and not (self.shared_gate and self.correction_bias),
+             f"shared_gate = {self.shared_gate!r}: expected true or false, false with a correction bias")
 
     @property
     def local_experts(self) -> int:
@@ -649,8 +654,9 @@ class MoEGeometry:
     # ---------------------------------------------------------------- derived shapes
     @property
     def experts_padded(self) -> int:
-        """Ep: the expert axis padded to whole lanes (router columns, combine, id list)."""
-        return round_up(self.num_experts, LANE)
+        """Ep: the expert axis padded to whole lanes (router columns, combine, id list), with
+        room for the shared-expert gate's column E."""
+        return round_up(self.num_experts + self.shared_gate, LANE)
 
     @property
     def chunks_per_expert(self) -> int:

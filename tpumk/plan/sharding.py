@@ -188,8 +188,9 @@ class ShardingPlan:
                 out["w_down"] = cols(lay["w_down"], lo, self.ffn, axis=0)
             else:
                 out["router"] = np.asarray(lay["router"])
-                if "router_bias" in lay:
-                    out["router_bias"] = np.asarray(lay["router_bias"])
+                for k in ("router_bias", "shared_router"):  # replicated with the router
+                    if k in lay:
+                        out[k] = np.asarray(lay[k])
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
                 def owned(a):  # this device's experts (the leading axis)
