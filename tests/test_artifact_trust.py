@@ -264,9 +264,14 @@ def test_key_from_file_and_key_configuration_errors(exported, tmp_path, monkeypa
         A.load(res.path)
     kf.write_text("  \n")
     monkeypatch.setenv(signing.KEY_FILE_ENV, str(kf))
-    with pytest.raises(SigningKeyError, match="the signing key is empty"):
+    with pytest.raises(SigningKeyError, match=r"TPUMK_SIGNING_KEY_FILE \(.*\) is set but empty .*or unset it to "
+                                              "export unsigned artifacts"):
         A.verify(res.path)
     monkeypatch.delenv(signing.KEY_FILE_ENV)
+    monkeypatch.setenv(signing.KEY_ENV, "")  # a CI secret not set for a fork expands to ""
+    err = _one_line_error(_cli(["cache-key", *CPU_ARGS, "--with-signing"]))
+    assert "TPUMK_SIGNING_KEY is set but empty" in err and "openssl rand -hex 32" in err
+    monkeypatch.delenv(signing.KEY_ENV)
     monkeypatch.setenv(signing.KEY_ENV, "short")
     with pytest.raises(SigningKeyError, match="5 bytes, at least 16"):
         A.verify(res.path)
@@ -620,3 +625,21 @@ def test_a_manifest_or_signature_growing_past_its_limit_is_refused_from_what_was
         f.write("#" * 10_000 + "\n")
     with pytest.raises(SignatureError, match="manifest.sig: more than 4096 bytes, not a signature file"):
         A.verify(d)
+
+
+def test_the_ci_cache_key_follows_the_signing_state(monkeypatch):
+    """`cache-key --with-signing`: the same artifact key with -unsigned, or -signed-<key id>, so a
+    CI cache never restores an unsigned artifact once signing is on (which inspect refuses), nor
+    one signed with a rotated key."""
+    from tpumk.export import signing
+
+    monkeypatch.delenv(signing.KEY_ENV, raising=False)
+    monkeypatch.delenv(signing.KEY_FILE_ENV, raising=False)
+    key = _cli(["cache-key", *CPU_ARGS]).stdout.strip()
+    assert _cli(["cache-key", *CPU_ARGS, "--with-signing"]).stdout.strip() == f"{key}-unsigned"
+    monkeypatch.setenv(signing.KEY_ENV, KEY)
+    kid = signing.configured_key().key_id
+    assert _cli(["cache-key", *CPU_ARGS, "--with-signing"]).stdout.strip() == f"{key}-signed-{kid}"
+    assert _cli(["cache-key", *CPU_ARGS]).stdout.strip() == key  # the artifact's own key is unchanged
+    monkeypatch.setenv(signing.KEY_ENV, KEY[::-1])
+    assert _cli(["cache-key", *CPU_ARGS, "--with-signing"]).stdout.strip() != f"{key}-signed-{kid}"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -58,14 +60,29 @@ from tpumk.model import reference as R
 from tpumk.model.config import load_preset
 from tpumk.model.weights import random_params
 
+import jax
+from jax import monitoring
+
+compiles = []  # XLA compilations, counted per step call: the step compiles on its first call only
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+per_call = []
+
+
+def decode(t, p, c):
+    before = len(compiles)
+    out = jax.block_until_ready(step(packed, t, p, c))
+    per_call.append(len(compiles) - before)
+    return out
+
+
 step = tpumk.load(sys.argv[1], use=sys.argv[2])
 cfg = load_preset("tiny-dense")
 params = random_params(cfg, seed=0)
 packed = tpumk.pack_weights(step.plan, params)
 prompt = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
 want, _ = R.greedy_generate(params, cfg, prompt, 8, R.init_cache(cfg, 1, 32, 16))
-got, cache = R.greedy_generate(params, cfg, prompt, 8, step.init_cache(),
-                               decode_fn=lambda t, p, c: step(packed, t, p, c))
+got, cache = R.greedy_generate(params, cfg, prompt, 8, step.init_cache(), decode_fn=decode)
 # one more step, to compare logits against the reference at a tolerance
 tokens = jnp.asarray([[got[0][-1]]], jnp.int32)
 length = int(cache.lengths[0])
@@ -74,7 +91,7 @@ logits, _ = step(packed, tokens, cache.lengths[:, None], cache)  # the executabl
 scale = float(np.max(np.abs(np.asarray(ref_logits))))
 err = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
 print(json.dumps({"kind": step.kind, "got": got, "want": want, "err": err, "scale": scale,
-                  "len": length}))
+                  "len": length, "compiles_per_call": per_call}))
 """
 
 
@@ -106,6 +123,9 @@ def test_cpu_export_loads_in_fresh_process_and_generates_reference_tokens(cpu_ar
     assert r["got"] == r["want"] and len(r["got"][0]) == 8
     assert r["err"] <= 1e-5 * r["scale"], r
     assert r["len"] == 17 + 7
+    # the step compiles on its first call only (before: the portable export compiled again on the
+    # second, whose cache argument the first call had committed to the device)
+    assert len(r["compiles_per_call"]) == 7 and not any(r["compiles_per_call"][1:]), r["compiles_per_call"]
 
 
 KEY = r"""
@@ -268,3 +288,15 @@ def test_load_plans_once(cpu_artifact, monkeypatch):
         calls.clear()
         step = A.load(cpu_artifact.path, use=use)
         assert step.plan.batch == 1 and len(calls) == 1, (use, len(calls))
+
+
+def test_readme_quickstart_runs_as_written(cpu_artifact, tmp_path, monkeypatch, capsys):
+    """README's Python quickstart, executed as written, in a directory where export wrote the
+    artifact (the block after `<!-- quickstart -->`)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- quickstart -->\n```python\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "artifacts").symlink_to(cpu_artifact.path.parents[2], target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md quickstart", "exec"), {})
+    cfg = load_preset("tiny-dense")
+    assert capsys.readouterr().out.strip() == f"(1, 1, {cfg.vocab_size})"

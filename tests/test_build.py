@@ -54,6 +54,11 @@ def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate(cap
     from tpumk.build import BuildReport
     from tpumk.cli.app import print_build_report
 
+    # the command's own wall time by phase (beside the report, not in it): the phases cover it
+    wall, phases = r.pop("wall_seconds"), r.pop("phase_seconds")
+    assert set(phases) == {"lower + compile for tpu7x", "compiler estimate (a profiling compile in its own process)",
+                           "report (tpumk's timeline model)", "verify step, q = 8 (plan figures)"}
+    assert 0 < sum(phases.values()) <= wall and phases["lower + compile for tpu7x"] >= r["compile_seconds"]
     print_build_report(BuildReport(**r))
     out = capsys.readouterr().out
     assert out.startswith("built small-moe for tpu7x")

@@ -41,7 +41,7 @@ def test_targets_json():
 def test_generate_json_matches_library_reference():
     r = run("generate", "--model", "tiny-moe", "--prompt-ids", "1,2,3;4,5", "--steps", "4", "--json")
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     from tpumk.model import config
     from tpumk.model import reference
     from tpumk.model import weights
@@ -70,7 +70,7 @@ def test_generate_from_toml_file(tmp_path):
                  'num_kv_heads = 1\nhead_dim = 128\nffn_size = 256\nvocab_size = 256\ndtype = "float32"\n')
     r = run("generate", "--model", str(f), "--prompt-ids", "5,6", "--steps", "3", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["model"] == "mini"
+    assert json.loads(r.stdout)["model"] == "mini"
 
 
 def test_malformed_toml_names_the_file(tmp_path):
@@ -155,13 +155,14 @@ def test_inspect_lists_artifacts_under_a_root(tmp_path):
         paths = {a["path"]: a for a in listing["artifacts"]}
         assert good in paths
         assert paths[good]["valid"] and paths[good]["model"] == "tiny-dense" and paths[good]["target"] == "cpu"
+        assert (paths[good]["dtype"], paths[good]["quant"], paths[good]["batch"]) == ("float32", "none", 1)
     assert r.exit_code == 0 and listing["valid"]  # only the good one below tiny-dense/
 
     r = run("inspect", str(root))
     assert r.exit_code == 1  # one of them is invalid
     assert "2 artifacts, 1 invalid" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith(good))
-    assert "tiny-dense" in row and "cpu" in row and "valid" in row
+    assert row.split()[1:6] == ["tiny-dense", "float32", "none", "1", "cpu"] and "valid" in row
     bad_row = next(line for line in r.stdout.splitlines() if line.startswith(str(broken)))
     assert "INVALID" in bad_row and "malformed manifest" in bad_row
 
@@ -275,3 +276,48 @@ def test_inspect_shows_an_unverified_manifest_of_odd_values_without_crashing(tmp
     one_error_line(r, "malformed manifest")
     info = json.loads(run("inspect", "--json", str(d)).stdout)
     assert info["key"] == "k" and info["tuning"] == {"when": "1979-05-27"} and not info["valid"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "--prompt-ids", "1,2,999"], "--prompt-ids: id 999 outside the vocabulary [0, 512)"),
+    (["generate", "--prompt-ids", "1,2", "--backend", "nope"], "--backend: unknown backend 'nope'"),
+    (["generate", "--prompt-ids", "1,2", "--spec", "foo"], "--spec: unknown method 'foo'"),
+    (["generate", "--prompt-ids", "1,2", "--quant", "int3"], "--quant: quant = 'int3': expected"),
+    (["generate", "--prompt-ids", "1,2", "--devices", "2"], "--devices 2: only the megakernel backend"),
+    (["quality", "--quant", "int3"], "--quant: quant = 'int3': expected"),
+])
+def test_input_checks_run_before_any_weights_are_built(monkeypatch, args, words):
+    """Random weights take seconds (a checkpoint longer): what can be checked from the options and
+    the model's config is refused first, in one line."""
+    import tpumk.model.weights as W
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were built before the input was checked")
+
+    monkeypatch.setattr(W, "random_params", no_weights)
+    r = run(*args, "--model", "tiny-moe")
+    assert r.exit_code == 1 and words in r.output and "weights were built" not in r.output, r.output
+
+
+def test_units_follow_the_magnitude_and_one_row_keeps_one_unit():
+    from tpumk.cli.units import duration, size
+
+    assert [duration(s) for s in (12.34e-6, 4.2576e-3, 19.72, None)] == ["12.3 us", "4.258 ms", "19.72 s", "n/a"]
+    assert duration(12e-6, us_digits=2) == "12.00 us" and duration(250e-6, scale_of=3e-3) == "0.250 ms"
+    assert [size(n) for n in (15_753_120_000, 34_220_000, 12_000, 512)] == ["15.75 GB", "34.22 MB", "12.0 KB", "512 B"]
+    assert size(34_220_000, scale_of=2.5e9, digits=3) == "0.034 GB"  # beside a 2.5 GB figure in the same row
+
+
+def test_json_byte_counts_are_integers():
+    from tpumk.cli.options import whole_bytes
+
+    out = whole_bytes({"hbm_bytes": 6746838016.0, "model": {"stages": [{"hbm_bytes": 2.5e9 + 0.4}]},
+                       "hbm_bytes_vs_plain": 1.0, "kv_bytes_per_token": 96.0, "floor_seconds": 1e-3,
+                       "vmem_bytes": 1024})
+    assert out == {"hbm_bytes": 6746838016, "model": {"stages": [{"hbm_bytes": 2500000000}]},
+                   "hbm_bytes_vs_plain": 1.0, "kv_bytes_per_token": 96, "floor_seconds": 1e-3, "vmem_bytes": 1024}
+    assert all(type(v) is int for v in (out["hbm_bytes"], out["kv_bytes_per_token"]))
+    r = run("build", "--model", "tiny-dense", "--target", "cpu", "--context", "32", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert type(d["hbm_bytes_per_step"]) is int

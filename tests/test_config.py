@@ -962,3 +962,14 @@ def test_shared_expert_gate_is_validated():
     for changes in (dict(num_shared_experts=0, shared_expert_ffn_size=0), dict(router_correction_bias=True)):
         with pytest.raises(ConfigError, match=r"field 'shared_expert_gate' = True: expected false without shared"):
             moe.replace(shared_expert_gate=True, **changes)
+
+
+def test_preset_names_match_case_insensitively_with_a_suggestion():
+    assert resolve_model("Qwen3-8B") == load_preset("qwen3-8b")  # as the model card writes it
+    assert load_preset("GLM-4.5-Air").name == "glm-4.5-air"
+    for near, name in (("qwen3-8", "qwen3-8b"), ("qwen-3-8b", "qwen3-8b"), ("lama-3.1-8b", "llama-3.1-8b")):
+        with pytest.raises(ConfigError, match=f"unknown model preset '{near}' \\(did you mean '{name}'\\?\\)"):
+            resolve_model(near)
+    with pytest.raises(ConfigError) as e:
+        resolve_model("zzz")
+    assert "did you mean" not in str(e.value) and "presets: " in str(e.value)

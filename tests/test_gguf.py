@@ -16,6 +16,7 @@ import struct
 import time
 from pathlib import Path
 
+from cli_output import error_lines
 import hf_utils  # first: offline hub, quiet transformers (and build_checkpoint)
 import jax.numpy as jnp
 import numpy as np
@@ -343,20 +344,20 @@ def test_generate_prompt_text_through_the_cli(tiny):
 def test_generate_prompt_refusals_are_one_line(args, code, words):
     r = _run("generate", *args)
     assert r.exit_code == code, r.output
-    assert r.stdout == "" and len(r.stderr.splitlines()) == 1 and words in r.stderr, r.stderr
+    assert r.stdout == "" and len(error_lines(r.stderr)) == 1 and words in r.stderr, r.stderr
 
 
 def test_generate_prompt_needs_a_tokenizer(tmp_path):
     hf_utils.build_checkpoint(tmp_path / "ckpt", arch="llama")  # config.json + safetensors, no tokenizer.json
     r = _run("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hi", "--steps", "1")
-    assert r.exit_code == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.exit_code == 1 and r.stdout == "" and len(error_lines(r.stderr)) == 1
     assert "tokenizer.json" in r.stderr
 
 
 def test_generate_bad_gguf_is_one_line_with_no_output(tmp_path):
     path = write_gguf(tmp_path / "qwen.gguf", arch="qwen2")
     r = _run("generate", "--checkpoint", str(path), "--prompt", "hi", "--steps", "1")
-    assert r.exit_code == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.exit_code == 1 and r.stdout == "" and len(error_lines(r.stderr)) == 1
     assert "general.architecture" in r.stderr
 
 

@@ -142,7 +142,7 @@ def test_cli_generate_from_the_checkpoint(hf_deepseek_dir):
     r = CliRunner().invoke(main, ["generate", "--checkpoint", str(hf_deepseek_dir), "--prompt-ids", "3,141,59,26,5",
                                  "--steps", "6", "--backend", "reference", "--json"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     assert out["tokens"] == hf_greedy(hf_deepseek_dir, PROMPTS[:1], 6)
 
 

@@ -37,6 +37,7 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 
+from cli_output import error_lines
 from file_trees import Symlink, snapshot, stray, write_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -656,7 +657,7 @@ def test_hostile_input(case: Case, tmp_path: Path, monkeypatch, warm):
     if case.expect_prunes:
         problems += _check_prunes(stdout)
     else:
-        lines = stderr.splitlines()
+        lines = error_lines(stderr)  # after any progress lines of the phases that started
         if len(lines) != 1 or not lines[0].startswith("tpumk: error:") or not lines[0][len("tpumk: error:"):].strip():
             problems.append(f"stderr is not one 'tpumk: error: ...' line ({len(lines)} lines)")
     outside = stray(before, after, [str(Path("cwd") / a) for a in case.allow])

@@ -40,6 +40,7 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 
+from cli_output import error_lines
 from file_trees import Fifo, Sparse, Symlink, snapshot, stray, write_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def check_one_line(code, stdout, stderr, exc, expect_code=INPUT, says=()) -> lis
         problems.append(f"exit code {code}, expected {expect_code}")
     if "Traceback" in stdout or "Traceback" in stderr:
         problems.append("'Traceback' in the output")
-    lines = stderr.splitlines()
+    lines = error_lines(stderr)  # after any progress lines of the phases that started
     if len(lines) != 1 or not lines[0].startswith("tpumk: error:"):
         problems.append(f"stderr is not one 'tpumk: error: ...' line ({len(lines)} lines)")
     if any(ord(c) < 32 and c not in "\n" or c == "\u202e" for c in stdout + stderr):

@@ -30,6 +30,7 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 
+from cli_output import error_lines
 from file_trees import write_tree
 
 TPUMK_BIN = Path(sys.executable).parent / "tpumk"
@@ -112,7 +113,8 @@ def check_refusal(case: Case, tmp_path: Path, monkeypatch) -> str:
         problems.append(f"exit code {r.exit_code}, expected {case.code}")
     if "Traceback" in r.stdout or "Traceback" in r.stderr:
         problems.append("'Traceback' in the output")
-    lines = r.stderr.splitlines()
+    # progress lines (tpumk.cli.progress: "tpumk generate: [   0.0 s] weights: ...") may come first
+    lines = error_lines(r.stderr)
     if len(lines) != 1 or not lines[0].startswith("tpumk: error:") or not lines[0][len("tpumk: error:"):].strip():
         problems.append(f"stderr is not one 'tpumk: error: ...' line ({len(lines)} lines)")
     elif case.match and case.match not in lines[0]:

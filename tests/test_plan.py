@@ -85,6 +85,31 @@ def test_big_presets_on_v6e_are_rejected_clearly():
             make_plan(BuildSpec(load_preset(preset), get_target("v6e"), 1, 4096))
 
 
+@pytest.mark.parametrize("preset, target, devices, hint", [
+    ("qwen3-235b-a22b", "tpu7x", 1, "; it fits with --devices 8"),  # 470 GB: int8 alone (experts bf16) does not
+    ("glm-4.5-air", "tpu7x", 2, "; it fits with --devices 4 or --quant int4 on 2 devices"),
+    ("qwen3-32b", "v6e", 1, "; it fits with --devices 2"),  # int8: 32.8 GB of codes + a bf16 embedding > 34.4
+    ("llama-3.1-70b", "tpu7x", 1, "; it fits with --devices 2 or --quant int8 on one device"),
+])
+def test_a_model_too_big_says_what_would_hold_it(preset, target, devices, hint):
+    """The refusal names the fewest devices (a split the model allows) that hold the model with
+    the same weights, and a smaller weight scheme that fits the devices asked for."""
+    with pytest.raises(PlanError) as e:
+        make_plan(BuildSpec(load_preset(preset), get_target(target), 1, 4096, devices=devices))
+    assert str(e.value).endswith(hint) and "\n" not in str(e.value)
+
+
+def test_a_model_nothing_holds_gets_no_hint():
+    from tpumk.plan import plan as P
+    from tpumk.plan.sharding import plan_sharding
+
+    cfg = load_preset("deepseek-v3")  # 8 x 128k tokens: every device keeps the whole latent cache
+    pages = 131072 // 16 * 64
+    with pytest.raises(PlanError) as e:
+        P._check_hbm(cfg, get_target("tpu7x"), pages, 16, plan_sharding(cfg, 32), "int4")
+    assert str(e.value).endswith("GB")
+
+
 # ---------------------------------------------------------------------- tiling and schedule
 def test_default_tiles_share_one_wide_shape():
     plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096))

@@ -250,7 +250,7 @@ def test_cli_generate_reports_acceptance(tmp_path):
             "--steps", str(STEPS)]
     r = run(*base, "--spec", "draft", "--draft-model", "tiny-moe", "--draft-tokens", "3", "--json")
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     assert out["tokens"] == plain_greedy("tiny-moe")  # the draft is the target itself (same seed)
     assert out["spec"]["mean_acceptance_length"] == 4.0 and out["spec"]["target_steps"] == -(-(STEPS - 1) // 4)
     r = run(*base, "--spec", "ngram", "--draft-tokens", "3")

@@ -23,6 +23,16 @@ def test_unknown_target_is_a_clear_error():
         get_target("v9")
 
 
+def test_target_names_match_case_insensitively_with_a_suggestion():
+    assert get_target("TPU7x") is get_target("tpu7x") and get_target("V6E") is get_target("v6e")
+    for near, name in (("tpu7", "tpu7x"), ("v6", "v6e"), ("tpuv7x", "tpu7x")):
+        with pytest.raises(TargetError, match=f"unknown target '{near}' \\(did you mean '{name}'\\?\\)"):
+            get_target(near)
+    with pytest.raises(TargetError) as e:  # nothing close: no guess
+        get_target("gpu")
+    assert "did you mean" not in str(e.value)
+
+
 @pytest.mark.parametrize("name", [n for n, t in TARGETS.items() if t.is_tpu])
 def test_deviceless_compile_of_a_pallas_kernel(name):
     def double(x_ref, o_ref):

@@ -246,6 +246,12 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     rr = cli("report", "--study", out["study"], "--out", tmp_path / "rep2", "--json")
     assert rr.exit_code == 0, rr.output
     assert {Path(p).name for p in json.loads(rr.stdout)["written"]} >= {"history.png", "timeline.png"}
+    # ...found by the build options that made it, as tune takes them (no hash-suffixed name)
+    rb = cli(*["report" if a == "tune" else a for a in tune_cmd("--dtype", "bfloat16", "--objective", "compiler",
+                                                                  model="tiny-dense")], "--out", tmp_path / "rep3", "--json")
+    assert rb.exit_code == 0 and json.loads(rb.stdout)["study"] == out["study"], rb.output
+    other = cli("report", "--model", "tiny-dense", "--target", "tpu7x", "--out", tmp_path / "rep4")
+    assert other.exit_code == 1 and "no study for tiny-dense" in other.stderr and "run `tpumk tune`" in other.stderr
 
 
 def test_report_explains_missing_importances(tmp_path):
@@ -404,6 +410,14 @@ def test_cli_logs_one_line_per_trial_and_says_when_a_study_is_complete(tmp_path,
                             r"(, reused from (trial \d+|result cache))?|PRUNED at compile: Mosaic: stand-in "
                             r"rejection( \(reused from (trial \d+|result cache)\))?) \[\d/4 evaluated\]", ln), ln
     assert "is complete" not in r.stdout
+    # the next step rebuilds exactly this build: its options as typed, the tuned knobs' file
+    out_line = next(ln for ln in r.stdout.splitlines() if ln.startswith("wrote "))
+    out = out_line.split()[1].rstrip(";")
+    assert out_line.endswith(f"build with it: tpumk build --model tiny-moe --target tpu7x --tuning {out}")
+    wide = cli(*tune_cmd("--space", space, "--objective", "model", "--seed", 1, "--batch", 2, "--dtype", "bfloat16",
+                         "--trials", 1))
+    assert wide.exit_code == 0, wide.output
+    assert "tpumk build --model tiny-moe --dtype bfloat16 --target tpu7x --batch 2 --tuning " in wide.stdout
 
     again = cli(*args, "--trials", 4)
     assert again.exit_code == 0, again.output

@@ -19,7 +19,7 @@ Every number in the report names its source:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from tpumk.compile.aot import Compiled, compile_plan
 from tpumk.estimate.compiler import convert_estimate
@@ -85,19 +85,30 @@ class Build:
     report: BuildReport
 
 
-def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_estimate: bool = False) -> Build:
+def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_estimate: bool = False,
+          progress: Callable[[str], None] | None = None) -> Build:
     """Plan (PlanError before any compile for infeasible configs), compile, report.
 
     With `estimate`, targets whose static profile works also get the compiler's estimate from
     a separate profiling process (see tpumk.estimate.profiler for why it cannot be this one).
     `verify_q` > 0 adds the speculative verify step (q = verify_q) to the report
-    (`verify_figures`); `verify_estimate` gives it the compiler's estimate as well."""
-    plan = make_plan(spec)
+    (`verify_figures`); `verify_estimate` gives it the compiler's estimate as well.
+    `progress(phase)` is called as each phase after the plan starts (the CLI prints it:
+    tpumk.cli.progress)."""
+    say = progress or (lambda phase: None)
+    plan = make_plan(spec)  # quick; a refusal here stays the command's one line on stderr
+    say(f"lower + compile for {spec.target.name}")
     compiled = compile_plan(plan)
-    est = estimate_in_subprocess(spec) if estimate and spec.target.static_profile else None
+    est = None
+    if estimate and spec.target.static_profile:
+        say("compiler estimate (a profiling compile in its own process)")
+        est = estimate_in_subprocess(spec)
+    say("report (tpumk's timeline model)")
     report = make_report(plan, compiled, est,
                          not_requested="estimate=False / --no-estimate skips the profiling compile")
     if verify_q:
+        say(f"verify step, q = {verify_q}" + (" (plan and a profiling compile)" if estimate and verify_estimate
+                                                else " (plan figures)"))
         report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
                                        plain_estimated_seconds=report.estimated_seconds)
     return Build(plan, compiled, report)

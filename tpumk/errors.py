@@ -68,3 +68,12 @@ def one_line(e: BaseException) -> str:
 def and_more(names: list) -> str:
     """" (and N more)" after the first of `names` an error quotes; empty for one name."""
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def did_you_mean(name: str, names: list[str]) -> str:
+    """' (did you mean 'x'?)' for the closest of `names` to `name` (case-insensitive), '' when none
+    is close: for an unknown preset or target name."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.7) if isinstance(name, str) else []
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tpumk.errors import TargetError
+from tpumk.errors import TargetError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,12 @@ TARGETS: dict[str, Target] = {
 
 
 def get_target(name: str) -> Target:
-    try:
+    """A target by name, matched case-insensitively (TPU7x is tpu7x, V6E is v6e)."""
+    if name in TARGETS:
         return TARGETS[name]
-    except KeyError:
-        raise TargetError(f"unknown target '{name}' (targets: {', '.join(TARGETS)})") from None
+    if isinstance(name, str) and name.lower() in TARGETS:
+        return TARGETS[name.lower()]
+    raise TargetError(f"unknown target '{name}'{did_you_mean(name, list(TARGETS))} (targets: {', '.join(TARGETS)})")
 
 
 def attached_target() -> Target | None:

@@ -10,10 +10,7 @@ from tpumk.cli.bench import bench
 from tpumk.cli.export import cache_key, export, inspect
 from tpumk.cli.tune import report, tune
 from tpumk.cli.options import QUANT_HELP, TpumkGroup, echo, emit_json, fail_cleanly, spec_options
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+from tpumk.cli.units import duration, size
 
 
 def readable_count(n: float) -> str:
@@ -56,7 +53,7 @@ def models(as_json):
         emit_json({"models": rows})
         return
     table = [[r["name"], r["layers"], r["hidden"], r["attention"], r["ffn"], r["dtype"],
-              readable_count(r["params"]), _gb(r["weight_bytes_per_step_b1"]), _gb(r["weight_bytes_per_step_b8"])]
+              readable_count(r["params"]), size(r["weight_bytes_per_step_b1"]), size(r["weight_bytes_per_step_b8"])]
              for r in rows]
     echo(tabulate(table, headers=["model", "layers", "hidden", "attention", "ffn", "dtype", "params",
                                         "weights/step b=1", "weights/step b=8"]))
@@ -79,7 +76,7 @@ def targets(as_json):
     if as_json:
         emit_json({"targets": rows})
         return
-    table = [[r["name"], r["topology"] or "(host, interpret mode)", f"{r['vmem_bytes'] >> 20} MiB", _gb(r["hbm_bytes"]),
+    table = [[r["name"], r["topology"] or "(host, interpret mode)", f"{r['vmem_bytes'] >> 20} MiB", size(r["hbm_bytes"]),
               f"{r['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", f"{r['bf16_flops'] / 1e12:.0f} TFLOP/s", r["mxu"],
               "yes" if r["static_profile"] else "no", "yes" if r["attached"] else "no (deviceless)"]
              for r in rows]
@@ -89,10 +86,6 @@ def targets(as_json):
 
 
 # ---------------------------------------------------------------------- build
-def _us(s):
-    return "n/a" if s is None else f"{s * 1e6:,.1f} us"
-
-
 def print_build_report(r) -> None:
     on = f"{r.devices} x {r.target} ({r.topology})" if r.devices > 1 else r.target
     fmt = f", {r.quant} weights" if r.quant != "none" else ""
@@ -106,8 +99,8 @@ def print_build_report(r) -> None:
          else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
         ["VMEM plan / budget / capacity" + each, f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
                                                  f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
-        ["HBM bytes per step (plan)" + each, f"{r.hbm_bytes_per_step / 1e6:,.2f} MB"],
-        ["HBM floor (bytes / bandwidth)", _us(r.floor_seconds)],
+        ["HBM bytes per step (plan)" + each, size(r.hbm_bytes_per_step)],
+        ["HBM floor (bytes / bandwidth)", duration(r.floor_seconds)],
         ["KV tiles", kv_tiles_line(r.plan["attention"])],
     ]
     if "lane_padding" in r.plan:  # widths off the 128-lane grid: the kernel runs a zero-padded copy
@@ -122,14 +115,14 @@ def print_build_report(r) -> None:
         rows.append(["expert slots", f"{m['expert_slots']} of {m['expert_chunk']} columns ({m['expert_slots_knob']})"])
     if r.devices > 1:
         rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
-                 ["interconnect bytes sent per step" + each, f"{r.interconnect_bytes_per_step / 1e6:,.2f} MB"],
+                 ["interconnect bytes sent per step" + each, size(r.interconnect_bytes_per_step)],
                  ["XLA collectives outside the kernel", r.xla_collectives]]
     if r.model_seconds is not None:
-        coll = f", {_us(r.model_collectives_seconds)} of it collectives" if r.model_collectives_seconds else ""
-        rows.append(["tpumk model step time", f"{_us(r.model_seconds)} (floor / model {r.model_floor_fraction:.2f}{coll})"])
+        coll = f", {duration(r.model_collectives_seconds)} of it collectives" if r.model_collectives_seconds else ""
+        rows.append(["tpumk model step time", f"{duration(r.model_seconds)} (floor / model {r.model_floor_fraction:.2f}{coll})"])
     if r.estimated_seconds is not None:
         rows += [["compiler estimated cycles", f"{r.estimated_cycles:,}"],
-                 ["estimated step time", _us(r.estimated_seconds)],
+                 ["estimated step time", duration(r.estimated_seconds)],
                  ["floor / estimate", f"{r.floor_fraction:.2f}"]]
     else:
         rows.append(["estimated step time", "none (see below)"])
@@ -180,12 +173,12 @@ def print_verify_figures(r) -> None:
         return "" if v.get(key) is None else f"  ({v[key]:.2f} x plain)"
 
     rows = [
-        ["HBM bytes per step (plan)", f"{v['hbm_bytes_per_step'] / 1e6:,.2f} MB{ratio('hbm_bytes_vs_plain')}"],
-        ["HBM floor (bytes / bandwidth)", f"{_us(v['floor_seconds'])}{ratio('floor_vs_plain')}"],
+        ["HBM bytes per step (plan)", f"{size(v['hbm_bytes_per_step'])}{ratio('hbm_bytes_vs_plain')}"],
+        ["HBM floor (bytes / bandwidth)", f"{duration(v['floor_seconds'])}{ratio('floor_vs_plain')}"],
         ["VMEM plan", f"{v['vmem_bytes'] / 2**20:.1f} MiB"],
     ]
     if v.get("estimated_seconds") is not None:
-        rows.append(["estimated step time", f"{_us(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"])
+        rows.append(["estimated step time", f"{duration(v['estimated_seconds'])}{ratio('estimate_vs_plain')}"])
     elif v["estimate_source"].startswith("none: not requested"):
         rows.append(["estimated step time", "not requested (--verify-estimate: a second profiling compile)"])
     else:
@@ -225,12 +218,17 @@ def build(spec, verify_q, verify_estimate, estimate, as_json):
         raise ConfigError(f"--verify-q: expected 0 (off) or a positive number of tokens per sequence, got {verify_q}")
     if verify_estimate and not estimate:
         raise ConfigError("--verify-estimate: the verify step's estimate needs the plain one; drop --no-estimate")
+    from tpumk.cli.progress import Phases
+
+    phases = Phases("tpumk build")
     b = do_build(spec, estimate=estimate, verify_q=verify_q if verify_q != spec.q_len else 0,
-                 verify_estimate=verify_estimate)
-    if as_json:
-        emit_json(b.report.to_dict())
+                 verify_estimate=verify_estimate, progress=phases)
+    wall = phases.summary()
+    if as_json:  # the command's own timing beside the report (not part of it: an artifact's report has none)
+        emit_json({**b.report.to_dict(), "wall_seconds": phases.done(), "phase_seconds": phases.seconds})
     else:
         print_build_report(b.report)
+        echo(f"wall time (this host, measured): {wall}")
 
 
 # ---------------------------------------------------------------------- generate
@@ -265,23 +263,28 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
              draft_tokens, draft_model, as_json):
     """Greedy generation from token ids, or from text through a checkpoint's tokenizer (--prompt)."""
     from tpumk.decode import generate as gen
-    from tpumk.errors import ConfigError
 
     if (prompt_ids is None) == (prompt_text is None):
         raise click.UsageError("missing option --prompt-ids (or --prompt TEXT)" if prompt_ids is None
                                else "--prompt-ids and --prompt: give one of them, not both",
                                ctx=click.get_current_context())
     gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
+    gen.check_request(model, checkpoint, dtype, prompt_ids, backend, spec, devices, quant, steps,
+                      draft_tokens, draft_model)  # before any weights
     gen.prepare_devices(devices)  # host devices must exist before JAX starts its backends
     tokenizer = gen.prompt_tokenizer(checkpoint) if prompt_text is not None else None  # before the weights
+    from tpumk.cli.progress import Phases
+
+    phases = Phases("tpumk generate")
+    phases("weights: " + (f"checkpoint {checkpoint}" if checkpoint is not None else f"random (seed {seed})")
+           + (f", quantized {quant}" if quant != "none" else ""))
     m = gen.quantized(gen.load_model(model, checkpoint, seed=seed, dtype=dtype), quant)
     if tokenizer is not None:
         prompts = [gen.encode_prompt(tokenizer, prompt_text, m.cfg.vocab_size)]
     else:
         prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
-    if draft_model is not None and spec != "draft":
-        raise ConfigError("--draft-model: only used with --spec draft")
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
+    phases(f"generate {steps} tokens per sequence ({backend}: compile, prefill, then decode)")
     result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
                           draft_tokens=draft_tokens, draft=draft, devices=devices)
     if tokenizer is not None:

@@ -6,14 +6,15 @@ import click
 from tabulate import tabulate
 
 from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
+from tpumk.cli.units import duration, size
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:,.3f} ms" if s >= 1e-3 else f"{s * 1e6:,.1f} us"
+def _ms(s: float, scale_of: float | None = None) -> str:
+    return duration(s, scale_of=scale_of)
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 1e9:,.3f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
+def _bytes(n: float, scale_of: float | None = None) -> str:
+    return size(n, scale_of=scale_of, digits=3)
 
 
 def print_bench(r: dict) -> None:
@@ -27,23 +28,26 @@ def print_bench(r: dict) -> None:
     echo(f"bench {r['model']} on {r['target']}: batch {r['batch']}, q_len {r['q_len']}, context {r['context']}, "
                f"{r['dtype']}{fmt}")
     tps = r["tokens_per_second"]
+    sv = r.get("serving")
+    # one unit per row: the largest figure of the row picks it
+    nb = max(mk["hbm_bytes"], x["hbm_bytes"], sv["hbm_bytes"] if sv else 0)
+    st = max(mk["step_seconds"], x["step_seconds"], sv["step_seconds"] if sv else 0)
     rows = [
         ["compile (this host, measured)", f"{mk['compile_seconds']:.2f} s", f"{x['compile_seconds']:.2f} s"],
-        ["HBM bytes per step", f"{_bytes(mk['hbm_bytes'])} (plan)", f"{_bytes(x['hbm_bytes'])} (cost_analysis)"],
+        ["HBM bytes per step", f"{_bytes(mk['hbm_bytes'], nb)} (plan)", f"{_bytes(x['hbm_bytes'], nb)} (cost_analysis)"],
         ["HBM floor (plan bytes / bandwidth)", _ms(r["floor_seconds"]), _ms(r["floor_seconds"])],
         ["kernels launched (HLO ops)", f"{mk['kernels']} ({mk['hlo_ops']})", f"{x['kernels']} ({x['hlo_ops']})"],
-        [f"step time, {how}", _ms(mk["step_seconds"]), _ms(x["step_seconds"])],
+        [f"step time, {how}", _ms(mk["step_seconds"], st), _ms(x["step_seconds"], st)],
         ["fraction of the HBM floor", f"{mk['floor_fraction']:.2f}", f"{x['floor_fraction']:.2f}"],
         ["tokens/s per sequence", f"{tps['megakernel']['per_sequence']:,.0f}", f"{tps['xla']['per_sequence']:,.0f}"],
         ["tokens/s aggregate", f"{tps['megakernel']['aggregate']:,.0f}", f"{tps['xla']['aggregate']:,.0f}"],
     ]
     headers = ["", "megakernel", "XLA"]
-    sv = r.get("serving")
     if sv:  # the serving-stack column (XLA + jax's ragged paged attention), always by the model
         headers.append("XLA + ragged paged attn")
-        for row, cell in zip(rows, [f"{sv['compile_seconds']:.2f} s", f"{_bytes(sv['hbm_bytes'])} (cost_analysis, "
+        for row, cell in zip(rows, [f"{sv['compile_seconds']:.2f} s", f"{_bytes(sv['hbm_bytes'], nb)} (cost_analysis, "
                                     "w/o Pallas)", _ms(r["floor_seconds"]), f"{sv['kernels']} ({sv['hlo_ops']})",
-                                    _ms(sv["step_seconds"]) + ("" if not measured else " (MODEL)"),
+                                    _ms(sv["step_seconds"], st) + ("" if not measured else " (MODEL)"),
                                     f"{sv['floor_fraction']:.2f}", f"{tps['serving']['per_sequence']:,.0f}",
                                     f"{tps['serving']['aggregate']:,.0f}"]):
             row.append(cell)
@@ -92,18 +96,22 @@ def print_bench_devices(r: dict) -> None:
                f"context {r['context']}, {r['page_size']}-token pages, {r['dtype']}; every figure per device")
     tps = r["tokens_per_second"]
     est_s = est["step_seconds"]
+    # one unit per row: the largest figure of the row picks it
+    nb, ib = max(mk["hbm_bytes"], x["hbm_bytes"]), max(mk["interconnect_bytes"], x["interconnect_bytes"])
+    ct = max(mk["collectives_seconds"], x["collectives_seconds"])
+    st = max(mk["step_seconds"], x["step_seconds"], est_s or 0)
     rows = [
         ["compile (this host, measured)", f"{mk['compile_seconds']:.2f} s", f"{x['compile_seconds']:.2f} s", ""],
-        ["HBM bytes per step", f"{_bytes(mk['hbm_bytes'])} (plan)", f"{_bytes(x['hbm_bytes'])} (cost_analysis)", ""],
+        ["HBM bytes per step", f"{_bytes(mk['hbm_bytes'], nb)} (plan)", f"{_bytes(x['hbm_bytes'], nb)} (cost_analysis)", ""],
         ["HBM floor (plan bytes / bandwidth)", _ms(r["floor_seconds"]), _ms(r["floor_seconds"]), _ms(r["floor_seconds"])],
         ["Pallas kernels / kernels launched (HLO ops)", f"{mk['pallas_kernels']} / {mk['kernels']} ({mk['hlo_ops']})",
          f"{x['pallas_kernels']} / {x['kernels']} ({x['hlo_ops']})", ""],
         ["XLA collective ops per step", _kinds(mk), _kinds(x), ""],
         ["in-kernel collectives per step (all-reduces + logits all-gather)", f"{mk['in_kernel_collectives']}", "0", ""],
-        ["interconnect bytes sent per step", _bytes(mk["interconnect_bytes"]) + " (plan)",
-         _bytes(x["interconnect_bytes"]) + " (model)", ""],
-        ["collectives (modelled waits)", _ms(mk["collectives_seconds"]), _ms(x["collectives_seconds"]), ""],
-        ["step time", _ms(mk["step_seconds"]), _ms(x["step_seconds"]), _ms(est_s) if est_s else "none"],
+        ["interconnect bytes sent per step", _bytes(mk["interconnect_bytes"], ib) + " (plan)",
+         _bytes(x["interconnect_bytes"], ib) + " (model)", ""],
+        ["collectives (modelled waits)", _ms(mk["collectives_seconds"], ct), _ms(x["collectives_seconds"], ct), ""],
+        ["step time", _ms(mk["step_seconds"], st), _ms(x["step_seconds"], st), _ms(est_s, st) if est_s else "none"],
         ["fraction of the HBM floor", f"{mk['floor_fraction']:.2f}", f"{x['floor_fraction']:.2f}",
          f"{est['floor_fraction']:.2f}" if est_s else "none"],
         ["(floor + collectives) / step", f"{mk['floor_with_collectives_fraction']:.2f}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
+from tpumk.cli.units import duration, size
 
 
 @click.command()
@@ -19,9 +20,10 @@ def export(spec, out_dir, as_json):
     Signed whenever a signing key is configured (TPUMK_SIGNING_KEY, or TPUMK_SIGNING_KEY_FILE
     naming a file that holds it): manifest.sig holds an HMAC-SHA256 of manifest.toml, which lists
     every file's sha256. With a key configured, a cache hit on an unsigned artifact is refused."""
+    from tpumk.cli.progress import Phases
     from tpumk.export.artifacts import export as do_export
 
-    r = do_export(spec, out_dir=out_dir)
+    r = do_export(spec, out_dir=out_dir, progress=Phases("tpumk export"))
     if as_json:
         emit_json(r.to_dict())
         return
@@ -40,9 +42,13 @@ def export(spec, out_dir, as_json):
 @spec_options()
 @click.option("--out", "out_dir", type=click.Path(),
               help="Print the artifact directory `tpumk export --out OUT` would write, not the bare key.")
+@click.option("--with-signing", is_flag=True,
+              help="Append the signing state to the key (-unsigned, or -signed-<key id>): the key a CI cache "
+                   "should use, so turning signing on or rotating the key never restores an artifact "
+                   "`inspect` would then refuse.")
 @click.option("--json", "as_json", is_flag=True, help="Print the key and everything it covers.")
 @fail_cleanly
-def cache_key(spec, out_dir, as_json):
+def cache_key(spec, out_dir, with_signing, as_json):
     """Print the build's cache key (no compile)."""
     from tpumk.export.artifacts import artifact_path, check_exportable
     from tpumk.export.paths import check_names, check_out_dir
@@ -58,8 +64,14 @@ def cache_key(spec, out_dir, as_json):
         final = artifact_path(out_dir, spec, key)
         check_out_dir(out_dir, final.parent, probe=False)  # what export checks, short of writing
         path = str(final)
+    from tpumk.export.signing import configured_key
+
+    sign_key = configured_key()  # a misconfigured key is refused here as export would refuse it
+    signing = f"signed-{sign_key.key_id}" if sign_key is not None else "unsigned"
     if as_json:
-        emit_json({"key": key, "path": path, "inputs": inputs})
+        emit_json({"key": key, "path": path, "signing": signing, "inputs": inputs})
+    elif with_signing and path is None:
+        echo(f"{key}-{signing}")
     else:
         echo(path or key)
 
@@ -169,9 +181,11 @@ def _print_listing(listing: dict) -> None:
         status = (", all valid (fields, hashes and versions checked; manifests not authenticated: "
                   "set TPUMK_SIGNING_KEY to verify signatures)")
     echo(f"{listing['path']}: {len(items)} artifact{'s' if len(items) != 1 else ''}" + status)
-    rows = [[i["path"], i["model"] or "?", i["target"] or "?", i.get("devices") or "?", (i["key"] or "?")[:12],
+    rows = [[i["path"], i["model"] or "?", i.get("dtype") or "?", i.get("quant") or "?", i.get("batch") or "?",
+             i["target"] or "?", i.get("devices") or "?", (i["key"] or "?")[:12],
              "valid" if i["valid"] else f"INVALID: {_short_problem(i)}"] for i in items]
-    echo(tabulate(rows, headers=["path", "model", "target", "devices", "key", "status"], tablefmt="simple"))
+    echo(tabulate(rows, headers=["path", "model", "dtype", "quant", "batch", "target", "devices", "key", "status"],
+                  tablefmt="simple"))
     echo("details of one: tpumk inspect PATH")
 
 
@@ -184,8 +198,9 @@ def _print_inspect(info: dict) -> None:
         return
     t, sh, rep = info["target"], info["shapes"], info.get("report", {})
     echo(f"  key       {info['key']}")
-    echo(f"  model     {info['model']}   target {t.get('name')} ({t.get('device_kind')})   "
-               f"batch {sh['batch']}  context {sh['context']}  q_len {sh['q_len']}  page {sh['page_size']}")
+    echo(f"  model     {info['model']} ({info.get('dtype')}, weights {sh.get('quant', 'none')})   target "
+         f"{t.get('name')} ({t.get('device_kind')})   batch {sh['batch']}  context {sh['context']}  q_len "
+         f"{sh['q_len']}  page {sh['page_size']}")
     echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
     echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
     sharding = (info.get("mesh") or {}).get("sharding")
@@ -198,9 +213,9 @@ def _print_inspect(info: dict) -> None:
         est = rep.get("estimated_seconds")
         try:  # an unverified manifest's report may hold anything
             line = (f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "
-                    f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {rep.get('hbm_bytes_per_step', 0) / 1e6:,.1f} "
-                    f"MB/step, floor {rep.get('floor_seconds', 0) * 1e6:.1f} us (plan), estimate "
-                    + (f"{est * 1e6:.1f} us ({rep.get('estimate_source', '')[:60]}...)" if est else
+                    f"{rep.get('vmem_bytes', 0) / 2**20:.1f} MiB, HBM {size(rep.get('hbm_bytes_per_step', 0))}"
+                    f"/step, floor {duration(rep.get('floor_seconds', 0))} (plan), estimate "
+                    + (f"{duration(est)} ({rep.get('estimate_source', '')[:60]}...)" if est else
                        f"none ({rep.get('estimate_source', 'not requested')})"))
         except (TypeError, ValueError):
             line = "  build     (the report's figures are not numbers)"

@@ -183,9 +183,25 @@ class TpumkGroup(click.Group):
             raise _one_line(e) from None
 
 
+def _is_bytes_key(key) -> bool:
+    return isinstance(key, str) and (key.endswith("bytes") or "bytes_per_" in key)
+
+
+def whole_bytes(obj):
+    """`obj` with every byte count (a key ending in `bytes`, or `..._bytes_per_...`) an integer:
+    plan accounting sums float terms (an expected number of distinct experts), but a byte count
+    a script reads is a whole number."""
+    if isinstance(obj, dict):
+        return {k: (round(v) if _is_bytes_key(k) and isinstance(v, float) and v == v and abs(v) != float("inf")
+                    else whole_bytes(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [whole_bytes(v) for v in obj]
+    return obj
+
+
 def emit_json(obj) -> None:
     # default=str: what JSON has no type for (a TOML date in an unverified manifest) is shown as text
-    echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    echo(json.dumps(whole_bytes(obj), indent=2, sort_keys=False, default=str))
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "devices",
@@ -230,6 +246,28 @@ def spec_options(tuning: bool = True):
         return wrapper
 
     return decorate
+
+
+def build_command(tuning_file: str) -> str:
+    """The `tpumk build` command for the build the current command was given: its build options as
+    typed (defaults left out, so the defaults apply again), then `--tuning tuning_file`. What
+    `tune` prints as the next step: run as written it rebuilds exactly the tuned build."""
+    import shlex
+
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    words = ["tpumk", "build"]
+    for param in ctx.command.params:
+        if param.name not in SPEC_PARAMS or param.name == "tuning_file":
+            continue
+        if ctx.get_parameter_source(param.name) in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            continue
+        value = ctx.params.get(param.name)
+        if value is not None:
+            words += [param.opts[0], str(value)]
+    words += ["--tuning", tuning_file]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=None, context=None, q_len=None,

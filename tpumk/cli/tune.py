@@ -15,11 +15,12 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from tpumk.cli.options import echo, emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import build_command, echo, emit_json, fail_cleanly, spec_options
+from tpumk.cli.units import duration
 
 
 def _us(s) -> str:
-    return "n/a" if s is None else f"{s * 1e6:,.2f} us"
+    return duration(s, us_digits=2)
 
 
 def _knobs(changed: dict) -> str:
@@ -43,7 +44,7 @@ def trial_line(info: dict) -> str:
     return f"trial {info['trial']}{default}: {s} {what} [{info['evaluated']}/{info['trials']} evaluated]"
 
 
-def print_result(r) -> None:
+def print_result(r, next_command: str | None = None) -> None:
     notes = list(r.notes)
     if r.already_complete and notes:
         echo(notes.pop(0))
@@ -79,7 +80,7 @@ def print_result(r) -> None:
     for n in notes:
         echo(f"note: {n}")
     if r.out:
-        echo(f"wrote {r.out} (tpumk build --tuning {r.out})")
+        echo(f"wrote {r.out}; build with it: {next_command or f'tpumk build --tuning {r.out}'}")
 
 
 class _Bar:
@@ -103,7 +104,7 @@ class _Bar:
                             nrows=rows or 20, disable=not sys.stderr.isatty())
         self.bar.n = done
         if best is not None:
-            self.bar.set_postfix_str(f"best {best * 1e6:,.2f} us", refresh=False)
+            self.bar.set_postfix_str(f"best {duration(best, us_digits=2)}", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
@@ -221,7 +222,7 @@ def tune(spec, space_file, trials, max_infeasible,
             d["report"] = report
         emit_json(d)
         return
-    print_result(result)
+    print_result(result, build_command(result.out) if result.out else None)
     if report is not None:
         _print_report(report)
 
@@ -233,14 +234,33 @@ def _print_report(report: dict) -> None:
         echo(f"skipped {name}: {why}")
 
 
+def derived_study_name(spec, space_file, objective) -> str:
+    """The study name `tpumk tune` derives for these build options, --space and --objective
+    (tpumk.tune.study.study_name_for), so `report` finds a study by the options that made it."""
+    from tpumk.tune.cache import ResultKeys
+    from tpumk.tune.objectives import attached_tpu_kind, choose_objective
+    from tpumk.tune.space import DEFAULT_SPACE_PATH, load_space
+    from tpumk.tune.study import study_name_for
+
+    space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file).for_build(spec)
+    choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
+    return study_name_for(spec, space, choice.name, ResultKeys(spec).evaluator)
+
+
 @click.command()
+@spec_options(tuning=False)
+@click.option("--space", "space_file", type=click.Path(), help="The tuning space the study was run with (as for tune).")
+@click.option("--objective", default="auto", show_default=True, type=click.Choice(["auto", "device", "compiler", "model"]),
+              help="The objective the study was run with (as for tune).")
 @click.option("--storage", help="Optuna storage of the study (default sqlite:///artifacts/tune/<study>.db).")
-@click.option("--study", "study_name", help="Study name (may be left out when the storage holds one study).")
+@click.option("--study", "study_name", help="Study name (default: the one tune derives from the same build options, "
+                                              "--space and --objective; may be left out when --storage holds one study).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def report(storage, study_name, out_dir, as_json):
-    """Plot a tuning study: optimization history, knob importances, timeline (PNG)."""
+def report(spec, space_file, objective, storage, study_name, out_dir, as_json):
+    """Plot a tuning study: optimization history, knob importances, timeline (PNG). The study is
+    found as tune named it: give the same build options (--model, --target, ...), or --study."""
     import optuna
 
     from tpumk.errors import ConfigError
@@ -248,11 +268,16 @@ def report(storage, study_name, out_dir, as_json):
     from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, local_path, open_storage, redact, storage_url
     from tpumk.tune.study import open_study
 
+    derived = False
     if not storage and not study_name:
-        raise ConfigError("give --study (its default storage is artifacts/tune/<study>.db) or --storage")
+        study_name, derived = derived_study_name(spec, space_file, objective), True
     if not storage:
         check_study_name(study_name, "--study")  # it names the file read
     if not storage and not (DEFAULT_ROOT / f"{study_name}.db").is_file():
+        if derived:
+            raise ConfigError(f"no study for {spec.label()} (looked for {DEFAULT_ROOT / (study_name + '.db')}): run "
+                              "`tpumk tune` with the same build options, --space and --objective first, or give "
+                              "--study / --storage")
         raise ConfigError(f"--study {study_name!r}: no {DEFAULT_ROOT / (study_name + '.db')}; give --storage")
     url = storage_url(storage, study_name or "", DEFAULT_ROOT)
     path = local_path(url) if storage else None

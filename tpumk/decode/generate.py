@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpumk.model import reference
-from tpumk.model.config import ModelConfig, resolve_model
+from tpumk.model.config import ModelConfig, load_hf_model, resolve_model
 from tpumk.errors import ConfigError
 from tpumk.plan.spec import MAX_BATCH, MAX_CONTEXT, MAX_PAGE_SIZE, MAX_Q_LEN
 
@@ -40,15 +40,37 @@ class Model:
     quant: str = "none"  # the scheme `params`' streamed matrices are quantized with
 
 
-def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: str | None = None) -> Model:
-    """A model from a preset / TOML / config.json with random weights, or from a checkpoint.
-    None is "not given" (the default model); an empty or blank name is refused, not defaulted."""
+def check_model_options(model: str | None, checkpoint: str | None) -> None:
+    """One of --model / --checkpoint (None: not given), neither an empty value."""
     if checkpoint is not None and model is not None:
         raise ConfigError("give either --model or --checkpoint, not both")
     for flag, value in (("--model", model), ("--checkpoint", checkpoint)):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag}: empty value (expected a preset name, model TOML, config.json or checkpoint "
                               "directory; leave the option out for the default)")
+
+
+def check_draft_option(draft: str | None, spec: str) -> None:
+    """--draft-model: given only with --spec draft, not empty, `layers:N` with an integer N."""
+    if draft is None:
+        return
+    if spec != "draft":
+        raise ConfigError("--draft-model: only used with --spec draft")
+    draft = draft.strip()
+    if not draft:
+        raise ConfigError("--draft-model: empty value (expected a preset name, model TOML, config.json, checkpoint "
+                          "directory or layers:N)")
+    if draft.startswith("layers:"):
+        try:
+            int(draft.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"--draft-model {draft}: expected layers:N with an integer N") from None
+
+
+def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: str | None = None) -> Model:
+    """A model from a preset / TOML / config.json with random weights, or from a checkpoint.
+    None is "not given" (the default model); an empty or blank name is refused, not defaulted."""
+    check_model_options(model, checkpoint)
     if checkpoint is not None:
         from tpumk.model.checkpoint import load_checkpoint
 
@@ -64,6 +86,63 @@ def load_model(model: str | None, checkpoint: str | None, seed: int = 0, dtype: 
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     return Model(cfg, random_params(cfg, seed), f"random weights (seed {seed})")
+
+
+def check_request(model: str | None, checkpoint: str | None, dtype: str | None, prompt_ids: str | None,
+                  backend: str, spec: str, devices: int, quant: str, steps: int = 1,
+                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: str | None = None) -> None:
+    """What `tpumk generate` can check before any weights exist (random weights take seconds, a
+    checkpoint longer): the backend and speculation method, the devices' backend, and, from the
+    model's config alone (a preset, TOML or config.json; a checkpoint directory's config.json),
+    the weight scheme and the prompt ids against the vocabulary. A GGUF file's config is read
+    with its weights, so its prompt ids and scheme are checked then."""
+    from tpumk.files import is_dir
+    from tpumk.model.quantize import build_scheme
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    if devices != 1 and backend != "megakernel":
+        raise ConfigError(f"--devices {devices}: only the megakernel backend spans devices (--backend megakernel)")
+    if spec not in SPEC_METHODS:
+        raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
+    check_model_options(model, checkpoint)
+    check_draft_option(draft_model, spec)
+    if spec == "draft" and draft_model is None:
+        raise ConfigError("--spec draft: needs --draft-model NAME|FILE|DIR|layers:N")
+    if checkpoint is not None and not is_dir(Path(checkpoint)):
+        return  # a GGUF file, or a path load_model refuses in one line
+    cfg, stored = load_hf_model(checkpoint) if checkpoint is not None else \
+        (resolve_model("tiny-moe" if model is None else model), "none")
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
+    try:
+        build_scheme(stored, quant, cfg)
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(e).startswith("--quant") else f"--quant: {e}") from None
+    if prompt_ids is not None:
+        check_prompts(parse_prompt_ids(prompt_ids, cfg.vocab_size), steps, spec, draft_tokens)
+    draft = (draft_model or "").strip()
+    if draft and not draft.startswith("layers:"):  # the draft's config, as load_draft_model will read it
+        dcfg = load_hf_model(draft)[0] if is_dir(Path(draft)) and any(Path(draft).glob("*.safetensors")) \
+            else resolve_model(draft)
+        check_draft_vocab(draft, dcfg.vocab_size, cfg.vocab_size)
+
+
+def check_prompts(prompts: list[list[int]], steps: int, spec: str, draft_tokens: int) -> None:
+    """The prompts make one decode batch and, with the steps (and drafts), fit a sequence's longest context."""
+    if not prompts:
+        raise ConfigError("--prompt-ids: expected at least one sequence")
+    if len(prompts) > MAX_BATCH:
+        raise ConfigError(f"--prompt-ids: {len(prompts):,} sequences, expected at most {MAX_BATCH:,} "
+                          "(one decode batch)")
+    k = draft_tokens if spec != "none" else 0
+    longest = max(len(p) for p in prompts)
+    need = longest + steps + k
+    if need > MAX_CONTEXT:
+        raise ConfigError(f"--steps: the longest prompt ({longest:,} token{'s' if longest != 1 else ''}) plus "
+                          f"{steps:,} steps"
+                          + (f" plus {k:,} draft tokens" if k else "")
+                          + f" is {need:,} tokens, more than the longest context a sequence can have ({MAX_CONTEXT:,})")
 
 
 def quantized(m: Model, scheme: str) -> Model:
@@ -109,16 +188,10 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     """--draft-model: `layers:N` (the target's first N layers), a checkpoint directory
     (config.json + *.safetensors), or a preset / TOML / config.json with random weights (seed
     `seed`). The draft must share the target's vocabulary and dtype is the target's unless given."""
+    check_draft_option(spec, "draft")
     spec = spec.strip()
-    if not spec:
-        raise ConfigError("--draft-model: empty value (expected a preset name, model TOML, config.json, checkpoint "
-                          "directory or layers:N)")
     if spec.startswith("layers:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise ConfigError(f"--draft-model {spec}: expected layers:N with an integer N") from None
-        return truncated_model(target, n)
+        return truncated_model(target, int(spec.split(":", 1)[1]))
     from tpumk.files import is_dir
 
     p = Path(spec)
@@ -126,10 +199,14 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
         d = load_model(None, spec, dtype=dtype or target.cfg.dtype)
     else:
         d = load_model(spec, None, seed=seed, dtype=dtype or target.cfg.dtype)
-    if d.cfg.vocab_size != target.cfg.vocab_size:
-        raise ConfigError(f"--draft-model {spec}: vocabulary {d.cfg.vocab_size} != the target's {target.cfg.vocab_size} "
-                          "(a draft must propose the target's token ids)")
+    check_draft_vocab(spec, d.cfg.vocab_size, target.cfg.vocab_size)
     return d
+
+
+def check_draft_vocab(spec: str, draft_vocab: int, target_vocab: int) -> None:
+    if draft_vocab != target_vocab:
+        raise ConfigError(f"--draft-model {spec}: vocabulary {draft_vocab} != the target's {target_vocab} "
+                          "(a draft must propose the target's token ids)")
 
 
 def prompt_tokenizer(checkpoint: str | None):
@@ -226,11 +303,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     prompts are at most MAX_BATCH sequences, the verify step at most MAX_Q_LEN tokens; and the
     cache must fit in this host's memory."""
     check_sizes(steps, page_size, draft_tokens)
-    if not prompts:
-        raise ConfigError("--prompt-ids: expected at least one sequence")
-    if len(prompts) > MAX_BATCH:
-        raise ConfigError(f"--prompt-ids: {len(prompts):,} sequences, expected at most {MAX_BATCH:,} "
-                          "(one decode batch)")
+    check_prompts(prompts, steps, spec, draft_tokens)
     if backend not in BACKENDS:
         raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
     if devices != 1 and backend != "megakernel":
@@ -245,12 +318,6 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         raise ConfigError(f"--draft-model: vocabulary {draft.cfg.vocab_size} != the target's {m.cfg.vocab_size}")
     k = draft_tokens if spec != "none" else 0
     need = max(len(p) for p in prompts) + steps + k
-    if need > MAX_CONTEXT:
-        longest = max(len(p) for p in prompts)
-        raise ConfigError(f"--steps: the longest prompt ({longest:,} token{'s' if longest != 1 else ''}) plus "
-                          f"{steps:,} steps"
-                          + (f" plus {k:,} draft tokens" if k else "")
-                          + f" is {need:,} tokens, more than the longest context a sequence can have ({MAX_CONTEXT:,})")
     context = need if context is None else context
     if not _positive_int(context, MAX_CONTEXT):
         raise ConfigError(f"--context: expected a positive number of tokens at most {MAX_CONTEXT:,}, "

@@ -60,7 +60,10 @@ def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PR
     if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= upper):
         raise ConfigError(f"--steps: expected a positive number of decode steps at most {upper:,} (the longest "
                           f"context a sequence can have, less the prompt), got {steps!r:.40}")
-    names = [canonical_scheme(s) for s in schemes]
+    try:
+        names = [canonical_scheme(s) for s in schemes]
+    except ConfigError as e:
+        raise ConfigError(f"--quant: {e}") from None
     if not names:
         raise ConfigError("--quant: expected at least one scheme to compare with the float model")
     dup = next((n for i, n in enumerate(names) if n in names[:i]), None)

@@ -184,9 +184,12 @@ def _compiled_mesh(compiled, plan) -> list:
     return list(mesh.devices.flat)
 
 
-def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False) -> ExportResult:
+def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False,
+           progress=None) -> ExportResult:
     """Build and write the artifact, or find it already there (cache hit: compiles nothing).
-    Signed when a signing key is configured (tpumk.export.signing)."""
+    Signed when a signing key is configured (tpumk.export.signing). `progress(phase)` is called
+    as each phase after the checks starts (the CLI prints it: tpumk.cli.progress)."""
+    say = progress or (lambda phase: None)
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
     paths.check_names(cfg.name, target.name)  # the directory names first: no plan for a path export refuses
@@ -212,6 +215,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     from tpumk.kernel.megakernel import make_decode_step, step_specs
     _register_pytrees()
     specs = step_specs(plan)
+    say(f"lower + compile for {target.name}")
     with persistent_cache_bypassed():  # the executable is serialized (tpumk.compat)
         if plan.devices == 1:
             # portable: on the cpu target, the discharge interpreter (serializable); TPU targets
@@ -234,10 +238,15 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     if (in_tree, out_tree) != checks.step_trees(plan):  # load() rebuilds them from the plan
         raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
     platform = checks.export_platform(target.interpret)
+    say("jax.export of the step (portable program)")
     t1 = time.perf_counter()
     exported = jexport.export(program, platforms=[platform])(*specs)
     export_seconds = time.perf_counter() - t1
-    est = estimate_in_subprocess(spec) if estimate and target.static_profile else None
+    est = None
+    if estimate and target.static_profile:
+        say("compiler estimate (a profiling compile in its own process)")
+        est = estimate_in_subprocess(spec)
+    say("report and files (write to a temporary directory, then rename)")
     report = make_report(plan, compiled, est)
     out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)  # (logits, KVCache) of avals
 
@@ -460,10 +469,18 @@ class DecodeStep:
         self.q_len = manifest["shapes"]["q_len"]
         self.devices = list(devices) if devices is not None else None
         self._shardings = self._specs = None
+        name = (manifest.get("target") or {}).get("name")  # load verified it; None: a bare program
+        self._device_platform = None if name is None else ("cpu" if get_target(name).interpret else "tpu")
 
     @property
     def key(self) -> str:
         return self.manifest["key"]
+
+    @property
+    def config(self):
+        """The model the artifact runs (its ModelConfig), e.g. for
+        `tpumk.model.weights.random_params(step.config)`."""
+        return self.plan.spec.model  # the model as described (a lane-padded plan runs a padded copy of it)
 
     @property
     def plan(self):
@@ -598,7 +615,15 @@ class DecodeStep:
                 check_tokens(tokens, int(vocab), where=f"artifact {self.key[:12]}")
             check_step(positions, cache, where=f"artifact {self.key[:12]}")
         if self.devices is None:
-            return self._fn(packed, tokens, positions, cache)
+            # every argument committed to the step's device (zero-copy for arrays already there):
+            # jit specializes on committed-ness, and the cache a call returns is committed, so
+            # uncommitted first arguments (init_cache, pack) made the second call compile again
+            if self._device_platform is None:
+                return self._fn(packed, tokens, positions, cache)
+            import jax
+
+            device = jax.devices(self._device_platform)[0]
+            return self._fn(*jax.device_put((packed, tokens, positions, cache), device))
         self._check_packed(packed)
         # the program takes its arguments in exactly these shardings (the executable refuses others)
         return self._fn(*_place((packed, tokens, positions, cache), self.shardings))
@@ -798,7 +823,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
     def show(m: Any) -> None:
         if _displayable(m):
-            out.update(key=m["key"], model=m["model"].get("name"), target=m["target"], shapes=m["shapes"],
+            out.update(key=m["key"], model=m["model"].get("name"), dtype=m["model"].get("dtype"), target=m["target"],
+                       shapes=m["shapes"],
                        mesh=m.get("mesh", {}), tuning=m["tuning"], versions=m["versions"], files=m["files"],
                        report=m.get("report", {}), signature=m.get("signature", {}),
                        signed=bool(m.get("signing", {}).get("signed")))
@@ -892,13 +918,16 @@ def find_artifacts(root: str | Path) -> list[Path]:
 
 
 def inspect_tree(root: str | Path) -> dict[str, Any]:
-    """Every artifact below `root` as a short listing (path, model, target, key, valid or why not);
+    """Every artifact below `root` as a short listing (path, model, dtype, weight scheme, batch,
+    target, devices, key, valid or why not);
     `valid` is True when every one of them is, `authenticated` when every signature was verified."""
     items = []
     for path in find_artifacts(root):
         info = inspect(path)
         target = info.get("target") or {}
-        items.append({"path": info["path"], "model": info.get("model"), "target": target.get("name"),
+        shapes = info.get("shapes") or {}
+        items.append({"path": info["path"], "model": info.get("model"), "dtype": info.get("dtype"),
+                      "quant": shapes.get("quant"), "batch": shapes.get("batch"), "target": target.get("name"),
                       "devices": (info.get("mesh") or {}).get("devices"),
                       "key": info.get("key"), "valid": info["valid"], "problem": info["problem"],
                       "signed": info.get("signed", False), "authenticated": info["authenticated"]})

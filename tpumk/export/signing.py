@@ -91,8 +91,9 @@ def configured_key(environ: Mapping[str, str] | None = None) -> SigningKey | Non
     except UnicodeEncodeError:  # bytes that are not UTF-8 in the environment (surrogate-escaped)
         raise SigningKeyError(f"{source}: the signing key is not UTF-8 text; store it as text, e.g. "
                               "`openssl rand -hex 32`") from None
-    if not secret:
-        raise SigningKeyError(f"{source}: the signing key is empty")
+    if not secret:  # e.g. a CI secret not set for this repository (a fork) expands to ""
+        raise SigningKeyError(f"{source} is set but empty (a CI secret not set for this repository?): set it to a "
+                              f"key, e.g. `openssl rand -hex 32`, or unset it to export unsigned artifacts")
     if len(secret) < MIN_KEY_BYTES:
         raise SigningKeyError(f"{source}: the signing key is {len(secret)} bytes, at least {MIN_KEY_BYTES} "
                               "are needed (e.g. `openssl rand -hex 32`)")

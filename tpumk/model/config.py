@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
-from tpumk.errors import ConfigError, NotSupportedError
+from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
 from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
@@ -1146,8 +1146,13 @@ def is_preset_name(name: str) -> bool:
 
 
 def load_preset(name: str) -> ModelConfig:
-    if not is_preset_name(name) or name not in preset_names():
-        raise ConfigError(f"unknown model preset {_short_repr(name)} (presets: {', '.join(preset_names())})")
+    """A preset by name, matched case-insensitively (Qwen3-8B is qwen3-8b, as model cards write it)."""
+    names = preset_names()
+    if is_preset_name(name) and name not in names and name.lower() in names:
+        name = name.lower()
+    if not is_preset_name(name) or name not in names:
+        raise ConfigError(f"unknown model preset {_short_repr(name)}{did_you_mean(name, names)} "
+                          f"(presets: {', '.join(names)})")
     res = resources.files(PRESET_PACKAGE) / f"{name}.toml"
     data = tomllib.loads(res.read_text())
     return from_dict(data, f"preset {name}")
@@ -1175,7 +1180,7 @@ def resolve_model_scheme(spec: str) -> tuple[ModelConfig, str]:
     if is_preset_name(spec):
         return load_preset(spec), "none"
     if not p.exists():
-        raise ConfigError(f"{_short_repr(spec)}: no such model file or directory, and not a preset name "
-                          f"(presets: {', '.join(preset_names())})")
+        raise ConfigError(f"{_short_repr(spec)}: no such model file or directory, and not a preset name"
+                          f"{did_you_mean(p.name, preset_names())} (presets: {', '.join(preset_names())})")
     raise ConfigError(f"{_short_repr(spec)}: a model file is a model TOML (*.toml) or a config.json (*.json), "
                       "or give a checkpoint directory")

@@ -869,9 +869,39 @@ def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
     if weights + kv > target.hbm_bytes:
         where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
         each = "" if n == 1 else " per device"
+        hint = _fit_hint(cfg, target, num_pages, page_size, quant, n)
         raise PlanError(
             f"model '{cfg.name}' does not fit {where}: weights {weights / 1e9:.1f} GB + "
-            f"KV cache {kv / 1e9:.1f} GB{each} > HBM {target.hbm_bytes / 1e9:.1f} GB")
+            f"KV cache {kv / 1e9:.1f} GB{each} > HBM {target.hbm_bytes / 1e9:.1f} GB{hint}")
+
+
+def _fits(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int) -> bool:
+    """Whether the weights and KV cache fit each of `devices` devices (a split the model allows)."""
+    try:
+        sharding = plan_sharding(cfg, devices) if devices > 1 else None
+    except PlanError:
+        return False
+    weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant)
+    return weights + kv <= target.hbm_bytes
+
+
+def _fit_hint(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int) -> str:
+    """'; fits --devices 4 (or --quant int8 on ...)': the fewest devices (a power of two the model
+    splits over) that hold it with these weights, and the first smaller weight scheme that fits
+    the devices asked for; '' when neither does."""
+    from tpumk.plan.spec import MAX_DEVICES
+
+    ways = []
+    more = next((d for d in (2 ** k for k in range(1, MAX_DEVICES.bit_length()))
+                 if devices < d <= MAX_DEVICES and _fits(cfg, target, num_pages, page_size, quant, d)), None)
+    if more is not None:
+        ways.append(f"--devices {more}")
+    if quant == "none":
+        schemes = ("int8", "int4") if cfg.is_moe else ("int8",)
+        smaller = next((q for q in schemes if _fits(cfg, target, num_pages, page_size, q, devices)), None)
+        if smaller is not None:
+            ways.append(f"--quant {smaller}" + (f" on {devices} devices" if devices > 1 else " on one device"))
+    return f"; it fits with {' or '.join(ways)}" if ways else ""
 
 
 def _check_fits(plan: Plan) -> None:
