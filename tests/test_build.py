@@ -77,9 +77,10 @@ def test_small_moe_builds_with_an_estimate_on_v6e():
 
 
 def test_float32_build_says_plainly_why_there_is_no_estimate():
-    # tiny-moe has float32 weights: libtpu 0.0.52's static profiler aborts on them, and the
-    # report must say so (and how to get an estimate) rather than invent a figure.
-    p = tpumk("build", "--model", "tiny-moe", "--verify-q", "0")
+    # tiny-dense has float32 weights: libtpu 0.0.52's static profiler aborts on them (tiny-moe's
+    # too, at twice the compile), and the report must say so (and how to get an estimate) rather
+    # than invent a figure.
+    p = tpumk("build", "--model", "tiny-dense", "--verify-q", "0")
     out = p.stdout
     assert "n/a" not in out and "estimated step time" in out
     why = [line for line in out.splitlines() if line.startswith("no estimate: ")]
@@ -87,6 +88,11 @@ def test_float32_build_says_plainly_why_there_is_no_estimate():
                    "build with --dtype bfloat16 to get an estimate"]
     for jargon in ("LLO", "exit -6", "profil", "abort"):
         assert jargon not in why[0]
+    # the phases a person waited through, on stderr as each started, and the whole wall time
+    assert [ln.split("] ", 1)[1] for ln in p.stderr.splitlines() if "] " in ln] == [
+        "lower + compile for tpu7x", "compiler estimate (a profiling compile in its own process)",
+        "report (tpumk's timeline model)"]
+    assert out.splitlines()[-1].startswith("wall time (this host, measured): ")
 
 
 @pytest.mark.full  # the same assertions on the default build (small-moe, bfloat16): the first test above
