@@ -321,3 +321,45 @@ def test_json_byte_counts_are_integers():
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert type(d["hbm_bytes_per_step"]) is int
+
+
+def test_generate_ticks_once_per_decode_step_and_quality_says_its_phases():
+    """`on_token` (the terminal's progress bar) ticks after each one-token step: steps - 1 of them,
+    the first token coming from the prefill; `quality` prints its phases on stderr."""
+    from tpumk.decode import generate as gen
+    from tpumk.model.config import load_preset
+    from tpumk.model.weights import random_params
+
+    cfg = load_preset("tiny-dense")
+    ticks = []
+    r = gen.generate(gen.Model(cfg, random_params(cfg, 0), "random"), [[1, 2, 3]], 4, on_token=lambda: ticks.append(1))
+    assert len(ticks) == 3 and len(r["tokens"][0]) == 4
+    q = run("quality", "--model", "tiny-dense", "--quant", "int8", "--steps", "1")
+    assert q.exit_code == 0, q.output
+    assert [ln.split("] ", 1)[1] for ln in q.stderr.splitlines()] == [
+        "weights: random (seed 0)", "float decode: 4 prompts x 2 steps (the reference)",
+        "int8 (1/1): quantize, then the same decode"]
+
+
+def test_a_long_phase_says_it_is_still_running_on_a_terminal(capsys):
+    import time
+
+    from tpumk.cli.progress import Phases
+
+    phases = Phases("tpumk build", heartbeat=0.05)  # a terminal's 30 s, shortened
+    phases("compiler estimate (a profiling compile in its own process)")
+    time.sleep(0.3)
+    phases("report")
+    time.sleep(0.2)
+    phases.done()
+    time.sleep(0.2)  # nothing after the last phase ended
+    err = capsys.readouterr().err.splitlines()
+    at = next(i for i, ln in enumerate(err) if ln.endswith("] report"))
+    assert err[0].endswith("own process)") and 2 <= at - 1 <= 7
+    assert all(ln.endswith("... still compiler estimate") for ln in err[1:at])
+    assert err[at + 1:] and all(ln.endswith("... still report") for ln in err[at + 1:])
+    quiet = Phases("tpumk build", heartbeat=0.0)  # off a terminal: one line per phase
+    quiet("lower + compile for tpu7x")
+    time.sleep(0.1)
+    quiet.done()
+    assert len(capsys.readouterr().err.splitlines()) == 1

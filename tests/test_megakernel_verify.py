@@ -116,7 +116,7 @@ def test_cli_build_prints_the_verify_step():
     assert r.exit_code == 0, r.output
     assert "verify step (speculative decoding: q_len 4 = 3 drafts + 1" in r.output
     assert "x plain)" in r.output and "mean acceptance length" in r.output
-    out = _json.loads(CliRunner().invoke(main, args + ["--json"]).output)
+    out = _json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
     assert out["verify"]["q_len"] == 4 and out["verify"]["hbm_bytes_per_step"] > out["hbm_bytes_per_step"]
     r = CliRunner().invoke(main, ["build", "--model", "tiny-dense", "--target", "v5e", "--verify-q", "-1"])
     assert r.exit_code == 1 and "--verify-q: expected 0 (off)" in r.output

@@ -335,14 +335,14 @@ def test_build_report_json_for_four_devices():
     r = CliRunner().invoke(main, ["build", "--model", "tiny-moe", "--target", "tpu7x", "--devices", "4",
                                   "--verify-q", "0", "--no-estimate", "--json"])
     assert r.exit_code == 0, r.output
-    rep = json.loads(r.output)
+    rep = json.loads(r.stdout)
     assert (rep["devices"], rep["topology"], rep["custom_calls"], rep["xla_collectives"]) == (4, "tpu7x:2x2x1", 1, 0)
     assert rep["mesh"]["axes"] == {"tp": 4} and len(rep["mesh"]["device_ids"]) == 4
     assert rep["sharding"]["experts"]["mode"] == "expert_x_tensor"
     assert rep["collectives_per_step"] == 2 * 3 + 1 and rep["interconnect_bytes_per_step"] > 0
     # per device: a quarter of the attention heads' bytes and so on, so less than one device's
     one = json.loads(CliRunner().invoke(main, ["build", "--model", "tiny-moe", "--target", "tpu7x", "--verify-q", "0",
-                                               "--no-estimate", "--json"]).output)
+                                               "--no-estimate", "--json"]).stdout)
     assert rep["hbm_bytes_per_step"] < one["hbm_bytes_per_step"] and one["devices"] == 1 and one["mesh"] is None
     assert rep["model_collectives_seconds"] > 0 and one["model_collectives_seconds"] == 0
     assert "tpumk timeline model" in rep["model_source"]

@@ -374,7 +374,7 @@ def test_quality_command_prints_each_scheme(tmp_path):
     r = CliRunner().invoke(main, ["quality", "--model", "tiny-moe", "--dtype", "bfloat16", "--steps", "2",
                                   "--quant", "int8,int4", "--json"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     rows = {row["quant"]: row for row in out["schemes"]}
     assert set(rows) == {"int8", "int4"} and out["tokens_compared"] == 4 * 3
     assert 0.003 < rows["int8"]["logit_relative_rms"] < rows["int4"]["logit_relative_rms"] < 0.2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 from tabulate import tabulate
 
@@ -285,8 +287,18 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
         prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
     phases(f"generate {steps} tokens per sequence ({backend}: compile, prefill, then decode)")
-    result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
-                          draft_tokens=draft_tokens, draft=draft, devices=devices)
+    bar = None
+    if sys.stderr.isatty() and spec == "none" and steps > 1:  # a bar of the decode steps on a terminal
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps - 1, desc="decode steps", unit="step", file=sys.stderr, leave=False)
+    try:
+        result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
+                              draft_tokens=draft_tokens, draft=draft, devices=devices,
+                              on_token=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
     if tokenizer is not None:
         result.update(prompt_text=prompt_text, text=tokenizer.decode(result["tokens"][0]), tokenizer=tokenizer.source)
     if as_json:
@@ -331,8 +343,13 @@ def quality(model, checkpoint, seed, dtype, schemes, steps, as_json):
     parts = schemes.split(";") if ";" in schemes or "=" in schemes else schemes.split(",")
     parts = [p.strip() for p in parts if p.strip()]
     check_request(steps, parts)  # before a model is loaded
+    gen.check_model_options(model, checkpoint)
+    from tpumk.cli.progress import Phases
+
+    phases = Phases("tpumk quality")
+    phases("weights: " + (f"checkpoint {checkpoint}" if checkpoint is not None else f"random (seed {seed})"))
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
-    r = logit_quality(m.cfg, m.params, parts, steps=steps)
+    r = logit_quality(m.cfg, m.params, parts, steps=steps, progress=phases)
     if as_json:
         emit_json(r)
         return

@@ -1,31 +1,54 @@
 """What a long command is doing, on stderr: one line as each phase starts, with the seconds since
 the command began, so a 2-minute build is never silent (stdout keeps the report or the JSON).
-The phase times are kept, so the report can account for the whole wall time."""
+On a terminal a phase that runs on (a profiling compile of a real model takes minutes) says so
+again every `HEARTBEAT` seconds; off a terminal (CI logs) each phase is one line. The phase
+times are kept, so the report can account for the whole wall time."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import click
 
 from tpumk.cli.options import terminal_safe
 
+HEARTBEAT = 30.0  # seconds between "still running" lines of one phase, on a terminal
+
 
 class Phases:
-    def __init__(self, command: str):
+    def __init__(self, command: str, heartbeat: float | None = None):
         self.command = command
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
         self._current: tuple[str, float] | None = None
+        self._heartbeat = heartbeat if heartbeat is not None else (HEARTBEAT if sys.stderr.isatty() else 0.0)
+        self._stop: threading.Event | None = None
+
+    def _line(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        click.echo(terminal_safe(f"{self.command}: [{elapsed:6.1f} s] {text}", one_line=True), err=True)
 
     def __call__(self, phase: str) -> None:
         """Phase `phase` starts now (the previous one ends)."""
         now = time.perf_counter()
         self._close(now)
         self._current = (phase, now)
-        click.echo(terminal_safe(f"{self.command}: [{now - self.start:6.1f} s] {phase}", one_line=True), err=True)
+        self._line(phase)
+        if self._heartbeat > 0:
+            stop = self._stop = threading.Event()
+
+            def beat() -> None:
+                while not stop.wait(self._heartbeat):
+                    self._line(f"... still {phase.split(' (')[0]}")
+
+            threading.Thread(target=beat, daemon=True).start()
 
     def _close(self, now: float) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
         if self._current is not None:
             name, began = self._current
             self.seconds[name] = self.seconds.get(name, 0.0) + now - began

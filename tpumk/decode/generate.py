@@ -115,6 +115,10 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
         (resolve_model("tiny-moe" if model is None else model), "none")
     if dtype:
         cfg = cfg.replace(dtype=dtype)
+    if checkpoint is None:  # random weights are drawn on the host: refuse what cannot fit it first
+        from tpumk.model.weights import check_host_memory as weights_fit
+
+        weights_fit(cfg)
     try:
         build_scheme(stored, quant, cfg)
     except ConfigError as e:
@@ -290,7 +294,8 @@ def prepare_devices(devices) -> None:
 
 def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "reference",
              page_size: int = 16, context: int | None = None, spec: str = "none",
-             draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None, devices: int = 1) -> dict:
+             draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None, devices: int = 1,
+             on_token=None) -> dict:
     """Greedy-generate `steps` tokens per prompt; returns tokens, timing and, with `spec`
     ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
     figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
@@ -337,12 +342,22 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     t0 = time.perf_counter()
     spec_info: dict = {"method": spec}
     if spec == "none":
+        def ticked(decode):  # `on_token()` after each one-token step (a progress bar's tick)
+            if on_token is None:
+                return decode
+
+            def run(toks, pos, c):
+                out = decode(toks, pos, c)
+                on_token()
+                return out
+            return run
+
         if backend == "reference":
-            tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step)
+            decode = ticked(lambda toks, pos, c: ref_step(m.params, toks, pos, c))
         else:
-            kernel_step, _ = _kernel_decode_fn(m, len(prompts), context, page_size, 1, devices)
-            tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
-                                                  decode_fn=kernel_step)
+            decode = ticked(_kernel_decode_fn(m, len(prompts), context, page_size, 1, devices)[0])
+        tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
+                                              decode_fn=decode)
         spec_info.update(target_steps=steps - 1, tokens_per_target_step=1.0)
     else:
         from tpumk.decode.drafters import DraftModelDrafter, NgramDrafter

@@ -72,8 +72,10 @@ def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PR
 
 
 def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
-                  prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-    """Relative RMS of the logits and greedy agreement of each scheme against `params` (float)."""
+                  prompts: Sequence[Sequence[int]] | None = None, progress=None) -> dict[str, Any]:
+    """Relative RMS of the logits and greedy agreement of each scheme against `params` (float).
+    `progress(phase)` is called as the float decode and each scheme's start (tpumk.cli.progress)."""
+    say = progress or (lambda phase: None)
     from tpumk.decode.generate import check_host_memory
 
     if any(not isinstance(v, (np.ndarray, jnp.ndarray)) for v in params["layers"][0].values()):
@@ -83,10 +85,12 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
     check_request(steps, schemes, longest)
     schemes = [canonical_scheme(s, cfg) for s in schemes]
     check_host_memory(cfg, len(prompts), ref_context(prompts, steps), [(1, longest), (len(prompts), 1)])
+    say(f"float decode: {len(prompts)} prompts x {1 + steps} steps (the reference)")
     want, forced = _logits(cfg, params, prompts, None, steps)
     rows = []
-    for scheme in schemes:
+    for i, scheme in enumerate(schemes):
         name = canonical_scheme(scheme, cfg)
+        say(f"{name} ({i + 1}/{len(schemes)}): quantize, then the same decode")
         got, _ = _logits(cfg, quantize_params(cfg, params, name), prompts, forced, steps)
         rows.append({"quant": name, "logit_relative_rms": relative_rms(got, want),
                      "greedy_agreement": float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))})
