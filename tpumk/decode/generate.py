@@ -99,12 +99,7 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
     from tpumk.files import is_dir
     from tpumk.model.quantize import build_scheme
 
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
-    if devices != 1 and backend != "megakernel":
-        raise ConfigError(f"--devices {devices}: only the megakernel backend spans devices (--backend megakernel)")
-    if spec not in SPEC_METHODS:
-        raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
+    check_methods(backend, spec, devices)
     check_model_options(model, checkpoint)
     check_draft_option(draft_model, spec)
     if spec == "draft" and draft_model is None:
@@ -127,9 +122,18 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
         check_prompts(parse_prompt_ids(prompt_ids, cfg.vocab_size), steps, spec, draft_tokens)
     draft = (draft_model or "").strip()
     if draft and not draft.startswith("layers:"):  # the draft's config, as load_draft_model will read it
-        dcfg = load_hf_model(draft)[0] if is_dir(Path(draft)) and any(Path(draft).glob("*.safetensors")) \
-            else resolve_model(draft)
+        dcfg = load_hf_model(draft)[0] if _is_checkpoint_dir(draft) else resolve_model(draft)
         check_draft_vocab(draft, dcfg.vocab_size, cfg.vocab_size)
+
+
+def check_methods(backend: str, spec: str, devices: int) -> None:
+    """--backend and --spec among the known ones; more than one device only on the megakernel."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    if devices != 1 and backend != "megakernel":
+        raise ConfigError(f"--devices {devices}: only the megakernel backend spans devices (--backend megakernel)")
+    if spec not in SPEC_METHODS:
+        raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
 
 
 def check_prompts(prompts: list[list[int]], steps: int, spec: str, draft_tokens: int) -> None:
@@ -196,15 +200,19 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     spec = spec.strip()
     if spec.startswith("layers:"):
         return truncated_model(target, int(spec.split(":", 1)[1]))
-    from tpumk.files import is_dir
-
-    p = Path(spec)
-    if is_dir(p) and any(p.glob("*.safetensors")):
+    if _is_checkpoint_dir(spec):
         d = load_model(None, spec, dtype=dtype or target.cfg.dtype)
     else:
         d = load_model(spec, None, seed=seed, dtype=dtype or target.cfg.dtype)
     check_draft_vocab(spec, d.cfg.vocab_size, target.cfg.vocab_size)
     return d
+
+
+def _is_checkpoint_dir(spec: str) -> bool:
+    """A --draft-model that names a checkpoint directory (config.json + *.safetensors), not a model file."""
+    from tpumk.files import is_dir
+
+    return is_dir(Path(spec)) and any(Path(spec).glob("*.safetensors"))
 
 
 def check_draft_vocab(spec: str, draft_vocab: int, target_vocab: int) -> None:
@@ -309,12 +317,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     cache must fit in this host's memory."""
     check_sizes(steps, page_size, draft_tokens)
     check_prompts(prompts, steps, spec, draft_tokens)
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
-    if devices != 1 and backend != "megakernel":
-        raise ConfigError(f"--devices {devices}: only the megakernel backend spans devices (--backend megakernel)")
-    if spec not in SPEC_METHODS:
-        raise ConfigError(f"--spec: unknown method '{spec}' (methods: {', '.join(SPEC_METHODS)})")
+    check_methods(backend, spec, devices)
     if spec == "none" and draft is not None:
         raise ConfigError("--draft-model: only used with --spec draft")
     if spec == "draft" and draft is None:

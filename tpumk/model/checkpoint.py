@@ -242,10 +242,9 @@ def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     return np.concatenate([rot[:half], keep[:rest], rot[half:], keep[rest:]])
 
 
-def _rotary_rows(a: np.ndarray, heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
-    """Rows (or a vector) of `heads` heads of head_dim, each put in rotary_order."""
-    order = (np.arange(heads)[:, None] * head_dim + rotary_order(head_dim, rotary_dim)[None]).reshape(-1)
-    return a[order]
+def _rotary_perm(heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """The rotary_order of each of `heads` heads of head_dim lanes, as indices into all of them."""
+    return (np.arange(heads)[:, None] * head_dim + rotary_order(head_dim, rotary_dim)[None]).reshape(-1)
 
 
 def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None
@@ -269,7 +268,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             return fn
         n = heads_of.get(key, 1 if not cfg.qk_norm_whole else
                          (cfg.num_q_heads if key == "q_norm" else cfg.num_kv_heads))
-        perm = _rotary_rows(np.arange(n * d), n, d, rd)
+        perm = _rotary_perm(n, d, rd)
         return (lambda a: fn(a)[:, perm]) if key in ("wq", "wk") else (lambda a: fn(a)[perm])
 
     def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
