@@ -345,6 +345,44 @@ def test_a_space_smaller_than_the_budget_ends_when_exhausted(tmp_path, monkeypat
     assert out["evaluated"] == 3 and any("every configuration of the space was tried" in n for n in out["notes"])
 
 
+def test_the_default_space_stores_the_evaluated_trials_not_the_draws_it_rules_out(tmp_path, stand_in, capsys):
+    """tiny-moe on the default space, 6 trials: the storage holds the 6 evaluated configurations
+    and at most a few pruned before compiling, never a repeat; the draws passed over are
+    counted in the summary. (Before: about 50 trials, nearly all pruned
+    by the constraints before compiling.)"""
+    from tpumk.cli.tune import print_result
+    from tpumk.tune import study as T
+
+    problem, objective = problem_and_objective()
+    space = load_space(Path(__file__).parents[1] / "tuning_spaces" / "default.toml")
+    settings = TuneSettings(trials=6, workers=2, seed=0, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    result = T.run(problem, space, objective, settings, storage=str(tmp_path / "d.journal"), study_name="d")
+    assert result.evaluated == 6 and result.repeated == 0
+    # A draw the rules refuse still becomes a trial when 64 TPE draws and 1,000 uniform ones all
+    # were refused (early, while the default configuration is the only good point TPE knows).
+    assert result.infeasible <= 3, result.prune_reasons
+    assert sum(result.counts.values()) == 6 + result.infeasible
+    passed = result.this_run["passed_over"]
+    assert passed.get("constraint", 0) > 0  # the constraints did refuse draws: in the sampler, not the storage
+    print_result(result)
+    assert f"the sampler passed over {sum(passed.values())} drawn configurations" in capsys.readouterr().out
+
+
+def test_a_small_space_is_walked_without_repeats(tmp_path, stand_in):
+    """Six configurations, --trials 6: every one evaluated once, no trial repeating another
+    (TPE alone repeated the ones it liked, stored as extra trials)."""
+    from tpumk.tune import study as T
+
+    path = tmp_path / "six.toml"
+    path.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
+                    '[knobs.kv_buffers]\ntype = "categorical"\nchoices = [0, 3]\n')
+    problem, objective = problem_and_objective()
+    settings = TuneSettings(trials=6, workers=1, seed=0, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+    result = T.run(problem, load_space(path), objective, settings, storage=str(tmp_path / "s.journal"),
+                   study_name="s")
+    assert result.evaluated == 6 and result.counts == {"COMPLETE": 6} and result.repeated == 0
+
+
 # ---------------------------------------------------------------------- calibration cache
 def test_calibration_cache_is_keyed_by_the_probe_source(tmp_path, monkeypatch):
     """An entry stored by other probe code (same target and versions) is not reused. (Before:

@@ -61,6 +61,10 @@ def print_result(r, next_command: str | None = None) -> None:
     echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
                f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
                f"{run.get('wall_seconds', 0):.1f} s wall")
+    passed = run.get("passed_over") or {}
+    if passed:
+        echo(f"the sampler passed over {sum(passed.values())} drawn configurations the space rules out, "
+             "never made trials (" + ", ".join(f"{k} {v}" for k, v in sorted(passed.items())) + ")")
     if not r.best:
         echo("no trial completed: nothing to rank")
     else:

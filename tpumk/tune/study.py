@@ -103,9 +103,10 @@ def study_name_for(problem: BuildSpec, space: TuningSpace, objective: str,
 
 # ---------------------------------------------------------------------- the study
 def open_study(url: str, study_name: str, identity: dict[str, Any] | None, seed: int | None,
-               heartbeat: int = DEFAULT_HEARTBEAT, create: bool = True):
+               heartbeat: int = DEFAULT_HEARTBEAT, create: bool = True, sampler=None):
     """Create or load the study; a study of the same name made for another problem, space,
-    objective or evaluation code is refused (its trials would mean something else)."""
+    objective or evaluation code is refused (its trials would mean something else). `sampler`:
+    run's DistinctSampler (tpumk.tune.sampler); by default Optuna's TPE."""
     import optuna
 
     storage = open_storage(url, heartbeat)
@@ -116,7 +117,9 @@ def open_study(url: str, study_name: str, identity: dict[str, Any] | None, seed:
             names = optuna.get_all_study_names(storage)
             raise ConfigError(f"--study {study_name!r}: no such study in {redact(url)} "
                               f"(studies: {', '.join(names) or 'none'})") from None
-    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    reseed = sampler is None and seed is not None
+    if sampler is None:
+        sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler, direction="minimize",
                                 load_if_exists=True)
     if identity is not None:
@@ -134,7 +137,7 @@ def open_study(url: str, study_name: str, identity: dict[str, Any] | None, seed:
                                   "(the default name follows the code)")
             raise ConfigError(f"study {study_name!r} in {redact(url)} was made for another problem, space or "
                               f"objective ({_identity_label(stored)}); give another --study")
-    if seed is not None and len(study.trials):
+    if reseed and len(study.trials):
         # A resumed study must not replay the first run's suggestions (all cache hits).
         study.sampler = optuna.samplers.TPESampler(seed=seed + len(study.trials), constant_liar=True)
     return study
@@ -190,9 +193,13 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
     identity = study_identity(problem, space, objective.name, keys.evaluator)
     name = study_name or study_name_for(problem, space, objective.name, keys.evaluator)
     url = storage_url(storage, name, settings.root)
-    study = open_study(url, name, identity, settings.seed, settings.heartbeat)
     cache = ResultCache(settings.cache_dir or settings.root / "cache")
     runner = TrialRunner(problem, space, objective, settings, cache, name, keys)
+    from tpumk.tune.sampler import DistinctSampler
+
+    # Draws the space rules out, or that repeat a tried configuration, never become trials.
+    sampler = DistinctSampler(space, settings.seed, rules_out=runner.rules_out)
+    study = open_study(url, name, identity, settings.seed, settings.heartbeat, sampler=sampler)
     fail_stale(study)
     already_complete = is_spent(study.get_trials(deepcopy=False), settings)
     _enqueue_default(study, space)
@@ -261,7 +268,7 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
     wall = time.monotonic() - t0
     result = summarize(study, space, settings.trials, top=settings.top, url=url, problem=problem,
                        objective=objective)
-    result.this_run = {**runner.stats, "wall_seconds": wall}
+    result.this_run = {**runner.stats, "wall_seconds": wall, "passed_over": dict(sampler.passed_over)}
     if already_complete and runner.stats["trials"] == 0:
         result.already_complete = True
         if result.evaluated >= settings.trials:

@@ -100,20 +100,11 @@ class TrialRunner:
 
     def _precheck(self, trial, values: dict[str, Any]) -> TuningConfig:
         """The configuration, pruned before compiling if the space or the plan rules it out."""
-        try:
-            tuning = self.space.tuning_for(values)
-        except ConfigError as e:
-            self._prune(trial, "tuning", str(e))
         trial.set_user_attr("cached", False)
-        try:
-            facts = self.facts_for(tuning)
-        except PlanError as e:  # the model does not split over the devices this way
-            self._prune(trial, "plan", str(e))
-        # Bounded cost by construction (tpumk.tune.space), and under the trial's time budget; a
-        # constraint that cannot be evaluated for this configuration prunes it with the reason.
-        reason = self.space.violated(tuning, facts, deadline=time.monotonic() + self.settings.timeout)
-        if reason:
-            self._prune(trial, "constraint", reason)
+        ruled_out = self.rules_out(values)
+        if ruled_out is not None:
+            self._prune(trial, *ruled_out)
+        tuning = self.space.tuning_for(values)
         try:
             plan = trial_plan(self.problem, tuning)
         except PlanError as e:
@@ -215,6 +206,24 @@ class TrialRunner:
         return self._result(trial, entry)
 
     # ---- helpers
+    def rules_out(self, values: dict[str, Any]) -> tuple[str, str] | None:
+        """(stage, reason) when the space rules these knob values out before any plan: not a
+        valid TuningConfig, a device split the model does not allow, a constraint that fails
+        (or cannot be evaluated). Arithmetic only: the sampler (tpumk.tune.sampler) asks it of
+        every draw, so that such a draw never becomes a trial."""
+        try:
+            tuning = self.space.tuning_for(values)
+        except ConfigError as e:
+            return "tuning", str(e)
+        try:
+            facts = self.facts_for(tuning)
+        except PlanError as e:  # the model does not split over the devices this way
+            return "plan", str(e)
+        # Bounded cost by construction (tpumk.tune.space), and under the trial's time budget; a
+        # constraint that cannot be evaluated for this configuration rules it out with the reason.
+        reason = self.space.violated(tuning, facts, deadline=time.monotonic() + self.settings.timeout)
+        return ("constraint", reason) if reason else None
+
     def facts_for(self, tuning: TuningConfig) -> dict[str, Any]:
         """The constraints' facts for this configuration: on many devices one device's share of
         the model, which only expert_parallel changes (tpumk.tune.space.space_facts)."""
