@@ -253,10 +253,12 @@ def test_hf_invalid_value_names_field():
     ({"use_sinks": True}, "attention sinks"),
     ({"model_type": "gpt_oss"}, "attention sinks"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     "rope_scaling"),
+    # YaRN is read for the Llama / Mistral / Qwen families and MLA models, LongRoPE for Phi-3
+    ({"model_type": "qwen2_moe", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32768}}, "rope_scaling"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+    ({"model_type": "qwen2_moe", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_parameters"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),  # the exact (erf) GELU: only Gemma reads it as tanh
     ({"hidden_act": "relu2"}, "hidden_act 'relu2'"),
     ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
@@ -733,16 +735,6 @@ def test_hf_phi3_partial_rotary_turns_part_of_each_head():
     assert "partial_rotary_factor = 0.5 for model_type 'llama'" in _one_line(e)
 
 
-@pytest.mark.parametrize("changes, what", [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}, "longrope"),
-])
-def test_hf_phi3_features_not_modelled_are_refused(changes, what):
-    with pytest.raises(NotSupportedError) as e:
-        from_hf_config({**PHI3_MINI_4K, **changes}, "x/config.json")
-    msg = _one_line(e)
-    assert what in msg and msg.startswith("x/config.json: not supported yet")
-
-
 def test_hf_mistral_window_is_on_every_layer_and_llama_has_none():
     cfg = from_hf_config({**MISTRAL_7B_V03, "sliding_window": 4096, "num_hidden_layers": 3})
     assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1, 2))
@@ -771,6 +763,41 @@ def test_hf_bad_rope_scaling_names_the_field(rope, field):
         from_hf_config({**LLAMA_31_8B, "rope_scaling": rope}, "x/config.json")
     msg = _one_line(e)
     assert field in msg and msg.startswith("x/config.json")
+
+
+def _phi4_like(**rope_changes) -> dict:
+    """PHI3_MINI_4K with Phi-4-mini's RoPE: 0.75 of each 96-wide head (36 frequencies), LongRoPE."""
+    rope = {"type": "longrope", "short_factor": [1.0] * 36, "long_factor": [2.0] * 36, **rope_changes}
+    return {**PHI3_MINI_4K, "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "rope_scaling": rope}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"short_factor": [1.0] * 35}, "rope_short_factor"),  # one per rotary frequency
+    ({"long_factor": "2"}, "long_factor"),
+    ({"short_factor": [1.0] * 35 + [-1.0]}, "short_factor"),
+    ({"attention_factor": "x"}, "attention_factor"),
+])
+def test_hf_bad_longrope_names_the_field(change, field):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(_phi4_like(**change), "x/config.json")
+    msg = _one_line(e)
+    assert field in msg and msg.startswith("x/config.json")
+
+
+def test_longrope_build_context_stays_within_its_original_length():
+    """transformers turns to the long factors once a sequence passes original_max_position_embeddings
+    (and keeps the keys it cached with the short ones): a build past it is refused in one line."""
+    from tpumk.errors import PlanError
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    cfg = from_hf_config(_phi4_like(), "x/config.json")
+    assert (cfg.rope_scaling, cfg.rope_factor, len(cfg.rope_short_factor)) == ("longrope", 32.0, 36)
+    BuildSpec(cfg, get_target("tpu7x"), context=4096).validate()
+    with pytest.raises(PlanError, match=r"context = 4160: expected at most 4,096 .*longrope"):
+        BuildSpec(cfg, get_target("tpu7x"), context=4160).validate()
+    assert from_dict(cfg.to_dict(), "round trip") == cfg  # factors survive to_dict (artifacts, cache keys)
 
 
 def test_hf_dynamic_rope_is_refused_for_good():

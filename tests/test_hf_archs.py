@@ -3,7 +3,7 @@ transformers' own modelling code: Qwen3 and Qwen3-MoE with 64-wide heads, a Qwen
 sliding-window layer whose window is shorter than the prompts, a Llama with Llama 3 RoPE scaling
 (no QK-norm, 64-wide heads, 4 query heads per KV head), a Mistral whose every layer has a window,
 a Phi-3 (fused qkv_proj and gate_up_proj tensors, a window on every layer, 96-wide heads, RoPE on
-part of each head) and a SmolLM2-shaped Llama whose widths are off the 128-lane grid (the plan
+part of each head), a Phi-4-mini-shaped Phi-3 with LongRoPE, a Qwen3 with YaRN RoPE and a SmolLM2-shaped Llama whose widths are off the 128-lane grid (the plan
 pads them), a Qwen2 with q / k / v biases and a Gemma (GeGLU, (1 + w) norms, scaled embeddings,
 widths off the lane grid), a Gemma 2 (soft-capped scores and logits, sandwich norms), a Gemma 3,
 an OLMo 2 (norms only after the sublayers, QK-norm across all heads), a Cohere (LayerNorm,
@@ -15,6 +15,9 @@ compiles deviceless for TPU7x (the MoE families also for v6e).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 from hf_utils import build_checkpoint, hf_greedy, hf_logits
 
@@ -33,8 +36,24 @@ STEPS = 10
 # logits run through the scaled, the kept and the blended frequency bands.
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)
+# YaRN on a GQA model (Qwen3 / Qwen2.5 long-context configs): factor 4 over an original context
+# of 16, so the interpolated, extrapolated and ramp bands all turn, and cos / sin x 1.139.
+QWEN3_YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16)
+# LongRoPE as Phi-4-mini writes it: one short and one long factor per rotary frequency (36 for 72
+# rotary lanes of 96), original context 4096 of 131072 (cos / sin x 1.190 on the rotary lanes
+# only). Short factors: the build's context stays within 4096 (tpumk.plan.spec).
+_factors = np.random.default_rng(31).random((2, 36))
+PHI4_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=4096,
+                     short_factor=[float(x) for x in 1 + 2 * _factors[0]],
+                     long_factor=[float(x) for x in 1 + 4 * _factors[1]])
 CHECKPOINTS = {
     "qwen3-d64": dict(seed=3, **D64),
+    "qwen3-yarn": dict(seed=27, rope_parameters=QWEN3_YARN),
+    # Phi-4-mini's RoPE in small: 2 heads of 96, RoPE on 72 lanes, LongRoPE, no window
+    "phi4-longrope": dict(arch="phi3", seed=28, hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=96, intermediate_size=200, partial_rotary_factor=0.75, sliding_window=None,
+                          max_position_embeddings=131072, original_max_position_embeddings=4096,
+                          rope_parameters=PHI4_LONGROPE),
     "qwen3-moe-d64": dict(moe=True, seed=4, **D64),
     "qwen3-sliding": dict(seed=5, **SLIDING),
     "llama-llama3-d64": dict(arch="llama", seed=6, head_dim=64, num_attention_heads=8, num_key_value_heads=2,
@@ -142,7 +161,10 @@ CHECKPOINTS = {
 # And Mixtral's: its routing (softmax over all, the top k renormalised) is Qwen3-MoE's, run by
 # qwen3-moe-d64; olmoe-moe routes every layer and glm45-moe and phi3-partial run 64-wide heads
 # and a window on every layer; its loader's names and reference logits stay above.
-FULL_KERNEL_CASES = ("mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
+# And the YaRN Qwen3's: its frequencies and cos / sin factor live in the RoPE tables the kernel's
+# glue computes (checked against transformers above by the reference); phi4-longrope runs scaled
+# tables (on part of each head) through the kernel.
+FULL_KERNEL_CASES = ("qwen3-yarn", "mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
                      "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel", "gemma2-softcap",
                      "olmo2-postnorm", "mixtral-moe")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
@@ -159,7 +181,14 @@ def test_config_reads_the_variant(checkpoint):
     assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo"))
     assert cfg.qkv_bias == name.startswith(("qwen2", "glm45")) and cfg.shared_expert_gate == name.startswith("qwen2moe")
     assert cfg.qk_norm_whole == name.startswith(("olmo2", "olmoe")) and (not cfg.pre_norms) == name.startswith("olmo2")
-    assert cfg.rotary_dim == {"phi3-partial": 72, "glm45-moe": 32}.get(name, 0)
+    assert cfg.rotary_dim == {"phi3-partial": 72, "phi4-longrope": 72, "glm45-moe": 32}.get(name, 0)
+    assert (cfg.yarn_factor, cfg.yarn_original_max_position) == ((4.0, 16) if name == "qwen3-yarn" else (0.0, 0))
+    if name == "phi4-longrope":
+        assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("longrope", 32.0, 4096)
+        assert cfg.rope_short_factor == tuple(PHI4_LONGROPE["short_factor"]) and cfg.sliding_window == 0
+        assert cfg.rope_long_factor == tuple(PHI4_LONGROPE["long_factor"])
+        from tpumk.model.rope import attention_factor
+        assert attention_factor(cfg) == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
     assert cfg.post_norms == name.startswith(("gemma2", "gemma3", "olmo2"))
     assert (cfg.attn_scalar != 0) == name.startswith(("gemma2", "gemma3"))
     assert (cfg.rope_local_theta != 0) == name.startswith("gemma3")
@@ -215,6 +244,8 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == heads
     elif name.endswith("d64"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 4)
+    elif name in ("qwen3-yarn", "phi4-longrope"):
+        assert cfg.sliding_window == 0
     else:
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (1,))
 
@@ -230,7 +261,8 @@ def test_reference_logits_match_transformers(checkpoint, monkeypatch):
     got = np.asarray(forward_full(m.params, m.cfg, tokens))
     bound = 2e-5 * max(1.0, np.max(np.abs(want)))
     assert np.max(np.abs(got - want)) <= bound
-    if m.cfg.rotary_dim:  # RoPE over the whole head would not agree
+    if m.cfg.rotary_dim and m.cfg.rope_scaling != "longrope":  # RoPE over the whole head would not agree
+        # (longrope's factors are one per rotary frequency: phi3-partial checks its rotary lanes)
         whole = np.asarray(forward_full(m.params, m.cfg.replace(rotary_dim=0), tokens))
         assert np.max(np.abs(whole - want)) > 100 * bound
     if m.cfg.is_moe and not m.cfg.norm_topk_prob:  # OLMoE: renormalised top-k weights would not agree
@@ -239,9 +271,12 @@ def test_reference_logits_match_transformers(checkpoint, monkeypatch):
     if m.cfg.shared_expert_gate:  # Qwen2-MoE: the shared expert ungated would not agree
         ungated = np.asarray(forward_full(m.params, m.cfg.replace(shared_expert_gate=False), tokens))
         assert np.max(np.abs(ungated - want)) > 100 * bound
-    if m.cfg.rope_scaling != "none":  # the scaling is what makes them agree: plain RoPE does not
-        plain = np.asarray(forward_full(m.params, m.cfg.replace(rope_scaling="none"), tokens))
-        assert np.max(np.abs(plain - want)) > 100 * bound
+    if m.cfg.rope_scaling != "none" or m.cfg.yarn_factor:  # the scaling is what makes them agree
+        plain = m.cfg.replace(rope_scaling="none", rope_short_factor=(), rope_long_factor=(), yarn_factor=0.0)
+        assert np.max(np.abs(np.asarray(forward_full(m.params, plain, tokens)) - want)) > 100 * bound
+    if m.cfg.rope_scaling == "longrope" or m.cfg.yarn_factor:  # and so is the factor on cos and sin
+        unscaled = m.cfg.replace(rope_attention_factor=1.0, yarn_attention_factor=1.0 if m.cfg.yarn_factor else 0.0)
+        assert np.max(np.abs(np.asarray(forward_full(m.params, unscaled, tokens)) - want)) > 100 * bound
     if m.cfg.mlp_act != "silu":  # Gemma: SwiGLU, or unscaled embeddings, would not agree; Gemma 2 or 3 without a part
         parts = [dict(mlp_act="silu"), dict(embed_scale=1.0)]
         if m.cfg.post_norms:

@@ -120,9 +120,12 @@ def test_toml_mla_fields_validated():
         _one_line(e)
     gqa = load_preset("tiny-moe").to_dict()
     for changes, field in (({"v_head_dim": 16}, "v_head_dim"), ({"kv_lora_rank": 16}, "qk_rope_head_dim"),
-                           ({"yarn_factor": 4.0}, "yarn_factor")):
+                           ({"yarn_factor": 4.0}, "yarn_original_max_position"),  # YaRN on GQA needs its length
+                           ({"yarn_factor": 4.0, "yarn_original_max_position": 64, "rope_scaling": "linear"},
+                            "rope_scaling")):  # one scaling at a time
         with pytest.raises(ConfigError, match=f"'{field}'"):
             from_dict({**gqa, **changes}, "m.toml")
+    assert from_dict({**gqa, "yarn_factor": 4.0, "yarn_original_max_position": 64}, "m.toml").yarn_factor == 4.0
     with pytest.raises(ConfigError, match="'router_groups'"):
         from_dict({**load_preset("tiny-dense").to_dict(), "router_groups": 2}, "m.toml")
 

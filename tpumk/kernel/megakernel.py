@@ -489,10 +489,11 @@ def _device_step(plan: Plan, call) -> Callable:
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
-            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp), heads_per_lane_block(cfg.head_dim))
+            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp), heads_per_lane_block(cfg.head_dim),
+                                   rope.cos_sin_scale(cfg, jnp))
             if cfg.rope_local_theta:  # the sliding layers' rows below the full layers' (`rope_rows`)
                 cos_l, sin_l = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp, local=True),
-                                           heads_per_lane_block(cfg.head_dim))
+                                           heads_per_lane_block(cfg.head_dim), rope.cos_sin_scale(cfg, jnp, local=True))
                 cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}

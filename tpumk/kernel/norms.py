@@ -42,17 +42,19 @@ def residual_norm(kind: str, x: jax.Array, w: jax.Array, eps: float, width: int 
     return (layer_norm if kind == "layer" else rms_norm)(x, w, eps, width)
 
 
-def rope_tables(positions: jax.Array, inv_freq, heads: int = 1) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, inv_freq, heads: int = 1, scale=None) -> tuple[jax.Array, jax.Array]:
     """positions [N], inv_freq [D / 2] (tpumk.model.rope.inv_freq) -> (cos [N, heads*D], signed
     sin [N, heads*D]) for rotate-half RoPE (glue, outside the kernel); `heads` > 1 repeats the
     row for that many heads side by side (64-wide heads are rotated two per 128-lane block,
-    `rope_heads`).
+    `rope_heads`); `scale` [D / 2] multiplies both (tpumk.model.rope.cos_sin_scale).
 
     The sin row carries the rotate-half sign (-sin on the first half), so in the kernel
     rope(x) = x * cos + roll(x, D/2) * sin: roll by half swaps the halves, the sign makes it
     concat(-x2, x1) as in reference.rope. Same ops as the reference, so the tables are bitwise equal."""
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
     cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if scale is not None:  # longrope / yarn (tpumk.model.rope.cos_sin_scale), as the reference
+        cos, sin = cos * scale, sin * scale
     return jnp.concatenate([cos, cos] * heads, -1), jnp.concatenate([-sin, sin] * heads, -1)
 
 

@@ -27,7 +27,7 @@ from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
 SCORINGS = ("softmax", "sigmoid")
-ROPE_SCALINGS = ("none", "linear", "llama3")  # tpumk.model.rope
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")  # tpumk.model.rope
 # The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
 # gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
 MLP_ACTS = ("silu", "gelu_tanh")
@@ -40,7 +40,8 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 # the description (and every content-addressed key made from it) of an older model is unchanged.
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
-                "parallel_blocks", "rotary_dim", "shared_expert_gate")
+                "parallel_blocks", "rotary_dim", "shared_expert_gate", "rope_short_factor", "rope_long_factor",
+                "rope_attention_factor")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -127,12 +128,21 @@ class ModelConfig:
     yarn_attention_factor: float = 0.0
     yarn_truncate: bool = True
     # RoPE scaling of a GQA model (tpumk.model.rope): "none", "linear" (positions divided by
-    # rope_factor) or "llama3" (Llama 3.1's banded rescale over rope_original_max_position).
+    # rope_factor), "llama3" (Llama 3.1's banded rescale over rope_original_max_position) or
+    # "longrope" (Phi-3.5 / Phi-4-mini: each rotary frequency divided by its rope_short_factor;
+    # rope_long_factor is what transformers switches to once a sequence passes
+    # rope_original_max_position, so a build's context may not pass it: tpumk.plan.plan).
+    # A GQA model's YaRN is the yarn_* fields above, with rope_scaling "none".
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_short_factor: tuple[float, ...] = field(default_factory=tuple)
+    rope_long_factor: tuple[float, ...] = field(default_factory=tuple)
+    # longrope's factor on cos and sin; 0: transformers' default from rope_factor and
+    # rope_original_max_position (sqrt(1 + ln factor / ln original), 1 when factor <= 1)
+    rope_attention_factor: float = 0.0
     # Sliding-window attention: the layers in `sliding_layers` let a query at position p see
     # only keys k with p - k < sliding_window (transformers' convention); 0 = no window.
     sliding_window: int = 0
@@ -191,6 +201,10 @@ class ModelConfig:
             dl = getattr(self, name)
             if isinstance(dl, (list, tuple)) and all(_is_int(i) for i in dl):
                 object.__setattr__(self, name, tuple(sorted(set(dl))))
+        for name in ("rope_short_factor", "rope_long_factor"):  # ordered per frequency: kept as given
+            v = getattr(self, name)
+            if isinstance(v, (list, tuple)) and all(_is_number(x) for x in v):
+                object.__setattr__(self, name, tuple(float(x) for x in v))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -231,6 +245,10 @@ class ModelConfig:
              "rope_original_max_position", f"a positive integer at most {MAX_SIZES['rope_original_max_position']:,}")
         if self.is_mla:
             need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
+        if self.yarn_factor:
+            need(self.rope_scaling == "none", "rope_scaling", "none with yarn_factor set (one RoPE scaling)")
+        need(_is_number(self.rope_attention_factor) and self.rope_attention_factor >= 0, "rope_attention_factor",
+             "a finite number of at least 0 (0: derived)")
         need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
         need(isinstance(self.qkv_bias, bool), "qkv_bias", "true or false")
         need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
@@ -264,6 +282,14 @@ class ModelConfig:
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.true_head_dim and self.rotary_dim % 2 == 0,
              "rotary_dim", f"an even integer in [0, the head width {self.true_head_dim}] (0: the whole head)")
+        pairs = ((self.rotary_dim or self.true_head_dim) // 2) if not self.is_mla else 0
+        for f in ("rope_short_factor", "rope_long_factor"):
+            v = getattr(self, f)
+            if self.rope_scaling == "longrope":
+                need(isinstance(v, tuple) and len(v) == pairs and all(_is_number(x) and x > 0 for x in v), f,
+                     f"{pairs} positive finite numbers (one per rotary frequency) for longrope")
+            else:
+                need(v == (), f, "empty unless rope_scaling is longrope")
         need(isinstance(self.shared_expert_gate, bool), "shared_expert_gate", "true or false")
         if self.shared_expert_gate:  # the gate shares the router's one DMA and dtype (not DeepSeek's float32 router)
             need(self.is_moe and self.num_shared_experts > 0 and not self.router_correction_bias, "shared_expert_gate",
@@ -334,7 +360,6 @@ class ModelConfig:
             need(self.top_k <= self.router_topk_groups * (self.num_experts // g), "top_k",
                  "at most router_topk_groups x experts per group (the experts the kept groups hold)")
         if self.yarn_factor:
-            need(self.is_mla, "yarn_factor", "0 for a GQA model (YaRN RoPE is modelled for MLA models only)")
             need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
             need(self.yarn_original_max_position > 0, "yarn_original_max_position",
                  "a positive integer when yarn_factor is set")
@@ -483,8 +508,9 @@ class ModelConfig:
         for name in LATER_FIELDS:  # added later: models without them keep their keys (and cache keys)
             if d[name] == defaults[name]:
                 del d[name]
-        d["dense_layers"] = list(self.dense_layers)
-        d["sliding_layers"] = list(self.sliding_layers)
+        for name in ("dense_layers", "sliding_layers", "rope_short_factor", "rope_long_factor"):
+            if name in d:
+                d[name] = list(getattr(self, name))
         return d
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -572,6 +598,7 @@ _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # partial_rotary_factor < 1 turns only the first lanes of each head (transformers' Phi-3 modelling
 # rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
 _HF_PARTIAL_ROTARY = ("phi3", "glm4_moe")
+_HF_LONGROPE = ("phi3",)  # rope_scaling type longrope (Phi-3.5, Phi-4-mini)
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
 # approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
@@ -680,8 +707,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         if kind == "dynamic":  # its frequencies follow the sequence length at run time
             raise NotSupportedError(f"{source}: not supported: {key} rope_type 'dynamic' (frequencies that change "
                                     "with the sequence length; a megakernel's RoPE rows are fixed per position)")
-        if kind not in (None, "default") and not (kind == "yarn" and mt in _HF_MLA) \
-                and not (kind in ("linear", "llama3") and mt in _HF_ROPE_SCALED):
+        if kind not in (None, "default") and not (kind == "yarn" and (mt in _HF_MLA or mt in _HF_ROPE_SCALED)) \
+                and not (kind in ("linear", "llama3") and mt in _HF_ROPE_SCALED) \
+                and not (kind == "longrope" and mt in _HF_LONGROPE):
             raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
     rope_params = data.get("rope_parameters") or {}
     # RoPE on only part of each head (Phi-4-mini: model_type phi3, 0.75); transformers 5 keeps
@@ -784,7 +812,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         for key, default in GRANITE_SCALARS.items():
             if hf.number(key, default) <= 0:
                 raise ConfigError(f"{source}: field '{key}' = {_short_repr(data[key])}: expected a positive number")
-    if mt in _HF_ROPE_SCALED:
+    if mt in _HF_ROPE_SCALED or mt in _HF_LONGROPE:
         fields.update(_hf_rope_scaling(data, source))
     if mt == "qwen2_moe" and hf.bool_("use_sliding_window", False):  # its own odd-layers pattern, unused by releases
         raise NotSupportedError(f"{source}: not supported yet: use_sliding_window = true for model_type 'qwen2_moe'")
@@ -894,22 +922,31 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
         v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED),
     )
     fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False))
-    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if (rope.get("rope_type") or rope.get("type")) == "yarn":
-        where = f"{source}: {'rope_parameters' if data.get('rope_parameters') else 'rope_scaling'}"
-        r = _HFFields(rope, where)
-        fields.update(
-            yarn_factor=r.number("factor", None),
-            yarn_original_max_position=r.int_("original_max_position_embeddings",
-                                              MAX_SIZES["yarn_original_max_position"], _REQUIRED),
-            yarn_beta_fast=r.number("beta_fast", 32.0) or 32.0,  # transformers: `or 32`
-            yarn_beta_slow=r.number("beta_slow", 1.0) or 1.0,
-            yarn_mscale=r.number("mscale", 0.0),
-            yarn_mscale_all_dim=r.number("mscale_all_dim", 0.0),
-            yarn_attention_factor=r.number("attention_factor", 0.0),
-            yarn_truncate=r.bool_("truncate", True),
-        )
+    fields.update(_hf_yarn(data, source))
     return fields
+
+
+def _hf_yarn(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The yarn_* fields of a `rope_scaling` / `rope_parameters` of type yarn (MLA or GQA), else {}.
+    A missing factor is max_position_embeddings / original_max_position_embeddings, as transformers."""
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) != "yarn":
+        return {}
+    where = f"{source}: {'rope_parameters' if data.get('rope_parameters') else 'rope_scaling'}"
+    r = _HFFields(rope, where)
+    original = r.int_("original_max_position_embeddings", MAX_SIZES["yarn_original_max_position"], _REQUIRED)
+    factor = r.number("factor", 0.0) or \
+        _HFFields(data, source).int_("max_position_embeddings", 1 << 40, _REQUIRED) / original
+    return dict(
+        yarn_factor=factor,
+        yarn_original_max_position=original,
+        yarn_beta_fast=r.number("beta_fast", 32.0) or 32.0,  # transformers: `or 32`
+        yarn_beta_slow=r.number("beta_slow", 1.0) or 1.0,
+        yarn_mscale=r.number("mscale", 0.0),
+        yarn_mscale_all_dim=r.number("mscale_all_dim", 0.0),
+        yarn_attention_factor=r.number("attention_factor", 0.0),
+        yarn_truncate=r.bool_("truncate", True),
+    )
 
 
 def _hf_gemma3_rope(data: dict[str, Any], source: str, sliding: bool) -> dict[str, Any]:
@@ -948,11 +985,16 @@ def _hf_gemma3_rope(data: dict[str, Any], source: str, sliding: bool) -> dict[st
 
 
 def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_scaling / rope_factor / the llama3 band of a GQA model, from `rope_parameters`
-    (transformers 5) or `rope_scaling` (4.x); the type was checked by the caller."""
+    """rope_scaling / rope_factor / the llama3 band / longrope's factors / yarn of a GQA model,
+    from `rope_parameters` (transformers 5) or `rope_scaling` (4.x); the type was checked by the
+    caller."""
     key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
     rope = data.get(key) or {}
     kind = rope.get("rope_type") or rope.get("type")
+    if kind == "yarn":
+        return _hf_yarn(data, source)
+    if kind == "longrope":
+        return _hf_longrope(data, f"{source}: {key}", rope)
     if kind not in ("linear", "llama3"):
         return {}
     r = _HFFields(rope, f"{source}: {key}")
@@ -965,6 +1007,29 @@ def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
                                               MAX_SIZES["rope_original_max_position"], _REQUIRED),
         )
     return fields
+
+
+def _hf_longrope(data: dict[str, Any], where: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): its per-frequency factors, the pretraining length
+    (in the rope table, else top-level, as Phi-3 writes it), the factor (given, else
+    max_position_embeddings over that length) and an optional attention factor."""
+    r = _HFFields(rope, where)
+    top = _HFFields(data, where.split(": ")[0])
+    original = rope.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
+    if not (_is_int(original) and 0 < original <= MAX_SIZES["rope_original_max_position"]):
+        raise ConfigError(f"{where}: field 'original_max_position_embeddings' = {_short_repr(original)}: expected a "
+                          f"positive integer at most {MAX_SIZES['rope_original_max_position']:,} (longrope)")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        v = rope.get(name)
+        if not (isinstance(v, list) and v and all(_is_number(x) and x > 0 for x in v)):
+            raise ConfigError(f"{where}: field '{name}' = {_short_repr(v)}: expected a list of positive numbers "
+                              "(one per rotary frequency)")
+        factors[name] = tuple(float(x) for x in v)
+    factor = r.number("factor", 0.0) or top.int_("max_position_embeddings", 1 << 40, _REQUIRED) / original
+    return dict(rope_scaling="longrope", rope_factor=max(float(factor), 1.0), rope_original_max_position=original,
+                rope_short_factor=factors["short_factor"], rope_long_factor=factors["long_factor"],
+                rope_attention_factor=r.number("attention_factor", 0.0))
 
 
 def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from tpumk.model.config import ModelConfig
 from tpumk.model.positions import new_lengths
 from tpumk.model import mla
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
+from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
 
 Params = dict[str, Any]
@@ -100,13 +101,17 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
 
 
 # ---------------------------------------------------------------------- building blocks
-def rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq, scale=None) -> jax.Array:
     """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., T, H, D], positions [..., T],
-    inv_freq [D / 2] (tpumk.model.rope.inv_freq: plain or scaled)."""
+    inv_freq [D / 2] (tpumk.model.rope.inv_freq: plain or scaled), `scale` [D / 2] on cos and
+    sin or None (tpumk.model.rope.cos_sin_scale: longrope, yarn)."""
     d = x.shape[-1]
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[..., None, :]
+    c, s_ = jnp.cos(ang), jnp.sin(ang)
+    if scale is not None:  # in float32 on the tables, as the kernel's glue (tpumk.kernel.norms.rope_tables)
+        c, s_ = c * scale, s_ * scale
+    cos = jnp.concatenate([c, c], -1)[..., None, :]
+    sin = jnp.concatenate([s_, s_], -1)[..., None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     rotated = jnp.concatenate([-x2, x1], -1)
     return x * cos + rotated * sin
@@ -225,9 +230,10 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: 
     if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
         k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)
-    freqs = rope_freqs(cfg, jnp, local=bool(cfg.layer_window(i)))
-    q = rope(q, positions, freqs)
-    k = rope(k, positions, freqs)
+    local = bool(cfg.layer_window(i))
+    freqs, scale = rope_freqs(cfg, jnp, local=local), rope_cos_sin_scale(cfg, jnp, local)
+    q = rope(q, positions, freqs, scale)
+    k = rope(k, positions, freqs, scale)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
     return q, k.astype(dt), v.astype(dt)
 

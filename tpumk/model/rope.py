@@ -8,16 +8,25 @@ frequencies inv_freq_i = 1 / theta^(2i / head_dim):
   low_freq_factor are divided by `rope_factor`, those shorter than original_max_position /
   high_freq_factor kept, and the band between blends the two with a weight linear in
   original_max_position / wavelength;
-- neither changes the attention scale (transformers' attention_factor is 1 for both).
+- longrope (Phi-3.5, Phi-4-mini): inv_freq_i = 1 / (short_factor_i * theta^(2i / head_dim));
+  transformers switches to long_factor once a sequence passes original_max_position, which a
+  fixed build cannot follow, so a longrope build's context stays within it (tpumk.plan.plan);
+- yarn (tpumk.model.yarn, as for MLA models) over the rotary lanes.
+
+longrope and yarn also scale cos and sin by an attention factor (`attention_factor`), so the
+roped q and k each carry it; linear and llama3 leave it at 1.
 
 A `dynamic` scaling depends on the sequence length at run time, so it is refused when read
-(tpumk.model.config). MLA models' YaRN lives in tpumk.model.yarn.
+(tpumk.model.config).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
 
 
@@ -47,7 +56,42 @@ def inv_freq(cfg: ModelConfig, xp=np, local: bool = False):
     return xp.concatenate([freqs, xp.zeros(((cfg.head_dim - rotary) // 2,), xp.float32)])
 
 
+def attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """The factor on cos and sin (1.0 but for longrope and yarn); `local` as for inv_freq (Gemma
+    3's sliding layers have plain RoPE)."""
+    if local and cfg.rope_local_theta:
+        return 1.0
+    if cfg.yarn_factor:
+        return float(yarn.attention_factor(cfg))
+    if cfg.rope_scaling != "longrope":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return float(cfg.rope_attention_factor)
+    factor = cfg.rope_factor
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(cfg.rope_original_max_position))
+
+
+def cos_sin_scale(cfg: ModelConfig, xp=np, local: bool = False):
+    """None when cos and sin are unscaled, else float32 [head_dim / 2]: attention_factor on the
+    rotary lanes' frequencies and 1 on the unrotated ones (transformers scales only the rotated
+    part of a partially rotary head; the rest passes through unchanged)."""
+    factor = attention_factor(cfg, local)
+    if factor == 1.0:
+        return None
+    rotary = cfg.rotary_dim or cfg.true_head_dim
+    scale = np.concatenate([np.full(rotary // 2, factor, np.float32),
+                            np.ones((cfg.head_dim - rotary) // 2, np.float32)])
+    return xp.asarray(scale)
+
+
 def _scaled_inv_freq(cfg: ModelConfig, base, xp):
+    if cfg.yarn_factor:  # host constants, the same array on both sides
+        return xp.asarray(yarn.inv_freq(cfg, cfg.rotary_dim or cfg.true_head_dim))
+    if cfg.rope_scaling == "longrope":  # as transformers: 1 / (factor * theta^(2i/d))
+        rotary = cfg.rotary_dim or cfg.true_head_dim
+        exponents = xp.arange(0, rotary, 2, dtype=xp.float32) / xp.float32(rotary)
+        short = xp.asarray(np.asarray(cfg.rope_short_factor, np.float32))
+        return (xp.float32(1.0) / (short * xp.float32(cfg.rope_theta) ** exponents)).astype(xp.float32)
     factor = xp.float32(cfg.rope_factor)
     if cfg.rope_scaling == "linear":
         return (base / factor).astype(xp.float32)

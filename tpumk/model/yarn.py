@@ -1,4 +1,5 @@
-"""RoPE frequencies and scales of an MLA model: plain, or YaRN (`rope_scaling` type yarn).
+"""RoPE frequencies and scales of YaRN (`rope_scaling` type yarn): an MLA model's, and a GQA
+model's through tpumk.model.rope (Qwen3 / Qwen2.5 long-context configs, gpt-oss).
 
 What transformers computes (`modeling_rope_utils._compute_yarn_parameters` and DeepseekV3's
 `yarn_get_mscale` / `yarn_apply_mscale`), over the qk_rope_head_dim rotated lanes:
@@ -28,9 +29,10 @@ def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """float32 [qk_rope_head_dim / 2] inverse frequencies of the rotated lanes."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+def inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
+    """float32 [dim / 2] inverse frequencies of the rotated lanes: an MLA model's
+    qk_rope_head_dim by default, a GQA model's rotary width when given (tpumk.model.rope)."""
+    dim, base = dim or cfg.qk_rope_head_dim, cfg.rope_theta
     pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if not cfg.yarn_factor:

@@ -84,6 +84,13 @@ class BuildSpec:
                             f"({self.page_size}), since the KV cache holds whole pages (e.g. {near})")
         if self.q_len > self.context:
             raise PlanError(f"build spec: q_len = {self.q_len}: expected at most context ({self.context})")
+        m = self.model
+        if m.rope_scaling == "longrope" and self.context > m.rope_original_max_position:
+            # transformers turns to the long factors once a sequence passes that length (and keeps
+            # the keys it cached with the short ones); one build's RoPE rows are fixed
+            raise PlanError(f"build spec: context = {self.context}: expected at most {m.rope_original_max_position:,} "
+                            f"for model '{m.name}' (longrope RoPE: past its original_max_position_embeddings "
+                            "the frequencies change with the sequence length)")
 
     def replace(self, **changes: Any) -> BuildSpec:
         return dataclasses.replace(self, **changes)
