@@ -112,6 +112,34 @@ def test_bench_table_prints_provenance():
     assert "XLA + ragged paged attn" in res.output and "serving-stack step / megakernel step" in res.output
 
 
+def test_batch_curve_rows_are_the_benches_of_each_batch(tiny_dense_b2):
+    """`--batch-curve 1,2`: one row per batch with the single bench's figures (batch 2's equal
+    to the fixture's bench of the same build), the aggregate over batch 1's, the published
+    curve's ratio beside it; on a terminal-less run a progress line per batch on stderr."""
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-dense", "--target", "v6e", "--dtype", "bfloat16",
+                                    "--batch-curve", "1,2", "--no-serving", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert [row["batch"] for row in r["curve"]] == [1, 2] and r["devices"] == 1
+    one, two = r["curve"]
+    assert two["step_seconds"]["megakernel"] == pytest.approx(tiny_dense_b2["megakernel"]["step_seconds"])
+    assert two["aggregate"]["xla"] == pytest.approx(tiny_dense_b2["tokens_per_second"]["xla"]["aggregate"])
+    for row in r["curve"]:
+        assert row["aggregate"]["megakernel"] == pytest.approx(row["batch"] / row["step_seconds"]["megakernel"])
+        assert row["per_sequence"]["megakernel"] == pytest.approx(1 / row["step_seconds"]["megakernel"])
+        assert row["step_source"] == "tpumk model" and "serving" not in row["aggregate"]
+    ratio = r["aggregate_over_batch_1"]
+    assert ratio["1"] == 1.0 and ratio["2"] == pytest.approx(two["aggregate"]["megakernel"] / one["aggregate"]["megakernel"])
+    assert r["published_over_batch_1"]["2"] == pytest.approx(392 / 249)
+    assert [ln for ln in res.stderr.splitlines() if "] batch " in ln] and "batch 2" in res.stderr
+
+
+@pytest.mark.parametrize("curve", ["0,2", "1,1", "a", ""])
+def test_a_bad_batch_curve_is_one_line(curve):
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-dense", "--batch-curve", curve])
+    assert res.exit_code == 1 and "--batch-curve" in res.output and len(res.output.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "cpu"], "target 'cpu' runs kernels in interpret mode"),
     (["--target", "tpu9"], "unknown target 'tpu9'"),

@@ -65,9 +65,9 @@ def make_local(geom, calls: int, interpret, counter_step: int = 1):
     return local
 
 
-def ordered_sum(x: np.ndarray, dtype: str) -> np.ndarray:
+def ordered_sum(x: np.ndarray, dtype: str, schedule: str = "direct") -> np.ndarray:
     """x [N, ...] f32 -> the f32 sum x[0] + x[1] + ... + x[N-1], left to right (each term rounded
-    to bf16 first when the slots are bf16)."""
+    to bf16 first when the slots are bf16; with rsag the sum rounded again, as its chunk travels)."""
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -75,6 +75,8 @@ def ordered_sum(x: np.ndarray, dtype: str) -> np.ndarray:
     acc = x[0].copy()
     for k in range(1, x.shape[0]):
         acc = acc + x[k]
+    if dtype == "bfloat16" and schedule == "rsag":
+        acc = acc.astype(ml_dtypes.bfloat16).astype(np.float32)
     return acc
 
 
@@ -98,9 +100,9 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False),
                    compiler_options=INTERPRET_COMPILER_OPTIONS)
     out = np.asarray(step(x))
-    want = np.stack([ordered_sum(x[:, t], dtype) for t in range(CALLS)])
+    want = np.stack([ordered_sum(x[:, t], dtype, schedule) for t in range(CALLS)])
     races = interpret_races()
-    mine_first = ordered_sum(np.concatenate([x[1:2], x[0:1], x[2:]]), dtype)  # another order (n > 1)
+    mine_first = ordered_sum(np.concatenate([x[1:2], x[0:1], x[2:]]), dtype, schedule)  # another order (n > 1)
     return {
         "exact": all(bool(np.array_equal(out[d], want)) for d in range(n)),
         "same_on_devices": all(bool(np.array_equal(out[d], out[0])) for d in range(n)),
@@ -130,6 +132,7 @@ def _run_worker(n: int, schedule: str, dtype: str = "float32", counter_step: int
     (1, "direct", "float32"), (2, "direct", "float32"), (4, "direct", "float32"), (8, "direct", "float32"),
     (4, "doubling", "float32"), (8, "doubling", "float32"), (4, "direct", "bfloat16"),
     (3, "rsag", "float32"), (4, "rsag", "float32"), (8, "rsag", "float32"),
+    (8, "rsag", "bfloat16"),  # the bf16 wire: rounded partials and chunk sums, the same bits everywhere
 ])
 def test_all_reduce_interpret(n, schedule, dtype):
     r = _run_worker(n, schedule, dtype)
@@ -185,10 +188,14 @@ def test_geometry():
     assert AllReduceGeometry.for_chip("7x", 32, 1, 4096).schedule == "rsag"  # 31 x 16 KiB
     assert 7 * 20 * 1024 <= DIRECT_ALL_REDUCE_MAX_BYTES < 31 * 16 * 1024
     assert AllReduceGeometry.for_chip("7x", 8, 1, 5120, schedule="rsag").schedule == "rsag"
+    # a bfloat16 wire halves every push; auto still weighs the direct push's bytes
+    w = AllReduceGeometry.for_chip("7x", 32, 1, 4096, dtype="bfloat16", schedule="rsag")
+    assert w.send_bytes == AllReduceGeometry.for_chip("7x", 32, 1, 4096).send_bytes // 2
+    assert AllReduceGeometry.for_chip("7x", 32, 1, 4096, dtype="bfloat16").schedule == "rsag"  # weighed at f32
     with pytest.raises(PlanError, match="'all_reduce' = direct: v5e routes remote DMAs only to power-of-two"):
         AllReduceGeometry.for_chip("v5e", 4, 8, 128, schedule="direct")
     for bad in (dict(rows=0), dict(width=100), dict(devices=0), dict(dtype="int8"),
-                dict(schedule="ring"), dict(devices=6, schedule="doubling"), dict(schedule="rsag", dtype="bfloat16")):
+                dict(schedule="ring"), dict(devices=6, schedule="doubling")):
         kw = dict(devices=4, rows=8, width=128, dtype="float32", schedule="direct")
         kw.update(bad)
         with pytest.raises(PlanError):
@@ -203,6 +210,7 @@ COMPILES = [  # (target, devices, schedule, slot dtype): every schedule where th
     ("tpu7x", 8, "doubling", "float32"),  # not for_chip's pick on TPU7x; compiles as well
     ("tpu7x", 8, "direct", "float32"),  # likewise
     ("tpu7x", 8, "direct", "bfloat16"),
+    ("tpu7x", 8, "rsag", "bfloat16"),
     ("v6e", 4, "rsag", "float32"),
     ("v5p", 4, "rsag", "float32"),
     ("v5e", 4, "doubling", "float32"),

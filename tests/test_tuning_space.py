@@ -96,7 +96,8 @@ def test_fixed_trial_of_the_defaults_gives_the_default_config(default_space):
     # Many devices: the computed knob's default is the split its auto makes (the same plan).
     many = default_space.for_build(MOE_4DEV)
     values = many.default_values()
-    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2, "all_reduce": "direct"}
+    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2, "all_reduce": "direct",
+                      "all_reduce_wire": "float32"}
     tuning = many.tuning_for(many.suggest(optuna.trial.FixedTrial(values)))
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).sharding == make_plan(MOE_4DEV).sharding
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).all_reduce == make_plan(MOE_4DEV).all_reduce

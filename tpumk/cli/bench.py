@@ -153,6 +153,81 @@ def print_bench_devices(r: dict) -> None:
                    f"published ({c['ratio']:.2f}x)")
 
 
+# The published batch curve this one is compared with: Kimi K2 on 16 TPU7x chips without
+# speculation, 249 / 392 / 515 / 865 tok/s at batch 1 / 2 / 4 / 8 (measured on chips; the seeds).
+PUBLISHED_CURVE = {"what": "Kimi K2 on 16 TPU7x chips, no speculation (published, measured on chips)",
+                   "tokens_per_second": {1: 249, 2: 392, 4: 515, 8: 865}}
+
+
+def parse_batches(text: str) -> list[int]:
+    """`--batch-curve 1,2,4,8`: distinct positive integers, in the order given."""
+    from tpumk.errors import ConfigError
+
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or any(b < 1 for b in out) or len(set(out)) != len(out):
+        raise ConfigError(f"--batch-curve {text!r}: expected distinct positive batch sizes separated by commas "
+                          "(e.g. 1,2,4,8,16,32)")
+    return out
+
+
+def curve_row(r: dict) -> dict:
+    """One batch of the curve: the figures a person compares across batches."""
+    tps, mk, x = r["tokens_per_second"], r["megakernel"], r["xla"]
+    row = {"batch": r["batch"], "step_seconds": {"megakernel": mk["step_seconds"], "xla": x["step_seconds"]},
+           "aggregate": {"megakernel": tps["megakernel"]["aggregate"], "xla": tps["xla"]["aggregate"]},
+           "per_sequence": {"megakernel": tps["megakernel"]["per_sequence"], "xla": tps["xla"]["per_sequence"]},
+           "floor_fraction": {"megakernel": mk["floor_fraction"], "xla": x["floor_fraction"]},
+           "xla_over_megakernel": r["speedup"], "hbm_bytes": mk["hbm_bytes"],
+           "step_source": "measured on device" if mk.get("measured") else "tpumk model"}
+    if r.get("serving"):
+        sv = r["serving"]
+        row["step_seconds"]["serving"] = sv["step_seconds"]
+        row["aggregate"]["serving"] = tps["serving"]["aggregate"]
+        row["per_sequence"]["serving"] = tps["serving"]["per_sequence"]
+        row["floor_fraction"]["serving"] = sv["floor_fraction"]
+    return row
+
+
+def curve_summary(rows: list[dict]) -> dict:
+    """The megakernel's aggregate rate at each batch over batch 1's, beside the published curve's."""
+    by = {r["batch"]: r["aggregate"]["megakernel"] for r in rows}
+    pub = PUBLISHED_CURVE["tokens_per_second"]
+    if 1 not in by:
+        return {}
+    return {"aggregate_over_batch_1": {b: by[b] / by[1] for b in sorted(by)},
+            "published_over_batch_1": {b: pub[b] / pub[1] for b in sorted(pub) if b in by},
+            "published": PUBLISHED_CURVE["what"]}
+
+
+def print_curve(rows: list[dict], head: str) -> None:
+    serving = all("serving" in r["aggregate"] for r in rows)
+    summary = curve_summary(rows)
+    ratio = summary.get("aggregate_over_batch_1", {})
+    pub = summary.get("published_over_batch_1", {})
+    table = []
+    for r in rows:
+        a, q, f, st = r["aggregate"], r["per_sequence"], r["floor_fraction"], r["step_seconds"]
+        line = [r["batch"], _ms(st["megakernel"]), _ms(st["xla"]), f"{a['megakernel']:,.0f}", f"{a['xla']:,.0f}"]
+        if serving:
+            line.append(f"{a['serving']:,.0f}")
+        line += [f"{q['megakernel']:,.0f}", f"{f['megakernel']:.2f} / {f['xla']:.2f}", f"{r['xla_over_megakernel']:.2f}x",
+                 f"{ratio[r['batch']]:.2f}x" if r["batch"] in ratio else "", f"{pub[r['batch']]:.2f}x" if r["batch"] in pub
+                 else ""]
+        table.append(line)
+    headers = ["batch", "step mk", "step XLA", "tok/s aggregate mk", "XLA"] + (["serving"] if serving else []) + \
+        ["tok/s per seq mk", "floor fraction mk / XLA", "XLA / mk", "aggregate / batch 1", "published / batch 1"]
+    echo(head)
+    echo(tabulate(table, headers=headers, tablefmt="simple"))
+    sources = sorted({r["step_source"] for r in rows})
+    echo(f"step times: {', '.join(sources)} for every column" + ("" if sources != ["tpumk model"] else
+         " (tpumk's timeline model of each compiled program, NOT measurements)"))
+    if pub:
+        echo(f"published / batch 1: {summary['published']}")
+
+
 @click.command()
 @spec_options()
 @click.option("--runs", default=10, show_default=True, help="Timed runs per step when a TPU is attached (median).")
@@ -161,9 +236,13 @@ def print_bench_devices(r: dict) -> None:
               help="Also model the speculative verify step with this q_len (K drafts + 1); 0: off.")
 @click.option("--serving/--no-serving", default=True, show_default=True,
               help="Also build the serving-stack step (XLA + jax's ragged paged attention kernel), one device only.")
+@click.option("--batch-curve", "batch_curve", metavar="B1,B2,...", default=None,
+              help="Bench each of these batch sizes (instead of --batch) and print the batch curve: step, tok/s "
+                   "aggregate and per sequence, floor fraction, beside XLA and the serving stack, and the aggregate "
+                   "over batch 1's beside the published TPU7x curve.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def bench(spec, runs, warmup, verify_q, serving, as_json):
+def bench(spec, runs, warmup, verify_q, serving, batch_curve, as_json):
     """The megakernel decode step side by side with the same step compiled by XLA, and with the
     serving-stack step (XLA plus jax's ragged paged attention Pallas kernel).
 
@@ -176,6 +255,28 @@ def bench(spec, runs, warmup, verify_q, serving, as_json):
         raise ConfigError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
     if verify_q < 0 or verify_q == 1:
         raise ConfigError(f"--verify-q: expected 0 (off) or at least 2 tokens per sequence, got {verify_q}")
+    if batch_curve is not None:
+        from tpumk.cli.progress import Phases
+        from tpumk.plan.plan import make_plan
+
+        specs = [spec.replace(batch=b) for b in parse_batches(batch_curve)]
+        for s_ in specs:  # every batch's shape and plan checked before the first compile
+            s_.validate()
+            make_plan(s_)
+        phases, rows = Phases("tpumk bench"), []
+        for s_ in specs:
+            phases(f"batch {s_.batch} (megakernel, XLA{', serving' if serving and spec.devices == 1 else ''})")
+            rows.append(curve_row(run_bench(s_, warmup=warmup, runs=runs, verify_q=0, serving=serving)))
+        phases.done()
+        on = f"{spec.devices} x {spec.target.name}" if spec.devices > 1 else spec.target.name
+        if as_json:
+            emit_json({"model": spec.model.name, "target": spec.target.name, "devices": spec.devices,
+                       "context": spec.context, "q_len": spec.q_len, "quant": spec.quant, "curve": rows,
+                       **curve_summary(rows)})
+        else:
+            print_curve(rows, f"batch curve: {spec.model.name} on {on}, context {spec.context}, "
+                              f"{spec.model.dtype}" + (f", {spec.quant} weights" if spec.quant != "none" else ""))
+        return
     r = run_bench(spec, warmup=warmup, runs=runs, verify_q=verify_q, serving=serving)
     if as_json:
         emit_json(r)

@@ -30,6 +30,11 @@ same ordered local sum, so they give identical bits and move identical bytes, (N
   2 (N-1) chunks, 2 (N-1) / N of a slot, instead of N-1 slots. Its buffers are per (parity,
   round), so the parity argument below holds round by round.
 
+Wire dtype (`AllReduceGeometry.dtype`): float32, or bfloat16 for half the bytes. Every sum is
+still float32 in the order 0..N-1; what is rounded is what travels: each partial (every
+schedule), and with rsag each summed chunk before the all-gather, the device that summed it
+keeping the rounded copy as well, so every device holds the same bits.
+
 Buffers and semaphores (`AllReduceGeometry.scratch()`): slots [2, N, rows, width] (parity of the
 collective counter, source device), recv_sems / send_sems [2, stages] DMA semaphores (a DMA
 semaphore counts bytes, so one semaphore per (parity, round) takes the N-1 equal-sized arrivals

@@ -830,7 +830,9 @@ class AllReduceGeometry:
         eight: Mosaic tiles a slot of fewer rows more finely and accepts the DMA; compiled for
         TPU7x / v6e / v5e / v5p in tests/test_multidevice.py), width a multiple of 128 lanes.
     dtype: what travels and is stored in the receive slots: "float32" (exact partial sums) or
-        "bfloat16" (half the bytes; each slot is rounded to bf16 before the f32 sum).
+        "bfloat16" (half the bytes; each slot is rounded to bf16 before the f32 sum, and with
+        rsag each summed chunk again before the all-gather, its owner using the rounded copy
+        too: every device still holds the same bits).
     schedule: "direct" (every device pushes its partial to every peer: one round, peers at
         every offset 1..N-1) or "doubling" (recursive-doubling all-gather with XOR partners: log2 N
         rounds, every offset a power of two, as TPU v5e's routing needs; N a power of two).
@@ -862,10 +864,13 @@ class AllReduceGeometry:
         else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent)."""
         pow2_only = chip == "v5e" and devices > 2
         if schedule == "auto":
-            direct_bytes = (devices - 1) * rows * width * DTYPE_BYTES.get(dtype, 4)
+            # Weighed at float32 whatever the wire: a bfloat16 wire halves both schedules' bytes,
+            # and counting it here would turn 32 devices back to the 31-push direct round
+            # (qwen3-235b-a22b on 32 TPU7x: 1.54 ms of collectives per step against rsag's 0.92
+            # by tpumk's timeline model).
+            direct_bytes = (devices - 1) * rows * width * 4
             schedule = ("doubling" if pow2_only else
-                        "direct" if devices <= 2 or direct_bytes <= DIRECT_ALL_REDUCE_MAX_BYTES or dtype != "float32"
-                        else "rsag")
+                        "direct" if devices <= 2 or direct_bytes <= DIRECT_ALL_REDUCE_MAX_BYTES else "rsag")
         elif pow2_only and schedule != "doubling":
             raise PlanError(f"tuning: 'all_reduce' = {schedule}: {chip} routes remote DMAs only to power-of-two "
                             f"device offsets; {devices} devices need 'doubling' (or auto)")
@@ -885,9 +890,6 @@ class AllReduceGeometry:
         need(self.schedule in ALL_REDUCE_SCHEDULES,
              f"schedule = {self.schedule!r}: expected one of {', '.join(ALL_REDUCE_SCHEDULES)}")
         need(self.width % LANE == 0, f"width = {self.width}: expected a multiple of {LANE} (lane tile)")
-        # rsag would round each summed chunk to the slot dtype again before the all-gather.
-        need(self.schedule != "rsag" or self.dtype == "float32",
-             f"schedule = rsag with dtype = {self.dtype}: expected float32 slots")
         if self.schedule == "doubling":
             need(self.devices & (self.devices - 1) == 0,
                  f"devices = {self.devices}: recursive doubling needs a power of two")

@@ -23,6 +23,7 @@ MIB = 1 << 20
 # Weight-matrix families streamed through the ring. Each has a tile shape knob pair
 # `<family>_tile_rows` / `<family>_tile_cols`; 0 means "auto" (see tpumk.plan.plan).
 ALL_REDUCE_CHOICES = ("auto", "direct", "rsag", "doubling")  # tpumk.plan.geometry.ALL_REDUCE_SCHEDULES + auto
+ALL_REDUCE_WIRES = ("float32", "bfloat16")  # AllReduceGeometry.dtype
 FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
 
@@ -65,6 +66,10 @@ class TuningConfig:
     # partial to every peer), "rsag" (reduce-scatter + all-gather: two rounds, 2 / N of the
     # bytes), "doubling" (log2 N rounds, power-of-two offsets: what v5e routes) or "auto".
     all_reduce: str = "auto"
+    # Devices > 1: what the all-reduce's pushes carry: "float32" (exact partial sums) or
+    # "bfloat16" (half the bytes; every partial, and for rsag every summed chunk, rounded to
+    # bfloat16, the sums still float32 in a fixed order: the same bits on every device).
+    all_reduce_wire: str = "float32"
     # ---- VMEM budget
     vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
 
@@ -99,6 +104,8 @@ class TuningConfig:
             raise bad("expert_slots", "0 (auto) or at least 1")
         if self.all_reduce not in ALL_REDUCE_CHOICES:
             raise bad("all_reduce", f"one of {', '.join(ALL_REDUCE_CHOICES)}")
+        if self.all_reduce_wire not in ALL_REDUCE_WIRES:
+            raise bad("all_reduce_wire", f"one of {', '.join(ALL_REDUCE_WIRES)}")
         if self.expert_parallel < 0:
             raise bad("expert_parallel", "0 (auto) or a positive number of expert groups")
         if self.expert_chunk < 0 or self.expert_chunk % 128:

@@ -629,10 +629,10 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     attention.validate()
     all_reduce = None
     if sharding.devices > 1:
-        # f32 partial sums (exact), one row per token row: padding to the 8-row tile would
-        # send 8x the bytes at batch 1.
+        # One row per token row (padding to the 8-row tile would send 8x the bytes at batch 1);
+        # f32 partial sums (exact) unless the tuning puts bfloat16 on the wire.
         all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows, cfg.hidden_size,
-                                                schedule=tuning.all_reduce)
+                                                dtype=tuning.all_reduce_wire, schedule=tuning.all_reduce)
 
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
 

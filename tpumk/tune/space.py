@@ -228,6 +228,12 @@ def _all_reduce_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     return choices, auto
 
 
+def _all_reduce_wire_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
+    if spec.devices <= 1:  # no all-reduce
+        return [], None
+    return ["float32", "bfloat16"], "float32"
+
+
 COMPUTED: dict[str, ComputedChoices] = {
     "all_reduce_choices": ComputedChoices(
         "all_reduce",
@@ -239,6 +245,11 @@ COMPUTED: dict[str, ComputedChoices] = {
         "expert groups that split a MoE model's experts over the build's devices "
         "(tpumk.plan.sharding.expert_parallel_choices); none on one device or for a dense model",
         _expert_parallel_choices),
+    "all_reduce_wire_choices": ComputedChoices(
+        "all_reduce_wire",
+        "what the in-kernel all-reduce carries on many devices: float32 partial sums (exact) or bfloat16 "
+        "(half the bytes, sums still float32 in a fixed order); none on one device",
+        _all_reduce_wire_choices),
 }
 
 
