@@ -107,6 +107,23 @@ def test_moe_bench_through_the_cli(moe):
     assert moe["xla_sharding"]["expert_parallel"] is False and "mixes 2 expert groups" in moe["xla_sharding"]["why"]
 
 
+def test_quantized_mla_bench_on_two_devices_prints_its_table(tmp_path):
+    """An MLA model with quantized weights on 2 devices, through the CLI's table: XLA's SPMD step
+    shards the absorbed w_uk / w_uv by head, and the table says how MLA splits (heads; q_a, kv_a
+    and the latent cache replicated). Before: a KeyError ('w_uk') building the XLA step, then
+    one ('q_heads_per_device') printing the table."""
+    import tomli_w
+
+    cfg = load_preset("tiny-mla").replace(name="mla-4h", num_q_heads=4, num_kv_heads=4, expert_ffn_size=256)
+    path = tmp_path / "mla-4h.toml"
+    path.write_bytes(tomli_w.dumps(cfg.to_dict()).encode())
+    res = CliRunner().invoke(main, ["bench", "--model", str(path), "--target", "tpu7x", "--devices", "2",
+                                    "--quant", "int8"])
+    assert res.exit_code == 0, res.output
+    assert "megakernel sharding: 2 heads per device, q_a, q_a_norm, kv_a, kv_a_norm and the latent cache" in res.stdout
+    assert re.search(r"XLA SPMD step / megakernel step: [\d.]+x", res.stdout)
+
+
 def test_xla_column_is_the_xla_spmd_program(dense):
     """The XLA column's collectives are those of compile_xla_spmd's program for the same shapes."""
     prog = compile_xla_spmd(load_preset("tiny-dense").replace(dtype="bfloat16"), 1, 4096, 1, TPU7X, 4)

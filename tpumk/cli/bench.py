@@ -127,8 +127,12 @@ def print_bench_devices(r: dict) -> None:
                "a yardstick, not a bound (the model lets the weight ring load during the waits)")
     echo(f"compiler profile column: {est['source']}")
     s = r["sharding"]
-    parts = [f"{s['attention']['q_heads_per_device']} query / {s['attention']['kv_heads_per_device']} KV heads per device"
-             f" (KV replicated {s['attention']['kv_replicas']}x)"]
+    a = s["attention"]
+    if "heads_per_device" in a:  # MLA: heads split, the latent cache on every device
+        parts = [f"{a['heads_per_device']} heads per device, {', '.join(a['replicated'])} and the latent cache replicated"]
+    else:
+        parts = [f"{a['q_heads_per_device']} query / {a['kv_heads_per_device']} KV heads per device"
+                 f" (KV replicated {a['kv_replicas']}x)"]
     if "experts" in s:
         e = s["experts"]
         parts.append(f"experts {e['mode']} ({e['expert_parallel']} groups x {e['expert_tensor']}-way width)")
@@ -236,13 +240,15 @@ def print_curve(rows: list[dict], head: str) -> None:
               help="Also model the speculative verify step with this q_len (K drafts + 1); 0: off.")
 @click.option("--serving/--no-serving", default=True, show_default=True,
               help="Also build the serving-stack step (XLA + jax's ragged paged attention kernel), one device only.")
+@click.option("--compiler-estimate/--no-compiler-estimate", default=True, show_default=True,
+              help="With --devices N: also run the megakernel's profiling compile for the compiler's column.")
 @click.option("--batch-curve", "batch_curve", metavar="B1,B2,...", default=None,
               help="Bench each of these batch sizes (instead of --batch) and print the batch curve: step, tok/s "
                    "aggregate and per sequence, floor fraction, beside XLA and the serving stack, and the aggregate "
                    "over batch 1's beside the published TPU7x curve.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def bench(spec, runs, warmup, verify_q, serving, batch_curve, as_json):
+def bench(spec, runs, warmup, verify_q, serving, compiler_estimate, batch_curve, as_json):
     """The megakernel decode step side by side with the same step compiled by XLA, and with the
     serving-stack step (XLA plus jax's ragged paged attention Pallas kernel).
 
@@ -266,7 +272,8 @@ def bench(spec, runs, warmup, verify_q, serving, batch_curve, as_json):
         phases, rows = Phases("tpumk bench"), []
         for s_ in specs:
             phases(f"batch {s_.batch} (megakernel, XLA{', serving' if serving and spec.devices == 1 else ''})")
-            rows.append(curve_row(run_bench(s_, warmup=warmup, runs=runs, verify_q=0, serving=serving)))
+            rows.append(curve_row(run_bench(s_, warmup=warmup, runs=runs, verify_q=0, serving=serving,
+                                            compiler_estimate=compiler_estimate)))
         phases.done()
         on = f"{spec.devices} x {spec.target.name}" if spec.devices > 1 else spec.target.name
         if as_json:
@@ -277,7 +284,8 @@ def bench(spec, runs, warmup, verify_q, serving, batch_curve, as_json):
             print_curve(rows, f"batch curve: {spec.model.name} on {on}, context {spec.context}, "
                               f"{spec.model.dtype}" + (f", {spec.quant} weights" if spec.quant != "none" else ""))
         return
-    r = run_bench(spec, warmup=warmup, runs=runs, verify_q=verify_q, serving=serving)
+    r = run_bench(spec, warmup=warmup, runs=runs, verify_q=verify_q, serving=serving,
+                  compiler_estimate=compiler_estimate)
     if as_json:
         emit_json(r)
     else:

@@ -153,8 +153,10 @@ def _mla_layout(cfg: ModelConfig, n: int, expert_parallel: bool) -> SpmdLayout:
         return REPLICATED
 
     heads = P(None, AXIS) if n > 1 else REPLICATED
-    roles = {"wq_b": heads, "wq": heads, "wkv_b": heads, "wo": P(AXIS, None) if n > 1 else REPLICATED,
-             **_ffn_roles(cfg, n, expert_parallel, AXIS, split)}
+    # Quantized, wkv_b is stored absorbed as w_uk [Hq, N, C] and w_uv [Hq, C, V]: split by head.
+    per_head = P(AXIS, None, None) if n > 1 else REPLICATED
+    roles = {"wq_b": heads, "wq": heads, "wkv_b": heads, "w_uk": per_head, "w_uv": per_head,
+             "wo": P(AXIS, None) if n > 1 else REPLICATED, **_ffn_roles(cfg, n, expert_parallel, AXIS, split)}
     if n > 1:
         notes.append("MLA: wq_a, wkv_a and the latent cache replicated (every head reads the whole latent)")
     return _layout(cfg, n, expert_parallel, n, roles, REPLICATED, notes)
@@ -187,7 +189,9 @@ def _layout(cfg: ModelConfig, n: int, expert_parallel: bool, kvs: int, roles: di
             notes: list[str]) -> SpmdLayout:
     params, _, _, _, _, _ = xla_step_specs(cfg, 1, 1, 1)
     tree = {k: roles.get(k, REPLICATED) for k in params if k != "layers"}
-    tree["layers"] = [{k: roles.get(k, REPLICATED) for k in lay} for lay in params["layers"]]
+    # (the float layout's keys, plus the quantized MLA layer's absorbed w_uk / w_uv)
+    extra = ("w_uk", "w_uv") if cfg.is_mla else ()
+    tree["layers"] = [{k: roles.get(k, REPLICATED) for k in (*lay, *extra)} for lay in params["layers"]]
     return SpmdLayout(n, expert_parallel, kvs, tree, cache, tuple(dict.fromkeys(notes)))
 
 
