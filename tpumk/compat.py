@@ -1,6 +1,6 @@
 """Every private JAX / Optuna API tpumk relies on, in one place.
 
-tpumk pins jax 0.10.2 and supports optuna >= 4; these names are not public API and may move in
+tpumk pins jax 0.10.2 (and runs its kernels on jax 0.11.2, the vLLM TPU stack's) and supports optuna >= 4; these names are not public API and may move in
 another release. Each accessor says what it is for, and fails (or answers "unknown") the same
 way whatever moved, so a version bump means reading this file, not the whole package.
 """
@@ -8,6 +8,22 @@ way whatever moved, so a version bump means reading this file, not the whole pac
 from __future__ import annotations
 
 from typing import Any
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor, patch), read without importing it."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:3] if p.isdigit())
+
+
+def known_cpu_compile_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` less those this jaxlib's XLA:CPU does not know (an unknown one fails the whole
+    compile: "INVALID_ARGUMENT: No such compile option"). jaxlib 0.11 has no
+    `xla_cpu_use_fusion_emitters` (jax 0.11.2, the vLLM TPU stack's pin; checked 2026-12-04)."""
+    if jaxlib_version() >= (0, 11):
+        return {k: v for k, v in options.items() if k != "xla_cpu_use_fusion_emitters"}
+    return dict(options)
 
 
 def tpu_chips_on_pci() -> tuple[int, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tpumk.compat import known_cpu_compile_options
 from tpumk.errors import TargetError, did_you_mean
 
 
@@ -100,8 +101,9 @@ class Target:
 # time dominates: LLVM's optimisations and XLA:CPU's newer fusion emitters cost more to compile
 # than they save in running. Measured here (tiny-moe, batch 4, 2-core host under load): lower +
 # compile 22-25 s -> 16-17 s, a step no slower (3 steps 7.4-10.3 s -> 7.1-8.6 s).
-INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                              "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+INTERPRET_COMPILER_OPTIONS = known_cpu_compile_options(
+    {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+     "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1})
 
 
 @functools.lru_cache(maxsize=None)
