@@ -38,6 +38,8 @@ def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate(cap
     assert REQUIRED_KEYS <= set(r)
     assert (r["model"], r["target"], r["batch"]) == ("small-moe", "tpu7x", 1)
     assert r["custom_calls"] == 1
+    from importlib.metadata import version  # the JAX stack the build used (docs/install.md)
+    assert {k: r["versions"][k] for k in ("jax", "jaxlib", "libtpu")} == {k: version(k) for k in ("jax", "jaxlib", "libtpu")}
     assert 0 < r["vmem_bytes"] <= r["vmem_budget_bytes"] <= r["vmem_capacity_bytes"] == 64 * 2**20
     assert r["floor_seconds"] == pytest.approx(r["hbm_bytes_per_step"] / 3.7e12, rel=0.01)
     # the default model is bfloat16, so a build with no arguments gets the whole-step estimate

@@ -64,3 +64,40 @@ def test_interpreted_kernel_gives_the_same_bits_either_way(monkeypatch):
     slow = np.asarray(jax.jit(run(pltpu.InterpretParams()))(x))
     np.testing.assert_array_equal(fast, slow)
     np.testing.assert_allclose(fast, np.asarray(jnp.tanh(x) * 3.0 + x.sum()), rtol=1e-5, atol=1e-4)  # 1,024-term f32 sum
+
+
+# ---------------------------------------------------------------------- the two supported JAX stacks
+def _pins(path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[name.strip()] = version.strip()
+    return out
+
+
+def test_the_installed_jax_stack_is_one_of_the_constraint_files():
+    """tpumk runs on the sets constraints/*.txt pin (the default, and vLLM TPU's), not a mix."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    sets = {p.name: _pins(p) for p in sorted((Path(__file__).parents[1] / "constraints").glob("*.txt"))}
+    assert set(sets) == {"default.txt", "vllm-tpu.txt"}
+    installed = {name: version(name) for name in ("jax", "jaxlib", "libtpu")}
+    assert installed in sets.values(), (installed, sets)
+
+
+def test_stack_dependent_answers_follow_the_installed_versions():
+    from tpumk.compat import jaxlib_version, known_cpu_compile_options, libtpu_profiles_dma_kernels
+    from tpumk.targets import INTERPRET_COMPILER_OPTIONS, get_target, mesh_devices
+
+    opts = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+    kept = known_cpu_compile_options(opts)
+    assert ("xla_cpu_use_fusion_emitters" in kept) == (jaxlib_version() < (0, 11))
+    assert set(INTERPRET_COMPILER_OPTIONS) <= set(opts) | {"xla_llvm_disable_expensive_passes",
+                                                            "xla_cpu_parallel_codegen_split_count"}
+    # the compiler estimate's profiler: what the targets say follows the libtpu installed
+    assert get_target("tpu7x").static_profile == get_target("v6e").static_profile == libtpu_profiles_dma_kernels()
+    # one TPU7x chip's two TensorCores as a deviceless topology, on either libtpu
+    assert len(mesh_devices(get_target("tpu7x"), 2)) == 2

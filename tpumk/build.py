@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from tpumk.compile.aot import Compiled, compile_plan
+from tpumk.compile.keys import stack_versions
 from tpumk.estimate.compiler import convert_estimate
 from tpumk.estimate.profiler import Estimate, estimate_in_subprocess
 from tpumk.plan.plan import Plan, make_plan
@@ -73,6 +74,8 @@ class BuildReport:
     model_floor_fraction: float | None = None
     model_collectives_seconds: float = 0.0
     model_source: str = ""
+    # tpumk, jax, jaxlib and libtpu as installed (docs/install.md: two supported sets)
+    versions: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,4 +200,5 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
         vmem_capacity_bytes=target.vmem_bytes, hbm_bytes_per_step=plan.hbm_bytes, floor_seconds=floor,
         estimated_cycles=est_cycles, estimated_seconds=est_seconds, estimate_source=source,
         compiler_cycles=compiler_cycles, nested_loop_cycles=nested_cycles,
-        floor_fraction=fraction, tuning=plan.tuning.to_dict(), plan=plan.summary(), notes=notes)
+        floor_fraction=fraction, tuning=plan.tuning.to_dict(), plan=plan.summary(), notes=notes,
+        versions=stack_versions())

@@ -26,6 +26,37 @@ def known_cpu_compile_options(options: dict[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
+def libtpu_profiles_dma_kernels() -> bool:
+    """Does this libtpu's static LLO profile (the compiler estimate) work on kernels with manual
+    DMAs? 0.0.52 does on TPU7x and v6e; 0.0.48 (the vLLM TPU stack's) aborts on them ("Static LLO
+    profiling of tpu_custom_call.1 failed: Unsupported DMA direction: 0 on GFC", the attention
+    stage on TPU7x, checked 2026-12-04)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        parts = tuple(int(p) for p in version("libtpu").split(".")[:3] if p.isdigit())
+    except PackageNotFoundError:
+        return False
+    return parts >= (0, 0, 52)
+
+
+def deviceless_topology_devices(topology: str):
+    """The devices of a deviceless TPU topology ("tpu7x:2x2x1"). libtpu 0.0.48 (the vLLM TPU
+    stack's) refuses a topology smaller than its default host bounds ("tpu7x:1x1x1 is not
+    divisible by the given (or default) chips_per_host_bounds 2x2x1"); it is then asked again with
+    the topology's own bounds as one host's. libtpu 0.0.52 takes the name alone."""
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    except Exception as e:  # noqa: BLE001 - libtpu's errors are plain RuntimeErrors / XlaRuntimeErrors
+        if "chips_per_host_bounds" not in str(e):
+            raise
+        dims = [int(d) for d in topology.split(":", 1)[1].split("x")]
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu",
+                                            chips_per_host_bounds=dims).devices
+
+
 def tpu_chips_on_pci() -> tuple[int, Any]:
     """(number of TPU chips on this host's PCI bus, their jax ChipVersion-like id or None), read
     without initialising a JAX backend. (0, None) when jax cannot tell."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tpumk.compat import known_cpu_compile_options
+from tpumk.compat import deviceless_topology_devices, known_cpu_compile_options, libtpu_profiles_dma_kernels
 from tpumk.errors import TargetError, did_you_mean
 
 
@@ -108,10 +108,8 @@ INTERPRET_COMPILER_OPTIONS = known_cpu_compile_options(
 
 @functools.lru_cache(maxsize=None)
 def _deviceless_devices(topology: str):
-    from jax.experimental import topologies
-
     try:
-        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+        return deviceless_topology_devices(topology)
     except Exception as e:  # libtpu missing or topology unknown: say which
         raise TargetError(f"cannot create deviceless topology '{topology}': {str(e).splitlines()[0]}") from None
 
@@ -120,8 +118,8 @@ TARGETS: dict[str, Target] = {
     # v5e's static profile crashes inside libtpu 0.0.52 on kernels with DMAs (TPU_FACTS 3).
     "v5e": Target("v5e", "v5e", "v5e:2x2", "TPU v5 lite", static_profile=False),
     "v5p": Target("v5p", "v5p", "v5p:2x2x1", "TPU v5", static_profile=False),
-    "v6e": Target("v6e", "v6e", "v6e:2x2", "TPU v6 lite", static_profile=True),
-    "tpu7x": Target("tpu7x", "7x", "tpu7x:2x2x1", "TPU7x", static_profile=True),
+    "v6e": Target("v6e", "v6e", "v6e:2x2", "TPU v6 lite", static_profile=libtpu_profiles_dma_kernels()),
+    "tpu7x": Target("tpu7x", "7x", "tpu7x:2x2x1", "TPU7x", static_profile=libtpu_profiles_dma_kernels()),
     "cpu": Target("cpu", "7x", None, None, static_profile=False, interpret=True),
 }
 

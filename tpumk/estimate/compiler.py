@@ -50,6 +50,12 @@ def convert_estimate(plan: Plan, est: Estimate | None, not_requested: str = "") 
     est_cycles = est_seconds = compiler_cycles = nested_cycles = None
     if target.interpret:
         source = "none: the cpu target runs the kernel in interpret mode (no TPU cost model)"
+    elif not target.static_profile and target.name in ("tpu7x", "v6e"):  # the vLLM TPU set's libtpu
+        from tpumk.compile.keys import stack_versions
+
+        source = (f"none: this libtpu's static profiler aborts on kernels with DMAs (libtpu "
+                  f"{stack_versions()['libtpu']}); the default JAX set (constraints/default.txt, libtpu 0.0.52) "
+                  "gives the estimate")
     elif not target.static_profile:
         source = (f"none: the TPU compiler's cost estimator does not work for {target.name} kernels "
                   "(libtpu's static profiler crashes on them); build for tpu7x or v6e to get an estimate")
