@@ -197,6 +197,33 @@ def test_version_mismatch(cpu_artifact, tmp_path, monkeypatch):
         A.load(d)
 
 
+def test_a_newer_jax_loads_the_exported_program_not_the_executable(cpu_artifact, tmp_path, monkeypatch):
+    """The manifest's [loads]: the executable only under the same jax / jaxlib / libtpu, the
+    jax.export program under the same jax or a newer one (jax.export's backward compatibility;
+    an artifact of jax 0.10.2 ran under 0.11.2, docs/install.md). A newer stack here (jax and
+    jaxlib 0.99) loads and runs the exported program; use='executable' is refused in one line
+    that names use='exported'. An edited [loads] is refused as altered."""
+    from artifact_helpers import edit_manifest
+
+    from tpumk.export.checks import loads_of
+
+    d = _copy(cpu_artifact, tmp_path)
+    m = A.read_manifest(d)
+    assert m["loads"] == loads_of(m["versions"]) and "or newer" in m["loads"]["exported"]
+    have = A.stack_versions()
+    monkeypatch.setattr(A, "stack_versions", lambda: {**have, "jax": "0.99.0", "jaxlib": "0.99.0"})
+    step = A.load(d)  # a cpu artifact: "auto" takes the exported program
+    assert step.kind.startswith("exported")
+    with pytest.raises(ArtifactError, match=r"built with jax .*, this environment has jax 0.99.0: its "
+                                            r"executable loads only under the same jax, jaxlib and libtpu; "
+                                            r"use='exported' loads its jax.export program"):
+        A.load(d, use="executable")
+    monkeypatch.undo()
+    edit_manifest(d, lambda m: m["loads"].update(exported="any jax"))
+    with pytest.raises(ArtifactError, match="loads"):
+        A.load(d)
+
+
 def test_not_an_artifact_dir(tmp_path):
     with pytest.raises(ArtifactError, match="not an artifact directory"):
         A.load(tmp_path)

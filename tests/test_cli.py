@@ -216,7 +216,7 @@ def test_cache_key_out_must_be_a_directory(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------- inspect: the error is on stderr too
 # every table a manifest must have (tpumk.export.artifacts._parse_manifest), of the types a display needs
-GOOD_TYPES = ('format = 4\nkey = "k"\nreport_json = "{}"\n[model]\nname = "m"\n[target]\nname = "cpu"\n'
+GOOD_TYPES = ('format = 5\nkey = "k"\nreport_json = "{}"\n[model]\nname = "m"\n[target]\nname = "cpu"\n'
               '[shapes]\nbatch = 1\ncontext = 16\nq_len = 1\npage_size = 16\n[tuning]\nwhen = 1979-05-27\n'
               '[versions]\n[files]\n[report]\ncompile_seconds = "fast"\n[signature]\n[signing]\nsigned = false\n'
               '[cache_key]\ninputs_json = "{}"\n[mesh]\ndevices = 1\n')
@@ -232,7 +232,7 @@ GOOD_TYPES = ('format = 4\nkey = "k"\nreport_json = "{}"\n[model]\nname = "m"\n[
     ({"d/manifest.toml": 'key = 3\nfiles = "x"\nmodel = []\ntarget = 1\nshapes = "big"\n'}, "d",
      ["malformed manifest: missing 'format'"]),
     # the right format with fields of any type: reported, never raised (a 5000-digit integer in the key inputs)
-    ({"d/manifest.toml": 'format = 4\nkey = 3\nmodel = []\ntarget = 1\nshapes = "big"\ntuning = 1\nversions = 1\n'
+    ({"d/manifest.toml": 'format = 5\nkey = 3\nmodel = []\ntarget = 1\nshapes = "big"\ntuning = 1\nversions = 1\n'
                          'files = "x"\nsigning = {signed = false}\ncache_key = {inputs_json = \'{"a": '
                          + "1" * 5000 + '}\'}\n'}, "d", ["d/manifest.toml: malformed manifest"]),
     ({"d/manifest.toml": GOOD_TYPES}, "d", ["d/manifest.toml: malformed manifest: cache_key.inputs_json lacks"]),

@@ -88,7 +88,7 @@ def test_export_records_the_mesh_and_verifies(exported, model):
 
     res = exported[model]
     m = A.verify(res.path)
-    assert m["format"] == A.FORMAT == 4 and m["shapes"]["devices"] == 4
+    assert m["format"] == A.FORMAT == 5 and m["shapes"]["devices"] == 4
     plan = make_plan(_spec(model, 4))
     assert m["mesh"] == {
         "devices": 4, "topology": "tpu7x:2x2x1", "axis": "tp", "axis_size": 4,
@@ -191,7 +191,7 @@ def test_an_older_format_is_refused_with_one_line(exported, tmp_path):
     d = copy_artifact(exported["tiny-dense"], tmp_path)
     edit_manifest(d, lambda m: (m.update(format=3), m.pop("mesh")))  # what a format-3 manifest looks like
     for fn in (A.verify, A.load):
-        with pytest.raises(ArtifactError, match=r"artifact format 3, this tpumk reads format 4 \(re-export\)$"):
+        with pytest.raises(ArtifactError, match=r"artifact format 3, this tpumk reads format 5 \(re-export\)$"):
             fn(d)
     assert "artifact format 3" in A.inspect(d)["problem"]
 

@@ -70,8 +70,9 @@ from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
 
-FORMAT = 4  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig.
-# 4: [mesh] table (devices, topology, mesh axis, device order, sharding)
+FORMAT = 5  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig.
+# 4: [mesh] table (devices, topology, mesh axis, device order, sharding). 5: [loads] table (which
+# JAX stack loads which payload: tpumk.export.checks.loads_of)
 MANIFEST = "manifest.toml"
 EXECUTABLE = "executable.bin"
 EXPORTED = "exported.bin"
@@ -274,6 +275,7 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
             "mesh": checks.mesh_record(plan, compiled_devices),
             "tuning": tuning.to_dict(),
             "versions": stack_versions(),
+            "loads": checks.loads_of(stack_versions()),
             "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
             "report": {k: v for k, v in report.to_dict().items() if k != "plan"},
             "report_json": json.dumps(report.to_dict(), sort_keys=True, default=str),
@@ -379,12 +381,10 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
         _check_files(path, m)
     except MALFORMED as e:  # types or sizes no check expected: one line, never a traceback
         raise ArtifactError(_malformed(path, e)) from None
-    if check_versions:
-        have = stack_versions()
-        for dist, want in sorted(m["versions"].items()):
-            if have.get(dist) != want:
-                raise ArtifactError(f"{path}: built with {dist} {want}, this environment has {dist} "
-                                    f"{have.get(dist, 'not installed')} (re-export)")
+    if check_versions:  # the stack that may load `payload` (the manifest's [loads])
+        why = checks.why_not_loadable(path, m["versions"], stack_versions(), "executable")
+        if why:
+            raise ArtifactError(why)
     return m, trust, plan
 
 
@@ -698,8 +698,14 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
     if use not in USES:
         raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
     path = Path(path)
-    m, _, plan = _verify(path)  # the plan too: verify re-plans the key inputs to check the manifest
+    # the plan too: verify re-plans the key inputs to check the manifest; the stack is checked
+    # next, for the payload this load takes (the manifest's [loads])
+    m, _, plan = _verify(path, check_versions=False)
     target = get_target(m["target"]["name"])
+    payload = "exported" if use == "exported" or (use == "auto" and target.interpret) else "executable"
+    why = checks.why_not_loadable(path, m["versions"], stack_versions(), payload)
+    if why:
+        raise ArtifactError(why)
     devices = None
     if plan.devices > 1:  # the recorded mesh's devices, attached, in its order (or one line why not)
         devices = _attached_mesh(path, m["mesh"], target)
@@ -708,7 +714,7 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
         raise ArtifactError(f"{path}: built for {target.name} ({target.device_kind}), but this host has "
                             f"{attached}; load it where a {target.device_kind} is attached")
     on = f"{target.name} x {plan.devices}" if devices else target.name
-    if use == "exported" or (use == "auto" and target.interpret):
+    if payload == "exported":
         step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({on})", plan, devices)
         step.check_inputs = check_inputs
         return step

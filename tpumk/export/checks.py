@@ -21,7 +21,48 @@ from tpumk.compile.keys import cache_key
 from tpumk.errors import ArtifactError, TpumkError
 
 TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
-             "report", "report_json", "timings", "signature", "files", "signing", "mesh"}
+             "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads"}
+
+
+# ---------------------------------------------------------------------- which stack loads which payload
+# The serialized executable is tied to the jaxlib and libtpu that compiled it. jax.export's
+# serialization is backward compatible: a newer jax loads an older one's program (jax's promise;
+# a tiny-dense cpu artifact exported under jax 0.10.2 loaded under 0.11.2, the vLLM TPU set of
+# docs/install.md, and its step gave the reference's logits to 1.7e-6: checked 2026-12-04),
+# never the other way round. tpumk's own version is the same on both sides (its code reads the
+# manifest and packs the weights).
+def loads_of(versions: dict[str, Any]) -> dict[str, str]:
+    """The manifest's [loads] table: which JAX stack may load each payload."""
+    v = versions
+    return {"executable": f"tpumk {v.get('tpumk')} with jax {v.get('jax')}, jaxlib {v.get('jaxlib')} and libtpu "
+                          f"{v.get('libtpu')} exactly",
+            "exported": f"tpumk {v.get('tpumk')} with jax {v.get('jax')} or newer (jax.export's backward "
+                        "compatibility)"}
+
+
+def _release(v: Any) -> tuple[int, ...]:
+    return tuple(int(p) for p in str(v).split(".")[:3] if p.isdigit())
+
+
+def why_not_loadable(path: Path, built: dict[str, Any], here: dict[str, Any], payload: str) -> str | None:
+    """Why this environment (`here`, tpumk.compile.keys.stack_versions) may not load `payload`
+    ("executable" or "exported") of an artifact built with `built`, in one line; None if it may."""
+    if built.get("tpumk") != here.get("tpumk"):
+        return f"{path}: built with tpumk {built.get('tpumk')}, this environment has tpumk {here.get('tpumk')} (re-export)"
+    if payload == "exported":
+        if _release(here.get("jax")) < _release(built.get("jax")):
+            return (f"{path}: its exported program was built with jax {built.get('jax')}, this environment has jax "
+                    f"{here.get('jax')}: jax.export loads a program only under the jax that serialized it or a "
+                    "newer one (re-export)")
+        return None
+    for dist in ("jax", "jaxlib", "libtpu"):
+        if built.get(dist) != here.get(dist):
+            also = (f"; use='exported' loads its jax.export program under jax {built.get('jax')} or newer"
+                    if _release(here.get("jax")) >= _release(built.get("jax")) else "")
+            return (f"{path}: built with {dist} {built.get(dist)}, this environment has {dist} "
+                    f"{here.get(dist, 'not installed')}: its executable loads only under the same jax, jaxlib and "
+                    f"libtpu{also} (or re-export)")
+    return None
 TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
 KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
                False: "Mosaic TPU kernel (tpu_custom_call)"}
@@ -174,6 +215,7 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     c.field("shapes", m["shapes"], inputs["shapes"])
     c.field("tuning", m["tuning"], without_none(inputs["tuning"]))
     c.field("versions", m["versions"], inputs["versions"])
+    c.field("loads", m.get("loads"), loads_of(inputs["versions"]))
 
     t, ti = m["target"], inputs["target"]
     extra = sorted(set(t) - TARGET_FIELDS)
