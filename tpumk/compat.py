@@ -1,6 +1,7 @@
 """Every private JAX / Optuna API tpumk relies on, in one place.
 
-tpumk pins jax 0.10.2 (and runs its kernels on jax 0.11.2, the vLLM TPU stack's) and supports optuna >= 4; these names are not public API and may move in
+tpumk pins jax 0.10.2 (and runs its kernels on jax 0.11.2, the vLLM TPU stack's, and 0.12.0.1:
+docs/install.md) and supports optuna >= 4; these names are not public API and may move in
 another release. Each accessor says what it is for, and fails (or answers "unknown") the same
 way whatever moved, so a version bump means reading this file, not the whole package.
 """
@@ -30,7 +31,8 @@ def libtpu_profiles_dma_kernels() -> bool:
     """Does this libtpu's static LLO profile (the compiler estimate) work on kernels with manual
     DMAs? 0.0.52 does on TPU7x and v6e; 0.0.48 (the vLLM TPU stack's) aborts on them ("Static LLO
     profiling of tpu_custom_call.1 failed: Unsupported DMA direction: 0 on GFC", the attention
-    stage on TPU7x, checked 2026-12-04)."""
+    stage on TPU7x, checked 2026-12-04); 0.0.50.1 (jax 0.12's) profiled the tiny-dense build
+    but its calibration probe gave no figure, so no whole-step estimate either (same day)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -199,7 +201,11 @@ def tpu_interpreter(detect_races: bool = False):
     from jax.experimental.pallas import tpu as pltpu
 
     fast_interpret_callbacks()
-    return pltpu.InterpretParams(detect_races=detect_races)
+    # jax 0.12 raises at the first race by default (on_race="raise"); tpumk reads the detector's
+    # verdict after the run (`interpret_races`), as jax 0.10 / 0.11 report it.
+    extra = {"on_race": "warn"} if detect_races and "on_race" in getattr(
+        pltpu.InterpretParams, "__dataclass_fields__", {}) else {}
+    return pltpu.InterpretParams(detect_races=detect_races, **extra)
 
 
 def optuna_heartbeat_base():
