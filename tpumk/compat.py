@@ -11,11 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 
-def jaxlib_version() -> tuple[int, ...]:
-    """The installed jaxlib's (major, minor, patch), read without importing it."""
-    from importlib.metadata import version
+def release(version: Any) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "0.0.50.1" or "0.12.0.1"."""
+    return tuple(int(p) for p in str(version).split(".")[:3] if p.isdigit())
 
-    return tuple(int(p) for p in version("jaxlib").split(".")[:3] if p.isdigit())
+
+def installed_release(dist: str) -> tuple[int, ...] | None:
+    """The installed distribution's release, read without importing it (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return release(version(dist))
+    except PackageNotFoundError:
+        return None
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor, patch)."""
+    return installed_release("jaxlib") or ()
 
 
 def known_cpu_compile_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -33,13 +46,8 @@ def libtpu_profiles_dma_kernels() -> bool:
     profiling of tpu_custom_call.1 failed: Unsupported DMA direction: 0 on GFC", the attention
     stage on TPU7x, checked 2026-12-04); 0.0.50.1 (jax 0.12's) profiled the tiny-dense build
     but its calibration probe gave no figure, so no whole-step estimate either (same day)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        parts = tuple(int(p) for p in version("libtpu").split(".")[:3] if p.isdigit())
-    except PackageNotFoundError:
-        return False
-    return parts >= (0, 0, 52)
+    have = installed_release("libtpu")
+    return have is not None and have >= (0, 0, 52)
 
 
 def deviceless_topology_devices(topology: str):

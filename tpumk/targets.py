@@ -114,12 +114,13 @@ def _deviceless_devices(topology: str):
         raise TargetError(f"cannot create deviceless topology '{topology}': {str(e).splitlines()[0]}") from None
 
 
+_PROFILES_DMA_KERNELS = libtpu_profiles_dma_kernels()  # the installed libtpu's (tpumk.compat)
 TARGETS: dict[str, Target] = {
     # v5e's static profile crashes inside libtpu 0.0.52 on kernels with DMAs (TPU_FACTS 3).
     "v5e": Target("v5e", "v5e", "v5e:2x2", "TPU v5 lite", static_profile=False),
     "v5p": Target("v5p", "v5p", "v5p:2x2x1", "TPU v5", static_profile=False),
-    "v6e": Target("v6e", "v6e", "v6e:2x2", "TPU v6 lite", static_profile=libtpu_profiles_dma_kernels()),
-    "tpu7x": Target("tpu7x", "7x", "tpu7x:2x2x1", "TPU7x", static_profile=libtpu_profiles_dma_kernels()),
+    "v6e": Target("v6e", "v6e", "v6e:2x2", "TPU v6 lite", static_profile=_PROFILES_DMA_KERNELS),
+    "tpu7x": Target("tpu7x", "7x", "tpu7x:2x2x1", "TPU7x", static_profile=_PROFILES_DMA_KERNELS),
     "cpu": Target("cpu", "7x", None, None, static_profile=False, interpret=True),
 }
 

@@ -381,7 +381,7 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
         _check_files(path, m)
     except MALFORMED as e:  # types or sizes no check expected: one line, never a traceback
         raise ArtifactError(_malformed(path, e)) from None
-    if check_versions:  # the stack that may load `payload` (the manifest's [loads])
+    if check_versions:  # the stack that may load the executable (the manifest's [loads]; `load` checks its own payload)
         why = checks.why_not_loadable(path, m["versions"], stack_versions(), "executable")
         if why:
             raise ArtifactError(why)

@@ -18,10 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from tpumk.compile.keys import cache_key
+from tpumk.compat import release
 from tpumk.errors import ArtifactError, TpumkError
 
 TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
              "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads"}
+TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
+KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
+               False: "Mosaic TPU kernel (tpu_custom_call)"}
+# report figures the plan decides (the rest are measured at export: only a signature covers them)
+PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
+               "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning", "devices", "topology",
+               "mesh", "sharding")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 # ---------------------------------------------------------------------- which stack loads which payload
@@ -40,17 +49,13 @@ def loads_of(versions: dict[str, Any]) -> dict[str, str]:
                         "compatibility)"}
 
 
-def _release(v: Any) -> tuple[int, ...]:
-    return tuple(int(p) for p in str(v).split(".")[:3] if p.isdigit())
-
-
 def why_not_loadable(path: Path, built: dict[str, Any], here: dict[str, Any], payload: str) -> str | None:
     """Why this environment (`here`, tpumk.compile.keys.stack_versions) may not load `payload`
     ("executable" or "exported") of an artifact built with `built`, in one line; None if it may."""
     if built.get("tpumk") != here.get("tpumk"):
         return f"{path}: built with tpumk {built.get('tpumk')}, this environment has tpumk {here.get('tpumk')} (re-export)"
     if payload == "exported":
-        if _release(here.get("jax")) < _release(built.get("jax")):
+        if release(here.get("jax")) < release(built.get("jax")):
             return (f"{path}: its exported program was built with jax {built.get('jax')}, this environment has jax "
                     f"{here.get('jax')}: jax.export loads a program only under the jax that serialized it or a "
                     "newer one (re-export)")
@@ -58,19 +63,11 @@ def why_not_loadable(path: Path, built: dict[str, Any], here: dict[str, Any], pa
     for dist in ("jax", "jaxlib", "libtpu"):
         if built.get(dist) != here.get(dist):
             also = (f"; use='exported' loads its jax.export program under jax {built.get('jax')} or newer"
-                    if _release(here.get("jax")) >= _release(built.get("jax")) else "")
+                    if release(here.get("jax")) >= release(built.get("jax")) else "")
             return (f"{path}: built with {dist} {built.get(dist)}, this environment has {dist} "
                     f"{here.get(dist, 'not installed')}: its executable loads only under the same jax, jaxlib and "
                     f"libtpu{also} (or re-export)")
     return None
-TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
-KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
-               False: "Mosaic TPU kernel (tpu_custom_call)"}
-# report figures the plan decides (the rest are measured at export: only a signature covers them)
-PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
-               "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning", "devices", "topology",
-               "mesh", "sharding")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def export_platform(interpret: bool) -> str:

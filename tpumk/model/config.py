@@ -131,7 +131,7 @@ class ModelConfig:
     # rope_factor), "llama3" (Llama 3.1's banded rescale over rope_original_max_position) or
     # "longrope" (Phi-3.5 / Phi-4-mini: each rotary frequency divided by its rope_short_factor;
     # rope_long_factor is what transformers switches to once a sequence passes
-    # rope_original_max_position, so a build's context may not pass it: tpumk.plan.plan).
+    # rope_original_max_position, so a build's context may not pass it: tpumk.plan.spec).
     # A GQA model's YaRN is the yarn_* fields above, with rope_scaling "none".
     rope_scaling: str = "none"
     rope_factor: float = 1.0
@@ -282,7 +282,7 @@ class ModelConfig:
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.true_head_dim and self.rotary_dim % 2 == 0,
              "rotary_dim", f"an even integer in [0, the head width {self.true_head_dim}] (0: the whole head)")
-        pairs = ((self.rotary_dim or self.true_head_dim) // 2) if not self.is_mla else 0
+        pairs = self.rotary_width // 2 if not self.is_mla else 0
         for f in ("rope_short_factor", "rope_long_factor"):
             v = getattr(self, f)
             if self.rope_scaling == "longrope":
@@ -496,6 +496,11 @@ class ModelConfig:
     def true_head_dim(self) -> int:
         """The head width the softmax scale, RoPE and per-head norms are for (head_dim unless padded)."""
         return self.head_width or self.head_dim
+
+    @property
+    def rotary_width(self) -> int:
+        """Lanes of each head RoPE turns: rotary_dim, or the whole (true) head."""
+        return self.rotary_dim or self.true_head_dim
 
     @property
     def score_divisor(self) -> float:

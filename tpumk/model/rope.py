@@ -10,7 +10,7 @@ frequencies inv_freq_i = 1 / theta^(2i / head_dim):
   original_max_position / wavelength;
 - longrope (Phi-3.5, Phi-4-mini): inv_freq_i = 1 / (short_factor_i * theta^(2i / head_dim));
   transformers switches to long_factor once a sequence passes original_max_position, which a
-  fixed build cannot follow, so a longrope build's context stays within it (tpumk.plan.plan);
+  fixed build cannot follow, so a longrope build's context stays within it (tpumk.plan.spec);
 - yarn (tpumk.model.yarn, as for MLA models) over the rotary lanes.
 
 longrope and yarn also scale cos and sin by an attention factor (`attention_factor`), so the
@@ -42,7 +42,7 @@ def inv_freq(cfg: ModelConfig, xp=np, local: bool = False):
     traced step, as before scaling existed (the compiler's static estimate of the step moved
     when they became a baked constant), with the same ops on both sides. `local`: those of the
     sliding-window layers of a model with `rope_local_theta` (plain, unscaled: Gemma 3)."""
-    rotary = cfg.rotary_dim or cfg.true_head_dim
+    rotary = cfg.rotary_width
     if local and cfg.rope_local_theta:
         freqs = plain_inv_freq(rotary, cfg.rope_local_theta, xp)
     else:
@@ -78,7 +78,7 @@ def cos_sin_scale(cfg: ModelConfig, xp=np, local: bool = False):
     factor = attention_factor(cfg, local)
     if factor == 1.0:
         return None
-    rotary = cfg.rotary_dim or cfg.true_head_dim
+    rotary = cfg.rotary_width
     scale = np.concatenate([np.full(rotary // 2, factor, np.float32),
                             np.ones((cfg.head_dim - rotary) // 2, np.float32)])
     return xp.asarray(scale)
@@ -86,9 +86,9 @@ def cos_sin_scale(cfg: ModelConfig, xp=np, local: bool = False):
 
 def _scaled_inv_freq(cfg: ModelConfig, base, xp):
     if cfg.yarn_factor:  # host constants, the same array on both sides
-        return xp.asarray(yarn.inv_freq(cfg, cfg.rotary_dim or cfg.true_head_dim))
+        return xp.asarray(yarn.inv_freq(cfg, cfg.rotary_width))
     if cfg.rope_scaling == "longrope":  # as transformers: 1 / (factor * theta^(2i/d))
-        rotary = cfg.rotary_dim or cfg.true_head_dim
+        rotary = cfg.rotary_width
         exponents = xp.arange(0, rotary, 2, dtype=xp.float32) / xp.float32(rotary)
         short = xp.asarray(np.asarray(cfg.rope_short_factor, np.float32))
         return (xp.float32(1.0) / (short * xp.float32(cfg.rope_theta) ** exponents)).astype(xp.float32)

@@ -105,25 +105,29 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         for _ in range(REDRAWS):
             draw = shadow.ask(self.distributions)
             last = dict(draw.params)
-            key = params_key(last)
-            refused = False
-            if key not in seen and key not in self._refused_keys:
-                why = self.rules_out(last) if self.rules_out else None
-                if why is None:
-                    return last
-                self._pass_over(why[0], key)
-                refused = True
+            verdict = self._admit(last, seen)
+            if verdict:
+                return last
             shadow.tell(draw, state=TrialState.PRUNED)
-            if refused:  # remembered for the next proposals' TPE
+            if verdict is False:  # newly refused: remembered for the next proposals' TPE
                 self._refused.append(shadow.get_trials(deepcopy=False)[-1])
         found = self._random(seen, seed)
         if found is None:
             found = self._untried(seen, seed)
         return found if found is not None else last
 
-    def _pass_over(self, stage: str, key: tuple) -> None:
-        self.passed_over[stage] = self.passed_over.get(stage, 0) + 1
+    def _admit(self, params: dict[str, Any], seen: set[tuple]) -> bool | None:
+        """True: a new configuration the rules allow. False: new, but the rules refuse it (counted
+        by stage in `passed_over`, and remembered). None: tried or refused before."""
+        key = params_key(params)
+        if key in seen or key in self._refused_keys:
+            return None
+        why = self.rules_out(params) if self.rules_out else None
+        if why is None:
+            return True
+        self.passed_over[why[0]] = self.passed_over.get(why[0], 0) + 1
         self._refused_keys.add(key)
+        return False
 
     def _random(self, seen: set[tuple], seed: int | None) -> dict[str, Any] | None:
         """Where TPE's draws keep landing on refused points (early in a study its good group
@@ -132,13 +136,8 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         values = {name: knob.values() for name, knob in self.space.knobs.items()}
         for _ in range(RANDOM_DRAWS):
             p = {name: rng.choice(v) for name, v in values.items()}
-            key = params_key(p)
-            if key in seen or key in self._refused_keys:
-                continue
-            why = self.rules_out(p) if self.rules_out else None
-            if why is None:
+            if self._admit(p, seen):
                 return p
-            self._pass_over(why[0], key)
         return None
 
     def _untried(self, seen: set[tuple], seed: int | None) -> dict[str, Any] | None:
@@ -147,12 +146,10 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         if self.space.size() > ENUMERATE_MAX:
             return None
         names = list(self.space.knobs)
-        free = [dict(zip(names, combo)) for combo in itertools.product(*(k.values() for k in self.space.knobs.values()))]
-        free = [p for p in free if params_key(p) not in seen and params_key(p) not in self._refused_keys]
+        grid = (dict(zip(names, combo)) for combo in itertools.product(*(k.values() for k in self.space.knobs.values())))
+        free = [p for p in grid if params_key(p) not in seen and params_key(p) not in self._refused_keys]
         random.Random(seed).shuffle(free)
         for p in free[:CHECK_MAX]:
-            why = self.rules_out(p) if self.rules_out else None
-            if why is None:
+            if self._admit(p, seen):
                 return p
-            self._pass_over(why[0], params_key(p))
         return None
