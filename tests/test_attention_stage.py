@@ -220,7 +220,7 @@ def expected(case: Case, layer, tables, lengths, positions, q, k_new, v_new, k, 
         ks = jnp.nan_to_num(kc[layer][tables]).reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
         vs = jnp.nan_to_num(vc[layer][tables]).reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
         qr = q.reshape(b, t, geom.num_q_heads, geom.head_dim)
-        o = reference.attend(cfg, qr, ks, vs, positions, k_pos, k_valid, window)
+        o = reference.attend(cfg.attention, qr, ks, vs, positions, k_pos, k_valid, window)
         return o.reshape(b * t, geom.q_size), kc, vc
 
     return run(layer, tables, lengths, positions, q, k_new, v_new, k, v)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tpumk.model.config import (ModelConfig, from_dict, from_hf_config, load_hf_config, load_preset, load_toml,
@@ -76,7 +78,7 @@ def test_toml_moe_dense_layers(tmp_path):
                     + "num_experts = 8\ntop_k = 2\nexpert_ffn_size = 256\ndense_layers = [2, 0, 0]\n")
     cfg = load_toml(path)
     assert cfg.is_moe and cfg.dense_layers == (0, 2)  # deduplicated and sorted
-    assert [cfg.layer_is_dense(i) for i in range(3)] == [True, False, True]
+    assert [cfg.pattern.is_dense(i) for i in range(3)] == [True, False, True]
 
 
 def test_toml_malformed(tmp_path):
@@ -707,7 +709,7 @@ def test_hf_phi3_reads_with_its_window_on_every_layer_and_plans_its_96_wide_head
     assert (cfg.sliding_window, cfg.sliding_layers) == (2047, tuple(range(32)))
     assert not cfg.qk_norm and cfg.rope_scaling == "none" and not cfg.tie_embeddings
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x")))
-    assert (plan.cfg.head_dim, plan.cfg.true_head_dim, plan.attention.score_dim) == (128, 96, 96)
+    assert (plan.cfg.head_dim, plan.cfg.attention.true_head_dim, plan.attention.score_dim) == (128, 96, 96)
     assert plan.summary()["lane_padding"]["head_dim"] == [96, 128]
     with pytest.raises(NotSupportedError) as e:
         make_plan(BuildSpec(cfg, get_target("tpu7x"), quant="fp8-b128"))
@@ -828,7 +830,7 @@ def test_rope_frequencies_match_transformers(kind):
                     else (1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128), 1.0))
     cfg = from_hf_config({**LLAMA_31_8B, "head_dim": 128, "rope_scaling": None,
                           **({"rope_scaling": {"rope_type": kind, **rope}} if kind != "default" else {})})
-    got = inv_freq(cfg)
+    got = inv_freq(cfg.positions)
     assert factor == 1.0 and got.dtype == np.float32
     np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=8 * 2 ** -24)
 
@@ -864,7 +866,7 @@ def test_load_hf_config_file_errors(tmp_path):
 def test_hf_sliding_window_qwen3(changes, window, layers):
     cfg = from_hf_config({**QWEN3_8B, **changes})
     assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
-    assert [cfg.layer_window(i) for i in range(36)] == [window if i in layers else 0 for i in range(36)]
+    assert [cfg.pattern.window(i) for i in range(36)] == [window if i in layers else 0 for i in range(36)]
 
 
 def test_hf_sliding_window_qwen3_moe_covers_every_layer():
@@ -927,7 +929,7 @@ def test_smollm2_135m_config_reads_and_plans_lane_padded():
     cfg = from_hf_config(smol)
     assert (cfg.hidden_size, cfg.num_kv_heads, cfg.rope_scaling, cfg.qk_norm) == (576, 3, "none", False)
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x")))
-    assert (plan.cfg.hidden_size, plan.cfg.num_q_heads, plan.cfg.num_kv_heads, plan.cfg.norm_width) == (640, 12, 4, 576)
+    assert (plan.cfg.hidden_size, plan.cfg.num_q_heads, plan.cfg.num_kv_heads, plan.cfg.norms.width) == (640, 12, 4, 576)
     pad = plan.summary()["lane_padding"]
     assert pad["hidden_size"] == [576, 640] and pad["parameters"][0] == cfg.param_count()
 
@@ -1000,3 +1002,22 @@ def test_preset_names_match_case_insensitively_with_a_suggestion():
     with pytest.raises(ConfigError) as e:
         resolve_model("zzz")
     assert "did you mean" not in str(e.value) and "presets: " in str(e.value)
+
+
+def test_every_field_belongs_to_a_part_and_parts_check_their_own():
+    """The flat description and its parts (tpumk.model.parts) stay in step: a field no part
+    holds would be read by no stage; a part's check names the flat field a user writes."""
+    from tpumk.model import parts
+    held = {f.name for cls in (parts.Attention, parts.Positions, parts.Norms, parts.Mlp, parts.Moe,
+                               parts.LayerPattern, parts.Head) for f in dataclasses.fields(cls)}
+    stored = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert stored - held == {"name", "dtype"}
+    assert held - stored == {"head_lanes", "mla", "moe"}  # derived from other parts
+    cfg = load_preset("qwen3-8b")
+    assert (cfg.attention.group, cfg.attention.kv_cache_width, cfg.positions.rotary_width, cfg.norms.width) == \
+        (4, 2 * 8 * 128, 128, 4096)
+    assert cfg.pattern.num_dense == 36 and not cfg.moe and cfg.replace(name="x").attention == cfg.attention
+    with pytest.raises(ConfigError, match=r"field 'attn_softcap' = -1\.0: expected a non-negative finite number"):
+        cfg.replace(attn_softcap=-1.0)
+    with pytest.raises(ConfigError, match=r"field 'mlp_act' = 'gelu_tanh': expected silu for a mixture-of-experts"):
+        load_preset("qwen3-30b-a3b").replace(mlp_act="gelu_tanh")

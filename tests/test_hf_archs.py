@@ -188,7 +188,7 @@ def test_config_reads_the_variant(checkpoint):
         assert cfg.rope_short_factor == tuple(PHI4_LONGROPE["short_factor"]) and cfg.sliding_window == 0
         assert cfg.rope_long_factor == tuple(PHI4_LONGROPE["long_factor"])
         from tpumk.model.rope import attention_factor
-        assert attention_factor(cfg) == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+        assert attention_factor(cfg.positions) == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
     assert cfg.post_norms == name.startswith(("gemma2", "gemma3", "olmo2"))
     assert (cfg.attn_scalar != 0) == name.startswith(("gemma2", "gemma3"))
     assert (cfg.rope_local_theta != 0) == name.startswith("gemma3")

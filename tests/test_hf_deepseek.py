@@ -70,10 +70,10 @@ def test_yarn_matches_transformers(hf_deepseek_dir, loaded):
     cfg, _ = loaded
     hf_cfg = AutoConfig.from_pretrained(hf_deepseek_dir)
     inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
-    np.testing.assert_allclose(yarn.inv_freq(cfg), inv.numpy(), rtol=1e-6)
-    assert yarn.attention_factor(cfg) == pytest.approx(factor, rel=1e-12) and factor != 1.0
+    np.testing.assert_allclose(yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), inv.numpy(), rtol=1e-6)
+    assert yarn.attention_factor(cfg.positions) == pytest.approx(factor, rel=1e-12) and factor != 1.0
     scaling = DeepseekV3Attention(hf_cfg, 0).scaling
-    assert yarn.softmax_scale(cfg) == pytest.approx(scaling, rel=1e-12) and scaling != 32 ** -0.5
+    assert yarn.softmax_scale(cfg.attention, cfg.positions) == pytest.approx(scaling, rel=1e-12) and scaling != 32 ** -0.5
 
 
 def test_forward_full_matches_transformers(hf_deepseek_dir, loaded):

@@ -173,7 +173,7 @@ def _stage_expected(tas, case, loop, args):
         ctx = case.pages_per_seq * case.page_size
         ks = k[layer][rt].reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
         vs = v[layer][rt].reshape(b, ctx, geom.num_kv_heads, geom.head_dim)
-        o = R.attend(cfg, qi.reshape(b, t, geom.num_q_heads, geom.head_dim), ks, vs, jnp.asarray(positions), k_pos,
+        o = R.attend(cfg.attention, qi.reshape(b, t, geom.num_q_heads, geom.head_dim), ks, vs, jnp.asarray(positions), k_pos,
                      k_valid, geom.window(layer))
         outs.append(o.reshape(b * t, geom.q_size))
     return (jnp.stack(outs) if loop else outs[0]), k, v
@@ -224,7 +224,7 @@ def _random_cache(cfg, tables, lengths, page_size=16, seed=11):
     num_pages = int(np.max(np.where((tables >= 0) & (tables < 1000), tables, 0))) + 1
     rng = np.random.default_rng(seed)
     dt = R.jnp_dtype(cfg)
-    width = cfg.kv_cache_width if cfg.is_mla else cfg.kv_size
+    width = cfg.attention.kv_cache_width if cfg.is_mla else cfg.attention.kv_size
     k = jnp.asarray(rng.standard_normal((cfg.num_layers, num_pages, page_size, width), np.float32), dt)
     v = (jnp.zeros((cfg.num_layers, num_pages, page_size, 0), dt) if cfg.is_mla else
          jnp.asarray(rng.standard_normal((cfg.num_layers, num_pages, page_size, width), np.float32), dt))

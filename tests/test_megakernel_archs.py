@@ -183,7 +183,7 @@ def test_plan_counts_only_the_window_tiles():
         for context in (64, 256):
             plan = make_plan(BuildSpec(c, get_target("tpu7x"), 1, context, tuning, page_size=PAGE))
             kv[c.sliding_window, context] = plan.hbm["kv_cache"]
-    page = PAGE * cfg.kv_size * 4  # f32 page, K or V
+    page = PAGE * cfg.attention.kv_size * 4  # f32 page, K or V
     # Query at context - 1: full layers stream every page and patch the last one (read + write);
     # the sliding layer streams only the tiles holding keys context - 20 .. context - 1: the
     # last page but one from HBM, and the last (patched) page as a VMEM copy.
@@ -200,7 +200,7 @@ def test_widths_off_the_lane_grid_are_padded_and_reported():
     so with the parameter counts both ways, and keeps the model as written in its spec."""
     cfg, params = model("dense-lanes", "float32")
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, CONTEXT, page_size=PAGE))
-    assert (plan.cfg.hidden_size, plan.cfg.num_kv_heads, plan.cfg.num_q_heads, plan.cfg.norm_width) == (256, 2, 6, 192)
+    assert (plan.cfg.hidden_size, plan.cfg.num_kv_heads, plan.cfg.num_q_heads, plan.cfg.norms.width) == (256, 2, 6, 192)
     pad = plan.summary()["lane_padding"]
     assert pad["hidden_size"] == [192, 256] and pad["kv_heads"] == [1, 2] and pad["q_heads"] == [3, 6]
     assert pad["parameters"] == [cfg.param_count(), plan.cfg.param_count()] and pad["parameters"][0] < pad["parameters"][1]
@@ -242,5 +242,5 @@ def test_padding_quantized_weights_equals_quantizing_padded_ones(scheme):
     for name in ("wq", "wk", "wo", "w_down"):
         a, b = padded_codes["layers"][1][name], codes_of_padded["layers"][1][name]
         assert a.q.shape == b.q.shape and jnp.array_equal(a.q.astype(jnp.float32), b.q.astype(jnp.float32)), name
-        true_cols = {"wq": cfg.q_size, "wk": cfg.kv_size}.get(name, cfg.hidden_size)  # padded columns: any scale
+        true_cols = {"wq": cfg.attention.q_size, "wk": cfg.attention.kv_size}.get(name, cfg.hidden_size)  # padded columns: any scale
         assert jnp.array_equal(a.scale[..., :true_cols], b.scale[..., :true_cols]), name

@@ -282,7 +282,7 @@ def test_deepseek_routing_matches_the_algorithm(norm):
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 2, (64, 16)).astype(np.float32)
     bias = rng.normal(0, 0.3, 16).astype(np.float32)
-    ids, w = reference.route(cfg, jnp.asarray(logits), jnp.asarray(bias))
+    ids, w = reference.route(cfg.moe, jnp.asarray(logits), jnp.asarray(bias))
     want_ids, want_w = _route_by_hand(cfg, logits, bias)
     order = np.argsort(np.asarray(ids), -1)  # the pick order within top-k is not part of the contract
     want_order = np.argsort(want_ids, -1)
@@ -291,7 +291,7 @@ def test_deepseek_routing_matches_the_algorithm(norm):
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, -1),
                                np.take_along_axis(want_w, want_order, -1), rtol=1e-5)
     # the bias and the groups both change picks on these inputs (so the check above can fail)
-    plain_ids, _ = reference.route(cfg.replace(router_groups=1, router_topk_groups=1), jnp.asarray(logits))
+    plain_ids, _ = reference.route(cfg.replace(router_groups=1, router_topk_groups=1).moe, jnp.asarray(logits))
     assert (np.sort(np.asarray(plain_ids), -1) != np.sort(want_ids, -1)).any(axis=-1).mean() > 0.2
 
 
@@ -300,7 +300,7 @@ def test_bias_selects_but_does_not_weigh():
                                           norm_topk_prob=False)
     logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0, -1.0, -2.0, -3.0, 0.5]])
     bias = jnp.asarray([5.0, 0, 0, 0, 0, 0, 0, 0])  # expert 0 gets picked, weighted by its own sigmoid
-    ids, w = reference.route(cfg, logits, bias)
+    ids, w = reference.route(cfg.moe, logits, bias)
     assert sorted(np.asarray(ids)[0].tolist()) == [0, 3]
     np.testing.assert_allclose(sorted(np.asarray(w)[0].tolist()), sorted([0.5, float(jax.nn.sigmoid(3.0))]))
 

@@ -57,7 +57,7 @@ def _cached(cfg, lengths, context=64, page=16):
     tables = np.asarray(cache.block_tables)
     for b, n in enumerate(lengths):
         for pos in range(n):
-            k[:, tables[b, pos // page], pos % page] = rng.normal(0, 1, (cfg.num_layers, cfg.kv_cache_width))
+            k[:, tables[b, pos // page], pos % page] = rng.normal(0, 1, (cfg.num_layers, cfg.attention.kv_cache_width))
     return cache._replace(k=jnp.asarray(k, cache.k.dtype), lengths=jnp.asarray(lengths, jnp.int32))
 
 
@@ -115,7 +115,7 @@ def test_bench_of_an_mla_model(mla_bench):
     assert r["speedup"] == pytest.approx(x["step_seconds"] / mk["step_seconds"])
     # the megakernel's model walks the plan (its MLA families through the ring, bytes equal to
     # the plan's) and streams the one latent cache, not a per-head K and V
-    latent = cfg.num_layers * 4096 * cfg.kv_cache_width * 2
+    latent = cfg.num_layers * 4096 * cfg.attention.kv_cache_width * 2
     per_head = 2 * cfg.num_layers * 4096 * cfg.num_q_heads * cfg.head_dim * 2
     assert {"q_a", "q_b", "kv_a", "uk", "uv", "o"} <= set(plan.families)
     stages = mk["model"]["stages"]
@@ -129,8 +129,8 @@ def test_bench_of_an_mla_model(mla_bench):
     assert x["hbm_bytes"] == pytest.approx(prog.compiled.cost_analysis()["bytes accessed"])
     assert 'custom_call_target="tpu_custom_call"' not in prog.hlo_text
     specs = xla_step_specs(cfg, 1, 4096)
-    assert specs[3].shape == (cfg.num_layers, 1, 4096, cfg.kv_cache_width) and specs[4].shape[-1] == 0
-    assert f"bf16[{cfg.num_layers},1,4096,{cfg.kv_cache_width}]" in prog.hlo_text  # the latent cache, in place
+    assert specs[3].shape == (cfg.num_layers, 1, 4096, cfg.attention.kv_cache_width) and specs[4].shape[-1] == 0
+    assert f"bf16[{cfg.num_layers},1,4096,{cfg.attention.kv_cache_width}]" in prog.hlo_text  # the latent cache, in place
     assert x["model"]["hbm_bytes"] >= latent
     assert mk["kernels"] < x["kernels"]
     # no serving-stack column for MLA: one line saying why, no numbers
@@ -267,9 +267,9 @@ def test_mla_artifact_round_trips(tmp_path, monkeypatch):
     step = A.load(path)
     params = random_params(cfg, seed=0)
     cache = step.init_cache()
-    assert cache.k.shape[-1] == cfg.kv_cache_width and cache.v.shape[-1] == 0
+    assert cache.k.shape[-1] == cfg.attention.kv_cache_width and cache.v.shape[-1] == 0
     # 7 cached tokens of random latent rows (what a prefill would leave, without its cost)
-    rows = np.random.default_rng(1).normal(0, 1, (cfg.num_layers, 7, cfg.kv_cache_width)).astype(np.float32)
+    rows = np.random.default_rng(1).normal(0, 1, (cfg.num_layers, 7, cfg.attention.kv_cache_width)).astype(np.float32)
     first_page = int(cache.block_tables[0, 0])
     cache = cache._replace(k=cache.k.at[:, first_page, :7].set(rows), lengths=jnp.asarray([7], jnp.int32))
     tokens, positions = jnp.asarray([[6]], jnp.int32), cache.lengths[:, None]

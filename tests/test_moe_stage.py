@@ -62,7 +62,7 @@ def _moe_params(cfg: ModelConfig, seed: int) -> dict:
     def normal(*shape, scale=1.0):
         return jnp.asarray(rng.standard_normal(shape, np.float32) * (scale / np.sqrt(shape[-2])), dt)
 
-    layers = [None if cfg.layer_is_dense(i) else
+    layers = [None if cfg.pattern.is_dense(i) else
               {"router": normal(h, e, scale=4.0), "e_gate": normal(e, h, fe), "e_up": normal(e, h, fe),
                "e_down": normal(e, fe, h)}
               for i in range(cfg.num_layers)]
@@ -158,8 +158,8 @@ def test_moe_stage_matches_reference(name):
     y, counts = np.asarray(y), np.asarray(counts)
 
     # One jit for the oracle (eager einsums compile op by op, seconds per config).
-    oracle = jax.jit(lambda layer, xl: (R.moe_ffn(cfg, layer, xl),
-                                        R.route(cfg, R.matmul(xl, layer["router"]), layer.get("router_bias"))[0]))
+    oracle = jax.jit(lambda layer, xl: (R.moe_ffn(cfg.moe, layer, xl),
+                                        R.route(cfg.moe, R.matmul(xl, layer["router"]), layer.get("router_bias"))[0]))
     for j, i in enumerate(moe_layer_ids(cfg)):
         ref, ids = oracle(params["layers"][i], x[j])
         ref = np.asarray(ref)

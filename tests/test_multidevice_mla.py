@@ -337,7 +337,7 @@ def test_full_deepseek_v3_per_device_hbm():
     # the replicated latent path (q_a, kv_a) and embedding are whole; experts 1/32
     assert 38e9 < w < 48e9, w
     pages = 131072 // 16 * 8  # 8 sequences of 128k tokens
-    kv = cfg.num_layers * pages * 16 * cfg.kv_cache_width * 2
+    kv = cfg.num_layers * pages * 16 * cfg.attention.kv_cache_width * 2
     with pytest.raises(PlanError) as e:
         P._check_hbm(cfg, t7, pages, 16, sh)
     msg = str(e.value)

@@ -153,7 +153,7 @@ def test_qwen3_32b_on_8_tpu7x_devices_compiles():
     assert p.topology == "tpu7x:2x2x1" and not p.layout.notes
     assert p.collectives["all-reduce"] >= 2 * cfg.num_layers  # o-projection and down-projection per layer
     shapes = xs.entry_parameter_shapes(p.hlo_text)
-    assert shapes["p['layers'][0]['wq']"] == (cfg.hidden_size, cfg.q_size // 8)
+    assert shapes["p['layers'][0]['wq']"] == (cfg.hidden_size, cfg.attention.q_size // 8)
     assert shapes["p['layers'][0]['w_down']"] == (cfg.ffn_size // 8, cfg.hidden_size)
     m = xla_step(TPU7X, p.hlo_text, devices=8)
     assert m.stages["collectives"]["seconds"] > 0

@@ -441,7 +441,7 @@ def step_working_bytes(cfg: ModelConfig, rows: int, q: int, context: int) -> int
     logits = 2 * 4 * n * cfg.vocab_size
     ffn = 3 * 4 * n * max(cfg.ffn_size, cfg.hidden_size)
     if cfg.is_moe:
-        ffn = max(ffn, 4 * n * cfg.num_experts * (3 * cfg.expert_ffn_size + cfg.hidden_size))
+        ffn = max(ffn, 4 * n * cfg.num_experts * (3 * cfg.moe.expert_ffn_size + cfg.hidden_size))
     return int(attn + logits + ffn)
 
 

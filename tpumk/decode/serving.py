@@ -94,10 +94,10 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * t
     num_seqs = jnp.array([b], jnp.int32)
     kv_pages_per_block, queries_per_block = blocks
-    x = ref.embed(params, tokens, cfg.embed_scale)
+    x = ref.embed(params, tokens, cfg.head.embed_scale)
     out_caches = []
     for i, layer in enumerate(params["layers"]):
-        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
+        h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D] in the cache dtype
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * cfg.num_kv_heads, cfg.head_dim)
         cache = kv_caches[i].at[pages, slots].set(kv)
@@ -105,22 +105,22 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
         qk = q.astype(cache.dtype).reshape(b * t, cfg.num_q_heads, cfg.head_dim)
 
         args = (qk, cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-        window = cfg.layer_window(i) or None  # the kernel's convention is transformers': p - k < window
-        cap = cfg.attn_softcap or None  # cap * tanh(s / cap) of the scaled scores, as the reference
+        window = cfg.pattern.window(i) or None  # the kernel's convention is transformers': p - k < window
+        cap = cfg.attention.attn_softcap or None  # cap * tanh(s / cap) of the scaled scores, as the reference
         if kernel_reference:
-            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window,
+            o = kernel.ref_ragged_paged_attention(*args, sm_scale=1.0 / cfg.attention.score_divisor, sliding_window=window,
                                                   soft_cap=cap)
         else:
-            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / cfg.score_divisor, sliding_window=window,
+            o = kernel.ragged_paged_attention(*args, sm_scale=1.0 / cfg.attention.score_divisor, sliding_window=window,
                                               soft_cap=cap,
                                               num_kv_pages_per_block=kv_pages_per_block,
                                               num_queries_per_block=queries_per_block)
-        x = x + ref.sublayer_out(cfg, layer, "post_attn_norm",
-                                 ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.q_size), layer["wo"]))
-        hf = ref.mlp_in(cfg, layer, x, h).reshape(b * t, -1)
-        f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm",
+                                 ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.attention.q_size), layer["wo"]))
+        hf = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
+        f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp.mlp_act) if cfg.pattern.is_dense(i)
              else _moe_gathered(cfg, layer, hf))
-        x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", f.reshape(b, t, -1))
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", f.reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), out_caches, kv_lens
 
 

@@ -166,7 +166,7 @@ def _ffn_roles(cfg: ModelConfig, n: int, expert_parallel: bool, every, split) ->
     """Specs of the FFN / expert matrices and the lm_head (the same for GQA and MLA models)."""
     col, row = P(None, every), P(every, None)
     dense = split(cfg.ffn_size, "w_gate, w_up, w_down", "ffn_size") if cfg.ffn_size else REPLICATED
-    shared_size = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.num_experts else 0
+    shared_size = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.num_experts else 0
     shared = split(shared_size, "s_gate, s_up, s_down", "shared expert width") if shared_size else REPLICATED
     experts: dict[str, P] = {}
     if cfg.num_experts:
@@ -174,13 +174,13 @@ def _ffn_roles(cfg: ModelConfig, n: int, expert_parallel: bool, every, split) ->
             if cfg.num_experts % n:
                 raise ConfigError(f"expert_parallel: num_experts = {cfg.num_experts} does not split over {n} devices")
             experts = {k: P(every, None, None) for k in ("e_gate", "e_up", "e_down")}
-        elif split(cfg.expert_ffn_size, "e_gate, e_up, e_down", "expert_ffn_size") == col:
+        elif split(cfg.moe.expert_ffn_size, "e_gate, e_up, e_down", "expert_ffn_size") == col:
             experts = {"e_gate": P(None, None, every), "e_up": P(None, None, every), "e_down": P(None, every, None)}
     elif expert_parallel:
         raise ConfigError(f"expert_parallel: model '{cfg.name}' has no experts")
     roles = {"w_gate": dense, "w_up": dense, "w_down": row if dense == col else REPLICATED,
              "s_gate": shared, "s_up": shared, "s_down": row if shared == col else REPLICATED, **experts}
-    if not cfg.tie_embeddings:
+    if not cfg.head.tie_embeddings:
         roles["lm_head"] = split(cfg.vocab_size, "lm_head", "vocab_size")
     return roles
 

@@ -43,7 +43,7 @@ def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ..
     latent cache `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (one row per token,
     shared by all heads, as the megakernel's paged cache holds it)."""
     if cfg.is_mla:
-        return (cfg.num_layers, batch, context, cfg.kv_cache_width)
+        return (cfg.num_layers, batch, context, cfg.attention.kv_cache_width)
     return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
 
 
@@ -63,26 +63,26 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
     b, t = q.shape[:2]
     s_len = k.shape[2]
     qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / cfg.score_divisor
-    s = ref.soft_cap(s, cfg.attn_softcap)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / cfg.attention.score_divisor
+    s = ref.soft_cap(s, cfg.attention.attn_softcap)
     k_pos = jnp.arange(s_len, dtype=jnp.int32)
     mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[None, None, None, None, :] > q_pos[:, None, None, :, None] - window)
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, cfg.q_size)
+    return o.reshape(b, t, cfg.attention.q_size)
 
 
 def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
-    ids, weights = ref.route(cfg, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
+    ids, weights = ref.route(cfg.moe, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
     g = _picked_matmul(x, layer["e_gate"], ids)
     u = _picked_matmul(x, layer["e_up"], ids)
     y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
     out = jnp.einsum("nkh,nk->nh", y, weights)
-    if cfg.num_shared_experts:
-        out = out + ref.shared_experts(cfg, layer, x)
+    if cfg.moe.num_shared_experts:
+        out = out + ref.shared_experts(cfg.moe, layer, x)
     return out
 
 
@@ -110,21 +110,21 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(cfg.num_kv_heads)[None, None, :]
     pi = positions[:, :, None]
-    x = ref.embed(params, tokens, cfg.embed_scale)
+    x = ref.embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
+        h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.layer_window(i))
-        x = x + ref.sublayer_out(cfg, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
-        h = ref.mlp_in(cfg, layer, x, h).reshape(b * t, -1)
-        x = x + ref.sublayer_out(cfg, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
+        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i))
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
+        h = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 
 
 def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
-    return (ref.gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act) if cfg.layer_is_dense(i)
+    return (ref.gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp.mlp_act) if cfg.pattern.is_dense(i)
             else _moe_gathered(cfg, layer, h))
 
 
@@ -140,14 +140,14 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
     k_valid = (k_pos < lengths[:, None]) | jnp.any(k_pos[:, :, None] == positions[:, None, :], -1)
     bi = jnp.arange(b)[:, None]
-    x = ref.embed(params, tokens, cfg.embed_scale)
+    x = ref.embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = ref.sublayer_in(cfg, layer, "attn_norm", x)
+        h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
         k_cache = k_cache.at[i, bi, positions].set(row)
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
         x = x + ref.matmul(o, layer["wo"])
-        h = ref.sublayer_in(cfg, layer, "mlp_norm", x).reshape(b * t, -1)
+        h = ref.sublayer_in(cfg.norms, layer, "mlp_norm", x).reshape(b * t, -1)
         x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
 

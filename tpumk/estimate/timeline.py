@@ -430,7 +430,7 @@ def megakernel_step(plan) -> StepModel:
                 tuple(n for n in seg.families if n in MLA_FAMILIES and n != "uv"), ("uv", "o"))
             for name in before:  # the projections ahead of attention (MLA: q path, kv_a, W_UK)
                 ring.family(name, "weight_ring", times)
-            if cfg.qk_norm_whole:  # the all-heads QK-norm's sums of squares (none on one device)
+            if cfg.attention.qk_norm_whole:  # the all-heads QK-norm's sums of squares (none on one device)
                 collective(times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
             layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))

@@ -211,12 +211,12 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
                 block = block.at[VECTOR_ROW["q_norm"], :cfg.q_lora_rank].set(jnp.asarray(lay["q_a_norm"], jnp.float32))
             return block.at[VECTOR_ROW["k_norm"], :cfg.kv_lora_rank].set(jnp.asarray(lay["kv_a_norm"], jnp.float32))
         for name in ("q_norm", "k_norm"):
-            w = jnp.asarray(lay[name], jnp.float32) if cfg.qk_norm else jnp.ones((d,), jnp.float32)
-            if cfg.qk_norm_whole:  # across every head: laid out as the q (k) columns
+            w = jnp.asarray(lay[name], jnp.float32) if cfg.attention.qk_norm else jnp.ones((d,), jnp.float32)
+            if cfg.attention.qk_norm_whole:  # across every head: laid out as the q (k) columns
                 block = block.at[VECTOR_ROW[name], :w.shape[0]].set(w)
             else:
                 block = block.at[VECTOR_ROW[name], :d * pack].set(jnp.tile(w, pack))
-        if cfg.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
+        if cfg.attention.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
             bias = jnp.concatenate([jnp.asarray(lay[n], jnp.float32) for n in ("bq", "bk", "bv")])
             block = block.at[VECTOR_ROW["qkv_bias"], :bias.shape[0]].set(bias)
         return block
@@ -236,7 +236,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
                                             fams["qkv"]) for l in layers])
         out["o"] = jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in layers])
-    dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
+    dense = [l for i, l in enumerate(layers) if cfg.pattern.is_dense(i)]
     if dense and "gate_up" in fams:
         gu, dn = fams["gate_up"], fams["down"]
         out["gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(cast(l["w_gate"]), cast(l["w_up"]), ffn_pad,
@@ -245,7 +245,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     if cfg.is_moe:
         from tpumk.kernel.moe import pack_experts
 
-        moe_layers = [l for i, l in enumerate(layers) if not cfg.layer_is_dense(i)]
+        moe_layers = [l for i, l in enumerate(layers) if not cfg.pattern.is_dense(i)]
         if "shared_gate_up" in fams:
             gu, dn = fams["shared_gate_up"], fams["shared_down"]
             out["shared_gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(
@@ -283,8 +283,8 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
         out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l["wq"].scale, l["wk"].scale, l["wv"].scale], 1),
                                               fams["qkv"]) for l in layers]),
                "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in layers])}
-    dense = [l for i, l in enumerate(layers) if cfg.layer_is_dense(i)]
-    moe = [l for i, l in enumerate(layers) if not cfg.layer_is_dense(i)]
+    dense = [l for i, l in enumerate(layers) if cfg.pattern.is_dense(i)]
+    moe = [l for i, l in enumerate(layers) if not cfg.pattern.is_dense(i)]
     for prefix, group, pad, (gate, up, down) in (("", dense, ffn_pad, ("w_gate", "w_up", "w_down")),
                                                  ("shared_", moe, shared_pad, ("s_gate", "s_up", "s_down"))):
         if group and f"{prefix}gate_up" in fams:

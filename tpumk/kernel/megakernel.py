@@ -87,8 +87,10 @@ def _ring_families(plan: Plan) -> list[str]:
 
 def _kernel(plan: Plan):
     cfg = plan.cfg
-    h, d, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_eps
-    q_size, kv_size = cfg.q_size, cfg.kv_size
+    # the model's parts each stage reads (tpumk.model.parts)
+    att, norms, pos = cfg.attention, cfg.norms, cfg.positions
+    h, d, eps = cfg.hidden_size, att.head_dim, norms.rms_eps
+    q_size, kv_size = att.q_size, att.kv_size
     fams = _ring_families(plan)
     dt = jnp_dtype(plan.cfg)
 
@@ -191,7 +193,7 @@ def _kernel(plan: Plan):
             the sublayer has read by then: its output is normalized whole before it is added."""
             if ar is not None:
                 return partial_to(width, tile_cols)
-            return store_to(s.normed, width, tile_cols) if cfg.post_norms else add_to(s.resid, width, tile_cols)
+            return store_to(s.normed, width, tile_cols) if norms.post_norms else add_to(s.resid, width, tile_cols)
 
         # The collectives' counters, consecutive through the kernel: per layer the QK-norm's
         # sums of squares (all-heads QK-norm only), o's partial sums, the FFN's / MoE's.
@@ -214,19 +216,19 @@ def _kernel(plan: Plan):
             if ar is not None:
                 s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
                 out = s.partial[0:rows, 0:h]
-            elif cfg.post_norms:
+            elif norms.post_norms:
                 out = s.normed[...]
             else:
                 return
-            if cfg.post_norms:
-                out = residual_norm(cfg.norm_kind, out, row(vec, post_norm, h), eps, cfg.norm_width)
+            if norms.post_norms:
+                out = residual_norm(norms.norm_kind, out, row(vec, post_norm, h), eps, norms.width)
             s.resid[...] = s.resid[...] + out
 
         def swiglu_into(ref, tile_cols: int) -> Callable:
             half = tile_cols // 2
 
             def epilogue(j, acc):
-                ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:], cfg.mlp_act)
+                ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:], cfg.mlp.mlp_act)
             return epilogue
 
         def mla_attention_block(seg, layer, vec):
@@ -235,7 +237,7 @@ def _kernel(plan: Plan):
             dims, fam = mla_dims(cfg), plan.families
             hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
             lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, cfg.norm_width)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, norms.width)
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
                 matmul(seg, layer, "q_a", s.normed, store_to(s.mla_qa, fam["q_a"].m_pad, fam["q_a"].tile_cols))
@@ -266,19 +268,19 @@ def _kernel(plan: Plan):
             matmul(seg, layer, "uv", s.mla_olat, store_to(s.attn_out, fam["uv"].m_pad, fam["uv"].tile_cols))
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, fam["o"].tile_cols))
             reduce_into_resid(attention_counter(layer))
-            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, cfg.norm_width)
+            s.normed[...] = rms_norm(s.resid[...], row(vec, "mlp_norm", h), eps, norms.width)
 
         def sublayer_input(vec, norm: str) -> None:
             """`normed` = what the next sublayer reads: the residual normed by the layer's `norm`
             row, or without pre_norms (OLMo 2) the residual itself (reference.sublayer_in)."""
             resid = s.resid[...]
-            s.normed[...] = residual_norm(cfg.norm_kind, resid, row(vec, norm, h), eps, cfg.norm_width) \
-                if cfg.pre_norms else resid
+            s.normed[...] = residual_norm(norms.norm_kind, resid, row(vec, norm, h), eps, norms.width) \
+                if norms.pre_norms else resid
 
         def rope_rows(layer):
             """This layer's cos / sin rows: with rope_local_theta the tables hold the full layers'
             rows, then the sliding layers' (`_device_step`); a sliding layer takes the second."""
-            if not cfg.rope_local_theta:
+            if not pos.rope_local_theta:
                 return cos_ref[...], sin_ref[...]
             local = attn.traced_window(plan.attention, layer) != attn.NO_WINDOW
             return (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
@@ -294,7 +296,7 @@ def _kernel(plan: Plan):
             if ar is None:
                 for name, lo, width, heads in parts:
                     s.qkv[:, lo:lo + width] = rms_norm(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
-                                                       heads * cfg.true_head_dim)
+                                                       heads * cfg.attention.true_head_dim)
                 return
             sums = [jnp.sum(s.qkv[:, lo:lo + width] ** 2, axis=-1, keepdims=True) for _, lo, width, _ in parts]
             replicas = plan.sharding.kv_replicas
@@ -307,7 +309,7 @@ def _kernel(plan: Plan):
             total = all_reduce(ar, s.partial[...], s.collectives, qk_sums_counter(layer))
             for i, (name, lo, width, heads) in enumerate(parts):
                 s.qkv[:, lo:lo + width] = rms_norm_from_sums(s.qkv[:, lo:lo + width], row(vec, name, width), eps,
-                                                             total[:, i:i + 1], heads * cfg.true_head_dim)
+                                                             total[:, i:i + 1], heads * cfg.attention.true_head_dim)
 
         def attention_block(seg, layer, vec):
             if cfg.is_mla:
@@ -318,12 +320,12 @@ def _kernel(plan: Plan):
             sublayer_input(vec, "attn_norm")
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
-            if cfg.qkv_bias:  # before QK-norm and RoPE, as transformers adds it
+            if att.qkv_bias:  # before QK-norm and RoPE, as transformers adds it
                 width = q_size + 2 * kv_size
                 s.qkv[:, :width] = s.qkv[:, :width] + row(vec, "qkv_bias", width)
             # QK-norm + RoPE per head, in place in the q|k|v scratch (heads are 128-lane aligned;
             # 64-wide heads go two per 128-lane block, the norm row and cos / sin tiled to match).
-            if cfg.qk_norm_whole:  # OLMo 2: one norm across all heads' true lanes (pad lanes are 0)
+            if att.qk_norm_whole:  # OLMo 2: one norm across all heads' true lanes (pad lanes are 0)
                 whole_qk_norm(layer, vec)
             cos, sin = rope_rows(layer)  # loaded per layer: a value live across loops spills
             pack = heads_per_lane_block(d)
@@ -332,8 +334,8 @@ def _kernel(plan: Plan):
                 for i in range(heads // pack):
                     lo = base + i * d * pack
                     x = s.qkv[:, lo:lo + d * pack]
-                    if cfg.qk_norm and not cfg.qk_norm_whole:
-                        x = rms_norm_heads(x, w, eps, d, cfg.true_head_dim)
+                    if att.qk_norm and not att.qk_norm_whole:
+                        x = rms_norm_heads(x, w, eps, d, cfg.attention.true_head_dim)
                     s.qkv[:, lo:lo + d * pack] = rope_heads(x, cos, sin, d)
             q = s.qkv[:, :q_size]
             k_new = s.qkv[:, q_size:q_size + kv_size].astype(dt)
@@ -348,7 +350,7 @@ def _kernel(plan: Plan):
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(attention_counter(layer), vec, "post_attn_norm")
-            if not cfg.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
+            if not norms.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
                 sublayer_input(vec, "mlp_norm")
 
         def dense_layer(seg):
@@ -394,7 +396,7 @@ def _kernel(plan: Plan):
 
         for seg in plan.segments[:-1]:
             ring.layer_loop(seg, dense_layer(seg) if seg.kind == "dense" else moe_layer(seg))
-        s.normed[...] = residual_norm(cfg.norm_kind, s.resid[...], final_norm[...], eps, cfg.norm_width)
+        s.normed[...] = residual_norm(norms.norm_kind, s.resid[...], final_norm[...], eps, norms.width)
         head_blocks = plan.families["lm_head"].col_blocks
 
         # This device's blocks go to its slice of the output (one device: the whole output).
@@ -407,7 +409,7 @@ def _kernel(plan: Plan):
             """Block j leaves through the staging buffer while block j + 1 is computed."""
             if not (isinstance(j, int) and j == 0):
                 logits_copy(j - 1).wait()  # the staging buffer is free once block j - 1 left
-            s.logits[...] = soft_cap(acc, cfg.final_softcap)
+            s.logits[...] = soft_cap(acc, cfg.head.final_softcap)
             logits_copy(j).start()
 
         head_tc = plan.families["lm_head"].tile_cols
@@ -430,8 +432,8 @@ def mla_rope_tables(positions: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
     ops so the tables are bitwise equal), tiled 128 / R times for `rope_heads` on a lane tile."""
     from tpumk.model import yarn
 
-    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn.inv_freq(cfg))
-    factor = yarn.attention_factor(cfg)
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim))
+    factor = yarn.attention_factor(cfg.positions)
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1) * factor
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1) * factor
     half = cfg.qk_rope_head_dim // 2
@@ -485,15 +487,15 @@ def _device_step(plan: Plan, call) -> Callable:
         b, t = tokens.shape
         n = b * t
         # a token id outside the vocabulary: zeros, as the reference; Gemma's factor as the reference
-        x0 = embed(packed, tokens.reshape(n), cfg.embed_scale)
+        x0 = embed(packed, tokens.reshape(n), cfg.head.embed_scale)
         if cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
-            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp), heads_per_lane_block(cfg.head_dim),
-                                   rope.cos_sin_scale(cfg, jnp))
-            if cfg.rope_local_theta:  # the sliding layers' rows below the full layers' (`rope_rows`)
-                cos_l, sin_l = rope_tables(positions.reshape(n), rope.inv_freq(cfg, jnp, local=True),
-                                           heads_per_lane_block(cfg.head_dim), rope.cos_sin_scale(cfg, jnp, local=True))
+            pos, lanes = cfg.positions, heads_per_lane_block(cfg.head_dim)
+            cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(pos, jnp), lanes, rope.cos_sin_scale(pos, jnp))
+            if pos.rope_local_theta:  # the sliding layers' rows below the full layers' (`rope_rows`)
+                cos_l, sin_l = rope_tables(positions.reshape(n), rope.inv_freq(pos, jnp, local=True), lanes,
+                                           rope.cos_sin_scale(pos, jnp, local=True))
                 cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}

@@ -86,11 +86,11 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     """
     if not cfg.is_moe:
         raise PlanError(f"pack_experts: model '{cfg.name}' has no mixture-of-experts layers")
-    h, e, fe = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+    h, e, fe = cfg.hidden_size, cfg.num_experts, cfg.moe.expert_ffn_size
     if fe % LANE or h % LANE:
         raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
-    ep, nb = round_up(e + cfg.shared_expert_gate, LANE), fe // LANE
+    ep, nb = round_up(e + cfg.moe.shared_expert_gate, LANE), fe // LANE
     routers, gateups, downs, gu_scales, dn_scales = [], [], [], [], []
 
     def codes(a):
@@ -101,12 +101,12 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
 
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
-        if cfg.router_correction_bias:  # float32, the bias in row H (MoEGeometry.router_rows)
+        if cfg.moe.router_correction_bias:  # float32, the bias in row H (MoEGeometry.router_rows)
             bias = jnp.zeros((8, e), jnp.float32).at[0].set(jnp.asarray(layer["router_bias"], jnp.float32))
             router = jnp.concatenate([jnp.asarray(layer["router"], jnp.float32), bias], 0)
         else:
             router = jnp.asarray(layer["router"], dt)
-        if cfg.shared_expert_gate:
+        if cfg.moe.shared_expert_gate:
             router = jnp.concatenate([router, jnp.asarray(layer["shared_router"], router.dtype)], 1)
         routers.append(jnp.pad(router, ((0, 0), (0, ep - router.shape[1]))))
         owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)

@@ -16,7 +16,7 @@ from tpumk.model.reference import mlp_activation
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
     """x [N, K] f32, w [1, K] f32 -> x * rsqrt(sum(x^2) / width + eps) * w (reference.rms_norm);
-    `width` < K when x's last lanes are zero padding (ModelConfig.norm_width)."""
+    `width` < K when x's last lanes are zero padding (ModelConfig.norms.width)."""
     ms = jnp.sum(x * x, axis=-1, keepdims=True) / (width or x.shape[-1])
     return x * jax.lax.rsqrt(ms + eps) * w
 

@@ -213,9 +213,9 @@ def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> N
     if cfg.q_lora_rank:
         add(p + "self_attn.q_a_proj.weight", i, "wq_a", _t)
         add(p + "self_attn.q_a_layernorm.weight", i, "q_a_norm")
-        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(cfg.q_size, cfg.q_lora_rank))
+        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(cfg.attention.q_size, cfg.q_lora_rank))
     else:
-        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(cfg.q_size, cfg.hidden_size))
+        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(cfg.attention.q_size, cfg.hidden_size))
     add(p + "self_attn.kv_a_proj_with_mqa.weight", i, "wkv_a", kv_fix, hf_shape=(c + r, cfg.hidden_size))
     add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
     add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
@@ -258,7 +258,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     # Cohere rotates interleaved pairs over the whole head: q / k rows permuted the same way
     # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
     cohere = config_json.get("model_type") == "cohere"
-    d, rd = cfg.head_dim, cfg.rotary_dim
+    d, rd = cfg.head_dim, cfg.positions.rotary_dim
     heads_of = {"wq": cfg.num_q_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_q_heads, "bk": cfg.num_kv_heads}
 
     def rotary(key: str, fn):
@@ -266,7 +266,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         / wk ([in, out] once fn has run), the biases and the QK-norm weights."""
         if not rd or rd == d or key not in (*heads_of, "q_norm", "k_norm"):
             return fn
-        n = heads_of.get(key, 1 if not cfg.qk_norm_whole else
+        n = heads_of.get(key, 1 if not cfg.attention.qk_norm_whole else
                          (cfg.num_q_heads if key == "q_norm" else cfg.num_kv_heads))
         perm = _rotary_perm(n, d, rd)
         return (lambda a: fn(a)[:, perm]) if key in ("wq", "wk") else (lambda a: fn(a)[perm])
@@ -284,26 +284,26 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
 
     add("model.embed_tokens.weight", None, "embed")
     add("model.norm.weight", None, "final_norm")
-    if cfg.tie_embeddings:
+    if cfg.head.tie_embeddings:
         if "lm_head.weight" in names:  # some exports write the tied copy; it equals embed
             ignored.append("lm_head.weight")
     else:
         add("lm_head.weight", None, "lm_head", _t)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        if cfg.pre_norms:  # OLMo 2 has none
+        if cfg.norms.pre_norms:  # OLMo 2 has none
             add(p + "input_layernorm.weight", i, "attn_norm")
-        if cfg.post_norms:  # Gemma 2 / 3, OLMo 2: post_attention_layernorm normalizes attention's output
+        if cfg.norms.post_norms:  # Gemma 2 / 3, OLMo 2: post_attention_layernorm normalizes attention's output
             add(p + "post_attention_layernorm.weight", i, "post_attn_norm")
-            if cfg.pre_norms:
+            if cfg.norms.pre_norms:
                 add(p + "pre_feedforward_layernorm.weight", i, "mlp_norm")
             add(p + "post_feedforward_layernorm.weight", i, "post_mlp_norm")
-        elif not cfg.parallel_blocks:  # Cohere's MLP reads input_layernorm's output too
+        elif not cfg.norms.parallel_blocks:  # Cohere's MLP reads input_layernorm's output too
             add(p + "post_attention_layernorm.weight", i, "mlp_norm")
         if cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
         elif p + "self_attn.qkv_proj.weight" in names:  # Phi-3: q, k and v rows in one tensor
-            q, kv, h = cfg.q_size, cfg.kv_size, cfg.hidden_size
+            q, kv, h = cfg.attention.q_size, cfg.attention.kv_size, cfg.hidden_size
             for key, lo, hi in (("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)):
                 add(p + "self_attn.qkv_proj.weight", i, key, lambda a, lo=lo, hi=hi: a[lo:hi].T,
                     hf_shape=(q + 2 * kv, h))
@@ -313,19 +313,19 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                                      ("v_proj", "wv", 0), ("o_proj", "wo", 0)):
                 fix = (lambda a, n=heads: _rope_deinterleave(a, n, d, d).T) if cohere and heads else _t
                 add(p + f"self_attn.{proj}.weight", i, key, fix, hf_shape=tuple(reversed(shapes["layers"][i][key])))
-            if cfg.qkv_bias:  # Qwen2: q, k and v biases (o has none)
+            if cfg.attention.qkv_bias:  # Qwen2: q, k and v biases (o has none)
                 for proj, key in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
                     add(p + f"self_attn.{proj}.bias", i, key)
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
-        if cfg.layer_is_dense(i) and p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
+        if cfg.pattern.is_dense(i) and p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
             f, h = cfg.ffn_size, cfg.hidden_size
             add(p + "mlp.gate_up_proj.weight", i, "w_gate", lambda a, f=f: a[:f].T, hf_shape=(2 * f, h))
             add(p + "mlp.gate_up_proj.weight", i, "w_up", lambda a, f=f: a[f:].T, hf_shape=(2 * f, h))
             add(p + "mlp.down_proj.weight", i, "w_down", _t)
             continue
-        if cfg.layer_is_dense(i):
+        if cfg.pattern.is_dense(i):
             for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
                 add(p + f"mlp.{proj}.weight", i, key, _t)
             continue
@@ -333,15 +333,15 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         # (gate), w3 (up) and w2 (down); transformers 5's modules under mlp, fused as Qwen3-MoE's
         mixtral = p + "block_sparse_moe.gate.weight" in names
         add(p + ("block_sparse_moe." if mixtral else "mlp.") + "gate.weight", i, "router", _t)
-        if cfg.router_correction_bias:
+        if cfg.moe.router_correction_bias:
             add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
-        if cfg.num_shared_experts:  # DeepSeek-V3 / GLM-4.5: shared_experts; Qwen2-MoE: shared_expert
-            where = "mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_experts."
+        if cfg.moe.num_shared_experts:  # DeepSeek-V3 / GLM-4.5: shared_experts; Qwen2-MoE: shared_expert
+            where = "mlp.shared_expert." if cfg.moe.shared_expert_gate else "mlp.shared_experts."
             for proj, key in (("gate_proj", "s_gate"), ("up_proj", "s_up"), ("down_proj", "s_down")):
                 add(p + f"{where}{proj}.weight", i, key, _t)
-            if cfg.shared_expert_gate:  # [1, H] -> [H, 1]
+            if cfg.moe.shared_expert_gate:  # [1, H] -> [H, 1]
                 add(p + "mlp.shared_expert_gate.weight", i, "shared_router", _t)
-        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size
         if p + "mlp.experts.gate_up_proj" in names:
             gu = p + "mlp.experts.gate_up_proj"
             add(gu, i, "e_gate", lambda a, f=f: a[:, :f].transpose(0, 2, 1), hf_shape=(e, 2 * f, h))
@@ -367,7 +367,7 @@ def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str
     w_down x residual_multiplier, embed x embedding_multiplier, lm_head / logits_scaling. A tied
     head becomes its own lm_head (the embedding and the head now differ)."""
     s = {k: float(config_json.get(k, v)) for k, v in GRANITE_SCALARS.items()}
-    if cfg.qk_norm or cfg.is_moe or any(isinstance(lay["wq"], QuantizedMatrix) for lay in params["layers"]):
+    if cfg.attention.qk_norm or cfg.is_moe or any(isinstance(lay["wq"], QuantizedMatrix) for lay in params["layers"]):
         raise NotSupportedError("granite: not supported yet: its scalars folded into QK-norm, experts or fp8 weights")
     dt = jnp.dtype(jnp_dtype(cfg))
 
@@ -537,7 +537,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                                     "(official fp8 releases store one tensor per expert)")
         if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
-        if w in plan and (cohere or 0 < cfg.rotary_dim < cfg.head_dim) \
+        if w in plan and (cohere or 0 < cfg.positions.rotary_dim < cfg.head_dim) \
                 and any(key in ("wq", "wk") for _, key, *_ in plan[w]):
             why = "Cohere's q / k rows are" if cohere else "partial rotary: q / k rows are"
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: tensor '{w}' in fp8 ({why} "
@@ -564,7 +564,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
 
     def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
-        return np.dtype(np.float32) if cfg.router_correction_bias and key in FLOAT32_TENSORS else out_dt
+        return np.dtype(np.float32) if cfg.moe.router_correction_bias and key in FLOAT32_TENSORS else out_dt
 
     # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
     # over as soon as its last expert arrives (the plan runs layer by layer).

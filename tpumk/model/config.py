@@ -1,9 +1,11 @@
 """Model configuration: one validated description of a decoder-only transformer.
 
 A `ModelConfig` comes from a preset shipped with tpumk, a TOML file, or a Hugging Face
-`config.json`. Every consumer (reference model, weights, plan, kernel, cache key) reads the
-model only through this type, so validation happens once, here, with messages that name the
-field that is wrong.
+`config.json`. Its fields are stored flat (the TOML / JSON keys every cache key is made of);
+each stage reads them through the part it concerns (`cfg.attention`, `cfg.positions`,
+`cfg.norms`, `cfg.mlp`, `cfg.moe`, `cfg.pattern`, `cfg.head`: tpumk.model.parts), each part
+checks its own fields, and the feature combinations the kernel does not build are refused here,
+so validation happens once, with messages that name the field that is wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,16 +26,10 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
+from tpumk.model.parts import MLA_FIELDS, Attention, Head, LayerPattern, Mlp, Moe, Norms, Positions, take
 from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
-SCORINGS = ("softmax", "sigmoid")
-ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")  # tpumk.model.rope
-# The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
-# gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
-MLP_ACTS = ("silu", "gelu_tanh")
-# The residual stream's norms: RMSNorm, or LayerNorm without bias (Cohere: mean subtracted).
-NORM_KINDS = ("rms", "layer")
 # A layer's norm weight vectors in the reference layout (replicated on many devices; Gemma's
 # (1 + w) is folded into each on load).
 LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
@@ -71,13 +68,12 @@ MAX_SIZES = {
     "rope_original_max_position": 1 << 30,
     "sliding_window": 1 << 30,
 }
-# The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer (Qwen3 family semantics: pre-norm, GQA, RoPE, SwiGLU)."""
+    """A decoder-only transformer: by default Qwen3's (pre-norm, GQA, RoPE, SwiGLU); the fields
+    below switch features on, grouped by the part that reads them (tpumk.model.parts)."""
 
     name: str
     num_layers: int
@@ -217,166 +213,68 @@ class ModelConfig:
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
             raise ConfigError(f"model config: field 'name' = {_short_repr(self.name)}: expected a non-empty "
                               "one-line string")
-        # Types and bounds first: everything below (and every consumer) may then do arithmetic
+        # Types and bounds first: every part's check (and every consumer) may then do arithmetic
         # on the sizes, and nothing loops over more than MAX_SIZES["num_layers"] layers.
         for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
             need(_is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
                  f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
-                  *MLA_FIELDS, "yarn_original_max_position"):
+                  *MLA_FIELDS, "yarn_original_max_position", "sliding_window"):
             need(_is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
-                 f"a non-negative integer at most {MAX_SIZES[f]:,}")
+                 f"a non-negative integer at most {MAX_SIZES[f]:,}" + (" (0: no window)" if f == "sliding_window" else ""))
         need(isinstance(self.dense_layers, tuple) and all(_is_int(i) for i in self.dense_layers), "dense_layers",
              "a list of layer indices")
-        need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
-        if not self.is_mla:
-            need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
-        need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
-        need(isinstance(self.rope_scaling, str) and self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
-             f"one of {', '.join(ROPE_SCALINGS)}")
-        need(_is_number(self.rope_factor) and self.rope_factor >= 1, "rope_factor", "a finite number of at least 1")
-        need(_is_number(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0, "rope_low_freq_factor",
-             "a positive finite number")
-        need(_is_number(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor,
-             "rope_high_freq_factor", f"a finite number above rope_low_freq_factor ({self.rope_low_freq_factor})")
-        need(_is_int(self.rope_original_max_position)
-             and 0 < self.rope_original_max_position <= MAX_SIZES["rope_original_max_position"],
-             "rope_original_max_position", f"a positive integer at most {MAX_SIZES['rope_original_max_position']:,}")
-        if self.is_mla:
-            need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
-        if self.yarn_factor:
-            need(self.rope_scaling == "none", "rope_scaling", "none with yarn_factor set (one RoPE scaling)")
-        need(_is_number(self.rope_attention_factor) and self.rope_attention_factor >= 0, "rope_attention_factor",
-             "a finite number of at least 0 (0: derived)")
-        need(isinstance(self.qk_norm, bool), "qk_norm", "true or false")
-        need(isinstance(self.qkv_bias, bool), "qkv_bias", "true or false")
-        need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
-        need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "true or false")
         need(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
-        need(isinstance(self.router_scoring, str) and self.router_scoring in SCORINGS, "router_scoring", f"one of {', '.join(SCORINGS)}")
-        if self.num_experts:
-            need(self.top_k >= 1, "top_k", "at least 1 for a mixture-of-experts model")
-            need(self.top_k <= self.num_experts, "top_k", f"at most num_experts ({self.num_experts})")
-            need(self.expert_ffn_size > 0, "expert_ffn_size", "a positive integer for a mixture-of-experts model")
-            need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
-                 f"layer indices in [0, {self.num_layers})")
-            if self.num_shared_experts:
-                need(self.shared_expert_ffn_size > 0, "shared_expert_ffn_size",
-                     "a positive integer when num_shared_experts > 0")
-        else:
-            need(self.top_k == 0, "top_k", "0 for a dense model (num_experts = 0)")
-            need(self.num_shared_experts == 0, "num_shared_experts", "0 for a dense model (num_experts = 0)")
-            need(not self.dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
-        if self.num_dense_layers:  # closed form: no loop over num_layers
-            need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
-        need(_is_int(self.sliding_window) and 0 <= self.sliding_window <= MAX_SIZES["sliding_window"],
-             "sliding_window", f"a non-negative integer at most {MAX_SIZES['sliding_window']:,} (0: no window)")
-        need(isinstance(self.sliding_layers, tuple) and all(_is_int(i) for i in self.sliding_layers),
-             "sliding_layers", "a list of layer indices")
-        need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
-             f"layer indices in [0, {self.num_layers})")
-        need(_is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
-             f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
-        need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
-             "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
-        need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.true_head_dim and self.rotary_dim % 2 == 0,
-             "rotary_dim", f"an even integer in [0, the head width {self.true_head_dim}] (0: the whole head)")
-        pairs = self.rotary_width // 2 if not self.is_mla else 0
-        for f in ("rope_short_factor", "rope_long_factor"):
-            v = getattr(self, f)
-            if self.rope_scaling == "longrope":
-                need(isinstance(v, tuple) and len(v) == pairs and all(_is_number(x) and x > 0 for x in v), f,
-                     f"{pairs} positive finite numbers (one per rotary frequency) for longrope")
-            else:
-                need(v == (), f, "empty unless rope_scaling is longrope")
-        need(isinstance(self.shared_expert_gate, bool), "shared_expert_gate", "true or false")
-        if self.shared_expert_gate:  # the gate shares the router's one DMA and dtype (not DeepSeek's float32 router)
-            need(self.is_moe and self.num_shared_experts > 0 and not self.router_correction_bias, "shared_expert_gate",
-                 "false without shared experts or with router_correction_bias")
-        if self.rotary_dim:
-            need(not self.is_mla, "rotary_dim", "0 for an MLA model (qk_rope_head_dim says which lanes turn)")
-        need(isinstance(self.mlp_act, str) and self.mlp_act in MLP_ACTS, "mlp_act", f"one of {', '.join(MLP_ACTS)}")
-        if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
-            need(not self.is_moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
-        need(_is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
-             "a positive finite number")
-        need(isinstance(self.post_norms, bool), "post_norms", "true or false")
-        if self.post_norms:  # the kernel normalizes a dense sublayer's whole output before the residual
-            need(not self.is_moe and not self.is_mla, "post_norms", "false for a mixture-of-experts or MLA model")
-        need(_is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
-             "a non-negative finite number (0: the head width)")
-        need(_is_number(self.rope_local_theta) and 0 <= self.rope_local_theta < math.inf, "rope_local_theta",
-             "a non-negative finite number (0: rope_theta on every layer)")
-        if self.rope_local_theta:
-            need(bool(self.sliding_window) and not self.is_mla, "rope_local_theta",
-                 "0 without sliding-window layers (it is their RoPE theta) or for an MLA model")
-        need(isinstance(self.pre_norms, bool), "pre_norms", "true or false")
-        if not self.pre_norms:  # a layer keeps its norms after the sublayers
-            need(self.post_norms, "pre_norms", "true unless post_norms is true (a layer needs one of them)")
-        need(isinstance(self.qk_norm_whole, bool), "qk_norm_whole", "true or false")
-        need(self.norm_kind in NORM_KINDS, "norm_kind", f"one of {', '.join(NORM_KINDS)}")
-        if self.norm_kind != "rms":  # MLA's latent norms and QK-norm are RMSNorms
-            need(not self.is_mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
-        need(isinstance(self.parallel_blocks, bool), "parallel_blocks", "true or false")
-        if self.parallel_blocks:  # the kernel's MLP reads attention's normed input, kept in VMEM
-            need(self.pre_norms and not self.post_norms and not self.is_moe and not self.is_mla, "parallel_blocks",
-                 "false with post_norms, without pre_norms, or for a mixture-of-experts or MLA model")
-        if self.qk_norm_whole:
-            need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
-        for f in ("attn_softcap", "final_softcap"):
-            need(_is_number(getattr(self, f)) and 0 <= getattr(self, f) < math.inf, f,
-                 "a non-negative finite number (0: no soft-capping)")
-        if self.attn_softcap:  # the MLA stage's scores are not capped
-            need(not self.is_mla, "attn_softcap", "0 for an MLA model")
-        if self.sliding_window:
-            need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
-        else:
-            need(not self.sliding_layers, "sliding_layers", "empty when sliding_window = 0 (no window)")
-        self._validate_mla_and_routing(need)
+        # Each part's own fields, then the rules between parts.
+        self.attention.check(need)
+        self.moe.check(need, self.num_layers, self.dense_layers)
+        self.pattern.check(need)
+        self.positions.check(need, has_window=bool(self.sliding_window))
+        self.norms.check(need)
+        self.mlp.check(need, has_dense_layers=bool(self.pattern.num_dense))
+        self.head.check(need)
+        self._check_combinations(need)
 
-    def _validate_mla_and_routing(self, need) -> None:
-        for f in ("router_groups", "router_topk_groups"):
-            need(_is_int(getattr(self, f)) and 1 <= getattr(self, f) <= MAX_SIZES[f], f,
-                 f"a positive integer at most {MAX_SIZES[f]:,}")
-        need(isinstance(self.router_correction_bias, bool), "router_correction_bias", "true or false")
-        need(isinstance(self.yarn_truncate, bool), "yarn_truncate", "true or false")
-        need(_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
-             "a positive finite number")
-        for f in ("yarn_factor", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
-            need(_is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
-        for f in ("yarn_beta_fast", "yarn_beta_slow"):
-            need(_is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
-        set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
-                                           ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
-                      if getattr(self, f) != default]
-        if set_fields:  # DeepSeek-V3 routing
-            need(self.is_moe, set_fields[0], "its default for a dense model (num_experts = 0)")
-            g = self.router_groups
-            need(self.num_experts % g == 0, "router_groups", f"a divisor of num_experts ({self.num_experts})")
-            need(g == 1 or self.num_experts // g >= 2, "router_groups",
-                 "at most num_experts / 2 (a group is scored by its two best experts)")
-            need(self.router_topk_groups <= g, "router_topk_groups", f"at most router_groups ({g})")
-            need(self.top_k <= self.router_topk_groups * (self.num_experts // g), "top_k",
-                 "at most router_topk_groups x experts per group (the experts the kept groups hold)")
-        if self.yarn_factor:
-            need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
-            need(self.yarn_original_max_position > 0, "yarn_original_max_position",
-                 "a positive integer when yarn_factor is set")
-        if not self.is_mla:
-            for f in MLA_FIELDS:
-                need(getattr(self, f) == 0, f, "0 for a GQA model (kv_lora_rank = 0)")
-            return
-        need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
-             "a positive even number for an MLA model (RoPE rotates pairs)")
-        need(self.qk_nope_head_dim > 0, "qk_nope_head_dim", "a positive integer for an MLA model")
-        need(self.v_head_dim > 0, "v_head_dim", "a positive integer for an MLA model")
-        need(self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim, "head_dim",
-             f"qk_nope_head_dim + qk_rope_head_dim ({self.qk_nope_head_dim + self.qk_rope_head_dim}) for an MLA model")
-        need(self.num_kv_heads == self.num_q_heads, "num_kv_heads",
-             f"num_q_heads ({self.num_q_heads}) for an MLA model (every head reads the shared latent)")
-        need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
-        need(not self.qkv_bias, "qkv_bias", "false for an MLA model (its projections have no biases)")
+    def _check_combinations(self, need) -> None:
+        """Feature combinations the kernel does not build (each rule names the field to change)."""
+        moe, mla = self.is_moe, self.is_mla
+        if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
+            need(not moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
+        if self.post_norms:  # the kernel normalizes a dense sublayer's whole output before the residual
+            need(not moe and not mla, "post_norms", "false for a mixture-of-experts or MLA model")
+        if self.norm_kind != "rms":  # MLA's latent norms and QK-norm are RMSNorms
+            need(not mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
+        if self.parallel_blocks:
+            need(not moe and not mla, "parallel_blocks", "false for a mixture-of-experts or MLA model")
+
+    # ------------------------------------------------------------------ parts (tpumk.model.parts)
+    @cached_property
+    def attention(self) -> Attention:
+        return take(Attention, self)
+
+    @cached_property
+    def positions(self) -> Positions:
+        return take(Positions, self, head_lanes=self.attention.true_head_dim, mla=self.is_mla)
+
+    @cached_property
+    def norms(self) -> Norms:
+        return take(Norms, self)
+
+    @cached_property
+    def mlp(self) -> Mlp:
+        return take(Mlp, self)
+
+    @cached_property
+    def moe(self) -> Moe:
+        return take(Moe, self)
+
+    @cached_property
+    def pattern(self) -> LayerPattern:
+        return take(LayerPattern, self, moe=self.is_moe)
+
+    @cached_property
+    def head(self) -> Head:
+        return take(Head, self)
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -384,85 +282,31 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def q_size(self) -> int:
-        return self.num_q_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
-
-    @property
-    def kv_cache_width(self) -> int:
-        """Elements one token caches per layer: K and V of every KV head, or for MLA the
-        normalized latent c_kv and the roped key part (one row shared by all heads)."""
-        if self.is_mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.kv_size
-
-    def attention_param_count(self) -> int:
-        """Parameters of one layer's attention matrices (norms not included)."""
-        h = self.hidden_size
-        if not self.is_mla:
-            bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
-            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + bias
-        q = self.q_lora_rank * (h + self.q_size) if self.q_lora_rank else h * self.q_size
-        kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + h * self.kv_cache_width + kv_b + self.num_q_heads * self.v_head_dim * h
-
-    def attention_output_columns(self) -> int:
-        """Output columns of one layer's attention matrices (one quantization scale each)."""
-        h = self.hidden_size
-        if not self.is_mla:
-            return self.q_size + 2 * self.kv_size + h
-        q = self.q_lora_rank + self.q_size if self.q_lora_rank else self.q_size
-        return q + self.kv_cache_width + self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim) + h
 
     @property
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
-    @property
-    def num_dense_layers(self) -> int:
-        return len(self.dense_layers) if self.is_moe else self.num_layers
-
-    def layer_is_dense(self, i: int) -> bool:
-        return (not self.is_moe) or i in self.dense_layers
-
-    def layer_window(self, i: int) -> int:
-        """Layer i's attention window (a query at p sees keys k with p - k < window), 0 = full."""
-        return self.sliding_window if i in self.sliding_layers else 0
-
     def layer_param_counts(self, i: int) -> dict[str, int]:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
-        attn = self.attention_param_count()
-        qk = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
-        pre = (1 if self.parallel_blocks else 2) * self.pre_norms  # parallel blocks share one norm
-        norms = (pre + 2 * self.post_norms) * h + qk + self.q_lora_rank + self.kv_lora_rank
-        if self.layer_is_dense(i):
-            return {"always": attn + norms + 3 * h * self.ffn_size, "per_expert": 0, "experts": 0}
-        shared = self.num_shared_experts * 3 * h * self.shared_expert_ffn_size
-        return {
-            "always": attn + norms + h * (self.num_experts + self.shared_expert_gate) + shared
-                      + (self.num_experts if self.router_correction_bias else 0),
-            "per_expert": 3 * h * self.expert_ffn_size,
-            "experts": self.num_experts,
-        }
+        always = self.attention.param_count(h) + self.norms.per_layer() * h + self.attention.norm_params()
+        if self.pattern.is_dense(i):
+            return {"always": always + self.mlp.param_count(h), "per_expert": 0, "experts": 0}
+        c = self.moe.param_counts(h)
+        return {"always": always + c["always"], "per_expert": c["per_expert"], "experts": self.num_experts}
 
     def _layer_kinds(self) -> list[tuple[int, dict[str, int]]]:
         """(how many layers, one such layer's param counts) per layer kind, in closed form (no
         loop over the layers: every dense layer counts alike, and so does every MoE layer)."""
-        n_dense = self.num_dense_layers
+        n_dense = self.pattern.num_dense
         out = []
         if n_dense:
             out.append((n_dense, self.layer_param_counts(self.dense_layers[0] if self.is_moe else 0)))
         if self.num_layers - n_dense:
-            first_moe = next(i for i in range(n_dense + 1) if not self.layer_is_dense(i))
-            out.append((self.num_layers - n_dense, self.layer_param_counts(first_moe)))
+            out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
         return out
 
     def param_count(self) -> int:
@@ -485,27 +329,7 @@ class ModelConfig:
         return int(round(params * self.dtype_bytes))
 
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * self.kv_cache_width * self.dtype_bytes
-
-    @property
-    def norm_width(self) -> int:
-        """The width RMSNorm over the residual divides by: the model's true hidden size."""
-        return self.rms_width or self.hidden_size
-
-    @property
-    def true_head_dim(self) -> int:
-        """The head width the softmax scale, RoPE and per-head norms are for (head_dim unless padded)."""
-        return self.head_width or self.head_dim
-
-    @property
-    def rotary_width(self) -> int:
-        """Lanes of each head RoPE turns: rotary_dim, or the whole (true) head."""
-        return self.rotary_dim or self.true_head_dim
-
-    @property
-    def score_divisor(self) -> float:
-        """Attention scores are q . k / this: sqrt(attn_scalar), else sqrt(true head width)."""
-        return math.sqrt(self.attn_scalar or self.true_head_dim)
+        return self.num_layers * self.attention.kv_cache_width * self.dtype_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -221,7 +221,7 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]
     transpose = np.transpose
     add("token_embd.weight", None, "embed")
     add("output_norm.weight", None, "final_norm")
-    if not cfg.tie_embeddings:
+    if not cfg.head.tie_embeddings:
         add("output.weight", None, "lm_head", transpose)
     for i in range(cfg.num_layers):
         b = f"blk.{i}."

@@ -59,13 +59,13 @@ def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
     b, t, _ = x.shape
     n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
-        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.rms_eps), layer["wq_b"])
+        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.rms_eps), layer["wq_b"])
     else:
         q = matmul(x, layer["wq"])
     q = q.reshape(b, t, cfg.num_q_heads, n + r)
     kv = matmul(x, layer["wkv_a"])  # [B, T, C+R]
-    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.rms_eps)
-    freqs, factor = yarn.inv_freq(cfg), yarn.attention_factor(cfg)
+    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.norms.rms_eps)
+    freqs, factor = yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), yarn.attention_factor(cfg.positions)
     q_rope = rope_rows(q[..., n:], positions, freqs, factor)
     k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
     row = jnp.concatenate([c_kv, k_rope], -1).astype(jnp_dtype(cfg))
@@ -96,7 +96,8 @@ def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array,
     b, t = q_nope.shape[:2]
     q_lat = _per_head(q_nope, w_uk)
     q_row = jnp.concatenate([q_lat, q_rope], -1).astype(rows.dtype)  # [B,T,Hq,C+R]
-    s = jnp.einsum("bthd,bsd->bhts", q_row, rows, preferred_element_type=jnp.float32) * yarn.softmax_scale(cfg)
+    scale = yarn.softmax_scale(cfg.attention, cfg.positions)
+    s = jnp.einsum("bthd,bsd->bhts", q_row, rows, preferred_element_type=jnp.float32) * scale
     mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
     p = _softmax_masked(s, mask)
     # (as bhtc, then transposed: XLA:CPU has no bfloat16 kernel for the bthc form of this product)
@@ -117,7 +118,8 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
     k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(w_uk.dtype), w_uk, preferred_element_type=jnp.float32)
     v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
     s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
-         + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(jnp.float32))) * yarn.softmax_scale(cfg)
+         + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(jnp.float32))) \
+        * yarn.softmax_scale(cfg.attention, cfg.positions)
     mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
     p = _softmax_masked(s, mask)
     o = jnp.einsum("bhts,bshv->bthv", p, v)

@@ -21,7 +21,7 @@ def jnp_dtype(cfg: ModelConfig):
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, width: int | None = None) -> jax.Array:
     """RMSNorm over the last axis; `width` (default: that axis) is the divisor of the mean square,
-    the true hidden size when x carries zero padding lanes (ModelConfig.norm_width)."""
+    the true hidden size when x carries zero padding lanes (ModelConfig.norms.width)."""
     x = x.astype(jnp.float32)
     ms = jnp.sum(x * x, axis=-1, keepdims=True) / (width or x.shape[-1])
     return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)

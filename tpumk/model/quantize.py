@@ -311,10 +311,10 @@ def ring_parameter_count(cfg) -> int:
     shared-expert gate / up / down, and the lm_head (a tied model's head counts: it becomes its
     own quantized copy). Closed form, no loop over layers."""
     h = cfg.hidden_size
-    n_dense = cfg.num_dense_layers
+    n_dense = cfg.pattern.num_dense
     n_moe = cfg.num_layers - n_dense
-    attn = cfg.attention_param_count()
-    shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    attn = cfg.attention.param_count(cfg.hidden_size)
+    shared = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
     return cfg.num_layers * attn + n_dense * 3 * h * cfg.ffn_size + n_moe * 3 * h * shared + h * cfg.vocab_size
 
 
@@ -322,7 +322,7 @@ def expert_parameter_count(cfg) -> int:
     """Parameters of the routed experts (every MoE layer's E gate / up / down)."""
     if not cfg.is_moe:
         return 0
-    return (cfg.num_layers - cfg.num_dense_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_ffn_size
+    return (cfg.num_layers - cfg.pattern.num_dense) * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe.expert_ffn_size
 
 
 def _scale_count(fmt: WeightFormat, matrices: list[tuple[int, int, int]]) -> int:
@@ -332,16 +332,16 @@ def _scale_count(fmt: WeightFormat, matrices: list[tuple[int, int, int]]) -> int
 
 def ring_matrices(cfg) -> list[tuple[int, int, int]]:
     """(count, K, M) of the ring's matrices (the lm_head included)."""
-    h, n_dense, L = cfg.hidden_size, cfg.num_dense_layers, cfg.num_layers
+    h, n_dense, L = cfg.hidden_size, cfg.pattern.num_dense, cfg.num_layers
     n_moe = L - n_dense
-    shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    shared = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
     if cfg.is_mla:  # q path, kv_a, the per-head absorbed blocks (quantized head by head), o
         hq, rq, c = cfg.num_q_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-        out = [(L, h, rq), (L, rq, cfg.q_size)] if rq else [(L, h, cfg.q_size)]
-        out += [(L, h, cfg.kv_cache_width), (L * hq, cfg.qk_nope_head_dim, c), (L * hq, c, cfg.v_head_dim),
+        out = [(L, h, rq), (L, rq, cfg.attention.q_size)] if rq else [(L, h, cfg.attention.q_size)]
+        out += [(L, h, cfg.attention.kv_cache_width), (L * hq, cfg.qk_nope_head_dim, c), (L * hq, c, cfg.v_head_dim),
                 (L, hq * cfg.v_head_dim, h), (1, h, cfg.vocab_size)]
     else:
-        out = [(L, h, cfg.q_size + 2 * cfg.kv_size), (L, cfg.q_size, h), (1, h, cfg.vocab_size)]
+        out = [(L, h, cfg.attention.q_size + 2 * cfg.attention.kv_size), (L, cfg.attention.q_size, h), (1, h, cfg.vocab_size)]
     if n_dense:
         out += [(n_dense, h, 2 * cfg.ffn_size), (n_dense, cfg.ffn_size, h)]
     if shared and n_moe:
@@ -352,8 +352,8 @@ def ring_matrices(cfg) -> list[tuple[int, int, int]]:
 def expert_matrices(cfg) -> list[tuple[int, int, int]]:
     if not cfg.is_moe:
         return []
-    n = (cfg.num_layers - cfg.num_dense_layers) * cfg.num_experts
-    return [(n, cfg.hidden_size, 2 * cfg.expert_ffn_size), (n, cfg.expert_ffn_size, cfg.hidden_size)]
+    n = (cfg.num_layers - cfg.pattern.num_dense) * cfg.num_experts
+    return [(n, cfg.hidden_size, 2 * cfg.moe.expert_ffn_size), (n, cfg.moe.expert_ffn_size, cfg.hidden_size)]
 
 
 def quantized_weight_bytes(cfg, scheme: str) -> int:
@@ -363,7 +363,7 @@ def quantized_weight_bytes(cfg, scheme: str) -> int:
     total = cfg.param_count() * cfg.dtype_bytes
     if s.ring is not None:
         ring = ring_parameter_count(cfg)
-        untied_head = 0 if cfg.tie_embeddings else cfg.hidden_size * cfg.vocab_size
+        untied_head = 0 if cfg.head.tie_embeddings else cfg.hidden_size * cfg.vocab_size
         total -= (ring - cfg.hidden_size * cfg.vocab_size + untied_head) * cfg.dtype_bytes
         total += ring * s.ring.itemsize + 4 * _scale_count(s.ring, ring_matrices(cfg))
     if s.experts is not None and cfg.is_moe:

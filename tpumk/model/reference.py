@@ -16,7 +16,7 @@ contract in `tpumk.model.ops`) caches one latent row per token in `k`
 A step with token ids `[B, q]` at positions `[B, q]` writes each new token's K/V at its
 position, lets a query at position p see every cached or new key at positions <= p, and
 returns `lengths = max(lengths, last position + 1)`. In a sliding-window layer
-(`ModelConfig.layer_window`) a query at p sees only the keys k with p - k < window.
+(`ModelConfig.pattern.window`) a query at p sees only the keys k with p - k < window.
 
 Positions contract (checked on the host by `tpumk.model.positions.check_step`, which generate,
 speculation and loaded artifacts call by default): per sequence b the step's positions are
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.model.config import ModelConfig
+from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
 from tpumk.model import mla
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
@@ -91,10 +92,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     if seed is not None:
         order = np.random.default_rng(seed).permutation(num_pages)
     tables = order[:needed].reshape(batch, pages_per_seq).astype(np.int32)
-    shape = (cfg.num_layers, num_pages, page_size, cfg.kv_size)
+    shape = (cfg.num_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla); v stays empty
-        return KVCache(jnp.zeros(shape[:3] + (cfg.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
+        return KVCache(jnp.zeros(shape[:3] + (cfg.attention.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
                        jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
                    jnp.zeros((batch,), jnp.int32))
@@ -132,8 +133,7 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     return matmul(mlp_activation(matmul(x, w_gate), act) * matmul(x, w_up), w_down)
 
 
-def route(cfg: ModelConfig, router_logits: jax.Array, bias: jax.Array | None = None
-          ) -> tuple[jax.Array, jax.Array]:
+def route(moe: Moe, router_logits: jax.Array, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k routing: returns (expert ids [..., k] int32, weights [..., k] float32).
 
     Softmax scoring takes the softmax over all experts, then the top k; sigmoid scoring takes
@@ -147,98 +147,99 @@ def route(cfg: ModelConfig, router_logits: jax.Array, bias: jax.Array | None = N
     routed_scaling_factor after any renormalisation.
     """
     logits = router_logits.astype(jnp.float32)
-    scores = jax.nn.softmax(logits, -1) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
+    scores = jax.nn.softmax(logits, -1) if moe.router_scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
-    if cfg.router_groups > 1:
-        g = cfg.router_groups
-        grouped = choice.reshape(*choice.shape[:-1], g, cfg.num_experts // g)
+    if moe.router_groups > 1:
+        g = moe.router_groups
+        grouped = choice.reshape(*choice.shape[:-1], g, moe.experts_per_group)
         group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], -1)  # [..., G]
-        _, keep = jax.lax.top_k(group_scores, cfg.router_topk_groups)
+        _, keep = jax.lax.top_k(group_scores, moe.router_topk_groups)
         kept = jnp.any(keep[..., :, None] == jnp.arange(g), -2)  # [..., G]
-        choice = jnp.where(jnp.repeat(kept, cfg.num_experts // g, axis=-1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, cfg.top_k)
+        choice = jnp.where(jnp.repeat(kept, moe.experts_per_group, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, moe.top_k)
     weights = jnp.take_along_axis(scores, ids, -1)
-    if cfg.norm_topk_prob:
+    if moe.norm_topk_prob:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
-    if cfg.routed_scaling_factor != 1.0:
-        weights = weights * cfg.routed_scaling_factor
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
     return ids.astype(jnp.int32), weights
 
 
-def moe_ffn(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
+def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     """x: [N, H] float32 normed activations -> [N, H] float32."""
-    ids, weights = route(cfg, matmul(x, layer["router"]), layer.get("router_bias"))
+    ids, weights = route(moe, matmul(x, layer["router"]), layer.get("router_bias"))
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
-    combine = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
+    combine = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
     g = expert_matmul(x, layer["e_gate"])
     u = expert_matmul(x, layer["e_up"])
     a = mlp_activation(g) * u  # SwiGLU experts; cast to the compute dtype by expert_matmul, as the kernel does
     y = expert_matmul(a, layer["e_down"])
     out = jnp.einsum("enh,ne->nh", y, combine)
-    if cfg.num_shared_experts:
-        out = out + shared_experts(cfg, layer, x)
+    if moe.num_shared_experts:
+        out = out + shared_experts(moe, layer, x)
     return out
 
 
-def shared_experts(cfg: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
+def shared_experts(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     """The shared experts' output [N, H] f32; with shared_expert_gate (Qwen2-MoE) scaled per row by
     sigmoid(x @ shared_router) (the logit as the router's: x cast to the weight dtype, f32 sums)."""
     out = gated_mlp(x, layer["s_gate"], layer["s_up"], layer["s_down"])
-    if cfg.shared_expert_gate:
+    if moe.shared_expert_gate:
         out = jax.nn.sigmoid(matmul(x, layer["shared_router"])) * out
     return out
 
 
-def sublayer_in(cfg: ModelConfig, layer: Params, norm: str, x: jax.Array) -> jax.Array:
+def sublayer_in(norms: Norms, layer: Params, norm: str, x: jax.Array) -> jax.Array:
     """What a sublayer reads: the residual normalized by the layer's `norm` weights (attn_norm /
     mlp_norm), or without pre_norms (OLMo 2) the residual itself."""
-    return residual_norm(cfg.norm_kind, x, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.pre_norms else x
+    return residual_norm(norms.norm_kind, x, layer[norm], norms.rms_eps, norms.width) if norms.pre_norms else x
 
 
-def mlp_in(cfg: ModelConfig, layer: Params, x: jax.Array, attn_in: jax.Array) -> jax.Array:
+def mlp_in(norms: Norms, layer: Params, x: jax.Array, attn_in: jax.Array) -> jax.Array:
     """What the MLP reads: the residual after attention normalized by mlp_norm, or with
     parallel_blocks (Cohere) attention's own input `attn_in` (both outputs join the residual)."""
-    return attn_in if cfg.parallel_blocks else sublayer_in(cfg, layer, "mlp_norm", x)
+    return attn_in if norms.parallel_blocks else sublayer_in(norms, layer, "mlp_norm", x)
 
 
-def sublayer_out(cfg: ModelConfig, layer: Params, norm: str, y: jax.Array) -> jax.Array:
+def sublayer_out(norms: Norms, layer: Params, norm: str, y: jax.Array) -> jax.Array:
     """What a sublayer adds to the residual: its output, or with post_norms (Gemma 3) its
     output normalized by the layer's `norm` weights (post_attn_norm / post_mlp_norm)."""
-    return residual_norm(cfg.norm_kind, y, layer[norm], cfg.rms_eps, cfg.norm_width) if cfg.post_norms else y
+    return residual_norm(norms.norm_kind, y, layer[norm], norms.rms_eps, norms.width) if norms.post_norms else y
 
 
 def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
-    if cfg.layer_is_dense(i):
-        return gated_mlp(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp_act)
-    return moe_ffn(cfg, layer, x)
+    if cfg.pattern.is_dense(i):
+        return gated_mlp(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp.mlp_act)
+    return moe_ffn(cfg.moe, layer, x)
 
 
 def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int):
     """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype).
     `i`: the layer (a sliding-window layer may rotate with its own theta, rope_local_theta)."""
     b, t, _ = x.shape
+    a, eps = cfg.attention, cfg.norms.rms_eps
     q, k, v = (matmul(x, layer[w]) for w in ("wq", "wk", "wv"))
-    if cfg.qkv_bias:  # added in float32 to the float32 products, as the kernel does
-        q, k, v = (a + layer[n].astype(jnp.float32) for a, n in ((q, "bq"), (k, "bk"), (v, "bv")))
-    if cfg.qk_norm_whole:  # OLMo 2: one norm across every head (the true lanes of each)
-        q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.num_q_heads * cfg.true_head_dim)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.num_kv_heads * cfg.true_head_dim)
-    q = q.reshape(b, t, cfg.num_q_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm and not cfg.qk_norm_whole:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_eps, cfg.true_head_dim)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_eps, cfg.true_head_dim)
-    local = bool(cfg.layer_window(i))
-    freqs, scale = rope_freqs(cfg, jnp, local=local), rope_cos_sin_scale(cfg, jnp, local)
+    if a.qkv_bias:  # added in float32 to the float32 products, as the kernel does
+        q, k, v = (y + layer[n].astype(jnp.float32) for y, n in ((q, "bq"), (k, "bk"), (v, "bv")))
+    if a.qk_norm_whole:  # OLMo 2: one norm across every head (the true lanes of each)
+        q = rms_norm(q, layer["q_norm"], eps, a.num_q_heads * a.true_head_dim)
+        k = rms_norm(k, layer["k_norm"], eps, a.num_kv_heads * a.true_head_dim)
+    q = q.reshape(b, t, a.num_q_heads, a.head_dim)
+    k = k.reshape(b, t, a.num_kv_heads, a.head_dim)
+    v = v.reshape(b, t, a.num_kv_heads, a.head_dim)
+    if a.qk_norm and not a.qk_norm_whole:
+        q = rms_norm(q, layer["q_norm"], eps, a.true_head_dim)
+        k = rms_norm(k, layer["k_norm"], eps, a.true_head_dim)
+    local = bool(cfg.pattern.window(i))
+    freqs, scale = rope_freqs(cfg.positions, jnp, local=local), rope_cos_sin_scale(cfg.positions, jnp, local)
     q = rope(q, positions, freqs, scale)
     k = rope(k, positions, freqs, scale)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
     return q, k.astype(dt), v.astype(dt)
 
 
-def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
            k_pos: jax.Array, k_valid: jax.Array, window: int = 0) -> jax.Array:
     """GQA attention. q [B,T,Hq,D] f32; k, v [B,S,Hkv,D]; q_pos [B,T]; k_pos, k_valid [B,S].
 
@@ -246,14 +247,13 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     (transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
 
     Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D) (then
-    soft-capped when cfg.attn_softcap); the softmax runs in float32; probabilities are cast to
+    soft-capped when att.attn_softcap); the softmax runs in float32; probabilities are cast to
     the cache dtype for p . v.
     """
-    group = cfg.num_q_heads // cfg.num_kv_heads
     b, t = q.shape[:2]
-    qg = q.reshape(b, t, cfg.num_kv_heads, group, cfg.head_dim).astype(k.dtype)
+    qg = q.reshape(b, t, att.num_kv_heads, att.group, att.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = soft_cap(s / cfg.score_divisor, cfg.attn_softcap)
+    s = soft_cap(s / att.score_divisor, att.attn_softcap)
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
@@ -261,14 +261,15 @@ def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
     p = jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, cfg.q_size)
+    return o.reshape(b, t, att.q_size)
 
 
 def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
-    x = residual_norm(cfg.norm_kind, x, params["final_norm"], cfg.rms_eps, cfg.norm_width)
+    n = cfg.norms
+    x = residual_norm(n.norm_kind, x, params["final_norm"], n.rms_eps, n.width)
     # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return soft_cap(matmul(x, head), cfg.final_softcap)
+    return soft_cap(matmul(x, head), cfg.head.final_softcap)
 
 
 def embed(params: Params, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -328,19 +329,19 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     tables = read_tables(cache)
 
     kc, vc = cache.k, cache.v
-    x = embed(params, tokens, cfg.embed_scale)
+    x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = sublayer_in(cfg, layer, "attn_norm", x)
+        h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, positions, i)
-        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.kv_size), mode="drop")
-        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.kv_size), mode="drop")
+        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
+        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        o = attend(cfg, q, ks, vs, positions, k_pos, k_valid, cfg.layer_window(i))
-        x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = mlp_in(cfg, layer, x, h)
-        x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+        o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
+        h = mlp_in(cfg.norms, layer, x, h)
+        x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
 
@@ -353,14 +354,14 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         return _mla_forward_full(params, cfg, tokens)
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens, cfg.embed_scale)
+    x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = sublayer_in(cfg, layer, "attn_norm", x)
+        h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
-        o = attend(cfg, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.layer_window(i))
-        x = x + sublayer_out(cfg, layer, "post_attn_norm", matmul(o, layer["wo"]))
-        h = mlp_in(cfg, layer, x, h)
-        x = x + sublayer_out(cfg, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
+        h = mlp_in(cfg.norms, layer, x, h)
+        x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
 
 
@@ -373,15 +374,15 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     tables = read_tables(cache)
 
     lc = cache.k
-    x = embed(params, tokens, cfg.embed_scale)
+    x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
         lc = lc.at[i, page_ids, slots].set(row, mode="drop")
-        rows = lc[i][tables].reshape(b, ctx, cfg.kv_cache_width)  # this sequence's pages in order
+        rows = lc[i][tables].reshape(b, ctx, cfg.attention.kv_cache_width)  # this sequence's pages in order
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
+        h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
 
@@ -390,13 +391,13 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     """`forward_full` for an MLA model, attention in the expanded form (tpumk.model.mla)."""
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens, cfg.embed_scale)
+    x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_eps, cfg.norm_width)
+        h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, pos)
         o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
         x = x + matmul(o, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_eps, cfg.norm_width)
+        h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x)
 

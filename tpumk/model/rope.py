@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from tpumk.model import yarn
-from tpumk.model.config import ModelConfig
+from tpumk.model.parts import Positions
 
 
 def plain_inv_freq(head_dim: int, theta: float, xp=np):
@@ -36,69 +36,69 @@ def plain_inv_freq(head_dim: int, theta: float, xp=np):
     return (xp.float32(1.0) / (xp.float32(theta) ** exponents)).astype(xp.float32)
 
 
-def inv_freq(cfg: ModelConfig, xp=np, local: bool = False):
+def inv_freq(pos: Positions, xp=np, local: bool = False):
     """float32 [head_dim / 2] inverse frequencies of a GQA model's rotary lanes. `xp` is numpy
     (host constants) or jax.numpy: the reference and the kernel's glue compute them in the
     traced step, as before scaling existed (the compiler's static estimate of the step moved
     when they became a baked constant), with the same ops on both sides. `local`: those of the
     sliding-window layers of a model with `rope_local_theta` (plain, unscaled: Gemma 3)."""
-    rotary = cfg.rotary_width
-    if local and cfg.rope_local_theta:
-        freqs = plain_inv_freq(rotary, cfg.rope_local_theta, xp)
+    rotary = pos.rotary_width
+    if local and pos.rope_local_theta:
+        freqs = plain_inv_freq(rotary, pos.rope_local_theta, xp)
     else:
-        freqs = _scaled_inv_freq(cfg, plain_inv_freq(rotary, cfg.rope_theta, xp), xp)
-    if rotary == cfg.head_dim:
+        freqs = _scaled_inv_freq(pos, plain_inv_freq(rotary, pos.rope_theta, xp), xp)
+    if rotary == pos.head_dim:
         return freqs
-    # Partial rotary (ModelConfig.rotary_dim): each half of a head holds its rotary lanes first,
+    # Partial rotary (Positions.rotary_dim): each half of a head holds its rotary lanes first,
     # then unrotated ones, whose frequency 0 leaves them exactly as they are (cos 1, sin 0). A
     # lane-padded head (tpumk.plan.padding): each half of it is its true half then zeros, so
     # lane i still pairs with lane i + head_dim / 2; the zero lanes' frequency is never seen.
-    return xp.concatenate([freqs, xp.zeros(((cfg.head_dim - rotary) // 2,), xp.float32)])
+    return xp.concatenate([freqs, xp.zeros(((pos.head_dim - rotary) // 2,), xp.float32)])
 
 
-def attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+def attention_factor(pos: Positions, local: bool = False) -> float:
     """The factor on cos and sin (1.0 but for longrope and yarn); `local` as for inv_freq (Gemma
     3's sliding layers have plain RoPE)."""
-    if local and cfg.rope_local_theta:
+    if local and pos.rope_local_theta:
         return 1.0
-    if cfg.yarn_factor:
-        return float(yarn.attention_factor(cfg))
-    if cfg.rope_scaling != "longrope":
+    if pos.yarn_factor:
+        return float(yarn.attention_factor(pos))
+    if pos.rope_scaling != "longrope":
         return 1.0
-    if cfg.rope_attention_factor:
-        return float(cfg.rope_attention_factor)
-    factor = cfg.rope_factor
-    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(cfg.rope_original_max_position))
+    if pos.rope_attention_factor:
+        return float(pos.rope_attention_factor)
+    factor = pos.rope_factor
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(pos.rope_original_max_position))
 
 
-def cos_sin_scale(cfg: ModelConfig, xp=np, local: bool = False):
+def cos_sin_scale(pos: Positions, xp=np, local: bool = False):
     """None when cos and sin are unscaled, else float32 [head_dim / 2]: attention_factor on the
     rotary lanes' frequencies and 1 on the unrotated ones (transformers scales only the rotated
     part of a partially rotary head; the rest passes through unchanged)."""
-    factor = attention_factor(cfg, local)
+    factor = attention_factor(pos, local)
     if factor == 1.0:
         return None
-    rotary = cfg.rotary_width
+    rotary = pos.rotary_width
     scale = np.concatenate([np.full(rotary // 2, factor, np.float32),
-                            np.ones((cfg.head_dim - rotary) // 2, np.float32)])
+                            np.ones((pos.head_dim - rotary) // 2, np.float32)])
     return xp.asarray(scale)
 
 
-def _scaled_inv_freq(cfg: ModelConfig, base, xp):
-    if cfg.yarn_factor:  # host constants, the same array on both sides
-        return xp.asarray(yarn.inv_freq(cfg, cfg.rotary_width))
-    if cfg.rope_scaling == "longrope":  # as transformers: 1 / (factor * theta^(2i/d))
-        rotary = cfg.rotary_width
+def _scaled_inv_freq(pos: Positions, base, xp):
+    if pos.yarn_factor:  # host constants, the same array on both sides
+        return xp.asarray(yarn.inv_freq(pos, pos.rotary_width))
+    if pos.rope_scaling == "longrope":  # as transformers: 1 / (factor * theta^(2i/d))
+        rotary = pos.rotary_width
         exponents = xp.arange(0, rotary, 2, dtype=xp.float32) / xp.float32(rotary)
-        short = xp.asarray(np.asarray(cfg.rope_short_factor, np.float32))
-        return (xp.float32(1.0) / (short * xp.float32(cfg.rope_theta) ** exponents)).astype(xp.float32)
-    factor = xp.float32(cfg.rope_factor)
-    if cfg.rope_scaling == "linear":
+        short = xp.asarray(np.asarray(pos.rope_short_factor, np.float32))
+        return (xp.float32(1.0) / (short * xp.float32(pos.rope_theta) ** exponents)).astype(xp.float32)
+    factor = xp.float32(pos.rope_factor)
+    if pos.rope_scaling == "linear":
         return (base / factor).astype(xp.float32)
-    if cfg.rope_scaling != "llama3":
+    if pos.rope_scaling != "llama3":
         return base
-    old = xp.float32(cfg.rope_original_max_position)
-    low, high = xp.float32(cfg.rope_low_freq_factor), xp.float32(cfg.rope_high_freq_factor)
+    old = xp.float32(pos.rope_original_max_position)
+    low, high = xp.float32(pos.rope_low_freq_factor), xp.float32(pos.rope_high_freq_factor)
     wavelen = xp.float32(2 * np.pi) / base
     scaled = xp.where(wavelen > old / low, base / factor, base).astype(xp.float32)
     smooth = ((old / wavelen - low) / (high - low)).astype(xp.float32)

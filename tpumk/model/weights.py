@@ -34,56 +34,24 @@ from tpumk.model.reference import Params, jnp_dtype
 
 
 def expected_shapes(cfg: ModelConfig) -> Params:
-    """The shape of every tensor of the reference layout, as the same nested structure."""
-    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    top: Params = {"embed": (v, h), "final_norm": (h,)}
-    if not cfg.tie_embeddings:
-        top["lm_head"] = (h, v)
+    """The shape of every tensor of the reference layout, as the same nested structure: each
+    part of the model (tpumk.model.parts) names its own tensors, in a fixed order (random
+    weights are drawn in it)."""
+    h, n, a = cfg.hidden_size, cfg.norms, cfg.attention
+    top: Params = cfg.head.tensor_shapes()
     layers = []
     for i in range(cfg.num_layers):
-        if cfg.is_mla:
-            lay = {"attn_norm": (h,), **_mla_shapes(cfg), "mlp_norm": (h,)}
-        else:
-            lay = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
-                   "wo": (cfg.q_size, h), "mlp_norm": (h,)}
-            if cfg.qkv_bias:
-                lay.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
-        if not cfg.pre_norms:  # OLMo 2: only the post-sublayer norms
-            del lay["attn_norm"], lay["mlp_norm"]
-        elif cfg.parallel_blocks:  # Cohere: attention and the MLP read one normed input
-            del lay["mlp_norm"]
-        if cfg.qk_norm:  # per head, or across every head (qk_norm_whole)
-            q_norm, k_norm = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (d, d)
-            lay.update(q_norm=(q_norm,), k_norm=(k_norm,))
-        if cfg.post_norms:
+        lay: Params = {"attn_norm": (h,)} if n.pre_norms else {}  # OLMo 2: only the post-sublayer norms
+        lay.update(a.projection_shapes(h))
+        if n.pre_norms and not n.parallel_blocks:  # Cohere: attention and the MLP read one normed input
+            lay["mlp_norm"] = (h,)
+        lay.update(a.extra_shapes())
+        if n.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
-        if cfg.layer_is_dense(i):
-            lay.update(w_gate=(h, cfg.ffn_size), w_up=(h, cfg.ffn_size), w_down=(cfg.ffn_size, h))
-        else:
-            e, f = cfg.num_experts, cfg.expert_ffn_size
-            lay.update(router=(h, e), e_gate=(e, h, f), e_up=(e, h, f), e_down=(e, f, h))
-            if cfg.router_correction_bias:
-                lay.update(router_bias=(e,))
-            if cfg.num_shared_experts:
-                s = cfg.num_shared_experts * cfg.shared_expert_ffn_size
-                lay.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
-                if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ shared_router) scales the shared output
-                    lay.update(shared_router=(h, 1))
+        lay.update(cfg.mlp.tensor_shapes(h) if cfg.pattern.is_dense(i) else cfg.moe.tensor_shapes(h))
         layers.append(lay)
     top["layers"] = layers
     return top
-
-
-def _mla_shapes(cfg: ModelConfig) -> Params:
-    h, hq = cfg.hidden_size, cfg.num_q_heads
-    out: Params = {}
-    if cfg.q_lora_rank:
-        out.update(wq_a=(h, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,), wq_b=(cfg.q_lora_rank, cfg.q_size))
-    else:
-        out.update(wq=(h, cfg.q_size))
-    out.update(wkv_a=(h, cfg.kv_cache_width), kv_a_norm=(cfg.kv_lora_rank,),
-               wkv_b=(cfg.kv_lora_rank, hq * (cfg.qk_nope_head_dim + cfg.v_head_dim)), wo=(hq * cfg.v_head_dim, h))
-    return out
 
 
 QKV_BIASES = ("bq", "bk", "bv")
@@ -92,7 +60,7 @@ FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 ro
 
 def tensor_dtype(cfg: ModelConfig, name: str, dt):
     """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate."""
-    return jnp.float32 if cfg.router_correction_bias and name in FLOAT32_TENSORS else dt
+    return jnp.float32 if cfg.moe.router_correction_bias and name in FLOAT32_TENSORS else dt
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:

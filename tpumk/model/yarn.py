@@ -22,29 +22,29 @@ import math
 
 import numpy as np
 
-from tpumk.model.config import ModelConfig
+from tpumk.model.parts import Attention, Positions
 
 
 def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
-    """float32 [dim / 2] inverse frequencies of the rotated lanes: an MLA model's
-    qk_rope_head_dim by default, a GQA model's rotary width when given (tpumk.model.rope)."""
-    dim, base = dim or cfg.qk_rope_head_dim, cfg.rope_theta
+def inv_freq(pos: Positions, dim: int) -> np.ndarray:
+    """float32 [dim / 2] inverse frequencies of the `dim` rotated lanes: an MLA model's
+    qk_rope_head_dim, a GQA model's rotary width (tpumk.model.rope)."""
+    base = pos.rope_theta
     pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
-    if not cfg.yarn_factor:
+    if not pos.yarn_factor:
         return extrapolation
-    factor = cfg.yarn_factor
+    factor = pos.yarn_factor
     interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(cfg.yarn_original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        return (dim * math.log(pos.yarn_original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
-    if cfg.yarn_truncate:
+    low, high = correction_dim(pos.yarn_beta_fast), correction_dim(pos.yarn_beta_slow)
+    if pos.yarn_truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -54,21 +54,21 @@ def inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
     return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
 
 
-def attention_factor(cfg: ModelConfig) -> float:
+def attention_factor(pos: Positions) -> float:
     """The factor on cos and sin (1.0 without YaRN)."""
-    if not cfg.yarn_factor:
+    if not pos.yarn_factor:
         return 1.0
-    if cfg.yarn_attention_factor:
-        return float(cfg.yarn_attention_factor)
-    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
-        return float(_mscale(cfg.yarn_factor, cfg.yarn_mscale) / _mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim))
-    return _mscale(cfg.yarn_factor)
+    if pos.yarn_attention_factor:
+        return float(pos.yarn_attention_factor)
+    if pos.yarn_mscale and pos.yarn_mscale_all_dim:
+        return float(_mscale(pos.yarn_factor, pos.yarn_mscale) / _mscale(pos.yarn_factor, pos.yarn_mscale_all_dim))
+    return _mscale(pos.yarn_factor)
 
 
-def softmax_scale(cfg: ModelConfig) -> float:
+def softmax_scale(att: Attention, pos: Positions) -> float:
     """The scale of an MLA model's attention scores (before the softmax)."""
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    if cfg.yarn_factor and cfg.yarn_mscale_all_dim:
-        m = _mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim)
+    scale = (att.qk_nope_head_dim + att.qk_rope_head_dim) ** -0.5
+    if pos.yarn_factor and pos.yarn_mscale_all_dim:
+        m = _mscale(pos.yarn_factor, pos.yarn_mscale_all_dim)
         scale = scale * m * m
     return scale

@@ -169,8 +169,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     h = cfg.hidden_size
     d = rope_table_lanes(cfg)  # 64-wide heads: rows tiled to 128 lanes; MLA: one lane tile
     # rope_local_theta: the full layers' N rows, then the sliding layers' N
-    tables, rows = (2, "[2N, D] full layers' then sliding layers' ") if cfg.rope_local_theta else (1, "[N, D] ")
-    cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.kv_size)
+    tables, rows = (2, "[2N, D] full layers' then sliding layers' ") if cfg.positions.rope_local_theta else (1, "[N, D] ")
+    cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.attention.kv_size)
     out = [
         _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),
               source="cache.block_tables"),
@@ -194,7 +194,7 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
     if cfg.is_mla:  # one latent cache; KVCache.v (empty) stays outside the kernel
-        out.append(_with(hbm("k_cache", (*cache[:3], cfg.kv_cache_width), cfg.dtype,
+        out.append(_with(hbm("k_cache", (*cache[:3], cfg.attention.kv_cache_width), cfg.dtype,
                              "[L, num_pages, page_size, C + R]: c_kv | k_rope per token"),
                          source="cache.k", component="kv_cache"))
         return out
@@ -243,7 +243,7 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         act += [
             vmem("mla_q", (n, qf.m_pad), "float32", "[N, per head nope (128-lane padded) | all heads' rope (| pad)]"),
             vmem("mla_kv", (n, fams["kv_a"].m_pad), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
-            vmem("mla_row", (n, cfg.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
+            vmem("mla_row", (n, cfg.attention.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
             vmem("mla_qlat", (n, fams["uk"].m_pad), "float32", "[N, per head q_nope . W_UK (128-lane padded)]"),
             vmem("mla_olat", (n, fams["uv"].k_pad), "float32", "[N, per head latent output (pad lanes 0)]"),
             vmem("attn_out", (n, fams["o"].k_pad), "float32", "[N, per head value output (128-lane padded)]"),
@@ -251,7 +251,7 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
     else:
         act += [
             vmem("qkv", (n, plan.families["qkv"].m_pad), "float32", "[N, q | k | v (| pad)], normed and roped in place"),
-            vmem("attn_out", (n, cfg.q_size), "float32", "[N, Hq*D] attention output"),
+            vmem("attn_out", (n, cfg.attention.q_size), "float32", "[N, Hq*D] attention output"),
         ]
     act += [
         # At least one lane tile wide even when no family uses it (MoE-only models without

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.errors import PlanError
-from tpumk.model.config import SCORINGS, ModelConfig, expected_distinct_experts
+from tpumk.model.config import ModelConfig, expected_distinct_experts
+from tpumk.model.parts import SCORINGS
 from tpumk.model.quantize import EXPERT_FORMATS, FORMATS, GROUP
 
 LANE = 128  # TPU lane width: the minor dim of every VMEM tile
@@ -190,12 +191,12 @@ class AttentionGeometry:
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
                     kv_tile_pages: int, kv_buffers: int) -> "AttentionGeometry":
-        windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers)) if cfg.sliding_window else ()
+        windows = tuple(cfg.pattern.window(i) for i in range(cfg.num_layers)) if cfg.pattern.sliding_window else ()
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
-                   score_dim=cfg.attn_scalar or cfg.head_width, softcap=cfg.attn_softcap)
+                   score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -479,7 +480,7 @@ class MLAGeometry(AttentionGeometry):
                    head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers, kv_tile_pages=kv_tile_pages,
                    kv_buffers=kv_buffers, dtype=cfg.dtype, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim,
-                   scale=float(yarn.softmax_scale(cfg)))
+                   scale=float(yarn.softmax_scale(cfg.attention, cfg.positions)))
 
     @property
     def caches(self) -> int:
@@ -588,14 +589,14 @@ class MoEGeometry:
         if not cfg.is_moe:
             raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
         geom = cls(
-            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.top_k,
-            expert_ffn=cfg.expert_ffn_size, scoring=cfg.router_scoring, norm_topk=cfg.norm_topk_prob,
+            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.moe.top_k,
+            expert_ffn=cfg.moe.expert_ffn_size, scoring=cfg.moe.router_scoring, norm_topk=cfg.moe.norm_topk_prob,
             num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
-            expert_chunk=cfg.expert_ffn_size if expert_chunk is None else expert_chunk,
+            expert_chunk=cfg.moe.expert_ffn_size if expert_chunk is None else expert_chunk,
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
             expert_format=expert_format,
-            groups=cfg.router_groups, topk_groups=cfg.router_topk_groups, correction_bias=cfg.router_correction_bias,
-            scaling=float(cfg.routed_scaling_factor), shared_gate=cfg.shared_expert_gate,
+            groups=cfg.moe.router_groups, topk_groups=cfg.moe.router_topk_groups, correction_bias=cfg.moe.router_correction_bias,
+            scaling=float(cfg.moe.routed_scaling_factor), shared_gate=cfg.moe.shared_expert_gate,
         )
         geom.validate()
         return geom
@@ -807,7 +808,7 @@ class MoEGeometry:
 
 def moe_layer_ids(cfg: ModelConfig) -> list[int]:
     """Model layer indices of the MoE layers, in the order they are stacked by `pack_experts`."""
-    return [i for i in range(cfg.num_layers) if not cfg.layer_is_dense(i)]
+    return [i for i in range(cfg.num_layers) if not cfg.pattern.is_dense(i)]
 
 
 # ---------------------------------------------------------------------- collectives

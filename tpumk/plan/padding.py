@@ -39,7 +39,7 @@ def lane_padded(cfg: ModelConfig) -> ModelConfig | None:
     hidden = round_up(cfg.hidden_size, LANE)
     kv_heads, q_heads, d = cfg.num_kv_heads, cfg.num_q_heads, cfg.head_dim
     if not cfg.is_mla and d == LANE // 2 and kv_heads % 2:
-        if cfg.qk_norm_whole:  # the added zero heads would join the norm's count of heads
+        if cfg.attention.qk_norm_whole:  # the added zero heads would join the norm's count of heads
             raise PlanError(f"model '{cfg.name}': num_kv_heads = {cfg.num_kv_heads}: an odd number of 64-wide KV heads "
                             "is padded with a zero head, which a QK-norm across all heads (qk_norm_whole) would count")
         kv_heads, q_heads = kv_heads + 1, q_heads + q_heads // kv_heads
@@ -51,7 +51,7 @@ def lane_padded(cfg: ModelConfig) -> ModelConfig | None:
         raise PlanError(f"model '{cfg.name}': hidden_size = {cfg.hidden_size}: an MLA model's hidden size must be "
                         f"a multiple of {LANE} (lane padding covers GQA models)")
     return cfg.replace(hidden_size=hidden, num_kv_heads=kv_heads, num_q_heads=q_heads, head_dim=d,
-                       rms_width=cfg.norm_width, head_width=cfg.true_head_dim if d != cfg.head_dim else 0)
+                       rms_width=cfg.norms.width, head_width=cfg.attention.true_head_dim if d != cfg.head_dim else 0)
 
 
 def _split_heads(a, axis: int, d: int, dp: int, fill: float = 0.0):
@@ -119,9 +119,9 @@ def pad_params(true: ModelConfig, padded: ModelConfig, params: dict) -> dict:
 
 def pad_cache(true: ModelConfig, padded: ModelConfig, cache):
     """A reference-layout cache of `true` as `padded`'s (zero lanes for the added KV heads)."""
-    if padded.kv_size == true.kv_size:
+    if padded.attention.kv_size == true.attention.kv_size:
         return cache
-    shape = cache.k.shape[:-1] + (padded.kv_size,)
+    shape = cache.k.shape[:-1] + (padded.attention.kv_size,)
 
     def wide(a):
         if padded.head_dim != true.head_dim:
@@ -132,7 +132,7 @@ def pad_cache(true: ModelConfig, padded: ModelConfig, cache):
 
 def unpad_cache(true: ModelConfig, padded: ModelConfig, cache):
     """`pad_cache` undone: the true KV heads' lanes of each cache row."""
-    if padded.kv_size == true.kv_size:
+    if padded.attention.kv_size == true.attention.kv_size:
         return cache
     heads = true.num_kv_heads * padded.head_dim  # the true heads, still padded wide
 
@@ -151,7 +151,7 @@ def params_as_run(plan, params: dict) -> dict:
         return params
 
     def shapes(cfg: ModelConfig) -> tuple:
-        return (cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, cfg.kv_size)
+        return (cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, cfg.attention.kv_size)
 
     have = (tuple(params["embed"].shape), tuple(params["layers"][0]["wk"].shape))
     if have == shapes(run):

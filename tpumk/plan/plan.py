@@ -317,7 +317,7 @@ class Plan:
             "kv_tile_pages": a.kv_tile_pages, "kv_tile_tokens": a.tile_rows, "kv_buffers": a.kv_buffers,
             "kv_knobs": {k: "auto (plan: timeline model)" if not getattr(self.tuning, k) else "fixed"
                          for k in ("kv_tile_pages", "kv_buffers")},
-            "sliding_window": self.cfg.sliding_window,
+            "sliding_window": self.cfg.pattern.sliding_window,
             "sliding_layers": sum(1 for w in a.windows if w),
         }
 
@@ -369,8 +369,8 @@ def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
     norms' widths (they take the q_norm / k_norm rows), with qkv_bias the q|k|v bias row, and
     with qk_norm_whole the q norm's q_size."""
-    bias = cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0
-    whole = cfg.q_size if cfg.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
+    bias = cfg.attention.q_size + 2 * cfg.attention.kv_size if cfg.attention.qkv_bias else 0
+    whole = cfg.attention.q_size if cfg.attention.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
     return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole), LANE)
 
 
@@ -406,7 +406,7 @@ def auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig, fmt: WeightFormat 
     down rows, 3 * H * C) stays within two ring tiles, so `expert_slots` slots cost about as much
     VMEM as a few ring slots (whole Qwen3-30B-A3B experts are 9 MiB each). Quantized experts
     count one byte per code (an int4 code takes a byte of VMEM on TPU7x)."""
-    fe, best = cfg.expert_ffn_size, LANE
+    fe, best = cfg.moe.expert_ffn_size, LANE
     nbytes = 1 if fmt is not None else cfg.dtype_bytes
     for c in range(LANE, fe + 1, LANE):
         if fe % c == 0 and 3 * cfg.hidden_size * c * nbytes <= 2 * tuning.tile_bytes:
@@ -429,11 +429,11 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     fmt = weight_format(quant)
     h, isz = cfg.hidden_size, fmt.bits // 8 if fmt is not None else cfg.dtype_bytes  # ring formats are 8-bit
     group = fmt.group if fmt is not None else 0
-    n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
+    n_dense = sum(cfg.pattern.is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
-    shared = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    shared = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
     for what, v in ((("hidden_size", h),) if cfg.is_mla else
-                    (("hidden_size", h), ("num_q_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size))):
+                    (("hidden_size", h), ("num_q_heads * head_dim", cfg.attention.q_size), ("num_kv_heads * head_dim", cfg.attention.kv_size))):
         if v % LANE:
             raise PlanError(f"model '{cfg.name}': {what} = {v} must be a multiple of {LANE} (TPU lane tile)")
     if not cfg.is_mla and cfg.head_dim % LANE and cfg.head_dim != LANE // 2:
@@ -442,7 +442,7 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
     present = (["o", "lm_head"] if cfg.is_mla else ["qkv", "o", "lm_head"]) + (["gate_up", "down"] if n_dense else []) \
         + (["shared_gate_up", "shared_down"] if shared else [])
-    ks = {"qkv": h, "o": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.q_size, "lm_head": h, "gate_up": h,
+    ks = {"qkv": h, "o": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.attention.q_size, "lm_head": h, "gate_up": h,
           "shared_gate_up": h,
           "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
     auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning, isz)
@@ -470,10 +470,10 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
         fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"],
                             group=group)
     else:
-        r, c = shape("qkv", h, cfg.q_size + 2 * cfg.kv_size, LANE)
-        fams["qkv"] = _family("qkv", h, cfg.q_size + 2 * cfg.kv_size, cfg.num_layers, r, c, isz, group=group)
-        r, c = shape("o", cfg.q_size, h, LANE)
-        fams["o"] = _family("o", cfg.q_size, h, cfg.num_layers, r, c, isz, group=group)
+        r, c = shape("qkv", h, cfg.attention.q_size + 2 * cfg.attention.kv_size, LANE)
+        fams["qkv"] = _family("qkv", h, cfg.attention.q_size + 2 * cfg.attention.kv_size, cfg.num_layers, r, c, isz, group=group)
+        r, c = shape("o", cfg.attention.q_size, h, LANE)
+        fams["o"] = _family("o", cfg.attention.q_size, h, cfg.num_layers, r, c, isz, group=group)
 
     def ffn_pair(prefix: str, width: int, stack: int) -> int:
         gu, dn = f"{prefix}gate_up", f"{prefix}down"
@@ -538,7 +538,7 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
         out["q_b"] = tiled("q_b", cfg.q_lora_rank, out["q_a"].m_pad, hq * cfg.head_dim, dims["q_cols"])
     else:
         out["q"] = tiled("q", h, h, hq * cfg.head_dim, dims["q_cols"])
-    out["kv_a"] = tiled("kv_a", h, h, cfg.kv_cache_width, dims["kv_a_cols"])
+    out["kv_a"] = tiled("kv_a", h, h, cfg.attention.kv_cache_width, dims["kv_a_cols"])
     n, c, v = dims["nope"], dims["latent"], dims["value"]
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
@@ -554,9 +554,9 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
     g = 0
     i = 0
     while i < cfg.num_layers:
-        dense = cfg.layer_is_dense(i)
+        dense = cfg.pattern.is_dense(i)
         j = i
-        while j < cfg.num_layers and cfg.layer_is_dense(j) == dense:
+        while j < cfg.num_layers and cfg.pattern.is_dense(j) == dense:
             j += 1
         att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
         if dense:
@@ -854,10 +854,10 @@ def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: S
     n = sharding.devices if sharding is not None else 1
     if n == 1:
         weights = quantized_weight_bytes(cfg, quant)
-        kv_width = cfg.kv_cache_width
+        kv_width = cfg.attention.kv_cache_width
     else:
         weights = per_device_weight_bytes(cfg, sharding, quant)
-        kv_width = cfg.kv_cache_width if cfg.is_mla else 2 * sharding.kv_heads * cfg.head_dim
+        kv_width = cfg.attention.kv_cache_width if cfg.is_mla else 2 * sharding.kv_heads * cfg.head_dim
     return int(weights), cfg.num_layers * num_pages * page_size * kv_width * cfg.dtype_bytes
 
 

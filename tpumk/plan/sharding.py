@@ -97,7 +97,7 @@ class ShardingPlan:
         (each device holds some heads). 0 on one device."""
         if self.devices == 1:
             return 0
-        return 3 if cfg.qk_norm_whole else 2
+        return 3 if cfg.attention.qk_norm_whole else 2
 
     def summary(self, cfg: ModelConfig) -> dict[str, Any]:
         """Plain data for the build report: what each device holds."""
@@ -117,8 +117,8 @@ class ShardingPlan:
                 "replicated": (["q_a", "q_a_norm"] if cfg.q_lora_rank else []) + ["kv_a", "kv_a_norm"],
                 "o_proj": "split by input rows (heads), partial sums all-reduced",
                 "latent_cache": "replicated: every device holds and writes the whole latent cache",
-                "kv_cache_bytes_per_token_per_layer_per_device": cfg.kv_cache_width * cfg.dtype_bytes}
-        if cfg.num_dense_layers:
+                "kv_cache_bytes_per_token_per_layer_per_device": cfg.attention.kv_cache_width * cfg.dtype_bytes}
+        if cfg.pattern.num_dense:
             out["dense_ffn"] = {"split": "width", "width_per_device": self.ffn}
         if cfg.is_moe:
             mode = ("expert_tensor" if self.expert_parallel == 1 else
@@ -167,7 +167,7 @@ class ShardingPlan:
         layers = []
         for i, lay in enumerate(params["layers"]):
             out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
-            if cfg.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
+            if cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
                 out["q_norm"] = cols(lay["q_norm"], q_lo, self.q_heads * dd)
                 out["k_norm"] = cols(lay["k_norm"], kv_lo, self.kv_heads * dd)
             if cfg.is_mla:
@@ -177,11 +177,11 @@ class ShardingPlan:
                 out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
                 out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
-                if cfg.qkv_bias:  # each device's heads' biases, as their columns
+                if cfg.attention.qkv_bias:  # each device's heads' biases, as their columns
                     out["bq"] = cols(lay["bq"], q_lo, self.q_heads * dd)
                     out["bk"] = cols(lay["bk"], kv_lo, self.kv_heads * dd)
                     out["bv"] = cols(lay["bv"], kv_lo, self.kv_heads * dd)
-            if cfg.layer_is_dense(i):
+            if cfg.pattern.is_dense(i):
                 lo = d * self.ffn
                 out["w_gate"] = cols(lay["w_gate"], lo, self.ffn)
                 out["w_up"] = cols(lay["w_up"], lo, self.ffn)
@@ -262,7 +262,7 @@ class ShardingPlan:
             return kv
         *lead, _ = kv.shape
         heads = kv.reshape(*lead, self.devices, cfg.head_dim)[..., ::self.kv_replicas, :]
-        return heads.reshape(*lead, cfg.kv_size)
+        return heads.reshape(*lead, cfg.attention.kv_size)
 
 
 def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> ShardingPlan:
@@ -272,9 +272,9 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
     hq, hkv = cfg.num_q_heads, cfg.num_kv_heads
     if n == 1:
         e = cfg.num_experts
-        return ShardingPlan(1, hq, hkv, 1, cfg.ffn_size if cfg.num_dense_layers else 0,
-                            cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0,
-                            1, e, cfg.expert_ffn_size if e else 0, cfg.vocab_size)
+        return ShardingPlan(1, hq, hkv, 1, cfg.ffn_size if cfg.pattern.num_dense else 0,
+                            cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0,
+                            1, e, cfg.moe.expert_ffn_size if e else 0, cfg.vocab_size)
     if hq % n:
         raise PlanError(f"sharding: devices = {n}: expected a divisor of num_q_heads ({hq}) of model '{cfg.name}' "
                         f"(query heads are split across devices)")
@@ -285,12 +285,12 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
         raise PlanError(f"sharding: devices = {n}: expected a multiple of num_kv_heads ({hkv}) of model '{cfg.name}' "
                         f"when devices exceed the KV heads (each device must read one whole KV head)")
     kv_heads, replicas = (hkv // n, 1) if n <= hkv else (1, n // hkv)
-    ffn = round_up(-(-cfg.ffn_size // n), LANE) if cfg.num_dense_layers else 0
-    shared_total = cfg.num_shared_experts * cfg.shared_expert_ffn_size if cfg.is_moe else 0
+    ffn = round_up(-(-cfg.ffn_size // n), LANE) if cfg.pattern.num_dense else 0
+    shared_total = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
     shared = round_up(-(-shared_total // n), LANE) if shared_total else 0
     ep, experts, expert_ffn = 1, 0, 0
     if cfg.is_moe:
-        e, fe = cfg.num_experts, cfg.expert_ffn_size
+        e, fe = cfg.num_experts, cfg.moe.expert_ffn_size
         ok = expert_parallel_choices(cfg, n)
         if expert_parallel:
             ep = expert_parallel
@@ -316,7 +316,7 @@ def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
     """Every valid `expert_parallel` for `cfg` on `devices` devices (the tuner's choices)."""
     if not cfg.is_moe or devices == 1:
         return [1]
-    e, fe = cfg.num_experts, cfg.expert_ffn_size
+    e, fe = cfg.num_experts, cfg.moe.expert_ffn_size
     return [g for g in _divisors(devices)
             if e % g == 0 and fe % (devices // g) == 0 and (fe // (devices // g)) % LANE == 0]
 
@@ -330,7 +330,7 @@ def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str
     # the local model's bytes, its embedding slice swapped for the whole (replicated) embedding
     total = quantized_weight_bytes(local, quant) + (cfg.vocab_size - local.vocab_size) * h * db
     if cfg.is_moe:  # local counts all E experts of the local width; a device owns `experts`
-        moe_layers = cfg.num_layers - cfg.num_dense_layers
+        moe_layers = cfg.num_layers - cfg.pattern.num_dense
         efmt = expert_format(quant)  # codes plus one f32 scale per 128 rows, or the model dtype
         per_param = efmt.itemsize + 4 / efmt.group if efmt is not None else db
         total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * per_param

@@ -767,7 +767,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     model, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
     sharding = plan_sharding(model, spec.devices, spec.tuning.expert_parallel)
     cfg = sharding.local_config(model)  # the model itself on one device
-    n_dense = sum(cfg.layer_is_dense(i) for i in range(cfg.num_layers))
+    n_dense = sum(cfg.pattern.is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     page = spec.page_size
     pages = -(-context // page)
@@ -780,8 +780,8 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     if spec.devices > 1:
         weight_bytes = per_device_weight_bytes(model, sharding, spec.quant)
         if cfg.is_moe:  # a device streams only the picked experts it owns (1 / expert_parallel of them)
-            picked = n_moe * 3 * cfg.hidden_size * cfg.expert_ffn_size * (expert_fmt.itemsize if expert_fmt else cfg.dtype_bytes) \
-                * expected_distinct_experts(cfg.num_experts, cfg.top_k, rows)
+            picked = n_moe * 3 * cfg.hidden_size * cfg.moe.expert_ffn_size * (expert_fmt.itemsize if expert_fmt else cfg.dtype_bytes) \
+                * expected_distinct_experts(cfg.num_experts, cfg.moe.top_k, rows)
             step_weight_bytes = int(round(step_weight_bytes - picked * (1 - sharding.experts / cfg.num_experts)))
     facts: dict[str, int | float] = {
         "vmem_bytes": target.vmem_bytes, "hbm_bytes": target.hbm_bytes,
@@ -789,17 +789,17 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "num_mxus": num_mxus, "mxu_size": mxu_size, "devices": spec.devices,
         "num_layers": cfg.num_layers, "num_dense_layers": n_dense, "num_moe_layers": n_moe,
         "has_dense_layers": int(n_dense > 0),
-        "has_shared_expert": int(n_moe > 0 and cfg.num_shared_experts * cfg.shared_expert_ffn_size > 0),
+        "has_shared_expert": int(n_moe > 0 and cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size > 0),
         "is_moe": int(cfg.is_moe),
         "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "q_size": cfg.q_size, "kv_size": cfg.kv_size,
+        "head_dim": cfg.head_dim, "q_size": cfg.attention.q_size, "kv_size": cfg.attention.kv_size,
         "is_mla": int(cfg.is_mla), "kv_caches": 1 if cfg.is_mla else 2,
-        "kv_row_lanes": -(-cfg.kv_cache_width // 128) * 128 if cfg.is_mla else cfg.kv_size,
-        "o_rows": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.q_size,
+        "kv_row_lanes": -(-cfg.attention.kv_cache_width // 128) * 128 if cfg.is_mla else cfg.attention.kv_size,
+        "o_rows": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.attention.q_size,
         "ffn_size": cfg.ffn_size, "vocab_size": cfg.vocab_size,
         "num_experts": cfg.num_experts, "experts_per_device": sharding.experts if cfg.is_moe else 0,
-        "top_k": cfg.top_k, "expert_ffn_size": cfg.expert_ffn_size,
-        "num_shared_experts": cfg.num_shared_experts, "shared_expert_ffn_size": cfg.shared_expert_ffn_size,
+        "top_k": cfg.moe.top_k, "expert_ffn_size": cfg.moe.expert_ffn_size,
+        "num_shared_experts": cfg.moe.num_shared_experts, "shared_expert_ffn_size": cfg.moe.shared_expert_ffn_size,
         "dtype_bytes": cfg.dtype_bytes,
         "ring_code_bytes": 1 if ring_fmt is not None else cfg.dtype_bytes,
         "expert_code_bytes": 1 if expert_fmt is not None else cfg.dtype_bytes,

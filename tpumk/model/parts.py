@@ -1,0 +1,466 @@
+"""The parts a model is composed of, one per feature area: attention, positions (RoPE), norms,
+the dense MLP, the mixture of experts, the per-layer pattern and the embedding / head.
+
+A `ModelConfig` stays stored flat (its TOML / JSON fields are the content-addressed description
+every cache key is made from); `cfg.attention`, `cfg.positions`, `cfg.norms`, `cfg.mlp`,
+`cfg.moe`, `cfg.pattern` and `cfg.head` are these views of it. Each part holds its fields under
+their flat names, checks them (messages name the flat field a user writes), and derives what
+its stage needs, so the reference, the plan, the kernel and the timeline model read one part
+per concern instead of a family name. A new family is a config reader mapping onto these
+fields, plus a feature where a part lacks one; rules between parts live in
+`tpumk.model.config.ModelConfig.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+# need(condition, flat field name, what was expected): raises ConfigError naming the field.
+Need = Callable[[bool, str, str], None]
+P = TypeVar("P")
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")  # tpumk.model.rope
+# The gated MLP's activation: act(x @ w_gate) * (x @ w_up) @ w_down. silu: SwiGLU (Qwen, Llama);
+# gelu_tanh: GeGLU with GELU's tanh approximation (Gemma's gelu_pytorch_tanh).
+MLP_ACTS = ("silu", "gelu_tanh")
+# The residual stream's norms: RMSNorm, or LayerNorm without bias (Cohere: mean subtracted).
+NORM_KINDS = ("rms", "layer")
+SCORINGS = ("softmax", "sigmoid")
+
+
+def take(cls: type[P], source: Any, **derived: Any) -> P:
+    """A part of `source` (a ModelConfig): its fields of the same names, plus `derived` ones."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in derived]
+    return cls(**{n: getattr(source, n) for n in names}, **derived)
+
+
+def _bool(need: Need, part: Any, *names: str) -> None:
+    for n in names:
+        need(isinstance(getattr(part, n), bool), n, "true or false")
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """GQA (q / k / v / o projections, optional q/k/v biases and QK-norm) or MLA (DeepSeek-V3's
+    low-rank latents, kv_lora_rank > 0); how scores are scaled and capped."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_width: int  # a lane-padded copy's true head width; 0: head_dim
+    qkv_bias: bool
+    qk_norm: bool
+    qk_norm_whole: bool  # OLMo 2: one norm across every head rather than per head
+    attn_scalar: float  # softmax scale attn_scalar ** -0.5 (Gemma); 0: the head width
+    attn_softcap: float  # Gemma 2: cap * tanh(score / cap); 0: none
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def true_head_dim(self) -> int:
+        """The head width the softmax scale, RoPE and per-head norms are for (head_dim unless padded)."""
+        return self.head_width or self.head_dim
+
+    @property
+    def score_divisor(self) -> float:
+        """Scores are q . k / this: sqrt(attn_scalar), else sqrt(true head width)."""
+        return math.sqrt(self.attn_scalar or self.true_head_dim)
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Elements one token caches per layer: K and V of every KV head, or for MLA the
+        normalized latent c_kv and the roped key part (one row shared by all heads)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.kv_size
+
+    def param_count(self, hidden: int) -> int:
+        """Parameters of one layer's attention matrices (norms not included)."""
+        if not self.is_mla:
+            bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+            return hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + bias
+        q = self.q_lora_rank * (hidden + self.q_size) if self.q_lora_rank else hidden * self.q_size
+        kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + hidden * self.kv_cache_width + kv_b + self.num_q_heads * self.v_head_dim * hidden
+
+    def output_columns(self, hidden: int) -> int:
+        """Output columns of one layer's attention matrices (one quantization scale each)."""
+        if not self.is_mla:
+            return self.q_size + 2 * self.kv_size + hidden
+        q = self.q_lora_rank + self.q_size if self.q_lora_rank else self.q_size
+        return q + self.kv_cache_width + self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim) + hidden
+
+    def projection_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        """The layer's attention matrices in the reference layout ([in, out])."""
+        h, hq = hidden, self.num_q_heads
+        if not self.is_mla:
+            return {"wq": (h, self.q_size), "wk": (h, self.kv_size), "wv": (h, self.kv_size), "wo": (self.q_size, h)}
+        out: dict[str, tuple[int, ...]] = {}
+        if self.q_lora_rank:
+            out.update(wq_a=(h, self.q_lora_rank), q_a_norm=(self.q_lora_rank,), wq_b=(self.q_lora_rank, self.q_size))
+        else:
+            out.update(wq=(h, self.q_size))
+        out.update(wkv_a=(h, self.kv_cache_width), kv_a_norm=(self.kv_lora_rank,),
+                   wkv_b=(self.kv_lora_rank, hq * (self.qk_nope_head_dim + self.v_head_dim)),
+                   wo=(hq * self.v_head_dim, h))
+        return out
+
+    def extra_shapes(self) -> dict[str, tuple[int, ...]]:
+        """q / k / v biases (Qwen2), then the QK-norm weights: per head, or across every head."""
+        out: dict[str, tuple[int, ...]] = {}
+        if self.qkv_bias:
+            out.update(bq=(self.q_size,), bk=(self.kv_size,), bv=(self.kv_size,))
+        if self.qk_norm:
+            q, k = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            out.update(q_norm=(q,), k_norm=(k,))
+        return out
+
+    def norm_params(self) -> int:
+        """Parameters of one layer's attention-side norms (QK-norm, MLA's latent norms)."""
+        qk = 0
+        if self.qk_norm:
+            qk = self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
+        return qk + self.q_lora_rank + self.kv_lora_rank
+
+    def check(self, need: Need) -> None:
+        need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
+        if not self.is_mla:
+            need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
+        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole")
+        need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
+             "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
+        need(_is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
+             "a non-negative finite number (0: the head width)")
+        need(_is_number(self.attn_softcap) and 0 <= self.attn_softcap < math.inf, "attn_softcap",
+             "a non-negative finite number (0: no soft-capping)")
+        if self.qk_norm_whole:
+            need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
+        if self.attn_softcap:  # the MLA stage's scores are not capped
+            need(not self.is_mla, "attn_softcap", "0 for an MLA model")
+        if not self.is_mla:
+            for f in MLA_FIELDS:
+                need(getattr(self, f) == 0, f, "0 for a GQA model (kv_lora_rank = 0)")
+            return
+        need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             "a positive even number for an MLA model (RoPE rotates pairs)")
+        need(self.qk_nope_head_dim > 0, "qk_nope_head_dim", "a positive integer for an MLA model")
+        need(self.v_head_dim > 0, "v_head_dim", "a positive integer for an MLA model")
+        need(self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim, "head_dim",
+             f"qk_nope_head_dim + qk_rope_head_dim ({self.qk_nope_head_dim + self.qk_rope_head_dim}) for an MLA model")
+        need(self.num_kv_heads == self.num_q_heads, "num_kv_heads",
+             f"num_q_heads ({self.num_q_heads}) for an MLA model (every head reads the shared latent)")
+        need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
+        need(not self.qkv_bias, "qkv_bias", "false for an MLA model (its projections have no biases)")
+
+
+# The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+@dataclass(frozen=True)
+class Positions:
+    """RoPE: theta (and the sliding layers' own, Gemma 3), which lanes turn, and the scaling
+    (linear, llama3, longrope, or YaRN through the yarn_* fields)."""
+    rope_theta: float
+    rope_local_theta: float  # the sliding-window layers' theta; 0: rope_theta everywhere
+    rotary_dim: int  # lanes RoPE turns per head (partial rotary); 0: the whole head
+    rope_scaling: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
+    rope_short_factor: tuple[float, ...]
+    rope_long_factor: tuple[float, ...]
+    rope_attention_factor: float
+    yarn_factor: float
+    yarn_original_max_position: int
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    yarn_mscale: float
+    yarn_mscale_all_dim: float
+    yarn_attention_factor: float
+    yarn_truncate: bool
+    head_dim: int  # a head's lanes (padding included): the frequency table's length
+    head_lanes: int  # derived: the true head width (Attention.true_head_dim)
+    mla: bool  # derived: MLA turns qk_rope_head_dim lanes of its own
+
+    @property
+    def rotary_width(self) -> int:
+        """Lanes of each head RoPE turns: rotary_dim, or the whole (true) head."""
+        return self.rotary_dim or self.head_lanes
+
+    def check(self, need: Need, has_window: bool) -> None:
+        need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
+        need(isinstance(self.rope_scaling, str) and self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
+             f"one of {', '.join(ROPE_SCALINGS)}")
+        need(_is_number(self.rope_factor) and self.rope_factor >= 1, "rope_factor", "a finite number of at least 1")
+        need(_is_number(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0, "rope_low_freq_factor",
+             "a positive finite number")
+        need(_is_number(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor,
+             "rope_high_freq_factor", f"a finite number above rope_low_freq_factor ({self.rope_low_freq_factor})")
+        need(_is_int(self.rope_original_max_position) and 0 < self.rope_original_max_position <= 1 << 30,
+             "rope_original_max_position", f"a positive integer at most {1 << 30:,}")
+        if self.mla:
+            need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
+        if self.yarn_factor:
+            need(self.rope_scaling == "none", "rope_scaling", "none with yarn_factor set (one RoPE scaling)")
+        need(_is_number(self.rope_attention_factor) and self.rope_attention_factor >= 0, "rope_attention_factor",
+             "a finite number of at least 0 (0: derived)")
+        need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.head_lanes and self.rotary_dim % 2 == 0,
+             "rotary_dim", f"an even integer in [0, the head width {self.head_lanes}] (0: the whole head)")
+        pairs = self.rotary_width // 2 if not self.mla else 0
+        for f in ("rope_short_factor", "rope_long_factor"):
+            v = getattr(self, f)
+            if self.rope_scaling == "longrope":
+                need(isinstance(v, tuple) and len(v) == pairs and all(_is_number(x) and x > 0 for x in v), f,
+                     f"{pairs} positive finite numbers (one per rotary frequency) for longrope")
+            else:
+                need(v == (), f, "empty unless rope_scaling is longrope")
+        if self.rotary_dim:
+            need(not self.mla, "rotary_dim", "0 for an MLA model (qk_rope_head_dim says which lanes turn)")
+        need(_is_number(self.rope_local_theta) and 0 <= self.rope_local_theta < math.inf, "rope_local_theta",
+             "a non-negative finite number (0: rope_theta on every layer)")
+        if self.rope_local_theta:
+            need(has_window and not self.mla, "rope_local_theta",
+                 "0 without sliding-window layers (it is their RoPE theta) or for an MLA model")
+        _bool(need, self, "yarn_truncate")
+        for f in ("yarn_factor", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+            need(_is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
+        for f in ("yarn_beta_fast", "yarn_beta_slow"):
+            need(_is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
+        if self.yarn_factor:
+            need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
+            need(self.yarn_original_max_position > 0, "yarn_original_max_position",
+                 "a positive integer when yarn_factor is set")
+
+
+@dataclass(frozen=True)
+class Norms:
+    """The residual stream's norms: kind (RMSNorm or bias-free LayerNorm), where they sit (before
+    each sublayer, after it, or both) and whether attention and the MLP share one (parallel blocks)."""
+    norm_kind: str
+    rms_eps: float
+    rms_width: int  # lanes the norm averages over in a lane-padded copy; 0: hidden_size
+    hidden_size: int
+    pre_norms: bool
+    post_norms: bool  # Gemma 2/3 sandwich, OLMo 2: each sublayer's output normalized
+    parallel_blocks: bool  # Cohere: the MLP reads attention's normed input; no mlp_norm
+
+    @property
+    def width(self) -> int:
+        """The width the norm over the residual divides by: the model's true hidden size."""
+        return self.rms_width or self.hidden_size
+
+    def per_layer(self) -> int:
+        """Norm weight vectors one layer holds on the residual (attn / mlp, post_attn / post_mlp)."""
+        return (1 if self.parallel_blocks else 2) * self.pre_norms + 2 * self.post_norms
+
+    def check(self, need: Need) -> None:
+        need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
+        need(_is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
+             f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
+        _bool(need, self, "post_norms", "pre_norms")
+        if not self.pre_norms:  # a layer keeps its norms after the sublayers
+            need(self.post_norms, "pre_norms", "true unless post_norms is true (a layer needs one of them)")
+        need(self.norm_kind in NORM_KINDS, "norm_kind", f"one of {', '.join(NORM_KINDS)}")
+        _bool(need, self, "parallel_blocks")
+        if self.parallel_blocks:  # the kernel's MLP reads attention's normed input, kept in VMEM
+            need(self.pre_norms and not self.post_norms, "parallel_blocks", "false with post_norms or without pre_norms")
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """The dense layers' gated MLP: act(x @ w_gate) * (x @ w_up) @ w_down."""
+    ffn_size: int
+    mlp_act: str
+
+    def param_count(self, hidden: int) -> int:
+        return 3 * hidden * self.ffn_size
+
+    def tensor_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        h, f = hidden, self.ffn_size
+        return {"w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+
+    def check(self, need: Need, has_dense_layers: bool) -> None:
+        if has_dense_layers:
+            need(self.ffn_size > 0, "ffn_size", "a positive integer (the model has dense layers)")
+        need(isinstance(self.mlp_act, str) and self.mlp_act in MLP_ACTS, "mlp_act", f"one of {', '.join(MLP_ACTS)}")
+
+
+@dataclass(frozen=True)
+class Moe:
+    """Routed experts (num_experts = 0: a dense model), the router's scoring and DeepSeek-V3's
+    group-limited routing, shared experts (optionally gated per token, Qwen2-MoE)."""
+    num_experts: int
+    top_k: int
+    expert_ffn_size: int
+    router_scoring: str
+    norm_topk_prob: bool
+    num_shared_experts: int
+    shared_expert_ffn_size: int
+    shared_expert_gate: bool
+    router_groups: int
+    router_topk_groups: int
+    router_correction_bias: bool
+    routed_scaling_factor: float
+
+    def __bool__(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.router_groups
+
+    def param_counts(self, hidden: int) -> dict[str, int]:
+        """One MoE layer's parameters outside attention: read every step, and per routed expert."""
+        shared = self.num_shared_experts * 3 * hidden * self.shared_expert_ffn_size
+        return {"always": hidden * (self.num_experts + self.shared_expert_gate) + shared
+                          + (self.num_experts if self.router_correction_bias else 0),
+                "per_expert": 3 * hidden * self.expert_ffn_size}
+
+    def tensor_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        """A routed layer's tensors: router (and its correction bias), experts, shared experts."""
+        h, e, f = hidden, self.num_experts, self.expert_ffn_size
+        out: dict[str, tuple[int, ...]] = {"router": (h, e), "e_gate": (e, h, f), "e_up": (e, h, f),
+                                           "e_down": (e, f, h)}
+        if self.router_correction_bias:
+            out.update(router_bias=(e,))
+        if self.num_shared_experts:
+            s = self.num_shared_experts * self.shared_expert_ffn_size
+            out.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
+            if self.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ shared_router) scales the shared output
+                out.update(shared_router=(h, 1))
+        return out
+
+    def check(self, need: Need, num_layers: int, dense_layers: tuple[int, ...]) -> None:
+        _bool(need, self, "norm_topk_prob", "router_correction_bias")
+        need(isinstance(self.router_scoring, str) and self.router_scoring in SCORINGS, "router_scoring",
+             f"one of {', '.join(SCORINGS)}")
+        if self:
+            need(self.top_k >= 1, "top_k", "at least 1 for a mixture-of-experts model")
+            need(self.top_k <= self.num_experts, "top_k", f"at most num_experts ({self.num_experts})")
+            need(self.expert_ffn_size > 0, "expert_ffn_size", "a positive integer for a mixture-of-experts model")
+            need(all(0 <= i < num_layers for i in dense_layers), "dense_layers", f"layer indices in [0, {num_layers})")
+            if self.num_shared_experts:
+                need(self.shared_expert_ffn_size > 0, "shared_expert_ffn_size",
+                     "a positive integer when num_shared_experts > 0")
+        else:
+            need(self.top_k == 0, "top_k", "0 for a dense model (num_experts = 0)")
+            need(self.num_shared_experts == 0, "num_shared_experts", "0 for a dense model (num_experts = 0)")
+            need(not dense_layers, "dense_layers", "empty for a dense model (every layer is dense)")
+        _bool(need, self, "shared_expert_gate")
+        if self.shared_expert_gate:  # the gate shares the router's one DMA and dtype (not DeepSeek's float32 router)
+            need(bool(self) and self.num_shared_experts > 0 and not self.router_correction_bias, "shared_expert_gate",
+                 "false without shared experts or with router_correction_bias")
+        for f in ("router_groups", "router_topk_groups"):
+            need(_is_int(getattr(self, f)) and 1 <= getattr(self, f) <= 4096, f, "a positive integer at most 4,096")
+        need(_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
+             "a positive finite number")
+        set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
+                                           ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
+                      if getattr(self, f) != default]
+        if set_fields:  # DeepSeek-V3 routing
+            need(bool(self), set_fields[0], "its default for a dense model (num_experts = 0)")
+            g = self.router_groups
+            need(self.num_experts % g == 0, "router_groups", f"a divisor of num_experts ({self.num_experts})")
+            need(g == 1 or self.num_experts // g >= 2, "router_groups",
+                 "at most num_experts / 2 (a group is scored by its two best experts)")
+            need(self.router_topk_groups <= g, "router_topk_groups", f"at most router_groups ({g})")
+            need(self.top_k <= self.router_topk_groups * (self.num_experts // g), "top_k",
+                 "at most router_topk_groups x experts per group (the experts the kept groups hold)")
+
+
+@dataclass(frozen=True)
+class LayerPattern:
+    """Which layer is what: dense or MoE (`dense_layers` of a MoE model), full or sliding-window
+    attention (`sliding_layers` see `sliding_window` keys back)."""
+    num_layers: int
+    dense_layers: tuple[int, ...]
+    sliding_window: int
+    sliding_layers: tuple[int, ...]
+    moe: bool  # derived: the model has routed experts
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.dense_layers) if self.moe else self.num_layers
+
+    def is_dense(self, i: int) -> bool:
+        return (not self.moe) or i in self.dense_layers
+
+    def window(self, i: int) -> int:
+        """Layer i's attention window (a query at p sees keys k with p - k < window), 0 = full."""
+        return self.sliding_window if i in self.sliding_layers else 0
+
+    def first_moe_layer(self) -> int:
+        """The first routed layer (closed form: among the first num_dense + 1 layers one is routed)."""
+        return next(i for i in range(self.num_dense + 1) if not self.is_dense(i))
+
+    def check(self, need: Need) -> None:
+        need(isinstance(self.sliding_layers, tuple) and all(_is_int(i) for i in self.sliding_layers),
+             "sliding_layers", "a list of layer indices")
+        need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
+             f"layer indices in [0, {self.num_layers})")
+        if self.sliding_window:
+            need(bool(self.sliding_layers), "sliding_layers", "at least one layer index when sliding_window > 0")
+        else:
+            need(not self.sliding_layers, "sliding_layers", "empty when sliding_window = 0 (no window)")
+
+
+@dataclass(frozen=True)
+class Head:
+    """The ends of the model: embedding (with its scale, Gemma's sqrt(hidden)), the final norm's
+    lm_head (tied or its own) and the logits' soft-cap (Gemma 2)."""
+    vocab_size: int
+    hidden_size: int
+    tie_embeddings: bool
+    embed_scale: float
+    final_softcap: float
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, v = self.hidden_size, self.vocab_size
+        out: dict[str, tuple[int, ...]] = {"embed": (v, h), "final_norm": (h,)}
+        if not self.tie_embeddings:
+            out["lm_head"] = (h, v)
+        return out
+
+    def check(self, need: Need) -> None:
+        _bool(need, self, "tie_embeddings")
+        need(_is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
+             "a positive finite number")
+        need(_is_number(self.final_softcap) and 0 <= self.final_softcap < math.inf, "final_softcap",
+             "a non-negative finite number (0: no soft-capping)")
