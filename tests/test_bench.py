@@ -156,9 +156,10 @@ def test_bench_errors_are_one_line(args, message):
 @pytest.mark.parametrize("preset, overrides, quant", [
     ("tiny-moe", {}, "none"), ("tiny-dense", {}, "none"),
     # 64-wide heads and a sliding layer whose 8-token window is shorter than the 20-token prompt,
-    # with Gemma's GeGLU MLP and embedding factor and Gemma 2's soft-capped scores and logits
+    # with Gemma's GeGLU MLP and embedding factor and Gemma 2's soft-capped scores and logits,
+    # and gpt-oss's attention sinks
     ("tiny-dense", dict(head_dim=64, sliding_window=8, sliding_layers=[1], mlp_act="gelu_tanh", embed_scale=16.0,
-                        attn_softcap=2.0, final_softcap=3.0), "none"),
+                        attn_softcap=2.0, final_softcap=3.0, attn_sinks=True), "none"),
     ("tiny-moe", {}, "int4"),  # the same quantized weights: int8 ring matrices, group-scaled int4 experts
     # OLMo 2's norms: none before the sublayers, one after each, QK-norm across all heads
     ("tiny-dense", dict(pre_norms=False, post_norms=True, qk_norm_whole=True), "none"),

@@ -253,7 +253,7 @@ def test_hf_invalid_value_names_field():
     ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
     ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
     ({"use_sinks": True}, "attention sinks"),
-    ({"model_type": "gpt_oss"}, "attention sinks"),
+    ({"model_type": "gpt_oss"}, "clamped SwiGLU experts"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
     # YaRN is read for the Llama / Mistral / Qwen families and MLA models, LongRoPE for Phi-3
     ({"model_type": "qwen2_moe", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,

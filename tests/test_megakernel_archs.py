@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from test_megakernel import CONTEXT, PAGE, SMALL_TILES, check_step, prompts_of
@@ -60,6 +61,11 @@ MODELS = {
     # 192 lanes), attention and the MLP reading one normed input, both added to the residual
     "dense-cohere": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
                                         qk_norm=False, norm_kind="layer", parallel_blocks=True)),
+    # gpt-oss's attention sinks: one logit per q head in each softmax's denominator, on 64-wide
+    # heads (two kv heads per lane block: a block's rows hold 8 q heads, each row its own sink),
+    # with gpt-oss's alternating sliding (layer 0, 20 tokens) and full layers
+    "dense-sinks": ("tiny-dense", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, attn_sinks=True,
+                                       sliding_window=20, sliding_layers=[0])),
 }
 
 
@@ -90,6 +96,7 @@ CASES = [
     ("dense-gemma", "float32", [40, 5, 23], 1, dict(kv_tile_pages=1)),
     ("dense-olmo2", "float32", [9, 26], 1, dict(kv_tile_pages=1)),
     ("dense-cohere", "float32", [12, 35], 1, dict(kv_tile_pages=1)),
+    ("dense-sinks", "float32", [17, 44], 2, dict(kv_tile_pages=1)),  # q = 2: rows of 2 tokens per head
 ]
 
 
@@ -100,7 +107,7 @@ CASES = [
 # phi3-partial) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
 # across all heads: dense-olmo2's).
 # Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
-V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere")
+V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere", "dense-sinks")
 FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16"), ("dense-w12", "float32"),
         ("dense-d96", "float32")}
 
@@ -171,6 +178,41 @@ def test_each_cohere_part_changes_the_output():
     for other, weights in ((cfg.replace(norm_kind="rms"), params), (cfg.replace(parallel_blocks=False), serial)):
         b, _ = reference_step(other)(weights, tok, pos, cache)
         assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+
+
+def test_sinks_change_the_output_as_transformers_computes_them():
+    """dense-sinks' kernel case is not vacuous (without the sinks the logits move by more than
+    1e-3 of their scale), and the reference's softmax with sinks is transformers' gpt-oss eager
+    attention on the same scores."""
+    torch = pytest.importorskip("torch")
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    cfg, params = model("dense-sinks", "float32")
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    b, _ = reference_step(cfg.replace(attn_sinks=False))(params, tok, pos, cache)
+    assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+
+    # transformers: q [B, Hq, T, D], k / v [B, Hkv, S, D], module.sinks [Hq], causal mask added
+    rng = np.random.default_rng(0)
+    b_, t, s_len, hkv, g, d = 2, 3, 7, 2, 4, 64
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
+               ((b_, hkv * g, t, d), (b_, hkv, s_len, d), (b_, hkv, s_len, d)))
+    sinks = rng.standard_normal(hkv * g).astype(np.float32) * 2
+    q_pos = np.array([[4, 5, 6]] * b_, np.int32)
+    k_pos = np.broadcast_to(np.arange(s_len, dtype=np.int32), (b_, s_len))
+    allowed = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = g, False
+    module.sinks = torch.nn.Parameter(torch.from_numpy(sinks))
+    mask = torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32))[:, None]
+    want, _ = gpt_oss.eager_attention_forward(module, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                              mask, scaling=d ** -0.5, dropout=0.0)
+    got = R.attend(cfg.attention, jnp.asarray(q.transpose(0, 2, 1, 3)), jnp.asarray(k.transpose(0, 2, 1, 3)),
+                   jnp.asarray(v.transpose(0, 2, 1, 3)), jnp.asarray(q_pos), jnp.asarray(k_pos),
+                   jnp.ones((b_, s_len), bool), sinks=jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(got), want.detach().numpy().reshape(b_, t, -1), rtol=1e-5, atol=1e-6)
 
 
 def test_plan_counts_only_the_window_tiles():

@@ -342,6 +342,9 @@ def serving_refusal(cfg: ModelConfig) -> str | None:
         return ("not built: jax's ragged_paged_attention (jax.experimental.pallas.ops.tpu) attends per-head K/V "
                 "pages; it has no form for MLA's latent cache (one c_kv | k_rope row per token) and jax ships no "
                 "MLA paged attention kernel")
+    if cfg.attention.attn_sinks:
+        return (f"not built: jax's ragged_paged_attention (jax {jax.__version__}) has no attention sinks (gpt-oss's "
+                "per-head logit in the softmax denominator)")
     if cfg.head_dim % 128:  # its softmax statistics are 128 lanes wide, broadcast over the head (an assert)
         return (f"not built: jax's ragged_paged_attention (jax {jax.__version__}) needs a head_dim that is a multiple "
                 f"of 128 lanes; this model's is {cfg.head_dim}")

@@ -33,6 +33,7 @@ import numpy as np
 
 from tpumk.decode.xla_step import _moe_gathered
 from tpumk.model import reference as ref
+from tpumk.errors import NotSupportedError
 from tpumk.model.config import ModelConfig
 from tpumk.targets import Target
 
@@ -85,6 +86,9 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
     same arguments) instead of the kernel. Pallas' TPU interpret mode cannot run this kernel in
     jax 0.10.2 (its interpreter has no reshape of a ref), so the tests check the step's wiring
     (cache layout, lengths, block table) through the reference and compile the kernel deviceless."""
+    if cfg.attention.attn_sinks:  # the kernel's softmax has no per-head sink logit
+        raise NotSupportedError(f"model '{cfg.name}': attn_sinks = true: jax's ragged_paged_attention has no "
+                                "attention sinks")
     kernel, _ = _rpa_modules()
     b, t = tokens.shape
     page = kv_caches[0].shape[1]

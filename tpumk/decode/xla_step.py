@@ -55,7 +55,7 @@ def xla_cache_shapes(cfg: ModelConfig, batch: int, context: int) -> tuple[tuple[
 
 
 def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                       k_valid: jax.Array, window: int = 0) -> jax.Array:
+                       k_valid: jax.Array, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """`tpumk.model.reference.attend` with the cache head-major: q [B,T,Hq,D] f32; k, v [B,Hkv,S,D];
     q_pos [B,T]; k_valid [B,S]; window > 0: a sliding-window layer. Same casts, scaling, masks
     and softmax as the reference (XLA computes every key's score; the mask drops the rest)."""
@@ -69,7 +69,10 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
     mask = k_valid[:, None, None, None, :] & (k_pos[None, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[None, None, None, None, :] > q_pos[:, None, None, :, None] - window)
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    else:  # gpt-oss: the sink logits in the denominator, as the reference
+        p = ref.masked_softmax(s, mask, sinks.reshape(cfg.num_kv_heads, group))
     o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, cfg.attention.q_size)
 
@@ -116,7 +119,8 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
         q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i))
+        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i),
+                               layer["sinks"] if cfg.attention.attn_sinks else None)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
         h = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))

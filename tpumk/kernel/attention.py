@@ -253,7 +253,8 @@ def attention_prefetch(geom: AttentionGeometry, layer, k_cache, v_cache, block_t
 
 def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_cache,
                     block_tables, lengths, positions, scratch: Sequence,
-                    prefetched: bool = False, tiles_started: Any = False, prefetch_next: Any = False) -> jax.Array:
+                    prefetched: bool = False, tiles_started: Any = False, prefetch_next: Any = False,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """One layer of paged GQA attention with the in-place cache update. Call inside a kernel.
 
     layer: int32 scalar (traced: the megakernel's layer loop index) or Python int.
@@ -278,13 +279,16 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         (the published kernel issues a layer's KV loads at layer start). Layer + 1's stage must
         then run with tiles_started true, and nothing may touch the KV tile slots in between.
         Only for models without sliding windows (a window moves a layer's first tile).
+    sinks: f32 [1, Hq] (geom.sinks, gpt-oss): each q head's sink logit, one more key in its
+        softmax denominator whose value is zero (the online softmax starts from it).
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
     been waited when it returns, except the next layer's first tile DMAs under prefetch_next.
 
     The phases, in order (each a function below):
     1. `_start_cache_reads`: read every page this step writes (cache update, part 1);
-    2. `_stage_rows`, `_regroup_q`, `_tabulate_sequences`: while they fly, stage the inputs in
-       VMEM, regroup q per kv head, tabulate each sequence's extent in SMEM;
+    2. `_stage_rows`, `_regroup_q`, `_tabulate_sequences`, `_softmax_start`: while they fly,
+       stage the inputs in VMEM, regroup q per kv head, tabulate each sequence's extent in SMEM,
+       and set each query row's softmax start (its sink, with attention sinks);
     3. `_patch_pages`: patch the new rows into the pages and start their write-back;
     4. `_tile_loop`: stream the KV tiles, all sequences in one flat loop, online softmax;
     5. `_retire_write_backs`: wait for the write-backs (cache update, part 2);
@@ -301,7 +305,11 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     token_of_row = _regroup_q(st)
     total = _tabulate_sequences(st, lengths)
     _patch_pages(st)
-    _tile_loop(st, lengths, token_of_row, total, tiles_started, prefetch_next)
+    if geom.sinks != (sinks is not None):
+        raise ValueError(f"attention_stage: the geometry says sinks={geom.sinks}, the call passes "
+                         f"{'a' if sinks is not None else 'no'} sinks row")
+    start = _softmax_start(st, sinks)
+    _tile_loop(st, lengths, token_of_row, total, tiles_started, prefetch_next, start)
     _retire_write_backs(st)
     return _ungroup_o(st)
 
@@ -439,7 +447,33 @@ def _patch_pages(st: _Stage) -> None:
         st.start_patch_dma(slot, pg, first, write=True)
 
 
-def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, prefetch_next=False) -> None:
+def _softmax_start(st: _Stage, sinks) -> list[tuple[Any, Any]]:
+    """Phase 2d: each head block's online-softmax state before its first key, (max, sum) per
+    query row [Rb, 128] lane-replicated: (-inf, 0), or with sinks (gpt-oss) (sink, 1), the
+    sink being one more key whose value is zero (exp(sink - sink) = 1 in the sum, nothing in
+    acc), so a row's rescaling by later maxima keeps it exactly as the reference's softmax
+    over [scores, sink]. Rows map to q heads as `_regroup_q` stacked them; pad rows take 0."""
+    g = st.g
+    BR, R, T, G = g.block_rows, g.q_rows, g.q_len, g.group
+    if sinks is None:
+        return [(-jnp.inf, 0.0)] * g.head_blocks
+    qrow = lax.broadcasted_iota(jnp.int32, (BR, LANE), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (1, sinks.shape[1]), 1)
+    out = []
+    for j in range(g.head_blocks):
+        col = jnp.zeros((BR, LANE), jnp.float32)
+        for p_ in range(g.heads_per_block):
+            for gi in range(G):
+                qh = (j * g.heads_per_block + p_) * G + gi
+                # lane qh of the row as a [1, 1] value: a masked lane sum (no unaligned lane slice)
+                v = jnp.sum(jnp.where(lane == qh, sinks, 0.0), axis=1, keepdims=True)
+                lo = p_ * R + gi * T
+                col = jnp.where((qrow >= lo) & (qrow < lo + T), v, col)
+        out.append((col, 1.0))
+    return out
+
+
+def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch_next, start) -> None:
     """Phase 4: stream KV tiles through a kv_buffers-deep ring, all sequences in one flat
     `fori_loop` over the `total` (sequence, tile) steps, kv_buffers - 1 tiles in flight.
     `tiles_started` / `prefetch_next`: see `attention_stage` (the first kv_buffers - 1 steps'
@@ -448,7 +482,8 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, pr
     A tile page this step writes is copied from its patched VMEM image (never read from HBM,
     so it cannot race the write-back). Per tile and kv head, one matmul covers the whole
     query block; online softmax in f32 into m / l / acc; after a sequence's last tile its
-    q_heads block holds o (acc / l)."""
+    q_heads block holds o (acc / l). `start`: each head block's (max, sum) before its first key
+    (`_softmax_start`)."""
     g, sc, layer, positions = st.g, st.sc, st.layer, st.positions
     B, T, P, KT, NB = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers
     D, S = g.head_dim, g.tile_rows
@@ -546,9 +581,10 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started=False, pr
         probs, stats = [], []
         for h in range(NBK):
             s = jnp.where(mask, scores[h], MASK_VALUE)
-            # A sequence's first tile starts from an empty state (max -inf, sum 0, acc 0).
-            m_prev = jnp.where(first_tile, -jnp.inf, sc.m[h])  # [R, 128] lane-replicated
-            l_prev = jnp.where(first_tile, 0.0, sc.l[h])
+            # A sequence's first tile starts from an empty state (max -inf, sum 0, acc 0), or
+            # with sinks from the sink alone (max sink, sum 1, acc 0).
+            m_prev = jnp.where(first_tile, start[h][0], sc.m[h])  # [R, 128] lane-replicated
+            l_prev = jnp.where(first_tile, start[h][1], sc.l[h])
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
             p = jnp.exp(s - m_next[:, :1])

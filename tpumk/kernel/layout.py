@@ -219,6 +219,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         if cfg.attention.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
             bias = jnp.concatenate([jnp.asarray(lay[n], jnp.float32) for n in ("bq", "bk", "bv")])
             block = block.at[VECTOR_ROW["qkv_bias"], :bias.shape[0]].set(bias)
+        if cfg.attention.attn_sinks:  # one lane per q head (tpumk.kernel.attention reads it per query row)
+            block = block.at[VECTOR_ROW["sinks"], :cfg.num_q_heads].set(jnp.asarray(lay["sinks"], jnp.float32))
         return block
 
     def cast(a) -> jax.Array:

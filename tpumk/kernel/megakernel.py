@@ -346,7 +346,8 @@ def _kernel(plan: Plan):
             s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
                                                    block_tables, lengths, positions, s.attention, prefetched=True,
                                                    tiles_started=kv_ahead and layer > 0,
-                                                   prefetch_next=kv_ahead and layer + 1 < cfg.num_layers)
+                                                   prefetch_next=kv_ahead and layer + 1 < cfg.num_layers,
+                                                   sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             reduce_into_resid(attention_counter(layer), vec, "post_attn_norm")

@@ -319,6 +319,8 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         if cfg.attention.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
+        if cfg.attention.attn_sinks:  # gpt-oss: [num_q_heads]
+            add(p + "self_attn.sinks", i, "sinks")
         if cfg.pattern.is_dense(i) and p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
             f, h = cfg.ffn_size, cfg.hidden_size
             add(p + "mlp.gate_up_proj.weight", i, "w_gate", lambda a, f=f: a[:f].T, hf_shape=(2 * f, h))

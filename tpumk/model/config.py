@@ -38,7 +38,7 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
                 "parallel_blocks", "rotary_dim", "shared_expert_gate", "rope_short_factor", "rope_long_factor",
-                "rope_attention_factor")
+                "rope_attention_factor", "attn_sinks")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -189,6 +189,9 @@ class ModelConfig:
     # [hidden] vector (`shared_router` [H, 1]; transformers' shared_expert_gate) before it joins
     # the routed experts'. The kernel packs w as one more router column (tpumk.kernel.moe).
     shared_expert_gate: bool = False
+    # gpt-oss's attention sinks: one learned logit per query head joins each softmax's
+    # denominator (a key whose value is zero): weights `sinks` [num_q_heads] per layer.
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -443,7 +446,8 @@ COHERE_LOGIT_SCALE = 0.0625
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-    "gpt_oss": "attention sinks of gpt-oss",
+    # its attention sinks are built (attn_sinks); these parts of its layers are not yet
+    "gpt_oss": "o-projection, router and expert biases, clamped SwiGLU experts and MXFP4 weights of gpt-oss",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled; Gemma 2

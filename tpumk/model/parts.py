@@ -68,6 +68,7 @@ class Attention:
     qk_norm_whole: bool  # OLMo 2: one norm across every head rather than per head
     attn_scalar: float  # softmax scale attn_scalar ** -0.5 (Gemma); 0: the head width
     attn_softcap: float  # Gemma 2: cap * tanh(score / cap); 0: none
+    attn_sinks: bool  # gpt-oss: a learned logit per q head in each softmax's denominator
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -141,27 +142,30 @@ class Attention:
         return out
 
     def extra_shapes(self) -> dict[str, tuple[int, ...]]:
-        """q / k / v biases (Qwen2), then the QK-norm weights: per head, or across every head."""
+        """q / k / v biases (Qwen2), the QK-norm weights (per head, or across every head), then
+        the attention sinks (gpt-oss: one logit per q head)."""
         out: dict[str, tuple[int, ...]] = {}
         if self.qkv_bias:
             out.update(bq=(self.q_size,), bk=(self.kv_size,), bv=(self.kv_size,))
         if self.qk_norm:
             q, k = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
             out.update(q_norm=(q,), k_norm=(k,))
+        if self.attn_sinks:
+            out.update(sinks=(self.num_q_heads,))
         return out
 
     def norm_params(self) -> int:
-        """Parameters of one layer's attention-side norms (QK-norm, MLA's latent norms)."""
+        """Parameters of one layer's attention-side vectors (QK-norm, MLA's latent norms, sinks)."""
         qk = 0
         if self.qk_norm:
             qk = self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
-        return qk + self.q_lora_rank + self.kv_lora_rank
+        return qk + self.q_lora_rank + self.kv_lora_rank + self.attn_sinks * self.num_q_heads
 
     def check(self, need: Need) -> None:
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole")
+        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks")
         need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         need(_is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
@@ -172,6 +176,8 @@ class Attention:
             need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
         if self.attn_softcap:  # the MLA stage's scores are not capped
             need(not self.is_mla, "attn_softcap", "0 for an MLA model")
+        if self.attn_sinks:  # the MLA stage's softmax has no sink
+            need(not self.is_mla, "attn_sinks", "false for an MLA model")
         if not self.is_mla:
             for f in MLA_FIELDS:
                 need(getattr(self, f) == 0, f, "0 for a GQA model (kv_lora_rank = 0)")

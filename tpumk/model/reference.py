@@ -240,15 +240,16 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: 
 
 
 def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-           k_pos: jax.Array, k_valid: jax.Array, window: int = 0) -> jax.Array:
+           k_pos: jax.Array, k_valid: jax.Array, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """GQA attention. q [B,T,Hq,D] f32; k, v [B,S,Hkv,D]; q_pos [B,T]; k_pos, k_valid [B,S].
 
     window > 0 (a sliding-window layer): a query at p sees only keys k with p - k < window
     (transformers' `sliding_window_overlay`: kv_idx > q_idx - sliding_window).
 
     Scores are q (in the cache dtype) . k with float32 accumulation, scaled by 1/sqrt(D) (then
-    soft-capped when att.attn_softcap); the softmax runs in float32; probabilities are cast to
-    the cache dtype for p . v.
+    soft-capped when att.attn_softcap); the softmax runs in float32 (with `sinks` [Hq], gpt-oss's
+    sink logits in its denominator: `masked_softmax`); probabilities are cast to the cache dtype
+    for p . v.
     """
     b, t = q.shape[:2]
     qg = q.reshape(b, t, att.num_kv_heads, att.group, att.head_dim).astype(k.dtype)
@@ -257,11 +258,27 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
-    s = jnp.where(mask, s, -jnp.inf)
-    # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
-    p = jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
+    p = masked_softmax(s, mask, None if sinks is None else sinks.reshape(att.num_kv_heads, att.group))
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, att.q_size)
+
+
+def _sinks(cfg: ModelConfig, layer: Params) -> jax.Array | None:
+    return layer["sinks"] if cfg.attention.attn_sinks else None
+
+
+def masked_softmax(s: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax of scores s [B, Hkv, G, T, S] over the keys where `mask`, in float32. A query with
+    no key at all (only an out-of-range negative position) gets 0, not NaN. `sinks` [Hkv, G]
+    (gpt-oss): each head's sink logit joins the denominator as one more key whose value is 0,
+    as transformers' eager attention appends it to the scores and drops its column."""
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is None:
+        return jnp.where(jnp.any(mask, -1, keepdims=True), jax.nn.softmax(s, axis=-1), 0.0)
+    sink = sinks.astype(jnp.float32)[None, :, :, None, None]
+    m = jnp.maximum(jnp.max(s, -1, keepdims=True), sink)
+    e = jnp.exp(s - m)
+    return e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))
 
 
 def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
@@ -338,7 +355,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i))
+        o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), _sinks(cfg, layer))
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
@@ -358,7 +375,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
-        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i))
+        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), _sinks(cfg, layer))
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))

@@ -84,6 +84,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             w = 0.1 * jax.random.normal(k, shape, jnp.float32)
         elif name == "embed":
             w = jax.random.normal(k, shape, jnp.float32)
+        elif name == "sinks":  # about a score's size, so the sink takes a visible share of each softmax
+            w = 1.0 + jax.random.normal(k, shape, jnp.float32)
         elif name in QKV_BIASES:  # as large as a projection's output, so a dropped bias shows
             w = jax.random.normal(k, shape, jnp.float32)
         else:

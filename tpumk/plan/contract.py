@@ -141,7 +141,7 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
         hbm("embed", (cfg.vocab_size, cfg.hidden_size), dt, "[V, H]: rows gathered by the glue"),
         hbm("final_norm", (1, cfg.hidden_size), "float32", "[1, H]"),
         hbm("layer_vectors", (cfg.num_layers, LAYER_VECTOR_ROWS, plan.vector_width), "float32",
-            "[L, 8, W]: rows attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, 0"),
+            "[L, 8, W]: rows attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks"),
     ]
     for name in RING_FAMILIES:
         if name in plan.families:

@@ -43,9 +43,9 @@ HBM_BITS = {"int4": 4}
 SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
-LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, pad
+LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks
 VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4, "post_attn_norm": 5,
-              "post_mlp_norm": 6}
+              "post_mlp_norm": 6, "sinks": 7}
 
 
 def round_up(v: int, m: int) -> int:
@@ -187,6 +187,8 @@ class AttentionGeometry:
     score_dim: float = 0
     # scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2); 0: not capped
     softcap: float = 0
+    # gpt-oss: each q head's sink logit joins its softmax denominator (the stage's `sinks` row)
+    sinks: bool = False
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -196,7 +198,8 @@ class AttentionGeometry:
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
-                   score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap)
+                   score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap,
+                   sinks=cfg.attention.attn_sinks)
 
     # ------------------------------------------------------------------ derived sizes
     @property
