@@ -263,12 +263,6 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     return o.reshape(b, t, att.q_size)
 
 
-def o_proj(cfg: ModelConfig, layer: Params, o: jax.Array) -> jax.Array:
-    """Attention's output projection, f32; with o_bias its bias added in float32."""
-    out = matmul(o, layer["wo"])
-    return out + layer["bo"].astype(jnp.float32) if cfg.attention.o_bias else out
-
-
 def _sinks(cfg: ModelConfig, layer: Params) -> jax.Array | None:
     return layer["sinks"] if cfg.attention.attn_sinks else None
 
@@ -362,7 +356,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), _sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
@@ -382,7 +376,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
         o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), _sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
