@@ -120,7 +120,7 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
         k_cache = k_cache.at[i, bi, hi, pi].set(k)
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
         o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i),
-                               layer["sinks"] if cfg.attention.attn_sinks else None)
+                               ref.layer_sinks(cfg, layer))
         x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
         h = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))

@@ -26,7 +26,7 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
-from tpumk.model.parts import MLA_FIELDS, Attention, Head, LayerPattern, Mlp, Moe, Norms, Positions, take
+from tpumk.model.parts import MLA_FIELDS, Attention, Head, LayerPattern, Mlp, Moe, Norms, Positions, is_int, is_number, take
 from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
@@ -198,11 +198,11 @@ class ModelConfig:
         # as given for `validate` to reject by name).
         for name in ("dense_layers", "sliding_layers"):
             dl = getattr(self, name)
-            if isinstance(dl, (list, tuple)) and all(_is_int(i) for i in dl):
+            if isinstance(dl, (list, tuple)) and all(is_int(i) for i in dl):
                 object.__setattr__(self, name, tuple(sorted(set(dl))))
         for name in ("rope_short_factor", "rope_long_factor"):  # ordered per frequency: kept as given
             v = getattr(self, name)
-            if isinstance(v, (list, tuple)) and all(_is_number(x) for x in v):
+            if isinstance(v, (list, tuple)) and all(is_number(x) for x in v):
                 object.__setattr__(self, name, tuple(float(x) for x in v))
         self.validate()
 
@@ -218,14 +218,15 @@ class ModelConfig:
                               "one-line string")
         # Types and bounds first: every part's check (and every consumer) may then do arithmetic
         # on the sizes, and nothing loops over more than MAX_SIZES["num_layers"] layers.
-        for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            need(_is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
+        for f in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size",
+                  "router_groups", "router_topk_groups", "rope_original_max_position"):
+            need(is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
                  f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
                   *MLA_FIELDS, "yarn_original_max_position", "sliding_window"):
-            need(_is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
+            need(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
                  f"a non-negative integer at most {MAX_SIZES[f]:,}" + (" (0: no window)" if f == "sliding_window" else ""))
-        need(isinstance(self.dense_layers, tuple) and all(_is_int(i) for i in self.dense_layers), "dense_layers",
+        need(isinstance(self.dense_layers, tuple) and all(is_int(i) for i in self.dense_layers), "dense_layers",
              "a list of layer indices")
         need(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         # Each part's own fields, then the rules between parts.
@@ -359,19 +360,6 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - miss**batch)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
 def _short_repr(v: Any, limit: int = 60) -> str:
     """repr(v) cut to one short line (error messages quote user values)."""
     r = " ".join(repr(v).split())
@@ -393,10 +381,10 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
         if required not in data:
             raise ConfigError(f"{source}: missing required field '{required}'")
     for key, value in data.items():
-        if key in _FLOAT_FIELDS and _is_int(value) and _is_number(value):
+        if key in _FLOAT_FIELDS and is_int(value) and is_number(value):
             data = {**data, key: float(value)}
         if key in ("dense_layers", "sliding_layers") and not (
-                isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)):
+                isinstance(value, (list, tuple)) and all(is_int(v) for v in value)):
             raise ConfigError(f"{source}: field '{key}' = {_short_repr(value)}: expected a list of layer indices")
     try:
         return ModelConfig(**data)
@@ -558,7 +546,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         if mt not in _HF_PARTIAL_ROTARY:  # their modelling rotates the whole head whatever the factor says
             raise NotSupportedError(f"{source}: not supported yet: {where} = {_short_repr(factor)} for model_type "
                                     f"{mt!r} (RoPE on part of each head: {', '.join(_HF_PARTIAL_ROTARY)})")
-        if not (_is_number(factor) and 0 < factor < 1):
+        if not (is_number(factor) and 0 < factor < 1):
             raise ConfigError(f"{source}: field '{where}' = {_short_repr(factor)}: expected a number in (0, 1]")
         rotary_factor = (where, factor)
     if rope_params.get("rope_theta") is not None:
@@ -617,7 +605,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                                        ("final_softcap", "final_logit_softcapping", 30.0)):
             # null is no soft-capping (Gemma 3's default); a missing key is Gemma 2's default
             v = data[key] if key in data else (gemma2_default if mt == "gemma2" else None)
-            if v is not None and not (_is_number(v) and 0 < v < math.inf):
+            if v is not None and not (is_number(v) and 0 < v < math.inf):
                 raise ConfigError(f"{source}: field '{key}' = {_short_repr(v)}: expected a positive number or null")
             caps[f] = float(v or 0.0)
         fields.update(post_norms=True, attn_scalar=hf.number("query_pre_attn_scalar", 256.0), **caps)
@@ -849,13 +837,13 @@ def _hf_longrope(data: dict[str, Any], where: str, rope: dict[str, Any]) -> dict
     r = _HFFields(rope, where)
     top = _HFFields(data, where.split(": ")[0])
     original = rope.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
-    if not (_is_int(original) and 0 < original <= MAX_SIZES["rope_original_max_position"]):
+    if not (is_int(original) and 0 < original <= MAX_SIZES["rope_original_max_position"]):
         raise ConfigError(f"{where}: field 'original_max_position_embeddings' = {_short_repr(original)}: expected a "
                           f"positive integer at most {MAX_SIZES['rope_original_max_position']:,} (longrope)")
     factors = {}
     for name in ("short_factor", "long_factor"):
         v = rope.get(name)
-        if not (isinstance(v, list) and v and all(_is_number(x) and x > 0 for x in v)):
+        if not (isinstance(v, list) and v and all(is_number(x) and x > 0 for x in v)):
             raise ConfigError(f"{where}: field '{name}' = {_short_repr(v)}: expected a list of positive numbers "
                               "(one per rotary frequency)")
         factors[name] = tuple(float(x) for x in v)
@@ -942,13 +930,13 @@ class _HFFields:
             return v
         if isinstance(v, float) and v.is_integer() and 0 <= v <= upper:  # 8.0 from some exporters
             v = int(v)
-        if not _is_int(v) or not 0 <= v <= upper:
+        if not is_int(v) or not 0 <= v <= upper:
             raise self._bad(key, v, f"a non-negative integer at most {upper:,}")
         return v
 
     def number(self, key: str, default: float | None) -> float:
         v = self._get(key, _REQUIRED if default is None else default)
-        if not _is_number(v):
+        if not is_number(v):
             raise self._bad(key, v, "a finite number")
         return float(v)
 

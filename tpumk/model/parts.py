@@ -42,7 +42,8 @@ def _bool(need: Need, part: Any, *names: str) -> None:
         need(isinstance(getattr(part, n), bool), n, "true or false")
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool): the type checks of every model field."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
@@ -51,7 +52,7 @@ def _is_number(v: Any) -> bool:
         return False
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -166,11 +167,11 @@ class Attention:
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
         _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks")
-        need(_is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
+        need(is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
-        need(_is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
+        need(is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
              "a non-negative finite number (0: the head width)")
-        need(_is_number(self.attn_softcap) and 0 <= self.attn_softcap < math.inf, "attn_softcap",
+        need(is_number(self.attn_softcap) and 0 <= self.attn_softcap < math.inf, "attn_softcap",
              "a non-negative finite number (0: no soft-capping)")
         if self.qk_norm_whole:
             need(self.qk_norm and not self.is_mla, "qk_norm_whole", "false without qk_norm or for an MLA model")
@@ -231,44 +232,42 @@ class Positions:
         return self.rotary_dim or self.head_lanes
 
     def check(self, need: Need, has_window: bool) -> None:
-        need(_is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
+        need(is_number(self.rope_theta) and 0 < self.rope_theta < math.inf, "rope_theta", "a positive finite number")
         need(isinstance(self.rope_scaling, str) and self.rope_scaling in ROPE_SCALINGS, "rope_scaling",
              f"one of {', '.join(ROPE_SCALINGS)}")
-        need(_is_number(self.rope_factor) and self.rope_factor >= 1, "rope_factor", "a finite number of at least 1")
-        need(_is_number(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0, "rope_low_freq_factor",
+        need(is_number(self.rope_factor) and self.rope_factor >= 1, "rope_factor", "a finite number of at least 1")
+        need(is_number(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0, "rope_low_freq_factor",
              "a positive finite number")
-        need(_is_number(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor,
+        need(is_number(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor,
              "rope_high_freq_factor", f"a finite number above rope_low_freq_factor ({self.rope_low_freq_factor})")
-        need(_is_int(self.rope_original_max_position) and 0 < self.rope_original_max_position <= 1 << 30,
-             "rope_original_max_position", f"a positive integer at most {1 << 30:,}")
         if self.mla:
             need(self.rope_scaling == "none", "rope_scaling", "none for an MLA model (its RoPE scaling is YaRN)")
         if self.yarn_factor:
             need(self.rope_scaling == "none", "rope_scaling", "none with yarn_factor set (one RoPE scaling)")
-        need(_is_number(self.rope_attention_factor) and self.rope_attention_factor >= 0, "rope_attention_factor",
+        need(is_number(self.rope_attention_factor) and self.rope_attention_factor >= 0, "rope_attention_factor",
              "a finite number of at least 0 (0: derived)")
-        need(_is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.head_lanes and self.rotary_dim % 2 == 0,
+        need(is_int(self.rotary_dim) and 0 <= self.rotary_dim <= self.head_lanes and self.rotary_dim % 2 == 0,
              "rotary_dim", f"an even integer in [0, the head width {self.head_lanes}] (0: the whole head)")
         pairs = self.rotary_width // 2 if not self.mla else 0
         for f in ("rope_short_factor", "rope_long_factor"):
             v = getattr(self, f)
             if self.rope_scaling == "longrope":
-                need(isinstance(v, tuple) and len(v) == pairs and all(_is_number(x) and x > 0 for x in v), f,
+                need(isinstance(v, tuple) and len(v) == pairs and all(is_number(x) and x > 0 for x in v), f,
                      f"{pairs} positive finite numbers (one per rotary frequency) for longrope")
             else:
                 need(v == (), f, "empty unless rope_scaling is longrope")
         if self.rotary_dim:
             need(not self.mla, "rotary_dim", "0 for an MLA model (qk_rope_head_dim says which lanes turn)")
-        need(_is_number(self.rope_local_theta) and 0 <= self.rope_local_theta < math.inf, "rope_local_theta",
+        need(is_number(self.rope_local_theta) and 0 <= self.rope_local_theta < math.inf, "rope_local_theta",
              "a non-negative finite number (0: rope_theta on every layer)")
         if self.rope_local_theta:
             need(has_window and not self.mla, "rope_local_theta",
                  "0 without sliding-window layers (it is their RoPE theta) or for an MLA model")
         _bool(need, self, "yarn_truncate")
         for f in ("yarn_factor", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
-            need(_is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
+            need(is_number(getattr(self, f)) and getattr(self, f) >= 0, f, "a non-negative finite number")
         for f in ("yarn_beta_fast", "yarn_beta_slow"):
-            need(_is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
+            need(is_number(getattr(self, f)) and getattr(self, f) > 0, f, "a positive finite number")
         if self.yarn_factor:
             need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
             need(self.yarn_original_max_position > 0, "yarn_original_max_position",
@@ -297,8 +296,8 @@ class Norms:
         return (1 if self.parallel_blocks else 2) * self.pre_norms + 2 * self.post_norms
 
     def check(self, need: Need) -> None:
-        need(_is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
-        need(_is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
+        need(is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
+        need(is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
              f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
         _bool(need, self, "post_norms", "pre_norms")
         if not self.pre_norms:  # a layer keeps its norms after the sublayers
@@ -393,9 +392,7 @@ class Moe:
         if self.shared_expert_gate:  # the gate shares the router's one DMA and dtype (not DeepSeek's float32 router)
             need(bool(self) and self.num_shared_experts > 0 and not self.router_correction_bias, "shared_expert_gate",
                  "false without shared experts or with router_correction_bias")
-        for f in ("router_groups", "router_topk_groups"):
-            need(_is_int(getattr(self, f)) and 1 <= getattr(self, f) <= 4096, f, "a positive integer at most 4,096")
-        need(_is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
+        need(is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
              "a positive finite number")
         set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
                                            ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
@@ -437,7 +434,7 @@ class LayerPattern:
         return next(i for i in range(self.num_dense + 1) if not self.is_dense(i))
 
     def check(self, need: Need) -> None:
-        need(isinstance(self.sliding_layers, tuple) and all(_is_int(i) for i in self.sliding_layers),
+        need(isinstance(self.sliding_layers, tuple) and all(is_int(i) for i in self.sliding_layers),
              "sliding_layers", "a list of layer indices")
         need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
              f"layer indices in [0, {self.num_layers})")
@@ -466,7 +463,7 @@ class Head:
 
     def check(self, need: Need) -> None:
         _bool(need, self, "tie_embeddings")
-        need(_is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
+        need(is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
              "a positive finite number")
-        need(_is_number(self.final_softcap) and 0 <= self.final_softcap < math.inf, "final_softcap",
+        need(is_number(self.final_softcap) and 0 <= self.final_softcap < math.inf, "final_softcap",
              "a non-negative finite number (0: no soft-capping)")

@@ -263,7 +263,8 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     return o.reshape(b, t, att.q_size)
 
 
-def _sinks(cfg: ModelConfig, layer: Params) -> jax.Array | None:
+def layer_sinks(cfg: ModelConfig, layer: Params) -> jax.Array | None:
+    """The layer's sink logits when the model has attention sinks, else None."""
     return layer["sinks"] if cfg.attention.attn_sinks else None
 
 
@@ -355,7 +356,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         # Gather this sequence's pages in order: [B, ctx, Hkv, D].
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), _sinks(cfg, layer))
+        o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
@@ -375,7 +376,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
-        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), _sinks(cfg, layer))
+        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), layer_sinks(cfg, layer))
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
