@@ -247,7 +247,7 @@ def test_hf_invalid_value_names_field():
     ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
     ({"model_type": "olmo"}, "model_type 'olmo'"),  # OLMo (1): non-parametric LayerNorm
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
-    ({"attention_bias": True}, "attention_bias"),
+    ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),  # its o_proj has none
     ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
     ({"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
     ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only

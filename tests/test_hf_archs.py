@@ -74,7 +74,7 @@ CHECKPOINTS = {
     "granite-scalars": dict(arch="granite", seed=14, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                             head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True,
                             embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05,
-                            logits_scaling=4.0),
+                            logits_scaling=4.0, attention_bias=True),  # q's bias folds as wq, o's as wo
     # Gemma: GeGLU (tanh GELU), RMSNorm scaling by (1 + w) (folded on load), embeddings x
     # sqrt(hidden), tied embeddings; widths off the lane grid (hidden 192, FFN 200, 64-wide heads)
     "gemma-geglu": dict(arch="gemma", seed=15, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
@@ -105,7 +105,12 @@ CHECKPOINTS = {
     # final norm); hidden 192, 3 query / 1 KV heads of 64, untied (tied, a tiny random model
     # mostly repeats its last token)
     "cohere-parallel": dict(arch="cohere", seed=20, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
-                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False, logit_scale=0.25),
+                            head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=False, logit_scale=0.25,
+                            attention_bias=True),  # q / k biases permuted as the interleaved rows
+    # attention_bias: biases on q, k, v and o (Llama's modelling; Gemma, OLMo 2, Qwen3 the same),
+    # on widths off the lane grid (the padded copy's o bias is zero past the true 192 lanes)
+    "llama-attnbias": dict(arch="llama", seed=29, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                           head_dim=64, intermediate_size=200, vocab_size=500, attention_bias=True),
     "qwen2-bias": dict(arch="qwen2", seed=13, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=200, vocab_size=500, tie_word_embeddings=True),
     # Mixtral: every layer's MLP is 4 routed experts of width 256 (an expert width off the lane
@@ -179,7 +184,9 @@ def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
     assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo"))
-    assert cfg.qkv_bias == name.startswith(("qwen2", "glm45")) and cfg.shared_expert_gate == name.startswith("qwen2moe")
+    attention_bias = name.startswith(("llama-attnbias", "granite", "cohere"))  # on q, k, v and o
+    assert cfg.qkv_bias == (name.startswith(("qwen2", "glm45")) or attention_bias) and cfg.o_bias == attention_bias
+    assert cfg.shared_expert_gate == name.startswith("qwen2moe")
     assert cfg.qk_norm_whole == name.startswith(("olmo2", "olmoe")) and (not cfg.pre_norms) == name.startswith("olmo2")
     assert cfg.rotary_dim == {"phi3-partial": 72, "phi4-longrope": 72, "glm45-moe": 32}.get(name, 0)
     assert (cfg.yarn_factor, cfg.yarn_original_max_position) == ((4.0, 16) if name == "qwen3-yarn" else (0.0, 0))
@@ -195,7 +202,7 @@ def test_config_reads_the_variant(checkpoint):
     assert (cfg.attn_softcap, cfg.final_softcap) == ((3.0, 5.0) if name.startswith("gemma2") else (0.0, 0.0))
     assert (cfg.mlp_act == "gelu_tanh") == (cfg.embed_scale != 1.0) == name.startswith("gemma")
     assert (cfg.norm_kind == "layer") == cfg.parallel_blocks == name.startswith("cohere")
-    if name.startswith("llama"):
+    if name == "llama-llama3-d64":
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 2)
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 16)
         assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
@@ -244,7 +251,7 @@ def test_config_reads_the_variant(checkpoint):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == heads
     elif name.endswith("d64"):
         assert (cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (64, 8, 4)
-    elif name in ("qwen3-yarn", "phi4-longrope"):
+    elif name in ("qwen3-yarn", "phi4-longrope", "llama-attnbias"):
         assert cfg.sliding_window == 0
     else:
         assert (cfg.sliding_window, cfg.sliding_layers) == (6, (1,))

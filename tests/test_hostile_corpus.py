@@ -350,7 +350,8 @@ CASES: list[Case] = [
     json_case("json-mla-softmax-scoring", hf_json(HF_TINY_MLA, scoring_func="softmax")),
     json_case("json-sliding-window-zero", hf_json(use_sliding_window=True, sliding_window=0)),
     json_case("json-layer-types-sliding", hf_json(layer_types=["sliding_attention"])),
-    json_case("json-attention-bias", hf_json(attention_bias=True)),
+    # Mistral's attention has no biases whatever attention_bias says (Llama's and Qwen3's read it)
+    json_case("json-mistral-attention-bias", hf_json(model_type="mistral", attention_bias=True)),
     json_case("json-rope-yarn", hf_json(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
     json_case("json-cohere-qk-norm", hf_json(model_type="cohere", use_qk_norm=True)),  # per-head LayerNorm
     json_case("json-cohere-logit-scale", hf_json(model_type="cohere", logit_scale=-1.0)),

@@ -47,7 +47,9 @@ MODELS = {
     # before the residual (post_norms), scores / sqrt(48) rather than sqrt(96) and soft-capped
     # at 2, logits soft-capped at 3, and layer 0 sliding a 12-token window with its own RoPE
     # theta (as dense-w12: a query at 40 needs KV tiles 1 and 2 only)
+    # (and Gemma's attention_bias: q, k, v and o biases, o's normalized with attention's output)
     "dense-gemma": ("tiny-dense", dict(hidden_size=192, head_dim=96, num_q_heads=3, num_kv_heads=1, ffn_size=200,
+                                       qkv_bias=True, o_bias=True,
                                        mlp_act="gelu_tanh", embed_scale=192 ** 0.5, post_norms=True,
                                        attn_scalar=48.0, sliding_window=12, sliding_layers=[0],
                                        rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0)),
@@ -61,11 +63,12 @@ MODELS = {
     # 192 lanes), attention and the MLP reading one normed input, both added to the residual
     "dense-cohere": ("tiny-dense", dict(hidden_size=192, head_dim=64, num_q_heads=3, num_kv_heads=1, ffn_size=200,
                                         qk_norm=False, norm_kind="layer", parallel_blocks=True)),
-    # gpt-oss's attention sinks: one logit per q head in each softmax's denominator, on 64-wide
+    # gpt-oss's attention: sinks, one logit per q head in each softmax's denominator, on 64-wide
     # heads (two kv heads per lane block: a block's rows hold 8 q heads, each row its own sink),
-    # with gpt-oss's alternating sliding (layer 0, 20 tokens) and full layers
+    # biases on q, k, v and o (o's added to the residual after the o projection), alternating
+    # sliding (layer 0, 20 tokens) and full layers
     "dense-sinks": ("tiny-dense", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, attn_sinks=True,
-                                       sliding_window=20, sliding_layers=[0])),
+                                       qkv_bias=True, o_bias=True, sliding_window=20, sliding_layers=[0])),
 }
 
 

@@ -32,10 +32,12 @@ CASES = {
     # 3's parts: each sublayer's all-reduced output normalized before the residual (post_norms),
     # GeGLU, scores / sqrt(96) soft-capped at 2, each device's logits slice soft-capped at 3,
     # layer 0 sliding a 20-token window with its own RoPE theta; gpt-oss's attention sinks (each
-    # device's q heads' sink logits from its slice of the layer's sinks row)
+    # device's q heads' sink logits from its slice of the layer's sinks row) and q / k / v / o
+    # biases (each device's heads' q / k / v biases; o's whole, added once to the all-reduced sum)
     "dense-2dev-kv-split": (dict(base="tiny-dense", name="dense-v1001", vocab_size=1001, post_norms=True,
                                  mlp_act="gelu_tanh", attn_scalar=96.0, sliding_window=20, sliding_layers=[0],
-                                 rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0, attn_sinks=True),
+                                 rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0, attn_sinks=True,
+                                 qkv_bias=True, o_bias=True),
                             2, 2, 1, {}),
     # OLMo 2's norms: none before the sublayers, each all-reduced output normalized, q and k each
     # normalized across all heads (the rows' sums of squares all-reduced first: 3 collectives a

@@ -120,7 +120,7 @@ def serving_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, posit
                                               num_kv_pages_per_block=kv_pages_per_block,
                                               num_queries_per_block=queries_per_block)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm",
-                                 ref.matmul(o.astype(jnp.float32).reshape(b, t, cfg.attention.q_size), layer["wo"]))
+                                 ref.o_proj(cfg, layer, o.astype(jnp.float32).reshape(b, t, cfg.attention.q_size)))
         hf = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
         f = (ref.gated_mlp(hf, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp.mlp_act) if cfg.pattern.is_dense(i)
              else _moe_gathered(cfg, layer, hf))

@@ -121,7 +121,7 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
         v_cache = v_cache.at[i, bi, hi, pi].set(v)
         o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i),
                                ref.layer_sinks(cfg, layer))
-        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.matmul(o, layer["wo"]))
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o))
         h = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
     return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)

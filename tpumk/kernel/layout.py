@@ -60,7 +60,8 @@ from tpumk.kernel.memory import shape_struct
 from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
-from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, mla_dims, plan_families,
+from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, mla_dims, o_bias_offset,
+                             plan_families,
                              scale_offsets)
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
@@ -219,6 +220,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         if cfg.attention.qkv_bias:  # one row laid out as the qkv family's columns: q | k | v
             bias = jnp.concatenate([jnp.asarray(lay[n], jnp.float32) for n in ("bq", "bk", "bv")])
             block = block.at[VECTOR_ROW["qkv_bias"], :bias.shape[0]].set(bias)
+        if cfg.attention.o_bias:  # the same row, from the next lane tile: o's bias [H]
+            at = o_bias_offset(cfg)
+            block = block.at[VECTOR_ROW["qkv_bias"], at:at + h].set(jnp.asarray(lay["bo"], jnp.float32))
         if cfg.attention.attn_sinks:  # one lane per q head (tpumk.kernel.attention reads it per query row)
             block = block.at[VECTOR_ROW["sinks"], :cfg.num_q_heads].set(jnp.asarray(lay["sinks"], jnp.float32))
         return block

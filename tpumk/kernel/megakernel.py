@@ -50,7 +50,7 @@ from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
-from tpumk.plan.plan import Plan, mla_dims
+from tpumk.plan.plan import Plan, mla_dims, o_bias_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype, soft_cap
@@ -91,6 +91,7 @@ def _kernel(plan: Plan):
     att, norms, pos = cfg.attention, cfg.norms, cfg.positions
     h, d, eps = cfg.hidden_size, att.head_dim, norms.rms_eps
     q_size, kv_size = att.q_size, att.kv_size
+    o_at = o_bias_offset(cfg)  # the o projection's bias in the bias row (o_bias)
     fams = _ring_families(plan)
     dt = jnp_dtype(plan.cfg)
 
@@ -208,18 +209,25 @@ def _kernel(plan: Plan):
         def ffn_counter(layer):
             return per_layer * layer + per_layer - 1
 
-        def reduce_into_resid(counter, vec=None, post_norm: str = "") -> None:
+        def reduce_into_resid(counter, vec=None, post_norm: str = "", bias=None) -> None:
             """Many devices: resid += the sum over devices of `partial`, in device order (the same
             bits everywhere). `counter` numbers the kernel's collectives (`per_layer` per layer). With
             post_norms the sublayer's whole output (the sum, or on one device the block staged
-            in `normed`) is normalized by the layer's `post_norm` row, then added."""
+            in `normed`) is normalized by the layer's `post_norm` row, then added. `bias` [1, H]
+            (o_bias) joins the sublayer's whole output first (on one device without post_norms
+            the output is already in resid: the bias follows it)."""
             if ar is not None:
                 s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
                 out = s.partial[0:rows, 0:h]
             elif norms.post_norms:
                 out = s.normed[...]
+            elif bias is not None:
+                s.resid[...] = s.resid[...] + bias
+                return
             else:
                 return
+            if bias is not None:
+                out = out + bias
             if norms.post_norms:
                 out = residual_norm(norms.norm_kind, out, row(vec, post_norm, h), eps, norms.width)
             s.resid[...] = s.resid[...] + out
@@ -350,7 +358,8 @@ def _kernel(plan: Plan):
                                                    sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
-            reduce_into_resid(attention_counter(layer), vec, "post_attn_norm")
+            o_bias = vec[VECTOR_ROW["qkv_bias"]:VECTOR_ROW["qkv_bias"] + 1, o_at:o_at + h] if att.o_bias else None
+            reduce_into_resid(attention_counter(layer), vec, "post_attn_norm", o_bias)
             if not norms.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
                 sublayer_input(vec, "mlp_norm")
 

@@ -313,9 +313,13 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                                      ("v_proj", "wv", 0), ("o_proj", "wo", 0)):
                 fix = (lambda a, n=heads: _rope_deinterleave(a, n, d, d).T) if cohere and heads else _t
                 add(p + f"self_attn.{proj}.weight", i, key, fix, hf_shape=tuple(reversed(shapes["layers"][i][key])))
-            if cfg.attention.qkv_bias:  # Qwen2: q, k and v biases (o has none)
-                for proj, key in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
-                    add(p + f"self_attn.{proj}.bias", i, key)
+            if cfg.attention.qkv_bias:  # Qwen2: q, k and v biases (o has none); Cohere's permuted as its rows
+                for proj, key, heads in (("q_proj", "bq", cfg.num_q_heads), ("k_proj", "bk", cfg.num_kv_heads),
+                                         ("v_proj", "bv", 0)):
+                    fix = (lambda a, n=heads: _rope_deinterleave(a, n, d, d)) if cohere and heads else _same
+                    add(p + f"self_attn.{proj}.bias", i, key, fix)
+            if cfg.attention.o_bias:  # attention_bias: o_proj's too
+                add(p + "self_attn.o_proj.bias", i, "bo")
         if cfg.attention.qk_norm:
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
@@ -377,8 +381,12 @@ def fold_granite_scalars(cfg: ModelConfig, params: Params, config_json: dict[str
         return (np.asarray(a, np.float32) * np.float32(f)).astype(dt)
 
     q_scale = s["attention_multiplier"] * np.sqrt(cfg.head_dim)
+    # with attention_bias: q's bias scales as wq, o's as wo (each is part of its projection's output)
     layers = [{**lay, "wq": scaled(lay["wq"], q_scale), "wo": scaled(lay["wo"], s["residual_multiplier"]),
-               "w_down": scaled(lay["w_down"], s["residual_multiplier"])} for lay in params["layers"]]
+               "w_down": scaled(lay["w_down"], s["residual_multiplier"]),
+               **({"bq": scaled(lay["bq"], q_scale)} if "bq" in lay else {}),
+               **({"bo": scaled(lay["bo"], s["residual_multiplier"])} if "bo" in lay else {})}
+              for lay in params["layers"]]
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
     out = {**params, "layers": layers, "embed": scaled(params["embed"], s["embedding_multiplier"]),
            "lm_head": scaled(head, 1.0 / s["logits_scaling"])}

@@ -38,7 +38,7 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
                 "parallel_blocks", "rotary_dim", "shared_expert_gate", "rope_short_factor", "rope_long_factor",
-                "rope_attention_factor", "attn_sinks")
+                "rope_attention_factor", "attn_sinks", "o_bias")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -192,6 +192,10 @@ class ModelConfig:
     # gpt-oss's attention sinks: one learned logit per query head joins each softmax's
     # denominator (a key whose value is zero): weights `sinks` [num_q_heads] per layer.
     attn_sinks: bool = False
+    # A bias on the o projection (transformers' attention_bias: Llama, Qwen3, Gemma, OLMo 2,
+    # Cohere, gpt-oss put one on q, k, v and o alike): weights `bo` [hidden] per layer, added
+    # once to the attention output (after the all-reduce on many devices).
+    o_bias: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -420,6 +424,9 @@ _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 _HF_PARTIAL_ROTARY = ("phi3", "glm4_moe")
 _HF_LONGROPE = ("phi3",)  # rope_scaling type longrope (Phi-3.5, Phi-4-mini)
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
+# attention_bias = true puts a bias on q, k, v and o (their modelling's o_proj reads it)
+_HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", "gemma", "gemma2", "gemma3_text", "cohere",
+                      "olmoe")
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
 # approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -435,7 +442,7 @@ _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture 
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
     # its attention sinks are built (attn_sinks); these parts of its layers are not yet
-    "gpt_oss": "o-projection, router and expert biases, clamped SwiGLU experts and MXFP4 weights of gpt-oss",
+    "gpt_oss": "router and expert biases, clamped SwiGLU experts and MXFP4 weights of gpt-oss",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled; Gemma 2
@@ -510,8 +517,10 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if mt not in _HF_SUPPORTED:
         raise NotSupportedError(
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
-    # GLM-4.5's attention_bias is on q, k and v only (o_proj has none): qkv_bias
-    if hf.bool_("attention_bias", False) and mt != "glm4_moe":
+    # attention_bias: on q, k, v and o (qkv_bias, o_bias) where transformers' modelling reads it
+    # so; GLM-4.5's is on q, k and v only (o_proj has none); the other families' o_proj has no bias
+    attention_bias = hf.bool_("attention_bias", False)
+    if attention_bias and mt not in _HF_ATTENTION_BIAS + ("glm4_moe",):
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
     if hf.bool_("mlp_bias", False):
         raise NotSupportedError(f"{source}: not supported yet: mlp_bias = true")
@@ -583,8 +592,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         rms_eps=hf.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         qk_norm=mt in _HF_QK_NORM or (mt == "glm4_moe" and hf.bool_("use_qk_norm", False)),
-        qkv_bias=mt in _HF_QKV_BIAS or (mt == "glm4_moe" and hf.bool_("attention_bias", False))
-        or (mt == "qwen2_moe" and hf.bool_("qkv_bias", True)),
+        qkv_bias=mt in _HF_QKV_BIAS or attention_bias or (mt == "qwen2_moe" and hf.bool_("qkv_bias", True)),
+        o_bias=attention_bias and mt in _HF_ATTENTION_BIAS,
         tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES + ("cohere",)),  # their default: tied
         dtype=dtype,
         mlp_act=acts[act],

@@ -70,6 +70,7 @@ class Attention:
     attn_scalar: float  # softmax scale attn_scalar ** -0.5 (Gemma); 0: the head width
     attn_softcap: float  # Gemma 2: cap * tanh(score / cap); 0: none
     attn_sinks: bool  # gpt-oss: a learned logit per q head in each softmax's denominator
+    o_bias: bool  # a bias on the o projection's output
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -114,7 +115,7 @@ class Attention:
     def param_count(self, hidden: int) -> int:
         """Parameters of one layer's attention matrices (norms not included)."""
         if not self.is_mla:
-            bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+            bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
             return hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + bias
         q = self.q_lora_rank * (hidden + self.q_size) if self.q_lora_rank else hidden * self.q_size
         kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
@@ -142,9 +143,9 @@ class Attention:
                    wo=(hq * self.v_head_dim, h))
         return out
 
-    def extra_shapes(self) -> dict[str, tuple[int, ...]]:
-        """q / k / v biases (Qwen2), the QK-norm weights (per head, or across every head), then
-        the attention sinks (gpt-oss: one logit per q head)."""
+    def extra_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        """q / k / v biases (Qwen2), the QK-norm weights (per head, or across every head), the
+        attention sinks (gpt-oss: one logit per q head), then the o projection's bias."""
         out: dict[str, tuple[int, ...]] = {}
         if self.qkv_bias:
             out.update(bq=(self.q_size,), bk=(self.kv_size,), bv=(self.kv_size,))
@@ -153,6 +154,8 @@ class Attention:
             out.update(q_norm=(q,), k_norm=(k,))
         if self.attn_sinks:
             out.update(sinks=(self.num_q_heads,))
+        if self.o_bias:
+            out.update(bo=(hidden,))
         return out
 
     def norm_params(self) -> int:
@@ -166,7 +169,7 @@ class Attention:
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks")
+        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias")
         need(is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         need(is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
@@ -193,6 +196,7 @@ class Attention:
              f"num_q_heads ({self.num_q_heads}) for an MLA model (every head reads the shared latent)")
         need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
         need(not self.qkv_bias, "qkv_bias", "false for an MLA model (its projections have no biases)")
+        need(not self.o_bias, "o_bias", "false for an MLA model (its projections have no biases)")
 
 
 # The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.

@@ -263,6 +263,12 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     return o.reshape(b, t, att.q_size)
 
 
+def o_proj(cfg: ModelConfig, layer: Params, o: jax.Array) -> jax.Array:
+    """Attention's output projection, f32; with o_bias its bias added in float32."""
+    out = matmul(o, layer["wo"])
+    return out + layer["bo"].astype(jnp.float32) if cfg.attention.o_bias else out
+
+
 def layer_sinks(cfg: ModelConfig, layer: Params) -> jax.Array | None:
     """The layer's sink logits when the model has attention sinks, else None."""
     return layer["sinks"] if cfg.attention.attn_sinks else None
@@ -357,7 +363,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
@@ -377,7 +383,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, pos, i)
         o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), layer_sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", matmul(o, layer["wo"]))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)

@@ -45,7 +45,7 @@ def expected_shapes(cfg: ModelConfig) -> Params:
         lay.update(a.projection_shapes(h))
         if n.pre_norms and not n.parallel_blocks:  # Cohere: attention and the MLP read one normed input
             lay["mlp_norm"] = (h,)
-        lay.update(a.extra_shapes())
+        lay.update(a.extra_shapes(h))
         if n.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         lay.update(cfg.mlp.tensor_shapes(h) if cfg.pattern.is_dense(i) else cfg.moe.tensor_shapes(h))
@@ -88,6 +88,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             w = 1.0 + jax.random.normal(k, shape, jnp.float32)
         elif name in QKV_BIASES:  # as large as a projection's output, so a dropped bias shows
             w = jax.random.normal(k, shape, jnp.float32)
+        elif name == "bo":  # as large as o's output (depth-scaled as wo)
+            w = jax.random.normal(k, shape, jnp.float32) * depth_scale
         else:
             fan_in = shape[-2]
             w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)

@@ -367,12 +367,19 @@ class Plan:
 
 def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
-    norms' widths (they take the q_norm / k_norm rows), with qkv_bias the q|k|v bias row, and
+    norms' widths (they take the q_norm / k_norm rows), with qkv_bias / o_bias the q|k|v|o bias row, and
     with qk_norm_whole the q norm's q_size, with attention sinks one lane per q head."""
     bias = cfg.attention.q_size + 2 * cfg.attention.kv_size if cfg.attention.qkv_bias else 0
     whole = cfg.attention.q_size if cfg.attention.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
     sinks = cfg.num_q_heads if cfg.attention.attn_sinks else 0
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks), LANE)
+    o = o_bias_offset(cfg) + cfg.hidden_size if cfg.attention.o_bias else 0
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o), LANE)
+
+
+def o_bias_offset(cfg: ModelConfig) -> int:
+    """First lane of the o projection's bias in the bias row: after the q|k|v biases, on a lane
+    tile boundary (the kernel reads it as an aligned lane slice)."""
+    return round_up(cfg.attention.q_size + 2 * cfg.attention.kv_size, LANE) if cfg.attention.qkv_bias else 0
 
 
 def scale_offsets(families: dict[str, MatrixFamily]) -> dict[str, int]:

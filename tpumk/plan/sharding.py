@@ -177,6 +177,8 @@ class ShardingPlan:
                 out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
                 out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
+                if cfg.attention.o_bias:  # whole on every device: added once, after the all-reduce
+                    out["bo"] = np.asarray(lay["bo"])
                 if cfg.attention.attn_sinks:  # each device's q heads' sink logits
                     out["sinks"] = cols(lay["sinks"], d * self.q_heads, self.q_heads)
                 if cfg.attention.qkv_bias:  # each device's heads' biases, as their columns
