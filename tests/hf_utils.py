@@ -38,7 +38,8 @@ DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mistra
                "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
                "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-               "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+               "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+               "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 # Phi3Config's default special tokens (32000) lie outside the tiny vocabularies.
 ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
@@ -46,7 +47,7 @@ ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
                      arch: str = "qwen3", **overrides) -> Path:
     """A random float32 Qwen3 (or Qwen3-MoE, or with `arch` a Llama / Mistral / Phi-3 / Qwen2 / Granite / OLMo 2 /
-    Gemma / Gemma 2 / Gemma 3 text / Cohere / Mixtral / OLMoE / GLM-4.5 / Qwen2-MoE) model saved with
+    Gemma / Gemma 2 / Gemma 3 text / Cohere / Mixtral / OLMoE / GLM-4.5 / Qwen2-MoE / gpt-oss) model saved with
     `save_pretrained` into `out`.
 
     initializer_range 0.1 (vs 0.02) gives logits a spread of several units so greedy decoding
@@ -68,8 +69,10 @@ def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shar
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):  # transformers starts biases at zero: a dropped bias would not show
+            elif name.endswith((".bias", "_bias")):  # transformers starts biases at zero: a dropped bias would not show
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".sinks"):  # gpt-oss: about a score's size, so each sink takes a visible share
+                p.copy_(torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():  # GLM-4.5's too (zero at init), as build_deepseek_checkpoint's
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))

@@ -253,7 +253,6 @@ def test_hf_invalid_value_names_field():
     ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
     ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
     ({"use_sinks": True}, "attention sinks"),
-    ({"model_type": "gpt_oss"}, "clamped SwiGLU experts"),
     ({"model_type": "qwen3_next"}, "linear-attention"),
     # YaRN is read for the Llama / Mistral / Qwen families and MLA models, LongRoPE for Phi-3
     ({"model_type": "qwen2_moe", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -1021,3 +1020,42 @@ def test_every_field_belongs_to_a_part_and_parts_check_their_own():
         cfg.replace(attn_softcap=-1.0)
     with pytest.raises(ConfigError, match=r"field 'mlp_act' = 'gelu_tanh': expected silu for a mixture-of-experts"):
         load_preset("qwen3-30b-a3b").replace(mlp_act="gelu_tanh")
+
+
+# gpt-oss-20b's published config.json (openai/gpt-oss-20b); gpt-oss-120b's differs in the
+# layer count, layer_types and num_local_experts.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_hf_gpt_oss_matches_its_presets():
+    cfg = from_hf_config(GPT_OSS_20B)
+    assert cfg.replace(name="gpt-oss-20b") == load_preset("gpt-oss-20b")
+    assert cfg.param_count() == 20_914_757_184  # the release's model card: 20.91 B
+    big = from_hf_config({**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                          "layer_types": ["sliding_attention", "full_attention"] * 18})
+    assert big.replace(name="gpt-oss-120b") == load_preset("gpt-oss-120b")
+    assert big.param_count() == 116_829_156_672  # 116.83 B
+    # transformers' defaults where the file is silent: YaRN over 4096 tokens, theta 150000, the
+    # even layers sliding 128 tokens, attention biases, the clamp's constants
+    bare = {k: v for k, v in GPT_OSS_20B.items()
+            if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window", "attention_bias", "swiglu_limit")}
+    assert from_hf_config(bare) == cfg
+    for bad, match in [({"swiglu_limit": -1.0}, "'swiglu_limit'"), ({"num_local_experts": 0}, "top_k"),
+                       ({"layer_types": ["linear_attention"] * 24}, "layer type 'linear_attention'")]:
+        with pytest.raises((ConfigError, NotSupportedError), match=match) as e:
+            from_hf_config({**GPT_OSS_20B, **bad}, "x/config.json")
+        assert _one_line(e).startswith(("x/config.json", "model config"))

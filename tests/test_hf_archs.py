@@ -46,6 +46,9 @@ _factors = np.random.default_rng(31).random((2, 36))
 PHI4_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=4096,
                      short_factor=[float(x) for x in 1 + 2 * _factors[0]],
                      long_factor=[float(x) for x in 1 + 4 * _factors[1]])
+# gpt-oss's YaRN in small: factor 4 over 16 tokens, beta 32 / 1, the ramp's ends not rounded
+GPT_OSS_YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=16)
 CHECKPOINTS = {
     "qwen3-d64": dict(seed=3, **D64),
     "qwen3-yarn": dict(seed=27, rope_parameters=QWEN3_YARN),
@@ -140,6 +143,16 @@ CHECKPOINTS = {
                             head_dim=64, intermediate_size=200, moe_intermediate_size=256,
                             shared_expert_intermediate_size=320, vocab_size=500, num_experts=6, num_experts_per_tok=2,
                             mlp_only_layers=[0]),
+    # gpt-oss: attention sinks, q / k / v / o biases, layer 0 sliding a 6-token window and layer 1
+    # full (its default layer_types), YaRN (factor 4 over 16 tokens, untruncated ramp); every layer
+    # 4 routed experts of width 200 (off the lane grid: padded with zero columns), the top 2 of
+    # the router's biased logits weighed by their softmax, expert biases, the clamped SwiGLU
+    # (limit 1 so the clamps bite at these scales); hidden 192 (lane padded), 4 query / 2 KV heads
+    # of 64; transformers' tensors (gate / up columns interleaved)
+    "gptoss-moe": dict(arch="gpt_oss", seed=29, hidden_size=192, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=200, vocab_size=500, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=6, swiglu_limit=1.0, max_position_embeddings=256,
+                       rope_parameters=GPT_OSS_YARN),
 }
 # Mistral's kernel runs are the full tier: Phi-3 decodes the same way (window on every layer,
 # no QK-norm) and differs only in how its checkpoint stores the projections. So are the Llama 3
@@ -184,12 +197,16 @@ def test_config_reads_the_variant(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
     assert cfg.qk_norm == name.startswith(("qwen3", "gemma3", "olmo"))
-    attention_bias = name.startswith(("llama-attnbias", "granite", "cohere"))  # on q, k, v and o
+    attention_bias = name.startswith(("llama-attnbias", "granite", "cohere", "gptoss"))  # on q, k, v and o
     assert cfg.qkv_bias == (name.startswith(("qwen2", "glm45")) or attention_bias) and cfg.o_bias == attention_bias
     assert cfg.shared_expert_gate == name.startswith("qwen2moe")
     assert cfg.qk_norm_whole == name.startswith(("olmo2", "olmoe")) and (not cfg.pre_norms) == name.startswith("olmo2")
     assert cfg.rotary_dim == {"phi3-partial": 72, "phi4-longrope": 72, "glm45-moe": 32}.get(name, 0)
-    assert (cfg.yarn_factor, cfg.yarn_original_max_position) == ((4.0, 16) if name == "qwen3-yarn" else (0.0, 0))
+    assert (cfg.yarn_factor, cfg.yarn_original_max_position) == \
+        ((4.0, 16) if name in ("qwen3-yarn", "gptoss-moe") else (0.0, 0))
+    assert cfg.yarn_truncate == (name != "gptoss-moe")
+    gpt_oss = (cfg.attn_sinks, cfg.router_logit_bias, cfg.expert_bias, cfg.swiglu_limit, cfg.swiglu_alpha)
+    assert gpt_oss == ((True, True, True, 1.0, 1.702) if name == "gptoss-moe" else (False, False, False, 0.0, 1.0))
     if name == "phi4-longrope":
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_position) == ("longrope", 32.0, 4096)
         assert cfg.rope_short_factor == tuple(PHI4_LONGROPE["short_factor"]) and cfg.sliding_window == 0
@@ -241,6 +258,10 @@ def test_config_reads_the_variant(checkpoint):
             ("sigmoid", 4, 2, 2.5)
         assert cfg.router_correction_bias and cfg.norm_topk_prob and not cfg.qk_norm
         assert (cfg.num_shared_experts, cfg.shared_expert_ffn_size, cfg.head_dim) == (1, 256, 64)
+    elif name == "gptoss-moe":
+        assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (4, 2, 200, (), 0)
+        assert cfg.router_scoring == "softmax" and cfg.norm_topk_prob and not cfg.qk_norm and cfg.rope_theta == 150000
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.head_dim, cfg.num_kv_heads) == (6, (0,), 64, 2)
     elif name == "qwen2moe-shared":
         assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.dense_layers, cfg.ffn_size) == (6, 2, 256, (0,), 200)
         assert (cfg.num_shared_experts, cfg.shared_expert_ffn_size, cfg.router_scoring) == (1, 320, "softmax")
@@ -275,6 +296,10 @@ def test_reference_logits_match_transformers(checkpoint, monkeypatch):
     if m.cfg.is_moe and not m.cfg.norm_topk_prob:  # OLMoE: renormalised top-k weights would not agree
         renorm = np.asarray(forward_full(m.params, m.cfg.replace(norm_topk_prob=True), tokens))
         assert np.max(np.abs(renorm - want)) > 100 * bound
+    if m.cfg.expert_bias:  # gpt-oss: without any one of its parts it would not agree
+        for part in (dict(attn_sinks=False), dict(router_logit_bias=False), dict(expert_bias=False),
+                     dict(swiglu_limit=0.0, swiglu_alpha=1.0), dict(swiglu_limit=1e6)):
+            assert np.max(np.abs(np.asarray(forward_full(m.params, m.cfg.replace(**part), tokens)) - want)) > 100 * bound
     if m.cfg.shared_expert_gate:  # Qwen2-MoE: the shared expert ungated would not agree
         ungated = np.asarray(forward_full(m.params, m.cfg.replace(shared_expert_gate=False), tokens))
         assert np.max(np.abs(ungated - want)) > 100 * bound
@@ -509,13 +534,14 @@ def test_olmo2_on_4_host_devices_and_with_int8_weights(tmp_path):
 
 
 @pytest.mark.full  # the default run has MoE layers on 4 host devices (test_multidevice.py's moe-4dev cases)
-@pytest.mark.parametrize("name", ["olmoe-moe", "glm45-moe", "qwen2moe-shared"])
+@pytest.mark.parametrize("name", ["olmoe-moe", "glm45-moe", "qwen2moe-shared", "gptoss-moe"])
 def test_moe_families_on_4_host_devices_and_with_int8_weights(tmp_path, name):
     """A tiny OLMoE (4 query / 2 KV heads of 128: each KV head on 2 devices, q and k normalized
     across every device's heads), a tiny GLM-4.5 (the same heads, RoPE on 64 of 128 lanes,
     q / k / v biases cut with their columns; sigmoid group routing with its correction bias
     replicated, the shared expert split like a dense MLP) and a tiny Qwen2-MoE (its gated shared
-    expert split over the devices, each partial scaled by the replicated gate)."""
+    expert split over the devices, each partial scaled by the replicated gate) and a tiny gpt-oss
+    (its experts' gate / up biases cut with their columns, the down biases added once)."""
     check_4_devices_and_int8(build_checkpoint(tmp_path / name, **{
         **CHECKPOINTS[name], "hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 128, "seed": 25}))

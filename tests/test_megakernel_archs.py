@@ -69,6 +69,16 @@ MODELS = {
     # sliding (layer 0, 20 tokens) and full layers
     "dense-sinks": ("tiny-dense", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, attn_sinks=True,
                                        qkv_bias=True, o_bias=True, sliding_window=20, sliding_layers=[0])),
+    # gpt-oss in small: its attention as dense-sinks on a lane-padded hidden size (192 -> 256),
+    # and its experts: a bias on the router's logits (before the softmax over the top 2 of 8),
+    # biases on each expert's gate, up and down outputs, and the clamped SwiGLU (alpha 1.702, a
+    # limit of 1 so the clamps bite), on a width off the lane grid (200 -> 256: zero columns)
+    "moe-gpt-oss": ("tiny-moe", dict(num_layers=2, hidden_size=192, head_dim=64, num_q_heads=8, num_kv_heads=2,
+                                     ffn_size=0, dense_layers=[], num_shared_experts=0, shared_expert_ffn_size=0,
+                                     qk_norm=False, attn_sinks=True, qkv_bias=True, o_bias=True,
+                                     sliding_window=20, sliding_layers=[0], expert_ffn_size=200,
+                                     router_logit_bias=True, expert_bias=True, swiglu_limit=1.0,
+                                     swiglu_alpha=1.702)),
 }
 
 
@@ -100,6 +110,9 @@ CASES = [
     ("dense-olmo2", "float32", [9, 26], 1, dict(kv_tile_pages=1)),
     ("dense-cohere", "float32", [12, 35], 1, dict(kv_tile_pages=1)),
     ("dense-sinks", "float32", [17, 44], 2, dict(kv_tile_pages=1)),  # q = 2: rows of 2 tokens per head
+    # two chunks of 128 expert columns, two slots: the gate|up biases ride with each chunk
+    ("moe-gpt-oss", "float32", [17, 44], 1, dict(kv_tile_pages=1, expert_chunk=128, expert_slots=2)),
+    ("moe-gpt-oss", "bfloat16", [23, 9], 2, dict(kv_tile_pages=1)),
 ]
 
 
@@ -110,7 +123,7 @@ CASES = [
 # phi3-partial) and dense-d96 (96-wide heads with per-head QK-norm run 128 wide: dense-gemma's;
 # across all heads: dense-olmo2's).
 # Compiled for v6e too: two 64-wide heads per lane block, lane-padded widths, Gemma's parts.
-V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere", "dense-sinks")
+V6E = ("moe-d64-g4", "dense-lanes", "dense-gemma", "dense-olmo2", "dense-cohere", "dense-sinks", "moe-gpt-oss")
 FULL = {("moe-d64-w20", "float32"), ("dense-d64", "float32"), ("dense-w12", "bfloat16"), ("dense-w12", "float32"),
         ("dense-d96", "float32")}
 
@@ -289,3 +302,21 @@ def test_padding_quantized_weights_equals_quantizing_padded_ones(scheme):
         assert a.q.shape == b.q.shape and jnp.array_equal(a.q.astype(jnp.float32), b.q.astype(jnp.float32)), name
         true_cols = {"wq": cfg.attention.q_size, "wk": cfg.attention.kv_size}.get(name, cfg.hidden_size)  # padded columns: any scale
         assert jnp.array_equal(a.scale[..., :true_cols], b.scale[..., :true_cols]), name
+
+
+GPT_OSS_PARTS = dict(router_logit_bias=False, expert_bias=False, swiglu_limit=0.0)
+
+
+@pytest.mark.parametrize("part", GPT_OSS_PARTS)
+def test_each_gpt_oss_expert_part_changes_the_output(part):
+    """moe-gpt-oss's kernel cases are not vacuous: without its router's logit bias, its experts'
+    biases, or the clamp of its SwiGLU (alpha 1 then: silu(g) * u), the reference's logits move
+    by more than 1e-3 of their scale (the kernel is held to 1e-5)."""
+    off = {part: GPT_OSS_PARTS[part], **({"swiglu_alpha": 1.0} if part == "swiglu_limit" else {})}
+    cfg, params = model("moe-gpt-oss", "float32")
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    b, _ = reference_step(cfg.replace(**off))(params, tok, pos, cache)
+    assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))

@@ -271,8 +271,15 @@ def test_geometry_bytes_and_budget():
     q = MoEGeometry.from_config(cfg, rows=8, expert_slots=4, expert_chunk=384, expert_format="int4-g128")
     scales = 3 * 16 * 256 * 4 + 8 * 2048 * 4
     assert q.chunk_bytes == 3 * 2048 * 384 // 2 + scales and q.dma_count(5) == 2 + 4 * 2 * 5
-    assert tuple(b.name for b in q.scratch()) == MoEScratch._fields
+    assert tuple(b.name for b in q.scratch()) == MoEScratch._fields[:10]
     assert q.code_dtype == "int4" and q.packed()[1].dtype == "int4"
+    # gpt-oss's expert biases: one f32 (8, 256) tile per gate|up block rides with each chunk
+    # (one more DMA), and the router gains a bias tile (logit bias) and the H down-bias rows
+    b = dataclasses.replace(geom, logit_bias=True, expert_bias=True)
+    assert b.chunk_bytes == expert // 2 + 3 * 8 * 256 * 4 and b.dma_count(5) == 2 + 3 * 2 * 5
+    assert b.router_rows == 2048 + 16 + 2048 and b.down_bias_row == 2048 + 16
+    assert tuple(x.name for x in b.scratch()) == MoEScratch._fields[:8] + ("gateup_bias",)
+    assert [x.name for x in b.packed()] == ["router", "e_gateup", "e_down", "e_gateup_bias"]
     assert sum(b.nbytes for b in geom.scratch() if b.space == "smem") == geom.smem_bytes()
 
 

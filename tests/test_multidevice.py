@@ -25,6 +25,7 @@ XLA_COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collectiv
 
 # (case id, model: preset or overrides of one, devices, batch, q_len, tuning overrides)
 DENSE8 = dict(base="tiny-dense", name="dense8", num_q_heads=8, num_kv_heads=2, vocab_size=1001, dtype="bfloat16")
+GPT_OSS_EXPERTS = dict(router_logit_bias=True, expert_bias=True, swiglu_limit=1.0, swiglu_alpha=1.702)
 # The tiny models' partials are small, so the auto all-reduce is the direct push; the other
 # schedules are asked for by the knob so every one runs in the megakernel.
 CASES = {
@@ -48,9 +49,15 @@ CASES = {
     # all-reduced output joins the residual after attention's)
     "dense-2dev-cohere": (dict(base="tiny-dense", name="dense-cohere", qk_norm=False, norm_kind="layer",
                                parallel_blocks=True), 2, 2, 1, {}),
-    # the shared expert's columns split over the devices, each partial scaled by Qwen2-MoE's gate
-    "moe-4dev-mixed": (dict(base="tiny-moe", shared_expert_gate=True), 4, 2, 1, {"all_reduce": "rsag"}),
-    "moe-4dev-expert-parallel": (dict(base="tiny-moe"), 4, 3, 1, {"expert_parallel": 4, "all_reduce": "doubling"}),
+    # the shared expert's columns split over the devices, each partial scaled by Qwen2-MoE's gate;
+    # gpt-oss's experts (a router logit bias, expert biases, the clamped SwiGLU) with each expert
+    # split over 2 devices: each holds its columns' gate / up biases, one of the two adds the
+    # down biases
+    "moe-4dev-mixed": (dict(base="tiny-moe", shared_expert_gate=True, **GPT_OSS_EXPERTS), 4, 2, 1,
+                       {"all_reduce": "rsag"}),
+    # each device owns 2 of the 8 experts and adds its picked experts' down biases
+    "moe-4dev-expert-parallel": (dict(base="tiny-moe", **GPT_OSS_EXPERTS), 4, 3, 1,
+                                 {"expert_parallel": 4, "all_reduce": "doubling"}),
     # a bfloat16 wire: partials and rsag's chunk sums rounded to bf16 as they travel (logits the
     # same bits on every device, within the bf16 model's bound of the reference). Dense: in a
     # MoE model that rounding can flip a near-tie of the router (tiny-moe does, at its second

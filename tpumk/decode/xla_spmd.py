@@ -174,8 +174,10 @@ def _ffn_roles(cfg: ModelConfig, n: int, expert_parallel: bool, every, split) ->
             if cfg.num_experts % n:
                 raise ConfigError(f"expert_parallel: num_experts = {cfg.num_experts} does not split over {n} devices")
             experts = {k: P(every, None, None) for k in ("e_gate", "e_up", "e_down")}
+            experts.update({k: P(every, None) for k in ("e_gate_bias", "e_up_bias", "e_down_bias")})
         elif split(cfg.moe.expert_ffn_size, "e_gate, e_up, e_down", "expert_ffn_size") == col:
-            experts = {"e_gate": P(None, None, every), "e_up": P(None, None, every), "e_down": P(None, every, None)}
+            experts = {"e_gate": P(None, None, every), "e_up": P(None, None, every), "e_down": P(None, every, None),
+                       "e_gate_bias": col, "e_up_bias": col}  # (e_down_bias whole: it joins after the sum)
     elif expert_parallel:
         raise ConfigError(f"expert_parallel: model '{cfg.name}' has no experts")
     roles = {"w_gate": dense, "w_up": dense, "w_down": row if dense == col else REPLICATED,

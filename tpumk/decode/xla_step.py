@@ -79,10 +79,16 @@ def _attend_head_major(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Arra
 
 def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     """MoE FFN reading only the routed experts: x [N, H] f32 -> [N, H] f32 (reference routing)."""
-    ids, weights = ref.route(cfg.moe, ref.matmul(x, layer["router"]), layer.get("router_bias"))  # [N, k]
+    moe = cfg.moe
+    ids, weights = ref.route(moe, ref.router_logits(moe, layer, x), layer.get("router_bias"))  # [N, k]
     g = _picked_matmul(x, layer["e_gate"], ids)
     u = _picked_matmul(x, layer["e_up"], ids)
-    y = _picked_matmul(jax.nn.silu(g) * u, layer["e_down"], ids)
+    if moe.expert_bias:  # gpt-oss: each picked expert's biases
+        g = g + layer["e_gate_bias"].astype(jnp.float32)[ids]
+        u = u + layer["e_up_bias"].astype(jnp.float32)[ids]
+    y = _picked_matmul(ref.expert_activation(moe, g, u), layer["e_down"], ids)
+    if moe.expert_bias:
+        y = y + layer["e_down_bias"].astype(jnp.float32)[ids]
     out = jnp.einsum("nkh,nk->nh", y, weights)
     if cfg.moe.num_shared_experts:
         out = out + ref.shared_experts(cfg.moe, layer, x)

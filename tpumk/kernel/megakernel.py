@@ -106,6 +106,7 @@ def _kernel(plan: Plan):
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
+        moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
         # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place
         # (MLA: the one latent cache, output 1).
         logits_ref, k_out, v_out = (*refs[n_in:n_in + n_out], None)[:3]
@@ -384,14 +385,14 @@ def _kernel(plan: Plan):
                 x = s.normed[...]
                 # Routing first, so the expert loads are in flight while the shared expert streams.
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
-                                               router_started=True, scales_hbm=moe_scales)
+                                               router_started=True, scales_hbm=moe_scales, bias_hbm=moe_bias)
                 if "shared_gate_up" in seg.families:
                     matmul(seg, layer, "shared_gate_up", s.normed,
                                 swiglu_into(s.act, plan.families["shared_gate_up"].tile_cols))
                     matmul(seg, layer, "shared_down", s.act,
                                 store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
                 routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe,
-                                             scales_hbm=moe_scales)
+                                             scales_hbm=moe_scales, bias_hbm=moe_bias)
                 if "shared_gate_up" in seg.families:  # reference: routed + shared, then the residual
                     shared = s.moe_out[...]
                     if plan.moe.shared_gate:  # Qwen2-MoE: sigmoid(x . w) per row, from the routing

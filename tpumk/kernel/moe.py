@@ -53,7 +53,7 @@ from tpumk.errors import PlanError
 from tpumk.kernel.memory import scratch_shape, shape_struct
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import GROUP, QuantizedMatrix
-from tpumk.plan.geometry import LANE, MoEGeometry, moe_layer_ids, round_up
+from tpumk.plan.geometry import F32_SUBLANES, LANE, SUBLANES, MoEGeometry, moe_layer_ids, round_up
 
 
 # ---------------------------------------------------------------------- packing
@@ -67,7 +67,11 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     - `router  [Lm, H, Ep]`: columns E..Ep-1 are zero (the kernel masks them out of routing);
       with a shared-expert gate (Qwen2-MoE) column E holds its weight `shared_router`.
       With a correction bias (DeepSeek-V3 routing) it is float32 `[Lm, H + 8, Ep]`, the bias in
-      row H (rows H+1.. zero): one DMA brings both.
+      row H (rows H+1.. zero): one DMA brings both. gpt-oss's logit bias takes row H the same
+      way in the weight dtype (a tile of 8 | 16 rows); with expert biases the H rows after
+      hold the experts' down biases transposed ([H, E]).
+    - `e_gateup_bias [Lm, E, nb, 8, 256]` f32 (expert biases): block b's gate | up biases in
+      row 0, streamed with the block's chunk.
     - `e_gateup [Lm, E, nb, H, 256]`: block b holds gate columns [128b, 128b+128) in lanes
       0..127 and the same up columns in lanes 128..255, so one x @ block matmul feeds both.
       A chunk of C columns is blocks [c*C/128, (c+1)*C/128): ONE contiguous DMA of whole
@@ -99,20 +103,30 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     def blocks(a, owned):  # [E, H, Fe] -> [E, nb, H, 128]
         return a.reshape(owned, a.shape[1], nb, LANE).transpose(0, 2, 1, 3)
 
+    moe = cfg.moe
+    tile = SUBLANES["float32" if moe.router_correction_bias else cfg.dtype]
+    gu_biases = []
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
-        if cfg.moe.router_correction_bias:  # float32, the bias in row H (MoEGeometry.router_rows)
-            bias = jnp.zeros((8, e), jnp.float32).at[0].set(jnp.asarray(layer["router_bias"], jnp.float32))
-            router = jnp.concatenate([jnp.asarray(layer["router"], jnp.float32), bias], 0)
-        else:
-            router = jnp.asarray(layer["router"], dt)
-        if cfg.moe.shared_expert_gate:
-            router = jnp.concatenate([router, jnp.asarray(layer["shared_router"], router.dtype)], 1)
-        routers.append(jnp.pad(router, ((0, 0), (0, ep - router.shape[1]))))
+        rdt = jnp.float32 if moe.router_correction_bias else dt
+        rows = [jnp.asarray(layer["router"], rdt)]
+        if moe.shared_expert_gate:
+            rows = [jnp.concatenate([rows[0], jnp.asarray(layer["shared_router"], rdt)], 1)]
+        bias = layer["router_bias"] if moe.router_correction_bias else \
+            layer["router_logit_bias"] if moe.router_logit_bias else None
+        if bias is not None:  # row H (MoEGeometry.bias_row), one sublane tile
+            rows.append(jnp.zeros((tile, e), rdt).at[0].set(jnp.asarray(bias, rdt)))
+        if moe.expert_bias:  # the down biases transposed, [H, E] (MoEGeometry.down_bias_row)
+            rows.append(jnp.asarray(layer["e_down_bias"], rdt).T)
+        routers.append(jnp.concatenate([jnp.pad(r, ((0, 0), (0, ep - r.shape[1]))) for r in rows], 0))
         owned = layer["e_gate"].shape[0]  # E, or a device's owned experts (tpumk.plan.sharding)
         gateups.append(jnp.concatenate([blocks(codes(layer["e_gate"]), owned), blocks(codes(layer["e_up"]), owned)],
                                        axis=-1))
         downs.append(codes(layer["e_down"]))
+        if moe.expert_bias:  # [E, Fe] gate and up biases -> row 0 of one f32 (8, 256) tile per block
+            gub = jnp.concatenate([jnp.asarray(layer[k], jnp.float32).reshape(owned, nb, LANE)
+                                   for k in ("e_gate_bias", "e_up_bias")], axis=-1)  # [E, nb, 256]
+            gu_biases.append(jnp.zeros((owned, nb, F32_SUBLANES, 2 * LANE), jnp.float32).at[:, :, 0].set(gub))
         if isinstance(layer["e_gate"], QuantizedMatrix):
             gate, up, down = layer["e_gate"], layer["e_up"], layer["e_down"]
             if not (gate.grouped and gate.group == GROUP and down.grouped and down.group == GROUP):
@@ -129,6 +143,8 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     out = {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
     if gu_scales:
         out.update(e_gateup_scales=jnp.stack(gu_scales), e_down_scales=jnp.stack(dn_scales))
+    if gu_biases:
+        out.update(e_gateup_bias=jnp.stack(gu_biases))
     return out
 
 
@@ -151,6 +167,7 @@ class MoEScratch(NamedTuple):
     slot_sems: Any  # DMA semaphores [2 | 4, S]: gate|up and down chunk of each slot (and their scales)
     gateup_scales: Any = None  # quantized: VMEM [S, C/128, G8, 256] f32, each block's group scales
     down_scales: Any = None  # quantized: VMEM [S, C8, H] f32, the down chunk's group scales
+    gateup_bias: Any = None  # expert biases: VMEM [S, C/128, 8, 256] f32, each block's biases in row 0
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
@@ -160,8 +177,11 @@ def moe_scratch(geom: MoEGeometry) -> list:
     return [scratch_shape(b) for b in geom.scratch()]
 
 
-def _as_scratch(scratch: Sequence[Any]) -> MoEScratch:
-    return scratch if isinstance(scratch, MoEScratch) else MoEScratch(*scratch)
+def _as_scratch(geom: MoEGeometry, scratch: Sequence[Any]) -> MoEScratch:
+    """The refs of `moe_scratch(geom)` (in order) by name."""
+    if isinstance(scratch, MoEScratch):
+        return scratch
+    return MoEScratch(**dict(zip((b.name for b in geom.scratch()), scratch, strict=True)))
 
 
 def _precision(geom: MoEGeometry):
@@ -177,8 +197,7 @@ def _router_copy(moe_layer, router_hbm, scr: MoEScratch):
 
 def start_router_fetch(geom: MoEGeometry, moe_layer, router_hbm, scratch) -> None:
     """Issue this layer's router DMA early; then call the stage with `router_started=True`."""
-    del geom
-    _router_copy(moe_layer, router_hbm, _as_scratch(scratch)).start()
+    _router_copy(moe_layer, router_hbm, _as_scratch(geom, scratch)).start()
 
 
 _EXCLUDED, _TAKEN = -1e30, -2e30  # below any (biased) score: never picked
@@ -217,10 +236,12 @@ def _route(geom: MoEGeometry, x, router_vmem):
     if geom.correction_bias:  # float32 router and bias (row H): full f32 contraction, as the reference
         logits = jnp.dot(x, router_vmem[: geom.hidden, :], preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
-        bias = router_vmem[geom.hidden: geom.hidden + 1, :]  # [1, Ep]
+        bias = router_vmem[geom.bias_row: geom.bias_row + 1, :]  # [1, Ep]
     else:
-        logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[...], preferred_element_type=jnp.float32,
+        logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[: geom.hidden, :], preferred_element_type=jnp.float32,
                          precision=_precision(geom))
+        if geom.logit_bias:  # gpt-oss: before the softmax, so it moves the picks and the weights
+            logits = logits + router_vmem[geom.bias_row: geom.bias_row + 1, :].astype(jnp.float32)
     lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
     valid = lane < e
     if geom.scoring == "softmax":
@@ -273,7 +294,7 @@ def _route(geom: MoEGeometry, x, router_vmem):
 def shared_gate_of(geom: MoEGeometry, scratch):
     """[N, 1] f32: sigmoid(x . shared_router) of the layer routed last (reference.shared_experts),
     left by the routing in the combine matrix's column E (a lane mask: no unaligned slice)."""
-    combine = _as_scratch(scratch).combine[...]
+    combine = _as_scratch(geom, scratch).combine[...]
     lane = lax.broadcasted_iota(jnp.int32, combine.shape, 1)
     return jnp.sum(jnp.where(lane == geom.num_experts, combine, 0.0), axis=1, keepdims=True)
 
@@ -306,9 +327,10 @@ def _expert_base(geom: MoEGeometry):
     return lax.div(lax.axis_index(geom.axis), jnp.int32(geom.expert_tensor)) * geom.local_experts
 
 
-def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch, scales_hbm=None):
+def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch, scales_hbm=None,
+                  bias_hbm=None):
     """The DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S: gate|up
-    codes, down codes and (quantized) their scales. Returns the expert's global id (the combine
+    codes, down codes, (quantized) their scales and (expert biases) the gate|up blocks' biases. Returns the expert's global id (the combine
     column), the slot and the copies; the packed arrays hold only the owned experts, addressed
     from the device's first one."""
     nc, kb, c_cols, s = geom.chunks_per_expert, geom.blocks_per_chunk, geom.expert_chunk, geom.expert_slots
@@ -335,11 +357,15 @@ def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr
         copies += [pltpu.make_async_copy(gs_src, scr.gateup_scales.at[slot], scr.slot_sems.at[2, slot]),
                    pltpu.make_async_copy(ds_hbm.at[moe_layer, local, c], scr.down_scales.at[slot],
                                          scr.slot_sems.at[3, slot])]
+    if geom.expert_bias:
+        b_src = bias_hbm.at[moe_layer, local] if nc == 1 else bias_hbm.at[moe_layer, local, blocks]
+        copies.append(pltpu.make_async_copy(b_src, scr.gateup_bias.at[slot], scr.slot_sems.at[geom.bias_sem, slot]))
     return e, slot, copies
 
 
-def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm=None) -> None:
-    e, _, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm)
+def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm=None,
+                 bias_hbm=None) -> None:
+    e, _, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm, bias_hbm)
     for cp in copies:
         cp.start()
     if load_counts is not None:
@@ -347,13 +373,14 @@ def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts,
 
 
 def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup_hbm, e_down_hbm,
-                           scratch, *, router_started: bool = False, load_counts=None, scales_hbm=None) -> None:
+                           scratch, *, router_started: bool = False, load_counts=None, scales_hbm=None,
+                           bias_hbm=None) -> None:
     """Phase 1: route x, publish the distinct-expert list, start the first `expert_slots` chunk loads.
 
     Split from `moe_experts` so the composer can overlap other work (e.g. the shared expert from
     its weight ring) with the first expert loads. State lives in scratch; nothing is returned.
     """
-    scr = _as_scratch(scratch)
+    scr = _as_scratch(geom, scratch)
     router_dma = _router_copy(moe_layer, router_hbm, scr)
     if not router_started:
         router_dma.start()
@@ -374,7 +401,8 @@ def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup
     for t in range(geom.expert_slots):
         @pl.when(t < total)
         def _():
-            _start_chunk(geom, moe_layer, jnp.int32(t), e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
+            _start_chunk(geom, moe_layer, jnp.int32(t), e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm,
+                         bias_hbm)
 
 
 def _grouped_dot(x_groups, codes, scales, dt, prec):
@@ -389,12 +417,44 @@ def _grouped_dot(x_groups, codes, scales, dt, prec):
     return acc
 
 
+def _expert_activation(geom: MoEGeometry, g, u):
+    """silu(g) * u, or gpt-oss's clamped SwiGLU (reference.expert_activation), f32."""
+    if not geom.swiglu_limit:
+        return jax.nn.silu(g) * u
+    g = jnp.minimum(g, geom.swiglu_limit)
+    u = jnp.clip(u, -geom.swiglu_limit, geom.swiglu_limit)
+    return g * jax.nn.sigmoid(geom.swiglu_alpha * g) * (u + 1.0)
+
+
+def _down_bias(geom: MoEGeometry, scr: MoEScratch):
+    """[N, H] f32: sum over this device's picked experts e of combine[n, e] * down_bias[e], from
+    the router's transposed down-bias rows (an NT matmul, so no transpose in VMEM). With an
+    expert split over several devices (expert_tensor), one of them adds it."""
+    n, ep = geom.rows, geom.experts_padded
+    combine = scr.combine[...]
+    lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
+    own = lane < geom.num_experts  # (column E may hold the shared gate)
+    if geom.sharded:
+        base = _expert_base(geom)
+        own = own & (lane >= base) & (lane < base + geom.local_experts)
+    rows = scr.router[geom.down_bias_row: geom.down_bias_row + geom.hidden, :].astype(jnp.float32)  # [H, Ep]
+    nt = (((1,), (1,)), ((), ()))
+    out = lax.dot_general(jnp.where(own, combine, 0.0), rows, nt, preferred_element_type=jnp.float32,
+                          precision=lax.Precision.HIGHEST)
+    if geom.expert_tensor > 1:
+        first = lax.rem(lax.axis_index(geom.axis), jnp.int32(geom.expert_tensor)) == 0
+        out = jnp.where(first, out, 0.0)
+    return out
+
+
 def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
-                load_counts=None, scales_hbm=None):
+                load_counts=None, scales_hbm=None, bias_hbm=None):
     """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32.
     Quantized experts: the chunk's codes are converted to the compute dtype in VMEM (exact) and
-    each 128-row group's sum is scaled (`_grouped_dot`); `scales_hbm` = (e_gateup_scales, e_down_scales)."""
-    scr = _as_scratch(scratch)
+    each 128-row group's sum is scaled (`_grouped_dot`); `scales_hbm` = (e_gateup_scales, e_down_scales).
+    Expert biases (`bias_hbm` = e_gateup_bias): each block's gate|up bias joins its f32 output
+    before the activation; the down biases join once, weighted by the combine matrix."""
+    scr = _as_scratch(geom, scratch)
     n, ep, s, dt = geom.rows, geom.experts_padded, geom.expert_slots, geom.jnp_dtype
     prec = _precision(geom)
     xw = x.astype(dt)
@@ -410,9 +470,9 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
             # process on the refill form for some one-slot geometries.
             @pl.when(t > 0)
             def _():
-                _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
+                _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm, bias_hbm)
 
-        e, slot, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm)
+        e, slot, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm, bias_hbm)
         for cp in copies:
             cp.wait()
         weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
@@ -423,7 +483,9 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
                 h = _grouped_dot(x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
             else:
                 h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
-            acts.append(jax.nn.silu(h[:, :LANE]) * h[:, LANE:])
+            if geom.expert_bias:
+                h = h + scr.gateup_bias[slot, b, 0:1, :]
+            acts.append(_expert_activation(geom, h[:, :LANE], h[:, LANE:]))
         act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
         if geom.quantized:
             act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down
@@ -436,15 +498,17 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
             # The slot is consumed: refill it with chunk t + S.
             @pl.when(t + s < total)
             def _():
-                _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm)
+                _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm,
+                             bias_hbm)
 
         return acc
 
-    return lax.fori_loop(0, total, body, jnp.zeros((n, geom.hidden), jnp.float32))
+    y = lax.fori_loop(0, total, body, jnp.zeros((n, geom.hidden), jnp.float32))
+    return y + _down_bias(geom, scr) if geom.expert_bias else y
 
 
 def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch, *,
-              router_started: bool = False, load_counts=None, scales_hbm=None):
+              router_started: bool = False, load_counts=None, scales_hbm=None, bias_hbm=None):
     """Routed experts of one MoE layer, called inside a kernel body.
 
     Args:
@@ -460,10 +524,12 @@ def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_
       load_counts: optional int32 SMEM ref [>= E] (e.g. `out.at[layer]`); each chunk DMA issued
         for expert e adds 1 to load_counts[e]. For tests and instrumentation.
       scales_hbm: quantized experts: (e_gateup_scales, e_down_scales) HBM refs (`pack_experts`).
+      bias_hbm: expert biases: the e_gateup_bias HBM ref (`pack_experts`).
 
     Returns y: f32 [N, H], the sum over each row's selected experts of weight * SwiGLU expert(x).
     """
     moe_route_and_prefetch(geom, moe_layer, x, router_ref, e_gateup_hbm, e_down_hbm, scratch,
-                           router_started=router_started, load_counts=load_counts, scales_hbm=scales_hbm)
+                           router_started=router_started, load_counts=load_counts, scales_hbm=scales_hbm,
+                           bias_hbm=bias_hbm)
     return moe_experts(geom, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, load_counts=load_counts,
-                       scales_hbm=scales_hbm)
+                       scales_hbm=scales_hbm, bias_hbm=bias_hbm)

@@ -1,5 +1,6 @@
 """Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Phi-3, Granite, Gemma,
-OLMo 2, Cohere, DeepSeek-V3, Kimi K2) into the reference weight layout.
+OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2) into the reference
+weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -40,6 +41,12 @@ DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
     model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
     model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down (GLM-4.5 too)
+gpt-oss (float weights, as transformers saves them; tpumk.model.checkpoint._gpt_oss_experts):
+    model.layers.{i}.self_attn.sinks [Hq]                        -> sinks
+    model.layers.{i}.mlp.router.weight [E, H], .bias [E]        -> router (transposed), router_logit_bias
+    model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2F] (+ _bias [E, 2F]), gate / up columns
+        interleaved                                             -> e_gate, e_up (+ e_gate_bias, e_up_bias)
+    model.layers.{i}.mlp.experts.down_proj [E, F, H] (+ _bias [E, H]) -> e_down (+ e_down_bias)
 Qwen2-MoE's one shared expert and its gate:
     model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj      -> s_gate, s_up, s_down
     model.layers.{i}.mlp.shared_expert_gate.weight [1, H]       -> shared_router [H, 1]
@@ -335,6 +342,10 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
                 add(p + f"mlp.{proj}.weight", i, key, _t)
             continue
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size
+        if cfg.moe.expert_bias:  # gpt-oss: router with a bias; experts [in, out], gate / up interleaved
+            _gpt_oss_experts(p, i, add, e, h, f)
+            continue
         # Mixtral's files keep the routed MLP under block_sparse_moe, its experts' matrices as w1
         # (gate), w3 (up) and w2 (down); transformers 5's modules under mlp, fused as Qwen3-MoE's
         mixtral = p + "block_sparse_moe.gate.weight" in names
@@ -347,7 +358,6 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                 add(p + f"{where}{proj}.weight", i, key, _t)
             if cfg.moe.shared_expert_gate:  # [1, H] -> [H, 1]
                 add(p + "mlp.shared_expert_gate.weight", i, "shared_router", _t)
-        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size
         if p + "mlp.experts.gate_up_proj" in names:
             gu = p + "mlp.experts.gate_up_proj"
             add(gu, i, "e_gate", lambda a, f=f: a[:, :f].transpose(0, 2, 1), hf_shape=(e, 2 * f, h))
@@ -361,6 +371,22 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                 for proj, key in projs:
                     add(p + f"{where}.{j}.{proj}.weight", i, key, _t, expert=j)
     return plan, ignored
+
+
+def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int) -> None:
+    """gpt-oss's MoE tensors as transformers stores them: the router (weight [E, H], bias [E]),
+    gate_up_proj [E, H, 2F] with gate and up columns interleaved (gate at even columns, up at
+    odd: GptOssExperts._apply_gate), its bias [E, 2F] alike, down_proj [E, F, H] and its bias
+    [E, H] (already [in, out])."""
+    add(p + "mlp.router.weight", i, "router", _t)
+    add(p + "mlp.router.bias", i, "router_logit_bias")
+    gu = p + "mlp.experts.gate_up_proj"
+    add(gu, i, "e_gate", lambda a: a[..., 0::2], hf_shape=(e, h, 2 * f))
+    add(gu, i, "e_up", lambda a: a[..., 1::2], hf_shape=(e, h, 2 * f))
+    add(gu + "_bias", i, "e_gate_bias", lambda a: a[..., 0::2], hf_shape=(e, 2 * f))
+    add(gu + "_bias", i, "e_up_bias", lambda a: a[..., 1::2], hf_shape=(e, 2 * f))
+    add(p + "mlp.experts.down_proj", i, "e_down")
+    add(p + "mlp.experts.down_proj_bias", i, "e_down_bias")
 
 
 # ---------------------------------------------------------------------- public API

@@ -38,7 +38,8 @@ LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale", "post_norms", "attn_scalar",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
                 "parallel_blocks", "rotary_dim", "shared_expert_gate", "rope_short_factor", "rope_long_factor",
-                "rope_attention_factor", "attn_sinks", "o_bias")
+                "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
+                "swiglu_alpha")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -196,6 +197,17 @@ class ModelConfig:
     # Cohere, gpt-oss put one on q, k, v and o alike): weights `bo` [hidden] per layer, added
     # once to the attention output (after the all-reduce on many devices).
     o_bias: bool = False
+    # gpt-oss's mixture of experts: a bias on the router's logits (weights `router_logit_bias`
+    # [num_experts], added before the softmax, so it moves both the picks and the weights), biases
+    # on every routed expert's gate, up and down projections (`e_gate_bias`, `e_up_bias`
+    # [num_experts, expert_ffn_size], `e_down_bias` [num_experts, hidden]), and its clamped
+    # SwiGLU: with swiglu_limit > 0 an expert's activation is
+    #   min(g, limit) * sigmoid(swiglu_alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)
+    # (transformers' GptOssExperts); 0: the plain silu(g) * u.
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -410,7 +422,7 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------- Hugging Face import
 _HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "deepseek_v3", "kimi_k2")
+                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
 _HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmoe")  # OLMo 2, OLMoE: over the whole projection
 _HF_QK_NORM_WHOLE = ("olmo2", "olmoe")
@@ -418,7 +430,7 @@ _HF_QK_NORM_WHOLE = ("olmo2", "olmoe")
 HF_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # Sandwich norms, query_pre_attn_scalar, soft-capping (attn_logit_softcapping, final_logit_softcapping)
 _HF_GEMMA_SANDWICH = ("gemma2", "gemma3_text")
-_HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # partial_rotary_factor < 1 turns only the first lanes of each head (transformers' Phi-3 modelling
 # rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
 _HF_PARTIAL_ROTARY = ("phi3", "glm4_moe")
@@ -426,7 +438,12 @@ _HF_LONGROPE = ("phi3",)  # rope_scaling type longrope (Phi-3.5, Phi-4-mini)
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # attention_bias = true puts a bias on q, k, v and o (their modelling's o_proj reads it)
 _HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", "gemma", "gemma2", "gemma3_text", "cohere",
-                      "olmoe")
+                      "olmoe", "gpt_oss")
+# gpt-oss's defaults where its config.json is silent (transformers' GptOssConfig): YaRN over a
+# 4096-token pretraining length, theta 150000, q / k / v / o biases, the clamped SwiGLU's constants
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+GPT_OSS_THETA, GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 150000.0, 7.0, 1.702
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
 # approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -441,8 +458,6 @@ COHERE_LOGIT_SCALE = 0.0625
 _HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-    # its attention sinks are built (attn_sinks); these parts of its layers are not yet
-    "gpt_oss": "router and expert biases, clamped SwiGLU experts and MXFP4 weights of gpt-oss",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled; Gemma 2
@@ -456,8 +471,8 @@ _HF_UNSUPPORTED_FIELDS = {
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose sliding layers `layer_types` names (without it: each family's default pattern),
 # and those whose window applies whenever `sliding_window` is set (no use_sliding_window flag).
-_HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text")
-_HF_ALWAYS_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
+_HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text", "gpt_oss")
+_HF_ALWAYS_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 
 
 # A multimodal Gemma 3 release (model_type gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B,
@@ -510,6 +525,13 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     data, source = hf_text_config(data, source)
     hf = _HFFields(data, source)
     mt = hf.str_("model_type", None)
+    if mt == "gpt_oss" and not any(isinstance(data.get(k), dict) and (data[k].get("rope_type") or data[k].get("type"))
+                                   for k in ("rope_scaling", "rope_parameters")):
+        # no RoPE type given: transformers' GptOssConfig applies its YaRN (keeping a given theta)
+        theta = (data.get("rope_parameters") or {}).get("rope_theta") if isinstance(data.get("rope_parameters"), dict) \
+            else None
+        data = {**data, "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": theta or data.get("rope_theta", GPT_OSS_THETA)}}
+        hf = _HFFields(data, source)
     if mt in _HF_KNOWN_UNSUPPORTED:
         raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
     if mt not in _HF_MLA and ("kv_lora_rank" in data or "q_lora_rank" in data):
@@ -519,7 +541,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
     # attention_bias: on q, k, v and o (qkv_bias, o_bias) where transformers' modelling reads it
     # so; GLM-4.5's is on q, k and v only (o_proj has none); the other families' o_proj has no bias
-    attention_bias = hf.bool_("attention_bias", False)
+    attention_bias = hf.bool_("attention_bias", mt == "gpt_oss")
     if attention_bias and mt not in _HF_ATTENTION_BIAS + ("glm4_moe",):
         raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
     if hf.bool_("mlp_bias", False):
@@ -561,7 +583,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if rope_params.get("rope_theta") is not None:
         rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
     else:
-        rope_theta = hf.number("rope_theta", 10000.0)
+        rope_theta = hf.number("rope_theta", GPT_OSS_THETA if mt == "gpt_oss" else 10000.0)
     acts = _HF_GEMMA_ACTS if mt in HF_GEMMA_FAMILIES else _HF_ACTS
     act_key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
     act = data.get(act_key, "gelu_pytorch_tanh" if mt in HF_GEMMA_FAMILIES else "silu")
@@ -694,11 +716,35 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             norm_topk_prob=hf.bool_("norm_topk_prob", False),
             dense_layers=[],
         )
+    if mt == "gpt_oss":
+        fields.update(_hf_gpt_oss_fields(hf))
     if mt == "glm4_moe":  # DeepSeek-V3's routing and shared experts (transformers' Glm4MoeMoE) on GQA attention
         fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=True))
     if mt in _HF_MLA:
         fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
     return from_dict(fields, source)
+
+
+def _hf_gpt_oss_fields(hf: "_HFFields") -> dict[str, Any]:
+    """gpt-oss's layers as transformers' GptOss modelling reads them: attention sinks; every
+    layer's MLP routed experts of width intermediate_size, picked by the top-k of the router's
+    biased logits, weighed by the softmax of those k (= the softmax over all, renormalised),
+    with biases on each expert's gate, up and down outputs and the clamped SwiGLU."""
+    key = "num_experts_per_tok" if hf.data.get("num_experts_per_tok") is not None else "experts_per_token"
+    return dict(
+        attn_sinks=True,
+        ffn_size=0,
+        num_experts=hf.int_("num_local_experts", MAX_SIZES["num_experts"], _REQUIRED),
+        top_k=hf.int_(key, MAX_SIZES["top_k"], _REQUIRED, what="num_experts_per_tok"),
+        expert_ffn_size=hf.int_("intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
+        router_scoring="softmax",
+        norm_topk_prob=True,
+        dense_layers=[],
+        router_logit_bias=True,
+        expert_bias=True,
+        swiglu_limit=hf.number("swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+        swiglu_alpha=hf.number("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
+    )
 
 
 def _hf_sigmoid_moe_fields(hf: "_HFFields", n_layers: int, experts_key: str, norm_default: bool) -> dict[str, Any]:
@@ -870,7 +916,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types). Gemma 3:
     always a window, on the layers `layer_types` names, else on all but every sixth
     (`sliding_window_pattern`). Gemma 2: always a window, on the layers `layer_types` names, else
-    on the even ones."""
+    on the even ones; gpt-oss likewise (a window of 128 by default)."""
     layer_types = hf.list_("layer_types", str, "a list of layer type names")
     if mt in _HF_LAYER_TYPED:
         for t in layer_types:
@@ -883,7 +929,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     if mt == "llama":  # no window in Llama's attention, whatever the file says
         return {}
     if mt in _HF_ALWAYS_WINDOWED:
-        window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
+        window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=128 if mt == "gpt_oss" else None)
     else:
         window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None) \
             if hf.bool_("use_sliding_window", False) else None
@@ -902,7 +948,7 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
         key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
         pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
         layers = [i for i in range(n_layers) if (i + 1) % pattern]
-    elif mt == "gemma2":
+    elif mt in ("gemma2", "gpt_oss"):
         layers = list(range(0, n_layers, 2))
     else:
         first = hf.int_("max_window_layers", 1 << 30, default=28)

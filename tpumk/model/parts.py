@@ -347,6 +347,10 @@ class Moe:
     router_topk_groups: int
     router_correction_bias: bool
     routed_scaling_factor: float
+    router_logit_bias: bool  # gpt-oss: a learned bias on the router's logits
+    expert_bias: bool  # gpt-oss: biases on each routed expert's gate, up and down outputs
+    swiglu_limit: float  # gpt-oss's clamped SwiGLU (ModelConfig); 0: plain SwiGLU
+    swiglu_alpha: float
 
     def __bool__(self) -> bool:
         return self.num_experts > 0
@@ -359,8 +363,9 @@ class Moe:
         """One MoE layer's parameters outside attention: read every step, and per routed expert."""
         shared = self.num_shared_experts * 3 * hidden * self.shared_expert_ffn_size
         return {"always": hidden * (self.num_experts + self.shared_expert_gate) + shared
-                          + (self.num_experts if self.router_correction_bias else 0),
-                "per_expert": 3 * hidden * self.expert_ffn_size}
+                          + self.num_experts * (self.router_correction_bias + self.router_logit_bias),
+                "per_expert": 3 * hidden * self.expert_ffn_size
+                              + (2 * self.expert_ffn_size + hidden if self.expert_bias else 0)}
 
     def tensor_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """A routed layer's tensors: router (and its correction bias), experts, shared experts."""
@@ -369,6 +374,10 @@ class Moe:
                                            "e_down": (e, f, h)}
         if self.router_correction_bias:
             out.update(router_bias=(e,))
+        if self.router_logit_bias:
+            out.update(router_logit_bias=(e,))
+        if self.expert_bias:
+            out.update(e_gate_bias=(e, f), e_up_bias=(e, f), e_down_bias=(e, h))
         if self.num_shared_experts:
             s = self.num_shared_experts * self.shared_expert_ffn_size
             out.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
@@ -398,6 +407,19 @@ class Moe:
                  "false without shared experts or with router_correction_bias")
         need(is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
              "a positive finite number")
+        _bool(need, self, "router_logit_bias", "expert_bias")
+        need(is_number(self.swiglu_limit) and 0 <= self.swiglu_limit < math.inf, "swiglu_limit",
+             "a non-negative finite number (0: plain SwiGLU)")
+        need(is_number(self.swiglu_alpha) and 0 < self.swiglu_alpha < math.inf, "swiglu_alpha",
+             "a positive finite number")
+        gpt_oss = [f for f, default in (("router_logit_bias", False), ("expert_bias", False), ("swiglu_limit", 0.0))
+                   if getattr(self, f) != default]
+        if gpt_oss:
+            need(bool(self), gpt_oss[0], "its default for a dense model (num_experts = 0)")
+        if self.swiglu_alpha != 1.0:
+            need(self.swiglu_limit > 0, "swiglu_alpha", "1 without swiglu_limit (plain SwiGLU has no alpha)")
+        if self.router_logit_bias:  # one bias row in the router's DMA: the float32 router's is DeepSeek's
+            need(not self.router_correction_bias, "router_logit_bias", "false with router_correction_bias")
         set_fields = [f for f, default in (("router_groups", 1), ("router_topk_groups", 1),
                                            ("router_correction_bias", False), ("routed_scaling_factor", 1.0))
                       if getattr(self, f) != default]

@@ -165,16 +165,37 @@ def route(moe: Moe, router_logits: jax.Array, bias: jax.Array | None = None) -> 
     return ids.astype(jnp.int32), weights
 
 
+def expert_activation(moe: Moe, g: jax.Array, u: jax.Array) -> jax.Array:
+    """The routed experts' gated activation from f32 gate / up outputs: silu(g) * u (SwiGLU), or
+    with swiglu_limit gpt-oss's clamped form (transformers' GptOssExperts._apply_gate)."""
+    if not moe.swiglu_limit:
+        return mlp_activation(g) * u
+    g = jnp.minimum(g, moe.swiglu_limit)
+    u = jnp.clip(u, -moe.swiglu_limit, moe.swiglu_limit)
+    return g * jax.nn.sigmoid(moe.swiglu_alpha * g) * (u + 1.0)
+
+
+def router_logits(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
+    """x @ router in f32, plus gpt-oss's logit bias (router_logit_bias) in f32."""
+    logits = matmul(x, layer["router"])
+    return logits + layer["router_logit_bias"].astype(jnp.float32) if moe.router_logit_bias else logits
+
+
 def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     """x: [N, H] float32 normed activations -> [N, H] float32."""
-    ids, weights = route(moe, matmul(x, layer["router"]), layer.get("router_bias"))
+    ids, weights = route(moe, router_logits(moe, layer, x), layer.get("router_bias"))
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
     combine = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
     g = expert_matmul(x, layer["e_gate"])
     u = expert_matmul(x, layer["e_up"])
-    a = mlp_activation(g) * u  # SwiGLU experts; cast to the compute dtype by expert_matmul, as the kernel does
+    if moe.expert_bias:  # gpt-oss: f32 biases on each expert's outputs, before the activation
+        g = g + layer["e_gate_bias"].astype(jnp.float32)[:, None, :]
+        u = u + layer["e_up_bias"].astype(jnp.float32)[:, None, :]
+    a = expert_activation(moe, g, u)  # cast to the compute dtype by expert_matmul, as the kernel does
     y = expert_matmul(a, layer["e_down"])
+    if moe.expert_bias:
+        y = y + layer["e_down_bias"].astype(jnp.float32)[:, None, :]
     out = jnp.einsum("enh,ne->nh", y, combine)
     if moe.num_shared_experts:
         out = out + shared_experts(moe, layer, x)

@@ -10,7 +10,9 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
       MoE:     router [H, E], e_gate [E, H, Fe], e_up [E, H, Fe], e_down [E, Fe, H],
                s_gate [H, S*Fs], s_up [H, S*Fs], s_down [S*Fs, H] (S shared experts side by side;
                a sum of SwiGLU experts equals one SwiGLU of the concatenated widths),
-               shared_router [H, 1] (shared_expert_gate: the shared output's sigmoid gate)
+               shared_router [H, 1] (shared_expert_gate: the shared output's sigmoid gate),
+               router_logit_bias [E] (gpt-oss), e_gate_bias [E, Fe], e_up_bias [E, Fe],
+               e_down_bias [E, H] (expert_bias: gpt-oss)
       DeepSeek-V3 routing (router_correction_bias): router [H, E] and router_bias [E] are
                float32 whatever the model dtype (transformers keeps the gate in float32)
     MLA layers (tpumk.model.mla) replace wq, wk, wv, q_norm, k_norm by wq_a, q_a_norm, wq_b
@@ -86,9 +88,11 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             w = jax.random.normal(k, shape, jnp.float32)
         elif name == "sinks":  # about a score's size, so the sink takes a visible share of each softmax
             w = 1.0 + jax.random.normal(k, shape, jnp.float32)
-        elif name in QKV_BIASES:  # as large as a projection's output, so a dropped bias shows
+        elif name == "router_logit_bias":  # a logit's size: it moves picks and weights
             w = jax.random.normal(k, shape, jnp.float32)
-        elif name == "bo":  # as large as o's output (depth-scaled as wo)
+        elif name in QKV_BIASES + ("e_gate_bias", "e_up_bias"):  # as large as a projection's output, so a dropped bias shows
+            w = jax.random.normal(k, shape, jnp.float32)
+        elif name in ("bo", "e_down_bias"):  # as large as the projection's output (depth-scaled as wo)
             w = jax.random.normal(k, shape, jnp.float32) * depth_scale
         else:
             fan_in = shape[-2]

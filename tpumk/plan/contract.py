@@ -26,7 +26,8 @@ dt the model dtype. Operands, in order:
     layer_scales  hbm   f32 [L, 1, S]                 column-scaled rings (int8, fp8) only
     head_scales   vmem  f32 [1, padded vocab]         column-scaled rings only
     router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only; quantized
-                                                      experts: codes, then e_gateup_scales, e_down_scales)
+                                                      experts: codes, then e_gateup_scales, e_down_scales;
+                                                      expert biases: then e_gateup_bias)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
 MLA models (tpumk.kernel.mla_attention): the families q_a, q_b (or q), kv_a, uk, uv, o instead of
 qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE cache operand
@@ -60,6 +61,7 @@ RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "
 MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
+MOE_BIAS_OPERANDS = ("e_gateup_bias",)  # expert biases only (gpt-oss)
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
 VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe",
                    "collectives")
@@ -191,7 +193,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         out += [_with(packed["packed.layer_scales"], component="layer_vectors"),
                 _with(packed["packed.head_scales"], space="vmem", component="inputs")]
     if plan.moe is not None:
-        names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ())
+        names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ()) \
+            + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
     if cfg.is_mla:  # one latent cache; KVCache.v (empty) stays outside the kernel
         out.append(_with(hbm("k_cache", (*cache[:3], cfg.attention.kv_cache_width), cfg.dtype,

@@ -583,6 +583,15 @@ class MoEGeometry:
     # Qwen2-MoE's shared-expert gate: its [H] weight is router column E (so Ep covers E + 1); the
     # stage leaves sigmoid(x . w) in the combine matrix's column E (`shared_gate_of`).
     shared_gate: bool = False
+    # gpt-oss (tpumk.model.reference.moe_ffn): a router logit bias, packed as row H of the router
+    # (in the weight dtype, one sublane tile); expert biases: each expert's gate|up bias as row 0
+    # of one f32 (8, 256) tile per 128-column block, streamed with the chunk (`e_gateup_bias`),
+    # and the down biases transposed [H, Ep] in the router's rows after it, applied once per
+    # layer as combine @ bias; the clamped SwiGLU (swiglu_limit > 0, alpha).
+    logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
@@ -600,6 +609,8 @@ class MoEGeometry:
             expert_format=expert_format,
             groups=cfg.moe.router_groups, topk_groups=cfg.moe.router_topk_groups, correction_bias=cfg.moe.router_correction_bias,
             scaling=float(cfg.moe.routed_scaling_factor), shared_gate=cfg.moe.shared_expert_gate,
+            logit_bias=cfg.moe.router_logit_bias, expert_bias=cfg.moe.expert_bias,
+            swiglu_limit=float(cfg.moe.swiglu_limit), swiglu_alpha=float(cfg.moe.swiglu_alpha),
         )
         geom.validate()
         return geom
@@ -645,6 +656,13 @@ class MoEGeometry:
         need(isinstance(self.scaling, float) and self.scaling > 0, f"scaling = {self.scaling!r}: expected a positive float")
         need(isinstance(self.shared_gate, bool) and not (self.shared_gate and self.correction_bias),
              f"shared_gate = {self.shared_gate!r}: expected true or false, false with a correction bias")
+        need(isinstance(self.logit_bias, bool) and not (self.logit_bias and self.correction_bias),
+             f"logit_bias = {self.logit_bias!r}: expected true or false, false with a correction bias")
+        need(isinstance(self.expert_bias, bool), f"expert_bias = {self.expert_bias!r}: expected true or false")
+        need(isinstance(self.swiglu_limit, float) and 0 <= self.swiglu_limit < math.inf,
+             f"swiglu_limit = {self.swiglu_limit!r}: expected a non-negative finite float")
+        need(isinstance(self.swiglu_alpha, float) and 0 < self.swiglu_alpha < math.inf,
+             f"swiglu_alpha = {self.swiglu_alpha!r}: expected a positive finite float")
 
     @property
     def local_experts(self) -> int:
@@ -708,9 +726,22 @@ class MoEGeometry:
         return "float32" if self.correction_bias else self.dtype
 
     @property
+    def bias_row(self) -> int:
+        """The router's row holding the correction or logit bias: H (one sublane tile of rows
+        after the matrix; 0 rows without a bias)."""
+        return self.hidden
+
+    @property
+    def down_bias_row(self) -> int:
+        """First of the H router rows holding the experts' down biases transposed ([H, Ep])."""
+        with_bias = self.correction_bias or self.logit_bias
+        return self.hidden + (SUBLANES[self.router_dtype] if with_bias else 0)
+
+    @property
     def router_rows(self) -> int:
-        """H, plus one sublane tile whose first row is the correction bias when there is one."""
-        return self.hidden + (8 if self.correction_bias else 0)
+        """H, one sublane tile whose first row is the correction or logit bias when there is
+        one, then the down biases' H rows with expert biases."""
+        return self.down_bias_row + (self.hidden if self.expert_bias else 0)
 
     @property
     def router_bytes(self) -> int:
@@ -722,7 +753,7 @@ class MoEGeometry:
         [C, H] (codes at their packed size) and, quantized, their scale tiles."""
         return sum(b.logical_bytes for b in self.scratch() if b.name in self._CHUNK_BUFFERS) // self.expert_slots
 
-    _CHUNK_BUFFERS = ("gateup", "down", "gateup_scales", "down_scales")
+    _CHUNK_BUFFERS = ("gateup", "down", "gateup_scales", "down_scales", "gateup_bias")
 
     @property
     def expert_bytes(self) -> int:
@@ -735,8 +766,18 @@ class MoEGeometry:
 
     def dma_count(self, distinct_experts: float) -> float:
         """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk (4
-        with scales)."""
-        return 2 + (4 if self.quantized else 2) * self.chunks_per_expert * distinct_experts
+        with scales; one more with expert biases)."""
+        return 2 + self.chunk_dmas * self.chunks_per_expert * distinct_experts
+
+    @property
+    def chunk_dmas(self) -> int:
+        """DMAs of one chunk: gate|up, down, (quantized) their scales, (expert_bias) gate|up biases."""
+        return 2 + 2 * self.quantized + self.expert_bias
+
+    @property
+    def bias_sem(self) -> int:
+        """The slot semaphore row of the gate|up bias DMA (after the codes' and scales')."""
+        return 2 + 2 * self.quantized
 
     def expected_distinct_experts(self) -> float:
         """Expected distinct experts per layer this device streams under uniform routing of
@@ -756,9 +797,14 @@ class MoEGeometry:
             vmem("down_scales", (s, self.down_scale_rows, h), "float32",
                  "per slot: the down chunk's scales, row g = chunk rows [128g, 128g+128)"),
         ) if self.quantized else ()
+        biases = (
+            vmem("gateup_bias", (s, self.blocks_per_chunk, F32_SUBLANES, 2 * LANE), "float32",
+                 "per slot: each gate|up block's biases in row 0"),
+        ) if self.expert_bias else ()
         return (
             vmem("router", (self.router_rows, ep), self.router_dtype,
-                 "this layer's router [H, Ep] (+ the correction bias in row H)"),
+                 "this layer's router [H, Ep] (+ the correction or logit bias in row H, + the down biases "
+                 "transposed)"),
             vmem("gateup", (s, self.blocks_per_chunk, h, 2 * LANE), cd,
                  "per slot: the chunk's 128-column blocks, gate lanes 0..127 | up lanes 128..255"),
             vmem("down", (s, self.expert_chunk, h), cd, "per slot: the chunk's down rows"),
@@ -766,9 +812,9 @@ class MoEGeometry:
             vmem("ids_vmem", (2, ep), "int32", "row 0: distinct picked ids ascending; row 1: their count"),
             smem("ids_smem", (2, ep), "int32", "the same, read as scalars"),
             dma_sems("sems", (2,), "0 router, 1 ids VMEM->SMEM"),
-            dma_sems("slot_sems", (4 if self.quantized else 2, s),
-                     "[gate|up | down (| their scales), slot]"),
-        ) + scales
+            dma_sems("slot_sems", (self.chunk_dmas, s),
+                     "[gate|up | down (| their scales) (| gate|up biases), slot]"),
+        ) + scales + biases
 
     def packed(self) -> tuple[Buffer, ...]:
         """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
@@ -779,12 +825,16 @@ class MoEGeometry:
             hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), "float32",
                 "[Lm, E (owned), chunk, C/128 groups (padded to 8), H]"),
         ) if self.quantized else ()
+        biases = (
+            hbm("e_gateup_bias", (lm, e, fe // LANE, F32_SUBLANES, 2 * LANE), "float32",
+                "[Lm, E (owned), Fe/128, row 0: gate 128 | up 128 biases]"),
+        ) if self.expert_bias else ()
         return (
             hbm("router", (lm, self.router_rows, self.experts_padded), self.router_dtype,
-                "[Lm, H (+8: bias in row H), Ep], columns E..Ep-1 zero"),
+                "[Lm, H (+ a tile: bias in row H) (+ H: down biases transposed), Ep], columns E..Ep-1 zero"),
             hbm("e_gateup", (lm, e, fe // LANE, h, 2 * LANE), cd, "[Lm, E (owned), Fe/128, H, gate 128 | up 128]"),
             hbm("e_down", (lm, e, fe, h), cd, "[Lm, E (owned), Fe, H]"),
-        ) + scales
+        ) + scales + biases
 
     def scratch_bytes(self) -> int:
         """Exact VMEM bytes of the stage's scratch buffers (rows padded to the sublane tile):

@@ -10,6 +10,9 @@ is planned as its `lane_padded` copy:
   (`ModelConfig.rms_width`), so every norm equals the unpadded one;
 - an odd number of 64-wide KV heads gains one KV head (and its group of query heads) of zeros:
   its keys and values are zero, its queries' outputs meet zero rows of `wo`, so it adds nothing;
+- a routed expert's width (expert_ffn_size: gpt-oss's 2880) rounds up to a multiple of 128: the
+  extra gate / up columns (and their biases) are zero, so their activation is zero under plain
+  or clamped SwiGLU (g * sigmoid(a g) at g = 0), and they meet zero rows of the down projection;
 - a head width other than 64 that is not a multiple of 128 (Phi-3's 96, 80) rounds up to one:
   each half of a head is its true half then zeros ([x1 0 x2 0]), so rotate-half RoPE still pairs
   lane i with lane i + D/2, q.k sums only true lanes, and the softmax scale, the RoPE
@@ -45,12 +48,13 @@ def lane_padded(cfg: ModelConfig) -> ModelConfig | None:
         kv_heads, q_heads = kv_heads + 1, q_heads + q_heads // kv_heads
     if not cfg.is_mla and d != LANE // 2 and d % LANE:
         d = round_up(d, LANE)
-    if (hidden, kv_heads, d) == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim):
+    fe = round_up(cfg.moe.expert_ffn_size, LANE)
+    if (hidden, kv_heads, d, fe) == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.moe.expert_ffn_size):
         return None
-    if cfg.is_mla:
+    if cfg.is_mla and hidden != cfg.hidden_size:
         raise PlanError(f"model '{cfg.name}': hidden_size = {cfg.hidden_size}: an MLA model's hidden size must be "
                         f"a multiple of {LANE} (lane padding covers GQA models)")
-    return cfg.replace(hidden_size=hidden, num_kv_heads=kv_heads, num_q_heads=q_heads, head_dim=d,
+    return cfg.replace(hidden_size=hidden, num_kv_heads=kv_heads, num_q_heads=q_heads, head_dim=d, expert_ffn_size=fe,
                        rms_width=cfg.norms.width, head_width=cfg.attention.true_head_dim if d != cfg.head_dim else 0)
 
 
@@ -150,13 +154,27 @@ def params_as_run(plan, params: dict) -> dict:
     if true is None:
         return params
 
-    def shapes(cfg: ModelConfig) -> tuple:
-        return (cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, cfg.attention.kv_size)
+    moe_layer = next((i for i in range(true.num_layers) if not true.pattern.is_dense(i)), None)
 
-    have = (tuple(params["embed"].shape), tuple(params["layers"][0]["wk"].shape))
+    def where(name: str) -> dict:  # the tensors whose shapes tell the two models apart
+        return params if name == "embed" else params["layers"][moe_layer if name == "e_gate" else 0]
+
+    def shapes(cfg: ModelConfig) -> dict[str, tuple]:
+        out = {"embed": (cfg.vocab_size, cfg.hidden_size)}
+        if not cfg.is_mla:
+            out["wk"] = (cfg.hidden_size, cfg.attention.kv_size)
+        if moe_layer is not None:
+            out["e_gate"] = (cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size)
+        return out
+
+    def shape(a) -> tuple:
+        return tuple((a.q if isinstance(a, QuantizedMatrix) else a).shape)
+
+    have = {k: shape(where(k)[k]) for k in shapes(true)}
     if have == shapes(run):
         return params
     if have != shapes(true):
-        raise PlanError(f"weights: embed {have[0]} / wk {have[1]} fit neither model '{true.name}' as written "
-                        f"{shapes(true)} nor as the kernel runs it {shapes(run)}")
+        got = " / ".join(f"{k} {v}" for k, v in have.items())
+        raise PlanError(f"weights: {got} fit neither model '{true.name}' as written {tuple(shapes(true).values())} "
+                        f"nor as the kernel runs it {tuple(shapes(run).values())}")
     return pad_params(true, run, params)

@@ -192,7 +192,8 @@ class ShardingPlan:
                 out["w_down"] = cols(lay["w_down"], lo, self.ffn, axis=0)
             else:
                 out["router"] = np.asarray(lay["router"])
-                for k in ("router_bias", "shared_router"):  # replicated with the router
+                # replicated with the router (e_down_bias is packed into it: tpumk.kernel.moe)
+                for k in ("router_bias", "shared_router", "router_logit_bias", "e_down_bias"):
                     if k in lay:
                         out[k] = np.asarray(lay[k])
                 e_lo = self.expert_group(d) * self.experts
@@ -205,6 +206,9 @@ class ShardingPlan:
                 for k in ("e_gate", "e_up"):
                     out[k] = cols(owned(lay[k]), f_lo, self.expert_ffn)
                 out["e_down"] = cols(owned(lay["e_down"]), f_lo, self.expert_ffn, axis=1)
+                for k in ("e_gate_bias", "e_up_bias"):  # as their matrices' columns
+                    if k in lay:
+                        out[k] = cols(owned(lay[k]), f_lo, self.expert_ffn)
                 if self.shared_ffn:
                     lo = d * self.shared_ffn
                     out["s_gate"] = cols(lay["s_gate"], lo, self.shared_ffn)
