@@ -189,3 +189,67 @@ def fp8_checkpoint(src: str | Path, out: str | Path) -> Path:
                                   "weight_block_size": [128, 128]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+# ---------------------------------------------------------------------- gpt-oss in MXFP4
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)  # magnitude codes 0..7 (bit 3: sign)
+
+
+def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [E, in, out] (transformers' gpt-oss expert layout) -> the release's MXFP4 tensors:
+    blocks [E, out, in/32, 16] uint8 (byte j of a group: element 2j in the low nibble, 2j + 1 in
+    the high one) and scales [E, out, in/32] uint8 (E8M0: 2^(b - 127)), by the OCP recipe (the
+    group's scale 2^(floor(log2 absmax) - 2), each element to the nearest e2m1 value). Written
+    here with numpy alone, so the test's checkpoint does not come from tpumk's quantizer."""
+    x = np.asarray(w, np.float32).transpose(0, 2, 1)  # [E, out, in]
+    e, out, k = x.shape
+    g = x.reshape(e, out, k // 32, 32)
+    amax = np.abs(g).max(-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, 0).astype(np.int32)
+    y = np.clip(g / np.exp2(exp)[..., None], -6, 6)
+    mag = np.argmin(np.abs(np.abs(y)[..., None] - E2M1_VALUES), -1)  # nearest (ties: the smaller code)
+    nib = (mag + 8 * (y < 0)).astype(np.uint8)
+    blocks = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray(exp + 127, np.uint8)  # C order, as written
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """`mxfp4_encode` undone: [E, in, out] float32."""
+    nib = np.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], -1)  # [E, out, G, 32]
+    v = E2M1_VALUES[nib & 7] * np.where(nib >= 8, -1, 1) * np.exp2(scales.astype(np.float32) - 127)[..., None]
+    # (C order: safetensors writes an array's buffer as it lies)
+    return np.ascontiguousarray(v.reshape(*v.shape[:2], -1).transpose(0, 2, 1), np.float32)
+
+
+def build_gpt_oss_mxfp4_checkpoints(out: str | Path, seed: int = 0, **overrides) -> tuple[Path, Path]:
+    """A tiny transformers gpt-oss, written twice: `out/mxfp4`, its experts in the release's
+    MXFP4 tensors (`*_blocks`, `*_scales`, `quantization_config` quant_method mxfp4), and
+    `out/float`, the same model with those experts dequantized to float32 (everything else
+    identical). Returns (mxfp4 dir, float dir)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    out = Path(out)
+    float_dir = build_checkpoint(out / "float", arch="gpt_oss", seed=seed, **overrides)
+    mx_dir = out / "mxfp4"
+    mx_dir.mkdir()
+    tensors = {k: np.array(v) for k, v in load_file(float_dir / "model.safetensors").items()}  # copies: rewritten below
+    mx = {}
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = mxfp4_encode(t)
+            mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
+            tensors[name] = mxfp4_decode(blocks, scales)  # the float copy holds the dequantized values
+        else:
+            mx[name] = t
+    save_file(tensors, float_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(mx, mx_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx_dir / "config.json").write_text(json.dumps(config))
+    for extra in float_dir.iterdir():
+        if extra.name not in ("config.json", "model.safetensors"):
+            (mx_dir / extra.name).write_bytes(extra.read_bytes())
+    return mx_dir, float_dir

@@ -579,3 +579,70 @@ def test_glm45_multi_token_prediction_layer_is_skipped(tmp_path):
     (mtp / "config.json").write_text(json.dumps(bare))
     with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.2."):
         load_checkpoint(mtp)
+
+
+# ---------------------------------------------------------------------- gpt-oss's MXFP4 release format
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    from hf_utils import build_gpt_oss_mxfp4_checkpoints
+
+    kw = {k: v for k, v in CHECKPOINTS["gptoss-moe"].items() if k not in ("arch", "seed")}
+    kw["intermediate_size"] = 192  # whole 32-row scale groups (the release's 2880 is 90 of them)
+    return build_gpt_oss_mxfp4_checkpoints(tmp_path_factory.mktemp("gptoss-mxfp4"), seed=31, **kw)
+
+
+def test_gpt_oss_mxfp4_checkpoint_decodes_as_its_dequantized_copy(gpt_oss_mxfp4):
+    """A tiny gpt-oss whose experts are stored as the release stores them (e2m1 codes two a byte,
+    E8M0 scales per 32 rows; encoded here by numpy alone): transformers' own MXFP4 reader
+    (dequantize=True) gives the float copy's logits, so the tensors are in the official layout;
+    tpumk loads the codes as stored (no float round trip) and its megakernel, streaming the
+    codes at half a byte and decoding them in VMEM, gives the float copy's greedy tokens."""
+    import torch
+    import transformers
+    from hf_utils import hf_greedy, hf_logits
+
+    from tpumk.model.quantize import scheme_of
+
+    mx_dir, float_dir = gpt_oss_mxfp4
+    tokens = np.random.default_rng(2).integers(0, 500, (2, 12))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        mx_dir, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        got = theirs(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(got, hf_logits(float_dir, tokens), rtol=1e-5, atol=1e-5)
+
+    m = load_model(None, str(mx_dir))
+    assert scheme_of(m.params) == "mxfp4" and str(m.params["layers"][0]["e_gate"].q.dtype) == "float4_e2m1fn"
+    want = hf_greedy(float_dir, PROMPTS, STEPS)
+    assert generate(m, PROMPTS, STEPS, backend="reference")["tokens"] == want
+    got = generate(m, PROMPTS, STEPS, backend="megakernel", page_size=8)
+    assert got["tokens"] == want and "megakernel" in got["ran_on"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("blocks", r"tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks' has shape \[4, 384, 5, 16\], "
+               r"expected \[4, 384, 6, 16\]"),
+    ("nan-scale", r"tensor 'model.layers.0.mlp.experts.down_proj_scales' holds the E8M0 byte 255"),
+])
+def test_gpt_oss_mxfp4_bad_tensors_are_one_line(gpt_oss_mxfp4, tmp_path, bad, match):
+    """An MXFP4 tensor with the wrong block count, or a NaN scale, is refused naming it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from tpumk.errors import CheckpointError
+    from tpumk.model.checkpoint import load_checkpoint
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(gpt_oss_mxfp4[0], d)
+    tensors = load_file(d / "model.safetensors")
+    if bad == "blocks":
+        name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+        tensors[name] = tensors[name][:, :, :5]
+    else:
+        tensors["model.layers.0.mlp.experts.down_proj_scales"][0, 0, 0] = 255
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_checkpoint(d)
+    assert "\n" not in str(e.value)

@@ -8,6 +8,8 @@ unquantized model) is measured on fixed prompts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,9 +48,20 @@ CASES = [
     # matrices; their float kernel: test_megakernel_archs.py's dense-cohere
     pytest.param("tiny-cohere", "float32", "int8", 2, 1, marks=FULL),
     pytest.param("tiny-cohere", "bfloat16", "fp8-b128", 1, 1, marks=FULL),
+    # gpt-oss's experts in MXFP4 (e2m1 codes, a power-of-two scale per 32 rows, decoded in VMEM:
+    # int4 nibbles here and on v6e, float4_e2m1fn on TPU7x) with their biases and clamped
+    # SwiGLU, on widths off the lane grid (hidden 192, expert width 200: partial scale groups)
+    ("tiny-gpt-oss", "bfloat16", "mxfp4", 2, 1),
+    pytest.param("tiny-gpt-oss", "float32", "mxfp4", 1, 2, marks=FULL),
 ]
 # Models of CASES that are a preset with some parts changed.
-VARIANTS = {"tiny-cohere": ("tiny-dense", dict(qk_norm=False, norm_kind="layer", parallel_blocks=True))}
+VARIANTS = {"tiny-cohere": ("tiny-dense", dict(qk_norm=False, norm_kind="layer", parallel_blocks=True)),
+            "tiny-gpt-oss": ("tiny-moe", dict(num_layers=2, hidden_size=192, head_dim=64, num_q_heads=4,
+                                              num_kv_heads=2, ffn_size=0, dense_layers=[], num_shared_experts=0,
+                                              shared_expert_ffn_size=0, qk_norm=False, attn_sinks=True,
+                                              qkv_bias=True, o_bias=True, expert_ffn_size=200,
+                                              router_logit_bias=True, expert_bias=True, swiglu_limit=1.0,
+                                              swiglu_alpha=1.702))}
 
 
 def _spec(preset, dtype, scheme, batch, q_len, target="cpu", **kw):
@@ -85,7 +98,7 @@ def test_quantize_params_covers_the_ring_matrices_only():
     assert all(isinstance(moe[k], QuantizedMatrix) for k in ("wq", "wk", "wv", "wo", "s_gate", "s_up", "s_down"))
     assert not isinstance(moe["router"], QuantizedMatrix) and moe["e_gate"].dtype == jnp.float32  # routing exact
     assert qp["embed"].dtype == jnp.float32
-    with pytest.raises(ConfigError, match="quant = 'int3': expected none, int8, fp8, int4, fp8-b128, or ring=FMT"):
+    with pytest.raises(ConfigError, match="quant = 'int3': expected none, int8, fp8, int4, fp8-b128, mxfp4, or ring=FMT"):
         quantize_params(cfg, qp, "int3")
 
 
@@ -123,7 +136,7 @@ def test_schemes_parse_to_one_spelling():
     spec = BuildSpec(load_preset("tiny-moe"), get_target("tpu7x"), quant="ring=int8, experts=int4-g128")
     assert spec.quant == "int4"  # equal builds share one cache key
     for bad in ("ring=int4-g128", "experts=int8", "ring=int8;experts=x", "dense=int8", 3):
-        with pytest.raises(ConfigError, match="expected none, int8, fp8, int4, fp8-b128, or ring=FMT,experts=FMT"):
+        with pytest.raises(ConfigError, match="expected none, int8, fp8, int4, fp8-b128, mxfp4, or ring=FMT,experts=FMT"):
             parse_scheme(bad)
 
 
@@ -133,13 +146,29 @@ def test_kernel_matches_the_quantized_reference_and_compiles(preset, dtype, sche
     spec = _spec(preset, dtype, scheme, batch, q_len)
     plan = make_plan(spec)
     cfg = spec.model
-    assert plan.ring_dtype == weight_format(scheme).dtype and plan.contract.operand("qkv").dtype == plan.ring_dtype
+    ring = weight_format(scheme).dtype if weight_format(scheme) is not None else dtype
+    assert plan.ring_dtype == ring and plan.contract.operand("qkv").dtype == plan.ring_dtype
     if expert_format(scheme) is not None and plan.moe is not None:
         assert plan.moe.code_dtype == expert_format(scheme).dtype
         assert plan.contract.operand("e_gateup").dtype == plan.moe.code_dtype
     params = random_params(cfg, seed=3)
     qp = quantize_params(cfg, params, scheme)
-    cache = ref.init_cache(cfg, batch, spec.context)
+    plans = [plan]
+    if scheme == "mxfp4":  # the cpu target is a TPU7x (e2m1 codes converted by Mosaic); v6e's path too:
+        # the same nibbles as int4, decoded by integer ops in the stage
+        plans.append(dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, fp4_native=False)))
+        assert plans[1].contract.operand("e_gateup").dtype == "int4"
+    for p in plans:
+        _check_two_steps(p, cfg, qp, batch, q_len, dtype, spec.context)
+    # and the same build compiles for TPUs (interpret mode does not check Mosaic's layout rules)
+    for target in ("v6e", "tpu7x"):
+        c = compile_plan(make_plan(spec.replace(target=get_target(target))))
+        assert c.custom_calls == 1
+
+
+def _check_two_steps(plan, cfg, qp, batch, q_len, dtype, context):
+    """Two megakernel steps (interpret mode) after a reference prefill, against the reference."""
+    cache = ref.init_cache(cfg, batch, context)
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, cfg.vocab_size, 4 + 2 * i)) for i in range(batch)]
     _, cache = ref.prefill(qp, cfg, prompts, cache)
@@ -159,10 +188,6 @@ def test_kernel_matches_the_quantized_reference_and_compiles(preset, dtype, sche
         assert float(jnp.max(jnp.abs(got - want))) <= tol * scale
         assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
         assert float(jnp.max(jnp.abs(kcache.k.astype(jnp.float32) - cache.k.astype(jnp.float32)))) <= 3e-2
-    # and the same build compiles for TPUs (interpret mode does not check Mosaic's layout rules)
-    for target in ("v6e", "tpu7x"):
-        c = compile_plan(make_plan(spec.replace(target=get_target(target))))
-        assert c.custom_calls == 1
 
 
 def test_pack_refuses_weights_of_another_scheme():
@@ -191,9 +216,9 @@ def test_qwen3_8b_int8_moves_about_half_the_bytes():
 
 
 def test_bad_scheme_is_one_line():
-    with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected none, int8, fp8, int4, fp8-b128, "
+    with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected none, int8, fp8, int4, fp8-b128, mxfp4, "
                                         r"or ring=FMT,experts=FMT with ring in none\|int8\|fp8\|fp8-b128 and experts in "
-                                        r"none\|int4-g128\|fp8-b128$"):
+                                        r"none\|int4-g128\|fp8-b128\|mxfp4$"):
         BuildSpec(load_preset("tiny-dense"), get_target("tpu7x"), quant="int3")
 
 
@@ -381,3 +406,25 @@ def test_quality_command_prints_each_scheme(tmp_path):
     assert 0.5 <= rows["int8"]["greedy_agreement"] <= 1.0
     bad = CliRunner().invoke(main, ["quality", "--model", "tiny-moe", "--quant", "int3"])
     assert bad.exit_code != 0 and "quant = 'int3'" in bad.output
+
+
+def test_gpt_oss_120b_mxfp4_streams_half_a_byte_per_expert_weight():
+    """gpt-oss-120b with its experts in MXFP4 on 4 TPU7x devices (each owning 32 experts): each
+    expert chunk streams its codes at half a byte per weight (e2m1, converted in VMEM by
+    Mosaic on TPU7x) plus its E8M0 scale bytes, one per 32 rows, padded to whole (32, 128) int8
+    tiles; and the plan's weight bytes count the same."""
+    from tpumk.model.quantize import quantized_weight_bytes
+
+    cfg = load_preset("gpt-oss-120b")
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), devices=4, quant="mxfp4"))
+    g = plan.moe
+    assert (g.code_dtype, g.scale_dtype, g.fp4_native, g.local_experts) == ("float4_e2m1fn", "int8", True, 32)
+    h, c, kb = g.hidden, g.expert_chunk, g.blocks_per_chunk  # 2944 (2880 lane padded), 128, 1
+    per_slot = {b.name: b.logical_bytes // g.expert_slots for b in g.scratch()}
+    assert per_slot["gateup"] + per_slot["down"] == 3 * h * c // 2  # 0.5 bytes per weight
+    scales = per_slot["gateup_scales"] + per_slot["down_scales"]
+    assert scales == kb * 96 * 256 + 32 * h  # H/32 = 92 rows -> 96; C/32 = 4 rows -> 32
+    assert g.chunk_bytes == 3 * h * c // 2 + scales + kb * 8 * 256 * 4  # + the gate|up biases' f32 tile
+    # the whole model's weights: experts at 4.25 bits (codes and scales), the rest bfloat16
+    n_expert = 36 * 128 * 3 * 2880 * 2880
+    assert quantized_weight_bytes(cfg, "mxfp4") == (cfg.param_count() - n_expert) * 2 + n_expert // 2 + n_expert // 32

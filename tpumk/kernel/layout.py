@@ -257,7 +257,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
             out["shared_gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(
                 cast(l["s_gate"]), cast(l["s_up"]), shared_pad, gu.tile_cols), gu) for l in moe_layers])
             out["shared_down"] = jnp.stack([tile_matrix(cast(l["s_down"]), dn) for l in moe_layers])
-        out["moe"] = pack_experts(cfg, params, expert_chunk)
+        plan = plan_or_cfg if isinstance(plan_or_cfg, Plan) else None
+        out["moe"] = pack_experts(cfg, params, expert_chunk, fp4_native=bool(plan and plan.moe.fp4_native))
     head = cast(params["lm_head"]) if "lm_head" in params else cast(params["embed"]).T
     out["lm_head"] = tile_matrix(head, fams["lm_head"])
     fmt = weight_format(quant)

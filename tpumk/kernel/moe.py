@@ -41,6 +41,7 @@ layer (or by anyone else) right away.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -52,12 +53,13 @@ from jax.experimental.pallas import tpu as pltpu
 from tpumk.errors import PlanError
 from tpumk.kernel.memory import scratch_shape, shape_struct
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import GROUP, QuantizedMatrix
+from tpumk.model.quantize import E8M0_BIAS, GROUP, MX_GROUP, QuantizedMatrix
 from tpumk.plan.geometry import F32_SUBLANES, LANE, SUBLANES, MoEGeometry, moe_layer_ids, round_up
 
 
 # ---------------------------------------------------------------------- packing
-def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None) -> dict[str, jax.Array]:
+def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None,
+                 fp4_native: bool = False) -> dict[str, jax.Array]:
     """Reference-layout MoE weights -> the stage's kernel layout, stacked over MoE layers.
 
     Input (tpumk.model.weights): per MoE layer `router [H, E]`, `e_gate [E, H, Fe]`, `e_up [E, H, Fe]`,
@@ -86,6 +88,10 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
       [128g, 128g+128) (G8 = H/128 rounded up to 8), gate | up lanes as the codes;
     - `e_down_scales [Lm, E, Fe/C, C8, H]`: chunk c's scales, row g for its rows [128g, 128g+128).
 
+    mxfp4 experts (e2m1 codes, one power-of-two scale per 32 input rows): the codes as
+    float4_e2m1fn with `fp4_native` (TPU7x), else the same nibbles as int4; the scales as their
+    E8M0 bytes (int8), row g for input rows [32g, 32g+32), padded to whole (32, 128) int8 tiles.
+
     Works on jax or numpy arrays (jnp ops; numpy inputs land on the default device).
     """
     if not cfg.is_moe:
@@ -98,7 +104,9 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     routers, gateups, downs, gu_scales, dn_scales = [], [], [], [], []
 
     def codes(a):
-        return a.q if isinstance(a, QuantizedMatrix) else jnp.asarray(a, dt)
+        if not isinstance(a, QuantizedMatrix):
+            return jnp.asarray(a, dt)
+        return a.q if fp4_native or a.group != MX_GROUP else e2m1_as_int4(a.q)
 
     def blocks(a, owned):  # [E, H, Fe] -> [E, nb, H, 128]
         return a.reshape(owned, a.shape[1], nb, LANE).transpose(0, 2, 1, 3)
@@ -129,23 +137,45 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
             gu_biases.append(jnp.zeros((owned, nb, F32_SUBLANES, 2 * LANE), jnp.float32).at[:, :, 0].set(gub))
         if isinstance(layer["e_gate"], QuantizedMatrix):
             gate, up, down = layer["e_gate"], layer["e_up"], layer["e_down"]
-            if not (gate.grouped and gate.group == GROUP and down.grouped and down.group == GROUP):
-                raise PlanError(f"pack_experts: quantized experts need scales per {GROUP} input rows "
-                                f"(got groups of {gate.group} / {down.group})")
+            group = gate.group
+            if not (gate.grouped and group in (GROUP, MX_GROUP) and down.grouped and down.group == group):
+                raise PlanError(f"pack_experts: quantized experts need scales per {GROUP} (or mxfp4's {MX_GROUP}) "
+                                f"input rows (got groups of {gate.group} / {down.group})")
             if expert_chunk is None:
                 raise PlanError("pack_experts: quantized experts are packed per chunk: pass expert_chunk")
-            g = h // GROUP
-            gs = jnp.concatenate([blocks(gate.scale, owned), blocks(up.scale, owned)], axis=-1)  # [E, nb, G, 256]
-            gu_scales.append(jnp.pad(gs, ((0, 0), (0, 0), (0, round_up(g, 8) - g), (0, 0))))
-            per_chunk = expert_chunk // GROUP
-            ds = down.scale.reshape(owned, fe // expert_chunk, per_chunk, h)
-            dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, 8) - per_chunk), (0, 0))))
+            as_stored = e8m0_bytes if group == MX_GROUP else (lambda a: a)
+            scale_tile = SUBLANES["int8" if group == MX_GROUP else "float32"]
+            g = h // group
+            gs = jnp.concatenate([blocks(as_stored(gate.scale), owned), blocks(as_stored(up.scale), owned)],
+                                 axis=-1)  # [E, nb, G, 256]
+            gu_scales.append(jnp.pad(gs, ((0, 0), (0, 0), (0, round_up(g, scale_tile) - g), (0, 0))))
+            per_chunk = expert_chunk // group
+            ds = as_stored(down.scale).reshape(owned, fe // expert_chunk, per_chunk, h)
+            dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, scale_tile) - per_chunk), (0, 0))))
     out = {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
     if gu_scales:
         out.update(e_gateup_scales=jnp.stack(gu_scales), e_down_scales=jnp.stack(dn_scales))
     if gu_biases:
         out.update(e_gateup_bias=jnp.stack(gu_biases))
     return out
+
+
+def e2m1_as_int4(codes) -> jax.Array:
+    """float4_e2m1fn codes -> int4 holding the same 4 bits (sign bit 3, exponent 2..1, mantissa 0)
+    read as two's complement: what a chip without a 4-bit float type streams (`_e2m1_values`
+    decodes it). Exact: a relabelling of the 16 codes, no rounding."""
+    v = jnp.asarray(codes).astype(jnp.float32)
+    mag = jnp.abs(v)
+    # magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7
+    m = jnp.where(mag < 2, 2 * mag, jnp.where(mag < 4, mag + 2, mag / 2 + 4)).astype(jnp.int32)
+    return jnp.where(jnp.signbit(v), m - 8, m).astype(jnp.int4)
+
+
+def e8m0_bytes(scale) -> jax.Array:
+    """Power-of-two float32 scales -> their E8M0 bytes (2^(b - 127)) in an int8 container."""
+    _, exp = jnp.frexp(jnp.asarray(scale, jnp.float32))  # scale = 0.5 * 2^exp
+    b = (exp - 1 + E8M0_BIAS).astype(jnp.int32)
+    return jnp.where(b > 127, b - 256, b).astype(jnp.int8)
 
 
 def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
@@ -447,6 +477,44 @@ def _down_bias(geom: MoEGeometry, scr: MoEScratch):
     return out
 
 
+def _e8m0_values(scale_bytes):
+    """E8M0 bytes (int8 container) -> float32 2^(b - 127): the byte as the float's exponent
+    field (b = 0 gives 0 rather than 2^-127; the loader refuses b = 255, E8M0's NaN)."""
+    b = scale_bytes.astype(jnp.int32)
+    b = jnp.where(b < 0, b + 256, b)
+    return lax.bitcast_convert_type(b << 23, jnp.float32)
+
+
+def _e2m1_values(geom: MoEGeometry, codes):
+    """e2m1 codes -> float32 values. TPU7x: float4_e2m1fn, converted by Mosaic. Elsewhere the
+    nibble in an int4: magnitude code m (0..7) is 0, 0.5, or for m >= 2 the float32 with bits
+    (m + 252) << 22 (exponent (m >> 1) + 126, mantissa bit m & 1: 1, 1.5, 2, 3, 4, 6); bit 3 the sign."""
+    if geom.fp4_native:
+        return codes.astype(jnp.float32)
+    n = codes.astype(jnp.int32)
+    n = jnp.where(n < 0, n + 16, n)
+    m = n & 7
+    bits = jnp.where(m >= 2, (m + 252) << 22, jnp.where(m == 1, 252 << 22, 0)) | ((n >> 3) << 31)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _mx_dot(geom: MoEGeometry, x_groups, codes, scale_bytes, dt, prec):
+    """sum over 128-row groups g of x_g @ (codes_g decoded, each 32 rows times their scale) in dt,
+    f32 accumulation: a microscaled matmul (x_groups: the [N, 128] slices of x in dt; codes a
+    VMEM ref [K, M]; scale_bytes [>= K/32, M] E8M0 bytes). A code times a power of two is exact
+    in bfloat16, so the dequantized operand equals the reference's."""
+    scales = _e8m0_values(scale_bytes)  # [rows, M] f32
+    per = GROUP // MX_GROUP
+    acc = None
+    for g, xg in enumerate(x_groups):
+        w = _e2m1_values(geom, codes[g * GROUP:(g + 1) * GROUP, :])  # [128, M]
+        sc = scales[g * per:(g + 1) * per, :]  # [4, M]
+        w = (w.reshape(per, MX_GROUP, w.shape[-1]) * sc[:, None, :]).reshape(GROUP, w.shape[-1]).astype(dt)
+        part = jnp.dot(xg, w, preferred_element_type=jnp.float32, precision=prec)
+        acc = part if acc is None else acc + part
+    return acc
+
+
 def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
                 load_counts=None, scales_hbm=None, bias_hbm=None):
     """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32.
@@ -479,7 +547,9 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
         gu_slot = scr.gateup.at[slot]
         acts = []
         for b in range(geom.blocks_per_chunk):
-            if geom.quantized:
+            if geom.mx:
+                h = _mx_dot(geom, x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
+            elif geom.quantized:
                 h = _grouped_dot(x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
             else:
                 h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
@@ -489,7 +559,8 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
         act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
         if geom.quantized:
             act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down
-            part = _grouped_dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
+            dot = functools.partial(_mx_dot, geom) if geom.mx else _grouped_dot
+            part = dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
         else:
             part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
         acc = acc + weight * part

@@ -80,7 +80,8 @@ from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, sh
 from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
                                 hf_text_config, load_hf_model, override_dtype)
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
-from tpumk.model.quantize import EXPERT_MATRICES, FORMATS, GROUP, RING_MATRICES, QuantizedMatrix, quantize_params
+from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, RING_MATRICES, QuantizedMatrix,
+                                  quantize_params)
 from tpumk.model.reference import Params, jnp_dtype
 from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
@@ -106,8 +107,13 @@ class _Tensor:
         self.shape = tuple(int(s) for s in info.get_shape())
         self.dtype_tag = info.get_dtype()
 
-    def read(self, fp8: bool = False) -> np.ndarray:
-        if self.dtype_tag not in _DTYPES and not (fp8 and self.dtype_tag == FP8_TAG):
+    def read(self, fp8: bool = False, raw_bytes: bool = False) -> np.ndarray:
+        """The tensor as numpy: a float dtype (`fp8`: e4m3 too; `raw_bytes`: only uint8, the
+        packed codes and scales of an MXFP4 tensor)."""
+        if raw_bytes and self.dtype_tag != "U8":
+            raise CheckpointError(f"{self.file}: tensor '{self.name}' has dtype {self.dtype_tag}, expected U8 "
+                                  "(MXFP4 blocks and scales are bytes)")
+        if self.dtype_tag not in _DTYPES and not (fp8 and self.dtype_tag == FP8_TAG) and not raw_bytes:
             raise NotSupportedError(f"{self.file}: not supported yet: tensor '{self.name}' has dtype "
                                     f"{self.dtype_tag} (quantized checkpoints are not supported)")
         try:
@@ -266,6 +272,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
     cohere = config_json.get("model_type") == "cohere"
     d, rd = cfg.head_dim, cfg.positions.rotary_dim
+    mx = (config_json.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     heads_of = {"wq": cfg.num_q_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_q_heads, "bk": cfg.num_kv_heads}
 
     def rotary(key: str, fn):
@@ -344,7 +351,7 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             continue
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size
         if cfg.moe.expert_bias:  # gpt-oss: router with a bias; experts [in, out], gate / up interleaved
-            _gpt_oss_experts(p, i, add, e, h, f)
+            _gpt_oss_experts(p, i, add, e, h, f, mx)
             continue
         # Mixtral's files keep the routed MLP under block_sparse_moe, its experts' matrices as w1
         # (gate), w3 (up) and w2 (down); transformers 5's modules under mlp, fused as Qwen3-MoE's
@@ -373,20 +380,56 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     return plan, ignored
 
 
-def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int) -> None:
+def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int, mx: bool) -> None:
     """gpt-oss's MoE tensors as transformers stores them: the router (weight [E, H], bias [E]),
     gate_up_proj [E, H, 2F] with gate and up columns interleaved (gate at even columns, up at
     odd: GptOssExperts._apply_gate), its bias [E, 2F] alike, down_proj [E, F, H] and its bias
-    [E, H] (already [in, out])."""
+    [E, H] (already [in, out]). `mx` (the MXFP4 release): gate_up_proj_blocks / _scales and
+    down_proj_blocks / _scales instead of the float matrices (`_mxfp4_experts`)."""
     add(p + "mlp.router.weight", i, "router", _t)
     add(p + "mlp.router.bias", i, "router_logit_bias")
     gu = p + "mlp.experts.gate_up_proj"
-    add(gu, i, "e_gate", lambda a: a[..., 0::2], hf_shape=(e, h, 2 * f))
-    add(gu, i, "e_up", lambda a: a[..., 1::2], hf_shape=(e, h, 2 * f))
+    if mx:  # [E, out, in / 32, 16] bytes and [E, out, in / 32] E8M0 scales, output rows interleaved
+        add(gu + "_blocks", i, "e_gate", MX_EXPERTS, hf_shape=(e, 2 * f, h // MX_GROUP, MX_GROUP // 2))
+        add(gu + "_scales", i, "e_gate", MX_EXPERTS, hf_shape=(e, 2 * f, h // MX_GROUP))
+        dn = p + "mlp.experts.down_proj"
+        add(dn + "_blocks", i, "e_down", MX_EXPERTS, hf_shape=(e, h, f // MX_GROUP, MX_GROUP // 2))
+        add(dn + "_scales", i, "e_down", MX_EXPERTS, hf_shape=(e, h, f // MX_GROUP))
+    else:
+        add(gu, i, "e_gate", lambda a: a[..., 0::2], hf_shape=(e, h, 2 * f))
+        add(gu, i, "e_up", lambda a: a[..., 1::2], hf_shape=(e, h, 2 * f))
     add(gu + "_bias", i, "e_gate_bias", lambda a: a[..., 0::2], hf_shape=(e, 2 * f))
     add(gu + "_bias", i, "e_up_bias", lambda a: a[..., 1::2], hf_shape=(e, 2 * f))
-    add(p + "mlp.experts.down_proj", i, "e_down")
+    if not mx:
+        add(p + "mlp.experts.down_proj", i, "e_down")
     add(p + "mlp.experts.down_proj_bias", i, "e_down_bias")
+
+
+def MX_EXPERTS(a: np.ndarray) -> np.ndarray:
+    """The marker transform of an MXFP4 tensor's plan entries: read by `_mxfp4_experts`, in pairs."""
+    return a
+
+
+def _mxfp4_matrix(blocks: _Tensor, scales: _Tensor, compute) -> QuantizedMatrix:
+    """An MXFP4 tensor pair as gpt-oss stores it (transformers' convert_moe_packed_tensors):
+    blocks [E, out, G, 16] bytes, byte j of group g holding input rows 32g + 2j (low nibble) and
+    32g + 2j + 1 (high nibble) as e2m1 codes; scales [E, out, G] E8M0 bytes (2^(b - 127)). As a
+    QuantizedMatrix [E, in, out]: the codes bit for bit (float4_e2m1fn), the scales as float32
+    powers of two per (32 input rows, output column). An E8M0 byte of 255 (NaN) is refused."""
+    raw, sc = blocks.read(raw_bytes=True), scales.read(raw_bytes=True)
+    if 255 in sc:
+        raise CheckpointError(f"{scales.file}: tensor '{scales.name}' holds the E8M0 byte 255 (NaN): expected "
+                              "finite power-of-two scales")
+    e, out, g, half = raw.shape
+    nibbles = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(e, out, g * 2 * half)  # [E, out, in]
+    codes = E2M1_CODES[nibbles].transpose(0, 2, 1)  # [E, in, out]
+    scale = np.ldexp(np.float32(1.0), sc.astype(np.int32) - E8M0_BIAS).astype(np.float32).transpose(0, 2, 1)
+    return QuantizedMatrix(jnp.asarray(codes), jnp.asarray(scale), jnp.zeros((0,), compute))
+
+
+# The 16 e2m1 codes by their 4 bits (bit 3 the sign), as float4_e2m1fn values.
+E2M1_CODES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+                      np.float32).astype(jnp.float4_e2m1fn)
 
 
 # ---------------------------------------------------------------------- public API
@@ -607,6 +650,16 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
     fp8_experts: dict[tuple[int, str], dict[int, QuantizedMatrix]] = {}
     for name, dests in plan.items():
+        if dests[0][4] is MX_EXPERTS:  # gpt-oss's MXFP4 experts: at each *_blocks, with its *_scales
+            if name.endswith("_blocks"):
+                layer, key = dests[0][0], dests[0][1]
+                m = _mxfp4_matrix(tensors[name], tensors[name[:-len("_blocks")] + "_scales"], out_dt)
+                if key == "e_gate":  # gate_up: output columns interleaved, gate even, up odd
+                    params["layers"][layer]["e_gate"] = QuantizedMatrix(m.q[..., 0::2], m.scale[..., 0::2], m.compute)
+                    params["layers"][layer]["e_up"] = QuantizedMatrix(m.q[..., 1::2], m.scale[..., 1::2], m.compute)
+                else:
+                    params["layers"][layer][key] = m
+            continue
         if name in scales:
             for layer, key, expert, hf_shape, fn in dests:
                 if key == "wkv_b":  # MLA: stored as the absorbed per-head blocks, codes as they are
@@ -646,8 +699,9 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
 def _check_complete(params: Params, shapes: Params, d: Path, cfg: ModelConfig) -> None:
     """Every reference tensor is present with its expected shape (guards the mapping itself)."""
     def check(got: Any, want: tuple[int, ...], where: str) -> None:
-        if isinstance(got, QuantizedMatrix) and jnp.dtype(got.q.dtype) != jnp.dtype(FORMATS["fp8-b128"].jnp_dtype):
-            raise CheckpointError(f"{d}: reference tensor '{where}' not built as e4m3 codes")
+        if isinstance(got, QuantizedMatrix) and jnp.dtype(got.q.dtype) not in (
+                jnp.dtype(FORMATS["fp8-b128"].jnp_dtype), jnp.dtype(FORMATS["mxfp4"].jnp_dtype)):
+            raise CheckpointError(f"{d}: reference tensor '{where}' not built as e4m3 or e2m1 codes")
         if got is None or tuple(got.shape) != tuple(want):
             raise CheckpointError(f"{d}: reference tensor '{where}' not built with shape {list(want)}")
 

@@ -1021,7 +1021,8 @@ _REQUIRED = object()
 def stored_scheme(data: Any, source: str) -> str:
     """The weight scheme (tpumk.model.quantize) a Hugging Face checkpoint stores its weights in,
     from its config.json's `quantization_config`: "none" without one, "fp8-b128" for the
-    official FP8 format (quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]). Every
+    official FP8 format (quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]), "mxfp4"
+    for gpt-oss's release (quant_method "mxfp4": its experts' *_blocks and *_scales). Every
     place a build's weights are derived from a checkpoint's config asks here (the spec's
     default --quant, the checkpoint loader). Any other quantization is refused in one line."""
     quant = data.get("quantization_config") if isinstance(data, dict) else None
@@ -1031,9 +1032,14 @@ def stored_scheme(data: Any, source: str) -> str:
         raise ConfigError(f"{source}: field 'quantization_config' = {_short_repr(quant)}: expected an object "
                           f"(e.g. {{\"quant_method\": \"fp8\", ...}}) or null")
     method = quant.get("quant_method", "?")
+    if method == "mxfp4":  # gpt-oss's release: experts in MXFP4 (*_blocks + *_scales), the rest float
+        if data.get("model_type") != "gpt_oss":
+            raise NotSupportedError(f"{source}: not supported yet: an mxfp4 checkpoint of model_type "
+                                    f"{_short_repr(data.get('model_type'))} (tpumk reads gpt-oss's MXFP4 experts)")
+        return "mxfp4"
     if method != "fp8":
         raise NotSupportedError(f"{source}: not supported yet: quantized checkpoint ({_short_repr(method)}; "
-                                "tpumk reads fp8 checkpoints with 128 x 128 block scales)")
+                                "tpumk reads fp8 checkpoints with 128 x 128 block scales and gpt-oss's mxfp4)")
     fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
     if fmt != "e4m3" or block != [128, 128] or any(isinstance(b, bool) for b in block):
         raise NotSupportedError(f"{source}: not supported yet: fp8 checkpoint with fmt {_short_repr(fmt)} and "

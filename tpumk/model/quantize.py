@@ -9,7 +9,12 @@ A *format* is how one matrix is stored (`FORMATS`):
   checkpoints store them (`weight_scale_inv`, TPU_FACTS 9); kept as one scale per (group of 128
   input rows, output column), the block's scale repeated over its 128 columns (exact);
 - "int4-g128": symmetric int4 (codes -7..7) with one float32 scale per (group of 128 input rows,
-  output column), the published kernel's expert format.
+  output column), the published kernel's expert format;
+- "mxfp4": OCP microscaling FP4, as gpt-oss releases its experts: e2m1 codes (0, 0.5, 1, 1.5,
+  2, 3, 4, 6 and their negatives) with one power-of-two scale per (group of 32 input rows,
+  output column), stored as an E8M0 byte (2^(byte - 127)). Held here as float32 powers of two
+  (exact); the kernel streams the scales as their bytes. Quantizing: scale 2^(floor(log2 absmax)
+  - 2), codes rounded to nearest (the OCP MX recipe); a checkpoint's codes load as stored.
 
 A *scheme* (`BuildSpec.quant`, `--quant`) gives a format to each of two families of matrices:
 `ring`, every matrix the megakernel's weight ring streams (q|k|v, o, the dense and
@@ -60,6 +65,8 @@ import numpy as np
 from tpumk.errors import ConfigError
 
 GROUP = 128  # input rows per scale of the group formats (and the block side of fp8-b128)
+MX_GROUP = 32  # input rows per scale of mxfp4 (OCP microscaling blocks)
+E8M0_BIAS = 127  # an E8M0 scale byte b is 2^(b - 127)
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,22 @@ class WeightFormat:
     """How a quantized matrix is stored: element dtype, largest code, scale granularity."""
 
     name: str
-    dtype: str  # "int8" | "float8_e4m3fn" | "int4"
+    dtype: str  # "int8" | "float8_e4m3fn" | "int4" | "float4_e2m1fn"
     qmax: float  # codes lie in [-qmax, qmax]
     group: int = 0  # input rows per scale (0: one scale per output column over all of K)
     block_cols: int = 0  # fp8-b128: output columns sharing a scale when quantizing (1 otherwise)
     bits: int = 8
+    scale_dtype: str = "float32"  # how a scale is stored: "float32", or "e8m0" (a power-of-two byte)
 
     @property
     def jnp_dtype(self):
-        return {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4}[self.dtype]
+        return {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4,
+                "float4_e2m1fn": jnp.float4_e2m1fn}[self.dtype]
+
+    @property
+    def scale_bytes(self) -> int:
+        """HBM bytes per scale."""
+        return 1 if self.scale_dtype == "e8m0" else 4
 
     @property
     def itemsize(self) -> float:
@@ -92,11 +106,13 @@ FORMATS = {
     "fp8": WeightFormat("fp8", "float8_e4m3fn", 448.0),
     "fp8-b128": WeightFormat("fp8-b128", "float8_e4m3fn", 448.0, group=GROUP, block_cols=GROUP),
     "int4-g128": WeightFormat("int4-g128", "int4", 7.0, group=GROUP, bits=4),
+    "mxfp4": WeightFormat("mxfp4", "float4_e2m1fn", 6.0, group=MX_GROUP, bits=4, scale_dtype="e8m0"),
 }
 RING_FORMATS = ("int8", "fp8", "fp8-b128")  # int4 tiles are not streamed by the ring (TPU7x holds one per byte)
-EXPERT_FORMATS = ("int4-g128", "fp8-b128")
+EXPERT_FORMATS = ("int4-g128", "fp8-b128", "mxfp4")
 PRESETS = {"none": ("none", "none"), "int8": ("int8", "none"), "fp8": ("fp8", "none"),
-           "int4": ("int8", "int4-g128"), "fp8-b128": ("fp8-b128", "fp8-b128")}
+           "int4": ("int8", "int4-g128"), "fp8-b128": ("fp8-b128", "fp8-b128"),
+           "mxfp4": ("none", "mxfp4")}  # gpt-oss's release: experts in MXFP4, the rest in bfloat16
 SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme too
 # Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top)
 # and of the routed experts' stacks.
@@ -212,15 +228,17 @@ class QuantizedMatrix(NamedTuple):
 
     @property
     def group(self) -> int:
-        """Input rows per scale (K for per-column scales; the group formats' 128, the last
-        group partial when 128 does not divide K)."""
-        return GROUP if self.grouped else self.q.shape[-2]
+        """Input rows per scale (K for per-column scales; the group formats' 128, or mxfp4's 32
+        for e2m1 codes; the last group partial when the group does not divide K)."""
+        if not self.grouped:
+            return self.q.shape[-2]
+        return MX_GROUP if jnp.dtype(self.q.dtype) == jnp.dtype(jnp.float4_e2m1fn) else GROUP
 
     def dequantized(self) -> jax.Array:
         q = self.q.astype(jnp.float32)
         if not self.grouped:
             return q * self.scale.astype(jnp.float32)[..., None, :]
-        return q * jnp.repeat(self.scale.astype(jnp.float32), GROUP, axis=-2)[..., :q.shape[-2], :]
+        return q * jnp.repeat(self.scale.astype(jnp.float32), self.group, axis=-2)[..., :q.shape[-2], :]
 
 
 def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatrix:
@@ -239,14 +257,18 @@ def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatr
             blocks = jnp.pad(amax, [(0, 0)] * (amax.ndim - 1) + [(0, pad)])
             blocks = jnp.max(blocks.reshape(*amax.shape[:-1], -1, fmt.block_cols), axis=-1)
             amax = jnp.repeat(blocks, fmt.block_cols, axis=-1)[..., :m]
-        scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
+        if fmt.scale_dtype == "e8m0":  # a power of two putting absmax in [4, 8): e2m1's top binade
+            e = jnp.clip(jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2, -E8M0_BIAS, E8M0_BIAS)
+            scale = jnp.where(amax > 0, jnp.exp2(e), 1.0).astype(jnp.float32)
+        else:
+            scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
         x = w / jnp.repeat(scale, fmt.group, axis=-2)[..., :k, :]
     else:
         amax = jnp.max(jnp.abs(w), axis=-2)
         scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
         x = w / scale[..., None, :]
-    if fmt.dtype == "float8_e4m3fn":  # e4m3 rounds to nearest itself; |x| <= 448 is within its range
-        q = jnp.clip(x, -fmt.qmax, fmt.qmax).astype(jnp.float8_e4m3fn)
+    if fmt.dtype in ("float8_e4m3fn", "float4_e2m1fn"):  # they round to nearest themselves, within +-qmax
+        q = jnp.clip(x, -fmt.qmax, fmt.qmax).astype(fmt.jnp_dtype)
     else:
         q = jnp.clip(jnp.round(x), -fmt.qmax, fmt.qmax).astype(fmt.jnp_dtype)
     return QuantizedMatrix(q, scale, jnp.zeros((0,), compute))
@@ -358,17 +380,18 @@ def expert_matrices(cfg) -> list[tuple[int, int, int]]:
 
 def quantized_weight_bytes(cfg, scheme: str) -> int:
     """HBM bytes of the model's weights under `scheme`: quantized matrices at their code size
-    plus their float32 scales, everything else in the model dtype."""
+    plus their scales (float32, or mxfp4's one byte), everything else in the model dtype."""
     s = parse_scheme(scheme)
     total = cfg.param_count() * cfg.dtype_bytes
     if s.ring is not None:
         ring = ring_parameter_count(cfg)
         untied_head = 0 if cfg.head.tie_embeddings else cfg.hidden_size * cfg.vocab_size
         total -= (ring - cfg.hidden_size * cfg.vocab_size + untied_head) * cfg.dtype_bytes
-        total += ring * s.ring.itemsize + 4 * _scale_count(s.ring, ring_matrices(cfg))
+        total += ring * s.ring.itemsize + s.ring.scale_bytes * _scale_count(s.ring, ring_matrices(cfg))
     if s.experts is not None and cfg.is_moe:
         n = expert_parameter_count(cfg)
-        total += n * (s.experts.itemsize - cfg.dtype_bytes) + 4 * _scale_count(s.experts, expert_matrices(cfg))
+        total += n * (s.experts.itemsize - cfg.dtype_bytes) + s.experts.scale_bytes * _scale_count(
+            s.experts, expert_matrices(cfg))
     return int(total)
 
 

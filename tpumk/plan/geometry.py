@@ -34,13 +34,14 @@ MAX_ROUTER_GROUPS = 32  # DeepSeek-V3 uses 8; the kernel ranks groups pairwise
 # Every dtype a kernel buffer may have ("dma" marks a DMA semaphore array).
 # (int8 / float8_e4m3fn / int4: quantized weight codes, tpumk.model.quantize)
 BUFFER_DTYPES = {**WEIGHT_DTYPES, "int32": jnp.int32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn,
-                 "int4": jnp.int4}
-# int4 codes take half a byte in HBM (two a byte) but one byte each in VMEM (TPU7x, TPU_FACTS 9;
-# counted so on every target: the larger of the two possibilities).
-HBM_BITS = {"int4": 4}
+                 "int4": jnp.int4, "float4_e2m1fn": jnp.float4_e2m1fn}
+# 4-bit codes take half a byte in HBM (two a byte) but one byte each in VMEM (int4 on TPU7x,
+# TPU_FACTS 9; counted so on every target and for e2m1 too: the larger of the two possibilities).
+HBM_BITS = {"int4": 4, "float4_e2m1fn": 4}
 # Rows of one VMEM tile per dtype: the second-minor tiling Mosaic requires of DMA offsets and
 # sizes (hence of page_size, TPU_FACTS 4) and the row padding of every VMEM buffer.
-SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32}
+SUBLANES = {"float32": 8, "bfloat16": 16, "int32": 8, "int8": 32, "float8_e4m3fn": 32, "int4": 32,
+            "float4_e2m1fn": 32}
 SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks
@@ -573,6 +574,11 @@ class MoEGeometry:
     # Quantized experts (tpumk.model.quantize EXPERT_FORMATS): codes of `code_dtype` with one
     # float32 scale per (128-row group, column); "none": the weight dtype, no scales.
     expert_format: str = "none"
+    # mxfp4 experts: TPU7x's Mosaic converts e2m1 codes to bfloat16 itself, so they stream as
+    # float4_e2m1fn; elsewhere (v6e has no 4-bit float type in Mosaic) the same nibbles stream
+    # as int4 and the stage decodes them with integer ops (tpumk.kernel.moe). Scales stream as
+    # their E8M0 bytes (int8), one per 32 rows.
+    fp4_native: bool = False
     # DeepSeek-V3 routing (tpumk.model.reference.route): group-limited top-k, a per-expert
     # correction bias for selection only (packed as row H of a float32 router, which
     # transformers keeps in float32), a factor on the weights.
@@ -596,7 +602,7 @@ class MoEGeometry:
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
                     expert_chunk: int | None = None, owned_experts: int = 0,
-                    expert_tensor: int = 1, expert_format: str = "none") -> "MoEGeometry":
+                    expert_tensor: int = 1, expert_format: str = "none", fp4_native: bool = False) -> "MoEGeometry":
         """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
         if not cfg.is_moe:
             raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
@@ -606,7 +612,7 @@ class MoEGeometry:
             num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
             expert_chunk=cfg.moe.expert_ffn_size if expert_chunk is None else expert_chunk,
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
-            expert_format=expert_format,
+            expert_format=expert_format, fp4_native=fp4_native,
             groups=cfg.moe.router_groups, topk_groups=cfg.moe.router_topk_groups, correction_bias=cfg.moe.router_correction_bias,
             scaling=float(cfg.moe.routed_scaling_factor), shared_gate=cfg.moe.shared_expert_gate,
             logit_bias=cfg.moe.router_logit_bias, expert_bias=cfg.moe.expert_bias,
@@ -645,6 +651,7 @@ class MoEGeometry:
         need(pos_int(self.expert_tensor), f"expert_tensor = {self.expert_tensor!r}: expected a positive integer")
         need(self.expert_format in ("none",) + EXPERT_FORMATS,
              f"expert_format = {self.expert_format!r}: expected none or one of {', '.join(EXPERT_FORMATS)}")
+        need(isinstance(self.fp4_native, bool), f"fp4_native = {self.fp4_native!r}: expected true or false")
         # the kernel ranks groups pairwise (groups^2 row compares): keep it to what models use
         need(pos_int(self.groups) and self.groups <= MAX_ROUTER_GROUPS and self.num_experts % self.groups == 0
              and (self.groups == 1 or self.num_experts // self.groups >= 2),
@@ -707,19 +714,37 @@ class MoEGeometry:
         return self.expert_format != "none"
 
     @property
+    def mx(self) -> bool:
+        """Microscaled experts (mxfp4): 32-row groups, E8M0 scale bytes, scales applied to the
+        codes in VMEM before the matmul."""
+        return self.quantized and FORMATS[self.expert_format].scale_dtype == "e8m0"
+
+    @property
+    def scale_group(self) -> int:
+        """Input rows per expert scale (128, or mxfp4's 32)."""
+        return FORMATS[self.expert_format].group if self.quantized else GROUP
+
+    @property
+    def scale_dtype(self) -> str:
+        """dtype of the packed expert scales: float32, or mxfp4's E8M0 bytes in an int8 container."""
+        return "int8" if self.mx else "float32"
+
+    @property
     def code_dtype(self) -> str:
         """dtype of the packed expert matrices: the weight dtype, or the format's codes."""
+        if self.mx and not self.fp4_native:
+            return "int4"  # the same nibbles (tpumk.kernel.moe decodes them)
         return FORMATS[self.expert_format].dtype if self.quantized else self.dtype
 
     @property
     def gateup_scale_rows(self) -> int:
         """Scale rows of one [H, 256] gate|up block: H / 128 groups, padded to the f32 tile."""
-        return round_up(self.hidden // GROUP, F32_SUBLANES)
+        return round_up(self.hidden // self.scale_group, SUBLANES[self.scale_dtype])
 
     @property
     def down_scale_rows(self) -> int:
         """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile."""
-        return round_up(self.expert_chunk // GROUP, F32_SUBLANES)
+        return round_up(self.expert_chunk // self.scale_group, SUBLANES[self.scale_dtype])
 
     @property
     def router_dtype(self) -> str:
@@ -792,10 +817,10 @@ class MoEGeometry:
         (`tpumk.kernel.moe.MoEScratch` names them the same way)."""
         h, ep, s, cd = self.hidden, self.experts_padded, self.expert_slots, self.code_dtype
         scales = (
-            vmem("gateup_scales", (s, self.blocks_per_chunk, self.gateup_scale_rows, 2 * LANE), "float32",
-                 "per slot: each gate|up block's scales, row g = input rows [128g, 128g+128)"),
-            vmem("down_scales", (s, self.down_scale_rows, h), "float32",
-                 "per slot: the down chunk's scales, row g = chunk rows [128g, 128g+128)"),
+            vmem("gateup_scales", (s, self.blocks_per_chunk, self.gateup_scale_rows, 2 * LANE), self.scale_dtype,
+                 f"per slot: each gate|up block's scales, row g = input rows [{self.scale_group}g, ..+{self.scale_group})"),
+            vmem("down_scales", (s, self.down_scale_rows, h), self.scale_dtype,
+                 f"per slot: the down chunk's scales, row g = chunk rows [{self.scale_group}g, ..+{self.scale_group})"),
         ) if self.quantized else ()
         biases = (
             vmem("gateup_bias", (s, self.blocks_per_chunk, F32_SUBLANES, 2 * LANE), "float32",
@@ -820,10 +845,10 @@ class MoEGeometry:
         """The HBM arrays of `tpumk.kernel.moe.pack_experts`, stacked over the MoE layers."""
         lm, h, fe, cd, e = self.num_moe_layers, self.hidden, self.expert_ffn, self.code_dtype, self.local_experts
         scales = (
-            hbm("e_gateup_scales", (lm, e, fe // LANE, self.gateup_scale_rows, 2 * LANE), "float32",
-                "[Lm, E (owned), Fe/128, H/128 groups (padded to 8), gate 128 | up 128]"),
-            hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), "float32",
-                "[Lm, E (owned), chunk, C/128 groups (padded to 8), H]"),
+            hbm("e_gateup_scales", (lm, e, fe // LANE, self.gateup_scale_rows, 2 * LANE), self.scale_dtype,
+                f"[Lm, E (owned), Fe/128, H/{self.scale_group} groups (padded to the tile), gate 128 | up 128]"),
+            hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), self.scale_dtype,
+                f"[Lm, E (owned), chunk, C/{self.scale_group} groups (padded to the tile), H]"),
         ) if self.quantized else ()
         biases = (
             hbm("e_gateup_bias", (lm, e, fe // LANE, F32_SUBLANES, 2 * LANE), "float32",
@@ -848,12 +873,17 @@ class MoEGeometry:
         Temporaries: the routing matrices ([Ep, Ep] f32: strict-lower and identity masks, the
         broadcast picked row and the two products), one chunk's gate|up activations
         [N, 2C] f32 and SwiGLU output [N, C] f32, x in the weight dtype and the f32 accumulator
-        and down product [N, H]."""
+        and down product [N, H]. mxfp4: one 128-row group's decoded codes [128, max(256, H)] as
+        f32 and in the weight dtype, and a block's decoded scales [H/32 rows, 256] f32."""
         ep, n = self.experts_padded, round_up(self.rows, F32_SUBLANES)
         routing = 5 * ep * ep * 4
         chunk = n * 3 * self.expert_chunk * 4
         rows = n * self.hidden * (4 + 4 + 4)
-        return self.scratch_bytes() + routing + chunk + rows
+        mx = 0
+        if self.mx:
+            mx = GROUP * max(2 * LANE, self.hidden) * (4 + self.dtype_bytes) \
+                + max(self.gateup_scale_rows * 2 * LANE, self.down_scale_rows * self.hidden) * 4
+        return self.scratch_bytes() + routing + chunk + rows + mx
 
     def smem_bytes(self) -> int:
         return 2 * self.experts_padded * 4

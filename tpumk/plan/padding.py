@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import GROUP, QuantizedMatrix
+from tpumk.model.quantize import QuantizedMatrix
 from tpumk.plan.geometry import LANE, round_up
 
 
@@ -98,7 +98,7 @@ def _pad_leaf(leaf: Any, shape: tuple[int, ...]) -> Any:
     # Codes pad with zeros, so a padded row or column dequantizes to zero whatever its scale;
     # the new scales are 1 (finite and inert).
     k, m = shape[-2:]
-    scale_shape = shape[:-2] + ((-(-k // GROUP), m) if leaf.grouped else (m,))
+    scale_shape = shape[:-2] + ((-(-k // leaf.group), m) if leaf.grouped else (m,))
     return QuantizedMatrix(_pad_array(leaf.q, shape), _pad_array(leaf.scale, scale_shape, 1.0), leaf.compute)
 
 

@@ -651,7 +651,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
             moe = MoEGeometry.from_config(cfg, rows, expert_slots,
                                           tuning.expert_chunk or auto_expert_chunk(cfg, tuning, efmt),
                                           owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor,
-                                          expert_format=efmt.name if efmt is not None else "none")
+                                          expert_format=efmt.name if efmt is not None else "none",
+                                          fp4_native=target.chip == "7x")  # TPU7x converts e2m1 itself
         plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
