@@ -40,6 +40,12 @@ CASES = {
                                  rope_local_theta=10000.0, attn_softcap=2.0, final_softcap=3.0, attn_sinks=True,
                                  qkv_bias=True, o_bias=True),
                             2, 2, 1, {}),
+    # 64-wide KV heads, one per device: held in pairs (both KV heads on both devices, each device
+    # 2 of each head's 4 query heads, the q / o / bias / sink slices gathered run by run), with
+    # gpt-oss's attention (sinks, q / k / v / o biases, a sliding layer)
+    "dense-2dev-d64-paired": (dict(base="tiny-dense", head_dim=64, num_q_heads=8, num_kv_heads=2, attn_sinks=True,
+                                   qkv_bias=True, o_bias=True, sliding_window=20, sliding_layers=[0]),
+                              2, 2, 1, {}),
     # OLMo 2's norms: none before the sublayers, each all-reduced output normalized, q and k each
     # normalized across all heads (the rows' sums of squares all-reduced first: 3 collectives a
     # layer), here with each KV head on 2 devices (counted once)
@@ -133,7 +139,7 @@ def _worker(case: str, races: bool) -> dict:
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         k = np.asarray(wide.k, np.float32)
         per_dev = k.reshape(*k.shape[:-1], sh.devices, -1)
-        replicas_equal = all(np.array_equal(per_dev[..., d, :], per_dev[..., sh.kv_head(d) * sh.kv_replicas, :])
+        replicas_equal = all(np.array_equal(per_dev[..., d, :], per_dev[..., d // sh.kv_replicas * sh.kv_replicas, :])
                              for d in range(sh.devices)) if sh.kv_replicas > 1 else None
         out["steps"].append({
             "shape": list(got.shape), "want_shape": list(want.shape),

@@ -428,3 +428,17 @@ def test_gpt_oss_120b_mxfp4_streams_half_a_byte_per_expert_weight():
     # the whole model's weights: experts at 4.25 bits (codes and scales), the rest bfloat16
     n_expert = 36 * 128 * 3 * 2880 * 2880
     assert quantized_weight_bytes(cfg, "mxfp4") == (cfg.param_count() - n_expert) * 2 + n_expert // 2 + n_expert // 32
+
+
+def test_gpt_oss_120b_mxfp4_on_8_tpu7x_devices_is_one_kernel_each():
+    """The issue's build: gpt-oss-120b, MXFP4 experts, 8 TPU7x devices. Its 8 KV heads of 64 lanes
+    are held in pairs (a device alone with one would hold half a lane block), each device owns
+    16 experts; the compile is one kernel per device and no XLA collective."""
+    from test_multidevice import XLA_COLLECTIVES
+
+    plan = make_plan(BuildSpec(load_preset("gpt-oss-120b"), get_target("tpu7x"), devices=8, quant="mxfp4"))
+    sh = plan.sharding
+    assert (sh.kv_paired, sh.kv_heads, sh.kv_replicas, sh.q_heads, sh.experts) == (True, 2, 2, 8, 16)
+    assert sh.q_ranges(load_preset("gpt-oss-120b"), 3) == [(20, 4), (28, 4)]  # pair 1, second slot
+    c = compile_plan(plan)
+    assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)

@@ -5,8 +5,13 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
 
 - attention: query heads split N ways (device d holds heads [d * Hq/N, (d+1) * Hq/N)); KV heads
   split with them while N <= Hkv, and replicated when N > Hkv (then N / Hkv devices hold, and
-  write, the same KV head: the one their query heads read). The o-projection is split by its
-  input rows (the device's heads), so each device holds a partial sum of o's output.
+  write, the same KV head: the one their query heads read). 64-wide KV heads are laid out two
+  per 128-lane block, so where that would leave a device one of them (N >= Hkv), devices hold
+  KV heads in pairs ("paired"): the r = 2N / Hkv devices of pair p hold and write KV heads 2p
+  and 2p + 1, and device slot s of them holds, of each of the two heads' G query heads, the
+  s-th G / r (so every device's query heads split evenly over its two KV heads, as the kernel's
+  head layout needs). The o-projection is split by its input rows (the device's heads), so
+  each device holds a partial sum of o's output.
 - MLA attention (head-parallel, as serving stacks shard it): q_a, kv_a and their norms are
   replicated (they make the latent every head reads: each device computes the same bits from
   the same all-reduced activations); q_b (or q), W_UK and W_UV are split by heads, o by its
@@ -66,6 +71,7 @@ class ShardingPlan:
     experts: int  # experts each device owns (0 without experts)
     expert_ffn: int  # width of each owned expert on a device
     vocab: int  # lm_head columns per device (the last device's tail may pass the vocab)
+    kv_paired: bool = False  # 64-wide KV heads held in pairs by kv_replicas devices each (module doc)
 
     @property
     def expert_tensor(self) -> int:
@@ -77,7 +83,16 @@ class ShardingPlan:
 
     def kv_head(self, d: int) -> int:
         """First (global) KV head device d holds."""
-        return d * self.kv_heads if self.kv_replicas == 1 else d // self.kv_replicas
+        return d * self.kv_heads if self.kv_replicas == 1 else (d // self.kv_replicas) * self.kv_heads
+
+    def q_ranges(self, cfg: ModelConfig, d: int) -> list[tuple[int, int]]:
+        """Device d's query heads as (first global head, count) runs, in the device's order:
+        one run, or paired, a run from each of its two KV heads' groups."""
+        if not self.kv_paired:
+            return [(d * self.q_heads, self.q_heads)]
+        group, per = cfg.num_q_heads // cfg.num_kv_heads, self.q_heads // self.kv_heads
+        slot = d % self.kv_replicas
+        return [((self.kv_head(d) + j) * group + slot * per, per) for j in range(self.kv_heads)]
 
     # ---------------------------------------------------------------- the per-device model
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -104,7 +119,7 @@ class ShardingPlan:
         out: dict[str, Any] = {
             "devices": self.devices, "mesh_axis": MESH_AXIS,
             "attention": {"q_heads_per_device": self.q_heads, "kv_heads_per_device": self.kv_heads,
-                          "kv_replicas": self.kv_replicas,
+                          "kv_replicas": self.kv_replicas, "kv_paired": self.kv_paired,
                           "o_proj": "split by input rows (heads), partial sums all-reduced"},
             "lm_head": {"split": "vocabulary", "columns_per_device": self.vocab},
             "replicated": ["embedding", "norms"] + (["router"] if cfg.is_moe else []),
@@ -163,26 +178,40 @@ class ShardingPlan:
             pad[axis] = (0, width - part.shape[axis])
             return np.pad(part, pad)
 
-        q_lo, kv_lo = d * self.q_heads * dd, self.kv_head(d) * dd
+        kv_lo = self.kv_head(d) * dd
+        runs = self.q_ranges(cfg, d)
+
+        def heads(a, width: int, axis: int = -1):
+            """The device's query heads' `width`-wide slices of axis `axis`, run by run."""
+            parts = [cols(a, h0 * width, n * width, axis) for h0, n in runs]
+            if len(parts) == 1:
+                return parts[0]
+            if isinstance(a, QuantizedMatrix):  # scales as `cols` cut them: by column, by row group, or whole
+                ax = axis % a.q.ndim
+                scale_ax = -1 if ax == a.q.ndim - 1 else -2 if a.grouped else None
+                scale = (np.concatenate([p.scale for p in parts], axis=scale_ax) if scale_ax is not None
+                         else parts[0].scale)
+                return QuantizedMatrix(np.concatenate([p.q for p in parts], axis=ax), scale, a.compute)
+            return np.concatenate(parts, axis=axis)
         layers = []
         for i, lay in enumerate(params["layers"]):
             out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
             if cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
-                out["q_norm"] = cols(lay["q_norm"], q_lo, self.q_heads * dd)
+                out["q_norm"] = heads(lay["q_norm"], dd)
                 out["k_norm"] = cols(lay["k_norm"], kv_lo, self.kv_heads * dd)
             if cfg.is_mla:
                 out.update(self._mla_params(cfg, lay, d, cols))
             else:
-                out["wq"] = cols(lay["wq"], q_lo, self.q_heads * dd)
+                out["wq"] = heads(lay["wq"], dd)
                 out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
-                out["wo"] = cols(lay["wo"], q_lo, self.q_heads * dd, axis=0)
+                out["wo"] = heads(lay["wo"], dd, axis=0)
                 if cfg.attention.o_bias:  # whole on every device: added once, after the all-reduce
                     out["bo"] = np.asarray(lay["bo"])
                 if cfg.attention.attn_sinks:  # each device's q heads' sink logits
-                    out["sinks"] = cols(lay["sinks"], d * self.q_heads, self.q_heads)
+                    out["sinks"] = heads(lay["sinks"], 1)
                 if cfg.attention.qkv_bias:  # each device's heads' biases, as their columns
-                    out["bq"] = cols(lay["bq"], q_lo, self.q_heads * dd)
+                    out["bq"] = heads(lay["bq"], dd)
                     out["bk"] = cols(lay["bk"], kv_lo, self.kv_heads * dd)
                     out["bv"] = cols(lay["bv"], kv_lo, self.kv_heads * dd)
             if cfg.pattern.is_dense(i):
@@ -258,9 +287,10 @@ class ShardingPlan:
         if self.kv_replicas == 1:
             return kv
 
-        *lead, _ = kv.shape
-        heads = kv.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        return jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, self.devices * cfg.head_dim)
+        *lead, _ = kv.shape  # each device's KV head (or pair) repeated on its kv_replicas devices
+        unit = self.kv_heads * cfg.head_dim
+        heads = kv.reshape(*lead, cfg.num_kv_heads // self.kv_heads, unit)
+        return jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, self.devices * unit)
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
@@ -269,7 +299,7 @@ class ShardingPlan:
         if self.kv_replicas == 1:
             return kv
         *lead, _ = kv.shape
-        heads = kv.reshape(*lead, self.devices, cfg.head_dim)[..., ::self.kv_replicas, :]
+        heads = kv.reshape(*lead, self.devices, self.kv_heads * cfg.head_dim)[..., ::self.kv_replicas, :]
         return heads.reshape(*lead, cfg.attention.kv_size)
 
 
@@ -293,6 +323,17 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
         raise PlanError(f"sharding: devices = {n}: expected a multiple of num_kv_heads ({hkv}) of model '{cfg.name}' "
                         f"when devices exceed the KV heads (each device must read one whole KV head)")
     kv_heads, replicas = (hkv // n, 1) if n <= hkv else (1, n // hkv)
+    paired = False
+    if kv_heads == 1 and cfg.head_dim == LANE // 2 and not cfg.is_mla:  # one 64-wide KV head: hold pairs
+        pairs, group = hkv // 2, hq // hkv
+        r = n // pairs if hkv % 2 == 0 and n % pairs == 0 else 0
+        if not r or group % r or cfg.attention.qk_norm_whole:
+            raise PlanError(f"sharding: devices = {n}: model '{cfg.name}' would leave a device one 64-wide KV head "
+                            f"(half a {LANE}-lane block), and its {hkv} KV heads cannot be held in pairs over {n} "
+                            f"devices (expected an even num_kv_heads, devices a multiple of num_kv_heads / 2 and "
+                            f"each KV head's {group} query heads a multiple of the devices per pair"
+                            + (", no QK-norm across all heads)" if cfg.attention.qk_norm_whole else ")"))
+        kv_heads, replicas, paired = 2, r, True
     ffn = round_up(-(-cfg.ffn_size // n), LANE) if cfg.pattern.num_dense else 0
     shared_total = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
     shared = round_up(-(-shared_total // n), LANE) if shared_total else 0
@@ -317,7 +358,7 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
             ep = ok[0]
         experts, expert_ffn = e // ep, fe // (n // ep)
     return ShardingPlan(n, hq // n, kv_heads, replicas, ffn, shared, ep, experts, expert_ffn,
-                        -(-cfg.vocab_size // n))
+                        -(-cfg.vocab_size // n), paired)
 
 
 def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
