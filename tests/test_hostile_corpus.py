@@ -98,6 +98,11 @@ HF_TINY_MLA = dict(HF_TINY, model_type="deepseek_v3", num_attention_heads=2, num
 HF_TINY_MOE = dict(HF_TINY, model_type="qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 
+HF_TINY_GPT_OSS = dict(HF_TINY, model_type="gpt_oss", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                       sliding_window=16, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64, "truncate": False})
+
 
 def hf_json(base: dict | None = None, **fields: Any) -> str:
     """A config.json from HF_TINY with `fields` overriding (None drops a field; Raw is verbatim)."""
@@ -356,6 +361,12 @@ CASES: list[Case] = [
     json_case("json-cohere-qk-norm", hf_json(model_type="cohere", use_qk_norm=True)),  # per-head LayerNorm
     json_case("json-cohere-logit-scale", hf_json(model_type="cohere", logit_scale=-1.0)),
     json_case("json-gelu", hf_json(hidden_act="gelu")),
+    # gpt-oss: a clamp below zero; MXFP4 weights of a family whose tensors tpumk reads only as
+    # gpt-oss stores them; a quant scheme the MXFP4 checkpoint would have to re-quantize
+    json_case("json-gpt-oss-negative-swiglu-limit", hf_json(HF_TINY_GPT_OSS, swiglu_limit=-7.0)),
+    json_case("json-mxfp4-not-gpt-oss", hf_json(quantization_config={"quant_method": "mxfp4"})),
+    Case("json-mxfp4-requantized-int4", ["build", "--model", "config.json", "--target", "cpu", "--quant", "int4"],
+         INPUT, files={"config.json": hf_json(HF_TINY_GPT_OSS, quantization_config={"quant_method": "mxfp4"})}),
     json_case("json-int8-dtype", hf_json(torch_dtype="int8")),
     # ---- model names that are not one path component
     Case("toml-name-dotdot-export", ["export", "--model", "m.toml", "--target", "cpu", "--out", "out"],
