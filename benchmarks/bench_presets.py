@@ -10,6 +10,9 @@ that does not fit the target is recorded with the plan's reason instead of a row
                                        [--context 4096] [--devices N] [--out rows.json] [--save-hlo DIR]
     python benchmarks/bench_presets.py --remodel rows.json --save-hlo DIR [--out rows.json]
 
+With two or more `--batch` sizes it ends with each model's batch curve (tokens per second in
+aggregate and per sequence, against batch 1, the floor fraction, XLA and the serving stack).
+
 `--remodel` re-runs only the timeline model on the HLO saved by an earlier run (no compiles):
 the compile figures stay those measured then. `--devices N` (> 1) benches the N-device
 megakernel against XLA's SPMD step (tpumk.decode.bench.compare_devices); `--no-compiler-estimate`
@@ -137,7 +140,36 @@ def main(argv=None) -> int:
                 _print(row)
                 if args.out:  # after every row, so a long run leaves what it finished
                     write_text_atomic(args.out, json.dumps(rows, indent=1))
+    print_batch_curves(rows)
     return 0
+
+
+def batch_curves(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The rows of each (preset, target, devices, context) benched at two or more batch sizes,
+    by batch: the batch curve."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "skipped" not in r:
+            out.setdefault((r["preset"], r["target"], r.get("devices", 1), r["context"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["batch"]) for k, v in out.items() if len({r["batch"] for r in v}) > 1}
+
+
+def print_batch_curves(rows: list[dict]) -> None:
+    """Each batch curve as a table: tokens per second in aggregate and per sequence, the
+    aggregate over batch 1's, the floor fraction, and XLA's and the serving stack's aggregate
+    rates beside (each figure as its row says: measured, or tpumk's model)."""
+    from tabulate import tabulate
+
+    for (preset, target, devices, context), curve in batch_curves(rows).items():
+        base = next((r["mk_tok_s_all"] for r in curve if r["batch"] == 1), None)
+        table = [[r["batch"], f"{r['mk_tok_s_all']:.0f}", f"{r['mk_tok_s_seq']:.0f}",
+                  f"{r['mk_tok_s_all'] / base:.2f}x" if base else "-", f"{r['mk_floor_fraction']:.2f}",
+                  f"{r['xla_tok_s_all']:.0f}",
+                  f"{r['batch'] / r['serving_step_ms'] * 1e3:.0f}" if "serving_step_ms" in r else "not built",
+                  f"{r['speedup']:.2f}x", r["step_source"]] for r in curve]
+        print(f"\nbatch curve: {preset} on {devices} x {target}, context {context}", flush=True)
+        print(tabulate(table, headers=["batch", "mk tok/s", "per seq", "vs batch 1", "floor frac", "XLA tok/s",
+                                       "serving tok/s", "XLA / mk", "source"]), flush=True)
 
 
 def _estimate_row(r: dict, spec) -> dict:
@@ -200,6 +232,7 @@ def remodel(args) -> int:
         _print(row)
     if args.out:
         write_text_atomic(args.out, json.dumps(rows, indent=1))
+    print_batch_curves(rows)
     return 0
 
 
