@@ -149,6 +149,21 @@ def test_window_changes_the_output():
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3
 
 
+def assert_variants_move_the_logits(name: str, variants) -> None:
+    """One reference step of `name`'s float32 model after a 30-token prefill, then the same step
+    for each (changed config, weights or None for the model's own) in `variants`: each moves the
+    logits by more than 1e-3 of their scale (the kernel cases are held to 1e-5), so a kernel
+    case of `name` that ignored that part would fail."""
+    cfg, params = model(name, "float32")
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
+    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
+    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
+    a, _ = reference_step(cfg)(params, tok, pos, cache)
+    for changes, weights in variants:
+        b, _ = reference_step(cfg.replace(**changes))(params if weights is None else weights, tok, pos, cache)
+        assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a))), changes
+
+
 GEMMA_PARTS = dict(post_norms=False, attn_scalar=0.0, rope_local_theta=0.0, attn_softcap=0.0, final_softcap=0.0)
 
 
@@ -156,14 +171,7 @@ GEMMA_PARTS = dict(post_norms=False, attn_scalar=0.0, rope_local_theta=0.0, attn
 def test_each_gemma_part_changes_the_output(part):
     """dense-gemma's kernel case is not vacuous: without any one of its parts the reference's
     logits move by more than 1e-3 of their scale (the kernel is held to 1e-5)."""
-    off = {part: GEMMA_PARTS[part]}
-    cfg, params = model("dense-gemma", "float32")
-    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
-    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
-    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
-    a, _ = reference_step(cfg)(params, tok, pos, cache)
-    b, _ = reference_step(cfg.replace(**off))(params, tok, pos, cache)
-    assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+    assert_variants_move_the_logits("dense-gemma", [({part: GEMMA_PARTS[part]}, None)])
 
 
 def test_each_olmo2_part_changes_the_output():
@@ -171,29 +179,18 @@ def test_each_olmo2_part_changes_the_output():
     no QK-norm, move the reference's logits by more than 1e-3 of their scale."""
     cfg, params = model("dense-olmo2", "float32")
     ones = {"attn_norm": jnp.ones(cfg.hidden_size), "mlp_norm": jnp.ones(cfg.hidden_size)}
-    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
-    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
-    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
-    a, _ = reference_step(cfg)(params, tok, pos, cache)
-    for other, weights in ((cfg.replace(pre_norms=True), {**params, "layers": [{**lay, **ones} for lay in params["layers"]]}),
-                           (cfg.replace(qk_norm=False, qk_norm_whole=False), params)):
-        b, _ = reference_step(other)(weights, tok, pos, cache)
-        assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+    assert_variants_move_the_logits("dense-olmo2", [
+        (dict(pre_norms=True), {**params, "layers": [{**lay, **ones} for lay in params["layers"]]}),
+        (dict(qk_norm=False, qk_norm_whole=False), None)])
 
 
 def test_each_cohere_part_changes_the_output():
     """dense-cohere's kernel case is not vacuous: RMSNorm instead of LayerNorm, or the MLP after
     attention (normed by the same weights), move the reference's logits by more than 1e-3 of
     their scale."""
-    cfg, params = model("dense-cohere", "float32")
+    _, params = model("dense-cohere", "float32")
     serial = {**params, "layers": [{**lay, "mlp_norm": lay["attn_norm"]} for lay in params["layers"]]}
-    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
-    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
-    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
-    a, _ = reference_step(cfg)(params, tok, pos, cache)
-    for other, weights in ((cfg.replace(norm_kind="rms"), params), (cfg.replace(parallel_blocks=False), serial)):
-        b, _ = reference_step(other)(weights, tok, pos, cache)
-        assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+    assert_variants_move_the_logits("dense-cohere", [(dict(norm_kind="rms"), None), (dict(parallel_blocks=False), serial)])
 
 
 def test_sinks_change_the_output_as_transformers_computes_them():
@@ -313,10 +310,4 @@ def test_each_gpt_oss_expert_part_changes_the_output(part):
     biases, or the clamp of its SwiGLU (alpha 1 then: silu(g) * u), the reference's logits move
     by more than 1e-3 of their scale (the kernel is held to 1e-5)."""
     off = {part: GPT_OSS_PARTS[part], **({"swiglu_alpha": 1.0} if part == "swiglu_limit" else {})}
-    cfg, params = model("moe-gpt-oss", "float32")
-    cache = R.init_cache(cfg, 1, CONTEXT, PAGE)
-    _, cache = R.prefill(params, cfg, prompts_of([30], cfg.vocab_size), cache, step_fn=reference_step(cfg))
-    tok, pos = jnp.asarray([[7]], jnp.int32), cache.lengths[:, None]
-    a, _ = reference_step(cfg)(params, tok, pos, cache)
-    b, _ = reference_step(cfg.replace(**off))(params, tok, pos, cache)
-    assert float(jnp.max(jnp.abs(a - b))) > 1e-3 * float(jnp.max(jnp.abs(a)))
+    assert_variants_move_the_logits("moe-gpt-oss", [(off, None)])
