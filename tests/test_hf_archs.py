@@ -646,3 +646,16 @@ def test_gpt_oss_mxfp4_bad_tensors_are_one_line(gpt_oss_mxfp4, tmp_path, bad, ma
     with pytest.raises(CheckpointError, match=match) as e:
         load_checkpoint(d)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.full  # the default run has MXFP4 experts on one device above, and paired KV heads on 2 devices
+def test_gpt_oss_mxfp4_on_2_host_devices(gpt_oss_mxfp4):  # in tests/test_multidevice.py (dense-2dev-d64-paired)
+    """The MXFP4 checkpoint on 2 host devices: its two 64-wide KV heads held as a pair by both
+    devices, each expert's width split over both (its e2m1 codes and their 32-row scales cut
+    with its columns and rows): the float copy's greedy tokens (transformers')."""
+    from hf_utils import hf_greedy
+    from test_multidevice import generate_on_devices
+
+    mx_dir, float_dir = gpt_oss_mxfp4
+    got = generate_on_devices(mx_dir, PROMPTS, 6, 2)
+    assert got["devices"] == 2 and got["tokens"] == hf_greedy(float_dir, PROMPTS, 6)
