@@ -24,6 +24,7 @@ from tpumk.model.quantize import (QuantizedMatrix, quantize_matrix, quantize_par
                                   relative_rms, scheme_of, weight_format, expert_format,
                                   FORMATS, Scheme, canonical_scheme, parse_scheme)
 from tpumk.model.weights import random_params
+from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import get_target
@@ -419,12 +420,16 @@ def test_gpt_oss_120b_mxfp4_streams_half_a_byte_per_expert_weight():
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), devices=4, quant="mxfp4"))
     g = plan.moe
     assert (g.code_dtype, g.scale_dtype, g.fp4_native, g.local_experts) == ("float4_e2m1fn", "int8", True, 32)
-    h, c, kb = g.hidden, g.expert_chunk, g.blocks_per_chunk  # 2944 (2880 lane padded), 128, 1
-    per_slot = {b.name: b.logical_bytes // g.expert_slots for b in g.scratch()}
+    h, c, kb, nc = g.hidden, g.expert_chunk, g.blocks_per_chunk, g.chunks_per_expert  # 2944 (2880 padded), 128, 1, 23
+    per_slot = {b.name: b.logical_bytes // g.expert_slots for b in g.scratch() if b.space == "vmem"}
     assert per_slot["gateup"] + per_slot["down"] == 3 * h * c // 2  # 0.5 bytes per weight
-    scales = per_slot["gateup_scales"] + per_slot["down_scales"]
-    assert scales == kb * 96 * 256 + 32 * h  # H/32 = 92 rows -> 96; C/32 = 4 rows -> 32
-    assert g.chunk_bytes == 3 * h * c // 2 + scales + kb * 8 * 256 * 4  # + the gate|up biases' f32 tile
+    assert per_slot["gateup_scales"] == kb * 96 * 256  # H/32 = 92 rows -> 96 (the int8 tile)
+    # the down scales load once per expert: Fe/32 = 92 rows -> 96, not 32 rows for each chunk's 4
+    assert g.expert_scale_bytes == 96 * h and g.expert_scale_buffers == 2
+    assert g.slot_bytes == 3 * h * c // 2 + kb * 96 * 256 + kb * 8 * 256 * 4  # + the gate|up biases' f32 tile
+    assert g.expert_bytes == nc * g.slot_bytes + 96 * h
+    scale_bytes = nc * kb * 96 * 256 + 96 * h
+    assert scale_bytes / (3 * h * h) < 0.033  # per expert weight: 1/32 = 0.031 plus tile padding
     # the whole model's weights: experts at 4.25 bits (codes and scales), the rest bfloat16
     n_expert = 36 * 128 * 3 * 2880 * 2880
     assert quantized_weight_bytes(cfg, "mxfp4") == (cfg.param_count() - n_expert) * 2 + n_expert // 2 + n_expert // 32
@@ -442,3 +447,29 @@ def test_gpt_oss_120b_mxfp4_on_8_tpu7x_devices_is_one_kernel_each():
     assert sh.q_ranges(load_preset("gpt-oss-120b"), 3) == [(20, 4), (28, 4)]  # pair 1, second slot
     c = compile_plan(plan)
     assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
+
+
+@pytest.mark.parametrize("slots, native", [(3, True), pytest.param(1, False, marks=FULL), pytest.param(2, True, marks=FULL)])
+def test_mxfp4_expert_down_scales_load_once_per_expert_without_races(slots, native):
+    """mxfp4 loads each expert's down scales once, into one of 1 + ceil(slots / chunks) buffers:
+    with 2 chunks an expert and 3 slots, chunks of three experts are in flight at once. The
+    interpreter's race detector finds no overlap of a buffer's load with its last reads, and the
+    step equals the quantized reference (float32, both decode paths)."""
+    from test_megakernel import races_found
+
+    spec = _spec("tiny-gpt-oss", "float32", "mxfp4", 3, 1,
+                 tuning=TuningConfig(expert_chunk=128, expert_slots=slots))
+    plan = make_plan(spec)
+    if not native:
+        plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, fp4_native=False))
+    assert (plan.moe.chunks_per_expert, plan.moe.expert_scale_buffers) == (2, 1 + -(-slots // 2))
+    cfg = spec.model
+    qp = quantize_params(cfg, random_params(cfg, seed=4), "mxfp4")
+    cache = ref.init_cache(cfg, 3, spec.context)
+    rng = np.random.default_rng(2)
+    _, cache = ref.prefill(qp, cfg, [list(rng.integers(0, cfg.vocab_size, 5 + i)) for i in range(3)], cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 1)), jnp.int32)
+    got, _ = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, cache.lengths[:, None], cache)
+    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    want, _ = ref.jitted_decode_step(cfg)(qp, tokens, cache.lengths[:, None], cache)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))

@@ -41,7 +41,6 @@ layer (or by anyone else) right away.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -86,7 +85,8 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     scales are one tile-aligned DMA too (this needs the chunk width, `expert_chunk`):
     - `e_gateup_scales [Lm, E, nb, G8, 256]`: block b's scales, row g for input rows
       [128g, 128g+128) (G8 = H/128 rounded up to 8), gate | up lanes as the codes;
-    - `e_down_scales [Lm, E, Fe/C, C8, H]`: chunk c's scales, row g for its rows [128g, 128g+128).
+    - `e_down_scales [Lm, E, Fe/C, C8, H]`: chunk c's scales, row g for its rows [128g, 128g+128)
+      (mxfp4: `[Lm, E, Fe/32 padded, H]`, the whole expert's, loaded once per expert).
 
     mxfp4 experts (e2m1 codes, one power-of-two scale per 32 input rows): the codes as
     float4_e2m1fn with `fp4_native` (TPU7x), else the same nibbles as int4; the scales as their
@@ -149,9 +149,14 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
             gs = jnp.concatenate([blocks(as_stored(gate.scale), owned), blocks(as_stored(up.scale), owned)],
                                  axis=-1)  # [E, nb, G, 256]
             gu_scales.append(jnp.pad(gs, ((0, 0), (0, 0), (0, round_up(g, scale_tile) - g), (0, 0))))
-            per_chunk = expert_chunk // group
-            ds = as_stored(down.scale).reshape(owned, fe // expert_chunk, per_chunk, h)
-            dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, scale_tile) - per_chunk), (0, 0))))
+            if group == MX_GROUP:  # mxfp4: the whole expert's down scales, loaded once per expert
+                ds = as_stored(down.scale)  # [E, Fe/32, H]
+                dn_scales.append(jnp.pad(ds, ((0, 0), (0, round_up(ds.shape[1], scale_tile) - ds.shape[1]), (0, 0))))
+            else:
+                per_chunk = expert_chunk // group
+                ds = as_stored(down.scale).reshape(owned, fe // expert_chunk, per_chunk, h)
+                dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, scale_tile) - per_chunk),
+                                              (0, 0))))
     out = {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
     if gu_scales:
         out.update(e_gateup_scales=jnp.stack(gu_scales), e_down_scales=jnp.stack(dn_scales))
@@ -198,6 +203,7 @@ class MoEScratch(NamedTuple):
     gateup_scales: Any = None  # quantized: VMEM [S, C/128, G8, 256] f32, each block's group scales
     down_scales: Any = None  # quantized: VMEM [S, C8, H] f32, the down chunk's group scales
     gateup_bias: Any = None  # expert biases: VMEM [S, C/128, 8, 256] f32, each block's biases in row 0
+    expert_sems: Any = None  # mxfp4: DMA semaphores [B], one per expert down-scale buffer
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
@@ -384,13 +390,28 @@ def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr
     if geom.quantized:
         gs_hbm, ds_hbm = scales_hbm
         gs_src = gs_hbm.at[moe_layer, local] if nc == 1 else gs_hbm.at[moe_layer, local, blocks]
-        copies += [pltpu.make_async_copy(gs_src, scr.gateup_scales.at[slot], scr.slot_sems.at[2, slot]),
-                   pltpu.make_async_copy(ds_hbm.at[moe_layer, local, c], scr.down_scales.at[slot],
-                                         scr.slot_sems.at[3, slot])]
+        copies.append(pltpu.make_async_copy(gs_src, scr.gateup_scales.at[slot], scr.slot_sems.at[2, slot]))
+        if not geom.mx:  # (mxfp4: per expert, `_expert_scale_copy`)
+            copies.append(pltpu.make_async_copy(ds_hbm.at[moe_layer, local, c], scr.down_scales.at[slot],
+                                                scr.slot_sems.at[3, slot]))
     if geom.expert_bias:
         b_src = bias_hbm.at[moe_layer, local] if nc == 1 else bias_hbm.at[moe_layer, local, blocks]
         copies.append(pltpu.make_async_copy(b_src, scr.gateup_bias.at[slot], scr.slot_sems.at[geom.bias_sem, slot]))
     return e, slot, copies
+
+
+def _expert_scale_copy(geom: MoEGeometry, moe_layer, t, scr: MoEScratch, scales_hbm):
+    """mxfp4: (is chunk t its expert's first, the copy of that expert's down scales into buffer
+    k mod B, k = t // chunks). Started with the expert's first chunk, waited before it is
+    multiplied; `MoEGeometry.expert_scale_buffers` keeps a buffer until its expert is done."""
+    nc, nb = geom.chunks_per_expert, geom.expert_scale_buffers
+    k = t if nc == 1 else lax.div(t, jnp.int32(nc))
+    first = jnp.bool_(True) if nc == 1 else lax.rem(t, jnp.int32(nc)) == 0
+    e = scr.ids_smem[0, k]
+    local = e - _expert_base(geom) if geom.sharded else e
+    buf = 0 if nb == 1 else lax.rem(k, jnp.int32(nb))
+    return first, buf, pltpu.make_async_copy(scales_hbm[1].at[moe_layer, local], scr.down_scales.at[buf],
+                                             scr.expert_sems.at[buf])
 
 
 def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm=None,
@@ -398,6 +419,12 @@ def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts,
     e, _, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm, bias_hbm)
     for cp in copies:
         cp.start()
+    if geom.mx:
+        first, _, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
+
+        @pl.when(first)
+        def _():
+            scale_copy.start()
     if load_counts is not None:
         load_counts[e] = load_counts[e] + 1
 
@@ -498,12 +525,11 @@ def _e2m1_values(geom: MoEGeometry, codes):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _mx_dot(geom: MoEGeometry, x_groups, codes, scale_bytes, dt, prec):
+def _mx_dot(geom: MoEGeometry, x_groups, codes, scales, dt, prec):
     """sum over 128-row groups g of x_g @ (codes_g decoded, each 32 rows times their scale) in dt,
     f32 accumulation: a microscaled matmul (x_groups: the [N, 128] slices of x in dt; codes a
-    VMEM ref [K, M]; scale_bytes [>= K/32, M] E8M0 bytes). A code times a power of two is exact
-    in bfloat16, so the dequantized operand equals the reference's."""
-    scales = _e8m0_values(scale_bytes)  # [rows, M] f32
+    VMEM ref [K, M]; scales [>= K/32, M] f32 powers of two, `_e8m0_values`). A code times a
+    power of two is exact in bfloat16, so the dequantized operand equals the reference's."""
     per = GROUP // MX_GROUP
     acc = None
     for g, xg in enumerate(x_groups):
@@ -513,6 +539,22 @@ def _mx_dot(geom: MoEGeometry, x_groups, codes, scale_bytes, dt, prec):
         part = jnp.dot(xg, w, preferred_element_type=jnp.float32, precision=prec)
         acc = part if acc is None else acc + part
     return acc
+
+
+def _chunk_down_scales(geom: MoEGeometry, t, scr: MoEScratch):
+    """mxfp4: chunk t's down scales [C/32, H] f32, its rows of its expert's buffer picked by an
+    exact 0/1 matmul (the chunk's first row, c * C/32, is traced and not a whole int8 tile)."""
+    nc, nb, rows = geom.chunks_per_expert, geom.expert_scale_buffers, geom.expert_chunk // MX_GROUP
+    k = t if nc == 1 else lax.div(t, jnp.int32(nc))
+    buf = 0 if nb == 1 else lax.rem(k, jnp.int32(nb))
+    scales = _e8m0_values(scr.down_scales[buf])  # [R, H], the whole expert's
+    if nc == 1:
+        return scales
+    c = lax.rem(t, jnp.int32(nc))
+    pick = lax.broadcasted_iota(jnp.int32, (rows, scales.shape[0]), 1) == \
+        lax.broadcasted_iota(jnp.int32, (rows, scales.shape[0]), 0) + c * rows
+    return jnp.dot(pick.astype(jnp.float32), scales, preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST)
 
 
 def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
@@ -543,12 +585,18 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
         e, slot, copies = _chunk_copies(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, scales_hbm, bias_hbm)
         for cp in copies:
             cp.wait()
+        if geom.mx:
+            first, _, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
+
+            @pl.when(first)
+            def _():
+                scale_copy.wait()
         weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
         gu_slot = scr.gateup.at[slot]
         acts = []
         for b in range(geom.blocks_per_chunk):
             if geom.mx:
-                h = _mx_dot(geom, x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
+                h = _mx_dot(geom, x_groups, gu_slot.at[b], _e8m0_values(scr.gateup_scales[slot, b]), dt, prec)
             elif geom.quantized:
                 h = _grouped_dot(x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
             else:
@@ -559,8 +607,10 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
         act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
         if geom.quantized:
             act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down
-            dot = functools.partial(_mx_dot, geom) if geom.mx else _grouped_dot
-            part = dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
+            if geom.mx:
+                part = _mx_dot(geom, act_groups, scr.down.at[slot], _chunk_down_scales(geom, t, scr), dt, prec)
+            else:
+                part = _grouped_dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
         else:
             part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
         acc = acc + weight * part

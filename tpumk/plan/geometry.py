@@ -743,8 +743,19 @@ class MoEGeometry:
 
     @property
     def down_scale_rows(self) -> int:
-        """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile."""
-        return round_up(self.expert_chunk // self.scale_group, SUBLANES[self.scale_dtype])
+        """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile. mxfp4:
+        of one whole expert's down projection [Fe, H] (Fe / 32 rows, padded to the int8 tile),
+        loaded once per expert (`expert_scale_buffers`): a chunk's few rows would each fill a
+        32-row tile."""
+        rows = self.expert_ffn if self.mx else self.expert_chunk
+        return round_up(rows // self.scale_group, SUBLANES[self.scale_dtype])
+
+    @property
+    def expert_scale_buffers(self) -> int:
+        """mxfp4: VMEM buffers of whole experts' down scales. Expert k's load starts with its
+        first chunk, which can be S - 1 chunks ahead of the chunk being multiplied, so
+        1 + ceil(S / chunks) buffers keep every expert's scales until its last chunk is done."""
+        return 1 + -(-self.expert_slots // self.chunks_per_expert) if self.mx else 0
 
     @property
     def router_dtype(self) -> str:
@@ -773,17 +784,28 @@ class MoEGeometry:
         return self.router_rows * self.experts_padded * DTYPE_BYTES[self.router_dtype]
 
     @property
-    def chunk_bytes(self) -> int:
+    def slot_bytes(self) -> int:
         """HBM bytes of one slot's loads: a gate|up chunk [C/128, H, 256] plus a down chunk
-        [C, H] (codes at their packed size) and, quantized, their scale tiles."""
-        return sum(b.logical_bytes for b in self.scratch() if b.name in self._CHUNK_BUFFERS) // self.expert_slots
+        [C, H] (codes at their packed size) and, quantized, their scale tiles (mxfp4: the
+        gate|up ones; the down scales load per expert)."""
+        chunk = ("gateup", "down", "gateup_scales", "gateup_bias") + (() if self.mx else ("down_scales",))
+        return sum(b.logical_bytes for b in self.scratch() if b.name in chunk) // self.expert_slots
 
-    _CHUNK_BUFFERS = ("gateup", "down", "gateup_scales", "down_scales", "gateup_bias")
+    @property
+    def expert_scale_bytes(self) -> int:
+        """mxfp4: HBM bytes of one expert's down scales (loaded once per expert); else 0."""
+        return self.down_scale_rows * self.hidden if self.mx else 0
 
     @property
     def expert_bytes(self) -> int:
         """HBM bytes of one expert (gate, up, down, and their scales when quantized)."""
-        return self.chunks_per_expert * self.chunk_bytes
+        return self.chunks_per_expert * self.slot_bytes + self.expert_scale_bytes
+
+    @property
+    def chunk_bytes(self) -> float:
+        """HBM bytes per chunk, on average: one slot's loads plus its share of the expert's
+        per-expert loads (mxfp4's down scales)."""
+        return self.expert_bytes / self.chunks_per_expert
 
     def hbm_bytes(self, distinct_experts: float) -> float:
         """HBM bytes this stage reads per MoE layer: the router plus each distinct expert once."""
@@ -791,18 +813,19 @@ class MoEGeometry:
 
     def dma_count(self, distinct_experts: float) -> float:
         """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk (4
-        with scales; one more with expert biases)."""
-        return 2 + self.chunk_dmas * self.chunks_per_expert * distinct_experts
+        with scales; one more with expert biases), and mxfp4's one down-scale load per expert."""
+        return 2 + (self.chunk_dmas * self.chunks_per_expert + bool(self.mx)) * distinct_experts
 
     @property
     def chunk_dmas(self) -> int:
-        """DMAs of one chunk: gate|up, down, (quantized) their scales, (expert_bias) gate|up biases."""
-        return 2 + 2 * self.quantized + self.expert_bias
+        """DMAs of one chunk: gate|up, down, (quantized) their scales (mxfp4: gate|up's only),
+        (expert_bias) gate|up biases."""
+        return 2 + (1 if self.mx else 2) * self.quantized + self.expert_bias
 
     @property
     def bias_sem(self) -> int:
         """The slot semaphore row of the gate|up bias DMA (after the codes' and scales')."""
-        return 2 + 2 * self.quantized
+        return self.chunk_dmas - 1
 
     def expected_distinct_experts(self) -> float:
         """Expected distinct experts per layer this device streams under uniform routing of
@@ -819,9 +842,12 @@ class MoEGeometry:
         scales = (
             vmem("gateup_scales", (s, self.blocks_per_chunk, self.gateup_scale_rows, 2 * LANE), self.scale_dtype,
                  f"per slot: each gate|up block's scales, row g = input rows [{self.scale_group}g, ..+{self.scale_group})"),
-            vmem("down_scales", (s, self.down_scale_rows, h), self.scale_dtype,
-                 f"per slot: the down chunk's scales, row g = chunk rows [{self.scale_group}g, ..+{self.scale_group})"),
+            vmem("down_scales", (self.expert_scale_buffers or s, self.down_scale_rows, h), self.scale_dtype,
+                 f"per expert buffer (mxfp4) or slot: the down scales, row g = rows [{self.scale_group}g, "
+                 f"..+{self.scale_group}) of the expert (mxfp4) or chunk"),
         ) if self.quantized else ()
+        if self.mx:
+            scales += (dma_sems("expert_sems", (self.expert_scale_buffers,), "per expert buffer: its down-scale load"),)
         biases = (
             vmem("gateup_bias", (s, self.blocks_per_chunk, F32_SUBLANES, 2 * LANE), "float32",
                  "per slot: each gate|up block's biases in row 0"),
@@ -847,6 +873,8 @@ class MoEGeometry:
         scales = (
             hbm("e_gateup_scales", (lm, e, fe // LANE, self.gateup_scale_rows, 2 * LANE), self.scale_dtype,
                 f"[Lm, E (owned), Fe/128, H/{self.scale_group} groups (padded to the tile), gate 128 | up 128]"),
+            hbm("e_down_scales", (lm, e, self.down_scale_rows, h), self.scale_dtype,
+                f"[Lm, E (owned), Fe/{self.scale_group} groups (padded to the tile), H]") if self.mx else
             hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), self.scale_dtype,
                 f"[Lm, E (owned), chunk, C/{self.scale_group} groups (padded to the tile), H]"),
         ) if self.quantized else ()
