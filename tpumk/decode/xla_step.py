@@ -86,7 +86,7 @@ def _moe_gathered(cfg: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
     if moe.expert_bias:  # gpt-oss: each picked expert's biases
         g = g + layer["e_gate_bias"].astype(jnp.float32)[ids]
         u = u + layer["e_up_bias"].astype(jnp.float32)[ids]
-    y = _picked_matmul(ref.expert_activation(moe, g, u), layer["e_down"], ids)
+    y = _picked_matmul(ref.expert_activation(g, u, moe.swiglu_limit, moe.swiglu_alpha), layer["e_down"], ids)
     if moe.expert_bias:
         y = y + layer["e_down_bias"].astype(jnp.float32)[ids]
     out = jnp.einsum("nkh,nk->nh", y, weights)

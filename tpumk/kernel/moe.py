@@ -53,6 +53,7 @@ from tpumk.errors import PlanError
 from tpumk.kernel.memory import scratch_shape, shape_struct
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import E8M0_BIAS, GROUP, MX_GROUP, QuantizedMatrix
+from tpumk.model.reference import expert_activation
 from tpumk.plan.geometry import F32_SUBLANES, LANE, SUBLANES, MoEGeometry, moe_layer_ids, round_up
 
 
@@ -204,6 +205,7 @@ class MoEScratch(NamedTuple):
     down_scales: Any = None  # quantized: VMEM [S, C8, H] f32, the down chunk's group scales
     gateup_bias: Any = None  # expert biases: VMEM [S, C/128, 8, 256] f32, each block's biases in row 0
     expert_sems: Any = None  # mxfp4: DMA semaphores [B], one per expert down-scale buffer
+    down_scales_f32: Any = None  # mxfp4: VMEM [R, H] f32, the current expert's down scales decoded
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
@@ -366,9 +368,9 @@ def _expert_base(geom: MoEGeometry):
 def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr: MoEScratch, scales_hbm=None,
                   bias_hbm=None):
     """The DMAs of flat chunk t (expert t // chunks, chunk t % chunks) into slot t % S: gate|up
-    codes, down codes, (quantized) their scales and (expert biases) the gate|up blocks' biases. Returns the expert's global id (the combine
-    column), the slot and the copies; the packed arrays hold only the owned experts, addressed
-    from the device's first one."""
+    codes, down codes, (quantized) their scales and (expert biases) the gate|up blocks' biases.
+    Returns the expert's global id (the combine column), the slot and the copies; the packed
+    arrays hold only the owned experts, addressed from the device's first one."""
     nc, kb, c_cols, s = geom.chunks_per_expert, geom.blocks_per_chunk, geom.expert_chunk, geom.expert_slots
     slot = 0 if s == 1 else lax.rem(t, jnp.int32(s))
     if nc == 1:
@@ -400,17 +402,24 @@ def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr
     return e, slot, copies
 
 
-def _expert_scale_copy(geom: MoEGeometry, moe_layer, t, scr: MoEScratch, scales_hbm):
-    """mxfp4: (is chunk t its expert's first, the copy of that expert's down scales into buffer
-    k mod B, k = t // chunks). Started with the expert's first chunk, waited before it is
-    multiplied; `MoEGeometry.expert_scale_buffers` keeps a buffer until its expert is done."""
+def _expert_buffer(geom: MoEGeometry, t):
+    """mxfp4: (k = t // chunks, the distinct-expert index of flat chunk t; its down-scale buffer
+    k mod B)."""
     nc, nb = geom.chunks_per_expert, geom.expert_scale_buffers
     k = t if nc == 1 else lax.div(t, jnp.int32(nc))
+    return k, (0 if nb == 1 else lax.rem(k, jnp.int32(nb)))
+
+
+def _expert_scale_copy(geom: MoEGeometry, moe_layer, t, scr: MoEScratch, scales_hbm):
+    """mxfp4: (is chunk t its expert's first, the copy of that expert's down scales into its
+    buffer, `_expert_buffer`). Started with the expert's first chunk, waited before it is
+    multiplied; `MoEGeometry.expert_scale_buffers` keeps a buffer until its expert is done."""
+    nc = geom.chunks_per_expert
+    k, buf = _expert_buffer(geom, t)
     first = jnp.bool_(True) if nc == 1 else lax.rem(t, jnp.int32(nc)) == 0
     e = scr.ids_smem[0, k]
     local = e - _expert_base(geom) if geom.sharded else e
-    buf = 0 if nb == 1 else lax.rem(k, jnp.int32(nb))
-    return first, buf, pltpu.make_async_copy(scales_hbm[1].at[moe_layer, local], scr.down_scales.at[buf],
+    return first, pltpu.make_async_copy(scales_hbm[1].at[moe_layer, local], scr.down_scales.at[buf],
                                              scr.expert_sems.at[buf])
 
 
@@ -420,7 +429,7 @@ def _start_chunk(geom, moe_layer, t, e_gateup_hbm, e_down_hbm, scr, load_counts,
     for cp in copies:
         cp.start()
     if geom.mx:
-        first, _, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
+        first, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
 
         @pl.when(first)
         def _():
@@ -472,15 +481,6 @@ def _grouped_dot(x_groups, codes, scales, dt, prec):
                        precision=prec) * scales[g:g + 1, :]
         acc = part if acc is None else acc + part
     return acc
-
-
-def _expert_activation(geom: MoEGeometry, g, u):
-    """silu(g) * u, or gpt-oss's clamped SwiGLU (reference.expert_activation), f32."""
-    if not geom.swiglu_limit:
-        return jax.nn.silu(g) * u
-    g = jnp.minimum(g, geom.swiglu_limit)
-    u = jnp.clip(u, -geom.swiglu_limit, geom.swiglu_limit)
-    return g * jax.nn.sigmoid(geom.swiglu_alpha * g) * (u + 1.0)
 
 
 def _down_bias(geom: MoEGeometry, scr: MoEScratch):
@@ -542,12 +542,11 @@ def _mx_dot(geom: MoEGeometry, x_groups, codes, scales, dt, prec):
 
 
 def _chunk_down_scales(geom: MoEGeometry, t, scr: MoEScratch):
-    """mxfp4: chunk t's down scales [C/32, H] f32, its rows of its expert's buffer picked by an
-    exact 0/1 matmul (the chunk's first row, c * C/32, is traced and not a whole int8 tile)."""
-    nc, nb, rows = geom.chunks_per_expert, geom.expert_scale_buffers, geom.expert_chunk // MX_GROUP
-    k = t if nc == 1 else lax.div(t, jnp.int32(nc))
-    buf = 0 if nb == 1 else lax.rem(k, jnp.int32(nb))
-    scales = _e8m0_values(scr.down_scales[buf])  # [R, H], the whole expert's
+    """mxfp4: chunk t's down scales [C/32, H] f32, its rows of its expert's (decoded at the
+    expert's first chunk) picked by an exact 0/1 matmul (the chunk's first row, c * C/32, is
+    traced and not a whole tile)."""
+    nc, rows = geom.chunks_per_expert, geom.expert_chunk // MX_GROUP
+    scales = scr.down_scales_f32[...]  # [R, H], the whole expert's
     if nc == 1:
         return scales
     c = lax.rem(t, jnp.int32(nc))
@@ -586,11 +585,12 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
         for cp in copies:
             cp.wait()
         if geom.mx:
-            first, _, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
+            first, scale_copy = _expert_scale_copy(geom, moe_layer, t, scr, scales_hbm)
 
             @pl.when(first)
-            def _():
+            def _():  # once per expert: its scale bytes as float32, for each of its chunks to pick from
                 scale_copy.wait()
+                scr.down_scales_f32[...] = _e8m0_values(scr.down_scales[_expert_buffer(geom, t)[1]])
         weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
         gu_slot = scr.gateup.at[slot]
         acts = []
@@ -603,7 +603,7 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
                 h = jnp.dot(xw, gu_slot[b], preferred_element_type=jnp.float32, precision=prec)  # [N, 256]
             if geom.expert_bias:
                 h = h + scr.gateup_bias[slot, b, 0:1, :]
-            acts.append(_expert_activation(geom, h[:, :LANE], h[:, LANE:]))
+            acts.append(expert_activation(h[:, :LANE], h[:, LANE:], geom.swiglu_limit, geom.swiglu_alpha))
         act = acts[0] if len(acts) == 1 else jnp.concatenate(acts, axis=1)
         if geom.quantized:
             act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down

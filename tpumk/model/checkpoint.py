@@ -385,7 +385,7 @@ def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int, mx: bool) -> N
     gate_up_proj [E, H, 2F] with gate and up columns interleaved (gate at even columns, up at
     odd: GptOssExperts._apply_gate), its bias [E, 2F] alike, down_proj [E, F, H] and its bias
     [E, H] (already [in, out]). `mx` (the MXFP4 release): gate_up_proj_blocks / _scales and
-    down_proj_blocks / _scales instead of the float matrices (`_mxfp4_experts`)."""
+    down_proj_blocks / _scales instead of the float matrices (`_mxfp4_matrix`, read in pairs by `_load_params`)."""
     add(p + "mlp.router.weight", i, "router", _t)
     add(p + "mlp.router.bias", i, "router_logit_bias")
     gu = p + "mlp.experts.gate_up_proj"
@@ -406,7 +406,8 @@ def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int, mx: bool) -> N
 
 
 def MX_EXPERTS(a: np.ndarray) -> np.ndarray:
-    """The marker transform of an MXFP4 tensor's plan entries: read by `_mxfp4_experts`, in pairs."""
+    """The marker transform of an MXFP4 tensor's plan entries: `_load_params` reads each
+    *_blocks tensor with its *_scales (`_mxfp4_matrix`)."""
     return a
 
 

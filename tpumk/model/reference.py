@@ -165,14 +165,15 @@ def route(moe: Moe, router_logits: jax.Array, bias: jax.Array | None = None) -> 
     return ids.astype(jnp.int32), weights
 
 
-def expert_activation(moe: Moe, g: jax.Array, u: jax.Array) -> jax.Array:
+def expert_activation(g: jax.Array, u: jax.Array, limit: float = 0.0, alpha: float = 1.0) -> jax.Array:
     """The routed experts' gated activation from f32 gate / up outputs: silu(g) * u (SwiGLU), or
-    with swiglu_limit gpt-oss's clamped form (transformers' GptOssExperts._apply_gate)."""
-    if not moe.swiglu_limit:
+    with limit > 0 gpt-oss's clamped form (transformers' GptOssExperts._apply_gate; Moe's
+    swiglu_limit / swiglu_alpha). The kernel's MoE stage calls it too."""
+    if not limit:
         return mlp_activation(g) * u
-    g = jnp.minimum(g, moe.swiglu_limit)
-    u = jnp.clip(u, -moe.swiglu_limit, moe.swiglu_limit)
-    return g * jax.nn.sigmoid(moe.swiglu_alpha * g) * (u + 1.0)
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return g * jax.nn.sigmoid(alpha * g) * (u + 1.0)
 
 
 def router_logits(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
@@ -192,7 +193,8 @@ def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     if moe.expert_bias:  # gpt-oss: f32 biases on each expert's outputs, before the activation
         g = g + layer["e_gate_bias"].astype(jnp.float32)[:, None, :]
         u = u + layer["e_up_bias"].astype(jnp.float32)[:, None, :]
-    a = expert_activation(moe, g, u)  # cast to the compute dtype by expert_matmul, as the kernel does
+    # cast to the compute dtype by expert_matmul, as the kernel does
+    a = expert_activation(g, u, moe.swiglu_limit, moe.swiglu_alpha)
     y = expert_matmul(a, layer["e_down"])
     if moe.expert_bias:
         y = y + layer["e_down_bias"].astype(jnp.float32)[:, None, :]

@@ -847,7 +847,9 @@ class MoEGeometry:
                  f"..+{self.scale_group}) of the expert (mxfp4) or chunk"),
         ) if self.quantized else ()
         if self.mx:
-            scales += (dma_sems("expert_sems", (self.expert_scale_buffers,), "per expert buffer: its down-scale load"),)
+            scales += (dma_sems("expert_sems", (self.expert_scale_buffers,), "per expert buffer: its down-scale load"),
+                       vmem("down_scales_f32", (self.down_scale_rows, h), "float32",
+                            "the expert being multiplied: its down scales decoded once, at its first chunk"))
         biases = (
             vmem("gateup_bias", (s, self.blocks_per_chunk, F32_SUBLANES, 2 * LANE), "float32",
                  "per slot: each gate|up block's biases in row 0"),
