@@ -491,6 +491,16 @@ class DecodeStep:
         return self._plan
 
     @property
+    def program(self):
+        """The step's program itself, to call inside the caller's own jit (as a serving engine
+        does): the `jax.export` program of a `use="exported"` load, with no host-side checks of
+        positions or tokens. A serialized executable cannot be traced: ArtifactError."""
+        if not self.kind.startswith("exported"):
+            raise ArtifactError(f"artifact {self.key[:12]}: its serialized executable cannot run inside another "
+                                "jit; load it with use=\"exported\"")
+        return self._fn
+
+    @property
     def mesh(self):
         """The 1-D mesh the step runs on (many devices), else None."""
         return None if self.shardings is None else self.shardings[1].mesh

@@ -1,0 +1,179 @@
+"""What the vLLM plugin serves with: the model, the decode step and its checks (no vLLM import).
+
+`Runtime.from_vllm_config(vllm_config)` reads the served checkpoint's config.json with tpumk's
+reader and takes the megakernel step from, in this order:
+
+1. an artifact (`tpumk export`): `TPUMK_VLLM_ARTIFACT`, else the key `tpumk_artifact` of the model's
+   config (e.g. `--hf-overrides '{"tpumk_artifact": "artifacts/..."}'`). Its `jax.export` program
+   is called inside vLLM's jitted step (a serialized executable cannot be), so it loads under the
+   jax that exported it or a newer one (`tpumk.load(path, use="exported")` refuses the rest);
+2. else a build on start-up for the attached TPU (or, with JAX on the CPU, the `cpu` target's
+   kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
+   rounded up to whole pages, `TPUMK_VLLM_QUANT` (default `none`).
+
+Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
+that names the setting and what was expected, before any weight is read: the server then refuses
+to start rather than serve other tokens. Refused in this round: an artifact for another model,
+a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
+latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
+vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tpumk.errors import TpumkError
+
+ARTIFACT_ENV = "TPUMK_VLLM_ARTIFACT"
+QUANT_ENV = "TPUMK_VLLM_QUANT"
+ARTIFACT_KEY = "tpumk_artifact"
+PAGE_SIZE = 16  # the start-up build's page size (the kernel's own; vLLM's block size need not match)
+
+
+class ServingConfigError(TpumkError):
+    """A vLLM configuration the tpumk plugin cannot serve (one line: the setting, what was expected)."""
+
+
+def _dtype_name(dtype: Any) -> str:
+    """vLLM's model dtype (a torch dtype, a jnp dtype or a string) as tpumk's name."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    return name.removeprefix("torch.")
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            return f"{k} = {a.get(k)!r} in the artifact, {b.get(k)!r} in the checkpoint"
+    return "the same fields"
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: flax keeps it in the module's static graph
+class Runtime:
+    model_dir: Path
+    cfg: Any  # tpumk ModelConfig of the served checkpoint, in vLLM's dtype
+    plan: Any
+    step: Callable  # traceable: (packed, tokens, positions, KVCache) -> (logits, KVCache)
+    source: str  # "artifact <path>" or "built on start-up for <target>"
+    block_size: int
+    max_model_len: int
+
+    @property
+    def plan_shape(self) -> dict[str, int]:
+        p = self.plan
+        return {"batch": p.batch, "context": p.context, "page_size": p.page_size, "num_pages": p.num_pages}
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> Runtime:
+        from tpumk.model.config import load_hf_config, override_dtype
+
+        mc = vllm_config.model_config
+        model_dir = Path(mc.model)
+        if not (model_dir / "config.json").is_file():
+            raise ServingConfigError(f"tpumk plugin: model {mc.model}: expected a local checkpoint directory with "
+                                     "a config.json (download it first)")
+        cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
+        cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
+        _check_vllm(vllm_config, cfg)
+        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        max_len = int(mc.max_model_len)
+        block_size = int(vllm_config.cache_config.block_size)
+        art = os.environ.get(ARTIFACT_ENV) or getattr(mc.hf_config, ARTIFACT_KEY, None)
+        if art:
+            plan, step, source = _from_artifact(Path(art), cfg, max_seqs, max_len)
+        else:
+            plan, step, source = _built(cfg, max_seqs, max_len)
+        return cls(model_dir, cfg, plan, step, source, block_size, max_len)
+
+    def load_params(self):
+        """The checkpoint's weights: (reference-layout params for the JAX path, packed weights for
+        the kernel), both in the plan's weight formats (a quantized plan quantizes both alike, so
+        prefill and decode run the same weights)."""
+        from tpumk.kernel.layout import pack_weights
+        from tpumk.model.checkpoint import load_checkpoint
+        from tpumk.model.quantize import quantize_params, scheme_of
+        from tpumk.plan.padding import params_as_run
+
+        _, params = load_checkpoint(self.model_dir, self.cfg.dtype)
+        if self.plan.quant != "none" and scheme_of(params) == "none":
+            params = quantize_params(self.cfg, params, self.plan.quant)
+        return params, pack_weights(self.plan, params_as_run(self.plan, params))
+
+
+def _check_vllm(vllm_config, cfg) -> None:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    where = "tpumk plugin"
+    if cfg.is_mla:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA; vLLM allocates its latent cache in "
+                                 "another layout, which the plugin does not read yet")
+    if cfg.sliding_window:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has sliding-window layers; vLLM gives them their "
+                                 "own block tables, which the plugin does not read yet")
+    for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
+                    ("pipeline_parallel_size", pc.pipeline_parallel_size)):
+        if int(v) != 1:
+            raise ServingConfigError(f"{where}: {name} = {v}: expected 1 (the plugin runs one device in this "
+                                     "release)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ServingConfigError(f"{where}: speculative decoding is configured: expected none (a decode step "
+                                 "takes one token per request)")
+    if getattr(mc, "quantization", None):
+        raise ServingConfigError(f"{where}: --quantization {mc.quantization}: expected none (tpumk quantizes "
+                                 f"through its own formats: {QUANT_ENV} or the artifact's --quant)")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", cfg.dtype):
+        raise ServingConfigError(f"{where}: --kv-cache-dtype {cache_dtype}: expected auto (the model's dtype, "
+                                 f"{cfg.dtype})")
+
+
+def _check_shape(where: str, plan, cfg, max_seqs: int, max_len: int) -> None:
+    if plan.batch < max_seqs:
+        raise ServingConfigError(f"{where}: batch {plan.batch} < vLLM's max_num_seqs {max_seqs}: start vLLM with "
+                                 f"--max-num-seqs {plan.batch} or export with --batch {max_seqs}")
+    if plan.context < max_len:
+        raise ServingConfigError(f"{where}: context {plan.context} < vLLM's max_model_len {max_len}: start vLLM "
+                                 f"with --max-model-len {plan.context} or export with a larger --context")
+    if plan.q_len != 1:
+        raise ServingConfigError(f"{where}: q_len {plan.q_len}: expected 1 (a decode step of one token per request)")
+    if plan.devices != 1:
+        raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (the plugin runs one device in this "
+                                 "release)")
+
+
+def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int):
+    from tpumk.export.artifacts import load
+
+    step = load(path, use="exported", check_inputs=False)  # ArtifactError: one line (stack, files, signature)
+    where = f"tpumk plugin: artifact {path}"
+    if step.config != cfg:
+        raise ServingConfigError(f"{where} was built for model '{step.config.name}', not the served checkpoint's: "
+                                 f"{_first_difference(step.config.to_dict(), cfg.to_dict())}")
+    _check_shape(where, step.plan, cfg, max_seqs, max_len)
+    return step.plan, step.program, f"artifact {path} ({step.kind})"
+
+
+def _built(cfg, max_seqs: int, max_len: int):
+    import jax
+
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import attached_target, get_target
+
+    target = attached_target()
+    if target is None:
+        if jax.default_backend() != "cpu":
+            raise ServingConfigError(f"tpumk plugin: JAX runs on {jax.default_backend()}: expected a TPU or the CPU")
+        target = get_target("cpu")
+    context = -(-max_len // PAGE_SIZE) * PAGE_SIZE
+    spec = BuildSpec(cfg, target, batch=max_seqs, context=context, page_size=PAGE_SIZE,
+                     quant=os.environ.get(QUANT_ENV, "none"))  # PlanError: one line naming the field
+    plan = make_plan(spec)
+    # nested: a jit the plugin calls inside vLLM's jitted step; portable on the CPU: the
+    # discharge interpreter (plain XLA ops, no host callbacks inside vLLM's program)
+    step = make_decode_step(plan, nested=True, portable=target.interpret)
+    how = "Pallas discharge interpreter on the CPU" if target.interpret else f"compiled for {target.name}"
+    return plan, step, f"built on start-up ({how})"

@@ -1,0 +1,109 @@
+"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import).
+
+- `decode_step`: a decode-only batch (one new token per request) through tpumk's megakernel:
+  the requests' rows gathered into the kernel's cache layout (tpumk.vllm.kv), the kernel's step,
+  the new rows written back into vLLM's arrays.
+- `ragged_step`: any other batch (prefill chunks, mixed prefill + decode) through the pure-JAX
+  reference layers (tpumk.model.reference) with the same weights, token by token over the
+  flattened batch, reading and writing vLLM's arrays directly.
+
+Both take vLLM's attention metadata as arrays: `query_start_loc` [S + 1], `seq_lens` [S] (the KV
+length including this step's tokens), `block_tables` [S, blocks per request], `num_reqs` (a
+scalar array) for the S request slots of the batch, and return (caches, rows [T, vocab] f32):
+the logits of each request's last token at that token's row (what vLLM's runner picks by
+`logits_indices`), zeros elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from tpumk.model import reference as ref
+from tpumk.model.config import ModelConfig
+from tpumk.model.reference import KVCache
+from tpumk.vllm import kv
+
+
+def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
+    """Each request slot's last token row (-1 for slots past num_reqs)."""
+    s = query_start_loc.shape[0] - 1
+    last = query_start_loc[1:] - 1
+    return jnp.where(jnp.arange(s) < num_reqs, last, -1)
+
+
+def _scatter_rows(num_tokens: int, rows: jax.Array, logits: jax.Array) -> jax.Array:
+    out = jnp.zeros((num_tokens, logits.shape[-1]), jnp.float32)
+    return out.at[jnp.where(rows >= 0, rows, num_tokens)].set(logits.astype(jnp.float32), mode="drop")
+
+
+def decode_step(step: Callable, packed, cfg: ModelConfig, plan_shape: dict, caches: list, input_ids: jax.Array,
+                positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
+                num_reqs: jax.Array, block_size: int) -> tuple[list, jax.Array]:
+    """A decode-only batch through `step` (a tpumk decode step: (packed, tokens [B, 1],
+    positions [B, 1], KVCache) -> (logits, KVCache), B = plan_shape["batch"] >= S).
+
+    `plan_shape`: batch, context, page_size, num_pages of the step's plan. Request slot b's
+    token is row query_start_loc[b]; slots past num_reqs (and up to B) run at position -1, which
+    writes nothing and reads nothing."""
+    batch, context, page_size = plan_shape["batch"], plan_shape["context"], plan_shape["page_size"]
+    # vLLM pads the request slots to a bucket that may pass max_num_seqs (<= batch, checked at
+    # start-up): the live requests are all among the first `batch`
+    s = min(seq_lens.shape[0], batch)
+    query_start_loc, seq_lens, block_tables = query_start_loc[:s + 1], seq_lens[:s], block_tables[:s]
+    live = jnp.arange(s) < num_reqs
+    rows = jnp.clip(query_start_loc[:-1], 0, input_ids.shape[0] - 1)
+    tokens = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, input_ids[rows], 0))
+    pos = jnp.full((batch,), -1, jnp.int32).at[:s].set(jnp.where(live, positions[rows], -1))
+    lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - 1, 0))
+    tables = jnp.zeros((batch, block_tables.shape[1]), jnp.int32).at[:s].set(block_tables)
+    a = cfg.attention
+    k, v = kv.gather_batch(caches, tables, lengths, a.num_kv_heads, a.head_dim, block_size, context, page_size,
+                           plan_shape["num_pages"])
+    cache = KVCache(k, v, kv.kernel_tables(batch, context, page_size), lengths)
+    logits, cache = step(packed, tokens[:, None], pos[:, None], cache)
+    k_new, v_new = (kv.new_rows(c, pos, context, page_size) for c in (cache.k, cache.v))  # [L, B, width]
+    slots = kv.token_slots(tables, jnp.arange(batch), pos, block_size)
+    caches = [kv.write_rows(c, slots, k_new[i], v_new[i], a.num_kv_heads, a.head_dim) for i, c in enumerate(caches)]
+    return caches, _scatter_rows(input_ids.shape[0], jnp.where(live, query_start_loc[1:] - 1, -1),
+                                 logits[:s, 0])
+
+
+def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Array, positions: jax.Array,
+                query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array, block_size: int,
+                max_context: int) -> tuple[list, jax.Array]:
+    """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
+    request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it. Each token's K and V
+    go to vLLM's arrays, then it attends to its request's rows 0 .. its position (the earlier
+    tokens of the same chunk included). Rows past the last request's write nothing."""
+    t = input_ids.shape[0]
+    a = cfg.attention
+    i = jnp.arange(t, dtype=jnp.int32)
+    valid = i < query_start_loc[num_reqs]
+    req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
+    pos = jnp.where(valid, positions, -1).astype(jnp.int32)
+    new_slots = kv.token_slots(block_tables, req, pos, block_size)
+    k_pos = jnp.broadcast_to(jnp.arange(max_context, dtype=jnp.int32), (t, max_context))
+    key_slots = kv.token_slots(block_tables, jnp.broadcast_to(req[:, None], (t, max_context)), k_pos, block_size)
+    k_valid = (k_pos <= pos[:, None]) & valid[:, None]
+    x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
+    out = []
+    for li, layer in enumerate(params["layers"]):
+        h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
+        q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
+        c = kv.write_rows(caches[li], new_slots, k[0].reshape(t, -1), v[0].reshape(t, -1), a.num_kv_heads, a.head_dim)
+        out.append(c)
+        ks, vs = kv.read_rows(c, jnp.maximum(key_slots, 0), a.num_kv_heads, a.head_dim)
+        ks = ks.reshape(t, max_context, a.num_kv_heads, a.head_dim)
+        vs = vs.reshape(t, max_context, a.num_kv_heads, a.head_dim)
+        o = ref.attend(a, q[0][:, None], ks, vs, pos[:, None], k_pos, k_valid, cfg.pattern.window(li),
+                       ref.layer_sinks(cfg, layer))  # every token a batch row of one query
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o.reshape(1, t, -1)))
+        h = ref.mlp_in(cfg.norms, layer, x, h)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
+                                 .reshape(1, t, -1))
+    last = _last_rows(query_start_loc, num_reqs)
+    logits = ref.logits_from(cfg, params, x[0][jnp.maximum(last, 0)])
+    return out, _scatter_rows(t, last, logits)
