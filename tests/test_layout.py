@@ -4,7 +4,7 @@ Layers, lowest first; a module may import its own unit and any lower layer, neve
 or a sibling of its own layer:
 
     errors -> {compat, files} -> {_env, tomlfile} -> targets -> model -> plan -> kernel -> compile
-    -> estimate -> build -> {tune, export, decode} -> cli
+    -> estimate -> build -> {tune, export, decode} -> vllm -> cli
 
 `tpumk/__init__.py` (the lazy public API) may import anything; any module may read
 `tpumk.__version__` from the package root.
@@ -34,6 +34,7 @@ LAYERS = [
     {"estimate"},
     {"build"},
     {"tune", "export", "decode"},
+    {"vllm"},
     {"cli"},
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}

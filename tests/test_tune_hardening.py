@@ -757,3 +757,25 @@ def test_the_compile_log_says_an_objective_failed_after_the_compile(tmp_path, mo
     _study(tmp_path, "compiler", "c")
     log = ResultCache(tmp_path / "cache").compile_log()
     assert log and all(r["outcome"] == "failed" and r["stage"] == "estimate" for r in log)
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_as_stale(tmp_path):
+    """A run killed between creating a trial and its first heartbeat left it RUNNING with no
+    heartbeat, which Optuna's RDB never counts as stale: a resumed run waited for it for ever
+    (tests/test_tune.py's kill-and-resume test hung in CI). Past the grace period it is failed;
+    a trial that beats is not."""
+    import optuna
+
+    from tpumk.tune.storage import fail_stale, open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat=1)  # grace 3 s
+    study = optuna.create_study(storage=storage, study_name="s")
+    silent = study.ask()  # never beats: the killed run's trial
+    alive = study.ask()
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        storage.record_heartbeat(alive._trial_id)
+        time.sleep(0.5)
+    fail_stale(study)
+    states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
+    assert states == {silent.number: "FAIL", alive.number: "RUNNING"}, states

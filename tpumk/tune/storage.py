@@ -131,10 +131,38 @@ def _flock_lock_class():
 
 
 @functools.lru_cache(maxsize=None)
-def _sqlite_storage_class():
+@functools.lru_cache(maxsize=None)
+def _rdb_storage_class():
+    """RDBStorage whose stale trials include a RUNNING trial with no heartbeat at all, once it
+    started a grace period ago. Optuna's RDB skips those, but a run killed between creating a
+    trial and its heartbeat thread's first beat leaves exactly one: RUNNING for ever, so a resumed
+    run counting it ahead of its own trials waited for it without end (seen in CI: the resumed
+    `tpumk tune` of tests/test_tune.py stopped at [2/3 evaluated]). A live trial beats within
+    moments of starting (tpumk's trials record a beat before anything else), so one still silent
+    after the grace period is dead. JournalStorage already counts from the start time."""
     import optuna
 
-    class SQLiteStorage(optuna.storages.RDBStorage):
+    class HeartbeatRDBStorage(optuna.storages.RDBStorage):
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            import datetime
+
+            from optuna.storages._rdb import models  # the heartbeat table: no public reader
+
+            stale = set(super()._get_stale_trial_ids(study_id))
+            with self.scoped_session() as session:
+                beating = {r[0] for r in session.query(models.TrialHeartbeatModel.trial_id)}
+            now = datetime.datetime.now()  # Optuna stamps datetime_start with the local clock
+            for t in self.get_all_trials(study_id, deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                if (t._trial_id not in beating and t.datetime_start is not None
+                        and (now - t.datetime_start).total_seconds() > self.grace_period):
+                    stale.add(t._trial_id)
+            return sorted(stale)
+
+    return HeartbeatRDBStorage
+
+
+def _sqlite_storage_class():
+    class SQLiteStorage(_rdb_storage_class()):
         """RDBStorage on SQLite, with trial state changes serialised in this process. SQLite has
         no SELECT ... FOR UPDATE, so two worker threads could both take the same WAITING
         (enqueued) trial; under the lock the second sees it RUNNING and takes another. Several
@@ -271,7 +299,7 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
 
             if importlib.util.find_spec("psycopg2") is None:
                 raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
-    cls = _sqlite_storage_class() if scheme == "sqlite" else optuna.storages.RDBStorage
+    cls = _sqlite_storage_class() if scheme == "sqlite" else _rdb_storage_class()
     for attempt in range(SCHEMA_RACE_ATTEMPTS):
         try:
             with warnings.catch_warnings():
