@@ -131,7 +131,6 @@ def _flock_lock_class():
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _rdb_storage_class():
     """RDBStorage whose stale trials include a RUNNING trial with no heartbeat at all, once it
     started a grace period ago. Optuna's RDB skips those, but a run killed between creating a
@@ -161,6 +160,7 @@ def _rdb_storage_class():
     return HeartbeatRDBStorage
 
 
+@functools.lru_cache(maxsize=None)
 def _sqlite_storage_class():
     class SQLiteStorage(_rdb_storage_class()):
         """RDBStorage on SQLite, with trial state changes serialised in this process. SQLite has

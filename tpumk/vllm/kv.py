@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LANE = 128
+from tpumk.plan.geometry import LANE
 
 
 def padded_head_dim(head_dim: int) -> int:

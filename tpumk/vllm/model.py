@@ -42,19 +42,16 @@ class TpumkForCausalLM(nnx.Module):
     """A checkpoint tpumk supports, served by vLLM with its decode steps in tpumk's megakernel."""
 
     def __init__(self, vllm_config, rng_key: jax.Array | None = None, mesh=None):
-        try:
-            self.runtime = Runtime.from_vllm_config(vllm_config)
-        except Exception as e:  # one line in vLLM's log, then the engine refuses to start
-            from tpumk.errors import TpumkError
+        from tpumk.errors import TpumkError
 
-            if isinstance(e, TpumkError):
-                logger.error("%s", e)
-                raise ServingConfigError(str(e)) from None
-            raise
-        if mesh is not None and mesh.size != 1:
-            msg = f"tpumk plugin: a mesh of {mesh.size} devices: expected 1 (the plugin runs one device in this release)"
-            logger.error("%s", msg)
-            raise ServingConfigError(msg)
+        try:
+            if mesh is not None and mesh.size != 1:  # before any build: a cheap refusal first
+                raise ServingConfigError(f"tpumk plugin: a mesh of {mesh.size} devices: expected 1 (the plugin runs "
+                                         "one device in this release)")
+            self.runtime = Runtime.from_vllm_config(vllm_config)
+        except TpumkError as e:  # one line in vLLM's log, then the engine refuses to start
+            logger.error("%s", e)
+            raise ServingConfigError(str(e)) from None
         rt = self.runtime
         logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d)", rt.cfg.name, rt.source,
                     rt.plan.batch, rt.plan.context)
@@ -67,10 +64,12 @@ class TpumkForCausalLM(nnx.Module):
 
     def load_weights(self, rng_key: jax.Array | None = None) -> None:
         params, packed = self.runtime.load_params()
-        # own copies: the packed tree reuses some of params' arrays (the embedding), and the
-        # runner donates the model's state, which must not hold one buffer twice
-        self.params.set_value(jax.tree.map(lambda a: jnp.array(a, copy=True), params))
-        self.packed.set_value(jax.tree.map(lambda a: jnp.array(a, copy=True), packed))
+        # the packed tree reuses some of params' arrays (the embedding) and the runner donates
+        # the model's state, which must not hold one buffer twice: those leaves get their own copy
+        shared = {id(a) for a in jax.tree.leaves(params)}
+        self.params.set_value(jax.tree.map(jnp.asarray, params))
+        self.packed.set_value(jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in shared else jnp.asarray(a),
+                                           packed))
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None, input_positions=None,
                  layer_name_to_kvcache_index=None, lora_metadata=None, intermediate_tensors=None,

@@ -129,7 +129,7 @@ def _check_vllm(vllm_config, cfg) -> None:
                                  f"{cfg.dtype})")
 
 
-def _check_shape(where: str, plan, cfg, max_seqs: int, max_len: int) -> None:
+def _check_shape(where: str, plan, max_seqs: int, max_len: int) -> None:
     if plan.batch < max_seqs:
         raise ServingConfigError(f"{where}: batch {plan.batch} < vLLM's max_num_seqs {max_seqs}: start vLLM with "
                                  f"--max-num-seqs {plan.batch} or export with --batch {max_seqs}")
@@ -151,7 +151,7 @@ def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int):
     if step.config != cfg:
         raise ServingConfigError(f"{where} was built for model '{step.config.name}', not the served checkpoint's: "
                                  f"{_first_difference(step.config.to_dict(), cfg.to_dict())}")
-    _check_shape(where, step.plan, cfg, max_seqs, max_len)
+    _check_shape(where, step.plan, max_seqs, max_len)
     return step.plan, step.program, f"artifact {path} ({step.kind})"
 
 

@@ -67,8 +67,7 @@ def decode_step(step: Callable, packed, cfg: ModelConfig, plan_shape: dict, cach
     k_new, v_new = (kv.new_rows(c, pos, context, page_size) for c in (cache.k, cache.v))  # [L, B, width]
     slots = kv.token_slots(tables, jnp.arange(batch), pos, block_size)
     caches = [kv.write_rows(c, slots, k_new[i], v_new[i], a.num_kv_heads, a.head_dim) for i, c in enumerate(caches)]
-    return caches, _scatter_rows(input_ids.shape[0], jnp.where(live, query_start_loc[1:] - 1, -1),
-                                 logits[:s, 0])
+    return caches, _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
 
 
 def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Array, positions: jax.Array,
