@@ -132,7 +132,13 @@ def test_xla_column_is_the_xla_spmd_program(dense):
 
 
 def test_compiler_profile_is_its_own_column(dense, moe):
+    from estimate_support import COMPILER_ESTIMATE, NO_PROFILER
+
     est = dense["compiler_estimate"]
+    if not COMPILER_ESTIMATE:  # the column says why this libtpu gives none, for both models
+        assert [(c["compiler_estimate"]["step_seconds"], c["compiler_estimate"]["source"].startswith(NO_PROFILER))
+                for c in (dense, moe)] == [(None, True)] * 2
+        return
     assert est["step_seconds"] > 0 and est["source"].startswith("TPU compiler static profile")
     assert est["floor_fraction"] == pytest.approx(dense["floor_seconds"] / est["step_seconds"])
     assert any("not comparable with the XLA column" in n for n in est["notes"])

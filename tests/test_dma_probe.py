@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from estimate_support import needs_compiler_estimate
 from tpumk.estimate import timeline as cm
 from tpumk.targets import get_target
 
@@ -39,12 +40,14 @@ def probe() -> dict[tuple, dict]:
     return {(r["dma_kib"], r["dmas_per_slot"], r["depth"], r["sem_per_dma"]): r for r in rows}
 
 
+@needs_compiler_estimate
 def test_compiler_overlaps_outstanding_dmas(probe):
     """E1: cycles per DMA x DMAs in flight is the same at depth 2 and 8 (a latency, overlapped)."""
     a, b = probe[(32, 1, 2, False)], probe[(32, 1, 8, False)]
     assert a["cycles_per_dma"] * 2 == pytest.approx(b["cycles_per_dma"] * 8, rel=0.05)
 
 
+@needs_compiler_estimate
 def test_compiler_latency_grows_with_dma_size(probe):
     """E1: one DMA's latency grows with its bytes (a queue rate far below the chip's bandwidth)."""
     lat = {k: probe[(k, 1, d, False)]["cycles_per_dma"] * d for k, d in ((32, 2), (128, 4), (512, 2))}
@@ -55,6 +58,7 @@ def test_compiler_latency_grows_with_dma_size(probe):
     assert MIB / seconds_per_mib == pytest.approx(cm.DMA_ENGINE["tpu7x"].queue_bytes_per_s, rel=0.15)
 
 
+@needs_compiler_estimate
 def test_dmas_on_one_semaphore_cost_as_one_dma(probe):
     """E2/E3: 16 page DMAs signalling one semaphore cost as one DMA of their bytes; with a
     semaphore each they overlap."""
@@ -63,12 +67,14 @@ def test_dmas_on_one_semaphore_cost_as_one_dma(probe):
     assert probe[(32, 16, 2, True)]["cycles"] < 0.8 * shared["cycles"]
 
 
+@needs_compiler_estimate
 def test_compiler_prefers_more_queues_for_the_same_bytes_in_flight(probe):
     """E5: 24 MiB in flight as 12 x 2 MiB beats 6 x 4 MiB in the compiler's eyes, and in the model's."""
     assert probe[(2048, 1, 12, False)]["cycles"] < probe[(4096, 1, 6, False)]["cycles"]
     assert probe[(2048, 1, 12, False)]["model_us"] < probe[(4096, 1, 6, False)]["model_us"]
 
 
+@needs_compiler_estimate
 def test_model_ranks_the_probe_as_the_compiler_does(probe):
     """The model orders the small-DMA variants as the compiler does (not its absolute figures:
     the model's latency is an assumption, the compiler's cycles a calibrated estimate)."""
@@ -98,6 +104,7 @@ def test_targets_without_probe_figures_keep_the_stated_assumption():
     assert cm.load_seconds(v5e, 512 * KIB, 1 * MIB, 16, 1, 2) == cm.load_seconds(v5e, 512 * KIB, 1 * MIB, 16)
 
 
+@needs_compiler_estimate
 def test_compiler_counts_a_nested_stream_once_per_step():
     """The static profile's blind spot (TPU_FACTS 3) applies to DMA streams: the same 64 MiB
     stream split over 4 trips of an outer loop (the megakernel's KV tiles inside its layer loop)

@@ -102,7 +102,16 @@ def test_export_records_the_mesh_and_verifies(exported, model):
     # the portable export is the same SPMD program: 4 devices, weights split on the mesh axis
     exp = A._deserialize_exported(res.path, m)
     assert exp.nr_devices == 4 and exp.platforms == ("tpu",)
-    assert str(exp.in_shardings_hlo[0]).startswith("{devices=[4,")
+    # through the public in_shardings_jax (jax >= 0.11 no longer fills in_shardings_hlo)
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from tpumk.compat import deviceless_topology_devices
+
+    mesh = Mesh(np.asarray(deviceless_topology_devices("tpu7x:2x2x1")[:4]), ("tp",))
+    weights = exp.in_shardings_jax(mesh)[0]
+    assert weights.spec == P("tp") and weights.shard_shape(exp.in_avals[0].shape)[0] == 1
     assert isinstance(exp, jexport.Exported)
     again = A.export(_spec(model, 4), out_dir=res.path.parents[2])
     assert again.cache_hit and again.path == res.path and again.to_dict()["devices"] == 4
@@ -314,7 +323,8 @@ def test_the_discharge_interpreter_still_lacks_the_collectives():
     r = _run("discharge", 2)
     assert r["tpu_interpreter"] == {"failed": False}, r  # the kernel itself is fine
     assert r["discharge"]["failed"], r
-    assert r["discharge"]["error"] in ("NotImplementedError", "TypeError"), r
+    # jax 0.10.2 / 0.11.2: NotImplementedError or TypeError; 0.12.0.1: a ValueError (safe_zip)
+    assert r["discharge"]["error"] in ("NotImplementedError", "TypeError", "ValueError"), r
 
 
 # ---------------------------------------------------------------------- a loaded step's mesh half, on host devices

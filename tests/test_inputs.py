@@ -314,7 +314,11 @@ def test_estimate_source_carries_the_reason():
     from tpumk.estimate.compiler import convert_estimate
     from tpumk.estimate.profiler import Estimate
 
-    plan = make_plan(BuildSpec(load_preset("small-moe"), get_target("tpu7x"), 1, 4096))
+    import dataclasses
+
+    # a target whose libtpu profiles kernels with DMAs, whichever JAX set runs the test
+    tpu7x = dataclasses.replace(get_target("tpu7x"), static_profile=True)
+    plan = make_plan(BuildSpec(load_preset("small-moe"), tpu7x, 1, 4096))
     for rc, stderr, want in ((-9, "", "out of memory"), (-6, FIFO_STDERR, "FIFO push")):
         est = Estimate(None, {}, None, None, f"profiling compile failed (exit {rc}): {_failure_line(stderr, rc)}")
         source = convert_estimate(plan, est)["estimate_source"]

@@ -98,7 +98,10 @@ def test_verify_figures_from_the_plan():
     want = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=8, context=4096, q_len=8))
     assert v["hbm_bytes_per_step"] == want.hbm_bytes and v["floor_seconds"] == want.floor_seconds
     assert 1.0 < v["hbm_bytes_vs_plain"] < 1.1 and v["floor_vs_plain"] == pytest.approx(v["hbm_bytes_vs_plain"])
-    assert v["estimated_seconds"] is None and "not requested" in v["estimate_source"]
+    from estimate_support import COMPILER_ESTIMATE, NO_PROFILER
+
+    assert v["estimated_seconds"] is None
+    assert v["estimate_source"].startswith("none: not requested" if COMPILER_ESTIMATE else NO_PROFILER)
     # batch 16: the plain step fits TPU7x VMEM with default knobs, 16 x 8 verify rows do not
     big = verify_figures(make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=16, context=1024)), 8)
     assert big["error"].startswith("the verify step does not plan: plan does not fit tpu7x VMEM")

@@ -218,13 +218,18 @@ def test_auto_objective_of_an_mla_model_is_the_model():
     from tpumk.errors import ConfigError
     from tpumk.tune.objectives import choose_objective
 
+    from estimate_support import COMPILER_ESTIMATE
+
     cfg = load_preset("tiny-mla").replace(dtype="bfloat16")
+    # a libtpu without a profiler for kernels with DMAs (vLLM TPU / jax 0.12 sets): that reason first
+    why = "MLA model" if COMPILER_ESTIMATE else "static profile does not work"
     c = choose_objective("auto", cfg, TPU7X, tpu_kind=None)
-    assert c.name == "model" and "MLA" in c.reason
-    with pytest.raises(ConfigError, match="MLA model") as e:
+    assert c.name == "model" and why in c.reason
+    with pytest.raises(ConfigError, match=why) as e:
         choose_objective("compiler", cfg, TPU7X)
     assert "\n" not in str(e.value)
-    assert choose_objective("auto", load_preset("tiny-moe").replace(dtype="bfloat16"), TPU7X).name == "compiler"
+    dense = choose_objective("auto", load_preset("tiny-moe").replace(dtype="bfloat16"), TPU7X).name
+    assert dense == ("compiler" if COMPILER_ESTIMATE else "model")
 
 
 def test_two_trial_study_of_an_mla_model_compiles(tmp_path, monkeypatch):

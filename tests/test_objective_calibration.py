@@ -23,6 +23,7 @@ import itertools
 
 import pytest
 
+from estimate_support import needs_compiler_estimate
 from tpumk.build import build
 from tpumk.estimate.calibration import ANCHOR_BYTES_PER_S
 from tpumk.model.config import load_preset
@@ -78,6 +79,7 @@ def _layer_bytes(cfg) -> float:
 
 
 # ---------------------------------------------------------------------- (a) the compiler objective
+@needs_compiler_estimate
 def test_compiler_objective_is_linear_in_layers_nested_trips_included():
     reports = {n: _build(_layers(BASE, n)).report for n in (2, 4, 8)}
     cycles = {n: r.estimated_cycles for n, r in reports.items()}

@@ -23,6 +23,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from estimate_support import needs_compiler_estimate
 from tpumk.compat import tpu_interpreter
 from tpumk.compile.aot import compile_for
 from tpumk.model.config import load_preset
@@ -152,6 +153,7 @@ _PROFILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@needs_compiler_estimate
 def test_static_estimate_grows_linearly_with_layers(tmp_path):
     """The compiler counts a top-level loop's body once per trip, so with the layer loop at top
     level (tiles unrolled inside) the whole step's estimate is affine in the layer count."""

@@ -7,6 +7,7 @@ All fast: constraint and space units, or studies whose compile is a stand-in."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -392,7 +393,9 @@ def test_calibration_cache_is_keyed_by_the_probe_source(tmp_path, monkeypatch):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(C.static_profile, "profile_dir", lambda: None)  # never measure here
-    target = get_target("tpu7x")
+    # the key logic on every JAX set, whether or not this libtpu profiles kernels with DMAs
+    target = dataclasses.replace(get_target("tpu7x"), static_profile=True)
+    monkeypatch.setattr(C, "get_target", lambda name: target)
     old_key = "|".join([target.name] + [f"{k} {v}" for k, v in sorted(stack_versions().items())])
     entry = {"target": "tpu7x", "seconds_per_cycle": 1e-9, "probe_bytes": 1, "probe_cycles": 1,
              "assumed_bytes_per_s": 1.0, "basis": "stored by other code"}

@@ -333,30 +333,41 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
               help="Schemes to compare with the float model, separated by ';' (a ',' inside ring=..,experts=..); "
                    "the presets may also be separated by ','.")
 @click.option("--steps", default=8, show_default=True, help="Decode steps after each fixed prompt.")
+@click.option("--kv-dtype", "kv_dtypes", default="", metavar="FORMAT[,FORMAT]",
+              help="KV cache formats to compare too (fp8, int8: one byte per element, a scale per token and kv "
+                   "head), with the float weights. The reference decode only: the megakernel does not take them yet.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def quality(model, checkpoint, seed, dtype, schemes, steps, as_json):
-    """Logit error of each weight format against the float model, on fixed prompts (reference decode)."""
+def quality(model, checkpoint, seed, dtype, schemes, steps, kv_dtypes, as_json):
+    """Logit error of each weight format (and KV cache format) against the float model, on fixed prompts."""
     from tpumk.decode import generate as gen
     from tpumk.decode.quality import check_request, logit_quality
 
     parts = schemes.split(";") if ";" in schemes or "=" in schemes else schemes.split(",")
     parts = [p.strip() for p in parts if p.strip()]
-    check_request(steps, parts)  # before a model is loaded
+    kv_dtypes = [k.strip() for k in kv_dtypes.split(",") if k.strip()]
+    check_request(steps, parts, kv_dtypes=kv_dtypes)  # before a model is loaded
     gen.check_model_options(model, checkpoint)
     from tpumk.cli.progress import Phases
 
     phases = Phases("tpumk quality")
     phases("weights: " + (f"checkpoint {checkpoint}" if checkpoint is not None else f"random (seed {seed})"))
     m = gen.load_model(model, checkpoint, seed=seed, dtype=dtype)
-    r = logit_quality(m.cfg, m.params, parts, steps=steps, progress=phases)
+    r = logit_quality(m.cfg, m.params, parts, steps=steps, progress=phases, kv_dtypes=kv_dtypes)
     if as_json:
         emit_json(r)
         return
     echo(f"model {r['model']} ({r['dtype']}, {m.source}): {r['prompts']} fixed prompts x {1 + steps} steps, "
                f"{r['source']}")
-    echo(tabulate([[s["quant"], f"{100 * s['logit_relative_rms']:.2f} %", f"{100 * s['greedy_agreement']:.1f} %"]
-                         for s in r["schemes"]], headers=["quant", "logit relative RMS", "greedy token agreement"]))
+    if r["schemes"]:
+        echo(tabulate([[s["quant"], f"{100 * s['logit_relative_rms']:.2f} %", f"{100 * s['greedy_agreement']:.1f} %"]
+                       for s in r["schemes"]], headers=["quant", "logit relative RMS", "greedy token agreement"]))
+    if r["kv_formats"]:
+        echo(tabulate([[f"{s['kv_dtype']} (float weights)", f"{100 * s['logit_relative_rms']:.2f} %",
+                        f"{100 * s['greedy_agreement']:.1f} %", f"{s['kv_bytes_vs_model_dtype']:.3f}"]
+                       for s in r["kv_formats"]],
+                      headers=["KV cache", "logit relative RMS", "greedy token agreement",
+                               f"bytes / {r['dtype']} cache"]))
 
 main.add_command(export)
 main.add_command(cache_key)

@@ -6,6 +6,8 @@ quantized copy, teacher-forced on the float model's greedy tokens so both see th
 and reports the relative RMS error of all those logits (`tpumk.model.quantize.relative_rms`)
 and how often the greedy token agrees. The published int8 per-column scheme reports 1.0-1.3 %
 relative RMS per matrix (TPU_FACTS 9); these figures are per model, over whole decode steps.
+`kv_dtypes` does the same for a KV cache in one byte per element (`tpumk.model.kv_quant`): the
+float weights, the cache quantized as it is written.
 Everything runs on this host with the pure-JAX reference: no TPU is involved.
 """
 
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.errors import ConfigError
+from tpumk.model import kv_quant
 from tpumk.model import reference as ref
 from tpumk.model.quantize import canonical_scheme, quantize_params, relative_rms
 
@@ -29,10 +32,12 @@ def fixed_prompts(vocab_size: int, count: int = PROMPTS) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab_size, 8 + 2 * i)] for i in range(count)]
 
 
-def _logits(cfg, params, prompts: Sequence[Sequence[int]], forced: list[np.ndarray] | None, steps: int):
+def _logits(cfg, params, prompts: Sequence[Sequence[int]], forced: list[np.ndarray] | None, steps: int,
+            kv_dtype: str | None = None):
     """Prefill logits then `steps` decode-step logits per prompt ([B, 1 + steps, V]); the next
-    token is `forced[step]` when given, else this model's greedy token."""
-    cache = ref.init_cache(cfg, len(prompts), ref_context(prompts, steps))
+    token is `forced[step]` when given, else this model's greedy token. `kv_dtype`: the cache
+    in that 1-byte format (else the model dtype)."""
+    cache = ref.init_cache(cfg, len(prompts), ref_context(prompts, steps), kv_dtype=kv_dtype)
     step = ref.jitted_decode_step(cfg)
     last, cache = ref.prefill(params, cfg, prompts, cache, step_fn=step, batched=True)  # one shape, not one per prompt
     out, tokens = [np.asarray(last, np.float32)], []
@@ -50,10 +55,11 @@ def ref_context(prompts, steps: int, page: int = 16) -> int:
     return -(-longest // page) * page
 
 
-def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PROMPTS - 1)) -> None:
-    """--steps a positive count within the longest context after the longest prompt, and
-    --quant at least one scheme, each parsing and none given twice: checked before a model is
-    loaded (`longest` defaults to the fixed prompts' longest)."""
+def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PROMPTS - 1),
+                  kv_dtypes: Sequence[str] = ()) -> None:
+    """--steps a positive count within the longest context after the longest prompt, --quant
+    schemes and --kv-dtype formats each parsing and none given twice, at least one of either:
+    checked before a model is loaded (`longest` defaults to the fixed prompts' longest)."""
     from tpumk.plan.spec import MAX_CONTEXT
 
     upper = MAX_CONTEXT - longest - 1
@@ -64,16 +70,21 @@ def check_request(steps: Any, schemes: Sequence[str], longest: int = 8 + 2 * (PR
         names = [canonical_scheme(s) for s in schemes]
     except ConfigError as e:
         raise ConfigError(f"--quant: {e}") from None
-    if not names:
-        raise ConfigError("--quant: expected at least one scheme to compare with the float model")
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise ConfigError(f"--quant: scheme {dup} given twice")
+    for k in kv_dtypes:
+        kv_quant.kv_format(k)
+    if not names and not kv_dtypes:
+        raise ConfigError("--quant: expected at least one scheme (or a --kv-dtype) to compare with the float model")
+    for flag, given in (("--quant", names), ("--kv-dtype", list(kv_dtypes))):
+        dup = next((n for i, n in enumerate(given) if n in given[:i]), None)
+        if dup is not None:
+            raise ConfigError(f"{flag}: {dup} given twice")
 
 
 def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
-                  prompts: Sequence[Sequence[int]] | None = None, progress=None) -> dict[str, Any]:
-    """Relative RMS of the logits and greedy agreement of each scheme against `params` (float).
+                  prompts: Sequence[Sequence[int]] | None = None, progress=None,
+                  kv_dtypes: Sequence[str] = ()) -> dict[str, Any]:
+    """Relative RMS of the logits and greedy agreement of each weight scheme, and of each KV
+    cache format (`kv_dtypes`, float weights), against `params` (float) with a model-dtype cache.
     `progress(phase)` is called as the float decode and each scheme's start (tpumk.cli.progress)."""
     say = progress or (lambda phase: None)
     from tpumk.decode.generate import check_host_memory
@@ -82,18 +93,33 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
         raise ConfigError("quality: the weights are quantized already; give float weights to compare against")
     prompts = [list(p) for p in (prompts or fixed_prompts(cfg.vocab_size))]
     longest = max(len(p) for p in prompts)
-    check_request(steps, schemes, longest)
+    check_request(steps, schemes, longest, kv_dtypes)
     schemes = [canonical_scheme(s, cfg) for s in schemes]
     check_host_memory(cfg, len(prompts), ref_context(prompts, steps), [(1, longest), (len(prompts), 1)])
     say(f"float decode: {len(prompts)} prompts x {1 + steps} steps (the reference)")
     want, forced = _logits(cfg, params, prompts, None, steps)
+    def compared(got) -> dict[str, float]:
+        return {"logit_relative_rms": relative_rms(got, want),
+                "greedy_agreement": float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))}
+
     rows = []
     for i, scheme in enumerate(schemes):
         name = canonical_scheme(scheme, cfg)
         say(f"{name} ({i + 1}/{len(schemes)}): quantize, then the same decode")
         got, _ = _logits(cfg, quantize_params(cfg, params, name), prompts, forced, steps)
-        rows.append({"quant": name, "logit_relative_rms": relative_rms(got, want),
-                     "greedy_agreement": float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))})
+        rows.append({"quant": name, **compared(got)})
+    kv_rows = []
+    a = cfg.attention
+    heads, width, tensors = (1, a.kv_cache_width, 1) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim, 2)
+    model_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, None, np.dtype(ref.jnp_dtype(cfg)).itemsize,
+                                                 tensors)
+    for kv in kv_dtypes:
+        say(f"KV cache {kv}: the same decode, the cache quantized as it is written")
+        got, _ = _logits(cfg, params, prompts, forced, steps, kv_dtype=kv)
+        fmt_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, kv_quant.kv_format(kv), tensors=tensors)
+        kv_rows.append({"kv_dtype": kv, **compared(got), "kv_bytes_per_token": fmt_bytes,
+                        "kv_bytes_vs_model_dtype": fmt_bytes / model_bytes})
     return {"model": cfg.name, "dtype": cfg.dtype, "prompts": len(prompts), "steps": steps,
-            "tokens_compared": len(prompts) * (1 + steps), "schemes": rows,
+            "tokens_compared": len(prompts) * (1 + steps), "schemes": rows, "kv_formats": kv_rows,
+            "kv_bytes_per_token": model_bytes,
             "source": "tpumk's reference decode step on this host (no TPU)"}

@@ -598,10 +598,22 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
         local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
         return run(local, tokens, positions, k_cache, v_cache, block_tables, lengths)
 
+    def without_values(packed, tokens, positions, k_cache, block_tables, lengths):
+        empty = jnp.zeros((*k_cache.shape[:3], 0), k_cache.dtype)
+        logits, k_cache, _ = body(packed, tokens, positions, k_cache, empty, block_tables, lengths)
+        return logits, k_cache
+
     def sharded(packed: dict, tokens, positions, k, v, block_tables, lengths):
-        specs = ({key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
-                  for key, val in packed.items()}, P(), P(), kv_spec, kv_spec, P(), P())
-        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), kv_spec, kv_spec),
+        weights = {key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
+                   for key, val in packed.items()}
+        if v.size == 0:  # MLA's empty value cache stays outside: jax 0.11.2's Shardy canonicalizer
+            # segfaults on a zero-size operand a manual computation returns unchanged (checked 2026-12-05)
+            logits, k = jax.shard_map(without_values, mesh=mesh, in_specs=(weights, P(), P(), kv_spec, P(), P()),
+                                      out_specs=(P(), kv_spec), check_vma=False)(
+                packed, tokens, positions, k, block_tables, lengths)
+            return logits, k, v
+        return jax.shard_map(body, mesh=mesh, in_specs=(weights, P(), P(), kv_spec, kv_spec, P(), P()),
+                             out_specs=(P(), kv_spec, kv_spec),
                              check_vma=False)(packed, tokens, positions, k, v, block_tables, lengths)
 
     return sharded

@@ -4,7 +4,9 @@ Numerics, which the megakernel follows exactly:
 - the residual stream, norms, RoPE, softmax and router run in float32;
 - every matrix product casts its activation input to the weight dtype and accumulates in
   float32 (`preferred_element_type=float32`), as the MXU does;
-- the KV cache holds keys (after QK-norm and RoPE) and values in the model dtype.
+- the KV cache holds keys (after QK-norm and RoPE) and values in the model dtype, or, in a
+  `QuantizedKVCache` (`--kv-dtype fp8 | int8`), as 1-byte codes with one float32 scale per
+  (token, kv head), read back in float32 and rounded to the model dtype (`tpumk.model.kv_quant`).
 
 Paged KV cache layout (shared with the kernel, so caches compare element for element):
 - `k`, `v`: `[num_layers, num_pages, page_size, num_kv_heads * head_dim]`;
@@ -54,7 +56,7 @@ import numpy as np
 from tpumk.model.config import ModelConfig
 from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
-from tpumk.model import mla
+from tpumk.model import kv_quant, mla
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
@@ -77,10 +79,27 @@ class KVCache(NamedTuple):
         return self.block_tables.shape[1] * self.page_size
 
 
+class QuantizedKVCache(NamedTuple):
+    """A paged cache in one byte per element (`tpumk.model.kv_quant`): `k` / `v` hold codes
+    (float8_e4m3fn or int8) in KVCache's layout, `k_scale` / `v_scale` one float32 scale per
+    (token, kv head), [num_layers, num_pages, page_size, kv_heads] (an MLA latent row: one)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+
+    page_size = KVCache.page_size  # the same paging as KVCache's
+    max_context = KVCache.max_context
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 16,
-               num_pages: int | None = None, seed: int | None = 0) -> KVCache:
+               num_pages: int | None = None, seed: int | None = 0, kv_dtype: str | None = None):
     """An empty paged cache; pages are handed out in a shuffled order (seeded) so that tests
-    exercise real indirection rather than an identity block table."""
+    exercise real indirection rather than an identity block table. `kv_dtype` ("fp8", "int8"):
+    a QuantizedKVCache instead of a model-dtype KVCache."""
     if page_size <= 0 or max_context <= 0 or batch <= 0:
         raise ValueError("init_cache: batch, max_context and page_size must be positive")
     pages_per_seq = -(-max_context // page_size)
@@ -94,6 +113,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     tables = order[:needed].reshape(batch, pages_per_seq).astype(np.int32)
     shape = (cfg.num_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
+    if kv_dtype is not None:
+        fmt = kv_quant.kv_format(kv_dtype)
+        width, heads = ((cfg.attention.kv_cache_width, 1) if cfg.is_mla
+                        else (cfg.attention.kv_size, cfg.num_kv_heads))
+        v_width, v_heads = (0, 0) if cfg.is_mla else (width, heads)
+        return QuantizedKVCache(jnp.zeros(shape[:3] + (width,), fmt.dtype), jnp.zeros(shape[:3] + (v_width,), fmt.dtype),
+                                jnp.zeros(shape[:3] + (heads,), jnp.float32),
+                                jnp.zeros(shape[:3] + (v_heads,), jnp.float32),
+                                jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla); v stays empty
         return KVCache(jnp.zeros(shape[:3] + (cfg.attention.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
                        jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
@@ -345,6 +373,23 @@ def read_tables(cache: KVCache) -> jax.Array:
     return jnp.clip(cache.block_tables, 0, cache.k.shape[1] - 1)
 
 
+def write_quantized(codes, scales, layer: int, page_ids, slots, rows):
+    """rows [B, q, heads, D] quantized (one scale per row and head) into layer `layer` of a
+    QuantizedKVCache's codes [L, pages, page_size, heads * D] and scales [L, pages, page_size,
+    heads], at `cache_slots`' page ids / slots (a page id past the pool drops the write)."""
+    c, s = kv_quant.quantize_rows(rows, kv_quant.format_of(codes))
+    b, t = rows.shape[:2]
+    return (codes.at[layer, page_ids, slots].set(c.reshape(b, t, -1), mode="drop"),
+            scales.at[layer, page_ids, slots].set(s, mode="drop"))
+
+
+def read_quantized(codes, scales, layer: int, tables, dtype) -> jax.Array:
+    """[B, ctx, heads, D]: each sequence's pages of layer `layer` in order, dequantized to `dtype`."""
+    b, heads = tables.shape[0], scales.shape[-1]
+    c = codes[layer][tables].reshape(b, -1, heads, codes.shape[-1] // heads)
+    return kv_quant.dequantize_rows(c, scales[layer][tables].reshape(b, -1, heads), dtype)
+
+
 # ---------------------------------------------------------------------- whole steps
 def cache_slots(cache: KVCache, positions: jax.Array):
     """Where a step's new tokens go and which keys it sees, for any paged cache layout:
@@ -376,19 +421,28 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     tables = read_tables(cache)
 
     kc, vc = cache.k, cache.v
+    quant = isinstance(cache, QuantizedKVCache)
+    k_scale, v_scale = (cache.k_scale, cache.v_scale) if quant else (None, None)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, positions, i)
-        kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
-        vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
-        # Gather this sequence's pages in order: [B, ctx, Hkv, D].
-        ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-        vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+        if quant:  # codes and scales written; the rows read back dequantized: [B, ctx, Hkv, D]
+            kc, k_scale = write_quantized(kc, k_scale, i, page_ids, slots, k)
+            vc, v_scale = write_quantized(vc, v_scale, i, page_ids, slots, v)
+            ks, vs = (read_quantized(c, s, i, tables, k.dtype) for c, s in ((kc, k_scale), (vc, v_scale)))
+        else:
+            kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
+            vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
+            # Gather this sequence's pages in order: [B, ctx, Hkv, D].
+            ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+            vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+    if quant:
+        return logits_from(cfg, params, x), QuantizedKVCache(kc, vc, k_scale, v_scale, cache.block_tables, new_len)
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
 
@@ -421,16 +475,24 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     tables = read_tables(cache)
 
     lc = cache.k
+    quant = isinstance(cache, QuantizedKVCache)
+    l_scale = cache.k_scale if quant else None
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
-        lc = lc.at[i, page_ids, slots].set(row, mode="drop")
-        rows = lc[i][tables].reshape(b, ctx, cfg.attention.kv_cache_width)  # this sequence's pages in order
+        if quant:  # the latent row is one "head": one scale per token
+            lc, l_scale = write_quantized(lc, l_scale, i, page_ids, slots, row[:, :, None, :])
+            rows = read_quantized(lc, l_scale, i, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
+        else:
+            lc = lc.at[i, page_ids, slots].set(row, mode="drop")
+            rows = lc[i][tables].reshape(b, ctx, cfg.attention.kv_cache_width)  # this sequence's pages in order
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    if quant:
+        return logits_from(cfg, params, x), cache._replace(k=lc, k_scale=l_scale, lengths=new_len)
     return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
 
 
@@ -471,26 +533,25 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
     if batched:
         return _prefill_batched(params, cfg, prompts, cache, step, check)
     last = []
-    k, v, lengths = cache.k, cache.v, cache.lengths
+    cur = cache  # any paged cache type: its arrays carried, its block tables whole between prompts
     for b, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prefill: prompt {b} is empty")
-        start = int(lengths[b])
+        start = int(cur.lengths[b])
         if start + len(prompt) > cache.max_context:
             raise ValueError(f"prefill: prompt {b} needs {start + len(prompt)} tokens > context {cache.max_context}")
         toks = jnp.asarray([prompt], jnp.int32)
         pos = jnp.arange(start, start + len(prompt), dtype=jnp.int32)[None]
-        sub = KVCache(k, v, cache.block_tables[b:b + 1], lengths[b:b + 1])
+        sub = cur._replace(block_tables=cache.block_tables[b:b + 1], lengths=cur.lengths[b:b + 1])
         if check:
             check_tokens(toks, cfg.vocab_size, where=f"prefill of sequence {b}")
             check_step(pos, sub, where=f"prefill of sequence {b}")
         logits, sub = step(params, toks, pos, sub)
-        k, v = sub.k, sub.v
-        lengths = lengths.at[b].set(sub.lengths[0])
+        cur = sub._replace(block_tables=cache.block_tables, lengths=cur.lengths.at[b].set(sub.lengths[0]))
         last.append(logits[0, -1])
         if check:
             check_finite(logits[:, -1], where="prefill", names=[b])
-    return jnp.stack(last), KVCache(k, v, cache.block_tables, lengths)
+    return jnp.stack(last), cur
 
 
 def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache, step,
@@ -520,7 +581,7 @@ def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequenc
     if check:
         check_finite(last, where="prefill")
     lengths = jnp.asarray(starts + ends, cache.lengths.dtype)
-    return last, KVCache(filled.k, filled.v, cache.block_tables, lengths)
+    return last, filled._replace(block_tables=cache.block_tables, lengths=lengths)
 
 
 @functools.lru_cache(maxsize=32)
