@@ -79,7 +79,7 @@ def main() -> None:
     loads = [(m, None) for m in a.model] + [(None, c) for c in a.checkpoint]
     for model, checkpoint in loads:
         m = gen.load_model(model, checkpoint, seed=a.seed, dtype=a.dtype)
-        width = m.cfg.attention.kv_cache_width if m.cfg.is_mla else m.cfg.head_dim
+        _, width, _ = kv_quant.cache_rows(m.cfg)
         for kv in a.kv_dtype:
             row = {"model": m.cfg.name, "source": m.source, "kv_dtype": kv, "steps": a.steps,
                    **measure(m.cfg, m.params, kv, a.steps),

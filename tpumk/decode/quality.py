@@ -109,8 +109,7 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
         got, _ = _logits(cfg, quantize_params(cfg, params, name), prompts, forced, steps)
         rows.append({"quant": name, **compared(got)})
     kv_rows = []
-    a = cfg.attention
-    heads, width, tensors = (1, a.kv_cache_width, 1) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim, 2)
+    heads, width, tensors = kv_quant.cache_rows(cfg)
     model_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, None, np.dtype(ref.jnp_dtype(cfg)).itemsize,
                                                  tensors)
     for kv in kv_dtypes:

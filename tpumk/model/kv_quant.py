@@ -80,6 +80,14 @@ def dequantize_rows(codes, scales, dtype):
     return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
+def cache_rows(cfg) -> tuple[int, int, int]:
+    """(heads, width of one head's row, tensors) of a model's cache: kv heads of head_dim, K and
+    V; an MLA model's one latent row per token, K only."""
+    if cfg.is_mla:
+        return 1, cfg.attention.kv_cache_width, 1
+    return cfg.num_kv_heads, cfg.head_dim, 2
+
+
 def cache_bytes_per_token(kv_heads: int, head_dim: int, layers: int, fmt: KvFormat | None,
                           model_dtype_bytes: int = 2, tensors: int = 2) -> int:
     """Bytes one token's K and V rows (`tensors` = 2; an MLA latent row: 1) take in every layer:

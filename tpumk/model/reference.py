@@ -115,9 +115,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     dt = jnp_dtype(cfg)
     if kv_dtype is not None:
         fmt = kv_quant.kv_format(kv_dtype)
-        width, heads = ((cfg.attention.kv_cache_width, 1) if cfg.is_mla
-                        else (cfg.attention.kv_size, cfg.num_kv_heads))
-        v_width, v_heads = (0, 0) if cfg.is_mla else (width, heads)
+        heads, head_width, tensors = kv_quant.cache_rows(cfg)
+        width = heads * head_width
+        v_width, v_heads = (width, heads) if tensors == 2 else (0, 0)  # MLA: v stays empty
         return QuantizedKVCache(jnp.zeros(shape[:3] + (width,), fmt.dtype), jnp.zeros(shape[:3] + (v_width,), fmt.dtype),
                                 jnp.zeros(shape[:3] + (heads,), jnp.float32),
                                 jnp.zeros(shape[:3] + (v_heads,), jnp.float32),
