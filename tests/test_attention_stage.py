@@ -377,7 +377,11 @@ def test_from_config_and_vmem_formula():
     # The scratch list (what the kernel contract and the plan count) is what the stage unpacks,
     # and its SMEM / semaphore entries are the ones smem_bytes / dma_semaphores describe.
     scratch = g.scratch()
-    assert tuple(b.name for b in scratch) == AttentionScratch._fields
+    names = [b.name for b in scratch]  # the stage binds refs by name: every one a field, no repeats
+    assert set(names) <= set(AttentionScratch._fields) and len(set(names)) == len(names)
+    packed = dataclasses.replace(g, kv_dtype="fp8").scratch()  # a quantized cache: one packed array
+    assert {b.name for b in packed} - set(names) == {"kv_tiles", "kv_patch", "new_exps"}
+    assert {b.name for b in packed} <= set(AttentionScratch._fields)
     assert all(b.nbytes == b.logical_bytes for b in scratch)
     assert sum(b.nbytes for b in scratch if b.space == "smem") == g.smem_bytes()
     assert sum(b.count for b in scratch if b.space == "semaphore") == g.dma_semaphores()

@@ -277,7 +277,8 @@ def test_plan_states_the_head_layout_and_counts_unpadded_kv():
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, CONTEXT, TuningConfig(kv_tile_pages=1), page_size=PAGE))
     assert plan.summary()["attention"] == {
         "head_dim": 64, "kv_heads": 2, "kv_heads_per_128_lanes": 2,
-        "kv_cache_bytes_per_token_per_layer": 2 * 2 * 64 * 4, "sliding_window": 20, "sliding_layers": 2,
+        "kv_cache_bytes_per_token_per_layer": 2 * 2 * 64 * 4, "kv_cache_format": "float32",
+        "sliding_window": 20, "sliding_layers": 2,
         "kv_tile_pages": 1, "kv_tile_tokens": PAGE, "kv_buffers": plan.attention.kv_buffers,
         "kv_knobs": {"kv_tile_pages": "fixed", "kv_buffers": "auto (plan: timeline model)"}}
     assert plan.attention.page_bytes == PAGE * 2 * 64 * 4

@@ -72,6 +72,9 @@ CASES = {
                              {"all_reduce": "rsag", "all_reduce_wire": "bfloat16"}),
     "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),
     "moe-4dev-int8": (dict(base="tiny-moe", dtype="bfloat16", quant="int8"), 4, 2, 1, {}),  # scales shard too
+    # a 1-byte KV cache (tpumk.model.kv_quant): each device's KV head in its own packed page
+    # layout, each head on 2 devices (both must write the same bytes)
+    "dense-4dev-fp8-kv": (dict(base="tiny-dense", dtype="bfloat16", kv_dtype="fp8"), 4, 2, 1, {}),
     # DeepSeek-V3 routing: the float32 router and its correction-bias row are replicated
     "moe-4dev-deepseek-routing": (dict(base="tiny-moe", router_scoring="sigmoid", router_groups=4, router_topk_groups=2,
                                        router_correction_bias=True, routed_scaling_factor=2.5), 4, 2, 1, {}),
@@ -84,7 +87,7 @@ RACES_CASE = "moe-4dev-mixed"  # the case run with the interpreter's race detect
 def _config(model: dict):
     from tpumk.model.config import load_preset
 
-    over = {k: v for k, v in model.items() if k != "quant"}
+    over = {k: v for k, v in model.items() if k not in ("quant", "kv_dtype")}
     return load_preset(over.pop("base")).replace(**over)
 
 
@@ -95,7 +98,7 @@ def _spec(case: str, target: str):
 
     model, n, batch, q_len, tuning = CASES[case]
     return BuildSpec(_config(model), get_target(target), batch=batch, context=64, q_len=q_len, devices=n,
-                     tuning=TuningConfig(**tuning), quant=model.get("quant", "none"))
+                     tuning=TuningConfig(**tuning), quant=model.get("quant", "none"), kv_dtype=model.get("kv_dtype", ""))
 
 
 # ---------------------------------------------------------------------- the subprocess
@@ -120,11 +123,15 @@ def _worker(case: str, races: bool) -> dict:
     b, q = spec.batch, spec.q_len
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(0, cfg.vocab_size, 5 + 3 * i)) for i in range(b)]
-    cache = ref.init_cache(cfg, b, spec.context)
+    cache = ref.init_cache(cfg, b, spec.context, kv_dtype=spec.kv_dtype or None)
     _, cache = ref.prefill(params, cfg, prompts, cache)
     step = make_decode_step(plan, detect_races=races)
     packed = pack_sharded(plan, params)
-    wide = ref.KVCache(sh.expand_cache(cfg, cache.k), sh.expand_cache(cfg, cache.v), cache.block_tables, cache.lengths)
+    if spec.kv_dtype:
+        wide = sh.expand_quantized(cfg, cache)
+    else:
+        wide = ref.KVCache(sh.expand_cache(cfg, cache.k), sh.expand_cache(cfg, cache.v), cache.block_tables,
+                           cache.lengths)
     out = {"steps": [], "devices": len(jax.devices("cpu"))}
     ref_cache = cache
     for _ in range(2):
@@ -137,18 +144,22 @@ def _worker(case: str, races: bool) -> dict:
         shards = [np.asarray(x.data, np.float32) for x in got.addressable_shards]
         same_everywhere = len(shards) == sh.devices and all(np.array_equal(x, shards[0]) for x in shards)
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        k = np.asarray(wide.k, np.float32)
+        k = np.asarray(wide.kv).view(np.uint8) if spec.kv_dtype else np.asarray(wide.k, np.float32)
         per_dev = k.reshape(*k.shape[:-1], sh.devices, -1)
         replicas_equal = all(np.array_equal(per_dev[..., d, :], per_dev[..., d // sh.kv_replicas * sh.kv_replicas, :])
                              for d in range(sh.devices)) if sh.kv_replicas > 1 else None
+        if spec.kv_dtype:  # the packed pages' bytes: in bfloat16 a row can round to the next code
+            back = np.asarray(sh.collapse_quantized(cfg, wide).kv).view(np.uint8)
+            errs = {"kv_bytes_differing": float(np.mean(back != np.asarray(ref_cache.kv).view(np.uint8)))}
+        else:
+            errs = {"k_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.k), np.float32)
+                                                 - np.asarray(ref_cache.k, np.float32)))),
+                    "v_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.v), np.float32)
+                                                 - np.asarray(ref_cache.v, np.float32))))}
         out["steps"].append({
             "shape": list(got.shape), "want_shape": list(want.shape),
             "max_err": float(np.max(np.abs(got - want))), "scale": float(np.max(np.abs(want))),
-            "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))),
-            "k_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.k), np.float32)
-                                         - np.asarray(ref_cache.k, np.float32)))),
-            "v_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.v), np.float32)
-                                         - np.asarray(ref_cache.v, np.float32)))),
+            "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))), **errs,
             "lengths_equal": bool(np.array_equal(np.asarray(wide.lengths), np.asarray(ref_cache.lengths))),
             "replicas_equal": replicas_equal, "logits_same_everywhere": same_everywhere,
         })
@@ -221,7 +232,10 @@ def test_interpret_matches_reference_and_compiles(case, interpret_runs):
         tol = (3e-2 if bf16 else 2e-5) * max(1.0, s["scale"])
         assert s["max_err"] <= tol, (case, s)
         assert s["argmax_equal"], (case, s)
-        assert s["k_err"] <= tol and s["v_err"] <= tol, (case, s)
+        if "kv_bytes_differing" in s:  # a bf16 row a rounding apart can take the next code: rarely
+            assert s["kv_bytes_differing"] <= 0.01, (case, s)
+        else:
+            assert s["k_err"] <= tol and s["v_err"] <= tol, (case, s)
         assert s["lengths_equal"] and s["logits_same_everywhere"]
         if s["replicas_equal"] is not None:  # devices sharing a KV head computed the same bits
             assert s["replicas_equal"], (case, s)

@@ -79,7 +79,7 @@ def _worker(case: str) -> dict:
     t0 = time.perf_counter()
     spec = _spec(case, "cpu")
     cfg, n, b, q = spec.model, spec.devices, spec.batch, spec.q_len
-    plan, step = _kernel_step(cfg, b, CONTEXT, 16, q, n, "none")  # what generate(..., devices=n) runs
+    plan, step = _kernel_step(cfg, b, CONTEXT, 16, q, n, "none", "")  # what generate(..., devices=n) runs
     assert plan.spec == spec, (plan.spec, spec)
     sh = plan.sharding
     params = random_params(cfg, seed=5)

@@ -11,7 +11,7 @@ import tpumk
 from tpumk.cli.bench import bench
 from tpumk.cli.export import cache_key, export, inspect
 from tpumk.cli.tune import report, tune
-from tpumk.cli.options import QUANT_HELP, TpumkGroup, echo, emit_json, fail_cleanly, spec_options
+from tpumk.cli.options import KV_DTYPE_HELP, QUANT_HELP, TpumkGroup, echo, emit_json, fail_cleanly, spec_options
 from tpumk.cli.units import duration, size
 
 
@@ -259,10 +259,12 @@ def build(spec, verify_q, verify_estimate, estimate, as_json):
 @click.option("--draft-model", metavar="NAME|FILE|DIR|layers:N",
               help="Draft model for --spec draft: preset / TOML / config.json (random weights, --seed), a checkpoint "
                    "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
+@click.option("--kv-dtype", "kv_dtype", default="none", show_default=True, type=click.Choice(["none", "fp8", "int8"]),
+              help=KV_DTYPE_HELP + " Both backends alike (the reference writes and reads the same format).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, dtype, page_size, devices, quant, spec,
-             draft_tokens, draft_model, as_json):
+             draft_tokens, draft_model, kv_dtype, as_json):
     """Greedy generation from token ids, or from text through a checkpoint's tokenizer (--prompt)."""
     from tpumk.decode import generate as gen
 
@@ -295,7 +297,7 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
     try:
         result = gen.generate(m, prompts, steps, backend=backend, page_size=page_size, spec=spec,
                               draft_tokens=draft_tokens, draft=draft, devices=devices,
-                              on_token=bar.update if bar is not None else None)
+                              on_token=bar.update if bar is not None else None, kv_dtype=kv_dtype)
     finally:
         if bar is not None:
             bar.close()
@@ -305,7 +307,8 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
         emit_json(result)
         return
     on = f" on {devices} devices" if devices > 1 else ""
-    echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}")
+    kv = f", {kv_dtype} KV cache" if kv_dtype != "none" else ""
+    echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}{kv}")
     for p, toks in zip(prompts, result["tokens"]):
         echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
     if tokenizer is not None:  # repr: the text stays on one line, its spaces and newlines visible

@@ -198,7 +198,8 @@ def _print_inspect(info: dict) -> None:
         return
     t, sh, rep = info["target"], info["shapes"], info.get("report", {})
     echo(f"  key       {info['key']}")
-    echo(f"  model     {info['model']} ({info.get('dtype')}, weights {sh.get('quant', 'none')})   target "
+    kv = f", KV {sh['kv_dtype']}" if sh.get("kv_dtype") else ""
+    echo(f"  model     {info['model']} ({info.get('dtype')}, weights {sh.get('quant', 'none')}{kv})   target "
          f"{t.get('name')} ({t.get('device_kind')})   batch {sh['batch']}  context {sh['context']}  q_len "
          f"{sh['q_len']}  page {sh['page_size']}")
     echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")

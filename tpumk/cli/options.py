@@ -205,7 +205,9 @@ def emit_json(obj) -> None:
 
 
 SPEC_PARAMS = ("model", "checkpoint", "dtype", "target", "batch", "context", "q_len", "page_size", "devices",
-               "quant", "tuning_file")
+               "quant", "kv_dtype", "tuning_file")
+KV_DTYPE_HELP = ("KV cache format: none (the model dtype), fp8 or int8 (1-byte codes with a power-of-two scale "
+                 "per token and KV head, packed with them in one page array: tpumk.model.kv_quant).")
 
 
 def spec_options(tuning: bool = True):
@@ -230,6 +232,8 @@ def spec_options(tuning: bool = True):
         click.option("--quant", default=None, metavar="SCHEME",
                      help=QUANT_HELP + f" Default: {S.DEFAULT_QUANT}, or the format a quantized checkpoint stores "
                                        "(an FP8 checkpoint: fp8-b128)."),
+        click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(["none", "fp8", "int8"]),
+                     help=KV_DTYPE_HELP + " Default: none."),
     ]
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),
@@ -271,7 +275,7 @@ def build_command(tuning_file: str) -> str:
 
 
 def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=None, context=None, q_len=None,
-                 page_size=None, devices=None, quant=None, tuning_file=None):
+                 page_size=None, devices=None, quant=None, kv_dtype=None, tuning_file=None):
     """A BuildSpec from command-line values (None: the default)."""
     from tpumk.errors import ConfigError
     from tpumk.model.config import load_hf_model, resolve_model_scheme
@@ -298,6 +302,7 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
     except ConfigError as e:
         raise ConfigError(str(e) if str(e).startswith("--quant") else f"--quant: {e}") from None
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
-                                 ("page_size", page_size), ("devices", devices), ("quant", quant)) if v is not None}
+                                 ("page_size", page_size), ("devices", devices), ("quant", quant),
+                                 ("kv_dtype", kv_dtype)) if v is not None}
     return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),
                        tuning=load_tuning(tuning_file) if tuning_file is not None else TuningConfig(), **shapes)

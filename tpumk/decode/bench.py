@@ -76,7 +76,8 @@ def _measure_megakernel(build, cfg: ModelConfig, params, warmup: int, runs: int)
 
     plan = build.plan
     packed = pack_weights(plan, params)
-    cache = ref.init_cache(cfg, plan.batch, plan.context, plan.page_size, num_pages=plan.num_pages)
+    cache = ref.init_cache(cfg, plan.batch, plan.context, plan.page_size, num_pages=plan.num_pages,
+                           kv_dtype=plan.attention.kv_dtype or None)
     tokens, positions, lengths = _full_context_inputs(plan.batch, plan.context, plan.q_len)
     cache = cache._replace(lengths=lengths)
     step = build.compiled.compiled
@@ -206,7 +207,8 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
         out["serving_blocks"] = blocks
         out["speedup_vs_serving"] = s_s / mk_s
         out["tokens_per_second"]["serving"] = {"per_sequence": tok / s_s, "aggregate": batch * tok / s_s}
-        out["layouts"]["serving"] = ("paged KV cache, one [pages, page, 2 x kv_heads, head_dim] array per layer "
+        out["layouts"]["serving"] = (f"paged KV cache{' in the model dtype' if plan.attention.kv_dtype else ''}, "
+                                     "one [pages, page, 2 x kv_heads, head_dim] array per layer "
                                      f"({plan.page_size}-token pages), new rows written by an XLA scatter, attention "
                                      "by jax's ragged_paged_attention Pallas kernel; dense parts as the XLA step")
     return out
@@ -220,9 +222,12 @@ def _layouts(plan) -> dict[str, str]:
                 "xla": f"contiguous latent cache ({c.kv_lora_rank} + {c.qk_rope_head_dim} per token), absorbed MLA "
                        "(tpumk.model.mla), reference weights one array per matrix, layers unrolled, routed experts "
                        "gathered per token"}
-    return {"megakernel": f"paged KV cache ({plan.page_size}-token pages), weights packed into ring tiles",
-            "xla": "contiguous head-major KV cache, reference weights one array per matrix, layers unrolled, "
-                   "routed experts gathered per token"}
+    kv = plan.attention.kv_dtype
+    cache = (f"{kv} KV cache (one packed array: 1-byte codes and scale exponents, {plan.page_size}-token pages)"
+             if kv else f"paged KV cache ({plan.page_size}-token pages)")
+    return {"megakernel": f"{cache}, weights packed into ring tiles",
+            "xla": f"contiguous head-major KV cache{' in the model dtype' if kv else ''}, reference weights one array "
+                   "per matrix, layers unrolled, routed experts gathered per token"}
 
 
 def _serving_side(plan, compiles: Compiles, measured: bool) -> tuple[BenchSide, dict]:
@@ -551,7 +556,8 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
                                    "inserts the collectives)"},
         "layouts": {"megakernel": (f"paged latent cache ({plan.page_size}-token pages, replicated on every device)"
                                    if cfg.is_mla else
-                                   f"paged KV cache ({plan.page_size}-token pages, KV heads split over the devices)")
+                                   f"paged {plan.attention.kv_dtype + ' ' if plan.attention.kv_dtype else ''}KV cache "
+                                   f"({plan.page_size}-token pages, KV heads split over the devices)")
                                   + ", weights packed per device into ring tiles, all-reduces inside the kernel",
                     "xla": ("contiguous latent cache replicated on every device" if cfg.is_mla else
                             "contiguous head-major KV cache") + ", reference weights one array per matrix sharded "

@@ -303,13 +303,15 @@ def prepare_devices(devices) -> None:
 def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "reference",
              page_size: int = 16, context: int | None = None, spec: str = "none",
              draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft: Model | None = None, devices: int = 1,
-             on_token=None) -> dict:
+             on_token=None, kv_dtype: str = "") -> dict:
     """Greedy-generate `steps` tokens per prompt; returns tokens, timing and, with `spec`
     ("ngram": prompt lookup; "draft": the `draft` model, see load_draft_model), the speculation
     figures. Speculation never changes the tokens: each target step verifies `draft_tokens`
     drafts (q = draft_tokens + 1) and keeps only what greedy decoding would produce.
     `devices` > 1 runs the target's megakernel over that many devices (host CPU devices in
-    interpret mode without a TPU; a draft model stays on one device).
+    interpret mode without a TPU; a draft model stays on one device). `kv_dtype` ("fp8",
+    "int8"): the target's KV cache in that 1-byte format (tpumk.model.kv_quant), for both
+    backends alike; a draft model's cache stays in its dtype.
 
     Every size is bounded by the BuildSpec limits (tpumk.plan.spec) before the KV cache is
     allocated: a sequence holds at most MAX_CONTEXT tokens (prompt + steps + drafts), the
@@ -340,7 +342,8 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     check_host_memory(m.cfg, len(prompts), context, chunks, flag=flag)
     if draft is not None:
         check_host_memory(draft.cfg, len(prompts), context, chunks, flag=flag, whose="the draft model ")
-    cache = _init_cache(m.cfg, len(prompts), context, page_size, "")
+    kv_dtype = "" if kv_dtype in ("", "none", None) else kv_dtype
+    cache = _init_cache(m.cfg, len(prompts), context, page_size, "", kv_dtype)
     ref_step = reference_step(m.cfg)
     t0 = time.perf_counter()
     spec_info: dict = {"method": spec}
@@ -358,7 +361,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         if backend == "reference":
             decode = ticked(lambda toks, pos, c: ref_step(m.params, toks, pos, c))
         else:
-            decode = ticked(_kernel_decode_fn(m, len(prompts), context, page_size, 1, devices)[0])
+            decode = ticked(_kernel_decode_fn(m, len(prompts), context, page_size, 1, devices, kv_dtype)[0])
         tokens, _ = reference.greedy_generate(m.params, m.cfg, prompts, steps, cache, step_fn=ref_step,
                                               decode_fn=decode)
         spec_info.update(target_steps=steps - 1, tokens_per_target_step=1.0)
@@ -379,7 +382,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
                                         label=f"{draft.cfg.name} ({draft.source})")
         verify = None
         if backend == "megakernel":
-            verify, _ = _kernel_decode_fn(m, len(prompts), context, page_size, k + 1, devices)
+            verify, _ = _kernel_decode_fn(m, len(prompts), context, page_size, k + 1, devices, kv_dtype)
         tokens, _, stats = speculative_generate(m.params, m.cfg, prompts, steps, cache, drafter, k,
                                                 step_fn=ref_step, verify_fn=verify)
         spec_info.update(stats.to_dict())
@@ -393,6 +396,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         where = _megakernel_where(devices)
     return {
         "model": m.cfg.name, "backend": backend, "devices": devices, "weights": m.source, "steps": steps,
+        "kv_dtype": kv_dtype or m.cfg.dtype,
         "prompts": prompts, "tokens": tokens, "seconds": seconds, "ran_on": where, "spec": spec_info,
         "timing_note": "wall time on this host, including compilation; not a TPU speed figure",
     }
@@ -466,7 +470,7 @@ def check_host_memory(cfg: ModelConfig, batch: int, context: int, chunks: list[t
                           "sequences)")
 
 
-def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str):
+def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str, kv_dtype: str = ""):
     """reference.init_cache, refused with one line when its K and V arrays would not fit in this
     host's memory or the allocation fails (instead of an allocator's traceback)."""
     nbytes = batch * context * cfg.kv_bytes_per_token()
@@ -474,7 +478,7 @@ def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whos
             f"{_size(nbytes)}")
     check_host_memory(cfg, batch, context, [], whose=whose)
     try:
-        return reference.init_cache(cfg, batch, context, page_size=page_size)
+        return reference.init_cache(cfg, batch, context, page_size=page_size, kv_dtype=kv_dtype or None)
     except MemoryError:
         raise ConfigError(f"--steps: the {what}, which this host cannot allocate") from None
     except Exception as e:  # an accelerator out of memory (XlaRuntimeError RESOURCE_EXHAUSTED)
@@ -494,7 +498,7 @@ def _megakernel_where(devices: int = 1) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int, devices: int = 1,
-                 quant: str = "none"):
+                 quant: str = "none", kv_dtype: str = ""):
     """(plan, step) of the megakernel for these shapes, on an attached TPU when there is one,
     else in Pallas TPU interpret mode on the host. Cached so repeated generations in one
     process (tests, notebooks) trace and compile each shape once."""
@@ -507,11 +511,12 @@ def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_l
     if target.interpret:
         ensure_host_devices(devices)
     plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size, devices=devices,
-                               quant=quant))
+                               quant=quant, kv_dtype=kv_dtype))
     return plan, make_decode_step(plan)
 
 
-def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len: int, devices: int = 1):
+def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len: int, devices: int = 1,
+                      kv_dtype: str = ""):
     """decode_fn(tokens, positions, cache) of the megakernel with `m`'s weights packed; prefill
     stays with the reference (the prompt is one multi-token chunk per sequence; the cache
     layout is shared). On many devices the cache goes through the sharded layout and back
@@ -520,17 +525,21 @@ def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len:
 
     from tpumk.plan.padding import pad_cache, unpad_cache
 
-    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices, m.quant)
+    plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices, m.quant, kv_dtype)
     packed = pack_sharded(plan, m.params)
     sh, cfg = plan.sharding, plan.whole_model  # a lane-padded model: the padded copy (tpumk.plan.padding)
 
     def decode(toks, pos, c):
         if plan.unpadded is not None:
             c = pad_cache(m.cfg, cfg, c)
-        if sh is not None:
+        if sh is not None and kv_dtype:  # each device's heads in its own packed page layout
+            c = sh.expand_quantized(cfg, c)
+        elif sh is not None:
             c = reference.KVCache(sh.expand_cache(cfg, c.k), sh.expand_cache(cfg, c.v), c.block_tables, c.lengths)
         logits, out = step(packed, toks, pos, c)
-        if sh is not None:
+        if sh is not None and kv_dtype:
+            out = sh.collapse_quantized(cfg, out)
+        elif sh is not None:
             out = reference.KVCache(sh.collapse_cache(cfg, out.k), sh.collapse_cache(cfg, out.v),
                                     out.block_tables, out.lengths)
         return logits, unpad_cache(m.cfg, cfg, out) if plan.unpadded is not None else out

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import dataclasses
 import json
 import os
 import shutil
@@ -90,10 +91,19 @@ def _register_pytrees() -> None:
         return
     from jax import export as jexport
 
-    from tpumk.model.reference import KVCache
+    from tpumk.model.kv_quant import PagedLayout
+    from tpumk.model.reference import KVCache, QuantizedKVCache
+
+    def layout_bytes(aux) -> bytes:  # a quantized cache's static part: its page layout
+        return json.dumps(dataclasses.asdict(aux[0]), sort_keys=True).encode()
+
+    def layout_of(data: bytes):
+        return (PagedLayout(**json.loads(data)),)
 
     try:
         jexport.register_namedtuple_serialization(KVCache, serialized_name="tpumk.model.reference.KVCache")
+        jexport.register_pytree_node_serialization(QuantizedKVCache, serialized_name="tpumk.model.reference.QuantizedKVCache",
+                                                   serialize_auxdata=layout_bytes, deserialize_auxdata=layout_of)
     except ValueError:  # already registered (module reloaded)
         pass
     _registered = True
@@ -572,10 +582,12 @@ class DecodeStep:
         from tpumk.model.reference import init_cache
 
         p = self.plan
+        kv_dtype = p.attention.kv_dtype or None
         if self.devices is None:
-            return init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+            return init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages, kv_dtype=kv_dtype)
         with jax.default_device(jax.devices("cpu")[0]):  # built on the host, placed shard by shard
-            cache = init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages)
+            cache = init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages,
+                               kv_dtype=kv_dtype)
         return self.shard_cache(cache)
 
     def shard_cache(self, cache):
@@ -592,21 +604,25 @@ class DecodeStep:
         import jax
         import numpy as np
 
-        from tpumk.model.reference import KVCache
+        from tpumk.model.reference import KVCache, QuantizedKVCache
 
         sh, model = self.plan.sharding, self.plan.whole_model
         with jax.default_device(jax.devices("cpu")[0]):
+            if isinstance(cache, QuantizedKVCache):  # each device's heads in its own packed page layout
+                return _place(sh.expand_quantized(model, cache), self.shardings[3])
             k, v = (sh.expand_cache(model, np.asarray(a)) for a in (cache.k, cache.v))
         return _place(KVCache(k, v, cache.block_tables, cache.lengths), self.shardings[3])
 
     def unshard_cache(self, cache):
         """The inverse of `shard_cache`: the reference layout (one process must address every
         device: a single host)."""
-        from tpumk.model.reference import KVCache
+        from tpumk.model.reference import KVCache, QuantizedKVCache
         from tpumk.plan.padding import unpad_cache
 
         if self.devices is not None:
             sh, model = self.plan.sharding, self.plan.whole_model
+            if isinstance(cache, QuantizedKVCache):
+                return sh.collapse_quantized(model, cache)
             cache = KVCache(sh.collapse_cache(model, cache.k), sh.collapse_cache(model, cache.v), cache.block_tables,
                             cache.lengths)
         if self.plan.unpadded is not None:

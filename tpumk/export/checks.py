@@ -314,6 +314,7 @@ def step_trees(plan) -> tuple:
     import jax
 
     from tpumk.kernel.megakernel import step_specs
-    from tpumk.model.reference import KVCache
+    from tpumk.model.reference import KVCache, QuantizedKVCache
 
-    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, KVCache(0, 0, 0, 0)))
+    cache = QuantizedKVCache(0, 0, 0, plan.attention.kv_layout) if plan.attention.quantized else KVCache(0, 0, 0, 0)
+    return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, cache))

@@ -81,8 +81,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel.memory import scratch_shape
+from tpumk.model.kv_quant import kv_format, pow2_scales
 from tpumk.model.reference import soft_cap
-from tpumk.plan.geometry import LANE, AttentionGeometry
+from tpumk.plan.geometry import BUFFER_DTYPES, LANE, AttentionGeometry, round_up
 
 # Finite stand-in for -inf in masked scores: exp(MASK - m) underflows to exactly 0 once a row
 # has seen one real key, and a fully masked tile cannot produce inf - inf = NaN.
@@ -93,21 +94,26 @@ NO_WINDOW = 1 << 30
 
 
 class AttentionScratch(NamedTuple):
-    """The stage's scratch refs, in the order of `attention_scratch`."""
+    """The stage's scratch refs by name (`AttentionGeometry.scratch` names them; a buffer the
+    geometry does not allocate is None)."""
 
-    k_tiles: Any  # [kv_buffers, tile_rows, kv_size] cache dtype: streamed K tiles
-    v_tiles: Any  # same for V
-    k_patch: Any  # [B*q (+1 sink), page_size, kv_size]: page of new token i of seq b (slot b*q+i)
-    v_patch: Any
-    new_rows: Any  # [2, Bq8, kv_size] f32: k_new / v_new rows, addressable one row at a time
-    q_heads: Any  # [B, Hb, Rb, Db] f32: q regrouped per kv head block; overwritten by o per sequence
-    m: Any  # [Hb, Rb, 128] f32 running max (lane-replicated)
-    l: Any  # [Hb, Rb, 128] f32 running sum (lane-replicated)
-    acc: Any  # [Hb, Rb, Db] f32 running p.v
-    flat: Any  # [Bq8, Hq*D] f32: q as given, later o in the same layout
-    seq_meta: Any  # SMEM int32 [B * (3 + q)]: per sequence end tile, npages, first tile, page of each new token
-    tile_sems: Any  # DMA semaphores [2 (K, V), kv_buffers, kv_tile_pages]: one per page DMA (see _tile_loop)
-    patch_sems: Any  # DMA semaphores [2 (read, write), B*q] (one per patch slot)
+    k_tiles: Any = None  # [kv_buffers, tile_rows, kv_size] cache dtype: streamed K tiles
+    v_tiles: Any = None  # same for V
+    k_patch: Any = None  # [B*q (+1 sink), page_size, kv_size]: page of new token i of seq b (slot b*q+i)
+    v_patch: Any = None
+    # a quantized cache (geometry.kv_dtype): ONE packed array (tpumk.model.kv_quant.PagedLayout)
+    kv_tiles: Any = None  # [kv_buffers, kv_tile_pages * page_rows, page_lanes] codes dtype
+    kv_patch: Any = None  # [B*q (+1 sink), page_rows, page_lanes]
+    new_rows: Any = None  # [2, Bq8, kv_size] f32: k_new / v_new rows (quantized: their codes), one row addressable
+    q_heads: Any = None  # [B, Hb, Rb, Db] f32: q regrouped per kv head block; overwritten by o per sequence
+    m: Any = None  # [Hb, Rb, 128] f32 running max (lane-replicated)
+    l: Any = None  # [Hb, Rb, 128] f32 running sum (lane-replicated)
+    acc: Any = None  # [Hb, Rb, Db] f32 running p.v
+    flat: Any = None  # [Bq8, Hq*D] f32: q as given, later o in the same layout
+    seq_meta: Any = None  # SMEM int32 [B * (3 + q)]: per sequence end tile, npages, first tile, page of each new token
+    tile_sems: Any = None  # DMA semaphores [caches, kv_buffers, kv_tile_pages]: one per page DMA (see _tile_loop)
+    patch_sems: Any = None  # DMA semaphores [2 (read, write), B*q] (one per patch slot)
+    new_exps: Any = None  # quantized: [2, Bq8, Hkv] f32, the new rows' exponent bytes (kv_quant.exponent_bytes)
 
 
 def attention_scratch(geom: AttentionGeometry) -> list:
@@ -136,9 +142,14 @@ class _Stage:
         geom.validate()
         self.g, self.layer = geom, layer
         self.block_tables, self.positions = block_tables, positions
-        self.sc = AttentionScratch(*scratch)
-        self.caches = (k_cache, v_cache)
-        self.patches = (self.sc.k_patch, self.sc.v_patch)
+        self.sc = AttentionScratch(**{b.name: ref for b, ref in zip(geom.scratch(), scratch)})
+        # The cache arrays moved page by page: K and V, each with its own patch pages and tile
+        # slots and the same addressing; a quantized cache is one packed array (v_cache None).
+        if geom.quantized:
+            self.caches, self.patches, self.tiles = (k_cache,), (self.sc.kv_patch,), (self.sc.kv_tiles,)
+        else:
+            self.caches = (k_cache, v_cache)
+            self.patches, self.tiles = (self.sc.k_patch, self.sc.v_patch), (self.sc.k_tiles, self.sc.v_tiles)
         self.meta_width = 3 + geom.q_len  # seq_meta entries per sequence
         self._tokens = None
         self.window = traced_window(geom, layer)
@@ -210,31 +221,49 @@ class _Stage:
     # semaphore: a local copy from the sink page (read only) into its own private slot, which
     # nothing else reads. One semaphore per slot and direction, because a wait on a semaphore
     # shared by several outstanding DMAs returns when ANY of them lands, not necessarily this one.
-    def _patch_copy(self, c, slot, pg, write):
+    def patch_pieces(self):
+        """The DMAs one patch page moves, as (cache, lanes): K and V whole; a quantized cache's
+        one page as two lane ranges (codes, exponents). Two per arm: libtpu 0.0.52's static
+        profiler aborts ("No DMA issue node found for sync flag") when each arm of the
+        real / stand-in branch starts ONE DMA on the slot's semaphore (checked on TPU7x)."""
+        if not self.g.quantized:
+            return [(0, None), (1, None)]
+        lay = self.g.kv_layout
+        return [(0, (0, lay.codes_lanes)), (0, (lay.codes_lanes, lay.lanes - lay.codes_lanes))]
+
+    def _patch_copy(self, piece, slot, pg, write):
+        c, lanes = piece
         hbm, vmem = self.caches[c].at[self.layer, pg], self.patches[c].at[slot]
+        if lanes is not None:
+            hbm, vmem = hbm.at[:, pl.ds(*lanes)], vmem.at[:, pl.ds(*lanes)]
         src, dst = (vmem, hbm) if write else (hbm, vmem)
         return pltpu.make_async_copy(src, dst, self.sc.patch_sems.at[1 if write else 0, slot])
 
-    def _sink_copy(self, c, slot, write):
+    def _sink_copy(self, piece, slot, write):
+        c, lanes = piece
         sink = self.patches[c].at[self.g.tokens]  # always allocated (AttentionGeometry.patch_pages)
-        return pltpu.make_async_copy(sink, self.patches[c].at[slot],
-                                     self.sc.patch_sems.at[1 if write else 0, slot])
+        dst = self.patches[c].at[slot]
+        if lanes is not None:
+            sink, dst = sink.at[:, pl.ds(*lanes)], dst.at[:, pl.ds(*lanes)]
+        return pltpu.make_async_copy(sink, dst, self.sc.patch_sems.at[1 if write else 0, slot])
 
     def start_patch_dma(self, slot, pg, first, write):
         def real():
-            for c in range(2):
-                self._patch_copy(c, slot, pg, write).start()
+            for piece in self.patch_pieces():
+                self._patch_copy(piece, slot, pg, write).start()
 
         def stand_in():
-            for c in range(2):
-                self._sink_copy(c, slot, write).start()
+            for piece in self.patch_pieces():
+                self._sink_copy(piece, slot, write).start()
 
         pl.when(first)(real)
         pl.when(jnp.logical_not(first))(stand_in)
 
     def wait_patch_dma(self, slot, pg, write):
-        for c in range(2):  # same byte count whichever arm started it
-            self._patch_copy(c, slot, pg, write).wait()
+        # Per piece the same byte count whichever arm started it; the pieces share the slot's
+        # semaphore, and every one is waited before the slot is used.
+        for piece in self.patch_pieces():
+            self._patch_copy(piece, slot, pg, write).wait()
 
     def start_patch_reads(self):
         for _, _, slot, _, _, pg, first in self.tokens():
@@ -281,6 +310,12 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         Only for models without sliding windows (a window moves a layer's first tile).
     sinks: f32 [1, Hq] (geom.sinks, gpt-oss): each q head's sink logit, one more key in its
         softmax denominator whose value is zero (the online softmax starts from it).
+    A quantized cache (geom.kv_dtype fp8 / int8): k_cache is the ONE packed array [num_layers,
+        num_pages, page_rows, page_lanes] (`tpumk.model.kv_quant.PagedLayout`: kv_group tokens'
+        K and V codes per row, then their scale exponents), v_cache None. The new rows are
+        quantized per (row, kv head) before they are patched in; each streamed tile is converted
+        back per token group and head block (code * power-of-two scale, rounded to the model
+        dtype) before its matmuls, so everything after the read is the model-dtype stage.
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
     been waited when it returns, except the next layer's first tile DMAs under prefetch_next.
 
@@ -325,11 +360,82 @@ def _stage_rows(st: _Stage, q, k_new, v_new) -> None:
     addressed by ref slicing (static unaligned slices of values are not reliably lowerable).
 
     flat[:B*q_len] = q [B*q_len, Hq*D] f32; new_rows[0 | 1, :B*q_len] = k_new | v_new in f32
-    (exact: they are already in the cache dtype)."""
+    (exact: they are already in the model dtype), or in a quantized cache their codes (as f32,
+    exact) with their exponent bytes in new_exps (`_quantize_rows`)."""
     g, sc = st.g, st.sc
     sc.flat[pl.ds(0, g.tokens), :] = q.astype(jnp.float32)
-    sc.new_rows[0, pl.ds(0, g.tokens), :] = k_new.astype(jnp.float32)  # exact: k is already dt
-    sc.new_rows[1, pl.ds(0, g.tokens), :] = v_new.astype(jnp.float32)
+    for c, rows in enumerate((k_new, v_new)):
+        rows = rows.astype(jnp.float32)  # exact: the rows are already in the model dtype
+        if g.quantized:
+            rows, sc.new_exps[c, pl.ds(0, g.tokens), :] = _quantize_rows(g, rows)
+        sc.new_rows[c, pl.ds(0, g.tokens), :] = rows
+
+
+def _quantize_rows(g: AttentionGeometry, x):
+    """x [rows, Hkv*D] f32 -> (codes [rows, Hkv*D] as f32 values, exponent bytes [rows, Hkv] as
+    f32 values), as `tpumk.model.kv_quant.quantize_rows` and `exponent_bytes` compute them (its
+    `pow2_scales` itself, so the codes match bit for bit): per (row, kv head) a power-of-two
+    scale from max|x|, code = x times its exact reciprocal, for int8 rounded to nearest even and
+    clipped; fp8 codes are rounded by the cast when the page is stored. Heads are lane ranges of
+    the row, reduced under a lane mask (64-wide heads share a 128-lane block)."""
+    fmt = kv_format(g.kv_dtype)
+    lane = lax.broadcasted_iota(jnp.int32, (1, g.kv_size), 1)
+    head_lane = lax.broadcasted_iota(jnp.int32, (1, g.num_kv_heads), 1)
+    multiplier = jnp.ones(x.shape, jnp.float32)
+    exps = jnp.zeros((x.shape[0], g.num_kv_heads), jnp.float32)
+    for h in range(g.num_kv_heads):
+        in_head = jnp.logical_and(lane >= h * g.head_dim, lane < (h + 1) * g.head_dim)
+        scale, inverse = pow2_scales(jnp.max(jnp.where(in_head, jnp.abs(x), 0.0), axis=1, keepdims=True), fmt)
+        biased = lax.shift_right_logical(lax.bitcast_convert_type(scale, jnp.int32), jnp.int32(23))
+        multiplier = jnp.where(in_head, inverse, multiplier)
+        exps = jnp.where(head_lane == h, (biased - 128).astype(jnp.float32), exps)
+    codes = x * multiplier
+    if fmt.name == "int8":
+        codes = jnp.clip(jnp.round(codes), -fmt.qmax, fmt.qmax)
+    return codes, exps
+
+
+def _tile_scales(g: AttentionGeometry, tile_ref, slot):
+    """The float32 scales of a quantized tile slot [rows, exponent lanes] (kv_quant.scales_of)."""
+    lay = g.kv_layout
+    return _scales_of_bytes(_as_bytes(g, tile_ref[slot, :, pl.ds(lay.codes_lanes, lay.lanes - lay.codes_lanes)]))
+
+
+def _scales_of_bytes(e):
+    """Exponent bytes (int32, -128 .. 125) -> 2^(e + 1) in float32 (0.0 for -128)."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 128, jnp.int32(23)), jnp.float32)
+
+
+def _as_bytes(g: AttentionGeometry, x):
+    """1-byte cache values (fp8 or int8) -> their bytes as int32 (-128 .. 127). A bitcast, which
+    libtpu 0.0.52's static profiler accepts (it aborts on a float32 -> fp8 cast)."""
+    if g.cache_dtype != "int8":
+        x = lax.bitcast_convert_type(x, jnp.int8)
+    return x.astype(jnp.int32)
+
+
+def _from_bytes(g: AttentionGeometry, b):
+    """The inverse of `_as_bytes`."""
+    b = b.astype(jnp.int8)
+    return b if g.cache_dtype == "int8" else lax.bitcast_convert_type(b, BUFFER_DTYPES[g.cache_dtype])
+
+
+def _code_bytes(g: AttentionGeometry, codes):
+    """Code values (float32, exact integers for int8; |x| <= 448 for fp8) -> their bytes as
+    int32. fp8: float8_e4m3fn's encoding computed on the float32 bits (round to nearest even,
+    subnormals below 2^-6), because the static profiler aborts on the cast itself; the same
+    bytes as the reference's cast (tests/test_attention_kv_quant.py compares every byte)."""
+    if g.cache_dtype == "int8":
+        return codes.astype(jnp.int32)
+    bits = lax.bitcast_convert_type(codes, jnp.int32)
+    sign = lax.shift_left(lax.shift_right_logical(bits, jnp.int32(31)), jnp.int32(7))
+    mag = jnp.bitwise_and(bits, jnp.int32(0x7FFFFFFF))
+    # drop 20 of the 23 mantissa bits, rounding to nearest even (a carry moves into the exponent)
+    rounded = mag + 0x7FFFF + jnp.bitwise_and(lax.shift_right_logical(mag, jnp.int32(20)), 1)
+    normal = lax.shift_right_logical(rounded, jnp.int32(20)) - ((127 - 7) << 3)  # rebias 127 -> 7
+    subnormal = jnp.round(jnp.abs(codes) * 512.0).astype(jnp.int32)  # k * 2^-9; k = 8 is 2^-6's code
+    code = jnp.bitwise_or(jnp.where(jnp.abs(codes) < 2.0 ** -6, subnormal, normal), sign)  # 0 .. 255
+    return jnp.where(code >= 128, code - 256, code)
 
 
 def _regroup_q(st: _Stage):
@@ -436,15 +542,57 @@ def _patch_pages(st: _Stage) -> None:
     rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
     for b, i, slot, lps, pos, pg, first in st.tokens():
         st.wait_patch_dma(slot, pg, write=False)
-        # Row of this page that token j lands on, or -1 when j is on another page or out of range.
-        hits = [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
-                for j in range(T)]
-        for c in range(2):
-            page = patches[c][slot].astype(jnp.float32)
-            for j in range(T):
-                page = jnp.where(rows == hits[j], sc.new_rows[c, pl.ds(b * T + j, 1), :], page)
-            patches[c][slot] = page.astype(dt)
+        hits = _page_slots(st, i, lps, pos)
+        if g.quantized:
+            _patch_packed_page(st, b, slot, hits)
+        else:
+            for c in range(2):
+                page = patches[c][slot].astype(jnp.float32)
+                for j in range(T):
+                    page = jnp.where(rows == hits[j], sc.new_rows[c, pl.ds(b * T + j, 1), :], page)
+                patches[c][slot] = page.astype(dt)
         st.start_patch_dma(slot, pg, first, write=True)
+
+
+def _page_slots(st: _Stage, i, lps, pos):
+    """Per new token j of the sequence: the slot of token i's page it lands on, or -1 when j is
+    on another page or out of range."""
+    P = st.g.page_size
+    return [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
+            for j in range(st.g.q_len)]
+
+
+def _patch_packed_page(st: _Stage, b: int, slot: int, hits) -> None:
+    """`_patch_pages` for a quantized page (`kv_quant.PagedLayout`), in its bytes (as int32):
+    token j's slot s = hits[j] is row s // G, group position s % G; its K and V code bytes go
+    to that group's code lanes of the row, its exponent bytes to that group's exponent lanes."""
+    g, sc = st.g, st.sc
+    G, C, H, T = g.kv_group, g.kv_size, g.num_kv_heads, g.q_len
+    lay = g.kv_layout
+    lane = lax.broadcasted_iota(jnp.int32, (1, g.page_lanes), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (g.page_rows, 1), 0)
+    head_lane = lax.broadcasted_iota(jnp.int32, (1, H), 1)
+    exp_lane = lax.broadcasted_iota(jnp.int32, (1, g.page_lanes - lay.codes_lanes), 1)
+    page = _as_bytes(g, st.patches[0][slot])
+    for j in range(T):
+        codes = [_code_bytes(g, sc.new_rows[c, pl.ds(b * T + j, 1), :]) for c in range(2)]  # [1, C] each
+        exps = [sc.new_exps[c, pl.ds(b * T + j, 1), :] for c in range(2)]  # [1, H] f32 exponent bytes
+        row = jnp.where(hits[j] >= 0, lax.div(jnp.maximum(hits[j], 0), G), -1)
+        grp = lax.rem(jnp.maximum(hits[j], 0), G)
+        for gp in range(G):  # the row piece of group position gp, selected when grp == gp
+            block = jnp.zeros((1, g.page_lanes - lay.codes_lanes), jnp.int32)
+            for c in range(2):
+                for h in range(H):  # this byte's value as a [1, 1] (a masked lane sum, exact)
+                    e = jnp.sum(jnp.where(head_lane == h, exps[c], 0.0), axis=1, keepdims=True).astype(jnp.int32)
+                    block = jnp.where(exp_lane == (gp * 2 + c) * H + h, e, block)
+            pieces = ([jnp.zeros((1, gp * 2 * C), jnp.int32)] if gp else []) + codes \
+                + ([jnp.zeros((1, (G - gp - 1) * 2 * C), jnp.int32)] if gp < G - 1 else []) + [block]
+            mine = jnp.logical_or(jnp.logical_and(lane >= gp * 2 * C, lane < (gp + 1) * 2 * C),
+                                  jnp.logical_and(lane >= lay.codes_lanes + gp * 2 * H,
+                                                  lane < lay.codes_lanes + (gp + 1) * 2 * H))
+            at = jnp.logical_and(rows == jnp.where(grp == gp, row, -1), mine)
+            page = jnp.where(at, jnp.concatenate(pieces, axis=1), page)
+    st.patches[0][slot] = _from_bytes(g, page)
 
 
 def _softmax_start(st: _Stage, sinks) -> list[tuple[Any, Any]]:
@@ -485,14 +633,15 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
     q_heads block holds o (acc / l). `start`: each head block's (max, sum) before its first key
     (`_softmax_start`)."""
     g, sc, layer, positions = st.g, st.sc, st.layer, st.positions
-    B, T, P, KT, NB = g.batch, g.q_len, g.page_size, g.kv_tile_pages, g.kv_buffers
+    B, T, KT, NB = g.batch, g.q_len, g.kv_tile_pages, g.kv_buffers
     D, S = g.head_dim, g.tile_rows
     NBK, BL, BR = g.head_blocks, g.block_lanes, g.block_rows
     dt = g.jnp_dtype
     scale = 1.0 / math.sqrt(g.score_dim or D)  # a lane-padded head's true width, or attn_scalar
     # f32 caches: ask the MXU for full f32 products (the reference contract), not one bf16 pass.
     precision = lax.Precision.HIGHEST if g.dtype == "float32" else None
-    tiles, patches = (sc.k_tiles, sc.v_tiles), st.patches
+    tiles, patches, channels = st.tiles, st.patches, len(st.caches)
+    PR = g.page_rows  # rows of one page in a tile slot (a quantized page packs kv_group tokens per row)
     meta_width = st.meta_width
 
     def first_of(b):
@@ -516,20 +665,20 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
                 hit = lps[i] == lp
                 pslot = jnp.where(hit, b * T + i, pslot)
                 patched = jnp.logical_or(patched, hit)
-            dsts = [tiles[c].at[slot, pl.ds(j * P, P)] for c in range(2)]
-            sems = [sc.tile_sems.at[c, slot, j] for c in range(2)]
+            dsts = [tiles[c].at[slot, pl.ds(j * PR, PR)] for c in range(channels)]
+            sems = [sc.tile_sems.at[c, slot, j] for c in range(channels)]
 
             if local:
                 @pl.when(patched)
                 def _():  # a page this step writes: copy its patched VMEM image, never read HBM
-                    for c in range(2):
+                    for c in range(channels):
                         pltpu.make_async_copy(patches[c].at[pslot], dsts[c], sems[c]).start()
 
             if hbm is not False:
                 @pl.when(jnp.logical_not(patched) if hbm is True else jnp.logical_and(hbm, jnp.logical_not(patched)))
                 def _():
                     pg = st.page_id(b, lp)
-                    for c in range(2):
+                    for c in range(channels):
                         pltpu.make_async_copy(st.caches[c].at[layer_, pg], dsts[c], sems[c]).start()
 
     def wait_tile(slot):
@@ -538,9 +687,51 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
         # A DMA wait counts the bytes of its descriptor's destination; both sources of a page
         # (HBM or the patch buffer) move the same bytes, so one descriptor shape waits for either.
         for j in range(KT):
-            for c in range(2):
-                dst = tiles[c].at[slot, pl.ds(j * P, P)]
+            for c in range(channels):
+                dst = tiles[c].at[slot, pl.ds(j * PR, PR)]
                 pltpu.make_async_copy(st.caches[c].at[layer, 0], dst, sc.tile_sems.at[c, slot, j]).wait()
+
+    # A quantized cache packs G = kv_group tokens per tile row (PagedLayout): tile row rho holds
+    # tokens G*rho .. G*rho + G - 1 of the tile, so each group position grp is its own [RS, ..]
+    # block of keys (key t*S + G*rho + grp), with its own matmuls. A model-dtype cache: G = 1.
+    G, RS = g.kv_group, KT * g.page_rows
+
+    def kv_block(c, slot, grp, h):
+        """Head block h of the K (c = 0) or V (1) keys of group position grp in tile slot
+        `slot`, [RS, BL] in the model dtype: the tile itself, or a quantized tile's codes (exact
+        in bfloat16: 8-bit integers, or fp8's 3 mantissa bits); their scales are applied by
+        `row_scales` instead."""
+        if not g.quantized:
+            return tiles[c][slot, :, pl.ds(h * BL, BL)]
+        return tiles[0][slot, :, pl.ds((grp * 2 + c) * g.kv_size + h * BL, BL)].astype(dt)
+
+    def scale_rows(slot):
+        """A quantized tile's scales as rows over its keys: [(grp * 2 + c) * Hkv + head, RS] f32.
+        The tile holds them as columns (one exponent lane per group, tensor and head); one
+        one-hot matmul (exact: powers of two and ones) turns them into rows, since a key's scale
+        multiplies a lane of the scores and of the probabilities."""
+        cols = _tile_scales(g, tiles[0], slot)  # [RS, exponent lanes]
+        n = round_up(2 * G * g.num_kv_heads, 8)
+        onehot = (lax.broadcasted_iota(jnp.int32, (n, cols.shape[1]), 0)
+                  == lax.broadcasted_iota(jnp.int32, (n, cols.shape[1]), 1)).astype(jnp.float32)
+        return lax.dot_general(onehot, cols, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)  # [n, RS]
+
+    def row_scales(rows_all, c, grp, h):
+        """[Rb, RS] (or [1, RS]): each query row's scale of every key of group grp, tensor c, for
+        the kv head(s) of block h (a block of two 64-wide heads: each row its own head's).
+        Because a power of two commutes with every rounding, (q . codes) * scale equals q . (codes
+        * scale) bit for bit, and (p * scale) . codes equals p . (codes * scale) (the reference's
+        dequantized rows), barring underflow."""
+        idx = lax.broadcasted_iota(jnp.int32, (rows_all.shape[0], 1), 0)
+        heads = []
+        for p_ in range(g.heads_per_block):  # a row of the matrix: a masked sublane sum, exact
+            r = (grp * 2 + c) * g.num_kv_heads + h * g.heads_per_block + p_
+            heads.append(jnp.sum(jnp.where(idx == r, rows_all, 0.0), axis=0, keepdims=True))
+        if len(heads) == 1:
+            return heads[0]
+        qrow = lax.broadcasted_iota(jnp.int32, (BR, 1), 0)
+        return jnp.where(qrow < g.q_rows, heads[0], heads[1])  # _regroup_q: head p's rows from p * q_rows
 
     def compute(b, t, slot):
         # Branch-free on purpose: with the first-tile reset and the last-tile output inside
@@ -558,15 +749,22 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
                 ok = jnp.logical_or(ok, kpos == p_)
             return ok
 
-        kpos_lane = t * S + lax.broadcasted_iota(jnp.int32, (1, S), 1)
-        kpos_row = t * S + lax.broadcasted_iota(jnp.int32, (S, 1), 0)
         qpos = jnp.full((BR, 1), -1, jnp.int32)  # pad rows see nothing
         for i in range(T):
             qpos = jnp.where(token_of_row == i, pos[i], qpos)
-        mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)  # [Rb, S]
-        if st.window is not None:  # sliding layer: keys k with p - k < window only
-            mask = jnp.logical_and(mask, kpos_lane > qpos - st.window)
-        v_ok = key_valid(kpos_row)  # [S, 1]
+        masks, v_oks = [], []
+        for grp in range(G):
+            kpos_lane = t * S + G * lax.broadcasted_iota(jnp.int32, (1, RS), 1) + grp
+            kpos_row = t * S + G * lax.broadcasted_iota(jnp.int32, (RS, 1), 0) + grp
+            mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)  # [Rb, RS]
+            if st.window is not None:  # sliding layer: keys k with p - k < window only
+                mask = jnp.logical_and(mask, kpos_lane > qpos - st.window)
+            masks.append(mask)
+            v_oks.append(key_valid(kpos_row))  # [RS, 1]
+        rows_all = scale_rows(slot) if g.quantized else None
+
+        def scaled(x, c, grp, h):  # x [Rb, RS] times each key's scale (a quantized cache only)
+            return x if rows_all is None else x * row_scales(rows_all, c, grp, h)
 
         # The heads go in phases (every QK^T, then every softmax, then every p.v), not one head
         # at a time: with independent matmuls back to back the MXU need not idle through each
@@ -574,27 +772,37 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
         # One block is one kv head, or two 64-wide ones (block-diagonal q: each row's scores
         # are its own head's; of p.V each head's rows keep their own lane half).
         q_blk = [sc.q_heads[b, h] for h in range(NBK)]  # [Rb, Db] f32
-        scores = [soft_cap(lax.dot_general(q_blk[h].astype(dt), sc.k_tiles[slot, :, pl.ds(h * BL, BL)],
-                                           (((1,), (1,)), ((), ())), precision=precision,
-                                           preferred_element_type=jnp.float32) * scale, g.softcap)
-                  for h in range(NBK)]  # [Rb, S]
+        scores = [[soft_cap(scaled(lax.dot_general(q_blk[h].astype(dt), kv_block(0, slot, grp, h),
+                                                   (((1,), (1,)), ((), ())), precision=precision,
+                                                   preferred_element_type=jnp.float32), 0, grp, h) * scale, g.softcap)
+                   for grp in range(G)] for h in range(NBK)]  # [Rb, RS] per group
         probs, stats = [], []
         for h in range(NBK):
-            s = jnp.where(mask, scores[h], MASK_VALUE)
+            ss = [jnp.where(masks[grp], scores[h][grp], MASK_VALUE) for grp in range(G)]
             # A sequence's first tile starts from an empty state (max -inf, sum 0, acc 0), or
             # with sinks from the sink alone (max sink, sum 1, acc 0).
             m_prev = jnp.where(first_tile, start[h][0], sc.m[h])  # [R, 128] lane-replicated
             l_prev = jnp.where(first_tile, start[h][1], sc.l[h])
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            m_next = m_prev
+            for s_ in ss:
+                m_next = jnp.maximum(m_next, jnp.max(s_, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
-            probs.append(p.astype(dt))
-            stats.append((m_next, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), alpha))
+            ps = [jnp.exp(s_ - m_next[:, :1]) for s_ in ss]
+            probs.append([scaled(p, 1, grp, h).astype(dt) for grp, p in enumerate(ps)])
+            total_p = jnp.sum(ps[0], axis=1, keepdims=True)
+            for p in ps[1:]:
+                total_p = total_p + jnp.sum(p, axis=1, keepdims=True)
+            stats.append((m_next, alpha * l_prev + total_p, alpha))
         zero_v = jnp.zeros((), dt)
-        pvs = [lax.dot_general(probs[h], jnp.where(v_ok, sc.v_tiles[slot, :, pl.ds(h * BL, BL)], zero_v),
-                               (((1,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
-               for h in range(NBK)]  # [Rb, Db]
+        pvs = []
+        for h in range(NBK):
+            pv = None
+            for grp in range(G):
+                part = lax.dot_general(probs[h][grp], jnp.where(v_oks[grp], kv_block(1, slot, grp, h), zero_v),
+                                       (((1,), (0,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)  # [Rb, Db]
+                pv = part if pv is None else pv + part
+            pvs.append(pv)
         for h in range(NBK):
             m_next, l_next, alpha = stats[h]
             acc_next = jnp.where(first_tile, 0.0, sc.acc[h]) * alpha[:, :1] + pvs[h]
@@ -722,13 +930,21 @@ def _check_shapes(g: AttentionGeometry, q, k_new, v_new, k_cache, v_cache, block
     for name, (got, want) in expect.items():
         if tuple(got) != want:
             raise ValueError(f"attention_stage: {name} has shape {tuple(got)}, geometry expects {want}")
-    for name, ref in (("k_cache", k_cache), ("v_cache", v_cache)):
+    if g.quantized:
+        want = (g.num_layers, k_cache.shape[1], g.page_rows, g.page_lanes)
+        if tuple(k_cache.shape) != want or k_cache.dtype != BUFFER_DTYPES[g.cache_dtype] or v_cache is not None:
+            raise ValueError(f"attention_stage: a quantized cache is one {g.cache_dtype}{list(want)} array "
+                             f"(and v_cache None), got {k_cache.dtype}{list(k_cache.shape)}")
+        caches = ()
+    else:
+        caches = (("k_cache", k_cache), ("v_cache", v_cache))
+    for name, ref in caches:
         shp = tuple(ref.shape)
         if len(shp) != 4 or shp[0] != g.num_layers or shp[2:] != (g.page_size, g.kv_size):
             raise ValueError(f"attention_stage: {name} has shape {shp}, geometry expects "
                              f"({g.num_layers}, num_pages, {g.page_size}, {g.kv_size})")
-        if ref.dtype != g.jnp_dtype:
-            raise ValueError(f"attention_stage: {name} dtype {ref.dtype} != geometry dtype {g.dtype}")
+        if ref.dtype != BUFFER_DTYPES[g.cache_dtype]:
+            raise ValueError(f"attention_stage: {name} dtype {ref.dtype} != the geometry's cache dtype {g.cache_dtype}")
     bt = tuple(block_tables.shape)
     if bt not in ((g.batch, g.pages_per_seq), (g.batch * g.pages_per_seq,)):
         raise ValueError(f"attention_stage: block_tables has shape {bt}, geometry expects "

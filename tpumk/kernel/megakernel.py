@@ -53,7 +53,7 @@ from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
 from tpumk.plan.plan import Plan, mla_dims, o_bias_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
-from tpumk.model.reference import KVCache, embed, guard_positions, jnp_dtype, soft_cap
+from tpumk.model.reference import KVCache, QuantizedKVCache, embed, guard_positions, jnp_dtype, soft_cap
 from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
 
@@ -108,7 +108,7 @@ def _kernel(plan: Plan):
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
         moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
         # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place
-        # (MLA: the one latent cache, output 1).
+        # (MLA: the one latent cache, output 1; --kv-dtype: the one packed cache, output 1).
         logits_ref, k_out, v_out = (*refs[n_in:n_in + n_out], None)[:3]
         s = _Scratch(contract, list(refs[n_in + n_out:]))
         if plan.ring_grouped:  # each tile's scales stream with it
@@ -493,8 +493,10 @@ def _device_step(plan: Plan, call) -> Callable:
     lengths) -> (logits [B, q, cfg.vocab_size], k, v). On many devices `plan.cfg` is the
     device's part of the model (its vocab slice) and this runs inside `jax.shard_map`."""
     cfg, contract = plan.cfg, plan.contract
+    quantized = plan.attention.quantized
 
-    def run(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
+    def run(packed, tokens, positions, caches, block_tables, lengths):
+        """caches: (k, v), or (kv,) for a quantized cache; returned updated."""
         b, t = tokens.shape
         n = b * t
         # a token id outside the vocabulary: zeros, as the reference; Gemma's factor as the reference
@@ -509,16 +511,17 @@ def _device_step(plan: Plan, call) -> Callable:
                                            rope.cos_sin_scale(pos, jnp, local=True))
                 cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
-                  "cache.block_tables": block_tables, "cache.lengths": lengths, "cache.k": k_cache, "cache.v": v_cache}
-        blocks, k, *v = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
-                               for b in contract.operands))
-        v = v[0] if v else v_cache  # MLA: KVCache.v (empty) never enters the kernel
+                  "cache.block_tables": block_tables, "cache.lengths": lengths,
+                  **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)}}
+        blocks, *updated = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
+                                  for b in contract.operands))
+        updated += caches[len(updated):]  # MLA: KVCache.v (empty) never enters the kernel
         # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
         # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
         d = plan.devices
         logits = blocks.reshape(d, -1, n, blocks.shape[-1]).transpose(2, 0, 1, 3).reshape(n, d, plan.vocab_pad)
         logits = logits[:, :, :cfg.vocab_size].reshape(n, d * cfg.vocab_size)[:, :plan.whole_model.vocab_size]
-        return logits.reshape(b, t, -1), k, v
+        return logits.reshape(b, t, -1), tuple(updated)
 
     return run
 
@@ -551,16 +554,25 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
 
     device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
 
-    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+    quantized = plan.attention.quantized
+
+    def step(packed: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache | QuantizedKVCache):
         check(tokens)
+        if isinstance(cache, QuantizedKVCache) != quantized:
+            raise ValueError(f"decode step planned for a {plan.attention.kv_dtype or plan.cfg.dtype} KV cache, "
+                             f"got a {'quantized' if isinstance(cache, QuantizedKVCache) else 'model-dtype'} one "
+                             "(reference.init_cache(..., kv_dtype=...) makes either)")
         tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
         # As the reference: a token id outside the vocabulary runs at position -1 (writes nothing).
         positions = guard_positions(tokens, positions, plan.whole_model.vocab_size)
-        logits, k, v = device_run(packed, tokens, positions, cache.k, cache.v, cache.block_tables.astype(jnp.int32),
-                                  cache.lengths.astype(jnp.int32))
+        arrays = (cache.kv,) if quantized else (cache.k, cache.v)
+        logits, arrays = device_run(packed, tokens, positions, arrays, cache.block_tables.astype(jnp.int32),
+                                    cache.lengths.astype(jnp.int32))
         # As the reference: positions outside the pages write nothing and do not move lengths.
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
-        return logits, KVCache(k, v, cache.block_tables, lengths)
+        if quantized:
+            return logits, cache._replace(kv=arrays[0], lengths=lengths)
+        return logits, KVCache(*arrays, cache.block_tables, lengths)
 
     donate = (3,) if donate_cache else ()
     plain = jax.jit(step, donate_argnums=donate)
@@ -594,27 +606,29 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
 
     mesh, kv_spec = step_mesh(plan), P(None, None, None, MESH_AXIS)
 
-    def body(packed, tokens, positions, k_cache, v_cache, block_tables, lengths):
+    def body(packed, tokens, positions, caches, block_tables, lengths):
         local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
-        return run(local, tokens, positions, k_cache, v_cache, block_tables, lengths)
+        return run(local, tokens, positions, caches, block_tables, lengths)
 
-    def without_values(packed, tokens, positions, k_cache, block_tables, lengths):
+    def without_values(packed, tokens, positions, caches, block_tables, lengths):
+        (k_cache,) = caches
         empty = jnp.zeros((*k_cache.shape[:3], 0), k_cache.dtype)
-        logits, k_cache, _ = body(packed, tokens, positions, k_cache, empty, block_tables, lengths)
-        return logits, k_cache
+        logits, (k_cache, _) = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths)
+        return logits, (k_cache,)
 
-    def sharded(packed: dict, tokens, positions, k, v, block_tables, lengths):
+    def sharded(packed: dict, tokens, positions, caches, block_tables, lengths):
+        """caches: (k, v) or a quantized cache's (kv,), each split along its last axis (kv heads)."""
         weights = {key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
                    for key, val in packed.items()}
-        if v.size == 0:  # MLA's empty value cache stays outside: jax 0.11.2's Shardy canonicalizer
+        fn, kept = body, caches
+        if len(caches) == 2 and caches[1].size == 0:  # MLA's empty value cache stays outside: jax 0.11.2's Shardy canonicalizer
             # segfaults on a zero-size operand a manual computation returns unchanged (checked 2026-12-05)
-            logits, k = jax.shard_map(without_values, mesh=mesh, in_specs=(weights, P(), P(), kv_spec, P(), P()),
-                                      out_specs=(P(), kv_spec), check_vma=False)(
-                packed, tokens, positions, k, block_tables, lengths)
-            return logits, k, v
-        return jax.shard_map(body, mesh=mesh, in_specs=(weights, P(), P(), kv_spec, kv_spec, P(), P()),
-                             out_specs=(P(), kv_spec, kv_spec),
-                             check_vma=False)(packed, tokens, positions, k, v, block_tables, lengths)
+            fn, kept = without_values, caches[:1]
+        specs = tuple(kv_spec for _ in kept)
+        logits, out = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P()),
+                                    out_specs=(P(), specs), check_vma=False)(
+            packed, tokens, positions, kept, block_tables, lengths)
+        return logits, tuple(out) + tuple(caches[len(out):])
 
     return sharded
 
@@ -659,6 +673,9 @@ def step_specs(plan: Plan) -> tuple:
         k = shape_struct(c.operand("k_cache"))
         cache = KVCache(k, jax.ShapeDtypeStruct((*k.shape[:3], 0), k.dtype),
                         *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")))
+    elif plan.attention.quantized:  # one device's packed layout (many: each device's, side by side)
+        cache = QuantizedKVCache(*(shape_struct(c.operand(n)) for n in ("kv_cache", "block_tables", "lengths")),
+                                 layout=plan.attention.kv_layout)
     else:
         cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
     tok = shape_struct(c.operand("positions"))
@@ -678,6 +695,9 @@ def step_specs(plan: Plan) -> tuple:
               for key, val in packed_specs(plan).items() if key != "embed"}
     model = plan.whole_model
     packed["embed"] = spec((model.vocab_size, model.hidden_size), jnp_dtype(model), P())
-    k, v = (spec((*a.shape[:-1], n * a.shape[-1]), a.dtype, P(None, None, None, MESH_AXIS)) for a in cache[:2])
+    wide = {}
+    for name in ("kv",) if plan.attention.quantized else ("k", "v"):
+        a = getattr(cache, name)
+        wide[name] = spec((*a.shape[:-1], n * a.shape[-1]), a.dtype, P(None, None, None, MESH_AXIS))
     rep = [spec(a.shape, a.dtype, P()) for a in (tok, cache.block_tables, cache.lengths)]
-    return packed, rep[0], rep[0], KVCache(k, v, rep[1], rep[2])
+    return packed, rep[0], rep[0], cache._replace(**wide, block_tables=rep[1], lengths=rep[2])

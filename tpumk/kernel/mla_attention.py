@@ -58,11 +58,11 @@ class _LatentStage(attn._Stage):
         self.window = None
 
     def start_patch_dma(self, slot, pg, first, write):
-        pl.when(first)(lambda: self._patch_copy(0, slot, pg, write).start())
-        pl.when(jnp.logical_not(first))(lambda: self._sink_copy(0, slot, write).start())
+        pl.when(first)(lambda: self._patch_copy((0, None), slot, pg, write).start())
+        pl.when(jnp.logical_not(first))(lambda: self._sink_copy((0, None), slot, write).start())
 
     def wait_patch_dma(self, slot, pg, write):
-        self._patch_copy(0, slot, pg, write).wait()
+        self._patch_copy((0, None), slot, pg, write).wait()
 
 
 def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block_tables, lengths, positions,

@@ -52,8 +52,8 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     pos = np.asarray(positions)
     lengths = np.asarray(cache.lengths)
     tables = np.asarray(cache.block_tables)
-    page_size = int(cache.k.shape[2])
-    num_pages = int(cache.k.shape[1])
+    page_size = int(cache.page_size)
+    num_pages = int(cache.num_pages)
     if (pos.ndim != 2 or tables.ndim != 2 or lengths.shape != (tables.shape[0],) or pos.shape[0] != tables.shape[0]
             or pos.shape[1] == 0):
         raise PositionError(f"{where}: positions {tuple(pos.shape)}, lengths {tuple(lengths.shape)} and block "

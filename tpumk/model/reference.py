@@ -5,8 +5,9 @@ Numerics, which the megakernel follows exactly:
 - every matrix product casts its activation input to the weight dtype and accumulates in
   float32 (`preferred_element_type=float32`), as the MXU does;
 - the KV cache holds keys (after QK-norm and RoPE) and values in the model dtype, or, in a
-  `QuantizedKVCache` (`--kv-dtype fp8 | int8`), as 1-byte codes with one float32 scale per
-  (token, kv head), read back in float32 and rounded to the model dtype (`tpumk.model.kv_quant`).
+  `QuantizedKVCache` (`--kv-dtype fp8 | int8`), as 1-byte codes with one power-of-two scale per
+  (token, kv head), read back in float32 and rounded to the model dtype (`tpumk.model.kv_quant`,
+  whose `PagedLayout` packs a page's codes and scale exponents into one array).
 
 Paged KV cache layout (shared with the kernel, so caches compare element for element):
 - `k`, `v`: `[num_layers, num_pages, page_size, num_kv_heads * head_dim]`;
@@ -45,6 +46,7 @@ Defined behaviour for block-table entries outside [0, num_pages) and token ids o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from typing import Any, NamedTuple, Sequence
@@ -75,24 +77,40 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
     @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
     def max_context(self) -> int:
         return self.block_tables.shape[1] * self.page_size
 
 
-class QuantizedKVCache(NamedTuple):
-    """A paged cache in one byte per element (`tpumk.model.kv_quant`): `k` / `v` hold codes
-    (float8_e4m3fn or int8) in KVCache's layout, `k_scale` / `v_scale` one float32 scale per
-    (token, kv head), [num_layers, num_pages, page_size, kv_heads] (an MLA latent row: one)."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "block_tables", "lengths"],
+                   meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedKVCache:
+    """A paged cache in one byte per element (`tpumk.model.kv_quant`): `kv` [num_layers,
+    num_pages, layout.rows, layout.lanes] holds every page's K and V codes (float8_e4m3fn or
+    int8) and their scale exponents, packed as `layout` (a `kv_quant.PagedLayout`, static under
+    jit) says; an MLA model's latent rows likewise (one tensor)."""
 
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array
-    v_scale: jax.Array
+    kv: jax.Array
     block_tables: jax.Array
     lengths: jax.Array
+    layout: kv_quant.PagedLayout
 
-    page_size = KVCache.page_size  # the same paging as KVCache's
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
     max_context = KVCache.max_context
+
+    def _replace(self, **changes) -> "QuantizedKVCache":
+        return dataclasses.replace(self, **changes)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 16,
@@ -114,14 +132,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     shape = (cfg.num_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
     if kv_dtype is not None:
-        fmt = kv_quant.kv_format(kv_dtype)
-        heads, head_width, tensors = kv_quant.cache_rows(cfg)
-        width = heads * head_width
-        v_width, v_heads = (width, heads) if tensors == 2 else (0, 0)  # MLA: v stays empty
-        return QuantizedKVCache(jnp.zeros(shape[:3] + (width,), fmt.dtype), jnp.zeros(shape[:3] + (v_width,), fmt.dtype),
-                                jnp.zeros(shape[:3] + (heads,), jnp.float32),
-                                jnp.zeros(shape[:3] + (v_heads,), jnp.float32),
-                                jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
+        layout = kv_quant.layout_for(cfg, page_size, kv_quant.kv_format(kv_dtype).name)
+        return QuantizedKVCache(layout.zeros(cfg.num_layers, num_pages), jnp.asarray(tables),
+                                jnp.zeros((batch,), jnp.int32), layout)
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla); v stays empty
         return KVCache(jnp.zeros(shape[:3] + (cfg.attention.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
                        jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
@@ -370,24 +383,7 @@ def guard_positions(tokens: jax.Array, positions: jax.Array, vocab_size: int) ->
 def read_tables(cache: KVCache) -> jax.Array:
     """The block tables as pages are read: entries clipped into [0, num_pages), as the kernel
     addresses them (writes never go through this: an entry outside the pool writes nothing)."""
-    return jnp.clip(cache.block_tables, 0, cache.k.shape[1] - 1)
-
-
-def write_quantized(codes, scales, layer: int, page_ids, slots, rows):
-    """rows [B, q, heads, D] quantized (one scale per row and head) into layer `layer` of a
-    QuantizedKVCache's codes [L, pages, page_size, heads * D] and scales [L, pages, page_size,
-    heads], at `cache_slots`' page ids / slots (a page id past the pool drops the write)."""
-    c, s = kv_quant.quantize_rows(rows, kv_quant.format_of(codes))
-    b, t = rows.shape[:2]
-    return (codes.at[layer, page_ids, slots].set(c.reshape(b, t, -1), mode="drop"),
-            scales.at[layer, page_ids, slots].set(s, mode="drop"))
-
-
-def read_quantized(codes, scales, layer: int, tables, dtype) -> jax.Array:
-    """[B, ctx, heads, D]: each sequence's pages of layer `layer` in order, dequantized to `dtype`."""
-    b, heads = tables.shape[0], scales.shape[-1]
-    c = codes[layer][tables].reshape(b, -1, heads, codes.shape[-1] // heads)
-    return kv_quant.dequantize_rows(c, scales[layer][tables].reshape(b, -1, heads), dtype)
+    return jnp.clip(cache.block_tables, 0, cache.num_pages - 1)
 
 
 # ---------------------------------------------------------------------- whole steps
@@ -397,7 +393,7 @@ def cache_slots(cache: KVCache, positions: jax.Array):
     [0, num_pages): its write is dropped), slots [B, q], k_pos [B, ctx], k_valid [B, ctx]
     (cached, or at an in-range position of this step), new lengths [B])."""
     b = positions.shape[0]
-    ps, ctx, num_pages = cache.page_size, cache.max_context, cache.k.shape[1]
+    ps, ctx, num_pages = cache.page_size, cache.max_context, cache.num_pages
     in_range = (positions >= 0) & (positions < ctx)  # out-of-range tokens write nothing
     lp = jnp.clip(positions // ps, 0, cache.block_tables.shape[1] - 1)
     page_ids = jnp.take_along_axis(cache.block_tables, lp, axis=1)  # [B, q]
@@ -420,17 +416,16 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
     tables = read_tables(cache)
 
-    kc, vc = cache.k, cache.v
     quant = isinstance(cache, QuantizedKVCache)
-    k_scale, v_scale = (cache.k_scale, cache.v_scale) if quant else (None, None)
+    kc, vc = (cache.kv, None) if quant else (cache.k, cache.v)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = qkv(cfg, layer, h, positions, i)
         if quant:  # codes and scales written; the rows read back dequantized: [B, ctx, Hkv, D]
-            kc, k_scale = write_quantized(kc, k_scale, i, page_ids, slots, k)
-            vc, v_scale = write_quantized(vc, v_scale, i, page_ids, slots, v)
-            ks, vs = (read_quantized(c, s, i, tables, k.dtype) for c, s in ((kc, k_scale), (vc, v_scale)))
+            kc = cache.layout.write(kc, i, page_ids, slots, jnp.stack([k, v], axis=2))
+            rows = cache.layout.read(kc, i, tables, k.dtype)
+            ks, vs = rows[:, :, 0], rows[:, :, 1]
         else:
             kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
             vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
@@ -442,7 +437,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     if quant:
-        return logits_from(cfg, params, x), QuantizedKVCache(kc, vc, k_scale, v_scale, cache.block_tables, new_len)
+        return logits_from(cfg, params, x), cache._replace(kv=kc, lengths=new_len)
     return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
 
 
@@ -474,16 +469,15 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     page_ids, slots, k_pos, k_valid, new_len = cache_slots(cache, positions)
     tables = read_tables(cache)
 
-    lc = cache.k
     quant = isinstance(cache, QuantizedKVCache)
-    l_scale = cache.k_scale if quant else None
+    lc = cache.kv if quant else cache.k
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
-        if quant:  # the latent row is one "head": one scale per token
-            lc, l_scale = write_quantized(lc, l_scale, i, page_ids, slots, row[:, :, None, :])
-            rows = read_quantized(lc, l_scale, i, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
+        if quant:  # the latent row is one tensor of one "head": one scale per token
+            lc = cache.layout.write(lc, i, page_ids, slots, row[:, :, None, None, :])
+            rows = cache.layout.read(lc, i, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
         else:
             lc = lc.at[i, page_ids, slots].set(row, mode="drop")
             rows = lc[i][tables].reshape(b, ctx, cfg.attention.kv_cache_width)  # this sequence's pages in order
@@ -492,7 +486,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     if quant:
-        return logits_from(cfg, params, x), cache._replace(k=lc, k_scale=l_scale, lengths=new_len)
+        return logits_from(cfg, params, x), cache._replace(kv=lc, lengths=new_len)
     return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
 
 

@@ -29,6 +29,9 @@ dt the model dtype. Operands, in order:
                                                       experts: codes, then e_gateup_scales, e_down_scales;
                                                       expert biases: then e_gateup_bias)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
+    --kv-dtype fp8 / int8 instead: ONE operand kv_cache hbm [L, num_pages, P / G, packed lanes]
+                                                      (cache.kv, tpumk.model.kv_quant.PagedLayout),
+                                                      aliased to output 1
 MLA models (tpumk.kernel.mla_attention): the families q_a, q_b (or q), kv_a, uk, uv, o instead of
 qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE cache operand
 k_cache [L, num_pages, P, C + R] (the latent rows), aliased to output 1; `KVCache.v` (empty)
@@ -201,8 +204,14 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
                              "[L, num_pages, page_size, C + R]: c_kv | k_rope per token"),
                          source="cache.k", component="kv_cache"))
         return out
+    att = plan.attention
+    if att.quantized:  # tpumk.model.kv_quant.PagedLayout: K, V codes and scale exponents, one array
+        out.append(_with(hbm("kv_cache", (*cache[:2], att.page_rows, att.page_lanes), att.cache_dtype,
+                             "[L, num_pages, page_size / kv_group, packed row]: kv_group tokens' K | V codes, "
+                             "then their exponent bytes"), source="cache.kv", component="kv_cache"))
+        return out
     for name in ("k", "v"):
-        out.append(_with(hbm(f"{name}_cache", cache, cfg.dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
+        out.append(_with(hbm(f"{name}_cache", cache, att.cache_dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
                          source=f"cache.{name}", component="kv_cache"))
     return out
 
@@ -287,7 +296,7 @@ def kernel_contract(plan: Plan) -> KernelContract:
     packed = packed_buffers(plan)
     operands = tuple(_operands(plan, {b.source: b for b in packed}))
     head = plan.families["lm_head"]
-    caches = 1 if cfg.is_mla else 2  # the caches are the last operands, updated in place
+    caches = plan.attention.caches  # the last operands, updated in place
     outputs = (
         Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
                component="outputs",

@@ -22,6 +22,7 @@ import numpy as np
 
 from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig, expected_distinct_experts
+from tpumk.model.kv_quant import KV_FORMATS, PagedLayout, kv_format
 from tpumk.model.parts import SCORINGS
 from tpumk.model.quantize import EXPERT_FORMATS, FORMATS, GROUP
 
@@ -190,17 +191,20 @@ class AttentionGeometry:
     softcap: float = 0
     # gpt-oss: each q head's sink logit joins its softmax denominator (the stage's `sinks` row)
     sinks: bool = False
+    # the cache's format (`tpumk.model.kv_quant`): "" the model dtype, or "fp8" / "int8" codes with
+    # one float32 scale per (token, kv head) in two more caches (k_scale, v_scale)
+    kv_dtype: str = ""
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
-                    kv_tile_pages: int, kv_buffers: int) -> "AttentionGeometry":
+                    kv_tile_pages: int, kv_buffers: int, kv_dtype: str = "") -> "AttentionGeometry":
         windows = tuple(cfg.pattern.window(i) for i in range(cfg.num_layers)) if cfg.pattern.sliding_window else ()
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
                    score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap,
-                   sinks=cfg.attention.attn_sinks)
+                   sinks=cfg.attention.attn_sinks, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -283,7 +287,40 @@ class AttentionGeometry:
         return WEIGHT_DTYPES[self.dtype]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the cache holds 1-byte codes and per (token, kv head) scales."""
+        return bool(self.kv_dtype)
+
+    @property
+    def cache_dtype(self) -> str:
+        """dtype of the cache arrays (and their VMEM tiles and patch pages)."""
+        return np.dtype(kv_format(self.kv_dtype).dtype).name if self.quantized else self.dtype
+
+    @property
+    def kv_layout(self) -> PagedLayout:
+        """A quantized cache's page layout: K, V codes and scale exponents in one array."""
+        return PagedLayout(self.num_kv_heads, self.head_dim, 2, self.page_size, self.kv_dtype)
+
+    @property
+    def kv_group(self) -> int:
+        """Tokens per cache row: 1, or the quantized layout's group (see PagedLayout)."""
+        return self.kv_layout.group if self.quantized else 1
+
+    @property
+    def page_rows(self) -> int:
+        """Rows of one page in a cache array (and in a tile slot): page_size / kv_group."""
+        return self.page_size // self.kv_group
+
+    @property
+    def page_lanes(self) -> int:
+        """Lanes of one cache row: kv_size, or the quantized layout's packed row."""
+        return self.kv_layout.lanes if self.quantized else self.kv_size
+
+    @property
     def page_bytes(self) -> int:
+        """HBM bytes of one page of one cache array (a quantized page holds K, V and scales)."""
+        if self.quantized:
+            return self.kv_layout.page_bytes
         return self.page_size * self.kv_size * self.itemsize
 
     # ------------------------------------------------------------------ validation
@@ -299,6 +336,7 @@ class AttentionGeometry:
             v = getattr(self, knob)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
         need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
+        need(self.kv_dtype in ("",) + tuple(KV_FORMATS), "kv_dtype", f"'' (the model dtype) or one of {', '.join(KV_FORMATS)}")
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads",
              f"a divisor of num_q_heads ({self.num_q_heads})")
         need(self.head_dim % LANE == 0 or self.head_dim == LANE // 2, "head_dim",
@@ -325,15 +363,28 @@ class AttentionGeometry:
 
         Every VMEM shape is whole (8 x 128) f32 / (16 x 128) bf16 tiles (page_size is validated,
         the other row counts are padded), so the logical bytes are the bytes VMEM allocates."""
-        dt = self.dtype
+        dt = self.cache_dtype
         nb, s, p, hd = self.kv_buffers, self.tile_rows, self.page_size, self.kv_size
         hkv, r, d = self.head_blocks, self.block_rows, self.block_lanes
-        return (
-            vmem("k_tiles", (nb, s, hd), dt, "streamed K tiles: [slot, token of the tile, kv heads along lanes]"),
-            vmem("v_tiles", (nb, s, hd), dt, "same for V"),
-            vmem("k_patch", (self.patch_pages, p, hd), dt,
-                 "page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
-            vmem("v_patch", (self.patch_pages, p, hd), dt, "same for V"),
+        if self.quantized:  # one packed array: a page is page_rows x page_lanes (tpumk.model.kv_quant)
+            caches = (
+                vmem("kv_tiles", (nb, self.kv_tile_pages * self.page_rows, self.page_lanes), dt,
+                     "streamed quantized tiles: [slot, row of the tile, packed row (K | V codes of kv_group "
+                     "tokens, their exponents)]"),
+                vmem("kv_patch", (self.patch_pages, self.page_rows, self.page_lanes), dt,
+                     "packed page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"))
+        else:
+            caches = (
+                vmem("k_tiles", (nb, s, hd), dt, "streamed K tiles: [slot, token of the tile, kv heads along lanes]"),
+                vmem("v_tiles", (nb, s, hd), dt, "same for V"),
+                vmem("k_patch", (self.patch_pages, p, hd), dt,
+                     "page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
+                vmem("v_patch", (self.patch_pages, p, hd), dt, "same for V"))
+        exponents = () if not self.quantized else (
+            vmem("new_exps", (2, self.staged_rows, self.num_kv_heads), "float32",
+                 "[k_new | v_new, token row b*q_len + i, kv head]: the new rows' exponent bytes (new_rows holds "
+                 "their codes)"),)
+        return caches + (
             vmem("new_rows", (2, self.staged_rows, hd), "float32",
                  "[k_new | v_new, token row b*q_len + i, kv heads]: one row addressable at a time"),
             vmem("q_heads", (self.batch, hkv, r, d), "float32",
@@ -345,9 +396,10 @@ class AttentionGeometry:
             vmem("flat", (self.staged_rows, self.q_size), "float32", "q as given ([B*q_len, Hq*D], b-major), later o"),
             smem("seq_meta", (self.batch * (3 + self.q_len),), "int32",
                  "per sequence b at b*(3+q_len): end tile, npages, first tile, then the page of each new token"),
-            dma_sems("tile_sems", (2, self.kv_buffers, self.kv_tile_pages), "[K | V, tile slot, page]"),
+            dma_sems("tile_sems", (self.caches, self.kv_buffers, self.kv_tile_pages),
+                     "[K | V (a quantized cache: the one array), tile slot, page]"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, patch slot]"),
-        )
+        ) + exponents
 
     def vmem_shapes(self) -> list[tuple[str, tuple[int, ...], Any]]:
         """(name, shape, jnp dtype) of every VMEM scratch buffer, in scratch order."""
@@ -383,7 +435,15 @@ class AttentionGeometry:
         per_head = r * s_lanes * (4 + 4 + isz)
         masked_v = round_up(s, SUBLANES[self.dtype]) * round_up(self.kv_size, LANE) * isz
         mask = r * s_lanes * 4
-        return self.head_blocks * per_head + masked_v + mask
+        # a quantized cache's tiles are dequantized block by block: the f32 products of K and V,
+        # their model-dtype copies and the tile's scales, every block live at once (the same
+        # upper-bound stance)
+        dequant = 0
+        if self.quantized:
+            rows = round_up(self.kv_tile_pages * self.page_rows, F32_SUBLANES)
+            dequant = rows * (2 * self.kv_group * round_up(self.kv_size, LANE) * (4 + isz)
+                              + (self.page_lanes - self.kv_layout.codes_lanes) * 4)
+        return self.head_blocks * per_head + masked_v + mask + dequant
 
     def smem_bytes(self) -> int:
         """SMEM scratch: per sequence, its end and first tile, page count and each new token's page."""
@@ -392,7 +452,7 @@ class AttentionGeometry:
     def dma_semaphores(self) -> int:
         """DMA semaphores the stage allocates: (K, V) x kv_buffers x kv_tile_pages (one per page
         DMA) + (read, write) x B*q."""
-        return 2 * self.kv_buffers * self.kv_tile_pages + 2 * self.tokens
+        return self.caches * self.kv_buffers * self.kv_tile_pages + 2 * self.tokens
 
     def dma_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None,
                    window: int = 0) -> dict[str, int]:
@@ -458,8 +518,9 @@ class AttentionGeometry:
 
     @property
     def caches(self) -> int:
-        """Cache arrays the stage reads and writes page by page: K and V."""
-        return 2
+        """Cache arrays the stage reads and writes page by page: K and V, or a quantized
+        cache's one packed array."""
+        return 1 if self.quantized else 2
 
 
 @dataclass(frozen=True)
@@ -477,14 +538,14 @@ class MLAGeometry(AttentionGeometry):
 
     @classmethod
     def for_mla(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int, kv_tile_pages: int,
-                kv_buffers: int) -> "MLAGeometry":
+                kv_buffers: int, kv_dtype: str = "") -> "MLAGeometry":
         from tpumk.model import yarn
 
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads, num_kv_heads=1,
                    head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, page_size=page_size,
                    pages_per_seq=pages_per_seq, num_layers=cfg.num_layers, kv_tile_pages=kv_tile_pages,
                    kv_buffers=kv_buffers, dtype=cfg.dtype, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim,
-                   scale=float(yarn.softmax_scale(cfg.attention, cfg.positions)))
+                   scale=float(yarn.softmax_scale(cfg.attention, cfg.positions)), kv_dtype=kv_dtype)
 
     @property
     def caches(self) -> int:
@@ -505,6 +566,8 @@ class MLAGeometry(AttentionGeometry):
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
         need(self.head_dim == self.latent + self.rope, "head_dim", f"latent + rope ({self.latent + self.rope})")
         need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
+        need(not self.kv_dtype, "kv_dtype", "'' (the MLA stage keeps its latent cache in the model dtype: "
+             "a 1-byte latent cache runs in the reference and `tpumk quality` only)")
         sub = SUBLANES[self.dtype]
         need(self.page_size % sub == 0, "page_size",
              f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpumk.model import kv_quant
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
 from tpumk.errors import NotSupportedError, PlanError
@@ -198,7 +199,7 @@ class Plan:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
         return BuildSpec(self.unpadded or self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
-                         self.page_size, self.devices, self.quant)
+                         self.page_size, self.devices, self.quant, self.attention.kv_dtype)
 
     @property
     def weight_format(self) -> WeightFormat | None:
@@ -310,7 +311,8 @@ class Plan:
             "head_dim": a.head_dim, "kv_heads": a.num_kv_heads,
             "kv_heads_per_128_lanes": a.heads_per_block,
             # unpadded: 64-wide heads share lane blocks, so a cached token is Hkv * D per cache
-            "kv_cache_bytes_per_token_per_layer": a.caches * a.kv_size * a.itemsize,
+            "kv_cache_bytes_per_token_per_layer": a.caches * a.page_bytes // a.page_size,
+            "kv_cache_format": a.kv_dtype or a.dtype,  # fp8 / int8: codes + a float32 scale per token and kv head
             **({"latent_cache": {"c_kv": a.latent, "k_rope": a.rope, "softmax_scale": a.scale}}
                if isinstance(a, MLAGeometry) else {}),
             # the KV tiling the kernel streams with; "auto": chosen by `_choose_kv_knobs`
@@ -356,7 +358,8 @@ class Plan:
             **({"lane_padding": self.padding_summary()} if self.unpadded is not None else {}),
             **({"sharding": self.sharding.summary(self.whole_model),
                 "resident_bytes_per_device": dict(zip(("weights", "kv_cache"), resident_bytes(
-                    self.whole_model, self.num_pages, self.page_size, self.sharding, self.quant))),
+                    self.whole_model, self.num_pages, self.page_size, self.sharding, self.quant,
+                    self.attention.kv_dtype))),
                 "interconnect_per_step": {k: dict(v) for k, v in self.interconnect.items()},
                 "interconnect_bytes_per_step": self.interconnect_bytes,
                 "collectives_per_step": self.collectives_per_step,
@@ -606,6 +609,10 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         raise NotSupportedError(f"--quant {spec.quant}: head_dim = {spec.model.head_dim} runs padded to "
                                 f"{padded.head_dim} lanes, and wo's {fmt.group}-row scale groups would straddle its "
                                 "heads (use int8 or fp8)")
+    if padded is not None and spec.kv_dtype:
+        raise NotSupportedError(f"--kv-dtype {spec.kv_dtype}: model '{spec.model.name}' runs lane-padded "
+                                "(tpumk.plan.padding), and a 1-byte cache of padded heads is not built yet "
+                                "(use the model-dtype cache)")
     batch, context, q_len, page_size = spec.batch, spec.context, spec.q_len, spec.page_size
     pages_per_seq = context // page_size  # BuildSpec validated the shape (context a multiple of page_size)
     num_pages = batch * pages_per_seq if num_pages is None else num_pages
@@ -614,7 +621,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
                         f"{batch} sequences of {context} tokens")
     sharding = plan_sharding(model, spec.devices, tuning.expert_parallel)
     cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
-    _check_hbm(model, target, num_pages, page_size, sharding, spec.quant)  # before any per-tile or per-page work
+    _check_hbm(model, target, num_pages, page_size, sharding, spec.quant, spec.kv_dtype)  # before any per-page work
     if model.is_mla:  # after the HBM check: a model too big is refused for that first
         _check_mla(model, spec)
 
@@ -627,10 +634,13 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     depth = tuning.ring_depth
 
     rows = batch * q_len
-    make_geometry = MLAGeometry.for_mla if cfg.is_mla else AttentionGeometry.from_config
 
     def geometry(kv_tile_pages: int, kv_buffers: int):
-        return make_geometry(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, kv_buffers)
+        if cfg.is_mla:
+            return MLAGeometry.for_mla(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, kv_buffers,
+                                       kv_dtype=spec.kv_dtype)
+        return AttentionGeometry.from_config(cfg, batch, q_len, page_size, pages_per_seq, kv_tile_pages, kv_buffers,
+                                             kv_dtype=spec.kv_dtype)
 
     # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
     attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
@@ -855,26 +865,26 @@ def _mib(b: float) -> str:
 
 
 def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: ShardingPlan | None = None,
-                   quant: str = "none") -> tuple[int, int]:
+                   quant: str = "none", kv_dtype: str = "") -> tuple[int, int]:
     """(weights, KV cache) bytes each device holds in HBM (closed form, O(1)): one device holds
     everything; on many, each holds its share of the weights (`per_device_weight_bytes`) and its
     KV heads' cache, or for MLA the whole latent cache (every device keeps a copy: it is
-    shared by all heads)."""
+    shared by all heads). `kv_dtype` (fp8, int8): the cache's 1-byte format (`tpumk.model.kv_quant`)."""
     n = sharding.devices if sharding is not None else 1
-    if n == 1:
-        weights = quantized_weight_bytes(cfg, quant)
-        kv_width = cfg.attention.kv_cache_width
-    else:
-        weights = per_device_weight_bytes(cfg, sharding, quant)
-        kv_width = cfg.attention.kv_cache_width if cfg.is_mla else 2 * sharding.kv_heads * cfg.head_dim
-    return int(weights), cfg.num_layers * num_pages * page_size * kv_width * cfg.dtype_bytes
+    weights = quantized_weight_bytes(cfg, quant) if n == 1 else per_device_weight_bytes(cfg, sharding, quant)
+    heads, width, tensors = kv_quant.cache_rows(cfg)
+    if n > 1 and not cfg.is_mla:
+        heads = sharding.kv_heads
+    fmt = kv_quant.kv_format(kv_dtype) if kv_dtype else None
+    per_token = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, fmt, cfg.dtype_bytes, tensors, page_size)
+    return int(weights), int(round(num_pages * page_size * per_token))
 
 
 def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
-               sharding: ShardingPlan | None = None, quant: str = "none") -> None:
+               sharding: ShardingPlan | None = None, quant: str = "none", kv_dtype: str = "") -> None:
     """The model's weights plus the KV cache must fit each device's HBM (`resident_bytes`)."""
     n = sharding.devices if sharding is not None else 1
-    weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant)
+    weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant, kv_dtype)
     if weights + kv > target.hbm_bytes:
         where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
         each = "" if n == 1 else " per device"

@@ -276,8 +276,8 @@ class ShardingPlan:
         return cfg.is_mla and self.devices > 1
 
     def expand_cache(self, cfg: ModelConfig, kv):
-        """A reference cache array [L, pages, P, Hkv*D] -> the sharded layout [L, pages, P,
-        N*kv_heads*D] (device d's lanes [d*kv_heads*D, ...)): the same array while N <= Hkv,
+        """A reference cache array [L, pages, P, Hkv*D] (or a quantized cache's scales [.., Hkv])
+        -> the sharded layout [L, pages, P, N*kv_heads*D] (device d's lanes [d*kv_heads*D, ...)): the same array while N <= Hkv,
         each KV head repeated kv_replicas times when replicated. MLA: the latent row [C+R]
         repeated N times (device d's copy in lanes [d*(C+R), ...))."""
         import jax.numpy as jnp
@@ -287,10 +287,37 @@ class ShardingPlan:
         if self.kv_replicas == 1:
             return kv
 
-        *lead, _ = kv.shape  # each device's KV head (or pair) repeated on its kv_replicas devices
-        unit = self.kv_heads * cfg.head_dim
+        *lead, width = kv.shape  # each device's KV head (or pair) repeated on its kv_replicas devices
+        unit = self.kv_heads * (width // cfg.num_kv_heads)  # head_dim lanes per head; a scale cache: 1
         heads = kv.reshape(*lead, cfg.num_kv_heads // self.kv_heads, unit)
         return jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, self.devices * unit)
+
+    def device_heads(self, cfg: ModelConfig) -> list[list[int]]:
+        """The KV heads each device's cache holds (MLA: the one latent "head", on every device)."""
+        if cfg.is_mla:
+            return [[0]] * self.devices
+        return [[(d // self.kv_replicas) * self.kv_heads + h for h in range(self.kv_heads)] for d in range(self.devices)]
+
+    def expand_quantized(self, cfg: ModelConfig, cache):
+        """`expand_cache` for a `reference.QuantizedKVCache`: every device's heads repacked in
+        its own page layout (`kv_quant.PagedLayout` of its kv heads), side by side."""
+        from tpumk.model import kv_quant
+
+        heads = self.device_heads(cfg)
+        local = kv_quant.layout_for(cfg, cache.layout.page_size, cache.layout.kv_dtype, heads=len(heads[0]))
+        if self.devices == 1:
+            return cache
+        return cache._replace(kv=kv_quant.split_heads(cache.kv, cache.layout, heads), layout=local)
+
+    def collapse_quantized(self, cfg: ModelConfig, cache):
+        """The inverse of `expand_quantized` (replicas agree; the first of each is kept)."""
+        from tpumk.model import kv_quant
+
+        if self.devices == 1:
+            return cache
+        whole = kv_quant.layout_for(cfg, cache.layout.page_size, cache.layout.kv_dtype)
+        firsts = [d for d, h in enumerate(self.device_heads(cfg)) if d == 0 or h != self.device_heads(cfg)[d - 1]]
+        return cache._replace(kv=kv_quant.join_heads(cache.kv, whole, self.devices, firsts), layout=whole)
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
@@ -298,9 +325,9 @@ class ShardingPlan:
             return kv[..., :kv.shape[-1] // self.devices]
         if self.kv_replicas == 1:
             return kv
-        *lead, _ = kv.shape
-        heads = kv.reshape(*lead, self.devices, self.kv_heads * cfg.head_dim)[..., ::self.kv_replicas, :]
-        return heads.reshape(*lead, cfg.attention.kv_size)
+        *lead, width = kv.shape
+        heads = kv.reshape(*lead, self.devices, width // self.devices)[..., ::self.kv_replicas, :]
+        return heads.reshape(*lead, width // self.kv_replicas)
 
 
 def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> ShardingPlan:

@@ -14,6 +14,7 @@ from typing import Any
 
 from tpumk.errors import PlanError
 from tpumk.model.config import ModelConfig
+from tpumk.model.kv_quant import KV_FORMATS
 from tpumk.plan.knobs import TuningConfig
 from tpumk.targets import Target
 
@@ -25,6 +26,7 @@ DEFAULT_Q_LEN = 1
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_DEVICES = 1
 DEFAULT_QUANT = "none"
+DEFAULT_KV_DTYPE = ""  # the KV cache in the model dtype; "fp8" / "int8": tpumk.model.kv_quant
 # Bounds of the step shapes, checked when a BuildSpec is made (before any plan arithmetic or
 # per-page loop), so that no input can make planning hang. They sit far above what the models
 # tpumk builds serve (Qwen3: 32k native, 128k with YaRN, which tpumk refuses for now); raise
@@ -49,6 +51,7 @@ class BuildSpec:
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV-cache page
     devices: int = DEFAULT_DEVICES  # TensorCores (JAX devices) one step spans: tensor/expert parallel
     quant: str = DEFAULT_QUANT  # weight formats (tpumk.model.quantize: a preset or ring=..,experts=..)
+    kv_dtype: str = DEFAULT_KV_DTYPE  # KV cache format: "" (model dtype), "fp8" or "int8" (`--kv-dtype`)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +80,10 @@ class BuildSpec:
             object.__setattr__(self, "quant", canonical_scheme(self.quant, self.model))
         except ConfigError as e:
             raise PlanError(f"build spec: {e}") from None
+        if self.kv_dtype not in ("", "none") and self.kv_dtype not in KV_FORMATS:
+            raise PlanError(f"build spec: kv_dtype = {self.kv_dtype!r:.40}: expected one of {', '.join(KV_FORMATS)} "
+                            "(or none: the model dtype)")
+        object.__setattr__(self, "kv_dtype", "" if self.kv_dtype == "none" else self.kv_dtype)
         if self.context % self.page_size:
             lo = self.context // self.page_size * self.page_size
             near = f"{lo} or {lo + self.page_size}" if lo else f"{self.page_size}"
@@ -97,8 +104,9 @@ class BuildSpec:
 
     def shapes(self) -> dict[str, int]:
         # everything but the model, target and knobs (the cache key and manifests record these)
+        # kv_dtype only when set: builds with a model-dtype cache keep the keys they always had
         return {"batch": self.batch, "context": self.context, "q_len": self.q_len, "page_size": self.page_size,
-                "devices": self.devices, "quant": self.quant}
+                "devices": self.devices, "quant": self.quant, **({"kv_dtype": self.kv_dtype} if self.kv_dtype else {})}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-safe) that `from_dict` turns back into the same spec."""
@@ -117,11 +125,12 @@ class BuildSpec:
             raise PlanError(f"{where}: missing field '{missing[0]}'")
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
                    TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"],
-                   d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT))
+                   d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT), d.get("kv_dtype", DEFAULT_KV_DTYPE))
 
     def label(self) -> str:
         q = f", q_len {self.q_len}" if self.q_len > 1 else ""
         on = f"{self.devices} x {self.target.name}" if self.devices > 1 else self.target.name
         fmt = f", {self.quant} weights" if self.quant != "none" else ""
+        fmt += f", {self.kv_dtype} KV cache" if self.kv_dtype else ""
         return (f"{self.model.name} ({self.model.dtype}{fmt}) on {on}, batch {self.batch}, "
                 f"context {self.context}{q}")

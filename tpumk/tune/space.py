@@ -79,9 +79,12 @@ FACTS: dict[str, str] = {
     "q_size": "num_q_heads * head_dim (input dim of o)",
     "kv_size": "num_kv_heads * head_dim (lanes of one KV-cache row; MLA: see kv_row_lanes)",
     "is_mla": "1 for a multi-head latent attention model (DeepSeek-V3, Kimi K2), else 0",
-    "kv_caches": "paged caches the attention streams: 2 (K and V), 1 for MLA (the latent cache)",
+    "kv_caches": "paged caches the attention streams: 2 (K and V), 1 for MLA (the latent cache) or a 1-byte "
+                 "cache (--kv-dtype: one packed array)",
     "kv_row_lanes": "VMEM lanes of one cache row: kv_size; MLA: kv_lora_rank + qk_rope_head_dim in whole "
-                    "128-lane tiles",
+                    "128-lane tiles; a 1-byte cache: its packed row's lanes per token (codes and exponent bytes, "
+                    "tpumk.model.kv_quant.PagedLayout)",
+    "kv_code_bytes": "bytes per element of a cache row: 1 with --kv-dtype fp8 / int8, else dtype_bytes",
     "o_rows": "input dim of the o matrix: q_size; MLA: every head's value lanes as the kernel lays them out "
               "(tpumk.plan.plan.mla_dims)",
     "ffn_size": "dense FFN width (intermediate size); 0 without dense layers",
@@ -759,6 +762,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     device's kernel from `ShardingPlan.local_config`), so a constraint that is a condition of
     the plan stays one; that share depends on `spec.tuning.expert_parallel`. Raises PlanError
     when the model does not split over `spec.devices` that way."""
+    from tpumk.model import kv_quant
     from tpumk.model.config import expected_distinct_experts
     from tpumk.model.quantize import expert_format, quantized_weight_bytes, weight_format
     from tpumk.plan.plan import KV_TILE_TOKENS, mla_dims
@@ -774,6 +778,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     rows = batch * q_len
     num_mxus, mxu_size = target.mxu_shape
     ring_fmt, expert_fmt = weight_format(spec.quant), expert_format(spec.quant)
+    packed = kv_quant.layout_for(cfg, page, spec.kv_dtype) if spec.kv_dtype and not cfg.is_mla else None
     weight_bytes = quantized_weight_bytes(cfg, spec.quant)
     # bytes a step reads, scaled by the quantized share of the weights (closed form, no plan)
     step_weight_bytes = cfg.decode_weight_bytes(rows) * weight_bytes / max(cfg.param_count() * cfg.dtype_bytes, 1)
@@ -793,8 +798,10 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "is_moe": int(cfg.is_moe),
         "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "q_size": cfg.attention.q_size, "kv_size": cfg.attention.kv_size,
-        "is_mla": int(cfg.is_mla), "kv_caches": 1 if cfg.is_mla else 2,
-        "kv_row_lanes": -(-cfg.attention.kv_cache_width // 128) * 128 if cfg.is_mla else cfg.attention.kv_size,
+        "is_mla": int(cfg.is_mla), "kv_caches": 1 if cfg.is_mla or spec.kv_dtype else 2,
+        "kv_row_lanes": (-(-cfg.attention.kv_cache_width // 128) * 128 if cfg.is_mla else
+                         packed.lanes // packed.group if spec.kv_dtype else cfg.attention.kv_size),
+        "kv_code_bytes": 1 if spec.kv_dtype else cfg.dtype_bytes,
         "o_rows": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.attention.q_size,
         "ffn_size": cfg.ffn_size, "vocab_size": cfg.vocab_size,
         "num_experts": cfg.num_experts, "experts_per_device": sharding.experts if cfg.is_moe else 0,

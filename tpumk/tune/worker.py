@@ -134,7 +134,8 @@ def _device_value(plan, compiled, warmup: int, repeats: int) -> dict[str, Any]:
         return {"ok": False, "stage": "device", "error": f"no {target.name} device is attached to this process"}
     cfg, b, q = plan.cfg, plan.batch, plan.q_len
     packed = jax.device_put(pack_weights(plan, random_params(cfg, seed=0)), dev)
-    cache = jax.device_put(init_cache(cfg, b, plan.context, page_size=plan.page_size), dev)
+    cache = jax.device_put(init_cache(cfg, b, plan.context, page_size=plan.page_size,
+                                      kv_dtype=plan.attention.kv_dtype or None), dev)
     lengths = np.full((b,), plan.context - q, np.int32)
     positions = jax.device_put(lengths[:, None] + np.arange(q, dtype=np.int32)[None, :], dev)
     tokens = jax.device_put(np.zeros((b, q), np.int32), dev)

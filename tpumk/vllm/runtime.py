@@ -141,6 +141,9 @@ def _check_shape(where: str, plan, max_seqs: int, max_len: int) -> None:
     if plan.devices != 1:
         raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (the plugin runs one device in this "
                                  "release)")
+    if plan.attention.kv_dtype:
+        raise ServingConfigError(f"{where}: built with --kv-dtype {plan.attention.kv_dtype}: expected the model-dtype "
+                                 "cache (vLLM's KV blocks are not in tpumk's packed 1-byte page layout)")
 
 
 def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int):
