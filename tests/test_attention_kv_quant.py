@@ -131,7 +131,19 @@ def expected(name: str, tables, lengths, positions, q, k_new, v_new, kv):
     return run(tables, lengths, positions, q, k_new, v_new, kv)
 
 
-@pytest.mark.parametrize("name", RUNS)
+FULL = ("f32-b2-q3-t1-n3-overwrite-nan-int8",)  # the full tier (tests/README.md says what covers it)
+
+
+def params(cases):
+    """Parameter sets (a name, or (name, target)), the FULL names' marked for the full tier."""
+    out = []
+    for c in cases:
+        values = c if isinstance(c, tuple) else (c,)
+        out.append(pytest.param(*values, marks=pytest.mark.full) if values[0] in FULL else pytest.param(*values))
+    return out
+
+
+@pytest.mark.parametrize("name", params(RUNS))
 def test_quantized_stage_matches_the_quantized_reference(name):
     case, geom = geometry(name)
     args = make_inputs(name)
@@ -151,7 +163,7 @@ def test_quantized_stage_matches_the_quantized_reference(name):
         np.testing.assert_allclose(o, want_o, rtol=0, atol=2.0 ** -8 * vmax + 1e-5)
 
 
-@pytest.mark.parametrize("name, target", [(n, t) for n in RUNS for t in ("tpu7x", "v6e")])
+@pytest.mark.parametrize("name, target", params([(n, t) for n in RUNS for t in ("tpu7x", "v6e")]))
 def test_quantized_stage_compiles_deviceless(name, target):
     """The quantized stage lowers for TPU7x and v6e (packed 1-byte pages of page_rows rows, the
     exponent bytes' bitcasts and shifts): interpret mode does not check Mosaic's layout rules."""

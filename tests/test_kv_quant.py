@@ -139,6 +139,7 @@ def test_reference_writes_codes_and_scales_of_its_rows(preset, kv_dtype):
     assert np.array_equal(np.argmax(lq, -1), np.argmax(lf, -1))
 
 
+@pytest.mark.full  # the same reference step after prefill: test_megakernel_kv_quant.py's dense-f32-int8
 def test_a_decode_step_after_prefill_keeps_the_format():
     cfg = load_preset("tiny-moe").replace(dtype="bfloat16")
     params = random_params(cfg, seed=4)
