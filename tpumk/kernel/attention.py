@@ -81,7 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel.memory import scratch_shape
-from tpumk.model.kv_quant import kv_format, pow2_scales
+from tpumk.model.kv_quant import exponent_values, kv_format, pow2_scales, scales_of
 from tpumk.model.reference import soft_cap
 from tpumk.plan.geometry import BUFFER_DTYPES, LANE, AttentionGeometry, round_up
 
@@ -313,9 +313,10 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     A quantized cache (geom.kv_dtype fp8 / int8): k_cache is the ONE packed array [num_layers,
         num_pages, page_rows, page_lanes] (`tpumk.model.kv_quant.PagedLayout`: kv_group tokens'
         K and V codes per row, then their scale exponents), v_cache None. The new rows are
-        quantized per (row, kv head) before they are patched in; each streamed tile is converted
-        back per token group and head block (code * power-of-two scale, rounded to the model
-        dtype) before its matmuls, so everything after the read is the model-dtype stage.
+        quantized per (row, kv head) before they are patched in; each streamed tile's codes go
+        to the model dtype per token group and head block, and each key's power-of-two scale
+        multiplies its score (K) and its probability (V): bit for bit the products of the
+        reference's dequantized rows (`_tile_loop`'s row_scales).
     Returns o: f32 [B*q_len, Hq*D]. Every DMA the stage starts (or the prefetch started) has
     been waited when it returns, except the next layer's first tile DMAs under prefetch_next.
 
@@ -386,9 +387,8 @@ def _quantize_rows(g: AttentionGeometry, x):
     for h in range(g.num_kv_heads):
         in_head = jnp.logical_and(lane >= h * g.head_dim, lane < (h + 1) * g.head_dim)
         scale, inverse = pow2_scales(jnp.max(jnp.where(in_head, jnp.abs(x), 0.0), axis=1, keepdims=True), fmt)
-        biased = lax.shift_right_logical(lax.bitcast_convert_type(scale, jnp.int32), jnp.int32(23))
         multiplier = jnp.where(in_head, inverse, multiplier)
-        exps = jnp.where(head_lane == h, (biased - 128).astype(jnp.float32), exps)
+        exps = jnp.where(head_lane == h, exponent_values(scale).astype(jnp.float32), exps)
     codes = x * multiplier
     if fmt.name == "int8":
         codes = jnp.clip(jnp.round(codes), -fmt.qmax, fmt.qmax)
@@ -398,12 +398,7 @@ def _quantize_rows(g: AttentionGeometry, x):
 def _tile_scales(g: AttentionGeometry, tile_ref, slot):
     """The float32 scales of a quantized tile slot [rows, exponent lanes] (kv_quant.scales_of)."""
     lay = g.kv_layout
-    return _scales_of_bytes(_as_bytes(g, tile_ref[slot, :, pl.ds(lay.codes_lanes, lay.lanes - lay.codes_lanes)]))
-
-
-def _scales_of_bytes(e):
-    """Exponent bytes (int32, -128 .. 125) -> 2^(e + 1) in float32 (0.0 for -128)."""
-    return lax.bitcast_convert_type(lax.shift_left(e + 128, jnp.int32(23)), jnp.float32)
+    return scales_of(_as_bytes(g, tile_ref[slot, :, pl.ds(lay.codes_lanes, lay.lanes - lay.codes_lanes)]))
 
 
 def _as_bytes(g: AttentionGeometry, x):

@@ -108,11 +108,17 @@ def dequantize_rows(codes, scales, dtype):
     return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def exponent_bytes(scales):
-    """Power-of-two scales (`pow2_scales`) -> their biased float32 exponent minus 128, as the int8
-    the page stores (a scale is 2^(e - 127), e in [1, 253]; a zero scale stores -128)."""
+def exponent_values(scales):
+    """Power-of-two scales (`pow2_scales`) -> their biased float32 exponent minus 128, as int32
+    (a scale is 2^(e - 127), e in [1, 253]; a zero scale gives -128). Bit ops only: the kernel
+    calls it too."""
     e = lax.shift_right_logical(lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.int32), jnp.int32(23))
-    return (e - 128).astype(jnp.int8)
+    return e - 128
+
+
+def exponent_bytes(scales):
+    """`exponent_values` as the int8 the page stores."""
+    return exponent_values(scales).astype(jnp.int8)
 
 
 def scales_of(exponents):

@@ -192,7 +192,7 @@ class AttentionGeometry:
     # gpt-oss: each q head's sink logit joins its softmax denominator (the stage's `sinks` row)
     sinks: bool = False
     # the cache's format (`tpumk.model.kv_quant`): "" the model dtype, or "fp8" / "int8" codes with
-    # one float32 scale per (token, kv head) in two more caches (k_scale, v_scale)
+    # a power-of-two scale per (token, kv head), packed with them in one array (`kv_layout`)
     kv_dtype: str = ""
 
     @classmethod
@@ -435,9 +435,9 @@ class AttentionGeometry:
         per_head = r * s_lanes * (4 + 4 + isz)
         masked_v = round_up(s, SUBLANES[self.dtype]) * round_up(self.kv_size, LANE) * isz
         mask = r * s_lanes * 4
-        # a quantized cache's tiles are dequantized block by block: the f32 products of K and V,
-        # their model-dtype copies and the tile's scales, every block live at once (the same
-        # upper-bound stance)
+        # a quantized cache's tiles: every block's codes in the model dtype (counted at f32 + the
+        # model dtype, which also covers their conversion) and the tile's scales, every block
+        # live at once (the same upper-bound stance)
         dequant = 0
         if self.quantized:
             rows = round_up(self.kv_tile_pages * self.page_rows, F32_SUBLANES)

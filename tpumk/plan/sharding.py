@@ -303,10 +303,10 @@ class ShardingPlan:
         its own page layout (`kv_quant.PagedLayout` of its kv heads), side by side."""
         from tpumk.model import kv_quant
 
-        heads = self.device_heads(cfg)
-        local = kv_quant.layout_for(cfg, cache.layout.page_size, cache.layout.kv_dtype, heads=len(heads[0]))
         if self.devices == 1:
             return cache
+        heads = self.device_heads(cfg)
+        local = kv_quant.layout_for(cfg, cache.layout.page_size, cache.layout.kv_dtype, heads=len(heads[0]))
         return cache._replace(kv=kv_quant.split_heads(cache.kv, cache.layout, heads), layout=local)
 
     def collapse_quantized(self, cfg: ModelConfig, cache):
@@ -316,7 +316,8 @@ class ShardingPlan:
         if self.devices == 1:
             return cache
         whole = kv_quant.layout_for(cfg, cache.layout.page_size, cache.layout.kv_dtype)
-        firsts = [d for d, h in enumerate(self.device_heads(cfg)) if d == 0 or h != self.device_heads(cfg)[d - 1]]
+        heads = self.device_heads(cfg)
+        firsts = [d for d in range(self.devices) if d == 0 or heads[d] != heads[d - 1]]  # each head's first copy
         return cache._replace(kv=kv_quant.join_heads(cache.kv, whole, self.devices, firsts), layout=whole)
 
     def collapse_cache(self, cfg: ModelConfig, kv):
