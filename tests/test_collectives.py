@@ -67,15 +67,21 @@ def make_local(geom, calls: int, interpret, counter_step: int = 1):
 
 def ordered_sum(x: np.ndarray, dtype: str, schedule: str = "direct") -> np.ndarray:
     """x [N, ...] f32 -> the f32 sum x[0] + x[1] + ... + x[N-1], left to right (each term rounded
-    to bf16 first when the slots are bf16; with rsag the sum rounded again, as its chunk travels)."""
-    if dtype == "bfloat16":
-        import ml_dtypes
+    to bf16 first when the slots are bf16; with rsag the sum rounded again, as its chunk travels).
+    hierarchical: chip sums x[2r] + x[2r+1] first (each rounded when the wire is bf16), then
+    those left to right."""
+    import ml_dtypes
 
+    if dtype == "bfloat16":
         x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if schedule == "hierarchical":
+        x = x[0::2] + x[1::2]
+        if dtype == "bfloat16":
+            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
     acc = x[0].copy()
     for k in range(1, x.shape[0]):
         acc = acc + x[k]
-    if dtype == "bfloat16" and schedule == "rsag":
+    if dtype == "bfloat16" and schedule in ("rsag", "hierarchical"):
         acc = acc.astype(ml_dtypes.bfloat16).astype(np.float32)
     return acc
 
@@ -102,11 +108,12 @@ def _worker(n: int, schedule: str, dtype: str, counter_step: int = 1) -> dict:
     out = np.asarray(step(x))
     want = np.stack([ordered_sum(x[:, t], dtype, schedule) for t in range(CALLS)])
     races = interpret_races()
-    mine_first = ordered_sum(np.concatenate([x[1:2], x[0:1], x[2:]]), dtype, schedule)  # another order (n > 1)
+    # another order: the last device's partial first (two terms commute: n > 2 only)
+    last_first = ordered_sum(np.concatenate([x[-1:], x[:-1]])[:, 0], dtype, schedule)
     return {
         "exact": all(bool(np.array_equal(out[d], want)) for d in range(n)),
         "same_on_devices": all(bool(np.array_equal(out[d], out[0])) for d in range(n)),
-        "order_matters": not np.array_equal(mine_first, want[0]),
+        "order_matters": not np.array_equal(last_first, want[0]),
         "max_err": float(np.max(np.abs(out - want[None]))),
         "races": None if races is None else bool(races.races_found),
         "scratch": local.seen["scratch"],
@@ -133,12 +140,15 @@ def _run_worker(n: int, schedule: str, dtype: str = "float32", counter_step: int
     (4, "doubling", "float32"), (8, "doubling", "float32"), (4, "direct", "bfloat16"),
     (3, "rsag", "float32"), (4, "rsag", "float32"), (8, "rsag", "float32"),
     (8, "rsag", "bfloat16"),  # the bf16 wire: rounded partials and chunk sums, the same bits everywhere
+    # the chip-hierarchical schedule: 8 devices are 4 chips of sibling pairs (bf16 wire: chip
+    # sums and totals rounded as they travel)
+    (4, "hierarchical", "float32"), (8, "hierarchical", "bfloat16"),
 ])
 def test_all_reduce_interpret(n, schedule, dtype):
     r = _run_worker(n, schedule, dtype)
     assert r["races"] is False, r
     assert r["exact"] and r["same_on_devices"], r
-    assert r["order_matters"] or n == 1, "inputs too tame: another summation order gives the same bits"
+    assert r["order_matters"] or n <= 2, "inputs too tame: another summation order gives the same bits"
     # (3) the scratch the kernel got is what the geometry counts
     from tpumk.plan.geometry import AllReduceGeometry, SUBLANES
 
@@ -149,7 +159,7 @@ def test_all_reduce_interpret(n, schedule, dtype):
     assert [tuple(s) for s, _ in got] == [s for s, _ in want]
     assert got[0][1] == dtype
     itemsize = 4 if dtype == "float32" else 2
-    if schedule == "rsag":  # two rounds' slots per parity and the staging chunks
+    if schedule in ("rsag", "hierarchical"):  # rsag: two rounds of N chunks per parity, hierarchical four of N/2; staging
         assert r["scratch_bytes"] == 5 * n * rows * geom.chunk * itemsize
     else:
         assert r["scratch_bytes"] == int(np.prod(got[0][0])) * itemsize == 2 * n * rows * WIDTH * itemsize
@@ -192,10 +202,23 @@ def test_geometry():
     w = AllReduceGeometry.for_chip("7x", 32, 1, 4096, dtype="bfloat16", schedule="rsag")
     assert w.send_bytes == AllReduceGeometry.for_chip("7x", 32, 1, 4096).send_bytes // 2
     assert AllReduceGeometry.for_chip("7x", 32, 1, 4096, dtype="bfloat16").schedule == "rsag"  # weighed at f32
+    # hierarchical: rsag's chunks and bytes, half of them to the sibling; four rounds, N messages
+    h = AllReduceGeometry.for_chip("7x", 8, 8, 4096, schedule="hierarchical")
+    assert (h.stages, h.messages, h.chunk, h.padded_width, h.chips) == (4, 8, 512, 4096, 4)
+    assert h.send_bytes == g.send_bytes and h.scratch_bytes() == g.scratch_bytes()
+    # auto takes it where tpumk's interconnect model costs it less than rsag: a batch-1 row is
+    # latency-bound (two more rounds lose), [64, 4096] float32 on 32 TensorCores is not
+    assert AllReduceGeometry.for_chip("7x", 32, 1, 4096).schedule == "rsag"
+    assert AllReduceGeometry.for_chip("7x", 32, 64, 4096).schedule == "hierarchical"
+    assert AllReduceGeometry.for_chip("v6e", 16, 64, 4096).schedule == "rsag"  # one core per chip
+    for chip, n in (("v6e", 8), ("7x", 2), ("7x", 6 + 1)):
+        with pytest.raises(PlanError, match="'all_reduce' = hierarchical: needs an even number of devices"):
+            AllReduceGeometry.for_chip(chip, n, 8, 4096, schedule="hierarchical")
     with pytest.raises(PlanError, match="'all_reduce' = direct: v5e routes remote DMAs only to power-of-two"):
         AllReduceGeometry.for_chip("v5e", 4, 8, 128, schedule="direct")
     for bad in (dict(rows=0), dict(width=100), dict(devices=0), dict(dtype="int8"),
-                dict(schedule="ring"), dict(devices=6, schedule="doubling")):
+                dict(schedule="ring"), dict(devices=6, schedule="doubling"), dict(devices=2, schedule="hierarchical"),
+                dict(devices=5, schedule="hierarchical")):
         kw = dict(devices=4, rows=8, width=128, dtype="float32", schedule="direct")
         kw.update(bad)
         with pytest.raises(PlanError):
@@ -211,6 +234,8 @@ COMPILES = [  # (target, devices, schedule, slot dtype): every schedule where th
     ("tpu7x", 8, "direct", "float32"),  # likewise
     ("tpu7x", 8, "direct", "bfloat16"),
     ("tpu7x", 8, "rsag", "bfloat16"),
+    ("tpu7x", 8, "hierarchical", "float32"),
+    ("tpu7x", 32, "hierarchical", "bfloat16"),  # the 16-chip slice
     ("v6e", 4, "rsag", "float32"),
     ("v5p", 4, "rsag", "float32"),
     ("v5e", 4, "doubling", "float32"),

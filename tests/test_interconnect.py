@@ -89,7 +89,41 @@ def test_check_is_not_a_knife_edge(monkeypatch, latency, wraparound):
     assert 0.5 <= ic.published_collective_check(TPU7X)["ratio"] <= 2.0
 
 
+def test_published_schedule_comparisons():
+    """The two schedule changes the published TPU7x kernel measured (issue 29's quote): a bf16 wire
+    on a [8, 8192] reduce-scatter + all-gather (9.41 -> 7.28 us, 0.774) and the chip-hierarchical
+    all-reduce of [64, 4096] (14.45 -> 13.51 us, 0.935). On 8 TensorCores the model gives
+    0.765 and 0.908: the same direction and within 0.03 of each ratio, with no constant chosen
+    for them. Its absolute figures are 0.88x of the published ones for [8, 8192] and 1.39x /
+    1.35x for [64, 4096] (it overcharges the 1 MiB payload's links), so only the ratios are held
+    to a tight band."""
+    c = ic.published_schedule_check(TPU7X)
+    for part in ("wire", "hierarchy"):
+        assert c[part]["model_ratio"] < 1 and c[part]["published_ratio"] < 1, c
+        assert c[part]["model_ratio"] == pytest.approx(c[part]["published_ratio"], abs=0.05), c
+    for part in ("wire", "hierarchy"):
+        for key, pub in c[part]["published_seconds"].items():
+            assert 0.5 <= c[part]["model_seconds"][key] / pub <= 2.0, (part, key)
+    assert "not a measurement" in c["source"]
+
+
 # ---------------------------------------------------------------------- tpumk's all-reduce
+def test_hierarchical_rounds_and_where_it_pays():
+    """Four rounds, half of rsag's cross-chip chunks: the sibling link carries the rest. At a
+    batch-1 row the two extra latencies lose; at [64, 4096] on 32 TensorCores the halved
+    cross-chip bytes win."""
+    f = ic.link_figures(TPU7X)
+    one = {s: ic.all_reduce_seconds(TPU7X, AllReduceGeometry(32, 1, 4096, "float32", s))
+           for s in ("rsag", "hierarchical")}
+    assert (one["rsag"]["rounds"], one["hierarchical"]["rounds"]) == (2, 4)
+    assert one["hierarchical"]["latency_seconds"] == pytest.approx(4 * f.latency_s)
+    assert one["hierarchical"]["seconds"] > one["rsag"]["seconds"]
+    big = {s: ic.all_reduce_seconds(TPU7X, AllReduceGeometry(32, 64, 4096, "float32", s))
+           for s in ("rsag", "hierarchical")}
+    assert big["hierarchical"]["seconds"] < 0.8 * big["rsag"]["seconds"]
+    assert big["hierarchical"]["send_bytes"] == big["rsag"]["send_bytes"]
+
+
 def test_all_reduce_direct_and_doubling():
     f = ic.link_figures(TPU7X)
     one = ic.all_reduce_seconds(TPU7X, AllReduceGeometry(1, 8, 1024))

@@ -48,9 +48,10 @@ CASES = {
                               2, 2, 1, {}),
     # OLMo 2's norms: none before the sublayers, each all-reduced output normalized, q and k each
     # normalized across all heads (the rows' sums of squares all-reduced first: 3 collectives a
-    # layer), here with each KV head on 2 devices (counted once)
+    # layer), here with each KV head on 2 devices (counted once); the chip-hierarchical
+    # all-reduce (4 devices: 2 chips of sibling TensorCores)
     "dense-4dev-kv-replicated-verify": (dict(base="tiny-dense", pre_norms=False, post_norms=True, qk_norm_whole=True),
-                                        4, 2, 2, {}),
+                                        4, 2, 2, {"all_reduce": "hierarchical"}),
     # Cohere's parts: LayerNorm without bias, attention and the MLP on one normed input (the MLP's
     # all-reduced output joins the residual after attention's)
     "dense-2dev-cohere": (dict(base="tiny-dense", name="dense-cohere", qk_norm=False, norm_kind="layer",
@@ -70,7 +71,7 @@ CASES = {
     # step: a token takes another expert), which no tolerance on the logits bounds.
     "dense-4dev-bf16-wire": (dict(base="tiny-dense", dtype="bfloat16"), 4, 2, 1,
                              {"all_reduce": "rsag", "all_reduce_wire": "bfloat16"}),
-    "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "rsag"}),
+    "dense8-8dev-bf16-odd-vocab": (DENSE8, 8, 1, 1, {"all_reduce": "hierarchical"}),
     "moe-4dev-int8": (dict(base="tiny-moe", dtype="bfloat16", quant="int8"), 4, 2, 1, {}),  # scales shard too
     # a 1-byte KV cache (tpumk.model.kv_quant): each device's KV head in its own packed page
     # layout, each head on 2 devices (both must write the same bytes)
@@ -213,8 +214,8 @@ def interpret_runs(request) -> dict:
 # DeepSeek routing on 4 devices (the replicated float32 router and correction bias run in
 # tests/test_multidevice_mla.py's 4-device case, whose tiny-mla routes that way) and the
 # 8-device bf16 model (its odd vocabulary split: dense-2dev-kv-split; KV heads replicated:
-# dense-4dev-kv-replicated-verify; rsag: moe-4dev-mixed; 8 devices: test_collectives.py's
-# 8-device all-reduces). Without it the subprocess needs 4 host devices, not 8.
+# dense-4dev-kv-replicated-verify, which also runs the hierarchical schedule; rsag:
+# moe-4dev-mixed; 8 devices: test_collectives.py's 8-device all-reduces, hierarchical included). Without it the subprocess needs 4 host devices, not 8.
 FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing", "dense8-8dev-bf16-odd-vocab"}
 
 

@@ -50,11 +50,12 @@ def test_the_default_space_computes_the_expert_split_for_each_build():
     assert four.default_values()["expert_parallel"] == make_plan(spec(4)).sharding.expert_parallel == 2
     one = space.for_build(spec(1))
     assert "expert_parallel" not in one.knobs and "all_reduce" not in one.knobs
-    assert four.knobs["all_reduce"].values() == ["direct", "rsag", "doubling"]  # 4 devices: a power of two
+    # 4 devices: a power of two, and (the cpu target emulates TPU7x) two chips of sibling cores
+    assert four.knobs["all_reduce"].values() == ["direct", "rsag", "doubling", "hierarchical"]
     assert four.default_values()["all_reduce"] == make_plan(spec(4)).all_reduce.schedule == "direct"
     assert four.knobs["all_reduce_wire"].values() == ["float32", "bfloat16"] and "all_reduce_wire" not in one.knobs
     assert four.default_values()["all_reduce_wire"] == make_plan(spec(4)).all_reduce.dtype == "float32"
-    assert four.size() == 2 * 3 * 2 * one.size()
+    assert four.size() == 2 * 4 * 2 * one.size()
     assert "expert_parallel" not in space.for_build(spec(4, "tiny-dense")).knobs
     big = space.for_build(BuildSpec(resolve_model("qwen3-235b-a22b"), TPU7X, 1, 4096, devices=32))
     assert big.knobs["expert_parallel"].values() == [8, 16, 32]

@@ -225,6 +225,8 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
     "doubling": log2 N rounds; in round s device i pushes its 2^s gathered slots to i XOR 2^s.
     "rsag": two rounds (reduce-scatter, all-gather), each a push of one [rows, chunk] chunk to
     each of the N-1 peers.
+    "hierarchical": four rounds: N/2 chunks to the sibling, one chunk to each of the N/2 - 1
+    same-parity cores of the other chips (twice), N/2 chunks to the sibling.
     Returns seconds, rounds, latency / transfer seconds, send_bytes (per device per call, as
     `geom.send_bytes`), messages (remote DMAs per device) and the model's source."""
     geom.validate()
@@ -240,9 +242,20 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
         chunk = float(geom.chunk_bytes)
         one = {i: {(i + off) % n: chunk for off in geom.peer_offsets()} for i in range(n)}
         rounds = [one, one]
+    elif geom.schedule == "hierarchical":
+        chunk, chips = float(geom.chunk_bytes), geom.chips
+        sibling = {i: {i ^ 1: chips * chunk} for i in range(n)}
+        cross = {i: {2 * ((i // 2 + k) % chips) + i % 2: chunk for k in range(1, chips)} for i in range(n)}
+        rounds = [sibling, cross, cross, sibling]
     else:
         rounds = [{i: {i ^ off: off * slot} for i in range(n)} for off in geom.peer_offsets()]
     return {**out, **_rounds(link_figures(target), coords, rounds)}
+
+
+def all_reduce_seconds_on(chip: str, geom: AllReduceGeometry) -> dict:
+    """`all_reduce_seconds` on the first deviceless target of `chip` (the plan's schedule choice
+    knows the chip, not the target; every target of a chip has the same links and slices)."""
+    return all_reduce_seconds(next(t for t in TARGETS.values() if t.chip == chip and not t.interpret), geom)
 
 
 def all_gather_seconds(target: Target, geom: AllReduceGeometry, slice_bytes: float) -> dict:
@@ -379,3 +392,32 @@ def published_collective_check(target: Target, rows: int = 8, width: int = 7168,
             "tpumk_direct_ratio": 2 * direct["seconds"] / PUBLISHED_LAYER_SECONDS,
             "bytes_per_all_reduce": b, "source": model_source("published collective pattern", target)}
 
+
+# Two schedule comparisons of the published TPU7x kernel, as issue 29 quotes them (measured on
+# chips): a reduce-scatter + all-gather of [8, 8192] with a bfloat16 wire against a float32 one,
+# and a chip-hierarchical all-reduce (the sibling TensorCore first) against the flat one at
+# [64, 4096]. The quote names neither the device count nor the hierarchical pair's dtype: the
+# check takes the kernel's TP8 configuration (TPU_FACTS 8) and float32.
+PUBLISHED_WIRE_SECONDS = {"float32": 9.41e-6, "bfloat16": 7.28e-6}  # rsag [8, 8192]
+PUBLISHED_HIERARCHY_SECONDS = {"rsag": 14.45e-6, "hierarchical": 13.51e-6}  # [64, 4096]
+
+
+def published_schedule_check(target: Target, devices: int = 8) -> dict:
+    """The model's figures for the two published schedule comparisons above, side by side with
+    them: seconds per all-reduce and the ratio each change gives (bf16 / f32 wire; hierarchical
+    / flat). The model's ratios are what a schedule choice rests on; its absolute figures show
+    how far its constants are from those chips."""
+    def modelled(rows: int, width: int, dtype: str, schedule: str) -> float:
+        return all_reduce_seconds(target, AllReduceGeometry(devices, rows, width, dtype, schedule))["seconds"]
+
+    wire = {d: modelled(8, 8192, d, "rsag") for d in PUBLISHED_WIRE_SECONDS}
+    tiers = {s: modelled(64, 4096, "float32", s) for s in PUBLISHED_HIERARCHY_SECONDS}
+    return {"devices": devices,
+            "wire": {"model_seconds": wire, "published_seconds": PUBLISHED_WIRE_SECONDS,
+                     "model_ratio": wire["bfloat16"] / wire["float32"],
+                     "published_ratio": PUBLISHED_WIRE_SECONDS["bfloat16"] / PUBLISHED_WIRE_SECONDS["float32"]},
+            "hierarchy": {"model_seconds": tiers, "published_seconds": PUBLISHED_HIERARCHY_SECONDS,
+                          "model_ratio": tiers["hierarchical"] / tiers["rsag"],
+                          "published_ratio": PUBLISHED_HIERARCHY_SECONDS["hierarchical"]
+                          / PUBLISHED_HIERARCHY_SECONDS["rsag"]},
+            "source": model_source("published schedule comparisons", target)}

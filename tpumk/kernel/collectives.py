@@ -9,8 +9,9 @@ and the down-projection of a tensor-parallel layer every device holds partial su
 device: each device sums the N contributions in the fixed order 0, 1, ..., N-1 (sequential f32
 adds, never "mine first"), so rank-replicated work downstream (norms, routing) agrees exactly.
 
-Schedules (`AllReduceGeometry.schedule`; both are all-gathers of the partials followed by the
-same ordered local sum, so they give identical bits and move identical bytes, (N-1) slots):
+Schedules (`AllReduceGeometry.schedule`; direct and doubling are all-gathers of the partials
+followed by the same ordered local sum, so they give identical bits and move identical bytes,
+(N-1) slots):
 
 - "direct": device i stores its partial in its slot i, then pushes that slot into slot i of
   every peer (offsets 1..N-1, started in the order i+1, i+2, ... so devices do not all hit
@@ -29,6 +30,13 @@ same ordered local sum, so they give identical bits and move identical bytes, (N
   numbers added in the same order, so the bits equal the other schedules'; each device sends
   2 (N-1) chunks, 2 (N-1) / N of a slot, instead of N-1 slots. Its buffers are per (parity,
   round), so the parity argument below holds round by round.
+- "hierarchical" (TPU7x, whose chips are pairs of TensorCores 2r, 2r + 1): rsag in two
+  levels, the sibling first (`_hierarchical`): the chip's two cores swap halves and add them
+  (round 0, on chip), each core reduce-scatters its half's chip sums with the same-parity cores
+  of the other chips (round 1) and all-gathers the totals (round 2), then the siblings swap
+  halves (round 3). The same 2 (N-1) chunks leave each device, but half stay on chip. Each
+  chunk is summed once, by its owner, chip pairs first then chips in order: the same bits on
+  every device, NOT the same bits as the flat schedules (another association).
 
 Wire dtype (`AllReduceGeometry.dtype`): float32, or bfloat16 for half the bytes. Every sum is
 still float32 in the order 0..N-1; what is rounded is what travels: each partial (every
@@ -110,10 +118,17 @@ def _push_to_peers(geom: AllReduceGeometry, my_id, offsets, src_of, dst, send_se
     """One round of direct pushes: src_of(peer) into `dst` on every peer at `offsets` (all in
     flight at once), then wait as many arrivals into this device's `dst` (equal sizes, so
     they all count on `recv_sem`) and this device's own sends."""
+    pushes = [(peer, src_of(peer), dst) for peer in (_peer(geom, my_id, off) for off in offsets)]
+    _push_round(pushes, send_sem, recv_sem)
+
+
+def _push_round(pushes, send_sem, recv_sem) -> None:
+    """Start every (peer, source ref, destination ref) push, then wait as many arrivals of the
+    same sizes into this device (every peer of the round sends what this device sends) and this
+    device's own sends."""
     copies = []
-    for off in offsets:
-        peer = _peer(geom, my_id, off)
-        c = pltpu.make_async_remote_copy(src_of(peer), dst, send_sem, recv_sem, device_id=(peer,),
+    for peer, src, dst in pushes:
+        c = pltpu.make_async_remote_copy(src, dst, send_sem, recv_sem, device_id=(peer,),
                                          device_id_type=pl.DeviceIdType.MESH)
         c.start()
         copies.append(c)
@@ -158,6 +173,8 @@ def all_reduce(geom: AllReduceGeometry, x, scratch: Sequence[Any], counter):
     p = lax.rem(jnp.asarray(counter, jnp.int32), 2)
     if geom.schedule == "rsag":
         return _reduce_scatter_all_gather(geom, x, scr, my_id, p)
+    if geom.schedule == "hierarchical":
+        return _hierarchical(geom, x, scr, my_id, p)
     scr.slots[p, my_id] = x.astype(scr.slots.dtype)
 
     if geom.schedule == "direct":
@@ -193,6 +210,51 @@ def _reduce_scatter_all_gather(geom: AllReduceGeometry, x, scr: AllReduceScratch
     scr.slots[p, 1, my_id] = acc.astype(scr.slots.dtype)
     push_round(1, lambda peer: scr.slots.at[p, 1, my_id])
     return jnp.concatenate([scr.slots[p, 1, k].astype(jnp.float32) for k in range(n)], axis=1)
+
+
+def _hierarchical(geom: AllReduceGeometry, x, scr: AllReduceScratch, my_id, p):
+    """The "hierarchical" schedule (TPU7x: devices 2r and 2r + 1 are chip r's TensorCores).
+    Device d = 2r + b owns chunk d; chunks 2m + b (m = 0..C-1, C = N/2 chips) are its half, kept
+    at staging[b * C + m]. Round 0: push the sibling's half to the sibling (one on-chip DMA) and
+    add the sibling's copy of this half: C chip sums. Round 1: chip sum m to device 2m + b
+    (slot [p, 1, r] there); add the C chip sums of chunk d in chip order 0..C-1. Round 2: that
+    total to the other same-parity cores (slot [p, 2, r]). Round 3: the C totals of this half to
+    the sibling (slots [p, 3]). x [rows, padded_width]; returns the same shape, f32."""
+    n, c, cw = geom.devices, geom.chips, geom.chunk
+    b, r = lax.rem(my_id, 2), lax.div(my_id, 2)
+    sibling = lax.bitwise_xor(my_id, 1)
+    for k in range(n):  # chunk k = 2 m + h at h * C + m: each half one contiguous block
+        scr.staging[(k % 2) * c + k // 2] = x[:, k * cw:(k + 1) * cw].astype(scr.staging.dtype)
+
+    # round 0: the sibling's half goes to it; its copy of mine arrives in slots [p, 0]
+    _push_round([(sibling, scr.staging.at[pl.ds((1 - b) * c, c)], scr.slots.at[p, 0])],
+                scr.send_sems.at[p, 0], scr.recv_sems.at[p, 0])
+    for m in range(c):  # chip sums (x[2m'] + x[2m'+1]: addition commutes, both cores get these bits)
+        mine = scr.staging[b * c + m].astype(jnp.float32)
+        scr.slots[p, 0, m] = (mine + scr.slots[p, 0, m].astype(jnp.float32)).astype(scr.slots.dtype)
+
+    def same_parity_core(k: int):  # the core of parity b on chip r + k (mod C), and that chip
+        chip = lax.rem(r + k, c)
+        return 2 * chip + b, chip
+
+    # round 1: chip sum m to chip m's core of this parity; its chip sums of my chunk arrive
+    scr.slots[p, 1, r] = scr.slots[p, 0, r]
+    pushes = []
+    for k in range(1, c):
+        peer, chip = same_parity_core(k)
+        pushes.append((peer, scr.slots.at[p, 0, chip], scr.slots.at[p, 1, r]))
+    _push_round(pushes, scr.send_sems.at[p, 1], scr.recv_sems.at[p, 1])
+    total = _ordered_sum([scr.slots[p, 1, m] for m in range(c)], c)
+    scr.slots[p, 2, r] = total.astype(scr.slots.dtype)
+
+    # round 2: my chunk's total to the other cores of this parity
+    pushes = [(same_parity_core(k)[0], scr.slots.at[p, 2, r], scr.slots.at[p, 2, r]) for k in range(1, c)]
+    _push_round(pushes, scr.send_sems.at[p, 2], scr.recv_sems.at[p, 2])
+    # round 3: this half's totals to the sibling; its half arrives in slots [p, 3]
+    _push_round([(sibling, scr.slots.at[p, 2], scr.slots.at[p, 3])], scr.send_sems.at[p, 3], scr.recv_sems.at[p, 3])
+    # chunk 2 m + h: this half's (round 2) when h == b, else the sibling's (round 3)
+    return jnp.concatenate([scr.slots[p, 2 + lax.bitwise_xor(b, k % 2), k // 2].astype(jnp.float32)
+                            for k in range(n)], axis=1)
 
 
 def all_gather_slices(geom: AllReduceGeometry, out_ref, per_device: int, send_sems, recv_sems) -> None:

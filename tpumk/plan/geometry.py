@@ -988,7 +988,10 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 
 # ---------------------------------------------------------------------- collectives
-ALL_REDUCE_SCHEDULES = ("direct", "doubling", "rsag")
+ALL_REDUCE_SCHEDULES = ("direct", "doubling", "rsag", "hierarchical")
+# Chips whose devices are TensorCores in pairs on one chip (devices 2r and 2r + 1 of a mesh share
+# chip r, TPU_FACTS 8): the chip-hierarchical all-reduce needs that pairing.
+PAIRED_CORE_CHIPS = ("7x",)
 # Auto all-reduce: a direct push (one round) while each device sends at most this many bytes,
 # else reduce-scatter + all-gather (two rounds, about 2 / N of the bytes). The break-even is
 # one remote round's latency times the cross-chip bandwidth: 2.2 us x 134 GB/s = 295 KB with
@@ -1022,6 +1025,18 @@ class AllReduceGeometry:
         once N > 2 and bytes matter. Each chunk is summed by one device, in a fixed order, and
         copied: every device holds the same bits, and the same bits as the other schedules
         (each element is the same N numbers added in the same order 0..N-1).
+        "hierarchical" (TPU7x, N even >= 4: devices 2r and 2r + 1 are chip r's TensorCores):
+        rsag in two levels, the sibling first. Device d = 2r + b owns chunk d, as with rsag;
+        the chunks of parity b form its half. Round 0: each device pushes its sibling's half to
+        the sibling (on chip) and adds the sibling's copy of its own half: chip sums. Round 1:
+        chip sum m of its half goes to device 2m + b (the same-parity core of chip m), which
+        adds the N / 2 chip sums in chip order. Round 2: that total goes to the other N / 2 - 1
+        same-parity cores; round 3: the whole half to the sibling. The same 2 (N-1) chunks
+        leave each device as with rsag, but half of them stay on chip, so the cross-chip links
+        carry 2 (N / 2 - 1) chunks instead of 2 (N - 2); four dependent rounds instead of two.
+        Each chunk is still summed by one device in a fixed order and copied (every device holds
+        the same bits), but the order is chip pairs first ((x0 + x1) + (x2 + x3) + ...), so its
+        bits differ from the other schedules'.
     """
 
     devices: int
@@ -1038,7 +1053,9 @@ class AllReduceGeometry:
         power-of-two device offsets, so it gets recursive doubling once N > 2. Other chips
         route any offset: the direct push while the N-1 slots it sends are at most
         DIRECT_ALL_REDUCE_MAX_BYTES (one round; 2 devices always: the same bytes either way),
-        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent)."""
+        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent), or on TPU7x
+        its chip-hierarchical form when tpumk's interconnect model costs that less (large
+        payloads: the sibling link takes half the bytes, at the price of two more rounds)."""
         pow2_only = chip == "v5e" and devices > 2
         if schedule == "auto":
             # Weighed at float32 whatever the wire: a bfloat16 wire halves both schedules' bytes,
@@ -1048,12 +1065,29 @@ class AllReduceGeometry:
             direct_bytes = (devices - 1) * rows * width * 4
             schedule = ("doubling" if pow2_only else
                         "direct" if devices <= 2 or direct_bytes <= DIRECT_ALL_REDUCE_MAX_BYTES else "rsag")
+            if schedule == "rsag" and cls.pairs_cores(chip, devices):
+                from tpumk.estimate.interconnect import all_reduce_seconds_on  # the model imports the plan
+
+                two = cls(devices, rows, width, dtype, "rsag", axis)
+                four = cls(devices, rows, width, dtype, "hierarchical", axis)
+                if all_reduce_seconds_on(chip, four)["seconds"] < all_reduce_seconds_on(chip, two)["seconds"]:
+                    schedule = "hierarchical"
         elif pow2_only and schedule != "doubling":
             raise PlanError(f"tuning: 'all_reduce' = {schedule}: {chip} routes remote DMAs only to power-of-two "
                             f"device offsets; {devices} devices need 'doubling' (or auto)")
+        elif schedule == "hierarchical" and not cls.pairs_cores(chip, devices):
+            raise PlanError(f"tuning: 'all_reduce' = hierarchical: needs an even number of devices, at least 4, "
+                            f"on a chip with two TensorCores ({', '.join(PAIRED_CORE_CHIPS)}); {chip} with "
+                            f"{devices} devices has no sibling pairs")
         geom = cls(devices, rows, width, dtype, schedule, axis)
         geom.validate()
         return geom
+
+    @staticmethod
+    def pairs_cores(chip: str, devices: int) -> bool:
+        """Whether `devices` mesh devices of `chip` form whole sibling pairs, at least two chips:
+        what the hierarchical schedule needs."""
+        return chip in PAIRED_CORE_CHIPS and devices >= 4 and devices % 2 == 0
 
     def validate(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -1070,25 +1104,39 @@ class AllReduceGeometry:
         if self.schedule == "doubling":
             need(self.devices & (self.devices - 1) == 0,
                  f"devices = {self.devices}: recursive doubling needs a power of two")
+        if self.schedule == "hierarchical":
+            need(self.devices >= 4 and self.devices % 2 == 0,
+                 f"devices = {self.devices}: the hierarchical schedule needs sibling pairs on at least 2 chips "
+                 f"(an even count >= 4)")
         need(isinstance(self.axis, str) and bool(self.axis), f"axis = {self.axis!r}: expected a mesh axis name")
 
     @property
     def stages(self) -> int:
-        """Dependent rounds of one call: 1 (direct), 2 (rsag) or log2 N (doubling)."""
+        """Dependent rounds of one call: 1 (direct), 2 (rsag), 4 (hierarchical) or log2 N (doubling)."""
         if self.schedule == "doubling":
             return max(1, (self.devices - 1).bit_length())
-        return 2 if self.schedule == "rsag" else 1
+        return {"rsag": 2, "hierarchical": 4}.get(self.schedule, 1)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the schedule cuts the width into N chunks, one summed by each device."""
+        return self.schedule in ("rsag", "hierarchical")
+
+    @property
+    def chips(self) -> int:
+        """hierarchical: the chips of the mesh (N / 2 sibling pairs)."""
+        return self.devices // 2
 
     @property
     def chunk(self) -> int:
-        """rsag: lanes of one chunk (the width split N ways, rounded up to whole lanes)."""
-        return round_up(-(-self.width // self.devices), LANE) if self.schedule == "rsag" else self.width
+        """rsag / hierarchical: lanes of one chunk (the width split N ways, rounded up to whole lanes)."""
+        return round_up(-(-self.width // self.devices), LANE) if self.chunked else self.width
 
     @property
     def padded_width(self) -> int:
-        """Width of the partial sums `all_reduce` takes and returns: N whole chunks for rsag
-        (the pad columns must be zero), the width itself otherwise."""
-        return self.devices * self.chunk if self.schedule == "rsag" else self.width
+        """Width of the partial sums `all_reduce` takes and returns: N whole chunks for rsag and
+        hierarchical (the pad columns must be zero), the width itself otherwise."""
+        return self.devices * self.chunk if self.chunked else self.width
 
     @property
     def slot_bytes(self) -> int:
@@ -1101,16 +1149,19 @@ class AllReduceGeometry:
     @property
     def send_bytes(self) -> int:
         """Bytes each device sends (and receives) per call: N-1 slots (direct, doubling), or
-        2 (N-1) chunks (rsag)."""
-        if self.schedule == "rsag":
+        2 (N-1) chunks (rsag, hierarchical: N of them to the sibling)."""
+        if self.chunked:
             return 2 * (self.devices - 1) * self.chunk_bytes
         return (self.devices - 1) * self.slot_bytes
 
     @property
     def messages(self) -> int:
-        """Remote DMAs each device starts per call: N-1 (direct), 2 (N-1) (rsag) or log2 N (doubling)."""
+        """Remote DMAs each device starts per call: N-1 (direct), 2 (N-1) (rsag), N (hierarchical:
+        one to the sibling and N/2 - 1 across chips, twice) or log2 N (doubling)."""
         if self.schedule == "rsag":
             return 2 * (self.devices - 1)
+        if self.schedule == "hierarchical":
+            return self.devices
         return self.devices - 1 if self.schedule == "direct" else self.stages
 
     @property
@@ -1129,8 +1180,8 @@ class AllReduceGeometry:
         """Device-id offsets (mod N) the schedule sends to: direct 1..N-1; doubling 2^s (XOR)."""
         if self.devices == 1:
             return ()
-        if self.schedule in ("direct", "rsag"):
-            return tuple(range(1, self.devices))
+        if self.schedule != "doubling":  # hierarchical: its peers (the sibling, the same-parity
+            return tuple(range(1, self.devices))  # cores) are not one offset set; the barrier takes all
         return tuple(1 << s for s in range(self.stages))
 
     def scratch(self) -> tuple[Buffer, ...]:
@@ -1146,6 +1197,18 @@ class AllReduceGeometry:
                 vmem("staging", (n, self.rows, self.chunk), self.dtype,
                      "[chunk, rows, chunk lanes]: this device's partial cut into chunks, the pushes' sources"),
             )
+        if self.schedule == "hierarchical":
+            c = self.chips
+            return (
+                vmem("slots", (2, 4, c, self.rows, self.chunk), self.dtype,
+                     "[parity, round (0 the sibling's copy of my half, then my chip sums; 1 chip sums by "
+                     "source chip; 2 totals of my half by chip; 3 the sibling's totals), chip, rows, chunk lanes]"),
+                dma_sems("recv_sems", (2, st), "[parity, round]: arrivals into this device's slots"),
+                dma_sems("send_sems", (2, st), "[parity, round]: this device's outgoing pushes"),
+                vmem("staging", (n, self.rows, self.chunk), self.dtype,
+                     "[half * N/2 + chip, rows, chunk lanes]: this device's partial cut into chunks, chunk "
+                     "2 m + h at h * N/2 + m (each half contiguous: one DMA to the sibling)"),
+            )
         return (
             vmem("slots", (2, n, self.rows, self.width), self.dtype,
                  "[parity of the collective counter, source device, rows, lanes]: device d's partial in slot d"),
@@ -1155,7 +1218,8 @@ class AllReduceGeometry:
 
     def scratch_bytes(self) -> int:
         """VMEM of the scratch: 2 * N * rows * width * itemsize (whole tiles by validation);
-        rsag: 5 * N * rows * chunk * itemsize (two rounds' slots per parity, one staging)."""
+        rsag: 5 * N * rows * chunk * itemsize (two rounds' slots per parity, one staging);
+        hierarchical: the same (four rounds of N/2 chunks per parity, one staging)."""
         return sum(b.nbytes for b in self.scratch() if b.space == "vmem")
 
     def dma_semaphores(self) -> int:

@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 # Weight-matrix families streamed through the ring. Each has a tile shape knob pair
 # `<family>_tile_rows` / `<family>_tile_cols`; 0 means "auto" (see tpumk.plan.plan).
-ALL_REDUCE_CHOICES = ("auto", "direct", "rsag", "doubling")  # tpumk.plan.geometry.ALL_REDUCE_SCHEDULES + auto
+ALL_REDUCE_CHOICES = ("auto", "direct", "rsag", "doubling", "hierarchical")  # tpumk.plan.geometry.ALL_REDUCE_SCHEDULES + auto
 ALL_REDUCE_WIRES = ("float32", "bfloat16")  # AllReduceGeometry.dtype
 FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
@@ -64,10 +64,12 @@ class TuningConfig:
     expert_parallel: int = 0
     # Devices > 1: the in-kernel all-reduce's schedule: "direct" (one round, every device's
     # partial to every peer), "rsag" (reduce-scatter + all-gather: two rounds, 2 / N of the
-    # bytes), "doubling" (log2 N rounds, power-of-two offsets: what v5e routes) or "auto".
+    # bytes), "doubling" (log2 N rounds, power-of-two offsets: what v5e routes), "hierarchical"
+    # (TPU7x: rsag with the chip's sibling TensorCore first, four rounds, half the bytes on chip)
+    # or "auto".
     all_reduce: str = "auto"
     # Devices > 1: what the all-reduce's pushes carry: "float32" (exact partial sums) or
-    # "bfloat16" (half the bytes; every partial, and for rsag every summed chunk, rounded to
+    # "bfloat16" (half the bytes; every partial, and for rsag / hierarchical every sum that travels, rounded to
     # bfloat16, the sums still float32 in a fixed order: the same bits on every device).
     all_reduce_wire: str = "float32"
     # ---- VMEM budget

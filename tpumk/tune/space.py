@@ -226,8 +226,10 @@ def _all_reduce_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     n = spec.devices
     if n <= 2 or spec.target.chip == "v5e":  # one schedule serves: the direct push, or (v5e) doubling
         return [], None
-    choices = ["direct", "rsag"] + (["doubling"] if n & (n - 1) == 0 else [])
-    auto = AllReduceGeometry.for_chip(spec.target.chip, n, spec.batch * spec.q_len, spec.model.hidden_size).schedule
+    choices = (["direct", "rsag"] + (["doubling"] if n & (n - 1) == 0 else [])
+               + (["hierarchical"] if AllReduceGeometry.pairs_cores(spec.target.chip, n) else []))
+    auto = AllReduceGeometry.for_chip(spec.target.chip, n, spec.batch * spec.q_len, spec.model.hidden_size,
+                                      dtype=spec.tuning.all_reduce_wire).schedule
     return choices, auto
 
 
@@ -241,7 +243,8 @@ COMPUTED: dict[str, ComputedChoices] = {
     "all_reduce_choices": ComputedChoices(
         "all_reduce",
         "the in-kernel all-reduce schedules the build's chip routes over its devices "
-        "(tpumk.plan.geometry.AllReduceGeometry); none on one or two devices, or on v5e (doubling only)",
+        "(tpumk.plan.geometry.AllReduceGeometry; hierarchical where devices pair up as one chip's "
+        "TensorCores); none on one or two devices, or on v5e (doubling only)",
         _all_reduce_choices),
     "expert_parallel_choices": ComputedChoices(
         "expert_parallel",
