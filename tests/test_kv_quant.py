@@ -70,7 +70,7 @@ def test_scales_are_exact_where_a_divide_is_not():
 @pytest.mark.parametrize("heads, head_dim, tensors, page, group, rows, lanes", [
     (8, 128, 2, 16, 2, 8, 4224),  # qwen3-8b: two tokens per row share the exponent tile, 0.516 of bfloat16
     (4, 128, 2, 16, 4, 4, 4224),
-    (1, 576, 1, 16, 4, 4, 2432),  # an MLA latent row (512 + 64), one tensor
+    (1, 576, 1, 16, 1, 16, 640),  # an MLA latent row (512 + 64): one token per row, its exponent in the padding
     (2, 64, 2, 8, 2, 4, 640),  # a small cache: the largest group a 4-row slice allows
 ])
 def test_paged_layout_packs_codes_and_exponents(heads, head_dim, tensors, page, group, rows, lanes):

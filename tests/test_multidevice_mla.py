@@ -436,5 +436,74 @@ def test_bench_devices_runs_on_an_mla_model():
     assert one["layouts"]["xla"].startswith("contiguous latent cache")
 
 
+# ---------------------------------------------------------------------- a 1-byte latent cache
+QUANT_CASE = (dict(MLA), 4, 2, 1, "int8")  # model, devices, batch, q_len, kv_dtype
+
+
+def _quantized_worker() -> dict:
+    """Two decode steps of the 4-device kernel on an int8 latent cache (every device its own
+    copy in the packed layout) against the quantized reference, float32 so the bytes must match."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpumk.decode.generate import _kernel_step
+    from tpumk.kernel.layout import pack_sharded
+    from tpumk.model import reference as ref
+    from tpumk.model.weights import random_params
+
+    model, n, b, q, kv_dtype = QUANT_CASE
+    cfg = _config(model)
+    plan, step = _kernel_step(cfg, b, CONTEXT, 16, q, n, "none", kv_dtype)
+    sh = plan.sharding
+    params = random_params(cfg, seed=5)
+    rng = np.random.default_rng(4)
+    cache = ref.init_cache(cfg, b, CONTEXT, kv_dtype=kv_dtype)
+    _, cache = ref.prefill(params, cfg, [[int(t) for t in rng.integers(0, cfg.vocab_size, 9 + 8 * i)] for i in range(b)],
+                           cache)
+    packed, wide, out = pack_sharded(plan, params), sh.expand_quantized(cfg, cache), []
+    for _ in range(2):  # the second step reads the rows the first wrote
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, q)), jnp.int32)
+        positions = cache.lengths[:, None]
+        want, cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
+        got, wide = step(packed, tokens, positions, wide)
+        kv = np.asarray(wide.kv).view(np.uint8)
+        copies = kv.reshape(*kv.shape[:-1], n, -1)
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        mine = sh.collapse_quantized(cfg, wide)
+        out.append({"max_err": float(np.max(np.abs(got - want))), "scale": float(np.max(np.abs(want))),
+                    "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))),
+                    "bytes_equal": bool(np.array_equal(np.asarray(mine.kv).view(np.uint8),
+                                                       np.asarray(cache.kv).view(np.uint8))),
+                    "copies_equal": all(np.array_equal(copies[..., d, :], copies[..., 0, :]) for d in range(n)),
+                    "lanes": int(wide.kv.shape[-1]), "layout_lanes": int(cache.layout.lanes)})
+    return {"steps": out, "devices": len(jax.devices("cpu")), "quantized": plan.attention.quantized}
+
+
+def test_a_quantized_latent_cache_on_4_devices():
+    """The latent cache in int8 (one packed row per token: codes, then the exponent byte) on 4
+    interpreted devices, each holding a copy: the bytes every device writes equal the quantized
+    reference's, and the same build compiles deviceless for 4 TPU7x TensorCores."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * QUANT_CASE[1]),
+               XLA_FLAGS=xla_flags(QUANT_CASE[1]))
+    proc = subprocess.run([sys.executable, __file__, "quantized"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["devices"] == 4 and r["quantized"]
+    for s in r["steps"]:
+        assert s["max_err"] <= 2e-5 * max(1.0, s["scale"]) and s["argmax_equal"], s
+        assert s["bytes_equal"] and s["copies_equal"], s
+        assert s["lanes"] == 4 * s["layout_lanes"] == 4 * 128  # 48 code lanes + 1 exponent byte, padded
+    from tpumk.compile.aot import compile_plan
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    model, n, b, q, kv_dtype = QUANT_CASE
+    c = compile_plan(make_plan(BuildSpec(_config(model), get_target("tpu7x"), batch=b, context=CONTEXT, q_len=q,
+                                         devices=n, kv_dtype=kv_dtype)))
+    assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
+
+
 if __name__ == "__main__":
-    print(json.dumps(_worker(sys.argv[1])))
+    print(json.dumps(_quantized_worker() if sys.argv[1] == "quantized" else _worker(sys.argv[1])))

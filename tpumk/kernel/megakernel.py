@@ -669,13 +669,13 @@ def step_specs(plan: Plan) -> tuple:
     NamedSharding of `step_mesh(plan)` the step takes it in (weights stacked per device, the
     embedding and the step inputs replicated, the cache split along its last axis)."""
     c = plan.contract
-    if plan.cfg.is_mla:  # the empty value cache of an MLA model is not an operand
+    if plan.attention.quantized:  # one device's packed layout (many: each device's, side by side)
+        cache = QuantizedKVCache(*(shape_struct(c.operand(n)) for n in ("kv_cache", "block_tables", "lengths")),
+                                 layout=plan.attention.kv_layout)
+    elif plan.cfg.is_mla:  # the empty value cache of an MLA model is not an operand
         k = shape_struct(c.operand("k_cache"))
         cache = KVCache(k, jax.ShapeDtypeStruct((*k.shape[:3], 0), k.dtype),
                         *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")))
-    elif plan.attention.quantized:  # one device's packed layout (many: each device's, side by side)
-        cache = QuantizedKVCache(*(shape_struct(c.operand(n)) for n in ("kv_cache", "block_tables", "lengths")),
-                                 layout=plan.attention.kv_layout)
     else:
         cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
     tok = shape_struct(c.operand("positions"))

@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.kernel import attention as attn
-from tpumk.plan.geometry import MLAGeometry
+from tpumk.model import kv_quant
+from tpumk.plan.geometry import LANE, MLAGeometry
 
 
 class MLAScratch(NamedTuple):
@@ -79,10 +80,15 @@ def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block
     h's latent output o_lat (softmax(q . rows) . c_kv) of token i in its first `latent` lanes."""
     st = _LatentStage(geom, layer, cache, block_tables, positions, scratch)
     sc, g = st.sc, geom
-    B, T, H, W = g.batch, g.q_len, g.num_q_heads, g.kv_size
+    B, T, H, W = g.batch, g.q_len, g.num_q_heads, g.row_lanes
     st.start_patch_reads()
-    sc.new_rows[pl.ds(0, g.tokens), :] = new_rows
+    if g.quantized:
+        _stage_quantized_rows(g, sc, new_rows)
+    else:
+        sc.new_rows[pl.ds(0, g.tokens), :] = new_rows
     for b in range(B):
+        if g.quantized:  # the packed row's exponent and pad lanes: zero in every query row
+            sc.q_heads[b] = jnp.zeros((g.q_rows, W), jnp.float32)
         for h in range(H):
             for lo, value in q_rows(b, h):
                 sc.q_heads[b, pl.ds(h * T, T), pl.ds(lo, value.shape[1])] = value
@@ -100,19 +106,56 @@ def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block
     return sc.q_heads
 
 
+def _stage_quantized_rows(g: MLAGeometry, sc, new_rows) -> None:
+    """A quantized cache: this step's rows [tokens, C + R] f32 -> new_rows [tokens, packed row]:
+    each row's codes (as f32 values, `attention._quantize_rows` with the row as one head), its
+    exponent byte's value at lane C + R, zeros after it (the kv_quant.PagedLayout row)."""
+    n, W = g.tokens, g.kv_size
+    codes, exps = attn._quantize_rows(g, new_rows)
+    sc.new_rows[pl.ds(0, n), pl.ds(0, W)] = codes
+    lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
+    row = sc.new_rows[pl.ds(0, n), :]  # lanes past W: whatever the scratch held, replaced below
+    sc.new_rows[pl.ds(0, n), :] = jnp.where(lane < W, row, jnp.where(lane == W, exps, 0.0))
+
+
 def _patch(st) -> None:
     g, sc = st.g, st.sc
     T, P = g.q_len, g.page_size
     rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
     for b, i, slot, lps, pos, pg, first in st.tokens():
         st.wait_patch_dma(slot, pg, write=False)
         hits = [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
                 for j in range(T)]
-        page = sc.patch[slot].astype(jnp.float32)
-        for j in range(T):
-            page = jnp.where(rows == hits[j], sc.new_rows[pl.ds(b * T + j, 1), :], page)
-        sc.patch[slot] = page.astype(g.jnp_dtype)
+        if g.quantized:  # in the page's bytes: the codes' encodings, the exponent byte as it is
+            page = attn._as_bytes(g, sc.patch[slot])
+            for j in range(T):
+                staged = sc.new_rows[pl.ds(b * T + j, 1), :]
+                row = jnp.where(lane < g.kv_size, attn._code_bytes(g, staged), staged.astype(jnp.int32))
+                page = jnp.where(rows == hits[j], row, page)
+            sc.patch[slot] = attn._from_bytes(g, page)
+        else:
+            page = sc.patch[slot].astype(jnp.float32)
+            for j in range(T):
+                page = jnp.where(rows == hits[j], sc.new_rows[pl.ds(b * T + j, 1), :], page)
+            sc.patch[slot] = page.astype(g.jnp_dtype)
         st.start_patch_dma(slot, pg, first, write=True)
+
+
+def _scale_row(g: MLAGeometry, tiles, slot):
+    """A quantized tile's per-token scales as one row [1, S] over its keys: the exponent byte of
+    token row k is lane C + R of row k; its 128-lane tile is read whole, the other lanes (codes,
+    padding) masked off, and one one-hot matmul (exact: powers of two times ones) turns the
+    column into a row, since a key's scale multiplies a lane of the scores and probabilities."""
+    base = g.exponent_block
+    block = kv_quant.scales_of(attn._as_bytes(g, tiles[slot, :, pl.ds(base, LANE)]))  # [S, 128]
+    lane = lax.broadcasted_iota(jnp.int32, (1, LANE), 1)
+    cols = jnp.where(lane == g.kv_size - base, block, 0.0)  # code bytes read as exponents may be inf
+    onehot = jnp.logical_and(lax.broadcasted_iota(jnp.int32, (8, LANE), 0) == 0,
+                             lax.broadcasted_iota(jnp.int32, (8, LANE), 1) == g.kv_size - base).astype(jnp.float32)
+    rows = lax.dot_general(onehot, cols, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)  # [8, S]: row 0 the scales
+    return rows[0:1, :]
 
 
 def _tiles(st, lengths, token_of_row, total) -> None:
@@ -166,8 +209,16 @@ def _tiles(st, lengths, token_of_row, total) -> None:
         v_ok = key_valid(kpos_row)
         q = sc.q_heads[b]
         tile = sc.tiles[slot]
+        scale_row = None
+        if g.quantized:  # codes in the model dtype (exact), the exponent and pad lanes zero
+            lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
+            tile = jnp.where(lane < g.kv_size, tile.astype(dt), jnp.zeros((), dt))
+            scale_row = _scale_row(g, sc.tiles, slot)
         s = lax.dot_general(q.astype(dt), tile, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * g.scale
+                            preferred_element_type=jnp.float32)
+        if scale_row is not None:  # a power of two: (q . codes) * scale is q . (codes * scale) exactly
+            s = s * scale_row
+        s = s * g.scale
         s = jnp.where(mask, s, attn.MASK_VALUE)
         m_prev = jnp.where(first_tile, -jnp.inf, sc.m[...])
         l_prev = jnp.where(first_tile, 0.0, sc.l[...])
@@ -176,7 +227,8 @@ def _tiles(st, lengths, token_of_row, total) -> None:
         p = jnp.exp(s - m_next[:, :1])
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         vals = jnp.where(v_ok, tile[:, :C], jnp.zeros((), dt))
-        pv = lax.dot_general(p.astype(dt), vals, (((1,), (0,)), ((), ())), precision=precision,
+        p_v = p if scale_row is None else p * scale_row  # each key's scale on its probability
+        pv = lax.dot_general(p_v.astype(dt), vals, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         acc = jnp.where(first_tile, 0.0, sc.acc[...]) * alpha[:, :1] + pv
         sc.m[...], sc.l[...], sc.acc[...] = m_next, l_next, acc

@@ -174,7 +174,12 @@ class PagedLayout:
 
     @property
     def group(self) -> int:
-        """Tokens per row (see the class doc)."""
+        """Tokens per row (see the class doc). An MLA latent row (one tensor) is always alone on
+        its row: its width (576 lanes for DeepSeek-V3) is off the 128-lane grid, so a second
+        token would start mid lane tile, where the kernel cannot address it; its exponent byte
+        sits in the row's own lane padding (576 + 1 -> 640 lanes)."""
+        if self.tensors == 1:
+            return 1
         fits = [g for g in range(1, self.page_size + 1) if self.page_size % g == 0
                 and (self.page_size // g) % EXPONENT_ALIGN == 0] or [1]
         for g in fits:

@@ -199,16 +199,17 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ()) \
             + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
-    if cfg.is_mla:  # one latent cache; KVCache.v (empty) stays outside the kernel
+    att = plan.attention
+    if cfg.is_mla and not att.quantized:  # one latent cache; KVCache.v (empty) stays outside the kernel
         out.append(_with(hbm("k_cache", (*cache[:3], cfg.attention.kv_cache_width), cfg.dtype,
                              "[L, num_pages, page_size, C + R]: c_kv | k_rope per token"),
                          source="cache.k", component="kv_cache"))
         return out
-    att = plan.attention
-    if att.quantized:  # tpumk.model.kv_quant.PagedLayout: K, V codes and scale exponents, one array
+    if att.quantized:  # tpumk.model.kv_quant.PagedLayout: K, V codes (MLA: the latent row's) and exponents
         out.append(_with(hbm("kv_cache", (*cache[:2], att.page_rows, att.page_lanes), att.cache_dtype,
-                             "[L, num_pages, page_size / kv_group, packed row]: kv_group tokens' K | V codes, "
-                             "then their exponent bytes"), source="cache.kv", component="kv_cache"))
+                             "[L, num_pages, page_size / kv_group, packed row]: kv_group tokens' K | V codes "
+                             "(MLA: one token's c_kv | k_rope codes), then their exponent bytes"),
+                         source="cache.kv", component="kv_cache"))
         return out
     for name in ("k", "v"):
         out.append(_with(hbm(f"{name}_cache", cache, att.cache_dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),

@@ -555,6 +555,24 @@ class MLAGeometry(AttentionGeometry):
     def heads_per_block(self) -> int:
         return 1
 
+    @property
+    def kv_layout(self) -> PagedLayout:
+        """A quantized latent cache's layout: one token per row, its C + R codes then its
+        exponent byte in the row's lane padding (`PagedLayout.group` says why)."""
+        return PagedLayout(1, self.kv_size, 1, self.page_size, self.kv_dtype)
+
+    @property
+    def exponent_block(self) -> int:
+        """A quantized cache: the first lane of the 128-lane tile that holds the exponent byte
+        (lane kv_size); the stage reads that whole tile and picks the byte by lane."""
+        return self.kv_size // LANE * LANE
+
+    @property
+    def row_lanes(self) -> int:
+        """Lanes of the stage's latent rows in VMEM (new rows, q rows): C + R, or a quantized
+        cache's whole packed row (codes, exponent, zero padding) so rows and tiles line up."""
+        return self.page_lanes
+
     def validate(self) -> None:
         def need(cond: bool, knob: str, expected: str) -> None:
             if not cond:
@@ -566,8 +584,7 @@ class MLAGeometry(AttentionGeometry):
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, knob, "a positive integer")
         need(self.head_dim == self.latent + self.rope, "head_dim", f"latent + rope ({self.latent + self.rope})")
         need(self.dtype in WEIGHT_DTYPES, "dtype", f"one of {', '.join(WEIGHT_DTYPES)}")
-        need(not self.kv_dtype, "kv_dtype", "'' (the MLA stage keeps its latent cache in the model dtype: "
-             "a 1-byte latent cache runs in the reference and `tpumk quality` only)")
+        need(self.kv_dtype in ("",) + tuple(KV_FORMATS), "kv_dtype", f"'' (the model dtype) or one of {', '.join(KV_FORMATS)}")
         sub = SUBLANES[self.dtype]
         need(self.page_size % sub == 0, "page_size",
              f"a multiple of {sub} ({self.dtype} sublane tiling: pages are DMA'd whole into "
@@ -579,12 +596,14 @@ class MLAGeometry(AttentionGeometry):
     def scratch(self) -> tuple[Buffer, ...]:
         """The MLA stage's scratch, in the order `mla_attention.MLAScratch` names it. Rows of
         `latent + rope` lanes are padded to whole 128-lane tiles in VMEM (Buffer.nbytes)."""
-        dt, w, nb, s, p, r = self.dtype, self.kv_size, self.kv_buffers, self.tile_rows, self.page_size, self.q_rows
+        dt, w, nb, s, p, r = self.cache_dtype, self.row_lanes, self.kv_buffers, self.tile_rows, self.page_size, self.q_rows
         return (
-            vmem("tiles", (nb, s, w), dt, "streamed latent tiles: [slot, token of the tile, c_kv | k_rope]"),
+            vmem("tiles", (nb, s, w), dt, "streamed latent tiles: [slot, token of the tile, c_kv | k_rope "
+                 "(a quantized cache: their codes, then the exponent byte)]"),
             vmem("patch", (self.patch_pages, p, w), dt,
                  "page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
-            vmem("new_rows", (self.staged_rows, w), "float32", "this step's latent rows, one addressable at a time"),
+            vmem("new_rows", (self.staged_rows, w), "float32",
+                 "this step's latent rows, one addressable at a time (quantized: codes, then the exponent byte)"),
             vmem("q_heads", (self.batch, r, w), "float32",
                  "[b, h*q_len + i]: q_lat | q_rope of head h, token i; then o_lat in the first latent lanes"),
             vmem("m", (r, LANE), "float32", "running max, lane-replicated"),
@@ -601,7 +620,11 @@ class MLAGeometry(AttentionGeometry):
         tile [S, latent] of one KV-tile step (an upper bound, as AttentionGeometry's)."""
         s, r, isz = self.tile_rows, self.q_rows, self.itemsize
         s_lanes = round_up(s, LANE)
-        return r * s_lanes * (4 + 4 + isz + 4) + round_up(s, SUBLANES[self.dtype]) * round_up(self.latent, LANE) * isz
+        out = r * s_lanes * (4 + 4 + isz + 4) + round_up(s, SUBLANES[self.dtype]) * round_up(self.latent, LANE) * isz
+        if self.quantized:  # the tile's codes in the model dtype, its exponent tile in f32 and as a scale row
+            out += round_up(s, SUBLANES[self.dtype]) * self.page_lanes * isz + round_up(s, F32_SUBLANES) * LANE * 4 \
+                + F32_SUBLANES * s_lanes * 4
+        return out
 
     def smem_bytes(self) -> int:
         return 4 * self.batch * (3 + self.q_len)
