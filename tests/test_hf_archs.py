@@ -163,15 +163,16 @@ CHECKPOINTS = {
 # And the two dense Qwen3 variants': qwen3-moe-d64 runs the same 64-wide heads (its layer 0 is
 # dense), phi3-partial a checkpoint's window (on every layer) and test_megakernel_archs.py's
 # dense-gemma a window on one layer of two; their configs and reference logits stay above.
-# And Cohere's: its parts (LayerNorm, parallel blocks) run in test_megakernel_archs.py's
-# dense-cohere against the reference (TPU7x and v6e compiles) and test_multidevice.py's
-# dense-2dev-cohere; what only its loader does (interleaved q / k rows permuted, logit_scale
+# And Cohere's: its parts (LayerNorm, parallel blocks) run in test_multidevice.py's
+# dense-2dev-cohere against the reference (a TPU7x compile; one device in the full tier:
+# test_megakernel_archs.py's dense-cohere); what only its loader does (interleaved q / k rows permuted, logit_scale
 # folded) is checked by its reference logits against transformers above.
 # And every Gemma's (gemma-geglu, gemma3-sandwich, gemma2-softcap) and OLMo 2's: every kernel part of
-# each runs against the reference in test_megakernel_archs.py (dense-gemma: GeGLU, embedding
-# factor, post-sublayer norms, both soft-caps, query_pre_attn_scalar, a local window and theta;
-# dense-olmo2: post-norms only, QK-norm across all heads; TPU7x and v6e compiles) and on 2 / 4
-# devices in test_multidevice.py (dense-2dev-kv-split, dense-4dev-kv-replicated-verify); what
+# each runs against the reference on 2 / 4 devices in test_multidevice.py (dense-2dev-kv-split:
+# GeGLU, embedding factor, post-sublayer norms, both soft-caps, query_pre_attn_scalar, a local
+# window and theta; dense-4dev-kv-replicated-verify: post-norms only, QK-norm across all heads;
+# TPU7x compiles; one device and v6e in the full tier: test_megakernel_archs.py's dense-gemma and
+# dense-olmo2); what
 # their loaders do ((1 + w) norms, q_norm / k_norm over the whole projection) is checked by their
 # reference logits against transformers above.
 # And SmolLM2's: test_gguf.py's tiny GGUF is a Llama of exactly its shapes (hidden 192, 3 query / 1 KV
@@ -182,9 +183,15 @@ CHECKPOINTS = {
 # And the YaRN Qwen3's: its frequencies and cos / sin factor live in the RoPE tables the kernel's
 # glue computes (checked against transformers above by the reference); phi4-longrope runs scaled
 # tables (on part of each head) through the kernel.
+# And the biased-attention Llama's and Qwen2's: q / k / v / o biases run through the kernel in
+# gptoss-moe (below) and test_multidevice.py's dense-2dev-kv-split (each device its heads'
+# slice); their reference logits against transformers stay above. And two MoE families': GLM-4.5's
+# DeepSeek routing on GQA runs in test_megakernel_deepseek_routing.py and its partial-rotary heads
+# in phi3-partial; Qwen2-MoE's gated shared expert in test_megakernel_archs.py's moe-d64-g4 and
+# its unrenormalised top-k in olmoe-moe (below).
 FULL_KERNEL_CASES = ("qwen3-yarn", "mistral-sliding", "llama-llama3-d64", "granite-scalars", "qwen3-d64", "qwen3-sliding",
                      "gemma-geglu", "smollm2-lanes", "gemma3-sandwich", "cohere-parallel", "gemma2-softcap",
-                     "olmo2-postnorm", "mixtral-moe")
+                     "olmo2-postnorm", "mixtral-moe", "llama-attnbias", "qwen2-bias", "glm45-moe", "qwen2moe-shared")
 KERNEL_CASES = [pytest.param(n, marks=pytest.mark.full) if n in FULL_KERNEL_CASES else n for n in CHECKPOINTS]
 
 

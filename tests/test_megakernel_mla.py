@@ -46,10 +46,13 @@ def model(dtype: str, q_lora: bool = True):
 
 # f32-b2-q1 is the full tier: test_kv_guard.py's [mla] runs the same build (float32, q-LoRA,
 # batch 2, q = 1, default knobs) against the reference step, logits within 1e-5 of the scale
-# and the cache within 1e-5, and compiles it deviceless for TPU7x.
+# and the cache within 1e-5, and compiles it deviceless for TPU7x. So is bf16-b2-q3:
+# test_megakernel_mla_quant.py's fp8b128-bf16-b2-q3 runs the same model, shapes and verify step
+# (its weights block-quantized) and test_multidevice_mla.py's mla-2dev-bf16-verify the bfloat16
+# verify step on 2 devices.
 @pytest.mark.parametrize("dtype, lengths, q_len, q_lora, knobs", [
     pytest.param("float32", [15, 33], 1, True, {}, marks=pytest.mark.full),
-    ("bfloat16", [16, 31], 3, True, dict(ring_depth=3, kv_tile_pages=1)),  # the verify step
+    pytest.param("bfloat16", [16, 31], 3, True, dict(ring_depth=3, kv_tile_pages=1), marks=pytest.mark.full),
     ("float32", [7], 3, False, dict(kv_buffers=3)),  # a plain q projection (q_lora_rank 0)
 ], ids=["f32-b2-q1", "bf16-b2-q3", "f32-noqlora-b1-q3"])
 def test_step_matches_reference(dtype, lengths, q_len, q_lora, knobs):

@@ -222,6 +222,7 @@ def _stored(d, name):
     return w, s
 
 
+@pytest.mark.full  # fp8 checkpoints load as stored: test_quant.py's [fp8_dense_dir]; MLA's block scales in the kernel: [fp8b128-bf16-b2-q3]
 def test_fp8_deepseek_checkpoint_loads_as_stored_and_runs_the_megakernel(fp8_deepseek_dir):
     from test_quant import _dequantized_float
     from tpumk.decode.generate import generate, load_model

@@ -215,8 +215,11 @@ def interpret_runs(request) -> dict:
 # tests/test_multidevice_mla.py's 4-device case, whose tiny-mla routes that way) and the
 # 8-device bf16 model (its odd vocabulary split: dense-2dev-kv-split; KV heads replicated:
 # dense-4dev-kv-replicated-verify, which also runs the hierarchical schedule; rsag:
-# moe-4dev-mixed; 8 devices: test_collectives.py's 8-device all-reduces, hierarchical included). Without it the subprocess needs 4 host devices, not 8.
-FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing", "dense8-8dev-bf16-odd-vocab"}
+# moe-4dev-mixed; 8 devices: test_collectives.py's 8-device all-reduces, hierarchical included)
+# and the bfloat16 wire (test_collectives.py's [8-rsag-bfloat16] and [8-hierarchical-bfloat16]
+# hold its rounded partials and sums bit for bit; the megakernel's all-reduce call is the same
+# for either wire: the other 4-device cases). Without it the subprocess needs 4 host devices, not 8.
+FULL_CASES = {"moe-4dev-int8", "moe-4dev-deepseek-routing", "dense8-8dev-bf16-odd-vocab", "dense-4dev-bf16-wire"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c in FULL_CASES else c for c in CASES])

@@ -116,6 +116,7 @@ def _tune(tmp_path, *devices):
     return out, study.get_trials(deepcopy=False)
 
 
+@pytest.mark.full  # the space it searches: test_the_default_space_computes_the_expert_split_for_each_build
 def test_tune_on_4_devices_searches_the_expert_split_and_1_device_does_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "split.toml").write_text(SPLIT_SPACE)
