@@ -44,8 +44,7 @@ def rows(models, batches, devices: int, context: int, page_size: int) -> list[di
                 m = megakernel_step(plan)
                 return plan, m.stages["collectives"]["seconds"], m.seconds
 
-            flat = AllReduceGeometry.for_chip(target.chip, devices, batch, cfg.hidden_size).schedule
-            flat = "rsag" if flat == "hierarchical" else flat  # the flat schedule auto took before
+            flat = AllReduceGeometry.for_chip(target.chip, devices, batch, cfg.hidden_size).schedule  # flat auto
             try:
                 auto = make_plan(BuildSpec(cfg, target, batch=batch, context=context, devices=devices,
                                            page_size=page_size, quant=quant)).all_reduce.schedule

@@ -9,9 +9,10 @@ or a sibling of its own layer:
 `tpumk/__init__.py` (the lazy public API) may import anything; any module may read
 `tpumk.__version__` from the package root.
 
-One named exception (UPWARD): the plan picks its auto knobs (KV tiles, expert slots) by walking
-candidate plans with tpumk's timeline model, which reads plans; plan.py imports it lazily,
-inside the choosing functions, so no import cycle forms at load time.
+Named exceptions (UPWARD): the plan picks its auto knobs (KV tiles, expert slots) by walking
+candidate plans with tpumk's timeline model, which reads plans, and its auto all-reduce
+schedule by tpumk's interconnect model, which reads the all-reduce geometry; plan.py imports
+both lazily, inside the choosing functions, so no import cycle forms at load time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ LAYERS = [
     {"cli"},
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
-UPWARD = {("tpumk.plan.plan", "tpumk.estimate.timeline")}  # see the module doc
+UPWARD = {("tpumk.plan.plan", "tpumk.estimate.timeline"),  # see the module doc
+          ("tpumk.plan.plan", "tpumk.estimate.interconnect")}
 MAX_TOP_LEVEL_MODULES = 12
 
 

@@ -1076,9 +1076,9 @@ class AllReduceGeometry:
         power-of-two device offsets, so it gets recursive doubling once N > 2. Other chips
         route any offset: the direct push while the N-1 slots it sends are at most
         DIRECT_ALL_REDUCE_MAX_BYTES (one round; 2 devices always: the same bytes either way),
-        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent), or on TPU7x
-        its chip-hierarchical form when tpumk's interconnect model costs that less (large
-        payloads: the sibling link takes half the bytes, at the price of two more rounds)."""
+        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent). (The plan's
+        `tpumk.plan.plan.all_reduce_geometry` may then take the chip-hierarchical form on TPU7x,
+        by tpumk's interconnect model.)"""
         pow2_only = chip == "v5e" and devices > 2
         if schedule == "auto":
             # Weighed at float32 whatever the wire: a bfloat16 wire halves both schedules' bytes,
@@ -1088,13 +1088,6 @@ class AllReduceGeometry:
             direct_bytes = (devices - 1) * rows * width * 4
             schedule = ("doubling" if pow2_only else
                         "direct" if devices <= 2 or direct_bytes <= DIRECT_ALL_REDUCE_MAX_BYTES else "rsag")
-            if schedule == "rsag" and cls.pairs_cores(chip, devices):
-                from tpumk.estimate.interconnect import all_reduce_seconds_on  # the model imports the plan
-
-                two = cls(devices, rows, width, dtype, "rsag", axis)
-                four = cls(devices, rows, width, dtype, "hierarchical", axis)
-                if all_reduce_seconds_on(chip, four)["seconds"] < all_reduce_seconds_on(chip, two)["seconds"]:
-                    schedule = "hierarchical"
         elif pow2_only and schedule != "doubling":
             raise PlanError(f"tuning: 'all_reduce' = {schedule}: {chip} routes remote DMAs only to power-of-two "
                             f"device offsets; {devices} devices need 'doubling' (or auto)")

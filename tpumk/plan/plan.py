@@ -649,8 +649,8 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     if sharding.devices > 1:
         # One row per token row (padding to the 8-row tile would send 8x the bytes at batch 1);
         # f32 partial sums (exact) unless the tuning puts bfloat16 on the wire.
-        all_reduce = AllReduceGeometry.for_chip(target.chip, sharding.devices, rows, cfg.hidden_size,
-                                                dtype=tuning.all_reduce_wire, schedule=tuning.all_reduce)
+        all_reduce = all_reduce_geometry(target.chip, sharding.devices, rows, cfg.hidden_size,
+                                         dtype=tuning.all_reduce_wire, schedule=tuning.all_reduce)
 
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
 
@@ -699,6 +699,21 @@ def _choose_expert_slots(plan_with) -> Plan:
     the one-slot plan's PlanError when no count fits."""
     return _fastest_plan(((-slots,), lambda slots=slots: plan_with(slots))
                          for slots in range(1, AUTO_EXPERT_SLOTS + 1))
+
+
+def all_reduce_geometry(chip: str, devices: int, rows: int, width: int, dtype: str = "float32",
+                        schedule: str = "auto") -> AllReduceGeometry:
+    """The in-kernel all-reduce of a build: `AllReduceGeometry.for_chip`'s schedule, except that
+    `auto` on TPU7x takes the chip-hierarchical form of rsag when tpumk's interconnect model
+    costs it less (large payloads: the sibling link carries half the bytes, at the price of two
+    more rounds; a batch-1 row stays on rsag). The tuning space's default is this choice."""
+    geom = AllReduceGeometry.for_chip(chip, devices, rows, width, dtype=dtype, schedule=schedule)
+    if schedule != "auto" or geom.schedule != "rsag" or not AllReduceGeometry.pairs_cores(chip, devices):
+        return geom
+    from tpumk.estimate.interconnect import all_reduce_seconds_on  # the model reads plans (lazy: layer rule)
+
+    four = AllReduceGeometry.for_chip(chip, devices, rows, width, dtype=dtype, schedule="hierarchical")
+    return four if all_reduce_seconds_on(chip, four)["seconds"] < all_reduce_seconds_on(chip, geom)["seconds"] else geom
 
 
 def _fastest_plan(candidates) -> Plan:

@@ -222,14 +222,15 @@ def _expert_parallel_choices(spec: "BuildSpec") -> tuple[list[int], int | None]:
 
 def _all_reduce_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     from tpumk.plan.geometry import AllReduceGeometry
+    from tpumk.plan.plan import all_reduce_geometry
 
     n = spec.devices
     if n <= 2 or spec.target.chip == "v5e":  # one schedule serves: the direct push, or (v5e) doubling
         return [], None
     choices = (["direct", "rsag"] + (["doubling"] if n & (n - 1) == 0 else [])
                + (["hierarchical"] if AllReduceGeometry.pairs_cores(spec.target.chip, n) else []))
-    auto = AllReduceGeometry.for_chip(spec.target.chip, n, spec.batch * spec.q_len, spec.model.hidden_size,
-                                      dtype=spec.tuning.all_reduce_wire).schedule
+    auto = all_reduce_geometry(spec.target.chip, n, spec.batch * spec.q_len, spec.model.hidden_size,
+                               dtype=spec.tuning.all_reduce_wire).schedule
     return choices, auto
 
 
