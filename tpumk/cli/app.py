@@ -116,7 +116,10 @@ def print_build_report(r) -> None:
         m = r.plan["moe"]
         rows.append(["expert slots", f"{m['expert_slots']} of {m['expert_chunk']} columns ({m['expert_slots_knob']})"])
     if r.devices > 1:
-        rows += [["in-kernel collectives per step", f"{r.collectives_per_step} all-reduces"],
+        ar = r.plan.get("all_reduce", {})
+        how = f" ({ar['schedule']}, {ar['dtype']} wire)" if ar else ""
+        rows += [["in-kernel collectives per step",
+                  f"{r.collectives_per_step - 1} all-reduces{how} + the logits all-gather"],
                  ["interconnect bytes sent per step" + each, size(r.interconnect_bytes_per_step)],
                  ["XLA collectives outside the kernel", r.xla_collectives]]
     if r.model_seconds is not None:
