@@ -532,15 +532,10 @@ def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len:
     def decode(toks, pos, c):
         if plan.unpadded is not None:
             c = pad_cache(m.cfg, cfg, c)
-        if sh is not None and kv_dtype:  # each device's heads in its own packed page layout
-            c = sh.expand_quantized(cfg, c)
-        elif sh is not None:
-            c = reference.KVCache(sh.expand_cache(cfg, c.k), sh.expand_cache(cfg, c.v), c.block_tables, c.lengths)
+        if sh is not None:
+            c = sh.expand_kv(cfg, c)
         logits, out = step(packed, toks, pos, c)
-        if sh is not None and kv_dtype:
-            out = sh.collapse_quantized(cfg, out)
-        elif sh is not None:
-            out = reference.KVCache(sh.collapse_cache(cfg, out.k), sh.collapse_cache(cfg, out.v),
-                                    out.block_tables, out.lengths)
+        if sh is not None:
+            out = sh.collapse_kv(cfg, out)
         return logits, unpad_cache(m.cfg, cfg, out) if plan.unpadded is not None else out
     return decode, plan

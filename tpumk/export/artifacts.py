@@ -593,7 +593,7 @@ class DecodeStep:
     def shard_cache(self, cache):
         """A KV cache in the reference layout (e.g. filled by `tpumk.model.reference.prefill`) ->
         the one this step takes: one device, the same; many, the sharded layout
-        (`ShardingPlan.expand_cache`) on the step's mesh, each process placing its shards. A
+        (`ShardingPlan.expand_kv`) on the step's mesh, each process placing its shards. A
         lane-padded model's cache gains the padded KV heads' zero lanes (`tpumk.plan.padding`)."""
         from tpumk.plan.padding import pad_cache
 
@@ -604,27 +604,17 @@ class DecodeStep:
         import jax
         import numpy as np
 
-        from tpumk.model.reference import KVCache, QuantizedKVCache
-
-        sh, model = self.plan.sharding, self.plan.whole_model
-        with jax.default_device(jax.devices("cpu")[0]):
-            if isinstance(cache, QuantizedKVCache):  # each device's heads in its own packed page layout
-                return _place(sh.expand_quantized(model, cache), self.shardings[3])
-            k, v = (sh.expand_cache(model, np.asarray(a)) for a in (cache.k, cache.v))
-        return _place(KVCache(k, v, cache.block_tables, cache.lengths), self.shardings[3])
+        with jax.default_device(jax.devices("cpu")[0]):  # from host copies: the layout is built on the host
+            wide = self.plan.sharding.expand_kv(self.plan.whole_model, jax.tree.map(np.asarray, cache))
+        return _place(wide, self.shardings[3])
 
     def unshard_cache(self, cache):
         """The inverse of `shard_cache`: the reference layout (one process must address every
         device: a single host)."""
-        from tpumk.model.reference import KVCache, QuantizedKVCache
         from tpumk.plan.padding import unpad_cache
 
         if self.devices is not None:
-            sh, model = self.plan.sharding, self.plan.whole_model
-            if isinstance(cache, QuantizedKVCache):
-                return sh.collapse_quantized(model, cache)
-            cache = KVCache(sh.collapse_cache(model, cache.k), sh.collapse_cache(model, cache.v), cache.block_tables,
-                            cache.lengths)
+            cache = self.plan.sharding.collapse_kv(self.plan.whole_model, cache)
         if self.plan.unpadded is not None:
             cache = unpad_cache(self.plan.unpadded, self.plan.whole_model, cache)
         return cache

@@ -401,6 +401,18 @@ def _tile_scales(g: AttentionGeometry, tile_ref, slot):
     return scales_of(_as_bytes(g, tile_ref[slot, :, pl.ds(lay.codes_lanes, lay.lanes - lay.codes_lanes)]))
 
 
+def _lanes_as_rows(cols, first: int, n: int):
+    """cols [S, L] f32 -> [n, S]: row r is lane first + r of cols. One one-hot matmul (exact for
+    finite values: ones times powers of two) turns a tile's per-key columns into rows over its
+    keys, since a key's scale multiplies a lane of the scores and of the probabilities. Lanes
+    outside first .. first + n - 1 must hold finite values (0 x inf is NaN)."""
+    lanes = cols.shape[1]
+    onehot = (lax.broadcasted_iota(jnp.int32, (n, lanes), 0) + first
+              == lax.broadcasted_iota(jnp.int32, (n, lanes), 1)).astype(jnp.float32)
+    return lax.dot_general(onehot, cols, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
 def _as_bytes(g: AttentionGeometry, x):
     """1-byte cache values (fp8 or int8) -> their bytes as int32 (-128 .. 127). A bitcast, which
     libtpu 0.0.52's static profiler accepts (it aborts on a float32 -> fp8 cast)."""
@@ -701,16 +713,10 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
         return tiles[0][slot, :, pl.ds((grp * 2 + c) * g.kv_size + h * BL, BL)].astype(dt)
 
     def scale_rows(slot):
-        """A quantized tile's scales as rows over its keys: [(grp * 2 + c) * Hkv + head, RS] f32.
-        The tile holds them as columns (one exponent lane per group, tensor and head); one
-        one-hot matmul (exact: powers of two and ones) turns them into rows, since a key's scale
-        multiplies a lane of the scores and of the probabilities."""
-        cols = _tile_scales(g, tiles[0], slot)  # [RS, exponent lanes]
-        n = round_up(2 * G * g.num_kv_heads, 8)
-        onehot = (lax.broadcasted_iota(jnp.int32, (n, cols.shape[1]), 0)
-                  == lax.broadcasted_iota(jnp.int32, (n, cols.shape[1]), 1)).astype(jnp.float32)
-        return lax.dot_general(onehot, cols, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)  # [n, RS]
+        """A quantized tile's scales as rows over its keys: [(grp * 2 + c) * Hkv + head, RS] f32
+        (the tile holds them as columns: one exponent lane per group, tensor and head; its pad
+        lanes are zero bytes, finite scales)."""
+        return _lanes_as_rows(_tile_scales(g, tiles[0], slot), 0, round_up(2 * G * g.num_kv_heads, 8))
 
     def row_scales(rows_all, c, grp, h):
         """[Rb, RS] (or [1, RS]): each query row's scale of every key of group grp, tensor c, for

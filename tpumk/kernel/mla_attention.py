@@ -58,12 +58,9 @@ class _LatentStage(attn._Stage):
         self._tokens = None
         self.window = None
 
-    def start_patch_dma(self, slot, pg, first, write):
-        pl.when(first)(lambda: self._patch_copy((0, None), slot, pg, write).start())
-        pl.when(jnp.logical_not(first))(lambda: self._sink_copy((0, None), slot, write).start())
-
-    def wait_patch_dma(self, slot, pg, write):
-        self._patch_copy((0, None), slot, pg, write).wait()
+    def patch_pieces(self):
+        """One DMA a patch page, the whole (packed or model-dtype) latent page."""
+        return [(0, None)]
 
 
 def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block_tables, lengths, positions,
@@ -125,8 +122,7 @@ def _patch(st) -> None:
     lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
     for b, i, slot, lps, pos, pg, first in st.tokens():
         st.wait_patch_dma(slot, pg, write=False)
-        hits = [jnp.where(jnp.logical_and(lps[j] == lps[i], st.in_range(pos[j])), pos[j] - lps[j] * P, -1)
-                for j in range(T)]
+        hits = attn._page_slots(st, i, lps, pos)
         if g.quantized:  # in the page's bytes: the codes' encodings, the exponent byte as it is
             page = attn._as_bytes(g, sc.patch[slot])
             for j in range(T):
@@ -145,17 +141,12 @@ def _patch(st) -> None:
 def _scale_row(g: MLAGeometry, tiles, slot):
     """A quantized tile's per-token scales as one row [1, S] over its keys: the exponent byte of
     token row k is lane C + R of row k; its 128-lane tile is read whole, the other lanes (codes,
-    padding) masked off, and one one-hot matmul (exact: powers of two times ones) turns the
-    column into a row, since a key's scale multiplies a lane of the scores and probabilities."""
+    padding) zeroed, and `attention._lanes_as_rows` turns the column into a row."""
     base = g.exponent_block
     block = kv_quant.scales_of(attn._as_bytes(g, tiles[slot, :, pl.ds(base, LANE)]))  # [S, 128]
     lane = lax.broadcasted_iota(jnp.int32, (1, LANE), 1)
     cols = jnp.where(lane == g.kv_size - base, block, 0.0)  # code bytes read as exponents may be inf
-    onehot = jnp.logical_and(lax.broadcasted_iota(jnp.int32, (8, LANE), 0) == 0,
-                             lax.broadcasted_iota(jnp.int32, (8, LANE), 1) == g.kv_size - base).astype(jnp.float32)
-    rows = lax.dot_general(onehot, cols, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)  # [8, S]: row 0 the scales
-    return rows[0:1, :]
+    return attn._lanes_as_rows(cols, g.kv_size - base, 8)[0:1, :]  # [8, S]: row 0 the scales
 
 
 def _tiles(st, lengths, token_of_row, total) -> None:

@@ -1204,33 +1204,24 @@ class AllReduceGeometry:
         """The stage's scratch, in the order `all_reduce` takes the refs
         (`tpumk.kernel.collectives.AllReduceScratch`)."""
         n, st = self.devices, self.stages
+        step = "round" if self.chunked else "stage"
+        sems = (dma_sems("recv_sems", (2, st), f"[parity, {step}]: arrivals into this device's slots"),
+                dma_sems("send_sems", (2, st), f"[parity, {step}]: this device's outgoing pushes"))
+        if not self.chunked:
+            return (vmem("slots", (2, n, self.rows, self.width), self.dtype,
+                         "[parity of the collective counter, source device, rows, lanes]: device d's partial in "
+                         "slot d"),) + sems
         if self.schedule == "rsag":
-            return (
-                vmem("slots", (2, 2, n, self.rows, self.chunk), self.dtype,
-                     "[parity, round (0 reduce-scatter, 1 all-gather), source device, rows, chunk lanes]"),
-                dma_sems("recv_sems", (2, st), "[parity, round]: arrivals into this device's slots"),
-                dma_sems("send_sems", (2, st), "[parity, round]: this device's outgoing pushes"),
-                vmem("staging", (n, self.rows, self.chunk), self.dtype,
-                     "[chunk, rows, chunk lanes]: this device's partial cut into chunks, the pushes' sources"),
-            )
-        if self.schedule == "hierarchical":
-            c = self.chips
-            return (
-                vmem("slots", (2, 4, c, self.rows, self.chunk), self.dtype,
-                     "[parity, round (0 the sibling's copy of my half, then my chip sums; 1 chip sums by "
-                     "source chip; 2 totals of my half by chip; 3 the sibling's totals), chip, rows, chunk lanes]"),
-                dma_sems("recv_sems", (2, st), "[parity, round]: arrivals into this device's slots"),
-                dma_sems("send_sems", (2, st), "[parity, round]: this device's outgoing pushes"),
-                vmem("staging", (n, self.rows, self.chunk), self.dtype,
-                     "[half * N/2 + chip, rows, chunk lanes]: this device's partial cut into chunks, chunk "
-                     "2 m + h at h * N/2 + m (each half contiguous: one DMA to the sibling)"),
-            )
-        return (
-            vmem("slots", (2, n, self.rows, self.width), self.dtype,
-                 "[parity of the collective counter, source device, rows, lanes]: device d's partial in slot d"),
-            dma_sems("recv_sems", (2, st), "[parity, stage]: arrivals into this device's slots"),
-            dma_sems("send_sems", (2, st), "[parity, stage]: this device's outgoing pushes"),
-        )
+            slots = vmem("slots", (2, 2, n, self.rows, self.chunk), self.dtype,
+                         "[parity, round (0 reduce-scatter, 1 all-gather), source device, rows, chunk lanes]")
+            order = "[chunk, rows, chunk lanes]: this device's partial cut into chunks, the pushes' sources"
+        else:
+            slots = vmem("slots", (2, 4, self.chips, self.rows, self.chunk), self.dtype,
+                         "[parity, round (0 the sibling's copy of my half, then my chip sums; 1 chip sums by "
+                         "source chip; 2 totals of my half by chip; 3 the sibling's totals), chip, rows, chunk lanes]")
+            order = ("[half * N/2 + chip, rows, chunk lanes]: this device's partial cut into chunks, chunk "
+                     "2 m + h at h * N/2 + m (each half contiguous: one DMA to the sibling)")
+        return (slots,) + sems + (vmem("staging", (n, self.rows, self.chunk), self.dtype, order),)
 
     def scratch_bytes(self) -> int:
         """VMEM of the scratch: 2 * N * rows * width * itemsize (whole tiles by validation);

@@ -35,7 +35,8 @@ vocabulary slice and all-gathers them in the kernel at the end, so every device 
 `ShardingPlan.local_config(cfg)` is the model ONE device computes (its heads, widths, vocab
 slice); the plan, the contract and the kernel are built from it exactly as for one device, plus
 the collectives. `device_params` cuts reference-layout weights into a device's part;
-`expand_cache` / `collapse_cache` convert a reference KV cache to the sharded layout and back.
+`expand_cache` / `collapse_cache` convert a reference KV cache array to the sharded layout and
+back; `expand_kv` / `collapse_kv` a whole reference cache (`KVCache` or `QuantizedKVCache`).
 """
 
 from __future__ import annotations
@@ -319,6 +320,23 @@ class ShardingPlan:
         heads = self.device_heads(cfg)
         firsts = [d for d in range(self.devices) if d == 0 or heads[d] != heads[d - 1]]  # each head's first copy
         return cache._replace(kv=kv_quant.join_heads(cache.kv, whole, self.devices, firsts), layout=whole)
+
+    def expand_kv(self, cfg: ModelConfig, cache):
+        """A whole reference cache in the sharded layout: a `reference.KVCache`'s k and v arrays
+        (`expand_cache`), or a `QuantizedKVCache` repacked per device (`expand_quantized`)."""
+        from tpumk.model.reference import QuantizedKVCache
+
+        if isinstance(cache, QuantizedKVCache):
+            return self.expand_quantized(cfg, cache)
+        return cache._replace(k=self.expand_cache(cfg, cache.k), v=self.expand_cache(cfg, cache.v))
+
+    def collapse_kv(self, cfg: ModelConfig, cache):
+        """The inverse of `expand_kv`."""
+        from tpumk.model.reference import QuantizedKVCache
+
+        if isinstance(cache, QuantizedKVCache):
+            return self.collapse_quantized(cfg, cache)
+        return cache._replace(k=self.collapse_cache(cfg, cache.k), v=self.collapse_cache(cfg, cache.v))
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
