@@ -348,7 +348,8 @@ def test_full_deepseek_v3_per_device_hbm():
 
 def test_full_deepseek_v3_plans_on_32_tpu7x_devices():
     """The public DeepSeek-V3 (bf16) on 32 TPU7x TensorCores with default knobs: 4 heads per
-    device, the whole latent cache on each, read whole by every device every step."""
+    device, the whole latent cache on each, read whole by every device every step; at batch 1
+    the plan splits q_a / kv_a (one latent all-gather per layer besides the 2 all-reduces)."""
     from tpumk.model.config import load_preset
 
     cfg = load_preset("deepseek-v3")
@@ -357,7 +358,7 @@ def test_full_deepseek_v3_plans_on_32_tpu7x_devices():
     s = p.summary()
     assert s["resident_bytes_per_device"]["kv_cache"] == cfg.num_layers * p.num_pages * p.page_size * 576 * 2
     assert s["hbm_bytes_per_step"]["kv_cache"] >= cfg.num_layers * 4095 * 576 * 2  # every device reads it all
-    assert s["collectives_per_step"] == 2 * cfg.num_layers + 1
+    assert p.latent_split and s["collectives_per_step"] == 3 * cfg.num_layers + 1
 
 
 def test_heads_not_divisible_are_refused_with_one_line():
@@ -505,5 +506,176 @@ def test_a_quantized_latent_cache_on_4_devices():
     assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
 
 
+# ---------------------------------------------------------------------- the latent split
+# q_a / kv_a split by output columns over 4 devices, the latent all-gathered in the kernel
+# (model, devices, batch, quant). q_lora 56 -> 14 columns a device; kv_a's 40 + 8 -> 12, so
+# device 3's slice straddles c_kv and k_rope. The fp8 case (column scales cut with their
+# columns) has no q-LoRA: only kv_a is gathered, q is split by heads.
+SPLIT_CASES = {"split-f32": (dict(MLA), 4, 2, "none"),
+               "split-noqlora-fp8": (dict(NO_QLORA, dtype="bfloat16"), 4, 1, "fp8")}
+
+
+def _split_spec(case: str, target: str):
+    from tpumk.plan.knobs import TuningConfig
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    model, n, b, quant = SPLIT_CASES[case]
+    return BuildSpec(_config(model), get_target(target), batch=b, context=CONTEXT, devices=n, quant=quant,
+                     tuning=TuningConfig(mla_projections="split"))
+
+
+def _split_worker(case: str) -> dict:
+    """Two decode steps of the 4-device kernel with the latent split against the reference
+    (the second reads the latent rows the first wrote)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpumk.kernel.layout import pack_sharded
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.model import reference as ref
+    from tpumk.model.quantize import quantize_params
+    from tpumk.model.weights import random_params
+    from tpumk.plan.plan import make_plan
+    from tpumk.targets import ensure_host_devices
+
+    spec = _split_spec(case, "cpu")
+    cfg, n, b = spec.model, spec.devices, spec.batch
+    ensure_host_devices(n)
+    plan = make_plan(spec)
+    sh = plan.sharding
+    params = random_params(cfg, seed=6)
+    if spec.quant != "none":
+        params = quantize_params(cfg, params, spec.quant)
+    rng = np.random.default_rng(8)
+    cache = ref.init_cache(cfg, b, CONTEXT)
+    _, cache = ref.prefill(params, cfg, [[int(t) for t in rng.integers(0, cfg.vocab_size, 6 + 9 * i)] for i in range(b)],
+                           cache)
+    step = make_decode_step(plan)
+    packed, wide, out = pack_sharded(plan, params), sh.expand_kv(cfg, cache), []
+    for _ in range(2):
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 1)), jnp.int32)
+        positions = cache.lengths[:, None]
+        want, cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
+        got, wide = step(packed, tokens, positions, wide)
+        shards = [np.asarray(x.data, np.float32) for x in got.addressable_shards]
+        k = np.asarray(wide.k, np.float32)
+        copies = k.reshape(*k.shape[:-1], n, -1)
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        out.append({"max_err": float(np.max(np.abs(got - want))), "scale": float(np.max(np.abs(want))),
+                    "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))),
+                    "k_err": float(np.max(np.abs(np.asarray(sh.collapse_cache(cfg, wide.k), np.float32)
+                                                 - np.asarray(cache.k, np.float32)))),
+                    "copies_equal": all(np.array_equal(copies[..., d, :], copies[..., 0, :]) for d in range(n)),
+                    "same_everywhere": len(shards) == n and all(np.array_equal(x, shards[0]) for x in shards)})
+    return {"steps": out, "devices": len(jax.devices("cpu")), "split": plan.latent_split,
+            "families": {f: [plan.families[f].k, plan.families[f].m] for f in ("q_a", "kv_a") if f in plan.families},
+            "interconnect": plan.interconnect.get("latent_all_gather")}
+
+
+@pytest.mark.parametrize("case", [c if c == "split-f32" else pytest.param(c, marks=pytest.mark.full)
+                                  for c in SPLIT_CASES])
+def test_the_latent_split_on_4_devices(case):
+    """q_a / kv_a split by output columns, each device computing its slice and the kernel
+    all-gathering the latent: logits and every device's copy of the latent cache match the
+    reference in interpret mode on 4 host devices, the same bits on every device; the same
+    build compiles deviceless for 4 TPU7x TensorCores (one kernel, no XLA collective)."""
+    model, n, b, quant = SPLIT_CASES[case]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n), XLA_FLAGS=xla_flags(n))
+    proc = subprocess.run([sys.executable, __file__, case], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["devices"] == n and r["split"]
+    cfg = _config(model)
+    want = {"kv_a": [cfg.hidden_size, 12]} | ({"q_a": [cfg.hidden_size, 14]} if cfg.q_lora_rank else {})
+    assert r["families"] == want  # a device streams its columns only
+    assert r["interconnect"]["count"] == cfg.num_layers
+    bf16 = model.get("dtype") == "bfloat16"
+    for s in r["steps"]:
+        tol = (3e-2 if bf16 else 2e-5) * max(1.0, s["scale"])
+        assert s["max_err"] <= tol and s["k_err"] <= tol and s["argmax_equal"], s
+        assert s["copies_equal"] and s["same_everywhere"], s
+    from tpumk.compile.aot import compile_plan
+    from tpumk.plan.plan import make_plan
+
+    c = compile_plan(make_plan(_split_spec(case, "tpu7x")))
+    assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
+
+
+def test_device_params_split_the_latent_projections_by_columns():
+    """With the latent split, device d holds columns [d * w, (d + 1) * w) of wq_a and wkv_a
+    (zero past the width), and the slices side by side are the whole matrices; the norms whole."""
+    import dataclasses
+
+    from tpumk.model.weights import random_params
+    from tpumk.plan.sharding import plan_sharding
+
+    cfg = _config(MLA)
+    params = random_params(cfg, seed=1)
+    sh = dataclasses.replace(plan_sharding(cfg, 4), latent_split=True)
+    w = sh.latent_slices(cfg)
+    assert w == {"q_a": 14, "kv_a": 12}
+    lay = params["layers"][1]
+    parts = [sh.device_params(cfg, params, d)["layers"][1] for d in range(4)]
+    for key, fam in (("wq_a", "q_a"), ("wkv_a", "kv_a")):
+        whole = np.asarray(lay[key])
+        assert all(p[key].shape == (cfg.hidden_size, w[fam]) for p in parts)
+        assert np.array_equal(np.concatenate([p[key] for p in parts], 1)[:, :whole.shape[1]], whole)
+    for key in ("q_a_norm", "kv_a_norm"):
+        assert all(np.array_equal(p[key], np.asarray(lay[key])) for p in parts)
+    s = sh.summary(cfg)["attention"]
+    assert s["split_by_columns"] == w and "kv_a" not in s["replicated"]
+
+
+def test_the_plan_weighs_the_latent_split():
+    """DeepSeek-V3 (fp8) on 32 TPU7x devices: with the split each device streams 1/32 of q_a and
+    kv_a (lane-padded) and sends one more all-gather a layer; `auto` takes whichever tpumk's
+    timeline model puts faster, which at batch 1 is the split (the weight ring's bytes and MXU
+    pushes fall by more than the gathers cost) and at batch 8 the replicated form."""
+    from tpumk.estimate.timeline import megakernel_step
+    from tpumk.model.config import load_preset
+    from tpumk.plan.knobs import TuningConfig
+
+    cfg = load_preset("deepseek-v3")
+    plans = {m: _plan(cfg, 32, quant="fp8", tuning=TuningConfig(mla_projections=m))
+             for m in ("replicated", "split", "auto")}
+    rep, split = plans["replicated"], plans["split"]
+    assert not rep.latent_split and split.latent_split
+    assert (split.families["q_a"].m, split.families["kv_a"].m) == (48, 18)
+    assert split.hbm["weights_q_a"] * 8 < rep.hbm["weights_q_a"] and split.hbm["weights_kv_a"] * 4 < rep.hbm["weights_kv_a"]
+    assert split.collectives_per_step == rep.collectives_per_step + cfg.num_layers
+    assert split.vmem_needed <= split.vmem_budget
+    secs = {m: megakernel_step(p).seconds for m, p in plans.items()}
+    assert secs["split"] < secs["replicated"] and plans["auto"].latent_split and secs["auto"] == secs["split"]
+    eight = _plan(cfg, 32, quant="fp8", batch=8)
+    assert not eight.latent_split
+    assert megakernel_step(eight).seconds <= megakernel_step(
+        _plan(cfg, 32, quant="fp8", batch=8, tuning=TuningConfig(mla_projections="split"))).seconds
+
+
+def test_build_report_of_a_split_mla_model(tmp_path):
+    """`tpumk build` prints an MLA model's sharding on many devices (it raised a KeyError on the
+    MLA summary before) and counts the latent all-gathers apart from the all-reduces; the
+    split knob comes from a --tuning file, the build compiles deviceless for 2 TPU7x devices."""
+    import tomli_w
+    from click.testing import CliRunner
+
+    from tpumk.cli.app import main
+
+    cfg = _config(MLA)
+    (tmp_path / "m.toml").write_bytes(tomli_w.dumps(cfg.to_dict()).encode())
+    (tmp_path / "t.toml").write_text('[tuning]\nmla_projections = "split"\n')
+    res = CliRunner().invoke(main, ["build", "--model", str(tmp_path / "m.toml"), "--target", "tpu7x", "--devices", "2",
+                                    "--tuning", str(tmp_path / "t.toml"), "--no-estimate", "--verify-q", "0"])
+    assert res.exit_code == 0, res.output
+    assert ("sharding: 2 heads per device, q_a / kv_a split by columns (q_a 28, kv_a 24 a device), the latent "
+            "all-gathered, the latent cache on every device") in res.stdout
+    assert f"{2 * cfg.num_layers} all-reduces (direct, float32 wire) + {cfg.num_layers} latent all-gathers" in res.stdout
+    assert "Pallas TPU kernels in the step               1" in res.stdout
+
+
 if __name__ == "__main__":
-    print(json.dumps(_quantized_worker() if sys.argv[1] == "quantized" else _worker(sys.argv[1])))
+    arg = sys.argv[1]
+    print(json.dumps(_quantized_worker() if arg == "quantized" else _split_worker(arg) if arg in SPLIT_CASES
+                     else _worker(arg)))

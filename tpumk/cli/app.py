@@ -118,8 +118,12 @@ def print_build_report(r) -> None:
     if r.devices > 1:
         ar = r.plan.get("all_reduce", {})
         how = f" ({ar['schedule']}, {ar['dtype']} wire)" if ar else ""
+        ic = r.plan.get("interconnect_per_step", {})
+        reduces = int(ic["all_reduce"]["count"]) if "all_reduce" in ic else r.collectives_per_step - 1
+        latent = (f" + {int(ic['latent_all_gather']['count'])} latent all-gathers (MLA, q_a / kv_a split)"
+                  if "latent_all_gather" in ic else "")
         rows += [["in-kernel collectives per step",
-                  f"{r.collectives_per_step - 1} all-reduces{how} + the logits all-gather"],
+                  f"{reduces} all-reduces{how}{latent} + the logits all-gather"],
                  ["interconnect bytes sent per step" + each, size(r.interconnect_bytes_per_step)],
                  ["XLA collectives outside the kernel", r.xla_collectives]]
     if r.model_seconds is not None:
@@ -153,8 +157,13 @@ def kv_tiles_line(a: dict) -> str:
 def sharding_line(sh: dict) -> str:
     """One line of `ShardingPlan.summary()`: what each device holds."""
     a = sh["attention"]
-    parts = [f"{a['q_heads_per_device']} q heads / {a['kv_heads_per_device']} kv heads per device"
-             + (f" (each kv head on {a['kv_replicas']} devices)" if a["kv_replicas"] > 1 else "")]
+    if "heads_per_device" in a:  # MLA: heads split, the latent cache whole on every device
+        how = ("q_a / kv_a split by columns (" + ", ".join(f"{k} {v}" for k, v in a["split_by_columns"].items())
+               + " a device), the latent all-gathered" if "split_by_columns" in a else "q_a / kv_a replicated")
+        parts = [f"{a['heads_per_device']} heads per device, {how}, the latent cache on every device"]
+    else:
+        parts = [f"{a['q_heads_per_device']} q heads / {a['kv_heads_per_device']} kv heads per device"
+                 + (f" (each kv head on {a['kv_replicas']} devices)" if a["kv_replicas"] > 1 else "")]
     if "dense_ffn" in sh:
         parts.append(f"FFN width {sh['dense_ffn']['width_per_device']}")
     if "experts" in sh:

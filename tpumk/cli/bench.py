@@ -129,7 +129,8 @@ def print_bench_devices(r: dict) -> None:
     s = r["sharding"]
     a = s["attention"]
     if "heads_per_device" in a:  # MLA: heads split, the latent cache on every device
-        parts = [f"{a['heads_per_device']} heads per device, {', '.join(a['replicated'])} and the latent cache replicated"]
+        parts = [f"{a['heads_per_device']} heads per device, {', '.join(a['replicated'])} and the latent cache replicated"
+                 + (", q_a / kv_a split by columns (the latent all-gathered)" if "split_by_columns" in a else "")]
     else:
         parts = [f"{a['q_heads_per_device']} query / {a['kv_heads_per_device']} KV heads per device"
                  f" (KV replicated {a['kv_replicas']}x)"]

@@ -137,7 +137,10 @@ def _devices_line(mesh: dict, kind=None) -> str:
 def _sharding_line(sh: dict) -> str:
     parts = []
     a = sh.get("attention")
-    if isinstance(a, dict):
+    if isinstance(a, dict) and "heads_per_device" in a:  # MLA
+        parts.append(f"heads {a.get('heads_per_device')}/device, q_a / kv_a "
+                     + ("split by columns" if "split_by_columns" in a else "replicated"))
+    elif isinstance(a, dict):
         parts.append(f"q heads {a.get('q_heads_per_device')}/device, kv heads {a.get('kv_heads_per_device')}/device "
                      f"(x{a.get('kv_replicas')} replicas)")
     for name, what in (("dense_ffn", "width_per_device"), ("shared_experts", "width_per_device")):

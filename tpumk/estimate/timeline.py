@@ -89,7 +89,7 @@ from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, calle
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
 from tpumk.estimate.interconnect import all_gather_seconds, all_reduce_seconds, collective_kind, collective_op_seconds
 from tpumk.estimate.interconnect import model_source as interconnect_source
-from tpumk.plan.contract import MLA_FAMILIES, logits_slice_bytes
+from tpumk.plan.contract import MLA_FAMILIES, latent_slice_bytes, logits_slice_bytes
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -391,7 +391,8 @@ def megakernel_step(plan) -> StepModel:
     `hbm_bytes` equals `plan.hbm_bytes`. Never faster than the plan's HBM floor.
     Many devices: the figures are one device's (its bytes, its floor), plus a "collectives"
     stage: each all-reduce after o and after the FFN / MoE stalls the compute for
-    `all_reduce_seconds` (tpumk.estimate.interconnect) while the ring keeps prefetching."""
+    `all_reduce_seconds` (tpumk.estimate.interconnect) while the ring keeps prefetching, and so
+    does, with the MLA latent split, each layer's all-gather of the q_a | kv_a slices."""
     ledger = _Ledger()
     ring = _Ring(plan, ledger)
     cfg, t = plan.cfg, plan.target
@@ -413,6 +414,7 @@ def megakernel_step(plan) -> StepModel:
     # squares) are all-reduced in the kernel
     # (tpumk.kernel.collectives). The compute waits for each; the ring's outstanding loads go on.
     reduce = all_reduce_seconds(t, plan.all_reduce)["seconds"] if plan.all_reduce is not None else 0.0
+    gather = all_gather_seconds(t, plan.all_reduce, latent_slice_bytes(plan))["seconds"] if plan.latent_split else 0.0
 
     def collective(times: float) -> None:
         if reduce:
@@ -430,6 +432,9 @@ def megakernel_step(plan) -> StepModel:
                 tuple(n for n in seg.families if n in MLA_FAMILIES and n != "uv"), ("uv", "o"))
             for name in before:  # the projections ahead of attention (MLA: q path, kv_a, W_UK)
                 ring.family(name, "weight_ring", times)
+                if name == "kv_a" and plan.latent_split:  # the latent slices, all-gathered
+                    ledger.add("collectives", gather, times=times)
+                    ring.prefetch_during(gather, 0.0, depth_bytes)
             if cfg.attention.qk_norm_whole:  # the all-heads QK-norm's sums of squares (none on one device)
                 collective(times)
             extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
@@ -458,8 +463,9 @@ def megakernel_step(plan) -> StepModel:
     notes = []
     if reduce:
         waits = ledger.stages["collectives"]["seconds"]
+        latent = ", the per-layer latent all-gathers" if plan.latent_split else ""
         notes.append(f"collectives: {plan.collectives_per_step} in-kernel collectives ({plan.all_reduce.schedule} "
-                     f"all-reduces and the logits all-gather), {plan.interconnect_bytes / 1e6:.3f} MB sent per "
+                     f"all-reduces{latent} and the logits all-gather), {plan.interconnect_bytes / 1e6:.3f} MB sent per "
                      f"device, {waits * 1e6:.1f} us of waits; the weight ring keeps loading during the all-reduces "
                      f"({interconnect_source('collectives', t)})")
     floor = plan.floor_seconds

@@ -29,7 +29,9 @@ parts padded per head to 128 lanes) stream, instead of qkv and o:
     q_a, q_b       [L, T, r, c]    wq_a; wq_b (rows padded like q_a's output) with its columns
                                    regrouped: every head's nope columns (each padded to 128),
                                    then every head's roped columns side by side (or q: wq so)
-    kv_a           [L, T, r, c]    wkv_a: c_kv columns (padded to 128), then k_rope's
+    kv_a           [L, T, r, c]    wkv_a: c_kv columns (padded to 128), then k_rope's (with the
+                                   latent split over devices, q_a / kv_a are a device's slice of
+                                   the columns as they are: tpumk.plan.sharding)
     uk             [L, Hq, n, c]   block-diagonal: tile h = head h's W_UK^T [nope, latent]
     uv             [L, Hq, c, v]   block-diagonal: tile h = head h's W_UV [latent, value]
     o              [L, T, r, c]    wo, each head's rows padded to 128
@@ -91,9 +93,9 @@ class _MLAColumns:
     codes and to its scales (per-column scales are a 1-row matrix, group scales one row per
     128 input rows): every padding is zeros."""
 
-    def __init__(self, cfg: ModelConfig, fams: dict):
+    def __init__(self, cfg: ModelConfig, fams: dict, latent_split: bool = False):
         dims = mla_dims(cfg)
-        self.cfg, self.fams = cfg, fams
+        self.cfg, self.fams, self.latent_split = cfg, fams, latent_split
         self.npad, self.cpad, self.vpad = dims["nope"], dims["latent"], dims["value"]
 
     def q(self, w):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
@@ -104,6 +106,8 @@ class _MLAColumns:
         return jnp.concatenate([nope, heads[..., n:].reshape(k, hq * r)], 1)
 
     def kv_a(self, w):  # [K, C+R] -> [K, cpad + R]: c_kv padded to whole lane tiles, then k_rope
+        if self.latent_split:  # a device's slice of the columns: as it is
+            return w
         c = self.cfg.kv_lora_rank
         return jnp.concatenate([jnp.pad(w[:, :c], ((0, 0), (0, self.cpad - c))), w[:, c:]], 1)
 
@@ -122,11 +126,13 @@ class _MLAColumns:
         return self.diagonal(blocks[:, None, :], name, 1).reshape(-1)
 
 
-def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
-    """The MLA families of every layer (layout in the module docstring)."""
+def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bool = False) -> dict:
+    """The MLA families of every layer (layout in the module docstring). `latent_split`: the
+    layer's wkv_a is one device's output columns (`ShardingPlan.latent_slices`), packed as
+    they are (the kernel places them after the all-gather)."""
     from tpumk.model.quantize import absorbed_weights
 
-    cols = _MLAColumns(cfg, fams)
+    cols = _MLAColumns(cfg, fams, latent_split)
     out: dict[str, list] = {}
     for l in layers:
         mats = {}
@@ -145,14 +151,14 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
     return {name: jnp.stack(tiles) for name, tiles in out.items()}
 
 
-def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool) -> dict:
+def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, latent_split: bool = False) -> dict:
     """One MLA layer's scales in the families' packed order: column-scaled formats, each family's
     [M] row (uk / uv: every head's block side by side, as the diagonal tiles' column blocks);
     group-scaled, each family's [K/128, M] matrix (uk / uv: the tiles' scale blocks [Hq,
     scale_rows, tile_cols])."""
     from tpumk.model.quantize import absorbed_weights
 
-    cols = _MLAColumns(cfg, fams)
+    cols = _MLAColumns(cfg, fams, latent_split)
 
     def s(key):  # as a matrix: [1, M] or [K/128, M]
         return lay[key].scale if grouped else lay[key].scale[None]
@@ -195,6 +201,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         params = params_as_run(plan_or_cfg, params)  # a lane-padded plan: the padded model's weights
     quant = scheme_of(params)
     cfg, fams, ffn_pad, shared_pad, expert_chunk = _families_of(plan_or_cfg, tuning, quant)
+    split = isinstance(plan_or_cfg, Plan) and plan_or_cfg.latent_split  # wkv_a: a device's columns
     dt = jnp_dtype(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     width = layer_vector_width(cfg)
@@ -237,7 +244,7 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         "layer_vectors": jnp.stack([vectors(lay) for lay in layers]),
     }
     if cfg.is_mla:
-        out.update(_pack_mla(cfg, fams, layers, cast))
+        out.update(_pack_mla(cfg, fams, layers, cast, split))
     else:
         out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
                                             fams["qkv"]) for l in layers])
@@ -263,13 +270,14 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     out["lm_head"] = tile_matrix(head, fams["lm_head"])
     fmt = weight_format(quant)
     if fmt is not None and fmt.group:
-        out.update(_pack_tile_scales(cfg, fams, ffn_pad, shared_pad, params))
+        out.update(_pack_tile_scales(cfg, fams, ffn_pad, shared_pad, params, split))
     elif fmt is not None:
-        out.update(_pack_scales(cfg, fams, ffn_pad, shared_pad, params))
+        out.update(_pack_scales(cfg, fams, ffn_pad, shared_pad, params, split))
     return out
 
 
-def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict) -> dict:
+def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict,
+                      split: bool = False) -> dict:
     """Group scales of a group-scaled ring (fp8-b128) as `scales_<family>`: each family's scale
     matrix [K/group, M] in the packed column order, cut like the codes (a tile of r rows has
     r/group scale rows), each tile's rows padded to `scale_rows`. Padded rows and columns get 0
@@ -283,7 +291,7 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
         return jnp.pad(t, ((0, 0), (0, fam.scale_rows - shape.tile_rows), (0, 0)))
 
     if cfg.is_mla:
-        parts = [_mla_scale_parts(cfg, fams, l, grouped=True) for l in layers]
+        parts = [_mla_scale_parts(cfg, fams, l, grouped=True, latent_split=split) for l in layers]
         out = {f"scales_{name}": jnp.stack([p[name] if fams[name].diagonal else tiles(p[name], fams[name])
                                             for p in parts]) for name in parts[0]}
     else:
@@ -303,7 +311,8 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
     return out
 
 
-def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict) -> dict:
+def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict,
+                 split: bool = False) -> dict:
     """Column scales of a quantized build in the packed column order: `layer_scales` [L, 1, S]
     (each layer family at `scale_offsets`, a family the layer lacks left 0) and `head_scales`
     [1, padded vocab]. Padded columns get 0 (their codes are 0 too)."""
@@ -315,7 +324,7 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
 
     def row(lay: dict):
         if cfg.is_mla:
-            parts = _mla_scale_parts(cfg, fams, lay, grouped=False)
+            parts = _mla_scale_parts(cfg, fams, lay, grouped=False, latent_split=split)
         else:
             parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
         for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),

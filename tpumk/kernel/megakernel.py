@@ -174,11 +174,12 @@ def _kernel(plan: Plan):
                     ref[:, lo:hi] = ref[:, lo:hi] + acc[:, :hi - lo]
             return epilogue
 
-        def store_to(ref, width: int, tile_cols: int) -> Callable:
+        def store_to(ref, width: int, tile_cols: int, at: int = 0) -> Callable:
+            """Epilogue: ref[:, at + block j] = acc, dropping the padded columns past `width`."""
             def epilogue(j, acc):
                 lo, hi = j * tile_cols, min((j + 1) * tile_cols, width)
                 if hi > lo:
-                    ref[:, lo:hi] = acc[:, :hi - lo]
+                    ref[:, at + lo:at + hi] = acc[:, :hi - lo]
             return epilogue
 
         def partial_to(width: int, tile_cols: int) -> Callable:
@@ -240,6 +241,30 @@ def _kernel(plan: Plan):
                 ref[:, j * half:(j + 1) * half] = swiglu_act(acc[:, :half], acc[:, half:], cfg.mlp.mlp_act)
             return epilogue
 
+        def gather_latent() -> None:
+            """MLA with the latent split: every device's q_a | kv_a columns (`mla_part`) to every
+            peer (`all_gather_slices`; the all-reduces between two layers' gathers keep a
+            peer from overwriting slices still being read), then placed in `mla_qa` / `mla_kv`
+            as one device computing them whole would have them (pad lanes zero)."""
+            fam, w = plan.families, plan.sharding.latent_slices(cfg)
+            c, width, lat = cfg.kv_lora_rank, cfg.attention.kv_cache_width, mla_dims(cfg)["latent"]
+            s.mla_gather[lax.axis_index(ar.axis)] = s.mla_part[...]
+            all_gather_slices(ar, s.mla_gather, 1, s.gather_send_sems, s.gather_recv_sems)
+            kv_at = 0
+            if "q_a" in fam:
+                kv_at = fam["q_a"].m_pad
+                s.mla_qa[...] = jnp.zeros(s.mla_qa.shape, jnp.float32)
+                for d in range(plan.devices):
+                    lo, hi = d * w["q_a"], min((d + 1) * w["q_a"], cfg.q_lora_rank)
+                    if hi > lo:
+                        s.mla_qa[:, lo:hi] = s.mla_gather[d, :, 0:hi - lo]
+            s.mla_kv[...] = jnp.zeros(s.mla_kv.shape, jnp.float32)
+            for d in range(plan.devices):  # kv_a's columns c_kv | k_rope; k_rope lives from lane `lat`
+                lo, hi = d * w["kv_a"], min((d + 1) * w["kv_a"], width)
+                for a, b, dst in ((lo, min(hi, c), lo), (max(lo, c), hi, lat + max(lo, c) - c)):
+                    if b > a:
+                        s.mla_kv[:, dst:dst + b - a] = s.mla_gather[d, :, kv_at + a - lo:kv_at + b - lo]
+
         def mla_attention_block(seg, layer, vec):
             """MLA (absorbed form): q path, kv_a, latent norm + RoPE, q_nope . W_UK, attention
             over the latent cache (tpumk.kernel.mla_attention), . W_UV, o + residual."""
@@ -247,14 +272,26 @@ def _kernel(plan: Plan):
             hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
             lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, norms.width)
+            # the two projections of the layer's input, in ring order (contract.MLA_FAMILIES)
+            if plan.latent_split:  # this device's columns of q_a | kv_a, gathered from every device
+                at = 0
+                for f in ("q_a", "q", "kv_a"):
+                    if f == "q" and f in fam:  # a plain q is split by heads already
+                        matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
+                    elif f in fam:
+                        matmul(seg, layer, f, s.normed, store_to(s.mla_part, fam[f].m_pad, fam[f].tile_cols, at))
+                        at += fam[f].m_pad
+                gather_latent()
+            else:
+                if "q_a" in fam:
+                    matmul(seg, layer, "q_a", s.normed, store_to(s.mla_qa, fam["q_a"].m_pad, fam["q_a"].tile_cols))
+                else:
+                    matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
+                matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
-                matmul(seg, layer, "q_a", s.normed, store_to(s.mla_qa, fam["q_a"].m_pad, fam["q_a"].tile_cols))
                 s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), eps)
                 matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
-            else:
-                matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
-            matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
             cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile
             for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
                 s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)

@@ -51,17 +51,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, rope_table_lanes, smem, vmem
+from tpumk.plan.geometry import LANE, LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, rope_table_lanes, round_up, smem, vmem
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
 RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
-# The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the q path
-# (q_a, then q_b after the q_a norm; or a plain q), kv_a, the per-head absorbed W_UK ("uk") and
-# W_UV ("uv", block-diagonal families), then o.
-MLA_FAMILIES = ("q_a", "q_b", "q", "kv_a", "uk", "uv")
+# The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the two
+# projections of the layer's input (q_a, or a plain q; kv_a: on many devices with the latent
+# split, their slices are all-gathered together next), q_b after the q_a norm, the per-head
+# absorbed W_UK ("uk") and W_UV ("uv", block-diagonal families), then o.
+MLA_FAMILIES = ("q_a", "q", "kv_a", "q_b", "uk", "uv")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 MOE_BIAS_OPERANDS = ("e_gateup_bias",)  # expert biases only (gpt-oss)
@@ -249,13 +250,19 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         vmem("normed", (n, h), "float32", "[N, H] normed input of the current matmul family"),
     ]
     if cfg.is_mla:
-        fams = plan.families
+        fams, latent = plan.families, round_up(cfg.kv_lora_rank, LANE)  # tpumk.plan.plan.mla_dims' widths
         if "q_a" in fams:
-            act.append(vmem("mla_qa", (n, fams["q_a"].m_pad), "float32", "[N, q_lora (| pad)] q_a output, normed in place"))
+            act.append(vmem("mla_qa", (n, round_up(cfg.q_lora_rank, LANE)), "float32",
+                            "[N, q_lora (| pad)] q_a output, normed in place"))
         qf = fams["q_b"] if "q_b" in fams else fams["q"]
+        if plan.latent_split:  # this device's q_a | kv_a columns, then every device's (all-gathered)
+            part = sum(fams[f].m_pad for f in ("q_a", "kv_a") if f in fams)
+            act += [vmem("mla_part", (n, part), "float32", "[N, this device's q_a columns (| pad) | kv_a's (| pad)]"),
+                    vmem("mla_gather", (plan.devices, n, part), "float32",
+                         "[device, N, its q_a | kv_a columns]: the latent slices, all-gathered")]
         act += [
             vmem("mla_q", (n, qf.m_pad), "float32", "[N, per head nope (128-lane padded) | all heads' rope (| pad)]"),
-            vmem("mla_kv", (n, fams["kv_a"].m_pad), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
+            vmem("mla_kv", (n, latent + LANE), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
             vmem("mla_row", (n, cfg.attention.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
             vmem("mla_qlat", (n, fams["uk"].m_pad), "float32", "[N, per head q_nope . W_UK (128-lane padded)]"),
             vmem("mla_olat", (n, fams["uv"].k_pad), "float32", "[N, per head latent output (pad lanes 0)]"),
@@ -322,3 +329,9 @@ def logits_slice_bytes(plan: Plan) -> int:
     """Bytes of one device's logits slice in the output: its column blocks x rows x tile_cols, f32."""
     head = plan.families["lm_head"]
     return head.col_blocks * plan.rows * head.tile_cols * 4
+
+
+def latent_slice_bytes(plan: Plan) -> int:
+    """Bytes of one device's latent slice (MLA with `Plan.latent_split`): its q_a | kv_a output
+    columns (lane-padded) x rows, f32, the `mla_part` it pushes to every peer each layer."""
+    return plan.rows * sum(plan.families[f].m_pad for f in ("q_a", "kv_a") if f in plan.families) * 4

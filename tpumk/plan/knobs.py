@@ -24,6 +24,7 @@ MIB = 1 << 20
 # `<family>_tile_rows` / `<family>_tile_cols`; 0 means "auto" (see tpumk.plan.plan).
 ALL_REDUCE_CHOICES = ("auto", "direct", "rsag", "doubling", "hierarchical")  # tpumk.plan.geometry.ALL_REDUCE_SCHEDULES + auto
 ALL_REDUCE_WIRES = ("float32", "bfloat16")  # AllReduceGeometry.dtype
+MLA_PROJECTIONS = ("auto", "replicated", "split")  # ShardingPlan.latent_split (tpumk.plan.sharding)
 FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
 
@@ -72,6 +73,11 @@ class TuningConfig:
     # "bfloat16" (half the bytes; every partial, and for rsag / hierarchical every sum that travels, rounded to
     # bfloat16, the sums still float32 in a fixed order: the same bits on every device).
     all_reduce_wire: str = "float32"
+    # MLA on devices > 1: q_a and kv_a (the projections that make the latent) "replicated"
+    # (every device computes them whole), "split" (each device computes 1/N of their output
+    # columns and the kernel all-gathers the latent) or "auto" (the plan weighs both with
+    # tpumk's timeline model: fewer weight bytes against one more collective per layer).
+    mla_projections: str = "auto"
     # ---- VMEM budget
     vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
 
@@ -108,6 +114,8 @@ class TuningConfig:
             raise bad("all_reduce", f"one of {', '.join(ALL_REDUCE_CHOICES)}")
         if self.all_reduce_wire not in ALL_REDUCE_WIRES:
             raise bad("all_reduce_wire", f"one of {', '.join(ALL_REDUCE_WIRES)}")
+        if self.mla_projections not in MLA_PROJECTIONS:
+            raise bad("mla_projections", f"one of {', '.join(MLA_PROJECTIONS)}")
         if self.expert_parallel < 0:
             raise bad("expert_parallel", "0 (auto) or a positive number of expert groups")
         if self.expert_chunk < 0 or self.expert_chunk % 128:

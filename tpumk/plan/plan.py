@@ -22,6 +22,7 @@ Weight streaming vocabulary:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
-from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, logits_slice_bytes
+from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
                                  MLAGeometry, MoEGeometry, rope_table_lanes, round_up)
 from tpumk.plan.knobs import TuningConfig
@@ -243,6 +244,12 @@ class Plan:
         return self.sharding.devices if self.sharding is not None else 1
 
     @property
+    def latent_split(self) -> bool:
+        """MLA on many devices: q_a / kv_a split by output columns, the latent all-gathered in
+        the kernel once per layer (`ShardingPlan.latent_split`)."""
+        return self.sharding is not None and self.sharding.latent_split
+
+    @property
     def layer_collectives(self) -> int:
         """In-kernel all-reduces per layer (`ShardingPlan.collectives_per_layer`); 0 on one device."""
         return self.sharding.collectives_per_layer(self.cfg) if self.sharding is not None else 0
@@ -412,6 +419,11 @@ def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig, itemsize: 
     return best
 
 
+def _tallest_rows(k: int, top: int) -> int:
+    """The largest multiple of 128 dividing `k` and at most `top` (128 if none is)."""
+    return max([r for r in range(LANE, top + 1, LANE) if k % r == 0] or [LANE])
+
+
 def auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig, fmt: WeightFormat | None = None) -> int:
     """Expert FFN columns per load: the largest 128-multiple dividing Fe whose chunk (gate, up and
     down rows, 3 * H * C) stays within two ring tiles, so `expert_slots` slots cost about as much
@@ -431,12 +443,13 @@ def _family(name: str, k: int, m: int, stack: int, rows: int, cols: int, itemsiz
                         m_pad if m_pad is not None else round_up(m, cols), rows, cols, stack, itemsize, group)
 
 
-def plan_families(cfg: ModelConfig, tuning: TuningConfig,
-                  quant: str = "none") -> tuple[dict[str, MatrixFamily], int, int]:
+def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
+                  latent_slices: dict[str, int] | None = None) -> tuple[dict[str, MatrixFamily], int, int]:
     """The streamed matrix families of `cfg` under `tuning`: (families, ffn_pad, shared_ffn_pad).
 
     Depends only on the model and the knobs (not on the target or batch), so packed weights
-    can be reused across targets that share a tuning."""
+    can be reused across targets that share a tuning. `latent_slices` (MLA split over devices,
+    `ShardingPlan.latent_slices`): q_a and kv_a are one device's output columns."""
     fmt = weight_format(quant)
     h, isz = cfg.hidden_size, fmt.bits // 8 if fmt is not None else cfg.dtype_bytes  # ring formats are 8-bit
     group = fmt.group if fmt is not None else 0
@@ -462,10 +475,14 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
     # otherwise a narrow-input family (o with 4 heads per device: 512 rows) gets 128-row tiles
     # the whole 7168 wide and the slot becomes 512 x 7168 (DeepSeek-V3 on 32 devices).
     fixed_rows = max(mla_dims(cfg)["latent"], mla_dims(cfg)["nope"]) if cfg.is_mla else 0
+    # An auto family's tile is as tall as its K allows up to that slot height: the slot is
+    # there anyway, and taller tiles keep more bytes per DMA in flight (tpumk's timeline model
+    # puts DeepSeek-V3's 128-row q_a tiles on 32 devices at ~0.4 of the HBM rate).
+    slot_rows = max(auto_rows, fixed_rows)
 
     def shape(fam: str, k: int, m: int, lane: int) -> tuple[int, int]:
         rows, cols = tuning.tile_shape(fam)
-        rows = rows or auto_rows
+        rows = rows or _tallest_rows(k, slot_rows)
         if not cols:  # auto: fill tile_bytes, never wider than the (lane-rounded) matrix
             cols = max(lane, tuning.tile_bytes // (max(rows, fixed_rows) * isz) // lane * lane)
             cols = min(cols, round_up(m, lane))
@@ -476,7 +493,7 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig,
 
     fams: dict[str, MatrixFamily] = {}
     if cfg.is_mla:
-        fams.update(_mla_families(cfg, tuning, isz, group, auto_rows))
+        fams.update(_mla_families(cfg, tuning, isz, group, slot_rows, latent_slices))
         r, c = shape("o", ks["o"], h, LANE)
         fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"],
                             group=group)
@@ -521,14 +538,16 @@ def mla_dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0,
-                  max_rows: int = 0) -> dict[str, MatrixFamily]:
+                  max_rows: int = 0, latent_slices: dict[str, int] | None = None) -> dict[str, MatrixFamily]:
     """The MLA attention families (auto tiles: no tuning knobs of their own; `tile_bytes` caps
-    a tile, `max_rows` (the other families' auto rows) its height, so the ring's slot, the
-    widest rows times the widest columns, does not grow: with 1-byte codes a 2 MiB tile of
-    DeepSeek-V3's q_a would otherwise be 1792 rows high against the others' 1024 x 2048 and
-    the slot 3.5 MiB). Output widths are padded to whole column tiles; the diagonal families'
-    tiles are one head's [nope, latent] / [latent, value] block. `group`: the ring format's
-    scale group (fp8-b128: 128 input rows; every MLA tile height is a multiple of 128)."""
+    a tile, `max_rows` (the slot height the other families and W_UV already give the ring)
+    its height, so the ring's slot, the widest rows times the widest columns, does not grow:
+    with 1-byte codes a 2 MiB tile of DeepSeek-V3's q_a would otherwise be 1792 rows high
+    against the others' 1024 x 2048 and the slot 3.5 MiB). Output widths are padded to whole
+    column tiles; the diagonal families' tiles are one head's [nope, latent] / [latent, value]
+    block. `group`: the ring format's scale group (fp8-b128: 128 input rows; every MLA tile
+    height is a multiple of 128). `latent_slices`: q_a / kv_a are one device's output columns
+    (`ShardingPlan.latent_slices`), plain [H, w] matrices."""
     dims, h, hq, L = mla_dims(cfg), cfg.hidden_size, cfg.num_q_heads, cfg.num_layers
 
     def tiled(name: str, k: int, k_pad: int, m: int, m_lane: int) -> MatrixFamily:
@@ -544,12 +563,15 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
         return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane, group=group)
 
     out = {}
+    split = latent_slices or {}
     if cfg.q_lora_rank:
-        out["q_a"] = tiled("q_a", h, h, cfg.q_lora_rank, dims["q_lora"])
-        out["q_b"] = tiled("q_b", cfg.q_lora_rank, out["q_a"].m_pad, hq * cfg.head_dim, dims["q_cols"])
+        w = split.get("q_a", cfg.q_lora_rank)
+        out["q_a"] = tiled("q_a", h, h, w, round_up(w, LANE) if split else dims["q_lora"])
+        out["q_b"] = tiled("q_b", cfg.q_lora_rank, dims["q_lora"], hq * cfg.head_dim, dims["q_cols"])
     else:
         out["q"] = tiled("q", h, h, hq * cfg.head_dim, dims["q_cols"])
-    out["kv_a"] = tiled("kv_a", h, h, cfg.attention.kv_cache_width, dims["kv_a_cols"])
+    w = split.get("kv_a", cfg.attention.kv_cache_width)
+    out["kv_a"] = tiled("kv_a", h, h, w, round_up(w, LANE) if split else dims["kv_a_cols"])
     n, c, v = dims["nope"], dims["latent"], dims["value"]
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
@@ -600,7 +622,20 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
 
     Raises PlanError for anything that cannot build: bad tiling for this model, a VMEM budget
     overrun on this target, or a model (weights + KV cache) bigger than one device's HBM.
+    An MLA model on many devices with `mla_projections` = auto is planned with q_a / kv_a
+    replicated and split (`ShardingPlan.latent_split`), and the faster by tpumk's timeline
+    model is kept (ties: replicated, which sends nothing more).
     """
+    knob = spec.tuning.mla_projections
+    if not (spec.model.is_mla and spec.devices > 1):
+        return _make_plan(spec, num_pages, latent_split=False)
+    if knob != "auto":
+        return _make_plan(spec, num_pages, latent_split=knob == "split")
+    return _fastest_plan(((int(split),), lambda split=split: _make_plan(spec, num_pages, latent_split=split))
+                         for split in (False, True))
+
+
+def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Plan:
     target, tuning = spec.target, spec.tuning
     padded = lane_padded(spec.model)  # widths off the 128-lane grid: the kernel runs a zero-padded copy
     model = padded or spec.model
@@ -620,12 +655,15 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
         raise PlanError(f"plan: num_pages = {num_pages} < {batch * pages_per_seq} needed for "
                         f"{batch} sequences of {context} tokens")
     sharding = plan_sharding(model, spec.devices, tuning.expert_parallel)
+    if latent_split:
+        sharding = dataclasses.replace(sharding, latent_split=True)
     cfg = sharding.local_config(model)  # what one device computes (the model itself on one device)
     _check_hbm(model, target, num_pages, page_size, sharding, spec.quant, spec.kv_dtype)  # before any per-page work
     if model.is_mla:  # after the HBM check: a model too big is refused for that first
         _check_mla(model, spec)
 
-    fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant)
+    fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant,
+                                              sharding.latent_slices(model) if latent_split else None)
     segments = plan_segments(cfg, fams)
     used = {n for s in segments for n in s.families}
     fams = {n: f for n, f in fams.items() if n in used}
@@ -833,7 +871,8 @@ def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
     """What one device sends to its peers per step: `Plan.layer_collectives` all-reduces per
     layer (after the o-projection and after the FFN / MoE; with an all-heads QK-norm also its
     sums of squares, in the same slot-sized buffers), each sending
-    `AllReduceGeometry.send_bytes`, and the logits all-gather after the lm_head."""
+    `AllReduceGeometry.send_bytes`, the logits all-gather after the lm_head, and with the MLA
+    latent split one all-gather of q_a | kv_a slices per layer."""
     g = plan.all_reduce
     if g is None:
         return {}
@@ -841,7 +880,12 @@ def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
                            "messages_each": g.messages, "rounds": g.stages},
             # every device's logits slice to every peer (N - 1 slices sent, either schedule)
             "logits_all_gather": {"count": 1, "bytes_each": float((g.devices - 1) * logits_slice_bytes(plan)),
-                                  "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages}}
+                                  "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages},
+            # MLA with the latent split: every layer's q_a | kv_a slice to every peer
+            **({"latent_all_gather": {"count": plan.cfg.num_layers,
+                                      "bytes_each": float((g.devices - 1) * latent_slice_bytes(plan)),
+                                      "messages_each": len(g.gather_offsets()), "rounds": g.gather_stages}}
+               if plan.latent_split else {})}
 
 
 def _full_lengths(plan: Plan) -> list[int]:

@@ -12,10 +12,13 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
   s-th G / r (so every device's query heads split evenly over its two KV heads, as the kernel's
   head layout needs). The o-projection is split by its input rows (the device's heads), so
   each device holds a partial sum of o's output.
-- MLA attention (head-parallel, as serving stacks shard it): q_a, kv_a and their norms are
-  replicated (they make the latent every head reads: each device computes the same bits from
-  the same all-reduced activations); q_b (or q), W_UK and W_UV are split by heads, o by its
-  input rows as above. The latent cache is replicated: every device holds, and writes, the
+- MLA attention (head-parallel, as serving stacks shard it): q_b (or q), W_UK and W_UV are
+  split by heads, o by its input rows as above. q_a and kv_a make the latent every head reads:
+  either replicated (each device computes the same bits from the same all-reduced
+  activations), or with `latent_split` split by output columns, device d computing columns
+  [d * w, (d+1) * w) of each (w = ceil(width / N), zero-padded past the width), the kernel then
+  all-gathering the slices so every device holds the whole latent (copies: the same bits; each
+  column is computed as one device would). Their norms stay whole (applied after the gather). The latent cache is replicated: every device holds, and writes, the
   whole cache (the same rows), so a device's cache bytes are those of the whole latent cache.
 - dense FFN (and a MoE model's shared experts): split by width; gate / up by columns, down by
   rows: again a partial sum of the output.
@@ -29,7 +32,8 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
 
 After the o-projection and after the FFN / MoE of every layer the partial sums are all-reduced
 inside the kernel (`tpumk.kernel.collectives`), in a fixed device order, so every device holds
-bit-identical activations: 2 collectives per layer. Each device computes the logits of its
+bit-identical activations: 2 all-reduces per layer (with the MLA latent split, one all-gather
+of the q_a | kv_a slices before them). Each device computes the logits of its
 vocabulary slice and all-gathers them in the kernel at the end, so every device returns them all.
 
 `ShardingPlan.local_config(cfg)` is the model ONE device computes (its heads, widths, vocab
@@ -73,6 +77,13 @@ class ShardingPlan:
     expert_ffn: int  # width of each owned expert on a device
     vocab: int  # lm_head columns per device (the last device's tail may pass the vocab)
     kv_paired: bool = False  # 64-wide KV heads held in pairs by kv_replicas devices each (module doc)
+    latent_split: bool = False  # MLA: q_a / kv_a split by output columns, the latent all-gathered
+
+    def latent_slices(self, cfg: ModelConfig) -> dict[str, int]:
+        """With `latent_split`: the output columns of q_a ("q_a", 0 without q-LoRA) and of kv_a
+        ("kv_a": c_kv | k_rope) each device computes, ceil(width / N)."""
+        return {"q_a": -(-cfg.q_lora_rank // self.devices),
+                "kv_a": -(-cfg.attention.kv_cache_width // self.devices)}
 
     @property
     def expert_tensor(self) -> int:
@@ -130,7 +141,12 @@ class ShardingPlan:
             out["attention"] = {
                 "heads_per_device": self.q_heads,
                 "split_by_heads": ["q_b" if cfg.q_lora_rank else "q", "uk", "uv"],
-                "replicated": (["q_a", "q_a_norm"] if cfg.q_lora_rank else []) + ["kv_a", "kv_a_norm"],
+                "replicated": [k for k in ("q_a", "q_a_norm", "kv_a", "kv_a_norm")
+                               if (cfg.q_lora_rank or not k.startswith("q_"))
+                               and (k.endswith("norm") or not self.latent_split)],
+                **({"split_by_columns": {k: v for k, v in self.latent_slices(cfg).items() if v},
+                    "latent": "q_a / kv_a output slices all-gathered in the kernel, once per layer"}
+                   if self.latent_split else {}),
                 "o_proj": "split by input rows (heads), partial sums all-reduced",
                 "latent_cache": "replicated: every device holds and writes the whole latent cache",
                 "kv_cache_bytes_per_token_per_layer_per_device": cfg.attention.kv_cache_width * cfg.dtype_bytes}
@@ -254,15 +270,27 @@ class ShardingPlan:
 
     def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
         """Device d's MLA attention weights: its heads' columns of q_b (or q) and of wkv_b
-        (each head's columns are contiguous: N + R of q, N key then V value lanes of wkv_b), its
-        heads' rows of o; q_a, kv_a and their norms whole."""
+        (each head's columns are contiguous: N + R of q, N key then V value lanes of wkv_b; a
+        quantized layer: its heads' blocks of the absorbed w_uk / w_uv stacks), its
+        heads' rows of o; q_a and kv_a whole, or with `latent_split` device d's output columns
+        of each (`latent_slices`); their norms whole."""
         hl, h0 = self.q_heads, d * self.q_heads
         out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
                for k in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm") if k in lay}
+        if self.latent_split:
+            w = self.latent_slices(cfg)
+            for key, fam in (("wq_a", "q_a"), ("wkv_a", "kv_a")):
+                if key in lay:
+                    out[key] = cols(lay[key], d * w[fam], w[fam])
         q = "wq_b" if "wq_b" in lay else "wq"
         out[q] = cols(lay[q], h0 * cfg.head_dim, hl * cfg.head_dim)
-        kv_b = cfg.qk_nope_head_dim + cfg.v_head_dim
-        out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)
+        if "w_uk" in lay:  # a quantized layer's absorbed per-head blocks [Hq, ...]: its heads' blocks
+            for k in ("w_uk", "w_uv"):
+                m = lay[k]
+                out[k] = QuantizedMatrix(np.asarray(m.q)[h0:h0 + hl], np.asarray(m.scale)[h0:h0 + hl], m.compute)
+        else:
+            kv_b = cfg.qk_nope_head_dim + cfg.v_head_dim
+            out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)
         out["wo"] = cols(lay["wo"], h0 * cfg.v_head_dim, hl * cfg.v_head_dim, axis=0)
         return out
 

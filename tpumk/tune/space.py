@@ -240,6 +240,18 @@ def _all_reduce_wire_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     return ["float32", "bfloat16"], "float32"
 
 
+def _mla_projection_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
+    from tpumk.plan.plan import make_plan
+
+    if not (spec.model.is_mla and spec.devices > 1):  # q_a / kv_a are whole on one device
+        return [], None
+    try:  # auto: the form the plan's timeline model takes
+        plan = make_plan(spec.replace(tuning=spec.tuning.replace(mla_projections="auto")))
+    except PlanError:
+        return ["replicated", "split"], None
+    return ["replicated", "split"], "split" if plan.latent_split else "replicated"
+
+
 COMPUTED: dict[str, ComputedChoices] = {
     "all_reduce_choices": ComputedChoices(
         "all_reduce",
@@ -257,6 +269,11 @@ COMPUTED: dict[str, ComputedChoices] = {
         "what the in-kernel all-reduce carries on many devices: float32 partial sums (exact) or bfloat16 "
         "(half the bytes, sums still float32 in a fixed order); none on one device",
         _all_reduce_wire_choices),
+    "mla_projection_choices": ComputedChoices(
+        "mla_projections",
+        "an MLA model's q_a / kv_a on many devices: replicated, or split by output columns with the latent "
+        "all-gathered in the kernel once per layer; none on one device or for other models",
+        _mla_projection_choices),
 }
 
 
