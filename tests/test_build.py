@@ -72,6 +72,10 @@ def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate(cap
     out = capsys.readouterr().out
     assert out.startswith("built small-moe for tpu7x")
     assert "n/a" not in out and "verify step" in out
+    # one device: the compiled program is the kernel and a few small ops (no KV cache copies,
+    # docs/many-devices.md), and the report says so with its own figure
+    assert r["program_copies"]["count"] == 0 and r["program_seconds"] >= r["model_seconds"]
+    assert "tpumk model, the whole program" in out and "XLA copies" not in out
     plain, verify = out.split("verify step", 1)
     assert ("not requested (--verify-estimate" if COMPILER_ESTIMATE else NO_PROFILER.removeprefix("none: ")) in verify
     if COMPILER_ESTIMATE:

@@ -673,6 +673,10 @@ def test_build_report_of_a_split_mla_model(tmp_path):
             "all-gathered, the latent cache on every device") in res.stdout
     assert f"{2 * cfg.num_layers} all-reduces (direct, float32 wire) + {cfg.num_layers} latent all-gathers" in res.stdout
     assert "Pallas TPU kernels in the step               1" in res.stdout
+    # the whole program beside the kernel, and the KV cache copies XLA puts around a collective
+    # kernel (docs/many-devices.md, "The KV cache copies"): named, with their bytes
+    assert "tpumk model, the whole program" in res.stdout and "copying" in res.stdout
+    assert "note: XLA copies" in res.stdout and "the KV cache the kernel updates in place" in res.stdout
 
 
 if __name__ == "__main__":

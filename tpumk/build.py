@@ -74,6 +74,11 @@ class BuildReport:
     model_floor_fraction: float | None = None
     model_collectives_seconds: float = 0.0
     model_source: str = ""
+    # The same model of the whole compiled program (`tpumk.estimate.timeline.xla_step`: the
+    # kernel plus the XLA ops around it, e.g. copies of the KV cache in and out of the kernel);
+    # TPU targets only. `program_copies`: those copies (count, bytes moved, seconds).
+    program_seconds: float | None = None
+    program_copies: dict[str, float] | None = None
     # tpumk, jax, jaxlib and libtpu as installed (docs/install.md: two supported sets)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -161,6 +166,25 @@ def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
     return out
 
 
+# Copies around the kernel worth a note: a step's worth of a KV cache, not the scalars XLA moves.
+COPY_NOTE_BYTES = 1e6
+
+
+def program_figures(plan: Plan, compiled: Compiled, model) -> tuple[float | None, dict[str, float] | None]:
+    """(seconds, copies) of tpumk's timeline model of the whole compiled program around the
+    kernel `model` describes (TPU targets: an interpreted kernel is many ops, not one)."""
+    if not plan.target.is_tpu or compiled.custom_calls != 1:
+        return None, None
+    from tpumk.estimate.timeline import program_ops, xla_step
+
+    prog = xla_step(plan.target, compiled.hlo_text, kernel=model, floor_seconds=plan.floor_seconds,
+                    what="the compiled step (the kernel and the XLA ops around it)", devices=plan.devices)
+    c = prog.stages.get("copies", {})
+    big = sum(op.times for op in program_ops(plan.target, compiled.hlo_text)[0]
+              if op.opcode == "copy" and op.read_bytes >= COPY_NOTE_BYTES / 2)
+    return prog.seconds, {"count": float(big), "hbm_bytes": c.get("hbm_bytes", 0.0), "seconds": c.get("seconds", 0.0)}
+
+
 def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_requested: str = "") -> BuildReport:
     target = plan.target
     e = convert_estimate(plan, est, not_requested)
@@ -179,6 +203,11 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
     from tpumk.targets import topology_for
 
     model = megakernel_step(plan)
+    program_seconds, copies = program_figures(plan, compiled, model)
+    if copies and copies["hbm_bytes"] >= COPY_NOTE_BYTES:
+        notes.append(f"XLA copies {copies['hbm_bytes'] / 2e6:,.1f} MB in and out of the kernel every step "
+                     f"({copies['count']:.0f} copies, +{copies['seconds'] * 1e6:,.1f} us by tpumk's model): the KV "
+                     "cache the kernel updates in place (docs/many-devices.md, 'The KV cache copies')")
     mesh = None
     if plan.devices > 1:
         from tpumk.kernel.megakernel import step_mesh
@@ -193,6 +222,7 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
         interconnect_bytes_per_step=plan.interconnect_bytes, collectives_per_step=plan.collectives_per_step,
         xla_collectives=compiled.xla_collectives, model_seconds=model.seconds,
         model_floor_fraction=model.floor_fraction, model_source=model.source,
+        program_seconds=program_seconds, program_copies=copies,
         model_collectives_seconds=model.stages.get("collectives", {}).get("seconds", 0.0),
         model=plan.whole_model.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
         compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,

@@ -129,6 +129,13 @@ def print_build_report(r) -> None:
     if r.model_seconds is not None:
         coll = f", {duration(r.model_collectives_seconds)} of it collectives" if r.model_collectives_seconds else ""
         rows.append(["tpumk model step time", f"{duration(r.model_seconds)} (floor / model {r.model_floor_fraction:.2f}{coll})"])
+        if r.program_seconds is not None:
+            from tpumk.build import COPY_NOTE_BYTES
+
+            c = r.program_copies or {}
+            extra = (f": {duration(c['seconds'])} of it copying {size(c['hbm_bytes'] / 2)} around the kernel"
+                     if c.get("hbm_bytes", 0.0) >= COPY_NOTE_BYTES else "")
+            rows.append(["tpumk model, the whole program", f"{duration(r.program_seconds)} (kernel + XLA ops around it{extra})"])
     if r.estimated_seconds is not None:
         rows += [["compiler estimated cycles", f"{r.estimated_cycles:,}"],
                  ["estimated step time", duration(r.estimated_seconds)],
