@@ -570,7 +570,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     `packed` is `tpumk.kernel.layout.pack_weights(plan, params)` (one device) or
     `pack_sharded(plan, params)` (many). On the `cpu` target the kernel
     runs in Pallas TPU interpret mode (`detect_races` turns on its DMA race detector).
-    `donate_cache` donates the input cache so the in-place update needs no copy (serving);
+    `donate_cache` donates the input cache so the in-place update needs no copy (serving; one
+    device: many-device programs still copy it, docs/many-devices.md "The KV cache copies");
     off by default so callers may keep using the cache they passed in. `portable` (cpu target
     only) interprets the kernel without host callbacks so the step can be exported.
 
