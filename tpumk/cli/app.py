@@ -118,8 +118,8 @@ def print_build_report(r) -> None:
     if r.devices > 1:
         ar = r.plan.get("all_reduce", {})
         how = f" ({ar['schedule']}, {ar['dtype']} wire)" if ar else ""
-        ic = r.plan.get("interconnect_per_step", {})
-        reduces = int(ic["all_reduce"]["count"]) if "all_reduce" in ic else r.collectives_per_step - 1
+        ic = r.plan["interconnect_per_step"]
+        reduces = int(ic["all_reduce"]["count"])
         latent = (f" + {int(ic['latent_all_gather']['count'])} latent all-gathers (MLA, q_a / kv_a split)"
                   if "latent_all_gather" in ic else "")
         rows += [["in-kernel collectives per step",

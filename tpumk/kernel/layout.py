@@ -23,7 +23,7 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     shared_down    [Lm, T, r, c]
     lm_head        [T, r, c]       lm_head (or embed.T when tied), vocab padded to whole tiles
 
-MLA models (tpumk.model.mla; lane layout `tpumk.plan.plan.mla_dims`: nope / latent / value
+MLA models (tpumk.model.mla; lane layout `tpumk.plan.geometry.mla_dims`: nope / latent / value
 parts padded per head to 128 lanes) stream, instead of qkv and o:
 
     q_a, q_b       [L, T, r, c]    wq_a; wq_b (rows padded like q_a's output) with its columns
@@ -59,10 +59,10 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block, mla_dims
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
-from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, mla_dims, o_bias_offset,
+from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset,
                              plan_families,
                              scale_offsets)
 from tpumk.model.reference import jnp_dtype

@@ -49,8 +49,8 @@ from tpumk.kernel.norms import (residual_norm, rms_norm, rms_norm_from_sums, rms
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
 from tpumk.kernel.mla_attention import mla_attention_stage
-from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block
-from tpumk.plan.plan import Plan, mla_dims, o_bias_offset
+from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block, mla_dims
+from tpumk.plan.plan import Plan, o_bias_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
 from tpumk.model.reference import KVCache, QuantizedKVCache, embed, guard_positions, jnp_dtype, soft_cap

@@ -51,7 +51,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LANE, LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, rope_table_lanes, round_up, smem, vmem
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, mla_dims, rope_table_lanes, smem, vmem
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
@@ -250,19 +250,18 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         vmem("normed", (n, h), "float32", "[N, H] normed input of the current matmul family"),
     ]
     if cfg.is_mla:
-        fams, latent = plan.families, round_up(cfg.kv_lora_rank, LANE)  # tpumk.plan.plan.mla_dims' widths
+        fams, dims = plan.families, mla_dims(cfg)
         if "q_a" in fams:
-            act.append(vmem("mla_qa", (n, round_up(cfg.q_lora_rank, LANE)), "float32",
-                            "[N, q_lora (| pad)] q_a output, normed in place"))
+            act.append(vmem("mla_qa", (n, dims["q_lora"]), "float32", "[N, q_lora (| pad)] q_a output, normed in place"))
         qf = fams["q_b"] if "q_b" in fams else fams["q"]
         if plan.latent_split:  # this device's q_a | kv_a columns, then every device's (all-gathered)
-            part = sum(fams[f].m_pad for f in ("q_a", "kv_a") if f in fams)
+            part = latent_part_width(plan)
             act += [vmem("mla_part", (n, part), "float32", "[N, this device's q_a columns (| pad) | kv_a's (| pad)]"),
                     vmem("mla_gather", (plan.devices, n, part), "float32",
                          "[device, N, its q_a | kv_a columns]: the latent slices, all-gathered")]
         act += [
             vmem("mla_q", (n, qf.m_pad), "float32", "[N, per head nope (128-lane padded) | all heads' rope (| pad)]"),
-            vmem("mla_kv", (n, latent + LANE), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
+            vmem("mla_kv", (n, dims["kv_a_cols"]), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
             vmem("mla_row", (n, cfg.attention.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
             vmem("mla_qlat", (n, fams["uk"].m_pad), "float32", "[N, per head q_nope . W_UK (128-lane padded)]"),
             vmem("mla_olat", (n, fams["uv"].k_pad), "float32", "[N, per head latent output (pad lanes 0)]"),
@@ -331,7 +330,12 @@ def logits_slice_bytes(plan: Plan) -> int:
     return head.col_blocks * plan.rows * head.tile_cols * 4
 
 
+def latent_part_width(plan: Plan) -> int:
+    """Lanes of one device's latent slice (MLA with `Plan.latent_split`): its q_a then kv_a
+    output columns, each lane-padded (`mla_part`, one row per token row)."""
+    return sum(plan.families[f].m_pad for f in ("q_a", "kv_a") if f in plan.families)
+
+
 def latent_slice_bytes(plan: Plan) -> int:
-    """Bytes of one device's latent slice (MLA with `Plan.latent_split`): its q_a | kv_a output
-    columns (lane-padded) x rows, f32, the `mla_part` it pushes to every peer each layer."""
-    return plan.rows * sum(plan.families[f].m_pad for f in ("q_a", "kv_a") if f in plan.families) * 4
+    """Bytes of one device's latent slice, f32: the `mla_part` it pushes to every peer each layer."""
+    return plan.rows * latent_part_width(plan) * 4

@@ -54,6 +54,21 @@ def round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
+def mla_dims(cfg: ModelConfig) -> dict[str, int]:
+    """The lane layout of the MLA activations in the kernel (every block 128-lane aligned so
+    the streamed matmuls slice whole lane tiles): per head, the nope part of q padded to
+    `nope` lanes, the latent to `latent` lanes, the value to `value` lanes; all heads' roped q
+    lanes side by side after the nope parts (`rope_q` lanes, whole 128-lane blocks, rotated
+    R-wide per head, R dividing 128); kv_a's output is c_kv then k_rope from lane `latent_1`
+    (one lane block). `o_rows`: the o projection's input rows (per head `value`)."""
+    hq, r = cfg.num_q_heads, cfg.qk_rope_head_dim
+    nope, latent, value = (round_up(v, LANE) for v in (cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim))
+    rope_q = round_up(hq * r, LANE)
+    return {"nope": nope, "latent": latent, "value": value, "rope_q": rope_q, "q_cols": hq * nope + rope_q,
+            "kv_a_cols": latent + LANE, "latent_1": latent, "o_rows": hq * value,
+            "q_lora": round_up(cfg.q_lora_rank, LANE) if cfg.q_lora_rank else 0}
+
+
 # ---------------------------------------------------------------------- buffers
 @dataclass(frozen=True)
 class Buffer:

@@ -35,7 +35,7 @@ from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
-                                 MLAGeometry, MoEGeometry, rope_table_lanes, round_up)
+                                 MLAGeometry, MoEGeometry, mla_dims, rope_table_lanes, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.padding import lane_padded
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -411,16 +411,12 @@ def _auto_rows(cfg: ModelConfig, ks: list[int], tuning: TuningConfig, itemsize: 
     g = 0
     for k in ks:
         g = math.gcd(g, k)
-    cap = max(LANE, tuning.tile_bytes // (AUTO_MIN_TILE_COLS * itemsize))
-    best = LANE
-    for r in range(LANE, min(g, cap) + 1, LANE):
-        if g % r == 0:
-            best = r
-    return best
+    return _largest_lane_multiple(g, min(g, max(LANE, tuning.tile_bytes // (AUTO_MIN_TILE_COLS * itemsize))))
 
 
-def _tallest_rows(k: int, top: int) -> int:
-    """The largest multiple of 128 dividing `k` and at most `top` (128 if none is)."""
+def _largest_lane_multiple(k: int, top: int) -> int:
+    """The largest multiple of 128 dividing `k` and at most `top` (128 if none is): a tile's
+    rows (of K) or columns (of a lane-padded M) with no partial tile."""
     return max([r for r in range(LANE, top + 1, LANE) if k % r == 0] or [LANE])
 
 
@@ -482,7 +478,7 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
 
     def shape(fam: str, k: int, m: int, lane: int) -> tuple[int, int]:
         rows, cols = tuning.tile_shape(fam)
-        rows = rows or _tallest_rows(k, slot_rows)
+        rows = rows or _largest_lane_multiple(k, slot_rows)
         if not cols:  # auto: fill tile_bytes, never wider than the (lane-rounded) matrix
             cols = max(lane, tuning.tile_bytes // (max(rows, fixed_rows) * isz) // lane * lane)
             cols = min(cols, round_up(m, lane))
@@ -522,21 +518,6 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
     return fams, ffn_pad, shared_pad
 
 
-def mla_dims(cfg: ModelConfig) -> dict[str, int]:
-    """The lane layout of the MLA activations in the kernel (every block 128-lane aligned so
-    the streamed matmuls slice whole lane tiles): per head, the nope part of q padded to
-    `nope` lanes, the latent to `latent` lanes, the value to `value` lanes; all heads' roped q
-    lanes side by side after the nope parts (`rope_q` lanes, whole 128-lane blocks, rotated
-    R-wide per head, R dividing 128); kv_a's output is c_kv then k_rope from lane `latent_1`
-    (one lane block). `o_rows`: the o projection's input rows (per head `value`)."""
-    hq, r = cfg.num_q_heads, cfg.qk_rope_head_dim
-    nope, latent, value = (round_up(v, LANE) for v in (cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim))
-    rope_q = round_up(hq * r, LANE)
-    return {"nope": nope, "latent": latent, "value": value, "rope_q": rope_q, "q_cols": hq * nope + rope_q,
-            "kv_a_cols": latent + LANE, "latent_1": latent, "o_rows": hq * value,
-            "q_lora": round_up(cfg.q_lora_rank, LANE) if cfg.q_lora_rank else 0}
-
-
 def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0,
                   max_rows: int = 0, latent_slices: dict[str, int] | None = None) -> dict[str, MatrixFamily]:
     """The MLA attention families (auto tiles: no tuning knobs of their own; `tile_bytes` caps
@@ -551,15 +532,13 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
     dims, h, hq, L = mla_dims(cfg), cfg.hidden_size, cfg.num_q_heads, cfg.num_layers
 
     def tiled(name: str, k: int, k_pad: int, m: int, m_lane: int) -> MatrixFamily:
-        rows = LANE
         top = min(k_pad, max(max_rows, LANE)) if max_rows else k_pad
-        for r in range(LANE, top + 1, LANE):  # the largest 128-multiple dividing k_pad that fits
-            if k_pad % r == 0 and r * min(m_lane, AUTO_MIN_TILE_COLS) * isz <= tuning.tile_bytes:
-                rows = r
+        # the tallest that divides k_pad and whose [rows, AUTO_MIN_TILE_COLS] tile fits tile_bytes
+        rows = _largest_lane_multiple(k_pad, min(top, tuning.tile_bytes // (min(m_lane, AUTO_MIN_TILE_COLS) * isz)))
         cap = max(LANE, tuning.tile_bytes // (max(rows, dims["latent"], dims["nope"]) * isz))
-        # the widest 128-multiple dividing m_lane: no zero columns streamed beyond the lane padding
+        # the widest dividing m_lane: no zero columns streamed beyond the lane padding
         # (q_a's output is q_b's input: DeepSeek-V3's 1536 would otherwise stream as 2048 rows)
-        cols = max(c for c in range(LANE, min(m_lane, cap) + 1, LANE) if m_lane % c == 0)
+        cols = _largest_lane_multiple(m_lane, min(m_lane, cap))
         return _family(name, k, m, L, rows, cols, isz, k_pad=k_pad, m_pad=m_lane, group=group)
 
     out = {}

@@ -86,7 +86,7 @@ FACTS: dict[str, str] = {
                     "tpumk.model.kv_quant.PagedLayout)",
     "kv_code_bytes": "bytes per element of a cache row: 1 with --kv-dtype fp8 / int8, else dtype_bytes",
     "o_rows": "input dim of the o matrix: q_size; MLA: every head's value lanes as the kernel lays them out "
-              "(tpumk.plan.plan.mla_dims)",
+              "(tpumk.plan.geometry.mla_dims)",
     "ffn_size": "dense FFN width (intermediate size); 0 without dense layers",
     "vocab_size": "vocabulary size (lm_head columns)",
     "num_experts": "routed experts per MoE layer (0 for a dense model); routing is over all of them",
@@ -786,7 +786,8 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
     from tpumk.model import kv_quant
     from tpumk.model.config import expected_distinct_experts
     from tpumk.model.quantize import expert_format, quantized_weight_bytes, weight_format
-    from tpumk.plan.plan import KV_TILE_TOKENS, mla_dims
+    from tpumk.plan.geometry import mla_dims
+    from tpumk.plan.plan import KV_TILE_TOKENS
     from tpumk.plan.sharding import per_device_weight_bytes, plan_sharding
 
     model, target, batch, context, q_len = spec.model, spec.target, spec.batch, spec.context, spec.q_len
