@@ -1,13 +1,13 @@
 """What the MLA latent cache saves against a per-head cache: tpumk's byte count, not a measurement.
 
-For each MLA preset it prints the KV cache bytes per token and per sequence at a context, as
-tpumk counts them (`ModelConfig.kv_bytes_per_token`: what the plan's HBM check and the
-reference's paged cache hold: the latent c_kv and the roped key part per token and layer, in
-the model dtype), beside the cache the same model would need if it kept every head's key
+For each MLA preset it prints the KV cache bytes per token and per sequence at a context: the
+latent c_kv and the roped key part per token and layer, in the model dtype, beside the cache the same model would need if it kept every head's key
 (qk_nope + qk_rope lanes) and value (v_head_dim lanes), as a non-absorbed implementation does.
 A decode step reads every cached token of the sequence once, so the same ratio applies to the
-cache bytes one step reads. The last column pads each part to 128 lanes (one 640-lane row, the
-layout of vLLM's TPU MLA kernel, TPU_FACTS 10); tpumk's own megakernel layout is not built yet.
+cache bytes one step reads. The padded column pads each part to 128 lanes (one 640-lane row, the
+layout of vLLM's TPU MLA kernel, TPU_FACTS 10). tpumk's paged cache stores the whole row
+lane-padded (`ModelConfig.kv_bytes_per_token`, what the plan's HBM check counts: C + R rounded
+up to 128 lanes), which for DeepSeek-V3 and Kimi K2 is the same 640 lanes.
 
     python benchmarks/mla_cache_bytes.py [--preset deepseek-v3 kimi-k2] [--context 32768] [--json]
 """
@@ -26,7 +26,7 @@ def rows(presets, context: int) -> list[dict]:
     out = []
     for name in presets:
         cfg = load_preset(name)
-        latent = cfg.kv_bytes_per_token()
+        latent = cfg.num_layers * cfg.attention.kv_cache_width * cfg.dtype_bytes
         per_head = cfg.num_layers * cfg.num_q_heads * (cfg.head_dim + cfg.v_head_dim) * cfg.dtype_bytes
         padded = cfg.num_layers * (round_up(cfg.kv_lora_rank, LANE) + round_up(cfg.qk_rope_head_dim, LANE)) \
             * cfg.dtype_bytes

@@ -89,7 +89,7 @@ def test_paged_greedy_matches_transformers(hf_deepseek_dir, loaded):
     want = hf_greedy(hf_deepseek_dir, PROMPTS, STEPS)
     got, cache = greedy_generate(params, cfg, PROMPTS, STEPS, init_cache(cfg, 2, 32, page_size=PAGE))
     assert got == want
-    assert cache.k.shape[-1] == 48 and cache.v.shape[-1] == 0  # 40 latent + 8 roped lanes per token
+    assert cache.k.shape[-1] == 128 and cache.v.shape[-1] == 0  # 40 latent + 8 roped lanes per token, lane-padded
 
 
 @pytest.mark.parametrize("mutation", ["no_interleave_permutation", "no_bias", "no_groups", "no_scaling",

@@ -224,7 +224,7 @@ def _random_cache(cfg, tables, lengths, page_size=16, seed=11):
     num_pages = int(np.max(np.where((tables >= 0) & (tables < 1000), tables, 0))) + 1
     rng = np.random.default_rng(seed)
     dt = R.jnp_dtype(cfg)
-    width = cfg.attention.kv_cache_width if cfg.is_mla else cfg.attention.kv_size
+    width = cfg.attention.latent_cache_lanes if cfg.is_mla else cfg.attention.kv_size  # MLA: pad lanes random too
     k = jnp.asarray(rng.standard_normal((cfg.num_layers, num_pages, page_size, width), np.float32), dt)
     v = (jnp.zeros((cfg.num_layers, num_pages, page_size, 0), dt) if cfg.is_mla else
          jnp.asarray(rng.standard_normal((cfg.num_layers, num_pages, page_size, width), np.float32), dt))

@@ -112,7 +112,9 @@ def test_plan_counts_the_latent_cache():
     plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 2, 4096))
     a = plan.attention
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    assert a.caches == 1 and a.kv_size == width and a.page_bytes == plan.page_size * width * 2
+    stored = -(-width // 128) * 128  # each row lane-padded (48 -> 128), as the TPU lays it out in HBM
+    assert a.caches == 1 and a.kv_size == width and a.page_lanes == stored == cfg.attention.latent_cache_lanes
+    assert a.page_bytes == plan.page_size * stored * 2
     # one cache: every page the step reads or writes counted once (no V)
     assert plan.hbm["kv_cache"] == a.hbm_bytes([4096 - 1] * 2)
     pages = (4096 // plan.page_size) * 2  # both sequences read every page of their context
@@ -120,7 +122,7 @@ def test_plan_counts_the_latent_cache():
     assert plan.hbm["kv_cache"] < 2 * cfg.num_layers * pages * a.page_bytes
     assert plan.dmas["kv_cache_pages"]["bytes_each"] == a.page_bytes
     s = plan.summary()["attention"]
-    assert s["kv_cache_bytes_per_token_per_layer"] == width * 2 and s["latent_cache"]["c_kv"] == cfg.kv_lora_rank
+    assert s["kv_cache_bytes_per_token_per_layer"] == stored * 2 and s["latent_cache"]["c_kv"] == cfg.kv_lora_rank
     assert "k_cache" in [b.name for b in plan.contract.operands]
     assert "v_cache" not in [b.name for b in plan.contract.operands]
     from tpumk.estimate.timeline import megakernel_step

@@ -64,8 +64,8 @@ def test_hf_kimi_k2_config_is_the_preset():
 
 
 @pytest.mark.parametrize("name, params, kv_per_token", [
-    ("deepseek-v3", 671.0e9, 61 * (512 + 64) * 2),  # the public count: 671B (MTP layer excluded)
-    ("kimi-k2", 1.026e12, 61 * (512 + 64) * 2),
+    ("deepseek-v3", 671.0e9, 61 * 640 * 2),  # the public count: 671B (MTP layer excluded); 512 + 64 lanes stored in 640
+    ("kimi-k2", 1.026e12, 61 * 640 * 2),
 ])
 def test_mla_preset_counts(name, params, kv_per_token):
     cfg = load_preset(name)
@@ -140,8 +140,8 @@ def test_big_mla_presets_refused_by_the_hbm_check():
 
 def test_hbm_check_counts_the_latent_cache():
     cfg = load_preset("deepseek-v3")
-    # 4096 sequences of 32k tokens: 61 x 576 x 2 bytes per token = 9.2 TB of latent cache
-    with pytest.raises(PlanError, match=r"KV cache 9431\.\d GB") as e:
+    # 4096 sequences of 32k tokens: 61 x 640 x 2 bytes per token (576 lanes stored in 640) = 10.5 TB
+    with pytest.raises(PlanError, match=r"KV cache 10479\.\d GB") as e:
         make_plan(BuildSpec(cfg, get_target("tpu7x"), 4096, 32768, devices=32, quant="fp8"))
     _one_line(e)
 
@@ -197,7 +197,8 @@ def model(request):
 def test_latent_cache_shape_and_contents(model):
     cfg, params = model
     cache = reference.init_cache(cfg, 2, 16, page_size=4)
-    assert cache.k.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim and cache.v.shape[-1] == 0
+    w = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert cache.k.shape[-1] == 128 and cache.v.shape[-1] == 0  # the 48-lane row lane-padded (zeros)
     toks = jnp.asarray([[3, 9, 27], [5, 7, 11]], jnp.int32)
     pos = jnp.asarray([[0, 1, 2], [0, 1, 2]], jnp.int32)
     _, cache = reference.jitted_decode_step(cfg)(params, toks, pos, cache)
@@ -211,8 +212,9 @@ def test_latent_cache_shape_and_contents(model):
     rows = rows_of(lay, reference.embed(params, toks))
     ps = cache.page_size
     for b, t in itertools.product(range(2), range(3)):
-        got = cache.k[0, cache.block_tables[b, t // ps], t % ps]
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(rows[b, t], np.float32))
+        got = np.asarray(cache.k[0, cache.block_tables[b, t // ps], t % ps], np.float32)
+        np.testing.assert_array_equal(got[:w], np.asarray(rows[b, t], np.float32))
+        assert not got[w:].any()
     assert cache.lengths.tolist() == [3, 3]
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from host_flags import xla_flags
+from program_checks import cache_copies
 
 ROOT = Path(__file__).resolve().parents[1]
 XLA_COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
@@ -248,13 +249,17 @@ def test_interpret_matches_reference_and_compiles(case, interpret_runs):
     assert r["schedule"] == CASES[case][4].get("all_reduce", "direct")
 
     # The same build compiles deviceless for a multi-chip TPU7x topology: one kernel, no XLA
-    # collective (interpret mode does not check Mosaic's layout rules).
+    # collective (interpret mode does not check Mosaic's layout rules), and no copy of the
+    # cache around the kernel (the pages it patched are scattered into the donated cache).
     from tpumk.compile.aot import compile_plan
     from tpumk.plan.plan import make_plan
 
-    c = compile_plan(make_plan(_spec(case, "tpu7x")))
+    plan = make_plan(_spec(case, "tpu7x"))
+    c = compile_plan(plan)
     assert c.custom_calls == 1
     assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)
+    assert plan.cache_written_after_kernel and not plan.contract.aliases
+    assert cache_copies(plan, c) == []
 
 
 @pytest.mark.parametrize("target,case", [("v5e", "moe-4dev-mixed"), ("v6e", "dense-4dev-kv-replicated-verify"),

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from host_flags import xla_flags
+from program_checks import cache_copies
 
 from tpumk.errors import ConfigError
 
@@ -177,7 +178,7 @@ def test_interpret_matches_reference_and_compiles(case):
         assert s["max_err"] <= tol, (case, s)
         assert s["argmax_equal"], (case, s)
         assert s["k_err"] <= tol, (case, s)  # the new latent rows landed in every copy's pages
-        assert s["wide_k"][-1] == n * (40 + 8) and s["v_width"] == 0
+        assert s["wide_k"][-1] == n * 128 and s["v_width"] == 0  # 40 + 8 lanes stored in 128 per device
         assert s["copies_equal"], (case, s)  # every device wrote the same bits
         assert s["lengths_equal"] and s["logits_same_everywhere"]
     x = r["xla"]  # the XLA SPMD baseline: heads split, the latent cache replicated, the reference's numbers
@@ -195,9 +196,11 @@ def test_interpret_matches_reference_and_compiles(case):
     from tpumk.compile.aot import compile_plan
     from tpumk.plan.plan import make_plan
 
-    c = compile_plan(make_plan(_spec(case, "tpu7x")))
+    plan = make_plan(_spec(case, "tpu7x"))
+    c = compile_plan(plan)
     assert c.custom_calls == 1
     assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)
+    assert cache_copies(plan, c) == []  # the latent cache is not copied around the kernel either
 
 
 @pytest.mark.parametrize("target, case", [("v6e", "mla-4dev-bf16-verify"), ("v6e", "noqlora"),
@@ -312,12 +315,12 @@ def test_plan_counts_the_whole_latent_cache_on_every_device():
     assert four.hbm["weights_q_b"] < one.hbm["weights_q_b"] and four.hbm["weights_o"] < one.hbm["weights_o"]
     from tpumk.plan.plan import resident_bytes
 
-    whole_kv = cfg.num_layers * four.num_pages * four.page_size * 48 * 2  # every device's copy: all of it
+    whole_kv = cfg.num_layers * four.num_pages * four.page_size * 128 * 2  # every device's copy: all of it (48 lanes stored in 128)
     res = four.summary()["resident_bytes_per_device"]
     assert res["kv_cache"] == whole_kv == resident_bytes(cfg, one.num_pages, one.page_size)[1]
     assert res["weights"] < resident_bytes(cfg, one.num_pages, one.page_size)[0]
     s = four.summary()["sharding"]["attention"]
-    assert s["kv_cache_bytes_per_token_per_layer_per_device"] == 48 * 2
+    assert s["kv_cache_bytes_per_token_per_layer_per_device"] == 128 * 2
     assert s["split_by_heads"] == ["q_b", "uk", "uv"] and "kv_a" in s["replicated"]
 
 
@@ -337,7 +340,7 @@ def test_full_deepseek_v3_per_device_hbm():
     # the replicated latent path (q_a, kv_a) and embedding are whole; experts 1/32
     assert 38e9 < w < 48e9, w
     pages = 131072 // 16 * 8  # 8 sequences of 128k tokens
-    kv = cfg.num_layers * pages * 16 * cfg.attention.kv_cache_width * 2
+    kv = cfg.num_layers * pages * 16 * 640 * 2  # the 576-lane latent row stored in 640 lanes
     with pytest.raises(PlanError) as e:
         P._check_hbm(cfg, t7, pages, 16, sh)
     msg = str(e.value)
@@ -356,8 +359,9 @@ def test_full_deepseek_v3_plans_on_32_tpu7x_devices():
     p = _plan(cfg, 32)
     assert p.cfg.num_q_heads == 4 and p.vmem_needed <= p.vmem_budget
     s = p.summary()
-    assert s["resident_bytes_per_device"]["kv_cache"] == cfg.num_layers * p.num_pages * p.page_size * 576 * 2
-    assert s["hbm_bytes_per_step"]["kv_cache"] >= cfg.num_layers * 4095 * 576 * 2  # every device reads it all
+    # the 576-lane latent row stored in 640 lanes, whole on every device
+    assert s["resident_bytes_per_device"]["kv_cache"] == cfg.num_layers * p.num_pages * p.page_size * 640 * 2
+    assert s["hbm_bytes_per_step"]["kv_cache"] >= cfg.num_layers * 4095 * 640 * 2  # every device reads it all
     assert p.latent_split and s["collectives_per_step"] == 3 * cfg.num_layers + 1
 
 
@@ -667,16 +671,48 @@ def test_build_report_of_a_split_mla_model(tmp_path):
     (tmp_path / "m.toml").write_bytes(tomli_w.dumps(cfg.to_dict()).encode())
     (tmp_path / "t.toml").write_text('[tuning]\nmla_projections = "split"\n')
     res = CliRunner().invoke(main, ["build", "--model", str(tmp_path / "m.toml"), "--target", "tpu7x", "--devices", "2",
-                                    "--tuning", str(tmp_path / "t.toml"), "--no-estimate", "--verify-q", "0"])
+                                    "--tuning", str(tmp_path / "t.toml"), "--context", "64", "--no-estimate",
+                                    "--verify-q", "0"])
     assert res.exit_code == 0, res.output
     assert ("sharding: 2 heads per device, q_a / kv_a split by columns (q_a 28, kv_a 24 a device), the latent "
             "all-gathered, the latent cache on every device") in res.stdout
     assert f"{2 * cfg.num_layers} all-reduces (direct, float32 wire) + {cfg.num_layers} latent all-gathers" in res.stdout
     assert "Pallas TPU kernels in the step               1" in res.stdout
-    # the whole program beside the kernel, and the KV cache copies XLA puts around a collective
-    # kernel (docs/many-devices.md, "The KV cache copies"): named, with their bytes
-    assert "tpumk model, the whole program" in res.stdout and "copying" in res.stdout
-    assert "note: XLA copies" in res.stdout and "the KV cache the kernel updates in place" in res.stdout
+    # the whole program beside the kernel; no copy of the latent cache around the collective
+    # kernel, which leaves the cache to commit_pages (docs/many-devices.md, "The KV cache copies";
+    # 4 pages: a cache of 128 pages or more gets the layout copy of the test below)
+    assert "tpumk model, the whole program" in res.stdout and "(kernel + XLA ops around it)" in res.stdout
+    assert "copying" not in res.stdout and "note: XLA copies" not in res.stdout
+
+
+
+def test_a_576_lane_latent_cache_is_not_copied(tmp_path, monkeypatch):
+    """DeepSeek-V3's latent row (512 + 64 = 576 lanes, off the 128-lane grid) with 128 pages or
+    more: stored unpadded, TPU gave the cache a non-row-major default layout, which the kernel
+    cannot read, and XLA copied it around the kernel every step (docs/many-devices.md, "The KV
+    cache copies"). Stored lane-padded (640 lanes), the one- and two-device builds compile with
+    no copy; the build report's note would name one, with its bytes (shown with the program
+    figures replaced)."""
+    import tomli_w
+    from click.testing import CliRunner
+
+    import tpumk.build as B
+    from tpumk.cli.app import main
+
+    cfg = _config(dict(MLA, dtype="bfloat16", kv_lora_rank=512, qk_rope_head_dim=64, head_dim=88))
+    (tmp_path / "m.toml").write_bytes(tomli_w.dumps(cfg.to_dict()).encode())
+    for devices in ("1", "2"):
+        res = CliRunner().invoke(main, ["build", "--model", str(tmp_path / "m.toml"), "--target", "tpu7x",
+                                        "--devices", devices, "--context", "2048", "--no-estimate", "--verify-q", "0"])
+        assert res.exit_code == 0, res.output
+        assert "(kernel + XLA ops around it)" in res.stdout and "note: XLA copies" not in res.stdout, res.stdout
+    real = B.program_figures
+    monkeypatch.setattr(B, "program_figures", lambda *a: (real(*a)[0], {"count": 1.0, "hbm_bytes": 14.2e6,
+                                                                          "seconds": 9.8e-6}))
+    res = CliRunner().invoke(main, ["build", "--model", str(tmp_path / "m.toml"), "--target", "tpu7x",
+                                    "--context", "2048", "--no-estimate", "--verify-q", "0"])
+    assert "of it copying 7.10 MB around the kernel" in res.stdout, res.stdout
+    assert "note: XLA copies 7.1 MB around the kernel every step (1 copy, +9.8 us by tpumk's model)" in res.stdout
 
 
 if __name__ == "__main__":

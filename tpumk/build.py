@@ -205,9 +205,9 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
     model = megakernel_step(plan)
     program_seconds, copies = program_figures(plan, compiled, model)
     if copies and copies["hbm_bytes"] >= COPY_NOTE_BYTES:
-        notes.append(f"XLA copies {copies['hbm_bytes'] / 2e6:,.1f} MB in and out of the kernel every step "
-                     f"({copies['count']:.0f} copies, +{copies['seconds'] * 1e6:,.1f} us by tpumk's model): the KV "
-                     "cache the kernel updates in place (docs/many-devices.md, 'The KV cache copies')")
+        notes.append(f"XLA copies {copies['hbm_bytes'] / 2e6:,.1f} MB around the kernel every step "
+                     f"({copies['count']:.0f} cop{'y' if copies['count'] == 1 else 'ies'}, +{copies['seconds'] * 1e6:,.1f} us by tpumk's model), e.g. a KV "
+                     "cache in a layout other than the kernel's (docs/many-devices.md, 'The KV cache copies')")
     mesh = None
     if plan.devices > 1:
         from tpumk.kernel.megakernel import step_mesh

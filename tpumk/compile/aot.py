@@ -99,9 +99,9 @@ def compile_plan(plan) -> Compiled:
     """Compile the megakernel decode step of `plan` for its target (deviceless when not attached)."""
     from tpumk.kernel.megakernel import make_decode_step, step_specs
 
-    # The cache is donated so the kernel's in-place K/V writes alias it (no copy on one device, as
-    # in serving; on many devices XLA still copies it around the collective kernel:
-    # docs/many-devices.md, "The KV cache copies").
+    # The cache is donated so the cache update (the kernel's in-place K/V writes on one device,
+    # `commit_pages` after it on many) writes it in place, as in serving (docs/many-devices.md,
+    # "The KV cache copies").
     # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
     # every step (the kernel aliases them in place).
     step = make_decode_step(plan, donate_cache=True, nested=True)

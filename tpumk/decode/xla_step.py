@@ -164,12 +164,14 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
 
 def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """A reference paged cache as the XLA step's contiguous head-major caches (for tests); MLA:
-    the latent cache [L, B, ctx, C+R] and the empty value cache."""
+    the latent cache [L, B, ctx, C+R] (the paged rows without their pad lanes) and the empty
+    value cache."""
     def one(c):
         b, pps = cache.block_tables.shape
         seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
         if cfg.is_mla:
-            return seq.reshape(cfg.num_layers, b, pps * cache.page_size, c.shape[-1])
+            w = min(c.shape[-1], cfg.attention.kv_cache_width)  # (the empty value cache: 0)
+            return seq[..., :w].reshape(cfg.num_layers, b, pps * cache.page_size, w)
         seq = seq.reshape(cfg.num_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
         return seq.transpose(0, 1, 3, 2, 4)
     return one(cache.k), one(cache.v)

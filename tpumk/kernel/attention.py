@@ -10,7 +10,10 @@ loop), and follows `tpumk.model.reference.decode_step` for one layer exactly:
    tile aligned), so every page a step touches is read whole into a VMEM "patch" slot, its
    rows are replaced with `where` over a row iota, and the page is written back whole.
    The page reads depend only on the layer, tables and positions: `attention_prefetch` can
-   start them before the QKV projection so their latency hides behind it.
+   start them before the QKV projection so their latency hides behind it. In a kernel compiled
+   with `collective_id` (many devices) the cache is read only instead and each patched page
+   goes to a kernel output (`PageOutputs`), scattered into the cache after the kernel: XLA
+   copies the whole of every operand such a kernel aliases, twice a step.
 2. Attention. Each sequence streams the KV tiles it needs (up to its largest new position)
    through `kv_buffers` VMEM slots of `kv_tile_pages` pages each, with the DMAs of the next
    `kv_buffers - 1` tiles in flight while a tile is computed. All sequences share one flat
@@ -135,12 +138,25 @@ def traced_window(g: AttentionGeometry, layer):
     return w
 
 
-class _Stage:
-    """Addressing shared by attention_prefetch and attention_stage (trace-time helper)."""
+class PageOutputs(NamedTuple):
+    """Where the write-backs go when the kernel does not update the cache in place
+    (`Plan.cache_written_after_kernel`): the kernel's outputs `pages` (per cache, [B*q, L,
+    page]: the patched page of each slot that writes one, layer by layer; a stand-in slot's
+    is never written) and `page_ids` (SMEM int32 [B*q]: the page of the cache each slot's
+    image goes to, num_pages for none). The decode step scatters them
+    into the cache after the kernel (`tpumk.kernel.megakernel.commit_pages`)."""
 
-    def __init__(self, geom, layer, k_cache, v_cache, block_tables, positions, scratch):
+    pages: tuple
+    page_ids: Any
+
+
+class _Stage:
+    """Addressing shared by attention_prefetch and attention_stage (trace-time helper).
+    `out`: PageOutputs, or None to write the pages back into the caches in place."""
+
+    def __init__(self, geom, layer, k_cache, v_cache, block_tables, positions, scratch, out: PageOutputs | None = None):
         geom.validate()
-        self.g, self.layer = geom, layer
+        self.g, self.layer, self.out = geom, layer, out
         self.block_tables, self.positions = block_tables, positions
         self.sc = AttentionScratch(**{b.name: ref for b, ref in zip(geom.scratch(), scratch)})
         # The cache arrays moved page by page: K and V, each with its own patch pages and tile
@@ -233,7 +249,11 @@ class _Stage:
 
     def _patch_copy(self, piece, slot, pg, write):
         c, lanes = piece
-        hbm, vmem = self.caches[c].at[self.layer, pg], self.patches[c].at[slot]
+        if write and self.out is not None:  # the slot's own page of the output (a stand-in writes none)
+            hbm = self.out.pages[c].at[slot, self.layer]
+        else:
+            hbm = self.caches[c].at[self.layer, pg]
+        vmem = self.patches[c].at[slot]
         if lanes is not None:
             hbm, vmem = hbm.at[:, pl.ds(*lanes)], vmem.at[:, pl.ds(*lanes)]
         src, dst = (vmem, hbm) if write else (hbm, vmem)
@@ -251,6 +271,9 @@ class _Stage:
         def real():
             for piece in self.patch_pieces():
                 self._patch_copy(piece, slot, pg, write).start()
+
+        if write and self.out is not None:  # the page the slot's output image goes to (none: num_pages)
+            self.out.page_ids[slot] = jnp.where(first, pg, jnp.int32(self.caches[0].shape[1]))
 
         def stand_in():
             for piece in self.patch_pieces():
@@ -283,14 +306,15 @@ def attention_prefetch(geom: AttentionGeometry, layer, k_cache, v_cache, block_t
 def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_cache,
                     block_tables, lengths, positions, scratch: Sequence,
                     prefetched: bool = False, tiles_started: Any = False, prefetch_next: Any = False,
-                    sinks: jax.Array | None = None) -> jax.Array:
+                    sinks: jax.Array | None = None, out: PageOutputs | None = None) -> jax.Array:
     """One layer of paged GQA attention with the in-place cache update. Call inside a kernel.
 
     layer: int32 scalar (traced: the megakernel's layer loop index) or Python int.
     q: f32 [B*q_len, Hq*D] (normed, RoPE'd), rows b-major (row = b*q_len + i).
     k_new, v_new: [B*q_len, Hkv*D] in the cache dtype (k normed and RoPE'd).
     k_cache, v_cache: HBM refs (pl.ANY) [num_layers, num_pages, page_size, Hkv*D], aliased
-        input -> output of the enclosing pallas_call; layer `layer` is updated in place.
+        input -> output of the enclosing pallas_call; layer `layer` is updated in place
+        (with `out`: read-only inputs, the updated pages go to `out`).
     block_tables: SMEM int32 [B, pages_per_seq] (or flattened [B * pages_per_seq]).
     lengths: SMEM int32 [B], tokens cached before this step.
     positions: SMEM int32 [B, q_len], positions of the new tokens (a query at p sees cached
@@ -310,6 +334,8 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
         Only for models without sliding windows (a window moves a layer's first tile).
     sinks: f32 [1, Hq] (geom.sinks, gpt-oss): each q head's sink logit, one more key in its
         softmax denominator whose value is zero (the online softmax starts from it).
+    out: PageOutputs: write the patched pages there instead of into k_cache / v_cache, which
+        are then read only (a kernel compiled with collective_id, see `PageOutputs`).
     A quantized cache (geom.kv_dtype fp8 / int8): k_cache is the ONE packed array [num_layers,
         num_pages, page_rows, page_lanes] (`tpumk.model.kv_quant.PagedLayout`: kv_group tokens'
         K and V codes per row, then their scale exponents), v_cache None. The new rows are
@@ -330,7 +356,7 @@ def attention_stage(geom: AttentionGeometry, layer, q, k_new, v_new, k_cache, v_
     5. `_retire_write_backs`: wait for the write-backs (cache update, part 2);
     6. `_ungroup_o`: o back to [B*q_len, Hq*D].
     """
-    st = _Stage(geom, layer, k_cache, v_cache, block_tables, positions, scratch)
+    st = _Stage(geom, layer, k_cache, v_cache, block_tables, positions, scratch, out)
     _check_shapes(geom, q, k_new, v_new, k_cache, v_cache, block_tables, lengths, positions)
     if st.window is not None and (tiles_started is not False or prefetch_next is not False):
         raise ValueError("attention_stage: tiles_started / prefetch_next need a model without sliding windows "

@@ -107,9 +107,17 @@ def _kernel(plan: Plan):
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
         moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
-        # k_cache / v_cache are aliased to outputs 1 and 2: the kernel updates the outputs in place
-        # (MLA: the one latent cache, output 1; --kv-dtype: the one packed cache, output 1).
-        logits_ref, k_out, v_out = (*refs[n_in:n_in + n_out], None)[:3]
+        logits_ref, *outs = refs[n_in:n_in + n_out]
+        if plan.cache_written_after_kernel:
+            # The caches are read only; the patched pages go to the outputs after the logits, the
+            # page each slot goes to to the last (the step scatters them into the cache).
+            k_cache, v_cache = (*(ins[b.name] for b in contract.operands[-plan.attention.caches:]), None)[:2]
+            pages_out = attn.PageOutputs(tuple(outs[:-1]), outs[-1])
+        else:
+            # The caches are aliased to outputs 1 (and 2): the kernel updates the outputs in place
+            # (MLA: the one latent cache; --kv-dtype: the one packed cache).
+            k_cache, v_cache = (*outs, None)[:2]
+            pages_out = None
         s = _Scratch(contract, list(refs[n_in + n_out:]))
         if plan.ring_grouped:  # each tile's scales stream with it
             ring = WeightRing(plan, weights, s.ring, s.ring_sems, {f: ins[f"scales_{f}"] for f in fams},
@@ -306,8 +314,8 @@ def _kernel(plan: Plan):
                 return [(0, s.mla_qlat[rows_, head * lat:head * lat + c]),
                         (c, s.mla_q[rows_, rope0 + head * r:rope0 + (head + 1) * r])]
 
-            o_lat = mla_attention_stage(plan.attention, layer, q_rows, s.mla_row[...], k_out, block_tables, lengths,
-                                        positions, s.attention)
+            o_lat = mla_attention_stage(plan.attention, layer, q_rows, s.mla_row[...], k_cache, block_tables, lengths,
+                                        positions, s.attention, pages_out)
             for b in range(plan.batch):
                 for head in range(hq):
                     s.mla_olat[b * t:(b + 1) * t, head * lat:head * lat + c] = o_lat[b, head * t:(head + 1) * t, 0:c]
@@ -362,7 +370,7 @@ def _kernel(plan: Plan):
                 return mla_attention_block(seg, layer, vec)
             # The reads of the pages this step writes depend only on the layer, tables and
             # positions: start them now, so their round trip hides behind the q|k|v tiles.
-            attn.attention_prefetch(plan.attention, layer, k_out, v_out, block_tables, positions, s.attention)
+            attn.attention_prefetch(plan.attention, layer, k_cache, v_cache, block_tables, positions, s.attention)
             sublayer_input(vec, "attn_norm")
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
@@ -389,11 +397,12 @@ def _kernel(plan: Plan):
             # Without sliding windows every layer starts the next layer's first KV tiles when its
             # tile loop ends (they fly during o and the FFN), and takes its own from the previous.
             kv_ahead = not plan.attention.window_runs()
-            s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_out, v_out,
+            s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_cache, v_cache,
                                                    block_tables, lengths, positions, s.attention, prefetched=True,
                                                    tiles_started=kv_ahead and layer > 0,
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers,
-                                                   sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None)
+                                                   sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None,
+                                                   out=pages_out)
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             o_bias = vec[VECTOR_ROW["qkv_bias"]:VECTOR_ROW["qkv_bias"] + 1, o_at:o_at + h] if att.o_bias else None
@@ -552,6 +561,9 @@ def _device_step(plan: Plan, call) -> Callable:
                   **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)}}
         blocks, *updated = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                                   for b in contract.operands))
+        if plan.cache_written_after_kernel:
+            *pages, page_ids = updated
+            updated = [commit_pages(cache, p, page_ids) for cache, p in zip(caches, pages)]
         updated += caches[len(updated):]  # MLA: KVCache.v (empty) never enters the kernel
         # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
         # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
@@ -563,6 +575,18 @@ def _device_step(plan: Plan, call) -> Callable:
     return run
 
 
+def commit_pages(cache: jax.Array, pages: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """The cache update of a kernel that does not write the cache itself
+    (`Plan.cache_written_after_kernel`): cache[l, page_ids[s]] = pages[s, l] for every layer
+    l and patch slot s, a slot whose id is num_pages (none) dropped. The ids the kernel gives
+    are distinct pages (one slot per page written, `attention._Stage.tokens`), so the order of
+    the writes does not matter; on a donated cache XLA scatters in place. The pages come
+    slot-major, the order XLA's scatter takes its updates in: given layer-major, XLA transposed
+    them first, at batch 32 on the SparseCore as an async op whose HLO libtpu 0.0.52 cannot
+    print back (so no report)."""
+    return cache.at[:, page_ids].set(jnp.swapaxes(pages, 0, 1), mode="drop")
+
+
 def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False,
                      nested: bool = False):
     """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
@@ -571,7 +595,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     `pack_sharded(plan, params)` (many). On the `cpu` target the kernel
     runs in Pallas TPU interpret mode (`detect_races` turns on its DMA race detector).
     `donate_cache` donates the input cache so the in-place update needs no copy (serving; one
-    device: many-device programs still copy it, docs/many-devices.md "The KV cache copies");
+    device; many devices: no copy either, as the kernel leaves the cache to `commit_pages`);
     off by default so callers may keep using the cache they passed in. `portable` (cpu target
     only) interprets the kernel without host callbacks so the step can be exported.
 
@@ -588,7 +612,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
     run = _device_step(plan, _pallas_call(plan, detect_races, portable))
-    check = _shape_check(plan)
+    check, check_rows = _shape_check(plan), _cache_rows_check(plan)
 
     device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
 
@@ -604,6 +628,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         # As the reference: a token id outside the vocabulary runs at position -1 (writes nothing).
         positions = guard_positions(tokens, positions, plan.whole_model.vocab_size)
         arrays = (cache.kv,) if quantized else (cache.k, cache.v)
+        check_rows(arrays)
         logits, arrays = device_run(packed, tokens, positions, arrays, cache.block_tables.astype(jnp.int32),
                                     cache.lengths.astype(jnp.int32))
         # As the reference: positions outside the pages write nothing and do not move lengths.
@@ -676,6 +701,24 @@ def _shape_check(plan: Plan) -> Callable:
         if tuple(tokens.shape) != (plan.batch, plan.q_len):
             raise ValueError(f"decode step planned for tokens [{plan.batch}, {plan.q_len}], got "
                              f"[{', '.join(map(str, tokens.shape))}]")
+    return check
+
+
+def _cache_rows_check(plan: Plan) -> Callable:
+    """Refuse, in one line, cache arrays whose layers, page size or row lanes are not the
+    plan's (`step_specs`; the number of pages may differ)."""
+    names = ("kv",) if plan.attention.quantized else ("k", "v")
+    want: list = []
+
+    def check(arrays) -> None:
+        if not want:
+            cache = step_specs(plan)[3]
+            want.extend(getattr(cache, n).shape for n in names)
+        for name, a, w in zip(names, arrays, want):
+            if (a.ndim, a.shape[0], *a.shape[2:]) != (len(w), w[0], *w[2:]):
+                raise ValueError(f"decode step: cache.{name} has shape {list(a.shape)}, expected [{w[0]}, num_pages, "
+                                 f"{', '.join(map(str, w[2:]))}] (reference.init_cache makes it; an MLA latent row is "
+                                 "stored lane-padded)")
     return check
 
 

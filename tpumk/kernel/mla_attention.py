@@ -13,9 +13,12 @@ started in branches, every wait unconditional, branch-free tile compute) holds h
 
 Numerics follow the reference: the query row cast to the cache dtype, scores with float32
 accumulation times the YaRN softmax scale (`MLAGeometry.scale`), softmax in float32 (online),
-probabilities cast to the cache dtype for p . c_kv. The latent rows stay unpadded in HBM
-(C + R lanes, e.g. 576 for DeepSeek-V3 or 48 for the tests' tiny model); Mosaic pads them to
-128 lanes in VMEM, which `MLAGeometry.scratch` counts.
+probabilities cast to the cache dtype for p . c_kv. The latent rows are stored lane-padded
+(C + R lanes then zeros to a whole number of 128-lane tiles: 576 -> 640 for DeepSeek-V3, 48 ->
+128 for the tests' tiny model; `MLAGeometry.page_lanes`): the row-major layout the kernel
+reads pads them so in HBM anyway, and an unpadded row gets another default layout on TPU that
+XLA converted around the kernel every step. The query rows' pad lanes are zero and each
+tile's are zeroed before the scores, so whatever a cache holds there cannot reach the output.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ class MLAScratch(NamedTuple):
 class _LatentStage(attn._Stage):
     """attention._Stage with one cache (the latent rows) instead of K and V."""
 
-    def __init__(self, geom, layer, cache, block_tables, positions, scratch):
-        self.g, self.layer = geom, layer
+    def __init__(self, geom, layer, cache, block_tables, positions, scratch, out=None):
+        self.g, self.layer, self.out = geom, layer, out
         self.block_tables, self.positions = block_tables, positions
         self.sc = MLAScratch(*scratch)
         self.caches = (cache,)
@@ -64,27 +67,28 @@ class _LatentStage(attn._Stage):
 
 
 def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block_tables, lengths, positions,
-                        scratch: Sequence) -> Any:
+                        scratch: Sequence, out: attn.PageOutputs | None = None) -> Any:
     """One layer of MLA attention with the in-place latent cache update. Call inside a kernel.
 
     q_rows: callable (b, h) -> [(lane offset, f32 [q_len, width]), ...]: the pieces of the row
         q_lat | q_rope (W = latent + rope lanes) of query head h for sequence b's new tokens
         (roped; the stage casts the row to the cache dtype for the scores);
-    new_rows: f32 [B*q_len, W]: this step's cache rows c_kv | k_rope (exact in the cache dtype);
-    cache: HBM ref [num_layers, num_pages, page_size, W] (aliased in -> out, updated in place);
-    block_tables, lengths, positions, scratch: as `tpumk.kernel.attention.attention_stage`.
+    new_rows: f32 [B*q_len, C + R]: this step's cache rows c_kv | k_rope (exact in the cache dtype);
+    cache: HBM ref [num_layers, num_pages, page_size, page_lanes] (C + R then zero pad lanes, or
+        the packed quantized row; aliased in -> out, updated in place);
+    block_tables, lengths, positions, scratch, out: as `tpumk.kernel.attention.attention_stage`.
     Returns the q_heads scratch ref: after the stage, row h*q_len + i of q_heads[b] holds head
     h's latent output o_lat (softmax(q . rows) . c_kv) of token i in its first `latent` lanes."""
-    st = _LatentStage(geom, layer, cache, block_tables, positions, scratch)
+    st = _LatentStage(geom, layer, cache, block_tables, positions, scratch, out)
     sc, g = st.sc, geom
     B, T, H, W = g.batch, g.q_len, g.num_q_heads, g.row_lanes
     st.start_patch_reads()
     if g.quantized:
         _stage_quantized_rows(g, sc, new_rows)
     else:
-        sc.new_rows[pl.ds(0, g.tokens), :] = new_rows
+        _stage_rows(g, sc, new_rows)
     for b in range(B):
-        if g.quantized:  # the packed row's exponent and pad lanes: zero in every query row
+        if W > g.kv_size:  # the stored row's pad lanes (a quantized one's exponent too): zero in every query row
             sc.q_heads[b] = jnp.zeros((g.q_rows, W), jnp.float32)
         for h in range(H):
             for lo, value in q_rows(b, h):
@@ -101,6 +105,18 @@ def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block
     _tiles(st, lengths, token_of_row, total)
     attn._retire_write_backs(st)
     return sc.q_heads
+
+
+def _stage_rows(g: MLAGeometry, sc, new_rows) -> None:
+    """A model-dtype cache: this step's rows [tokens, C + R] f32 -> new_rows [tokens, stored
+    row], zeros in the pad lanes past C + R (`MLAGeometry.page_lanes`), as the cache stores them."""
+    n, W = g.tokens, g.kv_size
+    if g.row_lanes == W:
+        sc.new_rows[pl.ds(0, n), :] = new_rows
+        return
+    sc.new_rows[pl.ds(0, n), pl.ds(0, W)] = new_rows
+    lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
+    sc.new_rows[pl.ds(0, n), :] = jnp.where(lane < W, sc.new_rows[pl.ds(0, n), :], 0.0)
 
 
 def _stage_quantized_rows(g: MLAGeometry, sc, new_rows) -> None:
@@ -201,9 +217,10 @@ def _tiles(st, lengths, token_of_row, total) -> None:
         q = sc.q_heads[b]
         tile = sc.tiles[slot]
         scale_row = None
-        if g.quantized:  # codes in the model dtype (exact), the exponent and pad lanes zero
-            lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)
-            tile = jnp.where(lane < g.kv_size, tile.astype(dt), jnp.zeros((), dt))
+        if g.row_lanes > g.kv_size:  # the pad lanes (and a quantized row's exponent) zero, whatever the
+            lane = lax.broadcasted_iota(jnp.int32, (1, g.row_lanes), 1)  # cache holds there (0 * inf)
+            tile = jnp.where(lane < g.kv_size, tile.astype(dt), jnp.zeros((), dt))  # codes: exact in dt
+        if g.quantized:
             scale_row = _scale_row(g, sc.tiles, slot)
         s = lax.dot_general(q.astype(dt), tile, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)

@@ -349,7 +349,9 @@ class ModelConfig:
         return int(round(params * self.dtype_bytes))
 
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * self.attention.kv_cache_width * self.dtype_bytes
+        """Bytes one token takes in a model-dtype cache, every layer (MLA: the stored, lane-padded row)."""
+        width = self.attention.latent_cache_lanes if self.is_mla else self.attention.kv_cache_width
+        return self.num_layers * width * self.dtype_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -112,6 +112,15 @@ class Attention:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.kv_size
 
+    @property
+    def latent_cache_lanes(self) -> int:
+        """MLA: lanes of one stored latent cache row, c_kv | k_rope (kv_cache_width) then zeros
+        up to a whole number of 128-lane tiles (DeepSeek-V3: 576 -> 640). The TPU's row-major
+        tiled layout pads a row to that anyway; a row off the lane grid instead gets a
+        non-row-major default layout on TPU, which the kernel cannot read, so XLA copied the
+        whole cache around it every step (docs/many-devices.md, "The KV cache copies")."""
+        return -(-self.kv_cache_width // 128) * 128
+
     def param_count(self, hidden: int) -> int:
         """Parameters of one layer's attention matrices (norms not included)."""
         if not self.is_mla:

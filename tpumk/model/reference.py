@@ -135,8 +135,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
         layout = kv_quant.layout_for(cfg, page_size, kv_quant.kv_format(kv_dtype).name)
         return QuantizedKVCache(layout.zeros(cfg.num_layers, num_pages), jnp.asarray(tables),
                                 jnp.zeros((batch,), jnp.int32), layout)
-    if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla); v stays empty
-        return KVCache(jnp.zeros(shape[:3] + (cfg.attention.kv_cache_width,), dt), jnp.zeros(shape[:3] + (0,), dt),
+    if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla), zero past C + R; v stays empty
+        return KVCache(jnp.zeros(shape[:3] + (cfg.attention.latent_cache_lanes,), dt), jnp.zeros(shape[:3] + (0,), dt),
                        jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
                    jnp.zeros((batch,), jnp.int32))
@@ -479,8 +479,10 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
             lc = cache.layout.write(lc, i, page_ids, slots, row[:, :, None, None, :])
             rows = cache.layout.read(lc, i, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
         else:
-            lc = lc.at[i, page_ids, slots].set(row, mode="drop")
-            rows = lc[i][tables].reshape(b, ctx, cfg.attention.kv_cache_width)  # this sequence's pages in order
+            w = cfg.attention.kv_cache_width  # the row's lanes, then zeros in the stored row's pad lanes
+            stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
+            lc = lc.at[i, page_ids, slots].set(stored, mode="drop")
+            rows = lc[i][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
         x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)

@@ -34,12 +34,16 @@ dt the model dtype. Operands, in order:
                                                       aliased to output 1
 MLA models (tpumk.kernel.mla_attention): the families q_a, q_b (or q), kv_a, uk, uv, o instead of
 qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE cache operand
-k_cache [L, num_pages, P, C + R] (the latent rows), aliased to output 1; `KVCache.v` (empty)
+k_cache [L, num_pages, P, C + R rounded up to 128 lanes] (the latent rows, zero pad lanes), aliased to output 1; `KVCache.v` (empty)
 stays outside the kernel.
 
 Outputs: logits f32 [devices x lm_head column blocks, N, lm_head tile_cols] (block j of
 device d's vocabulary slice at d * column blocks + j; one device: block j = vocab columns
-j*tile_cols ..; many: every device ends with every slice, all-gathered in the kernel), then the two caches (updated in place). Scratch: see `_kernel_scratch`, then
+j*tile_cols ..; many: every device ends with every slice, all-gathered in the kernel), then the
+caches (updated in place). Many devices (`Plan.cache_written_after_kernel`): the caches are
+read-only operands, nothing aliases, and the outputs after the logits are each cache's pages
+this step patched, `<k|v|kv>_pages` [B*q patch slots, L, page], and `page_ids` smem int32
+[B*q], the page each slot goes to (num_pages: none); the step scatters them into the cache. Scratch: see `_kernel_scratch`, then
 the attention stage's (`AttentionGeometry.scratch`) and the MoE stage's (`MoEGeometry.scratch`),
 named "attention.<name>" / "moe.<name>", and on many devices the all-reduce's
 (`AllReduceGeometry.scratch`, "collectives.<name>") with the `partial` buffer it reduces.
@@ -202,8 +206,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
     att = plan.attention
     if cfg.is_mla and not att.quantized:  # one latent cache; KVCache.v (empty) stays outside the kernel
-        out.append(_with(hbm("k_cache", (*cache[:3], cfg.attention.kv_cache_width), cfg.dtype,
-                             "[L, num_pages, page_size, C + R]: c_kv | k_rope per token"),
+        out.append(_with(hbm("k_cache", (*cache[:3], att.page_lanes), cfg.dtype,
+                             "[L, num_pages, page_size, C + R lane-padded]: c_kv | k_rope per token, then zeros"),
                          source="cache.k", component="kv_cache"))
         return out
     if att.quantized:  # tpumk.model.kv_quant.PagedLayout: K, V codes (MLA: the latent row's) and exponents
@@ -303,15 +307,24 @@ def kernel_contract(plan: Plan) -> KernelContract:
     packed = packed_buffers(plan)
     operands = tuple(_operands(plan, {b.source: b for b in packed}))
     head = plan.families["lm_head"]
-    caches = plan.attention.caches  # the last operands, updated in place
-    outputs = (
-        Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
-               component="outputs",
-               layout="[device d, column block j (d-major), N, tile_cols]: device d's vocab column j*tile_cols + c "
-                      "(one device: d = 0; many: every device's slice, all-gathered in the kernel)"),
-        *(_with(c, source="") for c in operands[-caches:]),
-    )
-    aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches))
+    caches = plan.attention.caches  # the last operands
+    logits = Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
+                    component="outputs",
+                    layout="[device d, column block j (d-major), N, tile_cols]: device d's vocab column j*tile_cols + c "
+                           "(one device: d = 0; many: every device's slice, all-gathered in the kernel)")
+    if plan.cache_written_after_kernel:  # the caches are read only; the step scatters the pages after the kernel
+        slots = plan.attention.tokens
+        outputs = (logits, *(
+            _with(c, name=c.name.replace("_cache", "_pages"), shape=(slots, c.shape[0], *c.shape[2:]), source="",
+                  component="outputs", layout=f"[patch slot b*q + i, L, page]: {c.name}'s pages this step patched")
+            for c in operands[-caches:]),
+            Buffer("page_ids", (slots,), "int32", "smem", component="outputs",
+                   layout="[patch slot]: the cache page slot's page goes to; num_pages: none (written by another slot, "
+                          "or the token writes nothing)"))
+        aliases: tuple[tuple[int, int], ...] = ()
+    else:  # the caches updated in place
+        outputs = (logits, *(_with(c, source="") for c in operands[-caches:]))
+        aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches))
     scratch = _kernel_scratch(plan)
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
     if plan.moe is not None:

@@ -336,7 +336,7 @@ class AttentionGeometry:
         """HBM bytes of one page of one cache array (a quantized page holds K, V and scales)."""
         if self.quantized:
             return self.kv_layout.page_bytes
-        return self.page_size * self.kv_size * self.itemsize
+        return self.page_size * self.page_lanes * self.itemsize
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -542,7 +542,8 @@ class AttentionGeometry:
 class MLAGeometry(AttentionGeometry):
     """The MLA attention stage (`tpumk.kernel.mla_attention`): multi-query attention over ONE
     paged latent cache whose row is `c_kv | k_rope` (latent + rope lanes, the model's
-    kv_cache_width, stored unpadded). In AttentionGeometry's terms: one kv head of head_dim =
+    kv_cache_width, then zeros up to whole 128-lane tiles: `latent_cache_lanes`; a quantized
+    cache: its packed row). In AttentionGeometry's terms: one kv head of head_dim =
     latent + rope lanes shared by all num_q_heads query heads (group = num_q_heads), one cache
     (no V: the values are the first `latent` lanes of the same rows). `scale` is the softmax
     scale (YaRN's, `tpumk.model.yarn.softmax_scale`)."""
@@ -583,9 +584,16 @@ class MLAGeometry(AttentionGeometry):
         return self.kv_size // LANE * LANE
 
     @property
+    def page_lanes(self) -> int:
+        """Lanes of a stored latent row: C + R rounded up to whole 128-lane tiles (pad lanes
+        zero, `parts.latent_cache_lanes`), or a quantized cache's packed row."""
+        return self.kv_layout.lanes if self.quantized else round_up(self.kv_size, LANE)
+
+    @property
     def row_lanes(self) -> int:
-        """Lanes of the stage's latent rows in VMEM (new rows, q rows): C + R, or a quantized
-        cache's whole packed row (codes, exponent, zero padding) so rows and tiles line up."""
+        """Lanes of the stage's latent rows in VMEM (new rows, q rows, tiles): the stored row's
+        (C + R then zero pad lanes, or a quantized cache's codes, exponent and padding), so rows
+        and tiles line up."""
         return self.page_lanes
 
     def validate(self) -> None:

@@ -196,6 +196,15 @@ class Plan:
         return kernel_contract(self)
 
     @property
+    def cache_written_after_kernel(self) -> bool:
+        """True when the kernel does not update the KV cache in place: it writes the pages this
+        step patches to an output, and the step scatters them into the donated cache after it
+        (`tpumk.kernel.megakernel.commit_pages`). So on many devices: XLA copies every operand
+        a Pallas call compiled with `collective_id` aliases (the whole cache, in and out, each
+        step; docs/many-devices.md "The KV cache copies"), and a read-only operand it does not."""
+        return self.all_reduce is not None
+
+    @property
     def spec(self) -> BuildSpec:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
@@ -914,6 +923,8 @@ def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: S
     if n > 1 and not cfg.is_mla:
         heads = sharding.kv_heads
     fmt = kv_quant.kv_format(kv_dtype) if kv_dtype else None
+    if cfg.is_mla and fmt is None:  # the model-dtype latent row is stored lane-padded
+        width = cfg.attention.latent_cache_lanes
     per_token = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, fmt, cfg.dtype_bytes, tensors, page_size)
     return int(weights), int(round(num_pages * page_size * per_token))
 

@@ -149,7 +149,7 @@ class ShardingPlan:
                    if self.latent_split else {}),
                 "o_proj": "split by input rows (heads), partial sums all-reduced",
                 "latent_cache": "replicated: every device holds and writes the whole latent cache",
-                "kv_cache_bytes_per_token_per_layer_per_device": cfg.attention.kv_cache_width * cfg.dtype_bytes}
+                "kv_cache_bytes_per_token_per_layer_per_device": cfg.attention.latent_cache_lanes * cfg.dtype_bytes}
         if cfg.pattern.num_dense:
             out["dense_ffn"] = {"split": "width", "width_per_device": self.ffn}
         if cfg.is_moe:
