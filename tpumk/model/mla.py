@@ -14,7 +14,8 @@ checkpoint stored for interleaved RoPE is permuted on load, tpumk.model.checkpoi
 
 Per token and layer the cache holds one row `c_kv | k_rope` of C + R elements in the model
 dtype: the kv_a-normalized latent and the roped key part, shared by all heads (`KVCache.k`
-`[L, pages, page_size, C+R]`; `KVCache.v` is empty, `[L, pages, page_size, 0]`).
+`[L, pages, page_size, latent_cache_lanes]`: the row, then zeros up to whole 128-lane tiles;
+`KVCache.v` is empty, `[L, pages, page_size, 0]`).
 
 The absorbed step: q_lat = q_nope @ W_UK (per head, [C]), each head scores the row with
 `q_lat | q_rope` (one C+R wide dot product), the probabilities weight the cached c_kv into a

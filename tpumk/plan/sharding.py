@@ -307,8 +307,8 @@ class ShardingPlan:
     def expand_cache(self, cfg: ModelConfig, kv):
         """A reference cache array [L, pages, P, Hkv*D] (or a quantized cache's scales [.., Hkv])
         -> the sharded layout [L, pages, P, N*kv_heads*D] (device d's lanes [d*kv_heads*D, ...)): the same array while N <= Hkv,
-        each KV head repeated kv_replicas times when replicated. MLA: the latent row [C+R]
-        repeated N times (device d's copy in lanes [d*(C+R), ...))."""
+        each KV head repeated kv_replicas times when replicated. MLA: the stored latent row
+        (C + R lane-padded, W lanes) repeated N times (device d's copy in lanes [d*W, ...))."""
         import jax.numpy as jnp
 
         if self._replicated_cache(cfg):
