@@ -821,7 +821,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "hidden_size": cfg.hidden_size, "num_q_heads": cfg.num_q_heads, "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "q_size": cfg.attention.q_size, "kv_size": cfg.attention.kv_size,
         "is_mla": int(cfg.is_mla), "kv_caches": 1 if cfg.is_mla or spec.kv_dtype else 2,
-        "kv_row_lanes": (-(-cfg.attention.kv_cache_width // 128) * 128 if cfg.is_mla else
+        "kv_row_lanes": (cfg.attention.latent_cache_lanes if cfg.is_mla else
                          packed.lanes // packed.group if spec.kv_dtype else cfg.attention.kv_size),
         "kv_code_bytes": 1 if spec.kv_dtype else cfg.dtype_bytes,
         "o_rows": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.attention.q_size,
