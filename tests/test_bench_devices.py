@@ -74,6 +74,9 @@ def _check(r: dict, spec: BuildSpec) -> None:
     # the collective waits are the model's collectives stage of each program
     assert mk["collectives_seconds"] > 0 and x["collectives_seconds"] > 0
     assert mk["collectives_seconds"] == pytest.approx(kernel.stages["collectives"]["seconds"])
+    # and no schedule or wire could take the same collectives below the floor printed beside them
+    assert 0 < mk["collectives_floor_seconds"] == pytest.approx(kernel.collectives_floor_seconds)
+    assert mk["collectives_floor_seconds"] <= mk["collectives_seconds"]
     assert x["collectives_seconds"] == pytest.approx(x["model"]["stages"]["collectives"]["seconds"])
     assert mk["model"]["stages"]["pallas: collectives"]["seconds"] == pytest.approx(mk["collectives_seconds"])
     # the ratio and the fractions follow from the two modelled steps
@@ -184,6 +187,7 @@ def test_text_table_names_every_column(dense, capsys):
     assert "megakernel (MODEL)" in out and "XLA SPMD (MODEL)" in out and "megakernel (compiler profile)" in out
     assert "XLA SPMD step / megakernel step" in out and "no TPU measured anything" in out
     assert "(floor + collectives) / step" in out and "interconnect model" in out
+    assert "least with any schedule and wire" in out
 
 
 def test_xla_expert_split_follows_the_plan():

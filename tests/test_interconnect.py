@@ -124,6 +124,90 @@ def test_hierarchical_rounds_and_where_it_pays():
     assert big["hierarchical"]["send_bytes"] == big["rsag"]["send_bytes"]
 
 
+@pytest.mark.parametrize("chip", ["7x", "v6e", "v5p", "v5e"])
+def test_no_schedule_beats_the_floor(chip):
+    """`all_reduce_floor` is the least of one direct round and two bare latencies: every
+    schedule tpumk builds costs at least that, at either wire."""
+    target = next(t for t in TARGETS.values() if t.chip == chip and not t.interpret)
+    lat = ic.link_figures(target).latency_s
+    for n in (4, 8, 16, 32):
+        for rows, width in ((1, 2048), (1, 4096), (8, 7168), (64, 4096)):
+            for dtype in ("float32", "bfloat16"):
+                floor = ic.all_reduce_floor(target, AllReduceGeometry(n, rows, width, dtype, "rsag"))
+                assert floor["seconds"] == pytest.approx(min(floor["one_round_seconds"], 2 * lat))
+                assert floor["bound"] == ("one round" if floor["one_round_seconds"] <= 2 * lat else "two rounds")
+                schedules = ["direct", "rsag", "doubling"] + (["hierarchical"] if chip == "7x" else [])
+                for s in schedules:
+                    if s == "doubling" and n & (n - 1):
+                        continue
+                    cost = ic.all_reduce_seconds(target, AllReduceGeometry(n, rows, width, dtype, s))["seconds"]
+                    assert cost >= floor["seconds"] * (1 - 1e-12), (n, rows, width, dtype, s)
+    # a batch-1 row on 32 TensorCores: two rounds' latency is the floor, direct's hops lose
+    row = ic.all_reduce_floor(TPU7X, AllReduceGeometry(32, 1, 4096, "bfloat16", "direct"))
+    if chip == "7x":
+        assert row["bound"] == "two rounds" and row["seconds"] == pytest.approx(2 * lat)
+    # two TensorCores of one chip: one round on the sibling link is the floor
+    pair = ic.all_reduce_floor(TPU7X, AllReduceGeometry(2, 8, 1024))
+    assert pair["bound"] == "one round" and pair["seconds"] < 2 * ic.link_figures(TPU7X).latency_s
+    assert ic.all_reduce_floor(target, AllReduceGeometry(1, 8, 1024))["seconds"] == 0
+
+
+def test_all_gather_floor():
+    g = AllReduceGeometry(32, 1, 4096)
+    for nbytes in (512, 64 * KIB, 4 * MIB):
+        floor = ic.all_gather_floor(TPU7X, 32, nbytes)
+        assert floor["seconds"] <= ic.all_gather_seconds(TPU7X, g, nbytes)["seconds"] * (1 + 1e-12)
+    assert ic.all_gather_floor(TPU7X, 32, 512)["bound"] == "one round"
+    assert ic.all_gather_floor(TPU7X, 32, 4 * MIB)["bound"] == "two rounds"
+    assert ic.all_gather_floor(TPU7X, 1, 512)["seconds"] == 0
+
+
+@pytest.mark.parametrize("chip", ["7x", "v6e", "v5p"])
+def test_auto_all_reduce_is_the_models_cheapest(chip):
+    """The plan's `auto` takes the routable schedule the model costs least: never dearer than
+    any schedule the chip routes. qwen3-30b-a3b's batch-1 row on 32 TPU7x TensorCores sends
+    248 KiB per direct push, under the byte rule's 256 KiB, but crosses ~2.4 hops a byte:
+    rsag, not direct."""
+    from tpumk.plan.plan import all_reduce_geometry
+
+    for n in (4, 8, 16, 32):
+        for rows, width in ((1, 2048), (1, 4096), (8, 4096), (32, 2048), (64, 4096)):
+            auto = all_reduce_geometry(chip, n, rows, width)
+            best = ic.all_reduce_seconds_on(chip, auto)["seconds"]
+            for s in ("direct", "rsag") + (("hierarchical",) if chip == "7x" else ()):
+                other = AllReduceGeometry(n, rows, width, "float32", s)
+                assert best <= ic.all_reduce_seconds_on(chip, other)["seconds"] * (1 + 1e-12), (n, rows, width, s)
+    if chip == "7x":
+        assert AllReduceGeometry.for_chip("7x", 32, 1, 2048).schedule == "direct"  # the byte rule
+        assert all_reduce_geometry("7x", 32, 1, 2048).schedule == "rsag"  # the model
+
+
+def test_step_collectives_floor():
+    """A step's floor counts the plan's collectives at their floors: qwen3-235b-a22b on 32
+    TPU7x TensorCores at batch 1 is 188 all-reduces at two round latencies each, plus the
+    logits all-gather; every schedule and wire stays above it."""
+    from tpumk.model.config import load_preset
+    from tpumk.plan.contract import logits_slice_bytes
+    from tpumk.plan.knobs import TuningConfig
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+
+    lat = ic.link_figures(TPU7X).latency_s
+    steps = {}
+    for schedule in ("rsag", "hierarchical"):
+        for wire in ("float32", "bfloat16"):
+            plan = make_plan(BuildSpec(load_preset("qwen3-235b-a22b"), TPU7X, devices=32, page_size=256,
+                                       tuning=TuningConfig(all_reduce=schedule, all_reduce_wire=wire)))
+            steps[schedule, wire] = m = cm.megakernel_step(plan)
+            assert m.collectives_floor_seconds <= m.stages["collectives"]["seconds"]
+    floors = {m.collectives_floor_seconds for m in steps.values()}
+    assert len(floors) == 1  # one floor whatever the schedule or wire
+    gather = ic.all_gather_floor(TPU7X, 32, logits_slice_bytes(plan) / 2)["seconds"]
+    assert floors.pop() == pytest.approx(188 * 2 * lat + gather)
+    one = make_plan(BuildSpec(load_preset("tiny-dense"), TPU7X))
+    assert cm.megakernel_step(one).collectives_floor_seconds == 0
+
+
 def test_all_reduce_direct_and_doubling():
     f = ic.link_figures(TPU7X)
     one = ic.all_reduce_seconds(TPU7X, AllReduceGeometry(1, 8, 1024))

@@ -73,6 +73,7 @@ class BuildReport:
     model_seconds: float | None = None
     model_floor_fraction: float | None = None
     model_collectives_seconds: float = 0.0
+    model_collectives_floor_seconds: float = 0.0  # the least any schedule's collectives take (model)
     model_source: str = ""
     # The same model of the whole compiled program (`tpumk.estimate.timeline.xla_step`: the
     # kernel plus the XLA ops around it, e.g. copies of the KV cache in and out of the kernel);
@@ -224,6 +225,7 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
         model_floor_fraction=model.floor_fraction, model_source=model.source,
         program_seconds=program_seconds, program_copies=copies,
         model_collectives_seconds=model.stages.get("collectives", {}).get("seconds", 0.0),
+        model_collectives_floor_seconds=model.collectives_floor_seconds,
         model=plan.whole_model.name, target=target.name, batch=plan.batch, context=plan.context, q_len=plan.q_len,
         compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,
         custom_calls=compiled.custom_calls, vmem_bytes=plan.vmem_total, vmem_budget_bytes=plan.vmem_budget,

@@ -127,7 +127,8 @@ def print_build_report(r) -> None:
                  ["interconnect bytes sent per step" + each, size(r.interconnect_bytes_per_step)],
                  ["XLA collectives outside the kernel", r.xla_collectives]]
     if r.model_seconds is not None:
-        coll = f", {duration(r.model_collectives_seconds)} of it collectives" if r.model_collectives_seconds else ""
+        coll = (f", {duration(r.model_collectives_seconds)} of it collectives, no schedule below "
+                f"{duration(r.model_collectives_floor_seconds)}" if r.model_collectives_seconds else "")
         rows.append(["tpumk model step time", f"{duration(r.model_seconds)} (floor / model {r.model_floor_fraction:.2f}{coll})"])
         if r.program_seconds is not None:
             from tpumk.build import COPY_NOTE_BYTES

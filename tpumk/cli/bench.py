@@ -111,6 +111,7 @@ def print_bench_devices(r: dict) -> None:
         ["interconnect bytes sent per step", _bytes(mk["interconnect_bytes"], ib) + " (plan)",
          _bytes(x["interconnect_bytes"], ib) + " (model)", ""],
         ["collectives (modelled waits)", _ms(mk["collectives_seconds"], ct), _ms(x["collectives_seconds"], ct), ""],
+        ["  least with any schedule and wire", _ms(mk["collectives_floor_seconds"], ct), "", ""],
         ["step time", _ms(mk["step_seconds"], st), _ms(x["step_seconds"], st), _ms(est_s, st) if est_s else "none"],
         ["fraction of the HBM floor", f"{mk['floor_fraction']:.2f}", f"{x['floor_fraction']:.2f}",
          f"{est['floor_fraction']:.2f}" if est_s else "none"],

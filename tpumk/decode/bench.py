@@ -518,6 +518,7 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
               compiles.megakernel_hlo, mk_model, mk_coll, plan.interconnect_bytes,
               "tpumk plan accounting: the in-kernel collectives' remote-DMA bytes one device sends per step")
     mk["in_kernel_collectives"] = plan.collectives_per_step
+    mk["collectives_floor_seconds"] = kernel.collectives_floor_seconds
     mk["all_reduce"] = {"schedule": plan.all_reduce.schedule, "slot": [plan.all_reduce.rows, plan.all_reduce.width],
                         "dtype": plan.all_reduce.dtype}
     xs = side(compiles.xla_compile_seconds, compiles.xla_lower_seconds, compiles.xla_cost_bytes,
@@ -573,6 +574,9 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
             "step_seconds": {"megakernel": mk["step_source"], "xla": xs["step_source"]},
             "collectives_seconds": ("MODEL, not measured: the timeline model's 'collectives' stage (the megakernel's "
                                     "in-kernel all-reduce waits; XLA's collective ops, charged in full), " + link),
+            "collectives_floor_seconds": ("MODEL, not measured: the least the megakernel's in-kernel collectives could "
+                                          "take with any schedule and wire (tpumk.estimate.timeline."
+                                          "collectives_floor_seconds), " + link),
             "interconnect_bytes": {"megakernel": mk["interconnect_bytes_source"],
                                    "xla": xs["interconnect_bytes_source"]},
             "kernels": "the compiled HLO of one device's program (tpumk.estimate.timeline.program_ops; pallas_kernels: "

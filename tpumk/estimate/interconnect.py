@@ -75,6 +75,7 @@ slots per device, so at that size it is bandwidth-bound on the cross-chip links.
 
 Public API: `link_figures(target)`, `device_coords(target, n)`, `round_seconds`,
 `all_reduce_seconds(target, geom)` (tpumk's in-kernel all-reduce),
+`all_reduce_floor` / `all_gather_floor` (the least any schedule of a payload can take),
 `collective_op_seconds(target, kind, nbytes, devices)` (XLA's collectives as HLO shows them),
 `published_collective_check(target)`.
 """
@@ -273,6 +274,47 @@ def all_gather_seconds(target: Target, geom: AllReduceGeometry, slice_bytes: flo
     else:
         rounds = [{i: {i ^ off: off * float(slice_bytes)} for i in range(n)} for off in geom.gather_offsets()]
     return {**out, **_rounds(link_figures(target), coords, rounds)}
+
+
+# ---------------------------------------------------------------------- what no schedule beats
+def _floor(f: LinkFigures, one_round: dict) -> dict:
+    """The least of one round carrying `one_round` and two bare round latencies."""
+    two = 2 * f.latency_s
+    if one_round["seconds"] <= two:
+        return {"seconds": one_round["seconds"], "bound": "one round", "one_round_seconds": one_round["seconds"],
+                "two_round_latency_seconds": two}
+    return {"seconds": two, "bound": "two rounds", "one_round_seconds": one_round["seconds"],
+            "two_round_latency_seconds": two}
+
+
+def all_reduce_floor(target: Target, geom: AllReduceGeometry) -> dict:
+    """The least seconds ANY all-reduce of geom's payload (N devices, [rows, width] at geom's
+    wire dtype) can take by this model, whatever its schedule.
+
+    A schedule either finishes in one round or takes at least two. In one round nothing can be
+    summed before it is sent, so every device must receive every peer's whole partial: that
+    round is the "direct" push, and the model costs it with the slice's real hops. Two or more
+    dependent rounds cost at least two latencies, whatever they carry. The floor is the lesser
+    of the two. (Routing limits such as v5e's power-of-two offsets only raise real costs, so
+    the floor ignores them.) Returns seconds, which bound it is ("one round" / "two rounds"),
+    both candidates and the source."""
+    if geom.devices == 1:
+        return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
+                "source": model_source("all-reduce floor", target)}
+    direct = all_reduce_seconds(target, AllReduceGeometry(geom.devices, geom.rows, geom.width, geom.dtype,
+                                                          "direct", geom.axis))
+    return {**_floor(link_figures(target), direct), "source": model_source("all-reduce floor", target)}
+
+
+def all_gather_floor(target: Target, devices: int, slice_bytes: float) -> dict:
+    """The least seconds any all-gather of one `slice_bytes` slice per device can take by this
+    model: one round pushing the slice to every peer, or two bare round latencies."""
+    if devices == 1 or slice_bytes <= 0:
+        return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
+                "source": model_source("all-gather floor", target)}
+    f = link_figures(target)
+    one = _rounds(f, device_coords(target, devices), _one_shot(devices, float(slice_bytes)))
+    return {**_floor(f, one), "source": model_source("all-gather floor", target)}
 
 
 # ---------------------------------------------------------------------- XLA's collectives

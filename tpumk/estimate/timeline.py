@@ -87,9 +87,11 @@ from typing import Any, Sequence
 
 from tpumk.estimate.hlo import (DTYPE_BYTES, HloInstr, called_computation, called_computations, contracting_length,
                                 parse_hlo, replica_group, source_target_pairs, trip_count)
-from tpumk.estimate.interconnect import all_gather_seconds, all_reduce_seconds, collective_kind, collective_op_seconds
+from tpumk.estimate.interconnect import (all_gather_floor, all_gather_seconds, all_reduce_floor, all_reduce_seconds,
+                                         collective_kind, collective_op_seconds)
 from tpumk.estimate.interconnect import model_source as interconnect_source
 from tpumk.plan.contract import MLA_FAMILIES, latent_slice_bytes, logits_slice_bytes
+from tpumk.plan.geometry import AllReduceGeometry
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -196,6 +198,7 @@ class StepModel:
     kernels: int = 1  # kernels the step launches (megakernel: 1)
     floor_seconds: float = 0.0  # the HBM floor the model is compared with
     notes: tuple[str, ...] = ()
+    collectives_floor_seconds: float = 0.0  # many devices: the least any schedule's collectives take (model)
 
     @property
     def floor_fraction(self) -> float:
@@ -205,6 +208,7 @@ class StepModel:
         return {"seconds": self.seconds, "dma_seconds": self.dma_seconds, "compute_seconds": self.compute_seconds,
                 "hbm_bytes": self.hbm_bytes, "floor_seconds": self.floor_seconds,
                 "floor_fraction": self.floor_fraction, "kernels": self.kernels, "source": self.source,
+                "collectives_floor_seconds": self.collectives_floor_seconds,
                 "stages": {k: dict(v) for k, v in self.stages.items()}, "notes": list(self.notes)}
 
 
@@ -461,13 +465,14 @@ def megakernel_step(plan) -> StepModel:
         ledger.add("collectives", all_gather_seconds(t, plan.all_reduce, logits_slice_bytes(plan))["seconds"])
 
     notes = []
+    least = collectives_floor_seconds(plan)
     if reduce:
         waits = ledger.stages["collectives"]["seconds"]
         latent = ", the per-layer latent all-gathers" if plan.latent_split else ""
         notes.append(f"collectives: {plan.collectives_per_step} in-kernel collectives ({plan.all_reduce.schedule} "
                      f"all-reduces{latent} and the logits all-gather), {plan.interconnect_bytes / 1e6:.3f} MB sent per "
-                     f"device, {waits * 1e6:.1f} us of waits; the weight ring keeps loading during the all-reduces "
-                     f"({interconnect_source('collectives', t)})")
+                     f"device, {waits * 1e6:.1f} us of waits (no schedule or wire below {least * 1e6:.1f} us); the "
+                     f"weight ring keeps loading during the all-reduces ({interconnect_source('collectives', t)})")
     floor = plan.floor_seconds
     seconds = ledger.seconds
     if seconds < floor:  # cannot happen when every byte is accounted; never report it if it does
@@ -475,7 +480,28 @@ def megakernel_step(plan) -> StepModel:
         seconds = floor
     return StepModel(seconds=seconds, dma_seconds=ledger.dma, compute_seconds=ledger.mxu, hbm_bytes=ledger.hbm_bytes,
                      source=model_source("megakernel", t), stages=ledger.stages, kernels=1, floor_seconds=floor,
-                     notes=tuple(notes))
+                     notes=tuple(notes), collectives_floor_seconds=least)
+
+
+def collectives_floor_seconds(plan) -> float:
+    """Seconds per step that the plan's in-kernel collectives cannot go below by tpumk's
+    interconnect model, whatever their schedule and wire (`all_reduce_floor`, `all_gather_floor`:
+    one round carrying every peer's whole part, or two bare round latencies, each taken at the
+    narrower of the plan's wire and bfloat16, the narrowest tpumk sends). The same count of
+    collectives as the plan's (`Plan.interconnect`); 0 on one device. Where the modelled waits
+    sit near this figure, only fewer collectives per step (or a faster round) would cut them."""
+    g = plan.all_reduce
+    if g is None:
+        return 0.0
+    t, ic = plan.target, plan.interconnect
+    narrow = AllReduceGeometry(g.devices, g.rows, g.width, "bfloat16", "direct", g.axis)
+    reduce = min(all_reduce_floor(t, g)["seconds"], all_reduce_floor(t, narrow)["seconds"])
+    seconds = ic["all_reduce"]["count"] * reduce
+    # the gathers carry float32 slices; a bfloat16 wire would halve them
+    seconds += ic["logits_all_gather"]["count"] * all_gather_floor(t, g.devices, logits_slice_bytes(plan) / 2)["seconds"]
+    if "latent_all_gather" in ic:
+        seconds += ic["latent_all_gather"]["count"] * all_gather_floor(t, g.devices, latent_slice_bytes(plan) / 2)["seconds"]
+    return seconds
 
 
 # ---------------------------------------------------------------------- compiled HLO programs

@@ -1038,10 +1038,13 @@ ALL_REDUCE_SCHEDULES = ("direct", "doubling", "rsag", "hierarchical")
 # Chips whose devices are TensorCores in pairs on one chip (devices 2r and 2r + 1 of a mesh share
 # chip r, TPU_FACTS 8): the chip-hierarchical all-reduce needs that pairing.
 PAIRED_CORE_CHIPS = ("7x",)
-# Auto all-reduce: a direct push (one round) while each device sends at most this many bytes,
-# else reduce-scatter + all-gather (two rounds, about 2 / N of the bytes). The break-even is
-# one remote round's latency times the cross-chip bandwidth: 2.2 us x 134 GB/s = 295 KB with
-# the published TPU7x figures (tpumk.estimate.interconnect); rounded down to 256 KiB.
+# The geometry's own auto all-reduce (no model at hand): a direct push (one round) while each
+# device sends at most this many bytes, else reduce-scatter + all-gather (two rounds, about
+# 2 / N of the bytes). The break-even is one remote round's latency times the cross-chip
+# bandwidth: 2.2 us x 134 GB/s = 295 KB with the published TPU7x figures
+# (tpumk.estimate.interconnect); rounded down to 256 KiB. It ignores hops, so a build's plan
+# (`tpumk.plan.plan.all_reduce_geometry`) decides by the interconnect model instead, this rule
+# breaking its ties.
 DIRECT_ALL_REDUCE_MAX_BYTES = 256 * 1024
 
 
@@ -1099,9 +1102,9 @@ class AllReduceGeometry:
         power-of-two device offsets, so it gets recursive doubling once N > 2. Other chips
         route any offset: the direct push while the N-1 slots it sends are at most
         DIRECT_ALL_REDUCE_MAX_BYTES (one round; 2 devices always: the same bytes either way),
-        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent). (The plan's
-        `tpumk.plan.plan.all_reduce_geometry` may then take the chip-hierarchical form on TPU7x,
-        by tpumk's interconnect model.)"""
+        else reduce-scatter + all-gather (two rounds, 2 (N-1) / N of a slot sent). (A build's
+        plan, `tpumk.plan.plan.all_reduce_geometry`, takes whichever routable schedule tpumk's
+        interconnect model costs least, this rule breaking ties.)"""
         pow2_only = chip == "v5e" and devices > 2
         if schedule == "auto":
             # Weighed at float32 whatever the wire: a bfloat16 wire halves both schedules' bytes,

@@ -729,17 +729,24 @@ def _choose_expert_slots(plan_with) -> Plan:
 
 def all_reduce_geometry(chip: str, devices: int, rows: int, width: int, dtype: str = "float32",
                         schedule: str = "auto") -> AllReduceGeometry:
-    """The in-kernel all-reduce of a build: `AllReduceGeometry.for_chip`'s schedule, except that
-    `auto` on TPU7x takes the chip-hierarchical form of rsag when tpumk's interconnect model
-    costs it less (large payloads: the sibling link carries half the bytes, at the price of two
-    more rounds; a batch-1 row stays on rsag). The tuning space's default is this choice."""
+    """The in-kernel all-reduce of a build. An asked-for schedule is `AllReduceGeometry.for_chip`'s
+    (checked against the chip). `auto`: of the schedules the chip routes (v5e beyond two devices
+    routes only recursive doubling; elsewhere direct and rsag, and on TPU7x's sibling pairs
+    hierarchical), the one tpumk's interconnect model costs least for this payload and wire;
+    ties go to `for_chip`'s byte rule. The model, not the byte rule, decides because it counts
+    the hops a direct push crosses: qwen3-30b-a3b's batch-1 row on 32 TPU7x TensorCores sends
+    248 KiB per direct all-reduce, under the rule's 256 KiB, yet the model costs that round at
+    8.1 us against rsag's 5.1 (four chips across, the links carry each byte ~2.4 times). The
+    tuning space's default is this choice."""
     geom = AllReduceGeometry.for_chip(chip, devices, rows, width, dtype=dtype, schedule=schedule)
-    if schedule != "auto" or geom.schedule != "rsag" or not AllReduceGeometry.pairs_cores(chip, devices):
+    if schedule != "auto" or geom.schedule == "doubling" or devices <= 2:
         return geom
     from tpumk.estimate.interconnect import all_reduce_seconds_on  # the model reads plans (lazy: layer rule)
 
-    four = AllReduceGeometry.for_chip(chip, devices, rows, width, dtype=dtype, schedule="hierarchical")
-    return four if all_reduce_seconds_on(chip, four)["seconds"] < all_reduce_seconds_on(chip, geom)["seconds"] else geom
+    others = [s for s in ("direct", "rsag", "hierarchical") if s != geom.schedule
+              and (s != "hierarchical" or AllReduceGeometry.pairs_cores(chip, devices))]
+    options = [geom] + [AllReduceGeometry.for_chip(chip, devices, rows, width, dtype=dtype, schedule=s) for s in others]
+    return min(options, key=lambda g: all_reduce_seconds_on(chip, g)["seconds"])  # the first of equals: the rule's
 
 
 def _fastest_plan(candidates) -> Plan:
