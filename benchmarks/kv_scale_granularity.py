@@ -77,11 +77,13 @@ def main() -> None:
     for model, checkpoint in loads:
         m = gen.load_model(model, checkpoint, seed=a.seed, dtype=a.dtype)
         heads, width, tensors = kv_quant.cache_rows(m.cfg)
+        # what a bfloat16 cache stores per token and layer (an MLA latent row lane-padded)
+        bf16_row = m.cfg.replace(dtype="bfloat16").kv_bytes_per_token() / m.cfg.num_layers
         for kv in a.kv_dtype:
             packed = kv_quant.layout_for(m.cfg, PAGE, kv)  # the page tpumk stores: codes, exponents, padding
             row = {"model": m.cfg.name, "source": m.source, "kv_dtype": kv, "steps": a.steps,
                    **measure(m.cfg, m.params, kv, a.steps),
-                   "bytes_vs_bf16": {"per token and kv head": packed.page_bytes / (PAGE * tensors * heads * width * 2),
+                   "bytes_vs_bf16": {"per token and kv head": packed.page_bytes / (PAGE * bf16_row),
                                      "per page and kv head (a float32 scale, unpadded)":
                                          (width + 4 / PAGE) / (2 * width)}}
             print(json.dumps(row), flush=True)

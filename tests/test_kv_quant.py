@@ -171,6 +171,22 @@ def test_quality_command_reports_the_kv_formats():
     assert text.exit_code == 0 and "fp8 (float weights)" in text.output and "bytes / float32 cache" in text.output
 
 
+def test_quality_compares_an_mla_cache_with_what_it_stores():
+    """The model-dtype latent cache stores each row lane-padded (tiny-mla: 48 lanes -> 128), so
+    the 1-byte cache's share is counted against that, not against the row's 48 data lanes."""
+    r = CliRunner().invoke(main, ["quality", "--model", "tiny-mla", "--steps", "1", "--quant", "", "--kv-dtype", "fp8",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    cfg = load_preset("tiny-mla")
+    stored = cfg.num_layers * cfg.attention.latent_cache_lanes * cfg.dtype_bytes
+    assert out["kv_bytes_per_token"] == stored == cfg.kv_bytes_per_token()
+    heads, width, tensors = kv_quant.cache_rows(cfg)
+    fp8 = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, kv_quant.kv_format("fp8"), tensors=tensors)
+    (row,) = out["kv_formats"]
+    assert row["kv_bytes_vs_model_dtype"] == pytest.approx(fp8 / stored) and fp8 / stored < 0.5
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--kv-dtype", "fp4"], "--kv-dtype: unknown KV cache format 'fp4'"),
     (["--kv-dtype", "fp8,fp8"], "--kv-dtype: fp8 given twice"),

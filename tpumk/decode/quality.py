@@ -110,8 +110,7 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
         rows.append({"quant": name, **compared(got)})
     kv_rows = []
     heads, width, tensors = kv_quant.cache_rows(cfg)
-    model_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, None, np.dtype(ref.jnp_dtype(cfg)).itemsize,
-                                                 tensors)
+    model_bytes = cfg.kv_bytes_per_token()  # what the model-dtype cache stores (an MLA row lane-padded)
     for kv in kv_dtypes:
         say(f"KV cache {kv}: the same decode, the cache quantized as it is written")
         got, _ = _logits(cfg, params, prompts, forced, steps, kv_dtype=kv)

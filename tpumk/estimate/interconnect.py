@@ -220,6 +220,15 @@ def _rounds(f: LinkFigures, coords, rounds: list[dict[int, dict[int, float]]]) -
 
 # ---------------------------------------------------------------------- tpumk's in-kernel all-reduce
 def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
+    """tpumk's in-kernel all-reduce (see `_all_reduce`); a fresh dict each call."""
+    return dict(_all_reduce(link_figures(target), target, geom))
+
+
+# Cached (keyed on the link figures too, like `_collective`): the plan's auto searches walk the
+# timeline model over hundreds of candidate plans with the same all-reduce, and one 32-device
+# round visits every device pair.
+@functools.lru_cache(maxsize=4096)
+def _all_reduce(f: LinkFigures, target: Target, geom: AllReduceGeometry) -> dict:
     """tpumk's in-kernel all-reduce (`tpumk.kernel.collectives.all_reduce`) by this model.
 
     "direct": one round, every device pushes its [rows, width] slot to each of the N-1 peers.
@@ -250,7 +259,7 @@ def all_reduce_seconds(target: Target, geom: AllReduceGeometry) -> dict:
         rounds = [sibling, cross, cross, sibling]
     else:
         rounds = [{i: {i ^ off: off * slot} for i in range(n)} for off in geom.peer_offsets()]
-    return {**out, **_rounds(link_figures(target), coords, rounds)}
+    return {**out, **_rounds(f, coords, rounds)}
 
 
 def all_reduce_seconds_on(chip: str, geom: AllReduceGeometry) -> dict:
@@ -260,6 +269,12 @@ def all_reduce_seconds_on(chip: str, geom: AllReduceGeometry) -> dict:
 
 
 def all_gather_seconds(target: Target, geom: AllReduceGeometry, slice_bytes: float) -> dict:
+    """tpumk's in-kernel all-gather (see `_all_gather`); a fresh dict each call."""
+    return dict(_all_gather(link_figures(target), target, geom, float(slice_bytes)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_gather(f: LinkFigures, target: Target, geom: AllReduceGeometry, slice_bytes: float) -> dict:
     """tpumk's in-kernel all-gather of one `slice_bytes` slice per device
     (`tpumk.kernel.collectives.all_gather_slices`, the logits): one round pushing the slice to
     every peer, or log2 N doubling rounds of 2^s slices (v5e)."""
@@ -273,7 +288,7 @@ def all_gather_seconds(target: Target, geom: AllReduceGeometry, slice_bytes: flo
         rounds = [{i: {(i + off) % n: float(slice_bytes) for off in geom.gather_offsets()} for i in range(n)}]
     else:
         rounds = [{i: {i ^ off: off * float(slice_bytes)} for i in range(n)} for off in geom.gather_offsets()]
-    return {**out, **_rounds(link_figures(target), coords, rounds)}
+    return {**out, **_rounds(f, coords, rounds)}
 
 
 # ---------------------------------------------------------------------- what no schedule beats
@@ -309,11 +324,15 @@ def all_reduce_floor(target: Target, geom: AllReduceGeometry) -> dict:
 def all_gather_floor(target: Target, devices: int, slice_bytes: float) -> dict:
     """The least seconds any all-gather of one `slice_bytes` slice per device can take by this
     model: one round pushing the slice to every peer, or two bare round latencies."""
+    return dict(_all_gather_floor(link_figures(target), target, devices, float(slice_bytes)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_gather_floor(f: LinkFigures, target: Target, devices: int, slice_bytes: float) -> dict:
     if devices == 1 or slice_bytes <= 0:
         return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
                 "source": model_source("all-gather floor", target)}
-    f = link_figures(target)
-    one = _rounds(f, device_coords(target, devices), _one_shot(devices, float(slice_bytes)))
+    one = _rounds(f, device_coords(target, devices), _one_shot(devices, slice_bytes))
     return {**_floor(f, one), "source": model_source("all-gather floor", target)}
 
 
