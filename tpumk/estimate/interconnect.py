@@ -82,6 +82,7 @@ Public API: `link_figures(target)`, `device_coords(target, n)`, `round_seconds`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -294,12 +295,15 @@ def _all_gather(f: LinkFigures, target: Target, geom: AllReduceGeometry, slice_b
 # ---------------------------------------------------------------------- what no schedule beats
 def _floor(f: LinkFigures, one_round: dict) -> dict:
     """The least of one round carrying `one_round` and two bare round latencies."""
-    two = 2 * f.latency_s
-    if one_round["seconds"] <= two:
-        return {"seconds": one_round["seconds"], "bound": "one round", "one_round_seconds": one_round["seconds"],
-                "two_round_latency_seconds": two}
-    return {"seconds": two, "bound": "two rounds", "one_round_seconds": one_round["seconds"],
-            "two_round_latency_seconds": two}
+    one, two = one_round["seconds"], 2 * f.latency_s
+    return {"seconds": min(one, two), "bound": "one round" if one <= two else "two rounds",
+            "one_round_seconds": one, "two_round_latency_seconds": two}
+
+
+def _no_floor(what: str, target: Target) -> dict:
+    """One device (or nothing to send): no collective, nothing to wait for."""
+    return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
+            "source": model_source(what, target)}
 
 
 def all_reduce_floor(target: Target, geom: AllReduceGeometry) -> dict:
@@ -314,10 +318,8 @@ def all_reduce_floor(target: Target, geom: AllReduceGeometry) -> dict:
     the floor ignores them.) Returns seconds, which bound it is ("one round" / "two rounds"),
     both candidates and the source."""
     if geom.devices == 1:
-        return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
-                "source": model_source("all-reduce floor", target)}
-    direct = all_reduce_seconds(target, AllReduceGeometry(geom.devices, geom.rows, geom.width, geom.dtype,
-                                                          "direct", geom.axis))
+        return _no_floor("all-reduce floor", target)
+    direct = all_reduce_seconds(target, dataclasses.replace(geom, schedule="direct"))
     return {**_floor(link_figures(target), direct), "source": model_source("all-reduce floor", target)}
 
 
@@ -330,8 +332,7 @@ def all_gather_floor(target: Target, devices: int, slice_bytes: float) -> dict:
 @functools.lru_cache(maxsize=4096)
 def _all_gather_floor(f: LinkFigures, target: Target, devices: int, slice_bytes: float) -> dict:
     if devices == 1 or slice_bytes <= 0:
-        return {"seconds": 0.0, "bound": "none", "one_round_seconds": 0.0, "two_round_latency_seconds": 0.0,
-                "source": model_source("all-gather floor", target)}
+        return _no_floor("all-gather floor", target)
     one = _rounds(f, device_coords(target, devices), _one_shot(devices, slice_bytes))
     return {**_floor(f, one), "source": model_source("all-gather floor", target)}
 

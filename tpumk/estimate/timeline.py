@@ -80,6 +80,7 @@ read by tpumk.estimate.hlo; this module only costs what it reads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -91,7 +92,8 @@ from tpumk.estimate.interconnect import (all_gather_floor, all_gather_seconds, a
                                          collective_kind, collective_op_seconds)
 from tpumk.estimate.interconnect import model_source as interconnect_source
 from tpumk.plan.contract import MLA_FAMILIES, latent_slice_bytes, logits_slice_bytes
-from tpumk.plan.geometry import AllReduceGeometry
+from tpumk.plan.geometry import DTYPE_BYTES as WIRE_BYTES
+from tpumk.plan.knobs import ALL_REDUCE_WIRES
 from tpumk.targets import Target
 
 DMA_LATENCY_S = 1.0e-6
@@ -487,20 +489,21 @@ def collectives_floor_seconds(plan) -> float:
     """Seconds per step that the plan's in-kernel collectives cannot go below by tpumk's
     interconnect model, whatever their schedule and wire (`all_reduce_floor`, `all_gather_floor`:
     one round carrying every peer's whole part, or two bare round latencies, each taken at the
-    narrower of the plan's wire and bfloat16, the narrowest tpumk sends). The same count of
-    collectives as the plan's (`Plan.interconnect`); 0 on one device. Where the modelled waits
-    sit near this figure, only fewer collectives per step (or a faster round) would cut them."""
+    narrowest wire tpumk sends, `ALL_REDUCE_WIRES`). The same count of collectives as the
+    plan's (`Plan.interconnect`); 0 on one device. Where the modelled waits sit near this
+    figure, only fewer collectives per step (or a faster round) would cut them."""
     g = plan.all_reduce
     if g is None:
         return 0.0
     t, ic = plan.target, plan.interconnect
-    narrow = AllReduceGeometry(g.devices, g.rows, g.width, "bfloat16", "direct", g.axis)
-    reduce = min(all_reduce_floor(t, g)["seconds"], all_reduce_floor(t, narrow)["seconds"])
+    reduce = min(all_reduce_floor(t, dataclasses.replace(g, dtype=w))["seconds"] for w in ALL_REDUCE_WIRES)
     seconds = ic["all_reduce"]["count"] * reduce
-    # the gathers carry float32 slices; a bfloat16 wire would halve them
-    seconds += ic["logits_all_gather"]["count"] * all_gather_floor(t, g.devices, logits_slice_bytes(plan) / 2)["seconds"]
+    # the gathers carry float32 slices; the narrowest wire would shrink them by its width
+    narrow = min(WIRE_BYTES[w] for w in ALL_REDUCE_WIRES) / WIRE_BYTES["float32"]
+    seconds += ic["logits_all_gather"]["count"] * all_gather_floor(t, g.devices, logits_slice_bytes(plan) * narrow)["seconds"]
     if "latent_all_gather" in ic:
-        seconds += ic["latent_all_gather"]["count"] * all_gather_floor(t, g.devices, latent_slice_bytes(plan) / 2)["seconds"]
+        seconds += (ic["latent_all_gather"]["count"]
+                    * all_gather_floor(t, g.devices, latent_slice_bytes(plan) * narrow)["seconds"])
     return seconds
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tpumk.errors import ConfigError, PlanError, one_line
 from tpumk.tomlfile import read_toml
-from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.knobs import ALL_REDUCE_WIRES, TuningConfig
 
 if TYPE_CHECKING:  # optuna is imported lazily: loading a space should not pay for it
     import optuna
@@ -237,7 +237,7 @@ def _all_reduce_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
 def _all_reduce_wire_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     if spec.devices <= 1:  # no all-reduce
         return [], None
-    return ["float32", "bfloat16"], "float32"
+    return list(ALL_REDUCE_WIRES), TuningConfig().all_reduce_wire
 
 
 def _mla_projection_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
