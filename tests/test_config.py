@@ -253,7 +253,6 @@ def test_hf_invalid_value_names_field():
     ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
     ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
     ({"use_sinks": True}, "attention sinks"),
-    ({"model_type": "qwen3_next"}, "linear-attention"),
     # YaRN is read for the Llama / Mistral / Qwen families and MLA models, LongRoPE for Phi-3
     ({"model_type": "qwen2_moe", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                   "original_max_position_embeddings": 32768}}, "rope_scaling"),
@@ -1008,7 +1007,7 @@ def test_every_field_belongs_to_a_part_and_parts_check_their_own():
     holds would be read by no stage; a part's check names the flat field a user writes."""
     from tpumk.model import parts
     held = {f.name for cls in (parts.Attention, parts.Positions, parts.Norms, parts.Mlp, parts.Moe,
-                               parts.LayerPattern, parts.Head) for f in dataclasses.fields(cls)}
+                               parts.LayerPattern, parts.Head, parts.LinearAttention) for f in dataclasses.fields(cls)}
     stored = {f.name for f in dataclasses.fields(ModelConfig)}
     assert stored - held == {"name", "dtype"}
     assert held - stored == {"head_lanes", "mla", "moe"}  # derived from other parts

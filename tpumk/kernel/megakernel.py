@@ -298,14 +298,14 @@ def _kernel(plan: Plan):
                 matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
-                s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), eps)
+                s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), norms.latent_eps)
                 matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
             cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile
             for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
                 s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)
             s.mla_kv[:, lat:lat + LANE] = rope_heads(s.mla_kv[:, lat:lat + LANE], cos, sin, r)
             # this step's cache rows c_kv | k_rope, rounded to the cache dtype (as the reference)
-            s.mla_row[:, :c] = rms_norm(s.mla_kv[:, :c], row(vec, "k_norm", c), eps).astype(dt).astype(jnp.float32)
+            s.mla_row[:, :c] = rms_norm(s.mla_kv[:, :c], row(vec, "k_norm", c), norms.latent_eps).astype(dt).astype(jnp.float32)
             s.mla_row[:, c:c + r] = s.mla_kv[:, lat:lat + r].astype(dt).astype(jnp.float32)
             matmul(seg, layer, "uk", s.mla_q, store_to(s.mla_qlat, fam["uk"].m_pad, fam["uk"].tile_cols))
 

@@ -77,7 +77,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
-from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
+from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GATED_DELTA_FAMILIES, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
                                 hf_text_config, load_hf_model, override_dtype)
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, RING_MATRICES, QuantizedMatrix,
@@ -198,9 +198,11 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
 
 
 # ---------------------------------------------------------------------- name mapping
-# Each HF tensor feeds one or more destinations: (layer index or None, reference key, expert index or None,
-# HF-side shape it must have, transform from the HF array to the reference slice).
-_Dest = tuple[int | None, str, int | None, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
+# Each HF tensor feeds one or more destinations: (layer index or None, reference key, where in the
+# reference tensor (None: all of it; an int: that expert, the leading index; (lo, hi): those
+# columns of the last axis, several HF tensors side by side), HF-side shape it must have,
+# transform from the HF array to the reference slice).
+_Dest = tuple[int | None, str, int | tuple[int, int] | None, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
 
 
 def _t(a: np.ndarray) -> np.ndarray:
@@ -233,6 +235,56 @@ def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> N
     add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
     add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
     add(p + "self_attn.o_proj.weight", i, "wo", _t)
+
+
+def _linear_attention(cfg: ModelConfig, p: str, i: int, add, names: set[str]) -> None:
+    """A linear-attention layer's tensors (tpumk.model.linear_attention's layout).
+
+    Gated DeltaNet: Qwen3.5 stores in_proj_qkv (q | k | v, the convolution's channel order),
+    in_proj_z, in_proj_b, in_proj_a; Qwen3-Next fuses them as in_proj_qkvz (per key head: its q
+    and k rows, then its value heads' v and z rows) and in_proj_ba (per key head: its value
+    heads' b, then their a). KDA (Kimi Linear): q / k / v projections and convolutions each,
+    the forget gate f_a / f_b with A_log [1, 1, heads, 1] and dt_bias, b_proj, the output gate
+    g_a / g_b, o_norm, o_proj. Convolutions [channels, 1, taps] -> [taps, channels]."""
+    lin, h = cfg.linear, cfg.hidden_size
+    hk, hv, dk, dv, r = lin.linear_key_heads, lin.linear_value_heads, lin.linear_key_dim, lin.linear_value_dim, lin.group
+    kd, vd, c, taps = lin.key_size, lin.value_size, lin.conv_dim, lin.linear_conv
+    a = "linear_attn." if lin.linear_kind == "gated_delta" else "self_attn."
+    conv = (lambda x: x[:, 0, :].T)
+    if lin.linear_kind == "kda":
+        for j, proj in enumerate(("q", "k", "v")):
+            add(p + f"{a}{proj}_proj.weight", i, "lin_qkv", _t, expert=(j * kd, (j + 1) * kd), hf_shape=(kd, h))
+            add(p + f"{a}{proj}_conv1d.weight", i, "lin_conv", conv, expert=(j * kd, (j + 1) * kd), hf_shape=(kd, 1, taps))
+        for proj, key in (("f_a_proj", "lin_f_a"), ("f_b_proj", "lin_f_b"), ("b_proj", "lin_b"), ("g_a_proj", "lin_g_a"),
+                          ("g_b_proj", "lin_g_b"), ("o_proj", "lin_out")):
+            add(p + f"{a}{proj}.weight", i, key, _t)
+        add(p + a + "A_log", i, "lin_A_log", lambda x: x.reshape(-1), hf_shape=(1, 1, hv, 1))
+        add(p + a + "dt_bias", i, "lin_dt_bias")
+        add(p + a + "o_norm.weight", i, "lin_norm")
+        return
+    if p + a + "in_proj_qkvz.weight" in names:
+        per = 2 * dk + 2 * r * dv  # one key head's rows
+        base = np.arange(hk)[:, None] * per
+        q_rows = (base + np.arange(dk)).reshape(-1)
+        k_rows = (base + dk + np.arange(dk)).reshape(-1)
+        v_rows = (base + 2 * dk + np.arange(r * dv)).reshape(-1)
+        z_rows = (base + 2 * dk + r * dv + np.arange(r * dv)).reshape(-1)
+        qkv_rows = np.concatenate([q_rows, k_rows, v_rows])
+        add(p + a + "in_proj_qkvz.weight", i, "lin_qkv", lambda x: x[qkv_rows].T, hf_shape=(per * hk, h))
+        add(p + a + "in_proj_qkvz.weight", i, "lin_z", lambda x: x[z_rows].T, hf_shape=(per * hk, h))
+        ba = np.arange(hk)[:, None] * 2 * r
+        b_rows, a_rows = (ba + np.arange(r)).reshape(-1), (ba + r + np.arange(r)).reshape(-1)
+        add(p + a + "in_proj_ba.weight", i, "lin_b", lambda x: x[b_rows].T, hf_shape=(2 * hv, h))
+        add(p + a + "in_proj_ba.weight", i, "lin_a", lambda x: x[a_rows].T, hf_shape=(2 * hv, h))
+    else:
+        for proj, key in (("in_proj_qkv", "lin_qkv"), ("in_proj_z", "lin_z"), ("in_proj_b", "lin_b"),
+                          ("in_proj_a", "lin_a")):
+            add(p + f"{a}{proj}.weight", i, key, _t)
+    add(p + a + "conv1d.weight", i, "lin_conv", conv, hf_shape=(c, 1, taps))
+    add(p + a + "A_log", i, "lin_A_log")
+    add(p + a + "dt_bias", i, "lin_dt_bias")
+    add(p + a + "norm.weight", i, "lin_norm")
+    add(p + a + "out_proj.weight", i, "lin_out", _t)
 
 
 def _mtp_layers(cfg: ModelConfig, config_json: dict[str, Any], names: set[str]) -> list[str]:
@@ -285,12 +337,14 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         perm = _rotary_perm(n, d, rd)
         return (lambda a: fn(a)[:, perm]) if key in ("wq", "wk") else (lambda a: fn(a)[perm])
 
-    def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | None = None,
+    def add(hf: str, layer: int | None, key: str, fn=_same, expert: int | tuple[int, int] | None = None,
             hf_shape: tuple[int, ...] | None = None) -> None:
         fn_in = fn
         fn = rotary(key, fn)
         ref = shapes["layers"][layer][key] if layer is not None else shapes[key]
-        if expert is not None:
+        if isinstance(expert, tuple):  # columns lo:hi of the reference tensor
+            ref = (*ref[:-1], expert[1] - expert[0])
+        elif expert is not None:
             ref = ref[1:]
         if hf_shape is None:
             hf_shape = tuple(reversed(ref)) if fn_in is _t else ref
@@ -314,8 +368,18 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             add(p + "post_feedforward_layernorm.weight", i, "post_mlp_norm")
         elif not cfg.norms.parallel_blocks:  # Cohere's MLP reads input_layernorm's output too
             add(p + "post_attention_layernorm.weight", i, "mlp_norm")
-        if cfg.is_mla:
+        if cfg.pattern.is_linear(i):
+            _linear_attention(cfg, p, i, add, names)
+        elif cfg.is_mla:
             _mla_attention(cfg, p, i, add, interleave)
+        elif cfg.attention.attn_output_gate:  # Qwen3-Next: q_proj rows per head: its q lanes, then its gate's
+            q, d2 = cfg.attention.q_size, 2 * d
+            rows = np.arange(2 * q).reshape(cfg.num_q_heads, d2)
+            for key, part in (("wq", rows[:, :d]), ("wq_gate", rows[:, d:])):
+                add(p + "self_attn.q_proj.weight", i, key, lambda a, r=part.reshape(-1): a[r].T,
+                    hf_shape=(2 * q, cfg.hidden_size))
+            for proj, key in (("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+                add(p + f"self_attn.{proj}.weight", i, key, _t)
         elif p + "self_attn.qkv_proj.weight" in names:  # Phi-3: q, k and v rows in one tensor
             q, kv, h = cfg.attention.q_size, cfg.attention.kv_size, cfg.hidden_size
             for key, lo, hi in (("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)):
@@ -334,10 +398,10 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                     add(p + f"self_attn.{proj}.bias", i, key, fix)
             if cfg.attention.o_bias:  # attention_bias: o_proj's too
                 add(p + "self_attn.o_proj.bias", i, "bo")
-        if cfg.attention.qk_norm:
+        if cfg.attention.qk_norm and not cfg.pattern.is_linear(i):
             add(p + "self_attn.q_norm.weight", i, "q_norm")
             add(p + "self_attn.k_norm.weight", i, "k_norm")
-        if cfg.attention.attn_sinks:  # gpt-oss: [num_q_heads]
+        if cfg.attention.attn_sinks and not cfg.pattern.is_linear(i):  # gpt-oss: [num_q_heads]
             add(p + "self_attn.sinks", i, "sinks")
         if cfg.pattern.is_dense(i) and p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate rows, then up rows
             f, h = cfg.ffn_size, cfg.hidden_size
@@ -346,8 +410,10 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             add(p + "mlp.down_proj.weight", i, "w_down", _t)
             continue
         if cfg.pattern.is_dense(i):
+            # Kimi Linear's files keep a dense layer's MLP under block_sparse_moe too
+            where = "block_sparse_moe." if p + "block_sparse_moe.gate_proj.weight" in names else "mlp."
             for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-                add(p + f"mlp.{proj}.weight", i, key, _t)
+                add(p + f"{where}{proj}.weight", i, key, _t)
             continue
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size
         if cfg.moe.expert_bias:  # gpt-oss: router with a bias; experts [in, out], gate / up interleaved
@@ -356,11 +422,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
         # Mixtral's files keep the routed MLP under block_sparse_moe, its experts' matrices as w1
         # (gate), w3 (up) and w2 (down); transformers 5's modules under mlp, fused as Qwen3-MoE's
         mixtral = p + "block_sparse_moe.gate.weight" in names
-        add(p + ("block_sparse_moe." if mixtral else "mlp.") + "gate.weight", i, "router", _t)
+        moe = "block_sparse_moe." if mixtral else "mlp."
+        add(p + moe + "gate.weight", i, "router", _t)
         if cfg.moe.router_correction_bias:
-            add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
+            add(p + moe + "gate.e_score_correction_bias", i, "router_bias")
         if cfg.moe.num_shared_experts:  # DeepSeek-V3 / GLM-4.5: shared_experts; Qwen2-MoE: shared_expert
-            where = "mlp.shared_expert." if cfg.moe.shared_expert_gate else "mlp.shared_experts."
+            where = moe + ("shared_expert." if cfg.moe.shared_expert_gate else "shared_experts.")
             for proj, key in (("gate_proj", "s_gate"), ("up_proj", "s_up"), ("down_proj", "s_down")):
                 add(p + f"{where}{proj}.weight", i, key, _t)
             if cfg.moe.shared_expert_gate:  # [1, H] -> [H, 1]
@@ -519,7 +586,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         params = _load_params(d, cfg, out_dt, tensors, config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
-    if config_json.get("model_type") in HF_GEMMA_FAMILIES:
+    if config_json.get("model_type") in HF_GEMMA_FAMILIES + HF_GATED_DELTA_FAMILIES:  # (1 + w) RMSNorms
         params = fold_gemma_norms(cfg, params)
     if config_json.get("model_type") == "cohere":
         params = fold_logit_scale(cfg, params, config_json)
@@ -615,6 +682,9 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         if w in plan and any(expert is None and key in EXPERT_MATRICES for _, key, expert, *_ in plan[w]):
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused expert tensor '{w}' in fp8 "
                                     "(official fp8 releases store one tensor per expert)")
+        if w in plan and any(key.startswith("lin_") for _, key, *_ in plan[w]):
+            raise NotSupportedError(f"{tensors[w].file}: not supported yet: linear-attention tensor '{w}' in fp8 "
+                                    "(its rows are regrouped on load; the loader does not regroup scale blocks)")
         if w in plan and len(plan[w]) > 1:  # Phi-3's qkv_proj / gate_up_proj: rows cut across scale blocks
             raise NotSupportedError(f"{tensors[w].file}: not supported yet: fused tensor '{w}' in fp8")
         if w in plan and (cohere or 0 < cfg.positions.rotary_dim < cfg.head_dim) \
@@ -646,9 +716,14 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
         return np.dtype(np.float32) if cfg.moe.router_correction_bias and key in FLOAT32_TENSORS else out_dt
 
-    # Tensors go to the device one at a time; per-expert slices fill a host buffer that moves
-    # over as soon as its last expert arrives (the plan runs layer by layer).
-    stacks: dict[tuple[int, str], tuple[np.ndarray, set[int]]] = {}
+    # Tensors go to the device one at a time; per-expert slices (and column parts) fill a host
+    # buffer that moves over as soon as its last part arrives (the plan runs layer by layer).
+    stacks: dict[tuple[int, str], tuple[np.ndarray, set]] = {}
+    parts: dict[tuple[int, str], int] = {}
+    for dests in plan.values():
+        for layer, key, expert, *_ in dests:
+            if isinstance(expert, tuple):
+                parts[(layer, key)] = parts.get((layer, key), 0) + 1
     fp8_experts: dict[tuple[int, str], dict[int, QuantizedMatrix]] = {}
     for name, dests in plan.items():
         if dests[0][4] is MX_EXPERTS:  # gpt-oss's MXFP4 experts: at each *_blocks, with its *_scales
@@ -688,9 +763,12 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
             if (layer, key) not in stacks:
                 stacks[(layer, key)] = (np.empty(shapes["layers"][layer][key], out_dt), set())
             buf, seen = stacks[(layer, key)]
-            buf[expert] = fn(raw)
+            if isinstance(expert, tuple):
+                buf[..., expert[0]:expert[1]] = fn(raw)
+            else:
+                buf[expert] = fn(raw)
             seen.add(expert)
-            if len(seen) == buf.shape[0]:
+            if len(seen) == parts.get((layer, key), buf.shape[0]):
                 put(layer, key, buf)
                 del stacks[(layer, key)]
     _check_complete(params, shapes, d, cfg)

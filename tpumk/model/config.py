@@ -26,7 +26,8 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
-from tpumk.model.parts import MLA_FIELDS, Attention, Head, LayerPattern, Mlp, Moe, Norms, Positions, is_int, is_number, take
+from tpumk.model.parts import (MLA_FIELDS, Attention, Head, LayerPattern, LinearAttention, Mlp, Moe, Norms, Positions,
+                               is_int, is_number, take)
 from tpumk.tomlfile import parser_refusal, read_toml
 
 DTYPES = ("float32", "bfloat16")
@@ -39,7 +40,11 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "rope_local_theta", "attn_softcap", "final_softcap", "pre_norms", "qk_norm_whole", "norm_kind",
                 "parallel_blocks", "rotary_dim", "shared_expert_gate", "rope_short_factor", "rope_long_factor",
                 "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
-                "swiglu_alpha")
+                "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
+                "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
+                "latent_norm_eps")
+# Fields that list layer indices (stored as sorted tuples).
+LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -208,11 +213,33 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    # Hybrid models (Qwen3-Next / Qwen3.5: Gated DeltaNet; Kimi Linear: KDA): the layers in
+    # `linear_layers` replace softmax attention by a linear-attention layer of `linear_kind`
+    # (tpumk.model.parts.LinearAttention, tpumk.model.linear_attention) with its own heads and
+    # widths and a causal convolution of `linear_conv` taps; their state lives in a per-sequence
+    # slot pool beside the KV cache, which holds the other layers only.
+    linear_kind: str = "none"
+    linear_layers: tuple[int, ...] = field(default_factory=tuple)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 0
+    # Qwen3-Next / Qwen3.5 gated attention: the q projection also emits, per query lane, an output
+    # gate g; the attention output is multiplied by sigmoid(g) before the o projection
+    # (weights `wq_gate` [H, Hq*D]).
+    attn_output_gate: bool = False
+    # Attention layers that apply no RoPE (NoPE: Kimi Linear's MLA layers, SmolLM3's every fourth).
+    nope_layers: tuple[int, ...] = field(default_factory=tuple)
+    # MLA's latent norms (q_a_norm, kv_a_norm) normalise with their own epsilon where it is not
+    # rms_eps (transformers builds them with its RMSNorm's default, 1e-6, whatever rms_norm_eps
+    # says: Kimi Linear's 1e-5); 0: rms_eps.
+    latent_norm_eps: float = 0.0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
         # as given for `validate` to reject by name).
-        for name in ("dense_layers", "sliding_layers"):
+        for name in LAYER_LISTS:
             dl = getattr(self, name)
             if isinstance(dl, (list, tuple)) and all(is_int(i) for i in dl):
                 object.__setattr__(self, name, tuple(sorted(set(dl))))
@@ -253,6 +280,7 @@ class ModelConfig:
         self.norms.check(need)
         self.mlp.check(need, has_dense_layers=bool(self.pattern.num_dense))
         self.head.check(need)
+        self.linear.check(need, self.num_layers)
         self._check_combinations(need)
 
     def _check_combinations(self, need) -> None:
@@ -296,6 +324,10 @@ class ModelConfig:
     def head(self) -> Head:
         return take(Head, self)
 
+    @cached_property
+    def linear(self) -> LinearAttention:
+        return take(LinearAttention, self)
+
     # ------------------------------------------------------------------ derived facts
     @property
     def is_moe(self) -> bool:
@@ -312,22 +344,31 @@ class ModelConfig:
     def layer_param_counts(self, i: int) -> dict[str, int]:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
-        always = self.attention.param_count(h) + self.norms.per_layer() * h + self.attention.norm_params()
+        mixer = self.linear.param_count() if self.pattern.is_linear(i) else \
+            self.attention.param_count(h) + self.attention.norm_params()
+        always = mixer + self.norms.per_layer() * h
         if self.pattern.is_dense(i):
             return {"always": always + self.mlp.param_count(h), "per_expert": 0, "experts": 0}
         c = self.moe.param_counts(h)
         return {"always": always + c["always"], "per_expert": c["per_expert"], "experts": self.num_experts}
 
     def _layer_kinds(self) -> list[tuple[int, dict[str, int]]]:
-        """(how many layers, one such layer's param counts) per layer kind, in closed form (no
-        loop over the layers: every dense layer counts alike, and so does every MoE layer)."""
-        n_dense = self.pattern.num_dense
-        out = []
-        if n_dense:
-            out.append((n_dense, self.layer_param_counts(self.dense_layers[0] if self.is_moe else 0)))
-        if self.num_layers - n_dense:
-            out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
-        return out
+        """(how many layers, one such layer's param counts) per layer kind: a layer's counts
+        depend only on whether it is dense and whether it is linear, so each of those (at most
+        four) kinds is counted once (no per-layer loop for the common models: closed form
+        without linear layers)."""
+        if not self.linear:
+            n_dense = self.pattern.num_dense
+            out = []
+            if n_dense:
+                out.append((n_dense, self.layer_param_counts(self.dense_layers[0] if self.is_moe else 0)))
+            if self.num_layers - n_dense:
+                out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
+            return out
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for i in range(self.num_layers):
+            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i)), []).append(i)
+        return [(len(v), self.layer_param_counts(v[0])) for v in kinds.values()]
 
     def param_count(self) -> int:
         total = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
@@ -351,7 +392,12 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in a model-dtype cache, every layer (MLA: the stored, lane-padded row)."""
         width = self.attention.latent_cache_lanes if self.is_mla else self.attention.kv_cache_width
-        return self.num_layers * width * self.dtype_bytes
+        return self.kv_layers * width * self.dtype_bytes
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers the KV cache holds: the softmax-attention ones (a linear layer keeps a state)."""
+        return self.num_layers - len(self.linear_layers)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -359,7 +405,7 @@ class ModelConfig:
         for name in LATER_FIELDS:  # added later: models without them keep their keys (and cache keys)
             if d[name] == defaults[name]:
                 del d[name]
-        for name in ("dense_layers", "sliding_layers", "rope_short_factor", "rope_long_factor"):
+        for name in (*LAYER_LISTS, "rope_short_factor", "rope_long_factor"):
             if name in d:
                 d[name] = list(getattr(self, name))
         return d
@@ -401,7 +447,7 @@ def from_dict(data: dict[str, Any], source: str) -> ModelConfig:
     for key, value in data.items():
         if key in _FLOAT_FIELDS and is_int(value) and is_number(value):
             data = {**data, key: float(value)}
-        if key in ("dense_layers", "sliding_layers") and not (
+        if key in LAYER_LISTS and not (
                 isinstance(value, (list, tuple)) and all(is_int(v) for v in value)):
             raise ConfigError(f"{source}: field '{key}' = {_short_repr(value)}: expected a list of layer indices")
     try:
@@ -424,9 +470,13 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------- Hugging Face import
 _HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
+                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "kimi_k2",
+                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
+# Hybrids: Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5; (1 + w) norms folded
+# on load as Gemma's), and Kimi Linear's KDA layers beside NoPE MLA (`_hf_linear_fields`).
+HF_GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # q and k normalised per head; Llama, Mistral, Phi-3 have no QK-norm
-_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmoe")  # OLMo 2, OLMoE: over the whole projection
+_HF_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmoe") + HF_GATED_DELTA_FAMILIES  # OLMo 2, OLMoE: over the whole projection
 _HF_QK_NORM_WHOLE = ("olmo2", "olmoe")
 # GeGLU, embeddings x sqrt(hidden), (1 + w) norms (folded on load: tpumk.model.checkpoint), tied by default
 HF_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
@@ -435,7 +485,7 @@ _HF_GEMMA_SANDWICH = ("gemma2", "gemma3_text")
 _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # partial_rotary_factor < 1 turns only the first lanes of each head (transformers' Phi-3 modelling
 # rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
-_HF_PARTIAL_ROTARY = ("phi3", "glm4_moe")
+_HF_PARTIAL_ROTARY = ("phi3", "glm4_moe") + HF_GATED_DELTA_FAMILIES
 _HF_LONGROPE = ("phi3",)  # rope_scaling type longrope (Phi-3.5, Phi-4-mini)
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
 # attention_bias = true puts a bias on q, k, v and o (their modelling's o_proj reads it)
@@ -457,10 +507,10 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
-_HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
+_HF_MLA = ("deepseek_v3", "kimi_k2")
+MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
 _HF_KNOWN_UNSUPPORTED = {
     "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-    "qwen3_next": "linear-attention (Gated DeltaNet) layers of Qwen3-Next",
 }
 # Config fields that change the math of a supported model type when set (not modelled; Gemma 2
 # and 3 read the soft-capping ones).
@@ -536,7 +586,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         hf = _HFFields(data, source)
     if mt in _HF_KNOWN_UNSUPPORTED:
         raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
-    if mt not in _HF_MLA and ("kv_lora_rank" in data or "q_lora_rank" in data):
+    if mt not in _HF_MLA + ("kimi_linear",) and ("kv_lora_rank" in data or "q_lora_rank" in data):
         raise NotSupportedError(f"{source}: not supported yet: MLA attention (kv_lora_rank / q_lora_rank)")
     if mt not in _HF_SUPPORTED:
         raise NotSupportedError(
@@ -670,7 +720,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         fields.update(_hf_rope_scaling(data, source))
     if mt == "qwen2_moe" and hf.bool_("use_sliding_window", False):  # its own odd-layers pattern, unused by releases
         raise NotSupportedError(f"{source}: not supported yet: use_sliding_window = true for model_type 'qwen2_moe'")
-    if mt in ("qwen3_moe", "qwen2_moe"):
+    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
         mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
         # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
@@ -682,10 +732,13 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
             expert_ffn_size=hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
             router_scoring="softmax",
-            norm_topk_prob=hf.bool_("norm_topk_prob", False),
+            # Qwen3-Next's default: renormalised; Qwen3.5-MoE's router always renormalises (no field)
+            norm_topk_prob=True if mt == "qwen3_5_moe_text" else hf.bool_("norm_topk_prob", mt == "qwen3_next"),
             dense_layers=dense,
         )
-    if mt == "qwen2_moe":  # one shared expert, its output scaled by sigmoid(shared_expert_gate(x))
+        if mt == "qwen3_5_moe_text":  # every layer routed, its dense MLP width unused
+            fields.update(dense_layers=[], ffn_size=0)
+    if mt in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):  # one shared expert, scaled by sigmoid(x . gate)
         shared = hf.int_("shared_expert_intermediate_size", MAX_SIZES["shared_expert_ffn_size"], default=0) or 0
         if shared:
             fields.update(num_shared_experts=1, shared_expert_ffn_size=shared, shared_expert_gate=True)
@@ -724,7 +777,93 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=True))
     if mt in _HF_MLA:
         fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
+    if mt in HF_GATED_DELTA_FAMILIES + ("kimi_linear",):
+        fields.update(_hf_linear_fields(hf, mt, n_layers, heads))
     return from_dict(fields, source)
+
+
+def _hf_layer_types(hf: "_HFFields", n_layers: int, default: list[str]) -> list[str]:
+    """A hybrid's `layer_types` (linear_attention / full_attention per layer), else `default`."""
+    types = hf.list_("layer_types", str, "a list of layer type names") or default
+    for t in types:
+        if t not in ("linear_attention", "full_attention"):
+            raise NotSupportedError(f"{hf.source}: not supported yet: layer type {_short_repr(t)} in layer_types "
+                                    "(supported: linear_attention, full_attention)")
+    if len(types) != n_layers:
+        raise ConfigError(f"{hf.source}: field 'layer_types' has {len(types)} entries: expected one per layer "
+                          f"({n_layers})")
+    return types
+
+
+def _hf_linear_fields(hf: "_HFFields", mt: str, n_layers: int, heads: int) -> dict[str, Any]:
+    """A hybrid's linear-attention layers, as transformers' modelling reads them.
+
+    Gated DeltaNet (Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet): linear_num_key_heads /
+    linear_num_value_heads heads of linear_key_head_dim / linear_value_head_dim, a convolution
+    of linear_conv_kernel_dim taps; the layers `layer_types` names linear_attention (default:
+    all but every full_attention_interval-th); the other layers' attention gates its output
+    (q_proj's second half per head). Kimi Linear (KimiLinearDeltaAttention): linear_attn_config
+    (or the flat linear_* fields) gives the KDA heads, their width and the convolution; its MLA
+    layers apply no RoPE; its dense layers: mlp_layer_types (else first_k_dense_replace)."""
+    big = MAX_SIZES["num_q_heads"]
+    if mt != "kimi_linear":
+        interval = hf.int_("full_attention_interval", MAX_SIZES["num_layers"], default=4) or 4
+        default = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        types = _hf_layer_types(hf, n_layers, default)
+        return dict(linear_kind="gated_delta", linear_layers=[i for i, t in enumerate(types) if t == "linear_attention"],
+                    linear_key_heads=hf.int_("linear_num_key_heads", big, _REQUIRED),
+                    linear_value_heads=hf.int_("linear_num_value_heads", big, _REQUIRED),
+                    linear_key_dim=hf.int_("linear_key_head_dim", MAX_SIZES["head_dim"], _REQUIRED),
+                    linear_value_dim=hf.int_("linear_value_head_dim", MAX_SIZES["head_dim"], _REQUIRED),
+                    linear_conv=hf.int_("linear_conv_kernel_dim", 1 << 10, _REQUIRED), attn_output_gate=True)
+    # Kimi Linear: the released config.json nests the KDA sizes (and 1-indexed layer lists) in
+    # linear_attn_config; transformers' own save writes them flat.
+    nested = hf.data.get("linear_attn_config")
+    if nested is not None and not isinstance(nested, dict):
+        raise ConfigError(f"{hf.source}: field 'linear_attn_config' = {_short_repr(nested)}: expected an object")
+    nested = _HFFields(nested or {}, f"{hf.source}: linear_attn_config")
+    width = nested.int_("head_dim", MAX_SIZES["head_dim"], default=None) or \
+        hf.int_("linear_head_dim", MAX_SIZES["head_dim"], default=128)
+    kda_heads = nested.int_("num_heads", big, default=None) or hf.int_("linear_num_heads", big, default=32)
+    taps = nested.int_("short_conv_kernel_size", 1 << 10, default=None) or \
+        hf.int_("linear_conv_kernel_dim", 1 << 10, default=4)
+    default = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
+    full, kda = (nested.list_(k, int, "a list of 1-based layer numbers") for k in ("full_attn_layers", "kda_layers"))
+    if hf.data.get("layer_types") is None and (full or kda):
+        if sorted(full + kda) != list(range(1, n_layers + 1)):
+            raise ConfigError(f"{hf.source}: fields 'linear_attn_config.full_attn_layers' and 'kda_layers' must "
+                              f"name each of the layers 1..{n_layers} once")
+        default = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n_layers)]
+    types = _hf_layer_types(hf, n_layers, default)
+    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+    mlp_types = hf.list_("mlp_layer_types", str, "a list of 'dense' / 'sparse' per layer")
+    if mlp_types:
+        if len(mlp_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_types):
+            raise ConfigError(f"{hf.source}: field 'mlp_layer_types' = {_short_repr(mlp_types)}: expected 'dense' or "
+                              f"'sparse' for each of the {n_layers} layers")
+    else:
+        first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=1)
+        mlp_types = ["dense" if i < first else "sparse" for i in range(n_layers)]
+    # transformers' KimiLinearConfig attribute names (its save writes these) and the release's
+    data = dict(hf.data)
+    for ours, theirs in (("n_routed_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_token"),
+                         ("n_group", "num_expert_group"), ("norm_topk_prob", "moe_renormalize"),
+                         ("n_shared_experts", "num_shared_experts")):
+        if data.get(ours) is None and data.get(theirs) is not None:
+            data[ours] = data[theirs]
+    if data.get("n_routed_experts") is None:
+        data["n_routed_experts"] = data.get("num_local_experts", 256)
+    moe = _hf_sigmoid_moe_fields(_HFFields(data, hf.source), n_layers, "n_routed_experts", norm_default=True)
+    moe["dense_layers"] = [i for i, t in enumerate(mlp_types) if t == "dense"]
+    nope, rope_dim = (hf.int_(k, MAX_SIZES[k], _REQUIRED) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    return dict(linear_kind="kda", linear_layers=linear, linear_key_heads=kda_heads, linear_value_heads=kda_heads,
+                linear_key_dim=width, linear_value_dim=width, linear_conv=taps,
+                nope_layers=[i for i in range(n_layers) if i not in linear],
+                num_kv_heads=heads, head_dim=nope + rope_dim,
+                q_lora_rank=hf.int_("q_lora_rank", MAX_SIZES["q_lora_rank"], default=0) or 0,
+                kv_lora_rank=hf.int_("kv_lora_rank", MAX_SIZES["kv_lora_rank"], _REQUIRED),
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+                v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED), **moe, **_hf_latent_eps(hf))
 
 
 def _hf_gpt_oss_fields(hf: "_HFFields") -> dict[str, Any]:
@@ -801,7 +940,14 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
     )
     fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False))
     fields.update(_hf_yarn(data, source))
+    fields.update(_hf_latent_eps(hf))
     return fields
+
+
+def _hf_latent_eps(hf: "_HFFields") -> dict[str, Any]:
+    """transformers builds an MLA layer's q_a / kv_a norms with its RMSNorm's default epsilon
+    (1e-6), not rms_norm_eps: latent_norm_eps where the two differ."""
+    return {} if hf.number("rms_norm_eps", 1e-6) == MLA_LATENT_EPS else {"latent_norm_eps": MLA_LATENT_EPS}
 
 
 def _hf_yarn(data: dict[str, Any], source: str) -> dict[str, Any]:

@@ -54,21 +54,25 @@ def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: 
     return x * cos + rotated * sin
 
 
-def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array):
+def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True):
     """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
-    cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope)."""
+    cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope). `rotate` False (a
+    NoPE layer, Kimi Linear's): the R lanes stay as projected."""
     b, t, _ = x.shape
     n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
-        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.rms_eps), layer["wq_b"])
+        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.latent_eps), layer["wq_b"])
     else:
         q = matmul(x, layer["wq"])
     q = q.reshape(b, t, cfg.num_q_heads, n + r)
     kv = matmul(x, layer["wkv_a"])  # [B, T, C+R]
-    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.norms.rms_eps)
+    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.norms.latent_eps)
     freqs, factor = yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), yarn.attention_factor(cfg.positions)
-    q_rope = rope_rows(q[..., n:], positions, freqs, factor)
-    k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
+    if rotate:
+        q_rope = rope_rows(q[..., n:], positions, freqs, factor)
+        k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
+    else:
+        q_rope, k_rope = q[..., n:], kv[..., c:]
     row = jnp.concatenate([c_kv, k_rope], -1).astype(jnp_dtype(cfg))
     return q[..., :n], q_rope, row
 

@@ -29,6 +29,10 @@ MLP_ACTS = ("silu", "gelu_tanh")
 # The residual stream's norms: RMSNorm, or LayerNorm without bias (Cohere: mean subtracted).
 NORM_KINDS = ("rms", "layer")
 SCORINGS = ("softmax", "sigmoid")
+# A linear-attention layer's recurrence (tpumk.model.linear_attention): "none" (every layer is
+# softmax attention), "gated_delta" (Qwen3-Next / Qwen3.5's Gated DeltaNet: one decay per value
+# head and token) or "kda" (Kimi Linear's Kimi Delta Attention: one decay per key channel).
+LINEAR_KINDS = ("none", "gated_delta", "kda")
 
 
 def take(cls: type[P], source: Any, **derived: Any) -> P:
@@ -71,6 +75,7 @@ class Attention:
     attn_softcap: float  # Gemma 2: cap * tanh(score / cap); 0: none
     attn_sinks: bool  # gpt-oss: a learned logit per q head in each softmax's denominator
     o_bias: bool  # a bias on the o projection's output
+    attn_output_gate: bool  # Qwen3-Next: o * sigmoid(x @ wq_gate) before the o projection
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -125,7 +130,8 @@ class Attention:
         """Parameters of one layer's attention matrices (norms not included)."""
         if not self.is_mla:
             bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
-            return hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + bias
+            gate = hidden * self.q_size if self.attn_output_gate else 0
+            return hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + bias + gate
         q = self.q_lora_rank * (hidden + self.q_size) if self.q_lora_rank else hidden * self.q_size
         kv_b = self.kv_lora_rank * self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + hidden * self.kv_cache_width + kv_b + self.num_q_heads * self.v_head_dim * hidden
@@ -133,7 +139,7 @@ class Attention:
     def output_columns(self, hidden: int) -> int:
         """Output columns of one layer's attention matrices (one quantization scale each)."""
         if not self.is_mla:
-            return self.q_size + 2 * self.kv_size + hidden
+            return self.q_size * (1 + self.attn_output_gate) + 2 * self.kv_size + hidden
         q = self.q_lora_rank + self.q_size if self.q_lora_rank else self.q_size
         return q + self.kv_cache_width + self.num_q_heads * (self.qk_nope_head_dim + self.v_head_dim) + hidden
 
@@ -141,7 +147,9 @@ class Attention:
         """The layer's attention matrices in the reference layout ([in, out])."""
         h, hq = hidden, self.num_q_heads
         if not self.is_mla:
-            return {"wq": (h, self.q_size), "wk": (h, self.kv_size), "wv": (h, self.kv_size), "wo": (self.q_size, h)}
+            gate = {"wq_gate": (h, self.q_size)} if self.attn_output_gate else {}
+            return {"wq": (h, self.q_size), **gate, "wk": (h, self.kv_size), "wv": (h, self.kv_size),
+                    "wo": (self.q_size, h)}
         out: dict[str, tuple[int, ...]] = {}
         if self.q_lora_rank:
             out.update(wq_a=(h, self.q_lora_rank), q_a_norm=(self.q_lora_rank,), wq_b=(self.q_lora_rank, self.q_size))
@@ -178,7 +186,9 @@ class Attention:
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias")
+        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias", "attn_output_gate")
+        if self.attn_output_gate:  # the MLA stage's output has no gate
+            need(not self.is_mla, "attn_output_gate", "false for an MLA model")
         need(is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,
              "head_width", f"an even integer in [0, head_dim = {self.head_dim}] (0: head_dim)")
         need(is_number(self.attn_scalar) and 0 <= self.attn_scalar < math.inf, "attn_scalar",
@@ -298,6 +308,12 @@ class Norms:
     pre_norms: bool
     post_norms: bool  # Gemma 2/3 sandwich, OLMo 2: each sublayer's output normalized
     parallel_blocks: bool  # Cohere: the MLP reads attention's normed input; no mlp_norm
+    latent_norm_eps: float  # MLA's latent norms' epsilon; 0: rms_eps
+
+    @property
+    def latent_eps(self) -> float:
+        """The epsilon of MLA's q_a_norm and kv_a_norm."""
+        return self.latent_norm_eps or self.rms_eps
 
     @property
     def width(self) -> int:
@@ -310,6 +326,8 @@ class Norms:
 
     def check(self, need: Need) -> None:
         need(is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
+        need(is_number(self.latent_norm_eps) and 0 <= self.latent_norm_eps < 1, "latent_norm_eps",
+             "a number in [0, 1) (0: rms_eps)")
         need(is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
              f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
         _bool(need, self, "post_norms", "pre_norms")
@@ -444,18 +462,130 @@ class Moe:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The linear-attention layers of a hybrid model (`linear_layers`; the others are softmax
+    attention): per value head a recurrent state [key_dim, value_dim] updated by the gated delta
+    rule, fed by a depthwise causal convolution of `linear_conv` taps over q | k | v. Gated
+    DeltaNet groups value heads over key heads; KDA has as many of each, of one width."""
+    linear_kind: str
+    linear_layers: tuple[int, ...]
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    linear_conv: int
+    hidden_size: int  # derived
+
+    def __bool__(self) -> bool:
+        return self.linear_kind != "none"
+
+    @property
+    def key_size(self) -> int:
+        return self.linear_key_heads * self.linear_key_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the short convolution runs over: q | k | v."""
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head (each key head's q and k serve `group` consecutive value heads)."""
+        return self.linear_value_heads // self.linear_key_heads
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """One layer's recurrent state of one sequence: [value heads, key_dim, value_dim]."""
+        return (self.linear_value_heads, self.linear_key_dim, self.linear_value_dim)
+
+    @property
+    def decay_width(self) -> int:
+        """Decays per token: one per value head (Gated DeltaNet) or per key channel (KDA)."""
+        return self.linear_value_heads * (self.linear_key_dim if self.linear_kind == "kda" else 1)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A linear layer's tensors in the reference layout ([in, out]; tpumk.model.linear_attention)."""
+        h, hv, dk = self.hidden_size, self.linear_value_heads, self.linear_key_dim
+        out: dict[str, tuple[int, ...]] = {"lin_qkv": (h, self.conv_dim), "lin_conv": (self.linear_conv, self.conv_dim)}
+        if self.linear_kind == "gated_delta":
+            out.update(lin_z=(h, self.value_size), lin_b=(h, hv), lin_a=(h, hv), lin_A_log=(hv,), lin_dt_bias=(hv,))
+        else:
+            out.update(lin_f_a=(h, dk), lin_f_b=(dk, self.value_size), lin_b=(h, hv), lin_A_log=(hv,),
+                       lin_dt_bias=(self.value_size,), lin_g_a=(h, dk), lin_g_b=(dk, self.value_size))
+        out.update(lin_norm=(self.linear_value_dim,), lin_out=(self.value_size, h))
+        return out
+
+    def param_count(self) -> int:
+        return sum(math.prod(s) for s in self.tensor_shapes().values())
+
+    def check(self, need: Need, num_layers: int) -> None:
+        need(isinstance(self.linear_kind, str) and self.linear_kind in LINEAR_KINDS, "linear_kind",
+             f"one of {', '.join(LINEAR_KINDS)}")
+        need(isinstance(self.linear_layers, tuple) and all(is_int(i) for i in self.linear_layers), "linear_layers",
+             "a list of layer indices")
+        sizes = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv")
+        for f in sizes:
+            need(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= 4096, f, "a non-negative integer at most 4,096")
+        if not self:
+            for f in sizes:
+                need(getattr(self, f) == 0, f, "0 without linear-attention layers (linear_kind none)")
+            need(not self.linear_layers, "linear_layers", "empty without linear-attention layers (linear_kind none)")
+            return
+        need(bool(self.linear_layers) and all(0 <= i < num_layers for i in self.linear_layers), "linear_layers",
+             f"at least one layer index in [0, {num_layers})")
+        for f in sizes[:4]:
+            need(getattr(self, f) > 0, f, f"a positive integer with linear_kind {self.linear_kind}")
+        need(self.linear_value_heads % self.linear_key_heads == 0, "linear_value_heads",
+             f"a multiple of linear_key_heads ({self.linear_key_heads})")
+        if self.linear_kind == "kda":  # one head count and width for q, k and v
+            need(self.linear_value_heads == self.linear_key_heads, "linear_value_heads",
+                 f"linear_key_heads ({self.linear_key_heads}) for kda")
+            need(self.linear_value_dim == self.linear_key_dim, "linear_value_dim",
+                 f"linear_key_dim ({self.linear_key_dim}) for kda")
+        need(2 <= self.linear_conv <= 8, "linear_conv", "a convolution width from 2 to 8 taps")
+
+
+
+@dataclass(frozen=True)
 class LayerPattern:
-    """Which layer is what: dense or MoE (`dense_layers` of a MoE model), full or sliding-window
-    attention (`sliding_layers` see `sliding_window` keys back)."""
+    """Which layer is what: dense or MoE (`dense_layers` of a MoE model), linear or softmax
+    attention (`linear_layers` of a hybrid model), full or sliding-window attention
+    (`sliding_layers` see `sliding_window` keys back), with or without RoPE (`nope_layers`)."""
     num_layers: int
     dense_layers: tuple[int, ...]
     sliding_window: int
     sliding_layers: tuple[int, ...]
+    linear_layers: tuple[int, ...]
+    nope_layers: tuple[int, ...]
     moe: bool  # derived: the model has routed experts
 
     @property
     def num_dense(self) -> int:
         return len(self.dense_layers) if self.moe else self.num_layers
+
+    def is_linear(self, i: int) -> bool:
+        return i in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The softmax-attention layers, in order: the KV cache holds one layer per entry."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    def kv_index(self, i: int) -> int:
+        """Attention layer i's layer in the KV cache (its rank among the attention layers)."""
+        return i - sum(1 for j in self.linear_layers if j < i)
+
+    def linear_index(self, i: int) -> int:
+        """Linear layer i's layer in the state pool (its rank among the linear layers)."""
+        return sum(1 for j in self.linear_layers if j < i)
+
+    def rotates(self, i: int) -> bool:
+        """Whether attention layer i applies RoPE (a NoPE layer leaves q and k unrotated)."""
+        return i not in self.nope_layers
 
     def is_dense(self, i: int) -> bool:
         return (not self.moe) or i in self.dense_layers
@@ -469,6 +599,15 @@ class LayerPattern:
         return next(i for i in range(self.num_dense + 1) if not self.is_dense(i))
 
     def check(self, need: Need) -> None:
+        need(isinstance(self.nope_layers, tuple) and all(is_int(i) and 0 <= i < self.num_layers
+                                                         for i in self.nope_layers),
+             "nope_layers", f"a list of layer indices in [0, {self.num_layers})")
+        need(not set(self.nope_layers) & set(self.linear_layers), "nope_layers",
+             "softmax-attention layers only (a linear layer has no RoPE)")
+        need(len(self.linear_layers) < self.num_layers, "linear_layers",
+             "fewer entries than layers (at least one softmax-attention layer)")
+        need(not set(self.sliding_layers) & set(self.linear_layers), "sliding_layers",
+             "softmax-attention layers only (a linear layer has no window)")
         need(isinstance(self.sliding_layers, tuple) and all(is_int(i) for i in self.sliding_layers),
              "sliding_layers", "a list of layer indices")
         need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",

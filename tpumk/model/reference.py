@@ -58,7 +58,7 @@ import numpy as np
 from tpumk.model.config import ModelConfig
 from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
-from tpumk.model import kv_quant, mla
+from tpumk.model import kv_quant, linear_attention, mla
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
@@ -71,6 +71,8 @@ class KVCache(NamedTuple):
     v: jax.Array
     block_tables: jax.Array
     lengths: jax.Array
+    # A hybrid model's linear layers' state pool (tpumk.model.linear_attention); None otherwise.
+    states: linear_attention.LinearStates | None = None
 
     @property
     def page_size(self) -> int:
@@ -85,7 +87,7 @@ class KVCache(NamedTuple):
         return self.block_tables.shape[1] * self.page_size
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "block_tables", "lengths"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "block_tables", "lengths", "states"],
                    meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedKVCache:
@@ -98,6 +100,7 @@ class QuantizedKVCache:
     block_tables: jax.Array
     lengths: jax.Array
     layout: kv_quant.PagedLayout
+    states: linear_attention.LinearStates | None = None  # as KVCache.states
 
     @property
     def page_size(self) -> int:
@@ -114,10 +117,13 @@ class QuantizedKVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 16,
-               num_pages: int | None = None, seed: int | None = 0, kv_dtype: str | None = None):
+               num_pages: int | None = None, seed: int | None = 0, kv_dtype: str | None = None,
+               pending: int = 0, num_slots: int | None = None):
     """An empty paged cache; pages are handed out in a shuffled order (seeded) so that tests
     exercise real indirection rather than an identity block table. `kv_dtype` ("fp8", "int8"):
-    a QuantizedKVCache instead of a model-dtype KVCache."""
+    a QuantizedKVCache instead of a model-dtype KVCache. A hybrid model's cache holds its
+    attention layers only, and carries the linear layers' state pool (`states`: `num_slots`
+    slots, default one per sequence, `pending` rows each: `linear_attention.init_states`)."""
     if page_size <= 0 or max_context <= 0 or batch <= 0:
         raise ValueError("init_cache: batch, max_context and page_size must be positive")
     pages_per_seq = -(-max_context // page_size)
@@ -129,17 +135,18 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     if seed is not None:
         order = np.random.default_rng(seed).permutation(num_pages)
     tables = order[:needed].reshape(batch, pages_per_seq).astype(np.int32)
-    shape = (cfg.num_layers, num_pages, page_size, cfg.attention.kv_size)
+    shape = (cfg.kv_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
+    states = linear_attention.init_states(cfg, batch, num_slots, pending, seed) if cfg.linear else None
     if kv_dtype is not None:
         layout = kv_quant.layout_for(cfg, page_size, kv_quant.kv_format(kv_dtype).name)
-        return QuantizedKVCache(layout.zeros(cfg.num_layers, num_pages), jnp.asarray(tables),
-                                jnp.zeros((batch,), jnp.int32), layout)
+        return QuantizedKVCache(layout.zeros(cfg.kv_layers, num_pages), jnp.asarray(tables),
+                                jnp.zeros((batch,), jnp.int32), layout, states)
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla), zero past C + R; v stays empty
         return KVCache(jnp.zeros(shape[:3] + (cfg.attention.latent_cache_lanes,), dt), jnp.zeros(shape[:3] + (0,), dt),
-                       jnp.asarray(tables), jnp.zeros((batch,), jnp.int32))
+                       jnp.asarray(tables), jnp.zeros((batch,), jnp.int32), states)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
-                   jnp.zeros((batch,), jnp.int32))
+                   jnp.zeros((batch,), jnp.int32), states)
 
 
 # ---------------------------------------------------------------------- building blocks
@@ -296,9 +303,10 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: 
         q = rms_norm(q, layer["q_norm"], eps, a.true_head_dim)
         k = rms_norm(k, layer["k_norm"], eps, a.true_head_dim)
     local = bool(cfg.pattern.window(i))
-    freqs, scale = rope_freqs(cfg.positions, jnp, local=local), rope_cos_sin_scale(cfg.positions, jnp, local)
-    q = rope(q, positions, freqs, scale)
-    k = rope(k, positions, freqs, scale)
+    if cfg.pattern.rotates(i):  # a NoPE layer leaves q and k unrotated
+        freqs, scale = rope_freqs(cfg.positions, jnp, local=local), rope_cos_sin_scale(cfg.positions, jnp, local)
+        q = rope(q, positions, freqs, scale)
+        k = rope(k, positions, freqs, scale)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
     return q, k.astype(dt), v.astype(dt)
 
@@ -327,8 +335,12 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     return o.reshape(b, t, att.q_size)
 
 
-def o_proj(cfg: ModelConfig, layer: Params, o: jax.Array) -> jax.Array:
-    """Attention's output projection, f32; with o_bias its bias added in float32."""
+def o_proj(cfg: ModelConfig, layer: Params, o: jax.Array, x: jax.Array | None = None) -> jax.Array:
+    """Attention's output projection, f32; with o_bias its bias added in float32. With
+    attn_output_gate (Qwen3-Next) o is first gated by sigmoid(x @ wq_gate), x the layer's normed
+    input."""
+    if cfg.attention.attn_output_gate:
+        o = o * jax.nn.sigmoid(matmul(x, layer["wq_gate"]))
     out = matmul(o, layer["wo"])
     return out + layer["bo"].astype(jnp.float32) if cfg.attention.o_bias else out
 
@@ -418,27 +430,39 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
 
     quant = isinstance(cache, QuantizedKVCache)
     kc, vc = (cache.kv, None) if quant else (cache.k, cache.v)
+    states, live = cache.states, (positions >= 0) & (positions < ctx)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
+        if cfg.pattern.is_linear(i):  # the layer's state in the pool, no KV rows
+            o, states = linear_attention.layer_step(cfg.linear, layer, h, live, states, cfg.pattern.linear_index(i),
+                                                    cfg.norms.rms_eps, jnp_dtype(cfg))
+            x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o)
+            h = mlp_in(cfg.norms, layer, x, h)
+            x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm",
+                                 ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+            continue
         q, k, v = qkv(cfg, layer, h, positions, i)
+        kl = cfg.pattern.kv_index(i)  # the layer's place in the KV cache
         if quant:  # codes and scales written; the rows read back dequantized: [B, ctx, Hkv, D]
-            kc = cache.layout.write(kc, i, page_ids, slots, jnp.stack([k, v], axis=2))
-            rows = cache.layout.read(kc, i, tables, k.dtype)
+            kc = cache.layout.write(kc, kl, page_ids, slots, jnp.stack([k, v], axis=2))
+            rows = cache.layout.read(kc, kl, tables, k.dtype)
             ks, vs = rows[:, :, 0], rows[:, :, 1]
         else:
-            kc = kc.at[i, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
-            vc = vc.at[i, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
+            kc = kc.at[kl, page_ids, slots].set(k.reshape(b, t, cfg.attention.kv_size), mode="drop")
+            vc = vc.at[kl, page_ids, slots].set(v.reshape(b, t, cfg.attention.kv_size), mode="drop")
             # Gather this sequence's pages in order: [B, ctx, Hkv, D].
-            ks = kc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
-            vs = vc[i][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+            ks = kc[kl][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
+            vs = vc[kl][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o, h))
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+    if states is not None:
+        states = linear_attention.step_counts(states, t)
     if quant:
-        return logits_from(cfg, params, x), cache._replace(kv=kc, lengths=new_len)
-    return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len)
+        return logits_from(cfg, params, x), cache._replace(kv=kc, lengths=new_len, states=states)
+    return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len, states)
 
 
 def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -451,11 +475,18 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.head.embed_scale)
+    states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     for i, layer in enumerate(params["layers"]):
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
-        q, k, v = qkv(cfg, layer, h, pos, i)
-        o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i), layer_sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o))
+        if cfg.pattern.is_linear(i):  # from empty states: the chunked form over the whole sequence
+            o, states = linear_attention.layer_step(cfg.linear, layer, h, jnp.ones((b, t), bool), states,
+                                                    cfg.pattern.linear_index(i), cfg.norms.rms_eps, jnp_dtype(cfg))
+        else:
+            q, k, v = qkv(cfg, layer, h, pos, i)
+            o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i),
+                       layer_sinks(cfg, layer))
+            o = o_proj(cfg, layer, o, h)
+        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o)
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
     return logits_from(cfg, params, x)
@@ -471,25 +502,34 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
 
     quant = isinstance(cache, QuantizedKVCache)
     lc = cache.kv if quant else cache.k
+    states, live = cache.states, (positions >= 0) & (positions < ctx)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
-        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)
-        if quant:  # the latent row is one tensor of one "head": one scale per token
-            lc = cache.layout.write(lc, i, page_ids, slots, row[:, :, None, None, :])
-            rows = cache.layout.read(lc, i, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
+        if cfg.pattern.is_linear(i):  # Kimi Linear's KDA layers beside its MLA ones
+            o, states = linear_attention.layer_step(cfg.linear, layer, h, live, states, cfg.pattern.linear_index(i),
+                                                    cfg.norms.rms_eps, jnp_dtype(cfg))
+            x = x + o
         else:
-            w = cfg.attention.kv_cache_width  # the row's lanes, then zeros in the stored row's pad lanes
-            stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
-            lc = lc.at[i, page_ids, slots].set(stored, mode="drop")
-            rows = lc[i][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
-        o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
-        x = x + matmul(o, layer["wo"])
+            kl = cfg.pattern.kv_index(i)
+            q_nope, q_rope, row = mla.project(cfg, layer, h, positions, cfg.pattern.rotates(i))
+            if quant:  # the latent row is one tensor of one "head": one scale per token
+                lc = cache.layout.write(lc, kl, page_ids, slots, row[:, :, None, None, :])
+                rows = cache.layout.read(lc, kl, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
+            else:
+                w = cfg.attention.kv_cache_width  # the row's lanes, then zeros in the stored row's pad lanes
+                stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
+                lc = lc.at[kl, page_ids, slots].set(stored, mode="drop")
+                rows = lc[kl][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
+            o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
+            x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
+    if states is not None:
+        states = linear_attention.step_counts(states, t)
     if quant:
-        return logits_from(cfg, params, x), cache._replace(kv=lc, lengths=new_len)
-    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len)
+        return logits_from(cfg, params, x), cache._replace(kv=lc, lengths=new_len, states=states)
+    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states)
 
 
 def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -497,11 +537,17 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.head.embed_scale)
+    states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
-        q_nope, q_rope, row = mla.project(cfg, layer, h, pos)
-        o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
-        x = x + matmul(o, layer["wo"])
+        if cfg.pattern.is_linear(i):
+            o, states = linear_attention.layer_step(cfg.linear, layer, h, jnp.ones((b, t), bool), states,
+                                                    cfg.pattern.linear_index(i), cfg.norms.rms_eps, jnp_dtype(cfg))
+            x = x + o
+        else:
+            q_nope, q_rope, row = mla.project(cfg, layer, h, pos, cfg.pattern.rotates(i))
+            o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
+            x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
     return logits_from(cfg, params, x)
@@ -526,7 +572,7 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
     if len(prompts) != cache.block_tables.shape[0]:
         raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
     step = step_fn or jitted_decode_step(cfg)
-    if batched:
+    if batched and cache.states is None:  # a linear layer's state would take in the padding
         return _prefill_batched(params, cfg, prompts, cache, step, check)
     last = []
     cur = cache  # any paged cache type: its arrays carried, its block tables whole between prompts
@@ -538,16 +584,23 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
             raise ValueError(f"prefill: prompt {b} needs {start + len(prompt)} tokens > context {cache.max_context}")
         toks = jnp.asarray([prompt], jnp.int32)
         pos = jnp.arange(start, start + len(prompt), dtype=jnp.int32)[None]
-        sub = cur._replace(block_tables=cache.block_tables[b:b + 1], lengths=cur.lengths[b:b + 1])
+        sub = cur._replace(block_tables=cache.block_tables[b:b + 1], lengths=cur.lengths[b:b + 1],
+                           states=sequence_states(cur.states, b))
         if check:
             check_tokens(toks, cfg.vocab_size, where=f"prefill of sequence {b}")
             check_step(pos, sub, where=f"prefill of sequence {b}")
         logits, sub = step(params, toks, pos, sub)
-        cur = sub._replace(block_tables=cache.block_tables, lengths=cur.lengths.at[b].set(sub.lengths[0]))
+        cur = sub._replace(block_tables=cache.block_tables, lengths=cur.lengths.at[b].set(sub.lengths[0]),
+                           states=None if sub.states is None else sub.states._replace(slots=cache.states.slots))
         last.append(logits[0, -1])
         if check:
             check_finite(logits[:, -1], where="prefill", names=[b])
     return jnp.stack(last), cur
+
+
+def sequence_states(states, b: int):
+    """The state pool seen by sequence b alone (its slot), or None without linear layers."""
+    return None if states is None else states._replace(slots=states.slots[b:b + 1])
 
 
 def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache, step,

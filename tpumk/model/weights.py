@@ -17,6 +17,12 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
                float32 whatever the model dtype (transformers keeps the gate in float32)
     MLA layers (tpumk.model.mla) replace wq, wk, wv, q_norm, k_norm by wq_a, q_a_norm, wq_b
     (or wq when q_lora_rank = 0), wkv_a, kv_a_norm, wkv_b; wo is [Hq*V, H].
+    wq_gate [H, Hq*D] (attn_output_gate: Qwen3-Next's gated attention).
+    Linear-attention layers (tpumk.model.linear_attention, `LinearAttention.tensor_shapes`)
+    replace the attention tensors by lin_qkv [H, C] (q | k | v, C = 2 Hk Dk + Hv Dv), lin_conv
+    [taps, C], lin_norm [Dv], lin_out [Hv Dv, H], and Gated DeltaNet's lin_z [H, Hv Dv], lin_b,
+    lin_a [H, Hv], lin_A_log, lin_dt_bias [Hv], or KDA's lin_f_a, lin_g_a [H, Dk], lin_f_b, lin_g_b
+    [Dk, Hv Dk], lin_b [H, Hv], lin_A_log [Hv], lin_dt_bias [Hv Dk].
 
 Loading real checkpoints lives in `tpumk.model.checkpoint`; packing into the kernel layout lives
 with the kernel's plan.
@@ -44,10 +50,12 @@ def expected_shapes(cfg: ModelConfig) -> Params:
     layers = []
     for i in range(cfg.num_layers):
         lay: Params = {"attn_norm": (h,)} if n.pre_norms else {}  # OLMo 2: only the post-sublayer norms
-        lay.update(a.projection_shapes(h))
+        linear = cfg.pattern.is_linear(i)  # a linear-attention layer's own tensors replace attention's
+        lay.update(cfg.linear.tensor_shapes() if linear else a.projection_shapes(h))
         if n.pre_norms and not n.parallel_blocks:  # Cohere: attention and the MLP read one normed input
             lay["mlp_norm"] = (h,)
-        lay.update(a.extra_shapes(h))
+        if not linear:
+            lay.update(a.extra_shapes(h))
         if n.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         lay.update(cfg.mlp.tensor_shapes(h) if cfg.pattern.is_dense(i) else cfg.moe.tensor_shapes(h))
@@ -90,6 +98,10 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             w = 1.0 + jax.random.normal(k, shape, jnp.float32)
         elif name == "router_logit_bias":  # a logit's size: it moves picks and weights
             w = jax.random.normal(k, shape, jnp.float32)
+        elif name == "lin_A_log":  # decay rates A = exp(A_log) about 0.1-1: a state remembers a few tokens
+            w = -1.0 + 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "lin_dt_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
         elif name in QKV_BIASES + ("e_gate_bias", "e_up_bias"):  # as large as a projection's output, so a dropped bias shows
             w = jax.random.normal(k, shape, jnp.float32)
         elif name in ("bo", "e_down_bias"):  # as large as the projection's output (depth-scaled as wo)
@@ -97,7 +109,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         else:
             fan_in = shape[-2]
             w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
-            if name in ("wo", "w_down", "e_down", "s_down"):
+            if name in ("wo", "w_down", "e_down", "s_down", "lin_out"):
                 w = w * depth_scale
             if name == "router":
                 w = w * 4.0
