@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, VECTOR_ROW, heads_per_lane_block, mla_dims
+from tpumk.plan.geometry import LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block, mla_dims
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
 from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset,
@@ -178,6 +178,50 @@ def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, lat
     return out if grouped else {k: v[0] for k, v in out.items()}
 
 
+# lin_in's parts in column order (LinearGeometry.proj_offsets): the part, then its weight
+_LIN_IN_PARTS = {"gated_delta": (("conv", "lin_qkv"), ("b", "lin_b"), ("a", "lin_a"), ("z", "lin_z")),
+                 "kda": (("conv", "lin_qkv"), ("b", "lin_b"), ("f_a", "lin_f_a"), ("g_a", "lin_g_a"))}
+
+
+def linear_in(cfg: ModelConfig, lay: dict, part) -> jax.Array:
+    """A linear layer's lin_in matrix [K, proj width] (or its column scales, when `part(key)`
+    gives a [1, M] row): each part at its `LinearGeometry.proj_offsets` column, zeros between."""
+    geom = LinearGeometry.from_config(cfg, 1, 1)
+    offsets = geom.proj_offsets
+    pieces = [part(key) for _, key in _LIN_IN_PARTS[geom.kind]]
+    out = jnp.zeros((pieces[0].shape[0], offsets["width"]), pieces[0].dtype)
+    for (name, _), piece in zip(_LIN_IN_PARTS[geom.kind], pieces):
+        out = out.at[:, offsets[name]:offsets[name] + piece.shape[1]].set(piece)
+    return out
+
+
+def _linear_families(cfg: ModelConfig, fams: dict, layers: list, cast) -> dict:
+    """Every linear layer's lin_in, (KDA) lin_fb and lin_gb, and lin_out, in the linear layers' order."""
+    out: dict[str, list] = {}
+    for i, l in enumerate(layers):
+        if not cfg.pattern.is_linear(i):
+            continue
+        mats = {"lin_in": linear_in(cfg, l, lambda k, l=l: cast(l[k]))}
+        if cfg.linear.linear_kind == "kda":
+            mats.update(lin_fb=cast(l["lin_f_b"]), lin_gb=cast(l["lin_g_b"]))
+        mats["lin_out"] = cast(l["lin_out"])
+        for name, m in mats.items():
+            out.setdefault(name, []).append(tile_matrix(m, fams[name]))
+    return {name: jnp.stack(tiles) for name, tiles in out.items()}
+
+
+def _linear_vectors(cfg: ModelConfig, lay: dict, block: jax.Array) -> jax.Array:
+    """A linear layer's vector rows (`tpumk.plan.geometry.LINEAR_ROW`): the gated norm, the
+    decay row (A_log per value head, dt_bias from lane 128), the convolution's taps."""
+    f32 = lambda k: jnp.asarray(lay[k], jnp.float32)  # noqa: E731
+    block = block.at[LINEAR_ROW["norm"], :cfg.linear.linear_value_dim].set(f32("lin_norm"))
+    block = block.at[LINEAR_ROW["decay"], :cfg.linear.linear_value_heads].set(f32("lin_A_log"))
+    dt_bias = f32("lin_dt_bias")
+    block = block.at[LINEAR_ROW["decay"], 128:128 + dt_bias.shape[0]].set(dt_bias)
+    taps = f32("lin_conv")  # [taps, C]
+    return block.at[LINEAR_ROW["taps"]:LINEAR_ROW["taps"] + taps.shape[0], :taps.shape[1]].set(taps)
+
+
 def _families_of(plan_or_cfg: Plan | ModelConfig, tuning: TuningConfig | None, quant: str):
     if isinstance(plan_or_cfg, Plan):
         if plan_or_cfg.quant != quant:
@@ -214,6 +258,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
             if name in lay:
                 block = block.at[VECTOR_ROW[name], :h].set(jnp.asarray(lay[name], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
+        if "lin_qkv" in lay:  # a linear layer: its own rows
+            return _linear_vectors(cfg, lay, block)
         if cfg.is_mla:  # the latent norms take the q_norm / k_norm rows
             if cfg.q_lora_rank:
                 block = block.at[VECTOR_ROW["q_norm"], :cfg.q_lora_rank].set(jnp.asarray(lay["q_a_norm"], jnp.float32))
@@ -243,12 +289,15 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         "final_norm": jnp.asarray(params["final_norm"], jnp.float32).reshape(1, h),
         "layer_vectors": jnp.stack([vectors(lay) for lay in layers]),
     }
+    attention = [l for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
     if cfg.is_mla:
-        out.update(_pack_mla(cfg, fams, layers, cast, split))
+        out.update(_pack_mla(cfg, fams, attention, cast, split))
     else:
-        out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l["wq"]), cast(l["wk"]), cast(l["wv"])], 1),
-                                            fams["qkv"]) for l in layers])
-        out["o"] = jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in layers])
+        out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l[k]) for k in qkv_keys(cfg)], 1), fams["qkv"])
+                                for l in attention])
+        out["o"] = jnp.stack([tile_matrix(cast(l["wo"]), fams["o"]) for l in attention])
+    if cfg.linear:
+        out.update(_linear_families(cfg, fams, layers, cast))
     dense = [l for i, l in enumerate(layers) if cfg.pattern.is_dense(i)]
     if dense and "gate_up" in fams:
         gu, dn = fams["gate_up"], fams["down"]
@@ -276,6 +325,11 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     return out
 
 
+def qkv_keys(cfg: ModelConfig) -> tuple[str, ...]:
+    """The qkv family's matrices side by side: q | k | v, then attn_output_gate's gate."""
+    return ("wq", "wk", "wv") + (("wq_gate",) if cfg.attention.attn_output_gate else ())
+
+
 def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, params: dict,
                       split: bool = False) -> dict:
     """Group scales of a group-scaled ring (fp8-b128) as `scales_<family>`: each family's scale
@@ -290,14 +344,21 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
         t = tile_matrix(jnp.asarray(scale, jnp.float32), shape)
         return jnp.pad(t, ((0, 0), (0, fam.scale_rows - shape.tile_rows), (0, 0)))
 
+    attention = [l for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
     if cfg.is_mla:
-        parts = [_mla_scale_parts(cfg, fams, l, grouped=True, latent_split=split) for l in layers]
+        parts = [_mla_scale_parts(cfg, fams, l, grouped=True, latent_split=split) for l in attention]
         out = {f"scales_{name}": jnp.stack([p[name] if fams[name].diagonal else tiles(p[name], fams[name])
                                             for p in parts]) for name in parts[0]}
     else:
-        out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l["wq"].scale, l["wk"].scale, l["wv"].scale], 1),
-                                              fams["qkv"]) for l in layers]),
-               "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in layers])}
+        out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l[k].scale for k in qkv_keys(cfg)], 1), fams["qkv"])
+                                        for l in attention]),
+               "scales_o": jnp.stack([tiles(l["wo"].scale, fams["o"]) for l in attention])}
+    if cfg.linear:
+        lin = [l for i, l in enumerate(layers) if cfg.pattern.is_linear(i)]
+        out["scales_lin_in"] = jnp.stack([tiles(linear_in(cfg, l, lambda k, l=l: l[k].scale), fams["lin_in"]) for l in lin])
+        for name, key in (("lin_fb", "lin_f_b"), ("lin_gb", "lin_g_b"), ("lin_out", "lin_out")):
+            if name in fams:
+                out[f"scales_{name}"] = jnp.stack([tiles(l[key].scale, fams[name]) for l in lin])
     dense = [l for i, l in enumerate(layers) if cfg.pattern.is_dense(i)]
     moe = [l for i, l in enumerate(layers) if not cfg.pattern.is_dense(i)]
     for prefix, group, pad, (gate, up, down) in (("", dense, ffn_pad, ("w_gate", "w_up", "w_down")),
@@ -323,10 +384,14 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
         return jnp.pad(jnp.asarray(v, jnp.float32), (0, m_pad - v.shape[0]))
 
     def row(lay: dict):
-        if cfg.is_mla:
+        if "lin_qkv" in lay:  # a linear layer's families
+            parts = {"lin_in": linear_in(cfg, lay, lambda k: lay[k].scale[None])[0], "lin_out": lay["lin_out"].scale}
+            if "lin_fb" in fams:
+                parts.update(lin_fb=lay["lin_f_b"].scale, lin_gb=lay["lin_g_b"].scale)
+        elif cfg.is_mla:
             parts = _mla_scale_parts(cfg, fams, lay, grouped=False, latent_split=split)
         else:
-            parts = {"qkv": jnp.concatenate([lay["wq"].scale, lay["wk"].scale, lay["wv"].scale]), "o": lay["wo"].scale}
+            parts = {"qkv": jnp.concatenate([lay[k].scale for k in qkv_keys(cfg)]), "o": lay["wo"].scale}
         for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),
                                             ("shared_", "s_gate", "s_up", "s_down", shared_pad)):
             if gate in lay and f"{prefix}gate_up" in fams:

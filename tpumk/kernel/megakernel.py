@@ -40,6 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpumk.compat import tpu_interpreter
 from tpumk.kernel import attention as attn
+from tpumk.kernel import linear_attention as lin_mod
 from tpumk.kernel import moe as moe_mod
 from tpumk.kernel.collectives import COLLECTIVE_COMPILER_PARAMS, all_gather_slices, all_reduce, all_reduce_barrier
 from tpumk.kernel.layout import packed_specs
@@ -47,12 +48,14 @@ from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import (residual_norm, rms_norm, rms_norm_from_sums, rms_norm_heads, rope_heads, rope_tables,
                                 swiglu_act)
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan.contract import MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, KernelContract
+from tpumk.plan.contract import (MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, STATE_ARRAYS, STATE_SCALARS,
+                                 KernelContract)
 from tpumk.kernel.mla_attention import mla_attention_stage
-from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block, mla_dims
+from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block, mla_dims, rope_table_lanes
 from tpumk.plan.plan import Plan, o_bias_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
+from tpumk.model.linear_attention import LinearStates, step_counts
 from tpumk.model.reference import KVCache, QuantizedKVCache, embed, guard_positions, jnp_dtype, soft_cap
 from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
@@ -72,6 +75,7 @@ class _Scratch:
         self.moe_out = by_name.get("moe_out")
         self.partial = by_name.get("partial")
         self.attention = [by_name[b.name] for b in contract.stage_scratch("attention")]
+        self.linear = [by_name[b.name] for b in contract.stage_scratch("linear")] or None
         self.moe = [by_name[b.name] for b in contract.stage_scratch("moe")] or None
         self.collectives = [by_name[b.name] for b in contract.stage_scratch("collectives")] or None
 
@@ -108,17 +112,25 @@ def _kernel(plan: Plan):
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
         moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
         logits_ref, *outs = refs[n_in:n_in + n_out]
+        n_states = len(STATE_ARRAYS) if plan.linear is not None else 0
+        outs, state_outs = outs[:len(outs) - n_states], outs[len(outs) - n_states:]
         if plan.cache_written_after_kernel:
             # The caches are read only; the patched pages go to the outputs after the logits, the
-            # page each slot goes to to the last (the step scatters them into the cache).
+            # page each slot goes to to the last (the step scatters them into the cache); a
+            # hybrid's pool likewise (each sequence's new entry, then scattered into its slot).
             k_cache, v_cache = (*(ins[b.name] for b in contract.operands[-plan.attention.caches:]), None)[:2]
             pages_out = attn.PageOutputs(tuple(outs[:-1]), outs[-1])
+            pool_arrays, pool_outputs = [ins[k] for k in STATE_ARRAYS] if n_states else [], tuple(state_outs)
         else:
             # The caches are aliased to outputs 1 (and 2): the kernel updates the outputs in place
-            # (MLA: the one latent cache; --kv-dtype: the one packed cache).
+            # (MLA: the one latent cache; --kv-dtype: the one packed cache); then the pool's arrays.
             k_cache, v_cache = (*outs, None)[:2]
             pages_out = None
+            pool_arrays, pool_outputs = list(state_outs), None
+        pool = lin_mod.StatePool(*(ins[k] for k in STATE_SCALARS), *pool_arrays, outputs=pool_outputs) \
+            if n_states else None
         s = _Scratch(contract, list(refs[n_in + n_out:]))
+        lsc = lin_mod.LinearScratch(plan.linear, s.linear) if plan.linear is not None else None
         if plan.ring_grouped:  # each tile's scales stream with it
             ring = WeightRing(plan, weights, s.ring, s.ring_sems, {f: ins[f"scales_{f}"] for f in fams},
                               s.tile_scales, s.tile_scale_sems)
@@ -183,11 +195,12 @@ def _kernel(plan: Plan):
             return epilogue
 
         def store_to(ref, width: int, tile_cols: int, at: int = 0) -> Callable:
-            """Epilogue: ref[:, at + block j] = acc, dropping the padded columns past `width`."""
+            """Epilogue: ref[:, at + block j] = acc, dropping the padded columns past `width` (a
+            ref with more rows than the step's, padded to whole tiles: its first rows)."""
             def epilogue(j, acc):
                 lo, hi = j * tile_cols, min((j + 1) * tile_cols, width)
                 if hi > lo:
-                    ref[:, at + lo:at + hi] = acc[:, :hi - lo]
+                    ref[0:acc.shape[0], at + lo:at + hi] = acc[:, :hi - lo]
             return epilogue
 
         def partial_to(width: int, tile_cols: int) -> Callable:
@@ -273,6 +286,10 @@ def _kernel(plan: Plan):
                     if b > a:
                         s.mla_kv[:, dst:dst + b - a] = s.mla_gather[d, :, kv_at + a - lo:kv_at + b - lo]
 
+        def cache_layer(seg, layer):
+            """The layer's place in the KV cache (a hybrid's) or the state pool (a linear layer's)."""
+            return seg.kv_base + (layer - seg.first_layer) if plan.linear is not None else layer
+
         def mla_attention_block(seg, layer, vec):
             """MLA (absorbed form): q path, kv_a, latent norm + RoPE, q_nope . W_UK, attention
             over the latent cache (tpumk.kernel.mla_attention), . W_UV, o + residual."""
@@ -314,7 +331,8 @@ def _kernel(plan: Plan):
                 return [(0, s.mla_qlat[rows_, head * lat:head * lat + c]),
                         (c, s.mla_q[rows_, rope0 + head * r:rope0 + (head + 1) * r])]
 
-            o_lat = mla_attention_stage(plan.attention, layer, q_rows, s.mla_row[...], k_cache, block_tables, lengths,
+            o_lat = mla_attention_stage(plan.attention, cache_layer(seg, layer), q_rows, s.mla_row[...], k_cache,
+                                        block_tables, lengths,
                                         positions, s.attention, pages_out)
             for b in range(plan.batch):
                 for head in range(hq):
@@ -370,7 +388,8 @@ def _kernel(plan: Plan):
                 return mla_attention_block(seg, layer, vec)
             # The reads of the pages this step writes depend only on the layer, tables and
             # positions: start them now, so their round trip hides behind the q|k|v tiles.
-            attn.attention_prefetch(plan.attention, layer, k_cache, v_cache, block_tables, positions, s.attention)
+            kv_layer = cache_layer(seg, layer)
+            attn.attention_prefetch(plan.attention, kv_layer, k_cache, v_cache, block_tables, positions, s.attention)
             sublayer_input(vec, "attn_norm")
             qkv = plan.families["qkv"]
             matmul(seg, layer, "qkv", s.normed, store_to(s.qkv, qkv.m_pad, qkv.tile_cols))
@@ -396,13 +415,17 @@ def _kernel(plan: Plan):
             v_new = s.qkv[:, q_size + kv_size:q_size + 2 * kv_size].astype(dt)
             # Without sliding windows every layer starts the next layer's first KV tiles when its
             # tile loop ends (they fly during o and the FFN), and takes its own from the previous.
-            kv_ahead = not plan.attention.window_runs()
-            s.attn_out[...] = attn.attention_stage(plan.attention, layer, q, k_new, v_new, k_cache, v_cache,
+            # (a hybrid's next layer may be a linear one: no early start there)
+            kv_ahead = not plan.attention.window_runs() and plan.linear is None
+            s.attn_out[...] = attn.attention_stage(plan.attention, kv_layer, q, k_new, v_new, k_cache, v_cache,
                                                    block_tables, lengths, positions, s.attention, prefetched=True,
                                                    tiles_started=kv_ahead and layer > 0,
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers,
                                                    sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None,
                                                    out=pages_out)
+            if att.attn_output_gate:  # Qwen3-Next: o * sigmoid(gate), the gate after q | k | v
+                gate_at = q_size + 2 * kv_size
+                s.attn_out[...] = s.attn_out[...] * jax.nn.sigmoid(s.qkv[:, gate_at:gate_at + q_size])
             o = plan.families["o"]
             matmul(seg, layer, "o", s.attn_out, residual_epilogue(h, o.tile_cols))
             o_bias = vec[VECTOR_ROW["qkv_bias"]:VECTOR_ROW["qkv_bias"] + 1, o_at:o_at + h] if att.o_bias else None
@@ -410,10 +433,31 @@ def _kernel(plan: Plan):
             if not norms.parallel_blocks:  # Cohere's MLP reads attention's input, still in `normed`
                 sublayer_input(vec, "mlp_norm")
 
+        def linear_block(seg, layer, vec):
+            """A linear-attention layer (tpumk.kernel.linear_attention): lin_in (and KDA's
+            low-rank gates), the stage over every sequence's state, lin_out + residual."""
+            g, fam = plan.linear, plan.families
+            at = cache_layer(seg, layer)
+            lin_mod.start_reads(g, pool, lsc, at)  # sequence 0's entry flies behind the projection
+            sublayer_input(vec, "attn_norm")
+            matmul(seg, layer, "lin_in", s.normed, store_to(lsc.proj, fam["lin_in"].m, fam["lin_in"].tile_cols))
+            if g.kind == "kda":  # the forget and output gates' second halves, from their first
+                offs, k = g.proj_offsets, g.key_dim
+                for name, src, dst in (("lin_fb", "f_a", lsc.f), ("lin_gb", "g_a", lsc.g)):
+                    lsc.low[...] = lsc.proj[0:rows, offs[src]:offs[src] + k]
+                    matmul(seg, layer, name, lsc.low, store_to(dst, fam[name].m, fam[name].tile_cols))
+            lin_mod.linear_stage(g, at, vec, lsc, pool, positions, plan.context)
+            matmul(seg, layer, "lin_out", lsc.y, residual_epilogue(h, fam["lin_out"].tile_cols))
+            reduce_into_resid(attention_counter(layer), vec, "post_attn_norm")
+            sublayer_input(vec, "mlp_norm")
+
+        def mixer_block(seg, layer, vec):
+            (linear_block if seg.linear else attention_block)(seg, layer, vec)
+
         def dense_layer(seg):
             def body(layer):
                 vec = layer_vectors(layer)
-                attention_block(seg, layer, vec)
+                mixer_block(seg, layer, vec)
                 matmul(seg, layer, "gate_up", s.normed, swiglu_into(s.act, plan.families["gate_up"].tile_cols))
                 matmul(seg, layer, "down", s.act, residual_epilogue(h, plan.families["down"].tile_cols))
                 reduce_into_resid(ffn_counter(layer), vec, "post_mlp_norm")
@@ -427,7 +471,7 @@ def _kernel(plan: Plan):
                 moe_index = seg.moe_base + (layer - seg.first_layer)
                 # The router is small: fetch it while attention runs.
                 moe_mod.start_router_fetch(plan.moe, moe_index, router, s.moe)
-                attention_block(seg, layer, vec)
+                mixer_block(seg, layer, vec)
                 x = s.normed[...]
                 # Routing first, so the expert loads are in flight while the shared expert streams.
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
@@ -541,13 +585,17 @@ def _device_step(plan: Plan, call) -> Callable:
     cfg, contract = plan.cfg, plan.contract
     quantized = plan.attention.quantized
 
-    def run(packed, tokens, positions, caches, block_tables, lengths):
-        """caches: (k, v), or (kv,) for a quantized cache; returned updated."""
+    def run(packed, tokens, positions, caches, block_tables, lengths, states=None):
+        """caches: (k, v), or (kv,) for a quantized cache; states: a hybrid's LinearStates (or
+        None); both returned updated (the states' counts are the step's to set)."""
         b, t = tokens.shape
         n = b * t
         # a token id outside the vocabulary: zeros, as the reference; Gemma's factor as the reference
         x0 = embed(packed, tokens.reshape(n), cfg.head.embed_scale)
-        if cfg.is_mla:
+        if cfg.nope_layers:  # every attention layer unrotated (the plan refuses a mix): cos 1, sin 0
+            lanes = rope_table_lanes(cfg)
+            cos, sin = jnp.ones((n, lanes), jnp.float32), jnp.zeros((n, lanes), jnp.float32)
+        elif cfg.is_mla:
             cos, sin = mla_rope_tables(positions.reshape(n), cfg)
         else:
             pos, lanes = cfg.positions, heads_per_lane_block(cfg.head_dim)
@@ -558,21 +606,39 @@ def _device_step(plan: Plan, call) -> Callable:
                 cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
                   "cache.block_tables": block_tables, "cache.lengths": lengths,
-                  **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)}}
+                  **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)},
+                  **({f"cache.states.{k}": getattr(states, k) for k in states._fields} if states is not None else {})}
         blocks, *updated = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                                   for b in contract.operands))
+        n_states = len(STATE_ARRAYS) if plan.linear is not None else 0
+        updated, state_out = updated[:len(updated) - n_states], updated[len(updated) - n_states:]
         if plan.cache_written_after_kernel:
             *pages, page_ids = updated
             updated = [commit_pages(cache, p, page_ids) for cache, p in zip(caches, pages)]
+            if n_states:
+                states = commit_states(states, state_out)
+        elif n_states:
+            states = states._replace(**dict(zip(("recurrent", "conv", "pending"), state_out)))
         updated += caches[len(updated):]  # MLA: KVCache.v (empty) never enters the kernel
         # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
         # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
         d = plan.devices
         logits = blocks.reshape(d, -1, n, blocks.shape[-1]).transpose(2, 0, 1, 3).reshape(n, d, plan.vocab_pad)
         logits = logits[:, :, :cfg.vocab_size].reshape(n, d * cfg.vocab_size)[:, :plan.whole_model.vocab_size]
-        return logits.reshape(b, t, -1), tuple(updated)
+        return logits.reshape(b, t, -1), tuple(updated), states
 
     return run
+
+
+def commit_states(states, entries):
+    """A pool update of a kernel that does not write the pool itself (many devices): each
+    sequence's new entry [B, L lin, ...] (recurrent, window, pending) into its slot; a slot
+    outside the pool writes nothing (as the kernel in place)."""
+    ok = (states.slots >= 0) & (states.slots < states.num_slots)
+    slots = jnp.where(ok, states.slots, states.num_slots)
+    new = {k: getattr(states, k).at[:, slots].set(jnp.swapaxes(e, 0, 1), mode="drop")
+           for k, e in zip(("recurrent", "conv", "pending"), entries)}
+    return states._replace(**new)
 
 
 def commit_pages(cache: jax.Array, pages: jax.Array, page_ids: jax.Array) -> jax.Array:
@@ -612,7 +678,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
     run = _device_step(plan, _pallas_call(plan, detect_races, portable))
-    check, check_rows = _shape_check(plan), _cache_rows_check(plan)
+    check, check_rows, check_states = _shape_check(plan), _cache_rows_check(plan), _states_check(plan)
 
     device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
 
@@ -629,13 +695,17 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         positions = guard_positions(tokens, positions, plan.whole_model.vocab_size)
         arrays = (cache.kv,) if quantized else (cache.k, cache.v)
         check_rows(arrays)
-        logits, arrays = device_run(packed, tokens, positions, arrays, cache.block_tables.astype(jnp.int32),
-                                    cache.lengths.astype(jnp.int32))
-        # As the reference: positions outside the pages write nothing and do not move lengths.
+        check_states(cache.states)
+        logits, arrays, states = device_run(packed, tokens, positions, arrays, cache.block_tables.astype(jnp.int32),
+                                            cache.lengths.astype(jnp.int32), cache.states)
+        # As the reference: positions outside the pages write nothing and do not move lengths;
+        # the step's tokens are each slot's pending rows now.
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
+        if states is not None:
+            states = step_counts(states, plan.q_len)
         if quantized:
-            return logits, cache._replace(kv=arrays[0], lengths=lengths)
-        return logits, KVCache(*arrays, cache.block_tables, lengths)
+            return logits, cache._replace(kv=arrays[0], lengths=lengths, states=states)
+        return logits, KVCache(*arrays, cache.block_tables, lengths, states)
 
     donate = (3,) if donate_cache else ()
     plain = jax.jit(step, donate_argnums=donate)
@@ -722,6 +792,30 @@ def _cache_rows_check(plan: Plan) -> Callable:
     return check
 
 
+def _states_check(plan: Plan) -> Callable:
+    """Refuse, in one line, a state pool that is missing, unexpected, or not of the plan's
+    shapes (`LinearGeometry.pool_shapes`; the number of slots may differ)."""
+    def check(states) -> None:
+        if plan.linear is None:
+            if states is not None:
+                raise ValueError("decode step: the cache carries a state pool, but the model has no linear layers")
+            return
+        if states is None:
+            raise ValueError("decode step: model has linear-attention layers: the cache needs its state pool "
+                             "(reference.init_cache(..., pending=q_len) makes it)")
+        want = plan.linear.pool_shapes() if plan.devices == 1 else step_specs(plan)[3].states._asdict()
+        for name in ("recurrent", "conv", "pending"):
+            a, w = getattr(states, name), want[name]
+            w = getattr(w, "shape", w)
+            if (a.ndim, a.shape[0], *a.shape[2:]) != (len(w), w[0], *w[2:]):
+                raise ValueError(f"decode step: states.{name} has shape {list(a.shape)}, expected [{w[0]}, slots, "
+                                 f"{', '.join(map(str, w[2:]))}] (a pool of pending = q_len = {plan.q_len} rows: "
+                                 "reference.init_cache(..., pending=q_len))")
+        if states.slots.shape != (plan.batch,):
+            raise ValueError(f"decode step: states.slots has shape {list(states.slots.shape)}, expected [{plan.batch}]")
+    return check
+
+
 def step_mesh(plan: Plan):
     """The 1-D device mesh of a many-device step: `plan.devices` devices of its target
     (`tpumk.targets.mesh_devices`: attached TPUs, deviceless stand-ins, or host CPU devices)."""
@@ -750,15 +844,19 @@ def step_specs(plan: Plan) -> tuple:
     NamedSharding of `step_mesh(plan)` the step takes it in (weights stacked per device, the
     embedding and the step inputs replicated, the cache split along its last axis)."""
     c = plan.contract
+    states = None
+    if plan.linear is not None:
+        states = LinearStates(*(shape_struct(c.operand(n)) for n in ("lin_recurrent", "lin_window", "lin_pending",
+                                                                      "state_counts", "state_slots")))
     if plan.attention.quantized:  # one device's packed layout (many: each device's, side by side)
         cache = QuantizedKVCache(*(shape_struct(c.operand(n)) for n in ("kv_cache", "block_tables", "lengths")),
-                                 layout=plan.attention.kv_layout)
+                                 layout=plan.attention.kv_layout, states=states)
     elif plan.cfg.is_mla:  # the empty value cache of an MLA model is not an operand
         k = shape_struct(c.operand("k_cache"))
         cache = KVCache(k, jax.ShapeDtypeStruct((*k.shape[:3], 0), k.dtype),
-                        *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")))
+                        *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")), states)
     else:
-        cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")))
+        cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")), states)
     tok = shape_struct(c.operand("positions"))
     if plan.devices == 1:
         return packed_specs(plan), tok, tok, cache

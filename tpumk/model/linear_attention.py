@@ -49,10 +49,10 @@ CHUNK = 64  # tokens per chunk of the chunked (prefill) form
 class LinearStates(NamedTuple):
     """The state pool of a hybrid model's linear layers (L of them) over S sequence slots.
 
-    recurrent [L, S, value heads, key_dim, value_dim] float32; conv [L, S, taps - 1, C] in the
-    model dtype (oldest input first); pending [L, S, P, W] float32 (P rows of raw inputs: q | k | v
-    then the gate inputs, `pending_width`); counts [S] int32 (pending rows each slot applies next);
-    slots [B] int32 (each sequence's slot)."""
+    recurrent [L, S, value heads, key_dim, value_dim] float32; conv [L, S, taps - 1, C] float32
+    (the last inputs, oldest first, each a model-dtype value); pending [L, S, P, W] float32 (P rows
+    of raw inputs laid out as `pending_offsets` says); counts [S] int32 (pending rows each slot
+    applies next); slots [B] int32 (each sequence's slot)."""
     recurrent: jax.Array
     conv: jax.Array
     pending: jax.Array
@@ -68,14 +68,23 @@ class LinearStates(NamedTuple):
         return self.pending.shape[2]
 
 
-def gate_width(lin: LinearAttention) -> int:
-    """Raw gate inputs of one token: Gated DeltaNet's b and a (per value head), KDA's b (per
-    value head) and forget-gate projection f (per key channel of each head)."""
-    return 2 * lin.linear_value_heads if lin.linear_kind == "gated_delta" else lin.linear_value_heads + lin.decay_width
+LANE = 128  # each part of a pending row starts on a lane tile (the kernel slices them whole)
 
 
-def pending_width(lin: LinearAttention) -> int:
-    return lin.conv_dim + gate_width(lin)
+def _lanes(n: int) -> int:
+    return -(-n // LANE) * LANE
+
+
+def pending_offsets(lin: LinearAttention) -> tuple[int, int, int]:
+    """Where a pending row's parts start, and its width: (b, the second gate input, width). The
+    row: the convolution's inputs q | k | v from lane 0, b (per value head) from the next lane
+    tile, then Gated DeltaNet's a (per value head) or KDA's forget-gate projection f (per key
+    channel of each head) from the next, then one lane tile whose first lane is 1 for a live
+    token (a token at a position outside the cache changes no state, now or when replayed)."""
+    b = _lanes(lin.conv_dim)
+    second = b + _lanes(lin.linear_value_heads)
+    width = second + _lanes(lin.linear_value_heads if lin.linear_kind == "gated_delta" else lin.decay_width) + LANE
+    return b, second, width
 
 
 def init_states(cfg: ModelConfig, batch: int, num_slots: int | None = None, pending: int = 0,
@@ -93,8 +102,8 @@ def init_states(cfg: ModelConfig, batch: int, num_slots: int | None = None, pend
     n = len(cfg.linear_layers)
     return LinearStates(
         jnp.zeros((n, num_slots, *lin.state_shape), jnp.float32),
-        jnp.zeros((n, num_slots, lin.linear_conv - 1, lin.conv_dim), jnp_dtype(cfg)),
-        jnp.zeros((n, num_slots, pending, pending_width(lin)), jnp.float32),
+        jnp.zeros((n, num_slots, lin.linear_conv - 1, lin.conv_dim), jnp.float32),
+        jnp.zeros((n, num_slots, pending, pending_offsets(lin)[2]), jnp.float32),
         jnp.zeros((num_slots,), jnp.int32),
         jnp.asarray(order[:batch], jnp.int32))
 
@@ -109,25 +118,26 @@ def keep_accepted(states: LinearStates, accepted: jax.Array) -> LinearStates:
 
 # ---------------------------------------------------------------------- one layer's parts
 def project(lin: LinearAttention, layer, x: jax.Array, dt) -> tuple[jax.Array, jax.Array]:
-    """x [..., H] normed -> (the convolution's inputs q | k | v [..., C] in the model dtype, the
-    raw gate inputs [..., gate_width] float32)."""
-    conv_in = matmul(x, layer["lin_qkv"]).astype(dt)
-    if lin.linear_kind == "gated_delta":
-        gates = jnp.concatenate([matmul(x, layer["lin_b"]), matmul(x, layer["lin_a"])], -1)
-    else:
-        f = matmul(matmul(x, layer["lin_f_a"]), layer["lin_f_b"])
-        gates = jnp.concatenate([matmul(x, layer["lin_b"]), f], -1)
-    return conv_in, gates
+    """x [..., H] normed -> (the convolution's inputs q | k | v [..., C] rounded to the model
+    dtype, the raw gate inputs [..., pending width - b's lane] float32: b then a or f, as the
+    pending row lays them out from its b offset)."""
+    conv_in = matmul(x, layer["lin_qkv"]).astype(dt).astype(jnp.float32)
+    b_at, second, width = pending_offsets(lin)
+    b = matmul(x, layer["lin_b"])
+    second_in = matmul(x, layer["lin_a"]) if lin.linear_kind == "gated_delta" else \
+        matmul(matmul(x, layer["lin_f_a"]), layer["lin_f_b"])
+    pad = lambda v, n: jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, n - v.shape[-1])])  # noqa: E731
+    return conv_in, jnp.concatenate([pad(b, second - b_at), pad(second_in, width - LANE - second)], -1)
 
 
 def decay_and_beta(lin: LinearAttention, layer, gates: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Raw gate inputs [..., gate_width] -> (g [..., Hv, Dk] log-decays (<= 0) per key channel,
+    """Raw gate inputs (`project`'s) -> (g [..., Hv, Dk] log-decays (<= 0) per key channel,
     beta [..., Hv]), float32."""
     hv, dk = lin.linear_value_heads, lin.linear_key_dim
-    b = gates[..., :hv]
-    beta = jax.nn.sigmoid(b)
+    b_at, second, _ = pending_offsets(lin)
+    beta = jax.nn.sigmoid(gates[..., :hv])
     rate = jnp.exp(layer["lin_A_log"].astype(jnp.float32))  # [Hv]
-    pre = gates[..., hv:] + layer["lin_dt_bias"].astype(jnp.float32)
+    pre = gates[..., second - b_at:second - b_at + lin.decay_width] + layer["lin_dt_bias"].astype(jnp.float32)
     if lin.linear_kind == "gated_delta":
         g = -rate * jax.nn.softplus(pre)  # [..., Hv]
         g = jnp.broadcast_to(g[..., None], (*g.shape, dk))
@@ -140,11 +150,13 @@ def conv_outputs(lin: LinearAttention, layer, window: jax.Array, conv_in: jax.Ar
     """The causal convolution + SiLU over q | k | v: window [..., taps - 1, C] (the previous
     inputs), conv_in [..., T, C] -> [..., T, C] float32 (each output rounded to the model dtype
     before SiLU, as transformers' convolution in the model dtype)."""
-    taps, dt = lin.linear_conv, conv_in.dtype
-    seq = jnp.concatenate([window.astype(dt), conv_in], -2).astype(jnp.float32)  # [..., taps - 1 + T, C]
-    w = layer["lin_conv"].astype(dt).astype(jnp.float32)  # [taps, C]
+    taps, dt = lin.linear_conv, layer["lin_conv"].dtype
+    seq = jnp.concatenate([window, conv_in], -2)  # [..., taps - 1 + T, C] f32 (model-dtype values)
+    w = layer["lin_conv"].astype(jnp.float32)  # [taps, C]
     t = conv_in.shape[-2]
-    out = sum(seq[..., j:j + t, :] * w[j] for j in range(taps))
+    out = seq[..., 0:t, :] * w[0]
+    for j in range(1, taps):  # tap by tap, in this order (the kernel's)
+        out = out + seq[..., j:j + t, :] * w[j]
     return jax.nn.silu(out.astype(dt).astype(jnp.float32))
 
 
@@ -241,7 +253,7 @@ def _token(lin: LinearAttention, layer, carry, conv_in, gates, live):
     q, k, v = heads(lin, out)
     g, beta = decay_and_beta(lin, layer, gates)
     new_state, o = delta_step(state, q, k, v, g, beta)
-    new_window = jnp.concatenate([window[:, 1:], conv_in[:, None].astype(window.dtype)], 1)
+    new_window = jnp.concatenate([window[:, 1:], conv_in[:, None]], 1)
     keep = live[:, None, None]
     return (jnp.where(keep, new_window, window), jnp.where(keep[..., None], new_state, state)), o
 
@@ -263,9 +275,13 @@ def layer_step(lin: LinearAttention, layer, x: jax.Array, live: jax.Array, state
     pend = states.pending[index, read]  # [B, P, W]
     c = lin.conv_dim
 
+    b_at = pending_offsets(lin)[0]
+
+    flag = pending_offsets(lin)[2] - LANE
+
     def replay(r, carry):
         row = pend[:, r]
-        return _token(lin, layer, carry, row[:, :c].astype(dt), row[:, c:], r < counts)[0]
+        return _token(lin, layer, carry, row[:, :c], row[:, b_at:flag], (r < counts) & (row[:, flag] == 1.0))[0]
 
     if states.pending_rows:
         window, state = lax.fori_loop(0, states.pending_rows, replay, (window, state))
@@ -285,12 +301,14 @@ def layer_step(lin: LinearAttention, layer, x: jax.Array, live: jax.Array, state
         alive = live[..., None, None]
         end_state, o = delta_chunked(state, q, jnp.where(alive, k, 0.0), v, jnp.where(alive, g, 0.0),
                                      jnp.where(live[..., None], beta, 0.0))
-        full = jnp.concatenate([window, seq_in.astype(window.dtype)], 1)
+        full = jnp.concatenate([window, seq_in], 1)
         n_live = jnp.sum(live, 1)  # the window ends at the last live token
         end_window = jax.vmap(lambda f, m: lax.dynamic_slice_in_dim(f, m, window.shape[1], 0))(full, n_live)
     out = gated_output(lin, layer, x, o, eps)
     if keep_pending:  # the state before this step's tokens, which stay pending (counts = T)
-        pend = jnp.zeros_like(pend).at[:, :t].set(jnp.concatenate([conv_in.astype(jnp.float32), gates], -1))
+        live_lane = jnp.pad(live[..., None].astype(jnp.float32), ((0, 0), (0, 0), (0, LANE - 1)))
+        rows = jnp.concatenate([jnp.pad(conv_in, ((0, 0), (0, 0), (0, b_at - c))), gates, live_lane], -1)
+        pend = jnp.zeros_like(pend).at[:, :t].set(rows)
         new = states._replace(
             recurrent=states.recurrent.at[index, write].set(state, mode="drop"),
             conv=states.conv.at[index, write].set(window, mode="drop"),

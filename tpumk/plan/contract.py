@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
-RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
+RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "lin_in", "lin_fb", "lin_gb", "lin_out", "gate_up",
+                 "down", "shared_gate_up", "shared_down", "lm_head")
 # The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the two
 # projections of the layer's input (q_a, or a plain q; kv_a: on many devices with the latent
 # split, their slices are all-gathered together next), q_b after the q_a norm, the per-head
@@ -71,10 +72,14 @@ MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 MOE_BIAS_OPERANDS = ("e_gateup_bias",)  # expert biases only (gpt-oss)
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
-VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "moe",
-                   "collectives")
+VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "linear",
+                   "moe", "collectives")
 # Components whose scratch a stage module takes as a list in its own order (named "<stage>.<name>").
-STAGES = ("attention", "moe", "collectives")
+STAGES = ("attention", "linear", "moe", "collectives")
+# A hybrid model's state pool (tpumk.model.linear_attention.LinearStates) as kernel operands:
+# each sequence's slot and each slot's pending count (SMEM), then the pool's arrays (HBM).
+STATE_SCALARS = ("state_slots", "state_counts")
+STATE_ARRAYS = ("lin_recurrent", "lin_window", "lin_pending")
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
     d = rope_table_lanes(cfg)  # 64-wide heads: rows tiled to 128 lanes; MLA: one lane tile
     # rope_local_theta: the full layers' N rows, then the sliding layers' N
     tables, rows = (2, "[2N, D] full layers' then sliding layers' ") if cfg.positions.rope_local_theta else (1, "[N, D] ")
-    cache = (cfg.num_layers, plan.num_pages, plan.page_size, cfg.attention.kv_size)
+    cache = (cfg.kv_layers, plan.num_pages, plan.page_size, cfg.attention.kv_size)
     out = [
         _with(smem("block_tables", (plan.batch, plan.pages_per_seq), "int32", "[B, pages_per_seq] page ids"),
               source="cache.block_tables"),
@@ -204,6 +209,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ()) \
             + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
+    if plan.linear is not None:
+        out += _state_operands(plan)
     att = plan.attention
     if cfg.is_mla and not att.quantized:  # one latent cache; KVCache.v (empty) stays outside the kernel
         out.append(_with(hbm("k_cache", (*cache[:3], att.page_lanes), cfg.dtype,
@@ -220,6 +227,25 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         out.append(_with(hbm(f"{name}_cache", cache, att.cache_dtype, "[L, num_pages, page_size, Hkv*D], heads along lanes"),
                          source=f"cache.{name}", component="kv_cache"))
     return out
+
+
+def _state_operands(plan: Plan) -> list[Buffer]:
+    """A hybrid model's state pool: slots and counts in SMEM, the arrays in HBM (the last
+    operands before the KV cache's)."""
+    g = plan.linear
+    shapes = g.pool_shapes()
+    return [
+        _with(smem("state_slots", (plan.batch,), "int32", "[B] each sequence's slot in the state pool"),
+              source="cache.states.slots"),
+        _with(smem("state_counts", (g.num_slots,), "int32", "[S] pending rows each slot replays first"),
+              source="cache.states.counts"),
+        _with(hbm("lin_recurrent", shapes["recurrent"], "float32", "[L lin, slot, value head, key, value] states"),
+              source="cache.states.recurrent", component="state_pool"),
+        _with(hbm("lin_window", shapes["conv"], "float32", "[L lin, slot, tap, C] convolution windows, oldest first"),
+              source="cache.states.conv", component="state_pool"),
+        _with(hbm("lin_pending", shapes["pending"], "float32", "[L lin, slot, row, pending row] tokens not yet applied"),
+              source="cache.states.pending", component="state_pool"),
+    ]
 
 
 def _kernel_scratch(plan: Plan) -> list[Buffer]:
@@ -273,7 +299,8 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         ]
     else:
         act += [
-            vmem("qkv", (n, plan.families["qkv"].m_pad), "float32", "[N, q | k | v (| pad)], normed and roped in place"),
+            vmem("qkv", (n, plan.families["qkv"].m_pad), "float32",
+                 "[N, q | k | v (| the output gate) (| pad)], normed and roped in place"),
             vmem("attn_out", (n, cfg.attention.q_size), "float32", "[N, Hq*D] attention output"),
         ]
     act += [
@@ -308,6 +335,7 @@ def kernel_contract(plan: Plan) -> KernelContract:
     operands = tuple(_operands(plan, {b.source: b for b in packed}))
     head = plan.families["lm_head"]
     caches = plan.attention.caches  # the last operands
+    states = [b for b in operands if b.name in STATE_ARRAYS]  # just before the caches
     logits = Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
                     component="outputs",
                     layout="[device d, column block j (d-major), N, tile_cols]: device d's vocab column j*tile_cols + c "
@@ -320,13 +348,21 @@ def kernel_contract(plan: Plan) -> KernelContract:
             for c in operands[-caches:]),
             Buffer("page_ids", (slots,), "int32", "smem", component="outputs",
                    layout="[patch slot]: the cache page slot's page goes to; num_pages: none (written by another slot, "
-                          "or the token writes nothing)"))
+                          "or the token writes nothing)"),
+            # the pool likewise: each sequence's new entry, scattered into its slot after the kernel
+            *(_with(b, name=b.name + "_out", shape=(plan.batch, b.shape[0], *b.shape[2:]), source="",
+                    component="outputs", layout=f"[sequence, L lin, ...]: {b.name}'s entry of each sequence's slot")
+              for b in states))
         aliases: tuple[tuple[int, int], ...] = ()
-    else:  # the caches updated in place
-        outputs = (logits, *(_with(c, source="") for c in operands[-caches:]))
-        aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches))
+    else:  # the caches updated in place (then the pool)
+        outputs = (logits, *(_with(c, source="") for c in operands[-caches:]), *(_with(b, source="") for b in states))
+        first_state = len(operands) - caches - len(states)
+        aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches)) + \
+            tuple((first_state + i, 1 + caches + i) for i in range(len(states)))
     scratch = _kernel_scratch(plan)
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
+    if plan.linear is not None:
+        scratch += [_with(b, name=f"linear.{b.name}", component="linear") for b in plan.linear.scratch()]
     if plan.moe is not None:
         scratch += [_with(b, name=f"moe.{b.name}", component="moe") for b in plan.moe.scratch()]
     if plan.all_reduce is not None:

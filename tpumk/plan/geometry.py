@@ -213,10 +213,11 @@ class AttentionGeometry:
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
                     kv_tile_pages: int, kv_buffers: int, kv_dtype: str = "") -> "AttentionGeometry":
-        windows = tuple(cfg.pattern.window(i) for i in range(cfg.num_layers)) if cfg.pattern.sliding_window else ()
+        # one entry per attention layer: the KV cache's layers (a hybrid's linear layers hold none)
+        windows = tuple(cfg.pattern.window(i) for i in cfg.pattern.attention_layers) if cfg.pattern.sliding_window else ()
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-                   pages_per_seq=pages_per_seq, num_layers=cfg.num_layers,
+                   pages_per_seq=pages_per_seq, num_layers=cfg.kv_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
                    score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap,
                    sinks=cfg.attention.attn_sinks, kv_dtype=kv_dtype)
@@ -559,7 +560,7 @@ class MLAGeometry(AttentionGeometry):
 
         return cls(batch=batch, q_len=q_len, num_q_heads=cfg.num_q_heads, num_kv_heads=1,
                    head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, page_size=page_size,
-                   pages_per_seq=pages_per_seq, num_layers=cfg.num_layers, kv_tile_pages=kv_tile_pages,
+                   pages_per_seq=pages_per_seq, num_layers=cfg.kv_layers, kv_tile_pages=kv_tile_pages,
                    kv_buffers=kv_buffers, dtype=cfg.dtype, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim,
                    scale=float(yarn.softmax_scale(cfg.attention, cfg.positions)), kv_dtype=kv_dtype)
 
@@ -1263,3 +1264,176 @@ def rope_table_lanes(cfg: ModelConfig) -> int:
     """Lanes of the cos / sin rows the glue passes: one head (two 64-wide heads), or for MLA
     one lane tile of R-wide rotations (`tpumk.kernel.megakernel`)."""
     return LANE if cfg.is_mla else cfg.head_dim * heads_per_lane_block(cfg.head_dim)
+
+
+# ---------------------------------------------------------------------- linear attention
+# A linear layer's rows of the layer vector block (the attention rows it does not use): the
+# gated norm's weight, the decay row (A_log per value head from lane 0; dt_bias from lane 128,
+# per value head (Gated DeltaNet) or per key channel of each head (KDA)), then the
+# convolution's taps, one row each (at most LINEAR_MAX_TAPS).
+LINEAR_ROW = {"norm": 2, "decay": 3, "taps": 4}
+LINEAR_MAX_TAPS = LAYER_VECTOR_ROWS - LINEAR_ROW["taps"]
+
+
+@dataclass(frozen=True)
+class LinearGeometry:
+    """Static facts of the linear-attention stage (`tpumk.kernel.linear_attention`) on one
+    device: its heads (on many devices, this device's share) and widths, the pool of
+    per-sequence states it reads and writes, and where each part of the in-projection's output
+    (`lin_in`, the ring family) sits in the `lin_proj` scratch row.
+
+    Every step leaves its own tokens pending (`pending` = q_len rows per slot,
+    tpumk.model.linear_attention): the state written back is the one before them, so a verify
+    step is rolled back by setting a count."""
+
+    kind: str  # "gated_delta" | "kda"
+    batch: int
+    q_len: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    taps: int
+    num_layers: int  # linear layers (the pool's first axis)
+    num_slots: int
+    dtype: str  # the model dtype (what the convolution rounds to)
+    eps: float  # the gated norm's epsilon
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, batch: int, q_len: int, num_slots: int = 0) -> "LinearGeometry":
+        lin = cfg.linear
+        return cls(lin.linear_kind, batch, q_len, lin.linear_key_heads, lin.linear_value_heads, lin.linear_key_dim,
+                   lin.linear_value_dim, lin.linear_conv, len(cfg.linear_layers), num_slots or batch, cfg.dtype,
+                   cfg.norms.rms_eps)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def key_size(self) -> int:
+        return self.key_heads * self.key_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.value_heads * self.value_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def group(self) -> int:
+        return self.value_heads // self.key_heads
+
+    @property
+    def pending(self) -> int:
+        """Pending rows per slot: the step's own tokens."""
+        return self.q_len
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.q_len
+
+    @property
+    def padded_rows(self) -> int:
+        return round_up(self.rows, F32_SUBLANES)
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.value_heads, self.key_dim, self.value_dim)
+
+    @property
+    def decay_width(self) -> int:
+        return self.value_heads * (self.key_dim if self.kind == "kda" else 1)
+
+    @property
+    def pending_offsets(self) -> tuple[int, int, int]:
+        """(b, second gate input, width) of a pending row (`linear_attention.pending_offsets`)."""
+        b = round_up(self.conv_dim, LANE)
+        second = b + round_up(self.value_heads, LANE)
+        return b, second, second + round_up(self.value_heads if self.kind == "gated_delta" else self.decay_width,
+                                            LANE) + LANE
+
+    @property
+    def proj_offsets(self) -> dict[str, int]:
+        """Where each part of `lin_in`'s output starts in a `lin_proj` row (lane-tile aligned):
+        q | k | v from 0, b, then Gated DeltaNet's a and z, or KDA's f_a and g_a (the low-rank
+        gates' first halves); "width": the row's lanes. Up to the second gate input it is the
+        pending row's layout, so a Gated DeltaNet token's pending row is its lin_proj row."""
+        b, second, _ = self.pending_offsets
+        if self.kind == "gated_delta":
+            third = second + round_up(self.value_heads, LANE)
+            return {"conv": 0, "b": b, "a": second, "z": third, "width": third + round_up(self.value_size, LANE)}
+        third = second + round_up(self.key_dim, LANE)
+        return {"conv": 0, "b": b, "f_a": second, "g_a": third, "width": third + round_up(self.key_dim, LANE)}
+
+    @property
+    def state_bytes(self) -> int:
+        """One slot's recurrent state in one layer, float32."""
+        return 4 * math.prod(self.state_shape)
+
+    @property
+    def window_bytes(self) -> int:
+        return 4 * (self.taps - 1) * self.conv_dim
+
+    @property
+    def pending_bytes(self) -> int:
+        return 4 * self.pending * self.pending_offsets[2]
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's pool entry in one layer: state, window and pending rows."""
+        return self.state_bytes + self.window_bytes + self.pending_bytes
+
+    def hbm_bytes(self) -> int:
+        """Pool bytes one step reads and writes: every sequence's slot entry, read and written,
+        in every linear layer."""
+        return 2 * self.num_layers * self.batch * self.slot_bytes
+
+    def pool_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The pool's arrays as the reference lays them out (tpumk.model.linear_attention)."""
+        n, s = self.num_layers, self.num_slots
+        return {"recurrent": (n, s, *self.state_shape), "conv": (n, s, self.taps - 1, self.conv_dim),
+                "pending": (n, s, self.pending, self.pending_offsets[2])}
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def need(cond: bool, what: str, expected: str) -> None:
+            if not cond:
+                raise PlanError(f"linear attention: {what} = {getattr(self, what)!r}: expected {expected}")
+
+        need(self.kind in ("gated_delta", "kda"), "kind", "gated_delta or kda")
+        for what in ("key_dim", "value_dim"):
+            need(getattr(self, what) % LANE == 0, what,
+                 f"a multiple of {LANE} (the kernel keeps a linear head on whole lane tiles)")
+        need(2 <= self.taps <= LINEAR_MAX_TAPS, "taps", f"2 to {LINEAR_MAX_TAPS} convolution taps (one "
+             "layer-vector row each)")
+        need(self.value_heads <= LANE, "value_heads", f"at most {LANE} per device (one lane each in the gate rows)")
+
+    # ------------------------------------------------------------------ kernel memory
+    def scratch(self) -> tuple[Buffer, ...]:
+        """The stage's scratch, in the order `tpumk.kernel.linear_attention.LinearScratch` names it."""
+        # buffers the stage reads one token row at a time have whole 8-row tiles (Mosaic proves
+        # a traced row's alignment only on (8, 128) tiles; it stores only to static rows, so the
+        # outputs go by sequence, a leading index); the ring's inputs have N rows
+        n, n8, w = self.rows, self.padded_rows, self.pending_offsets[2]
+        out = [
+            vmem("proj", (n8, self.proj_offsets["width"]), "float32",
+                 "[N (| pad), lin_in's output: q | k | v, b, then a | z (Gated DeltaNet) or f_a | g_a (KDA)]"),
+            vmem("o", (self.batch, round_up(self.q_len, F32_SUBLANES), self.value_size), "float32",
+                 "[sequence, token (| pad), value heads' outputs]: a traced sequence's rows"),
+            vmem("y", (n, self.value_size), "float32", "[N, the outputs normed and gated]: lin_out's input"),
+        ]
+        if self.kind == "kda":
+            out += [vmem("low", (n, round_up(self.key_dim, LANE)), "float32", "[N, f_a or g_a]: a low-rank matmul's input"),
+                    vmem("f", (n8, self.value_size), "float32", "[N (| pad), forget-gate projection f per key channel]"),
+                    vmem("g", (n, self.value_size), "float32", "[N, output-gate projection per value lane]")]
+        out += [
+            vmem("state", (2, *self.state_shape), "float32", "[sequence % 2, value head, key, value]: its slot's state"),
+            vmem("work", self.state_shape, "float32", "the state as the step's own tokens move it (never written back)"),
+            vmem("window", (2, self.taps - 1, self.conv_dim), "float32",
+                 "[sequence % 2, tap, C]: its convolution window, oldest first"),
+            vmem("pend_in", (2, self.pending, w), "float32", "[sequence % 2, row, pending row]: rows to replay"),
+            vmem("pend_out", (2, self.pending, w), "float32", "[sequence % 2, row, pending row]: this step's rows"),
+            dma_sems("in_sems", (2, 3), "[sequence % 2, state | window | pending] reads"),
+            dma_sems("out_sems", (2, 3), "[sequence % 2, state | window | pending] writes"),
+        ]
+        return tuple(out)

@@ -125,7 +125,8 @@ class TuningConfig:
             raise bad("vmem_limit_fraction", "a number in [0.1, 1.0]")
 
     def tile_shape(self, family: str) -> tuple[int, int]:
-        return getattr(self, f"{family}_tile_rows"), getattr(self, f"{family}_tile_cols")
+        """A family's tile knobs; (0, 0), auto, for a family without knobs (MLA's, linear attention's)."""
+        return getattr(self, f"{family}_tile_rows", 0), getattr(self, f"{family}_tile_cols", 0)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

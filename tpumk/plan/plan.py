@@ -34,8 +34,8 @@ from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_b
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, AllReduceGeometry, AttentionGeometry,
-                                 MLAGeometry, MoEGeometry, mla_dims, rope_table_lanes, round_up)
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry,
+                                 LinearGeometry, MLAGeometry, MoEGeometry, mla_dims, rope_table_lanes, round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.padding import lane_padded
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -122,7 +122,7 @@ class MatrixFamily:
 class Segment:
     """A run of same-kind layers walked by one top-level loop (or the lm_head)."""
 
-    kind: str  # "dense" | "moe" | "lm_head"
+    kind: str  # "dense" | "moe" (the FFN) | "lm_head"
     first_layer: int  # model index of the first layer (lm_head: num_layers)
     num_layers: int  # 1 for the lm_head
     families: tuple[str, ...]  # ring families of one layer, in stream order
@@ -131,6 +131,8 @@ class Segment:
     tiles_per_layer: int
     first_tile: int  # global ring index of this segment's first tile
     moe_base: int = 0  # MoE-layer ordinal of the first layer (moe segments)
+    linear: bool = False  # the layers' token mixer: linear attention (tpumk.kernel.linear_attention)
+    kv_base: int = 0  # the first layer's KV-cache layer (attention) or state-pool layer (linear)
 
     @property
     def end_layer(self) -> int:
@@ -170,6 +172,8 @@ class Plan:
     attention: AttentionGeometry
     moe: MoEGeometry | None
     vmem: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's linear-attention stage (tpumk.kernel.linear_attention); None otherwise.
+    linear: LinearGeometry | None = None
     # Compiler temporaries the kernel's VMEM needs besides `vmem` (not buffers of the contract):
     # estimates, counted in the budget check and in `vmem_limit` (see `_vmem_temporaries`).
     vmem_temporaries: dict[str, int] = field(default_factory=dict)
@@ -387,12 +391,17 @@ class Plan:
 def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
     norms' widths (they take the q_norm / k_norm rows), with qkv_bias / o_bias the q|k|v|o bias row, and
-    with qk_norm_whole the q norm's q_size, with attention sinks one lane per q head."""
+    with qk_norm_whole the q norm's q_size, with attention sinks one lane per q head, with linear
+    layers their convolution's channels and decay row (`tpumk.plan.geometry.LINEAR_ROW`)."""
     bias = cfg.attention.q_size + 2 * cfg.attention.kv_size if cfg.attention.qkv_bias else 0
     whole = cfg.attention.q_size if cfg.attention.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
     sinks = cfg.num_q_heads if cfg.attention.attn_sinks else 0
     o = o_bias_offset(cfg) + cfg.hidden_size if cfg.attention.o_bias else 0
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o), LANE)
+    # a linear layer's rows (LINEAR_ROW): its convolution's taps over C lanes, dt_bias after a lane tile
+    lin = cfg.linear
+    linear = max(lin.conv_dim, LANE + lin.decay_width) if lin else 0
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear),
+                    LANE)
 
 
 def o_bias_offset(cfg: ModelConfig) -> int:
@@ -497,16 +506,20 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
         return rows, cols
 
     fams: dict[str, MatrixFamily] = {}
+    kv_layers = cfg.kv_layers  # attention's families stack over the attention layers only
     if cfg.is_mla:
         fams.update(_mla_families(cfg, tuning, isz, group, slot_rows, latent_slices))
         r, c = shape("o", ks["o"], h, LANE)
-        fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, cfg.num_layers, r, c, isz, k_pad=ks["o"],
+        fams["o"] = _family("o", cfg.num_q_heads * cfg.v_head_dim, h, kv_layers, r, c, isz, k_pad=ks["o"],
                             group=group)
     else:
-        r, c = shape("qkv", h, cfg.attention.q_size + 2 * cfg.attention.kv_size, LANE)
-        fams["qkv"] = _family("qkv", h, cfg.attention.q_size + 2 * cfg.attention.kv_size, cfg.num_layers, r, c, isz, group=group)
+        qkv_m = qkv_columns(cfg)
+        r, c = shape("qkv", h, qkv_m, LANE)
+        fams["qkv"] = _family("qkv", h, qkv_m, kv_layers, r, c, isz, group=group)
         r, c = shape("o", cfg.attention.q_size, h, LANE)
-        fams["o"] = _family("o", cfg.attention.q_size, h, cfg.num_layers, r, c, isz, group=group)
+        fams["o"] = _family("o", cfg.attention.q_size, h, kv_layers, r, c, isz, group=group)
+    if cfg.linear:
+        fams.update(_linear_families(cfg, shape, isz, group))
 
     def ffn_pair(prefix: str, width: int, stack: int) -> int:
         gu, dn = f"{prefix}gate_up", f"{prefix}down"
@@ -525,6 +538,29 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
     r, c = shape("lm_head", h, cfg.vocab_size, LANE)
     fams["lm_head"] = _family("lm_head", h, cfg.vocab_size, 1, r, c, isz, group=group)
     return fams, ffn_pad, shared_pad
+
+
+def qkv_columns(cfg: ModelConfig) -> int:
+    """Columns of the qkv family: q | k | v, then with attn_output_gate the gate's q_size."""
+    a = cfg.attention
+    return a.q_size * (1 + a.attn_output_gate) + 2 * a.kv_size
+
+
+def _linear_families(cfg: ModelConfig, shape, isz: int, group: int) -> dict[str, MatrixFamily]:
+    """A linear layer's families (LINEAR_FAMILIES): lin_in [H, the lin_proj row
+    (`LinearGeometry.proj_offsets`)], KDA's lin_fb / lin_gb [key_dim, value size] and lin_out
+    [value size, H], stacked over the linear layers."""
+    geom = LinearGeometry.from_config(cfg, 1, 1)
+    h, n = cfg.hidden_size, len(cfg.linear_layers)
+    out = {}
+    parts = [("lin_in", h, geom.proj_offsets["width"])]
+    if geom.kind == "kda":
+        parts += [("lin_fb", geom.key_dim, geom.value_size), ("lin_gb", geom.key_dim, geom.value_size)]
+    parts.append(("lin_out", geom.value_size, h))
+    for name, k, m in parts:
+        r, c = shape(name, k, m, LANE)
+        out[name] = _family(name, k, m, n, r, c, isz, group=group)
+    return out
 
 
 def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int = 0,
@@ -568,35 +604,56 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
     return out
 
 
+# A linear layer's families in stream order: the in-projection, KDA's two low-rank gates' second
+# halves (forget, output), then the out-projection.
+LINEAR_FAMILIES = ("lin_in", "lin_fb", "lin_gb", "lin_out")
+
+
 def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segment, ...]:
-    """Consecutive same-kind layers grouped into segments, then the lm_head, in ring order."""
+    """Consecutive same-kind layers (the same FFN, dense or MoE, and the same token mixer,
+    attention or linear) grouped into segments, then the lm_head, in ring order. A family's
+    stack index counts the layers that carry it: attention's the attention layers (the KV
+    cache's layers), a linear layer's the linear layers (the state pool's), the FFN's the dense
+    or the MoE layers."""
     segments: list[Segment] = []
-    dense_seen = moe_seen = 0
+    dense_seen = moe_seen = kv_seen = lin_seen = 0
     g = 0
     i = 0
+
+    def kind(layer: int) -> tuple[bool, bool]:
+        return cfg.pattern.is_dense(layer), cfg.pattern.is_linear(layer)
+
     while i < cfg.num_layers:
-        dense = cfg.pattern.is_dense(i)
+        dense, linear = kind(i)
         j = i
-        while j < cfg.num_layers and cfg.pattern.is_dense(j) == dense:
+        while j < cfg.num_layers and kind(j) == (dense, linear):
             j += 1
-        att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
+        if linear:
+            att, mixer_base = tuple(n for n in LINEAR_FAMILIES if n in fams), lin_seen
+        else:
+            att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
+            mixer_base = kv_seen
         if dense:
             names = att + ("gate_up", "down")
-            base = (i,) * len(att) + (dense_seen, dense_seen)
+            base = (mixer_base,) * len(att) + (dense_seen, dense_seen)
         else:
             names = att + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ())
-            base = (i,) * len(att) + ((moe_seen, moe_seen) if len(names) > len(att) else ())
+            base = (mixer_base,) * len(att) + ((moe_seen, moe_seen) if len(names) > len(att) else ())
         offsets, t = [], 0
         for n in names:
             offsets.append(t)
             t += fams[n].tiles
         segments.append(Segment("dense" if dense else "moe", i, j - i, names, base, tuple(offsets), t, g,
-                                moe_base=moe_seen))
+                                moe_base=moe_seen, linear=linear, kv_base=mixer_base))
         g += (j - i) * t
         if dense:
             dense_seen += j - i
         else:
             moe_seen += j - i
+        if linear:
+            lin_seen += j - i
+        else:
+            kv_seen += j - i
         i = j
     head = fams["lm_head"]
     segments.append(Segment("lm_head", cfg.num_layers, 1, ("lm_head",), (0,), (0,), head.tiles, g))
@@ -649,6 +706,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Pl
     _check_hbm(model, target, num_pages, page_size, sharding, spec.quant, spec.kv_dtype)  # before any per-page work
     if model.is_mla:  # after the HBM check: a model too big is refused for that first
         _check_mla(model, spec)
+    if model.linear:
+        _check_linear(model, sharding.devices)
 
     fams, ffn_pad, shared_pad = plan_families(cfg, tuning, spec.quant,
                                               sharding.latent_slices(model) if latent_split else None)
@@ -671,6 +730,10 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Pl
     # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
     attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
     attention.validate()
+    linear = None
+    if cfg.linear:
+        linear = LinearGeometry.from_config(cfg, batch, q_len)
+        linear.validate()
     all_reduce = None
     if sharding.devices > 1:
         # One row per token row (padding to the 8-row tile would send 8x the bytes at batch 1);
@@ -693,7 +756,7 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Pl
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
                     sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant,
-                    unpadded=spec.model if padded is not None else None)
+                    unpadded=spec.model if padded is not None else None, linear=linear)
 
         def finish(geom) -> Plan:
             p = _replace(plan, attention=geom)
@@ -808,6 +871,23 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
                                 f"megakernel needs a divisor of {LANE} (roped heads are rotated inside lane tiles)")
 
 
+def _check_linear(model: ModelConfig, devices: int) -> None:
+    """What the megakernel's linear-attention layers do not do yet, refused with one line each."""
+    where = f"model '{model.name}'"
+    for f, on in (("post_norms", model.post_norms), ("parallel_blocks", model.parallel_blocks),
+                  ("sliding_layers", bool(model.sliding_layers)), ("qk_norm_whole", model.qk_norm_whole)):
+        if on:
+            raise NotSupportedError(f"{where}: {f} with linear-attention layers is not built yet")
+    attention = model.pattern.attention_layers
+    if model.nope_layers and set(model.nope_layers) != set(attention):
+        raise NotSupportedError(f"{where}: nope_layers = {list(model.nope_layers)}: the megakernel rotates every "
+                                "attention layer or none (one RoPE table per step)")
+    lin = model.linear
+    if devices > 1 and lin.linear_key_heads % devices:
+        raise NotSupportedError(f"{where}: linear_key_heads = {lin.linear_key_heads}: expected a multiple of the "
+                                f"{devices} devices (each takes whole key heads and their value heads)")
+
+
 def _replace(plan: Plan, **changes) -> Plan:
     import dataclasses
 
@@ -854,6 +934,8 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
     if plan.moe is not None:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    if plan.linear is not None:  # every sequence's slot: state, window, pending rows, read and written
+        out["linear_states"] = float(plan.linear.hbm_bytes())
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
     rope_lanes = rope_table_lanes(cfg)  # cos/sin rows (contract)
     out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
@@ -906,6 +988,9 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
     pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
                 for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
     out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
+    if plan.linear is not None:  # per linear layer and sequence: state, window, pending rows in and out
+        g = plan.linear
+        out["linear_states"] = {"count": 6 * g.num_layers * g.batch, "bytes_each": g.slot_bytes / 3}
     if plan.moe is not None:
         m = plan.moe
         distinct = m.expected_distinct_experts()
