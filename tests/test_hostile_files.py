@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -59,6 +60,8 @@ MODEL_TOML = ('name = "hostile"\nnum_layers = 1\nhidden_size = 128\nnum_q_heads 
               'head_dim = 128\nffn_size = 256\nvocab_size = 256\ndtype = "float32"\n')
 KEY = "k" * 64
 LONG = "n" * 300  # one path component over NAME_MAX (255 bytes)
+# magic, version 3, no tensors, one key/value: key 'a', an ARRAY (9) of UINT8 (0) with 2**62 items
+GGUF_BOMB = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 0, 1 << 62)
 DEEP = "/".join(["d" * 100] * 45)  # short components, the whole over PATH_MAX (4095 bytes)
 
 
@@ -145,6 +148,11 @@ CASES: list[Case] = [
          says=("TPUMK_SIGNING_KEY_FILE", "character device"), subprocess=True, allow=("out",)),
     Case("dev-zero-safetensors", CKPT_GEN, ckpt(tensors=Symlink("/dev/zero")), says=("character device",),
          subprocess=True),
+    # ---- a 49-byte GGUF declaring an array of 2**62 items: the reader walked it item by item,
+    # memory growing ~100 MB/s, and never returned (a fresh process with the address-space cap)
+    Case("gguf-array-of-2-62-items", ["generate", "--checkpoint", "bomb.gguf", "--prompt-ids", "1", "--steps", "1"],
+         {"bomb.gguf": GGUF_BOMB}, says=("bomb.gguf", "metadata array 'a'", "the file ends at byte 49"),
+         subprocess=True),
     # ---- names the OS refuses as too long, for every path option
     Case("long-model", [*BUILD, "--model", LONG + ".toml"], says=("--model", "255")),
     Case("long-model-preset-like", [*BUILD, "--model", LONG], says=("--model", "255")),
@@ -166,6 +174,9 @@ CASES: list[Case] = [
     Case("long-draft-model", [*DRAFT, LONG], says=("--draft-model", "255")),
     Case("long-generate-checkpoint", ["generate", "--checkpoint", LONG, "--prompt-ids", "1"],
          says=("--checkpoint", "255")),
+    Case("long-shard-name-in-index", CKPT_GEN, ckpt(tensors=b"unused") | {
+        "ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": LONG + ".safetensors"}})},
+         says=("model.safetensors.index.json", "255")),
     Case("long-whole-path", [*KEY_ARGS, "--tuning", DEEP + ".toml"], says=("--tuning", "4095")),
     Case("long-signing-key-file", EXPORT, env={"TPUMK_SIGNING_KEY_FILE": LONG},
          says=("TPUMK_SIGNING_KEY_FILE", "255"), allow=("out",)),
