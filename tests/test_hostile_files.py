@@ -303,6 +303,29 @@ def test_hostile_file(case: Case, tmp_path: Path, monkeypatch, warm):
         pytest.fail(f"{case.id}: " + "; ".join(problems) + f"\n  stderr: {stderr[:300]!r}", pytrace=False)
 
 
+def test_checkpoint_paths_the_os_cannot_open_are_one_line(tmp_path):
+    """The library's checkpoint readers, called with a path the OS would refuse (a component over
+    255 bytes), or a directory that exists but whose files' paths pass 4095 bytes: one line
+    naming the path, never an OSError from is_file() / exists()."""
+    from tpumk.errors import CheckpointError, ConfigError
+    from tpumk.model.checkpoint import checkpoint_config, load_checkpoint
+    from tpumk.model.tokenizer import load_tokenizer
+
+    deep = tmp_path
+    while len(os.fsencode(deep)) < 4090:  # room for the directory, none for its config.json / tokenizer.json
+        deep = deep / ("d" * min(200, 4090 - 1 - len(os.fsencode(deep))))
+    assert len(os.fsencode(deep)) == 4090
+    deep.mkdir(parents=True)
+    for fn, path, words in ((load_checkpoint, tmp_path / LONG, "255"), (load_checkpoint, deep, "4095"),
+                            (load_tokenizer, tmp_path / LONG, "255"), (load_tokenizer, deep, "4095"),
+                            (checkpoint_config, tmp_path / (LONG + ".gguf"), "255"),
+                            (checkpoint_config, deep, "4095")):
+        with pytest.raises(Exception) as e:
+            fn(path)
+        assert isinstance(e.value, (CheckpointError, ConfigError)), (fn.__name__, path, repr(e.value)[:200])
+        assert words in str(e.value) and "\n" not in str(e.value), (fn.__name__, str(e.value)[:200])
+
+
 # ---------------------------------------------------------------------- the tuning journal
 def _journal_study(path: Path, trials: int):
     import optuna

@@ -517,8 +517,9 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         from tpumk.model.gguf import load_gguf
 
         return load_gguf(d, dtype)
-    if name_problem(d):
-        raise CheckpointError(f"{shown(d)}: {name_problem(d)}")
+    for p in (d, d / INDEX_FILE):  # is_dir / is_file raise on a name the OS refuses (the index: the longest)
+        if name_problem(p):
+            raise CheckpointError(f"{shown(p)}: {name_problem(p)}")
     if not d.is_dir():
         raise CheckpointError(f"{d}: checkpoint directory does not exist")
     if not (d / "config.json").is_file():

@@ -187,8 +187,9 @@ def from_gguf(path: str | Path) -> Tokenizer:
 def load_tokenizer(checkpoint: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint: a GGUF file's vocabulary, or a directory's tokenizer.json."""
     p = Path(checkpoint)
-    if name_problem(p):
-        raise CheckpointError(f"{shown(p)}: {name_problem(p)}")
+    for q in (p, p / TOKENIZER_FILE):  # exists() raises on a name the OS refuses
+        if name_problem(q):
+            raise CheckpointError(f"{shown(q)}: {name_problem(q)}")
     if is_gguf_path(p):
         return from_gguf(p)
     if is_dir(p) and (p / TOKENIZER_FILE).exists():
