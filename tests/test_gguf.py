@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from cli_output import error_lines
+import gguf_files
 import hf_utils  # first: offline hub, quiet transformers (and build_checkpoint)
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +32,12 @@ from gguf.quants import dequantize, quantize
 
 from tpumk.cli import main
 from tpumk.decode.generate import Model, generate
-from tpumk.errors import CheckpointError, NotSupportedError
+from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model import reference
 from tpumk.model.checkpoint import load_checkpoint
+from tpumk.model import gguf_file
 from tpumk.model.gguf import load_gguf
+from tpumk.model.gguf_file import open_gguf
 from tpumk.model.tokenizer import from_gguf, load_tokenizer
 
 # Widths off the 128-lane grid (the plan pads them), GQA 3:1, like SmolLM2 in miniature.
@@ -315,6 +320,194 @@ def test_directory_fifo_and_garbage_are_refused(tmp_path):
     junk.write_bytes(b"not a gguf file at all, just some bytes")
     _one_line_error(CheckpointError, load_gguf, junk, match="not a readable GGUF file")
     _one_line_error(CheckpointError, load_gguf, tmp_path / "absent.gguf", match="no such file")
+
+
+# ---------------------------------------------------------------------- hostile files (tests/gguf_files.py)
+def _write(tmp_path: Path, data: bytes, name: str = "h.gguf") -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def test_the_hand_written_tiny_gguf_reads_as_the_gguf_package_reads_it(tmp_path):
+    """The hostile cases' base file is a valid GGUF: tpumk's bounded reader and the gguf
+    package's GGUFReader agree on every tensor's bytes and the metadata tpumk reads."""
+    path = _write(tmp_path, gguf_files.tiny_gguf())
+    g = open_gguf(path)
+    r = GGUFReader(str(path))
+    assert list(g.tensors) == [t.name for t in r.tensors] and g.data_offset == r.data_offset
+    for t in r.tensors:
+        np.testing.assert_array_equal(g.tensor_bytes(g.tensors[t.name]).view(np.float32), np.asarray(t.data))
+    assert g.strings("tokenizer.ggml.tokens") == r.fields["tokenizer.ggml.tokens"].contents()
+    assert g.value("llama.embedding_length") == gguf_files.HIDDEN
+    cfg, _ = load_gguf(path)
+    assert (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.vocab_size) == (128, 2, 1, 256)
+
+
+def _laid_at(name: str, delta: int = 0):
+    return lambda laid, start: laid[name] + delta
+
+
+@pytest.mark.parametrize("offsets, words", [
+    # blk.0.attn_v reads attn_k's bytes: the file loaded and ran on wrong weights
+    ({"blk.0.attn_v.weight": _laid_at("blk.0.attn_k.weight")}, ["'blk.0.attn_v.weight'", "overlaps",
+                                                                  "'blk.0.attn_k.weight'"]),
+    ({"blk.0.attn_v.weight": _laid_at("blk.0.attn_v.weight", 4)}, ["'blk.0.attn_v.weight'", "alignment 32"]),
+    # 2**64 - (the data section's start): the gguf package's reader wrapped it to file byte 0
+    ({"blk.0.attn_v.weight": lambda laid, start: -start}, ["'blk.0.attn_v.weight'", "wraps around 2**64",
+                                                           "inside the header"]),
+    ({"output.weight": 1 << 40}, ["'output.weight'", "past the end of the file"]),
+])
+def test_tensor_layouts_llama_cpp_refuses_are_refused_naming_the_tensor(tmp_path, offsets, words):
+    path = _write(tmp_path, gguf_files.tiny_gguf(offsets=offsets))
+    msg = _one_line_error(CheckpointError, load_gguf, path, match=words[0])
+    assert all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"general.alignment": (gguf_files.U32, 48)}, ["'general.alignment' = 48", "power of two"]),
+    ({"general.alignment": (gguf_files.U64, 32)}, ["'general.alignment'", "a UINT64", "UINT32"]),
+    ({"llama.block_count": (gguf_files.STR, "1")}, ["'llama.block_count'", "a STRING", "integer"]),
+    ({"llama.rope.freq_base": (gguf_files.U32, 10000)}, ["'llama.rope.freq_base'", "FLOAT32"]),
+    ({"x.nested": (gguf_files.ARR, (gguf_files.ARR, []))}, ["'x.nested'", "array of arrays"]),
+])
+def test_metadata_of_the_wrong_gguf_type_is_refused(tmp_path, meta, words):
+    path = _write(tmp_path, gguf_files.tiny_gguf(meta))
+    msg = _one_line_error((CheckpointError, ConfigError), load_gguf, path, match=words[0])
+    assert all(w in msg for w in words), msg
+
+
+def test_a_large_legal_array_is_parsed_at_once_and_an_absurd_one_refused(tmp_path):
+    """An array of MAX_ARRAY_ITEMS bytes (4 MiB: the gguf package's reader took ~40 s and
+    GBs, one numpy view per item) parses in well under a second; one item more, or more items
+    in all arrays than MAX_METADATA_ITEMS, is refused in one line naming the limit."""
+    n = gguf_file.MAX_ARRAY_ITEMS
+    path = _write(tmp_path, gguf_files.tiny_gguf({"x.big": gguf_files.uint8_array(n)}))
+    t0 = time.perf_counter()
+    cfg, _ = load_gguf(path)
+    assert time.perf_counter() - t0 < 2.0 and cfg.vocab_size == 256
+    assert open_gguf(path).fields["x.big"].count == n
+    path = _write(tmp_path, gguf_files.tiny_gguf({"x.big": gguf_files.uint8_array(n + 1)}), "over.gguf")
+    _one_line_error(CheckpointError, load_gguf, path, match=f"'x.big' is an array of {n + 1:,} items, more than the "
+                                                              f"{n:,} tpumk reads")
+    many = {f"x.big{i}": gguf_files.uint8_array(n) for i in range(4)}
+    path = _write(tmp_path, gguf_files.tiny_gguf(many), "many.gguf")  # 4 x 4 Mi and the vocabulary's arrays
+    _one_line_error(CheckpointError, load_gguf, path, match=f"more than {gguf_file.MAX_METADATA_ITEMS:,} items in all")
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_files.string("a") + struct.pack("<IIQ", 9, 0, 1 << 62),
+     ["metadata array 'a'", "the file ends at byte 49"]),  # the 49-byte hang (also in test_hostile_files)
+    (b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 1 << 40) + bytes(64), ["1,099,511,627,776 tensors", "at most 65,536"]),
+    (b"GGUF" + struct.pack("<IQQ", 3, 1000, 0) + bytes(64), ["1,000 tensors", "more than the file's 88 bytes can hold"]),
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_files.string("a") + struct.pack("<IQ", 8, 1 << 62),
+     ["metadata field 'a'", "the file ends"]),
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_files.string("a") + struct.pack("<IIQ", 9, 8, 1 << 20) + bytes(64),
+     ["'a' of 1,048,576 STRING items", "the file ends"]),
+    (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), ["big-endian"]),
+], ids=["array-of-2**62-bytes", "2**40-entries", "1000-tensors-in-88-bytes", "string-of-2**62-bytes",
+        "2**20-strings-in-64-bytes", "big-endian"])
+def test_counts_and_lengths_past_the_file_are_refused_before_any_walk(tmp_path, data, words):
+    path = _write(tmp_path, data)
+    t0 = time.perf_counter()
+    msg = _one_line_error(CheckpointError, open_gguf, path, match=words[0])
+    assert time.perf_counter() - t0 < 1.0 and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"tokenizer.ggml.tokens": (gguf_files.ARR, (gguf_files.STR, gguf_files.byte_alphabet()[:255] + [b"\xff\xfe"]))},
+     ["item 255 of metadata field 'tokenizer.ggml.tokens'", "not UTF-8"]),
+    ({"tokenizer.ggml.token_type": (gguf_files.I32, 1)}, ["'tokenizer.ggml.token_type' is an INT32", "ARRAY"]),
+    ({"tokenizer.ggml.token_type": (gguf_files.ARR, (gguf_files.I32, [1] * 100))},
+     ["'tokenizer.ggml.token_type' has 100 entries", "256"]),
+    ({"tokenizer.ggml.bos_token_id": (gguf_files.BOOL, True), "tokenizer.ggml.add_bos_token": (gguf_files.BOOL, True)},
+     ["'tokenizer.ggml.bos_token_id' is a BOOL", "token id"]),
+    ({"tokenizer.ggml.bos_token_id": (gguf_files.U32, 256), "tokenizer.ggml.add_bos_token": (gguf_files.BOOL, True)},
+     ["'tokenizer.ggml.bos_token_id' = 256", "below 256"]),
+    ({"tokenizer.ggml.add_bos_token": (gguf_files.STR, "false")}, ["'tokenizer.ggml.add_bos_token' is a STRING",
+                                                                   "BOOL"]),
+    ({"tokenizer.ggml.add_bos_token": (gguf_files.BOOL, True), "tokenizer.ggml.bos_token_id": None},
+     ["'tokenizer.ggml.add_bos_token' is true", "bos_token_id"]),
+])
+def test_gguf_tokenizer_fields_of_the_wrong_type_or_length_are_refused(tmp_path, meta, words):
+    path = _write(tmp_path, gguf_files.tiny_gguf(meta))
+    msg = _one_line_error(CheckpointError, from_gguf, path, match=words[0])
+    assert all(w in msg for w in words), msg
+
+
+def test_gguf_bos_of_any_integer_type_is_prepended(tmp_path):
+    for vtype in (gguf_files.I32, gguf_files.U64, gguf_files.U8):
+        path = _write(tmp_path, gguf_files.tiny_gguf({"tokenizer.ggml.bos_token_id": (vtype, 7),
+                                                      "tokenizer.ggml.add_bos_token": (gguf_files.BOOL, True)}),
+                      f"bos{vtype}.gguf")
+        ids = from_gguf(path).encode("hi")
+        assert ids == [7, ord("h"), ord("i")] and all(type(i) is int for i in ids)
+
+
+def _tokenizer_json(tmp_path: Path, **fields) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = json.loads(tok.to_str()) | fields
+    (tmp_path / "tokenizer.json").write_text(json.dumps(d))
+    return tmp_path
+
+
+def test_tokenizer_json_padding_and_truncation_are_off(tmp_path):
+    """A prompt is one sequence, never cut or padded (transformers' encode(text) does the same);
+    a Fixed padding of 10**12 tokens aborted the process (test_hostile_corpus runs that one)."""
+    d = _tokenizer_json(tmp_path, truncation={"direction": "Right", "max_length": 1, "strategy": "LongestFirst",
+                                              "stride": 0},
+                        padding={"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None,
+                                 "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"})
+    assert load_tokenizer(d).encode("hello world hello") == [1, 2, 1]
+
+
+def test_tokenizer_json_padding_of_1e12_tokens_does_not_abort(tmp_path):
+    """The padding the tokenizers library allocated for each encode (10**12 tokens) aborted the
+    process with SIGABRT and no error line; off, the prompt encodes (a fresh process: an abort
+    would take pytest with it)."""
+    d = _tokenizer_json(tmp_path, padding={"strategy": {"Fixed": 10**12}, "direction": "Right",
+                                           "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
+                                           "pad_token": "[UNK]"})
+    code = f"from tpumk.model.tokenizer import load_tokenizer; print(load_tokenizer({str(d)!r}).encode('hello world'))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[1, 2]", (p.returncode, p.stderr[-300:])
+
+
+@pytest.mark.parametrize("fields, text, words", [
+    # a template naming a special token the post-processor's table lacks: a Rust panic
+    ({"post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                  {"Sequence": {"id": "A", "type_id": 0}}],
+                         "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}},
+     "hello", ["cannot encode the prompt", "panicked", "no entry found for key"]),
+    # past Oniguruma's retry limit: a Rust panic
+    ({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(a+)+c"}, "behavior": "Isolated", "invert": False}},
+     "a" * 40 + "b", ["cannot encode the prompt", "retry-limit-in-match"]),
+])
+def test_tokenizer_panics_are_one_line(tmp_path, fields, text, words):
+    """pyo3's PanicException derives from BaseException, not Exception: it escaped as a traceback."""
+    tok = load_tokenizer(_tokenizer_json(tmp_path, **fields))
+    msg = _one_line_error(CheckpointError, tok.encode, text, match=words[0])
+    assert all(w in msg for w in words), msg
+
+
+def test_over_long_tokenizer_path_is_one_line(tmp_path):
+    _one_line_error(CheckpointError, load_tokenizer, tmp_path / ("n" * 300), match="255")
+
+
+def test_build_commands_read_a_gguf_checkpoints_config(tmp_path):
+    """build / export / cache-key / bench / tune take --checkpoint through one resolver
+    (checkpoint_config): a GGUF file's config is the one generate loads (they said "expected a
+    config.json")."""
+    from tpumk.cli.options import resolve_spec
+
+    path = _write(tmp_path, gguf_files.tiny_gguf(), "tiny.gguf")
+    spec = resolve_spec(checkpoint=str(path), target="cpu")
+    assert spec.model == load_gguf(path)[0] and spec.quant == "none"
+    r = _run("cache-key", "--checkpoint", str(path), "--target", "cpu")
+    assert r.exit_code == 0 and r.stderr == "" and len(r.stdout.split()) == 1, (r.stderr, r.exception)
 
 
 # ---------------------------------------------------------------------- the command line

@@ -5,7 +5,8 @@ For every case (README, "Every error is one line on stderr"):
   line (unknown option, a value not of the option's type or not among its choices, a missing
   required option), 1 for input tpumk refused (a config field, a token id, a file, a storage, an
   artifact, an infeasible shape);
-- stderr is exactly one non-empty line starting `tpumk: error:`;
+- stderr is exactly one non-empty line starting `tpumk: error:` (holding the words a case names,
+  where it names some: what makes it the right refusal);
 - no 'Traceback' in stdout or stderr (in-process: no exception other than SystemExit escapes);
 - nothing is written outside the directories the case names: each case runs with cwd = a fresh
   directory under a sentinel parent, and both trees are snapshotted before and after.
@@ -36,7 +37,9 @@ import pytest
 from click.testing import CliRunner
 
 from tpumk.cli import main
+from tpumk.model import gguf_file
 
+import gguf_files
 from cli_output import error_lines
 from file_trees import Symlink, snapshot, stray, write_tree
 
@@ -255,6 +258,7 @@ class Case:
     subprocess: bool = False
     env: dict[str, str] = field(default_factory=dict)
     expect_prunes: bool = False  # the README's exception: exit 0 and prunes in the JSON summary
+    says: tuple[str, ...] = ()  # substrings the error line must hold (what makes it the right refusal)
 
 
 def model_case(id, text, cmd="build", code=INPUT, limit=DEFAULT_LIMIT, name="m.toml", **kw):
@@ -266,6 +270,25 @@ def model_case(id, text, cmd="build", code=INPUT, limit=DEFAULT_LIMIT, name="m.t
 
 def json_case(id, text, cmd="build", **kw):
     return model_case(id, text, cmd=cmd, name="config.json", **kw)
+
+
+GGUF_PROMPT = ["generate", "--checkpoint", "m.gguf", "--prompt", "hi", "--steps", "1"]
+CKPT_PROMPT = ["generate", "--checkpoint", "ckpt", "--prompt", "hello", "--steps", "1"]
+
+
+def gguf_case(id, meta=None, args=None, offsets=None, **kw):
+    """A command (default: generate --prompt) on the tiny GGUF of tests/gguf_files.py as m.gguf,
+    with `meta` key/values and tensor `offsets` changed."""
+    return Case(id, args or GGUF_PROMPT, files={"m.gguf": lambda: gguf_files.tiny_gguf(meta, offsets=offsets)}, **kw)
+
+
+def tokenizer_json(**fields: Any) -> str:
+    """A word-level tokenizer.json (hello, world; [UNK]) with `fields` set."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return json.dumps(json.loads(tok.to_str()) | fields)
 
 
 GEN = ["generate", "--model", "tiny-dense", "--steps", "1"]
@@ -402,6 +425,39 @@ CASES: list[Case] = [
         extra={"ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": "nope.safetensors"}})})),
     Case("ckpt-and-model-both", ["build", "--model", "tiny-dense", "--checkpoint", "ckpt", "--target", "cpu"],
          files=checkpoint()),
+    # ---- GGUF checkpoints (tests/gguf_files.py): layouts llama.cpp refuses ran on wrong weights
+    gguf_case("gguf-tensors-overlap", offsets={"blk.0.attn_v.weight": lambda laid, start: laid["blk.0.attn_k.weight"]},
+              says=("'blk.0.attn_v.weight'", "overlaps")),
+    gguf_case("gguf-tensor-misaligned",
+              offsets={"blk.0.attn_v.weight": lambda laid, start: laid["blk.0.attn_v.weight"] + 4},
+              says=("'blk.0.attn_v.weight'", "alignment")),
+    gguf_case("gguf-tensor-offset-wraps-into-header", offsets={"blk.0.attn_v.weight": lambda laid, start: -start},
+              says=("'blk.0.attn_v.weight'", "wraps around 2**64")),
+    gguf_case("gguf-build-tensors-overlap", args=["build", "--checkpoint", "m.gguf", "--target", "cpu"],
+              offsets={"blk.0.attn_v.weight": lambda laid, start: laid["blk.0.attn_k.weight"]},
+              says=("'blk.0.attn_v.weight'", "overlaps")),
+    gguf_case("gguf-array-past-the-limit", {"x.big": gguf_files.uint8_array(gguf_file.MAX_ARRAY_ITEMS + 1)},
+              limit=FAST, says=("'x.big'", f"{gguf_file.MAX_ARRAY_ITEMS:,}")),
+    # ---- GGUF tokenizer fields: tracebacks, or loose types read as something else
+    gguf_case("gguf-token-not-utf8",
+              {"tokenizer.ggml.tokens": (gguf_files.ARR, (gguf_files.STR, gguf_files.byte_alphabet()[:255] + [b"\xff"]))},
+              says=("item 255 of metadata field 'tokenizer.ggml.tokens'",)),
+    gguf_case("gguf-token-type-scalar", {"tokenizer.ggml.token_type": (gguf_files.I32, 1)},
+              says=("'tokenizer.ggml.token_type'",)),
+    gguf_case("gguf-token-type-short", {"tokenizer.ggml.token_type": (gguf_files.ARR, (gguf_files.I32, [1] * 100))},
+              says=("'tokenizer.ggml.token_type' has 100 entries",)),
+    gguf_case("gguf-bos-id-bool", {"tokenizer.ggml.bos_token_id": (gguf_files.BOOL, True),
+                                   "tokenizer.ggml.add_bos_token": (gguf_files.BOOL, True)},
+              says=("'tokenizer.ggml.bos_token_id' is a BOOL",)),
+    gguf_case("gguf-add-bos-string-false", {"tokenizer.ggml.add_bos_token": (gguf_files.STR, "false")},
+              says=("'tokenizer.ggml.add_bos_token' is a STRING",)),
+    # ---- a checkpoint's tokenizer.json: Rust panics (BaseException) escaped as tracebacks
+    Case("tokenizer-template-undefined-special-token", CKPT_PROMPT, files=checkpoint(
+        tensors=lambda: safetensors_bytes(tiny_tensors()), extra={"ckpt/tokenizer.json": tokenizer_json(
+            post_processor={"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                     {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}})}),
+         says=("tokenizer.json", "no entry found for key")),
     # ---- tuning files ([tuning] TOML)
     Case("tuning-unknown-knob", [*KEY, "--tuning", "t.toml"], files={"t.toml": "[tuning]\nring_dpeth = 8\n"}),
     Case("tuning-string-int", [*KEY, "--tuning", "t.toml"], files={"t.toml": '[tuning]\nring_depth = "8"\n'}),
@@ -607,6 +663,13 @@ CASES: list[Case] = [
          files={"key": "k" * 64}, env={"TPUMK_SIGNING_KEY": "k" * 64, "TPUMK_SIGNING_KEY_FILE": "key"}),
     Case("proc-toml-binary-garbage", ["build", "--model", "m.toml", "--target", "cpu"], files={"m.toml": GARBAGE},
          subprocess=True, limit=60),
+    # a regex past Oniguruma's retry limit: a panic, whose Rust report (and backtrace) went to stderr
+    Case("proc-tokenizer-regex-retry-limit", [*CKPT_PROMPT[:-3], "a" * 40 + "b", "--steps", "1"], subprocess=True,
+         limit=60, env={"RUST_BACKTRACE": "1"}, files=checkpoint(
+             tensors=lambda: safetensors_bytes(tiny_tensors()), extra={"ckpt/tokenizer.json": tokenizer_json(
+                 pre_tokenizer={"type": "Split", "pattern": {"Regex": "(a+)+c"}, "behavior": "Isolated",
+                                "invert": False})}),
+         says=("tokenizer.json", "retry-limit-in-match")),
 ]
 
 _ids = [c.id for c in CASES]
@@ -672,6 +735,7 @@ def test_hostile_input(case: Case, tmp_path: Path, monkeypatch, warm):
         lines = error_lines(stderr)  # after any progress lines of the phases that started
         if len(lines) != 1 or not lines[0].startswith("tpumk: error:") or not lines[0][len("tpumk: error:"):].strip():
             problems.append(f"stderr is not one 'tpumk: error: ...' line ({len(lines)} lines)")
+        problems += [f"the error does not say {w!r}" for w in case.says if w not in stderr]
     outside = stray(before, after, [str(Path("cwd") / a) for a in case.allow])
     if outside:
         problems.append(f"wrote outside {list(case.allow) or 'nothing allowed'}: {outside[:5]}")
@@ -703,6 +767,19 @@ def test_control_checkpoint_generates(tmp_path, monkeypatch, warm):
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(main, [*CKPT_GEN, "--json"])
     assert r.exit_code == 0, (r.stderr, r.exception)
+
+
+def test_control_prompt_checkpoints_generate(tmp_path, monkeypatch, warm):
+    """The tokenizer.json the tokenizer-* cases damage, and the GGUF file the gguf-* cases damage,
+    are themselves valid: `generate --prompt` runs on both."""
+    write_tree(tmp_path, checkpoint(tensors=lambda: safetensors_bytes(tiny_tensors()),
+                                    extra={"ckpt/tokenizer.json": tokenizer_json()}))
+    (tmp_path / "m.gguf").write_bytes(gguf_files.tiny_gguf())
+    monkeypatch.chdir(tmp_path)
+    for args in (CKPT_PROMPT, GGUF_PROMPT):
+        r = CliRunner().invoke(main, [*args, "--json"])
+        assert r.exit_code == 0, (args, r.stderr, r.exception)
+        assert json.loads(r.stdout)["prompts"] == ([[1]] if args is CKPT_PROMPT else [[ord("h"), ord("i")]])
 
 
 def test_control_model_toml_builds_a_spec(tmp_path, monkeypatch, warm):

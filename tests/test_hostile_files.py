@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -59,6 +60,8 @@ MODEL_TOML = ('name = "hostile"\nnum_layers = 1\nhidden_size = 128\nnum_q_heads 
               'head_dim = 128\nffn_size = 256\nvocab_size = 256\ndtype = "float32"\n')
 KEY = "k" * 64
 LONG = "n" * 300  # one path component over NAME_MAX (255 bytes)
+# magic, version 3, no tensors, one key/value: key 'a', an ARRAY (9) of UINT8 (0) with 2**62 items
+GGUF_BOMB = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 0, 1 << 62)
 DEEP = "/".join(["d" * 100] * 45)  # short components, the whole over PATH_MAX (4095 bytes)
 
 
@@ -145,6 +148,11 @@ CASES: list[Case] = [
          says=("TPUMK_SIGNING_KEY_FILE", "character device"), subprocess=True, allow=("out",)),
     Case("dev-zero-safetensors", CKPT_GEN, ckpt(tensors=Symlink("/dev/zero")), says=("character device",),
          subprocess=True),
+    # ---- a 49-byte GGUF declaring an array of 2**62 items: the reader walked it item by item,
+    # memory growing ~100 MB/s, and never returned (a fresh process with the address-space cap)
+    Case("gguf-array-of-2-62-items", ["generate", "--checkpoint", "bomb.gguf", "--prompt-ids", "1", "--steps", "1"],
+         {"bomb.gguf": GGUF_BOMB}, says=("bomb.gguf", "metadata array 'a'", "the file ends at byte 49"),
+         subprocess=True),
     # ---- names the OS refuses as too long, for every path option
     Case("long-model", [*BUILD, "--model", LONG + ".toml"], says=("--model", "255")),
     Case("long-model-preset-like", [*BUILD, "--model", LONG], says=("--model", "255")),
@@ -166,6 +174,9 @@ CASES: list[Case] = [
     Case("long-draft-model", [*DRAFT, LONG], says=("--draft-model", "255")),
     Case("long-generate-checkpoint", ["generate", "--checkpoint", LONG, "--prompt-ids", "1"],
          says=("--checkpoint", "255")),
+    Case("long-shard-name-in-index", CKPT_GEN, ckpt(tensors=b"unused") | {
+        "ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": LONG + ".safetensors"}})},
+         says=("model.safetensors.index.json", "255")),
     Case("long-whole-path", [*KEY_ARGS, "--tuning", DEEP + ".toml"], says=("--tuning", "4095")),
     Case("long-signing-key-file", EXPORT, env={"TPUMK_SIGNING_KEY_FILE": LONG},
          says=("TPUMK_SIGNING_KEY_FILE", "255"), allow=("out",)),
@@ -290,6 +301,29 @@ def test_hostile_file(case: Case, tmp_path: Path, monkeypatch, warm):
         problems.append(f"took {seconds:.1f} s (limit {limit:.0f} s)")
     if problems:
         pytest.fail(f"{case.id}: " + "; ".join(problems) + f"\n  stderr: {stderr[:300]!r}", pytrace=False)
+
+
+def test_checkpoint_paths_the_os_cannot_open_are_one_line(tmp_path):
+    """The library's checkpoint readers, called with a path the OS would refuse (a component over
+    255 bytes), or a directory that exists but whose files' paths pass 4095 bytes: one line
+    naming the path, never an OSError from is_file() / exists()."""
+    from tpumk.errors import CheckpointError, ConfigError
+    from tpumk.model.checkpoint import checkpoint_config, load_checkpoint
+    from tpumk.model.tokenizer import load_tokenizer
+
+    deep = tmp_path
+    while len(os.fsencode(deep)) < 4090:  # room for the directory, none for its config.json / tokenizer.json
+        deep = deep / ("d" * min(200, 4090 - 1 - len(os.fsencode(deep))))
+    assert len(os.fsencode(deep)) == 4090
+    deep.mkdir(parents=True)
+    for fn, path, words in ((load_checkpoint, tmp_path / LONG, "255"), (load_checkpoint, deep, "4095"),
+                            (load_tokenizer, tmp_path / LONG, "255"), (load_tokenizer, deep, "4095"),
+                            (checkpoint_config, tmp_path / (LONG + ".gguf"), "255"),
+                            (checkpoint_config, deep, "4095")):
+        with pytest.raises(Exception) as e:
+            fn(path)
+        assert isinstance(e.value, (CheckpointError, ConfigError)), (fn.__name__, path, repr(e.value)[:200])
+        assert words in str(e.value) and "\n" not in str(e.value), (fn.__name__, str(e.value)[:200])
 
 
 # ---------------------------------------------------------------------- the tuning journal

@@ -297,14 +297,16 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
                       draft_tokens, draft_model)  # before any weights
     gen.prepare_devices(devices)  # host devices must exist before JAX starts its backends
     tokenizer = gen.prompt_tokenizer(checkpoint) if prompt_text is not None else None  # before the weights
+    text_ids = gen.encode_prompt(tokenizer, prompt_text) if tokenizer is not None else None
     from tpumk.cli.progress import Phases
 
     phases = Phases("tpumk generate")
     phases("weights: " + (f"checkpoint {checkpoint}" if checkpoint is not None else f"random (seed {seed})")
            + (f", quantized {quant}" if quant != "none" else ""))
     m = gen.quantized(gen.load_model(model, checkpoint, seed=seed, dtype=dtype), quant)
-    if tokenizer is not None:
-        prompts = [gen.encode_prompt(tokenizer, prompt_text, m.cfg.vocab_size)]
+    if text_ids is not None:
+        gen.check_prompt_vocab(text_ids, m.cfg.vocab_size)
+        prompts = [text_ids]
     else:
         prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
@@ -349,7 +351,8 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
 
 @main.command()
 @click.option("--model", default=None, help="Preset name, model TOML or config.json (random weights, --seed).")
-@click.option("--checkpoint", type=click.Path(), help="A Hugging Face checkpoint directory (float weights).")
+@click.option("--checkpoint", type=click.Path(),
+              help="A Hugging Face checkpoint directory (float weights) or a Llama GGUF file (dequantized).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights (ignored with --checkpoint).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype.")
 @click.option("--quant", "schemes", default="int8,fp8,int4,fp8-b128", show_default=True, metavar="SCHEME[;SCHEME..]",

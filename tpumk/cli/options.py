@@ -219,7 +219,9 @@ def spec_options(tuning: bool = True):
     opts = [
         click.option("--model", "model", metavar="NAME|FILE",
                      help=f"Preset name, model TOML or config.json (default {S.DEFAULT_MODEL})."),
-        click.option("--checkpoint", type=click.Path(), help="Take the model config from a Hugging Face checkpoint directory."),
+        click.option("--checkpoint", type=click.Path(),
+                     help="Take the model config from a checkpoint: a Hugging Face directory (config.json) or a Llama "
+                          "GGUF file."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), help="Override the model's weight dtype."),
         click.option("--target", default=S.DEFAULT_TARGET, show_default=True, help="v5e, v5p, v6e, tpu7x or cpu."),
         click.option("--batch", default=S.DEFAULT_BATCH, show_default=True, help="Sequences per decode step."),
@@ -278,7 +280,7 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
                  page_size=None, devices=None, quant=None, kv_dtype=None, tuning_file=None):
     """A BuildSpec from command-line values (None: the default)."""
     from tpumk.errors import ConfigError
-    from tpumk.model.config import load_hf_model, resolve_model_scheme
+    from tpumk.model.config import resolve_model_scheme
     from tpumk.model.quantize import build_scheme
     from tpumk.plan import spec as S
     from tpumk.plan.knobs import TuningConfig, load_tuning
@@ -286,15 +288,19 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
 
     # None is "not given" (the default); a given but empty name is refused, never read as the default
     for flag, value, what in (("--model", model, "a preset name, model TOML or config.json"),
-                              ("--checkpoint", checkpoint, "a checkpoint directory"),
+                              ("--checkpoint", checkpoint, "a checkpoint directory or GGUF file"),
                               ("--target", target, "a target name"),
                               ("--tuning", tuning_file, "a tuning TOML")):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag}: empty value (expected {what}; leave the option out for the default)")
     if model is not None and checkpoint is not None:
         raise ConfigError("give either --model or --checkpoint, not both")
-    cfg, stored = load_hf_model(checkpoint) if checkpoint is not None else \
-        resolve_model_scheme(S.DEFAULT_MODEL if model is None else model)
+    if checkpoint is not None:
+        from tpumk.model.checkpoint import checkpoint_config
+
+        cfg, stored = checkpoint_config(checkpoint)
+    else:
+        cfg, stored = resolve_model_scheme(S.DEFAULT_MODEL if model is None else model)
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     try:  # a quantized checkpoint builds as stored (the loader packs that format)

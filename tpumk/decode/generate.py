@@ -93,10 +93,11 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
                   draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: str | None = None) -> None:
     """What `tpumk generate` can check before any weights exist (random weights take seconds, a
     checkpoint longer): the backend and speculation method, the devices' backend, and, from the
-    model's config alone (a preset, TOML or config.json; a checkpoint directory's config.json),
-    the weight scheme and the prompt ids against the vocabulary. A GGUF file's config is read
-    with its weights, so its prompt ids and scheme are checked then."""
+    model's config alone (a preset, TOML or config.json; a checkpoint directory's config.json, a
+    GGUF file's metadata), the weight scheme and the prompt ids against the vocabulary."""
     from tpumk.files import is_dir
+    from tpumk.model.checkpoint import checkpoint_config
+    from tpumk.model.gguf_file import is_gguf_path
     from tpumk.model.quantize import build_scheme
 
     check_methods(backend, spec, devices)
@@ -104,9 +105,9 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
     check_draft_option(draft_model, spec)
     if spec == "draft" and draft_model is None:
         raise ConfigError("--spec draft: needs --draft-model NAME|FILE|DIR|layers:N")
-    if checkpoint is not None and not is_dir(Path(checkpoint)):
-        return  # a GGUF file, or a path load_model refuses in one line
-    cfg, stored = load_hf_model(checkpoint) if checkpoint is not None else \
+    if checkpoint is not None and not (is_dir(Path(checkpoint)) or is_gguf_path(checkpoint)):
+        return  # a path load_model refuses in one line
+    cfg, stored = checkpoint_config(checkpoint) if checkpoint is not None else \
         (resolve_model("tiny-moe" if model is None else model), "none")
     if dtype:
         cfg = cfg.replace(dtype=dtype)
@@ -231,15 +232,20 @@ def prompt_tokenizer(checkpoint: str | None):
     return load_tokenizer(checkpoint)
 
 
-def encode_prompt(tokenizer, text: str, vocab_size: int) -> list[int]:
-    """--prompt's token ids: at least one, each inside the model's vocabulary."""
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """--prompt's token ids, at least one (encoded before any weights load: a tokenizer that
+    cannot encode the text fails first)."""
     ids = tokenizer.encode(text)
     if not ids:
         raise ConfigError("--prompt: the text encodes to no tokens (expected a non-empty prompt)")
+    return ids
+
+
+def check_prompt_vocab(ids: list[int], vocab_size: int) -> None:
+    """--prompt's ids each inside the model's vocabulary."""
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise ConfigError(f"--prompt: the tokenizer gives id {bad}, outside the model's vocabulary of {vocab_size}")
-    return ids
 
 
 _ID = re.compile(r"[0-9]+", re.ASCII)

@@ -79,6 +79,7 @@ from safetensors import SafetensorError, safe_open
 from tpumk.files import TEXT_LIMIT, name_problem, open_regular, read_regular, shown
 from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GATED_DELTA_FAMILIES, HF_GEMMA_FAMILIES, LAYER_NORMS, ModelConfig,
                                 hf_text_config, load_hf_model, override_dtype)
+from tpumk.model.gguf_file import is_gguf_path, open_gguf
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, RING_MATRICES, QuantizedMatrix,
                                   quantize_params)
@@ -177,6 +178,8 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
                                   "tensor name -> shard file name)")
         files = [d / f for f in sorted(set(weight_map.values()))]
         for f in files:
+            if name_problem(f):  # is_file() raises on a name the OS refuses
+                raise CheckpointError(f"{index}: lists shard '{shown(f.name, 60)}': {name_problem(f)}")
             if not f.is_file():
                 raise CheckpointError(f"{index}: lists shard '{f.name}' which is missing from {d}")
     else:
@@ -553,6 +556,20 @@ def fold_logit_scale(cfg: ModelConfig, params: Params, config_json: dict[str, An
     return {**params, "final_norm": w}
 
 
+def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
+    """The config of the checkpoint `path` and the scheme its weights are stored in
+    (`tpumk.model.config.stored_scheme`), without reading the weights: a GGUF file's from its
+    metadata (its weights load dequantized to float: "none"), a directory's (or a config.json's)
+    from its config.json. What every --checkpoint reads its config through: build, export,
+    cache-key, bench, tune, and generate's checks before the weights."""
+    p = Path(path)
+    if is_gguf_path(p):
+        from tpumk.model.gguf import gguf_config
+
+        return gguf_config(open_gguf(p), p), "none"
+    return load_hf_model(p)
+
+
 def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face checkpoint directory, or a Llama GGUF file (a path ending in .gguf:
     `tpumk.model.gguf`), into (config, params).
@@ -563,12 +580,13 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     not model raises NotSupportedError.
     """
     d = Path(path)
-    if d.name.lower().endswith(".gguf"):  # llama.cpp's single file, whatever kind of file the path is
+    if is_gguf_path(d):  # llama.cpp's single file, whatever kind of file the path is
         from tpumk.model.gguf import load_gguf
 
         return load_gguf(d, dtype)
-    if name_problem(d):
-        raise CheckpointError(f"{shown(d)}: {name_problem(d)}")
+    for p in (d, d / INDEX_FILE):  # is_dir / is_file raise on a name the OS refuses (the index: the longest)
+        if name_problem(p):
+            raise CheckpointError(f"{shown(p)}: {name_problem(p)}")
     if not d.is_dir():
         raise CheckpointError(f"{d}: checkpoint directory does not exist")
     if not (d / "config.json").is_file():

@@ -1,10 +1,11 @@
 """Load a GGUF checkpoint (llama.cpp's single-file format) of a Llama model into the reference
 weight layout.
 
-The file is read with the `gguf` package's GGUFReader (metadata and tensors, memory-mapped);
-the config comes from its `llama.*` metadata, and every tensor is dequantized to float32 with
-`gguf.quants.dequantize` (tpumk has no kernel format matching llama.cpp's block quantizations),
-then cast to the model dtype (float32 unless `dtype` says otherwise).
+The file's header and tensor layout are read and checked by `tpumk.model.gguf_file` (bounded,
+memory-mapped; llama.cpp's rules); the config comes from its `llama.*` metadata, and every
+tensor is dequantized to float32 with the `gguf` package's `gguf.quants.dequantize` (tpumk has
+no kernel format matching llama.cpp's block quantizations), then cast to the model dtype
+(float32 unless `dtype` says otherwise).
 
 Name mapping (GGUF tensors, in numpy order, are `[out, in]` like Hugging Face's; the reference
 layout is `[in, out]`):
@@ -24,107 +25,60 @@ j + D/2) does; the loader restores the original order, so tpumk's rotate-half Ro
 
 from __future__ import annotations
 
-import functools
-import os
+import math
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp  # also registers bfloat16 with numpy (ml_dtypes)
 import numpy as np
+from gguf.constants import GGUFValueType
 
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError, and_more, one_line
-from tpumk.files import check_regular, name_problem, shown
-from tpumk.model.config import MAX_SIZES, ModelConfig, _HFFields, from_dict, override_dtype
+from tpumk.model.config import MAX_SIZES, ModelConfig, from_dict, override_dtype
+from tpumk.model.gguf_file import FLOATS, INTEGERS, GGUFFile, TensorInfo, open_gguf
 from tpumk.model.reference import Params
 from tpumk.model.weights import expected_shapes
 
 ARCHITECTURE = "llama"
-# Metadata arrays read only by the tokenizer (tens of thousands of strings): never converted here.
-_BULKY = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.scores"})
+_STRING = {GGUFValueType.STRING}
+_INT = "an integer (UINT8 to INT64)"
 
 
-def open_gguf(path: str | Path):
-    """A GGUFReader over `path`, which must be a regular file (a FIFO would block numpy's
-    memory map, a directory cannot be mapped); anything the reader cannot parse is one line.
-    The reader parses every metadata string one by one (SmolLM2's 49,152 tokens and 48,900
-    merges: about 9 s on the 2-core development host), so the weights and the tokenizer of one
-    file share one reader."""
-    p = Path(path)
-    if name_problem(p):
-        raise CheckpointError(f"{shown(p)}: {name_problem(p)}")
-    size = check_regular(p, "expected a GGUF file", CheckpointError)
-    if size == 0:
-        raise CheckpointError(f"{shown(p)}: empty file (expected a GGUF file)")
-    st = os.stat(p)
-    return _reader(str(p), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def vocabulary_size(g: GGUFFile) -> int | None:
+    """How many tokens `tokenizer.ggml.tokens` lists (None: no such field), without reading them."""
+    f = g.fields.get("tokenizer.ggml.tokens")
+    if f is None:
+        return None
+    if f.type != GGUFValueType.ARRAY or f.item_type != GGUFValueType.STRING:
+        raise CheckpointError(f"{g.src}: metadata field 'tokenizer.ggml.tokens' is {f.kind()}, expected an ARRAY "
+                              "of STRING")
+    return f.count
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, *identity: int):
-    """The reader of `path` as it is now (`identity`: device, inode, size, mtime; a replaced
-    file is read again)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    class _Reader(GGUFReader):
-        def _build_tensors(self, start_offs, fields):
-            # The reader turns each tensor's type id into GGMLQuantizationType, whose ValueError
-            # names neither the tensor nor the field; check first to say which.
-            known = {int(t) for t in GGMLQuantizationType}
-            for field in fields:
-                name_data, raw_type = field.parts[1], field.parts[4]
-                if int(raw_type[0]) not in known:
-                    name = bytes(name_data).decode("utf-8", "replace")
-                    raise CheckpointError(f"{shown(path)}: tensor '{name}' has tensor type {int(raw_type[0])} "
-                                          "(field 'type' of its tensor info), which is not a GGML tensor type the "
-                                          "gguf package knows")
-            super()._build_tensors(start_offs, fields)
-
-    try:
-        return _Reader(path, "r")
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError, OverflowError) as e:
-        raise CheckpointError(f"{shown(path)}: not a readable GGUF file ({one_line(e)})") from None
-
-
-def metadata(reader, src: str) -> dict[str, Any]:
-    """The file's key/value metadata as Python values (the tokenizer's big arrays left out)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _BULKY or key.startswith("GGUF."):
-            continue
-        try:
-            out[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{src}: metadata field '{key}': unreadable value ({one_line(e)})") from None
-    return out
-
-
-def gguf_config(reader, path: Path) -> ModelConfig:
+def gguf_config(g: GGUFFile, path: Path) -> ModelConfig:
     """The ModelConfig a Llama GGUF's metadata describes (float32; anything tpumk does not
-    model refused in one line naming the metadata key)."""
-    src = shown(path)
-    meta = metadata(reader, src)
-    arch = meta.get("general.architecture")
+    model refused in one line naming the metadata key). Every field must have its GGUF type, as
+    llama.cpp reads it: sizes integers, epsilons and frequencies floats, names strings."""
+    src = g.src
+    arch = g.typed("general.architecture", _STRING, "a STRING")
     if arch != ARCHITECTURE:
         raise NotSupportedError(f"{src}: not supported yet: general.architecture {arch!r} (supported: "
                                 f"{ARCHITECTURE!r})")
-    f = _HFFields(meta, src)
     a = ARCHITECTURE + "."
     req = object()
 
     def size(key: str, bound: str, default: Any = req) -> int | None:
-        v = f.int_(a + key, MAX_SIZES[bound], None)
+        v = g.typed(a + key, INTEGERS, _INT)
         if v is None:
             if default is req:
                 raise CheckpointError(f"{src}: missing metadata field '{a + key}'")
             return default
-        if v < 1:
-            raise ConfigError(f"{src}: field '{a + key}' = {v}: expected a positive integer")
+        if not 1 <= v <= MAX_SIZES[bound]:
+            raise ConfigError(f"{src}: field '{a + key}' = {v}: expected a positive integer at most "
+                              f"{MAX_SIZES[bound]:,}")
         return v
 
-    experts = f.int_(a + "expert_count", MAX_SIZES["num_experts"], 0)
+    experts = g.typed(a + "expert_count", INTEGERS, _INT, 0)
     if experts:
         raise NotSupportedError(f"{src}: not supported yet: field '{a}expert_count' = {experts} (a mixture of "
                                 "experts in the llama architecture)")
@@ -140,7 +94,7 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     if rope_dims != head_dim:
         raise NotSupportedError(f"{src}: not supported yet: field '{a}rope.dimension_count' = {rope_dims} (RoPE on "
                                 f"part of each head; only the whole head width {head_dim})")
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    n_tokens = vocabulary_size(g)
     vocab = size("vocab_size", "vocab_size", n_tokens)
     if vocab is None:
         raise CheckpointError(f"{src}: missing metadata field '{a}vocab_size' (and no tokenizer.ggml.tokens)")
@@ -152,21 +106,29 @@ def gguf_config(reader, path: Path) -> ModelConfig:
         num_layers=size("block_count", "num_layers"),
         hidden_size=hidden, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         ffn_size=size("feed_forward_length", "ffn_size"),
-        rms_eps=f.number(a + "attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=f.number(a + "rope.freq_base", 10000.0),
+        rms_eps=_number(g, a + "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=_number(g, a + "rope.freq_base", 10000.0),
         qk_norm=False,
-        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        tie_embeddings="output.weight" not in g.tensors,
         dtype="float32",
     )
-    fields.update(_rope_scaling(f, a, src))
+    fields.update(_rope_scaling(g, a))
     return from_dict(fields, src)
 
 
-def _rope_scaling(f: _HFFields, a: str, src: str) -> dict[str, Any]:
+def _number(g: GGUFFile, key: str, default: float) -> float:
+    v = g.typed(key, FLOATS, "a FLOAT32 or FLOAT64", default)
+    if not math.isfinite(v):
+        raise ConfigError(f"{g.src}: field '{key}' = {v}: expected a finite number")
+    return float(v)
+
+
+def _rope_scaling(g: GGUFFile, a: str) -> dict[str, Any]:
     """llama.rope.scaling.*: none, or linear (positions divided by the factor); YaRN and the
     rest are refused, as is any scaling factor without a type."""
-    kind = f.str_(a + "rope.scaling.type", None)
-    factor = f.number(a + "rope.scaling.factor", 0.0)
+    src = g.src
+    kind = g.typed(a + "rope.scaling.type", _STRING, "a STRING")
+    factor = _number(g, a + "rope.scaling.factor", 0.0)
     if kind in (None, "none"):
         if factor not in (0.0, 1.0):
             raise NotSupportedError(f"{src}: not supported yet: field '{a}rope.scaling.factor' = {factor} with "
@@ -187,13 +149,14 @@ def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantized(t, src: str) -> np.ndarray:
+def _dequantized(g: GGUFFile, t: TensorInfo) -> np.ndarray:
     from gguf.quants import dequantize
 
+    src = g.src
     try:
-        return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        return np.asarray(dequantize(g.tensor_bytes(t), t.type), np.float32)
     except NotImplementedError:
-        raise CheckpointError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the gguf package "
+        raise CheckpointError(f"{src}: tensor '{t.name}' has type {t.type.name}, which the gguf package "
                               "cannot dequantize (expected a float or block-quantized type)") from None
     except (ValueError, TypeError, IndexError) as e:
         raise CheckpointError(f"{src}: cannot read tensor '{t.name}' ({one_line(e)})") from None
@@ -204,9 +167,9 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]
     the float32 the dequantized weights are kept in. A missing, unexpected or misshapen tensor,
     or one of a type the gguf package cannot dequantize, is one line naming it."""
     p = Path(path)
-    src = shown(p)
-    reader = open_gguf(p)
-    cfg = gguf_config(reader, p)
+    g = open_gguf(p)
+    src = g.src
+    cfg = gguf_config(g, p)
     cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     shapes = expected_shapes(cfg)
@@ -235,7 +198,7 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]
         add(b + "ffn_up.weight", i, "w_up", transpose)
         add(b + "ffn_down.weight", i, "w_down", transpose)
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = g.tensors
     if "rope_freqs.weight" in tensors:  # Llama 3.1's per-frequency RoPE factors
         raise NotSupportedError(f"{src}: not supported yet: tensor 'rope_freqs.weight' (RoPE frequency factors)")
     missing = [n for n in plan if n not in tensors]
@@ -246,13 +209,13 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]
         raise CheckpointError(f"{src}: unexpected tensor '{unexpected[0]}'{and_more(unexpected)} (not part of the llama model its "
                               "metadata describes)")
     for name, (_, _, want, _) in plan.items():
-        got = tuple(int(n) for n in reversed(tensors[name].shape.tolist()))  # GGML lists dims innermost first
+        got = tensors[name].shape
         if got != want:
             raise CheckpointError(f"{src}: tensor '{name}' has shape {list(got)}, expected {list(want)}")
 
     params: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
     for name, (layer, key, _, fn) in plan.items():  # one tensor in float32 at a time
-        w = _dequantized(tensors[name], src)
+        w = _dequantized(g, tensors[name])
         if fn is not None:
             w = fn(w)
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(np.asarray(w, out_dt))
