@@ -349,7 +349,8 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     if draft is not None:
         check_host_memory(draft.cfg, len(prompts), context, chunks, flag=flag, whose="the draft model ")
     kv_dtype = "" if kv_dtype in ("", "none", None) else kv_dtype
-    cache = _init_cache(m.cfg, len(prompts), context, page_size, "", kv_dtype)
+    # a hybrid's state pool holds as many pending rows as the megakernel's steps have tokens
+    cache = _init_cache(m.cfg, len(prompts), context, page_size, "", kv_dtype, pending=k + 1)
     ref_step = reference_step(m.cfg)
     t0 = time.perf_counter()
     spec_info: dict = {"method": spec}
@@ -476,7 +477,8 @@ def check_host_memory(cfg: ModelConfig, batch: int, context: int, chunks: list[t
                           "sequences)")
 
 
-def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str, kv_dtype: str = ""):
+def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str, kv_dtype: str = "",
+                pending: int = 1):
     """reference.init_cache, refused with one line when its K and V arrays would not fit in this
     host's memory or the allocation fails (instead of an allocator's traceback)."""
     nbytes = batch * context * cfg.kv_bytes_per_token()
@@ -484,7 +486,8 @@ def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whos
             f"{_size(nbytes)}")
     check_host_memory(cfg, batch, context, [], whose=whose)
     try:
-        return reference.init_cache(cfg, batch, context, page_size=page_size, kv_dtype=kv_dtype or None)
+        return reference.init_cache(cfg, batch, context, page_size=page_size, kv_dtype=kv_dtype or None,
+                                    pending=pending if cfg.linear else 0)
     except MemoryError:
         raise ConfigError(f"--steps: the {what}, which this host cannot allocate") from None
     except Exception as e:  # an accelerator out of memory (XlaRuntimeError RESOURCE_EXHAUSTED)

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.model import reference
+from tpumk.model import linear_attention, reference
 from tpumk.errors import ConfigError
 from tpumk.model.positions import check_finite, check_step
 
@@ -57,9 +57,14 @@ def greedy_accept(drafts, target_ids) -> tuple[np.ndarray, list[list[int]]]:
     return accepted, emitted
 
 
-def rollback(cache: reference.KVCache, lengths) -> reference.KVCache:
-    """The cache with per-sequence lengths set back to `lengths` (rows past them are dead)."""
-    return cache._replace(lengths=jnp.asarray(np.asarray(lengths), jnp.int32))
+def rollback(cache: reference.KVCache, lengths, kept=None) -> reference.KVCache:
+    """The cache with per-sequence lengths set back to `lengths` (rows past them are dead). A
+    hybrid model's state pool keeps the first `kept[b]` tokens the verify step left pending
+    (`linear_attention.keep_accepted`): the next step applies only them."""
+    cache = cache._replace(lengths=jnp.asarray(np.asarray(lengths), jnp.int32))
+    if cache.states is not None and kept is not None:
+        cache = cache._replace(states=linear_attention.keep_accepted(cache.states, jnp.asarray(np.asarray(kept))))
+    return cache
 
 
 def required_context(prompts: Sequence[Sequence[int]], steps: int, draft_tokens: int) -> int:
@@ -150,6 +155,7 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
         where = f"verify step {stats.target_steps + 1}"
         if check:
             check_step(positions, cache, where=where)
+        before = lengths.copy()
         logits, cache = verify(tokens, positions, cache)
         if check:
             check_finite(logits, where=where)
@@ -165,5 +171,5 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
             out[b] += take
             lengths[b] += len(take)  # rows of last_b and the accepted drafts stay valid
         stats.accepted.append(row)
-        cache = rollback(cache, lengths)
+        cache = rollback(cache, lengths, kept=lengths - before)
     return out, cache, stats

@@ -69,10 +69,15 @@ class StatePool:
     pending: object
     outputs: tuple | None = None  # (recurrent, window, pending) outputs, or None: in place
 
+    @property
+    def num_slots(self) -> int:
+        """Slots in the pool the step was given (its arrays' second axis: any number)."""
+        return self.recurrent.shape[1]
+
 
 def _entry_copies(g: LinearGeometry, pool: StatePool, sc: LinearScratch, layer, b, buf, write: bool):
     """The three DMAs of sequence b's entry in linear layer `layer` <-> VMEM buffer `buf`."""
-    slot = jnp.clip(pool.slots[b], 0, g.num_slots - 1)
+    slot = jnp.clip(pool.slots[b], 0, pool.num_slots - 1)
     if write and pool.outputs is not None:
         rec, win, pend = (o.at[b, layer] for o in pool.outputs)
     else:
@@ -89,7 +94,7 @@ def _writes(g: LinearGeometry, pool: StatePool, b):
     if pool.outputs is not None:
         return jnp.bool_(True)
     s = pool.slots[b]
-    return jnp.logical_and(s >= 0, s < g.num_slots)
+    return jnp.logical_and(s >= 0, s < pool.num_slots)
 
 
 def start_reads(g: LinearGeometry, pool: StatePool, sc: LinearScratch, layer, b=0) -> None:
@@ -204,7 +209,7 @@ def linear_stage(g: LinearGeometry, layer, vec, sc: LinearScratch, pool: StatePo
 
         wait(_entry_copies(g, pool, sc, layer, b, buf, False))
         state, window, pend_in = sc.state.at[buf], sc.window.at[buf], sc.pend_in.at[buf]
-        count = pool.counts[jnp.clip(pool.slots[b], 0, g.num_slots - 1)]
+        count = pool.counts[jnp.clip(pool.slots[b], 0, pool.num_slots - 1)]
 
         def load_state(j):
             return state[j]

@@ -739,18 +739,19 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
 
     mesh, kv_spec = step_mesh(plan), P(None, None, None, MESH_AXIS)
 
-    def body(packed, tokens, positions, caches, block_tables, lengths):
+    def body(packed, tokens, positions, caches, block_tables, lengths, states):
         local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
-        return run(local, tokens, positions, caches, block_tables, lengths)
+        return run(local, tokens, positions, caches, block_tables, lengths, states)
 
-    def without_values(packed, tokens, positions, caches, block_tables, lengths):
+    def without_values(packed, tokens, positions, caches, block_tables, lengths, states):
         (k_cache,) = caches
         empty = jnp.zeros((*k_cache.shape[:3], 0), k_cache.dtype)
-        logits, (k_cache, _) = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths)
-        return logits, (k_cache,)
+        logits, (k_cache, _), states = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths, states)
+        return logits, (k_cache,), states
 
-    def sharded(packed: dict, tokens, positions, caches, block_tables, lengths):
-        """caches: (k, v) or a quantized cache's (kv,), each split along its last axis (kv heads)."""
+    def sharded(packed: dict, tokens, positions, caches, block_tables, lengths, states=None):
+        """caches: (k, v) or a quantized cache's (kv,), each split along its last axis (kv heads);
+        states: a hybrid's pool in the sharded layout (`ShardingPlan.expand_states`)."""
         weights = {key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
                    for key, val in packed.items()}
         fn, kept = body, caches
@@ -758,12 +759,24 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
             # segfaults on a zero-size operand a manual computation returns unchanged (checked 2026-12-05)
             fn, kept = without_values, caches[:1]
         specs = tuple(kv_spec for _ in kept)
-        logits, out = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P()),
-                                    out_specs=(P(), specs), check_vma=False)(
-            packed, tokens, positions, kept, block_tables, lengths)
-        return logits, tuple(out) + tuple(caches[len(out):])
+        state_specs = None if states is None else state_partition(states)
+        logits, out, states = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
+                                            out_specs=(P(), specs, state_specs), check_vma=False)(
+            packed, tokens, positions, kept, block_tables, lengths, states)
+        return logits, tuple(out) + tuple(caches[len(out):]), states
 
     return sharded
+
+
+def state_partition(states):
+    """How a hybrid's pool splits over the step's mesh: recurrent states by value head (axis 2),
+    convolution windows and pending rows by their device-major last axis; slots and counts whole."""
+    from jax.sharding import PartitionSpec as P
+
+    from tpumk.plan.sharding import MESH_AXIS
+
+    return states._replace(recurrent=P(None, None, MESH_AXIS), conv=P(None, None, None, MESH_AXIS),
+                           pending=P(None, None, None, MESH_AXIS), counts=P(), slots=P())
 
 
 def _shape_check(plan: Plan) -> Callable:
@@ -879,4 +892,12 @@ def step_specs(plan: Plan) -> tuple:
         a = getattr(cache, name)
         wide[name] = spec((*a.shape[:-1], n * a.shape[-1]), a.dtype, P(None, None, None, MESH_AXIS))
     rep = [spec(a.shape, a.dtype, P()) for a in (tok, cache.block_tables, cache.lengths)]
-    return packed, rep[0], rep[0], cache._replace(**wide, block_tables=rep[1], lengths=rep[2])
+    if states is not None:  # the sharded pool: each device's part side by side along its split axis
+        parts = state_partition(states)
+
+        def whole(a, p):
+            axis = next((i for i, x in enumerate(p) if x is not None), None)
+            shape = a.shape if axis is None else tuple(n * x if i == axis else x for i, x in enumerate(a.shape))
+            return spec(shape, a.dtype, p)
+        states = LinearStates(*(whole(a, p) for a, p in zip(states, parts)))
+    return packed, rep[0], rep[0], cache._replace(**wide, block_tables=rep[1], lengths=rep[2], states=states)

@@ -109,8 +109,8 @@ def pad_params(true: ModelConfig, padded: ModelConfig, params: dict) -> dict:
 
     want = expected_shapes(padded)
     d, dp = true.head_dim, padded.head_dim
-    head_axes = ({"wq": -1, "wk": -1, "wv": -1, "wo": -2, "q_norm": -1, "k_norm": -1, "bq": -1, "bk": -1, "bv": -1}
-                 if dp != d else {})
+    head_axes = ({"wq": -1, "wk": -1, "wv": -1, "wo": -2, "q_norm": -1, "k_norm": -1, "bq": -1, "bk": -1, "bv": -1,
+                  "wq_gate": -1} if dp != d else {})
 
     def layer(lay: dict, shapes: dict) -> dict:
         lay = {k: _widen_heads(v, head_axes[k], d, dp) if k in head_axes else v for k, v in lay.items()}
@@ -156,8 +156,10 @@ def params_as_run(plan, params: dict) -> dict:
 
     moe_layer = next((i for i in range(true.num_layers) if not true.pattern.is_dense(i)), None)
 
+    attention = true.pattern.attention_layers[0]  # a hybrid's layer 0 may be linear (no wk)
+
     def where(name: str) -> dict:  # the tensors whose shapes tell the two models apart
-        return params if name == "embed" else params["layers"][moe_layer if name == "e_gate" else 0]
+        return params if name == "embed" else params["layers"][moe_layer if name == "e_gate" else attention]
 
     def shapes(cfg: ModelConfig) -> dict[str, tuple]:
         out = {"embed": (cfg.vocab_size, cfg.hidden_size)}

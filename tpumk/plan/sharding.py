@@ -78,6 +78,8 @@ class ShardingPlan:
     vocab: int  # lm_head columns per device (the last device's tail may pass the vocab)
     kv_paired: bool = False  # 64-wide KV heads held in pairs by kv_replicas devices each (module doc)
     latent_split: bool = False  # MLA: q_a / kv_a split by output columns, the latent all-gathered
+    linear_key_heads: int = 0  # a hybrid's linear-attention key heads per device (their value heads with them)
+    linear_value_heads: int = 0
 
     def latent_slices(self, cfg: ModelConfig) -> dict[str, int]:
         """With `latent_split`: the output columns of q_a ("q_a", 0 without q-LoRA) and of kv_a
@@ -113,10 +115,12 @@ class ShardingPlan:
         if self.devices == 1:
             return cfg
         shared = {"num_shared_experts": 1, "shared_expert_ffn_size": self.shared_ffn} if self.shared_ffn else {}
+        linear = {"linear_key_heads": self.linear_key_heads, "linear_value_heads": self.linear_value_heads} \
+            if cfg.linear else {}
         return cfg.replace(
             name=f"{cfg.name}-tp{self.devices}", num_q_heads=self.q_heads, num_kv_heads=self.kv_heads,
             ffn_size=self.ffn, vocab_size=self.vocab,
-            expert_ffn_size=self.expert_ffn if cfg.is_moe else 0, **shared)
+            expert_ffn_size=self.expert_ffn if cfg.is_moe else 0, **shared, **linear)
 
     def collectives_per_layer(self, cfg: ModelConfig) -> int:
         """In-kernel all-reduces per layer: the o-projection's and the FFN's partial sums, and
@@ -213,13 +217,19 @@ class ShardingPlan:
         layers = []
         for i, lay in enumerate(params["layers"]):
             out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
-            if cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
+            if cfg.pattern.is_linear(i):
+                out.update(self._linear_params(cfg, lay, d, cols))
+            elif cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
                 out["q_norm"] = heads(lay["q_norm"], dd)
                 out["k_norm"] = cols(lay["k_norm"], kv_lo, self.kv_heads * dd)
-            if cfg.is_mla:
+            if cfg.pattern.is_linear(i):
+                pass
+            elif cfg.is_mla:
                 out.update(self._mla_params(cfg, lay, d, cols))
             else:
                 out["wq"] = heads(lay["wq"], dd)
+                if cfg.attention.attn_output_gate:  # its columns follow the q heads'
+                    out["wq_gate"] = heads(lay["wq_gate"], dd)
                 out["wk"] = cols(lay["wk"], kv_lo, self.kv_heads * dd)
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
                 out["wo"] = heads(lay["wo"], dd, axis=0)
@@ -267,6 +277,104 @@ class ShardingPlan:
         if "lm_head" in params:  # untied, or a quantized build's own copy of a tied head
             top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
         return top
+
+    def linear_channels(self, cfg: ModelConfig, d: int) -> np.ndarray:
+        """Device d's convolution channels (q | k | v of its key heads and their value heads) as
+        indices into the whole model's q | k | v."""
+        lin, kh, vh = cfg.linear, self.linear_key_heads, self.linear_value_heads
+        dk, dv, ks = lin.linear_key_dim, lin.linear_value_dim, lin.key_size
+        return np.concatenate([np.arange(d * kh * dk, (d + 1) * kh * dk),
+                               ks + np.arange(d * kh * dk, (d + 1) * kh * dk),
+                               2 * ks + np.arange(d * vh * dv, (d + 1) * vh * dv)])
+
+    def _linear_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
+        """Device d's linear-attention weights: its key heads and their value heads (convolution
+        channels, gates, decays, the out-projection's rows); KDA's low-rank gates' first halves
+        (f_a, g_a) and the gated norm whole."""
+        lin, vh = cfg.linear, self.linear_value_heads
+        dv, dk = lin.linear_value_dim, lin.linear_key_dim
+        ch = self.linear_channels(cfg, d)
+
+        def take(a, idx, axis=-1):  # columns (or rows) at `idx`, codes and their scales alike
+            if isinstance(a, QuantizedMatrix):
+                scale = take(a.scale, idx) if axis % a.q.ndim == a.q.ndim - 1 else                     (np.asarray(a.scale) if not a.grouped else None)
+                if scale is None:
+                    raise PlanError("sharding: a linear layer's out-projection with scales per 128 rows cannot split "
+                                    "by value heads here (quantize per column, or on one device)")
+                return QuantizedMatrix(take(a.q, idx, axis), scale, a.compute)
+            return np.take(np.asarray(a), idx, axis=axis)
+
+        heads_v = np.arange(d * vh, (d + 1) * vh)
+        lanes_v = np.arange(d * vh * dv, (d + 1) * vh * dv)
+        out = {"lin_qkv": take(lay["lin_qkv"], ch), "lin_conv": take(lay["lin_conv"], ch),
+               "lin_b": take(lay["lin_b"], heads_v), "lin_A_log": take(lay["lin_A_log"], heads_v),
+               "lin_norm": np.asarray(lay["lin_norm"]), "lin_out": take(lay["lin_out"], lanes_v, axis=0)}
+        if lin.linear_kind == "gated_delta":
+            out.update(lin_z=take(lay["lin_z"], lanes_v), lin_a=take(lay["lin_a"], heads_v),
+                       lin_dt_bias=take(lay["lin_dt_bias"], heads_v))
+        else:
+            lanes_k = np.arange(d * vh * dk, (d + 1) * vh * dk)
+            out.update(lin_f_a=lay["lin_f_a"], lin_g_a=lay["lin_g_a"], lin_f_b=take(lay["lin_f_b"], lanes_k),
+                       lin_g_b=take(lay["lin_g_b"], lanes_v), lin_dt_bias=take(lay["lin_dt_bias"], lanes_k))
+            out.update({k: out[k] if isinstance(out[k], QuantizedMatrix) else np.asarray(out[k])
+                        for k in ("lin_f_a", "lin_g_a")})
+        return out
+
+    # ---------------------------------------------------------------- the state pool
+    def _pending_lanes(self, cfg: ModelConfig, d: int) -> np.ndarray:
+        """Device d's pending row as indices into the whole model's (-1: a zero pad lane), in
+        the device's own layout (`tpumk.model.linear_attention.pending_offsets` of its heads)."""
+        from tpumk.model.linear_attention import pending_offsets
+
+        lin = cfg.linear
+        local = self.local_config(cfg).linear
+        b, second, width = pending_offsets(lin)
+        lb, lsecond, lwidth = pending_offsets(local)
+        idx = np.full(lwidth, -1)
+        ch = self.linear_channels(cfg, d)
+        idx[:len(ch)] = ch
+        vh = self.linear_value_heads
+        idx[lb:lb + vh] = b + np.arange(d * vh, (d + 1) * vh)
+        per = local.decay_width // vh  # 1 (Gated DeltaNet's a) or key_dim (KDA's f)
+        idx[lsecond:lsecond + vh * per] = second + np.arange(d * vh * per, (d + 1) * vh * per)
+        idx[lwidth - LANE] = width - LANE  # the live flag
+        return idx
+
+    def expand_states(self, cfg: ModelConfig, states):
+        """A reference state pool in the sharded layout: the recurrent states as they are (split
+        by value heads along their head axis), each device's convolution channels and pending
+        row side by side along the last axis (`linear_channels`, `_pending_lanes`)."""
+        import jax.numpy as jnp
+
+        if states is None or self.devices == 1:
+            return states
+        conv = jnp.concatenate([states.conv[..., self.linear_channels(cfg, d)] for d in range(self.devices)], -1)
+        parts = []
+        for d in range(self.devices):
+            idx = self._pending_lanes(cfg, d)
+            parts.append(jnp.where(idx >= 0, states.pending[..., np.maximum(idx, 0)], 0.0))
+        return states._replace(conv=conv, pending=jnp.concatenate(parts, -1))
+
+    def collapse_states(self, cfg: ModelConfig, states):
+        """The inverse of `expand_states`."""
+        import jax.numpy as jnp
+
+        if states is None or self.devices == 1:
+            return states
+        from tpumk.model.linear_attention import pending_offsets
+
+        n = self.devices
+        c_local = states.conv.shape[-1] // n
+        conv = jnp.zeros((*states.conv.shape[:-1], c_local * n), states.conv.dtype)
+        w = pending_offsets(cfg.linear)[2]
+        pending = jnp.zeros((*states.pending.shape[:-1], w), states.pending.dtype)
+        lw = states.pending.shape[-1] // n
+        for d in range(n):
+            conv = conv.at[..., self.linear_channels(cfg, d)].set(states.conv[..., d * c_local:(d + 1) * c_local])
+            idx = self._pending_lanes(cfg, d)
+            keep = np.nonzero(idx >= 0)[0]
+            pending = pending.at[..., idx[keep]].set(states.pending[..., d * lw + keep])
+        return states._replace(conv=conv, pending=pending)
 
     def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
         """Device d's MLA attention weights: its heads' columns of q_b (or q) and of wkv_b
@@ -355,16 +463,18 @@ class ShardingPlan:
         from tpumk.model.reference import QuantizedKVCache
 
         if isinstance(cache, QuantizedKVCache):
-            return self.expand_quantized(cfg, cache)
-        return cache._replace(k=self.expand_cache(cfg, cache.k), v=self.expand_cache(cfg, cache.v))
+            return self.expand_quantized(cfg, cache)._replace(states=self.expand_states(cfg, cache.states))
+        return cache._replace(k=self.expand_cache(cfg, cache.k), v=self.expand_cache(cfg, cache.v),
+                              states=self.expand_states(cfg, cache.states))
 
     def collapse_kv(self, cfg: ModelConfig, cache):
         """The inverse of `expand_kv`."""
         from tpumk.model.reference import QuantizedKVCache
 
         if isinstance(cache, QuantizedKVCache):
-            return self.collapse_quantized(cfg, cache)
-        return cache._replace(k=self.collapse_cache(cfg, cache.k), v=self.collapse_cache(cfg, cache.v))
+            return self.collapse_quantized(cfg, cache)._replace(states=self.collapse_states(cfg, cache.states))
+        return cache._replace(k=self.collapse_cache(cfg, cache.k), v=self.collapse_cache(cfg, cache.v),
+                              states=self.collapse_states(cfg, cache.states))
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
@@ -386,7 +496,8 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
         e = cfg.num_experts
         return ShardingPlan(1, hq, hkv, 1, cfg.ffn_size if cfg.pattern.num_dense else 0,
                             cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0,
-                            1, e, cfg.moe.expert_ffn_size if e else 0, cfg.vocab_size)
+                            1, e, cfg.moe.expert_ffn_size if e else 0, cfg.vocab_size,
+                            linear_key_heads=cfg.linear.linear_key_heads, linear_value_heads=cfg.linear.linear_value_heads)
     if hq % n:
         raise PlanError(f"sharding: devices = {n}: expected a divisor of num_q_heads ({hq}) of model '{cfg.name}' "
                         f"(query heads are split across devices)")
@@ -431,8 +542,15 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
                                 f"gives every device whole experts and a multiple of {LANE} of their width")
             ep = ok[0]
         experts, expert_ffn = e // ep, fe // (n // ep)
+    lin_k = lin_v = 0
+    if cfg.linear:  # whole key heads per device, their value heads with them
+        lk, lv = cfg.linear.linear_key_heads, cfg.linear.linear_value_heads
+        if lk % n:
+            raise PlanError(f"sharding: devices = {n}: expected a divisor of linear_key_heads ({lk}) of model "
+                            f"'{cfg.name}' (linear-attention heads are split across devices)")
+        lin_k, lin_v = lk // n, lv // n
     return ShardingPlan(n, hq // n, kv_heads, replicas, ffn, shared, ep, experts, expert_ffn,
-                        -(-cfg.vocab_size // n), paired)
+                        -(-cfg.vocab_size // n), paired, linear_key_heads=lin_k, linear_value_heads=lin_v)
 
 
 def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
