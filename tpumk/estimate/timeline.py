@@ -93,6 +93,7 @@ from tpumk.estimate.interconnect import (all_gather_floor, all_gather_seconds, a
 from tpumk.estimate.interconnect import model_source as interconnect_source
 from tpumk.plan.contract import MLA_FAMILIES, latent_slice_bytes, logits_slice_bytes
 from tpumk.plan.geometry import DTYPE_BYTES as WIRE_BYTES
+from tpumk.plan.geometry import F32_SUBLANES
 from tpumk.plan.knobs import ALL_REDUCE_WIRES
 from tpumk.targets import Target
 
@@ -338,6 +339,29 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
     return total_s, total_b
 
 
+def _linear_stage(plan, ledger: _Ledger, extra_bytes: float, times: float) -> tuple[float, float]:
+    """One linear-attention layer's stage (tpumk.kernel.linear_attention): per sequence its
+    slot's entry (state, window, pending rows: three DMAs) read into one of two buffers while
+    the previous sequence computes, and written back; per token (the replayed previous step's
+    and this step's) and value head one [8, Dk] x [Dk, Dv] float32 product at HIGHEST
+    precision. The first sequence's reads start before the in-projection's tiles, so their
+    latency hides there. Elementwise work on the state (decay, rank-1 update) is not modelled,
+    as elsewhere in this model. Returns one layer's (seconds, bytes)."""
+    t, g = plan.target, plan.linear
+    entry = float(g.slot_bytes)
+    per_token = g.value_heads * mxu_seconds(t, g.key_dim * g.value_dim, 2.0 * F32_SUBLANES * g.key_dim * g.value_dim,
+                                            F32_MXU_PASSES)
+    compute = 2 * g.q_len * per_token  # replay of the previous step's tokens, then this step's
+    # each sequence: its entry in (double-buffered: the next one's reads fly during its compute)
+    # and out, six DMAs on their own semaphores
+    load = load_seconds(t, 2 * entry, 2 * entry, 6, 6, 6)
+    side = load_seconds(t, extra_bytes, extra_bytes, 1) if extra_bytes else 0.0
+    seconds = g.batch * max(load, compute) + side
+    nbytes = 2 * g.batch * entry + extra_bytes
+    ledger.add("linear_attention", seconds, nbytes, g.batch * load + side, g.batch * compute, times)
+    return seconds, nbytes
+
+
 def _moe_stage(plan, ring: _Ring, ledger: _Ledger, times: float) -> None:
     """Routing, then the shared expert's ring tiles and the routed experts' chunks together."""
     t, m = plan.target, plan.moe
@@ -427,12 +451,28 @@ def megakernel_step(plan) -> StepModel:
             ledger.add("collectives", reduce, times=times)
             ring.prefetch_during(reduce, 0.0, depth_bytes)
 
-    kv_ahead = not cfg.is_mla and not plan.attention.window_runs()
+    kv_ahead = not cfg.is_mla and not plan.attention.window_runs() and plan.linear is None
     for seg in plan.segments[:-1]:
         # Every layer of a segment walks the same schedule: model the first layer (entering
         # from the previous stage) and the steady layer separately, then scale.
         for first, times in ((True, 1.0), (False, float(seg.num_layers - 1))):
             if times <= 0:
+                continue
+            extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
+            if seg.linear:  # a linear layer: its projections, the state stage, the out-projection
+                for name in ("lin_in", "lin_fb", "lin_gb"):
+                    if name in plan.families:
+                        ring.family(name, "weight_ring", times)
+                lin_s, lin_b = _linear_stage(plan, ledger, extra, times)
+                ring.prefetch_during(lin_s, lin_b, depth_bytes)
+                ring.family("lin_out", "weight_ring", times)
+                collective(times)
+                if seg.kind == "dense":
+                    ring.family("gate_up", "weight_ring", times)
+                    ring.family("down", "weight_ring", times)
+                else:
+                    _moe_stage(plan, ring, ledger, times)
+                collective(times)
                 continue
             before, after = (("qkv",), ("o",)) if "qkv" in plan.families else (
                 tuple(n for n in seg.families if n in MLA_FAMILIES and n != "uv"), ("uv", "o"))
@@ -443,7 +483,6 @@ def megakernel_step(plan) -> StepModel:
                     ring.prefetch_during(gather, 0.0, depth_bytes)
             if cfg.attention.qk_norm_whole:  # the all-heads QK-norm's sums of squares (none on one device)
                 collective(times)
-            extra = vec_bytes + (router if seg.kind == "moe" else 0.0)
             layers = range(seg.first_layer + (0 if first else 1), seg.first_layer + (1 if first else seg.num_layers))
             # the kernel's next-layer KV prefetch: GQA without sliding windows, every layer but
             # the kernel's first (tpumk.kernel.attention.attention_stage, prefetch_next)

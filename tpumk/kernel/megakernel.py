@@ -819,11 +819,11 @@ def _states_check(plan: Plan) -> Callable:
         want = plan.linear.pool_shapes() if plan.devices == 1 else step_specs(plan)[3].states._asdict()
         for name in ("recurrent", "conv", "pending"):
             a, w = getattr(states, name), want[name]
-            w = getattr(w, "shape", w)
-            if (a.ndim, a.shape[0], *a.shape[2:]) != (len(w), w[0], *w[2:]):
-                raise ValueError(f"decode step: states.{name} has shape {list(a.shape)}, expected [{w[0]}, slots, "
-                                 f"{', '.join(map(str, w[2:]))}] (a pool of pending = q_len = {plan.q_len} rows: "
-                                 "reference.init_cache(..., pending=q_len))")
+            w = tuple(getattr(w, "shape", w))
+            if tuple(a.shape) != w:
+                raise ValueError(f"decode step: states.{name} has shape {list(a.shape)}, expected {list(w)} (the "
+                                 f"plan's {plan.linear.num_slots} slots of pending = q_len = {plan.q_len} rows: "
+                                 "reference.init_cache(..., pending=q_len, num_slots=...))")
         if states.slots.shape != (plan.batch,):
             raise ValueError(f"decode step: states.slots has shape {list(states.slots.shape)}, expected [{plan.batch}]")
     return check

@@ -1383,10 +1383,12 @@ class LinearGeometry:
         """One slot's pool entry in one layer: state, window and pending rows."""
         return self.state_bytes + self.window_bytes + self.pending_bytes
 
-    def hbm_bytes(self) -> int:
-        """Pool bytes one step reads and writes: every sequence's slot entry, read and written,
-        in every linear layer."""
-        return 2 * self.num_layers * self.batch * self.slot_bytes
+    def hbm_bytes(self) -> dict[str, int]:
+        """Pool bytes one step reads and writes, every sequence's slot entry read and written in
+        every linear layer: "linear_states" the recurrent states, "linear_windows" the
+        convolution windows and pending rows."""
+        n = 2 * self.num_layers * self.batch
+        return {"linear_states": n * self.state_bytes, "linear_windows": n * (self.window_bytes + self.pending_bytes)}
 
     def pool_shapes(self) -> dict[str, tuple[int, ...]]:
         """The pool's arrays as the reference lays them out (tpumk.model.linear_attention)."""

@@ -661,7 +661,7 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
 
 
 # ---------------------------------------------------------------------- make_plan
-def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
+def make_plan(spec: BuildSpec, num_pages: int | None = None, num_slots: int | None = None) -> Plan:
     """Plan the decode step `spec` describes: `batch` sequences x `q_len` tokens over a paged
     cache of `context` tokens (`num_pages` pages in the pool; default exactly enough).
 
@@ -673,14 +673,14 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None) -> Plan:
     """
     knob = spec.tuning.mla_projections
     if not (spec.model.is_mla and spec.devices > 1):
-        return _make_plan(spec, num_pages, latent_split=False)
+        return _make_plan(spec, num_pages, num_slots, latent_split=False)
     if knob != "auto":
-        return _make_plan(spec, num_pages, latent_split=knob == "split")
-    return _fastest_plan(((int(split),), lambda split=split: _make_plan(spec, num_pages, latent_split=split))
+        return _make_plan(spec, num_pages, num_slots, latent_split=knob == "split")
+    return _fastest_plan(((int(split),), lambda split=split: _make_plan(spec, num_pages, num_slots, latent_split=split))
                          for split in (False, True))
 
 
-def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Plan:
+def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, latent_split: bool) -> Plan:
     target, tuning = spec.target, spec.tuning
     padded = lane_padded(spec.model)  # widths off the 128-lane grid: the kernel runs a zero-padded copy
     model = padded or spec.model
@@ -732,7 +732,9 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, latent_split: bool) -> Pl
     attention.validate()
     linear = None
     if cfg.linear:
-        linear = LinearGeometry.from_config(cfg, batch, q_len)
+        if num_slots is not None and num_slots < batch:
+            raise PlanError(f"plan: num_slots = {num_slots} < {batch}: every sequence needs a state slot")
+        linear = LinearGeometry.from_config(cfg, batch, q_len, num_slots or batch)
         linear.validate()
     all_reduce = None
     if sharding.devices > 1:
@@ -935,7 +937,7 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     if plan.linear is not None:  # every sequence's slot: state, window, pending rows, read and written
-        out["linear_states"] = float(plan.linear.hbm_bytes())
+        out.update({k: float(v) for k, v in plan.linear.hbm_bytes().items()})
     # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
     rope_lanes = rope_table_lanes(cfg)  # cos/sin rows (contract)
     out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
