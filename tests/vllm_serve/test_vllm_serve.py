@@ -11,6 +11,9 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
   artifact named by --hf-overrides (its jax.export program): concurrent `/v1/completions` through
   the `openai` client give transformers' greedy tokens, and the server's log shows the decode
   steps ran in tpumk's megakernel (TPUMK_VLLM_COUNT_STEPS);
+- tpumk/vllm/kv.py writes exactly what tpu_inference's own `get_kv_cache_shape_with_mesh` and
+  `merge_kv` lay out, for head widths, KV-head counts and dtypes it packs differently (in the
+  test's own process: mostly the import of tpu_inference);
 - an artifact (TPUMK_VLLM_ARTIFACT) of another model or of a smaller batch than --max-num-seqs, a
   checkpoint whose own config.json names tpumk_artifact: the server refuses to start and its log
   holds the plugin's one line saying why (these servers start side by side: each is mostly
@@ -20,6 +23,7 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import os
 import re
@@ -108,6 +112,12 @@ def checkpoints(tmp_path_factory):
     return {kind: (path, hf_greedy(path, PROMPTS, STEPS)) for kind, path in made.items()}
 
 
+@pytest.fixture(scope="module")
+def moe_artifact(checkpoints, tmp_path_factory) -> Path:
+    """The MoE checkpoint's `tpumk export` artifact (served, and refused where it does not fit)."""
+    return export(checkpoints["moe"][0], tmp_path_factory.mktemp("artifacts"))
+
+
 def export(checkpoint: Path, out: Path, batch: int = MAX_SEQS) -> Path:
     tpumk = str(Path(sys.executable).with_name("tpumk"))
     r = subprocess.run([tpumk, "export", "--checkpoint", str(checkpoint), "--target", "cpu", "--batch", str(batch),
@@ -139,11 +149,11 @@ def steps_run(log: Path, kind: str) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe"])
-def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path):
+def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path, request):
     ckpt, want = checkpoints[kind]
     overrides = {}
     if kind == "moe":  # from an artifact the operator names in --hf-overrides: its jax.export program
-        overrides["tpumk_artifact"] = str(export(ckpt, tmp_path / "artifacts"))
+        overrides["tpumk_artifact"] = str(request.getfixturevalue("moe_artifact"))
     server = Server(ckpt, tmp_path / "serve.log", overrides=overrides)
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
@@ -161,6 +171,46 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     assert sum(decode) >= len(PROMPTS) * STEPS // 2 and max(decode) > 1, (decode, ragged)
 
 
+def test_kv_layout_is_tpu_inference_s(monkeypatch):
+    """kv.write_rows against tpu_inference's own allocator shape and K/V merge (what its RPA v3
+    kernels write), so a tpu_inference that changes its layout fails here, not in a server."""
+    import itertools
+
+    for name, value in OFFLINE_ENV.items():  # before tpu_inference is imported in this process
+        monkeypatch.setenv(name, value)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from tpu_inference.kernels.ragged_paged_attention.v3 import kernel, kernel_hd64
+    from tpu_inference.runner.kv_cache import get_kv_cache_shape_with_mesh
+    from tpu_inference.utils import get_padded_head_dim
+
+    from tpumk.vllm import kv
+
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("model",))  # one device: no head or context sharding
+    slots = jnp.array([5, 7])
+
+    @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+    def both(k, v, merge_kv, shape, heads, head_dim):
+        """tpu_inference's rows ([tokens, G, packing, lanes]) at `slots`, and kv.write_rows'."""
+        want = jnp.zeros(shape, k.dtype).reshape(-1, *shape[2:]).at[slots].set(merge_kv(k, v)).reshape(shape)
+        got = kv.write_rows(jnp.zeros(shape, k.dtype), slots, k.reshape(2, -1), v.reshape(2, -1), heads, head_dim)
+        return want, got
+
+    # the layouts of tests/test_vllm_adapter.py's LAYOUTS (which builds them from this description)
+    for head_dim, heads, dtype in [(64, 1, jnp.bfloat16), (64, 2, jnp.bfloat16), (64, 3, jnp.float32),
+                                   (128, 1, jnp.bfloat16), (128, 2, jnp.float32), (96, 3, jnp.bfloat16)]:
+        padded = get_padded_head_dim(head_dim)  # what the runner asks the allocator for
+        shape = tuple(get_kv_cache_shape_with_mesh(mesh, 3, 4, heads, padded, dtype))
+        assert kv.cache_shape(3, 4, heads, head_dim, dtype) == shape, (head_dim, heads, dtype)
+        rng = np.random.default_rng(head_dim + heads)
+        k, v = (jnp.asarray(rng.integers(-8, 8, (2, heads, head_dim)), dtype) for _ in range(2))
+        merge_kv = (kernel_hd64 if padded == 64 else kernel).merge_kv  # the kernel the runner picks
+        want, got = both(k, v, merge_kv, shape, heads, head_dim)
+        assert bool(jnp.array_equal(got, want)), (head_dim, heads, dtype)
+
+
 def checkpoint_naming(src: Path, out: Path, artifact: str) -> Path:
     """`src` with `tpumk_artifact` in its own config.json (the weights linked, not copied)."""
     out.mkdir()
@@ -172,14 +222,14 @@ def checkpoint_naming(src: Path, out: Path, artifact: str) -> Path:
     return out
 
 
-def test_refusals_at_start_up(checkpoints, tmp_path):
+def test_refusals_at_start_up(checkpoints, moe_artifact, tmp_path):
     dense, moe = checkpoints["dense"][0], checkpoints["moe"][0]
-    art = str(export(dense, tmp_path / "artifacts"))
+    art = str(moe_artifact)
     named = checkpoint_naming(dense, tmp_path / "names-its-artifact", art)
     env = {"TPUMK_VLLM_ARTIFACT": art}
-    cases = [(moe, dict(env=env),
+    cases = [(dense, dict(env=env),
               r"tpumk plugin: artifact \S+ was built for model '\S+', not the served checkpoint's: "),
-             (dense, dict(env=env, max_seqs=8), r"tpumk plugin: artifact \S+: batch 4 < vLLM's max_num_seqs 8"),
+             (moe, dict(env=env, max_seqs=8), r"tpumk plugin: artifact \S+: batch 4 < vLLM's max_num_seqs 8"),
              (named, {}, r"tpumk plugin: config\.json of the checkpoint names tpumk_artifact: the artifact is chosen "
                          r"by the operator \(TPUMK_VLLM_ARTIFACT or --hf-overrides\)")]
     servers = [Server(ckpt, tmp_path / f"refused{i}.log", **kw) for i, (ckpt, kw, _) in enumerate(cases)]
