@@ -14,10 +14,10 @@ stays 64, any other width is rounded up to whole 128-lane blocks. Then:
   multiple of packing.
 
 Either way, flattened to `[blocks * block_size, G * packing, lanes]`, a token's row holds its K
-and V in the first `used_heads` combined heads and `used_lanes` lanes, in the order
-[head][K, V][head_dim] (`_used`): that is all read_rows / write_rows need. A cache in any other
-shape (another attention backend, a batched RPA layout) is refused by `layout_problem` rather
-than read wrong.
+and V in its first combined heads and lanes (`_used`: kv_heads x 128 lanes for head_dim 64,
+2 * kv_heads x head_dim otherwise), in the order [head][K, V][head_dim]: that is all read_rows /
+write_rows need. A cache in any other shape (another attention backend, a batched RPA layout)
+is refused by `layout_problem` rather than read wrong.
 
 The megakernel reads ONE stacked cache `[layers, pages, page_size, kv_heads * head_dim]` for K and
 one for V, and its layer loop is a traced loop (one per segment of same-kind layers): a DMA
