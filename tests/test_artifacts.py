@@ -231,6 +231,16 @@ def test_not_an_artifact_dir(tmp_path):
         A.load(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("name, limit", [("a" * 256, 255), ("a/" * 2100, 4095)])
+def test_a_path_the_os_refuses_is_one_line(tmp_path, name, limit):
+    """A component over 255 bytes (or a path over 4095) is refused in one line, not an OSError
+    (ENAMETOOLONG) traceback: `tpumk.load`, `verify` and `read_manifest` share the check."""
+    for call in (A.load, A.verify, A.read_manifest):
+        with pytest.raises(ArtifactError, match=rf"longer than the {limit} the OS accepts") as e:
+            call(tmp_path / name)
+        assert "\n" not in str(e.value)
+
+
 def test_errors_are_one_line(tpu_artifact, tmp_path):
     with pytest.raises(ArtifactError) as e:
         A.load(tpu_artifact.path)

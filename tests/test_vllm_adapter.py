@@ -11,6 +11,7 @@ interpreter the plugin uses under vLLM's jit). Logits and new cache rows are che
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -135,31 +136,99 @@ def test_prefill_then_decode_on_vllm_layout_equals_reference(preset):
     assert_close(np.asarray(rows)[qsl[1:4] - 1], reference_logits(cfg, params, seqs + [new]))
 
 
-def test_rows_round_trip_through_vllm_layout():
-    """K and V of head h land in combined heads 2h and 2h + 1 of their slot, bf16 packing 2."""
-    heads, d = 2, 64  # head_dim 64: vLLM pads it to 128 lanes
-    shape = kv.cache_shape(3, 4, heads, d, jnp.bfloat16)
-    assert shape == (3, 4, 2, 2, 128)
-    k = jnp.arange(2 * heads * d, dtype=jnp.float32).reshape(2, heads * d)
-    v = -k
-    cache = kv.write_rows(jnp.zeros(shape, jnp.bfloat16), jnp.array([5, 99]), k, v, heads, d)  # 99: dropped
-    flat = np.asarray(cache, np.float32).reshape(12, 4, 128)
-    np.testing.assert_array_equal(flat[5, 2, :d], np.asarray(k[0, d:]))  # K of head 1
-    np.testing.assert_array_equal(flat[5, 3, :d], np.asarray(v[0, d:]))  # V of head 1
-    assert not np.any(np.delete(flat, 5, axis=0)) and not np.any(flat[5, :, d:])
-    rk, rv = kv.read_rows(cache, jnp.array([5]), heads, d)
-    np.testing.assert_array_equal(np.asarray(rk, np.float32), np.asarray(k[:1]))
-    np.testing.assert_array_equal(np.asarray(rv, np.float32), np.asarray(v[:1]))
+def tpu_inference_cache(num_blocks, block_size, kv_heads, head_dim, dtype, slots, k, v):
+    """A layer's cache laid out as tpu_inference 0.32 lays it out (read from its source: the runner
+    pads head_dim with `get_padded_head_dim`, 64 unpadded, else to whole 128 lanes; RPA v3's
+    `kernel_hd64.get_kv_cache_shape` / `merge_kv` for 64, `kernel.get_kv_cache_shape` /
+    `merge_kv` for any other), built element by element from that description: token `slots[i]`
+    holds k[i] and v[i]. packing p = 32 bits / the dtype's; combined head c sits at [c // p, c % p].
+
+    - head_dim 64: [blocks, block_size, ceil(kv_heads / p), p, 128], head h's K in lanes 0-63 and
+      its V in 64-127 of combined head h;
+    - else: [blocks, block_size, ceil(2 kv_heads / p), p, round_up(head_dim, 128)], K of head h
+      in combined head 2h, V in 2h + 1, lanes 0 .. head_dim - 1."""
+    p = 4 // np.dtype(dtype).itemsize
+    if head_dim == 64:
+        shape = (num_blocks, block_size, -(-kv_heads // p), p, 128)
+        where = lambda h, j: (h, slice(64 * j, 64 * j + 64))  # noqa: E731
+    else:
+        shape = (num_blocks, block_size, -(-2 * kv_heads // p), p, -(-head_dim // 128) * 128)
+        where = lambda h, j: (2 * h + j, slice(0, head_dim))  # noqa: E731
+    cache = np.zeros(shape, np.float32)
+    for i, slot in enumerate(slots):
+        block, offset = divmod(int(slot), block_size)
+        for h in range(kv_heads):
+            for j, x in enumerate((k, v)):
+                c, lanes = where(h, j)
+                cache[block, offset, c // p, c % p, lanes] = x[i, h * head_dim:(h + 1) * head_dim]
+    return jnp.asarray(cache, dtype)
+
+
+# each way tpu_inference packs a layer: the head_dim-64 kernel's layout and the general one's (96:
+# padded to 128 lanes), float32 (packing 1) and bfloat16 (packing 2), with a head count that
+# fills the packed rows and one that leaves a zero head (head_dim 64, odd count, bfloat16)
+LAYOUTS = [(64, 1, "bfloat16"), (64, 2, "bfloat16"), (64, 3, "float32"), (128, 1, "bfloat16"), (128, 2, "float32"),
+           (96, 3, "bfloat16")]
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def write_then_read(empty, write_slots, k, v, laid_out, read_slots, heads, head_dim):
+    """kv.write_rows into `empty`, and kv.read_rows from `laid_out` (one compile)."""
+    written = kv.write_rows(empty, write_slots, k, v, heads, head_dim)
+    return written, kv.read_rows(laid_out, read_slots, heads, head_dim)
+
+
+@pytest.mark.parametrize("head_dim, heads, dtype", LAYOUTS)
+def test_rows_read_and_write_tpu_inference_s_layout(head_dim, heads, dtype):
+    blocks, bs = 3, 4
+    rng = np.random.default_rng(head_dim + heads)
+    # bfloat16-exact values, so the round trip compares exactly
+    k, v = (jnp.asarray(rng.integers(-64, 64, (3, heads * head_dim)) / 8, jnp.float32) for _ in range(2))
+    slots = np.array([5, 0, 11])
+    want = tpu_inference_cache(blocks, bs, heads, head_dim, jnp.dtype(dtype), slots, np.asarray(k), np.asarray(v))
+    assert kv.cache_shape(blocks, bs, heads, head_dim, dtype) == want.shape
+    assert kv.layout_problem(want.shape, dtype, heads, head_dim, bs) is None
+
+    # write: exactly tpu_inference's bytes (padding lanes and padding heads stay zero); 99 and -1:
+    # dropped. read: from tpu_inference's own cache, slots of any shape (here [1, 3], reversed)
+    written, (rk, rv) = write_then_read(jnp.zeros(want.shape, dtype), jnp.array([*slots, 99, -1]),
+                                        jnp.concatenate([k, k[:2]]), jnp.concatenate([v, v[:2]]), want,
+                                        jnp.asarray(slots[::-1].reshape(1, 3)), heads, head_dim)
+    np.testing.assert_array_equal(np.asarray(written, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(rk, np.float32)[0], np.asarray(k)[::-1])
+    np.testing.assert_array_equal(np.asarray(rv, np.float32)[0], np.asarray(v)[::-1])
+
+
+def test_a_cache_in_another_layout_is_refused_in_one_line():
+    """A head_dim-64 cache in the general layout (2 * kv_heads combined heads: what kv.py assumed
+    before, and what vLLM's runner does not allocate) or of another block size: one line, not a
+    reshape error."""
+    shape = (3, 4, 4, 1, 128)
+    problem = kv.layout_problem(shape, jnp.float32, 2, 64, 4)
+    assert problem == ("vLLM's KV cache of a layer is float32 [3, 4, 4, 1, 128]: expected [blocks, 4, 2, 1, 128] "
+                       "(tpu_inference's RPA v3 layout for 2 KV heads of head_dim 64)")
+    with pytest.raises(ValueError, match=r"expected \[blocks, block_size, 2, 1, 128\]"):
+        kv.read_rows(jnp.zeros(shape), jnp.array([0]), 2, 64)
+    assert kv.layout_problem((3, 8, 2, 1, 128), jnp.float32, 2, 64, 4) is not None
 
 
 # ---------------------------------------------------------------------- the plugin's refusals
 def vllm_config(model_dir, **kw):
-    """The fields of vLLM's VllmConfig the plugin reads (SimpleNamespaces: no vLLM here)."""
+    """The fields of vLLM's VllmConfig the plugin reads (SimpleNamespaces: no vLLM here). As vLLM
+    does, `hf_config` holds config.json's keys with `overrides` (--hf-overrides) merged over them,
+    and `model_config.hf_overrides` the overrides as given; `hf_extra`: keys reaching hf_config
+    some other way (another config file)."""
+    import json
     from types import SimpleNamespace as NS
 
-    return NS(model_config=NS(model=str(model_dir), dtype=kw.get("dtype", "float32"), max_model_len=64,
-                              hf_config=NS(), quantization=kw.get("quantization")),
-              scheduler_config=NS(max_num_seqs=4), cache_config=NS(block_size=16, cache_dtype=kw.get("kv", "auto")),
+    overrides = kw.get("overrides", {})
+    hf_config = NS(**json.loads((Path(model_dir) / "config.json").read_text()), **kw.get("hf_extra", {}))
+    vars(hf_config).update(overrides)
+    return NS(model_config=NS(model=str(model_dir), dtype=kw.get("dtype", "float32"),
+                              max_model_len=kw.get("max_model_len", 64), hf_config=hf_config, hf_overrides=overrides,
+                              quantization=kw.get("quantization")),
+              scheduler_config=NS(max_num_seqs=kw.get("max_num_seqs", 4)),
+              cache_config=NS(block_size=kw.get("block_size", 16), cache_dtype=kw.get("kv", "auto")),
               parallel_config=NS(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=1),
               speculative_config=kw.get("spec"))
 
@@ -168,6 +237,8 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
               "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
+OPERATOR = "(TPUMK_VLLM_ARTIFACT or --hf-overrides)"
+LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
 
 
 @pytest.mark.parametrize("case, change, kw, line", [
@@ -178,25 +249,72 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
     ("sliding", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, {},
      "has sliding-window layers"),
     ("unsupported", {"model_type": "mamba"}, {}, "mamba"),
+    # the checkpoint never picks the program: its own config.json naming an artifact is refused,
+    # even beside the operator's choice, and so is the key reaching vLLM's config another way
+    ("checkpoint-names-artifact", {"tpumk_artifact": "/srv/evil"}, {},
+     f"tpumk plugin: config.json of the checkpoint names tpumk_artifact: the artifact is chosen by the operator "
+     f"{OPERATOR}"),
+    ("checkpoint-and-operator", {"tpumk_artifact": "/srv/evil"}, {"env": "/srv/mine"},
+     "config.json of the checkpoint names tpumk_artifact"),
+    ("config-file-names-artifact", {}, {"hf_extra": {"tpumk_artifact": "/srv/evil"}},
+     f"vLLM's model config names tpumk_artifact, but not through --hf-overrides: the artifact is chosen by the "
+     f"operator {OPERATOR}"),
+    ("override-number", {}, {"overrides": {"tpumk_artifact": 5}},
+     "tpumk plugin: --hf-overrides tpumk_artifact = 5: expected a non-empty string, the path of a `tpumk export` "
+     "artifact directory"),
+    ("override-list", {}, {"overrides": {"tpumk_artifact": ["a", "b"]}},
+     "--hf-overrides tpumk_artifact = ['a', 'b']: expected a non-empty string"),
+    ("override-empty", {}, {"overrides": {"tpumk_artifact": ""}}, "tpumk_artifact = '': expected a non-empty string"),
+    # the operator's artifact is followed (here to a directory that is not one)
+    ("override-followed", {}, {"overrides": {"tpumk_artifact": "/nonexistent/art"}},
+     "/nonexistent/art: not an artifact directory"),
+    ("env-followed", {}, {"env": "/nonexistent/env-art", "overrides": {"tpumk_artifact": "/nonexistent/art"}},
+     "/nonexistent/env-art: not an artifact directory"),
+    ("env-too-long", {}, {"env": LONG}, "a path component is 256 bytes, longer than the 255 the OS accepts"),
+    ("max-model-len", {}, {"max_model_len": -5}, "tpumk plugin: max_model_len -5: expected a positive whole number"),
+    ("max-num-seqs", {}, {"max_num_seqs": 0}, "tpumk plugin: max_num_seqs 0: expected a positive whole number"),
+    ("block-size", {}, {"block_size": 16.0}, "tpumk plugin: block_size 16.0: expected a positive whole number"),
+    ("attention-backend", {}, {"runtime": {"attention_backend": "flash_attn_x"}},
+     "--attention-backend flash_attn_x: expected the default (rpa: the plugin reads vLLM's KV cache in RPA v3's "
+     "layout only)"),
+    ("batched-rpa", {}, {"runtime": {"batched_rpa": True}}, "USE_BATCHED_RPA_KERNEL is set: expected it unset"),
 ])
-def test_plugin_refuses_what_it_cannot_serve(tmp_path, case, change, kw, line):
+def test_plugin_refuses_what_it_cannot_serve(tmp_path, monkeypatch, case, change, kw, line):
     import json
 
     from tpumk.errors import TpumkError
     from tpumk.vllm.runtime import Runtime
 
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
+    if "env" in kw:
+        monkeypatch.setenv("TPUMK_VLLM_ARTIFACT", kw["env"])
     (tmp_path / "config.json").write_text(json.dumps(dict(QWEN3_JSON, **change)))
     with pytest.raises(TpumkError) as e:
-        Runtime.from_vllm_config(vllm_config(tmp_path, **kw))
+        Runtime.from_vllm_config(vllm_config(tmp_path, **kw), **kw.get("runtime", {}))
     msg = str(e.value)
     assert line in msg and "\n" not in msg, msg
 
 
-def test_plugin_builds_its_step_for_vllm_shapes(tmp_path):
+def test_the_head_dim_64_layout_comes_before_the_batched_rpa_switch(tmp_path, monkeypatch):
+    """tpu_inference picks its head_dim-64 kernel's layout whatever USE_BATCHED_RPA_KERNEL says,
+    so a head_dim-64 model still starts with it set."""
     import json
 
     from tpumk.vllm.runtime import Runtime
 
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
+    hd64 = dict(QWEN3_JSON, head_dim=64, num_attention_heads=4, hidden_size=256)
+    (tmp_path / "config.json").write_text(json.dumps(hd64))
+    rt = Runtime.from_vllm_config(vllm_config(tmp_path), batched_rpa=True)
+    assert rt.cfg.head_dim == 64
+
+
+def test_plugin_builds_its_step_for_vllm_shapes(tmp_path, monkeypatch):
+    import json
+
+    from tpumk.vllm.runtime import Runtime
+
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_JSON))
     rt = Runtime.from_vllm_config(vllm_config(tmp_path))
     assert (rt.plan.batch, rt.plan.context, rt.plan.q_len, rt.cfg.dtype) == (4, 64, 1, "float32")

@@ -66,6 +66,7 @@ import tomli_w
 
 from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
 from tpumk.errors import ConfigError, ArtifactError, ArtifactPathError, SignatureError, TpumkError
+from tpumk.files import name_problem, shown
 from tpumk.tomlfile import parse_toml
 from tpumk.export import checks, paths, signing
 from tpumk.plan.spec import BuildSpec
@@ -326,6 +327,9 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
 
 # ---------------------------------------------------------------------- verify / load
 def _manifest_bytes(path: Path) -> bytes:
+    for p in (path, path / MANIFEST):  # a name the OS refuses (ENAMETOOLONG): one line, not a traceback
+        if problem := name_problem(p):
+            raise ArtifactError(f"{shown(p)}: {problem}")
     if not path.is_dir():
         raise ArtifactError(f"{path}: not an artifact directory (no such directory)")
     mf = path / MANIFEST

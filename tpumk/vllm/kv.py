@@ -1,10 +1,23 @@
 """vLLM's paged KV cache as tpumk reads and writes it (pure JAX, no vLLM import).
 
-vLLM's TPU runner (tpu_inference) allocates ONE array per attention layer:
-`[blocks, block_size, ceil(2 * kv_heads / packing), packing, head_dim rounded up to 128]`,
-where the K of KV head h is combined head 2h and its V is 2h + 1 (`packing` = 32 bits / the
-dtype's bits: 1 for float32, 2 for bfloat16). Flattened, row `block * block_size + offset` holds
-one token's K and V, heads interleaved, each head padded to 128 lanes.
+vLLM's TPU runner (tpu_inference 0.32) allocates ONE array per attention layer, in the layout of
+its ragged paged attention (RPA v3) kernel, `[blocks, block_size, G, packing, lanes]` with
+`packing` = 32 bits / the cache dtype's bits (1 for float32, 2 for bfloat16) and G * packing
+"combined heads" per token. The runner first pads the head width (`get_padded_head_dim`): 64
+stays 64, any other width is rounded up to whole 128-lane blocks. Then:
+
+- head_dim 64 (Llama-3.2-1B, SmolLM2; the `kernel_hd64` kernel): one combined head per KV head,
+  `[K | V]` side by side in its 128 lanes (K in lanes 0-63, V in 64-127); G * packing = kv_heads
+  rounded up to a multiple of packing (bfloat16 with an odd head count: one zero head);
+- any other head_dim (the `kernel` kernel): two combined heads per KV head, K of head h at 2h
+  and V at 2h + 1, each padded to the padded width; G * packing = 2 * kv_heads rounded up to a
+  multiple of packing.
+
+Either way, flattened to `[blocks * block_size, G * packing, lanes]`, a token's row holds its K
+and V in its first combined heads and lanes (`_used`: kv_heads x 128 lanes for head_dim 64,
+2 * kv_heads x head_dim otherwise), in the order [head][K, V][head_dim]: that is all read_rows /
+write_rows need. A cache in any other shape (another attention backend, a batched RPA layout)
+is refused by `layout_problem` rather than read wrong.
 
 The megakernel reads ONE stacked cache `[layers, pages, page_size, kv_heads * head_dim]` for K and
 one for V, and its layer loop is a traced loop (one per segment of same-kind layers): a DMA
@@ -23,28 +36,66 @@ import jax.numpy as jnp
 
 from tpumk.plan.geometry import LANE
 
+FUSED_HEAD_DIM = 64  # tpu_inference keeps this width unpadded, K and V of a head in one 128-lane row
+
 
 def padded_head_dim(head_dim: int) -> int:
-    """The head width vLLM's TPU cache stores (rounded up to whole 128-lane blocks)."""
-    return -(-head_dim // LANE) * LANE
+    """The head width vLLM's TPU runner gives its cache (tpu_inference's get_padded_head_dim)."""
+    return head_dim if head_dim == FUSED_HEAD_DIM else -(-head_dim // LANE) * LANE
+
+
+def packing(dtype) -> int:
+    """Values of `dtype` per 32-bit word: how many combined heads share a sublane row."""
+    return max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _used(kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(combined heads, lanes) of a token's row that hold its K and V, in [head][K, V][head_dim]
+    order once flattened."""
+    if padded_head_dim(head_dim) == FUSED_HEAD_DIM:
+        return kv_heads, 2 * head_dim
+    return 2 * kv_heads, head_dim
+
+
+def row_shape(kv_heads: int, head_dim: int, dtype) -> tuple[int, int, int]:
+    """One token's slice of a layer's cache, (G, packing, lanes), as tpu_inference allocates it."""
+    p = packing(dtype)
+    heads = -(-_used(kv_heads, head_dim)[0] // p)
+    lanes = 2 * FUSED_HEAD_DIM if padded_head_dim(head_dim) == FUSED_HEAD_DIM else padded_head_dim(head_dim)
+    return heads, p, lanes
 
 
 def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> tuple[int, ...]:
     """One layer's cache shape as vLLM's TPU runner allocates it (for tests and checks)."""
-    packing = max(1, 4 // jnp.dtype(dtype).itemsize)
-    return (num_blocks, block_size, -(-2 * kv_heads // packing), packing, padded_head_dim(head_dim))
+    return (num_blocks, block_size, *row_shape(kv_heads, head_dim, dtype))
 
 
-def _rows(layer_cache: jax.Array, kv_heads: int) -> jax.Array:
-    """[blocks * block_size, 2 * kv_heads, padded head_dim]: one row per cached token."""
+def layout_problem(shape, dtype, kv_heads: int, head_dim: int, block_size: int | None = None) -> str | None:
+    """Why a layer's cache of `shape` / `dtype` is not the layout tpumk reads (None: it is)."""
+    want = row_shape(kv_heads, head_dim, dtype)
+    shape = tuple(int(n) for n in shape)
+    if len(shape) != 5 or shape[2:] != want or (block_size is not None and shape[1] != block_size):
+        bs = "block_size" if block_size is None else str(block_size)
+        return (f"vLLM's KV cache of a layer is {jnp.dtype(dtype).name} {list(shape)}: expected [blocks, {bs}, "
+                f"{', '.join(map(str, want))}] (tpu_inference's RPA v3 layout for {kv_heads} KV heads of "
+                f"head_dim {head_dim})")
+    return None
+
+
+def _rows(layer_cache: jax.Array, kv_heads: int, head_dim: int) -> jax.Array:
+    """[blocks * block_size, used combined heads, used lanes]: one row per cached token."""
+    problem = layout_problem(layer_cache.shape, layer_cache.dtype, kv_heads, head_dim)
+    if problem:
+        raise ValueError(problem)
+    heads, lanes = _used(kv_heads, head_dim)
     blocks, bs = layer_cache.shape[:2]
-    return layer_cache.reshape(blocks * bs, -1, layer_cache.shape[-1])[:, :2 * kv_heads]
+    return layer_cache.reshape(blocks * bs, -1, layer_cache.shape[-1])[:, :heads, :lanes]
 
 
 def read_rows(layer_cache: jax.Array, slots: jax.Array, kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
     """K and V of the tokens at `slots` (any shape S): each [*S, kv_heads * head_dim]."""
-    rows = _rows(layer_cache, kv_heads)[slots][..., :head_dim]  # [*S, 2 * kv_heads, head_dim]
-    k, v = rows[..., 0::2, :], rows[..., 1::2, :]
+    rows = _rows(layer_cache, kv_heads, head_dim)[slots].reshape(*slots.shape, kv_heads, 2, head_dim)
+    k, v = rows[..., 0, :], rows[..., 1, :]
     return k.reshape(*slots.shape, kv_heads * head_dim), v.reshape(*slots.shape, kv_heads * head_dim)
 
 
@@ -52,13 +103,17 @@ def write_rows(layer_cache: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Ar
                head_dim: int) -> jax.Array:
     """`layer_cache` with the tokens at `slots` [n] set to k, v [n, kv_heads * head_dim]; a slot
     outside the cache (e.g. -1 or past the end: a padding token) writes nothing."""
+    problem = layout_problem(layer_cache.shape, layer_cache.dtype, kv_heads, head_dim)
+    if problem:
+        raise ValueError(problem)
     n = slots.shape[0]
     total = layer_cache.shape[0] * layer_cache.shape[1]
+    heads, lanes = _used(kv_heads, head_dim)
     kv = jnp.stack([k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)], axis=2)
-    kv = kv.reshape(n, 2 * kv_heads, head_dim).astype(layer_cache.dtype)
+    kv = kv.reshape(n, heads, lanes).astype(layer_cache.dtype)
     flat = layer_cache.reshape(total, -1, layer_cache.shape[-1])
     slots = jnp.where((slots >= 0) & (slots < total), slots, total)  # dropped, never wrapped
-    flat = flat.at[slots, :2 * kv_heads, :head_dim].set(kv, mode="drop")
+    flat = flat.at[slots, :heads, :lanes].set(kv, mode="drop")
     return flat.reshape(layer_cache.shape)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpumk.vllm import steps
+from tpumk.vllm import kv, steps
 from tpumk.vllm.runtime import Runtime, ServingConfigError
 
 logger = logging.getLogger("vllm.tpumk")  # under vLLM's logger, so its handlers print it
@@ -38,6 +38,15 @@ def _count(kind: str, num_reqs) -> None:
     logger.info("tpumk plugin: %s #%d (%d requests)", what, _COUNTS[kind], int(num_reqs))
 
 
+def _cache_kernel(vllm_config) -> dict:
+    """What decides the layout of the KV cache vLLM's TPU runner allocates (tpu_inference 0.32):
+    its attention backend and its batched-RPA switch (Runtime refuses all but RPA v3's)."""
+    from tpu_inference import envs
+    from tpu_inference.layers.common.attention_backend import attention_backend_name
+
+    return {"attention_backend": attention_backend_name(vllm_config), "batched_rpa": bool(envs.USE_BATCHED_RPA_KERNEL)}
+
+
 class TpumkForCausalLM(nnx.Module):
     """A checkpoint tpumk supports, served by vLLM with its decode steps in tpumk's megakernel."""
 
@@ -48,7 +57,7 @@ class TpumkForCausalLM(nnx.Module):
             if mesh is not None and mesh.size != 1:  # before any build: a cheap refusal first
                 raise ServingConfigError(f"tpumk plugin: a mesh of {mesh.size} devices: expected 1 (the plugin runs "
                                          "one device in this release)")
-            self.runtime = Runtime.from_vllm_config(vllm_config)
+            self.runtime = Runtime.from_vllm_config(vllm_config, **_cache_kernel(vllm_config))
         except TpumkError as e:  # one line in vLLM's log, then the engine refuses to start
             logger.error("%s", e)
             raise ServingConfigError(str(e)) from None
@@ -79,6 +88,11 @@ class TpumkForCausalLM(nnx.Module):
         where = dict(layer_name_to_kvcache_index or ())
         index = [where.get(f"layer.{i}", i) for i in range(cfg.num_layers)]
         caches = [kv_caches[j] for j in index]
+        for c in caches:  # traced once per bucket: the shapes are static here
+            problem = kv.layout_problem(c.shape, c.dtype, cfg.num_kv_heads, cfg.head_dim, rt.block_size)
+            if problem:  # a layout start-up did not foresee: one line, not a reshape error deep in kv.py
+                logger.error("tpumk plugin: %s", problem)
+                raise ServingConfigError(f"tpumk plugin: {problem}")
         slots = md.seq_lens.shape[0]
         tables = md.block_tables.reshape(slots, -1)
         qsl, seq_lens, positions = md.query_start_loc, md.seq_lens, md.input_positions

@@ -3,10 +3,13 @@
 `Runtime.from_vllm_config(vllm_config)` reads the served checkpoint's config.json with tpumk's
 reader and takes the megakernel step from, in this order:
 
-1. an artifact (`tpumk export`): `TPUMK_VLLM_ARTIFACT`, else the key `tpumk_artifact` of the model's
-   config (e.g. `--hf-overrides '{"tpumk_artifact": "artifacts/..."}'`). Its `jax.export` program
-   is called inside vLLM's jitted step (a serialized executable cannot be), so it loads under the
-   jax that exported it or a newer one (`tpumk.load(path, use="exported")` refuses the rest);
+1. an artifact (`tpumk export`) its operator names: `TPUMK_VLLM_ARTIFACT`, else the key
+   `tpumk_artifact` of vLLM's `--hf-overrides` (`'{"tpumk_artifact": "artifacts/..."}'`), never
+   the checkpoint's own config.json: the checkpoint does not choose the program that runs (a
+   config.json naming it is refused, and so is the key reaching vLLM's model config any other way,
+   e.g. through --hf-config-path's file). Its `jax.export` program is called inside vLLM's jitted
+   step (a serialized executable cannot be), so it loads under the jax that exported it or a newer
+   one (`tpumk.load(path, use="exported")` refuses the rest);
 2. else a build on start-up for the attached TPU (or, with JAX on the CPU, the `cpu` target's
    kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
    rounded up to whole pages, `TPUMK_VLLM_QUANT` (default `none`).
@@ -16,11 +19,14 @@ that names the setting and what was expected, before any weight is read: the ser
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
 latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
-vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding.
+vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
+an attention backend or kernel whose KV cache is not laid out as RPA v3's (tpumk.vllm.kv), and
+sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ from tpumk.errors import TpumkError
 ARTIFACT_ENV = "TPUMK_VLLM_ARTIFACT"
 QUANT_ENV = "TPUMK_VLLM_QUANT"
 ARTIFACT_KEY = "tpumk_artifact"
+RPA = "rpa"  # tpu_inference's default attention backend (ragged paged attention v3): the cache tpumk.vllm.kv reads
 PAGE_SIZE = 16  # the start-up build's page size (the kernel's own; vLLM's block size need not match)
 
 
@@ -67,23 +74,28 @@ class Runtime:
         return {"batch": p.batch, "context": p.context, "page_size": p.page_size, "num_pages": p.num_pages}
 
     @classmethod
-    def from_vllm_config(cls, vllm_config) -> Runtime:
+    def from_vllm_config(cls, vllm_config, attention_backend: str = RPA, batched_rpa: bool = False) -> Runtime:
+        """`attention_backend`: the backend vLLM's TPU runner lays out its KV cache for
+        (tpu_inference's `attention_backend_name`); `batched_rpa`: its USE_BATCHED_RPA_KERNEL
+        switch (model.py reads both from tpu_inference, which this module does not import)."""
+        from tpumk.files import is_dir
         from tpumk.model.config import load_hf_config, override_dtype
 
         mc = vllm_config.model_config
         model_dir = Path(mc.model)
-        if not (model_dir / "config.json").is_file():
+        if not is_dir(model_dir) or not (model_dir / "config.json").is_file():
             raise ServingConfigError(f"tpumk plugin: model {mc.model}: expected a local checkpoint directory with "
                                      "a config.json (download it first)")
         cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
         cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
         _check_vllm(vllm_config, cfg)
-        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        max_len = int(mc.max_model_len)
-        block_size = int(vllm_config.cache_config.block_size)
-        art = os.environ.get(ARTIFACT_ENV) or getattr(mc.hf_config, ARTIFACT_KEY, None)
+        _check_cache_layout(cfg, attention_backend, batched_rpa)
+        max_seqs = _positive("max_num_seqs", vllm_config.scheduler_config.max_num_seqs)
+        max_len = _positive("max_model_len", mc.max_model_len)
+        block_size = _positive("block_size", vllm_config.cache_config.block_size)
+        art = _operator_artifact(mc, model_dir)
         if art:
-            plan, step, source = _from_artifact(Path(art), cfg, max_seqs, max_len)
+            plan, step, source = _from_artifact(art, cfg, max_seqs, max_len)
         else:
             plan, step, source = _built(cfg, max_seqs, max_len)
         return cls(model_dir, cfg, plan, step, source, block_size, max_len)
@@ -127,6 +139,56 @@ def _check_vllm(vllm_config, cfg) -> None:
     if cache_dtype not in ("auto", cfg.dtype):
         raise ServingConfigError(f"{where}: --kv-cache-dtype {cache_dtype}: expected auto (the model's dtype, "
                                  f"{cfg.dtype})")
+
+
+def _check_cache_layout(cfg, attention_backend: str, batched_rpa: bool) -> None:
+    """The KV cache vLLM's runner will allocate must be RPA v3's (tpumk.vllm.kv reads no other)."""
+    from tpumk.vllm.kv import FUSED_HEAD_DIM, padded_head_dim
+
+    if attention_backend != RPA:
+        raise ServingConfigError(f"tpumk plugin: --attention-backend {attention_backend}: expected the default "
+                                 f"({RPA}: the plugin reads vLLM's KV cache in RPA v3's layout only)")
+    # the head_dim-64 kernel's layout comes first in tpu_inference, whatever this switch says
+    if batched_rpa and padded_head_dim(cfg.head_dim) != FUSED_HEAD_DIM:
+        raise ServingConfigError("tpumk plugin: USE_BATCHED_RPA_KERNEL is set: expected it unset (the plugin reads "
+                                 "vLLM's KV cache in RPA v3's layout only)")
+
+
+def _positive(name: str, value) -> int:
+    """A size vLLM passes (max_model_len, max_num_seqs, block_size) as a positive int, or one line naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ServingConfigError(f"tpumk plugin: {name} {value!r}: expected a positive whole number")
+    return int(value)
+
+
+def _operator_artifact(mc, model_dir: Path) -> Path | None:
+    """The artifact the server's operator names (TPUMK_VLLM_ARTIFACT, else --hf-overrides'
+    tpumk_artifact), None for a start-up build. vLLM merges --hf-overrides into the model's config
+    (`hf_config`), so the key there cannot tell who set it: the checkpoint's config.json is read
+    again, and a tpumk_artifact in it (or reaching hf_config from anywhere but the overrides) is
+    refused rather than followed: a downloaded checkpoint must not pick the program a server runs."""
+    import json
+
+    from tpumk.files import TEXT_LIMIT, read_regular, shown
+
+    where = "tpumk plugin"
+    own = json.loads(read_regular(model_dir / "config.json", TEXT_LIMIT))  # load_hf_config has parsed it
+    if isinstance(own, dict) and ARTIFACT_KEY in own:
+        raise ServingConfigError(f"{where}: config.json of the checkpoint names {ARTIFACT_KEY}: the artifact is "
+                                 f"chosen by the operator ({ARTIFACT_ENV} or --hf-overrides)")
+    overrides = getattr(mc, "hf_overrides", None)
+    overrides = overrides if isinstance(overrides, dict) else {}
+    if ARTIFACT_KEY not in overrides and getattr(mc.hf_config, ARTIFACT_KEY, None) is not None:
+        raise ServingConfigError(f"{where}: vLLM's model config names {ARTIFACT_KEY}, but not through "
+                                 f"--hf-overrides: the artifact is chosen by the operator ({ARTIFACT_ENV} or "
+                                 "--hf-overrides)")
+    if ARTIFACT_KEY in overrides:
+        art = overrides[ARTIFACT_KEY]
+        if not isinstance(art, str) or not art:
+            raise ServingConfigError(f"{where}: --hf-overrides {ARTIFACT_KEY} = {shown(repr(art), 80)}: expected a "
+                                     "non-empty string, the path of a `tpumk export` artifact directory")
+    art = os.environ.get(ARTIFACT_ENV) or overrides.get(ARTIFACT_KEY)
+    return Path(art) if art else None
 
 
 def _check_shape(where: str, plan, max_seqs: int, max_len: int) -> None:
