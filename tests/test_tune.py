@@ -33,6 +33,8 @@ from tpumk.tune.space import SPACES_DIR, load_space
 from tpumk.plan.spec import BuildSpec
 
 from estimate_support import COMPILER_ESTIMATE
+from impostor import imported, plant
+from tpumk.child_process import command
 
 TINY_SPACE = str(SPACES_DIR / "tiny.toml")
 
@@ -177,6 +179,10 @@ def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp
 # ---------------------------------------------------------------------- a whole study, then build
 def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # Impostor `tpumk` packages in the working directory and first on PYTHONPATH: the trial
+    # workers (and the profiling processes they start) must import this tpumk, not them.
+    for k, v in plant(tmp_path, tmp_path / "elsewhere").items():
+        monkeypatch.setenv(k, v)
     tuned = tmp_path / "tuned.toml"
     # tiny-dense: a study's path is the same for every model and its compiles are the quickest
     # (a MoE model's expert split is searched in tests/test_tune_devices.py)
@@ -264,6 +270,7 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     assert rb.exit_code == 0 and json.loads(rb.stdout)["study"] == out["study"], rb.output
     other = cli("report", "--model", "tiny-dense", "--target", "tpu7x", "--out", tmp_path / "rep4")
     assert other.exit_code == 1 and "no study for tiny-dense" in other.stderr and "run `tpumk tune`" in other.stderr
+    assert not imported(tmp_path, tmp_path / "elsewhere")
 
 
 def test_report_explains_missing_importances(tmp_path):
@@ -283,7 +290,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     # --timeout 60: a compile stuck on a loaded host is pruned (counted as evaluated) instead of
     # outliving the rerun's 300 s limit under the default 900 s.
     # tiny-dense: resuming is the same for every model, and its compile is the quickest
-    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
+    args = [*command("tpumk.cli"), *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
                                                           "--heartbeat", 1, "--timeout", 60, "--json",
                                                           model="tiny-dense")]
     name = study_name_for(BuildSpec(resolve_model("tiny-dense"), get_target("tpu7x")), load_space(TINY_SPACE), "model")

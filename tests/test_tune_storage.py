@@ -25,6 +25,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tpumk.child_process import command
 from tpumk.compat import optuna_heartbeat_enabled
 from tpumk.tune.cache import ResultCache
 from tpumk.tune.storage import fail_stale, open_storage, storage_url
@@ -73,7 +74,7 @@ def run_two_processes(tmp_path: Path, storage: str, name: str) -> None:
     procs = []
     for i in range(2):
         # tiny-dense: the claim protocol is the same for every model, its compile the quickest
-        cmd = [sys.executable, "-m", "tpumk.cli", "tune", "--model", "tiny-dense", "--target", "tpu7x", "--space",
+        cmd = [*command("tpumk.cli"), "tune", "--model", "tiny-dense", "--target", "tpu7x", "--space",
                TINY_SPACE, "--objective", "model", "--trials", "4", "--storage", storage, "--study", name,
                "--heartbeat", "1", "--seed", str(10 + i), "--cache-dir", str(tmp_path / f"cache{i}"), "--json"]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -23,12 +23,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
 
+from tpumk.child_process import command
 from tpumk.errors import ConfigError, PlanError, TpumkError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
@@ -303,7 +303,8 @@ class TrialRunner:
                    "deadline_seconds": self.settings.timeout, "device_warmup": self.objective.device_warmup,
                    "device_repeats": self.objective.device_repeats}
         # Its own session: a timeout kills the worker and the profiling compile it may have started.
-        proc = subprocess.Popen([sys.executable, "-m", EVALUATOR], stdin=subprocess.PIPE,
+        # tpumk.child_process: the worker imports this process's tpumk, never the working directory's.
+        proc = subprocess.Popen(command(EVALUATOR), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         with self.lock:
             self.procs.add(proc)
