@@ -269,7 +269,8 @@ def report(spec, space_file, objective, storage, study_name, out_dir, as_json):
 
     from tpumk.errors import ConfigError
     from tpumk.tune.report import write_report
-    from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, local_path, open_storage, redact, storage_url
+    from tpumk.tune.storage import (DEFAULT_ROOT, check_study_name, local_path, not_regular, open_storage, redact,
+                                    storage_url)
     from tpumk.tune.study import open_study
 
     derived = False
@@ -286,7 +287,9 @@ def report(spec, space_file, objective, storage, study_name, out_dir, as_json):
     url = storage_url(storage, study_name or "", DEFAULT_ROOT)
     path = local_path(url) if storage else None
     if path is not None and not path.is_file():
-        raise ConfigError(f"--storage {storage}: no such file")
+        kind = not_regular(path)
+        raise ConfigError(f"--storage {redact(storage)}: "
+                          + (f"{path} is {kind}, not a regular file (a study's file is one)" if kind else "no such file"))
     if study_name is None:
         names = optuna.get_all_study_names(open_storage(url))
         if len(names) != 1:
