@@ -384,6 +384,23 @@ def test_a_small_space_is_walked_without_repeats(tmp_path, stand_in):
     assert result.evaluated == 6 and result.counts == {"COMPLETE": 6} and result.repeated == 0
 
 
+def test_a_dense_models_study_searches_only_its_knobs_and_says_so(tmp_path, monkeypatch, stand_in):
+    """tiny.toml searches expert_slots / expert_chunk; tiny-dense has no experts: its study
+    leaves them out, says so in one line, and prints the grid it searches (before: 192
+    points, 8 of every 24 the same kernel)."""
+    monkeypatch.chdir(tmp_path)
+    r = cli("tune", "--model", "tiny-dense", "--target", "tpu7x", "--space", TINY_SPACE, "--objective", "model",
+            "--trials", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert "space tiny (24 grid points)" in r.stderr
+    left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
+    assert left == ["space tiny: 3 of 5 knobs searched for this build; left out: expert_slots, expert_chunk "
+                    "(a dense model has no experts)"]
+    study = optuna.load_study(study_name=json.loads(r.stdout)["study"],
+                              storage=open_storage(storage_url(None, json.loads(r.stdout)["study"])))
+    assert {k for t in study.trials for k in t.params} == {"ring_depth", "tile_bytes", "kv_buffers"}
+
+
 # ---------------------------------------------------------------------- calibration cache
 def test_calibration_cache_is_keyed_by_the_probe_source(tmp_path, monkeypatch):
     """An entry stored by other probe code (same target and versions) is not reused. (Before:

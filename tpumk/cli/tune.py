@@ -196,6 +196,8 @@ def tune(spec, space_file, trials, max_infeasible,
     say = (lambda m: echo(m, err=True)) if as_json else echo
     size = space.size()
     say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} distinct configurations to evaluate")
+    if space.dropped_line():  # knobs of the file this build has no use for: not searched
+        say(space.dropped_line())
     say(f"objective: {choice.name} ({choice.reason})")
     say(f"study {name} in {redact(url)}")
     optuna.logging.set_verbosity(logging.ERROR)  # tpumk prints its own summary
