@@ -36,6 +36,8 @@ from typing import Any, Callable
 import optuna
 from optuna.trial import TrialState
 
+from tpumk.tune.budget import foreign
+
 REDRAWS = 64
 ENUMERATE_MAX = 100_000
 RANDOM_DRAWS = 1_000  # uniform draws after REDRAWS refused TPE draws
@@ -92,11 +94,14 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         names = set(self.distributions)
         seen = {params_key(t.params) for t in trials
                 if t._trial_id != trial_id and set(t.params) == names
-                and t.state in (*_FINISHED, TrialState.RUNNING)}
+                and (t.state == TrialState.RUNNING or t.state in _FINISHED and foreign(t, self.space) is None)}
         seen |= {params_key(p) for tid, p in self._proposed.items() if tid != trial_id}
         # Seeded by the study's size: a resumed study does not replay the first run's draws.
         seed = None if self.seed is None else self.seed + len(trials) + len(self._refused)
-        real = [t for t in trials if t.state in _FINISHED and t.distributions == self.distributions]
+        # Trials another process wrote into a shared study with values outside the space or a
+        # value that is no step time teach TPE nothing (and Optuna refuses the former).
+        real = [t for t in trials if t.state in _FINISHED and t.distributions == self.distributions
+                and foreign(t, self.space) is None]
         shadow = optuna.create_study(direction="minimize",
                                      sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True))
         shadow.add_trials(real)

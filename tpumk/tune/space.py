@@ -179,6 +179,18 @@ class Knob:
             return (self.high - self.low) // self.step + 1
         return len(self.values())
 
+    def contains(self, value: Any) -> bool:
+        """`value` is one of this knob's candidates (of the candidate's type: True is not 1)."""
+        if self.kind == "int":
+            return _is_int(value) and self.low <= value <= self.high and (value - self.low) % self.step == 0
+        return any(type(value) is type(c) and value == c for c in self.values())
+
+    def describe(self) -> str:
+        """The candidates, for a message: '4 to 12 by 4', 'one of 0, 3'."""
+        if self.kind == "int":
+            return f"{self.low} to {self.high}" + (f" by {self.step}" if self.step != 1 else "")
+        return "one of " + ", ".join(map(repr, self.values()))
+
     def distribution(self) -> "optuna.distributions.BaseDistribution":
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
@@ -587,6 +599,24 @@ class TuningSpace:
 
     def distributions(self) -> dict[str, "optuna.distributions.BaseDistribution"]:
         return {name: knob.distribution() for name, knob in self.knobs.items()}
+
+    def outside(self, values: dict[str, Any]) -> str | None:
+        """Why knob values are not a configuration of this (bound) space, or None: other knobs
+        than it searches, a value that is not one of a knob's candidates, or not a valid
+        TuningConfig. For trials another process wrote into a shared study (`tpumk.tune.budget.foreign`)."""
+        names, mine = set(values), set(self.knobs)
+        if names != mine:
+            parts = [f"{label} {', '.join(sorted(ns)[:4])}" for label, ns in
+                     (("knobs the space does not search:", names - mine), ("missing", mine - names)) if ns]
+            return "its knobs are not the space's (" + "; ".join(parts) + ")"
+        for name, v in values.items():
+            if not self.knobs[name].contains(v):
+                return f"{name}={v!r} is not one of the space's values ({self.knobs[name].describe()})"
+        try:
+            self.tuning_for(values)
+        except ConfigError as e:
+            return str(e)
+        return None
 
     def tuning_for(self, values: dict[str, Any], base: TuningConfig | None = None) -> TuningConfig:
         """`base` (default: TuningConfig()) with the fixed knobs, then `values`, applied."""

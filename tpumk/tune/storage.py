@@ -11,7 +11,10 @@
 
 Trials send Optuna heartbeats (RDBStorage's own; JournalStorage gets the same through
 `JournalHeartbeatStorage`), so a killed run's RUNNING trials become FAIL after a grace period
-(`fail_stale`) and stop counting.
+(`fail_stale`) and stop counting. A heartbeat that cannot be written (a full disk, a database
+that went away) is skipped quietly: it runs in Optuna's own thread, whose error would be a
+traceback, and the trial's next write meets the same failure and stops the study in one line
+(tpumk.tune.study.why_stopped).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def _journal_heartbeat_class():
                 self.set_trial_system_attr(trial_id, self.HEARTBEAT, time.time())
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # failed as stale meanwhile (a paused process): nothing left to keep alive
+            except Exception:  # noqa: BLE001 - see _quiet_heartbeat
+                pass
 
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             now = time.time()
@@ -143,6 +148,12 @@ def _rdb_storage_class():
     import optuna
 
     class HeartbeatRDBStorage(optuna.storages.RDBStorage):
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                super().record_heartbeat(trial_id)
+            except Exception:  # noqa: BLE001 - see _quiet_heartbeat
+                pass
+
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             import datetime
 
