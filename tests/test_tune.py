@@ -151,16 +151,20 @@ def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp
                      '[fixed]\nvmem_limit_fraction = 0.1\n\n'
                      '[[constraints]]\nexpr = "ring_depth >= 8"\nwhy = "small rings excluded for this test"\n')
     r = cli(*tune_cmd("--space", space, "--objective", "model", "--trials", 2, "--max-infeasible", 6,
-                      "--seed", 3, "--json"))
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.stdout)
-    # Pruned before compiling: outside the budget of 2 evaluated trials, up to the cap of 6.
-    assert out["counts"] == {"PRUNED": 6} and (out["evaluated"], out["infeasible"]) == (0, 6)
-    assert any("mostly infeasible" in n for n in out["notes"])
-    assert any(n.startswith("the default configuration was pruned") for n in out["notes"])
-    assert out["this_run"]["compiles"] == 0 and out["best"] == [] and out["best_tuning"] is None
-    assert out["default"]["state"] == "PRUNED"
-    study = load(None, out["study"])
+                      "--seed", 3))
+    # Nothing could be evaluated: one line saying how many configurations were rejected and by
+    # what (before: exit 0 with `best: []`).
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
+    assert r.stderr.startswith(f"tpumk: error: --space {space}: no configuration of its 3 grid points can be "
+                               "evaluated for tiny-moe (float32) on tpu7x, batch 1, context 4096: 3 configurations "
+                               "rejected before compiling (plan 2, constraint 1), e.g. ")
+    assert "Traceback" not in r.output
+    name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(space), "model")
+    study = load(None, name)
+    # Pruned before compiling, outside the budget of 2 evaluated trials: the whole grid of 3 once
+    # (then nothing is left to propose), under the cap of 6.
+    assert [t.state.name for t in study.trials] == ["PRUNED"] * 3
+    assert study.trials[0].user_attrs["tpumk_default"]
     stages = set()
     for t in study.trials:
         a = t.user_attrs

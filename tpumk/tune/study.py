@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tpumk.compile.keys import canonical
-from tpumk.errors import ConfigError, TpumkError, one_line
+from tpumk.errors import ConfigError, TpumkError, count_of, one_line
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tomlfile import write_text_atomic
@@ -232,7 +232,7 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
                     trials = own(study.get_trials(deepcopy=False), space)
                     fin, _, running = tally(trials)
                     others = len(running - runner.mine)
-                    if is_spent(trials, settings) or _exhausted(trials, space):
+                    if is_spent(trials, settings) or _exhausted(trials, space) or sampler.exhausted:
                         return
                     go = fin + others + inflight[0] < settings.trials
                     if go:
@@ -296,6 +296,12 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         elif result.evaluated < settings.trials and _exhausted(own(study.get_trials(deepcopy=False), space), space):
             result.notes.append(f"every configuration of the space was tried: {result.evaluated} evaluated, fewer "
                                 f"than --trials {settings.trials}")
+        elif result.evaluated < settings.trials and sampler.exhausted:
+            result.notes.append(f"every configuration of the space was tried or ruled out by its constraints: "
+                                f"{result.evaluated} evaluated, fewer than --trials {settings.trials}")
+        if result.evaluated == 0 and result.infeasible:
+            raise NothingFeasible(nothing_feasible(own(study.get_trials(deepcopy=False), space), space, problem,
+                                                   sampler.refused))
         if out is not None and result.best_tuning is not None:
             write_tuned(out, result)
             result.out = str(out)
@@ -316,6 +322,32 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         if why is None:
             raise
         raise StudyStopped(scrub(f"study {name} stopped: {why}", url)) from None
+
+
+class NothingFeasible(ConfigError):
+    """The study ended with no configuration evaluated: the space's constraints, the knob rules
+    or the plan ruled out every configuration it drew for this build."""
+
+
+def nothing_feasible(trials, space: TuningSpace, problem: BuildSpec, refused: dict[tuple, str]) -> str:
+    """One line for a study that evaluated nothing: how many distinct configurations were
+    rejected before compiling and by what (trials pruned before compiling, and draws the sampler
+    passed over), and the first reason."""
+    from tpumk.tune.sampler import params_key
+
+    stages = dict(refused)
+    first = None
+    for t in sorted(trials, key=lambda t: t.number):
+        if is_free(t):
+            stages[params_key(t.params)] = t.user_attrs.get("prune_stage", "unknown")
+            first = first or f"{t.user_attrs.get('prune_stage')}: {t.user_attrs.get('prune_reason')}"
+    by_stage: dict[str, int] = {}
+    for stage in stages.values():
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+    counted = ", ".join(f"{stage} {n:,}" for stage, n in sorted(by_stage.items(), key=lambda kv: -kv[1]))
+    return (f"--space {space.source}: no configuration of its {space.size():,} grid points can be evaluated for "
+            f"{problem.label()}: {count_of(len(stages), 'configuration')} rejected before compiling ({counted}), "
+            f"e.g. {first or 'none recorded'}; no tuned file written")
 
 
 class StudyStopped(TpumkError):
