@@ -552,6 +552,13 @@ CASES: list[Case] = [
     Case("build-page-size-7", [*BUILD, "--page-size", "7", "--context", "4096"]),
     Case("build-page-size-0", [*BUILD, "--page-size", "0"]),
     Case("build-target-v9", ["build", "--model", "tiny-dense", "--target", "v9"]),
+    # a target spelled another way: the one it means (before: no suggestion for these)
+    Case("build-target-v7x", ["build", "--model", "tiny-dense", "--target", "v7x"],
+         says=("unknown target 'v7x' (did you mean 'tpu7x'?)",)),
+    Case("key-target-accelerator-type", ["cache-key", "--model", "tiny-dense", "--target", "v5litepod-16"],
+         says=("(did you mean 'v5e'?)",)),
+    Case("key-target-code-name", ["cache-key", "--model", "tiny-dense", "--target", "Trillium"],
+         says=("(did you mean 'v6e'?)",)),
     # ---- devices
     Case("build-devices-0", [*BUILD, "--devices", "0"]),
     Case("build-devices-negative", [*BUILD, "--devices", "-4"]),
