@@ -335,6 +335,27 @@ def test_trials_count_distinct_configurations_and_the_summary_counts_reuse(tmp_p
     assert f"{result.repeated} of them repeated" in text
 
 
+def test_a_count_of_one_reads_in_the_singular(capsys):
+    """The summary of a one-trial study: '1 trial reused', '1 compile', never '1 trials'."""
+    from tpumk.cli.tune import print_result
+    from tpumk.tune.study import TuneResult
+
+    best = [{"rank": 1, "trial": 0, "value_seconds": 1e-5, "value_kind": "tpumk model", "objective_source": "x",
+             "changed_knobs": {}, "compile_seconds": 1.0, "cached": True, "floor_seconds": None, "vmem_bytes": 1}]
+    print_result(TuneResult(
+        study="s", storage="s.journal", problem="p", space="tiny", objective="model", objective_reason="",
+        trials_requested=1, counts={"COMPLETE": 1}, evaluated=1, infeasible=0, reused=1, repeated=1,
+        this_run={"trials": 1, "compiles": 1, "cache_hits": 0, "reused_in_study": 0, "wall_seconds": 1.0,
+                  "passed_over": {"constraint": 1}},
+        best=best, default=None, best_over_default=None, best_tuning={}, floor_seconds=None))
+    text = capsys.readouterr().out
+    for said in ("1 of 1 distinct configuration evaluated (1 trial complete,",
+                 "1 trial reused earlier results without compiling (1 of it repeated",
+                 "this run: 1 trial, 1 compile,", "passed over 1 drawn configuration the space rules out"):
+        assert said in text, (said, text)
+    assert "1 trials" not in text and "1 compiles" not in text
+
+
 def test_a_space_smaller_than_the_budget_ends_when_exhausted(tmp_path, monkeypatch, stand_in):
     monkeypatch.chdir(tmp_path)
     space = tmp_path / "three.toml"
@@ -365,7 +386,7 @@ def test_the_default_space_stores_the_evaluated_trials_not_the_draws_it_rules_ou
     passed = result.this_run["passed_over"]
     assert passed.get("constraint", 0) > 0  # the constraints did refuse draws: in the sampler, not the storage
     print_result(result)
-    assert f"the sampler passed over {sum(passed.values())} drawn configurations" in capsys.readouterr().out
+    assert f"the sampler passed over {sum(passed.values()):,} drawn configurations" in capsys.readouterr().out
 
 
 def test_a_small_space_is_walked_without_repeats(tmp_path, stand_in):
@@ -391,7 +412,7 @@ def test_a_dense_models_study_searches_only_its_knobs_and_says_so(tmp_path, monk
     r = cli("tune", "--model", "tiny-dense", "--target", "tpu7x", "--space", TINY_SPACE, "--objective", "model",
             "--trials", 1, "--json")
     assert r.exit_code == 0, r.output
-    assert "space tiny (24 grid points)" in r.stderr
+    assert "space tiny (24 grid points), 1 distinct configuration to evaluate" in r.stderr
     left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
     assert left == ["space tiny: 3 of 5 knobs searched for this build; left out: expert_slots, expert_chunk "
                     "(a dense model has no experts)"]

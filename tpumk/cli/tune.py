@@ -17,6 +17,7 @@ from tabulate import tabulate
 
 from tpumk.cli.options import build_command, echo, emit_json, fail_cleanly, spec_options
 from tpumk.cli.units import duration
+from tpumk.errors import count_of
 
 
 def _us(s) -> str:
@@ -50,20 +51,20 @@ def print_result(r, next_command: str | None = None) -> None:
         echo(notes.pop(0))
     c = r.counts
     complete = c.get("COMPLETE", 0)
-    echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} distinct configurations evaluated "
-               f"({complete} trials complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
-               f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
-    echo(f"{r.reused} trials reused earlier results without compiling ({r.repeated} of them repeated a "
-               "configuration the study had evaluated: outside the budget)")
+    echo(f"\nstudy {r.study}: {r.evaluated} of {count_of(r.trials_requested, 'distinct configuration')} evaluated "
+         f"({count_of(complete, 'trial')} complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
+         f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
+    echo(f"{count_of(r.reused, 'trial')} reused earlier results without compiling ({r.repeated} of "
+         f"{'it' if r.reused == 1 else 'them'} repeated a configuration the study had evaluated: outside the budget)")
     if r.prune_reasons:
         echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
     run = r.this_run
-    echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
-               f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
-               f"{run.get('wall_seconds', 0):.1f} s wall")
+    echo(f"this run: {count_of(run.get('trials', 0), 'trial')}, {count_of(run.get('compiles', 0), 'compile')}, "
+         f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
+         f"{run.get('wall_seconds', 0):.1f} s wall")
     passed = run.get("passed_over") or {}
     if passed:
-        echo(f"the sampler passed over {sum(passed.values())} drawn configurations the space rules out, "
+        echo(f"the sampler passed over {count_of(sum(passed.values()), 'drawn configuration')} the space rules out, "
              "never made trials (" + ", ".join(f"{k} {v}" for k, v in sorted(passed.items())) + ")")
     if not r.best:
         echo("no trial completed: nothing to rank")
@@ -195,7 +196,8 @@ def tune(spec, space_file, trials, max_infeasible,
         check_writable(report_dir, "--report", directory=True)
     say = (lambda m: echo(m, err=True)) if as_json else echo
     size = space.size()
-    say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} distinct configurations to evaluate")
+    say(f"tuning {problem.label()}: space {space.name} ({count_of(size, 'grid point')}), "
+        f"{count_of(trials, 'distinct configuration')} to evaluate")
     if space.dropped_line():  # knobs of the file this build has no use for: not searched
         say(space.dropped_line())
     say(f"objective: {choice.name} ({choice.reason})")

@@ -274,25 +274,25 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         if already_complete and runner.stats["trials"] == 0:
             result.already_complete = True
             if result.evaluated >= settings.trials:
-                how = (f"it already has {result.evaluated} evaluated trials (--trials {settings.trials}); "
+                how = (f"it already has {count_of(result.evaluated, 'evaluated trial')} (--trials {settings.trials}); "
                        f"to extend it, rerun with a larger --trials, e.g. --trials {2 * settings.trials}")
             elif result.repeated >= settings.repeats_cap():
-                how = (f"it already stopped at {result.repeated} trials repeating evaluated configurations "
+                how = (f"it already stopped at {count_of(result.repeated, 'trial')} repeating evaluated configurations "
                        f"(at most 10 x --trials)")
             elif _exhausted(own(study.get_trials(deepcopy=False), space), space):
                 how = "every configuration of the space was already tried"
             else:
-                how = (f"it already stopped at {result.infeasible} configurations pruned before compiling "
+                how = (f"it already stopped at {count_of(result.infeasible, 'configuration')} pruned before compiling "
                        f"(--max-infeasible {settings.infeasible_cap()}); to go on, rerun with a larger --max-infeasible")
             result.notes.insert(0, f"study {name} is complete, nothing was run: {how}")
         if result.infeasible >= settings.infeasible_cap() and result.evaluated < settings.trials:
-            result.notes.append(f"stopped after {result.infeasible} configurations pruned before compiling "
+            result.notes.append(f"stopped after {count_of(result.infeasible, 'configuration')} pruned before compiling "
                                 f"(--max-infeasible {settings.infeasible_cap()}) with {result.evaluated} of "
                                 f"{settings.trials} evaluated: the space is mostly infeasible for this problem")
         elif result.repeated >= settings.repeats_cap() and result.evaluated < settings.trials:
-            result.notes.append(f"stopped after {result.repeated} trials repeating configurations already evaluated "
-                                f"with {result.evaluated} of {settings.trials} evaluated: the sampler finds few "
-                                "new configurations in this space")
+            result.notes.append(f"stopped after {count_of(result.repeated, 'trial')} repeating configurations already "
+                                f"evaluated with {result.evaluated} of {settings.trials} evaluated: the sampler finds "
+                                "few new configurations in this space")
         elif result.evaluated < settings.trials and _exhausted(own(study.get_trials(deepcopy=False), space), space):
             result.notes.append(f"every configuration of the space was tried: {result.evaluated} evaluated, fewer "
                                 f"than --trials {settings.trials}")
@@ -564,7 +564,7 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
     notes = [f"ignored trial {n}: {why}; another process wrote it into the shared study" for n, why in
              ignored[:MAX_IGNORED_NOTES]]
     if len(ignored) > MAX_IGNORED_NOTES:
-        notes.append(f"ignored {len(ignored) - MAX_IGNORED_NOTES} more such trials "
+        notes.append(f"ignored {count_of(len(ignored) - MAX_IGNORED_NOTES, 'more such trial')} "
                      f"({', '.join(str(n) for n, _ in ignored[MAX_IGNORED_NOTES:][:20])}"
                      f"{', ...' if len(ignored) > MAX_IGNORED_NOTES + 20 else ''})")
     if default is not None and default["state"] == "PRUNED":
