@@ -301,7 +301,7 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
                                 f"{result.evaluated} evaluated, fewer than --trials {settings.trials}")
         if result.evaluated == 0 and result.infeasible:
             raise NothingFeasible(nothing_feasible(own(study.get_trials(deepcopy=False), space), space, problem,
-                                                   sampler.refused))
+                                                   sampler.refused, settings.infeasible_cap()))
         if out is not None and result.best_tuning is not None:
             write_tuned(out, result)
             result.out = str(out)
@@ -329,10 +329,11 @@ class NothingFeasible(ConfigError):
     or the plan ruled out every configuration it drew for this build."""
 
 
-def nothing_feasible(trials, space: TuningSpace, problem: BuildSpec, refused: dict[tuple, str]) -> str:
+def nothing_feasible(trials, space: TuningSpace, problem: BuildSpec, refused: dict[tuple, str], cap: int) -> str:
     """One line for a study that evaluated nothing: how many distinct configurations were
     rejected before compiling and by what (trials pruned before compiling, and draws the sampler
-    passed over), and the first reason."""
+    passed over), the first reason, and whether that was the whole grid or what the study drew
+    before `cap` (--max-infeasible) ended it."""
     from tpumk.tune.sampler import params_key
 
     stages = dict(refused)
@@ -345,9 +346,15 @@ def nothing_feasible(trials, space: TuningSpace, problem: BuildSpec, refused: di
     for stage in stages.values():
         by_stage[stage] = by_stage.get(stage, 0) + 1
     counted = ", ".join(f"{stage} {n:,}" for stage, n in sorted(by_stage.items(), key=lambda kv: -kv[1]))
-    return (f"--space {space.source}: no configuration of its {space.size():,} grid points can be evaluated for "
-            f"{problem.label()}: {count_of(len(stages), 'configuration')} rejected before compiling ({counted}), "
-            f"e.g. {first or 'none recorded'}; no tuned file written")
+    rejected = f"{count_of(len(stages), 'configuration')} rejected before compiling ({counted})"
+    if len(stages) >= space.size():  # the whole grid: proven
+        head = f"no configuration of its {count_of(space.size(), 'grid point')} can be evaluated"
+        tail = "no tuned file written"
+    else:  # what it drew before --max-infeasible
+        head = f"none of the configurations drawn from its {count_of(space.size(), 'grid point')} could be evaluated"
+        tail = f"no tuned file written (--max-infeasible {cap} ended it: raise it to draw more, or widen the space)"
+    return (f"--space {space.source}: {head} for {problem.label()}: {rejected}, e.g. {first or 'none recorded'}; "
+            f"{tail}")
 
 
 class StudyStopped(TpumkError):
