@@ -236,8 +236,8 @@ def _stand_in_worker(self, trial, tuning):
 
 def test_a_postgresql_password_is_never_printed_or_stored(tmp_path, monkeypatch, postgres_url):
     """A study on PostgreSQL with a password in the userinfo and as a query parameter: neither
-    reaches the progress line, the JSON summary, the tuned file, `tpumk report` or an error
-    line. (Before: `?password=` was printed in `study ... in ...`, stored in the JSON `storage`
+    reaches the progress line, the JSON summary, the tuned file, `tpumk report`'s line naming
+    the storage or an error line. (Before: `?password=` was printed in `study ... in ...`, stored in the JSON `storage`
     field and the tuned TOML's header.)"""
     from click.testing import CliRunner
 
@@ -254,8 +254,8 @@ def test_a_postgresql_password_is_never_printed_or_stored(tmp_path, monkeypatch,
             "--trials", 1, "--storage", url, "--study", "secret", "--out", tmp_path / "t.toml", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["storage"] == f"postgresql://postgres:***@{host}?password=***&sslmode=disable"
-    rr = run("report", "--storage", url, "--study", "secret", "--out", tmp_path / "plots")
-    assert rr.exit_code == 0, rr.output
+    rr = run("report", "--storage", url, "--study", "nosuch", "--out", tmp_path / "plots")  # names the storage
+    assert rr.exit_code == 1 and "no such study in postgresql://postgres:***@" in rr.stderr, rr.output
     # refused or failing: a malformed URL, no server on the port, an unescaped '@'
     bad = [run("report", "--storage", u, "--out", tmp_path / "p2") for u in (
         url.replace(host.split("/")[0], "127.0.0.1:notaport"), url.replace(host.split("/")[0], "127.0.0.1:1"),
