@@ -67,7 +67,7 @@ def _journal_heartbeat_class():
                 self.set_trial_system_attr(trial_id, self.HEARTBEAT, time.time())
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # failed as stale meanwhile (a paused process): nothing left to keep alive
-            except Exception:  # noqa: BLE001 - see _quiet_heartbeat
+            except Exception:  # noqa: BLE001 - a storage that cannot be written: see the module docstring
                 pass
 
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
@@ -151,7 +151,7 @@ def _rdb_storage_class():
         def record_heartbeat(self, trial_id: int) -> None:
             try:
                 super().record_heartbeat(trial_id)
-            except Exception:  # noqa: BLE001 - see _quiet_heartbeat
+            except Exception:  # noqa: BLE001 - a storage that cannot be written: see the module docstring
                 pass
 
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:

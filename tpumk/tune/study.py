@@ -184,7 +184,11 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
     progress(done, total, best) is called at the start and after every trial this process
     finishes; on_trial(finished_trial(t) + {"evaluated", "trials"}) after every such trial.
     `keys`: the problem's ResultKeys when the caller already made them (the evaluator's source
-    is then read once, and the study name and the keys name the same code)."""
+    is then read once, and the study name and the keys name the same code).
+
+    Raises NothingFeasible when the study ends with no configuration evaluated (every one it
+    drew was ruled out before compiling), and StudyStopped when its storage, the result cache
+    or `out` fails mid-study (one line each; the finished trials stay in the storage)."""
     settings.validate()
     space = space.for_build(problem)  # computed knobs get this build's choices (the default too)
     if out is not None:
