@@ -2,26 +2,61 @@
 
 Builds run through the CLI in subprocesses, as a user runs them: the compiler's static
 estimate comes from a separate profiling process (tpumk.estimate.profiler), which these tests exercise.
+Every build runs beside impostor `tpumk` packages (tests/impostor.py: one in the working directory,
+one first on PYTHONPATH); neither the CLI nor the profiling process it starts may import them.
 """
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from estimate_support import COMPILER_ESTIMATE, NO_PROFILER, needs_compiler_estimate
+from impostor import imported, plant
+from tpumk.child_process import PACKAGE_DIR, command
 
 REQUIRED_KEYS = {"model", "target", "batch", "context", "compile_seconds", "custom_calls", "vmem_bytes",
                  "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "estimated_cycles",
                  "estimated_seconds", "estimate_source"}
 
 
-def tpumk(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", *args], capture_output=True, text=True, timeout=600)
+IMPOSTORS: dict = {}  # the working directory and environment of every build (the fixture below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def beside_impostors(tmp_path_factory):
+    root = tmp_path_factory.mktemp("impostors")
+    IMPOSTORS.update(cwd=root / "cwd", elsewhere=root / "elsewhere")
+    IMPOSTORS["env"] = {**os.environ, **plant(IMPOSTORS["cwd"], IMPOSTORS["elsewhere"])}
+    yield
+    assert not imported(IMPOSTORS["cwd"], IMPOSTORS["elsewhere"])
+
+
+@pytest.fixture(autouse=True)
+def no_impostor_imported():
+    yield
+    assert not imported(IMPOSTORS["cwd"], IMPOSTORS["elsewhere"]), "a build imported an impostor tpumk"
+
+
+def tpumk(*args, check=True, env=None):
+    # tpumk.child_process.command, as tpumk starts its own children: never the cwd's tpumk
+    proc = subprocess.run(command("tpumk.cli", *args), cwd=IMPOSTORS["cwd"], env=env or IMPOSTORS["env"],
+                          capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
+
+
+def test_a_child_imports_the_tpumk_of_its_parent():
+    """What the child imported, by Python's own account (PYTHONVERBOSE names every file it
+    loads): the package of this process, not the impostor in the working directory or on
+    PYTHONPATH. (Before tpumk.child_process, `python -m` loaded the working directory's.)"""
+    p = tpumk("--help", env={**IMPOSTORS["env"], "PYTHONVERBOSE": "1"})
+    inits = {line.rsplit(" ", 1)[-1] for line in p.stderr.splitlines()
+             if line.startswith("# ") and line.endswith(os.path.join("tpumk", "__init__.py"))}
+    assert inits == {os.path.join(PACKAGE_DIR, "__init__.py")}, inits
 
 
 def build_json(*args):

@@ -151,6 +151,8 @@ def test_keys_record_the_source_and_the_tuner_adds_its_evaluator():
 # ---------------------------------------------------------------------- the tuner serves no stale value
 def _tune(cwd: Path, cache: Path, pythonpath: Path | None) -> dict:
     # The package under test (this checkout, wherever it is: not an installed copy), or the copy.
+    # Started with `-m` and PYTHONPATH on purpose (not tpumk.child_process.command, which would
+    # run this process's tpumk): a PYTHONPATH setup, whose trial workers must then run the copy too.
     env = {**os.environ, "PYTHONPATH": str(pythonpath if pythonpath is not None else K.PACKAGE_DIR.parent)}
     cwd.mkdir(parents=True, exist_ok=True)
     # tiny-dense: the model does not matter here, and its compile is the quickest

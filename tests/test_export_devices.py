@@ -35,6 +35,7 @@ from host_flags import xla_flags
 
 from artifact_helpers import copy_artifact, edit_manifest
 
+from tpumk.child_process import command
 from tpumk.cli import main
 from tpumk.errors import ArtifactError, SignatureError
 from tpumk.export import artifacts as A
@@ -207,10 +208,9 @@ def test_an_older_format_is_refused_with_one_line(exported, tmp_path):
 
 # ---------------------------------------------------------------------- cache key, inspect
 def _cache_key(devices: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "cache-key", "--model", "tiny-dense", "--target",
+    proc = subprocess.run([*command("tpumk.cli"), "cache-key", "--model", "tiny-dense", "--target",
                            "tpu7x", "--context", str(CONTEXT), "--devices", str(devices), "--json"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 

@@ -12,7 +12,8 @@ input is the file system itself:
 - a signing key that is not UTF-8 text;
 - a file or path name holding terminal escape sequences (a hostile manifest, a file name);
 - storage a crash or a full disk damaged: a torn tuning journal (repaired, every complete trial
-  kept), a damaged SQLite file or an in-memory one (refused in one line saying how to recover);
+  kept), a damaged SQLite file or an in-memory one (refused in one line saying how to recover),
+  a journal that is a FIFO or a device (refused saying what it is);
 - what `tpumk export` deletes: only the temporaries it marked as its own, never a user's
   `.tmp-*` directory; and the mode of what it publishes (the umask's, not 0700).
 
@@ -192,6 +193,24 @@ CASES: list[Case] = [
     # ---- storage: in-memory SQLite keeps nothing
     Case("sqlite-memory", _tune(TINY_SPACE, "sqlite:///:memory:"), says=("in-memory",), allow=TUNE_DIRS),
     Case("sqlite-empty-path", _tune(TINY_SPACE, "sqlite://"), says=("in-memory",), allow=TUNE_DIRS),
+    # a URI filename SQLite opens in memory (was: Optuna's "exceeding max length")
+    Case("sqlite-uri-memory", _tune(TINY_SPACE, "sqlite:///file::memory:?uri=true"), says=("in-memory",),
+         allow=TUNE_DIRS),
+    Case("sqlite-uri-mode-memory", _tune(TINY_SPACE, "sqlite:///file:s.db?mode=memory&uri=true"),
+         says=("in-memory",), allow=TUNE_DIRS),
+    Case("report-sqlite-uri-memory", ["report", "--storage", "sqlite:///file::memory:?uri=true", "--out", "plots"],
+         says=("in-memory",), allow=("plots",)),
+    # ---- storage: a journal that is not a regular file says what it is (was: "no such file")
+    Case("fifo-storage-journal", _tune(TINY_SPACE, "f.journal"), {"f.journal": Fifo()}, says=("f.journal", "FIFO"),
+         allow=TUNE_DIRS),
+    Case("fifo-report-journal", ["report", "--storage", "f.journal", "--out", "plots"], {"f.journal": Fifo()},
+         says=("f.journal", "FIFO"), allow=("plots",)),
+    Case("dev-zero-storage-journal", _tune(TINY_SPACE, "journal:/dev/zero"), says=("/dev/zero", "character device"),
+         allow=TUNE_DIRS),
+    Case("dev-zero-report-journal", ["report", "--storage", "journal:/dev/zero", "--out", "plots"],
+         says=("/dev/zero", "character device"), allow=("plots",)),
+    Case("dev-zero-report-sqlite", ["report", "--storage", "sqlite:////dev/zero", "--out", "plots"],
+         says=("/dev/zero", "character device"), allow=("plots",)),
 ]
 
 _ids = [c.id for c in CASES]

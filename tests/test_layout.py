@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own unit and any lower layer, never a higher one
 or a sibling of its own layer:
 
-    errors -> {compat, files} -> {_env, tomlfile} -> targets -> model -> plan -> kernel -> compile
+    errors -> {compat, files, child_process} -> {_env, tomlfile} -> targets -> model -> plan -> kernel -> compile
     -> estimate -> build -> {tune, export, decode} -> vllm -> cli
 
 `tpumk/__init__.py` (the lazy public API) may import anything; any module may read
@@ -25,7 +25,7 @@ import tpumk
 PACKAGE = Path(tpumk.__file__).resolve().parent
 LAYERS = [
     {"errors"},
-    {"compat", "files"},
+    {"compat", "files", "child_process"},
     {"_env", "tomlfile"},
     {"targets"},
     {"model"},

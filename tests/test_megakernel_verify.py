@@ -131,9 +131,10 @@ def test_verify_estimate_from_a_second_profiling_compile():
     process), never below its floor, and its ratio to the plain step's estimate."""
     import json as _json
     import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "build", "--model", "tiny-moe", "--dtype", "bfloat16",
+    from tpumk.child_process import command
+
+    proc = subprocess.run([*command("tpumk.cli"), "build", "--model", "tiny-moe", "--dtype", "bfloat16",
                            "--batch", "2", "--context", "256", "--verify-q", "8", "--verify-estimate", "--json"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -33,6 +33,8 @@ from tpumk.tune.space import SPACES_DIR, load_space
 from tpumk.plan.spec import BuildSpec
 
 from estimate_support import COMPILER_ESTIMATE
+from impostor import imported, plant
+from tpumk.child_process import command
 
 TINY_SPACE = str(SPACES_DIR / "tiny.toml")
 
@@ -149,16 +151,20 @@ def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp
                      '[fixed]\nvmem_limit_fraction = 0.1\n\n'
                      '[[constraints]]\nexpr = "ring_depth >= 8"\nwhy = "small rings excluded for this test"\n')
     r = cli(*tune_cmd("--space", space, "--objective", "model", "--trials", 2, "--max-infeasible", 6,
-                      "--seed", 3, "--json"))
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.stdout)
-    # Pruned before compiling: outside the budget of 2 evaluated trials, up to the cap of 6.
-    assert out["counts"] == {"PRUNED": 6} and (out["evaluated"], out["infeasible"]) == (0, 6)
-    assert any("mostly infeasible" in n for n in out["notes"])
-    assert any(n.startswith("the default configuration was pruned") for n in out["notes"])
-    assert out["this_run"]["compiles"] == 0 and out["best"] == [] and out["best_tuning"] is None
-    assert out["default"]["state"] == "PRUNED"
-    study = load(None, out["study"])
+                      "--seed", 3))
+    # Nothing could be evaluated: one line saying how many configurations were rejected and by
+    # what (before: exit 0 with `best: []`).
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
+    assert r.stderr.startswith(f"tpumk: error: --space {space}: no configuration of its 3 grid points can be "
+                               "evaluated for tiny-moe (float32) on tpu7x, batch 1, context 4096: 3 configurations "
+                               "rejected before compiling (plan 2, constraint 1), e.g. ")
+    assert "Traceback" not in r.output
+    name = study_name_for(BuildSpec(resolve_model("tiny-moe"), get_target("tpu7x")), load_space(space), "model")
+    study = load(None, name)
+    # Pruned before compiling, outside the budget of 2 evaluated trials: the whole grid of 3 once
+    # (then nothing is left to propose), under the cap of 6.
+    assert [t.state.name for t in study.trials] == ["PRUNED"] * 3
+    assert study.trials[0].user_attrs["tpumk_default"]
     stages = set()
     for t in study.trials:
         a = t.user_attrs
@@ -177,6 +183,10 @@ def test_infeasible_configurations_are_pruned_with_reason_and_never_compiled(tmp
 # ---------------------------------------------------------------------- a whole study, then build
 def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # Impostor `tpumk` packages in the working directory and first on PYTHONPATH: the trial
+    # workers (and the profiling processes they start) must import this tpumk, not them.
+    for k, v in plant(tmp_path, tmp_path / "elsewhere").items():
+        monkeypatch.setenv(k, v)
     tuned = tmp_path / "tuned.toml"
     # tiny-dense: a study's path is the same for every model and its compiles are the quickest
     # (a MoE model's expert split is searched in tests/test_tune_devices.py)
@@ -264,6 +274,7 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     assert rb.exit_code == 0 and json.loads(rb.stdout)["study"] == out["study"], rb.output
     other = cli("report", "--model", "tiny-dense", "--target", "tpu7x", "--out", tmp_path / "rep4")
     assert other.exit_code == 1 and "no study for tiny-dense" in other.stderr and "run `tpumk tune`" in other.stderr
+    assert not imported(tmp_path, tmp_path / "elsewhere")
 
 
 def test_report_explains_missing_importances(tmp_path):
@@ -283,7 +294,7 @@ def test_killed_study_resumes_and_recompiles_nothing_that_finished(tmp_path):
     # --timeout 60: a compile stuck on a loaded host is pruned (counted as evaluated) instead of
     # outliving the rerun's 300 s limit under the default 900 s.
     # tiny-dense: resuming is the same for every model, and its compile is the quickest
-    args = [sys.executable, "-m", "tpumk.cli", *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
+    args = [*command("tpumk.cli"), *tune_cmd("--objective", "model", "--trials", 3, "--seed", 5,
                                                           "--heartbeat", 1, "--timeout", 60, "--json",
                                                           model="tiny-dense")]
     name = study_name_for(BuildSpec(resolve_model("tiny-dense"), get_target("tpu7x")), load_space(TINY_SPACE), "model")

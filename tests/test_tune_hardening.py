@@ -166,11 +166,10 @@ def test_a_hanging_constraint_in_a_space_file_prunes_quickly(tmp_path, monkeypat
     space.write_text('[knobs.ring_depth]\ntype = "int"\nlow = 4\nhigh = 12\nstep = 4\n\n'
                      f'[[constraints]]\nwhy = "huge"\nexpr = "{NESTED_POW}"\n')
     t0 = time.monotonic()
-    r = cli(*tune_cmd("--space", space, "--objective", "model", "--trials", 2, "--max-infeasible", 3, "--json"))
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.stdout)
-    assert out["evaluated"] == 0 and out["infeasible"] == 3
-    assert "exceeds 2**1024" in out["default"]["prune_reason"]
+    r = cli(*tune_cmd("--space", space, "--objective", "model", "--trials", 2, "--max-infeasible", 3))
+    # every configuration pruned, nothing evaluated: one line saying why
+    one_line_error(r, "no configuration of its 3 grid points", "3 configurations rejected before compiling",
+                   "exceeds 2**1024")
     assert time.monotonic() - t0 < 60
 
 
@@ -336,6 +335,27 @@ def test_trials_count_distinct_configurations_and_the_summary_counts_reuse(tmp_p
     assert f"{result.repeated} of them repeated" in text
 
 
+def test_a_count_of_one_reads_in_the_singular(capsys):
+    """The summary of a one-trial study: '1 trial reused', '1 compile', never '1 trials'."""
+    from tpumk.cli.tune import print_result
+    from tpumk.tune.study import TuneResult
+
+    best = [{"rank": 1, "trial": 0, "value_seconds": 1e-5, "value_kind": "tpumk model", "objective_source": "x",
+             "changed_knobs": {}, "compile_seconds": 1.0, "cached": True, "floor_seconds": None, "vmem_bytes": 1}]
+    print_result(TuneResult(
+        study="s", storage="s.journal", problem="p", space="tiny", objective="model", objective_reason="",
+        trials_requested=1, counts={"COMPLETE": 1}, evaluated=1, infeasible=0, reused=1, repeated=1,
+        this_run={"trials": 1, "compiles": 1, "cache_hits": 0, "reused_in_study": 0, "wall_seconds": 1.0,
+                  "passed_over": {"constraint": 1}},
+        best=best, default=None, best_over_default=None, best_tuning={}, floor_seconds=None))
+    text = capsys.readouterr().out
+    for said in ("1 of 1 distinct configuration evaluated (1 trial complete,",
+                 "1 trial reused earlier results without compiling (1 of it repeated",
+                 "this run: 1 trial, 1 compile,", "passed over 1 drawn configuration the space rules out"):
+        assert said in text, (said, text)
+    assert "1 trials" not in text and "1 compiles" not in text
+
+
 def test_a_space_smaller_than_the_budget_ends_when_exhausted(tmp_path, monkeypatch, stand_in):
     monkeypatch.chdir(tmp_path)
     space = tmp_path / "three.toml"
@@ -366,7 +386,7 @@ def test_the_default_space_stores_the_evaluated_trials_not_the_draws_it_rules_ou
     passed = result.this_run["passed_over"]
     assert passed.get("constraint", 0) > 0  # the constraints did refuse draws: in the sampler, not the storage
     print_result(result)
-    assert f"the sampler passed over {sum(passed.values())} drawn configurations" in capsys.readouterr().out
+    assert f"the sampler passed over {sum(passed.values()):,} drawn configurations" in capsys.readouterr().out
 
 
 def test_a_small_space_is_walked_without_repeats(tmp_path, stand_in):
@@ -382,6 +402,164 @@ def test_a_small_space_is_walked_without_repeats(tmp_path, stand_in):
     result = T.run(problem, load_space(path), objective, settings, storage=str(tmp_path / "s.journal"),
                    study_name="s")
     assert result.evaluated == 6 and result.counts == {"COMPLETE": 6} and result.repeated == 0
+
+
+def test_a_dense_models_study_searches_only_its_knobs_and_says_so(tmp_path, monkeypatch, stand_in):
+    """tiny.toml searches expert_slots / expert_chunk; tiny-dense has no experts: its study
+    leaves them out, says so in one line, and prints the grid it searches (before: 192
+    points, 8 of every 24 the same kernel)."""
+    monkeypatch.chdir(tmp_path)
+    r = cli("tune", "--model", "tiny-dense", "--target", "tpu7x", "--space", TINY_SPACE, "--objective", "model",
+            "--trials", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert "space tiny (24 grid points), 1 distinct configuration to evaluate" in r.stderr
+    left = [ln for ln in r.stderr.splitlines() if "left out" in ln]
+    assert left == ["space tiny: 3 of 5 knobs searched for this build; left out: expert_slots, expert_chunk "
+                    "(a dense model has no experts)"]
+    study = optuna.load_study(study_name=json.loads(r.stdout)["study"],
+                              storage=open_storage(storage_url(None, json.loads(r.stdout)["study"])))
+    assert {k for t in study.trials for k in t.params} == {"ring_depth", "tile_bytes", "kv_buffers"}
+
+
+# ---------------------------------------------------------------------- trials another process wrote
+@pytest.mark.parametrize("inject", ["negative-value", "infinite-value", "outside-complete", "outside-enqueued"])
+def test_a_foreign_trial_in_a_shared_study_is_ignored_and_the_resume_goes_on(tmp_path, stand_in, inject):
+    """Another process writes a trial into the shared study: a value of -1 ms (before: it became
+    the best, best / default = -16.3), infinity, or ring_depth=1, outside the space (before: every
+    resume failed blaming the space file). It is left out of the ranking, the budget and the
+    reuse of results, named in one note, and the resume finishes its trials."""
+    from tpumk.plan.knobs import TuningConfig
+    from tpumk.tune import study as T
+    from tpumk.tune.cache import ResultKeys
+
+    problem, objective = problem_and_objective()
+    space = load_space(TINY_SPACE)
+    storage = str(tmp_path / "f.journal")
+
+    def settings(n):
+        return TuneSettings(trials=n, workers=1, seed=0, heartbeat=1, root=tmp_path, cache_dir=tmp_path / "cache")
+
+    T.run(problem, space, objective, settings(2), storage=storage, study_name="f")
+    study = T.open_study(storage_url(storage, "f"), "f", None, None, create=False)
+    bound = space.for_build(problem)
+    dists, params = bound.distributions(), dict(study.trials[0].params)
+    ring8 = {**params, "ring_depth": 8 if params["ring_depth"] != 8 else 4}
+    key = ResultKeys(problem)(bound.tuning_for(ring8))  # what a trial of ring8 claims: never served -1 ms
+    if inject.endswith("-value"):
+        value = -1e-3 if inject == "negative-value" else float("inf")
+        study.add_trial(optuna.trial.create_trial(params=ring8, distributions=dists, value=value,
+                                                  user_attrs={"config_key": key, "cached": False}))
+    elif inject == "outside-complete":
+        wide = {**dists, "ring_depth": optuna.distributions.IntDistribution(1, 32)}
+        study.add_trial(optuna.trial.create_trial(params={**params, "ring_depth": 1}, distributions=wide, value=5e-6))
+    else:
+        study.enqueue_trial({**params, "ring_depth": 1})
+    foreign = study.trials[-1].number
+    if inject.endswith("-value"):
+        study.enqueue_trial(ring8)
+    result = T.run(problem, space, objective, settings(3), storage=storage, study_name="f")
+    assert result.evaluated == 3 and all(b["value_seconds"] > 0 and b["trial"] != foreign for b in result.best)
+    assert 0 < result.best_over_default <= 1 and TuningConfig(**result.best_tuning).ring_depth in (4, 8, 12)
+    assert [n for n in result.notes if n.startswith(f"ignored trial {foreign}: ")], result.notes
+    study = T.open_study(storage_url(storage, "f"), "f", None, None, create=False)
+    if inject.endswith("-value"):  # the study's own trial of ring8 was evaluated, not served -1 ms
+        mine = [t for t in study.trials if t.number != foreign and t.params == ring8 and t.state.name == "COMPLETE"]
+        assert mine and all(t.value > 0 for t in mine)
+
+
+# ---------------------------------------------------------------------- storage failing mid-study
+def _fail_after(n: int, exc: BaseException):
+    """A wrapper for a write method: the first `n` calls go through, every later one raises `exc`."""
+    calls = [0]
+
+    def wrap(orig):
+        def write(*a, **k):
+            calls[0] += 1
+            if calls[0] > n:
+                raise exc
+            return orig(*a, **k)
+        return write
+    return wrap
+
+
+def _disk_full():
+    import errno
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _sqlite_full():
+    import sqlite3
+
+    import sqlalchemy.exc
+
+    return sqlalchemy.exc.OperationalError("COMMIT", {}, sqlite3.OperationalError("database or disk is full"))
+
+
+@pytest.mark.parametrize("where", ["journal", "compile-log", "sqlite"])
+def test_storage_failing_mid_study_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, stand_in, capfd, where):
+    """The journal, the result cache's compile log or SQLite starts failing (a full disk) after
+    some trials finished: one line saying what failed and that the same command resumes, no
+    traceback (on the terminal either: Optuna's heartbeat thread, its own errors raised while
+    handling ours); the rerun (of the journal's study) finishes it with the trials that had
+    finished. (Before: 1-7 chained tracebacks ending in Optuna internals.)"""
+    import sqlalchemy.orm
+    from optuna.storages.journal import JournalFileBackend
+
+    from tpumk.tune import cache as cache_module
+
+    monkeypatch.chdir(tmp_path)
+    storage = "sqlite:///s.db" if where == "sqlite" else "s.journal"
+    args = tune_cmd("--objective", "model", "--trials", 4, "--seed", 0, "--storage", storage, "--study", "s",
+                    "--heartbeat", 1)
+    with monkeypatch.context() as m:
+        if where == "journal":
+            m.setattr(JournalFileBackend, "append_logs", _fail_after(40, _disk_full())(JournalFileBackend.append_logs))
+        elif where == "sqlite":
+            m.setattr(sqlalchemy.orm.Session, "commit", _fail_after(80, _sqlite_full())(sqlalchemy.orm.Session.commit))
+        else:  # the compile log's append, inside tpumk.tune.cache
+            failing_os = type("FailingOs", (), {"__getattr__": lambda self, k: getattr(os, k),
+                                                "write": staticmethod(_fail_after(1, _disk_full())(os.write))})()
+            m.setattr(cache_module, "os", failing_os)
+        r = cli(*args)
+    line = one_line_error(r, "study s stopped: ", "every trial that finished is kept", "free some space",
+                          "rerun the same command to resume it")
+    assert {"journal": "the study's storage (s.journal) failed: No space left on device",
+            "sqlite": "the study's storage (sqlite:///s.db) failed: database or disk is full",
+            "compile-log": "the result cache (artifacts/tune/cache) failed: No space left on device"}[where] in line
+    assert "Traceback" not in capfd.readouterr().err
+    kept = [t for t in optuna.load_study(study_name="s", storage=open_storage(storage_url(storage, "s"))).trials
+            if t.state.name == "COMPLETE"]
+    assert kept  # trials finished before the failure
+    if where != "journal":  # resuming is the same on every storage (a killed SQLite study: test_tune.py)
+        return
+    again = cli(*args, "--json")
+    assert again.exit_code == 0, again.output
+    out = json.loads(again.stdout)
+    assert out["evaluated"] == 4 and out["counts"]["COMPLETE"] >= len(kept)
+
+
+def test_a_database_server_going_away_is_one_line():
+    """PostgreSQL stopping mid-study: SQLAlchemy's error with psycopg2's inside, under Optuna's
+    own error raised while handling it: what failed (the URL redacted) and how to resume."""
+    import psycopg2
+    import sqlalchemy.exc
+
+    from tpumk.tune.study import why_stopped
+
+    url = "postgresql://u:S3cr3t@db.example/tune"
+    try:
+        try:
+            raise sqlalchemy.exc.OperationalError("SELECT 1", {}, psycopg2.OperationalError(
+                "server closed the connection unexpectedly\n\tThis probably means the server terminated"))
+        except sqlalchemy.exc.OperationalError:
+            assert False, "Should not reach."
+    except AssertionError as e:
+        why = why_stopped(e, url, Path("cache"), None)
+    assert why == ("the study's storage (postgresql://u:***@db.example/tune) failed: server closed the connection "
+                   "unexpectedly This probably means the server terminated; every trial that finished is kept: once "
+                   "the database server is reachable again, rerun the same command to resume it")
+    assert why_stopped(ValueError("a bug"), url, Path("cache"), None) is None  # not a storage failure: raised as it is
 
 
 # ---------------------------------------------------------------------- calibration cache

@@ -25,6 +25,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tpumk.child_process import command
 from tpumk.compat import optuna_heartbeat_enabled
 from tpumk.tune.cache import ResultCache
 from tpumk.tune.storage import fail_stale, open_storage, storage_url
@@ -73,7 +74,7 @@ def run_two_processes(tmp_path: Path, storage: str, name: str) -> None:
     procs = []
     for i in range(2):
         # tiny-dense: the claim protocol is the same for every model, its compile the quickest
-        cmd = [sys.executable, "-m", "tpumk.cli", "tune", "--model", "tiny-dense", "--target", "tpu7x", "--space",
+        cmd = [*command("tpumk.cli"), "tune", "--model", "tiny-dense", "--target", "tpu7x", "--space",
                TINY_SPACE, "--objective", "model", "--trials", "4", "--storage", storage, "--study", name,
                "--heartbeat", "1", "--seed", str(10 + i), "--cache-dir", str(tmp_path / f"cache{i}"), "--json"]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -184,3 +185,82 @@ def test_storage_urls(tmp_path):
         st = open_storage(storage_url(spec, "s"), heartbeat=2)
         assert type(st).__name__ == "JournalHeartbeatStorage" and st.get_heartbeat_interval() == 2
     assert (tmp_path / "a" / "s.log").exists() and (tmp_path / "b" / "s.journal").exists()
+
+
+# ---------------------------------------------------------------------- secrets in storage URLs
+SECRET = "S3cr3tPW"
+
+
+@pytest.mark.parametrize("url, shown", [
+    (f"postgresql://u@host/db?password={SECRET}", "postgresql://u@host/db?password=***"),
+    (f"postgresql://u:{SECRET}@host:5432/db", "postgresql://u:***@host:5432/db"),
+    # an unescaped '@' in the password: the userinfo ends at the LAST '@' before the host
+    (f"postgresql://u:ab@{SECRET}@host/db", "postgresql://u:***@host/db"),
+    (f"postgresql://u:{SECRET}%40x@host/db", "postgresql://u:***@host/db"),  # percent-encoded
+    (f"postgresql://u:a/b?{SECRET}@host/db", "postgresql://u:***@host/db"),  # '/' and '?' in it
+    (f"postgresql://u@host/db?sslmode=require&sslpassword={SECRET}&application_name=a",
+     "postgresql://u@host/db?sslmode=require&sslpassword=***&application_name=a"),
+    (f"postgresql:///db?host=/tmp&PASSWORD={SECRET}", "postgresql:///db?host=/tmp&PASSWORD=***"),
+    (f"postgresql://u@host/db?pass%77ord={SECRET}", "postgresql://u@host/db?pass%77ord=***"),
+    (f"mysql+pymysql://u@h/d?token={SECRET}&api_key={SECRET}&secret={SECRET}&pwd={SECRET}&passwd={SECRET}",
+     "mysql+pymysql://u@h/d?token=***&api_key=***&secret=***&pwd=***&passwd=***"),
+    ("sqlite:///artifacts/tune/s.db", "sqlite:///artifacts/tune/s.db"),
+    ("sqlite:///file::memory:?uri=true", "sqlite:///file::memory:?uri=true"),
+    ("x/s.journal", "x/s.journal"),
+])
+def test_every_secret_of_a_storage_url_is_redacted(url, shown):
+    """Before: only `user:password@` was hidden, and an unescaped '@' left the rest of the
+    password in view (`***@S3cr3tPW@host`); query parameters were printed as given."""
+    from tpumk.tune.storage import redact, scrub
+
+    assert redact(url) == shown
+    # a driver's error text quoting the URL: the URL redacted
+    assert scrub(f"cannot parse {url!r}", url) == f"cannot parse {shown!r}"
+
+
+def test_a_drivers_error_text_loses_every_piece_of_the_password():
+    """A driver that reads `u:ab@S3cr3tPW@host` takes `S3cr3tPW@host` for the host and says so."""
+    from tpumk.tune.storage import scrub
+
+    url = f"postgresql://u:ab@{SECRET}@host/db?sslpassword={SECRET}x%21"
+    text = scrub(f'could not translate host name "{SECRET}@host"; sslpassword {SECRET}x!', url)
+    assert SECRET not in text and text.startswith('could not translate host name "***@host"')
+
+
+def _stand_in_worker(self, trial, tuning):
+    v = 1e-6 * tuning.ring_depth
+    return ({"ok": True, "stage": "done", "value": v, "value_kind": "tpumk model", "source": "stand-in",
+             "compile_seconds": 0.1, "lower_seconds": 0.1, "custom_calls": 1, "model_seconds": v,
+             "model_source": "stand-in"}, "", 0)
+
+
+def test_a_postgresql_password_is_never_printed_or_stored(tmp_path, monkeypatch, postgres_url):
+    """A study on PostgreSQL with a password in the userinfo and as a query parameter: neither
+    reaches the progress line, the JSON summary, the tuned file, `tpumk report`'s line naming
+    the storage or an error line. (Before: `?password=` was printed in `study ... in ...`, stored in the JSON `storage`
+    field and the tuned TOML's header.)"""
+    from click.testing import CliRunner
+
+    from tpumk.cli import main
+    from tpumk.tune.trial import TrialRunner
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", _stand_in_worker)
+    monkeypatch.chdir(tmp_path)
+    # the server trusts loopback: the passwords are sent and ignored
+    host = postgres_url.removeprefix("postgresql://postgres@")
+    url = f"postgresql://postgres:{SECRET}%40x@{host}?password={SECRET}&sslmode=disable"
+    run = lambda *a: CliRunner().invoke(main, [str(x) for x in a])  # noqa: E731
+    r = run("tune", "--model", "tiny-dense", "--target", "tpu7x", "--space", TINY_SPACE, "--objective", "model",
+            "--trials", 1, "--storage", url, "--study", "secret", "--out", tmp_path / "t.toml", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["storage"] == f"postgresql://postgres:***@{host}?password=***&sslmode=disable"
+    rr = run("report", "--storage", url, "--study", "nosuch", "--out", tmp_path / "plots")  # names the storage
+    assert rr.exit_code == 1 and "no such study in postgresql://postgres:***@" in rr.stderr, rr.output
+    # refused or failing: a malformed URL, no server on the port, an unescaped '@'
+    bad = [run("report", "--storage", u, "--out", tmp_path / "p2") for u in (
+        url.replace(host.split("/")[0], "127.0.0.1:notaport"), url.replace(host.split("/")[0], "127.0.0.1:1"),
+        url.replace("%40", "@"))]
+    assert [b.exit_code for b in bad] == [1, 1, 1] and "%40" in bad[2].stderr
+    shown = [r.stdout, r.stderr, rr.stdout, rr.stderr, (tmp_path / "t.toml").read_text(),
+             *[b.stderr for b in bad]]
+    assert not [s for s in shown if SECRET in s], shown

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import re
 import warnings
@@ -101,6 +102,41 @@ def test_fixed_trial_of_the_defaults_gives_the_default_config(default_space):
     tuning = many.tuning_for(many.suggest(optuna.trial.FixedTrial(values)))
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).sharding == make_plan(MOE_4DEV).sharding
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).all_reduce == make_plan(MOE_4DEV).all_reduce
+
+
+EXPERT = {"expert_slots", "expert_chunk", "expert_parallel"}
+SHARED = {"shared_gate_up_tile_rows", "shared_gate_up_tile_cols", "shared_down_tile_rows", "shared_down_tile_cols"}
+DENSE_FFN = {"gate_up_tile_rows", "gate_up_tile_cols", "down_tile_rows", "down_tile_cols"}
+COLLECTIVE = {"all_reduce", "all_reduce_wire", "mla_projections"}
+
+
+@pytest.mark.parametrize("model, devices, absent, plans", [
+    ("tiny-dense", 1, EXPERT | SHARED | COLLECTIVE, True),
+    ("tiny-dense", 4, EXPERT | SHARED | {"mla_projections"}, True),
+    ("tiny-moe", 1, {"expert_parallel"} | COLLECTIVE, True),  # dense layer 0 and a shared expert: both kept
+    # every layer MoE, no shared expert (its plans take seconds: the knob sets only)
+    ("qwen3-30b-a3b", 1, DENSE_FFN | SHARED | {"expert_parallel"} | COLLECTIVE, False),
+])
+def test_a_build_searches_only_the_knobs_it_has(default_space, model, devices, absent, plans):
+    """The default space lists every knob; a build searches those its kernel has, and the
+    grid size is that of the knobs searched. (Before: a dense model's study searched the
+    expert and shared-expert knobs, 6.8e15 grid points for tiny-dense, most of them the same
+    kernel.) Each knob left out changes nothing in the plan."""
+    spec = BuildSpec(load_preset(model), get_target("tpu7x"), devices=devices)
+    space = default_space.for_build(spec)
+    assert set(space.knobs) == set(default_space.knobs) - absent and set(space.dropped) == absent
+    assert space.size() == math.prod(k.size() for k in space.knobs.values())
+    if devices == 1:  # (on many devices a computed knob's default is the choice its auto makes)
+        assert space.tuning_for(space.default_values()) == TuningConfig()
+    line = space.dropped_line()
+    assert line.startswith(f"space default: {len(space.knobs)} of {len(default_space.knobs)} knobs searched")
+    assert all(name in line for name in absent) and "\n" not in line
+    base = make_plan(spec) if plans else None
+    for name in sorted(absent - COLLECTIVE - {"expert_parallel"}) if plans else ():
+        value = next(v for v in default_space.knobs[name].values() if v != getattr(TuningConfig(), name))
+        other = make_plan(spec.replace(tuning=TuningConfig(**{name: value})))
+        assert (other.families, other.vmem_total, other.hbm_bytes) == (base.families, base.vmem_total,
+                                                                     base.hbm_bytes), name
 
 
 @pytest.mark.parametrize("space_fixture", ["default_space", "tiny_space"])

@@ -70,6 +70,11 @@ def and_more(names: list) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def count_of(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 trial', '2 trials', '1,024 configurations': a count with its noun in the right number."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def did_you_mean(name: str, names: list[str]) -> str:
     """' (did you mean 'x'?)' for the closest of `names` to `name` (case-insensitive), '' when none
     is close: for an unknown preset or target name."""

@@ -10,6 +10,7 @@ fits `cpu` also fits a TPU7x TensorCore.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from tpumk.compat import deviceless_topology_devices, known_cpu_compile_options, libtpu_profiles_dma_kernels
@@ -125,13 +126,41 @@ TARGETS: dict[str, Target] = {
 }
 
 
+# Other names a chip goes by (its code name), for the "did you mean" of an unknown target.
+CODE_NAMES = {"ironwood": "tpu7x", "trillium": "v6e"}
+
+
+def _spelling(name: str) -> str:
+    """A target name as people write it, reduced to what tells chips apart: `v7x`, `TPU7x`,
+    `tpu-7x`, `tpu7x-8` -> `7x`; `v5litepod-16`, `TPU v5 lite` (a device kind) -> `5lite`."""
+    s = re.sub(r"-\d+$", "", name.strip().lower())  # an accelerator type's core count (v6e-8)
+    s = re.sub(r"[^a-z0-9]", "", s).replace("tpu", "").replace("pod", "")
+    return s.removeprefix("v")
+
+
+def _near_target(name: str) -> str:
+    """' (did you mean 'tpu7x'?)' for a name that spells a target another way (v7x, v5litepod,
+    Trillium), or is close to one; '' otherwise."""
+    if not isinstance(name, str):
+        return ""
+    spelled = _spelling(name)
+    for t in TARGETS.values():
+        if spelled and spelled in {_spelling(t.name), _spelling(t.chip), _spelling(t.device_kind or "")}:
+            return f" (did you mean '{t.name}'?)"
+    if name.strip().lower() in CODE_NAMES:
+        return f" (did you mean '{CODE_NAMES[name.strip().lower()]}'?)"
+    return did_you_mean(name, list(TARGETS))
+
+
 def get_target(name: str) -> Target:
-    """A target by name, matched case-insensitively (TPU7x is tpu7x, V6E is v6e)."""
+    """A target by name, matched case-insensitively (TPU7x is tpu7x, V6E is v6e); an unknown
+    name that spells a target another way (`v7x`, `v5litepod-8`, `Trillium`) is refused with
+    the target it means."""
     if name in TARGETS:
         return TARGETS[name]
     if isinstance(name, str) and name.lower() in TARGETS:
         return TARGETS[name.lower()]
-    raise TargetError(f"unknown target '{name}'{did_you_mean(name, list(TARGETS))} (targets: {', '.join(TARGETS)})")
+    raise TargetError(f"unknown target '{name}'{_near_target(name)} (targets: {', '.join(TARGETS)})")
 
 
 def attached_target() -> Target | None:

@@ -359,7 +359,7 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
               help="Schemes to compare with the float model, separated by ';' (a ',' inside ring=..,experts=..); "
                    "the presets may also be separated by ','.")
 @click.option("--steps", default=8, show_default=True, help="Decode steps after each fixed prompt.")
-@click.option("--kv-dtype", "kv_dtypes", default="", metavar="FORMAT[,FORMAT]",
+@click.option("--kv-dtype", "kv_dtypes", default=None, metavar="FORMAT[,FORMAT]",
               help="KV cache formats to compare too (fp8, int8: one byte per element, a scale per token and kv "
                    "head), with the float weights. The reference decode only: the megakernel does not take them yet.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -371,7 +371,13 @@ def quality(model, checkpoint, seed, dtype, schemes, steps, kv_dtypes, as_json):
 
     parts = schemes.split(";") if ";" in schemes or "=" in schemes else schemes.split(",")
     parts = [p.strip() for p in parts if p.strip()]
-    kv_dtypes = [k.strip() for k in kv_dtypes.split(",") if k.strip()]
+    given = kv_dtypes is not None
+    kv_dtypes = [k.strip() for k in (kv_dtypes or "").split(",") if k.strip()]
+    if given and not kv_dtypes:  # asked for KV formats and named none: comparing nothing is no answer
+        from tpumk.errors import ConfigError
+
+        raise ConfigError("--kv-dtype: expected KV cache formats to compare (fp8, int8; several separated by ','), "
+                          "got none; leave the option out to compare weight formats only")
     check_request(steps, parts, kv_dtypes=kv_dtypes)  # before a model is loaded
     gen.check_model_options(model, checkpoint)
     from tpumk.cli.progress import Phases

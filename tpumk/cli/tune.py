@@ -17,6 +17,7 @@ from tabulate import tabulate
 
 from tpumk.cli.options import build_command, echo, emit_json, fail_cleanly, spec_options
 from tpumk.cli.units import duration
+from tpumk.errors import count_of
 
 
 def _us(s) -> str:
@@ -50,20 +51,20 @@ def print_result(r, next_command: str | None = None) -> None:
         echo(notes.pop(0))
     c = r.counts
     complete = c.get("COMPLETE", 0)
-    echo(f"\nstudy {r.study}: {r.evaluated} of {r.trials_requested} distinct configurations evaluated "
-               f"({complete} trials complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
-               f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
-    echo(f"{r.reused} trials reused earlier results without compiling ({r.repeated} of them repeated a "
-               "configuration the study had evaluated: outside the budget)")
+    echo(f"\nstudy {r.study}: {r.evaluated} of {count_of(r.trials_requested, 'distinct configuration')} evaluated "
+         f"({count_of(complete, 'trial')} complete, {c.get('PRUNED', 0) - r.infeasible} pruned by the compiler), "
+         f"{r.infeasible} pruned before compiling" + (f", {c['FAIL']} failed" if c.get("FAIL") else ""))
+    echo(f"{count_of(r.reused, 'trial')} reused earlier results without compiling ({r.repeated} of "
+         f"{'it' if r.reused == 1 else 'them'} repeated a configuration the study had evaluated: outside the budget)")
     if r.prune_reasons:
         echo("pruned by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(r.prune_reasons.items())))
     run = r.this_run
-    echo(f"this run: {run.get('trials', 0)} trials, {run.get('compiles', 0)} compiles, "
-               f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
-               f"{run.get('wall_seconds', 0):.1f} s wall")
+    echo(f"this run: {count_of(run.get('trials', 0), 'trial')}, {count_of(run.get('compiles', 0), 'compile')}, "
+         f"{run.get('cache_hits', 0) + run.get('reused_in_study', 0)} reused without compiling, "
+         f"{run.get('wall_seconds', 0):.1f} s wall")
     passed = run.get("passed_over") or {}
     if passed:
-        echo(f"the sampler passed over {sum(passed.values())} drawn configurations the space rules out, "
+        echo(f"the sampler passed over {count_of(sum(passed.values()), 'drawn configuration')} the space rules out, "
              "never made trials (" + ", ".join(f"{k} {v}" for k, v in sorted(passed.items())) + ")")
     if not r.best:
         echo("no trial completed: nothing to rank")
@@ -195,7 +196,10 @@ def tune(spec, space_file, trials, max_infeasible,
         check_writable(report_dir, "--report", directory=True)
     say = (lambda m: echo(m, err=True)) if as_json else echo
     size = space.size()
-    say(f"tuning {problem.label()}: space {space.name} ({size:,} grid points), {trials} distinct configurations to evaluate")
+    say(f"tuning {problem.label()}: space {space.name} ({count_of(size, 'grid point')}), "
+        f"{count_of(trials, 'distinct configuration')} to evaluate")
+    if space.dropped_line():  # knobs of the file this build has no use for: not searched
+        say(space.dropped_line())
     say(f"objective: {choice.name} ({choice.reason})")
     say(f"study {name} in {redact(url)}")
     optuna.logging.set_verbosity(logging.ERROR)  # tpumk prints its own summary
@@ -269,7 +273,8 @@ def report(spec, space_file, objective, storage, study_name, out_dir, as_json):
 
     from tpumk.errors import ConfigError
     from tpumk.tune.report import write_report
-    from tpumk.tune.storage import DEFAULT_ROOT, check_study_name, local_path, open_storage, redact, storage_url
+    from tpumk.tune.storage import (DEFAULT_ROOT, check_study_name, local_path, not_regular, open_storage, redact,
+                                    storage_url)
     from tpumk.tune.study import open_study
 
     derived = False
@@ -286,7 +291,9 @@ def report(spec, space_file, objective, storage, study_name, out_dir, as_json):
     url = storage_url(storage, study_name or "", DEFAULT_ROOT)
     path = local_path(url) if storage else None
     if path is not None and not path.is_file():
-        raise ConfigError(f"--storage {storage}: no such file")
+        kind = not_regular(path)
+        raise ConfigError(f"--storage {redact(storage)}: "
+                          + (f"{path} is {kind}, not a regular file (a study's file is one)" if kind else "no such file"))
     if study_name is None:
         names = optuna.get_all_study_names(open_storage(url))
         if len(names) != 1:

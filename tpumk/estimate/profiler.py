@@ -13,7 +13,9 @@ feasibility is decided by the plan and that real compile.
 The calibration probe (tpumk.estimate.calibration) runs in the same kind of process, so cycles and
 their conversion come from the same compiler settings.
 
-Run as `python -m tpumk.estimate.profiler` with a JSON request on stdin; prints a JSON reply.
+Run as `python -m tpumk.estimate.profiler` with a JSON request on stdin (started with
+tpumk.child_process.command: this process's tpumk, never the working directory's); prints a
+JSON reply.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tpumk.child_process import command
 from tpumk.errors import TpumkError
 
 PROFILE_VMEM_FACTOR = 2  # VMEM size the profiling compiler assumes, x the chip's
@@ -56,7 +59,7 @@ def estimate_in_subprocess(spec, timeout: float | None = 900) -> Estimate:
     return its estimate."""
     with tempfile.TemporaryDirectory(prefix="tpumk-estimate-") as d:
         try:
-            proc = subprocess.run([sys.executable, "-m", "tpumk.estimate.profiler"], input=json.dumps(spec.to_dict()),
+            proc = subprocess.run(command("tpumk.estimate.profiler"), input=json.dumps(spec.to_dict()),
                                   capture_output=True, text=True, timeout=timeout,
                                   env=profiling_env(spec.target.vmem_bytes, d))
         except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ the trials they have in flight; hence the check before each start.)
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -27,7 +28,9 @@ from tpumk.tune.storage import fail_stale
 
 POLL_SECONDS = 0.5
 FINISHED = ("COMPLETE", "PRUNED")
-FREE_STAGES = ("tuning", "constraint", "plan")  # pruned before compiling: not in the budget
+# pruned before compiling: not in the budget ("space": a trial another process enqueued with
+# values outside the space, never evaluated)
+FREE_STAGES = ("tuning", "constraint", "plan", "space")
 
 
 class SurplusTrial(Exception):
@@ -45,6 +48,24 @@ def state(t) -> str:
 def is_free(t) -> bool:
     """Pruned before compiling: outside the budget."""
     return state(t) == "PRUNED" and t.user_attrs.get("prune_stage") in FREE_STAGES
+
+
+def foreign(t, space) -> str | None:
+    """Why a finished trial cannot be one of this study's evaluations, or None. A study may be
+    shared (a journal file, PostgreSQL), so another process can write any trial into it: a
+    value that is not a step time (negative, zero, not finite) or knobs outside the space
+    (`TuningSpace.outside`; the space bound to the study's build). Such a trial never ranks,
+    never serves its value to another trial, and does not count in the budget."""
+    if state(t) == "COMPLETE":
+        v = t.value
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            return f"its value {v!r} is not a step time (a positive, finite number of seconds)"
+    return space.outside(t.params)
+
+
+def own(trials, space) -> list:
+    """`trials` without the finished ones that are `foreign` (running and waiting ones are kept)."""
+    return [t for t in trials if state(t) not in FINISHED or foreign(t, space) is None]
 
 
 def config_of(t) -> str:
@@ -81,12 +102,12 @@ def is_spent(trials, settings: TuneSettings) -> bool:
             or len(repeats(trials)) >= settings.repeats_cap())
 
 
-def wait_for_budget(trial, settings: TuneSettings, stop: threading.Event) -> None:
+def wait_for_budget(trial, settings: TuneSettings, stop: threading.Event, space) -> None:
     """Evaluate only within the budget: wait while trials ahead of this one might still fill
     it; fail as surplus if they did (another process raced this one past the budget)."""
     last_stale_check = 0.0
     while True:
-        trials = trial.study.get_trials(deepcopy=False)
+        trials = own(trial.study.get_trials(deepcopy=False), space)
         evaluated, _, _ = tally(trials)
         ahead = sum(state(t) == "RUNNING" and t.number < trial.number for t in trials)
         if is_spent(trials, settings):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tpumk.tune.budget import FINISHED, POLL_SECONDS, Interrupted, state
+from tpumk.tune.budget import FINISHED, POLL_SECONDS, Interrupted, foreign, state
 from tpumk.tune.storage import fail_stale
 
 KEY_ATTR = "config_key"
@@ -27,17 +27,18 @@ def _same_key(trial, key: str) -> list:
             if t.number != trial.number and t.user_attrs.get(KEY_ATTR) == key]
 
 
-def claim(trial, key: str, stop: threading.Event, heartbeat: float):
+def claim(trial, key: str, stop: threading.Event, heartbeat: float, space):
     """Return a finished trial of the same configuration to reuse, or None once this trial
     owns the configuration and must evaluate it. The trial must have announced `key` in its
-    `config_key` user attr first."""
+    `config_key` user attr first. A finished trial `foreign` to the study (`space`: another
+    process wrote it, e.g. with a negative value) is never reused."""
     ticket = 1 + max((t.user_attrs.get(TICKET_ATTR, 0) for t in _same_key(trial, key)), default=0)
     trial.set_user_attr(TICKET_ATTR, ticket)
     mine = (ticket, trial.number)
     last_stale_check = time.monotonic()
     while True:
         same = _same_key(trial, key)
-        done = sorted((t for t in same if state(t) in FINISHED), key=lambda t: t.number)
+        done = sorted((t for t in same if state(t) in FINISHED and foreign(t, space) is None), key=lambda t: t.number)
         if done:
             return done[0]
         ahead = [t for t in same if state(t) == "RUNNING"

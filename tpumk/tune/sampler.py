@@ -16,7 +16,10 @@ as PRUNED, so TPE ranks it with the worst and learns the infeasible region, and 
 again, up to `REDRAWS` times; then uniform draws over the grid (early in a study TPE's good
 group still holds refused draws, so its draws can keep landing on them), then, in a grid small
 enough to list (`ENUMERATE_MAX` points), a random untried point the rules allow: a small
-discrete space is walked, not sampled with repeats. The draws passed over are counted by stage (`passed_over`) for the summary.
+discrete space is walked, not sampled with repeats. The draws passed over are counted by stage (`passed_over`) for the summary,
+and kept with their stage (`refused`); once every point of such a grid is tried or refused,
+`exhausted` says so and the study stops (an unsatisfiable space ends after a few trials, and
+tpumk.tune.study says in one line what rejected its configurations).
 
 What can still reach the storage: trials with fixed parameters (the default configuration,
 `enqueue_trial`: they never ask the sampler); a draw after `REDRAWS` refusals in a space too
@@ -35,6 +38,8 @@ from typing import Any, Callable
 
 import optuna
 from optuna.trial import TrialState
+
+from tpumk.tune.budget import foreign
 
 REDRAWS = 64
 ENUMERATE_MAX = 100_000
@@ -58,6 +63,9 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         self.rules_out = rules_out
         self.distributions = space.distributions()
         self.passed_over: dict[str, int] = {}  # stage -> draws refused before becoming a trial
+        self.refused: dict[tuple, str] = {}  # params_key -> the stage that refused it (each draw once)
+        # every point of the grid is tried, proposed or refused: nothing new is left to propose
+        self.exhausted = False
         self._lock = threading.Lock()
         self._proposed: dict[int, dict[str, Any]] = {}  # trial id -> its configuration, until it ends
         self._refused: list[optuna.trial.FrozenTrial] = []  # draws passed over, for TPE to learn from
@@ -92,11 +100,14 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         names = set(self.distributions)
         seen = {params_key(t.params) for t in trials
                 if t._trial_id != trial_id and set(t.params) == names
-                and t.state in (*_FINISHED, TrialState.RUNNING)}
+                and (t.state == TrialState.RUNNING or t.state in _FINISHED and foreign(t, self.space) is None)}
         seen |= {params_key(p) for tid, p in self._proposed.items() if tid != trial_id}
         # Seeded by the study's size: a resumed study does not replay the first run's draws.
         seed = None if self.seed is None else self.seed + len(trials) + len(self._refused)
-        real = [t for t in trials if t.state in _FINISHED and t.distributions == self.distributions]
+        # Trials another process wrote into a shared study with values outside the space or a
+        # value that is no step time teach TPE nothing (and Optuna refuses the former).
+        real = [t for t in trials if t.state in _FINISHED and t.distributions == self.distributions
+                and foreign(t, self.space) is None]
         shadow = optuna.create_study(direction="minimize",
                                      sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True))
         shadow.add_trials(real)
@@ -127,6 +138,7 @@ class DistinctSampler(optuna.samplers.BaseSampler):
             return True
         self.passed_over[why[0]] = self.passed_over.get(why[0], 0) + 1
         self._refused_keys.add(key)
+        self.refused[key] = why[0]
         return False
 
     def _random(self, seen: set[tuple], seed: int | None) -> dict[str, Any] | None:
@@ -152,4 +164,6 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         for p in free[:CHECK_MAX]:
             if self._admit(p, seen):
                 return p
+        if len(free) <= CHECK_MAX:  # every untried point was checked and refused
+            self.exhausted = True
         return None

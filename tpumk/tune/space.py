@@ -179,6 +179,18 @@ class Knob:
             return (self.high - self.low) // self.step + 1
         return len(self.values())
 
+    def contains(self, value: Any) -> bool:
+        """`value` is one of this knob's candidates (of the candidate's type: True is not 1)."""
+        if self.kind == "int":
+            return _is_int(value) and self.low <= value <= self.high and (value - self.low) % self.step == 0
+        return any(type(value) is type(c) and value == c for c in self.values())
+
+    def describe(self) -> str:
+        """The candidates, for a message: '4 to 12 by 4', 'one of 0, 3'."""
+        if self.kind == "int":
+            return f"{self.low} to {self.high}" + (f" by {self.step}" if self.step != 1 else "")
+        return "one of " + ", ".join(map(repr, self.values()))
+
     def distribution(self) -> "optuna.distributions.BaseDistribution":
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
@@ -277,16 +289,47 @@ COMPUTED: dict[str, ComputedChoices] = {
 }
 
 
+_QKV_KNOBS = ("qkv_tile_rows", "qkv_tile_cols")
+_DENSE_FFN_KNOBS = ("gate_up_tile_rows", "gate_up_tile_cols", "down_tile_rows", "down_tile_cols")
+_SHARED_KNOBS = ("shared_gate_up_tile_rows", "shared_gate_up_tile_cols", "shared_down_tile_rows",
+                 "shared_down_tile_cols")
+_EXPERT_KNOBS = ("expert_slots", "expert_chunk", "expert_parallel")
+_COLLECTIVE_KNOBS = ("all_reduce", "all_reduce_wire")
+
+
 def unused_knobs(spec: "BuildSpec") -> dict[str, str]:
     """Knobs that have no effect on this build's kernel, with why; `TuningSpace.for_build`
-    leaves them out of the search (they keep their TuningConfig defaults). An MLA model streams
-    no fused qkv matrix: its q path, kv_a and the per-head W_UK / W_UV families take auto tiles
-    shaped from tile_bytes (tpumk.plan.plan), so only tile_bytes, ring_depth and the other
-    families' knobs reach them."""
-    if spec.model.is_mla:
-        why = "an MLA model has no qkv family (its MLA families take auto tiles from tile_bytes)"
-        return {"qkv_tile_rows": why, "qkv_tile_cols": why}
-    return {}
+    leaves them out of the search (they keep their TuningConfig defaults), so a space file may
+    list every knob and a study searches only what its build has (tpumk.plan.plan reads a
+    family's tile knobs only when the family streams, the expert knobs only for MoE layers,
+    the collective knobs only on many devices):
+    - an MLA model streams no fused qkv matrix (its q path, kv_a and the per-head W_UK / W_UV
+      families take auto tiles shaped from tile_bytes);
+    - a model whose every layer is MoE streams no dense FFN (gate_up / down);
+    - a dense model has no experts (expert_slots, expert_chunk, expert_parallel, shared_*), a
+      MoE model without a shared expert no shared_* families;
+    - one device has no all-reduce and nothing to split (all_reduce, all_reduce_wire,
+      expert_parallel, mla_projections); mla_projections is for MLA models only."""
+    cfg = spec.model
+    why: dict[str, str] = {}
+
+    def drop(names, reason: str) -> None:
+        for n in names:
+            why.setdefault(n, reason)
+
+    if cfg.is_mla:
+        drop(_QKV_KNOBS, "an MLA model has no qkv family: its MLA families take auto tiles from tile_bytes")
+    if not any(cfg.pattern.is_dense(i) for i in range(cfg.num_layers)):
+        drop(_DENSE_FFN_KNOBS, "every layer is MoE: no dense FFN family")
+    if not cfg.is_moe:
+        drop(_EXPERT_KNOBS + _SHARED_KNOBS, "a dense model has no experts")
+    elif not cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size:
+        drop(_SHARED_KNOBS, "no shared expert")
+    if spec.devices == 1:
+        drop(_COLLECTIVE_KNOBS + ("expert_parallel", "mla_projections"), "one device: no all-reduce, nothing to split")
+    if not cfg.is_mla:
+        drop(("mla_projections",), "not an MLA model")
+    return why
 
 
 # ---------------------------------------------------------------------- constraints
@@ -499,13 +542,17 @@ class TuningSpace:
     description: str = ""
     build: dict[str, Any] | None = None  # the build a computed knob's choices were computed for
     origin: "TuningSpace | None" = field(default=None, repr=False)  # the space as loaded, before for_build
+    # knobs of the file for_build left out of this build's search, with why (no effect on its kernel,
+    # or fewer than two computed choices)
+    dropped: dict[str, str] = field(default_factory=dict)
 
     def for_build(self, spec: "BuildSpec") -> "TuningSpace":
         """This space for one build: every computed knob becomes a categorical knob of the
         choices its function computes for `spec`, defaulting to the choice its auto makes (so
         the default configuration plans as TuningConfig() does), or leaves the search when
-        there are fewer than two (it keeps its TuningConfig default). A space without computed
-        knobs is returned as it is."""
+        there are fewer than two (it keeps its TuningConfig default); a knob with no effect on
+        this build's kernel (`unused_knobs`: MoE knobs of a dense model, ...) leaves the search
+        too. `dropped` says which left and why. A space with neither is returned as it is."""
         src = self.origin or self
         unused = unused_knobs(spec)
         if not any(k.kind == "computed" or k.name in unused for k in src.knobs.values()):
@@ -514,14 +561,17 @@ class TuningSpace:
         if self.build == build:
             return self
         knobs: dict[str, Knob] = {}
+        dropped: dict[str, str] = {}
         for name, knob in src.knobs.items():
             if name in unused:  # no effect on this build: every value would compile the same kernel
+                dropped[name] = unused[name]
                 continue
             if knob.kind != "computed":
                 knobs[name] = knob
                 continue
             choices, auto = COMPUTED[knob.function].compute(spec)
             if len(choices) < 2:  # nothing to choose for this build: no trial spent on it
+                dropped[name] = "nothing to choose for this build"
                 continue
             for v in choices:
                 try:
@@ -530,7 +580,18 @@ class TuningSpace:
                     raise ConfigError(f"{src.source}: knob '{name}': computed candidate {v!r} is not valid: "
                                       f"{str(e).removeprefix('tuning: ')}") from None
             knobs[name] = Knob(name, "categorical", choices=tuple(choices), default=auto, function=knob.function)
-        return dataclasses.replace(src, knobs=knobs, build=build, origin=src)
+        return dataclasses.replace(src, knobs=knobs, build=build, origin=src, dropped=dropped)
+
+    def dropped_line(self) -> str | None:
+        """The knobs `for_build` left out, grouped by why, on one line (None: none were)."""
+        if not self.dropped:
+            return None
+        by_why: dict[str, list[str]] = {}
+        for name, why in self.dropped.items():
+            by_why.setdefault(why, []).append(name)
+        groups = "; ".join(f"{', '.join(names)} ({why})" for why, names in by_why.items())
+        return (f"space {self.name}: {len(self.knobs)} of {len(self.knobs) + len(self.dropped)} knobs searched for "
+                f"this build; left out: {groups}")
 
     def suggest(self, trial: "optuna.trial.BaseTrial") -> dict[str, Any]:
         """The trial's value of every searched knob (Optuna parameter names = knob names)."""
@@ -538,6 +599,24 @@ class TuningSpace:
 
     def distributions(self) -> dict[str, "optuna.distributions.BaseDistribution"]:
         return {name: knob.distribution() for name, knob in self.knobs.items()}
+
+    def outside(self, values: dict[str, Any]) -> str | None:
+        """Why knob values are not a configuration of this (bound) space, or None: other knobs
+        than it searches, a value that is not one of a knob's candidates, or not a valid
+        TuningConfig. For trials another process wrote into a shared study (`tpumk.tune.budget.foreign`)."""
+        names, mine = set(values), set(self.knobs)
+        if names != mine:
+            parts = [f"{label} {', '.join(sorted(ns)[:4])}" for label, ns in
+                     (("knobs the space does not search:", names - mine), ("missing", mine - names)) if ns]
+            return "its knobs are not the space's (" + "; ".join(parts) + ")"
+        for name, v in values.items():
+            if not self.knobs[name].contains(v):
+                return f"{name}={v!r} is not one of the space's values ({self.knobs[name].describe()})"
+        try:
+            self.tuning_for(values)
+        except ConfigError as e:
+            return str(e)
+        return None
 
     def tuning_for(self, values: dict[str, Any], base: TuningConfig | None = None) -> TuningConfig:
         """`base` (default: TuningConfig()) with the fixed knobs, then `values`, applied."""

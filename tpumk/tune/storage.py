@@ -11,7 +11,10 @@
 
 Trials send Optuna heartbeats (RDBStorage's own; JournalStorage gets the same through
 `JournalHeartbeatStorage`), so a killed run's RUNNING trials become FAIL after a grace period
-(`fail_stale`) and stop counting.
+(`fail_stale`) and stop counting. A heartbeat that cannot be written (a full disk, a database
+that went away) is skipped quietly: it runs in Optuna's own thread, whose error would be a
+traceback, and the trial's next write meets the same failure and stops the study in one line
+(tpumk.tune.study.why_stopped).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from tpumk.errors import ConfigError, one_line
+from tpumk.files import kind_of
 
 DEFAULT_ROOT = Path("artifacts") / "tune"
 DEFAULT_HEARTBEAT = 5  # seconds between trial heartbeats
@@ -63,6 +67,8 @@ def _journal_heartbeat_class():
                 self.set_trial_system_attr(trial_id, self.HEARTBEAT, time.time())
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # failed as stale meanwhile (a paused process): nothing left to keep alive
+            except Exception:  # noqa: BLE001 - a storage that cannot be written: see the module docstring
+                pass
 
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             now = time.time()
@@ -142,6 +148,12 @@ def _rdb_storage_class():
     import optuna
 
     class HeartbeatRDBStorage(optuna.storages.RDBStorage):
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                super().record_heartbeat(trial_id)
+            except Exception:  # noqa: BLE001 - a storage that cannot be written: see the module docstring
+                pass
+
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             import datetime
 
@@ -177,16 +189,87 @@ def _sqlite_storage_class():
     return SQLiteStorage
 
 
-def redact(url: str) -> str:
-    """A storage URL fit to print (no password)."""
-    if "://" not in url:
-        return url
-    try:
-        from sqlalchemy.engine import make_url
+# Query parameters whose value is a secret: password, passwd, sslpassword, pwd, secret, token,
+# api_key, sslkey, credentials... (named like one: hiding a file path named so costs nothing).
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|credential|auth", re.IGNORECASE)
 
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+def _split_userinfo(rest: str) -> tuple[str, str] | None:
+    """(userinfo, the rest after it) of what follows `scheme://`, split at the LAST '@': a
+    password may hold an unescaped '@' (or '/', '?', ':'), and hiding too much is safe where
+    hiding too little is not. None when there is no userinfo (`sqlite:///path`: no authority)."""
+    if rest.startswith("/") or "@" not in rest:
+        return None
+    userinfo, _, after = rest.rpartition("@")
+    return userinfo, after
+
+
+def _secret_params(query: str) -> list[tuple[str, str]]:
+    """(name, value) of the query parameters named like a secret."""
+    from urllib.parse import unquote_plus
+
+    out = []
+    for part in re.split(r"[&;]", query):
+        name, eq, value = part.partition("=")
+        if eq and _SECRET_PARAM.search(unquote_plus(name)):
+            out.append((name, value))
+    return out
+
+
+def redact(url: str) -> str:
+    """A storage URL fit to print or store (progress lines, JSON, the tuned file, errors): the
+    userinfo's password (everything between the user's ':' and the last '@') and the value of
+    every query parameter named like a secret (`?password=`, `sslpassword`, `token`, ...)
+    become `***`; the rest is kept as typed (never re-encoded). A path (a journal, FILE.db) is
+    returned as it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    split = _split_userinfo(rest)
+    if split is not None:
+        userinfo, after = split
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}{':***' if colon else ''}@{after}"
+    head, q, query = rest.partition("?")
+    if q:
+        query, h, fragment = query.partition("#")
+        secret = {name for name, _ in _secret_params(query)}
+        parts = re.split(r"([&;])", query)
+        query = "".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0] in secret and "=" in p else p
+                        for p in parts)
+        rest = f"{head}?{query}{h}{fragment}"
+    return scheme + sep + rest
+
+
+def secrets_of(url: str) -> list[str]:
+    """The secrets a storage URL holds (as typed and percent-decoded, and each '@'-separated
+    piece of a password: a driver that misreads an unescaped '@' shows the rest as the host),
+    longest first: what `scrub` removes from a driver's error text."""
+    from urllib.parse import unquote, unquote_plus
+
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return []
+    found: list[str] = []
+    split = _split_userinfo(rest)
+    if split is not None:
+        password = split[0].partition(":")[2]
+        if password:
+            found += [password, unquote(password), *password.split("@")]
+        rest = split[1]
+    query = rest.partition("?")[2].partition("#")[0]
+    for _, value in _secret_params(query):
+        found += [value, unquote_plus(value)]
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (a driver's or Optuna's error message about `url`) with the URL shown redacted and
+    every secret of the URL replaced by `***`."""
+    text = text.replace(url, redact(url))
+    for secret in secrets_of(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 MAX_STUDY_NAME = 200  # characters: the name plus ".toml" stays a legal file name (255 bytes)
@@ -225,15 +308,36 @@ def storage_url(storage: str | None, study_name: str, root: Path = DEFAULT_ROOT)
         return storage
     if storage.endswith((".db", ".sqlite", ".sqlite3")):
         return f"sqlite:///{storage}"
-    raise ConfigError(f"--storage {storage!r}: expected an Optuna storage URL (sqlite:///FILE.db, "
+    raise ConfigError(f"--storage {_quoted(storage)}: expected an Optuna storage URL (sqlite:///FILE.db, "
                       "postgresql://user:pw@host/db), a FILE.journal or journal:FILE, or a FILE.db")
 
 
+def _quoted(storage: str) -> str:
+    """A --storage value for an error line: quoted, its secrets redacted (a URL missing its
+    scheme, `user:pw@host/db`, is redacted as if it had one)."""
+    if "://" not in storage and "@" in storage:
+        return repr(redact("x://" + storage).removeprefix("x://"))
+    return repr(redact(storage))
+
+
 def sqlite_path(url: str) -> Path | None:
-    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory SQLite)."""
+    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory SQLite:
+    `sqlite://`, `sqlite:///:memory:`, and with `?uri=true` a `file::memory:` or
+    `file:NAME?mode=memory` URI filename, which SQLite opens in memory)."""
+    from urllib.parse import parse_qs, unquote
+
     if url.split("://", 1)[0].split("+", 1)[0] != "sqlite" or ":///" not in url:
         return None
-    db = url.split(":///", 1)[1].split("?", 1)[0]
+    db, _, query = url.split(":///", 1)[1].partition("?")
+    params = {k.lower(): v[-1].lower() for k, v in parse_qs(query).items()}
+    if params.get("uri") in ("true", "1") and db.startswith("file:"):
+        # SQLite's URI filename (https://sqlite.org/uri.html): file:PATH, file:///PATH, file://localhost/PATH
+        db = db.removeprefix("file:")
+        if db.startswith("//"):
+            db = "/" + db[2:].partition("/")[2]
+        db = unquote(db)
+        if params.get("mode") == "memory":
+            return None
     return Path(db) if db and db != ":memory:" else None
 
 
@@ -246,6 +350,16 @@ def local_path(url: str) -> Path | None:
     return sqlite_path(url)
 
 
+def not_regular(path: Path) -> str | None:
+    """What `path` is when it exists and is not a regular file ("a FIFO (named pipe)", "a
+    character device", "a directory", ...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
 def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
     """An Optuna storage with heartbeats on, for a URL from `storage_url`."""
     import optuna
@@ -255,8 +369,9 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
         path = Path(url.removeprefix("journal:"))
         if not path.name:
             raise ConfigError(f"--storage {url!r}: expected journal:FILE")
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"--storage {url}: {path} is not a file")
+        kind = not_regular(path)
+        if kind:
+            raise ConfigError(f"--storage {url}: {path} is {kind}, not a regular file (a journal is one)")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -282,14 +397,17 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
     scheme = url.split("://", 1)[0].split("+", 1)[0]
     db = sqlite_path(url)
     if scheme == "sqlite" and db is None:
-        raise ConfigError(f"--storage {url}: an in-memory SQLite database keeps no study (it is gone when tpumk "
-                          "exits, and trial processes cannot see it); give a file, e.g. sqlite:///study.db")
+        raise ConfigError(f"--storage {redact(url)}: an in-memory SQLite database cannot hold a study: it is gone "
+                          "when tpumk exits (nothing to resume) and every connection gets its own empty one "
+                          "(nothing shared); give a file, e.g. sqlite:///study.db")
     if db is not None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a parent that is a regular file, no permission
-            raise ConfigError(f"--storage {url}: cannot create {db.parent}: {e.strerror or e}") from None
+            raise ConfigError(f"--storage {redact(url)}: cannot create {db.parent}: {e.strerror or e}") from None
         check_sqlite(url, db)
+    given = url
+    shown = redact(url)  # as given (before the driver is named), secrets hidden
     if scheme in ("postgresql", "postgres"):
         if "+" not in url.split("://", 1)[0]:
             # SQLAlchemy 2.1 defaults to the psycopg 3 driver; tpumk depends on psycopg2-binary.
@@ -298,7 +416,10 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
             import importlib.util
 
             if importlib.util.find_spec("psycopg2") is None:
-                raise ConfigError(f"--storage {redact(url)}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
+                raise ConfigError(f"--storage {shown}: PostgreSQL needs psycopg2 (pip install psycopg2-binary)")
+    if scheme != "sqlite" and "@" in (_host(url) or ""):
+        raise ConfigError(f"--storage {shown}: the password (or user name) holds an unescaped '@', so the "
+                          "database driver would take the rest of it for the host; write each '@' in it as %40")
     cls = _sqlite_storage_class() if scheme == "sqlite" else _rdb_storage_class()
     for attempt in range(SCHEMA_RACE_ATTEMPTS):
         try:
@@ -313,7 +434,17 @@ def open_storage(url: str, heartbeat: int = DEFAULT_HEARTBEAT):
             if raced and attempt + 1 < SCHEMA_RACE_ATTEMPTS:
                 time.sleep(0.2 * (attempt + 1))
                 continue
-            raise ConfigError(f"--storage {redact(url)}: cannot open: {first[:300]}") from None
+            raise ConfigError(f"--storage {shown}: cannot open: {scrub(scrub(first, url), given)[:300]}") from None
+
+
+def _host(url: str) -> str | None:
+    """The host SQLAlchemy reads from `url` (None when it cannot parse it: opening says why)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).host
+    except Exception:  # noqa: BLE001 - any parse failure: the open reports it
+        return None
 
 
 def check_sqlite(url: str, db: Path) -> None:
@@ -327,9 +458,10 @@ def check_sqlite(url: str, db: Path) -> None:
     except FileNotFoundError:
         return  # a new study: Optuna creates it
     except OSError as e:
-        raise ConfigError(f"--storage {url}: cannot open {db}: {e.strerror or e}") from None
+        raise ConfigError(f"--storage {redact(url)}: cannot open {db}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"--storage {url}: {db} is not a regular file (a SQLite database is one)")
+        raise ConfigError(f"--storage {redact(url)}: {db} is {kind_of(st.st_mode)}, not a regular file (a SQLite "
+                          "database is one)")
     if st.st_size == 0:
         return  # created empty (a killed first open): SQLite treats it as a new database
     recover = (f"restore it from a backup, or move it aside to start a new study (`sqlite3 {db} .recover "
@@ -346,9 +478,9 @@ def check_sqlite(url: str, db: Path) -> None:
     except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed"
         why = one_line(e)[:120]
     except sqlite3.Error as e:  # locked for longer than the timeout, cannot open
-        raise ConfigError(f"--storage {url}: cannot open {db}: {one_line(e)[:200]}") from None
+        raise ConfigError(f"--storage {redact(url)}: cannot open {db}: {one_line(e)[:200]}") from None
     if why:
-        raise ConfigError(f"--storage {url}: {db} is not a sound SQLite database ({why}); {recover}")
+        raise ConfigError(f"--storage {redact(url)}: {db} is not a sound SQLite database ({why}); {recover}")
 
 
 def repair_journal(path: Path, lock, salvage: bool = False) -> str | None:

@@ -30,31 +30,34 @@ on one PostgreSQL storage.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from tpumk.compile.keys import canonical
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, TpumkError, count_of, one_line
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.tomlfile import write_text_atomic
-from tpumk.tune.budget import (FINISHED, POLL_SECONDS, Interrupted, SurplusTrial, is_free, is_spent, repeats,
-                               state, tally)
+from tpumk.tune.budget import (FINISHED, POLL_SECONDS, Interrupted, SurplusTrial, foreign, is_free, is_spent, own,
+                               repeats, state, tally)
 from tpumk.tune.cache import ResultCache, ResultKeys, evaluator_inputs
 from tpumk.tune.objectives import ObjectiveChoice
 from tpumk.tune.settings import TuneSettings
 from tpumk.tune.space import TuningSpace
-from tpumk.tune.storage import DEFAULT_HEARTBEAT, fail_stale, open_storage, redact, storage_url
+from tpumk.tune.storage import DEFAULT_HEARTBEAT, fail_stale, open_storage, redact, scrub, storage_url
 from tpumk.tune.trial import TrialRunner
 
 STUDY_ATTR = "tpumk_problem"
+MAX_IGNORED_NOTES = 5  # foreign trials named one per line in the summary; the rest in one more
 DEFAULT_ATTR = "tpumk_default"  # user attr of the enqueued default-configuration trial
 
 
@@ -153,7 +156,7 @@ def _identity_label(stored: dict[str, Any]) -> str:
 def _enqueue_default(study, space: TuningSpace) -> None:
     """The default configuration goes first so the end summary can compare against it
     (again if the run that took it was killed before it finished)."""
-    for t in study.get_trials(deepcopy=False):
+    for t in own(study.get_trials(deepcopy=False), space):
         if t.user_attrs.get(DEFAULT_ATTR) and state(t) in ("WAITING", "RUNNING", "COMPLETE", "PRUNED"):
             return
     study.enqueue_trial(space.default_values(), user_attrs={DEFAULT_ATTR: True})
@@ -181,7 +184,11 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
     progress(done, total, best) is called at the start and after every trial this process
     finishes; on_trial(finished_trial(t) + {"evaluated", "trials"}) after every such trial.
     `keys`: the problem's ResultKeys when the caller already made them (the evaluator's source
-    is then read once, and the study name and the keys name the same code)."""
+    is then read once, and the study name and the keys name the same code).
+
+    Raises NothingFeasible when the study ends with no configuration evaluated (every one it
+    drew was ruled out before compiling), and StudyStopped when its storage, the result cache
+    or `out` fails mid-study (one line each; the finished trials stay in the storage)."""
     settings.validate()
     space = space.for_build(problem)  # computed knobs get this build's choices (the default too)
     if out is not None:
@@ -199,107 +206,234 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
 
     # Draws the space rules out, or that repeat a tried configuration, never become trials.
     sampler = DistinctSampler(space, settings.seed, rules_out=runner.rules_out)
-    study = open_study(url, name, identity, settings.seed, settings.heartbeat, sampler=sampler)
-    fail_stale(study)
-    already_complete = is_spent(study.get_trials(deepcopy=False), settings)
-    _enqueue_default(study, space)
-    t0 = time.monotonic()
 
-    inflight = [0]
-    progress_lock = threading.Lock()
+    def study_run() -> TuneResult:
+        study = open_study(url, name, identity, settings.seed, settings.heartbeat, sampler=sampler)
+        fail_stale(study)
+        already_complete = is_spent(own(study.get_trials(deepcopy=False), space), settings)
+        _enqueue_default(study, space)
+        t0 = time.monotonic()
 
-    def report(_study=None, trial=None) -> None:
-        if progress is None and on_trial is None:
-            return
-        with progress_lock:
-            fin, _, _ = tally(study.get_trials(deepcopy=False))
-            if trial is not None and on_trial is not None:
-                on_trial({**finished_trial(trial), "evaluated": fin, "trials": settings.trials})
-            if progress is not None:
-                best = None
-                try:
-                    best = study.best_value
-                except ValueError:
-                    pass
-                progress(min(fin, settings.trials), settings.trials, best)
+        inflight = [0]
+        progress_lock = threading.Lock()
 
-    def loop() -> None:
-        last_stale_check = 0.0
-        while not runner.stop.is_set():
-            with runner.lock:
-                trials = study.get_trials(deepcopy=False)
-                fin, _, running = tally(trials)
-                others = len(running - runner.mine)
-                if is_spent(trials, settings) or _exhausted(trials, space):
-                    return
-                go = fin + others + inflight[0] < settings.trials
-                if go:
-                    inflight[0] += 1
-            if not go:  # the rest of the budget is running elsewhere: wait for it to finish or die
-                if time.monotonic() - last_stale_check > settings.heartbeat:
-                    fail_stale(study)
-                    last_stale_check = time.monotonic()
-                time.sleep(POLL_SECONDS)
-                continue
-            try:
-                # optimize() per trial: Optuna's heartbeat thread, stale-trial check and tell.
-                study.optimize(runner, n_trials=1, catch=(SurplusTrial, Interrupted), callbacks=[report])
-            finally:
+        def report(_study=None, trial=None) -> None:
+            if progress is None and on_trial is None:
+                return
+            with progress_lock:
+                trials = own(study.get_trials(deepcopy=False), space)
+                fin, _, _ = tally(trials)
+                if trial is not None and on_trial is not None:
+                    on_trial({**finished_trial(trial), "evaluated": fin, "trials": settings.trials})
+                if progress is not None:
+                    best = min((t.value for t in trials if state(t) == "COMPLETE"), default=None)
+                    progress(min(fin, settings.trials), settings.trials, best)
+
+        def loop() -> None:
+            last_stale_check = 0.0
+            while not runner.stop.is_set():
                 with runner.lock:
-                    inflight[0] -= 1
+                    trials = own(study.get_trials(deepcopy=False), space)
+                    fin, _, running = tally(trials)
+                    others = len(running - runner.mine)
+                    if is_spent(trials, settings) or _exhausted(trials, space) or sampler.exhausted:
+                        return
+                    go = fin + others + inflight[0] < settings.trials
+                    if go:
+                        inflight[0] += 1
+                if not go:  # the rest of the budget is running elsewhere: wait for it to finish or die
+                    if time.monotonic() - last_stale_check > settings.heartbeat:
+                        fail_stale(study)
+                        last_stale_check = time.monotonic()
+                    time.sleep(POLL_SECONDS)
+                    continue
+                try:
+                    # optimize() per trial: Optuna's heartbeat thread, stale-trial check and tell.
+                    study.optimize(runner, n_trials=1, catch=(SurplusTrial, Interrupted), callbacks=[report])
+                finally:
+                    with runner.lock:
+                        inflight[0] -= 1
 
-    report()
-    threads = [threading.Thread(target=_guard(loop, runner), name=f"tpumk-tune-{i}", daemon=True)
-               for i in range(settings.workers)]
-    for th in threads:
-        th.start()
-    try:
-        while any(th.is_alive() for th in threads):
-            for th in threads:
-                th.join(timeout=0.2)
-    except KeyboardInterrupt:
-        runner.stop.set()
-        runner.kill_workers()
+        report()
+        threads = [threading.Thread(target=_guard(loop, runner), name=f"tpumk-tune-{i}", daemon=True)
+                   for i in range(settings.workers)]
         for th in threads:
-            th.join(timeout=30)
+            th.start()
+        try:
+            while any(th.is_alive() for th in threads):
+                for th in threads:
+                    th.join(timeout=0.2)
+        except KeyboardInterrupt:
+            runner.stop.set()
+            runner.kill_workers()
+            for th in threads:
+                th.join(timeout=30)
+            raise
+        if runner.errors:
+            raise runner.errors[0]
+        wall = time.monotonic() - t0
+        result = summarize(study, space, settings.trials, top=settings.top, url=url, problem=problem,
+                           objective=objective)
+        result.this_run = {**runner.stats, "wall_seconds": wall, "passed_over": dict(sampler.passed_over)}
+        if already_complete and runner.stats["trials"] == 0:
+            result.already_complete = True
+            if result.evaluated >= settings.trials:
+                how = (f"it already has {count_of(result.evaluated, 'evaluated trial')} (--trials {settings.trials}); "
+                       f"to extend it, rerun with a larger --trials, e.g. --trials {2 * settings.trials}")
+            elif result.repeated >= settings.repeats_cap():
+                how = (f"it already stopped at {count_of(result.repeated, 'trial')} repeating evaluated configurations "
+                       f"(at most 10 x --trials)")
+            elif _exhausted(own(study.get_trials(deepcopy=False), space), space):
+                how = "every configuration of the space was already tried"
+            else:
+                how = (f"it already stopped at {count_of(result.infeasible, 'configuration')} pruned before compiling "
+                       f"(--max-infeasible {settings.infeasible_cap()}); to go on, rerun with a larger --max-infeasible")
+            result.notes.insert(0, f"study {name} is complete, nothing was run: {how}")
+        if result.infeasible >= settings.infeasible_cap() and result.evaluated < settings.trials:
+            result.notes.append(f"stopped after {count_of(result.infeasible, 'configuration')} pruned before compiling "
+                                f"(--max-infeasible {settings.infeasible_cap()}) with {result.evaluated} of "
+                                f"{settings.trials} evaluated: the space is mostly infeasible for this problem")
+        elif result.repeated >= settings.repeats_cap() and result.evaluated < settings.trials:
+            result.notes.append(f"stopped after {count_of(result.repeated, 'trial')} repeating configurations already "
+                                f"evaluated with {result.evaluated} of {settings.trials} evaluated: the sampler finds "
+                                "few new configurations in this space")
+        elif result.evaluated < settings.trials and _exhausted(own(study.get_trials(deepcopy=False), space), space):
+            result.notes.append(f"every configuration of the space was tried: {result.evaluated} evaluated, fewer "
+                                f"than --trials {settings.trials}")
+        elif result.evaluated < settings.trials and sampler.exhausted:
+            result.notes.append(f"every configuration of the space was tried or ruled out by its constraints: "
+                                f"{result.evaluated} evaluated, fewer than --trials {settings.trials}")
+        if result.evaluated == 0 and result.infeasible:
+            raise NothingFeasible(nothing_feasible(own(study.get_trials(deepcopy=False), space), space, problem,
+                                                   sampler.refused, settings.infeasible_cap()))
+        if out is not None and result.best_tuning is not None:
+            write_tuned(out, result)
+            result.out = str(out)
+        elif out is not None:
+            result.notes.append(f"no trial completed: {out} not written")
+        return result
+
+    try:
+        with warnings.catch_warnings():
+            # an enqueued trial with a value outside the space (another process's) is pruned at
+            # stage "space" with one line; Optuna's own warning about it would be a second
+            warnings.filterwarnings("ignore", message=r"Fixed parameter .* is out of range", category=UserWarning)
+            return study_run()
+    except KeyboardInterrupt:
         raise
-    if runner.errors:
-        raise runner.errors[0]
-    wall = time.monotonic() - t0
-    result = summarize(study, space, settings.trials, top=settings.top, url=url, problem=problem,
-                       objective=objective)
-    result.this_run = {**runner.stats, "wall_seconds": wall, "passed_over": dict(sampler.passed_over)}
-    if already_complete and runner.stats["trials"] == 0:
-        result.already_complete = True
-        if result.evaluated >= settings.trials:
-            how = (f"it already has {result.evaluated} evaluated trials (--trials {settings.trials}); "
-                   f"to extend it, rerun with a larger --trials, e.g. --trials {2 * settings.trials}")
-        elif result.repeated >= settings.repeats_cap():
-            how = (f"it already stopped at {result.repeated} trials repeating evaluated configurations "
-                   f"(at most 10 x --trials)")
-        elif _exhausted(study.get_trials(deepcopy=False), space):
-            how = "every configuration of the space was already tried"
-        else:
-            how = (f"it already stopped at {result.infeasible} configurations pruned before compiling "
-                   f"(--max-infeasible {settings.infeasible_cap()}); to go on, rerun with a larger --max-infeasible")
-        result.notes.insert(0, f"study {name} is complete, nothing was run: {how}")
-    if result.infeasible >= settings.infeasible_cap() and result.evaluated < settings.trials:
-        result.notes.append(f"stopped after {result.infeasible} configurations pruned before compiling "
-                            f"(--max-infeasible {settings.infeasible_cap()}) with {result.evaluated} of "
-                            f"{settings.trials} evaluated: the space is mostly infeasible for this problem")
-    elif result.repeated >= settings.repeats_cap() and result.evaluated < settings.trials:
-        result.notes.append(f"stopped after {result.repeated} trials repeating configurations already evaluated "
-                            f"with {result.evaluated} of {settings.trials} evaluated: the sampler finds few "
-                            "new configurations in this space")
-    elif result.evaluated < settings.trials and _exhausted(study.get_trials(deepcopy=False), space):
-        result.notes.append(f"every configuration of the space was tried: {result.evaluated} evaluated, fewer "
-                            f"than --trials {settings.trials}")
-    if out is not None and result.best_tuning is not None:
-        write_tuned(out, result)
-        result.out = str(out)
-    elif out is not None:
-        result.notes.append(f"no trial completed: {out} not written")
-    return result
+    except Exception as e:  # noqa: BLE001 - a storage or file failure becomes one line; anything else is re-raised
+        why = why_stopped(e, url, cache.dir, out)
+        if why is None:
+            raise
+        raise StudyStopped(scrub(f"study {name} stopped: {why}", url)) from None
+
+
+class NothingFeasible(ConfigError):
+    """The study ended with no configuration evaluated: the space's constraints, the knob rules
+    or the plan ruled out every configuration it drew for this build."""
+
+
+def nothing_feasible(trials, space: TuningSpace, problem: BuildSpec, refused: dict[tuple, str], cap: int) -> str:
+    """One line for a study that evaluated nothing: how many distinct configurations were
+    rejected before compiling and by what (trials pruned before compiling, and draws the sampler
+    passed over), the first reason, and whether that was the whole grid or what the study drew
+    before `cap` (--max-infeasible) ended it."""
+    from tpumk.tune.sampler import params_key
+
+    stages = dict(refused)
+    first = None
+    for t in sorted(trials, key=lambda t: t.number):
+        if is_free(t):
+            stages[params_key(t.params)] = t.user_attrs.get("prune_stage", "unknown")
+            first = first or f"{t.user_attrs.get('prune_stage')}: {t.user_attrs.get('prune_reason')}"
+    by_stage: dict[str, int] = {}
+    for stage in stages.values():
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+    counted = ", ".join(f"{stage} {n:,}" for stage, n in sorted(by_stage.items(), key=lambda kv: -kv[1]))
+    rejected = f"{count_of(len(stages), 'configuration')} rejected before compiling ({counted})"
+    if len(stages) >= space.size():  # the whole grid: proven
+        head = f"no configuration of its {count_of(space.size(), 'grid point')} can be evaluated"
+        tail = "no tuned file written"
+    else:  # what it drew before --max-infeasible
+        head = f"none of the configurations drawn from its {count_of(space.size(), 'grid point')} could be evaluated"
+        tail = f"no tuned file written (--max-infeasible {cap} ended it: raise it to draw more, or widen the space)"
+    return (f"--space {space.source}: {head} for {problem.label()}: {rejected}, e.g. {first or 'none recorded'}; "
+            f"{tail}")
+
+
+class StudyStopped(TpumkError):
+    """The study's storage, the result cache or an output failed mid-study (a full disk, a
+    database that went away): the trials that finished are kept, and the same command resumes."""
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and the exceptions it was raised from or while handling, outermost first."""
+    out: list[BaseException] = []
+    while e is not None and all(e is not x for x in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _environment_errors() -> tuple[type, ...]:
+    """Errors of the machine or a server, not of tpumk: a file system, SQLite, a database driver."""
+    import sqlite3
+
+    import optuna
+    import sqlalchemy.exc
+
+    return OSError, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError
+
+
+def why_stopped(e: BaseException, url: str, cache_dir: Path, out: str | Path | None) -> str | None:
+    """One line for a study stopped by its storage, the result cache or an output failing (a
+    full disk under the journal, the compile log or SQLite; PostgreSQL stopping): what failed,
+    why, and that the same command resumes. None when `e` is not such a failure (a tpumk error,
+    a bug: raised as it is). Optuna raises its own errors while handling the storage's (e.g.
+    `AssertionError: Should not reach.`), so the whole chain is searched."""
+    import traceback
+
+    import sqlalchemy.exc
+
+    if isinstance(e, TpumkError):
+        return None
+    chain = _chain(e)
+    env = [x for x in chain if isinstance(x, _environment_errors())]
+    if not env:
+        return None
+    # the first to happen; Optuna's StorageInternalError only wraps the database's own error
+    import optuna
+
+    root = ([x for x in env if not isinstance(x, optuna.exceptions.StorageInternalError)] or env)[-1]
+    files = [f.filename for x in chain for f in traceback.extract_tb(x.__traceback__)]
+    sep = os.sep
+    if isinstance(root, OSError):
+        text = root.strerror or one_line(root) or type(root).__name__
+        if root.filename:
+            text += f": {root.filename}"
+    elif isinstance(root, sqlalchemy.exc.DBAPIError) and root.orig is not None:
+        text = one_line(root.orig)
+    else:
+        text = one_line(root).split(" [SQL: ")[0].split(" (Background on this error")[0]
+    database = not isinstance(root, OSError) or any(f"{sep}optuna{sep}storages{sep}" in f for f in files)
+    if database:
+        what = f"the study's storage ({redact(url)})"
+    elif any(f.endswith(f"tpumk{sep}tune{sep}cache.py") for f in files):
+        what = f"the result cache ({cache_dir})"
+    elif out is not None and any(f.endswith(f"tpumk{sep}tomlfile.py") for f in files):
+        what = f"writing --out {out}"
+    else:
+        what = "a file the study writes"
+    full = (isinstance(root, OSError) and root.errno in (errno.ENOSPC, errno.EDQUOT)) or "disk is full" in text
+    if full:
+        fix = "free some space, then rerun"
+    elif isinstance(root, OSError) and root.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "make it writable, then rerun"
+    elif database and "://" in url and not url.startswith("sqlite"):
+        fix = "once the database server is reachable again, rerun"
+    else:
+        fix = "once that is fixed, rerun"
+    return f"{what} failed: {text[:300]}; every trial that finished is kept: {fix} the same command to resume it"
 
 
 def _exhausted(trials, space: TuningSpace) -> bool:
@@ -388,10 +522,14 @@ def _changed(params: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
 def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, url: str = "",
               problem: BuildSpec | None = None, objective: ObjectiveChoice | None = None) -> TuneResult:
     """The study's state: counts, the best distinct configurations, the default's trial and
-    the ratio of the best over the default."""
+    the ratio of the best over the default. Finished trials `foreign` to the study (another
+    process wrote them: a value that is no step time, knobs outside the space) are left out,
+    each named in one note."""
     if problem is not None:
         space = space.for_build(problem)
     trials = study.get_trials(deepcopy=False)
+    ignored = [(t.number, why) for t in trials if state(t) in FINISHED and (why := foreign(t, space)) is not None]
+    trials = own(trials, space)
     counts: dict[str, int] = {}
     for t in trials:
         counts[state(t)] = counts.get(state(t), 0) + 1
@@ -434,7 +572,12 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
     repeated = len(repeats(trials))
     best_tuning = space.tuning_for(complete[0].params).to_dict() if complete else None
     label = problem.label() if problem else _identity_label(stored)
-    notes = []
+    notes = [f"ignored trial {n}: {why}; another process wrote it into the shared study" for n, why in
+             ignored[:MAX_IGNORED_NOTES]]
+    if len(ignored) > MAX_IGNORED_NOTES:
+        notes.append(f"ignored {count_of(len(ignored) - MAX_IGNORED_NOTES, 'more such trial')} "
+                     f"({', '.join(str(n) for n, _ in ignored[MAX_IGNORED_NOTES:][:20])}"
+                     f"{', ...' if len(ignored) > MAX_IGNORED_NOTES + 20 else ''})")
     if default is not None and default["state"] == "PRUNED":
         notes.append(f"the default configuration was pruned ({default['prune_reason']}): no ratio to it")
     return TuneResult(

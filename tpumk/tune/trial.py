@@ -1,6 +1,7 @@
 """One trial: the objective Optuna calls, in named phases.
 
-    suggest   the space's values for this trial (Optuna's sampler)
+    suggest   the space's values for this trial (Optuna's sampler); values outside the space (a
+              trial another process enqueued into a shared study) are PRUNED at stage "space"
     precheck  the TuningConfig (space.tuning_for), the space's constraints, the plan
               (PlanError): an infeasible configuration is PRUNED with its reason, never compiled
     lookup    the result cache (tpumk.tune.cache), then the claim on the configuration in the
@@ -23,12 +24,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
 
+from tpumk.child_process import command
 from tpumk.errors import ConfigError, PlanError, TpumkError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
@@ -82,6 +83,9 @@ class TrialRunner:
     def __call__(self, trial) -> float:
         self._begin(trial)
         values = self.space.suggest(trial)
+        outside = self.space.outside(values)
+        if outside is not None:  # enqueued by another process with values the space does not have
+            self._prune(trial, "space", f"trial {trial.number} is not a configuration of the space: {outside}")
         tuning = self._precheck(trial, values)
         key = self.key_of(tuning)
         found = self._lookup(trial, key)
@@ -96,7 +100,7 @@ class TrialRunner:
         with self.lock:
             self.mine.add(trial.number)
         self._count("trials")
-        wait_for_budget(trial, self.settings, self.stop)
+        wait_for_budget(trial, self.settings, self.stop, self.space)
 
     def _precheck(self, trial, values: dict[str, Any]) -> TuningConfig:
         """The configuration, pruned before compiling if the space or the plan rules it out."""
@@ -129,7 +133,7 @@ class TrialRunner:
         if entry is not None:
             self._count("cache_hits")
             return self._from_entry(trial, entry, "result cache")
-        other = claim(trial, key, self.stop, self.settings.heartbeat)
+        other = claim(trial, key, self.stop, self.settings.heartbeat, self.space)
         if other is not None:
             self._count("reused_in_study")
             return self._reuse(trial, other)
@@ -303,7 +307,8 @@ class TrialRunner:
                    "deadline_seconds": self.settings.timeout, "device_warmup": self.objective.device_warmup,
                    "device_repeats": self.objective.device_repeats}
         # Its own session: a timeout kills the worker and the profiling compile it may have started.
-        proc = subprocess.Popen([sys.executable, "-m", EVALUATOR], stdin=subprocess.PIPE,
+        # tpumk.child_process: the worker imports this process's tpumk, never the working directory's.
+        proc = subprocess.Popen(command(EVALUATOR), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         with self.lock:
             self.procs.add(proc)
