@@ -194,6 +194,8 @@ def test_release_extra_keys_are_read(name):
      ConfigError, "expected the top-level original_max_position_embeddings (4096)"),
     ({**DEEPSEEK_V3_JSON, "head_dim": 192}, ConfigError, "field 'head_dim' = 192: expected 64 (qk_rope_head_dim)"),
     ({**DEEPSEEK_V3_JSON, "num_key_value_heads": 8}, ConfigError, "field 'num_key_value_heads' = 8: expected 128"),
+    ({**QWEN3_8B, "dtype": "float32"}, ConfigError, "fields 'torch_dtype' = 'bfloat16' and 'dtype' = 'float32' "
+                                                    "disagree"),
     # gpt-oss clamps at +-swiglu_limit whatever it is: 0 is not tpumk's "no clamp"
     ({**GPT_OSS_20B, "swiglu_limit": 0}, ConfigError, "field 'swiglu_limit' = 0: expected a positive number"),
 ])
@@ -243,6 +245,10 @@ RELABELLED = [
     ("cohere2", "cohere", "sliding_window"),
     ("granitemoe", "granite", "num_local_experts"),
     ("glm4_moe_lite", "deepseek_v3", "mlp_layer_types"),
+    ("glm4_moe_lite", "glm4_moe", "kv_lora_rank"),
+    ("qwen3_next", "qwen3", "linear_conv_kernel_dim"),
+    ("qwen3_5_moe_text", "qwen2_moe", "linear_conv_kernel_dim"),
+    ("kimi_linear", "kimi_k2", "linear_conv_kernel_dim"),
     ("deepseek_v32", "deepseek_v3", "index_head_dim"),
     ("glm_moe_dsa", "deepseek_v3", "index_head_dim"),
     ("kimi_linear", "deepseek_v3", "linear_conv_kernel_dim"),

@@ -573,6 +573,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     else:
         rope_theta = hf.number("rope_theta", GPT_OSS_THETA if mt == "gpt_oss" else 10000.0)
     act = _hf_activation(hf, mt)
+    if data.get("torch_dtype") is not None and data.get("dtype") is not None and data["torch_dtype"] != data["dtype"]:
+        raise ConfigError(f"{source}: fields 'torch_dtype' = {_short_repr(data['torch_dtype'])} and 'dtype' = "
+                          f"{_short_repr(data['dtype'])} disagree (transformers 4.x writes torch_dtype, 5.x dtype)")
     torch_dtype = data.get("torch_dtype") or data.get("dtype") or "bfloat16"
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(torch_dtype) \
         if isinstance(torch_dtype, str) else None
