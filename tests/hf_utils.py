@@ -42,6 +42,9 @@ DENSE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mistra
                "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 # Phi3Config's default special tokens (32000) lie outside the tiny vocabularies.
 ARCH_KW = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
+# Shared kwargs that are not a field of the family: transformers would keep them in config.json,
+# where tpumk refuses another family's field (Cohere normalises with layer_norm_eps).
+ARCH_DROP = {"cohere": ("rms_norm_eps",)}
 
 
 def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shard_size: str | None = None,
@@ -57,6 +60,9 @@ def build_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, max_shar
     kw = dict(QWEN3_MOE_KW if moe else QWEN3_KW, initializer_range=0.1, tie_word_embeddings=False,
               **ARCH_KW.get(arch, {}))
     kw.update(overrides)
+    for key in ARCH_DROP.get(arch, ()):
+        if key not in overrides:
+            kw.pop(key, None)
     if arch in DENSE_ARCHS:
         cfg_cls, model_cls = (getattr(transformers, name) for name in DENSE_ARCHS[arch])
     else:

@@ -240,32 +240,35 @@ def test_hf_invalid_value_names_field():
         from_hf_config({**QWEN3_30B_A3B, "num_experts_per_tok": 256})
 
 
-@pytest.mark.parametrize("changes, what", [
-    ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "q_lora_rank": 1536}, "MLA attention"),
-    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
-    ({"model_type": "kimi_k2", "kv_lora_rank": 512, "topk_method": "greedy"}, "topk_method 'greedy'"),
-    ({"model_type": "qwen3", "kv_lora_rank": 512}, "MLA attention"),
-    ({"model_type": "olmo"}, "model_type 'olmo'"),  # OLMo (1): non-parametric LayerNorm
-    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
-    ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),  # its o_proj has none
-    ({"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
-    ({"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
-    ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
-    ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
-    ({"use_sinks": True}, "attention sinks"),
+# Each case changes a published config of the family it names (QWEN3_8B unless `base` says).
+@pytest.mark.parametrize("base, changes, what", [
+    (None, {"model_type": "deepseek_v2"}, "model_type 'deepseek_v2': DeepSeek-V2's expert routing"),
+    ("DEEPSEEK_V3", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ("DEEPSEEK_V3", {"model_type": "kimi_k2", "topk_method": "greedy"}, "topk_method 'greedy'"),
+    (None, {"kv_lora_rank": 512}, "field 'kv_lora_rank' is not a field of model_type 'qwen3'"),  # MLA in a GQA family
+    (None, {"model_type": "olmo"}, "model_type 'olmo'"),  # OLMo (1): non-parametric LayerNorm
+    ("LLAMA_31_8B", {"mlp_bias": True}, "mlp_bias = true"),
+    ("MISTRAL_7B_V03", {"attention_bias": True}, "attention_bias = true"),  # its o_proj has none
+    (None, {"layer_types": ["full_attention", "linear_attention"] * 18}, "layer type 'linear_attention'"),
+    (None, {"layer_types": ["chunked_attention"] * 36}, "layer type 'chunked_attention'"),
+    (None, {"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),  # read for Gemma 2 and 3 only
+    (None, {"final_logit_softcapping": 30.0}, "final logit soft-capping"),
+    (None, {"use_sinks": True}, "attention sinks"),
     # YaRN is read for the Llama / Mistral / Qwen families and MLA models, LongRoPE for Phi-3
-    ({"model_type": "qwen2_moe", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                  "original_max_position_embeddings": 32768}}, "rope_scaling"),
-    ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
-    ({"model_type": "qwen2_moe", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-     "rope_parameters"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),  # the exact (erf) GELU: only Gemma reads it as tanh
-    ({"hidden_act": "relu2"}, "hidden_act 'relu2'"),
-    ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+    ("QWEN15_MOE", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope_scaling"),
+    ("LLAMA_31_8B", {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
+    ("QWEN15_MOE", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+    (None, {"hidden_act": "gelu"}, "hidden_act 'gelu'"),  # the exact (erf) GELU: only Gemma reads it as tanh
+    (None, {"hidden_act": "relu2"}, "hidden_act 'relu2'"),
+    (None, {"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
 ])
-def test_hf_not_supported(changes, what):
-    with pytest.raises(NotSupportedError, match="not supported yet: ") as e:
-        from_hf_config({**QWEN3_8B, **changes}, "x/config.json")
+def test_hf_not_supported(base, changes, what):
+    from test_mla import DEEPSEEK_V3_JSON
+
+    data = {"DEEPSEEK_V3": DEEPSEEK_V3_JSON, None: QWEN3_8B}.get(base) or globals()[base]
+    with pytest.raises(NotSupportedError, match="not supported") as e:
+        from_hf_config({**data, **changes}, "x/config.json")
     msg = _one_line(e)
     assert what in msg and msg.startswith("x/config.json")
 
@@ -323,7 +326,7 @@ def test_hf_gemma3_matches_its_preset_and_refuses_what_it_does_not_model():
     scaled = from_hf_config({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (scaled.rope_scaling, scaled.rope_factor, scaled.rope_local_theta) == ("linear", 8.0, 10000)
     for changes, match in [
-        ({"use_bidirectional_attention": True}, "not supported: use_bidirectional_attention = true"),
+        ({"use_bidirectional_attention": True}, "not supported yet: use_bidirectional_attention = true"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                               "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
          "not supported yet: rope_parameters.sliding_attention rope_type 'linear'"),
@@ -374,8 +377,9 @@ def test_multimodal_gemma3_reads_its_language_model():
         from_hf_config(bad, "x/config.json")
     _one_line(e)
     for text, match in [(None, r"field 'text_config' = None: expected an object"),
-                        ({"model_type": "siglip_vision_model"}, r"'text_config.model_type' = 'siglip_vision_model'")]:
-        with pytest.raises(ConfigError, match=match) as e:
+                        ({"model_type": "siglip_vision_model"},
+                         r"not supported yet: text_config.model_type 'siglip_vision_model' in a 'gemma3' wrapper")]:
+        with pytest.raises((ConfigError, NotSupportedError), match=match) as e:
             from_hf_config({**GEMMA3_27B, "text_config": text}, "x/config.json")
         assert _one_line(e).startswith("x/config.json")
 
@@ -730,15 +734,23 @@ def test_hf_phi3_partial_rotary_turns_part_of_each_head():
             from_hf_config({**PHI3_MINI_4K, "partial_rotary_factor": factor}, "x/config.json")
         assert what in _one_line(e) and _one_line(e).startswith("x/config.json")
     # Llama's modelling rotates the whole head whatever the factor: refused rather than built wrong
-    with pytest.raises(NotSupportedError) as e:
-        from_hf_config({**PHI3_MINI_4K, "model_type": "llama", "partial_rotary_factor": 0.5}, "x/config.json")
-    assert "partial_rotary_factor = 0.5 for model_type 'llama'" in _one_line(e)
+    llama = {**LLAMA_31_8B, "rope_scaling": None,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}}
+    for data, what in ((llama, "rope_parameters.partial_rotary_factor = 0.5 for model_type 'llama'"),
+                       ({**LLAMA_31_8B, "partial_rotary_factor": 0.5}, "field 'partial_rotary_factor' is not a field "
+                                                                         "of model_type 'llama'")):
+        with pytest.raises(NotSupportedError) as e:
+            from_hf_config(data, "x/config.json")
+        assert what in _one_line(e)
 
 
 def test_hf_mistral_window_is_on_every_layer_and_llama_has_none():
     cfg = from_hf_config({**MISTRAL_7B_V03, "sliding_window": 4096, "num_hidden_layers": 3})
     assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1, 2))
-    assert from_hf_config({**LLAMA_31_8B, "sliding_window": 4096}).sliding_window == 0  # Llama has no window
+    # Llama's attention has no window: a config that sets one is not a Llama's (SmolLM3, Mistral relabelled?)
+    assert from_hf_config({**LLAMA_31_8B, "sliding_window": None}).sliding_window == 0
+    with pytest.raises(NotSupportedError, match="sliding_window = 4096"):
+        from_hf_config({**LLAMA_31_8B, "sliding_window": 4096})
 
 
 def test_hf_linear_rope_and_rope_parameters():
@@ -979,7 +991,7 @@ def test_hf_qwen2_moe_reads_its_gated_shared_expert():
     assert not from_hf_config({**QWEN15_MOE, "qkv_bias": False}).qkv_bias
     with pytest.raises(NotSupportedError) as e:
         from_hf_config({**QWEN15_MOE, "use_sliding_window": True}, "x/config.json")
-    assert "use_sliding_window = true for model_type 'qwen2_moe'" in _one_line(e)
+    assert "use_sliding_window = true (Qwen2-MoE's sliding window" in _one_line(e)
 
 
 def test_shared_expert_gate_is_validated():

@@ -238,7 +238,8 @@ def test_unsupported_architecture(hf_qwen3_dir, tmp_path):
     config = json.loads((hf_qwen3_dir / "config.json").read_text())
     config.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=512,
                   q_lora_rank=1536)
-    with pytest.raises(NotSupportedError, match="not supported yet: MLA") as e:
+    with pytest.raises(NotSupportedError, match="not supported yet: model_type 'deepseek_v2': DeepSeek-V2's expert "
+                                                "routing") as e:
         load_checkpoint(_write_copy(hf_qwen3_dir, tmp_path / "c", _load_tensors(hf_qwen3_dir), config))
     _one_line(e)
     config = json.loads((hf_qwen3_dir / "config.json").read_text())

@@ -381,8 +381,11 @@ CASES: list[Case] = [
     # Mistral's attention has no biases whatever attention_bias says (Llama's and Qwen3's read it)
     json_case("json-mistral-attention-bias", hf_json(model_type="mistral", attention_bias=True)),
     json_case("json-rope-yarn", hf_json(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
-    json_case("json-cohere-qk-norm", hf_json(model_type="cohere", use_qk_norm=True)),  # per-head LayerNorm
-    json_case("json-cohere-logit-scale", hf_json(model_type="cohere", logit_scale=-1.0)),
+    # (Cohere normalises with layer_norm_eps: HF_TINY's rms_norm_eps is another family's field, refused)
+    json_case("json-cohere-qk-norm", hf_json(model_type="cohere", rms_norm_eps=None, use_qk_norm=True)),
+    json_case("json-cohere-logit-scale", hf_json(model_type="cohere", rms_norm_eps=None, logit_scale=-1.0)),
+    # a field of another family under a model_type tpumk reads (a relabelled config)
+    json_case("json-llama-relabelled-smollm3", hf_json(model_type="llama", no_rope_layers=[1])),
     json_case("json-gelu", hf_json(hidden_act="gelu")),
     # gpt-oss: a clamp below zero; MXFP4 weights of a family whose tensors tpumk reads only as
     # gpt-oss stores them; a quant scheme the MXFP4 checkpoint would have to re-quantize

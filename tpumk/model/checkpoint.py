@@ -1,6 +1,6 @@
 """Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Phi-3, Granite, Gemma,
-OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2) into the reference
-weight layout.
+OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2; the language model
+of a multimodal Gemma 3 or Kimi K2.5: `language_model_tensors`) into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -81,6 +81,7 @@ from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GATED_DE
                                 hf_text_config, load_hf_model, override_dtype)
 from tpumk.model.gguf_file import is_gguf_path, open_gguf
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
+from tpumk.model.hf_fields import LANGUAGE_MODEL_PREFIXES, WRAPPERS
 from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, RING_MATRICES, QuantizedMatrix,
                                   quantize_params)
 from tpumk.model.reference import Params, jnp_dtype
@@ -322,6 +323,8 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     shapes = expected_shapes(cfg)
     plan: dict[str, list[_Dest]] = {}
     ignored = [n for n in names if _IGNORED.match(n)] + _mtp_layers(cfg, config_json, names)
+    if config_json.get("model_type") in HF_GATED_DELTA_FAMILIES:  # Qwen3-Next / Qwen3.5's MTP head, a drafter's
+        ignored += [n for n in names if n.startswith("mtp.")]
     interleave = cfg.is_mla and config_json.get("rope_interleave", True) is not False
     # Cohere rotates interleaved pairs over the whole head: q / k rows permuted the same way
     # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
@@ -593,14 +596,15 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         raise CheckpointError(f"{d}: no config.json in the checkpoint directory")
     cfg, stored = load_hf_model(d / "config.json")  # refuses a quantization tpumk does not read
     raw = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
-    config_json = hf_text_config(raw)[0]  # a multimodal Gemma 3: its language model's
+    config_json = hf_text_config(raw)[0]  # a multimodal wrapper's (Gemma 3, Kimi K2.5): its language model's
     fp8 = stored == "fp8-b128"
     cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
         tensors = _index_tensors(d, stack)
-        if raw.get("model_type") == "gemma3":
-            tensors = language_model_tensors(tensors)
+        if raw.get("model_type") in WRAPPERS:
+            wrapper = WRAPPERS[raw["model_type"]]
+            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
         params = _load_params(d, cfg, out_dt, tensors, config_json, fp8)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
@@ -613,24 +617,21 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
 
 
-# Where a multimodal Gemma 3 checkpoint keeps its language model: the published files
-# (transformers 4.x: language_model.model.*, language_model.lm_head.*) or transformers 5's save
-# format (model.language_model.*, lm_head.*), and the vision parts a text step never reads.
-_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                            ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-def language_model_tensors(tensors: dict[str, _Tensor]) -> dict[str, _Tensor]:
+def language_model_tensors(tensors: dict[str, _Tensor], vision_prefixes: tuple[str, ...],
+                           renames: tuple[tuple[str, str], ...] = ()) -> dict[str, _Tensor]:
     """A multimodal checkpoint's tensors under the names of its language model alone (errors
-    still name each tensor as stored); the vision tower and projector dropped. Any other name
-    is kept as it is, so a tensor that belongs nowhere is still refused."""
+    still name each tensor as stored): the language model's under either naming of
+    tpumk.model.hf_fields.LANGUAGE_MODEL_PREFIXES (the released files, transformers 5's saves)
+    and then the wrapper's own `renames`, the wrapper's vision tower and projector
+    (`vision_prefixes`) dropped. Any other name is kept as it is, so a tensor that belongs
+    nowhere is still refused."""
     out: dict[str, _Tensor] = {}
     for name, t in tensors.items():
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(vision_prefixes):
             continue
-        new = next((short + name[len(long):] for long, short in _LANGUAGE_MODEL_PREFIXES if name.startswith(long)),
+        new = next((short + name[len(long):] for long, short in LANGUAGE_MODEL_PREFIXES if name.startswith(long)),
                    name)
+        new = next((short + new[len(long):] for long, short in renames if new.startswith(long)), new)
         if new in out:
             raise CheckpointError(f"{t.file}: tensor '{name}' is stored twice (as '{out[new].name}' too)")
         out[new] = t

@@ -26,6 +26,8 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
+from tpumk.model.hf_fields import (FAMILIES, GEMMA3_TEXT_DEFAULTS, UNSUPPORTED_FAMILIES, WRAPPER_SHARED_KEYS, WRAPPERS,
+                                   account_fields)
 from tpumk.model.parts import (MLA_FIELDS, Attention, Head, LayerPattern, LinearAttention, Mlp, Moe, Norms, Positions,
                                is_int, is_number, take)
 from tpumk.tomlfile import parser_refusal, read_toml
@@ -469,9 +471,8 @@ def load_toml(path: str | Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------- Hugging Face import
-_HF_SUPPORTED = ("qwen3", "qwen3_moe", "qwen2", "llama", "granite", "mistral", "phi3", "olmo2", "gemma", "gemma2",
-                 "gemma3_text", "cohere", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "kimi_k2",
-                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
+# The model types read (each one's config fields accounted for in tpumk.model.hf_fields).
+_HF_SUPPORTED = tuple(FAMILIES)
 # Hybrids: Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5; (1 + w) norms folded
 # on load as Gemma's), and Kimi Linear's KDA layers beside NoPE MLA (`_hf_linear_fields`).
 HF_GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -487,15 +488,17 @@ _HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
 _HF_PARTIAL_ROTARY = ("phi3", "glm4_moe") + HF_GATED_DELTA_FAMILIES
 _HF_LONGROPE = ("phi3",)  # rope_scaling type longrope (Phi-3.5, Phi-4-mini)
+PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's original_max_position_embeddings
 _HF_QKV_BIAS = ("qwen2",)  # q, k and v projections with biases, o without
-# attention_bias = true puts a bias on q, k, v and o (their modelling's o_proj reads it)
+# attention_bias = true puts a bias on q, k, v and o (their modelling's o_proj reads it); GLM-4.5's
+# is on q, k and v only; the other families refuse it (tpumk.model.hf_fields)
 _HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", "gemma", "gemma2", "gemma3_text", "cohere",
                       "olmoe", "gpt_oss")
 # gpt-oss's defaults where its config.json is silent (transformers' GptOssConfig): YaRN over a
 # 4096-token pretraining length, theta 150000, q / k / v / o biases, the clamped SwiGLU's constants
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
-GPT_OSS_THETA, GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 150000.0, 7.0, 1.702
+GPT_OSS_THETA, GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_TOP_K = 150000.0, 7.0, 1.702, 4
 # hidden_act -> mlp_act. transformers' Gemma reads the legacy "gelu" of its releases as the tanh
 # approximation (GemmaConfig); elsewhere "gelu" is the exact erf GELU, not modelled.
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -507,19 +510,8 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
-_HF_MLA = ("deepseek_v3", "kimi_k2")
-MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
-_HF_KNOWN_UNSUPPORTED = {
-    "deepseek_v2": "MLA attention (multi-head latent attention) of DeepSeek-V2",
-}
-# Config fields that change the math of a supported model type when set (not modelled; Gemma 2
-# and 3 read the soft-capping ones).
-_HF_UNSUPPORTED_FIELDS = {
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "final_logit_softcapping": "final logit soft-capping",
-    "sinks": "attention sinks",
-    "use_sinks": "attention sinks",
-}
+_HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
+MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose sliding layers `layer_types` names (without it: each family's default pattern),
 # and those whose window applies whenever `sliding_window` is set (no use_sliding_window flag).
@@ -527,47 +519,43 @@ _HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text", "gpt_oss")
 _HF_ALWAYS_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 
 
-# A multimodal Gemma 3 release (model_type gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B,
-# 12B, 27B) holds a gemma3_text language model, which is what tpumk decodes: text in, text out,
-# the vision tower and its projector unread. Its text_config lists only what differs from
-# transformers' Gemma3TextConfig, whose defaults (transformers 4.50 to 5.x; tests/test_config.py
-# compares them with the installed transformers) fill the rest.
-GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
-}
-# Top-level keys of the wrapper that describe the stored weights, not the vision part.
-_GEMMA3_SHARED_KEYS = ("torch_dtype", "dtype", "_name_or_path", "quantization_config")
-
-
 def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     """The config of the language model a Hugging Face config.json describes, and where it
-    came from: the config itself, or a multimodal Gemma 3's `text_config` with
-    Gemma3TextConfig's defaults filled in."""
-    if not (isinstance(data, dict) and data.get("model_type") == "gemma3"):
+    came from: the config itself, or a multimodal wrapper's `text_config` (tpumk.model.hf_fields.
+    WRAPPERS: a multimodal Gemma 3, Kimi K2.5) with its text config class's defaults filled in,
+    the wrapper's stored-weight keys (dtype, name, quantization) where the text config is silent,
+    and its head tied by the wrapper's own flag, as transformers ties it. The wrapper's own
+    fields are accounted for as a family's are; the vision part is never read (text in, text out)."""
+    mt = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(mt, str) or mt not in WRAPPERS:
         return data, source
+    wrapper = WRAPPERS[mt]
+    account_fields(data, mt, source, wrapper.fields)
     text = data.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' = {_short_repr(text)}: expected an object (a multimodal "
-                          "Gemma 3 config holds its language model's fields there)")
-    if text.get("model_type", "gemma3_text") != "gemma3_text":
-        raise ConfigError(f"{source}: field 'text_config.model_type' = {_short_repr(text['model_type'])}: "
-                          "expected 'gemma3_text'")
-    shared = {k: data[k] for k in _GEMMA3_SHARED_KEYS if k in data and k not in text}
-    # transformers ties the head by the wrapper's own flag (Gemma3Config: default true), whatever
-    # the text_config says
-    tied = data.get("tie_word_embeddings", True)
-    return ({**GEMMA3_TEXT_DEFAULTS, **shared, **text, "model_type": "gemma3_text", "tie_word_embeddings": tied},
+                          f"{mt} config holds its language model's fields there)")
+    text_type = text.get("model_type", wrapper.text_types[0])
+    if text_type not in wrapper.text_types:
+        missing = UNSUPPORTED_FAMILIES.get(text_type) if isinstance(text_type, str) else None
+        raise NotSupportedError(f"{source}: not supported yet: text_config.model_type {_short_repr(text_type)} in a "
+                                f"{mt!r} wrapper (tpumk decodes {' or '.join(map(repr, wrapper.text_types))} there"
+                                + (f"; {text_type} has {missing})" if missing else ")"))
+    shared = {k: data[k] for k in WRAPPER_SHARED_KEYS if k in data and k not in text}
+    tied = data.get("tie_word_embeddings", wrapper.tie_default)
+    return ({**wrapper.text_defaults, **shared, **text, "model_type": text_type, "tie_word_embeddings": tied},
             f"{source}: text_config")
 
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
     Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a multimodal Gemma 3's
-    language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
-    DeepSeek-V3, Kimi K2) into a ModelConfig.
+    language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss,
+    DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model)) into a ModelConfig.
 
+    Every key of the file is accounted for first (tpumk.model.hf_fields.account_fields: modelled
+    here, harmless, or refused at a value that changes the math; any other key refused), so a
+    config relabelled from another family is refused rather than read as the named one.
     Anything that changes the math and is not modelled raises NotSupportedError, so a model is
     never silently built wrong. A field of the wrong type or out of bounds raises ConfigError
     naming the field (its Hugging Face name) and the file.
@@ -575,34 +563,32 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object of model fields, got a JSON {_json_kind(data)}")
     data, source = hf_text_config(data, source)
-    hf = _HFFields(data, source)
-    mt = hf.str_("model_type", None)
+    mt = _HFFields(data, source).str_("model_type", None)
+    if mt in UNSUPPORTED_FAMILIES:
+        raise NotSupportedError(f"{source}: not supported yet: model_type {mt!r}: {UNSUPPORTED_FAMILIES[mt]}")
+    if mt not in _HF_SUPPORTED:
+        raise NotSupportedError(
+            f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
+    # every key accounted for (modelled below, harmless, or refused at a value that changes the
+    # math); transformers' attribute_map aliases renamed to the names read here
+    aliases = {name: alias for alias, name in FAMILIES[mt].aliases.items() if alias in data and data.get(name) is None}
+    data = account_fields(data, mt, source)
+    hf = _HFFields(data, source, aliases)
     if mt == "gpt_oss" and not any(isinstance(data.get(k), dict) and (data[k].get("rope_type") or data[k].get("type"))
                                    for k in ("rope_scaling", "rope_parameters")):
         # no RoPE type given: transformers' GptOssConfig applies its YaRN (keeping a given theta)
         theta = (data.get("rope_parameters") or {}).get("rope_theta") if isinstance(data.get("rope_parameters"), dict) \
             else None
-        data = {**data, "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": theta or data.get("rope_theta", GPT_OSS_THETA)}}
-        hf = _HFFields(data, source)
-    if mt in _HF_KNOWN_UNSUPPORTED:
-        raise NotSupportedError(f"{source}: not supported yet: {_HF_KNOWN_UNSUPPORTED[mt]}")
-    if mt not in _HF_MLA + ("kimi_linear",) and ("kv_lora_rank" in data or "q_lora_rank" in data):
-        raise NotSupportedError(f"{source}: not supported yet: MLA attention (kv_lora_rank / q_lora_rank)")
-    if mt not in _HF_SUPPORTED:
-        raise NotSupportedError(
-            f"{source}: not supported yet: model_type {mt!r} (supported: {', '.join(_HF_SUPPORTED)})")
+        data = {**{k: v for k, v in data.items() if k != "rope_scaling"},
+                "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": theta or data.get("rope_theta", GPT_OSS_THETA)}}
+        hf = _HFFields(data, source, aliases)
     # attention_bias: on q, k, v and o (qkv_bias, o_bias) where transformers' modelling reads it
-    # so; GLM-4.5's is on q, k and v only (o_proj has none); the other families' o_proj has no bias
+    # so; GLM-4.5's is on q, k and v only (o_proj has none); the families whose projections have
+    # no bias refuse it (tpumk.model.hf_fields)
     attention_bias = hf.bool_("attention_bias", mt == "gpt_oss")
-    if attention_bias and mt not in _HF_ATTENTION_BIAS + ("glm4_moe",):
-        raise NotSupportedError(f"{source}: not supported yet: attention_bias = true")
-    if hf.bool_("mlp_bias", False):
-        raise NotSupportedError(f"{source}: not supported yet: mlp_bias = true")
-    for key, what in _HF_UNSUPPORTED_FIELDS.items():
-        if data.get(key) not in (None, False) and not (mt in _HF_GEMMA_SANDWICH and key.endswith("softcapping")):
-            raise NotSupportedError(f"{source}: not supported yet: {what} ({key})")
     # transformers 5 writes RoPE settings as `rope_parameters` (theta included); 4.x wrote a
-    # top-level `rope_theta` plus an optional `rope_scaling`.
+    # top-level `rope_theta` plus an optional `rope_scaling` (both set is refused by account_fields).
+    rope_key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
     for key in ("rope_scaling", "rope_parameters") if mt != "gemma3_text" else ():  # Gemma 3: _hf_gemma3_rope
         rope = data.get(key)
         if rope is not None and not isinstance(rope, dict):
@@ -615,11 +601,11 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                 and not (kind in ("linear", "llama3") and mt in _HF_ROPE_SCALED) \
                 and not (kind == "longrope" and mt in _HF_LONGROPE):
             raise NotSupportedError(f"{source}: not supported yet: {key} {_short_repr(rope, 200)}")
-    rope_params = data.get("rope_parameters") or {}
+    rope_params = data.get(rope_key) if isinstance(data.get(rope_key), dict) else {}
     # RoPE on only part of each head (Phi-4-mini: model_type phi3, 0.75); transformers 5 keeps
-    # the factor in rope_parameters, 4.x at top level.
+    # the factor in the RoPE table, 4.x at top level.
     rotary_factor = ("partial_rotary_factor", 0.5) if mt == "glm4_moe" else None  # transformers' GLM-4.5 default
-    for where, table in (("partial_rotary_factor", data), ("rope_parameters.partial_rotary_factor", rope_params)):
+    for where, table in (("partial_rotary_factor", data), (f"{rope_key}.partial_rotary_factor", rope_params)):
         factor = table.get("partial_rotary_factor") if isinstance(table, dict) else None
         if factor is None:
             continue
@@ -632,16 +618,14 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         if not (is_number(factor) and 0 < factor < 1):
             raise ConfigError(f"{source}: field '{where}' = {_short_repr(factor)}: expected a number in (0, 1]")
         rotary_factor = (where, factor)
-    if rope_params.get("rope_theta") is not None:
-        rope_theta = _HFFields(rope_params, f"{source}: rope_parameters").number("rope_theta", None)
+    if rope_params.get("rope_theta") is not None:  # the table's theta wins over a top-level one, as in transformers
+        rope_theta = _HFFields(rope_params, f"{source}: {rope_key}").number("rope_theta", None)
     else:
         rope_theta = hf.number("rope_theta", GPT_OSS_THETA if mt == "gpt_oss" else 10000.0)
-    acts = _HF_GEMMA_ACTS if mt in HF_GEMMA_FAMILIES else _HF_ACTS
-    act_key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
-    act = data.get(act_key, "gelu_pytorch_tanh" if mt in HF_GEMMA_FAMILIES else "silu")
-    if not isinstance(act, str) or act not in acts:
-        raise NotSupportedError(f"{source}: not supported yet: {act_key} {_short_repr(act)} "
-                                f"(supported: {', '.join(acts)})")
+    act = _hf_activation(hf, mt)
+    if data.get("torch_dtype") is not None and data.get("dtype") is not None and data["torch_dtype"] != data["dtype"]:
+        raise ConfigError(f"{source}: fields 'torch_dtype' = {_short_repr(data['torch_dtype'])} and 'dtype' = "
+                          f"{_short_repr(data['dtype'])} disagree (transformers 4.x writes torch_dtype, 5.x dtype)")
     torch_dtype = data.get("torch_dtype") or data.get("dtype") or "bfloat16"
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(torch_dtype) \
         if isinstance(torch_dtype, str) else None
@@ -670,7 +654,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         o_bias=attention_bias and mt in _HF_ATTENTION_BIAS,
         tie_embeddings=hf.bool_("tie_word_embeddings", mt in HF_GEMMA_FAMILIES + ("cohere",)),  # their default: tied
         dtype=dtype,
-        mlp_act=acts[act],
+        mlp_act=act,
     )
     if rotary_factor is not None:  # transformers: int(head_dim * factor) lanes turn, rotate-half among them
         where, factor = rotary_factor
@@ -693,21 +677,12 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
             caps[f] = float(v or 0.0)
         fields.update(post_norms=True, attn_scalar=hf.number("query_pre_attn_scalar", 256.0), **caps)
     if mt == "gemma3_text":
-        if hf.bool_("use_bidirectional_attention", False):
-            raise NotSupportedError(f"{source}: not supported: use_bidirectional_attention = true (a decoder "
-                                    "attends causally)")
         fields.update(_hf_gemma3_rope(data, source, bool(fields.get("sliding_layers"))))
     if mt == "olmo2":  # norms after each sublayer only
         fields.update(pre_norms=False, post_norms=True)
     if mt in _HF_QK_NORM_WHOLE:  # q / k normalized across all heads
         fields.update(qk_norm_whole=True)
-    if mt == "olmoe" and data.get("clip_qkv") is not None:
-        raise NotSupportedError(f"{source}: not supported yet: clip_qkv = {_short_repr(data['clip_qkv'])} "
-                                "(q, k and v clamped after their projections)")
     if mt == "cohere":  # LayerNorm without bias, attention and MLP in parallel, interleaved RoPE (on load)
-        if hf.bool_("use_qk_norm", False):
-            raise NotSupportedError(f"{source}: not supported yet: use_qk_norm = true "
-                                    "(Cohere's per-head LayerNorm of q / k)")
         if hf.number("logit_scale", COHERE_LOGIT_SCALE) <= 0:
             raise ConfigError(f"{source}: field 'logit_scale' = {_short_repr(data['logit_scale'])}: "
                               "expected a positive number")
@@ -718,14 +693,11 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                 raise ConfigError(f"{source}: field '{key}' = {_short_repr(data[key])}: expected a positive number")
     if mt in _HF_ROPE_SCALED or mt in _HF_LONGROPE:
         fields.update(_hf_rope_scaling(data, source))
-    if mt == "qwen2_moe" and hf.bool_("use_sliding_window", False):  # its own odd-layers pattern, unused by releases
-        raise NotSupportedError(f"{source}: not supported yet: use_sliding_window = true for model_type 'qwen2_moe'")
     if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         step = hf.int_("decoder_sparse_step", MAX_SIZES["num_layers"], default=1) or 1
         mlp_only = set(hf.list_("mlp_only_layers", int, "a list of layer indices"))
-        # transformers 5 serialises num_experts under its attribute-map name num_local_experts.
-        key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
-        n_exp = hf.int_(key, MAX_SIZES["num_experts"], _REQUIRED, what="num_experts")
+        # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts: renamed by account_fields)
+        n_exp = hf.int_("num_experts", MAX_SIZES["num_experts"], _REQUIRED)
         dense = [i for i in range(n_layers) if i in mlp_only or not (n_exp > 0 and (i + 1) % step == 0)]
         fields.update(
             num_experts=n_exp,
@@ -761,10 +733,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
                               f"= {hidden / heads:g} (OLMoE's QK-norm widths assume it)")
         # every layer's MLP is routed experts of width intermediate_size, softmax over all of
         # them, the top-k's weights renormalised only with norm_topk_prob (default false)
-        key = "num_experts" if data.get("num_experts") is not None else "num_local_experts"
         fields.update(
             ffn_size=0,
-            num_experts=hf.int_(key, MAX_SIZES["num_experts"], _REQUIRED, what="num_experts"),
+            num_experts=hf.int_("num_experts", MAX_SIZES["num_experts"], _REQUIRED),
             top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
             expert_ffn_size=hf.int_("intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
             router_scoring="softmax",
@@ -844,16 +815,10 @@ def _hf_linear_fields(hf: "_HFFields", mt: str, n_layers: int, heads: int) -> di
     else:
         first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=1)
         mlp_types = ["dense" if i < first else "sparse" for i in range(n_layers)]
-    # transformers' KimiLinearConfig attribute names (its save writes these) and the release's
-    data = dict(hf.data)
-    for ours, theirs in (("n_routed_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_token"),
-                         ("n_group", "num_expert_group"), ("norm_topk_prob", "moe_renormalize"),
-                         ("n_shared_experts", "num_shared_experts")):
-        if data.get(ours) is None and data.get(theirs) is not None:
-            data[ours] = data[theirs]
-    if data.get("n_routed_experts") is None:
-        data["n_routed_experts"] = data.get("num_local_experts", 256)
-    moe = _hf_sigmoid_moe_fields(_HFFields(data, hf.source), n_layers, "n_routed_experts", norm_default=True)
+    # (transformers' KimiLinearConfig attribute names, which its save writes, were renamed to
+    # these by account_fields; its default: 256 experts)
+    data = {**hf.data, "n_routed_experts": hf.data.get("n_routed_experts") or 256}
+    moe = _hf_sigmoid_moe_fields(_HFFields(data, hf.source, hf.aliases), n_layers, "n_routed_experts", norm_default=True)
     moe["dense_layers"] = [i for i, t in enumerate(mlp_types) if t == "dense"]
     nope, rope_dim = (hf.int_(k, MAX_SIZES[k], _REQUIRED) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
     return dict(linear_kind="kda", linear_layers=linear, linear_key_heads=kda_heads, linear_value_heads=kda_heads,
@@ -866,24 +831,54 @@ def _hf_linear_fields(hf: "_HFFields", mt: str, n_layers: int, heads: int) -> di
                 v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED), **moe, **_hf_latent_eps(hf))
 
 
+def _hf_activation(hf: "_HFFields", mt: str) -> str:
+    """The dense MLP's activation (mlp_act) from the key transformers' modelling of the family
+    reads: Gemma 2 / 3 `hidden_activation`, the others `hidden_act`. Gemma releases write both;
+    the one transformers does not read must agree with it (else the file says two things)."""
+    acts = _HF_GEMMA_ACTS if mt in HF_GEMMA_FAMILIES else _HF_ACTS
+    key, other = ("hidden_activation", "hidden_act") if mt in _HF_GEMMA_SANDWICH else \
+        ("hidden_act", "hidden_activation")
+    act = hf.data.get(key)
+    if act is None:
+        act = "gelu_pytorch_tanh" if mt in HF_GEMMA_FAMILIES else "silu"
+    if not isinstance(act, str) or act not in acts:
+        raise NotSupportedError(f"{hf.source}: not supported yet: {key} {_short_repr(act)} "
+                                f"(supported: {', '.join(acts)})")
+    seen = hf.data.get(other) if mt in HF_GEMMA_FAMILIES else None
+    if seen is not None and (not isinstance(seen, str) or acts.get(seen) != acts[act]):
+        raise NotSupportedError(f"{hf.source}: not supported yet: {other} {_short_repr(seen)} beside {key} "
+                                f"{act!r} (transformers' {mt} computes {key}: the two must agree)")
+    return acts[act]
+
+
 def _hf_gpt_oss_fields(hf: "_HFFields") -> dict[str, Any]:
     """gpt-oss's layers as transformers' GptOss modelling reads them: attention sinks; every
     layer's MLP routed experts of width intermediate_size, picked by the top-k of the router's
     biased logits, weighed by the softmax of those k (= the softmax over all, renormalised),
-    with biases on each expert's gate, up and down outputs and the clamped SwiGLU."""
-    key = "num_experts_per_tok" if hf.data.get("num_experts_per_tok") is not None else "experts_per_token"
+    with biases on each expert's gate, up and down outputs and the clamped SwiGLU (transformers'
+    defaults where the file is silent)."""
+    top_k = hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], default=GPT_OSS_TOP_K)
+    if hf.data.get("experts_per_token") is not None:  # the release's own name, which transformers does not read
+        given = hf.int_("experts_per_token", MAX_SIZES["top_k"], _REQUIRED)
+        if given != top_k:
+            raise ConfigError(f"{hf.source}: field 'experts_per_token' = {given}: expected num_experts_per_tok's "
+                              f"{top_k} (transformers routes by num_experts_per_tok, default {GPT_OSS_TOP_K})")
+    limit = hf.number("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)
+    if not limit > 0:  # transformers clamps at +-limit whatever it is; tpumk's swiglu_limit 0 means no clamp
+        raise ConfigError(f"{hf.source}: field 'swiglu_limit' = {_short_repr(hf.data['swiglu_limit'])}: expected a "
+                          "positive number (gpt-oss clamps its experts' gate and up outputs at +-swiglu_limit)")
     return dict(
         attn_sinks=True,
         ffn_size=0,
         num_experts=hf.int_("num_local_experts", MAX_SIZES["num_experts"], _REQUIRED),
-        top_k=hf.int_(key, MAX_SIZES["top_k"], _REQUIRED, what="num_experts_per_tok"),
+        top_k=top_k,
         expert_ffn_size=hf.int_("intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
         router_scoring="softmax",
         norm_topk_prob=True,
         dense_layers=[],
         router_logit_bias=True,
         expert_bias=True,
-        swiglu_limit=hf.number("swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+        swiglu_limit=limit,
         swiglu_alpha=hf.number("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
     )
 
@@ -929,6 +924,14 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
     hf.bool_("rope_interleave", True)  # checked here; the checkpoint loader applies it (tpumk.model.checkpoint)
     nope = hf.int_("qk_nope_head_dim", MAX_SIZES["qk_nope_head_dim"], _REQUIRED)
     rope_dim = hf.int_("qk_rope_head_dim", MAX_SIZES["qk_rope_head_dim"], _REQUIRED)
+    # what transformers' DeepseekV3Config derives and saves (its RoPE is sized by head_dim), and
+    # the KV heads its attention repeats the latent over: a file that says otherwise is not this model
+    for key, want, what in (("head_dim", rope_dim, "qk_rope_head_dim"), ("qk_head_dim", nope + rope_dim,
+                            "qk_nope_head_dim + qk_rope_head_dim"), ("num_key_value_heads", heads,
+                            "num_attention_heads: every head reads the one latent")):
+        got = hf.int_(key, 1 << 30, default=None)
+        if got is not None and got != want:
+            raise ConfigError(f"{source}: field '{key}' = {got}: expected {want} ({what})")
     fields: dict[str, Any] = dict(
         num_kv_heads=heads,  # transformers repeats the one latent for every head (num_key_value_heads unused)
         head_dim=nope + rope_dim,
@@ -1035,11 +1038,17 @@ def _hf_rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _hf_longrope(data: dict[str, Any], where: str, rope: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE (Phi-3.5, Phi-4-mini): its per-frequency factors, the pretraining length
-    (in the rope table, else top-level, as Phi-3 writes it), the factor (given, else
-    max_position_embeddings over that length) and an optional attention factor."""
+    (Phi3Config's top-level original_max_position_embeddings, default 4096, which transformers
+    writes over the rope table's), the factor (given, else max_position_embeddings over that
+    length) and an optional attention factor."""
     r = _HFFields(rope, where)
     top = _HFFields(data, where.split(": ")[0])
-    original = rope.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
+    original = data.get("original_max_position_embeddings", PHI3_ORIGINAL_MAX_POSITION)
+    in_table = rope.get("original_max_position_embeddings")
+    if in_table is not None and in_table != original:
+        raise ConfigError(f"{where}: field 'original_max_position_embeddings' = {_short_repr(in_table)}: expected the "
+                          f"top-level original_max_position_embeddings ({_short_repr(original)}), which "
+                          "transformers' Phi-3 reads instead")
     if not (is_int(original) and 0 < original <= MAX_SIZES["rope_original_max_position"]):
         raise ConfigError(f"{where}: field 'original_max_position_embeddings' = {_short_repr(original)}: expected a "
                           f"positive integer at most {MAX_SIZES['rope_original_max_position']:,} (longrope)")
@@ -1059,7 +1068,8 @@ def _hf_longrope(data: dict[str, Any], where: str, rope: dict[str, Any]) -> dict
 def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any]:
     """sliding_window / sliding_layers as transformers reads them: the window is
     `sliding_window` only when `use_sliding_window` is true (Mistral and Phi-3: whenever it is
-    set, on every layer; Llama: never). Qwen3: the sliding layers are those
+    set, on every layer; Llama: never, and tpumk.model.hf_fields refuses a Llama's window).
+    Qwen3: the sliding layers are those
     `layer_types` names "sliding_attention", or (without layer_types) the layers from
     `max_window_layers` on. Qwen3-MoE: every layer (its attention ignores layer_types). Gemma 3:
     always a window, on the layers `layer_types` names, else on all but every sixth
@@ -1093,8 +1103,13 @@ def _hf_sliding_window(hf: "_HFFields", mt: str, n_layers: int) -> dict[str, Any
     elif layer_types:
         layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
     elif mt == "gemma3_text":
-        key = "sliding_window_pattern" if "sliding_window_pattern" in hf.data else "_sliding_window_pattern"
-        pattern = hf.int_(key, MAX_SIZES["num_layers"], default=6) or 6
+        # transformers' Gemma3TextConfig builds layer_types from sliding_window_pattern (default 6)
+        # and saves it as _sliding_window_pattern, which it does not read back
+        pattern = hf.int_("sliding_window_pattern", MAX_SIZES["num_layers"], default=6) or 6
+        saved = hf.int_("_sliding_window_pattern", MAX_SIZES["num_layers"], default=None)
+        if saved is not None and saved != pattern:
+            raise ConfigError(f"{hf.source}: field '_sliding_window_pattern' = {saved}: expected {pattern} (without "
+                              "layer_types, transformers places the windows by sliding_window_pattern, default 6)")
         layers = [i for i in range(n_layers) if (i + 1) % pattern]
     elif mt in ("gemma2", "gpt_oss"):
         layers = list(range(0, n_layers, 2))
@@ -1111,13 +1126,15 @@ def _json_kind(v: Any) -> str:
 
 class _HFFields:
     """Typed reads of a config.json's fields: a value of the wrong type or out of bounds raises
-    ConfigError naming the field and the file (never a TypeError from deeper down)."""
+    ConfigError naming the field (as the file names it: `aliases` maps a field read here to the
+    attribute_map alias the file wrote) and the file (never a TypeError from deeper down)."""
 
-    def __init__(self, data: dict[str, Any], source: str):
-        self.data, self.source = data, source
+    def __init__(self, data: dict[str, Any], source: str, aliases: dict[str, str] | None = None):
+        self.data, self.source, self.aliases = data, source, aliases or {}
 
     def _bad(self, key: str, value: Any, expected: str) -> ConfigError:
-        return ConfigError(f"{self.source}: field '{key}' = {_short_repr(value)}: expected {expected}")
+        return ConfigError(f"{self.source}: field '{self.aliases.get(key, key)}' = {_short_repr(value)}: "
+                           f"expected {expected}")
 
     def _get(self, key: str, default: Any, what: str | None = None) -> Any:
         if key not in self.data or self.data[key] is None:
@@ -1225,7 +1242,8 @@ def load_hf_model(path: str | Path) -> tuple[ModelConfig, str]:
         raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
-    return from_hf_config(data, str(path)), stored_scheme(data, str(path))
+    cfg = from_hf_config(data, str(path))
+    return cfg, stored_scheme(*hf_text_config(data, str(path)))  # a wrapper's language model's weights
 
 
 # ---------------------------------------------------------------------- presets
