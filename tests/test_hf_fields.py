@@ -215,11 +215,10 @@ def test_the_rope_table_in_use_gives_theta_and_partial_rotary():
 
 # ---------------------------------------------------------------------- families tpumk refuses
 @pytest.mark.parametrize("model_type, what", [
-    ("kimi_linear", "Kimi Delta Attention"), ("deepseek_v32", "lightning indexer"), ("glm_moe_dsa", "lightning indexer"),
+    ("deepseek_v32", "lightning indexer"), ("glm_moe_dsa", "lightning indexer"),
     ("mistral_large4", "lightning indexer"), ("glm4_moe_lite", "an MLA model under its own model_type"),
     ("mistral4", "llama-4 position-scaled queries"), ("deepseek_v4", "hyper-connections"),
-    ("qwen3_next", "Gated DeltaNet"), ("qwen3_5", "Gated DeltaNet"), ("qwen3_5_text", "Gated DeltaNet"),
-    ("qwen3_5_moe", "Gated DeltaNet"), ("ministral3", "llama_4_scaling_beta"), ("smollm3", "NoPE layers"),
+    ("ministral3", "llama_4_scaling_beta"), ("smollm3", "NoPE layers"),
     ("olmo3", "sliding-window layers"), ("muse_spark", "gated residual"), ("llama4", "chunked attention"),
     ("deepseek_v2", "softmax scores"),
 ])
@@ -325,9 +324,9 @@ def test_a_wrapper_is_read_through_its_text_config():
         cfg.replace(name="x")
     assert from_hf_config({k: v for k, v in data.items() if k != "tie_word_embeddings"}).tie_embeddings
     for changes, err, what in [
-        ({"text_config": {**text, "model_type": "kimi_linear"}}, NotSupportedError,
-         "not supported yet: text_config.model_type 'kimi_linear' in a 'kimi_k25' wrapper (tpumk decodes "
-         "'deepseek_v3' or 'kimi_k2' there; kimi_linear has Kimi Delta Attention"),
+        ({"text_config": {**text, "model_type": "deepseek_v32"}}, NotSupportedError,
+         "not supported yet: text_config.model_type 'deepseek_v32' in a 'kimi_k25' wrapper (tpumk decodes "
+         "'deepseek_v3' or 'kimi_k2' there; deepseek_v32 has DeepSeek Sparse Attention's lightning indexer"),
         ({"text_config": None}, ConfigError, "field 'text_config' = None: expected an object"),
         ({"media_placeholder_token_id": 163605, "audio_config": {}}, NotSupportedError,
          "field 'audio_config' is not a field of model_type 'kimi_k25'"),

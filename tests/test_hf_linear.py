@@ -149,3 +149,31 @@ def test_greedy_tokens_transformers_reference_megakernel(name, devices, quant, t
         got = json.loads(proc.stdout)
         assert got["devices"] == devices
     assert got["tokens"] == want and "megakernel" in got["ran_on"]
+
+
+def test_multimodal_qwen3_5_checkpoint_decodes_its_language_model(tmp_path):
+    """Qwen3.5's releases are Qwen3_5ForConditionalGeneration (the hybrid language model beside a
+    vision tower, model_type qwen3_5, its text_config qwen3_5_text): built by transformers' own
+    class, tpumk reads the text_config and the language model's tensors, skips the vision tower,
+    and the reference gives transformers' logits on text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(47)
+    text = {k: v for k, v in QWEN.items()}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=96, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    cfg = Qwen3_5Config(text_config=dict(text, initializer_range=0.1, pad_token_id=None, bos_token_id=None,
+                                         eos_token_id=None), vision_config=vision)
+    model = Qwen3_5ForConditionalGeneration(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(tmp_path)
+    m = load_model(None, str(tmp_path))
+    assert m.cfg.linear_kind == "gated_delta" and m.cfg.hidden_size == 96 and m.cfg.attn_output_gate
+    tokens = np.random.default_rng(3).integers(0, m.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    got = np.asarray(forward_full(m.params, m.cfg, tokens))
+    assert np.max(np.abs(got - want)) <= 2e-5 * max(1.0, float(np.max(np.abs(want))))

@@ -318,9 +318,9 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     # KDA beside MLA without RoPE; transformers' save writes its attribute_map's names, the release
     # nests the KDA sizes in linear_attn_config
     "kimi_linear": _family(
-        _CORE | _SIGMOID_MOE | {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                "layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads",
-                                "linear_conv_kernel_dim", "linear_attn_config"},
+        _CORE - {"head_dim"} | _SIGMOID_MOE | {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                               "v_head_dim", "layer_types", "mlp_layer_types", "linear_head_dim",
+                                               "linear_num_heads", "linear_conv_kernel_dim", "linear_attn_config"},
         {**_DENSE_HARMLESS, **_MOE_HARMLESS, "max_position_embeddings": _POSITIONS,
          "num_nextn_predict_layers": _MTP,
          "head_dim": "transformers sets it to qk_rope_head_dim itself (the release writes 72); MLA's widths are read",
