@@ -52,6 +52,7 @@ def rows(models, batches, context: int) -> list[dict]:
 
 
 def table(data: list[dict]) -> str:
+    """One row per (model, batch); byte columns per device and step (each pool entry read and written)."""
     from tabulate import tabulate
 
     body = []
@@ -64,7 +65,7 @@ def table(data: list[dict]) -> str:
                      f"{r['window_bytes'] / 1e6:.2f}", f"{r['pool_share_of_bytes']:.3f}",
                      f"{r['linear_stage_share']:.3f}"])
     return tabulate(body, headers=["model", "devices", "weights", "batch", "step ms (model)", "floor ms",
-                                   "GB / step / device", "states MB", "windows + pending MB", "pool / bytes",
+                                   "GB / step / device", "states MB (in + out)", "windows + pending MB", "pool / bytes",
                                    "linear stage / step"])
 
 
@@ -83,8 +84,8 @@ def main(argv=None) -> int:
         print(json.dumps(data, indent=1))
     else:
         print(table(data))
-        print("\nfigures: tpumk's plan (bytes, floor) and timeline model (step, stage): TPU7x, context 4096; "
-              "not measurements")
+        print("\nfigures: tpumk's plan (bytes, floor) and timeline model (step, stage): TPU7x, context "
+              f"{args.context}; bytes per device and step; not measurements")
     return 0
 
 

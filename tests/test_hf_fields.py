@@ -40,6 +40,7 @@ from test_mla import DEEPSEEK_V3_JSON
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.checkpoint import load_checkpoint
 from tpumk.model.config import _HF_SUPPORTED, from_hf_config
+from tpumk.model.hf_defaults import CLASS_DEFAULTS, ROPE_DEFAULTS
 from tpumk.model.hf_fields import (COMMON_HARMLESS, COMMON_REFUSED, FAMILIES, UNSUPPORTED_FAMILIES, WRAPPERS, Refused, account_fields,
                                    fold_aliases)
 
@@ -98,6 +99,57 @@ def test_what_transformers_writes_is_read(model_type):
     kw = {"head_dim": 128} if model_type == "glm4_moe" else {}  # its default hidden 4096 / 96 heads is no head width
     data = {**_written(model_type, **kw), "model_type": model_type}
     assert from_hf_config(data, model_type).num_layers > 0
+
+
+# ---------------------------------------------------------------------- fields left out
+WITH_CLASS = [t for t in FAMILIES if t in CONFIG_MAPPING]
+_SIZED = {"glm4_moe": {"head_dim": 128}}  # its default hidden 4096 / 96 heads is no head width
+
+
+def _class_default(cls, name: str):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def test_the_defaults_tpumk_fills_in_are_transformers_class_defaults():
+    assert set(CLASS_DEFAULTS) == set(WITH_CLASS)
+    for model_type, table in CLASS_DEFAULTS.items():
+        cls = CONFIG_MAPPING[model_type]
+        for key, value in table.items():
+            assert FAMILIES[model_type].kind(key) == "modelled", (model_type, key)
+            want = _class_default(cls, key)
+            assert (want, type(want)) == (value, type(value)), (model_type, key, want, value)
+    for model_type, rope in ROPE_DEFAULTS.items():
+        table = CONFIG_MAPPING[model_type]().rope_parameters
+        assert rope == {"rope_theta": table["rope_theta"],
+                        "partial_rotary_factor": table.get("partial_rotary_factor", 1.0)}, model_type
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_field_left_out_is_read_as_transformers_reads_it(model_type):
+    """Each key of the config transformers writes for the family, left out in turn: tpumk reads
+    the file as transformers' class fills it in (its default, or what it derives), or refuses it
+    in one line. Was: DeepSeek-V3 without norm_topk_prob read as false (transformers: true), a
+    Mistral without sliding_window as unwindowed (4096), Mixtral's theta 10000 (1e6), Qwen3-Next's
+    head_dim hidden / heads (256) and RoPE on whole heads (0.25), rms_norm_eps 1e-6 for the
+    families whose default is 1e-5, ..."""
+    full = {**_written(model_type, **_SIZED.get(model_type, {})), "model_type": model_type}
+    silent = []
+    for key in sorted(set(full) - {"model_type"}):
+        data = {k: v for k, v in full.items() if k != key}
+        try:
+            got = from_hf_config(data, model_type)
+        except (ConfigError, NotSupportedError) as e:
+            assert "\n" not in str(e)
+            continue
+        filled = {**_written(model_type, **{k: v for k, v in data.items() if k != "model_type"}),  # kimi_k2: as DeepSeek-V3
+                  "model_type": model_type}  # what transformers' class makes of the file
+        want = from_hf_config(filled, model_type)
+        differ = {f.name: (getattr(want, f.name), getattr(got, f.name)) for f in dataclasses.fields(want)
+                  if f.name != "name" and getattr(want, f.name) != getattr(got, f.name)}
+        if differ:
+            silent.append((key, differ))
+    assert not silent, f"{model_type}: left out, read otherwise than transformers reads it (field, (want, got)): {silent}"
 
 
 # ---------------------------------------------------------------------- one line each
@@ -289,13 +341,21 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_
 @pytest.mark.parametrize("source, as_type, tensor", [
     ("vaultgemma", "gemma2", "missing tensor 'model.layers.0.post_attention_layernorm.weight'"),  # no sandwich norms
     ("flex_olmo", "olmoe", "missing tensor 'model.layers.0.input_layernorm.weight'"),  # OLMo 2's post-norms
-    ("glm4", "glm4_moe", "unexpected tensor 'model.layers.0.post_mlp_layernorm.weight'"),  # GLM-4's sandwich norms
+    # GLM-4 as GLM-4.5: transformers reads the absent n_routed_experts as its class default (128
+    # experts), so the config is refused before the checkpoint (was: read as a dense GLM-4.5,
+    # then refused on GLM-4's sandwich norms)
+    ("glm4", "glm4_moe", "missing required field 'moe_intermediate_size'"),
 ])
 def test_a_relabelled_checkpoint_the_config_cannot_tell_is_refused_on_load(tmp_path, source, as_type, tensor):
     extra = dict(num_experts=4, num_experts_per_tok=2) if source == "flex_olmo" else {}
     model = transformers.AutoModelForCausalLM.from_config(CONFIG_MAPPING[source](**TINY, **extra))
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
+    if "missing required field" in tensor:
+        with pytest.raises(ConfigError) as e:
+            from_hf_config({**config, "model_type": as_type})
+        assert tensor in _one_line(e)
+        return
     from_hf_config({**config, "model_type": as_type})  # the config reads as the named family
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": as_type}))
     with pytest.raises(CheckpointError) as e:

@@ -178,6 +178,13 @@ CASES: list[Case] = [
     Case("long-shard-name-in-index", CKPT_GEN, ckpt(tensors=b"unused") | {
         "ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": LONG + ".safetensors"}})},
          says=("model.safetensors.index.json", "255")),
+    # ---- an index naming a shard outside the checkpoint directory (was joined to it and read)
+    Case("index-shard-outside-dir", CKPT_GEN, ckpt(tensors=b"unused") | {"outside.safetensors": b"unused",
+        "ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": "../outside.safetensors"}})},
+         says=("model.safetensors.index.json", "'../outside.safetensors'", "expected a file name inside")),
+    Case("index-shard-absolute", CKPT_GEN, ckpt(tensors=b"unused") | {
+        "ckpt/model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": "/etc/passwd"}})},
+         says=("model.safetensors.index.json", "expected a file name inside")),
     Case("long-whole-path", [*KEY_ARGS, "--tuning", DEEP + ".toml"], says=("--tuning", "4095")),
     Case("long-signing-key-file", EXPORT, env={"TPUMK_SIGNING_KEY_FILE": LONG},
          says=("TPUMK_SIGNING_KEY_FILE", "255"), allow=("out",)),

@@ -177,6 +177,11 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
         if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
             raise CheckpointError(f"{index}: malformed index (field 'weight_map': expected an object of "
                                   "tensor name -> shard file name)")
+        for f in sorted(set(weight_map.values())):
+            # a shard is a file of the checkpoint directory: a path would read files outside it
+            if f in ("", ".", "..") or "/" in f or "\\" in f or "\0" in f:
+                raise CheckpointError(f"{index}: lists shard {shown(f, 60)!r}: expected a file name inside {shown(d)} "
+                                      "(no '/', '\\' or '..')")
         files = [d / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if name_problem(f):  # is_file() raises on a name the OS refuses

@@ -26,6 +26,7 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
+from tpumk.model.hf_defaults import CLASS_DEFAULTS, HF_CLASS_OF, ROPE_DEFAULTS
 from tpumk.model.hf_fields import (FAMILIES, GEMMA3_TEXT_DEFAULTS, UNSUPPORTED_FAMILIES, WRAPPER_SHARED_KEYS, WRAPPERS,
                                    account_fields)
 from tpumk.model.parts import (MLA_FIELDS, Attention, Head, LayerPattern, LinearAttention, Mlp, Moe, Norms, Positions,
@@ -573,6 +574,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     # math); transformers' attribute_map aliases renamed to the names read here
     aliases = {name: alias for alias, name in FAMILIES[mt].aliases.items() if alias in data and data.get(name) is None}
     data = account_fields(data, mt, source)
+    # a field the file leaves out is transformers' class default, as transformers reads it
+    # (kimi_k2: transformers reads it as DeepseekV3Config, e.g. as Kimi K2.5's text_config)
+    data = {**{k: v for k, v in CLASS_DEFAULTS.get(HF_CLASS_OF.get(mt, mt), {}).items() if k not in data}, **data}
     hf = _HFFields(data, source, aliases)
     if mt == "gpt_oss" and not any(isinstance(data.get(k), dict) and (data[k].get("rope_type") or data[k].get("type"))
                                    for k in ("rope_scaling", "rope_parameters")):
@@ -604,7 +608,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     rope_params = data.get(rope_key) if isinstance(data.get(rope_key), dict) else {}
     # RoPE on only part of each head (Phi-4-mini: model_type phi3, 0.75); transformers 5 keeps
     # the factor in the RoPE table, 4.x at top level.
-    rotary_factor = ("partial_rotary_factor", 0.5) if mt == "glm4_moe" else None  # transformers' GLM-4.5 default
+    rope_defaults = ROPE_DEFAULTS.get(HF_CLASS_OF.get(mt, mt), {})  # transformers' default RoPE table for the family
+    default_factor = rope_defaults.get("partial_rotary_factor", 1.0)
+    rotary_factor = ("partial_rotary_factor", default_factor) if default_factor != 1 else None
     for where, table in (("partial_rotary_factor", data), (f"{rope_key}.partial_rotary_factor", rope_params)):
         factor = table.get("partial_rotary_factor") if isinstance(table, dict) else None
         if factor is None:
@@ -621,7 +627,7 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if rope_params.get("rope_theta") is not None:  # the table's theta wins over a top-level one, as in transformers
         rope_theta = _HFFields(rope_params, f"{source}: {rope_key}").number("rope_theta", None)
     else:
-        rope_theta = hf.number("rope_theta", GPT_OSS_THETA if mt == "gpt_oss" else 10000.0)
+        rope_theta = hf.number("rope_theta", GPT_OSS_THETA if mt == "gpt_oss" else rope_defaults.get("rope_theta", 10000.0))
     act = _hf_activation(hf, mt)
     if data.get("torch_dtype") is not None and data.get("dtype") is not None and data["torch_dtype"] != data["dtype"]:
         raise ConfigError(f"{source}: fields 'torch_dtype' = {_short_repr(data['torch_dtype'])} and 'dtype' = "
