@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpumk.errors import ConfigError
 from tpumk.model.config import ModelConfig
 from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
@@ -364,12 +365,47 @@ def masked_softmax(s: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
     return e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))
 
 
-def logits_from(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+def final_hidden(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """The residual stream after the final norm: what the lm_head reads (tap `num_layers`)."""
     n = cfg.norms
-    x = residual_norm(n.norm_kind, x, params["final_norm"], n.rms_eps, n.width)
+    return residual_norm(n.norm_kind, x, params["final_norm"], n.rms_eps, n.width)
+
+
+def logits_from(cfg: ModelConfig, params: Params, x: jax.Array, normed: bool = False) -> jax.Array:
+    x = x if normed else final_hidden(cfg, params, x)
     # a quantized build quantizes a tied head into its own `lm_head` (tpumk.model.quantize)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return soft_cap(matmul(x, head), cfg.head.final_softcap)
+
+
+def check_taps(cfg: ModelConfig, taps: Sequence[int]) -> tuple[int, ...]:
+    """Hidden-state taps, transformers' `output_hidden_states` numbering: tap t < num_layers is the
+    residual stream entering layer t (0: the embeddings), tap num_layers the final norm's output."""
+    taps = tuple(taps)
+    bad = [t for t in taps if not (isinstance(t, int) and 0 <= t <= cfg.num_layers)]
+    if bad or len(set(taps)) != len(taps):
+        raise ConfigError(f"taps {list(taps)}: expected distinct layer numbers 0 to {cfg.num_layers} "
+                          f"(the model's {cfg.num_layers} layers; {cfg.num_layers}: after the final norm)")
+    return taps
+
+
+class _Taps:
+    """Collects the tapped hidden states of one forward, in the model dtype: [B, q, len(taps), H]."""
+
+    def __init__(self, cfg: ModelConfig, taps: Sequence[int]):
+        self.cfg, self.taps, self.rows = cfg, check_taps(cfg, taps), {}
+
+    def layer(self, i: int, x: jax.Array) -> None:
+        if i in self.taps:
+            self.rows[i] = x.astype(jnp_dtype(self.cfg))
+
+    def logits(self, params: Params, x: jax.Array) -> jax.Array:
+        h = final_hidden(self.cfg, params, x)
+        self.layer(self.cfg.num_layers, h)
+        return logits_from(self.cfg, params, h, normed=True)
+
+    def stacked(self) -> jax.Array:
+        return jnp.stack([self.rows[t] for t in self.taps], axis=2)
 
 
 def embed(params: Params, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -418,10 +454,16 @@ def cache_slots(cache: KVCache, positions: jax.Array):
 
 
 def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache)."""
-    if cfg.is_mla:
-        return _mla_decode_step(params, cfg, tokens, positions, cache)
+                cache: KVCache, taps: Sequence[int] = ()):
+    """One step over the paged cache: tokens/positions [B, q] -> (logits [B, q, V] f32, cache),
+    and with `taps` (`check_taps`) the tapped hidden states [B, q, len(taps), H] third."""
+    tap = _Taps(cfg, taps)
+    logits, cache = (_mla_decode_step if cfg.is_mla else _decode_step)(params, cfg, tokens, positions, cache, tap)
+    return (logits, cache, tap.stacked()) if tap.taps else (logits, cache)
+
+
+def _decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                 tap: _Taps):
     b, t = tokens.shape
     ctx = cache.max_context
     positions = guard_positions(tokens, positions, cfg.vocab_size)
@@ -433,6 +475,7 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     states, live = cache.states, (positions >= 0) & (positions < ctx)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
+        tap.layer(i, x)
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         if cfg.pattern.is_linear(i):  # the layer's state in the pool, no KV rows
             o, states = linear_attention.layer_step(cfg.linear, layer, h, live, states, cfg.pattern.linear_index(i),
@@ -461,22 +504,28 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
     if states is not None:
         states = linear_attention.step_counts(states, t)
     if quant:
-        return logits_from(cfg, params, x), cache._replace(kv=kc, lengths=new_len, states=states)
-    return logits_from(cfg, params, x), KVCache(kc, vc, cache.block_tables, new_len, states)
+        return tap.logits(params, x), cache._replace(kv=kc, lengths=new_len, states=states)
+    return tap.logits(params, x), KVCache(kc, vc, cache.block_tables, new_len, states)
 
 
-def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Causal forward over whole sequences without a cache: tokens [B, T] -> logits [B, T, V].
+def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, taps: Sequence[int] = ()):
+    """Causal forward over whole sequences without a cache: tokens [B, T] -> logits [B, T, V]
+    (and with `taps`, the tapped hidden states [B, T, len(taps), H] second).
 
     K/V are rounded to the model dtype exactly as the cache would store them, so this is the
     full-recompute twin of `decode_step`."""
-    if cfg.is_mla:
-        return _mla_forward_full(params, cfg, tokens)
+    tap = _Taps(cfg, taps)
+    logits = (_mla_forward_full if cfg.is_mla else _forward_full)(params, cfg, tokens, tap)
+    return (logits, tap.stacked()) if tap.taps else logits
+
+
+def _forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Taps) -> jax.Array:
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.head.embed_scale)
     states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     for i, layer in enumerate(params["layers"]):
+        tap.layer(i, x)
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
         if cfg.pattern.is_linear(i):  # from empty states: the chunked form over the whole sequence
             o, states = linear_attention.layer_step(cfg.linear, layer, h, jnp.ones((b, t), bool), states,
@@ -489,10 +538,10 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
         x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o)
         h = mlp_in(cfg.norms, layer, x, h)
         x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
-    return logits_from(cfg, params, x)
+    return tap.logits(params, x)
 
 
-def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache):
+def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache, tap: _Taps):
     """`decode_step` for an MLA model (same contract, latent cache; tpumk.model.mla's attention)."""
     b, t = tokens.shape
     ctx = cache.max_context
@@ -505,6 +554,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     states, live = cache.states, (positions >= 0) & (positions < ctx)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
+        tap.layer(i, x)
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         if cfg.pattern.is_linear(i):  # Kimi Linear's KDA layers beside its MLA ones
             o, states = linear_attention.layer_step(cfg.linear, layer, h, live, states, cfg.pattern.linear_index(i),
@@ -528,17 +578,18 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     if states is not None:
         states = linear_attention.step_counts(states, t)
     if quant:
-        return logits_from(cfg, params, x), cache._replace(kv=lc, lengths=new_len, states=states)
-    return logits_from(cfg, params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states)
+        return tap.logits(params, x), cache._replace(kv=lc, lengths=new_len, states=states)
+    return tap.logits(params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states)
 
 
-def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Taps) -> jax.Array:
     """`forward_full` for an MLA model, attention in the expanded form (tpumk.model.mla)."""
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.head.embed_scale)
     states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     for i, layer in enumerate(params["layers"]):
+        tap.layer(i, x)
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         if cfg.pattern.is_linear(i):
             o, states = linear_attention.layer_step(cfg.linear, layer, h, jnp.ones((b, t), bool), states,
@@ -550,7 +601,7 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
             x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
-    return logits_from(cfg, params, x)
+    return tap.logits(params, x)
 
 
 def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], cache: KVCache,
