@@ -124,23 +124,31 @@ def assert_cache_equal(got: R.KVCache, want: R.KVCache, dtype):
 V6E = ("dense-f32-depth2-b1-tied", "moe-bf16-small-b4")
 
 
+# Cases whose step also writes hidden-state taps (issue 56): out of layer order, the final norm's
+# output among them (tap num_layers), checked against the reference's taps.
+TAPS = {"dense-f32-depth2-b1-tied": (2, 0), "moe-bf16-small-b4": (1, 3, 0)}
+
+
 @functools.lru_cache(maxsize=None)  # shared with tests/test_kv_guard.py (same builds)
-def compile_for_tpus(cfg, batch, q_len, tuning, v6e: bool = False):
+def compile_for_tpus(cfg, batch, q_len, tuning, v6e: bool = False, taps: tuple[int, ...] = ()):
     """One tpu_custom_call, compiled deviceless for TPU7x (and v6e with `v6e`)."""
     for target in ("tpu7x", "v6e") if v6e else ("tpu7x",):
-        plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
+        plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE,
+                                   taps=taps))
         compiled = compile_for(make_decode_step(plan), step_specs(plan), get_target(target))
         assert compiled.custom_calls == 1, f"{target}: expected exactly one tpu_custom_call"
         assert "tpu_custom_call" in compiled.hlo_text
 
 
-def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: dict, v6e: bool = False) -> None:
+def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: dict, v6e: bool = False,
+               taps: tuple[int, ...] = ()) -> None:
     """One megakernel step after a reference prefill of `lengths`-token prompts, in interpret
-    mode with the race detector, against the reference step (logits and cache); then the same
-    build compiled deviceless for the TPU targets."""
+    mode with the race detector, against the reference step (logits and cache, and the tapped
+    hidden states with `taps`); then the same build compiled deviceless for the TPU targets."""
     batch = len(lengths)
     tuning = TuningConfig(**knobs)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE))
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, tuning, q_len=q_len, page_size=PAGE,
+                               taps=taps))
     cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
     _, cache = R.prefill(params, cfg, prompts_of(lengths, cfg.vocab_size), cache, step_fn=reference_step(cfg))
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
@@ -148,19 +156,24 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
 
     step = make_decode_step(plan, detect_races=True)
     if plan.unpadded is not None:  # widths off the lane grid: the kernel runs the zero-padded copy
-        logits, wide = step(pack_weights(plan, params), tokens, positions, pad_cache(cfg, plan.cfg, cache))
+        logits, wide, *got_taps = step(pack_weights(plan, params), tokens, positions, pad_cache(cfg, plan.cfg, cache))
         new_cache = unpad_cache(cfg, plan.cfg, wide)
         again = pad_cache(cfg, plan.cfg, new_cache)  # every padding lane of the written cache is still zero
         assert jnp.array_equal(again.k, wide.k) and jnp.array_equal(again.v, wide.v), "nonzero cache padding lanes"
     else:
-        logits, new_cache = step(pack_weights(plan, params), tokens, positions, cache)
+        logits, new_cache, *got_taps = step(pack_weights(plan, params), tokens, positions, cache)
+    got_taps = got_taps[0] if taps else None
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want_logits, want_cache = reference_step(cfg)(params, tokens, positions, cache)
+    if taps:
+        _, _, want_taps = R.decode_step(params, cfg, tokens, positions, cache, taps=taps)
+        assert got_taps.shape == (batch, q_len, len(taps), cfg.hidden_size) and got_taps.dtype == want_taps.dtype
+        assert_logits_close(got_taps, want_taps, dtype)  # the residual, rounded to the model dtype
 
     assert logits.shape == (batch, q_len, cfg.vocab_size) and logits.dtype == jnp.float32
     assert_logits_close(logits, want_logits, dtype)
     assert_cache_equal(new_cache, want_cache, dtype)
-    compile_for_tpus(cfg, batch, q_len, tuning, v6e)
+    compile_for_tpus(cfg, batch, q_len, tuning, v6e, taps)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=pytest.mark.full) if c[0] in FULL
@@ -168,7 +181,7 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
 def test_step_matches_reference(case):
     name, preset, dtype, lengths, q_len, knobs = case
     cfg, params = model(preset, dtype, tied=name.endswith("-tied"))
-    check_step(cfg, params, dtype, lengths, q_len, knobs, v6e=name in V6E)
+    check_step(cfg, params, dtype, lengths, q_len, knobs, v6e=name in V6E, taps=TAPS.get(name, ()))
 
 
 # The full tier: greedy megakernel decoding over many steps runs in the default run through

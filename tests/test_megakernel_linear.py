@@ -63,12 +63,17 @@ CASES = {
 }
 
 
+# Cases whose step also writes hidden-state taps (issue 56): a linear layer's input, an attention
+# layer's, the final norm's output.
+TAPS = {"kda-bf16-b2-q3": (2, 3, 1), "kda-mla-f32-b2-q1": (1, 3)}
+
+
 @functools.lru_cache(maxsize=8)
 def _plan_and_step(case: str):
     kind, dtype, batch, q_len, quant, _, _, mla = CASES[case]
     cfg = hybrid(kind, dtype, mla)
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE,
-                               quant=quant), num_slots=batch + CASES[case][5])
+                               quant=quant, taps=TAPS.get(case, ())), num_slots=batch + CASES[case][5])
     return cfg, plan, make_decode_step(plan, detect_races=True)
 
 
@@ -91,7 +96,8 @@ def test_step_matches_reference_and_compiles(case):
         cache = cache._replace(states=cache.states._replace(slots=cache.states.slots.at[-1].set(batch + extra + 5)))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-    got, new = step(pack_weights(plan, params), tokens, positions, cache)
+    taps = TAPS.get(case, ())
+    got, new, *got_taps = step(pack_weights(plan, params), tokens, positions, cache)
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want, ref = R.jitted_decode_step(cfg)(params, tokens, positions, cache)
     scale = float(np.max(np.abs(np.asarray(want))))
@@ -99,6 +105,10 @@ def test_step_matches_reference_and_compiles(case):
     # the rows each product rounds to bfloat16 (relative 2^-8) through three layers
     tol = 2e-5 if dtype == "float32" else 3e-2
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) <= tol * scale
+    if taps:  # the residual entering each tapped layer, as the reference's
+        want_taps = np.asarray(R.decode_step(params, cfg, tokens, positions, cache, taps=taps)[2], np.float32)
+        err = np.max(np.abs(np.asarray(got_taps[0], np.float32) - want_taps))
+        assert got_taps[0].shape == want_taps.shape and err <= tol * max(1.0, float(np.max(np.abs(want_taps))))
     for name in ("recurrent", "conv", "pending"):
         a, b = np.asarray(getattr(new.states, name)), np.asarray(getattr(ref.states, name))
         assert np.max(np.abs(a - b)) <= tol * max(1.0, float(np.max(np.abs(b)))), name
@@ -110,7 +120,7 @@ def test_step_matches_reference_and_compiles(case):
         1.0, float(np.max(np.abs(np.asarray(k_ref, np.float32)))))
     for target in ("tpu7x", "v6e"):  # interpret mode does not check Mosaic's layout rules
         tplan = make_plan(BuildSpec(cfg, get_target(target), batch, 256, TuningConfig(), q_len=q_len, page_size=PAGE,
-                                    quant=quant))
+                                    quant=quant, taps=taps))
         compiled = compile_for(make_decode_step(tplan), step_specs(tplan), get_target(target))
         assert compiled.custom_calls == 1
 

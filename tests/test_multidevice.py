@@ -61,7 +61,7 @@ CASES = {
     # gpt-oss's experts (a router logit bias, expert biases, the clamped SwiGLU) with each expert
     # split over 2 devices: each holds its columns' gate / up biases, one of the two adds the
     # down biases
-    "moe-4dev-mixed": (dict(base="tiny-moe", shared_expert_gate=True, **GPT_OSS_EXPERTS), 4, 2, 1,
+    "moe-4dev-mixed": (dict(base="tiny-moe", shared_expert_gate=True, taps=(3, 1), **GPT_OSS_EXPERTS), 4, 2, 1,
                        {"all_reduce": "rsag"}),
     # each device owns 2 of the 8 experts and adds its picked experts' down biases
     "moe-4dev-expert-parallel": (dict(base="tiny-moe", **GPT_OSS_EXPERTS), 4, 3, 1,
@@ -89,7 +89,7 @@ RACES_CASE = "moe-4dev-mixed"  # the case run with the interpreter's race detect
 def _config(model: dict):
     from tpumk.model.config import load_preset
 
-    over = {k: v for k, v in model.items() if k not in ("quant", "kv_dtype")}
+    over = {k: v for k, v in model.items() if k not in ("quant", "kv_dtype", "taps")}
     return load_preset(over.pop("base")).replace(**over)
 
 
@@ -100,7 +100,8 @@ def _spec(case: str, target: str):
 
     model, n, batch, q_len, tuning = CASES[case]
     return BuildSpec(_config(model), get_target(target), batch=batch, context=64, q_len=q_len, devices=n,
-                     tuning=TuningConfig(**tuning), quant=model.get("quant", "none"), kv_dtype=model.get("kv_dtype", ""))
+                     tuning=TuningConfig(**tuning), quant=model.get("quant", "none"), kv_dtype=model.get("kv_dtype", ""),
+                     taps=tuple(model.get("taps", ())))
 
 
 # ---------------------------------------------------------------------- the subprocess
@@ -140,8 +141,14 @@ def _worker(case: str, races: bool) -> dict:
         lengths = np.asarray(ref_cache.lengths)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, q)), jnp.int32)
         positions = jnp.asarray(lengths[:, None] + np.arange(q)[None], jnp.int32)
+        taps = {}
+        if spec.taps:  # the hidden-state taps: every device holds the whole rows, as the reference's
+            _, _, want_taps = ref.decode_step(params, cfg, tokens, positions, ref_cache, taps=spec.taps)
         want, ref_cache = ref.jitted_decode_step(cfg)(params, tokens, positions, ref_cache)
-        got, wide = step(packed, tokens, positions, wide)
+        got, wide, *got_taps = step(packed, tokens, positions, wide)
+        if spec.taps:
+            taps = {"taps_err": float(np.max(np.abs(np.asarray(got_taps[0], np.float32) - np.asarray(want_taps, np.float32)))),
+                    "taps_shape_ok": list(got_taps[0].shape) == list(want_taps.shape)}
         # the in-kernel all-gather left the same logits on every device
         shards = [np.asarray(x.data, np.float32) for x in got.addressable_shards]
         same_everywhere = len(shards) == sh.devices and all(np.array_equal(x, shards[0]) for x in shards)
@@ -163,7 +170,7 @@ def _worker(case: str, races: bool) -> dict:
             "max_err": float(np.max(np.abs(got - want))), "scale": float(np.max(np.abs(want))),
             "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1))), **errs,
             "lengths_equal": bool(np.array_equal(np.asarray(wide.lengths), np.asarray(ref_cache.lengths))),
-            "replicas_equal": replicas_equal, "logits_same_everywhere": same_everywhere,
+            "replicas_equal": replicas_equal, "logits_same_everywhere": same_everywhere, **taps,
         })
     r = interpret_races()
     out["races"] = None if (r is None or not races) else bool(r.races_found)
@@ -242,6 +249,8 @@ def test_interpret_matches_reference_and_compiles(case, interpret_runs):
         else:
             assert s["k_err"] <= tol and s["v_err"] <= tol, (case, s)
         assert s["lengths_equal"] and s["logits_same_everywhere"]
+        if "taps_err" in s:  # hidden-state taps (issue 56): the residual every device holds
+            assert s["taps_shape_ok"] and s["taps_err"] <= tol, (case, s)
         if s["replicas_equal"] is not None:  # devices sharing a KV head computed the same bits
             assert s["replicas_equal"], (case, s)
     if case == RACES_CASE:

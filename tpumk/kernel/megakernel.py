@@ -112,6 +112,7 @@ def _kernel(plan: Plan):
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
         moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
         logits_ref, *outs = refs[n_in:n_in + n_out]
+        taps_ref = outs.pop() if plan.taps else None  # the last output
         n_states = len(STATE_ARRAYS) if plan.linear is not None else 0
         outs, state_outs = outs[:len(outs) - n_states], outs[len(outs) - n_states:]
         if plan.cache_written_after_kernel:
@@ -495,9 +496,38 @@ def _kernel(plan: Plan):
                     reduce_into_resid(ffn_counter(layer))
             return body
 
+        # Hidden taps: tap k of the schedule (taps by layer) staged in slot k % 2 and DMA'd to its
+        # place in the output while the layer runs; slot k % 2 is free once tap k - 2 has left.
+        schedule = sorted(range(len(plan.taps)), key=lambda j: plan.taps[j])
+
+        def tap_copy(k: int):
+            return pltpu.make_async_copy(s.tap_stage.at[k % 2], taps_ref.at[schedule[k]], s.tap_sems.at[k % 2])
+
+        def write_tap(k: int, value) -> None:
+            if k >= 2:
+                tap_copy(k - 2).wait()
+            s.tap_stage[k % 2] = value.astype(s.tap_stage.dtype)
+            tap_copy(k).start()
+
+        def tapped(seg, body):
+            """body, writing the residual entering each tapped layer of the segment first."""
+            mine = [k for k in range(len(schedule)) if seg.first_layer <= plan.taps[schedule[k]] < seg.end_layer]
+            if not mine:
+                return body
+
+            def with_taps(layer):
+                for k in mine:
+                    @pl.when(layer == plan.taps[schedule[k]])
+                    def _(k=k):
+                        write_tap(k, s.resid[...])
+                body(layer)
+            return with_taps
+
         for seg in plan.segments[:-1]:
-            ring.layer_loop(seg, dense_layer(seg) if seg.kind == "dense" else moe_layer(seg))
+            ring.layer_loop(seg, tapped(seg, dense_layer(seg) if seg.kind == "dense" else moe_layer(seg)))
         s.normed[...] = residual_norm(norms.norm_kind, s.resid[...], final_norm[...], eps, norms.width)
+        if cfg.num_layers in plan.taps:  # the final norm's output, what the lm_head reads
+            write_tap(schedule.index(plan.taps.index(cfg.num_layers)), s.normed[...])
         head_blocks = plan.families["lm_head"].col_blocks
 
         # This device's blocks go to its slice of the output (one device: the whole output).
@@ -521,6 +551,8 @@ def _kernel(plan: Plan):
 
         ring.lm_head(s.normed, write_logits, head_scales if quantized else None)
         logits_copy(head_blocks - 1).wait()
+        for k in range(max(0, len(schedule) - 2), len(schedule)):  # the last taps' DMAs
+            tap_copy(k).wait()
         if ar is not None:  # every device ends with every device's vocabulary slice
             all_gather_slices(ar, logits_ref, head_blocks, s.gather_send_sems, s.gather_recv_sems)
 
@@ -610,6 +642,10 @@ def _device_step(plan: Plan, call) -> Callable:
                   **({f"cache.states.{k}": getattr(states, k) for k in states._fields} if states is not None else {})}
         blocks, *updated = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                                   for b in contract.operands))
+        taps = updated.pop() if plan.taps else None  # [T, n, H]: the last output
+        if taps is not None:  # -> [B, q, T, H], the model's own hidden columns (a padded model's first)
+            width = (plan.unpadded or plan.whole_model).hidden_size
+            taps = jnp.swapaxes(taps[:, :, :width], 0, 1).reshape(b, t, len(plan.taps), width)
         n_states = len(STATE_ARRAYS) if plan.linear is not None else 0
         updated, state_out = updated[:len(updated) - n_states], updated[len(updated) - n_states:]
         if plan.cache_written_after_kernel:
@@ -625,7 +661,7 @@ def _device_step(plan: Plan, call) -> Callable:
         d = plan.devices
         logits = blocks.reshape(d, -1, n, blocks.shape[-1]).transpose(2, 0, 1, 3).reshape(n, d, plan.vocab_pad)
         logits = logits[:, :, :cfg.vocab_size].reshape(n, d * cfg.vocab_size)[:, :plan.whole_model.vocab_size]
-        return logits.reshape(b, t, -1), tuple(updated), states
+        return logits.reshape(b, t, -1), tuple(updated), states, taps
 
     return run
 
@@ -655,7 +691,8 @@ def commit_pages(cache: jax.Array, pages: jax.Array, page_ids: jax.Array) -> jax
 
 def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False,
                      nested: bool = False):
-    """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache).
+    """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache)
+    (with `plan.taps`: (logits, cache, taps [B, q, len(taps), H]), as `reference.decode_step`).
 
     `packed` is `tpumk.kernel.layout.pack_weights(plan, params)` (one device) or
     `pack_sharded(plan, params)` (many). On the `cpu` target the kernel
@@ -696,16 +733,17 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         arrays = (cache.kv,) if quantized else (cache.k, cache.v)
         check_rows(arrays)
         check_states(cache.states)
-        logits, arrays, states = device_run(packed, tokens, positions, arrays, cache.block_tables.astype(jnp.int32),
-                                            cache.lengths.astype(jnp.int32), cache.states)
+        logits, arrays, states, taps = device_run(packed, tokens, positions, arrays,
+                                                  cache.block_tables.astype(jnp.int32), cache.lengths.astype(jnp.int32),
+                                                  cache.states)
         # As the reference: positions outside the pages write nothing and do not move lengths;
         # the step's tokens are each slot's pending rows now.
         lengths = new_lengths(positions, cache.lengths, cache.max_context)
         if states is not None:
             states = step_counts(states, plan.q_len)
-        if quantized:
-            return logits, cache._replace(kv=arrays[0], lengths=lengths, states=states)
-        return logits, KVCache(*arrays, cache.block_tables, lengths, states)
+        new = cache._replace(kv=arrays[0], lengths=lengths, states=states) if quantized else \
+            KVCache(*arrays, cache.block_tables, lengths, states)
+        return (logits, new, taps) if plan.taps else (logits, new)
 
     donate = (3,) if donate_cache else ()
     plain = jax.jit(step, donate_argnums=donate)
@@ -746,8 +784,9 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
     def without_values(packed, tokens, positions, caches, block_tables, lengths, states):
         (k_cache,) = caches
         empty = jnp.zeros((*k_cache.shape[:3], 0), k_cache.dtype)
-        logits, (k_cache, _), states = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths, states)
-        return logits, (k_cache,), states
+        logits, (k_cache, _), states, taps = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths,
+                                                  states)
+        return logits, (k_cache,), states, taps
 
     def sharded(packed: dict, tokens, positions, caches, block_tables, lengths, states=None):
         """caches: (k, v) or a quantized cache's (kv,), each split along its last axis (kv heads);
@@ -760,10 +799,12 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
             fn, kept = without_values, caches[:1]
         specs = tuple(kv_spec for _ in kept)
         state_specs = None if states is None else state_partition(states)
-        logits, out, states = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
-                                            out_specs=(P(), specs, state_specs), check_vma=False)(
+        # the taps are the residual every device holds whole: each device writes the same rows
+        logits, out, states, taps = jax.shard_map(
+            fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
+            out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)(
             packed, tokens, positions, kept, block_tables, lengths, states)
-        return logits, tuple(out) + tuple(caches[len(out):]), states
+        return logits, tuple(out) + tuple(caches[len(out):]), states, taps
 
     return sharded
 

@@ -37,6 +37,9 @@ qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE c
 k_cache [L, num_pages, P, C + R rounded up to 128 lanes] (the latent rows, zero pad lanes), aliased to output 1; `KVCache.v` (empty)
 stays outside the kernel.
 
+With `BuildSpec.taps` the last output is `taps` hbm dt [T, N, H]: the residual entering each
+tapped layer (tap L: the final norm's output), staged in VMEM and written by DMA.
+
 Outputs: logits f32 [devices x lm_head column blocks, N, lm_head tile_cols] (block j of
 device d's vocabulary slice at d * column blocks + j; one device: block j = vocab columns
 j*tile_cols ..; many: every device ends with every slice, all-gathered in the kernel), then the
@@ -315,6 +318,11 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
         act.append(vmem("partial", (plan.all_reduce.rows, plan.all_reduce.padded_width), "float32",
                         "[N, H padded to whole all-reduce chunks] this device's partial sum (o / FFN output) to all-reduce; pad columns 0"))
     out += comp("activations", *act)
+    if plan.taps:
+        out += comp("activations",
+                    vmem("tap_stage", (min(2, len(plan.taps)), n, h), cfg.dtype,
+                         "[tap % 2, N, H]: a tapped residual in the model dtype, DMA'd out while the layer runs"),
+                    dma_sems("tap_sems", (min(2, len(plan.taps)),), "one per tap staging slot"))
     out += comp("logits_staging",
                 vmem("logits", (n, plan.families["lm_head"].tile_cols), "float32",
                      "[N, tile_cols]: block j staged here, DMA'd out while block j + 1 computes"),
@@ -359,6 +367,10 @@ def kernel_contract(plan: Plan) -> KernelContract:
         first_state = len(operands) - caches - len(states)
         aliases = tuple((len(operands) - caches + i, 1 + i) for i in range(caches)) + \
             tuple((first_state + i, 1 + caches + i) for i in range(len(states)))
+    if plan.taps:  # the tapped hidden states, written by DMA as each tapped layer starts
+        outputs += (Buffer("taps", (len(plan.taps), plan.rows, plan.cfg.hidden_size), plan.cfg.dtype, "hbm",
+                           component="outputs", layout="[tap (BuildSpec.taps order), N, H]: the residual entering "
+                           "the tapped layer (tap L: the final norm's output), model dtype"),)
     scratch = _kernel_scratch(plan)
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
     if plan.linear is not None:

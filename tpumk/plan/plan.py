@@ -190,6 +190,8 @@ class Plan:
     # The model as the user gave it when its widths are lane padded (tpumk.plan.padding): `cfg`
     # and `model` are then the padded copy the kernel runs. None: no padding.
     unpadded: ModelConfig | None = None
+    # Hidden states the step also writes (`BuildSpec.taps`): the kernel's `taps` output.
+    taps: tuple[int, ...] = ()
 
     # ---- derived facts
     @functools.cached_property
@@ -213,7 +215,7 @@ class Plan:
         """The build this plan is for (context as planned: whole pages); planning it again
         gives this plan."""
         return BuildSpec(self.unpadded or self.whole_model, self.target, self.batch, self.context, self.tuning, self.q_len,
-                         self.page_size, self.devices, self.quant, self.attention.kv_dtype)
+                         self.page_size, self.devices, self.quant, self.attention.kv_dtype, self.taps)
 
     @property
     def weight_format(self) -> WeightFormat | None:
@@ -758,7 +760,7 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
                     sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant,
-                    unpadded=spec.model if padded is not None else None, linear=linear)
+                    unpadded=spec.model if padded is not None else None, linear=linear, taps=spec.taps)
 
         def finish(geom) -> Plan:
             p = _replace(plan, attention=geom)
@@ -943,7 +945,20 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
     out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
     if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
         out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
+    if plan.taps:  # every tapped row written out (each device its own copy of the whole rows)
+        out["hidden_taps"] = float(tap_bytes(plan))
     return out
+
+
+def tap_bytes(plan: Plan) -> int:
+    """Bytes of the step's `taps` output: len(taps) x N rows x the unpadded hidden width, model dtype."""
+    return len(plan.taps) * plan.rows * tap_width(plan) * plan.cfg.dtype_bytes
+
+
+def tap_width(plan: Plan) -> int:
+    """Lanes of a tapped row as the kernel writes it: the hidden width the kernel runs (a
+    lane-padded model's padded width; the step slices the model's own columns)."""
+    return plan.cfg.hidden_size
 
 
 def _interconnect(plan: Plan) -> dict[str, dict[str, float]]:
@@ -979,6 +994,8 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
         out[f"ring_{n}"] = {"count": count, "bytes_each": f.tile_bytes}
     vec_bytes = LAYER_VECTOR_ROWS * plan.vector_width * 4
     out["layer_vectors"] = {"count": plan.cfg.num_layers, "bytes_each": vec_bytes}
+    if plan.taps:
+        out["hidden_taps"] = {"count": len(plan.taps), "bytes_each": tap_bytes(plan) // len(plan.taps)}
     if plan.column_scaled:
         out["layer_scales"] = {"count": plan.cfg.num_layers, "bytes_each": 4 * plan.scales_width}
     for n, f in plan.families.items():

@@ -52,6 +52,9 @@ class BuildSpec:
     devices: int = DEFAULT_DEVICES  # TensorCores (JAX devices) one step spans: tensor/expert parallel
     quant: str = DEFAULT_QUANT  # weight formats (tpumk.model.quantize: a preset or ring=..,experts=..)
     kv_dtype: str = DEFAULT_KV_DTYPE  # KV cache format: "" (model dtype), "fp8" or "int8" (`--kv-dtype`)
+    # hidden states the step also returns, [B, q, len(taps), H] (a hidden-state drafter's input):
+    # transformers' output_hidden_states numbering (tpumk.model.reference.check_taps)
+    taps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +87,12 @@ class BuildSpec:
             raise PlanError(f"build spec: kv_dtype = {self.kv_dtype!r:.40}: expected one of {', '.join(KV_FORMATS)} "
                             "(or none: the model dtype)")
         object.__setattr__(self, "kv_dtype", "" if self.kv_dtype == "none" else self.kv_dtype)
+        from tpumk.model.reference import check_taps
+
+        try:
+            object.__setattr__(self, "taps", check_taps(self.model, self.taps))
+        except (ConfigError, TypeError) as e:
+            raise PlanError(f"build spec: {e}") from None
         if self.context % self.page_size:
             lo = self.context // self.page_size * self.page_size
             near = f"{lo} or {lo + self.page_size}" if lo else f"{self.page_size}"
@@ -106,7 +115,8 @@ class BuildSpec:
         # everything but the model, target and knobs (the cache key and manifests record these)
         # kv_dtype only when set: builds with a model-dtype cache keep the keys they always had
         return {"batch": self.batch, "context": self.context, "q_len": self.q_len, "page_size": self.page_size,
-                "devices": self.devices, "quant": self.quant, **({"kv_dtype": self.kv_dtype} if self.kv_dtype else {})}
+                "devices": self.devices, "quant": self.quant, **({"kv_dtype": self.kv_dtype} if self.kv_dtype else {}),
+                **({"taps": list(self.taps)} if self.taps else {})}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-safe) that `from_dict` turns back into the same spec."""
@@ -125,12 +135,20 @@ class BuildSpec:
             raise PlanError(f"{where}: missing field '{missing[0]}'")
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
                    TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"],
-                   d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT), d.get("kv_dtype", DEFAULT_KV_DTYPE))
+                   d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT), d.get("kv_dtype", DEFAULT_KV_DTYPE),
+                   _taps_field(d.get("taps", ()), where))
 
     def label(self) -> str:
         q = f", q_len {self.q_len}" if self.q_len > 1 else ""
         on = f"{self.devices} x {self.target.name}" if self.devices > 1 else self.target.name
         fmt = f", {self.quant} weights" if self.quant != "none" else ""
         fmt += f", {self.kv_dtype} KV cache" if self.kv_dtype else ""
+        fmt += f", taps {list(self.taps)}" if self.taps else ""
         return (f"{self.model.name} ({self.model.dtype}{fmt}) on {on}, batch {self.batch}, "
                 f"context {self.context}{q}")
+
+
+def _taps_field(value: Any, where: str) -> tuple[int, ...]:
+    if not (isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        raise PlanError(f"{where}: field 'taps' = {value!r:.60}: expected a list of layer numbers")
+    return tuple(value)
