@@ -31,6 +31,9 @@ MODELS = {
     # with Qwen2-MoE's gate on the shared expert (sigmoid(x . w) from router column E)
     "moe-d64-g4": ("tiny-moe", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, shared_expert_gate=True)),
     "dense-d256": ("tiny-dense", dict(head_dim=256, num_q_heads=2, num_kv_heads=1)),
+    # a DFlash drafter's block (issue 56): the step's 4 tokens see each other in any order, the
+    # cached keys causally
+    "dense-block": ("tiny-dense", dict(step_bidirectional=True)),
     # layer 1 slides a 12-token window; with 16-token pages and one page per KV tile, a query
     # at 40 needs keys 29..40: tiles 1 and 2 only
     "dense-w12": ("tiny-dense", dict(sliding_window=12, sliding_layers=[1])),
@@ -100,6 +103,7 @@ CASES = [
     ("dense-d64", "float32", [17, 40], 1, dict(ring_depth=3, kv_tile_pages=1, **SMALL_TILES)),
     ("moe-d64-g4", "bfloat16", [15, 33], 2, dict(kv_tile_pages=2)),
     ("dense-d256", "float32", [30], 2, dict(kv_tile_pages=1)),
+    ("dense-block", "float32", [17, 5], 4, dict(kv_tile_pages=1)),
     ("dense-w12", "float32", [40, 5, 23], 1, dict(kv_tile_pages=1, **SMALL_TILES)),
     ("dense-w12", "bfloat16", [47, 30], 2, dict(kv_tile_pages=1)),  # speculative verify (q = 2)
     ("moe-d64-w20", "float32", [44, 16], 2, dict(kv_tile_pages=1, kv_buffers=3)),

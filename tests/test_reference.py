@@ -124,3 +124,24 @@ def test_greedy_generate_is_deterministic_and_in_vocab(model):
     b, _ = ref.greedy_generate(p, cfg, [[1, 2, 3], [4]], 6, ref.init_cache(cfg, 2, 24))
     assert a == b and all(len(t) == 6 and all(0 <= x < cfg.vocab_size for x in t) for t in a)
     assert len(set(a[0])) > 1  # random weights are not degenerate
+
+
+def test_a_bidirectional_step_sees_the_whole_step_and_the_cache_causally():
+    """step_bidirectional (a DFlash drafter's block): each of the step's tokens attends to every
+    token of the step and to the cached keys; a causal step's first rows do not see later rows,
+    so their outputs differ, and a one-token step is the same either way."""
+    from tpumk.model.config import load_preset
+    from tpumk.model.weights import random_params
+
+    cfg = load_preset("tiny-dense").replace(step_bidirectional=True, name="tiny-block")
+    causal = cfg.replace(step_bidirectional=False)
+    params = random_params(cfg, seed=0)
+    cache = ref.init_cache(cfg, 1, 32, 16)
+    _, cache = ref.decode_step(params, cfg, jnp.asarray([[1, 2, 3]]), jnp.arange(3)[None], cache)
+    toks, pos = jnp.asarray([[3, 4, 5, 6]]), jnp.arange(3, 7)[None]
+    a = ref.decode_step(params, cfg, toks, pos, cache)[0]
+    b = ref.decode_step(params, causal, toks, pos, cache)[0]
+    assert float(jnp.min(jnp.max(jnp.abs(a - b), -1))) > 1e-3
+    one_a = ref.decode_step(params, cfg, toks[:, :1], pos[:, :1], cache)[0]
+    one_b = ref.decode_step(params, causal, toks[:, :1], pos[:, :1], cache)[0]
+    assert jnp.array_equal(one_a, one_b)

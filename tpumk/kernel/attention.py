@@ -73,6 +73,7 @@ non-finite bytes in unused cache slots cannot leak into the output (0 * NaN).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, Sequence
 
@@ -779,11 +780,16 @@ def _tile_loop(st: _Stage, lengths, token_of_row, total, tiles_started, prefetch
         qpos = jnp.full((BR, 1), -1, jnp.int32)  # pad rows see nothing
         for i in range(T):
             qpos = jnp.where(token_of_row == i, pos[i], qpos)
+        if g.bidirectional:  # a drafter's block: a query also sees the step's later keys
+            first_new = functools.reduce(jnp.minimum, [jnp.where(p_ >= 0, p_, NO_WINDOW) for p_ in new_pos])
         masks, v_oks = [], []
         for grp in range(G):
             kpos_lane = t * S + G * lax.broadcasted_iota(jnp.int32, (1, RS), 1) + grp
             kpos_row = t * S + G * lax.broadcasted_iota(jnp.int32, (RS, 1), 0) + grp
-            mask = jnp.logical_and(key_valid(kpos_lane), kpos_lane <= qpos)  # [Rb, RS]
+            seen = kpos_lane <= qpos
+            if g.bidirectional:
+                seen = jnp.logical_or(seen, jnp.logical_and(kpos_lane >= first_new, qpos >= 0))
+            mask = jnp.logical_and(key_valid(kpos_lane), seen)  # [Rb, RS]
             if st.window is not None:  # sliding layer: keys k with p - k < window only
                 mask = jnp.logical_and(mask, kpos_lane > qpos - st.window)
             masks.append(mask)

@@ -45,7 +45,7 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
                 "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
-                "latent_norm_eps")
+                "latent_norm_eps", "step_bidirectional")
 # Fields that list layer indices (stored as sorted tuples).
 LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
@@ -238,6 +238,9 @@ class ModelConfig:
     # rms_eps (transformers builds them with its RMSNorm's default, 1e-6, whatever rms_norm_eps
     # says: Kimi Linear's 1e-5); 0: rms_eps.
     latent_norm_eps: float = 0.0
+    # A drafter's block (DFlash, DSpark): a step's own tokens see each other whatever their order
+    # (cached keys still causally: each sees the keys before the step); decoders attend causally.
+    step_bidirectional: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left

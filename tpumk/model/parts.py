@@ -76,6 +76,7 @@ class Attention:
     attn_sinks: bool  # gpt-oss: a learned logit per q head in each softmax's denominator
     o_bias: bool  # a bias on the o projection's output
     attn_output_gate: bool  # Qwen3-Next: o * sigmoid(x @ wq_gate) before the o projection
+    step_bidirectional: bool  # a drafter's block: the step's tokens see each other in any order
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -186,7 +187,10 @@ class Attention:
         need(self.num_q_heads % self.num_kv_heads == 0, "num_kv_heads", f"a divisor of num_q_heads ({self.num_q_heads})")
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
-        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias", "attn_output_gate")
+        _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias", "attn_output_gate",
+              "step_bidirectional")
+        if self.step_bidirectional:  # the MLA stage's mask is causal
+            need(not self.is_mla, "step_bidirectional", "false for an MLA model")
         if self.attn_output_gate:  # the MLA stage's output has no gate
             need(not self.is_mla, "attn_output_gate", "false for an MLA model")
         need(is_int(self.head_width) and 0 <= self.head_width <= self.head_dim and self.head_width % 2 == 0,

@@ -328,7 +328,11 @@ def attend(att: Attention, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     qg = q.reshape(b, t, att.num_kv_heads, att.group, att.head_dim).astype(k.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = soft_cap(s / att.score_divisor, att.attn_softcap)
-    mask = k_valid[:, None, None, None, :] & (k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None])
+    seen = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+    if att.step_bidirectional:  # a drafter's block: also every key of the step (those at or past its first row)
+        first = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        seen = seen | ((k_pos >= first[:, None])[:, None, None, None, :] & (q_pos >= 0)[:, None, None, :, None])
+    mask = k_valid[:, None, None, None, :] & seen
     if window:
         mask = mask & (k_pos[:, None, None, None, :] > q_pos[:, None, None, :, None] - window)
     p = masked_softmax(s, mask, None if sinks is None else sinks.reshape(att.num_kv_heads, att.group))

@@ -209,6 +209,8 @@ class AttentionGeometry:
     # the cache's format (`tpumk.model.kv_quant`): "" the model dtype, or "fp8" / "int8" codes with
     # a power-of-two scale per (token, kv head), packed with them in one array (`kv_layout`)
     kv_dtype: str = ""
+    # a drafter's block (DFlash): the step's tokens see each other in any order
+    bidirectional: bool = False
 
     @classmethod
     def from_config(cls, cfg, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -220,7 +222,7 @@ class AttentionGeometry:
                    pages_per_seq=pages_per_seq, num_layers=cfg.kv_layers,
                    kv_tile_pages=kv_tile_pages, kv_buffers=kv_buffers, dtype=cfg.dtype, windows=windows,
                    score_dim=cfg.attention.attn_scalar or cfg.attention.head_width, softcap=cfg.attention.attn_softcap,
-                   sinks=cfg.attention.attn_sinks, kv_dtype=kv_dtype)
+                   sinks=cfg.attention.attn_sinks, kv_dtype=kv_dtype, bidirectional=cfg.attention.step_bidirectional)
 
     # ------------------------------------------------------------------ derived sizes
     @property
