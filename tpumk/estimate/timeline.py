@@ -499,6 +499,10 @@ def megakernel_step(plan) -> StepModel:
             else:
                 _moe_stage(plan, ring, ledger, times)
             collective(times)
+    taps = plan.hbm.get("hidden_taps", 0.0)
+    if taps:  # each tapped residual written out while its layer runs: bandwidth the ring shares
+        one = taps / len(plan.taps)
+        ledger.add("hidden_taps", load_seconds(t, taps, one, len(plan.taps)), taps, load_seconds(t, taps, one, len(plan.taps)))
     head = plan.families["lm_head"]
     ring.family("lm_head", "lm_head", 1.0, extra_bytes_per_block=float(plan.rows * head.tile_cols * 4))
     ledger.add("kernel_boundary", DMA_LATENCY_S)  # the last logits block's write-back drains
