@@ -254,6 +254,34 @@ def build(spec, verify_q, verify_estimate, estimate, as_json):
 
 
 # ---------------------------------------------------------------------- generate
+def _print_generated(result, prompts, tokenizer, prompt_text, as_json, backend, devices, kv_dtype, steps) -> bool:
+    """The tokens (and text) a generation produced; True when it printed everything (--json, or
+    a hidden-state drafter's rounds, whose figures it prints too)."""
+    if tokenizer is not None:
+        result.update(prompt_text=prompt_text, text=tokenizer.decode(result["tokens"][0]), tokenizer=tokenizer.source)
+    if as_json:
+        emit_json(result)
+        return True
+    on = f" on {devices} devices" if devices > 1 else ""
+    kv = f", {kv_dtype} KV cache" if kv_dtype != "none" else ""
+    echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}{kv}")
+    for p, toks in zip(prompts, result["tokens"]):
+        echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    if tokenizer is not None:  # repr: the text stays on one line, its spaces and newlines visible
+        echo(f"  {prompt_text!r} -> {result['text']!r}")
+    echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
+    sp = result["spec"]
+    if "device_calls" not in sp:
+        return False
+    how = "greedy" if not sp["temperature"] else f"speculative sampling at temperature {sp['temperature']:g}"
+    echo(f"speculation: {sp['drafter']}, {sp['draft_tokens']} drafts per round (verify q_len {sp['verify_q']}), "
+         f"{how}")
+    echo(f"  mean acceptance length {sp['mean_acceptance_length']:.2f} tokens per verify step (accepted drafts + "
+         f"1, at most {sp['draft_tokens'] + 1}); {sp['device_calls']} device call"
+         f"{'s' if sp['device_calls'] != 1 else ''} of {sp['rounds_per_call']} rounds")
+    return True
+
+
 @main.command()
 @click.option("--model", "model", metavar="NAME|FILE", help="Preset name, model TOML or config.json (default tiny-moe).")
 @click.option("--checkpoint", type=click.Path(),
@@ -275,7 +303,18 @@ def build(spec, verify_q, verify_estimate, estimate, as_json):
 @click.option("--spec", default="none", show_default=True,
               help="Speculative decoding: none, ngram (prompt lookup, no weights) or draft (--draft-model). "
                    "Greedy tokens are unchanged; each target step verifies --draft-tokens drafts.")
-@click.option("--draft-tokens", default=7, show_default=True, help="Drafts K per target step (verify q = K + 1).")
+@click.option("--draft", "draft", metavar="KIND[:SOURCE]",
+              help="Speculative decoding with a drafter: eagle3:DIR, dflash:DIR, dflash2:DIR, dspark:DIR, mtp:DIR (a "
+                   "speculators directory), mtp (the --checkpoint's own next-token layer), KIND:random or "
+                   "KIND:key=value,... (random weights of a shape, --seed), ngram, or model:NAME|DIR|layers:N. "
+                   "Hidden-state drafters read the target's taps and run --rounds-per-call rounds per device call.")
+@click.option("--draft-tokens", default=None, type=int,
+              help="Drafts K per target step (verify q = K + 1). Default: the drafter's own, 7 for ngram / model.")
+@click.option("--rounds-per-call", default=8, show_default=True,
+              help="Speculative rounds (draft, verify, accept) per device call with a hidden-state --draft.")
+@click.option("--temperature", default=0.0, show_default=True,
+              help="0: greedy. Above 0 (a hidden-state --draft): speculative sampling at that temperature, whose "
+                   "tokens are distributed as the target's sampling.")
 @click.option("--draft-model", metavar="NAME|FILE|DIR|layers:N",
               help="Draft model for --spec draft: preset / TOML / config.json (random weights, --seed), a checkpoint "
                    "directory, or layers:N (the target's first N layers). Same vocabulary as the target.")
@@ -284,14 +323,33 @@ def build(spec, verify_q, verify_estimate, estimate, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, dtype, page_size, devices, quant, spec,
-             draft_tokens, draft_model, kv_dtype, as_json):
+             draft, draft_tokens, rounds_per_call, temperature, draft_model, kv_dtype, as_json):
     """Greedy generation from token ids, or from text through a checkpoint's tokenizer (--prompt)."""
+    from tpumk.decode import drafted
     from tpumk.decode import generate as gen
+    from tpumk.errors import ConfigError
 
     if (prompt_ids is None) == (prompt_text is None):
         raise click.UsageError("missing option --prompt-ids (or --prompt TEXT)" if prompt_ids is None
                                else "--prompt-ids and --prompt: give one of them, not both",
                                ctx=click.get_current_context())
+    hidden = drafted.hidden_kind(draft)
+    if draft is not None and spec != "none":
+        raise ConfigError("--draft and --spec: give one of them (--draft ngram and --draft model:... are --spec's)")
+    if draft is not None and hidden is None:  # --spec's methods, spelled as --draft
+        d = draft.strip()
+        if d == "ngram":
+            spec = "ngram"
+        elif d.startswith("model:"):
+            spec, draft_model = "draft", d.split(":", 1)[1]
+        else:
+            raise ConfigError(f"--draft {d!r}: expected eagle3:, dflash:, dflash2:, dspark:, mtp[:DIR], ngram or "
+                              "model:NAME|DIR|layers:N")
+    if hidden is None and (rounds_per_call != 8 or temperature != 0.0):
+        raise ConfigError("--rounds-per-call and --temperature: only with a hidden-state --draft (eagle3, mtp, "
+                          "dflash, dflash2, dspark)")
+    block = draft_tokens
+    draft_tokens = gen.DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
     gen.check_sizes(steps, page_size, draft_tokens)  # before loading anything
     gen.check_request(model, checkpoint, dtype, prompt_ids, backend, spec, devices, quant, steps,
                       draft_tokens, draft_model)  # before any weights
@@ -309,6 +367,16 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
         prompts = [text_ids]
     else:
         prompts = gen.parse_prompt_ids(prompt_ids, m.cfg.vocab_size)
+    if hidden is not None:
+        phases(f"drafter: {draft.strip()}")
+        drafter = drafted.load(draft, m.cfg, checkpoint, seed=seed, block=block, target_params=m.params)
+        phases(f"generate {steps} tokens per sequence ({backend}: compile, prefill, then {rounds_per_call} "
+               "speculative rounds per device call)")
+        result = drafted.generate(m, prompts, steps, drafter, backend=backend, page_size=page_size, devices=devices,
+                                  kv_dtype="" if kv_dtype == "none" else kv_dtype, rounds_per_call=rounds_per_call,
+                                  temperature=temperature, seed=seed)
+        _print_generated(result, prompts, tokenizer, prompt_text, as_json, backend, devices, kv_dtype, steps)
+        return
     draft = gen.load_draft_model(draft_model, m, seed=seed, dtype=dtype) if draft_model is not None else None
     phases(f"generate {steps} tokens per sequence ({backend}: compile, prefill, then decode)")
     bar = None
@@ -323,19 +391,8 @@ def generate(model, checkpoint, prompt_ids, prompt_text, steps, backend, seed, d
     finally:
         if bar is not None:
             bar.close()
-    if tokenizer is not None:
-        result.update(prompt_text=prompt_text, text=tokenizer.decode(result["tokens"][0]), tokenizer=tokenizer.source)
-    if as_json:
-        emit_json(result)
+    if _print_generated(result, prompts, tokenizer, prompt_text, as_json, backend, devices, kv_dtype, steps):
         return
-    on = f" on {devices} devices" if devices > 1 else ""
-    kv = f", {kv_dtype} KV cache" if kv_dtype != "none" else ""
-    echo(f"model {result['model']} ({result['weights']}), backend {backend}{on}{kv}")
-    for p, toks in zip(prompts, result["tokens"]):
-        echo(f"  {','.join(map(str, p))} -> {','.join(map(str, toks))}")
-    if tokenizer is not None:  # repr: the text stays on one line, its spaces and newlines visible
-        echo(f"  {prompt_text!r} -> {result['text']!r}")
-    echo(f"{steps} steps in {result['seconds']:.2f} s wall on this host (includes compilation)")
     sp = result["spec"]
     if sp["method"] != "none" and not sp["target_steps"]:
         echo("speculation: no verify step ran (the prefill gives the only token)")

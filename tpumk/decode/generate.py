@@ -507,7 +507,7 @@ def _megakernel_where(devices: int = 1) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int, devices: int = 1,
-                 quant: str = "none", kv_dtype: str = ""):
+                 quant: str = "none", kv_dtype: str = "", taps: tuple[int, ...] = ()):
     """(plan, step) of the megakernel for these shapes, on an attached TPU when there is one,
     else in Pallas TPU interpret mode on the host. Cached so repeated generations in one
     process (tests, notebooks) trace and compile each shape once."""
@@ -520,7 +520,7 @@ def _kernel_step(cfg: ModelConfig, batch: int, context: int, page_size: int, q_l
     if target.interpret:
         ensure_host_devices(devices)
     plan = make_plan(BuildSpec(cfg, target, batch, context, q_len=q_len, page_size=page_size, devices=devices,
-                               quant=quant, kv_dtype=kv_dtype))
+                               quant=quant, kv_dtype=kv_dtype, taps=taps))
     return plan, make_decode_step(plan)
 
 

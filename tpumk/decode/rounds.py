@@ -218,13 +218,16 @@ def required_context(prompts: Sequence[Sequence[int]], steps: int, block: int) -
 
 
 def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tparams, prompts: Sequence[Sequence[int]],
-             cache, settings: RoundSettings, seed: int = 0) -> tuple[list[list[int]], Any, RoundStats]:
+             cache, settings: RoundSettings, seed: int = 0,
+             layout: tuple[Callable, Callable] | None = None) -> tuple[list[list[int]], Any, RoundStats]:
     """Speculative generation of `settings.steps` tokens per prompt, `rounds_per_call` rounds per
     device call, the host reading only the emitted counts between calls.
 
     `prefill(tokens [B, T], positions [B, T], cache) -> (logits, cache, taps)` runs the prompts
     (the reference with `taps=drafter.taps`, or any step of that contract); `verify` is the
-    target's step for q = block + 1 with the same taps. Returns the tokens, the cache and the
+    target's step for q = block + 1 with the same taps; `layout` (to, back): the verify step's
+    cache layout from the prefill's and back (the megakernel's sharded or lane-padded one),
+    applied once before the rounds and once after. Returns the tokens, the cache and the
     RoundStats (`calls`: how many times the program returned to the host)."""
     need = required_context(prompts, settings.steps, settings.block)
     if cache.max_context < need:
@@ -232,6 +235,8 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
                           f"{settings.steps} steps plus a verify step of {settings.block + 1}")
     tokens, positions = padded_prompts(prompts)
     logits, cache, taps = prefill(tokens, positions, cache)
+    if layout is not None:
+        cache = layout[0](cache)
     carry = first_carry(logits, taps, tokens, positions, cache, drafter, dparams, tparams, settings, seed)
     run = jax.jit(make_rounds(verify, drafter, settings))
     calls = 0
@@ -242,4 +247,4 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
             break
     out = np.asarray(carry.out)[:, :settings.steps]
     stats = RoundStats(settings.block, calls, np.asarray(carry.rounds).tolist(), np.asarray(carry.committed).tolist())
-    return [row.tolist() for row in out], carry.cache, stats
+    return [row.tolist() for row in out], carry.cache if layout is None else layout[1](carry.cache), stats

@@ -1,0 +1,150 @@
+"""Generation with a hidden-state drafter (`tpumk generate --draft KIND...`, issue 56).
+
+`--draft` names where the drafter comes from:
+
+    eagle3:DIR | dflash:DIR | dflash2:DIR | dspark:DIR | mtp:DIR   a speculators directory
+    mtp                                                            the target checkpoint's own
+                                                                   next-token layer (--checkpoint)
+    KIND:random | KIND:key=value,...                               random weights of a shape
+                                                                   (tpumk.draft.random_drafter's
+                                                                   keywords; --seed)
+
+The target's step and the drafter run in `tpumk.decode.rounds`' device loop: the prompts are
+prefilled by the reference with the drafter's taps, then every round's verify step is the
+megakernel planned for q = block + 1 with those taps (or the reference's step), `rounds_per_call`
+rounds per device call. On many devices the cache is put in the kernel's layout once, before
+the loop, and back after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tpumk.errors import ConfigError
+
+RANDOM_INT_KEYS = ("layers", "heads", "kv_heads", "head_dim", "ffn", "block", "block_size", "draft_vocab",
+                   "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "taps")
+RANDOM_STR_KEYS = ("markov_head", "dtype")
+
+
+def hidden_kind(value: str | None) -> str | None:
+    """The drafter kind a --draft value names when it is a hidden-state drafter, else None."""
+    from tpumk.draft import KINDS
+
+    if value is None:
+        return None
+    kind = value.strip().split(":", 1)[0]
+    return kind if kind in KINDS else None
+
+
+def parse_random_shape(kind: str, text: str, target) -> dict[str, Any]:
+    """`random` or `key=value,...` -> random_drafter keywords; taps=N spreads N taps (or
+    taps=a/b/c names them)."""
+    from tpumk.draft.drafter import spread
+
+    if text == "random":
+        return {}
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or key not in RANDOM_INT_KEYS + RANDOM_STR_KEYS:
+            raise ConfigError(f"--draft {kind}:{text}: expected a directory, 'random' or key=value pairs of "
+                              f"{', '.join(RANDOM_INT_KEYS + RANDOM_STR_KEYS)} (got {item.strip()!r})")
+        if key in RANDOM_STR_KEYS:
+            out[key] = val
+            continue
+        if key == "taps" and "/" in val:
+            parts = val.split("/")
+        else:
+            parts = [val]
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--draft {kind}:{text}: {key} = {val!r}: expected an integer") from None
+        if key == "taps":
+            out["taps"] = tuple(nums) if len(nums) > 1 else spread(target.num_layers, nums[0])
+        else:
+            out[key] = nums[0]
+    return out
+
+
+def load(value: str, target, checkpoint: str | None, seed: int = 0, block: int | None = None,
+         target_params: dict | None = None):
+    """The Drafter a --draft value names, for `target` (ModelConfig). Bad input: one line."""
+    from tpumk.draft import load_drafter, random_drafter
+    from tpumk.files import is_dir
+
+    value = value.strip()
+    kind, _, src = value.partition(":")
+    if kind == "mtp" and not src:
+        if checkpoint is None or not is_dir(Path(checkpoint)):
+            raise ConfigError("--draft mtp: reads the target checkpoint's next-token layer: give --checkpoint DIR "
+                              "(or mtp:DIR, a speculators mtp directory)")
+        return load_drafter("mtp", target, checkpoint=checkpoint, block=block)
+    if not src:
+        raise ConfigError(f"--draft {value}: expected {kind}:DIR (a speculators directory), {kind}:random or "
+                          f"{kind}:key=value,... (a random drafter of that shape)")
+    if src == "random" or ("=" in src and not is_dir(Path(src))):
+        kw = parse_random_shape(kind, src, target)
+        if block is not None:
+            kw.setdefault("block", block)
+        return random_drafter(kind, target, seed=seed, **kw)
+    return load_drafter(src, target, block=block, target_params=target_params)
+
+
+def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "reference", page_size: int = 16,
+             devices: int = 1, kv_dtype: str = "", rounds_per_call: int = 8, temperature: float = 0.0,
+             seed: int = 0) -> dict:
+    """Generate with `drafter` (tpumk.draft.Drafter) through `backend`'s verify step; returns what
+    `tpumk.decode.generate.generate` returns, the rounds' figures under "spec"."""
+    import time
+
+    import jax
+
+    from tpumk.decode import rounds
+    from tpumk.decode.generate import _init_cache, _kernel_step, _megakernel_where, check_host_memory
+    from tpumk.model import reference
+
+    settings = rounds.RoundSettings(drafter.block, steps, rounds_per_call, temperature)
+    k = drafter.block
+    context = rounds.required_context(prompts, steps, k)
+    context = -(-context // page_size) * page_size
+    check_host_memory(m.cfg, len(prompts), context, [(1, max(len(p) for p in prompts)), (len(prompts), k + 1)])
+    cache = _init_cache(m.cfg, len(prompts), context, page_size, "", kv_dtype, pending=k + 1)
+    taps = drafter.taps
+    prefill = jax.jit(lambda t, p, c: reference.decode_step(m.params, m.cfg, t, p, c, taps=taps))
+    layout = None
+    if backend == "reference":
+        verify = lambda pk, t, p, c: reference.decode_step(pk, m.cfg, t, p, c, taps=taps)  # noqa: E731
+        packed = m.params
+    else:
+        from tpumk.kernel.layout import pack_sharded
+        from tpumk.plan.padding import pad_cache, unpad_cache
+
+        plan, step = _kernel_step(m.cfg, len(prompts), context, page_size, k + 1, devices, m.quant, kv_dtype, taps)
+        packed = pack_sharded(plan, m.params)
+        verify = step
+        sh, whole = plan.sharding, plan.whole_model
+
+        def to_kernel(c):
+            c = pad_cache(m.cfg, whole, c) if plan.unpadded is not None else c
+            return sh.expand_kv(whole, c) if sh is not None else c
+
+        def from_kernel(c):
+            c = sh.collapse_kv(whole, c) if sh is not None else c
+            return unpad_cache(m.cfg, whole, c) if plan.unpadded is not None else c
+        layout = (to_kernel, from_kernel)
+    t0 = time.perf_counter()
+    tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params, m.params, prompts, cache,
+                                       settings, seed=seed, layout=layout)
+    seconds = time.perf_counter() - t0
+    spec_info = {"method": drafter.kind, "drafter": repr(drafter), "temperature": temperature,
+                 "rounds_per_call": rounds_per_call, **stats.to_dict(),
+                 "note": "acceptance counts are exact on this host; tokens per verify step = accepted drafts + 1"}
+    return {"model": m.cfg.name, "backend": backend, "devices": devices, "weights": m.source, "steps": steps,
+            "kv_dtype": kv_dtype or m.cfg.dtype, "prompts": prompts, "tokens": tokens, "seconds": seconds,
+            "ran_on": "reference decode step (pure JAX) on this host" if backend == "reference"
+            else _megakernel_where(devices), "spec": spec_info,
+            "timing_note": "wall time on this host, including compilation; not a TPU speed figure"}
