@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from tpumk.errors import CheckpointError, ConfigError, NotSupportedError, one_line
+from tpumk.errors import ConfigError, NotSupportedError, one_line
 from tpumk.model.config import DTYPES, ModelConfig, from_hf_config
 from tpumk.model.hf_fields import Family, Refused, account_fields, shown
-from tpumk.model.parts import is_int, is_number
+from tpumk.model.parts import is_int
 
 KINDS = ("eagle3", "mtp", "dflash", "dflash2", "dspark")
 CHAIN_KINDS = ("eagle3", "mtp")  # one draft per drafter step, fed back k times
@@ -443,14 +443,3 @@ def _layer(data: dict[str, Any], kind: str, source: str, dtype: str, target: Mod
                               f"{target.num_layers} layers (an mtp head reads the target's last hidden state)")
         layer = layer.replace(num_layers=1)
     return layer.replace(name=f"{kind}-draft")
-
-
-def check_weights_present(found: set[str], needed: list[str], d: Any) -> None:
-    missing = [n for n in needed if n not in found]
-    if missing:
-        raise CheckpointError(f"{d}: missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)"
-                                                                       if len(missing) > 1 else ""))
-
-
-__all__ = ["KINDS", "CHAIN_KINDS", "BLOCK_KINDS", "DrafterSpec", "read_config", "translate_layer_ids",
-           "speculators_installed", "is_number"]

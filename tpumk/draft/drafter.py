@@ -26,7 +26,7 @@ import numpy as np
 from tpumk.draft import block as block_drafter
 from tpumk.draft import chain as chain_drafter
 from tpumk.draft.config import (BLOCK_KINDS, CHAIN_KINDS, KINDS, MARKOV_HEADS, MAX_BLOCK, DrafterSpec, read_config)
-from tpumk.draft.weights import param_shapes, random_params, read_speculators
+from tpumk.draft.weights import abstract_params, random_params, read_speculators
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.files import TEXT_LIMIT, name_problem, read_regular
 from tpumk.files import shown as path_shown
@@ -241,8 +241,8 @@ def random_drafter(kind: str, target: ModelConfig, seed: int = 0, *, abstract: b
                 extra = dict(markov_rank=markov_rank, markov_head=markov_head if markov_rank else "")
             spec = DrafterSpec(kind=kind, layer=layer, taps=tp, block=block or natural, vocab=vocab, draft_vocab=dv,
                                block_size=block_size, mask_token_id=vocab - 1, sample_from_anchor=anchor, **extra)
-    params = jax.eval_shape(lambda: random_params(spec, seed)) if abstract else random_params(spec, seed)
+    params = abstract_params(spec) if abstract else random_params(spec, seed)
     return Drafter(spec, params)
 
 
-__all__ = ["Drafter", "load_drafter", "random_drafter", "param_shapes", "BLOCK_KINDS"]
+__all__ = ["Drafter", "load_drafter", "random_drafter"]

@@ -51,7 +51,7 @@ def pick(spec: DrafterSpec, params: Params, logits: jax.Array, key, temperature)
     vocabulary), or at temperature 0 the one-hot of the argmax. `key` None: the argmax (greedy);
     else a draw from q (a row at temperature 0 still takes the argmax)."""
     t = jnp.asarray(temperature, jnp.float32)
-    t = t[:, None] if t.ndim == 1 else t
+    t = jnp.broadcast_to(t.reshape(-1, 1), (logits.shape[0], 1))  # a scalar, or one per sequence
     hot = t > 0
     scaled = logits / jnp.where(hot, t, 1.0)
     best = jnp.argmax(logits, -1)

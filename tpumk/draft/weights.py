@@ -103,52 +103,60 @@ def param_shapes(spec: DrafterSpec) -> Params:
     return out
 
 
-def random_params(spec: DrafterSpec, seed: int = 0) -> Params:
-    """Deterministic random weights of `spec`'s shapes (a jax function of the seed's key, so
-    `jax.eval_shape` gives the shapes without allocating). As tpumk.model.weights: matrices
-    N(0, 1 / fan_in), norms 1 + N(0, 0.01), output projections scaled down with depth; DFlash2's
-    base kernels start as the identity tap plus noise; a reduced vocabulary keeps every
-    vocab_size / draft_vocab-th target id."""
-    dt = jnp_dtype(spec.layer)
-    depth = 1.0 / np.sqrt(2.0 * max(spec.layer.num_layers, 1))
-    correction = spec.layer.moe.router_correction_bias
+def _dtype_of(spec: DrafterSpec, name: str):
+    if name == "d2t":
+        return jnp.int32
+    if spec.layer.moe.router_correction_bias and name in FLOAT32_TENSORS:  # as tpumk.model.weights keeps them
+        return jnp.float32
+    return jnp_dtype(spec.layer)
 
-    def make(name: str, shape: tuple[int, ...], key) -> jax.Array:
+
+def _map(shapes, fn, path: tuple = ()):
+    """fn(name, shape) over the leaves of a nested shapes structure (dicts and lists)."""
+    if isinstance(shapes, dict):
+        return {k: _map(v, fn, path + (k,)) for k, v in shapes.items()}
+    if isinstance(shapes, list):
+        return [_map(v, fn, path) for v in shapes]
+    return fn(path[-1], shapes)
+
+
+def abstract_params(spec: DrafterSpec) -> Params:
+    """The params' shapes and dtypes as jax.ShapeDtypeStruct (nothing allocated)."""
+    return _map(param_shapes(spec), lambda name, shape: jax.ShapeDtypeStruct(shape, _dtype_of(spec, name)))
+
+
+def random_params(spec: DrafterSpec, seed: int = 0) -> Params:
+    """Deterministic random weights of `spec`'s shapes (numpy's generator: no device program per
+    shape). As tpumk.model.weights: matrices N(0, 1 / fan_in), norms 1 + N(0, 0.01), output
+    projections scaled down with depth, the router scaled up; DFlash2's base kernels the identity
+    tap plus noise; a reduced vocabulary keeps every vocab / draft_vocab-th target id."""
+    rng = np.random.default_rng(seed)
+    depth = 1.0 / np.sqrt(2.0 * max(spec.layer.num_layers, 1))
+
+    def make(name: str, shape: tuple[int, ...]) -> jax.Array:
         if name == "d2t":
-            return (jnp.arange(shape[0]) * (spec.vocab // shape[0])).astype(jnp.int32)
-        n = jax.random.normal(key, shape, jnp.float32)
+            return jnp.asarray(np.arange(shape[0]) * (spec.vocab // shape[0]), jnp.int32)
+        n = rng.standard_normal(shape, np.float32)
         if name.endswith("norm"):
             w = 1.0 + 0.1 * n
         elif name.endswith("_conv_base"):  # near the identity tap, as speculators initialises it
-            w = jnp.zeros(shape).at[:, 0].set(1.0) + 0.1 * n
+            w = 0.1 * n
+            w[:, 0] += 1.0
         elif name == "router_bias":
             w = 0.1 * n
-        elif name.endswith("bias") or name in ("bq", "bk", "bv", "bo", "embed", "sel_pred", "sel_succ", "markov_w1"):
-            w = n if name != "bo" else n * depth
+        elif name.endswith("bias") or name in ("bq", "bk", "bv", "embed", "sel_pred", "sel_succ", "markov_w1"):
+            w = n
+        elif name == "bo":
+            w = n * depth
         else:
             w = n / np.sqrt(shape[-2])
             if name in ("wo", "w_down", "e_down", "s_down"):
                 w = w * depth
             if name == "router":
                 w = w * 4.0
-        return w.astype(jnp.float32 if correction and name in FLOAT32_TENSORS else dt)
+        return jnp.asarray(w, _dtype_of(spec, name))
 
-    key = jax.random.PRNGKey(seed)
-
-    def fill(shapes):
-        nonlocal key
-        out = {}
-        for name, s in shapes.items():
-            if isinstance(s, dict):
-                out[name] = fill(s)
-            elif isinstance(s, list):
-                out[name] = [fill(x) for x in s]
-            else:
-                key, sub = jax.random.split(key)
-                out[name] = make(name, s, sub)
-        return out
-
-    return fill(param_shapes(spec))
+    return _map(param_shapes(spec), make)
 
 
 class _Reader:
