@@ -29,7 +29,7 @@ from tpumk.draft.layers import pick
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model import reference
 from tpumk.model.config import ModelConfig, load_hf_model, load_preset
-from tpumk.model.weights import random_params
+from tpumk.model.weights import expected_shapes
 from tpumk.targets import INTERPRET_COMPILER_OPTIONS
 
 TARGET = ModelConfig(name="draft-target", num_layers=4, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -119,12 +119,16 @@ def test_a_written_drafter_reads_back_exactly(tmp_path, name):
 
 
 def test_an_eagle3_checkpoints_own_embedding_is_kept_unless_it_is_the_targets(tmp_path):
-    d, (cfg, tparams) = drafter("eagle3"), target("eagle3")
-    extra = {"embed_tokens.weight": np.asarray(tparams["embed"])}
-    path = _dir(tmp_path, "eagle3", extra=extra)
+    cfg, tparams = target("eagle3")
+    path = _dir(tmp_path, "eagle3", extra={"embed_tokens.weight": np.asarray(tparams["embed"])})
     assert load_drafter(path, cfg, use_speculators=False).spec.own_embed
     shared = load_drafter(path, cfg, target_params=tparams, use_speculators=False)
     assert not shared.spec.own_embed and "embed" not in shared.params
+    own = np.asarray(tparams["embed"]) + 1.0
+    path = _dir(tmp_path, "eagle3", extra={"embed_tokens.weight": own})
+    kept = load_drafter(path, cfg, target_params=tparams, use_speculators=False)
+    assert kept.spec.own_embed
+    np.testing.assert_array_equal(np.asarray(kept.params["embed"]), own)
 
 
 BAD_CONFIGS = [  # (kind, config changes, tensors dropped, error, what the line must say)
@@ -234,7 +238,9 @@ def test_layer_ids_are_taps_entering_each_layer():
     """speculators' / vLLM's layer id i < L is the residual stream entering layer i: tpumk's tap i.
     Id 0 is the embeddings, exactly (a translation off by one would hand the drafter layer 0's
     output); id L is the residual before the final norm, which no tpumk tap holds: refused."""
-    cfg, params = TARGET, random_params(TARGET, seed=1)
+    cfg, rng = TARGET, np.random.default_rng(1)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0])),
+                          expected_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
     taps = translate_layer_ids([0, 2, 3], cfg, "aux_hidden_state_layer_ids", "config.json")
     assert taps == (0, 2, 3)
     tokens = jnp.asarray([[5, 9, 200, 31]])
@@ -288,8 +294,8 @@ def test_picking_a_draft():
     ids, q = pick(d.spec, d.params, logits, None, jnp.asarray([2.0, 0.0]))  # a temperature per sequence
     np.testing.assert_allclose(np.asarray(q)[0, d2t], np.asarray(jax.nn.softmax(logits[0] / 2.0)), atol=1e-6)
     assert np.asarray(q)[1, best[1]] == 1.0 and np.asarray(q).sum() == pytest.approx(2.0)
-    draws = np.asarray(jit(jax.vmap(lambda k: pick(d.spec, d.params, logits, k, 1.0)[0]))(
-        jax.random.split(jax.random.PRNGKey(2), 4000)))[:, 0]
+    many = jnp.broadcast_to(logits[0], (4000, logits.shape[1]))  # 4,000 draws from sequence 0's logits
+    draws = np.asarray(pick(d.spec, d.params, many, jax.random.PRNGKey(2), 1.0)[0])
     freq = np.bincount(draws, minlength=d.spec.vocab) / len(draws)
     np.testing.assert_allclose(freq[d2t], np.asarray(jax.nn.softmax(logits[0])), atol=0.03)  # 4,000 draws
 

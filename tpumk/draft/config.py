@@ -206,7 +206,6 @@ def speculators_installed() -> bool:
 def through_speculators(data: dict[str, Any], source: str) -> dict[str, Any]:
     """`data` validated and completed by speculators' own config classes, as `save_pretrained`
     writes it (`to_diff_dict`: every speculators field, the layer config's non-default ones)."""
-    import pydantic  # noqa: F401  (speculators' validation errors are pydantic's)
     from speculators import SpeculatorModelConfig
 
     try:

@@ -25,7 +25,7 @@ import numpy as np
 
 from tpumk.draft import block as block_drafter
 from tpumk.draft import chain as chain_drafter
-from tpumk.draft.config import (BLOCK_KINDS, CHAIN_KINDS, KINDS, MARKOV_HEADS, MAX_BLOCK, DrafterSpec, read_config)
+from tpumk.draft.config import CHAIN_KINDS, KINDS, MARKOV_HEADS, MAX_BLOCK, DrafterSpec, read_config
 from tpumk.draft.weights import abstract_params, random_params, read_speculators
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.files import TEXT_LIMIT, name_problem, read_regular
