@@ -116,6 +116,10 @@ def test_a_written_drafter_reads_back_exactly(tmp_path, name):
                                mtp_source="speculators" if name == "mtp" else "")
     assert got.spec == want
     jax.tree.map(np.testing.assert_array_equal, got.params, d.params)
+    half = load_drafter(_dir(tmp_path, name), cfg, dtype="bfloat16", use_speculators=False)
+    assert half.spec.layer.dtype == "bfloat16"
+    assert {a.dtype for k, a in jax.tree_util.tree_leaves_with_path(half.params) if "d2t" not in str(k)} == \
+        {jnp.dtype(jnp.bfloat16)}
 
 
 def test_an_eagle3_checkpoints_own_embedding_is_kept_unless_it_is_the_targets(tmp_path):
