@@ -3,8 +3,8 @@
 Layers, lowest first; a module may import its own unit and any lower layer, never a higher one
 or a sibling of its own layer:
 
-    errors -> {compat, files, child_process} -> {_env, tomlfile} -> targets -> model -> plan -> kernel -> compile
-    -> estimate -> build -> {tune, export, decode} -> vllm -> cli
+    errors -> {compat, files, child_process} -> {_env, tomlfile} -> targets -> model -> draft -> plan -> kernel
+    -> compile -> estimate -> build -> {tune, export, decode} -> vllm -> cli
 
 `tpumk/__init__.py` (the lazy public API) may import anything; any module may read
 `tpumk.__version__` from the package root.
@@ -29,6 +29,7 @@ LAYERS = [
     {"_env", "tomlfile"},
     {"targets"},
     {"model"},
+    {"draft"},
     {"plan"},
     {"kernel"},
     {"compile"},

@@ -92,6 +92,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # (see `tpumk.model.config.stored_scheme`); anything else (int / packed) is a quantization tpumk does not read.
 _DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 FP8_TAG = "F8_E4M3"
+_INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8", "BOOL"})
 # Reference keys a checkpoint may store in FP8 (the ring's matrices and the routed experts: the
 # formats tpumk streams); the router, embedding and norms must be float.
 _FP8_KEYS = frozenset(RING_MATRICES + EXPERT_MATRICES + ("lm_head", "wkv_b"))
@@ -125,6 +126,16 @@ class _Tensor:
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({one_line(e)})") from None
 
+
+    def read_ints(self) -> np.ndarray:
+        """An integer or boolean tensor (a drafter's vocabulary maps: d2t int64, t2d bool) as numpy."""
+        if self.dtype_tag not in _INT_DTYPES:
+            raise CheckpointError(f"{self.file}: tensor '{self.name}' has dtype {self.dtype_tag}, expected an integer "
+                                  "or boolean tensor")
+        try:
+            return self._handle.get_tensor(self.name)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.file}: cannot read tensor '{self.name}' ({one_line(e)})") from None
 
     def _read_fp8(self) -> np.ndarray:
         """An e4m3 tensor's bytes as float8_e4m3fn (safetensors' numpy reader has no fp8 dtype):
@@ -204,6 +215,13 @@ def _index_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
             if name not in tensors or tensors[name].file.name != fname:
                 raise CheckpointError(f"{index}: lists tensor '{name}' in {fname}, which does not hold it")
     return tensors
+
+
+def open_tensors(d: Path, stack: ExitStack) -> dict[str, _Tensor]:
+    """Every tensor of the safetensors directory `d` by name (sharded or not, each file checked
+    as load_checkpoint checks it), open until `stack` closes: for readers of other tensor layouts
+    (a drafter's, tpumk.draft). Each has `shape`, `dtype_tag`, `read()` (float) and `read_ints()`."""
+    return _index_tensors(d, stack)
 
 
 # ---------------------------------------------------------------------- name mapping
@@ -321,9 +339,10 @@ def _rotary_perm(heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
     return (np.arange(heads)[:, None] * head_dim + rotary_order(head_dim, rotary_dim)[None]).reshape(-1)
 
 
-def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None
+def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None = None, layers_only: bool = False
           ) -> tuple[dict[str, list[_Dest]], list[str]]:
-    """Map every expected HF tensor name to its destinations; also return names to ignore."""
+    """Map every expected HF tensor name to its destinations; also return names to ignore.
+    `layers_only`: the decoder layers' tensors alone (no embedding, final norm or head)."""
     config_json = config_json or {}
     shapes = expected_shapes(cfg)
     plan: dict[str, list[_Dest]] = {}
@@ -361,13 +380,14 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
             hf_shape = tuple(reversed(ref)) if fn_in is _t else ref
         plan.setdefault(hf, []).append((layer, key, expert, hf_shape, fn))
 
-    add("model.embed_tokens.weight", None, "embed")
-    add("model.norm.weight", None, "final_norm")
-    if cfg.head.tie_embeddings:
-        if "lm_head.weight" in names:  # some exports write the tied copy; it equals embed
-            ignored.append("lm_head.weight")
-    else:
-        add("lm_head.weight", None, "lm_head", _t)
+    if not layers_only:
+        add("model.embed_tokens.weight", None, "embed")
+        add("model.norm.weight", None, "final_norm")
+        if cfg.head.tie_embeddings:
+            if "lm_head.weight" in names:  # some exports write the tied copy; it equals embed
+                ignored.append("lm_head.weight")
+        else:
+            add("lm_head.weight", None, "lm_head", _t)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         if cfg.norms.pre_norms:  # OLMo 2 has none
@@ -622,6 +642,43 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     return cfg, quantize_params(cfg, params, "fp8-b128") if fp8 else params
 
 
+def load_layer(path: str | Path, cfg: ModelConfig, index: int, own: tuple[str, ...] = (),
+               shared: tuple[str, ...] = (), dtype: Any = None) -> tuple[Params, dict[str, np.ndarray]]:
+    """Decoder layer `model.layers.{index}.` of a checkpoint directory alone, as layer 0 of `cfg` (a
+    one-layer config of that layer's kind) in the reference layout: for a layer stored past the
+    model's own (a multi-token-prediction layer, which load_checkpoint skips). Under that prefix,
+    the tensors named in `own` are returned as stored (float numpy, [out, in] for a matrix), those
+    in `shared` must be present and are not read (copies of the model's embedding or head, which
+    a caller takes from the model), and every other one is read as part of the decoder layer, with
+    load_checkpoint's checks (a missing, unexpected or misshapen tensor refused in one line; fp8
+    weights loaded as stored). `dtype` as load_checkpoint's."""
+    d = Path(path)
+    if name_problem(d) or not d.is_dir() or not (d / "config.json").is_file():
+        raise CheckpointError(f"{shown(d)}: expected a checkpoint directory with a config.json")
+    _, stored = load_hf_model(d / "config.json")
+    raw = json.loads(read_regular(d / "config.json"))
+    config_json = {**hf_text_config(raw)[0], "num_nextn_predict_layers": 0, "num_mtp_layers": 0}
+    cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
+    out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
+    prefix = f"model.layers.{index}."
+    with ExitStack() as stack:
+        tensors = _index_tensors(d, stack)
+        if raw.get("model_type") in WRAPPERS:
+            wrapper = WRAPPERS[raw["model_type"]]
+            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
+        mine = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+        missing = [prefix + n for n in own + shared if n not in mine]
+        if missing:
+            raise CheckpointError(f"{d}: missing tensor '{missing[0]}'{and_more(missing)}")
+        extras = {n: mine[n].read() for n in own}
+        layer = {"model.layers.0." + n: t for n, t in mine.items() if n not in own and n not in shared}
+        try:
+            params = _load_params(d, cfg, out_dt, layer, config_json, stored == "fp8-b128", layers_only=True)
+        except CheckpointError as e:  # read as layer 0: name the tensor as the checkpoint stores it
+            raise CheckpointError(str(e).replace("'model.layers.0.", f"'{prefix}")) from None
+    return params["layers"][0], extras
+
+
 def language_model_tensors(tensors: dict[str, _Tensor], vision_prefixes: tuple[str, ...],
                            renames: tuple[tuple[str, str], ...] = ()) -> dict[str, _Tensor]:
     """A multimodal checkpoint's tensors under the names of its language model alone (errors
@@ -692,8 +749,8 @@ def _fp8_absorbed(cfg: ModelConfig, t: _Tensor, scale: _Tensor, compute) -> tupl
 
 
 def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
-                 config_json: dict[str, Any] | None = None, fp8: bool = False) -> Params:
-    plan, ignored = _plan(cfg, set(tensors), config_json)
+                 config_json: dict[str, Any] | None = None, fp8: bool = False, layers_only: bool = False) -> Params:
+    plan, ignored = _plan(cfg, set(tensors), config_json, layers_only)
     cohere = (config_json or {}).get("model_type") == "cohere"
     # FP8 checkpoints: a weight with a `weight_scale_inv` beside it is stored in e4m3 blocks.
     scales = {n[:-len("_scale_inv")]: n for n in tensors if fp8 and n.endswith(".weight_scale_inv")}
@@ -731,7 +788,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                                   f"expected {list(dests[0][3])}")
 
     shapes = expected_shapes(cfg)
-    params: Params = {k: None for k in shapes if k != "layers"}
+    params: Params = {k: None for k in shapes if k != "layers" and not layers_only}
     params["layers"] = [{k: None for k in lay} for lay in shapes["layers"]]
 
     def put(layer: int | None, key: str, arr: np.ndarray) -> None:
@@ -795,11 +852,11 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
             if len(seen) == parts.get((layer, key), buf.shape[0]):
                 put(layer, key, buf)
                 del stacks[(layer, key)]
-    _check_complete(params, shapes, d, cfg)
+    _check_complete(params, shapes, d, cfg, layers_only)
     return params
 
 
-def _check_complete(params: Params, shapes: Params, d: Path, cfg: ModelConfig) -> None:
+def _check_complete(params: Params, shapes: Params, d: Path, cfg: ModelConfig, layers_only: bool = False) -> None:
     """Every reference tensor is present with its expected shape (guards the mapping itself)."""
     def check(got: Any, want: tuple[int, ...], where: str) -> None:
         if isinstance(got, QuantizedMatrix) and jnp.dtype(got.q.dtype) not in (
@@ -809,7 +866,7 @@ def _check_complete(params: Params, shapes: Params, d: Path, cfg: ModelConfig) -
             raise CheckpointError(f"{d}: reference tensor '{where}' not built with shape {list(want)}")
 
     for k, s in shapes.items():
-        if k != "layers":
+        if k != "layers" and not layers_only:
             check(params[k], s, k)
     for i, lay in enumerate(shapes["layers"]):
         got = params["layers"][i]
