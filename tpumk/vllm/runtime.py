@@ -19,6 +19,7 @@ that names the setting and what was expected, before any weight is read: the ser
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
 latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
+hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
 vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend or kernel whose KV cache is not laid out as RPA v3's (tpumk.vllm.kv), and
 sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
@@ -124,6 +125,11 @@ def _check_vllm(vllm_config, cfg) -> None:
     if cfg.sliding_window:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has sliding-window layers; vLLM gives them their "
                                  "own block tables, which the plugin does not read yet")
+    if cfg.linear:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}, "
+                                 f"{len(cfg.linear_layers)} of {cfg.num_layers}); the plugin does not keep their "
+                                 "per-sequence state pool in vLLM's cache yet (serve it with a softmax-attention model, "
+                                 "or run it with tpumk generate)")
     for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
                     ("pipeline_parallel_size", pc.pipeline_parallel_size)):
         if int(v) != 1:
