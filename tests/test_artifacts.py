@@ -346,53 +346,84 @@ HYBRID = dict(name="tiny-gdn", num_layers=2, linear_kind="gated_delta", linear_l
               linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
 
 
+def _hybrid_export(out_dir, target: str):
+    spec = BuildSpec(load_preset("tiny-dense").replace(**HYBRID), get_target(target), batch=2, context=CONTEXT,
+                     tuning=TuningConfig(), q_len=1, page_size=PAGE)
+    return A.export(spec, out_dir=out_dir)
+
+
 @pytest.fixture(scope="module")
 def hybrid_artifact(tmp_path_factory):
-    spec = BuildSpec(load_preset("tiny-dense").replace(**HYBRID), get_target("cpu"), batch=2, context=CONTEXT,
-                     tuning=TuningConfig(), q_len=1, page_size=PAGE)
-    return A.export(spec, out_dir=tmp_path_factory.mktemp("art"))
+    return _hybrid_export(tmp_path_factory.mktemp("art"), "tpu7x")  # a deviceless compile: seconds
 
 
-def test_a_hybrid_exports_loads_and_generates_reference_tokens(hybrid_artifact):
+def test_a_hybrid_exports_its_state_pool(hybrid_artifact):
     """A hybrid's step takes and returns the cache's state pool: export records it in the step's
-    signature (the pool's shapes come from the plan: the key's model and shapes), load rebuilds
-    the executable's pytrees with it and deserializes the portable program (its pytree names),
-    `init_cache` makes it (q_len pending rows, the plan's slots), and the loaded step
-    greedy-decodes the reference's tokens. Before: export stopped at 'executable pytrees ...
-    differ from the plan's'; init_cache made no pending rows. (The portable program is traced,
-    not run here: its CPU compile takes 15 s; the tiny-dense test above runs one.)"""
+    signature (its shapes come from the plan: the key's model and shapes), the executable's
+    pytrees are the plan's with it, and the portable program deserializes with the pool's
+    pytree. Before: export stopped at 'executable pytrees ... differ from the plan's'."""
+    from tpumk.kernel.megakernel import step_specs
+
+    m = A.verify(hybrid_artifact.path)
+    sig = [leaf["path"] for leaf in json.loads(m["signature"]["inputs_json"])]
+    assert {"[3].states.recurrent", "[3].states.conv", "[3].states.pending", "[3].states.slots"} <= set(sig), sig
+    plan = A.plan_of(m)
+    portable = A._deserialize_exported(hybrid_artifact.path, m)
+    assert portable.in_tree == jax.tree.structure((step_specs(plan), {}))
+    assert "LinearStates" in m["signature"]["executable_out_tree"]
+
+
+def test_a_loaded_hybrid_step_makes_and_checks_its_pool(hybrid_artifact):
+    """`init_cache` makes the pool the kernel takes (the plan's slots, q_len pending rows: the
+    kernel leaves every step's tokens pending); a call refuses a cache without the pool, a pool
+    of other shapes and a slot two sequences share, each in one line before the program runs.
+    (The loaded program itself: the cpu artifact below, `full`.) Before: init_cache made no
+    pending rows, which the program cannot take."""
+    from tpumk.model import reference as R
+
+    calls: list = []
+    bare = dict(hybrid_artifact.manifest, target={})  # a bare program: no TPU to place the arguments on
+    step = A.DecodeStep(hybrid_artifact.path, bare, lambda *a: calls.append(a) or "ran", "test",
+                        A.plan_of(hybrid_artifact.manifest))
+    cache = step.init_cache()
+    assert cache.states.pending_rows == 1 and cache.states.num_slots == step.plan.linear.num_slots == 2
+    tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+    assert step(None, tokens, positions, cache) == "ran"
+    wrong = R.init_cache(step.config, 2, CONTEXT, PAGE, pending=3)
+    with pytest.raises(ArtifactError, match=r"cache.states.pending has shape \[1, 2, 3, 896\], this step takes "
+                                            r"\[1, 2, 1, 896\] \(2 slots of q_len = 1 pending rows"):
+        step(None, tokens, positions, wrong)
+    with pytest.raises(ArtifactError, match="the model has linear-attention layers: the cache needs their state pool"):
+        step(None, tokens, positions, cache._replace(states=None))
+    shared = cache._replace(states=cache.states._replace(slots=jnp.asarray([1, 1], jnp.int32)))
+    with pytest.raises(PositionError, match="sequences 0 and 1 both have state slot 1"):
+        step(None, tokens, positions, shared)
+    assert len(calls) == 1
+
+
+@pytest.mark.full  # 30 s; the default run: the two tests above, and the kernel in tests/test_megakernel_linear.py
+def test_a_hybrid_cpu_artifact_loads_and_generates_reference_tokens(tmp_path):
+    """The cpu artifact of a hybrid loads (the serialized executable, and the portable program
+    traced) and greedy-decodes the reference's tokens on the pool `init_cache` made."""
     import numpy as np
 
     from tpumk.model import reference as R
     from tpumk.model.weights import random_params
 
-    sig = [leaf["path"] for leaf in json.loads(hybrid_artifact.manifest["signature"]["inputs_json"])]
-    assert {"[3].states.recurrent", "[3].states.conv", "[3].states.pending", "[3].states.slots"} <= set(sig), sig
-    step = A.load(hybrid_artifact.path, use="executable")
-    cfg, plan = step.config, step.plan
-    cache = step.init_cache()
-    assert cache.states.pending_rows == plan.q_len and cache.states.num_slots == plan.linear.num_slots == 2
+    art = _hybrid_export(tmp_path, "cpu")
+    step = A.load(art.path, use="executable")
+    cfg = step.config
     params = random_params(cfg, seed=0)
     packed = step.pack(params)
     prompts = [[3, 1, 4, 1, 5, 9], [5, 3, 5, 8, 9, 7]]  # one length: one prefill shape to compile
     want, _ = R.greedy_generate(params, cfg, prompts, 4, R.init_cache(cfg, 2, CONTEXT, PAGE, pending=1))
-    got, cache = R.greedy_generate(params, cfg, prompts, 4, cache, decode_fn=lambda t, p, c: step(packed, t, p, c))
+    got, cache = R.greedy_generate(params, cfg, prompts, 4, step.init_cache(),
+                                   decode_fn=lambda t, p, c: step(packed, t, p, c))
     assert got == want
     assert np.asarray(cache.states.counts).tolist() == [1, 1]  # the last step's token left pending
-    tokens, positions = jnp.zeros((2, 1), jnp.int32), cache.lengths[:, None]
-    portable = A.load(hybrid_artifact.path, use="exported").program
-    _, out = jax.eval_shape(portable, packed, tokens, positions, cache)
+    portable = A.load(art.path, use="exported").program
+    _, out = jax.eval_shape(portable, packed, jnp.zeros((2, 1), jnp.int32), cache.lengths[:, None], cache)
     assert jax.tree.map(lambda a: a.shape, out.states) == jax.tree.map(lambda a: a.shape, cache.states)
-    # the pool is the step's: missing, or of other shapes, one line each before anything runs
-    wrong = R.init_cache(cfg, 2, CONTEXT, PAGE, pending=3)
-    with pytest.raises(ArtifactError, match=r"cache.states.pending has shape \[1, 2, 3, 896\], this step takes "
-                                            r"\[1, 2, 1, 896\] \(2 slots of q_len = 1 pending rows"):
-        step(packed, tokens, positions, wrong)
-    with pytest.raises(ArtifactError, match="the model has linear-attention layers: the cache needs their state pool"):
-        step(packed, tokens, positions, cache._replace(states=None))
-    shared = cache._replace(states=cache.states._replace(slots=jnp.asarray([1, 1], jnp.int32)))
-    with pytest.raises(PositionError, match="sequences 0 and 1 both have state slot 1"):
-        step(packed, tokens, positions, shared)
 
 
 def test_a_hybrid_manifest_s_state_pool_is_checked_against_its_plan(hybrid_artifact, tmp_path):

@@ -201,8 +201,11 @@ KDA_MLA = dict(name="tiny-kda-mla", num_layers=3, linear_kind="kda", linear_laye
                expert_ffn_size=128, shared_expert_ffn_size=128, dense_layers=(0,), nope_layers=(1,))
 
 
-@pytest.mark.parametrize("preset, overrides, q_len", [("tiny-dense", GDN, 3), ("tiny-mla", KDA_MLA, 1)],
-                         ids=["gdn-verify", "kda-mla"])
+# kda-mla: full (13 s, most of it drawing a new model's random weights); the default run keeps
+# gdn-verify (the linear layers and the pool in the XLA step) and test_mla_tools.py's XLA MLA step
+@pytest.mark.parametrize("preset, overrides, q_len", [
+    pytest.param("tiny-dense", GDN, 3, id="gdn-verify"),
+    pytest.param("tiny-mla", KDA_MLA, 1, id="kda-mla", marks=pytest.mark.full)])
 def test_xla_step_of_a_hybrid_matches_the_reference(preset, overrides, q_len):
     """The XLA step's linear layers (the reference's own, on the pool) and attention layers (the
     cache holds those only) compute the reference step: logits, the new KV rows and the whole

@@ -340,18 +340,19 @@ def test_loaded_step_mesh_glue_matches_the_reference_on_host_devices():
     assert r["position_error"].startswith("artifact 000000000000: "), r
     err = r["one_device_pack_error"]
     assert "this 4-device step takes" in err and "step.pack(params)" in err, r
+    # a hybrid's state pool: `init_cache` makes it on the mesh with q_len pending rows (before:
+    # none, which the step cannot take), `shard_cache` / `unshard_cache` carry a pool there and back
+    h = r["hybrid"]
+    assert h["init_sharded"] and h["init_pending"] == 1 and h["round_trip_equal"], h
 
 
-@pytest.mark.parametrize("steps", [0, pytest.param(2, marks=pytest.mark.full)])
-def test_loaded_hybrid_step_shards_its_state_pool_on_host_devices(steps):
-    """A hybrid's loaded N-device step: `init_cache` makes the state pool in the sharded layout on
-    the mesh (q_len pending rows), `shard_cache` / `unshard_cache` carry a reference pool there
-    and back unchanged, and (`full`: 26 s) the interpreted 2-device program's logits and pool,
-    back in the reference layout, are the reference's. Before: init_cache made a pool of no
-    pending rows, which the step cannot take."""
-    r = _run("hybrid", 2, steps)
+@pytest.mark.full  # 11-20 s; the default run: the glue test above (the same pool glue on 4 devices)
+def test_loaded_hybrid_step_runs_on_host_devices():
+    """A hybrid's loaded 2-device step: the interpreted program's logits and state pool (back in
+    the reference layout) are the reference's, step after step, on the pool `shard_cache` made."""
+    r = _run("hybrid", 2, 2)
     assert r["init_sharded"] and r["init_pending"] == 1 and r["round_trip_equal"], r
-    assert len(r["steps"]) == steps
+    assert len(r["steps"]) == 2
     for s in r["steps"]:
         assert s["argmax_equal"] and s["max_err"] <= 2e-5 * max(1.0, s["scale"]), s
         assert s["pool_err"] <= 2e-5 * max(1.0, s["pool_scale"]) and s["counts_equal"], s
@@ -473,6 +474,7 @@ def _glue_worker(n: int) -> dict:
         out["one_device_pack_error"] = ""
     except ArtifactError as e:
         out["one_device_pack_error"] = str(e)
+    out["hybrid"] = _hybrid_worker(n)  # the same glue for a hybrid's pool, in this process
     return out
 
 
