@@ -486,7 +486,7 @@ class DecodeStep:
         self.batch = manifest["shapes"]["batch"]
         self.q_len = manifest["shapes"]["q_len"]
         self.devices = list(devices) if devices is not None else None
-        self._shardings = self._specs = None
+        self._shardings = self._specs = self._pool_shapes = None
         name = (manifest.get("target") or {}).get("name")  # load verified it; None: a bare program
         self._device_platform = None if name is None else ("cpu" if get_target(name).interpret else "tpu")
 
@@ -672,11 +672,13 @@ class DecodeStep:
         if states is None:
             raise ArtifactError(f"artifact {self.key[:12]}: the model has linear-attention layers: the cache needs "
                                 "their state pool (step.init_cache() makes it)")
-        from tpumk.kernel.megakernel import step_specs
+        if self._pool_shapes is None:  # the step's own (global) shapes, worked out once
+            from tpumk.kernel.megakernel import step_specs
 
-        want = (self._specs if self._specs is not None else step_specs(self.plan))[3].states
-        for name in want._fields:
-            got, w = tuple(getattr(getattr(states, name), "shape", ())), tuple(getattr(want, name).shape)
+            pool = (self._specs if self._specs is not None else step_specs(self.plan))[3].states
+            self._pool_shapes = {name: tuple(getattr(pool, name).shape) for name in pool._fields}
+        for name, w in self._pool_shapes.items():
+            got = tuple(getattr(getattr(states, name), "shape", ()))
             if got != w:
                 raise ArtifactError(f"artifact {self.key[:12]}: cache.states.{name} has shape {list(got)}, this step "
                                     f"takes {list(w)} ({self.plan.linear.num_slots} slots of q_len = {self.q_len} "
