@@ -224,7 +224,7 @@ def test_a_shared_slot_unchecked_writes_only_that_slot():
     cache = cache._replace(states=cache.states._replace(slots=jnp.asarray([shared, shared], jnp.int32)))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(3, dtype=jnp.int32)[None, :]
-    _, new = step(pack_weights(plan, params), tokens, positions, cache)
+    new = step(pack_weights(plan, params), tokens, positions, cache)[1]  # (this build also returns taps)
     _, ref = R.jitted_decode_step(cfg)(params, tokens, positions, cache)
     others = np.arange(cache.states.num_slots) != shared
     for name in ("recurrent", "conv", "pending"):
