@@ -239,7 +239,7 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
 # a hybrid (Qwen3-Next: Gated DeltaNet on layers 0-2, gated attention on layer 3), as config.json writes it
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
-              "partial_rotary_factor": 0.25, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+              "linear_num_key_heads": 1, "linear_num_value_heads": 2,
               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
               "full_attention_interval": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
               "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "norm_topk_prob": True,
