@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from click.testing import CliRunner
 
@@ -17,7 +18,7 @@ from tpumk.export import artifacts as A
 from tpumk.export import checks
 from tpumk.compile.keys import key_for
 from tpumk.model.config import load_preset
-from tpumk.errors import ArtifactError
+from tpumk.errors import ArtifactError, PositionError
 from tpumk.targets import get_target
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
@@ -337,3 +338,109 @@ def test_readme_quickstart_runs_as_written(cpu_artifact, tmp_path, monkeypatch, 
     exec(compile(block, "README.md quickstart", "exec"), {})
     cfg = load_preset("tiny-dense")
     assert capsys.readouterr().out.strip() == f"(1, 1, {cfg.vocab_size})"
+
+
+# ---------------------------------------------------------------------- a hybrid model
+# The smallest hybrid (issue 55): a Gated DeltaNet layer, then a gated attention layer.
+HYBRID = dict(name="tiny-gdn", num_layers=2, linear_kind="gated_delta", linear_layers=(0,), linear_key_heads=1,
+              linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+
+
+def _hybrid_export(out_dir, target: str):
+    spec = BuildSpec(load_preset("tiny-dense").replace(**HYBRID), get_target(target), batch=2, context=CONTEXT,
+                     tuning=TuningConfig(), q_len=1, page_size=PAGE)
+    return A.export(spec, out_dir=out_dir)
+
+
+@pytest.fixture(scope="module")
+def hybrid_artifact(tmp_path_factory):
+    return _hybrid_export(tmp_path_factory.mktemp("art"), "tpu7x")  # a deviceless compile: seconds
+
+
+def test_a_hybrid_exports_its_state_pool(hybrid_artifact):
+    """A hybrid's step takes and returns the cache's state pool: export records it in the step's
+    signature (its shapes come from the plan: the key's model and shapes), the executable's
+    pytrees are the plan's with it, and the portable program deserializes with the pool's
+    pytree. Before: export stopped at 'executable pytrees ... differ from the plan's'."""
+    from tpumk.kernel.megakernel import step_specs
+
+    m = A.verify(hybrid_artifact.path)
+    sig = [leaf["path"] for leaf in json.loads(m["signature"]["inputs_json"])]
+    assert {"[3].states.recurrent", "[3].states.conv", "[3].states.pending", "[3].states.slots"} <= set(sig), sig
+    plan = A.plan_of(m)
+    portable = A._deserialize_exported(hybrid_artifact.path, m)
+    assert portable.in_tree == jax.tree.structure((step_specs(plan), {}))
+    assert "LinearStates" in m["signature"]["executable_out_tree"]
+
+
+def test_a_loaded_hybrid_step_makes_and_checks_its_pool(hybrid_artifact):
+    """`init_cache` makes the pool the kernel takes (the plan's slots, q_len pending rows: the
+    kernel leaves every step's tokens pending); a call refuses a cache without the pool, a pool
+    of other shapes and a slot two sequences share, each in one line before the program runs.
+    (The loaded program itself: the cpu artifact below, `full`.) Before: init_cache made no
+    pending rows, which the program cannot take."""
+    from tpumk.model import reference as R
+
+    calls: list = []
+    bare = dict(hybrid_artifact.manifest, target={})  # a bare program: no TPU to place the arguments on
+    step = A.DecodeStep(hybrid_artifact.path, bare, lambda *a: calls.append(a) or "ran", "test",
+                        A.plan_of(hybrid_artifact.manifest))
+    cache = step.init_cache()
+    assert cache.states.pending_rows == 1 and cache.states.num_slots == step.plan.linear.num_slots == 2
+    tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+    assert step(None, tokens, positions, cache) == "ran"
+    wrong = R.init_cache(step.config, 2, CONTEXT, PAGE, pending=3)
+    with pytest.raises(ArtifactError, match=r"cache.states.pending has shape \[1, 2, 3, 896\], this step takes "
+                                            r"\[1, 2, 1, 896\] \(2 slots of q_len = 1 pending rows"):
+        step(None, tokens, positions, wrong)
+    with pytest.raises(ArtifactError, match="the model has linear-attention layers: the cache needs their state pool"):
+        step(None, tokens, positions, cache._replace(states=None))
+    shared = cache._replace(states=cache.states._replace(slots=jnp.asarray([1, 1], jnp.int32)))
+    with pytest.raises(PositionError, match="sequences 0 and 1 both have state slot 1"):
+        step(None, tokens, positions, shared)
+    assert len(calls) == 1
+
+
+@pytest.mark.full  # 30 s; the default run: the two tests above, and the kernel in tests/test_megakernel_linear.py
+def test_a_hybrid_cpu_artifact_loads_and_generates_reference_tokens(tmp_path):
+    """The cpu artifact of a hybrid loads (the serialized executable, and the portable program
+    traced) and greedy-decodes the reference's tokens on the pool `init_cache` made."""
+    import numpy as np
+
+    from tpumk.model import reference as R
+    from tpumk.model.weights import random_params
+
+    art = _hybrid_export(tmp_path, "cpu")
+    step = A.load(art.path, use="executable")
+    cfg = step.config
+    params = random_params(cfg, seed=0)
+    packed = step.pack(params)
+    prompts = [[3, 1, 4, 1, 5, 9], [5, 3, 5, 8, 9, 7]]  # one length: one prefill shape to compile
+    want, _ = R.greedy_generate(params, cfg, prompts, 4, R.init_cache(cfg, 2, CONTEXT, PAGE, pending=1))
+    got, cache = R.greedy_generate(params, cfg, prompts, 4, step.init_cache(),
+                                   decode_fn=lambda t, p, c: step(packed, t, p, c))
+    assert got == want
+    assert np.asarray(cache.states.counts).tolist() == [1, 1]  # the last step's token left pending
+    portable = A.load(art.path, use="exported").program
+    _, out = jax.eval_shape(portable, packed, jnp.zeros((2, 1), jnp.int32), cache.lengths[:, None], cache)
+    assert jax.tree.map(lambda a: a.shape, out.states) == jax.tree.map(lambda a: a.shape, cache.states)
+
+
+def test_a_hybrid_manifest_s_state_pool_is_checked_against_its_plan(hybrid_artifact, tmp_path):
+    """The build report's state pool (and the step's bytes by part) are plan figures: an edited
+    one is refused naming the field, as every figure the key inputs decide."""
+    from artifact_helpers import copy_artifact, edit_manifest
+
+    rep = hybrid_artifact.manifest["report"]
+    assert rep["state_pool"]["slots"] == 2 and rep["hbm_bytes_by_part"]["linear_states"] > 0
+    d = copy_artifact(hybrid_artifact, tmp_path)
+
+    def more_slots(m):
+        full = json.loads(m["report_json"])
+        full["state_pool"]["resident_bytes"] *= 2
+        m["report_json"] = json.dumps(full, sort_keys=True)
+        m["report"]["state_pool"]["resident_bytes"] *= 2
+    edit_manifest(d, more_slots)
+    with pytest.raises(ArtifactError, match=r"field 'report.state_pool.resident_bytes' = \d+ does not match the "
+                                            r"plan's \d+ \(manifest altered\)"):
+        A.verify(d)

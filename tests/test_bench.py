@@ -191,6 +191,70 @@ def test_xla_step_matches_the_reference(preset, overrides, quant):
     np.testing.assert_array_equal(np.asarray(lengths), np.asarray(want_cache.lengths))
 
 
+# ---------------------------------------------------------------------- hybrid models (linear attention)
+# The smallest hybrids (tests/test_megakernel_linear.py's): Gated DeltaNet beside gated attention;
+# Kimi Linear's KDA beside MLA without RoPE.
+GDN = dict(name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+           linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+KDA_MLA = dict(name="tiny-kda-mla", num_layers=3, linear_kind="kda", linear_layers=(0, 2), linear_key_heads=2,
+               linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=3, hidden_size=128,
+               expert_ffn_size=128, shared_expert_ffn_size=128, dense_layers=(0,), nope_layers=(1,))
+
+
+# kda-mla: full (13 s, most of it drawing a new model's random weights); the default run keeps
+# gdn-verify (the linear layers and the pool in the XLA step) and test_mla_tools.py's XLA MLA step
+@pytest.mark.parametrize("preset, overrides, q_len", [
+    pytest.param("tiny-dense", GDN, 3, id="gdn-verify"),
+    pytest.param("tiny-mla", KDA_MLA, 1, id="kda-mla", marks=pytest.mark.full)])
+def test_xla_step_of_a_hybrid_matches_the_reference(preset, overrides, q_len):
+    """The XLA step's linear layers (the reference's own, on the pool) and attention layers (the
+    cache holds those only) compute the reference step: logits, the new KV rows and the whole
+    pool; a verify step (q = 3) keeps its tokens pending as the reference does. Before: KeyError
+    'wq' on the first linear layer (the step read attention weights in every layer), gated
+    attention's gate missing, a NoPE MLA layer rotated."""
+    cfg = load_preset(preset).replace(**overrides)
+    params = random_params(cfg, 3)
+    batch, pending = 2, q_len if q_len > 1 else 0  # as `xla_state_args` lays out the XLA step's pool
+    cache = ref.init_cache(cfg, batch, 64, page_size=16, pending=pending)
+    rng = np.random.default_rng(0)
+
+    def rand(a, scale=1.0):  # cached rows and states as a prefill would leave them (no prefill to compile)
+        return jnp.asarray(scale * rng.standard_normal(a.shape), a.dtype)
+    cache = cache._replace(k=rand(cache.k), v=rand(cache.v), lengths=jnp.asarray([5, 9], jnp.int32),
+                           states=cache.states._replace(recurrent=rand(cache.states.recurrent, 0.1),
+                                                        conv=rand(cache.states.conv)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None]
+    want_logits, want = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
+    k, v = paged_to_head_major(cache, cfg)
+    logits, k2, _, lengths, states = make_xla_step(cfg)(params, tokens, positions, k, v, cache.lengths, cache.states)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(k2), np.asarray(paged_to_head_major(want, cfg)[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(lengths), np.asarray(want.lengths))
+    for name in ("recurrent", "conv", "pending"):  # the reference's own layer: the same operations
+        np.testing.assert_allclose(np.asarray(getattr(states, name)), np.asarray(getattr(want.states, name)),
+                                   rtol=1e-6, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(states.counts), np.asarray(want.states.counts))
+    assert np.asarray(states.counts).tolist() == ([q_len] * batch if q_len > 1 else [0] * batch)
+
+
+def test_bench_of_a_hybrid_on_tpu7x(tmp_path):
+    """`tpumk bench` of a hybrid (issue 55's `--model qwen3-next-80b-a3b --target tpu7x`, at the
+    smallest size): both columns compile deviceless, the megakernel's bytes are the plan's
+    (its state pool included), the serving-stack column is refused in one line saying why."""
+    import tomli_w
+
+    cfg = load_preset("tiny-dense").replace(**GDN)
+    toml = tmp_path / "tiny-gdn.toml"
+    toml.write_text(tomli_w.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}))
+    r = _bench("--model", str(toml), "--target", "tpu7x", "--context", "256")
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, 256))
+    assert r["megakernel"]["hbm_bytes"] == pytest.approx(plan.hbm_bytes) and plan.hbm["linear_states"] > 0
+    assert r["xla"]["compile_seconds"] > 0 and r["xla"]["step_seconds"] > 0 and r["xla"]["hbm_bytes"] > 0
+    assert r["serving"] is None and "has linear-attention layers (gated_delta)" in r["serving_refused"]
+    assert "state pool" in r["layouts"]["megakernel"] and "linear_attention.layer_step" in r["layouts"]["xla"]
+
+
 def test_measure_seconds_threads_state_and_takes_the_median():
     calls = []
 

@@ -103,7 +103,7 @@ def test_default_build_is_small_moe_on_tpu7x_with_one_kernel_and_an_estimate(cap
     assert set(phases) == {"lower + compile for tpu7x", "report (tpumk's timeline model)",
                            "verify step, q = 8 (plan figures)"} | profiling
     assert 0 < sum(phases.values()) <= wall and phases["lower + compile for tpu7x"] >= r["compile_seconds"]
-    print_build_report(BuildReport(**r))
+    print_build_report(BuildReport(**{k: v for k, v in r.items() if k not in ("wall_seconds", "phase_seconds")}))
     out = capsys.readouterr().out
     assert out.startswith("built small-moe for tpu7x")
     assert "n/a" not in out and "verify step" in out
@@ -196,6 +196,49 @@ def test_no_estimate_skips_the_profiling_compile():
         assert r["estimate_source"].startswith(NO_PROFILER)
     p = tpumk("build", "--no-estimate", "--verify-estimate", check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "drop --no-estimate" in p.stderr
+
+
+def test_build_report_of_a_hybrid_names_its_state_pool(tmp_path, capsys):
+    """A hybrid's report names the state pool's bytes beside the weights and the KV cache: in
+    the JSON (`hbm_bytes_by_part`, whose parts sum to the step's bytes, and `state_pool`: its
+    shape, what it holds, what a step moves) and in the text report's rows."""
+    from tpumk.build import BuildReport
+    from tpumk.cli.app import print_build_report
+
+    f = tmp_path / "tiny-gdn.toml"
+    f.write_text('name = "tiny-gdn"\nnum_layers = 3\nhidden_size = 256\nnum_q_heads = 4\nnum_kv_heads = 2\n'
+                 'head_dim = 128\nffn_size = 512\nvocab_size = 512\nlinear_kind = "gated_delta"\n'
+                 'linear_layers = [0, 1]\nlinear_key_heads = 1\nlinear_value_heads = 2\nlinear_key_dim = 128\n'
+                 'linear_value_dim = 128\nlinear_conv = 4\nattn_output_gate = true\ndtype = "float32"\n')
+    r = build_json("--model", str(f), "--context", "256", "--batch", "2", "--no-estimate", "--verify-q", "0")
+    parts, pool = r["hbm_bytes_by_part"], r["state_pool"]
+    assert sum(parts.values()) == pytest.approx(r["hbm_bytes_per_step"])
+    hbm = r["plan"]["hbm_bytes_per_step"]
+    assert parts["linear_states"] == hbm["linear_states"] > 0 and parts["linear_windows"] == hbm["linear_windows"] > 0
+    assert parts["kv_cache"] == hbm["kv_cache"] and parts["weights"] > parts["kv_cache"]
+    state = 2 * 128 * 128 * 4  # float32, 2 value heads of 128 x 128
+    window = (4 - 1) * (2 * 128 + 2 * 128) * 4  # the last 3 inputs of q | k | v, float32
+    assert (pool["linear_layers"], pool["slots"], pool["pending_rows"]) == (2, 2, 1)
+    assert pool["states_bytes_per_step"] == 2 * 2 * 2 * state  # read and written, 2 layers x 2 sequences
+    assert pool["resident_bytes"] == 2 * 2 * pool["slot_bytes_per_layer"] > 2 * 2 * (state + window)
+    print_build_report(BuildReport(**{k: v for k, v in r.items() if k not in ("wall_seconds", "phase_seconds")}))
+    text = capsys.readouterr().out
+    assert "(weights " in text and ", KV cache " in text and ", state pool " in text
+    assert "2 linear layers x 2 slots (1 pending row each)" in text and "windows and pending rows" in text
+
+
+def test_a_profiler_abort_names_the_instruction_it_could_not_model():
+    """libtpu 0.0.52's static profiler aborts on a hybrid's program (the copy XLA puts around the
+    kernel for the state pool's convolution windows); the estimate's reason is its own line,
+    not the last 'RAW: Raising signal 6' of the abort (stderr as captured 2026-12-06)."""
+    from tpumk.estimate.profiler import _failure_line
+
+    stderr = ("F1206 18:26:38.994597   18307 llo_dumper.cc:1778] Static LLO profiling of copy.5 failed: "
+              "INVALID_ARGUMENT: Unsupported DMA direction for latency modeling: dma-general\n"
+              "*** Check failure stack trace: ***\n"
+              "E1206 18:26:39.264431   18307 process_state.cc:796] RAW: Raising signal 6 with default behavior\n")
+    assert _failure_line(stderr, -6) == ("libtpu aborted (SIGABRT): Static LLO profiling of copy.5 failed: "
+                                         "INVALID_ARGUMENT: Unsupported DMA direction for latency modeling: dma-general")
 
 
 def test_infeasible_plan_is_rejected_before_compiling():

@@ -29,6 +29,13 @@ def test_models_json_lists_presets():
     assert abs(rows["qwen3-8b"]["params"] / 8.19e9 - 1) < 0.01
     # MoE: batch 8 touches more distinct experts than batch 1.
     assert rows["qwen3-30b-a3b"]["weight_bytes_per_step_b8"] > rows["qwen3-30b-a3b"]["weight_bytes_per_step_b1"]
+    # hybrids: the layers of each token mixer (before: only the attention layers' heads were shown)
+    nxt = rows["qwen3-next-80b-a3b"]
+    assert (nxt["layers"], nxt["attention_layers"], nxt["linear_layers"], nxt["linear_kind"]) == (48, 12, 36,
+                                                                                              "gated_delta")
+    assert nxt["attention"] == "16q/2kv x 256 on 12, Gated DeltaNet 16k/32v x 128 on 36"
+    assert rows["kimi-linear-48b-a3b"]["attention"].startswith("MLA 32h, latent 512+64 on 7, KDA 32k/32v x 128 on 20")
+    assert (rows["qwen3-8b"]["attention_layers"], rows["qwen3-8b"]["linear_layers"]) == (36, 0)
 
 
 def test_targets_json():

@@ -20,16 +20,21 @@ PREFIXES = ("tpumk ", ".venv/bin/tpumk ")
 
 def doc_commands() -> list[tuple[str, list[str]]]:
     """(file:line, argv after `tpumk`) of every tpumk command in a ```bash block (a line may chain
-    commands with &&; a `# ...` comment ends it)."""
+    commands with &&; a `# ...` comment ends it; a line ending in a backslash goes on on the next,
+    as in the shell, and the command is named by its first line)."""
     out = []
     for path in DOCS:
-        fence = None
+        fence, held, first = None, "", 0
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.lstrip().startswith("```"):
                 fence = line.strip()[3:] if fence is None else None
                 continue
             if fence not in ("bash", "sh"):
                 continue
+            if line.endswith("\\"):
+                held, first = held + line[:-1] + " ", first or n
+                continue
+            line, held, n, first = held + line, "", first or n, 0
             for part in shlex.split(line, comments=True) and line.split("&&"):
                 words = shlex.split(part, comments=True)
                 text = " ".join(words)

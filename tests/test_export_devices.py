@@ -340,14 +340,30 @@ def test_loaded_step_mesh_glue_matches_the_reference_on_host_devices():
     assert r["position_error"].startswith("artifact 000000000000: "), r
     err = r["one_device_pack_error"]
     assert "this 4-device step takes" in err and "step.pack(params)" in err, r
+    # a hybrid's state pool: `init_cache` makes it on the mesh with q_len pending rows (before:
+    # none, which the step cannot take), `shard_cache` / `unshard_cache` carry a pool there and back
+    h = r["hybrid"]
+    assert h["init_sharded"] and h["init_pending"] == 1 and h["round_trip_equal"], h
 
 
-def _run(what: str, n: int) -> dict:
+@pytest.mark.full  # 11-20 s; the default run: the glue test above (the same pool glue on 4 devices)
+def test_loaded_hybrid_step_runs_on_host_devices():
+    """A hybrid's loaded 2-device step: the interpreted program's logits and state pool (back in
+    the reference layout) are the reference's, step after step, on the pool `shard_cache` made."""
+    r = _run("hybrid", 2, 2)
+    assert r["init_sharded"] and r["init_pending"] == 1 and r["round_trip_equal"], r
+    assert len(r["steps"]) == 2
+    for s in r["steps"]:
+        assert s["argmax_equal"] and s["max_err"] <= 2e-5 * max(1.0, s["scale"]), s
+        assert s["pool_err"] <= 2e-5 * max(1.0, s["pool_scale"]) and s["counts_equal"], s
+
+
+def _run(what: str, n: int, *more: int) -> dict:
     # NPROC: interpreted devices block XLA's CPU pool threads (tpumk.targets.ensure_host_devices)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", NPROC=str(4 * n),
                XLA_FLAGS=xla_flags(n))
-    proc = subprocess.run([sys.executable, __file__, what, str(n)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, what, str(n), *map(str, more)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -421,7 +437,9 @@ def _glue_worker(n: int) -> dict:
         "packed_sharded": all(a.sharding == s for a, s in zip(leaves, jax.tree.leaves(step.shardings[0]))),
     }
     empty = step.init_cache()
-    out["init_cache_sharded"] = all(a.sharding == s for a, s in zip(empty, step.shardings[3]))
+    # leaves: the cache's `states` (a hybrid's pool) is None here, a field but no array
+    out["init_cache_sharded"] = all(a.sharding == s for a, s in zip(jax.tree.leaves(empty),
+                                                                    jax.tree.leaves(step.shardings[3])))
     out["init_cache_shape"] = list(empty.k.shape)
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, cfg.vocab_size, 6)), list(rng.integers(0, cfg.vocab_size, 9))]
@@ -456,9 +474,73 @@ def _glue_worker(n: int) -> dict:
         out["one_device_pack_error"] = ""
     except ArtifactError as e:
         out["one_device_pack_error"] = str(e)
+    out["hybrid"] = _hybrid_worker(n)  # the same glue for a hybrid's pool, in this process
+    return out
+
+
+def _hybrid_worker(n: int, steps: int = 0) -> dict:
+    """A hybrid's loaded N-device step (the pool in the sharded layout), against the reference:
+    the glue, then `steps` steps of the interpreted program."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.model import reference as ref
+    from tpumk.model.linear_attention import pending_offsets
+    from tpumk.model.weights import random_params
+    from tpumk.plan.plan import make_plan
+
+    cfg = load_preset("tiny-dense").replace(
+        name="tiny-gdn", num_layers=2, linear_kind="gated_delta", linear_layers=(0,), linear_key_heads=n,
+        linear_value_heads=2 * n, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+    spec = BuildSpec(cfg, get_target("cpu"), batch=2, context=CONTEXT, devices=n)
+    plan = make_plan(spec)
+    step = A.DecodeStep(Path("."), {"key": "0" * 64, "shapes": spec.shapes(), "model": cfg.to_dict()},
+                        make_decode_step(plan), f"interpreted (cpu x {n})", plan, jax.devices("cpu")[:n])
+    empty = step.init_cache()
+    out = {"init_sharded": all(a.sharding == s for a, s in zip(jax.tree.leaves(empty.states),
+                                                                jax.tree.leaves(step.shardings[3].states))),
+           "init_pending": empty.states.pending_rows}
+    rng = np.random.default_rng(5)
+    cache = ref.init_cache(cfg, spec.batch, CONTEXT, pending=1)
+    pool = cache.states  # states and windows as a prefill leaves them, a token pending (no prefill to compile)
+    pending = np.zeros(pool.pending.shape, np.float32)  # the row's parts, its padding lanes zero
+    lin = cfg.linear
+    b, second, width = pending_offsets(lin)
+    for lo, hi in ((0, lin.conv_dim), (b, b + lin.linear_value_heads), (second, second + lin.linear_value_heads)):
+        pending[..., lo:hi] = rng.standard_normal(pending[..., lo:hi].shape)
+    pending[..., width - 128] = 1.0  # live tokens
+    cache = cache._replace(states=pool._replace(
+        recurrent=jnp.asarray(0.1 * rng.standard_normal(pool.recurrent.shape), jnp.float32),
+        conv=jnp.asarray(rng.standard_normal(pool.conv.shape), jnp.float32), pending=jnp.asarray(pending),
+        counts=jnp.ones_like(pool.counts)))
+    wide = step.shard_cache(cache)
+    back = step.unshard_cache(wide)
+    out["round_trip_equal"] = all(np.array_equal(np.asarray(a), np.asarray(b))
+                                  for a, b in zip(jax.tree.leaves(back.states), jax.tree.leaves(cache.states)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
+    out["steps"] = []
+    params = random_params(cfg, seed=11) if steps else None
+    packed = step.pack(params) if steps else None
+    for _ in range(steps):
+        positions = cache.lengths[:, None].astype(jnp.int32)
+        want, cache = ref.jitted_decode_step(cfg)(params, tokens, positions, cache)
+        got, wide = step(packed, np.asarray(tokens), np.asarray(positions), wide)
+        g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        pool = step.unshard_cache(wide).states
+        err = max(float(np.max(np.abs(np.asarray(getattr(pool, k)) - np.asarray(getattr(cache.states, k)))))
+                  for k in ("recurrent", "conv", "pending"))
+        out["steps"].append({"max_err": float(np.max(np.abs(g - w))), "scale": float(np.max(np.abs(w))),
+                             "argmax_equal": bool(np.array_equal(g.argmax(-1), w.argmax(-1))), "pool_err": err,
+                             "pool_scale": float(np.max(np.abs(np.asarray(cache.states.recurrent)))),
+                             "counts_equal": bool(np.array_equal(np.asarray(pool.counts),
+                                                                 np.asarray(cache.states.counts)))})
+        tokens = jnp.asarray(w.argmax(-1), jnp.int32)
     return out
 
 
 if __name__ == "__main__":
-    what, count = sys.argv[1], int(sys.argv[2])
-    print(json.dumps(_discharge_worker(count) if what == "discharge" else _glue_worker(count)))
+    what, count, *more = sys.argv[1], *map(int, sys.argv[2:])
+    workers = {"discharge": _discharge_worker, "glue": _glue_worker, "hybrid": _hybrid_worker}
+    print(json.dumps(workers[what](count, *more)))

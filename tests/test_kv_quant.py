@@ -187,6 +187,29 @@ def test_quality_compares_an_mla_cache_with_what_it_stores():
     assert row["kv_bytes_vs_model_dtype"] == pytest.approx(fp8 / stored) and fp8 / stored < 0.5
 
 
+def test_quality_of_a_hybrid_counts_its_attention_layers_cache(tmp_path):
+    """A hybrid (two Gated DeltaNet layers, one gated attention layer): quality runs (its prompts
+    in one batched prefill step, the padding kept out of the linear layers' states) and the
+    1-byte cache's share counts the layers the cache holds, the attention one. Before: the
+    fp8 cache was counted over all 3 layers against the model-dtype cache's 1 (0.80, not 0.27)."""
+    import tomli_w
+
+    cfg = load_preset("tiny-dense").replace(
+        name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+    toml = tmp_path / "tiny-gdn.toml"
+    toml.write_text(tomli_w.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}))
+    r = CliRunner().invoke(main, ["quality", "--model", str(toml), "--steps", "1", "--quant", "", "--kv-dtype", "fp8",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["kv_bytes_per_token"] == cfg.kv_layers * cfg.attention.kv_size * 2 * 4  # K and V, float32
+    lay = kv_quant.layout_for(cfg, 16, "fp8")
+    (row,) = out["kv_formats"]
+    assert row["kv_bytes_vs_model_dtype"] == pytest.approx(lay.page_bytes / (16 * 2 * cfg.attention.kv_size * 4))
+    assert 0 < row["logit_relative_rms"] < 0.05 and row["greedy_agreement"] >= 0.9
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--kv-dtype", "fp4"], "--kv-dtype: unknown KV cache format 'fp4'"),
     (["--kv-dtype", "fp8,fp8"], "--kv-dtype: fp8 given twice"),

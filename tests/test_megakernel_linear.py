@@ -209,3 +209,30 @@ def test_a_pool_of_another_shape_is_refused():
     with pytest.raises(ValueError, match="needs its state pool"):
         step(pack_weights(plan, params), jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
              cache._replace(states=None))
+
+
+def test_a_shared_slot_unchecked_writes_only_that_slot():
+    """Unchecked (the host check refuses it: tests/test_positions.py), two sequences on one state
+    slot: which write lands is not defined, but the kernel and the reference write that slot
+    alone: every other slot of the pool, the KV cache outside the step's rows and the lengths are
+    as the reference leaves them, and the shared slot holds finite values. (The step reuses the
+    kda-bf16-b2-q3 build of the first test: 4 slots for 2 sequences.)"""
+    cfg, plan, step = _plan_and_step("kda-bf16-b2-q3")
+    params = random_params(cfg, seed=3)
+    cache = _prefilled(cfg, params, 2, 3, 2)
+    shared = int(cache.states.slots[0])
+    cache = cache._replace(states=cache.states._replace(slots=jnp.asarray([shared, shared], jnp.int32)))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(3, dtype=jnp.int32)[None, :]
+    new = step(pack_weights(plan, params), tokens, positions, cache)[1]  # (this build also returns taps)
+    _, ref = R.jitted_decode_step(cfg)(params, tokens, positions, cache)
+    others = np.arange(cache.states.num_slots) != shared
+    for name in ("recurrent", "conv", "pending"):
+        before = np.asarray(getattr(cache.states, name))
+        for got in (np.asarray(getattr(new.states, name)), np.asarray(getattr(ref.states, name))):
+            assert got.shape == before.shape and np.array_equal(got[:, others], before[:, others]), name
+            assert np.isfinite(got[:, shared]).all(), name
+    assert np.asarray(new.states.counts)[others].tolist() == np.asarray(cache.states.counts)[others].tolist()
+    assert np.array_equal(np.asarray(new.lengths), np.asarray(ref.lengths))
+    k_new, k_ref = (np.asarray(c.k, np.float32) for c in (new, ref))
+    assert np.max(np.abs(k_new - k_ref)) <= 3e-2 * max(1.0, float(np.max(np.abs(k_ref))))

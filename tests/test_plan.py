@@ -110,6 +110,25 @@ def test_a_model_nothing_holds_gets_no_hint():
     assert str(e.value).endswith("GB")
 
 
+def test_a_hybrid_s_hbm_counts_its_attention_layers_cache_and_its_state_pool():
+    """A hybrid's KV cache holds its attention layers only (Qwen3-Next-80B-A3B: 12 of 48), and
+    its state pool is held beside it: a pool that does not fit is refused, naming it, with a
+    hint that splits it. Before: the KV cache was counted over all 48 layers (0.4 GB at batch 1)
+    and the pool not at all (the 134.9 GB one planned, and --quant int8 was hinted)."""
+    from tpumk.plan import plan as P
+
+    nxt = load_preset("qwen3-next-80b-a3b")
+    assert P.resident_bytes(nxt, 256, 16)[1] == 12 * 4096 * 2 * 2 * 256 * 2  # K and V of 2 heads of 256, bf16
+    with pytest.raises(PlanError, match=r"weights 159.3 GB \+ KV cache 0.1 GB > HBM 103.0 GB"):
+        make_plan(BuildSpec(nxt, get_target("tpu7x"), 1, 4096))
+    heavy = load_preset("tiny-dense").replace(
+        name="pool-heavy", num_layers=31, linear_kind="gated_delta", linear_layers=tuple(range(30)), linear_key_heads=16,
+        linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, linear_conv=4)
+    with pytest.raises(PlanError) as e:  # 30 layers x 1024 slots x a 4 MiB state (64 heads of 128 x 128, float32)
+        make_plan(BuildSpec(heavy, get_target("tpu7x"), 1024, 16, page_size=16))
+    assert str(e.value).endswith("GB + state pool 134.9 GB > HBM 103.0 GB; it fits with --devices 2"), str(e.value)
+
+
 # ---------------------------------------------------------------------- tiling and schedule
 def test_default_tiles_share_one_wide_shape():
     plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096))

@@ -121,6 +121,56 @@ def test_check_step_refuses_an_empty_step():
         check_step(np.zeros((3, 0), np.int32), cache)
 
 
+# ---------------------------------------------------------------------- a hybrid's state pool
+# The smallest Gated DeltaNet hybrid (tests/test_megakernel_linear.py's): linear layers 0 and 1.
+GDN = dict(name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+           linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+
+
+def hybrid_cache(slots, pending: int = 1, num_slots: int = 4):
+    cfg = model("tiny-dense", "float32")[0].replace(**GDN)
+    cache = R.init_cache(cfg, len(slots), CONTEXT, PAGE, pending=pending, num_slots=num_slots)
+    return cache._replace(states=cache.states._replace(slots=jnp.asarray(slots, jnp.int32)))
+
+
+@pytest.mark.parametrize("slots, match", [
+    ([2, 7, 0], r"sequence 1 has state slot 7, expected a slot in \[0, 4\) \(the pool's 4 slots\)"),
+    ([-1, 1, 0], r"sequence 0 has state slot -1, expected a slot in \[0, 4\)"),
+    ([2, 0, 2], r"sequences 0 and 2 both have state slot 2, expected one slot per sequence"),
+])
+def test_check_step_refuses_a_state_slot_outside_the_pool_or_shared(slots, match):
+    """Before: a hybrid's slots were not checked (the kernel reads a clipped slot and writes
+    nothing, or two sequences write one slot): the step ran on another sequence's state."""
+    with pytest.raises(PositionError, match=match) as e:
+        check_step(np.zeros((3, 1), np.int32), hybrid_cache(slots), where="generate step 2")
+    assert str(e.value).startswith("generate step 2: ") and "\n" not in str(e.value)
+    check_step(np.zeros((3, 1), np.int32), hybrid_cache([3, 0, 1]))  # distinct slots in the pool
+
+
+def test_check_step_refuses_a_step_longer_than_the_pending_rows_it_must_stay_in():
+    """A step whose tokens must stay pending (a verify step, a megakernel artifact's step) on a
+    pool of fewer pending rows would apply them at once: a rollback would then keep rejected
+    drafts in the state. Any other step (a prompt) may be longer."""
+    cache = hybrid_cache([1, 0, 3], pending=2)
+    three = np.tile(np.arange(3), (3, 1))
+    with pytest.raises(PositionError, match=r"verify step 1: sequence 0 \(state slot 1\): a step of 3 tokens that "
+                                            r"must stay pending on a pool of 2 pending rows per slot, expected at "
+                                            r"least 3 \(reference.init_cache\(..., pending=3\)"):
+        check_step(three, cache, where="verify step 1", keep_pending=True)
+    check_step(three, cache)  # applied at once: defined
+    check_step(three[:, :2], cache, keep_pending=True)
+
+
+def test_speculation_on_a_pool_without_rows_for_its_drafts_is_refused():
+    cfg = model("tiny-dense", "float32")[0].replace(**GDN)
+    from tpumk.model.weights import random_params
+
+    params = random_params(cfg, seed=0)
+    cache = R.init_cache(cfg, 1, CONTEXT, PAGE, pending=1)  # a verify step of 3 needs 3 rows
+    with pytest.raises(PositionError, match=r"verify step 1: sequence 0 \(state slot 0\): a step of 3 tokens"):
+        speculative_generate(params, cfg, [[1, 2, 3]], 4, cache, NgramDrafter(), 2, step_fn=reference_step(cfg))
+
+
 def test_new_lengths_is_the_rule_of_the_reference_and_the_kernel():
     from tpumk.model.positions import new_lengths
 
@@ -605,6 +655,27 @@ def test_generate_refuses_a_cache_larger_than_the_host(monkeypatch):
     monkeypatch.setattr(R, "init_cache", oom)
     with pytest.raises(ConfigError, match="^--steps: the KV cache .* which this host cannot allocate"):
         generate(Model(cfg, params, "test"), [[1]], 4)
+
+
+def test_a_hybrid_s_state_pool_counts_against_the_host(monkeypatch):
+    """A hybrid's cache is its attention layers' KV cache plus the linear layers' state pool (a
+    [value heads, key dim, value dim] float32 state, a window and the pending rows per layer and
+    sequence): a host that holds the KV cache but not the pool is refused before allocating,
+    naming both. Before: the pool was not counted (and the KV cache counted every layer)."""
+    import tpumk.decode.generate as G
+    from tpumk.model.linear_attention import pool_bytes
+
+    cfg = model("tiny-dense", "float32")[0].replace(**GDN)
+    kv = 2 * 4000 * cfg.kv_bytes_per_token()
+    pool = pool_bytes(cfg, 2, 8)
+    assert kv == 2 * 4000 * 1 * 2 * cfg.attention.kv_size * 4 and pool > 2 * 2 * 2 * 128 * 128 * 4
+    rows = pool - pool_bytes(cfg, 2, 0)  # the pending rows' share
+    monkeypatch.setattr(G, "_host_memory_bytes", lambda: kv + pool - rows // 2)
+    with pytest.raises(ConfigError, match=r"^--steps: the KV cache of 2 x 4,000 tokens \(1 attention layer, tiny-gdn\) "
+                                          r"and its state pool \(2 linear layers x 2 slots\) need [0-9.]+ MiB, more "
+                                          r"than this host's"):
+        G.check_host_memory(cfg, 2, 4000, [], pending=8)
+    G.check_host_memory(cfg, 2, 4000, [], pending=0)  # without the pending rows it fits
 
 
 def test_empty_model_names_are_refused_not_defaulted():

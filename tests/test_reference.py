@@ -83,6 +83,36 @@ def test_batched_prefill_equals_one_chunk_per_sequence():
         ref.prefill(p, cfg, [list(range(29)), [1], [2]], base, step_fn=step, batched=True)
 
 
+def test_batched_prefill_of_a_hybrid_equals_one_chunk_per_sequence():
+    """A hybrid's batched prefill (what `tpumk quality` runs) runs its padding at position -1, so
+    no linear layer's state takes it in: the padded sequence's last logits, recurrent states,
+    convolution windows and attention rows agree with its own one-chunk prefill's (float32,
+    the same operations on more rows). Before: batched=True fell back to one step per sequence
+    (one compiled shape per prompt length), as the padding would have entered the states."""
+    cfg = config.load_preset("tiny-dense").replace(
+        name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+    p = weights.random_params(cfg, seed=1)
+    step = ref.jitted_decode_step(cfg)
+    toks = _tokens(cfg, 2, 11, seed=4)
+    short = toks[0, :5].tolist()  # padded with 6 tokens in the batched step
+    compiled = []
+    counted = lambda *a: compiled.append(a[1].shape) or step(*a)  # noqa: E731
+    many, c2 = ref.prefill(p, cfg, [short, toks[1].tolist()], ref.init_cache(cfg, 2, 32, page_size=8, num_slots=3),
+                           step_fn=counted, batched=True)
+    assert compiled == [(2, 11)]  # one step of both prompts, padded to the longest
+    one, c1 = ref.prefill(p, cfg, [short], ref.init_cache(cfg, 1, 32, page_size=8), step_fn=step)
+    np.testing.assert_allclose(np.asarray(many[0]), np.asarray(one[0]), rtol=1e-5, atol=1e-5)
+    assert np.asarray(c2.lengths).tolist() == [5, 11]
+    s1, s2 = int(c1.states.slots[0]), int(c2.states.slots[0])  # the sequence's slot in each pool
+    for name in ("recurrent", "conv"):
+        np.testing.assert_allclose(np.asarray(getattr(c2.states, name))[:, s2],
+                                   np.asarray(getattr(c1.states, name))[:, s1], rtol=1e-5, atol=1e-5, err_msg=name)
+    rows = [np.asarray(c.k[:, np.asarray(c.block_tables[0])]).reshape(cfg.kv_layers, -1, c.k.shape[3])[:, :5]
+            for c in (c1, c2)]  # the attention layer's rows of the prompt
+    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-5, atol=1e-5)
+
+
 def test_cache_holds_rope_keys_at_block_table_pages(model):
     cfg, p = model
     toks = _tokens(cfg, 1, 10, seed=5)

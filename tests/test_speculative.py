@@ -181,6 +181,36 @@ def test_speculative_megakernel_equals_plain_greedy(preset, k, spec):
           f"{s['tokens_per_target_step']:.2f} tokens per target step")
 
 
+# A Gated DeltaNet hybrid (tests/test_megakernel_linear.py's smallest), with prompts cut where its
+# greedy continuation (random weights, seed 0) repeats: 192 189 79 ..., 252 70 299 252 ...
+HYBRID = dict(name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+              linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+HYBRID_PROMPTS = [[63, 232, 500, 68, 196, 206, 117, 496, 453], [418, 168, 231, 403, 63, 155, 252, 70, 299]]
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("megakernel", marks=pytest.mark.full)])
+def test_speculative_hybrid_equals_plain_greedy(backend):
+    """A hybrid target's verify steps leave their tokens pending in the state pool, and the
+    rollback keeps only the accepted ones (`linear_attention.keep_accepted`): speculation gives
+    plain greedy decoding's tokens, with drafts both accepted and rejected. The megakernel case
+    (`full`: a q = 4 verify kernel in interpret mode) runs the kernel's own pending rows."""
+    cfg = load_model("tiny-dense", None).cfg.replace(**HYBRID)
+    from tpumk.model.weights import random_params
+
+    m = Model(cfg, random_params(cfg, 0), "random weights (seed 0)")
+    # plain greedy on the cache generate() makes for K = 3 (its prefill compiled once for both runs)
+    cache = R.init_cache(cfg, 2, 32, 16, pending=4)
+    plain, _ = R.greedy_generate(m.params, cfg, HYBRID_PROMPTS, STEPS, cache, step_fn=reference_step(cfg))
+    out = generate(m, HYBRID_PROMPTS, STEPS, backend=backend, spec="ngram", draft_tokens=3)
+    assert out["tokens"] == plain
+    s = out["spec"]
+    assert s["target_steps"] < STEPS - 1 and 1.0 < s["mean_acceptance_length"] <= 4
+    hist = {int(n): c for n, c in s["acceptance_histogram"].items()}
+    assert hist[1] > 0 and sum(c for n, c in hist.items() if n > 1) > 0  # rejections and acceptances
+    with pytest.raises(ConfigError, match="--draft-model layers:1: 'tiny-gdn-first1' has linear-attention layers"):
+        truncated_model(m, 1)
+
+
 def test_draft_identical_to_target_accepts_every_draft():
     """A draft that is the target itself proposes exactly the target's greedy tokens: every
     verify step accepts all K drafts plus the bonus (the last one trimmed to the steps asked)."""

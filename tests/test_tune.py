@@ -277,6 +277,38 @@ def test_tiny_study_runs_and_build_accepts_the_tuned_file(tmp_path, monkeypatch)
     assert not imported(tmp_path, tmp_path / "elsewhere")
 
 
+def test_a_one_trial_study_of_a_hybrid_runs_on_the_cpu_target(tmp_path, monkeypatch):
+    """A hybrid (Gated DeltaNet layers beside gated attention): its space's facts count the
+    layers of each kind, its search leaves out only what the build has not (experts, the
+    collectives; the attention layers' qkv / o knobs stay, the linear families have none), and
+    a one-trial study on the cpu target compiles and ranks its configuration."""
+    import tomli_w
+
+    from tpumk.model.config import load_preset
+    from tpumk.tune.space import space_facts, unused_knobs
+
+    cfg = load_preset("tiny-dense").replace(
+        name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=1,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+    spec = BuildSpec(cfg, get_target("cpu"), context=256)
+    facts = space_facts(spec)
+    assert (facts["num_layers"], facts["num_attention_layers"], facts["num_linear_layers"]) == (3, 1, 2)
+    assert (facts["num_dense_layers"], facts["num_moe_layers"], facts["is_moe"]) == (3, 0, 0)
+    dropped = unused_knobs(spec)
+    assert "qkv_tile_rows" not in dropped and "o_tile_cols" not in dropped and "expert_slots" in dropped
+    nxt = space_facts(BuildSpec(resolve_model("qwen3-next-80b-a3b"), get_target("tpu7x"), batch=8, context=4096,
+                                devices=8))
+    assert (nxt["num_attention_layers"], nxt["num_linear_layers"], nxt["num_moe_layers"]) == (12, 36, 48)
+    monkeypatch.chdir(tmp_path)
+    toml = tmp_path / "tiny-gdn.toml"
+    toml.write_text(tomli_w.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}))
+    r = cli("tune", "--model", toml, "--target", "cpu", "--context", 256, "--trials", 1, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["evaluated"] == 1 and out["counts"] == {"COMPLETE": 1}
+    assert out["best"][0]["value_seconds"] > 0 and out["best"][0]["value_kind"] == "tpumk model"
+
+
 def test_report_explains_missing_importances(tmp_path):
     """One complete trial: the history plots, importances say why not."""
     from tpumk.tune.report import write_report

@@ -237,6 +237,13 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
               "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
+# a hybrid (Qwen3-Next: Gated DeltaNet on layers 0-2, gated attention on layer 3), as config.json writes it
+QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
+              "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "full_attention_interval": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+              "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "norm_topk_prob": True,
+              "mlp_only_layers": []}
 OPERATOR = "(TPUMK_VLLM_ARTIFACT or --hf-overrides)"
 LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
 
@@ -249,6 +256,9 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
     ("sliding", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, {},
      "has sliding-window layers"),
     ("unsupported", {"model_type": "mamba"}, {}, "mamba"),
+    ("hybrid", QWEN3_NEXT, {},
+     "tpumk plugin: model 'qwen3_next' has linear-attention layers (gated_delta, 3 of 4); the plugin does "
+     "not keep their per-sequence state pool in vLLM's cache yet"),
     # the checkpoint never picks the program: its own config.json naming an artifact is refused,
     # even beside the operator's choice, and so is the key reaching vLLM's config another way
     ("checkpoint-names-artifact", {"tpumk_artifact": "/srv/evil"}, {},

@@ -178,3 +178,23 @@ def test_quantized_weights_shard_with_their_scales(ep):
         assert down_q == (e, fe // 4, h) and down_s[0] == e and down_s[2] == h
     wq = shapes["p['layers'][0]['wq'].q"]  # int8 per column: the column scales split with the columns
     assert shapes["p['layers'][0]['wq'].scale"] == (wq[1],) and p.collective_ops > 0
+
+
+def test_a_hybrid_on_2_devices_replicates_its_linear_layers_and_compiles():
+    """A hybrid's XLA SPMD step: gated attention's wq_gate split with wq (its columns are the
+    query heads'), the linear layers' weights and state pool replicated (said in the notes),
+    compiled deviceless for 2 TPU7x devices with the pool an argument and a result."""
+    cfg = load_preset("tiny-dense").replace(
+        name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=2,
+        linear_value_heads=4, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
+    layout = xs.spmd_layout(cfg, 2)
+    attn, lin = layout.params["layers"][2], layout.params["layers"][0]
+    assert attn["wq_gate"] == attn["wq"] == xs.P(None, "tp") and attn["wo"] == xs.P("tp", None)
+    assert all(spec == xs.P() for k, spec in lin.items() if k.startswith("lin_"))
+    assert any(n.startswith("linear-attention layers (2, gated_delta): weights and the state pool replicated")
+               for n in layout.notes)
+    p = xs.compile_xla_spmd(cfg, 2, 256, 1, TPU7X, 2)
+    shapes = xs.entry_parameter_shapes(p.hlo_text)
+    assert shapes["p['layers'][2]['wq_gate']"] == (cfg.hidden_size, cfg.attention.q_size // 2)
+    assert shapes["p['layers'][0]['lin_qkv']"] == (cfg.hidden_size, cfg.linear.conv_dim)  # whole on each device
+    assert shapes["states[0].recurrent"] == (2, 2, 4, 128, 128)  # the pool: an argument of the step

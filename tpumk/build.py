@@ -82,6 +82,10 @@ class BuildReport:
     program_copies: dict[str, float] | None = None
     # tpumk, jax, jaxlib and libtpu as installed (docs/install.md: two supported sets)
     versions: dict[str, str] = field(default_factory=dict)
+    # hbm_bytes_per_step by what the bytes are (`hbm_parts`: weights, KV cache, a hybrid's state
+    # pool, the rest), and a hybrid's state pool (`state_pool_figures`; None without linear layers)
+    hbm_bytes_by_part: dict[str, float] = field(default_factory=dict)
+    state_pool: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,6 +190,38 @@ def program_figures(plan: Plan, compiled: Compiled, model) -> tuple[float | None
     return prog.seconds, {"count": float(big), "hbm_bytes": c.get("hbm_bytes", 0.0), "seconds": c.get("seconds", 0.0)}
 
 
+# the plan's HBM parts (`Plan.hbm`) that are weights: the ring families' tiles (weights_<family>),
+# the layer vectors, the quantized formats' scales, the routed experts and their router
+WEIGHT_PARTS = ("layer_vectors", "weight_scales", "experts_and_router")
+STATE_POOL_PARTS = ("linear_states", "linear_windows")
+
+
+def hbm_parts(plan: Plan) -> dict[str, float]:
+    """The plan's HBM bytes per step (one device's) by what they are: "weights", "kv_cache", a
+    hybrid's state pool ("linear_states": the recurrent states, "linear_windows": convolution
+    windows and pending rows, each read and written once per step and sequence) and "other"
+    (activations in and out, gathered logits). The parts sum to `plan.hbm_bytes`."""
+    out = {"weights": 0.0, "kv_cache": 0.0}
+    for k, v in plan.hbm.items():
+        part = ("weights" if k.startswith("weights_") or k in WEIGHT_PARTS else
+                k if k in ("kv_cache", *STATE_POOL_PARTS) else "other")
+        out[part] = out.get(part, 0.0) + float(v)
+    return out
+
+
+def state_pool_figures(plan: Plan) -> dict[str, Any] | None:
+    """A hybrid's state pool by the plan (one device's share): its shape (linear layers, slots,
+    pending rows per slot), the bytes it holds in HBM, and the bytes one step reads and writes.
+    None for a model without linear layers."""
+    g = plan.linear
+    if g is None:
+        return None
+    return {"linear_layers": g.num_layers, "slots": g.num_slots, "pending_rows": g.pending,
+            "slot_bytes_per_layer": g.slot_bytes, "resident_bytes": g.resident_bytes,
+            "states_bytes_per_step": float(plan.hbm["linear_states"]),
+            "windows_bytes_per_step": float(plan.hbm["linear_windows"])}
+
+
 def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_requested: str = "") -> BuildReport:
     target = plan.target
     e = convert_estimate(plan, est, not_requested)
@@ -233,4 +269,4 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
         estimated_cycles=est_cycles, estimated_seconds=est_seconds, estimate_source=source,
         compiler_cycles=compiler_cycles, nested_loop_cycles=nested_cycles,
         floor_fraction=fraction, tuning=plan.tuning.to_dict(), plan=plan.summary(), notes=notes,
-        versions=stack_versions())
+        versions=stack_versions(), hbm_bytes_by_part=hbm_parts(plan), state_pool=state_pool_figures(plan))

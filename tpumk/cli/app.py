@@ -41,10 +41,18 @@ def models(as_json):
     rows = []
     for name in preset_names():
         c = load_preset(name)
+        attention = (f"MLA {c.num_q_heads}h, latent {c.kv_lora_rank}+{c.qk_rope_head_dim}" if c.is_mla
+                     else f"{c.num_q_heads}q/{c.num_kv_heads}kv x {c.head_dim}")
+        if c.linear:  # a hybrid: softmax attention on some layers, linear attention on the rest
+            lin = c.linear
+            kind = {"gated_delta": "Gated DeltaNet", "kda": "KDA"}[lin.linear_kind]
+            attention = (f"{attention} on {c.kv_layers}, {kind} {lin.linear_key_heads}k/{lin.linear_value_heads}v "
+                         f"x {lin.linear_key_dim} on {len(c.linear_layers)}")
         rows.append({
             "name": name, "layers": c.num_layers, "hidden": c.hidden_size,
-            "attention": (f"MLA {c.num_q_heads}h, latent {c.kv_lora_rank}+{c.qk_rope_head_dim}" if c.is_mla
-                          else f"{c.num_q_heads}q/{c.num_kv_heads}kv x {c.head_dim}"),
+            "attention_layers": c.kv_layers, "linear_layers": len(c.linear_layers),
+            "linear_kind": c.linear_kind if c.linear else None,
+            "attention": attention,
             "ffn": (f"{c.num_experts} experts top-{c.top_k} x {c.expert_ffn_size}" if c.is_moe
                     else f"dense {c.ffn_size}" + (" GeGLU" if c.mlp_act == "gelu_tanh" else "")),
             "dtype": c.dtype, "params": c.param_count(),
@@ -88,6 +96,30 @@ def targets(as_json):
 
 
 # ---------------------------------------------------------------------- build
+def hbm_line(r) -> str:
+    """'11.13 MB (weights 10.92 MB, KV cache 0.13 MB, state pool 0.05 MB, other 0.03 MB)'."""
+    parts = r.hbm_bytes_by_part or {}
+    if not parts:
+        return size(r.hbm_bytes_per_step)
+    pool = parts.get("linear_states", 0.0) + parts.get("linear_windows", 0.0)
+    shown = [("weights", parts.get("weights", 0.0)), ("KV cache", parts.get("kv_cache", 0.0))]
+    if r.state_pool is not None:
+        shown.append(("state pool", pool))
+    shown.append(("other", parts.get("other", 0.0)))
+    return (f"{size(r.hbm_bytes_per_step)} ("
+            + ", ".join(f"{what} {size(b, r.hbm_bytes_per_step)}" for what, b in shown) + ")")
+
+
+def state_pool_line(s: dict) -> str:
+    """A hybrid's state pool: its shape, what it holds and what a step moves (plan accounting)."""
+    step = s["states_bytes_per_step"] + s["windows_bytes_per_step"]
+    plural = lambda n, w: f"{n} {w}{'s' if n != 1 else ''}"  # noqa: E731
+    return (f"{plural(s['linear_layers'], 'linear layer')} x {plural(s['slots'], 'slot')} "
+            f"({plural(s['pending_rows'], 'pending row')} each): {size(s['resident_bytes'])} held; per step "
+            f"{size(step)} read + written (states {size(s['states_bytes_per_step'], step)}, windows and pending rows "
+            f"{size(s['windows_bytes_per_step'], step)})")
+
+
 def print_build_report(r) -> None:
     on = f"{r.devices} x {r.target} ({r.topology})" if r.devices > 1 else r.target
     fmt = f", {r.quant} weights" if r.quant != "none" else ""
@@ -101,7 +133,7 @@ def print_build_report(r) -> None:
          else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
         ["VMEM plan / budget / capacity" + each, f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
                                                  f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
-        ["HBM bytes per step (plan)" + each, size(r.hbm_bytes_per_step)],
+        ["HBM bytes per step (plan)" + each, hbm_line(r)],
         ["HBM floor (bytes / bandwidth)", duration(r.floor_seconds)],
         ["KV tiles", kv_tiles_line(r.plan["attention"])],
     ]
@@ -112,6 +144,9 @@ def print_build_report(r) -> None:
             if p[key][0] != p[key][1])
         rows.append(["lane padding (plan)", f"{widths}; {p['parameters'][0] / 1e6:,.1f} M parameters, "
                                             f"{p['parameters'][1] / 1e6:,.1f} M streamed"])
+    if r.state_pool is not None:  # a hybrid's linear layers
+        s = r.state_pool
+        rows.append(["state pool (plan)" + each, state_pool_line(s)])
     if "moe" in r.plan:
         m = r.plan["moe"]
         rows.append(["expert slots", f"{m['expert_slots']} of {m['expert_chunk']} columns ({m['expert_slots_knob']})"])

@@ -18,7 +18,7 @@ The XLA step is `tpumk.decode.xla_step.xla_decode_step`: the reference decode st
 a serving stack would lay it out for XLA (that module says how).
 The serving-stack column (XLA + jax's ragged paged attention) exists for GQA models only: for
 MLA it is refused with one line (`serving_refusal`), since jax ships no paged attention over a
-latent cache.
+latent cache, and for hybrid models (linear-attention layers), which it has no layer for.
 
 Many devices (`BuildSpec.devices` > 1, `compare_devices`): the N-device megakernel (one SPMD
 program, `jax.shard_map` around one `pallas_call`, its all-reduces inside the kernel) beside the
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from tpumk.model import reference as ref
-from tpumk.decode.xla_step import CompiledProgram, compile_program, xla_cache_shapes, xla_decode_step, xla_step_specs
+from tpumk.decode.xla_step import (CompiledProgram, compile_program, xla_cache_shapes, xla_donated, xla_state_args,
+                                   xla_step_fn, xla_step_specs)
 from tpumk.model.config import ModelConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import Target
@@ -76,8 +77,9 @@ def _measure_megakernel(build, cfg: ModelConfig, params, warmup: int, runs: int)
 
     plan = build.plan
     packed = pack_weights(plan, params)
+    pool = dict(pending=plan.q_len, num_slots=plan.linear.num_slots) if plan.linear is not None else {}
     cache = ref.init_cache(cfg, plan.batch, plan.context, plan.page_size, num_pages=plan.num_pages,
-                           kv_dtype=plan.attention.kv_dtype or None)
+                           kv_dtype=plan.attention.kv_dtype or None, **pool)
     tokens, positions, lengths = _full_context_inputs(plan.batch, plan.context, plan.q_len)
     cache = cache._replace(lengths=lengths)
     step = build.compiled.compiled
@@ -93,13 +95,16 @@ def _measure_xla(program: CompiledProgram, cfg: ModelConfig, params, batch: int,
     dt = ref.jnp_dtype(cfg)
     tokens, positions, lengths = _full_context_inputs(batch, context, q_len)
     caches = tuple(jnp.zeros(shape, dt) for shape in xla_cache_shapes(cfg, batch, context))
+    pool = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), xla_state_args(cfg, batch, q_len)))
+    if pool:  # slot b for sequence b, as xla_state_args describes it
+        pool = (pool[0]._replace(slots=jnp.arange(batch, dtype=jnp.int32)),)
     step = program.compiled
 
-    def call(kv):
-        _, k, v, _ = step(params, tokens, positions, kv[0], kv[1], lengths)
-        return k, v
+    def call(state):
+        _, k, v, _, *pool = step(params, tokens, positions, *state[:2], lengths, *state[2:])
+        return (k, v, *pool)
 
-    return measure_seconds(call, caches, warmup, runs)
+    return measure_seconds(call, caches + pool, warmup, runs)
 
 
 # ---------------------------------------------------------------------- the benchmark
@@ -215,6 +220,17 @@ def compare(plan, compiles: Compiles, measured: tuple[dict, dict] | None = None)
 
 
 def _layouts(plan) -> dict[str, str]:
+    out = _cache_layouts(plan)
+    if plan.linear is not None:  # a hybrid's linear layers
+        n = plan.linear.num_slots
+        out["megakernel"] += (f"; linear layers' state pool ({n} slot{'s' if n != 1 else ''}: state, convolution window "
+                              f"and {plan.q_len} pending row(s) each, streamed through VMEM)")
+        out["xla"] += ("; linear layers as the reference's (tpumk.model.linear_attention.layer_step) on a state "
+                       f"pool of one slot per sequence{' with q_len pending rows' if plan.q_len > 1 else ''}")
+    return out
+
+
+def _cache_layouts(plan) -> dict[str, str]:
     if plan.cfg.is_mla:
         c = plan.cfg
         return {"megakernel": f"paged latent cache ({plan.page_size}-token pages, one {c.kv_lora_rank} + "
@@ -302,8 +318,8 @@ def run_bench(spec: BuildSpec, warmup: int = 3, runs: int = 10, measure: bool | 
 
     b = build(spec, estimate=False)
     plan = b.plan
-    xp = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),
-                         xla_step_specs(cfg, batch, plan.context, q_len, spec.quant), target, donate_argnums=(3, 4))
+    xp = compile_program(xla_step_fn(cfg), xla_step_specs(cfg, batch, plan.context, q_len, spec.quant)
+                         + xla_state_args(cfg, batch, q_len), target, donate_argnums=xla_donated(cfg))
     cost = xp.compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax returned one dict per module
         cost = cost[0] if cost else {}
@@ -347,6 +363,10 @@ def serving_refusal(cfg: ModelConfig) -> str | None:
         return ("not built: jax's ragged_paged_attention (jax.experimental.pallas.ops.tpu) attends per-head K/V "
                 "pages; it has no form for MLA's latent cache (one c_kv | k_rope row per token) and jax ships no "
                 "MLA paged attention kernel")
+    if cfg.linear:
+        return (f"not built: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}); the "
+                "serving-stack column is XLA around jax's ragged_paged_attention, which computes softmax attention "
+                "only, and jax ships no kernel for a linear layer's recurrent state")
     if cfg.attention.attn_sinks:
         return (f"not built: jax's ragged_paged_attention (jax {jax.__version__}) has no attention sinks (gpt-oss's "
                 "per-head logit in the softmax denominator)")

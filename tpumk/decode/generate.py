@@ -125,6 +125,9 @@ def check_request(model: str | None, checkpoint: str | None, dtype: str | None, 
     if draft and not draft.startswith("layers:"):  # the draft's config, as load_draft_model will read it
         dcfg = load_hf_model(draft)[0] if _is_checkpoint_dir(draft) else resolve_model(draft)
         check_draft_vocab(draft, dcfg.vocab_size, cfg.vocab_size)
+        check_draft_mixer(draft, dcfg)
+    elif draft:
+        truncated_config(cfg, int(draft.split(":", 1)[1]))
 
 
 def check_methods(backend: str, spec: str, devices: int) -> None:
@@ -172,10 +175,9 @@ def reference_step(cfg: ModelConfig):
     return reference.jitted_decode_step(cfg)
 
 
-def truncated_model(m: Model, layers: int) -> Model:
-    """The model's first `layers` layers with its own final norm and lm_head: a draft model that
-    needs no extra weights (self-speculative early exit; the arrays are shared, not copied)."""
-    cfg = m.cfg
+def truncated_config(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """`cfg`'s first `layers` layers as a model of its own (`truncated_model`). A hybrid's first
+    layers hold linear-attention layers: refused as any hybrid draft is (`check_draft_mixer`)."""
     if not (isinstance(layers, int) and 1 <= layers <= cfg.num_layers):
         raise ConfigError(f"--draft-model layers:N: expected N in [1, {cfg.num_layers}] (layers of '{cfg.name}'), "
                           f"got {layers!r}")
@@ -187,10 +189,38 @@ def truncated_model(m: Model, layers: int) -> Model:
                            shared_expert_ffn_size=0, dense_layers=())
         else:
             changes["dense_layers"] = dense
+    if cfg.linear:
+        kept = tuple(i for i in cfg.linear_layers if i < layers)
+        if kept:
+            raise ConfigError(_hybrid_draft(f"layers:{layers}", f"{cfg.name}-first{layers}", len(kept),
+                                            cfg.linear_kind))
+        changes.update(linear_kind="none", linear_layers=(), linear_key_heads=0, linear_value_heads=0,
+                       linear_key_dim=0, linear_value_dim=0, linear_conv=0,
+                       nope_layers=tuple(i for i in cfg.nope_layers if i < layers))
+    return cfg.replace(**changes)
+
+
+def truncated_model(m: Model, layers: int) -> Model:
+    """The model's first `layers` layers with its own final norm and lm_head: a draft model that
+    needs no extra weights (self-speculative early exit; the arrays are shared, not copied)."""
+    cfg = truncated_config(m.cfg, layers)
     params = dict(m.params)
     params["layers"] = list(m.params["layers"][:layers])
-    return Model(cfg.replace(**changes), params, f"first {layers} of {cfg.num_layers} layers of the target ({m.source})",
-                 m.quant)
+    return Model(cfg, params, f"first {layers} of {m.cfg.num_layers} layers of the target ({m.source})", m.quant)
+
+
+def check_draft_mixer(spec: str, cfg: ModelConfig) -> None:
+    """A draft model is rolled back to the accepted drafts by its cache lengths alone
+    (`tpumk.decode.drafters.DraftModelDrafter`): a linear-attention layer's state has taken in
+    every draft, so a hybrid draft is refused (the target may be one: its pool keeps each
+    verify step's tokens pending, `tpumk.decode.speculative`)."""
+    if cfg.linear_layers:
+        raise ConfigError(_hybrid_draft(spec, cfg.name, len(cfg.linear_layers), cfg.linear_kind))
+
+
+def _hybrid_draft(spec: str, name: str, count: int, kind: str) -> str:
+    return (f"--draft-model {spec}: '{name}' has linear-attention layers ({count}, {kind}), whose state cannot be "
+            "rolled back to the accepted drafts; use a softmax-attention draft model or --spec ngram")
 
 
 def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None = None) -> Model:
@@ -206,6 +236,7 @@ def load_draft_model(spec: str, target: Model, seed: int = 0, dtype: str | None 
     else:
         d = load_model(spec, None, seed=seed, dtype=dtype or target.cfg.dtype)
     check_draft_vocab(spec, d.cfg.vocab_size, target.cfg.vocab_size)
+    check_draft_mixer(spec, d.cfg)
     return d
 
 
@@ -332,6 +363,8 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
         raise ConfigError("--spec draft: needs --draft-model NAME|FILE|DIR|layers:N")
     if draft is not None and draft.cfg.vocab_size != m.cfg.vocab_size:
         raise ConfigError(f"--draft-model: vocabulary {draft.cfg.vocab_size} != the target's {m.cfg.vocab_size}")
+    if draft is not None:
+        check_draft_mixer(draft.cfg.name, draft.cfg)
     k = draft_tokens if spec != "none" else 0
     need = max(len(p) for p in prompts) + steps + k
     context = need if context is None else context
@@ -345,7 +378,7 @@ def generate(m: Model, prompts: list[list[int]], steps: int, backend: str = "ref
     longest = max(len(p) for p in prompts)
     chunks = [(1, longest), (len(prompts), k + 1)]  # the longest prompt's prefill; a decode / verify step
     flag = "--prompt-ids" if longest > steps + k else "--steps"
-    check_host_memory(m.cfg, len(prompts), context, chunks, flag=flag)
+    check_host_memory(m.cfg, len(prompts), context, chunks, flag=flag, pending=k + 1)
     if draft is not None:
         check_host_memory(draft.cfg, len(prompts), context, chunks, flag=flag, whose="the draft model ")
     kv_dtype = "" if kv_dtype in ("", "none", None) else kv_dtype
@@ -445,49 +478,77 @@ def step_working_bytes(cfg: ModelConfig, rows: int, q: int, context: int) -> int
     attention scores and probabilities [rows, Hq, q, context] (four live copies: scores, the
     masked scores, the softmax and its exponentials; a 20,000-token prefill of tiny-dense was
     measured at 12 GB resident, this gives 13), the key-validity mask, the float32 logits [rows, q, vocab]
-    (two), and the FFN activations (the reference evaluates every routed expert densely:
-    [E, rows * q, 3 * expert width + hidden])."""
+    (two), the FFN activations (the reference evaluates every routed expert densely:
+    [E, rows * q, 3 * expert width + hidden]), and a hybrid's linear layers: q, k, v, the
+    decays and the outputs per token [value heads, key dim] float32 (six) and, for a prompt,
+    one chunk's pairwise decays [rows, chunk, chunk, value heads, key dim] (two:
+    `linear_attention.delta_chunked`)."""
     n = rows * q
     attn = 4 * 4 * rows * cfg.num_q_heads * q * context + 2 * rows * q * context
     logits = 2 * 4 * n * cfg.vocab_size
     ffn = 3 * 4 * n * max(cfg.ffn_size, cfg.hidden_size)
     if cfg.is_moe:
         ffn = max(ffn, 4 * n * cfg.num_experts * (3 * cfg.moe.expert_ffn_size + cfg.hidden_size))
-    return int(attn + logits + ffn)
+    linear = 0
+    if cfg.linear:
+        from tpumk.model.linear_attention import CHUNK
+
+        head = cfg.linear.linear_value_heads * cfg.linear.linear_key_dim
+        linear = 6 * 4 * n * head + 2 * 4 * rows * CHUNK * min(q, CHUNK) * head
+    return int(attn + logits + ffn + linear)
+
+
+def _cache_bytes(cfg: ModelConfig, batch: int, context: int, pending: int) -> tuple[int, str]:
+    """(bytes, 'what they are, needs') of the cache a request allocates: the KV cache of its
+    attention layers and, for a hybrid, the linear layers' state pool (one slot per sequence)."""
+    from tpumk.model.linear_attention import pool_bytes
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'s' if n != 1 else ''}"
+
+    kv = batch * context * cfg.kv_bytes_per_token()
+    pool = pool_bytes(cfg, batch, pending)
+    if not pool:
+        return kv, f"KV cache of {batch} x {context:,} tokens ({count(cfg.num_layers, 'layer')}, {cfg.name}) needs"
+    return kv + pool, (f"KV cache of {batch} x {context:,} tokens ({count(cfg.kv_layers, 'attention layer')}, "
+                       f"{cfg.name}) and its state pool ({count(len(cfg.linear_layers), 'linear layer')} x "
+                       f"{count(batch, 'slot')}) need")
 
 
 def check_host_memory(cfg: ModelConfig, batch: int, context: int, chunks: list[tuple[int, int]],
-                      flag: str = "--steps", whose: str = "") -> None:
-    """Refuse (one line naming `flag`) a request whose KV cache of `batch` x `context` tokens plus
-    the largest step's temporaries (`step_working_bytes` over each (rows, q) in `chunks`: the
-    longest prompt's prefill, the decode or verify step) would not fit in this host's memory,
-    before anything is allocated or compiled. Arithmetic only, so it runs first."""
+                      flag: str = "--steps", whose: str = "", pending: int = 0) -> None:
+    """Refuse (one line naming `flag`) a request whose KV cache of `batch` x `context` tokens (a
+    hybrid's with its state pool of `pending` rows per slot) plus the largest step's
+    temporaries (`step_working_bytes` over each (rows, q) in `chunks`: the longest prompt's
+    prefill, the decode or verify step) would not fit in this host's memory, before anything is
+    allocated or compiled. Arithmetic only, so it runs first."""
     host = _host_memory_bytes()
-    kv = batch * context * cfg.kv_bytes_per_token()
+    kv, what = _cache_bytes(cfg, batch, context, pending)
     work = max((step_working_bytes(cfg, r, q, context) for r, q in chunks), default=0)
     if host is not None and kv > host:
-        raise ConfigError(f"{flag}: the {whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, "
-                          f"{cfg.name}) needs {_size(kv)}, more than this host's {_size(host)} of memory "
+        raise ConfigError(f"{flag}: the {whose}{what} {_size(kv)}, more than this host's {_size(host)} of memory "
                           "(fewer --steps, shorter prompts or fewer sequences)")
     if host is not None and kv + work > host:
         rows, q = max(chunks, key=lambda c: step_working_bytes(cfg, c[0], c[1], context))
+        cache = "KV cache and state pool" if cfg.linear else "KV cache"
         raise ConfigError(f"{flag}: {whose}{cfg.name} over {batch} x {context:,} tokens needs about {_size(kv + work)} "
-                          f"(KV cache {_size(kv)}, the {rows} x {q:,}-token step's temporaries {_size(work)}), more "
+                          f"({cache} {_size(kv)}, the {rows} x {q:,}-token step's temporaries {_size(work)}), more "
                           f"than this host's {_size(host)} of available memory (fewer --steps, shorter prompts or fewer "
                           "sequences)")
 
 
 def _init_cache(cfg: ModelConfig, batch: int, context: int, page_size: int, whose: str, kv_dtype: str = "",
                 pending: int = 1):
-    """reference.init_cache, refused with one line when its K and V arrays would not fit in this
-    host's memory or the allocation fails (instead of an allocator's traceback)."""
-    nbytes = batch * context * cfg.kv_bytes_per_token()
-    what = (f"{whose}KV cache of {batch} x {context:,} tokens ({cfg.num_layers} layers, {cfg.name}) needs "
-            f"{_size(nbytes)}")
-    check_host_memory(cfg, batch, context, [], whose=whose)
+    """reference.init_cache, refused with one line when its K and V arrays (and a hybrid's state
+    pool) would not fit in this host's memory or the allocation fails (instead of an allocator's
+    traceback)."""
+    pending = pending if cfg.linear else 0
+    nbytes, what = _cache_bytes(cfg, batch, context, pending)
+    what = f"{whose}{what} {_size(nbytes)}"
+    check_host_memory(cfg, batch, context, [], whose=whose, pending=pending)
     try:
         return reference.init_cache(cfg, batch, context, page_size=page_size, kv_dtype=kv_dtype or None,
-                                    pending=pending if cfg.linear else 0)
+                                    pending=pending)
     except MemoryError:
         raise ConfigError(f"--steps: the {what}, which this host cannot allocate") from None
     except Exception as e:  # an accelerator out of memory (XlaRuntimeError RESOURCE_EXHAUSTED)

@@ -114,7 +114,7 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
     for kv in kv_dtypes:
         say(f"KV cache {kv}: the same decode, the cache quantized as it is written")
         got, _ = _logits(cfg, params, prompts, forced, steps, kv_dtype=kv)
-        fmt_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, kv_quant.kv_format(kv), tensors=tensors)
+        fmt_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.kv_layers, kv_quant.kv_format(kv), tensors=tensors)
         kv_rows.append({"kv_dtype": kv, **compared(got), "kv_bytes_per_token": fmt_bytes,
                         "kv_bytes_vs_model_dtype": fmt_bytes / model_bytes})
     return {"model": cfg.name, "dtype": cfg.dtype, "prompts": len(prompts), "steps": steps,

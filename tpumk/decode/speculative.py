@@ -122,8 +122,9 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
     sequence, the cache (lengths = prompt + steps - 1, rows past them dead), SpecStats).
 
     `check` (default) checks every verify step's positions before it runs
-    (`tpumk.model.positions.check_step`: PositionError) and its logits after (NonFiniteError
-    on NaN / inf, which greedy acceptance would read as token 0)."""
+    (`tpumk.model.positions.check_step`: PositionError; a hybrid's state pool must keep the
+    step's K + 1 tokens pending, so that a rollback can drop the rejected ones) and its logits
+    after (NonFiniteError on NaN / inf, which greedy acceptance would read as token 0)."""
     k = draft_tokens
     if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
         raise ConfigError(f"--draft-tokens: expected a positive integer, got {k!r}")
@@ -154,7 +155,7 @@ def speculative_generate(params, cfg, prompts: Sequence[Sequence[int]], steps: i
         positions = jnp.asarray(lengths[:, None] + offsets, jnp.int32)
         where = f"verify step {stats.target_steps + 1}"
         if check:
-            check_step(positions, cache, where=where)
+            check_step(positions, cache, where=where, keep_pending=True)  # a hybrid's rollback needs them pending
         before = lengths.copy()
         logits, cache = verify(tokens, positions, cache)
         if check:

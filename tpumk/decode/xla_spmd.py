@@ -28,7 +28,11 @@ Sharding (`spmd_layout`), per layer:
   moves those weight slices between devices (an all-reduce of the masked local gathers), not
   the tokens: a real cost of this formulation, reported as XLA's collectives;
 - router, norms and the embedding replicated; lm_head split by vocabulary columns, the logits
-  gathered to every device (the step returns full logits, as the one-device step does).
+  gathered to every device (the step returns full logits, as the one-device step does);
+- gated attention's wq_gate split as wq (its columns are the query heads');
+- a hybrid's linear-attention layers (their weights and the state pool) replicated: every device
+  computes them whole (their fused q | k | v projection interleaves three head groups, which a
+  column split of the matrix would cut across), and `SpmdLayout.notes` says so.
 A dimension that does not divide over the devices is replicated instead, and `SpmdLayout.notes`
 says which and why (an explicit `expert_parallel` that cannot split is refused instead).
 
@@ -56,7 +60,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpumk.decode.xla_step import CompiledProgram, compile_placed, xla_decode_step, xla_step_specs
+from tpumk.decode.xla_step import (CompiledProgram, compile_placed, xla_donated, xla_state_args, xla_step_fn,
+                                   xla_step_specs)
 from tpumk.errors import CompileError, ConfigError
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import QuantizedMatrix
@@ -80,7 +85,7 @@ class SpmdLayout:
     expert_parallel: bool
     kv_split: int
     params: Any  # the params pytree (as `xla_step_specs` builds it) with a PartitionSpec per leaf
-    cache: P  # both KV caches [layers, batch, kv_heads, context, head_dim]
+    cache: P  # both KV caches [layers, batch, kv_heads, context, head_dim] (a hybrid's pool: replicated)
     notes: tuple[str, ...] = ()  # what is not split N ways, and why
 
     @property
@@ -135,7 +140,7 @@ def spmd_layout(cfg: ModelConfig, devices: int, expert_parallel: bool = False) -
         notes.append(f"num_q_heads = {cfg.num_q_heads} does not divide over {n} devices: wq, wo split {kvs} way(s) "
                      f"with their KV heads")
     wo = P(q[1], None) if q != REPLICATED else REPLICATED
-    roles = {"wq": q, "wo": wo, "wk": kv, "wv": kv, **_ffn_roles(cfg, n, expert_parallel, every, split)}
+    roles = {"wq": q, "wq_gate": q, "wo": wo, "wk": kv, "wv": kv, **_ffn_roles(cfg, n, expert_parallel, every, split)}
     return _layout(cfg, n, expert_parallel, kvs, roles, cache, notes)
 
 
@@ -190,6 +195,9 @@ def _ffn_roles(cfg: ModelConfig, n: int, expert_parallel: bool, every, split) ->
 def _layout(cfg: ModelConfig, n: int, expert_parallel: bool, kvs: int, roles: dict, cache: P,
             notes: list[str]) -> SpmdLayout:
     params, _, _, _, _, _ = xla_step_specs(cfg, 1, 1, 1)
+    if cfg.linear and n > 1:  # (their weights take no role below: replicated)
+        notes.append(f"linear-attention layers ({len(cfg.linear_layers)}, {cfg.linear.linear_kind}): weights and the "
+                     "state pool replicated, every device computes them whole")
     tree = {k: roles.get(k, REPLICATED) for k in params if k != "layers"}
     # (the float layout's keys, plus the quantized MLA layer's absorbed w_uk / w_uv)
     extra = ("w_uk", "w_uv") if cfg.is_mla else ()
@@ -221,14 +229,16 @@ def scale_spec(matrix: P, qm: QuantizedMatrix, ways: int) -> P:
 
 def xla_spmd_specs(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh: Mesh,
                    expert_parallel: bool = False, quant: str = "none") -> tuple:
-    """`xla_step_specs`' (params, tokens, positions, k_cache, v_cache, lengths), each a global
-    ShapeDtypeStruct carrying its NamedSharding, per `spmd_layout`. `mesh` is 1-D ("tp"); the
-    shardings use it factored as `SpmdLayout.mesh` (same devices, same order). With `quant`
-    the quantized matrices' codes shard as the matrices and their scales follow (`scale_spec`)."""
+    """`xla_step_specs`' (params, tokens, positions, k_cache, v_cache, lengths) and a hybrid's
+    state pool (`xla_state_args`), each a global ShapeDtypeStruct carrying its NamedSharding,
+    per `spmd_layout`. `mesh` is 1-D ("tp"); the shardings use it factored as
+    `SpmdLayout.mesh` (same devices, same order). With `quant` the quantized matrices' codes
+    shard as the matrices and their scales follow (`scale_spec`)."""
     _check_mesh(mesh)
     layout = spmd_layout(cfg, int(mesh.size), expert_parallel)
     m = layout.mesh(mesh)
     params, tok, pos, kc, vc, lengths = xla_step_specs(cfg, batch, context, q_len, quant)
+    pool = xla_state_args(cfg, batch, q_len)
 
     def on(s, spec: P):
         if isinstance(s, QuantizedMatrix):
@@ -240,17 +250,17 @@ def xla_spmd_specs(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh:
     sharded["layers"] = [{k: on(v, lay_spec[k]) for k, v in lay.items()}
                          for lay, lay_spec in zip(params["layers"], layout.params["layers"])]
     return (sharded, on(tok, REPLICATED), on(pos, REPLICATED), on(kc, layout.cache), on(vc, layout.cache),
-            on(lengths, REPLICATED))
+            on(lengths, REPLICATED)) + tuple(jax.tree.map(lambda a: on(a, REPLICATED), s) for s in pool)
 
 
 def xla_spmd_out_shardings(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> tuple:
-    """(logits, k_cache, v_cache, lengths): logits and lengths on every device, the caches as
-    they came in (so the donated caches are updated in place)."""
+    """(logits, k_cache, v_cache, lengths[, a hybrid's pool]): logits, lengths and the pool on every
+    device, the caches as they came in (so the donated caches are updated in place)."""
     _check_mesh(mesh)
     layout = spmd_layout(cfg, int(mesh.size), expert_parallel)
     m = layout.mesh(mesh)
     cache, rep = NamedSharding(m, layout.cache), NamedSharding(m, REPLICATED)
-    return rep, cache, cache, rep
+    return (rep, cache, cache, rep) + ((rep,) if cfg.linear else ())
 
 
 def spmd_mesh(target: Target, devices: int) -> Mesh:
@@ -284,8 +294,8 @@ def compile_xla_spmd(cfg: ModelConfig, batch: int, context: int, q_len: int, tar
     mesh = spmd_mesh(target, devices)
     specs = xla_spmd_specs(cfg, batch, context, q_len, mesh, expert_parallel, quant)
     try:
-        prog = compile_placed(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n), specs,
-                              donate_argnums=(3, 4), out_shardings=xla_spmd_out_shardings(cfg, mesh, expert_parallel))
+        prog = compile_placed(xla_step_fn(cfg), specs, donate_argnums=xla_donated(cfg),
+                              out_shardings=xla_spmd_out_shardings(cfg, mesh, expert_parallel))
     except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this program, not a tpumk bug
         raise CompileError(f"{target.name}: XLA rejected the {devices}-device SPMD step: {compiler_error_line(e)}") \
             from e

@@ -12,7 +12,12 @@ would lay it out for XLA, with no tpumk kernel:
   all experts at decode time);
 - MLA models (DeepSeek-V3, Kimi K2) run the absorbed form over a contiguous latent cache
   `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (the same rows the megakernel's
-  paged cache holds), with tpumk.model.mla's own projection and attention code.
+  paged cache holds), with tpumk.model.mla's own projection and attention code;
+- a hybrid model's linear-attention layers (Gated DeltaNet, KDA) run the reference's own layer
+  (`tpumk.model.linear_attention.layer_step`) on a state pool of one slot per sequence (the
+  cache holds the attention layers only): at q = 1 without pending rows (the token applied at
+  once, as a serving stack keeps its recurrent state), at q > 1 (a verify step) with q pending
+  rows, so that it can be rolled back as the megakernel's (`xla_state_args`).
 Its numerics match `tpumk.model.reference.decode_step` for in-range positions (tests/test_bench.py),
 which is all the bench feeds it: it does not implement the reference's handling of positions
 outside the cache (tpumk.model.positions).
@@ -29,7 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from tpumk.model import mla
+from tpumk.model import linear_attention, mla
 from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import grouped_operands
@@ -41,10 +46,11 @@ from tpumk.targets import Target
 def xla_cache_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, ...]:
     """K (and V) cache of the XLA step: [layers, batch, kv_heads, context, head_dim]. MLA: the
     latent cache `[layers, batch, context, kv_lora_rank + qk_rope_head_dim]` (one row per token,
-    shared by all heads, as the megakernel's paged cache holds it)."""
+    shared by all heads, as the megakernel's paged cache holds it). The layers are the attention
+    layers (`cfg.kv_layers`: a hybrid's linear layers keep a state instead)."""
     if cfg.is_mla:
-        return (cfg.num_layers, batch, context, cfg.attention.kv_cache_width)
-    return (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
+        return (cfg.kv_layers, batch, context, cfg.attention.kv_cache_width)
+    return (cfg.kv_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
 
 
 def xla_cache_shapes(cfg: ModelConfig, batch: int, context: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -107,11 +113,17 @@ def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
 
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                    k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
-    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D];
-    lengths [B] tokens cached before the step. Returns (logits [B, q, V] f32, k, v, lengths)."""
+                    k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
+                    states: linear_attention.LinearStates | None = None):
+    """One decode step as XLA runs it: tokens / positions [B, q]; caches [L, B, Hkv, ctx, D]
+    (L: the attention layers); lengths [B] tokens cached before the step; a hybrid's state pool
+    `states` (`xla_state_args`). Returns (logits [B, q, V] f32, k, v, lengths), and the pool
+    fifth when one is given."""
+    if cfg.linear and states is None:
+        raise ValueError(f"xla_decode_step: model '{cfg.name}' has linear-attention layers: pass their state pool "
+                         "(xla_state_args)")
     if cfg.is_mla:
-        return _xla_mla_step(params, cfg, tokens, positions, k_cache, v_cache, lengths)
+        return _xla_mla_step(params, cfg, tokens, positions, k_cache, v_cache, lengths, states)
     b, t = tokens.shape
     ctx = k_cache.shape[3]
     k_pos = jnp.arange(ctx, dtype=jnp.int32)[None, :]
@@ -122,15 +134,28 @@ def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions
     x = ref.embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
-        q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
-        k_cache = k_cache.at[i, bi, hi, pi].set(k)
-        v_cache = v_cache.at[i, bi, hi, pi].set(v)
-        o = _attend_head_major(cfg, q, k_cache[i], v_cache[i], positions, k_valid, cfg.pattern.window(i),
-                               ref.layer_sinks(cfg, layer))
-        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o))
+        if cfg.pattern.is_linear(i):
+            o, states = _linear_layer(cfg, i, layer, h, positions, ctx, states)
+        else:
+            kl = cfg.pattern.kv_index(i)  # the layer's place in the cache (the attention layers only)
+            q, k, v = ref.qkv(cfg, layer, h, positions, i)  # k, v [B, T, Hkv, D]
+            k_cache = k_cache.at[kl, bi, hi, pi].set(k)
+            v_cache = v_cache.at[kl, bi, hi, pi].set(v)
+            o = _attend_head_major(cfg, q, k_cache[kl], v_cache[kl], positions, k_valid, cfg.pattern.window(i),
+                                   ref.layer_sinks(cfg, layer))
+            o = ref.o_proj(cfg, layer, o, h)  # (h: gated attention's gate input)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", o)
         h = ref.mlp_in(cfg.norms, layer, x, h).reshape(b * t, -1)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", _ffn(cfg, i, layer, h).reshape(b, t, -1))
-    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+    out = ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+    return out if states is None else out + (linear_attention.step_counts(states, t),)
+
+
+def _linear_layer(cfg: ModelConfig, i: int, layer: dict, h: jax.Array, positions: jax.Array, ctx: int, states):
+    """Linear layer i of a hybrid: the reference's layer on the pool -> (out [B, T, H] f32, pool)."""
+    live = (positions >= 0) & (positions < ctx)
+    return linear_attention.layer_step(cfg.linear, layer, h, live, states, cfg.pattern.linear_index(i),
+                                       cfg.norms.rms_eps, ref.jnp_dtype(cfg))
 
 
 def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
@@ -139,12 +164,13 @@ def _ffn(cfg: ModelConfig, i: int, layer: dict, h: jax.Array) -> jax.Array:
 
 
 def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array):
+                  k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, states=None):
     """`xla_decode_step` of an MLA model, in the absorbed form serving stacks run at decode
     (tpumk.model.mla's projections and latent attention, the reference's own code): the
     contiguous latent cache k_cache [L, B, ctx, C+R] gets the step's rows, every head scores
-    them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values. v_cache is the
-    empty value cache, passed through."""
+    them with q_nope @ W_UK | q_rope, W_UV maps the latent output to values (a NoPE layer's
+    rows unrotated). v_cache is the empty value cache, passed through. Kimi Linear's KDA layers
+    run as the reference's (`_linear_layer`)."""
     b, t = tokens.shape
     ctx = k_cache.shape[2]
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
@@ -153,13 +179,20 @@ def _xla_mla_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: 
     x = ref.embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
-        q_nope, q_rope, row = mla.project(cfg, layer, h, positions)  # row [B, T, C+R] in the cache dtype
-        k_cache = k_cache.at[i, bi, positions].set(row)
-        o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[i], positions, k_pos, k_valid)
-        x = x + ref.matmul(o, layer["wo"])
+        if cfg.pattern.is_linear(i):
+            o, states = _linear_layer(cfg, i, layer, h, positions, ctx, states)
+            x = x + o
+        else:
+            kl = cfg.pattern.kv_index(i)
+            # row [B, T, C+R] in the cache dtype
+            q_nope, q_rope, row = mla.project(cfg, layer, h, positions, cfg.pattern.rotates(i))
+            k_cache = k_cache.at[kl, bi, positions].set(row)
+            o = mla.attend_latent(cfg, layer, q_nope, q_rope, k_cache[kl], positions, k_pos, k_valid)
+            x = x + ref.matmul(o, layer["wo"])
         h = ref.sublayer_in(cfg.norms, layer, "mlp_norm", x).reshape(b * t, -1)
         x = x + _ffn(cfg, i, layer, h).reshape(b, t, -1)
-    return ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+    out = ref.logits_from(cfg, params, x), k_cache, v_cache, jnp.maximum(lengths, positions[:, -1] + 1)
+    return out if states is None else out + (linear_attention.step_counts(states, t),)
 
 
 def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -171,8 +204,8 @@ def paged_to_head_major(cache: ref.KVCache, cfg: ModelConfig) -> tuple[jax.Array
         seq = c[:, cache.block_tables]  # [L, B, pps, page, kv]
         if cfg.is_mla:
             w = min(c.shape[-1], cfg.attention.kv_cache_width)  # (the empty value cache: 0)
-            return seq[..., :w].reshape(cfg.num_layers, b, pps * cache.page_size, w)
-        seq = seq.reshape(cfg.num_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+            return seq[..., :w].reshape(cfg.kv_layers, b, pps * cache.page_size, w)
+        seq = seq.reshape(cfg.kv_layers, b, pps * cache.page_size, cfg.num_kv_heads, cfg.head_dim)
         return seq.transpose(0, 1, 3, 2, 4)
     return one(cache.k), one(cache.v)
 
@@ -199,9 +232,32 @@ def xla_step_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, q
     return params, tok, tok, k, v, jax.ShapeDtypeStruct((batch,), i32)
 
 
+def xla_state_args(cfg: ModelConfig, batch: int, q_len: int = 1) -> tuple:
+    """The XLA step's arguments after `xla_step_specs`' six: () for a model without linear
+    layers; a hybrid's state pool (ShapeDtypeStructs of `LinearStates`): one slot per sequence
+    (slot b for sequence b), and q_len pending rows for a verify step (q_len > 1, to be rolled
+    back), none for a one-token step (its token applied at once)."""
+    if not cfg.linear:
+        return ()
+    pool = jax.eval_shape(lambda: linear_attention.init_states(cfg, batch, pending=q_len if q_len > 1 else 0,
+                                                               seed=None))
+    return (pool,)
+
+
+def xla_step_fn(cfg: ModelConfig) -> Callable:
+    """The XLA step as a function of (params, tokens, positions, k_cache, v_cache, lengths) and,
+    for a hybrid, its state pool (`xla_state_args`)."""
+    return lambda p, t, pos, k, v, n, *states: xla_decode_step(p, cfg, t, pos, k, v, n, *states)
+
+
+def xla_donated(cfg: ModelConfig) -> tuple[int, ...]:
+    """The XLA step's donated arguments: both caches, and a hybrid's state pool (all updated in place)."""
+    return (3, 4, 6) if cfg.linear else (3, 4)
+
+
 def make_xla_step(cfg: ModelConfig):
-    """The jitted XLA step with the caches donated (updated in place, as in serving)."""
-    return jax.jit(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n), donate_argnums=(3, 4))
+    """The jitted XLA step with the caches (and a hybrid's pool) donated (updated in place, as in serving)."""
+    return jax.jit(xla_step_fn(cfg), donate_argnums=xla_donated(cfg))
 
 
 # ---------------------------------------------------------------------- deviceless compiles

@@ -95,8 +95,12 @@ def _failure_line(stderr: str, returncode: int | None = None) -> str:
         msg = msg[msg.index(FIFO_FULL):][:160]
         return (f"libtpu's static profiler aborted scheduling this kernel's DMAs (a known profiler limit: {msg}); "
                 "the executable itself compiles, only the compiler's cycle estimate is missing")
+    # the compiler's CHECK, an allocation failure, or the static profiler's own verdict on an
+    # instruction it cannot model (e.g. a copy of a hybrid's state pool: "Static LLO profiling of
+    # copy.5 failed: ... Unsupported DMA direction for latency modeling: dma-general")
     detail = next((line.split("] ", 1)[-1][:400] for line in lines
-                   if "Check failed" in line or "RESOURCE_EXHAUSTED" in line), None)
+                   if "Check failed" in line or "RESOURCE_EXHAUSTED" in line or "Static LLO profiling of" in line),
+                  None)
     if returncode is not None and returncode < 0:
         sig = _signal_name(-returncode)
         if sig == "SIGKILL":

@@ -86,13 +86,15 @@ _registered = False
 
 
 def _register_pytrees() -> None:
-    """jax.export serializes pytree structure by name; the cache is a NamedTuple."""
+    """jax.export serializes pytree structure by name; the cache is a NamedTuple (a hybrid's
+    carries its state pool, another NamedTuple)."""
     global _registered
     if _registered:
         return
     from jax import export as jexport
 
     from tpumk.model.kv_quant import PagedLayout
+    from tpumk.model.linear_attention import LinearStates
     from tpumk.model.reference import KVCache, QuantizedKVCache
 
     def layout_bytes(aux) -> bytes:  # a quantized cache's static part: its page layout
@@ -103,6 +105,8 @@ def _register_pytrees() -> None:
 
     try:
         jexport.register_namedtuple_serialization(KVCache, serialized_name="tpumk.model.reference.KVCache")
+        jexport.register_namedtuple_serialization(LinearStates,
+                                                  serialized_name="tpumk.model.linear_attention.LinearStates")
         jexport.register_pytree_node_serialization(QuantizedKVCache, serialized_name="tpumk.model.reference.QuantizedKVCache",
                                                    serialize_auxdata=layout_bytes, deserialize_auxdata=layout_of)
     except ValueError:  # already registered (module reloaded)
@@ -482,7 +486,7 @@ class DecodeStep:
         self.batch = manifest["shapes"]["batch"]
         self.q_len = manifest["shapes"]["q_len"]
         self.devices = list(devices) if devices is not None else None
-        self._shardings = self._specs = None
+        self._shardings = self._specs = self._pool_shapes = None
         name = (manifest.get("target") or {}).get("name")  # load verified it; None: a bare program
         self._device_platform = None if name is None else ("cpu" if get_target(name).interpret else "tpu")
 
@@ -580,25 +584,29 @@ class DecodeStep:
 
     def init_cache(self):
         """An empty paged KV cache of the artifact's shapes (many devices: on its mesh, as
-        `shard_cache` places it)."""
+        `shard_cache` places it). A hybrid model's carries its empty state pool: the plan's
+        slots (one per sequence), each with q_len pending rows (the kernel leaves every step's
+        tokens pending: `tpumk.model.linear_attention`)."""
         import jax
 
         from tpumk.model.reference import init_cache
 
         p = self.plan
-        kv_dtype = p.attention.kv_dtype or None
+        kw = dict(num_pages=p.num_pages, kv_dtype=p.attention.kv_dtype or None)
+        if p.linear is not None:
+            kw.update(pending=p.q_len, num_slots=p.linear.num_slots)
         if self.devices is None:
-            return init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages, kv_dtype=kv_dtype)
+            return init_cache(p.whole_model, p.batch, p.context, p.page_size, **kw)
         with jax.default_device(jax.devices("cpu")[0]):  # built on the host, placed shard by shard
-            cache = init_cache(p.whole_model, p.batch, p.context, p.page_size, num_pages=p.num_pages,
-                               kv_dtype=kv_dtype)
+            cache = init_cache(p.whole_model, p.batch, p.context, p.page_size, **kw)
         return self.shard_cache(cache)
 
     def shard_cache(self, cache):
         """A KV cache in the reference layout (e.g. filled by `tpumk.model.reference.prefill`) ->
         the one this step takes: one device, the same; many, the sharded layout
         (`ShardingPlan.expand_kv`) on the step's mesh, each process placing its shards. A
-        lane-padded model's cache gains the padded KV heads' zero lanes (`tpumk.plan.padding`)."""
+        lane-padded model's cache gains the padded KV heads' zero lanes (`tpumk.plan.padding`).
+        A hybrid's state pool goes along (`ShardingPlan.expand_states`)."""
         from tpumk.plan.padding import pad_cache
 
         if self.plan.unpadded is not None:
@@ -627,13 +635,15 @@ class DecodeStep:
         b, t = tokens.shape
         if (b, t) != (self.batch, self.q_len):
             raise ArtifactError(f"artifact {self.key[:12]} takes tokens [{self.batch}, {self.q_len}], got [{b}, {t}]")
+        self._check_pool(cache)
         if self.check_inputs if check is None else check:
             from tpumk.model.positions import check_step, check_tokens
 
             vocab = (self.manifest.get("model") or {}).get("vocab_size")  # load checks it against the key
             if vocab is not None:
                 check_tokens(tokens, int(vocab), where=f"artifact {self.key[:12]}")
-            check_step(positions, cache, where=f"artifact {self.key[:12]}")
+            # the kernel leaves every step's tokens pending (the pool's rows: q_len)
+            check_step(positions, cache, where=f"artifact {self.key[:12]}", keep_pending=True)
         if self.devices is None:
             # every argument committed to the step's device (zero-copy for arrays already there):
             # jit specializes on committed-ness, and the cache a call returns is committed, so
@@ -647,6 +657,32 @@ class DecodeStep:
         self._check_packed(packed)
         # the program takes its arguments in exactly these shardings (the executable refuses others)
         return self._fn(*_place((packed, tokens, positions, cache), self.shardings))
+
+    def _check_pool(self, cache) -> None:
+        """A hybrid's step takes the cache's state pool in exactly the plan's shapes (`init_cache`
+        makes it); a missing pool, or one of other shapes, is refused here in one line instead of
+        the program's shape error. A model without linear layers takes none."""
+        hybrid = bool((self.manifest.get("model") or {}).get("linear_layers"))
+        states = getattr(cache, "states", None)
+        if not hybrid:
+            if states is not None:
+                raise ArtifactError(f"artifact {self.key[:12]}: the cache carries a state pool, but the model has no "
+                                    "linear-attention layers")
+            return
+        if states is None:
+            raise ArtifactError(f"artifact {self.key[:12]}: the model has linear-attention layers: the cache needs "
+                                "their state pool (step.init_cache() makes it)")
+        if self._pool_shapes is None:  # the step's own (global) shapes, worked out once
+            from tpumk.kernel.megakernel import step_specs
+
+            pool = (self._specs if self._specs is not None else step_specs(self.plan))[3].states
+            self._pool_shapes = {name: tuple(getattr(pool, name).shape) for name in pool._fields}
+        for name, w in self._pool_shapes.items():
+            got = tuple(getattr(getattr(states, name), "shape", ()))
+            if got != w:
+                raise ArtifactError(f"artifact {self.key[:12]}: cache.states.{name} has shape {list(got)}, this step "
+                                    f"takes {list(w)} ({self.plan.linear.num_slots} slots of q_len = {self.q_len} "
+                                    "pending rows: step.init_cache() makes it)")
 
     def _check_packed(self, packed) -> None:
         """Many devices: weights packed for one device (e.g. `tpumk.pack_weights(step.plan, ...)`,

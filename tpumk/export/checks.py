@@ -29,7 +29,7 @@ KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to 
 # report figures the plan decides (the rest are measured at export: only a signature covers them)
 PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
                "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning", "devices", "topology",
-               "mesh", "sharding")
+               "mesh", "sharding", "hbm_bytes_by_part", "state_pool")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -261,13 +261,16 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     except TpumkError as e:
         c.fail(f"its mesh cannot be rebuilt here: {e}")
     c.field("mesh", m["mesh"], mesh, "the plan's")
+    from tpumk.build import hbm_parts, state_pool_figures
+
     want = {"model": plan.whole_model.name, "target": plan.target.name, "batch": plan.batch,
             "context": plan.context, "q_len": plan.q_len, "vmem_bytes": plan.vmem_total,
             "vmem_budget_bytes": plan.vmem_budget, "vmem_capacity_bytes": plan.target.vmem_bytes,
             "hbm_bytes_per_step": plan.hbm_bytes, "floor_seconds": plan.floor_seconds,
             "tuning": without_none(plan.tuning.to_dict()), "devices": plan.devices,
             "topology": mesh["topology"] or None, "mesh": report_mesh(mesh),
-            "sharding": mesh.get("sharding")}
+            "sharding": mesh.get("sharding"), "hbm_bytes_by_part": hbm_parts(plan),
+            "state_pool": state_pool_figures(plan)}
     for f in PLAN_REPORT:
         c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
 
@@ -310,11 +313,15 @@ def tree_signature(tree: Any) -> list[dict[str, Any]]:
 
 def step_trees(plan) -> tuple:
     """The (in_tree, out_tree) a compiled decode step of this plan has: jit's ((args), {}) and
-    (logits, KVCache). Rebuilt from the plan on load rather than unpickled from the artifact."""
+    (logits, KVCache) (a hybrid's cache with its state pool). Rebuilt from the plan on load
+    rather than unpickled from the artifact."""
     import jax
 
     from tpumk.kernel.megakernel import step_specs
+    from tpumk.model.linear_attention import LinearStates
     from tpumk.model.reference import KVCache, QuantizedKVCache
 
-    cache = QuantizedKVCache(0, 0, 0, plan.attention.kv_layout) if plan.attention.quantized else KVCache(0, 0, 0, 0)
+    states = LinearStates(0, 0, 0, 0, 0) if plan.linear is not None else None
+    cache = QuantizedKVCache(0, 0, 0, plan.attention.kv_layout, states) if plan.attention.quantized \
+        else KVCache(0, 0, 0, 0, states)
     return jax.tree.structure((step_specs(plan), {})), jax.tree.structure((0, cache))

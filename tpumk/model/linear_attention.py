@@ -87,6 +87,18 @@ def pending_offsets(lin: LinearAttention) -> tuple[int, int, int]:
     return b, second, width
 
 
+def pool_bytes(cfg: ModelConfig, num_slots: int, pending: int = 0) -> int:
+    """Bytes of the pool `init_states` makes (float32 states, windows and pending rows of every
+    linear layer and slot; the counts and slots besides are a few bytes); 0 without linear layers."""
+    lin = cfg.linear
+    if not lin:
+        return 0
+    import math
+
+    per_slot = math.prod(lin.state_shape) + (lin.linear_conv - 1) * lin.conv_dim + pending * pending_offsets(lin)[2]
+    return 4 * len(cfg.linear_layers) * num_slots * per_slot
+
+
 def init_states(cfg: ModelConfig, batch: int, num_slots: int | None = None, pending: int = 0,
                 seed: int | None = 0) -> LinearStates:
     """An empty pool (zero states and windows, nothing pending) of `num_slots` slots (default:

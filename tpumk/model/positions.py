@@ -17,6 +17,17 @@ with positions `[B, q]` over a cache of capacity C = pages_per_seq * page_size:
 6. no page id appears twice among the entries of a sequence's read pages (two logical pages
    of one sequence on one physical page would overwrite each other's rows).
 
+A hybrid model's cache also carries its linear layers' state pool (`cache.states`,
+`tpumk.model.linear_attention.LinearStates`), and then:
+
+7. each sequence's state slot `states.slots[b]` is in [0, num_slots), and no two sequences of
+   the step share a slot (both would read one state and write it twice);
+8. a step whose tokens must stay pending (`keep_pending`: a speculative verify step, which may
+   be rolled back, and a loaded megakernel artifact's step, which leaves every step's tokens
+   pending) has at least q pending rows per slot (`reference.init_cache(..., pending=q)`); a
+   longer step on a smaller pool would apply its tokens at once, and a rollback would then
+   keep rejected tokens in the state.
+
 `check_tokens` checks that a step's token ids are in [0, vocab_size).
 
 `check_step` raises a one-line `PositionError` naming the sequence, the position and what was
@@ -27,7 +38,8 @@ step) opt out with `step(..., check=False)`, `step.check_inputs = False` or
 `tpumk.load(path, check_inputs=False)`. Without the check the kernel and the reference still
 never write outside a sequence's own pages: out-of-range positions, block-table entries
 outside [0, num_pages) and token ids outside the vocabulary write nothing (see
-`tpumk.model.reference`, "Defined behaviour").
+`tpumk.model.reference`, "Defined behaviour"), and a state slot outside the pool is read
+clipped and written nothing (`tpumk.model.linear_attention.layer_step`).
 """
 
 from __future__ import annotations
@@ -45,10 +57,12 @@ def new_lengths(positions, lengths, capacity: int):
     return jnp.maximum(lengths, jnp.max(written, axis=1) + 1)
 
 
-def check_step(positions, cache, where: str = "decode step") -> None:
+def check_step(positions, cache, where: str = "decode step", keep_pending: bool = False) -> None:
     """Raise PositionError unless `positions` [B, q] satisfy the contract above for `cache`
-    (a `tpumk.model.reference.KVCache`). `where` prefixes the message (e.g. "generate step 3").
-    Of several violations, the one reported is the first a per-sequence scan would meet."""
+    (a `tpumk.model.reference.KVCache`; a hybrid's state pool in `cache.states`, rules 7 and 8:
+    `keep_pending` for a step whose tokens must stay pending). `where` prefixes the message
+    (e.g. "generate step 3"). Of several violations, the one reported is the first a
+    per-sequence scan would meet; the pool's after the positions'."""
     pos = np.asarray(positions)
     lengths = np.asarray(cache.lengths)
     tables = np.asarray(cache.block_tables)
@@ -107,6 +121,9 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     failing = (bad_len | (tok_bad >= 0) | bad_start | (entry_bad >= 0) | (dup_entry >= 0) | ww.any(axis=1)
                | wr.any(axis=1))
     if not failing.any():
+        states = getattr(cache, "states", None)
+        if states is not None:
+            check_states(states, B, q, where, keep_pending)
         return
     b = int(np.argmax(failing))
     n = int(lengths[b])
@@ -142,6 +159,37 @@ def check_step(positions, cache, where: str = "decode step") -> None:
     raise PositionError(f"{where}: sequence {writer} writes page {page} that sequence {reader} reads in one step, "
                         "expected a page a step writes to be read by no other sequence (the kernel streams it "
                         "while the write-back is in flight)")
+
+
+def check_states(states, batch: int, q: int, where: str = "decode step", keep_pending: bool = False) -> None:
+    """Raise PositionError unless a hybrid's state pool (`LinearStates`) serves a step of
+    `batch` sequences x `q` tokens: one slot per sequence, each in the pool, none shared, and
+    with `keep_pending` at least q pending rows (rules 7 and 8 above)."""
+    slots = np.asarray(states.slots)
+    num_slots, rows = int(states.num_slots), int(states.pending_rows)
+    if slots.shape != (batch,) or not np.issubdtype(slots.dtype, np.integer):
+        raise PositionError(f"{where}: the state pool's slots are {slots.dtype} {tuple(slots.shape)}, expected one "
+                            f"integer slot per sequence ({batch},)")
+    slots = slots.astype(np.int64)
+    outside = (slots < 0) | (slots >= num_slots)
+    order = np.argsort(slots, kind="stable")  # a slot an earlier sequence already has
+    shared = np.zeros(batch, bool)
+    shared[order[1:]] = slots[order[1:]] == slots[order[:-1]]
+    bad = outside | shared
+    if bad.any():
+        b = int(np.argmax(bad))
+        s = int(slots[b])
+        if outside[b]:
+            raise PositionError(f"{where}: sequence {b} has state slot {s}, expected a slot in [0, {num_slots}) "
+                                f"(the pool's {num_slots} slots)")
+        first = int(np.argmax(slots == s))
+        raise PositionError(f"{where}: sequences {first} and {b} both have state slot {s}, expected one slot per "
+                            "sequence (both would read one state and write it twice)")
+    if keep_pending and rows < q:
+        raise PositionError(f"{where}: sequence 0 (state slot {int(slots[0])}): a step of {q} tokens that must stay "
+                            f"pending on a pool of {rows} pending row{'s' if rows != 1 else ''} per slot, expected "
+                            f"at least {q} (reference.init_cache(..., pending={q}); a smaller pool applies the "
+                            "tokens at once, and a rollback would keep rejected ones in the state)")
 
 
 def check_tokens(tokens, vocab_size: int, where: str = "decode step") -> None:

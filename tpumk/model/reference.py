@@ -620,14 +620,15 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], 
 
     `batched`: one step for all sequences instead of one per sequence (one compiled shape
     instead of one per prompt length; `_prefill_batched`). The cache slots past each prompt
-    then hold the padding's keys and values rather than zeros: outside `lengths`, so never read.
+    then hold the padding's keys and values rather than zeros: outside `lengths`, so never read
+    (a hybrid model's padding runs at position -1 instead, so that it changes no state).
     """
     from tpumk.model.positions import check_finite, check_step, check_tokens
 
     if len(prompts) != cache.block_tables.shape[0]:
         raise ValueError(f"prefill: {len(prompts)} prompts for a cache of batch {cache.block_tables.shape[0]}")
     step = step_fn or jitted_decode_step(cfg)
-    if batched and cache.states is None:  # a linear layer's state would take in the padding
+    if batched:
         return _prefill_batched(params, cfg, prompts, cache, step, check)
     last = []
     cur = cache  # any paged cache type: its arrays carried, its block tables whole between prompts
@@ -663,7 +664,10 @@ def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequenc
     """Every prompt in one [B, longest] step, right-padded with token 0 at the positions that
     follow it. Exact: a query sees only keys at positions up to its own, so no prompt token sees
     padding; the lengths are then set to the prompts' ends, so the padding's slots are outside
-    every sequence and the next step at each end overwrites its slot before reading it."""
+    every sequence and the next step at each end overwrites its slot before reading it. A
+    hybrid model's padding runs at position -1 (checked as the positions that follow the prompt):
+    a token outside the cache changes no linear layer's state and writes no row, and it comes
+    after every prompt token, where the chunked form takes dead tokens (`linear_attention`)."""
     from tpumk.model.positions import check_finite, check_step, check_tokens
 
     if any(not p for p in prompts):
@@ -676,11 +680,13 @@ def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequenc
                          f"would need {int(starts[b]) + longest} tokens > context {cache.max_context}")
     toks = jnp.asarray([list(p) + [0] * (longest - len(p)) for p in prompts], jnp.int32)
     pos = jnp.asarray(starts[:, None] + np.arange(longest)[None], jnp.int32)
+    ends = np.asarray([len(p) for p in prompts])
     if check:
         check_tokens(toks, cfg.vocab_size, where="prefill")
         check_step(pos, cache, where="prefill")
+    if cache.states is not None:  # the padding at -1: it must not enter any state
+        pos = jnp.where(jnp.arange(longest)[None] < jnp.asarray(ends)[:, None], pos, -1)
     logits, filled = step(params, toks, pos, cache)
-    ends = np.asarray([len(p) for p in prompts])
     last = logits[jnp.arange(len(prompts)), jnp.asarray(ends - 1)]
     if check:
         check_finite(last, where="prefill")

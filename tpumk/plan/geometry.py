@@ -1385,6 +1385,11 @@ class LinearGeometry:
         """One slot's pool entry in one layer: state, window and pending rows."""
         return self.state_bytes + self.window_bytes + self.pending_bytes
 
+    @property
+    def resident_bytes(self) -> int:
+        """The whole pool in HBM: every slot's entry in every linear layer (this device's share)."""
+        return self.num_layers * self.num_slots * self.slot_bytes
+
     def hbm_bytes(self) -> dict[str, int]:
         """Pool bytes one step reads and writes, every sequence's slot entry read and written in
         every linear layer: "linear_states" the recurrent states, "linear_windows" the

@@ -1027,7 +1027,9 @@ def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: S
     """(weights, KV cache) bytes each device holds in HBM (closed form, O(1)): one device holds
     everything; on many, each holds its share of the weights (`per_device_weight_bytes`) and its
     KV heads' cache, or for MLA the whole latent cache (every device keeps a copy: it is
-    shared by all heads). `kv_dtype` (fp8, int8): the cache's 1-byte format (`tpumk.model.kv_quant`)."""
+    shared by all heads). `kv_dtype` (fp8, int8): the cache's 1-byte format (`tpumk.model.kv_quant`).
+    The cache holds the attention layers only (a hybrid's linear layers keep a state pool,
+    `LinearGeometry.resident_bytes`)."""
     n = sharding.devices if sharding is not None else 1
     weights = quantized_weight_bytes(cfg, quant) if n == 1 else per_device_weight_bytes(cfg, sharding, quant)
     heads, width, tensors = kv_quant.cache_rows(cfg)
@@ -1036,35 +1038,41 @@ def resident_bytes(cfg: ModelConfig, num_pages: int, page_size: int, sharding: S
     fmt = kv_quant.kv_format(kv_dtype) if kv_dtype else None
     if cfg.is_mla and fmt is None:  # the model-dtype latent row is stored lane-padded
         width = cfg.attention.latent_cache_lanes
-    per_token = kv_quant.cache_bytes_per_token(heads, width, cfg.num_layers, fmt, cfg.dtype_bytes, tensors, page_size)
+    per_token = kv_quant.cache_bytes_per_token(heads, width, cfg.kv_layers, fmt, cfg.dtype_bytes, tensors, page_size)
     return int(weights), int(round(num_pages * page_size * per_token))
 
 
 def _check_hbm(cfg: ModelConfig, target: Target, num_pages: int, page_size: int,
-               sharding: ShardingPlan | None = None, quant: str = "none", kv_dtype: str = "") -> None:
-    """The model's weights plus the KV cache must fit each device's HBM (`resident_bytes`)."""
+               sharding: ShardingPlan | None = None, quant: str = "none", kv_dtype: str = "",
+               pool: int = 0) -> None:
+    """The model's weights plus the KV cache (plus `pool`: a hybrid's state pool, bytes per
+    device) must fit each device's HBM (`resident_bytes`)."""
     n = sharding.devices if sharding is not None else 1
     weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant, kv_dtype)
-    if weights + kv > target.hbm_bytes:
+    if weights + kv + pool > target.hbm_bytes:
         where = f"one {target.name} device" if n == 1 else f"{n} {target.name} devices"
         each = "" if n == 1 else " per device"
-        hint = _fit_hint(cfg, target, num_pages, page_size, quant, n)
+        hint = _fit_hint(cfg, target, num_pages, page_size, quant, n, pool * n)
+        states = f" + state pool {pool / 1e9:.1f} GB" if pool else ""
         raise PlanError(
             f"model '{cfg.name}' does not fit {where}: weights {weights / 1e9:.1f} GB + "
-            f"KV cache {kv / 1e9:.1f} GB{each} > HBM {target.hbm_bytes / 1e9:.1f} GB{hint}")
+            f"KV cache {kv / 1e9:.1f} GB{states}{each} > HBM {target.hbm_bytes / 1e9:.1f} GB{hint}")
 
 
-def _fits(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int) -> bool:
-    """Whether the weights and KV cache fit each of `devices` devices (a split the model allows)."""
+def _fits(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int,
+          pool: int = 0) -> bool:
+    """Whether the weights and KV cache (and a hybrid's state pool of `pool` bytes in all, split
+    by linear heads over the devices) fit each of `devices` devices (a split the model allows)."""
     try:
         sharding = plan_sharding(cfg, devices) if devices > 1 else None
     except PlanError:
         return False
     weights, kv = resident_bytes(cfg, num_pages, page_size, sharding, quant)
-    return weights + kv <= target.hbm_bytes
+    return weights + kv + pool / devices <= target.hbm_bytes
 
 
-def _fit_hint(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int) -> str:
+def _fit_hint(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, quant: str, devices: int,
+              pool: int = 0) -> str:
     """'; fits --devices 4 (or --quant int8 on ...)': the fewest devices (a power of two the model
     splits over) that hold it with these weights, and the first smaller weight scheme that fits
     the devices asked for; '' when neither does."""
@@ -1072,19 +1080,21 @@ def _fit_hint(cfg: ModelConfig, target: Target, num_pages: int, page_size: int, 
 
     ways = []
     more = next((d for d in (2 ** k for k in range(1, MAX_DEVICES.bit_length()))
-                 if devices < d <= MAX_DEVICES and _fits(cfg, target, num_pages, page_size, quant, d)), None)
+                 if devices < d <= MAX_DEVICES and _fits(cfg, target, num_pages, page_size, quant, d, pool)), None)
     if more is not None:
         ways.append(f"--devices {more}")
     if quant == "none":
         schemes = ("int8", "int4") if cfg.is_moe else ("int8",)
-        smaller = next((q for q in schemes if _fits(cfg, target, num_pages, page_size, q, devices)), None)
+        smaller = next((q for q in schemes if _fits(cfg, target, num_pages, page_size, q, devices, pool)), None)
         if smaller is not None:
             ways.append(f"--quant {smaller}" + (f" on {devices} devices" if devices > 1 else " on one device"))
     return f"; it fits with {' or '.join(ways)}" if ways else ""
 
 
 def _check_fits(plan: Plan) -> None:
-    _check_hbm(plan.whole_model, plan.target, plan.num_pages, plan.page_size, plan.sharding, plan.quant)
+    pool = plan.linear.resident_bytes if plan.linear is not None else 0
+    _check_hbm(plan.whole_model, plan.target, plan.num_pages, plan.page_size, plan.sharding, plan.quant,
+               plan.attention.kv_dtype, pool)
     target = plan.target
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted({**plan.vmem, **plan.vmem_temporaries}.items(),
                                                           key=lambda kv: -kv[1]))

@@ -69,6 +69,10 @@ FACTS: dict[str, str] = {
     "num_layers": "transformer layers",
     "num_dense_layers": "layers with a dense FFN",
     "num_moe_layers": "mixture-of-experts layers",
+    "num_attention_layers": "softmax-attention layers (the qkv / o families stream in these; the KV cache holds one "
+                            "layer each): num_layers but for a hybrid's linear layers",
+    "num_linear_layers": "a hybrid's linear-attention layers (Gated DeltaNet, KDA: their lin_* families take auto "
+                         "tiles, no knobs; each keeps a state pool entry per sequence), else 0",
     "has_dense_layers": "1 if any layer has a dense FFN (the gate_up / down families stream), else 0",
     "has_shared_expert": "1 if MoE layers have a shared expert (the shared_* families stream), else 0",
     "is_moe": "1 for a mixture-of-experts model, else 0",
@@ -304,7 +308,9 @@ def unused_knobs(spec: "BuildSpec") -> dict[str, str]:
     family's tile knobs only when the family streams, the expert knobs only for MoE layers,
     the collective knobs only on many devices):
     - an MLA model streams no fused qkv matrix (its q path, kv_a and the per-head W_UK / W_UV
-      families take auto tiles shaped from tile_bytes);
+      families take auto tiles shaped from tile_bytes); a hybrid's linear-attention families
+      (lin_*) have no knobs either (auto tiles from tile_bytes), and its attention layers keep
+      the qkv / o knobs;
     - a model whose every layer is MoE streams no dense FFN (gate_up / down);
     - a dense model has no experts (expert_slots, expert_chunk, expert_parallel, shared_*), a
       MoE model without a shared expert no shared_* families;
@@ -894,6 +900,7 @@ def space_facts(spec: "BuildSpec") -> dict[str, int | float]:
         "hbm_bandwidth": target.hbm_bandwidth, "bf16_flops": target.bf16_flops,
         "num_mxus": num_mxus, "mxu_size": mxu_size, "devices": spec.devices,
         "num_layers": cfg.num_layers, "num_dense_layers": n_dense, "num_moe_layers": n_moe,
+        "num_attention_layers": cfg.kv_layers, "num_linear_layers": len(cfg.linear_layers),
         "has_dense_layers": int(n_dense > 0),
         "has_shared_expert": int(n_moe > 0 and cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size > 0),
         "is_moe": int(cfg.is_moe),

@@ -19,6 +19,7 @@ that names the setting and what was expected, before any weight is read: the ser
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
 latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
+hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
 vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend or kernel whose KV cache is not laid out as RPA v3's (tpumk.vllm.kv), and
 sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
@@ -86,6 +87,7 @@ class Runtime:
         if not is_dir(model_dir) or not (model_dir / "config.json").is_file():
             raise ServingConfigError(f"tpumk plugin: model {mc.model}: expected a local checkpoint directory with "
                                      "a config.json (download it first)")
+        _checkpoint_names_no_artifact(model_dir)  # before the reader, which would refuse the key as a field
         cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
         cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
         _check_vllm(vllm_config, cfg)
@@ -124,6 +126,11 @@ def _check_vllm(vllm_config, cfg) -> None:
     if cfg.sliding_window:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has sliding-window layers; vLLM gives them their "
                                  "own block tables, which the plugin does not read yet")
+    if cfg.linear:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}, "
+                                 f"{len(cfg.linear_layers)} of {cfg.num_layers}); the plugin does not keep their "
+                                 "per-sequence state pool in vLLM's cache yet (serve it with a softmax-attention model, "
+                                 "or run it with tpumk generate)")
     for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
                     ("pipeline_parallel_size", pc.pipeline_parallel_size)):
         if int(v) != 1:
@@ -161,21 +168,33 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
+def _checkpoint_names_no_artifact(model_dir: Path) -> None:
+    """A tpumk_artifact in the checkpoint's own config.json is refused rather than followed: a
+    downloaded checkpoint must not pick the program a server runs (`_operator_artifact`). Checked
+    before tpumk's config reader, which refuses any field it does not model with a line that does
+    not say why this one matters."""
+    import json
+
+    from tpumk.files import TEXT_LIMIT, read_regular
+
+    try:
+        own = json.loads(read_regular(model_dir / "config.json", TEXT_LIMIT))
+    except (OSError, ValueError, RecursionError, TpumkError):
+        return  # not readable JSON: the reader says why, in one line
+    if isinstance(own, dict) and ARTIFACT_KEY in own:
+        raise ServingConfigError(f"tpumk plugin: config.json of the checkpoint names {ARTIFACT_KEY}: the artifact is "
+                                 f"chosen by the operator ({ARTIFACT_ENV} or --hf-overrides)")
+
+
 def _operator_artifact(mc, model_dir: Path) -> Path | None:
     """The artifact the server's operator names (TPUMK_VLLM_ARTIFACT, else --hf-overrides'
     tpumk_artifact), None for a start-up build. vLLM merges --hf-overrides into the model's config
-    (`hf_config`), so the key there cannot tell who set it: the checkpoint's config.json is read
-    again, and a tpumk_artifact in it (or reaching hf_config from anywhere but the overrides) is
-    refused rather than followed: a downloaded checkpoint must not pick the program a server runs."""
-    import json
-
-    from tpumk.files import TEXT_LIMIT, read_regular, shown
+    (`hf_config`), so the key there cannot tell who set it: a tpumk_artifact in the checkpoint's
+    config.json was refused before (`_checkpoint_names_no_artifact`), and one reaching hf_config
+    from anywhere but the overrides is refused rather than followed."""
+    from tpumk.files import shown
 
     where = "tpumk plugin"
-    own = json.loads(read_regular(model_dir / "config.json", TEXT_LIMIT))  # load_hf_config has parsed it
-    if isinstance(own, dict) and ARTIFACT_KEY in own:
-        raise ServingConfigError(f"{where}: config.json of the checkpoint names {ARTIFACT_KEY}: the artifact is "
-                                 f"chosen by the operator ({ARTIFACT_ENV} or --hf-overrides)")
     overrides = getattr(mc, "hf_overrides", None)
     overrides = overrides if isinstance(overrides, dict) else {}
     if ARTIFACT_KEY not in overrides and getattr(mc.hf_config, ARTIFACT_KEY, None) is not None:
