@@ -78,12 +78,12 @@ def _pins(path) -> dict[str, str]:
 
 
 def test_the_installed_jax_stack_is_one_of_the_constraint_files():
-    """tpumk runs on the sets constraints/*.txt pin (the default, vLLM TPU's, jax 0.12), not a mix."""
+    """tpumk runs on the sets constraints/*.txt pin (the default, vLLM TPU's, jax 0.12, the speculators tier's), not a mix."""
     from importlib.metadata import version
     from pathlib import Path
 
     sets = {p.name: _pins(p) for p in sorted((Path(__file__).parents[1] / "constraints").glob("*.txt"))}
-    assert set(sets) == {"default.txt", "vllm-tpu.txt", "jax-0.12.txt"}
+    assert set(sets) == {"default.txt", "vllm-tpu.txt", "jax-0.12.txt", "speculators.txt"}
     installed = {name: version(name) for name in ("jax", "jaxlib", "libtpu")}
     assert installed in sets.values(), (installed, sets)
 

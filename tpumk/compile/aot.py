@@ -105,12 +105,16 @@ def compile_plan(plan) -> Compiled:
     # compile_for wraps the step in another jit: donate there too, or XLA copies both caches
     # every step (the kernel aliases them in place).
     step = make_decode_step(plan, donate_cache=True, nested=True)
+    return compile_program(step, step_specs(plan), plan, donate_argnums=(3,))
+
+
+def compile_program(fn: Callable, specs: tuple, plan, **jit_kwargs) -> Compiled:
+    """Compile `fn` over `specs` for the plan's target: one device (`compile_for`), or many, the
+    specs carrying their NamedShardings over the step's mesh (one SPMD program)."""
     if plan.devices == 1:
-        return compile_for(step, step_specs(plan), plan.target, donate_argnums=(3,))
-    # Many devices: the specs carry their NamedShardings over the step's mesh (one SPMD program).
-    specs = step_specs(plan)
+        return compile_for(fn, specs, plan.target, **jit_kwargs)
     kind = jax.tree.leaves(specs)[0].sharding.mesh.devices.flat[0].device_kind
-    return _compile_lowered(jax.jit(step, donate_argnums=(3,)), specs, f"{plan.target.name} x {plan.devices}", kind)
+    return _compile_lowered(jax.jit(fn, **jit_kwargs), specs, f"{plan.target.name} x {plan.devices}", kind)
 
 
 def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", in_specs: Any = None,

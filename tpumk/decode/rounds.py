@@ -248,3 +248,54 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
     out = np.asarray(carry.out)[:, :settings.steps]
     stats = RoundStats(settings.block, calls, np.asarray(carry.rounds).tolist(), np.asarray(carry.committed).tolist())
     return [row.tolist() for row in out], carry.cache if layout is None else layout[1](carry.cache), stats
+
+
+# ---------------------------------------------------------------------- the program, ahead of time
+def target_for_drafter(params: dict) -> dict:
+    """What a drafter reads of the target's weights: its embedding and head (tpumk.draft)."""
+    return {k: params[k] for k in ("embed", "lm_head") if k in params}
+
+
+def round_specs(plan, drafter, settings: RoundSettings) -> tuple:
+    """ShapeDtypeStructs of run(packed, dparams, tparams, carry) for `plan` (the verify step: q =
+    block + 1, the drafter's taps): the packed weights and cache as the step takes them
+    (`step_specs`), the drafter's weights and state, the target's embedding and head, the
+    carry's vectors; on many devices everything but the step's own arguments replicated over
+    its mesh."""
+    from tpumk.kernel.megakernel import step_mesh, step_specs
+    from tpumk.model.ops import jnp_dtype
+
+    packed, _, _, cache = step_specs(plan)
+    b, model = plan.batch, plan.whole_model
+    place = lambda x: x  # noqa: E731
+    if plan.devices > 1:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        rep = NamedSharding(step_mesh(plan), P())
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
+    dt = jnp_dtype(model)
+    tparams = {"embed": jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), dt)}
+    if not model.tie_embeddings:
+        tparams["lm_head"] = jax.ShapeDtypeStruct((model.hidden_size, model.vocab_size), dt)
+    dparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), drafter.params)
+    dstate = jax.eval_shape(lambda: drafter.init_state(b, plan.context))
+    vec = jax.ShapeDtypeStruct((b,), jnp.int32)
+    carry = Carry(cache, jax.tree.map(place, dstate), place(vec), place(vec),
+                  place(jax.ShapeDtypeStruct((b, settings.steps + settings.block + 1), jnp.int32)),
+                  place(vec), place(vec), place(vec), place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
+    return packed, jax.tree.map(place, dparams), jax.tree.map(place, tparams), carry
+
+
+def compile_rounds(plan, drafter, settings: RoundSettings):
+    """The round program (`rounds_per_call` rounds: the drafter's passes and the megakernel's
+    verify step with its taps, in one program) compiled for the plan's target, deviceless
+    without a TPU, on one device or the plan's mesh (tpumk.compile.aot.compile_program)."""
+    from tpumk.compile.aot import compile_program
+    from tpumk.kernel.megakernel import make_decode_step
+
+    if plan.q_len != settings.block + 1 or plan.taps != tuple(drafter.taps):
+        raise ConfigError(f"round program: the verify plan has q_len {plan.q_len} and taps {list(plan.taps)}; the "
+                          f"drafter needs q_len {settings.block + 1} and taps {list(drafter.taps)}")
+    run = make_rounds(make_decode_step(plan, nested=True), drafter, settings)
+    return compile_program(run, round_specs(plan, drafter, settings), plan, donate_argnums=(3,))
