@@ -234,6 +234,77 @@ def print_curve(rows: list[dict], head: str) -> None:
         echo(f"published / batch 1: {summary['published']}")
 
 
+def parse_acceptance(text: str) -> list[float]:
+    """`--acceptance 3,6`: mean acceptance lengths (numbers; their range is the drafter's, checked
+    by the round's model)."""
+    from tpumk.errors import ConfigError
+
+    try:
+        out = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out:
+        raise ConfigError(f"--acceptance {text!r}: expected mean acceptance lengths (tokens committed per verify "
+                          "step) separated by commas, e.g. 3,6")
+    return out
+
+
+def default_acceptance(k: int) -> list[float]:
+    """2, 3 and k + 1 (every draft accepted), those at most k + 1."""
+    return sorted({a for a in (2.0, 3.0, float(k + 1)) if a <= k + 1})
+
+
+# options of the compiled bench that a modelled round does not use: refused beside --draft
+NOT_WITH_DRAFT = ("runs", "warmup", "verify_q", "serving", "compiler_estimate", "batch_curve", "q_len")
+
+
+def draft_round(spec, draft: str, acceptance: str | None) -> dict:
+    """`bench --draft`: the speculative round by tpumk's timeline model (plans only, nothing compiled)."""
+    from tpumk.decode import drafted
+    from tpumk.estimate.speculative import round_model
+
+    spec.validate()
+    d = drafted.describe(draft, spec.model)
+    acc = parse_acceptance(acceptance) if acceptance is not None else default_acceptance(d.block)
+    r = round_model(spec, d, acc)
+    head = {"model": spec.model.name, "target": spec.target.name, "devices": spec.devices, "batch": spec.batch,
+            "context": spec.context, "page_size": spec.page_size, "dtype": spec.model.dtype, "quant": spec.quant,
+            "draft": draft.strip()}
+    return {**head, **r}
+
+
+def print_draft_round(r: dict) -> None:
+    d = r["drafter"]
+    on = f"{r['devices']} x {r['target']}" if r["devices"] > 1 else r["target"]
+    fmt = f", {r['quant']} weights" if r.get("quant", "none") != "none" else ""
+    echo(f"speculative round: {r['model']} on {on}, batch {r['batch']}, context {r['context']}, {r['dtype']}{fmt}")
+    echo(f"drafter {r['draft']}: {d['kind']}, {d['layers']} layers of hidden {d['hidden']}, draft vocabulary "
+         f"{d['draft_vocab']:,}, {d['block']} drafts per round, taps {d['taps']}")
+    k, t = d["block"], r["round_seconds"]
+    on_dev = f"on {d['devices']} of {r['devices']} devices" if d["devices"] < r["devices"] else         f"on {d['devices']} device{'s' if d['devices'] > 1 else ''}"
+    steps = [
+        ["plain step (q = 1)", _ms(r["plain_step_seconds"], t), ""],
+        [f"verify step (q = {k + 1}, {len(d['taps'])} taps)", _ms(r["verify_step_seconds"], t),
+         f"{_bytes(r['verify_hbm_bytes'])} HBM, taps {_bytes(r['verify_taps_bytes'])}"],
+        [f"drafter passes ({d['passes_per_round']} x {d['rows_per_pass']} row{'s' if d['rows_per_pass'] > 1 else ''})",
+         _ms(d["passes_per_round"] * d["pass_seconds"], t), f"{_bytes(d['pass_hbm_bytes'])} HBM a pass, {on_dev}"],
+        ["taps' projection weights", _ms(d["projection_seconds"], t), "read once a round"],
+        ["round (verify + draft)", _ms(t, t), ""],
+    ]
+    echo(tabulate(steps, headers=["per device", "time (MODEL)", ""], tablefmt="simple"))
+    rows = [["plain step", "1", f"{r['plain']['per_sequence']:,.0f}", f"{r['plain']['aggregate']:,.0f}", "1.00x"]]
+    for row in r["rows"]:
+        rows.append([f"round", f"{row['acceptance']:g}", f"{row['per_sequence']:,.0f}", f"{row['aggregate']:,.0f}",
+                     f"{row['speedup']:.2f}x"])
+    echo(tabulate(rows, headers=["", "mean acceptance length", "accepted tok/s per sequence", "tok/s aggregate",
+                                 "over the plain step"], tablefmt="simple"))
+    echo(f"break-even: a mean acceptance length of {r['break_even_acceptance']:.2f} tokens per round (round time / "
+         f"plain step; at most {k + 1})")
+    for note in r["notes"]:
+        echo(f"note: {note}")
+    echo(f"every time and rate above: {r['source']} (no TPU); nothing was compiled")
+
+
 @click.command()
 @spec_options()
 @click.option("--runs", default=10, show_default=True, help="Timed runs per step when a TPU is attached (median).")
@@ -248,16 +319,46 @@ def print_curve(rows: list[dict], head: str) -> None:
               help="Bench each of these batch sizes (instead of --batch) and print the batch curve: step, tok/s "
                    "aggregate and per sequence, floor fraction, beside XLA and the serving stack, and the aggregate "
                    "over batch 1's beside the published TPU7x curve.")
+@click.option("--draft", "draft", metavar="KIND[:SHAPE]",
+              help="Model a speculative round with this drafter instead (plans only, nothing compiled): "
+                   "eagle3, dflash, dflash2, dspark or mtp, :key=value,... its shape (e.g. dspark:layers=5,heads=96,"
+                   "kv_heads=16,head_dim=64,ffn=14336,taps=5,block_size=8), :random, :DIR (a speculators "
+                   "directory's config.json); mtp alone: a next-token layer of the target's own kind.")
+@click.option("--acceptance", metavar="A1,A2,...", default=None,
+              help="With --draft: mean acceptance lengths (tokens committed per verify step, 1 to drafts + 1). "
+                   "Default: 2, 3 and drafts + 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def bench(spec, runs, warmup, verify_q, serving, compiler_estimate, batch_curve, as_json):
+def bench(spec, runs, warmup, verify_q, serving, compiler_estimate, batch_curve, draft, acceptance, as_json):
     """The megakernel decode step side by side with the same step compiled by XLA, and with the
     serving-stack step (XLA plus jax's ragged paged attention Pallas kernel).
 
     With --devices N: the N-device megakernel beside XLA's SPMD step on the same devices, both
-    by tpumk's timeline model (collectives included), per device."""
+    by tpumk's timeline model (collectives included), per device.
+
+    With --draft: the speculative round instead (the plain step, the verify step with the
+    drafter's taps, the drafter's passes, accepted tokens/s at each --acceptance), by tpumk's
+    timeline model of the plans; nothing is compiled."""
     from tpumk.decode.bench import run_bench
     from tpumk.errors import ConfigError
+
+    if draft is None and acceptance is not None:
+        raise ConfigError("--acceptance: only with --draft (the mean acceptance lengths of its rounds)")
+    if draft is not None:
+        from click.core import ParameterSource
+
+        ctx = click.get_current_context()
+        given = [f"--{n.replace('_', '-')}" for n in NOT_WITH_DRAFT
+                 if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: not with --draft (it models the round from the plans; the "
+                              "verify step's q is the drafter's drafts + 1)")
+        r = draft_round(spec, draft, acceptance)
+        if as_json:
+            emit_json(r)
+        else:
+            print_draft_round(r)
+        return
 
     if runs < 1 or warmup < 0:
         raise ConfigError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")

@@ -24,8 +24,16 @@ from typing import Any
 from tpumk.errors import ConfigError
 
 RANDOM_INT_KEYS = ("layers", "heads", "kv_heads", "head_dim", "ffn", "block", "block_size", "draft_vocab",
-                   "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "taps")
+                   "markov_rank", "conv_kernel", "conv_group", "selector_rank", "selector_top_k", "taps", "hidden")
 RANDOM_STR_KEYS = ("markov_head", "dtype")
+# The keys each kind's shape reads (random_drafter ignores the others: refused here, never ignored).
+# `hidden` is the target's hidden size (a drafter's layers are as wide as its target's): checked, not set.
+_LAYER_KEYS = ("layers", "heads", "kv_heads", "head_dim", "ffn", "taps", "block", "draft_vocab", "dtype", "hidden")
+KIND_KEYS = {"eagle3": _LAYER_KEYS,
+             "dflash": _LAYER_KEYS + ("block_size",),
+             "dflash2": _LAYER_KEYS + ("block_size", "conv_kernel", "conv_group", "selector_rank", "selector_top_k"),
+             "dspark": _LAYER_KEYS + ("block_size", "markov_rank", "markov_head"),
+             "mtp": ("block", "dtype", "hidden")}  # a next-token layer of the target's own kind
 
 
 def hidden_kind(value: str | None) -> str | None:
@@ -49,9 +57,12 @@ def parse_random_shape(kind: str, text: str, target) -> dict[str, Any]:
     for item in text.split(","):
         key, sep, val = item.partition("=")
         key, val = key.strip(), val.strip()
-        if not sep or key not in RANDOM_INT_KEYS + RANDOM_STR_KEYS:
+        allowed = KIND_KEYS.get(kind, RANDOM_INT_KEYS + RANDOM_STR_KEYS)
+        if not sep or key not in allowed:
             raise ConfigError(f"--draft {kind}:{text}: expected a directory, 'random' or key=value pairs of "
-                              f"{', '.join(RANDOM_INT_KEYS + RANDOM_STR_KEYS)} (got {item.strip()!r})")
+                              f"{', '.join(allowed)} (got {item.strip()!r})")
+        if key in out:
+            raise ConfigError(f"--draft {kind}:{text}: {key} given twice")
         if key in RANDOM_STR_KEYS:
             out[key] = val
             continue
@@ -63,11 +74,48 @@ def parse_random_shape(kind: str, text: str, target) -> dict[str, Any]:
             nums = [int(p) for p in parts]
         except ValueError:
             raise ConfigError(f"--draft {kind}:{text}: {key} = {val!r}: expected an integer") from None
+        least = 0 if key in ("taps", "markov_rank") else 1  # markov_rank 0: no Markov bias
+        if any(n < least for n in nums):
+            raise ConfigError(f"--draft {kind}:{text}: {key} = {val!r}: expected an integer of at least {least}")
+        if key == "hidden":
+            if nums[0] != target.hidden_size:
+                raise ConfigError(f"--draft {kind}:{text}: hidden = {nums[0]}: expected the target's hidden size "
+                                  f"{target.hidden_size} (a drafter's layers are as wide as its target's)")
+            continue
         if key == "taps":
+            if len(nums) == 1 and nums[0] == 0:
+                raise ConfigError(f"--draft {kind}:{text}: taps = 0: expected a tap count of at least 1 or "
+                                  "layer numbers a/b/c")
             out["taps"] = tuple(nums) if len(nums) > 1 else spread(target.num_layers, nums[0])
         else:
             out[key] = nums[0]
     return out
+
+
+def describe(value: str, target, block: int | None = None):
+    """The DrafterSpec (shapes only, no weights read or made) a --draft value names for `target`:
+    what `tpumk bench --draft` models. `mtp` alone: a next-token layer of the target's own kind
+    (whether a checkpoint ships one is not read); KIND:DIR reads only the directory's config.json."""
+    from tpumk.draft import KINDS, random_drafter
+    from tpumk.draft.drafter import read_drafter_spec
+    from tpumk.files import is_dir
+
+    value = value.strip()
+    kind, _, src = value.partition(":")
+    if kind not in KINDS:
+        raise ConfigError(f"--draft {value!r}: expected KIND[:SHAPE] with KIND one of {', '.join(KINDS)}")
+    if not src and kind != "mtp":
+        raise ConfigError(f"--draft {value}: expected {kind}:DIR (a speculators directory), {kind}:random or "
+                          f"{kind}:key=value,... (a drafter of that shape)")
+    if src and src != "random" and not ("=" in src and not is_dir(Path(src))):
+        spec = read_drafter_spec(Path(src), target, block=block)
+        if spec.kind != kind:
+            raise ConfigError(f"--draft {value}: the directory holds a {spec.kind} drafter, not {kind}")
+        return spec
+    kw = parse_random_shape(kind, src, target) if src else {}
+    if block is not None:
+        kw.setdefault("block", block)
+    return random_drafter(kind, target, abstract=True, **kw).spec
 
 
 def load(value: str, target, checkpoint: str | None, seed: int = 0, block: int | None = None,

@@ -101,17 +101,7 @@ def load_drafter(source: str | Path, target: ModelConfig, *, checkpoint: str | P
             raise ConfigError("drafter 'mtp': give the target's checkpoint directory (its next-token layer)")
         return _checkpoint_mtp(Path(checkpoint), target, block, dtype)
     d = Path(source)
-    if name_problem(d) or not d.is_dir():
-        raise CheckpointError(f"{path_shown(d)}: expected a drafter directory (config.json and *.safetensors)")
-    path = d / "config.json"
-    raw = read_regular(path, TEXT_LIMIT, "expected a drafter's config.json", CheckpointError)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
-    except (ValueError, RecursionError) as e:
-        raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
-    spec = read_config(data, str(path), target, block, dtype, use_speculators)
+    spec = read_drafter_spec(d, target, block=block, dtype=dtype, use_speculators=use_speculators)
     if spec.kind == "eagle3":
         with ExitStack() as stack:
             own = "embed_tokens.weight" in open_tensors(d, stack)
@@ -122,6 +112,23 @@ def load_drafter(source: str | Path, target: ModelConfig, *, checkpoint: str | P
         spec = _replace(spec, own_embed=False)
         params = {k: v for k, v in params.items() if k != "embed"}
     return Drafter(spec, params)
+
+
+def read_drafter_spec(d: Path, target: ModelConfig, *, block: int | None = None, dtype: str | None = None,
+                      use_speculators: bool | None = None) -> DrafterSpec:
+    """The DrafterSpec a speculators directory's config.json describes, its weights not read (a
+    plan or the round's model needs only the shapes). Bad input: one line (as load_drafter)."""
+    if name_problem(d) or not d.is_dir():
+        raise CheckpointError(f"{path_shown(d)}: expected a drafter directory (config.json and *.safetensors)")
+    path = d / "config.json"
+    raw = read_regular(path, TEXT_LIMIT, "expected a drafter's config.json", CheckpointError)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected a config.json)") from None
+    except (ValueError, RecursionError) as e:
+        raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
+    return read_config(data, str(path), target, block, dtype, use_speculators)
 
 
 def _replace(spec: DrafterSpec, **changes: Any) -> DrafterSpec:
@@ -229,7 +236,11 @@ def random_drafter(kind: str, target: ModelConfig, seed: int = 0, *, abstract: b
         else:
             anchor = (kind == "dspark") if sample_from_anchor is None else sample_from_anchor
             natural = block_size if anchor else block_size - 1
-            if not 1 <= natural <= MAX_BLOCK or not 1 <= (block or natural) <= natural:
+            if not 1 <= natural <= MAX_BLOCK:
+                lo = 1 if anchor else 2
+                raise ConfigError(f"block_size {block_size}: expected {lo} to {MAX_BLOCK + lo - 1} ({kind} drafts "
+                                  f"{'every slot' if anchor else 'block_size - 1 slots'}, at most {MAX_BLOCK} a round)")
+            if not 1 <= (block or natural) <= natural:
                 raise ConfigError(f"block {block} of a block_size {block_size}: expected 1 to {natural}")
             extra: dict[str, Any] = {}
             if kind == "dflash2":
@@ -245,4 +256,4 @@ def random_drafter(kind: str, target: ModelConfig, seed: int = 0, *, abstract: b
     return Drafter(spec, params)
 
 
-__all__ = ["Drafter", "load_drafter", "random_drafter"]
+__all__ = ["Drafter", "load_drafter", "read_drafter_spec", "random_drafter"]

@@ -66,7 +66,7 @@ def plan_drafter(spec: BuildSpec, d: DrafterSpec) -> DrafterPlan:
             errors.append(f"{n} devices: {e}")
             continue
         return DrafterPlan(plan, passes, n, _projection_bytes(d, n))
-    raise PlanError(f"drafter {d.kind}: no device count up to {spec.devices} plans it ({errors[-1]})")
+    raise PlanError(f"drafter {d.kind}: no device count up to {spec.devices} plans it ({errors[0]})")
 
 
 def _projection_bytes(d: DrafterSpec, devices: int) -> float:
@@ -80,6 +80,13 @@ def _projection_bytes(d: DrafterSpec, devices: int) -> float:
     return float((fc + kv + wide) * lay.dtype_bytes) / devices
 
 
+def _planned(what: str, spec: BuildSpec) -> Plan:
+    try:
+        return make_plan(spec)
+    except PlanError as e:
+        raise PlanError(f"{what}: {e}") from None
+
+
 def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) -> dict[str, Any]:
     """The round for the target build `spec` (its q_len ignored: the plain step is q = 1, the
     verify step k + 1 with the drafter's taps) at each mean acceptance length (tokens committed
@@ -89,8 +96,8 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
         if not 1 <= a <= k + 1:
             raise PlanError(f"--acceptance {a:g}: expected a mean acceptance length from 1 to {k + 1} "
                             f"(the {k} drafts a round of {d.kind} proposes, plus the target's own token)")
-    plain = make_plan(spec.replace(q_len=1, taps=()))
-    verify = make_plan(spec.replace(q_len=k + 1, taps=d.taps))
+    plain = _planned("the plain step (q = 1)", spec.replace(q_len=1, taps=()))
+    verify = _planned(f"the verify step (q = {k + 1} with {len(d.taps)} taps)", spec.replace(q_len=k + 1, taps=d.taps))
     plain_s, verify_s = megakernel_step(plain).seconds, megakernel_step(verify).seconds
     dp = plan_drafter(spec, d)
     t = spec.target
@@ -104,6 +111,12 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
     if dp.devices < spec.devices:
         notes.append(f"the drafter runs on {dp.devices} of the {spec.devices} devices (its "
                      f"{d.layer.num_kv_heads} KV heads of {d.layer.head_dim} split no further); the others wait")
+    if d.kind == "dspark" and d.markov_rank:
+        notes.append(f"dspark's Markov logit bias (rank {d.markov_rank}) is not in the model: its weights and the "
+                     "left-to-right pick are left out of the drafter's pass")
+    if d.kind == "dflash2":
+        notes.append("dflash2's dynamic convolutions and candidate selector are not in the model: left out of the "
+                     "drafter's pass")
     return {
         "drafter": {"kind": d.kind, "block": k, "taps": list(d.taps), "layers": d.layer.num_layers,
                     "hidden": d.layer.hidden_size, "draft_vocab": d.draft_vocab, "devices": dp.devices,

@@ -1,0 +1,124 @@
+"""`tpumk bench --draft`: the speculative round by tpumk's timeline model (tpumk.estimate.speculative):
+its figures consistent with one another, the drafter's device fall-back, the CLI's table and JSON,
+and one-line refusals. Plans only (nothing compiled): the whole file runs in a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tpumk.cli import main
+from tpumk.decode import drafted
+from tpumk.errors import CheckpointError, PlanError
+from tpumk.estimate.speculative import plan_drafter, round_model
+from tpumk.model.config import load_preset
+from tpumk.plan.spec import BuildSpec
+from tpumk.targets import get_target
+
+
+def _spec(model: str, batch: int = 1, devices: int = 1) -> BuildSpec:
+    return BuildSpec(load_preset(model), get_target("tpu7x"), batch=batch, context=256, devices=devices)
+
+
+def _bench(*args: str):
+    return CliRunner().invoke(main, ["bench", "--target", "tpu7x", "--context", "256", *args])
+
+
+@pytest.mark.parametrize("model, draft", [("tiny-dense", "dflash:layers=2,block_size=8,taps=1/2"),
+                                          ("tiny-moe", "eagle3:layers=1,block=3"),
+                                          ("tiny-mla", "dspark:layers=1,heads=3,kv_heads=3,head_dim=32,block_size=4"),
+                                          ("tiny-moe", "mtp:block=2")])
+def test_round_figures_are_consistent(model, draft):
+    spec = _spec(model, batch=2)
+    d = drafted.describe(draft, spec.model)
+    acc = [1.0, 2.0, float(d.block + 1)]
+    r = round_model(spec, d, acc)
+    dr = r["drafter"]
+    assert dr["passes_per_round"] == (d.block if d.kind in ("eagle3", "mtp") else 1)
+    assert r["draft_seconds"] == pytest.approx(dr["passes_per_round"] * dr["pass_seconds"] + dr["projection_seconds"])
+    assert r["round_seconds"] == pytest.approx(r["verify_step_seconds"] + r["draft_seconds"])
+    assert r["verify_step_seconds"] > r["plain_step_seconds"] > 0  # k + 1 rows and the taps cost more than 1
+    assert r["verify_taps_bytes"] > 0
+    for row in r["rows"]:
+        assert row["per_sequence"] == pytest.approx(row["acceptance"] / r["round_seconds"])
+        assert row["aggregate"] == pytest.approx(spec.batch * row["per_sequence"])
+        assert row["speedup"] == pytest.approx(row["per_sequence"] / r["plain"]["per_sequence"])
+    speedups = [row["speedup"] for row in r["rows"]]
+    assert speedups == sorted(speedups) and speedups[0] < 1  # acceptance 1: a round is dearer than a plain step
+    be = r["break_even_acceptance"]
+    assert be == pytest.approx(r["round_seconds"] / r["plain_step_seconds"])
+    assert round_model(spec, d, [min(be, d.block + 1)])["rows"][0]["speedup"] == pytest.approx(min(1.0, speedups[-1]))
+
+
+def test_drafter_heads_that_do_not_split_run_on_fewer_devices():
+    """2 KV heads of 64 over 4 devices (a device would hold half a 128-lane KV head): the drafter
+    is planned on 2, and the notes say so; heads of 128 split over all 4."""
+    spec = _spec("tiny-dense", devices=4)
+    d = drafted.describe("dspark:layers=1,heads=4,kv_heads=2,head_dim=64,block_size=4,taps=1", spec.model)
+    dp = plan_drafter(spec, d)
+    assert dp.devices == 2 and dp.plan.devices == 2
+    r = round_model(spec, d, [2])
+    assert r["drafter"]["devices"] == 2
+    assert any("2 of the 4 devices" in n for n in r["notes"])
+    assert any("Markov" in n for n in r["notes"])  # what the model leaves out is said
+    even = drafted.describe("dspark:layers=1,heads=4,kv_heads=4,head_dim=128,block_size=4,taps=1", spec.model)
+    assert plan_drafter(spec, even).devices == 4
+
+
+def test_cli_table_and_json():
+    args = ["--model", "tiny-dense", "--batch", "2", "--draft", "dflash:layers=1,block_size=4,taps=1/2",
+            "--acceptance", "2,3.5"]
+    res = _bench(*args)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    for text in ("plain step (q = 1)", "verify step (q = 4, 2 taps)", "drafter passes (1 x 4 rows)",
+                 "round (verify + draft)", "accepted tok/s per sequence", "break-even", "not measurements",
+                 "nothing was compiled", "3.5"):
+        assert text in out, text
+    res = _bench(*args, "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output)
+    assert r["model"] == "tiny-dense" and r["batch"] == 2 and [row["acceptance"] for row in r["rows"]] == [2, 3.5]
+    assert r["drafter"]["kind"] == "dflash" and r["drafter"]["taps"] == [1, 2] and r["drafter"]["block"] == 3
+    assert "not measurements" in r["source"]
+    default = json.loads(_bench("--model", "tiny-dense", "--draft", "eagle3:block=4,taps=1", "--json").output)
+    assert [row["acceptance"] for row in default["rows"]] == [2, 3, 5]  # 2, 3 and k + 1
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--draft", "medusa:random"], "--draft 'medusa:random': expected KIND[:SHAPE]"),
+    (["--draft", "dflash"], "expected dflash:DIR"),
+    (["--draft", "dflash:layers=two"], "layers = 'two': expected an integer"),
+    (["--draft", "dflash:layers=0"], "layers = '0': expected an integer of at least 1"),
+    (["--draft", "dflash:wings=3"], "(got 'wings=3')"),
+    (["--draft", "mtp:layers=2"], "(got 'layers=2')"),  # an mtp layer is the target's own: no shape keys
+    (["--draft", "eagle3:markov_rank=8"], "(got 'markov_rank=8')"),
+    (["--draft", "dflash:hidden=512"], "hidden = 512: expected the target's hidden size 256"),
+    (["--draft", "dflash:taps=1/7"], "taps [1, 7]: expected distinct layer numbers 0 to 2"),
+    (["--draft", "dflash:block_size=80"], "block_size 80: expected 2 to 65"),
+    (["--draft", "dflash:block_size=4,block=4"], "block 4 of a block_size 4: expected 1 to 3"),
+    (["--draft", "dflash:block_size=4", "--acceptance", "5"], "--acceptance 5: expected a mean acceptance length "
+                                                                "from 1 to 4"),
+    (["--draft", "dflash:block_size=4", "--acceptance", "0.5"], "from 1 to 4"),
+    (["--draft", "dflash:block_size=4", "--acceptance", "3,x"], "--acceptance '3,x': expected mean acceptance"),
+    (["--acceptance", "3"], "--acceptance: only with --draft"),
+    (["--draft", "dflash:block_size=4", "--verify-q", "4"], "--verify-q: not with --draft"),
+    (["--draft", "dflash:block_size=4", "--batch-curve", "1,2"], "--batch-curve: not with --draft"),
+])
+def test_refusals_are_one_line(args, words):
+    res = _bench("--model", "tiny-dense", *args)
+    assert res.exit_code == 1, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpumk: error: ") and words in lines[0], res.output
+
+
+def test_a_drafter_the_plan_cannot_hold_is_refused():
+    """A verify step whose rows do not fit VMEM is refused naming the verify step."""
+    spec = _spec("tiny-dense", batch=64)
+    d = drafted.describe("dflash:layers=1,block_size=64,taps=1", spec.model)
+    with pytest.raises(PlanError, match=r"^the verify step \(q = 64 with 1 taps\): "):
+        round_model(spec, d, [2])
+    with pytest.raises(CheckpointError, match="expected a drafter directory"):
+        drafted.describe("eagle3:/nonexistent-dir", spec.model)
