@@ -122,3 +122,20 @@ def test_a_drafter_the_plan_cannot_hold_is_refused():
         round_model(spec, d, [2])
     with pytest.raises(CheckpointError, match="expected a drafter directory"):
         drafted.describe("eagle3:/nonexistent-dir", spec.model)
+
+
+def test_a_speculators_directory_is_read_for_its_shape_only(tmp_path):
+    """KIND:DIR reads config.json alone (no weights file here): the same shape as the drafter written."""
+    from draft_files import config_json
+
+    from tpumk.draft import random_drafter
+
+    target = load_preset("tiny-moe")
+    d = random_drafter("dflash", target, abstract=True, layers=2, taps=(1, 2), block_size=4)
+    (tmp_path / "config.json").write_text(json.dumps(config_json(d, target.num_layers)))
+    spec = drafted.describe(f"dflash:{tmp_path}", target)
+    assert (spec.kind, spec.taps, spec.block, spec.layer.num_layers) == ("dflash", (1, 2), 3, 2)
+    res = _bench("--model", "tiny-moe", "--draft", f"dflash:{tmp_path}", "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["drafter"]["layers"] == 2, res.output
+    res = _bench("--model", "tiny-moe", "--draft", f"eagle3:{tmp_path}")
+    assert res.exit_code == 1 and "holds a dflash drafter, not eagle3" in res.output, res.output

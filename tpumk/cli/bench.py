@@ -294,7 +294,7 @@ def print_draft_round(r: dict) -> None:
     echo(tabulate(steps, headers=["per device", "time (MODEL)", ""], tablefmt="simple"))
     rows = [["plain step", "1", f"{r['plain']['per_sequence']:,.0f}", f"{r['plain']['aggregate']:,.0f}", "1.00x"]]
     for row in r["rows"]:
-        rows.append([f"round", f"{row['acceptance']:g}", f"{row['per_sequence']:,.0f}", f"{row['aggregate']:,.0f}",
+        rows.append(["round", f"{row['acceptance']:g}", f"{row['per_sequence']:,.0f}", f"{row['aggregate']:,.0f}",
                      f"{row['speedup']:.2f}x"])
     echo(tabulate(rows, headers=["", "mean acceptance length", "accepted tok/s per sequence", "tok/s aggregate",
                                  "over the plain step"], tablefmt="simple"))
