@@ -109,6 +109,9 @@ def test_sampled_acceptance_keeps_the_target_distribution():
 
 
 # ---------------------------------------------------------------------- greedy = plain greedy
+# The full tier (tests/README.md): the megakernel test below runs the same loop with the same
+# drafter, test_a_drafter_reading_the_taps the reference's, tests/test_drafted.py an MLA target.
+@pytest.mark.full
 @pytest.mark.parametrize("name", ["dense", "mla", "gdn"])
 def test_reference_rounds_give_the_plain_greedy_tokens(name):
     cfg, _ = target(name)

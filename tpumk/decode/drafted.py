@@ -185,7 +185,8 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
             return unpad_cache(m.cfg, whole, c) if plan.unpadded is not None else c
         layout = (to_kernel, from_kernel)
     t0 = time.perf_counter()
-    tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params, m.params, prompts, cache,
+    tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params,
+                                       rounds.target_for_drafter(m.params), prompts, cache,
                                        settings, seed=seed, layout=layout)
     seconds = time.perf_counter() - t0
     spec_info = {"method": drafter.kind, "drafter": repr(drafter), "temperature": temperature,
