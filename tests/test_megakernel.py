@@ -166,7 +166,7 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want_logits, want_cache = reference_step(cfg)(params, tokens, positions, cache)
     if taps:
-        _, _, want_taps = R.decode_step(params, cfg, tokens, positions, cache, taps=taps)
+        _, _, want_taps = R.jitted_decode_step(cfg, taps)(params, tokens, positions, cache)
         assert got_taps.shape == (batch, q_len, len(taps), cfg.hidden_size) and got_taps.dtype == want_taps.dtype
         assert_logits_close(got_taps, want_taps, dtype)  # the residual, rounded to the model dtype
 

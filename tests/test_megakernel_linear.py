@@ -111,7 +111,7 @@ def test_step_matches_reference_and_compiles(case):
     tol = 2e-5 if dtype == "float32" else 3e-2
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) <= tol * scale
     if taps:  # the residual entering each tapped layer, as the reference's
-        want_taps = np.asarray(R.decode_step(params, cfg, tokens, positions, cache, taps=taps)[2], np.float32)
+        want_taps = np.asarray(R.jitted_decode_step(cfg, taps)(params, tokens, positions, cache)[2], np.float32)
         err = np.max(np.abs(np.asarray(got_taps[0], np.float32) - want_taps))
         assert got_taps[0].shape == want_taps.shape and err <= tol * max(1.0, float(np.max(np.abs(want_taps))))
     for name in ("recurrent", "conv", "pending"):

@@ -143,7 +143,7 @@ def _worker(case: str, races: bool) -> dict:
         positions = jnp.asarray(lengths[:, None] + np.arange(q)[None], jnp.int32)
         taps = {}
         if spec.taps:  # the hidden-state taps: every device holds the whole rows, as the reference's
-            _, _, want_taps = ref.decode_step(params, cfg, tokens, positions, ref_cache, taps=spec.taps)
+            _, _, want_taps = ref.jitted_decode_step(cfg, spec.taps)(params, tokens, positions, ref_cache)
         want, ref_cache = ref.jitted_decode_step(cfg)(params, tokens, positions, ref_cache)
         got, wide, *got_taps = step(packed, tokens, positions, wide)
         if spec.taps:

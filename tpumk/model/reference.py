@@ -695,10 +695,12 @@ def _prefill_batched(params: Params, cfg: ModelConfig, prompts: Sequence[Sequenc
 
 
 @functools.lru_cache(maxsize=32)
-def jitted_decode_step(cfg: ModelConfig):
-    """decode_step with the config bound, jitted (compiled once per input shape). One per config
-    in a process, so every prefill, generate and test of a model shares its compiled steps."""
-    return jax.jit(lambda p, t, pos, c: decode_step(p, cfg, t, pos, c))
+def jitted_decode_step(cfg: ModelConfig, taps: Sequence[int] = ()):
+    """decode_step with the config (and `taps`) bound, jitted (compiled once per input shape).
+    One per config in a process, so every prefill, generate and test of a model shares its
+    compiled steps."""
+    taps = tuple(taps)
+    return jax.jit(lambda p, t, pos, c: decode_step(p, cfg, t, pos, c, taps=taps))
 
 
 def greedy_generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], steps: int,
