@@ -120,9 +120,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # take longest start first and the short ones fill in at the end: otherwise a long file started
 # last keeps one core busy after the other has finished. Ordered by the seconds each took in the
 # default run (tests/README.md, "Where the time goes") in round 8; re-sorted by round 9's times it ran
-# slower (CHANGELOG, round 9). Files not named keep their place after them.
+# slower (CHANGELOG, round 9); this round's linear-attention and drafter files by their serial
+# times on a loaded host (tests/README.md). Files not named keep their place after them.
 SLOWEST_FILES_FIRST = (
-    "test_multidevice", "test_quant", "test_multidevice_mla", "test_megakernel", "test_cache_keys",
+    "test_multidevice", "test_quant", "test_multidevice_mla", "test_megakernel", "test_hf_linear",
+    "test_megakernel_linear", "test_rounds", "test_drafted", "test_cache_keys",
     "test_tune", "test_build", "test_tune_storage", "test_attention_stage", "test_hf_archs", "test_kv_guard",
     "test_positions", "test_megakernel_archs", "test_megakernel_mla", "test_artifacts", "test_megakernel_mla_quant",
     "test_reference", "test_mla_tools", "test_export_devices", "test_mla", "test_speculative",
