@@ -75,6 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=40.0, help="stop at the end of the epoch past this time")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="stored weights")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", type=Path, help="a drafter directory this script wrote: train on from its weights")
     ap.add_argument("--init", default="random", choices=("random", "target"),
                     help="random: speculators' N(0, 0.02) (default); target: the decoder layer from the target's "
                          "last layer, fc passing the last tap through (drafter_eagle3.init_from_target)")
@@ -108,11 +109,25 @@ def main(argv=None) -> None:
         seqs += sequences(d)
         metas.append(dict(meta, file=f.name, rows=int(len(d["tokens"]))))
     reply = np.concatenate([t[pl:] for t, _, pl in seqs])
-    d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
-    s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
-    frozen = e3.frozen_parts(target_params, d2t)
-    params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
-              e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
+    if a.resume is not None:  # its weights and its vocabulary map; --draft-vocab and --init do not apply
+        try:
+            params, frozen, s, _ = e3.load(a.resume, cfg, target_params)
+        except (ValueError, KeyError, OSError) as e:
+            drafter_data.fail(f"--resume {a.resume}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        if list(s.taps) != list(meta["draft_taps"]):
+            drafter_data.fail(f"--resume {a.resume}: taps {list(s.taps)}, the data's are {meta['draft_taps']}")
+        from safetensors.numpy import load_file
+
+        d2t = load_file(str(a.resume / "model.safetensors"))["d2t"]
+        t2d = np.zeros(cfg.vocab_size, bool)
+        t2d[np.arange(len(d2t)) + d2t] = True
+        a.draft_vocab = len(d2t)
+    else:
+        d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
+        s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+        frozen = e3.frozen_parts(target_params, d2t)
+        params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
+                  e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
     rows = max(len(t) for t, _, _ in seqs) - 1
     coverage, held_coverage = float(np.mean(t2d[reply])), None
     if held is not None:
@@ -186,7 +201,8 @@ def main(argv=None) -> None:
     train_seconds = time.perf_counter() - t_train
     recipe = dict(data=metas, draft_vocab=a.draft_vocab, reply_coverage=round(coverage, 4), held_out_coverage=held_coverage,
                   ttt_steps=a.ttt_steps, chain=a.chain, batch=a.batch, lr=a.lr, optimizer="adamw, clip 1.0, warmup-cosine",
-                  seed=a.seed, init=a.init, rows=rows, epochs_run=len(log), train_seconds=round(train_seconds, 1),
+                  seed=a.seed, init=a.init, resumed_from=str(a.resume) if a.resume else None,
+                  rows=rows, epochs_run=len(log), train_seconds=round(train_seconds, 1),
                   total_seconds=round(time.perf_counter() - t_start, 1), log=log, shape=e3.shape_dict(s),
                   jax=jax.__version__, optax=optax.__version__)
     e3.save(a.out, params, frozen, s, d2t, t2d, a.chain, a.dtype, extra={"training.json": recipe})
