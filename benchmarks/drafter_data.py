@@ -53,16 +53,36 @@ def load_prompts(split: str, path: Path = PROMPTS) -> list[str]:
     return prompts
 
 
+class Chat:
+    """A GGUF file's tokenizer, chat template and end-of-turn id (no weights read)."""
+
+    def __init__(self, checkpoint: str | Path):
+        import jinja2
+
+        from tpumk.model.gguf_file import open_gguf
+        from tpumk.model.tokenizer import load_tokenizer
+
+        g = open_gguf(Path(checkpoint))
+        self.eos = int(g.value("tokenizer.ggml.eos_token_id"))
+        self.tokenizer = load_tokenizer(checkpoint)
+        self.template = jinja2.Environment().from_string(g.value("tokenizer.chat_template"))
+
+    def ids(self, prompt: str) -> list[int]:
+        """One user turn through the checkpoint's chat template, ready for the assistant's reply."""
+        text = self.template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+
 class Target:
     """The target model: config, float32 weights, end-of-turn id, the jitted reference step that
     returns the taps, and (from a GGUF file, `from_gguf`) its tokenizer and chat template."""
 
-    def __init__(self, cfg, params, eos: int, tokenizer=None, template=None, draft_taps=DRAFT_TAPS):
+    def __init__(self, cfg, params, eos: int, chat: Chat | None = None, draft_taps=DRAFT_TAPS):
         import jax
 
         from tpumk.model import reference
 
-        self.cfg, self.params, self.eos, self.tokenizer, self.template = cfg, params, eos, tokenizer, template
+        self.cfg, self.params, self.eos, self.chat = cfg, params, eos, chat
         self.taps = tuple(draft_taps) + (cfg.num_layers,)  # the drafter's, then the final norm's output
         taps = self.taps
         self.step = jax.jit(lambda p, t, pos, c: reference.decode_step(p, cfg, t, pos, c, taps=taps),
@@ -70,21 +90,11 @@ class Target:
 
     @classmethod
     def from_gguf(cls, checkpoint: str | Path) -> "Target":
-        import jinja2
-
         from tpumk.model.gguf import load_gguf
-        from tpumk.model.gguf_file import open_gguf
-        from tpumk.model.tokenizer import load_tokenizer
 
         cfg, params = load_gguf(checkpoint)
-        g = open_gguf(Path(checkpoint))
-        return cls(cfg, params, int(g.value("tokenizer.ggml.eos_token_id")), load_tokenizer(checkpoint),
-                   jinja2.Environment().from_string(g.value("tokenizer.chat_template")))
-
-    def chat_ids(self, prompt: str) -> list[int]:
-        """One user turn through the checkpoint's chat template, ready for the assistant's reply."""
-        text = self.template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        chat = Chat(checkpoint)
+        return cls(cfg, params, chat.eos, chat)
 
     def init_cache(self, batch: int, context: int):
         from tpumk.model import reference
@@ -202,7 +212,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     target = Target.from_gguf(a.checkpoint)
     prompts = load_prompts(a.split)[:a.limit or None]
-    ids = [target.chat_ids(p) for p in prompts]
+    ids = [target.chat.ids(p) for p in prompts]
     print(f"{len(prompts)} {a.split} prompts ({sum(map(len, ids))} prompt tokens), taps {target.taps}, "
           f"max_new {a.max_new}, temperature {a.temperature}", flush=True)
     seqs = continue_with_taps(target, ids, a.max_new, a.batch, a.temperature, a.seed,

@@ -16,9 +16,11 @@ not stored in the drafter's file.
 
 Training unrolls the chain over `ttt_steps` as speculators does ("training-time test"): at step
 k the row of position p sees the step-0 keys of positions <= p (computed from the target's taps)
-and its own keys of steps 1..k; its inputs past step 0 are the true next tokens. The greedy
-proposal (`propose`) runs the same layer with a key / value cache indexed by position, exactly
-what that training mask describes.
+and its own keys of steps 1..k; its inputs past step 0 are the true next tokens. That is every
+anchor's chain at once; tpumk.draft's eagle3 (tpumk/draft/chain.py, what `tpumk generate --draft
+eagle3:DIR` and the acceptance benchmark run) computes one anchor's chain with a cache by
+position, and tests/test_drafter_bench.py checks that the two give the same logits on the same
+weights, read back from the directory `save` writes. Only the training forward lives here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tpumk.model.ops import rms_norm
+from tpumk.model.reference import rope
 
 LAYER = "layers.0."
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -136,20 +141,6 @@ def frozen_parts(target_params, d2t: np.ndarray) -> dict[str, jax.Array]:
 
 
 # ---------------------------------------------------------------------- the layer
-def _rms(x, w, eps):
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
-
-
-def _rope(x, positions, inv_freq):
-    """Rotate-half RoPE (transformers' Llama). x [..., T, heads, D], positions [..., T]."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[..., None, :]
-    d = x.shape[-1] // 2
-    return x * cos + jnp.concatenate([-x[..., d:], x[..., :d]], -1) * sin
-
-
 def project_taps(p, s: Shape, taps):
     """fc over the concatenated taps [..., T, H] -> [..., H]."""
     flat = taps.reshape(*taps.shape[:-2], len(s.taps) * s.hidden).astype(jnp.float32)
@@ -159,27 +150,27 @@ def project_taps(p, s: Shape, taps):
 def qkv(p, s: Shape, emb, hid, positions):
     """The layer's queries [..., heads, D], keys / values [..., kv_heads, D] (RoPE at `positions`)
     and its residual (the hidden half, before its norm)."""
-    x = jnp.concatenate([_rms(emb, p[LAYER + "input_layernorm.weight"], s.eps),
-                         _rms(hid, p[LAYER + "hidden_norm.weight"], s.eps)], -1)
+    x = jnp.concatenate([rms_norm(emb, p[LAYER + "input_layernorm.weight"], s.eps),
+                         rms_norm(hid, p[LAYER + "hidden_norm.weight"], s.eps)], -1)
     lead = x.shape[:-1]
     q = (x @ p[LAYER + "self_attn.q_proj.weight"].T).reshape(*lead, s.heads, s.head_dim)
     k = (x @ p[LAYER + "self_attn.k_proj.weight"].T).reshape(*lead, s.kv_heads, s.head_dim)
     v = (x @ p[LAYER + "self_attn.v_proj.weight"].T).reshape(*lead, s.kv_heads, s.head_dim)
     inv = s.inv_freq()
-    return _rope(q, positions, inv), _rope(k, positions, inv), v, hid
+    return rope(q, positions, inv), rope(k, positions, inv), v, hid
 
 
 def finish(p, s: Shape, residual, attn):
     """attn [..., heads, D] -> the layer's output [..., H] (o_proj, residual, MLP)."""
     y = residual + attn.reshape(*attn.shape[:-2], s.heads * s.head_dim) @ p[LAYER + "self_attn.o_proj.weight"].T
-    h = _rms(y, p[LAYER + "post_attention_layernorm.weight"], s.eps)
+    h = rms_norm(y, p[LAYER + "post_attention_layernorm.weight"], s.eps)
     g = h @ p[LAYER + "mlp.gate_proj.weight"].T
     u = h @ p[LAYER + "mlp.up_proj.weight"].T
     return y + (jax.nn.silu(g) * u) @ p[LAYER + "mlp.down_proj.weight"].T
 
 
 def draft_logits(p, frozen, s: Shape, y):
-    return _rms(y, p["norm.weight"], s.eps) @ frozen["lm_head"].T
+    return rms_norm(y, p["norm.weight"], s.eps) @ frozen["lm_head"].T
 
 
 def _grouped(q, s: Shape):
@@ -241,67 +232,6 @@ def ttt_loss(p, frozen, s: Shape, batch, ttt_steps: int):
     return sum(losses), (jnp.stack(losses), jnp.stack(agree))
 
 
-# ---------------------------------------------------------------------- greedy proposal with a cache
-def init_cache(s: Shape, batch: int, context: int) -> dict[str, jax.Array]:
-    """Keys / values of the drafter's layer by position [B, context, kv_heads, D], and the taps of
-    each sequence's last committed position [B, 3, H] (what the next proposal starts from)."""
-    z = jnp.zeros((batch, context, s.kv_heads, s.head_dim), jnp.float32)
-    return {"k": z, "v": z, "last": jnp.zeros((batch, len(s.taps), s.hidden), jnp.float32)}
-
-
-def write_rows(p, frozen, s: Shape, cache, tokens, prev_taps, positions, valid):
-    """Context rows: token x_p [B, q] at position p with the target's taps of position p - 1
-    [B, q, 3, H]; rows where `valid` is false write nothing."""
-    _, k, v, _ = qkv(p, s, jnp.take(frozen["embed"], jnp.maximum(tokens, 0), axis=0),
-                     project_taps(p, s, prev_taps), positions)
-    b = jnp.arange(tokens.shape[0])[:, None]
-    where = jnp.where(valid, positions, cache["k"].shape[1])  # past the end: dropped
-    return dict(cache, k=cache["k"].at[b, where].set(k, mode="drop"), v=cache["v"].at[b, where].set(v, mode="drop"))
-
-
-def absorb(p, frozen, s: Shape, cache, taps, tokens, positions, valid):
-    """One target step taken in (the drafter interface of issue 56): tokens [B, q] at positions
-    [B, q] ran with taps [B, q, 3, H]; the rows `valid` marks (a prefix of each row) are now
-    committed. Writes their context rows (each with the taps of the position before it: the
-    previous step's last committed row for the first) and keeps the last committed row's taps
-    for the next proposal. Position 0 has no row (nothing precedes it)."""
-    prev = jnp.concatenate([cache["last"][:, None], taps[:, :-1]], 1)
-    cache = write_rows(p, frozen, s, cache, tokens, prev, positions, valid & (positions >= 1))
-    n = valid.sum(1)
-    last = jnp.where((n > 0)[:, None, None], taps[jnp.arange(taps.shape[0]), jnp.maximum(n - 1, 0)], cache["last"])
-    return dict(cache, last=last)
-
-
-def _attend_cached(s: Shape, q, cache, q_pos):
-    """q [B, heads, D] at positions q_pos [B] over the cached keys at positions 1..q_pos
-    (position 0 has no row: it has no previous taps)."""
-    kpos = jnp.arange(cache["k"].shape[1])
-    ok = (kpos[None] >= 1) & (kpos[None] <= q_pos[:, None])  # [B, C]
-    qg = q.reshape(q.shape[0], s.kv_heads, s.heads // s.kv_heads, s.head_dim)
-    sc = jnp.einsum("bgrd,bcgd->bgrc", qg, cache["k"]) * s.head_dim ** -0.5
-    w = jax.nn.softmax(jnp.where(ok[:, None, None], sc, -jnp.inf), -1)
-    return jnp.einsum("bgrc,bcgd->bgrd", w, cache["v"]).reshape(q.shape[0], s.heads, s.head_dim)
-
-
-def propose(p, frozen, s: Shape, cache, anchor, anchor_pos, k: int):
-    """The greedy chain: anchor [B] (the newest token, at anchor_pos [B], not yet run by the
-    target; the cache's `last` holds the taps of anchor_pos - 1) -> drafts [B, k] (target ids) for
-    positions anchor_pos + 1.., their logits [B, k, Vd] and the cache with the chain's rows
-    written (the next absorb overwrites what was rejected before anything reads it)."""
-    b = jnp.arange(anchor.shape[0])
-    hid, tok, pos = project_taps(p, s, cache["last"][:, None])[:, 0], anchor, anchor_pos
-    drafts, logits = [], []
-    for _ in range(k):
-        q, kk, vv, res = qkv(p, s, jnp.take(frozen["embed"], tok, axis=0), hid, pos)
-        cache = dict(cache, k=cache["k"].at[b, pos].set(kk, mode="drop"), v=cache["v"].at[b, pos].set(vv, mode="drop"))
-        hid = finish(p, s, res, _attend_cached(s, q, cache, pos))
-        logits.append(draft_logits(p, frozen, s, hid))
-        tok = frozen["draft_ids"][jnp.argmax(logits[-1], -1)]
-        drafts.append(tok)
-        pos = pos + 1
-    return jnp.stack(drafts, 1), jnp.stack(logits, 1), cache
-
-
 # ---------------------------------------------------------------------- the speculators directory
 def speculators_config(s: Shape, chain: int, dtype: str) -> dict:
     """config.json as speculators 0.9.0's Eagle3SpeculatorConfig writes it (Llama decoder layer)."""
@@ -357,35 +287,6 @@ def save(out: Path, p, frozen, s: Shape, d2t: np.ndarray, t2d: np.ndarray, chain
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def load(path: Path, target_cfg, target_params):
-    """A directory written by `save` -> (trainable params, frozen parts, Shape, chain length),
-    checked against the target (hidden size, vocabulary, taps within its depth)."""
-    from safetensors.numpy import load_file
-
-    path = Path(path)
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{path / 'config.json'}: speculators_model_type {cfg.get('speculators_model_type')!r}, "
-                         "expected 'eagle3'")
-    layer = cfg["transformer_layer_config"]
-    if layer["hidden_size"] != target_cfg.hidden_size or layer["vocab_size"] != target_cfg.vocab_size:
-        raise ValueError(f"{path / 'config.json'}: transformer_layer_config hidden_size {layer['hidden_size']} / "
-                         f"vocab_size {layer['vocab_size']}, the target has {target_cfg.hidden_size} / "
-                         f"{target_cfg.vocab_size}")
-    taps = tuple(cfg["eagle_aux_hidden_state_layer_ids"])
-    if not all(0 <= t < target_cfg.num_layers for t in taps):
-        raise ValueError(f"{path / 'config.json'}: eagle_aux_hidden_state_layer_ids {list(taps)}: expected layers "
-                         f"0 to {target_cfg.num_layers - 1} of the target")
-    s = Shape.for_target(target_cfg, taps, cfg["draft_vocab_size"])
-    t = load_file(str(path / "model.safetensors"))
-    p = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in t.items()
-         if k not in ("d2t", "t2d", "lm_head.weight")}
-    frozen = frozen_parts(target_params, t["d2t"])
-    frozen["lm_head"] = jnp.asarray(np.asarray(t["lm_head.weight"], np.float32))
-    chain = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    return p, frozen, s, chain
 
 
 def shape_dict(s: Shape) -> dict:

@@ -9,8 +9,11 @@ from the training replies' tokens (the `--draft-vocab` most frequent, topped up 
 ids); trains the drafter of benchmarks/drafter_eagle3.py on speculators' objective (forward KL to
 the target's distribution over the draft vocabulary, unrolled over `--ttt-steps` chain steps)
 with AdamW (gradients clipped at 1, warmup then cosine decay); and writes DRAFTER_DIR in the
-speculators eagle3 format (config.json, model.safetensors) plus training.json (the recipe, the
-loss and agreement of every epoch, the time).
+speculators eagle3 format (config.json, model.safetensors: what tpumk.draft.load_drafter and
+`tpumk generate --draft eagle3:DRAFTER_DIR` read) plus training.json (the recipe, the loss and
+agreement of every epoch, the time). After every epoch whose mean held-out agreement is the best
+so far the directory is rewritten (whole, renamed into place), so it always holds the best epoch
+and a run stopped early (--minutes, or killed) keeps it.
 
 `--init target` starts the decoder layer from the target's last layer (drafter_eagle3.
 init_from_target). On this data, 40 steps (batch 4, lr 3e-3, 2 chain steps) from it gave a
@@ -21,6 +24,7 @@ speculators' random init.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -75,7 +79,6 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=40.0, help="stop at the end of the epoch past this time")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="stored weights")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", type=Path, help="a drafter directory this script wrote: train on from its weights")
     ap.add_argument("--init", default="random", choices=("random", "target"),
                     help="random: speculators' N(0, 0.02) (default); target: the decoder layer from the target's "
                          "last layer, fc passing the last tap through (drafter_eagle3.init_from_target)")
@@ -109,25 +112,11 @@ def main(argv=None) -> None:
         seqs += sequences(d)
         metas.append(dict(meta, file=f.name, rows=int(len(d["tokens"]))))
     reply = np.concatenate([t[pl:] for t, _, pl in seqs])
-    if a.resume is not None:  # its weights and its vocabulary map; --draft-vocab and --init do not apply
-        try:
-            params, frozen, s, _ = e3.load(a.resume, cfg, target_params)
-        except (ValueError, KeyError, OSError) as e:
-            drafter_data.fail(f"--resume {a.resume}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        if list(s.taps) != list(meta["draft_taps"]):
-            drafter_data.fail(f"--resume {a.resume}: taps {list(s.taps)}, the data's are {meta['draft_taps']}")
-        from safetensors.numpy import load_file
-
-        d2t = load_file(str(a.resume / "model.safetensors"))["d2t"]
-        t2d = np.zeros(cfg.vocab_size, bool)
-        t2d[np.arange(len(d2t)) + d2t] = True
-        a.draft_vocab = len(d2t)
-    else:
-        d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
-        s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
-        frozen = e3.frozen_parts(target_params, d2t)
-        params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
-                  e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
+    d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
+    s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+    frozen = e3.frozen_parts(target_params, d2t)
+    params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
+              e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
     rows = max(len(t) for t, _, _ in seqs) - 1
     coverage, held_coverage = float(np.mean(t2d[reply])), None
     if held is not None:
@@ -173,6 +162,16 @@ def main(argv=None) -> None:
     log = []
     rng = np.random.default_rng(a.seed)
     t_train = time.perf_counter()
+    best = -1.0
+
+    def recipe(kept: int) -> dict:
+        return dict(data=metas, draft_vocab=a.draft_vocab, reply_coverage=round(coverage, 4),
+                    held_out_coverage=held_coverage, ttt_steps=a.ttt_steps, chain=a.chain, batch=a.batch, lr=a.lr,
+                    optimizer="adamw, clip 1.0, warmup-cosine", seed=a.seed, init=a.init,
+                    rows=rows, epochs_planned=a.epochs,
+                    epochs_run=len(log), weights_of_epoch=kept, train_seconds=round(time.perf_counter() - t_train, 1),
+                    total_seconds=round(time.perf_counter() - t_start, 1), log=log, shape=e3.shape_dict(s),
+                    jax=jax.__version__, optax=optax.__version__)
     for epoch in range(a.epochs):
         order = rng.permutation(len(seqs))
         t0 = time.perf_counter()
@@ -195,18 +194,21 @@ def main(argv=None) -> None:
             entry.update(held_out_kl=np.round(ev[0], 4).tolist(), held_out_agreement=np.round(ev[1], 4).tolist())
         log.append(entry)
         print(f"epoch {epoch + 1}: {entry}", flush=True)
+        # The directory always holds the best epoch so far (by mean held-out agreement over the
+        # chain steps; the newest without held-out data): a run stopped early keeps its best.
+        score = float(np.mean(entry["held_out_agreement"])) if held is not None else float(epoch)
+        if score > best:
+            best = score
+            e3.save(a.out, params, frozen, s, d2t, t2d, a.chain, a.dtype, extra={"training.json": recipe(epoch + 1)})
+            print(f"  wrote {a.out} (epoch {epoch + 1})", flush=True)
         if (time.perf_counter() - t_train) / 60 > a.minutes:
             print(f"stopping after epoch {epoch + 1}: past --minutes {a.minutes}", flush=True)
             break
     train_seconds = time.perf_counter() - t_train
-    recipe = dict(data=metas, draft_vocab=a.draft_vocab, reply_coverage=round(coverage, 4), held_out_coverage=held_coverage,
-                  ttt_steps=a.ttt_steps, chain=a.chain, batch=a.batch, lr=a.lr, optimizer="adamw, clip 1.0, warmup-cosine",
-                  seed=a.seed, init=a.init, resumed_from=str(a.resume) if a.resume else None,
-                  rows=rows, epochs_run=len(log), train_seconds=round(train_seconds, 1),
-                  total_seconds=round(time.perf_counter() - t_start, 1), log=log, shape=e3.shape_dict(s),
-                  jax=jax.__version__, optax=optax.__version__)
-    e3.save(a.out, params, frozen, s, d2t, t2d, a.chain, a.dtype, extra={"training.json": recipe})
-    print(f"wrote {a.out} ({a.dtype}); training {train_seconds:.0f} s, all {recipe['total_seconds']:.0f} s")
+    kept = json.loads((a.out / "training.json").read_text())["weights_of_epoch"]
+    (a.out / "training.json").write_text(json.dumps(recipe(kept), indent=2) + "\n")  # the whole log
+    print(f"{a.out} holds epoch {kept} ({a.dtype}); training {train_seconds:.0f} s, all "
+          f"{time.perf_counter() - t_start:.0f} s")
 
 
 if __name__ == "__main__":
