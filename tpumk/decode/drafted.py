@@ -144,9 +144,10 @@ def load(value: str, target, checkpoint: str | None, seed: int = 0, block: int |
 
 def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "reference", page_size: int = 16,
              devices: int = 1, kv_dtype: str = "", rounds_per_call: int = 8, temperature: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, on_call=None) -> dict:
     """Generate with `drafter` (tpumk.draft.Drafter) through `backend`'s verify step; returns what
-    `tpumk.decode.generate.generate` returns, the rounds' figures under "spec"."""
+    `tpumk.decode.generate.generate` returns, the rounds' figures under "spec". `on_call`:
+    rounds.generate's (the carry after every device call)."""
     import time
 
     import jax
@@ -187,7 +188,7 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
     t0 = time.perf_counter()
     tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params,
                                        rounds.target_for_drafter(m.params), prompts, cache,
-                                       settings, seed=seed, layout=layout)
+                                       settings, seed=seed, layout=layout, on_call=on_call)
     seconds = time.perf_counter() - t0
     spec_info = {"method": drafter.kind, "drafter": repr(drafter), "temperature": temperature,
                  "rounds_per_call": rounds_per_call, **stats.to_dict(),

@@ -218,8 +218,8 @@ def required_context(prompts: Sequence[Sequence[int]], steps: int, block: int) -
 
 
 def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tparams, prompts: Sequence[Sequence[int]],
-             cache, settings: RoundSettings, seed: int = 0,
-             layout: tuple[Callable, Callable] | None = None) -> tuple[list[list[int]], Any, RoundStats]:
+             cache, settings: RoundSettings, seed: int = 0, layout: tuple[Callable, Callable] | None = None,
+             on_call: Callable[[Carry], None] | None = None) -> tuple[list[list[int]], Any, RoundStats]:
     """Speculative generation of `settings.steps` tokens per prompt, `rounds_per_call` rounds per
     device call, the host reading only the emitted counts between calls.
 
@@ -227,8 +227,9 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
     (the reference with `taps=drafter.taps`, or any step of that contract); `verify` is the
     target's step for q = block + 1 with the same taps; `layout` (to, back): the verify step's
     cache layout from the prefill's and back (the megakernel's sharded or lane-padded one),
-    applied once before the rounds and once after. Returns the tokens, the cache and the
-    RoundStats (`calls`: how many times the program returned to the host)."""
+    applied once before the rounds and once after; `on_call(carry)`: called after every device
+    call (with rounds_per_call = 1, each round's committed counts). Returns the tokens, the cache
+    and the RoundStats (`calls`: how many times the program returned to the host)."""
     need = required_context(prompts, settings.steps, settings.block)
     if cache.max_context < need:
         raise ConfigError(f"--context: {cache.max_context} tokens < {need} needed for the longest prompt plus "
@@ -243,6 +244,8 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
     while True:
         carry = run(packed, dparams, tparams, carry)
         calls += 1
+        if on_call is not None:
+            on_call(carry)
         if int(np.min(np.asarray(carry.count))) >= settings.steps:  # the one host read per call
             break
     out = np.asarray(carry.out)[:, :settings.steps]

