@@ -75,7 +75,12 @@ def _compile_lowered(jitted, specs: tuple, what: str, device_kind: str) -> Compi
     except jax.errors.JaxRuntimeError as e:  # the compiler's verdict on this build, not a tpumk bug
         raise CompileError(f"{what}: the compiler rejected this build: {compiler_error_line(e)}") from e
     t2 = time.perf_counter()
-    return Compiled(compiled, t1 - t0, t2 - t1, compiled.as_text(), device_kind)
+    try:
+        text = compiled.as_text()
+    except jax.errors.JaxRuntimeError as e:  # seen: an MTP drafter's round program on an MLA target
+        raise CompileError(f"{what}: compiled, but XLA cannot print the compiled program, so tpumk cannot count "
+                           f"its kernels and collectives: {compiler_error_line(e)}") from e
+    return Compiled(compiled, t1 - t0, t2 - t1, text, device_kind)
 
 
 def spec_devices(specs) -> list:
