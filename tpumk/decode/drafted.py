@@ -153,7 +153,8 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
     import jax
 
     from tpumk.decode import rounds
-    from tpumk.decode.generate import _init_cache, _kernel_step, _megakernel_where, check_host_memory
+    from tpumk.decode.generate import (_init_cache, _kernel_step, _megakernel_where, check_host_memory,
+                                       kernel_cache_layout)
     from tpumk.model import reference
 
     settings = rounds.RoundSettings(drafter.block, steps, rounds_per_call, temperature)
@@ -170,21 +171,10 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
         packed = m.params
     else:
         from tpumk.kernel.layout import pack_sharded
-        from tpumk.plan.padding import pad_cache, unpad_cache
-
         plan, step = _kernel_step(m.cfg, len(prompts), context, page_size, k + 1, devices, m.quant, kv_dtype, taps)
         packed = pack_sharded(plan, m.params)
         verify = step
-        sh, whole = plan.sharding, plan.whole_model
-
-        def to_kernel(c):
-            c = pad_cache(m.cfg, whole, c) if plan.unpadded is not None else c
-            return sh.expand_kv(whole, c) if sh is not None else c
-
-        def from_kernel(c):
-            c = sh.collapse_kv(whole, c) if sh is not None else c
-            return unpad_cache(m.cfg, whole, c) if plan.unpadded is not None else c
-        layout = (to_kernel, from_kernel)
+        layout = kernel_cache_layout(m.cfg, plan)
     t0 = time.perf_counter()
     tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params,
                                        rounds.target_for_drafter(m.params), prompts, cache,

@@ -593,19 +593,29 @@ def _kernel_decode_fn(m: Model, batch: int, context: int, page_size: int, q_len:
     (`ShardingPlan.expand_cache`: the same array unless KV heads are replicated)."""
     from tpumk.kernel.layout import pack_sharded
 
-    from tpumk.plan.padding import pad_cache, unpad_cache
-
     plan, step = _kernel_step(m.cfg, batch, context, page_size, q_len, devices, m.quant, kv_dtype)
     packed = pack_sharded(plan, m.params)
-    sh, cfg = plan.sharding, plan.whole_model  # a lane-padded model: the padded copy (tpumk.plan.padding)
+    to_kernel, from_kernel = kernel_cache_layout(m.cfg, plan)
 
     def decode(toks, pos, c):
-        if plan.unpadded is not None:
-            c = pad_cache(m.cfg, cfg, c)
-        if sh is not None:
-            c = sh.expand_kv(cfg, c)
-        logits, out = step(packed, toks, pos, c)
-        if sh is not None:
-            out = sh.collapse_kv(cfg, out)
-        return logits, unpad_cache(m.cfg, cfg, out) if plan.unpadded is not None else out
+        logits, out = step(packed, toks, pos, to_kernel(c))
+        return logits, from_kernel(out)
     return decode, plan
+
+
+def kernel_cache_layout(model_cfg: ModelConfig, plan):
+    """(to_kernel, from_kernel): the reference's cache into the layout the plan's step takes and
+    back: lane padding (a lane-padded model runs the padded copy, tpumk.plan.padding), then the
+    sharded KV layout (`ShardingPlan.expand_kv`: the same array unless KV heads are replicated)."""
+    from tpumk.plan.padding import pad_cache, unpad_cache
+
+    sh, cfg = plan.sharding, plan.whole_model
+
+    def to_kernel(c):
+        c = pad_cache(model_cfg, cfg, c) if plan.unpadded is not None else c
+        return sh.expand_kv(cfg, c) if sh is not None else c
+
+    def from_kernel(c):
+        c = sh.collapse_kv(cfg, c) if sh is not None else c
+        return unpad_cache(model_cfg, cfg, c) if plan.unpadded is not None else c
+    return to_kernel, from_kernel
