@@ -114,6 +114,23 @@ def init_from_target(s: Shape, key, target_params, layer: int = -1, scale: float
     return p
 
 
+def load_trained(path: Path, s: Shape) -> tuple[dict[str, jax.Array], np.ndarray, np.ndarray]:
+    """The trainable weights (float32) and the d2t / t2d maps of a directory `save` wrote, to go on
+    training it: its shapes must be `s`'s (same target, taps and draft vocabulary)."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    want = {**linear_shapes(s), **{LAYER + n + ".weight": (s.hidden,) for n in NORMS}, "norm.weight": (s.hidden,)}
+    for name, shape in want.items():
+        if name not in tensors or tuple(tensors[name].shape) != tuple(shape):
+            got = tuple(tensors[name].shape) if name in tensors else "missing"
+            raise ValueError(f"{path}: tensor {name!r} is {got}, expected {tuple(shape)}")
+    if tensors["d2t"].shape != (s.draft_vocab,):
+        raise ValueError(f"{path}: tensor 'd2t' is {tuple(tensors['d2t'].shape)}, expected ({s.draft_vocab},)")
+    p = {name: jnp.asarray(tensors[name].astype(np.float32)) for name in want}
+    return p, np.asarray(tensors["d2t"], np.int64), np.asarray(tensors["t2d"], bool)
+
+
 def vocab_map(token_ids: np.ndarray, draft_vocab: int, target_vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """speculators' reduced vocabulary: the `draft_vocab` most frequent ids of `token_ids` (ties to
     the lower id; topped up with the lowest unused ids), sorted; d2t [Vd] int64 the offsets

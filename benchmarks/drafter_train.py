@@ -82,6 +82,8 @@ def main(argv=None) -> None:
     ap.add_argument("--init", default="random", choices=("random", "target"),
                     help="random: speculators' N(0, 0.02) (default); target: the decoder layer from the target's "
                          "last layer, fc passing the last tap through (drafter_eagle3.init_from_target)")
+    ap.add_argument("--resume", type=Path, help="go on training a drafter directory this script wrote (its weights "
+                    "and draft vocabulary; --init and --draft-vocab are then not used)")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         drafter_data.fail(f"--checkpoint {a.checkpoint}: no such file")
@@ -112,11 +114,22 @@ def main(argv=None) -> None:
         seqs += sequences(d)
         metas.append(dict(meta, file=f.name, rows=int(len(d["tokens"]))))
     reply = np.concatenate([t[pl:] for t, _, pl in seqs])
-    d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
-    s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+    if a.resume is not None:  # the trained drafter's own vocabulary, so its head rows still mean the same ids
+        if not (a.resume / "model.safetensors").is_file():
+            drafter_data.fail(f"--resume {a.resume}: no model.safetensors (a directory drafter_train.py wrote)")
+        a.draft_vocab = int(json.loads((a.resume / "config.json").read_text())["draft_vocab_size"])
+        s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+        try:
+            params, d2t, t2d = e3.load_trained(a.resume, s)
+        except ValueError as e:
+            drafter_data.fail(f"--resume: {e}")
+        a.init = f"resume {a.resume}"
+    else:
+        d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
+        s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+        params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
+                  e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
     frozen = e3.frozen_parts(target_params, d2t)
-    params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
-              e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
     rows = max(len(t) for t, _, _ in seqs) - 1
     coverage, held_coverage = float(np.mean(t2d[reply])), None
     if held is not None:

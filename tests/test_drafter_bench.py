@@ -117,6 +117,19 @@ def test_speculators_directory_is_replaced_whole(target, tmp_path):
         "speculative_tokens"] == 5 and sorted(x.name for x in tmp_path.iterdir()) == ["drafter"]
 
 
+def test_a_trained_drafter_reads_back_to_go_on_training(target, tmp_path):
+    """drafter_train.py --resume: the weights and the draft vocabulary a directory holds, float32."""
+    s = _shape(target)
+    d2t, t2d = e3.vocab_map(np.arange(target.cfg.vocab_size)[::-1] % 50, 40, target.cfg.vocab_size)
+    p = e3.init_params(s, jax.random.PRNGKey(3))
+    e3.save(tmp_path / "d", p, e3.frozen_parts(target.params, d2t), s, d2t, t2d, chain=3, dtype="float32")
+    got, got_d2t, got_t2d = e3.load_trained(tmp_path / "d", s)
+    assert sorted(got) == sorted(p) and all(np.array_equal(got[k], p[k]) for k in p)
+    assert np.array_equal(got_d2t, d2t) and np.array_equal(got_t2d, t2d)
+    with pytest.raises(ValueError, match="expected"):  # another draft vocabulary's head
+        e3.load_trained(tmp_path / "d", _shape(target, draft_vocab=48))
+
+
 def test_init_from_target_starts_as_the_targets_last_layer(target):
     s = _shape(target)
     p = e3.init_from_target(s, jax.random.PRNGKey(0), target.params)

@@ -306,3 +306,16 @@ def test_from_config_rejects_bad_chunk_and_dense_model():
         MoEGeometry.from_config(_config(), rows=4, expert_slots=2, expert_chunk=96)
     with pytest.raises(PlanError, match="no mixture-of-experts"):
         MoEGeometry.from_config(load_preset("tiny-dense"), rows=4, expert_slots=2)
+
+
+def test_the_reference_moe_compiles_for_tpu7x_without_a_sparsecore_offload():
+    """The reference MoE (the XLA step, the drafters' MoE layers) combines the experts by a one-hot
+    sum: a scatter-add there went to TPU7x's SparseCore as an async op whose compiled HLO libtpu
+    0.0.52 cannot print, so a round program holding an MTP drafter could not be counted."""
+    cfg = load_preset("tiny-moe")
+    from tpumk.model.weights import random_params
+
+    shapes = jax.eval_shape(lambda: random_params(cfg))["layers"][moe_layer_ids(cfg)[0]]
+    specs = (shapes, jax.ShapeDtypeStruct((4, cfg.hidden_size), jnp.float32))
+    compiled = compile_for(lambda lw, xl: R.moe_ffn(cfg.moe, lw, xl), specs, get_target("tpu7x"))
+    assert 'async_execution_thread="sparsecore"' not in compiled.hlo_text

@@ -235,8 +235,10 @@ def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     """x: [N, H] float32 normed activations -> [N, H] float32."""
     ids, weights = route(moe, router_logits(moe, layer, x), layer.get("router_bias"))
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
-    combine = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    # A one-hot sum, not a scatter-add: exact all the same (top-k ids are distinct), and XLA for
+    # TPU7x offloads a scatter-add to the SparseCore, whose compiled program (libtpu 0.0.52)
+    # cannot be printed, so its kernels could not be counted (an MTP drafter's round program).
+    combine = (jax.nn.one_hot(ids, moe.num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)
     g = expert_matmul(x, layer["e_gate"])
     u = expert_matmul(x, layer["e_up"])
     if moe.expert_bias:  # gpt-oss: f32 biases on each expert's outputs, before the activation
