@@ -268,9 +268,7 @@ def test_the_rope_table_in_use_gives_theta_and_partial_rotary():
 # ---------------------------------------------------------------------- families tpumk refuses
 @pytest.mark.parametrize("model_type, what", [
     ("deepseek_v32", "lightning indexer"), ("glm_moe_dsa", "lightning indexer"),
-    ("mistral_large4", "lightning indexer"), ("glm4_moe_lite", "an MLA model under its own model_type"),
-    ("mistral4", "llama-4 position-scaled queries"), ("deepseek_v4", "hyper-connections"),
-    ("ministral3", "llama_4_scaling_beta"), ("smollm3", "NoPE layers"),
+    ("mistral_large4", "lightning indexer"), ("deepseek_v4", "hyper-connections"), ("smollm3", "NoPE layers"),
     ("olmo3", "sliding-window layers"), ("muse_spark", "gated residual"), ("llama4", "chunked attention"),
     ("deepseek_v2", "softmax scores"),
 ])
