@@ -15,12 +15,11 @@ transformers 5.24's own classes:
 
 Each family: its config read, the reference's logits equal transformers' (and would not without
 the parts that make the family: the query scale, Mistral 4's softmax routing), and transformers' greedy tokens through the reference and the megakernel in
-interpret mode on one device (the build also compiled deviceless for TPU7x and v6e) and on 4 host
-devices (`tpumk generate --devices 4`; the build compiled deviceless for 4 TPU7x TensorCores).
-The default run takes Mistral 4 and Ministral 3 on one device (the query scale in the MLA and the
-GQA stage) and Mistral 4 on 4 devices; GLM-4.7-Flash's kernel runs are the full tier (its MLA and
-routing are DeepSeek-V3's: test_megakernel_mla.py's checkpoint run), as are the other 4-device
-runs (tests/README.md).
+interpret mode on one device and on 4 host devices (`tpumk generate --devices 4`), the build
+compiled deviceless for TPU7x and v6e (1 or 4 TensorCores). The default run takes Mistral 4 on one
+device (the query scale in the MLA stage) and Ministral 3 on 4 (in the GQA stage); the other
+kernel runs are the full tier (tests/README.md), GLM-4.7-Flash's among them (its MLA and routing
+are DeepSeek-V3's: test_megakernel_mla.py's checkpoint run).
 """
 
 from __future__ import annotations
@@ -61,8 +60,9 @@ CHECKPOINTS = {
     "mistral4": dict(MLA, q_lora_rank=None, n_group=2, topk_group=1, first_k_dense_replace=1,
                      routed_scaling_factor=1.5, max_position_embeddings=256,
                      rope_parameters=dict(SCALED_YARN, rope_theta=10000.0)),
-    "ministral3": dict(vocab_size=211, hidden_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, intermediate_size=160, max_position_embeddings=256,
+    # 8 query / 4 KV heads of 64: the 64-wide KV heads go in pairs over 4 devices
+    "ministral3": dict(vocab_size=211, hidden_size=96, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, intermediate_size=160, max_position_embeddings=256,
                        rope_parameters=dict(SCALED_YARN, rope_theta=1e6)),
 }
 # (transformers 5.24's AutoModelForCausalLM does not map ministral3 or mistral4: their classes by name)
@@ -111,7 +111,7 @@ def test_config_reads_the_family(checkpoint):
     name, ckpt = checkpoint
     cfg = load_model(None, str(ckpt)).cfg
     if name == "ministral3":  # GQA, lane padded by the plan; YaRN and the query scale
-        assert not cfg.is_mla and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (96, 64, 4, 2)
+        assert not cfg.is_mla and (cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads) == (96, 64, 8, 4)
         assert (cfg.yarn_factor, cfg.yarn_original_max_position, cfg.sliding_window) == (4.0, 4, 0)
         assert (cfg.query_scale_beta, cfg.query_scale_interval) == (1.0, 4)
         return
@@ -150,9 +150,9 @@ def test_reference_logits_match_transformers(checkpoint):
         assert np.max(np.abs(np.asarray(forward_full(m.params, cfg, tokens)) - want)) > 100 * bound
 
 
-# Which runs the default tier takes: the query scale in the MLA stage (Mistral 4) and in the GQA
-# stage (Ministral 3) on one device, Mistral 4 on 4 devices; the rest is the full tier.
-DEFAULT_RUNS = {("mistral4", 1), ("ministral3", 1), ("mistral4", 4)}
+# Which runs the default tier takes: the query scale in the MLA stage (Mistral 4) on one device and
+# in the GQA stage (Ministral 3) on 4 host devices; the rest is the full tier (tests/README.md).
+DEFAULT_RUNS = {("mistral4", 1), ("ministral3", 4)}
 RUNS = [pytest.param(n, d, marks=() if (n, d) in DEFAULT_RUNS else pytest.mark.full, id=f"{n}-{d}dev")
         for n in CHECKPOINTS for d in (1, 4)]
 
@@ -161,8 +161,8 @@ RUNS = [pytest.param(n, d, marks=() if (n, d) in DEFAULT_RUNS else pytest.mark.f
 def test_greedy_tokens_transformers_reference_megakernel(name, devices, tmp_path_factory):
     """transformers' greedy tokens through the reference and the megakernel; without the query
     scale transformers' own tokens differ, so a kernel that dropped it could not pass. The build
-    compiles deviceless: for TPU7x and v6e on one device, for 4 TPU7x TensorCores (one kernel,
-    no XLA collective) on 4."""
+    compiles deviceless for TPU7x and v6e: on one device, or for 4 TensorCores of each (one
+    kernel, no XLA collective)."""
     ckpt = build(tmp_path_factory.mktemp(name), name, _seed(name))
     want = hf_greedy(ckpt, PROMPTS, STEPS)
     m = load_model(None, str(ckpt))
@@ -183,16 +183,100 @@ def test_greedy_tokens_transformers_reference_megakernel(name, devices, tmp_path
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = json.loads(proc.stdout)
         assert got["devices"] == devices
-        _compiles_on_tpu7x_devices(m.cfg, devices)
+        _compiles_on_devices(m.cfg, devices)
     assert got["tokens"] == want and "megakernel" in got["ran_on"]
 
 
-def _compiles_on_tpu7x_devices(cfg, devices: int) -> None:
+def _compiles_on_devices(cfg, devices: int) -> None:
     from test_multidevice import XLA_COLLECTIVES
     from tpumk.compile.aot import compile_plan
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
     from tpumk.targets import get_target
 
-    c = compile_plan(make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=len(PROMPTS), context=64, devices=devices)))
-    assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text)
+    for target in ("tpu7x", "v6e"):
+        spec = BuildSpec(cfg, get_target(target), batch=len(PROMPTS), context=64, devices=devices)
+        c = compile_plan(make_plan(spec))
+        assert c.custom_calls == 1 and not XLA_COLLECTIVES.search(c.hlo_text), target
+
+
+@pytest.mark.parametrize("text_type", ["ministral3", pytest.param("mistral4", marks=pytest.mark.full)])
+def test_the_mistral3_wrapper_decodes_its_language_model(text_type, tmp_path):
+    """Ministral 3 and Mistral Small 4 ship as Mistral3ForConditionalGeneration (model_type
+    mistral3): built by transformers' own class (its language model this file's, a one-layer
+    Pixtral tower, the head tied by the wrapper's default), tpumk reads the text_config and the
+    language model's tensors (`language_model.model.*`), skips the vision tower and projector, and
+    the reference gives transformers' logits on text."""
+    torch.manual_seed(70)
+    text = dict(CHECKPOINTS[text_type], model_type=text_type, initializer_range=0.1, pad_token_id=None,
+                bos_token_id=None, eos_token_id=None)
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                  image_size=16, patch_size=4)
+    model = transformers.Mistral3ForConditionalGeneration(
+        transformers.Mistral3Config(text_config=text, vision_config=vision)).to(torch.float32).eval()
+    _perturb(model, 70)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral3"
+    m = load_model(None, str(tmp_path))
+    assert m.cfg.tie_embeddings and m.cfg.is_mla == (text_type == "mistral4") and m.cfg.query_scale_beta == 1.0
+    tokens = np.random.default_rng(4).integers(0, m.cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    got = np.asarray(forward_full(m.params, m.cfg, tokens))
+    assert np.max(np.abs(got - want)) <= 2e-5 * max(1.0, float(np.max(np.abs(want))))
+
+
+@pytest.mark.full  # the default run loads rope_interleave false (test_hf_deepseek.py's no_interleave_permutation)
+def test_mistral4_rope_interleave_null_is_rotate_half(tmp_path_factory):
+    """Mistral4Config admits rope_interleave null, which transformers' attention reads as false
+    (rotate-half rope lanes, no interleaved pairs): the loader must not permute the rows then."""
+    src = build(tmp_path_factory.mktemp("mistral4"), "mistral4", _seed("mistral4"))
+    ckpt = tmp_path_factory.mktemp("mistral4-null")
+    for f in src.iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "rope_interleave": None}))
+    m = load_model(None, str(ckpt))
+    tokens = np.random.default_rng(5).integers(0, m.cfg.vocab_size, (1, 12))
+    want = hf_logits(ckpt, tokens)
+    assert np.max(np.abs(np.asarray(forward_full(m.params, m.cfg, tokens)) - want)) <= 2e-5 * max(1.0, np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_query_scale_is_transformers_llama4_scale(dtype):
+    """rope.query_scale against transformers' own get_llama_4_attn_scale cast to the model dtype
+    (Mistral 4's; Ministral 3's is the same function), at positions on both sides of each step
+    of the interval and far out, negative ones (tokens outside the cache) read as 0."""
+    import jax.numpy as jnp
+    from transformers.models.mistral4.modeling_mistral4 import get_llama_4_attn_scale
+
+    from tpumk.model.config import load_preset
+    from tpumk.model.rope import query_scale
+
+    cfg = load_preset("tiny-dense").replace(query_scale_beta=0.1, query_scale_interval=8192)
+    p = np.array([0, 1, 8191, 8192, 8193, 16383, 16384, 100_000, 1_048_575, 1_048_576, 4_000_000], np.int64)
+    want = get_llama_4_attn_scale(torch.as_tensor(p)[None], 0.1, 8192)[0, 0, :, 0]
+    want = want.to(getattr(torch, dtype)).float().numpy()
+    got = np.asarray(query_scale(cfg.positions, jnp.asarray(p, jnp.int32), jnp.dtype(dtype)))
+    np.testing.assert_array_equal(got, want)
+    assert float(query_scale(cfg.positions, jnp.asarray([-1, -9000]), jnp.float32)[1]) == 1.0
+    assert query_scale(load_preset("tiny-dense").positions, jnp.asarray([5]), jnp.float32) is None
+
+
+def test_query_scale_fields_are_checked():
+    from tpumk.errors import ConfigError
+    from tpumk.model.config import load_preset
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    cfg = load_preset("tiny-dense")
+    with pytest.raises(ConfigError, match="field 'query_scale_interval' = 0: expected a positive integer"):
+        cfg.replace(query_scale_beta=0.1)
+    with pytest.raises(ConfigError, match="field 'query_scale_interval' = 8: expected 0 when query_scale_beta is 0"):
+        cfg.replace(query_scale_interval=8)
+    # the kernel takes the factors as one more glue operand only when the model scales its queries
+    names = [b.name for b in make_plan(BuildSpec(cfg, get_target("tpu7x"))).contract.operands]
+    scaled = [b.name for b in make_plan(BuildSpec(cfg.replace(query_scale_beta=0.1, query_scale_interval=8),
+                                                  get_target("tpu7x"))).contract.operands]
+    assert "q_scale" not in names and scaled == names[:6] + ["q_scale"] + names[6:]

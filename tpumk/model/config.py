@@ -537,7 +537,8 @@ _HF_ALWAYS_WINDOWED = ("mistral", "ministral3", "mixtral", "phi3", "gemma2", "ge
 def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     """The config of the language model a Hugging Face config.json describes, and where it
     came from: the config itself, or a multimodal wrapper's `text_config` (tpumk.model.hf_fields.
-    WRAPPERS: a multimodal Gemma 3, Kimi K2.5) with its text config class's defaults filled in,
+    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4) with its
+    text config class's defaults filled in,
     the wrapper's stored-weight keys (dtype, name, quantization) where the text config is silent,
     and its head tied by the wrapper's own flag, as transformers ties it. The wrapper's own
     fields are accounted for as a family's are; the vision part is never read (text in, text out)."""
@@ -547,9 +548,11 @@ def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     wrapper = WRAPPERS[mt]
     account_fields(data, mt, source, wrapper.fields)
     text = data.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(f"{source}: field 'text_config' = {_short_repr(text)}: expected an object (a multimodal "
-                          f"{mt} config holds its language model's fields there)")
+    if not isinstance(text, dict):  # (transformers would build its default text model: not this checkpoint's)
+        given = "is missing" if "text_config" not in data else f"= {_short_repr(text)}"
+        raise ConfigError(f"{source}: field 'text_config' {given}: expected an object (a multimodal {mt} config "
+                          "holds its language model's fields there; without them transformers builds a default "
+                          "text model)")
     text_type = text.get("model_type", wrapper.text_types[0])
     if text_type not in wrapper.text_types:
         missing = UNSUPPORTED_FAMILIES.get(text_type) if isinstance(text_type, str) else None
@@ -564,9 +567,10 @@ def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
-    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a multimodal Gemma 3's
-    language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss,
-    DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model)) into a ModelConfig.
+    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Ministral 3, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a
+    multimodal Gemma 3's language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
+    gpt-oss, DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model), GLM-4.7-Flash, Mistral Small 4
+    (and the mistral3 wrapper's language model), the linear-attention hybrids) into a ModelConfig.
 
     Every key of the file is accounted for first (tpumk.model.hf_fields.account_fields: modelled
     here, harmless, or refused at a value that changes the math; any other key refused), so a
@@ -1052,11 +1056,11 @@ def _hf_query_scale(data: dict[str, Any], source: str, rope_key: str) -> dict[st
     beta = r.number("llama_4_scaling_beta", None)
     if not beta:
         return {}
-    interval = r.int_("original_max_position_embeddings", MAX_SIZES["rope_original_max_position"], _REQUIRED,
-                      what=f"{rope_key}.original_max_position_embeddings (the query scale's interval)")
-    if interval < 1:
-        raise ConfigError(f"{source}: field '{rope_key}.original_max_position_embeddings' = {interval}: expected a "
-                          "positive integer")
+    interval = r.int_("original_max_position_embeddings", MAX_SIZES["rope_original_max_position"], default=None)
+    if not interval:
+        given = "is missing" if interval is None else f"= {interval}"
+        raise ConfigError(f"{source}: field '{rope_key}.original_max_position_embeddings' {given}: expected a positive "
+                          "integer (the positions per step of llama_4_scaling_beta's query scale)")
     return dict(query_scale_beta=beta, query_scale_interval=interval)
 
 

@@ -395,8 +395,9 @@ NESTED_ROPE = {"gemma3_text": ("full_attention", "sliding_attention")}
 # What each family tpumk knows of and does not build lacks, read from transformers' modelling
 # of it. A family added to FAMILIES leaves this table.
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
-    "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy'; "
-                   "tpumk routes DeepSeek-V3's way: sigmoid scores with a correction bias)",
+    "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy': a "
+                   "group scored by its best expert; tpumk's group limit scores a group by its two best, as "
+                   "DeepSeek-V3 and Mistral 4 route)",
     "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
                     "scores highest)",
     "glm_moe_dsa": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
