@@ -14,12 +14,15 @@ transformers 5.24's own classes:
   the language model under `language_model.model.*` beside a Pixtral tower).
 
 Each family: its config read, the reference's logits equal transformers' (and would not without
-the parts that make the family: the query scale, Mistral 4's softmax routing), and transformers' greedy tokens through the reference and the megakernel in
-interpret mode on one device and on 4 host devices (`tpumk generate --devices 4`), the build
-compiled deviceless for TPU7x and v6e (1 or 4 TensorCores). The default run takes Mistral 4 on one
-device (the query scale in the MLA stage) and Ministral 3 on 4 (in the GQA stage); the other
-kernel runs are the full tier (tests/README.md), GLM-4.7-Flash's among them (its MLA and routing
-are DeepSeek-V3's: test_megakernel_mla.py's checkpoint run).
+the parts that make the family: the query scale, Mistral 4's softmax routing), and transformers'
+greedy tokens through the reference and the megakernel in interpret mode on one device and on 4
+host devices (`tpumk generate --devices 4`), the build compiled deviceless for TPU7x and v6e (1
+or 4 TensorCores). The default run takes Mistral 4 on one device (the query scale in the MLA
+stage) and Ministral 3 on 4 (in the GQA stage); the other kernel runs are the full tier
+(tests/README.md), GLM-4.7-Flash's among them (its MLA and routing are DeepSeek-V3's:
+test_megakernel_mla.py's checkpoint run). Also: the wrapper's language model against
+transformers' logits, Mistral 4's null rope_interleave, and `rope.query_scale` against
+transformers' own function in float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def test_config_reads_the_family(checkpoint):
         assert (cfg.yarn_factor, cfg.yarn_original_max_position, cfg.sliding_window) == (4.0, 4, 0)
         assert (cfg.query_scale_beta, cfg.query_scale_interval) == (1.0, 4)
         return
-    assert cfg.is_mla and (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (40, 24, 8, 20)
+    assert cfg.is_mla
+    assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (40, 24, 8, 20)
     assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn_size, cfg.num_shared_experts) == (8, 2, 128, 1)
     if name == "glm4_moe_lite":  # DeepSeek-V3's routing; the dense layer where mlp_layer_types puts it
         assert cfg.q_lora_rank == 56 and cfg.dense_layers == (1,) and cfg.ffn_size == 80
@@ -239,7 +243,8 @@ def test_mistral4_rope_interleave_null_is_rotate_half(tmp_path_factory):
     m = load_model(None, str(ckpt))
     tokens = np.random.default_rng(5).integers(0, m.cfg.vocab_size, (1, 12))
     want = hf_logits(ckpt, tokens)
-    assert np.max(np.abs(np.asarray(forward_full(m.params, m.cfg, tokens)) - want)) <= 2e-5 * max(1.0, np.max(np.abs(want)))
+    got = np.asarray(forward_full(m.params, m.cfg, tokens))
+    assert np.max(np.abs(got - want)) <= 2e-5 * max(1.0, float(np.max(np.abs(want))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -225,7 +225,8 @@ _GLM4_MOE_LITE = _family(
     _CORE - {"head_dim"} | _SIGMOID_MOE | _SCALED_POSITIONS | _MLA | {"mlp_layer_types", "partial_rotary_factor"},
     {**_DENSE_HARMLESS, **_MOE_HARMLESS, "num_nextn_predict_layers": _MTP},
     _MLA_BIAS,
-    {"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim", "num_mtp_layers": "num_nextn_predict_layers"})
+    {"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim",
+     "num_mtp_layers": "num_nextn_predict_layers"})
 # Mistral Small 4: MLA (no q-LoRA allowed), softmax routing over expert groups without a
 # correction bias, YaRN over the rope lanes, llama-4 position-scaled queries
 _MISTRAL4 = _family(
