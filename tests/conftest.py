@@ -125,7 +125,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 SLOWEST_FILES_FIRST = (
     "test_multidevice", "test_quant", "test_multidevice_mla", "test_megakernel", "test_hf_linear",
     "test_megakernel_linear", "test_rounds", "test_drafted", "test_cache_keys",
-    "test_tune", "test_build", "test_tune_storage", "test_attention_stage", "test_hf_archs", "test_kv_guard",
+    "test_tune", "test_build", "test_tune_storage", "test_attention_stage", "test_hf_archs", "test_hf_mla_names",
+    "test_kv_guard",
     "test_positions", "test_megakernel_archs", "test_megakernel_mla", "test_artifacts", "test_megakernel_mla_quant",
     "test_reference", "test_mla_tools", "test_export_devices", "test_mla", "test_speculative",
     "test_objective_calibration", "test_megakernel_verify", "test_moe_stage", "test_bench", "test_hostile_files",

@@ -126,7 +126,12 @@ def build_deepseek_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Pa
 
 @functools.lru_cache(maxsize=8)
 def load_model(path: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    config = transformers.AutoConfig.from_pretrained(path)
+    # transformers 5.24's causal-LM auto mapping lacks some families it has classes for
+    # (ministral3, mistral4): their checkpoint's own architecture then
+    cls = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else \
+        getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_logits(path: str | Path, token_ids) -> np.ndarray:
@@ -136,12 +141,14 @@ def hf_logits(path: str | Path, token_ids) -> np.ndarray:
         return model(torch.as_tensor(np.asarray(token_ids), dtype=torch.long)).logits.float().numpy()
 
 
-def hf_greedy(path: str | Path, prompt_ids: Sequence[Sequence[int]], steps: int) -> list[list[int]]:
-    """Transformers greedy generation (do_sample=False, KV cache on) of `steps` tokens per prompt.
+def hf_greedy(path: str | Path, prompt_ids: Sequence[Sequence[int]], steps: int,
+              model: torch.nn.Module | None = None) -> list[list[int]]:
+    """Transformers greedy generation (do_sample=False, KV cache on) of `steps` tokens per prompt
+    (by `model`, when given, instead of the checkpoint's: a copy with a part switched off).
 
     Prompts run one at a time, so no padding or attention mask enters the oracle.
     """
-    model = load_model(str(path))
+    model = model if model is not None else load_model(str(path))
     out = []
     for prompt in prompt_ids:
         ids = torch.tensor([list(prompt)], dtype=torch.long)

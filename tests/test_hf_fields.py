@@ -40,7 +40,7 @@ from test_mla import DEEPSEEK_V3_JSON
 from tpumk.errors import CheckpointError, ConfigError, NotSupportedError
 from tpumk.model.checkpoint import load_checkpoint
 from tpumk.model.config import _HF_SUPPORTED, from_hf_config
-from tpumk.model.hf_defaults import CLASS_DEFAULTS, ROPE_DEFAULTS
+from tpumk.model.hf_defaults import CLASS_DEFAULTS, ROPE_DEFAULTS, ROPE_TABLE_DEFAULTS
 from tpumk.model.hf_fields import (COMMON_HARMLESS, COMMON_REFUSED, FAMILIES, UNSUPPORTED_FAMILIES, WRAPPERS, Refused, account_fields,
                                    fold_aliases)
 
@@ -123,6 +123,11 @@ def test_the_defaults_tpumk_fills_in_are_transformers_class_defaults():
         table = CONFIG_MAPPING[model_type]().rope_parameters
         assert rope == {"rope_theta": table["rope_theta"],
                         "partial_rotary_factor": table.get("partial_rotary_factor", 1.0)}, model_type
+    for model_type, rope in ROPE_TABLE_DEFAULTS.items():  # whole tables, less what the reader derives
+        table = CONFIG_MAPPING[model_type]().rope_parameters
+        assert rope == {k: v for k, v in table.items() if k not in ("type", "max_position_embeddings",
+                                                                     "partial_rotary_factor")}, model_type
+        assert table.get("partial_rotary_factor", 0.5) == 0.5  # Mistral 4's qk_rope 64 / head_dim 128
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -199,7 +204,21 @@ def test_transformers_aliases_are_read_as_the_field():
 
 # Keys the public releases of each family write beside their transformers class's fields
 # (recalled from the published config.json files; each is harmless or neutral there).
+# GLM-4.7-Flash's release (zai-org/GLM-4.7-Flash, as its config.json is quoted in public test
+# suites): transformers' Glm4MoeLiteConfig fields, and beside them the remote-code settings
+# first_k_dense_replace / topk_method, the MTP layer count and a neutral partial_rotary_factor
+GLM_47_FLASH = {
+    "model_type": "glm4_moe_lite", "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+    "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20, "num_key_value_heads": 20,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_bias": False, "max_position_embeddings": 202752,
+    "rope_theta": 1e6, "rope_scaling": None, "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+    "norm_topk_prob": True, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "tie_word_embeddings": False,
+    "dtype": "bfloat16"}
 RELEASE_EXTRAS = {
+    "glm-4.7-flash": (GLM_47_FLASH, {"first_k_dense_replace": 1, "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
+                                     "partial_rotary_factor": 1.0, "attention_dropout": 0.0, "pad_token_id": 154820,
+                                     "architectures": ["Glm4MoeLiteForCausalLM"]}),
     "deepseek-v3": (DEEPSEEK_V3_JSON, {"aux_loss_alpha": 0.001, "ep_size": 1, "seq_aux": True, "pretraining_tp": 1,
                                        "bos_token_id": 0, "eos_token_id": 1, "auto_map": {"AutoConfig": "x"},
                                        "use_cache": True, "transformers_version": "4.33.1", "initializer_range": 0.02,
@@ -228,6 +247,9 @@ def test_release_extra_keys_are_read(name):
     assert from_hf_config({**base, **extra}) == from_hf_config(base)
 
 
+M4, MIN3 = _written("mistral4"), _written("ministral3")
+
+
 @pytest.mark.parametrize("data, err, what", [
     # RoPE tables: every key one its rope_type reads; one table
     ({**LLAMA_31_8B, "rope_scaling": {**LLAMA_31_8B["rope_scaling"], "llama_4_scaling_beta": 0.1}},
@@ -250,6 +272,30 @@ def test_release_extra_keys_are_read(name):
                                                     "disagree"),
     # gpt-oss clamps at +-swiglu_limit whatever it is: 0 is not tpumk's "no clamp"
     ({**GPT_OSS_20B, "swiglu_limit": 0}, ConfigError, "field 'swiglu_limit' = 0: expected a positive number"),
+    # GLM-4.7-Flash: transformers places its dense layers by mlp_layer_types (default: the first),
+    # not by the release's first_k_dense_replace; its head_dim is qk_rope_head_dim
+    ({**GLM_47_FLASH, "first_k_dense_replace": 3}, ConfigError,
+     "field 'first_k_dense_replace' = 3: expected the layers mlp_layer_types' default makes dense (1 of 47"),
+    ({**GLM_47_FLASH, "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 45, "first_k_dense_replace": 1}, ConfigError,
+     "field 'first_k_dense_replace' = 1: expected the layers mlp_layer_types makes dense (2 of 47"),
+    ({**GLM_47_FLASH, "head_dim": 128}, ConfigError,
+     "fields 'head_dim' = 128 and 'qk_rope_head_dim' = 64 name the same setting"),
+    # Mistral 4: head_dim is qk_nope + qk_rope; its rope lanes turn by YaRN only, over
+    # int(head_dim x partial_rotary_factor) lanes; transformers' attention reads llama_4_scaling_beta
+    ({**M4, "head_dim": 64}, ConfigError, "field 'head_dim' = 64: expected 128 (qk_nope_head_dim + qk_rope_head_dim)"),
+    ({**M4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
+                                "original_max_position_embeddings": 8192}},
+     NotSupportedError, "rope_parameters rope_type 'default' for model_type 'mistral4'"),
+    ({**M4, "rope_parameters": {**M4["rope_parameters"], "partial_rotary_factor": 0.25}}, ConfigError,
+     "field 'rope_parameters.partial_rotary_factor' = 0.25: expected 0.5"),
+    ({**M4, "rope_parameters": {k: v for k, v in M4["rope_parameters"].items() if k != "llama_4_scaling_beta"}},
+     ConfigError, "field 'rope_parameters.llama_4_scaling_beta' is missing: expected a number"),
+    ({**MIN3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1}}, ConfigError,
+     "field 'rope_parameters.original_max_position_embeddings' is missing: expected a positive integer"),
+    # a Mistral config relabelled ministral3: every field is one, but its RoPE table has no beta
+    ({**_written("mistral"), "model_type": "ministral3"}, ConfigError, "'rope_parameters.llama_4_scaling_beta' is missing"),
+    # DeepSeek-V3's class takes a boolean only (Mistral 4's also null: rotate-half)
+    ({**DEEPSEEK_V3_JSON, "rope_interleave": None}, ConfigError, "field 'rope_interleave' = None: expected true or false"),
 ])
 def test_a_file_that_says_another_model_or_two_things_is_refused(data, err, what):
     with pytest.raises(err) as e:
@@ -268,9 +314,7 @@ def test_the_rope_table_in_use_gives_theta_and_partial_rotary():
 # ---------------------------------------------------------------------- families tpumk refuses
 @pytest.mark.parametrize("model_type, what", [
     ("deepseek_v32", "lightning indexer"), ("glm_moe_dsa", "lightning indexer"),
-    ("mistral_large4", "lightning indexer"), ("glm4_moe_lite", "an MLA model under its own model_type"),
-    ("mistral4", "llama-4 position-scaled queries"), ("deepseek_v4", "hyper-connections"),
-    ("ministral3", "llama_4_scaling_beta"), ("smollm3", "NoPE layers"),
+    ("mistral_large4", "lightning indexer"), ("deepseek_v4", "hyper-connections"), ("smollm3", "NoPE layers"),
     ("olmo3", "sliding-window layers"), ("muse_spark", "gated residual"), ("llama4", "chunked attention"),
     ("deepseek_v2", "softmax scores"),
 ])
@@ -307,6 +351,8 @@ RELABELLED = [
     ("deepseek_v2", "deepseek_v3", "mlp_bias"),
     ("mistral4", "deepseek_v3", "rope_parameters.llama_4_scaling_beta"),
     ("mistral4", "mistral", "kv_lora_rank"),
+    ("glm4_moe_lite", "mistral4", "mlp_layer_types"),
+    ("deepseek_v3", "mistral4", "num_nextn_predict_layers"),
     ("ministral", "mistral", "layer_types"),
     ("gemma3n_text", "gemma3_text", "altup_active_idx"),
     ("phimoe", "phi3", "num_local_experts"),
@@ -396,6 +442,64 @@ def test_a_wrapper_is_read_through_its_text_config():
         with pytest.raises(err) as e:
             from_hf_config({**data, **changes}, "x/config.json")
         assert _one_line(e).startswith("x/config.json") and what in _one_line(e), _one_line(e)
+
+
+def _mistral3(text_type: str, **kw) -> dict:
+    """A Mistral3ForConditionalGeneration config (Ministral 3, Mistral Small 4) as transformers
+    writes it: its text_config transformers' `text_type` class's defaults, a small Pixtral tower."""
+    return json.loads(transformers.Mistral3Config(
+        text_config={"model_type": text_type}, vision_config=dict(hidden_size=32, intermediate_size=32,
+                                                                    num_hidden_layers=1, num_attention_heads=2),
+        **kw).to_json_string())
+
+
+@pytest.mark.parametrize("text_type", ["ministral3", "mistral4", "mistral"])
+def test_a_mistral3_wrapper_is_read_through_its_text_config(text_type):
+    """Ministral 3 and Mistral Small 4 ship as Mistral3ForConditionalGeneration: the language
+    model is the text_config (transformers' default type: mistral), the head tied by the
+    wrapper's flag (default true). Without a text_config transformers builds a default text
+    model (Mistral Small 3.1's shapes), not the checkpoint's: refused in one line."""
+    data = _mistral3(text_type)
+    text = {**data["text_config"], "tie_word_embeddings": True}
+    cfg = from_hf_config(data)
+    assert cfg == from_hf_config(text) and cfg.tie_embeddings and cfg.is_mla == (text_type == "mistral4")
+    assert cfg.query_scale_beta == (0.1 if text_type != "mistral" else 0.0)
+    assert not from_hf_config(_mistral3(text_type, tie_word_embeddings=False)).tie_embeddings
+    if text_type == "mistral":  # a text_config without model_type is transformers' default, a Mistral
+        untyped = {k: v for k, v in data["text_config"].items() if k != "model_type"}
+        assert from_hf_config({**data, "text_config": untyped}) == cfg
+    for changes, err, what in [
+        ({"text_config": None}, ConfigError, "field 'text_config' = None: expected an object"),
+        ({"text_config": "missing"}, ConfigError,
+         "field 'text_config' is missing: expected an object (a multimodal mistral3 config holds its language "
+         "model's fields there; without them transformers builds a default text model)"),
+        ({"text_config": {**text, "model_type": "llama"}}, NotSupportedError,
+         "text_config.model_type 'llama' in a 'mistral3' wrapper (tpumk decodes 'mistral' or 'ministral3' or "
+         "'mistral4' there)"),
+        ({"image_seq_length": 1}, NotSupportedError, "field 'image_seq_length' is not a field of model_type 'mistral3'"),
+    ]:
+        bad = {k: v for k, v in {**data, **changes}.items() if v != "missing"}
+        with pytest.raises(err) as e:
+            from_hf_config(bad, "x/config.json")
+        assert _one_line(e).startswith("x/config.json") and what in _one_line(e), _one_line(e)
+
+
+def test_a_wrapper_without_a_text_model_is_one_line_exit_1(tmp_path):
+    """`tpumk build` of a mistral3 / kimi_k25 wrapper config without its text_config: one error
+    line, exit 1, nothing written."""
+    from click.testing import CliRunner
+
+    from tpumk.cli import main
+
+    for name, data in (("mistral3", _mistral3("ministral3")), ("kimi_k25", json.loads(_kimi_k25().to_json_string()))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({k: v for k, v in data.items() if k != "text_config"}))
+        before = sorted(tmp_path.iterdir())
+        r = CliRunner().invoke(main, ["build", "--model", str(path), "--no-estimate"])
+        assert r.exit_code == 1, r.output
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"tpumk: error: {path}: field 'text_config' is missing"), r.stderr
+        assert r.stdout == "" and sorted(tmp_path.iterdir()) == before
 
 
 def _tree_equal(a, b) -> bool:

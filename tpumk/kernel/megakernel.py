@@ -9,7 +9,9 @@ Outside the kernel (thin glue, all O(B * q * (H + V)) elementwise work):
 - the embedding row gather `embed[tokens]`: a data-dependent gather of B*q rows that XLA does
   in one op; inside the kernel it would be B*q tiny DMAs for no gain;
 - RoPE cos / sin rows from the positions (`norms.rope_tables`): a function of the positions
-  only, shared by every layer, computed once instead of once per layer;
+  only, shared by every layer, computed once instead of once per layer; likewise each row's
+  query factor of a model with position-scaled queries (`rope.query_scale`), which the kernel
+  multiplies into the roped queries (GQA: before the attention stage; MLA: before q_nope . W_UK);
 - reshapes: logits come out as [devices x column blocks, B*q, tile_cols] (one whole tile per
   lm_head step; on many devices every device's vocabulary slice, all-gathered in the kernel)
   and are put back to [B, q, V] by a transpose and slices of the vocab padding;
@@ -51,7 +53,8 @@ from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import (MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, STATE_ARRAYS, STATE_SCALARS,
                                  KernelContract)
 from tpumk.kernel.mla_attention import mla_attention_stage
-from tpumk.plan.geometry import LANE, VECTOR_ROW, heads_per_lane_block, mla_dims, rope_table_lanes
+from tpumk.plan.geometry import (LANE, QUERY_SCALE_LANES, VECTOR_ROW, heads_per_lane_block, mla_dims,
+                                 rope_table_lanes)
 from tpumk.plan.plan import Plan, o_bias_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
@@ -107,6 +110,7 @@ def _kernel(plan: Plan):
         ins = {b.name: r for b, r in zip(contract.operands, refs[:n_in])}
         block_tables, lengths, positions = ins["block_tables"], ins["lengths"], ins["positions"]
         x0, cos_ref, sin_ref, final_norm, vec_hbm = (ins[k] for k in ("x0", "cos", "sin", "final_norm", "layer_vectors"))
+        q_scale_ref = ins.get("q_scale")  # position-scaled queries: each row's factor (glue, rope.query_scale)
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
@@ -322,6 +326,8 @@ def _kernel(plan: Plan):
             for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
                 s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)
             s.mla_kv[:, lat:lat + LANE] = rope_heads(s.mla_kv[:, lat:lat + LANE], cos, sin, r)
+            if q_scale_ref is not None:  # Mistral 4: the whole query (nope and rope lanes) by position
+                s.mla_q[...] = s.mla_q[...] * q_scale_ref[:, 0:1]
             # this step's cache rows c_kv | k_rope, rounded to the cache dtype (as the reference)
             s.mla_row[:, :c] = rms_norm(s.mla_kv[:, :c], row(vec, "k_norm", c), norms.latent_eps).astype(dt).astype(jnp.float32)
             s.mla_row[:, c:c + r] = s.mla_kv[:, lat:lat + r].astype(dt).astype(jnp.float32)
@@ -412,6 +418,8 @@ def _kernel(plan: Plan):
                         x = rms_norm_heads(x, w, eps, d, cfg.attention.true_head_dim)
                     s.qkv[:, lo:lo + d * pack] = rope_heads(x, cos, sin, d)
             q = s.qkv[:, :q_size]
+            if q_scale_ref is not None:  # Ministral 3: each query row by its position's factor, after RoPE
+                q = q * q_scale_ref[:, 0:1]
             k_new = s.qkv[:, q_size:q_size + kv_size].astype(dt)
             v_new = s.qkv[:, q_size + kv_size:q_size + 2 * kv_size].astype(dt)
             # Without sliding windows every layer starts the next layer's first KV tiles when its
@@ -636,7 +644,10 @@ def _device_step(plan: Plan, call) -> Callable:
                 cos_l, sin_l = rope_tables(positions.reshape(n), rope.inv_freq(pos, jnp, local=True), lanes,
                                            rope.cos_sin_scale(pos, jnp, local=True))
                 cos, sin = jnp.concatenate([cos, cos_l]), jnp.concatenate([sin, sin_l])
-        values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin,
+        q_scale = rope.query_scale(cfg.positions, positions.reshape(n), jnp_dtype(cfg))
+        if q_scale is not None:  # lane-replicated rows (contract: q_scale)
+            q_scale = jnp.broadcast_to(q_scale[:, None], (n, QUERY_SCALE_LANES))
+        values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin, "step.q_scale": q_scale,
                   "cache.block_tables": block_tables, "cache.lengths": lengths,
                   **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)},
                   **({f"cache.states.{k}": getattr(states, k) for k in states._fields} if states is not None else {})}

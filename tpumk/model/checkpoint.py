@@ -1,6 +1,7 @@
-"""Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Phi-3, Granite, Gemma,
-OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2; the language model
-of a multimodal Gemma 3 or Kimi K2.5: `language_model_tensors`) into the reference weight layout.
+"""Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Ministral 3, Phi-3, Granite,
+Gemma, OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2, GLM-4.7-Flash,
+Mistral Small 4; the language model of a multimodal Gemma 3, Kimi K2.5, Ministral 3 or Mistral Small 4:
+`language_model_tensors`) into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -35,7 +36,8 @@ fp8-b128 format (its block scales repeated over their 128 columns); the model th
 `--quant fp8-b128` (float matrices left in the checkpoint, e.g. the lm_head, are quantized at
 pack time). Activations stay in the model dtype: the checkpoint's "dynamic" activation
 quantization (a serving kernel's choice) is not emulated.
-DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them:
+DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them (GLM-4.7-Flash and
+Mistral Small 4 name their MLA tensors the same; Mistral 4's router has no correction bias):
     model.layers.{i}.self_attn.q_a_proj / q_b_proj (or q_proj)  -> wq_a / wq_b (or wq)
     model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm   -> q_a_norm / kv_a_norm
     model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
@@ -349,7 +351,8 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
     ignored = [n for n in names if _IGNORED.match(n)] + _mtp_layers(cfg, config_json, names)
     if config_json.get("model_type") in HF_GATED_DELTA_FAMILIES:  # Qwen3-Next / Qwen3.5's MTP head, a drafter's
         ignored += [n for n in names if n.startswith("mtp.")]
-    interleave = cfg.is_mla and config_json.get("rope_interleave", True) is not False
+    # transformers rotates interleaved pairs when rope_interleave is true (Mistral 4 admits null: not)
+    interleave = cfg.is_mla and bool(config_json.get("rope_interleave", True))
     # Cohere rotates interleaved pairs over the whole head: q / k rows permuted the same way
     # (q . k unchanged), so the rotate-half RoPE of the reference and the kernel applies.
     cohere = config_json.get("model_type") == "cohere"

@@ -26,7 +26,7 @@ else:  # pragma: no cover - the package requires 3.11, kept for clarity
     import tomli as tomllib
 
 from tpumk.errors import ConfigError, NotSupportedError, did_you_mean
-from tpumk.model.hf_defaults import CLASS_DEFAULTS, HF_CLASS_OF, ROPE_DEFAULTS
+from tpumk.model.hf_defaults import CLASS_DEFAULTS, HF_CLASS_OF, ROPE_DEFAULTS, ROPE_TABLE_DEFAULTS
 from tpumk.model.hf_fields import (FAMILIES, GEMMA3_TEXT_DEFAULTS, UNSUPPORTED_FAMILIES, WRAPPER_SHARED_KEYS, WRAPPERS,
                                    account_fields)
 from tpumk.model.parts import (MLA_FIELDS, Attention, Head, LayerPattern, LinearAttention, Mlp, Moe, Norms, Positions,
@@ -45,7 +45,7 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
                 "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
-                "latent_norm_eps", "step_bidirectional")
+                "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval")
 # Fields that list layer indices (stored as sorted tuples).
 LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
@@ -241,6 +241,13 @@ class ModelConfig:
     # A drafter's block (DFlash, DSpark): a step's own tokens see each other whatever their order
     # (cached keys still causally: each sees the keys before the step); decoders attend causally.
     step_bidirectional: bool = False
+    # Position-scaled queries (llama-4's attention temperature; Mistral 4 / Ministral 3's
+    # rope_parameters.llama_4_scaling_beta): after RoPE every query (an MLA query's nope and rope
+    # lanes alike) is multiplied by 1 + query_scale_beta * ln(1 + floor(position /
+    # query_scale_interval)), that factor rounded to the model dtype as transformers casts it
+    # (tpumk.model.rope.query_scale); beta 0: unscaled.
+    query_scale_beta: float = 0.0
+    query_scale_interval: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -487,7 +494,7 @@ _HF_QK_NORM_WHOLE = ("olmo2", "olmoe")
 HF_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # Sandwich norms, query_pre_attn_scalar, soft-capping (attn_logit_softcapping, final_logit_softcapping)
 _HF_GEMMA_SANDWICH = ("gemma2", "gemma3_text")
-_HF_ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+_HF_ROPE_SCALED = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # partial_rotary_factor < 1 turns only the first lanes of each head (transformers' Phi-3 modelling
 # rotates q[..., :rotary_dim]; Llama's and most others' ignore the factor's lanes split)
 _HF_PARTIAL_ROTARY = ("phi3", "glm4_moe") + HF_GATED_DELTA_FAMILIES
@@ -514,19 +521,24 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
-_HF_MLA = ("deepseek_v3", "kimi_k2")  # Kimi K2 is the DeepSeek-V3 architecture with its own sizes
+# MLA (and DeepSeek-V3-style MoE) under every name: Kimi K2 is the DeepSeek-V3 architecture with its
+# own sizes; GLM-4.7-Flash (glm4_moe_lite) and Mistral Small 4 (mistral4) read by `_hf_mla_fields` too
+_HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4")
+# llama-4 position-scaled queries (rope_parameters.llama_4_scaling_beta): `_hf_query_scale`
+_HF_QUERY_SCALED = ("mistral4", "ministral3")
 MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose sliding layers `layer_types` names (without it: each family's default pattern),
 # and those whose window applies whenever `sliding_window` is set (no use_sliding_window flag).
 _HF_LAYER_TYPED = ("qwen3", "qwen2", "gemma2", "gemma3_text", "gpt_oss")
-_HF_ALWAYS_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
+_HF_ALWAYS_WINDOWED = ("mistral", "ministral3", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 
 
 def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     """The config of the language model a Hugging Face config.json describes, and where it
     came from: the config itself, or a multimodal wrapper's `text_config` (tpumk.model.hf_fields.
-    WRAPPERS: a multimodal Gemma 3, Kimi K2.5) with its text config class's defaults filled in,
+    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4) with its
+    text config class's defaults filled in,
     the wrapper's stored-weight keys (dtype, name, quantization) where the text config is silent,
     and its head tied by the wrapper's own flag, as transformers ties it. The wrapper's own
     fields are accounted for as a family's are; the vision part is never read (text in, text out)."""
@@ -536,9 +548,11 @@ def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     wrapper = WRAPPERS[mt]
     account_fields(data, mt, source, wrapper.fields)
     text = data.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(f"{source}: field 'text_config' = {_short_repr(text)}: expected an object (a multimodal "
-                          f"{mt} config holds its language model's fields there)")
+    if not isinstance(text, dict):  # (transformers would build its default text model: not this checkpoint's)
+        given = "is missing" if "text_config" not in data else f"= {_short_repr(text)}"
+        raise ConfigError(f"{source}: field 'text_config' {given}: expected an object (a multimodal {mt} config "
+                          "holds its language model's fields there; without them transformers builds a default "
+                          "text model)")
     text_type = text.get("model_type", wrapper.text_types[0])
     if text_type not in wrapper.text_types:
         missing = UNSUPPORTED_FAMILIES.get(text_type) if isinstance(text_type, str) else None
@@ -553,9 +567,10 @@ def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
 
 def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face `config.json` (the model types in `_HF_SUPPORTED`: Qwen3,
-    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a multimodal Gemma 3's
-    language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss,
-    DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model)) into a ModelConfig.
+    Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Ministral 3, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a
+    multimodal Gemma 3's language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
+    gpt-oss, DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model), GLM-4.7-Flash, Mistral Small 4
+    (and the mistral3 wrapper's language model), the linear-attention hybrids) into a ModelConfig.
 
     Every key of the file is accounted for first (tpumk.model.hf_fields.account_fields: modelled
     here, harmless, or refused at a value that changes the math; any other key refused), so a
@@ -580,6 +595,10 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     # a field the file leaves out is transformers' class default, as transformers reads it
     # (kimi_k2: transformers reads it as DeepseekV3Config, e.g. as Kimi K2.5's text_config)
     data = {**{k: v for k, v in CLASS_DEFAULTS.get(HF_CLASS_OF.get(mt, mt), {}).items() if k not in data}, **data}
+    if mt in ROPE_TABLE_DEFAULTS and not data.get("rope_parameters") and not data.get("rope_scaling"):
+        # no RoPE table: transformers' class fills its own (Mistral 4 / Ministral 3: YaRN with
+        # llama-4 query scaling), whose theta wins over a top-level rope_theta
+        data = {**data, "rope_parameters": dict(ROPE_TABLE_DEFAULTS[mt])}
     hf = _HFFields(data, source, aliases)
     if mt == "gpt_oss" and not any(isinstance(data.get(k), dict) and (data[k].get("rope_type") or data[k].get("type"))
                                    for k in ("rope_scaling", "rope_parameters")):
@@ -614,8 +633,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     rope_defaults = ROPE_DEFAULTS.get(HF_CLASS_OF.get(mt, mt), {})  # transformers' default RoPE table for the family
     default_factor = rope_defaults.get("partial_rotary_factor", 1.0)
     rotary_factor = ("partial_rotary_factor", default_factor) if default_factor != 1 else None
+    # (Mistral 4's table names its rope lanes' share of each MLA head: `_hf_mla_fields` checks it)
     for where, table in (("partial_rotary_factor", data), (f"{rope_key}.partial_rotary_factor", rope_params)):
-        factor = table.get("partial_rotary_factor") if isinstance(table, dict) else None
+        factor = table.get("partial_rotary_factor") if isinstance(table, dict) and mt != "mistral4" else None
         if factor is None:
             continue
         if factor == 1:
@@ -756,7 +776,9 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     if mt == "glm4_moe":  # DeepSeek-V3's routing and shared experts (transformers' Glm4MoeMoE) on GQA attention
         fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=True))
     if mt in _HF_MLA:
-        fields.update(_hf_mla_fields(hf, data, source, n_layers, heads))
+        fields.update(_hf_mla_fields(hf, mt, data, source, n_layers, heads))
+    if mt in _HF_QUERY_SCALED:
+        fields.update(_hf_query_scale(data, source, rope_key))
     if mt in HF_GATED_DELTA_FAMILIES + ("kimi_linear",):
         fields.update(_hf_linear_fields(hf, mt, n_layers, heads))
     return from_dict(fields, source)
@@ -816,12 +838,8 @@ def _hf_linear_fields(hf: "_HFFields", mt: str, n_layers: int, heads: int) -> di
         default = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n_layers)]
     types = _hf_layer_types(hf, n_layers, default)
     linear = [i for i, t in enumerate(types) if t == "linear_attention"]
-    mlp_types = hf.list_("mlp_layer_types", str, "a list of 'dense' / 'sparse' per layer")
-    if mlp_types:
-        if len(mlp_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_types):
-            raise ConfigError(f"{hf.source}: field 'mlp_layer_types' = {_short_repr(mlp_types)}: expected 'dense' or "
-                              f"'sparse' for each of the {n_layers} layers")
-    else:
+    mlp_types = _hf_mlp_layer_types(hf, n_layers)
+    if not mlp_types:
         first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=1)
         mlp_types = ["dense" if i < first else "sparse" for i in range(n_layers)]
     # (transformers' KimiLinearConfig attribute names, which its save writes, were renamed to
@@ -919,25 +937,40 @@ def _hf_sigmoid_moe_fields(hf: "_HFFields", n_layers: int, experts_key: str, nor
     )
 
 
-def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers: int, heads: int) -> dict[str, Any]:
-    """The MLA, DeepSeek-V3 routing and YaRN fields of a deepseek_v3 / kimi_k2 config.json, as
-    transformers' DeepseekV3 modelling reads them (which always scores experts by sigmoid with
-    a correction bias and picks them group-limited: other scoring_func / topk_method values
-    would be built wrong, so they are refused)."""
-    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        got = hf.str_(key, want)
-        if got != want:
-            raise NotSupportedError(f"{source}: not supported yet: {key} {got!r} (only {want!r})")
-    if hf.int_("moe_layer_freq", MAX_SIZES["num_layers"], default=1) != 1:
-        raise NotSupportedError(f"{source}: not supported yet: moe_layer_freq {data['moe_layer_freq']!r} (only 1)")
-    hf.bool_("rope_interleave", True)  # checked here; the checkpoint loader applies it (tpumk.model.checkpoint)
+def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, n_layers: int,
+                   heads: int) -> dict[str, Any]:
+    """The MLA, routing and YaRN fields of a deepseek_v3 / kimi_k2 / glm4_moe_lite / mistral4
+    config.json, as transformers' modelling of each reads them. All four run DeepSeek-V3's
+    attention (Glm4MoeLiteAttention and Mistral4Attention are its copies: q-LoRA or a plain q,
+    interleaved or rotate-half rope lanes, YaRN's softmax mscale). DeepSeek-V3 and GLM-4.7-Flash
+    route by sigmoid scores with a correction bias, group-limited (other scoring_func /
+    topk_method values of their releases' remote code would be built wrong, so they are
+    refused); Mistral 4 by softmax scores over its groups, no bias. Dense layers: the first
+    first_k_dense_replace (DeepSeek-V3, Mistral 4), or GLM-4.7-Flash's mlp_layer_types."""
+    glm, mistral = mt == "glm4_moe_lite", mt == "mistral4"
+    if not mistral:
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            got = hf.str_(key, want)
+            if got != want:
+                raise NotSupportedError(f"{source}: not supported yet: {key} {got!r} (only {want!r})")
+        if hf.int_("moe_layer_freq", MAX_SIZES["num_layers"], default=1) != 1:
+            raise NotSupportedError(f"{source}: not supported yet: moe_layer_freq {data['moe_layer_freq']!r} (only 1)")
+    # checked here; the checkpoint loader applies it (tpumk.model.checkpoint): transformers rotates
+    # interleaved pairs when it is true (Mistral 4 admits null: rotate-half, as transformers' `if`)
+    if not (isinstance(data.get("rope_interleave", True), bool) or (mistral and data["rope_interleave"] is None)):
+        raise hf._bad("rope_interleave", data["rope_interleave"], "true or false")
     nope = hf.int_("qk_nope_head_dim", MAX_SIZES["qk_nope_head_dim"], _REQUIRED)
     rope_dim = hf.int_("qk_rope_head_dim", MAX_SIZES["qk_rope_head_dim"], _REQUIRED)
-    # what transformers' DeepseekV3Config derives and saves (its RoPE is sized by head_dim), and
-    # the KV heads its attention repeats the latent over: a file that says otherwise is not this model
-    for key, want, what in (("head_dim", rope_dim, "qk_rope_head_dim"), ("qk_head_dim", nope + rope_dim,
-                            "qk_nope_head_dim + qk_rope_head_dim"), ("num_key_value_heads", heads,
-                            "num_attention_heads: every head reads the one latent")):
+    # what transformers' config derives and saves (DeepSeek-V3's RoPE is sized by head_dim =
+    # qk_rope_head_dim, Mistral 4 sets head_dim = qk_head_dim; GLM-4.7-Flash's head_dim is an
+    # alias of qk_rope_head_dim), and the KV heads its attention repeats the latent over: a file
+    # that says otherwise is not this model
+    expect = [("qk_head_dim", nope + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"),
+              ("num_key_value_heads", heads, "num_attention_heads: every head reads the one latent")]
+    if not glm:
+        expect.append(("head_dim", nope + rope_dim, "qk_nope_head_dim + qk_rope_head_dim") if mistral else
+                      ("head_dim", rope_dim, "qk_rope_head_dim"))
+    for key, want, what in expect:
         got = hf.int_(key, 1 << 30, default=None)
         if got is not None and got != want:
             raise ConfigError(f"{source}: field '{key}' = {got}: expected {want} ({what})")
@@ -950,10 +983,85 @@ def _hf_mla_fields(hf: "_HFFields", data: dict[str, Any], source: str, n_layers:
         qk_rope_head_dim=rope_dim,
         v_head_dim=hf.int_("v_head_dim", MAX_SIZES["v_head_dim"], _REQUIRED),
     )
-    fields.update(_hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False))
+    moe = _hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False)
+    if mistral and moe:  # Mistral4TopkRouter: softmax over all experts, group-limited, no correction bias
+        moe.update(router_scoring="softmax", router_correction_bias=False)
+    if glm:
+        moe = _hf_glm4_lite_layers(hf, n_layers, moe)
+    fields.update(moe)
+    if mistral:
+        fields.update(_hf_mistral4_rope(data, source, nope, rope_dim))
     fields.update(_hf_yarn(data, source))
     fields.update(_hf_latent_eps(hf))
     return fields
+
+
+def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.7-Flash's dense and routed layers: `mlp_layer_types` ('dense' / 'sparse' per layer;
+    transformers' default: the first layer dense, the rest routed). Its release also writes
+    first_k_dense_replace, which transformers does not read: it must say the same layers."""
+    default = ["dense"] + ["sparse"] * (n_layers - 1)
+    types = _hf_mlp_layer_types(hf, n_layers) or default
+    first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=None)
+    if first is not None and types != ["dense"] * min(first, n_layers) + ["sparse"] * (n_layers - first):
+        where = "mlp_layer_types" if hf.data.get("mlp_layer_types") is not None else "mlp_layer_types' default"
+        raise ConfigError(f"{hf.source}: field 'first_k_dense_replace' = {first}: expected the layers {where} makes "
+                          f"dense ({types.count('dense')} of {n_layers}; transformers' Glm4MoeLite reads "
+                          "mlp_layer_types only)")
+    dense = [i for i, t in enumerate(types) if t == "dense"]
+    if not moe or len(dense) == n_layers:  # no routed layer: a dense model
+        return {}
+    return {**moe, "dense_layers": dense}
+
+
+def _hf_mlp_layer_types(hf: "_HFFields", n_layers: int) -> list[str]:
+    """`mlp_layer_types` checked ('dense' or 'sparse' for each layer), or [] when absent."""
+    types = hf.list_("mlp_layer_types", str, "a list of 'dense' / 'sparse' per layer")
+    if types and (len(types) != n_layers or any(t not in ("dense", "sparse") for t in types)):
+        raise ConfigError(f"{hf.source}: field 'mlp_layer_types' = {_short_repr(types)}: expected 'dense' or "
+                          f"'sparse' for each of the {n_layers} layers")
+    return types
+
+
+def _hf_mistral4_rope(data: dict[str, Any], source: str, nope: int, rope_dim: int) -> dict[str, Any]:
+    """Mistral 4's RoPE table: YaRN only (transformers' Mistral4 builds any other type's
+    frequencies over head_dim = qk_nope + qk_rope lanes, which its qk_rope_head_dim-wide rope
+    lanes cannot take: it fails), over int(head_dim x partial_rotary_factor) lanes (default
+    qk_rope / head_dim), which must be the rope lanes. Returns {} (checks only)."""
+    key = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
+    rope = data.get(key) or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "yarn":
+        raise NotSupportedError(f"{source}: not supported: {key} rope_type {_short_repr(kind)} for model_type "
+                                "'mistral4' (transformers' Mistral4 rotates its rope lanes with YaRN only)")
+    head = nope + rope_dim
+    factor = rope.get("partial_rotary_factor", rope_dim / head)
+    if not is_number(factor) or int(head * factor) != rope_dim:
+        raise ConfigError(f"{source}: field '{key}.partial_rotary_factor' = {_short_repr(factor)}: expected "
+                          f"{rope_dim / head:g} (YaRN turns int(head_dim {head} x factor) lanes: the "
+                          f"qk_rope_head_dim {rope_dim} rope lanes)")
+    return {}
+
+
+def _hf_query_scale(data: dict[str, Any], source: str, rope_key: str) -> dict[str, Any]:
+    """llama-4 position-scaled queries (Mistral 4, Ministral 3): the RoPE table's
+    llama_4_scaling_beta over its original_max_position_embeddings, both of which transformers'
+    attention reads (it fails without either; beta 0: unscaled)."""
+    table = data.get(rope_key) or {}
+    r = _HFFields(table, f"{source}: {rope_key}")
+    if table.get("llama_4_scaling_beta") is None:
+        raise ConfigError(f"{source}: field '{rope_key}.llama_4_scaling_beta' is missing: expected a number (the "
+                          "attention multiplies each query by 1 + beta x ln(1 + floor(position / "
+                          "original_max_position_embeddings)); 0: unscaled)")
+    beta = r.number("llama_4_scaling_beta", None)
+    if not beta:
+        return {}
+    interval = r.int_("original_max_position_embeddings", MAX_SIZES["rope_original_max_position"], default=None)
+    if not interval:
+        given = "is missing" if interval is None else f"= {interval}"
+        raise ConfigError(f"{source}: field '{rope_key}.original_max_position_embeddings' {given}: expected a positive "
+                          "integer (the positions per step of llama_4_scaling_beta's query scale)")
+    return dict(query_scale_beta=beta, query_scale_interval=interval)
 
 
 def _hf_latent_eps(hf: "_HFFields") -> dict[str, Any]:

@@ -8,7 +8,8 @@ without them is refused rather than built at the class's full-size default). A d
 None is not listed: transformers derives those fields (head_dim from hidden_size / heads), as
 the reader does. `ROPE_DEFAULTS[model_type]` is the default RoPE table's theta and rotated
 fraction, used when the file gives neither (at top level, as 4.x wrote them, or in
-rope_parameters / rope_scaling). Gemma 3's two tables and gpt-oss's YaRN are the readers' own
+rope_parameters / rope_scaling); `ROPE_TABLE_DEFAULTS[model_type]` a whole table for the families
+whose class fills a scaled one (Mistral 4, Ministral 3). Gemma 3's two tables and gpt-oss's YaRN are the readers' own
 (`_hf_gemma3_rope`, `GPT_OSS_ROPE`). kimi_k2 has no config class of its own: transformers reads
 it as DeepseekV3Config (Kimi K2.5's text_config), and so does tpumk (`HF_CLASS_OF`).
 
@@ -98,6 +99,22 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         'topk_group': 1,
         'use_qk_norm': False,
     },
+    'glm4_moe_lite': {
+        'hidden_act': 'silu',
+        'intermediate_size': 10240,
+        'max_position_embeddings': 202752,
+        'n_group': 1,
+        'n_routed_experts': 64,
+        'n_shared_experts': 1,
+        'norm_topk_prob': True,
+        'num_key_value_heads': 20,
+        'q_lora_rank': 768,
+        'rms_norm_eps': 1e-05,
+        'rope_interleave': True,
+        'routed_scaling_factor': 1.8,
+        'tie_word_embeddings': False,
+        'topk_group': 1,
+    },
     'gpt_oss': {
         'attention_bias': True,
         'head_dim': 64,
@@ -153,6 +170,32 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         'rms_norm_eps': 1e-06,
         'sliding_window': 4096,
         'tie_word_embeddings': False,
+    },
+    'ministral3': {
+        'head_dim': 128,
+        'hidden_act': 'silu',
+        'intermediate_size': 14336,
+        'max_position_embeddings': 262144,
+        'num_key_value_heads': 8,
+        'rms_norm_eps': 1e-05,
+        'tie_word_embeddings': False,
+    },
+    'mistral4': {
+        'first_k_dense_replace': 0,
+        'hidden_act': 'silu',
+        'intermediate_size': 12288,
+        'max_position_embeddings': 1048576,
+        'n_group': 1,
+        'n_routed_experts': 128,
+        'n_shared_experts': 1,
+        'norm_topk_prob': True,
+        'num_key_value_heads': 32,
+        'q_lora_rank': 1024,
+        'rms_norm_eps': 1e-06,
+        'rope_interleave': True,
+        'routed_scaling_factor': 1.0,
+        'tie_word_embeddings': False,
+        'topk_group': 1,
     },
     'mixtral': {
         'hidden_act': 'silu',
@@ -265,6 +308,7 @@ ROPE_DEFAULTS: dict[str, dict[str, float]] = {
     'gemma': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'gemma2': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'glm4_moe': {'rope_theta': 10000.0, 'partial_rotary_factor': 0.5},
+    'glm4_moe_lite': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'granite': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'llama': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'mistral': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
@@ -279,4 +323,17 @@ ROPE_DEFAULTS: dict[str, dict[str, float]] = {
     'qwen3_5_text': {'rope_theta': 10000.0, 'partial_rotary_factor': 0.25},
     'qwen3_moe': {'rope_theta': 10000.0, 'partial_rotary_factor': 1.0},
     'qwen3_next': {'rope_theta': 10000.0, 'partial_rotary_factor': 0.25},
+}
+
+# Whole RoPE tables a family's class fills in when the file gives none (neither rope_parameters
+# nor rope_scaling): Mistral 4's and Ministral 3's YaRN with llama-4 query scaling. Their copy of
+# max_position_embeddings (never read) and Mistral 4's partial_rotary_factor (qk_rope /
+# head_dim, which its reader derives the same way) are left out.
+ROPE_TABLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    'mistral4': {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 128.0, 'original_max_position_embeddings': 8192,
+                 'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale_all_dim': 1.0, 'mscale': 1.0,
+                 'llama_4_scaling_beta': 0.1},
+    'ministral3': {'rope_type': 'yarn', 'rope_theta': 1000000.0, 'factor': 16.0,
+                   'original_max_position_embeddings': 16384, 'beta_fast': 32.0, 'beta_slow': 1.0,
+                   'mscale_all_dim': 1.0, 'mscale': 1.0, 'llama_4_scaling_beta': 0.1},
 }

@@ -213,6 +213,25 @@ _DEEPSEEK_V3 = _family(
      "aux_loss_alpha": _TRAINING, "seq_aux": _TRAINING},
     {"attention_bias": Refused("biases on the MLA projections")},
     {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"})
+# MLA under other names (tpumk.model.config._hf_mla_fields reads them as DeepSeek-V3's): their
+# MLA fields, and the release's remote-code settings the reader checks (as DeepSeek-V3's)
+_MLA = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+        "qk_head_dim", "scoring_func", "topk_method", "moe_layer_freq"}
+_MLA_BIAS = {"attention_bias": Refused("biases on the MLA projections")}
+# GLM-4.7-Flash: DeepSeek-V3's MLA and routing; dense or routed layers by mlp_layer_types
+# (first_k_dense_replace, which its release writes and transformers does not read, is checked
+# against them); transformers' head_dim is qk_rope_head_dim (attribute_map)
+_GLM4_MOE_LITE = _family(
+    _CORE - {"head_dim"} | _SIGMOID_MOE | _SCALED_POSITIONS | _MLA | {"mlp_layer_types", "partial_rotary_factor"},
+    {**_DENSE_HARMLESS, **_MOE_HARMLESS, "num_nextn_predict_layers": _MTP},
+    _MLA_BIAS,
+    {"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim",
+     "num_mtp_layers": "num_nextn_predict_layers"})
+# Mistral Small 4: MLA (no q-LoRA allowed), softmax routing over expert groups without a
+# correction bias, YaRN over the rope lanes, llama-4 position-scaled queries
+_MISTRAL4 = _family(
+    _CORE | _SIGMOID_MOE | _SCALED_POSITIONS | _MLA - {"scoring_func", "topk_method", "moe_layer_freq"},
+    {**_DENSE_HARMLESS, **_MOE_HARMLESS}, _MLA_BIAS, {"num_local_experts": "n_routed_experts"})
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({
     "qwen3": _family(_CORE | _WINDOWED | _SCALED_POSITIONS | {"attention_bias"}, _DENSE_HARMLESS),
@@ -241,6 +260,10 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
         {**_DENSE_HARMLESS, "max_position_embeddings": _POSITIONS}, {"mlp_bias": _MLP_BIAS}),
     "mistral": _family(_CORE | _SCALED_POSITIONS | {"sliding_window"}, _DENSE_HARMLESS,
                        {"attention_bias": _NO_O_BIAS}),
+    # Ministral 3: Mistral with YaRN and llama-4 position-scaled queries (its RoPE table's
+    # llama_4_scaling_beta); layer_types, which transformers warns about and does not read, is refused
+    "ministral3": _family(_CORE | _SCALED_POSITIONS | {"sliding_window"}, _DENSE_HARMLESS,
+                          {"attention_bias": _NO_O_BIAS}),
     "phi3": _family(
         _CORE | _SCALED_POSITIONS | {"original_max_position_embeddings", "sliding_window", "partial_rotary_factor"},
         {**_DENSE_HARMLESS, "embd_pdrop": _DROPOUT, "resid_pdrop": _DROPOUT},
@@ -301,6 +324,8 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
         aliases={"num_experts": "num_local_experts"}),
     "deepseek_v3": _DEEPSEEK_V3,
     "kimi_k2": _DEEPSEEK_V3,  # Kimi K2: the DeepSeek-V3 architecture (transformers loads it as deepseek_v3)
+    "glm4_moe_lite": _GLM4_MOE_LITE,
+    "mistral4": _MISTRAL4,
     # Hybrids (tpumk.model.config._hf_linear_fields): Gated DeltaNet beside gated attention
     "qwen3_next": _family(
         _CORE | _GATED_DELTA | {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -344,7 +369,16 @@ _ROPE_ANY = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor
 # Qwen3.5's multimodal RoPE: the lanes taken by each of the time / height / width positions. A text
 # token's three positions are equal, so the interleaved sections are the plain rotation.
 MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
-MROPE_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
+# llama-4 position-scaled queries (Mistral 4, Ministral 3): their beta, and the length their
+# positions are divided by (a scaled table's own original_max_position_embeddings; a default
+# table may carry it for them). Mistral's tables also copy max_position_embeddings, which
+# transformers validates away and never reads (its YaRN derives a missing factor from the
+# top-level field).
+QUERY_SCALE_KEYS = frozenset({"llama_4_scaling_beta", "original_max_position_embeddings", "max_position_embeddings"})
+# RoPE table keys a family reads beyond its rope_type's
+ROPE_FAMILY_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "qwen3_5_text": MROPE_KEYS, "qwen3_5_moe_text": MROPE_KEYS, "mistral4": QUERY_SCALE_KEYS,
+    "ministral3": QUERY_SCALE_KEYS})
 ROPE_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
     "default": _ROPE_ANY,
     "linear": _ROPE_ANY | {"factor"},
@@ -362,8 +396,9 @@ NESTED_ROPE = {"gemma3_text": ("full_attention", "sliding_attention")}
 # What each family tpumk knows of and does not build lacks, read from transformers' modelling
 # of it. A family added to FAMILIES leaves this table.
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
-    "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy'; "
-                   "tpumk routes DeepSeek-V3's way: sigmoid scores with a correction bias)",
+    "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy': a "
+                   "group scored by its best expert; tpumk's group limit scores a group by its two best, as "
+                   "DeepSeek-V3 and Mistral 4 route)",
     "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
                     "scores highest)",
     "glm_moe_dsa": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
@@ -372,11 +407,6 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
                       "multimodal wrapper",
     "deepseek_v4": "hyper-connections (hc_mult residual streams), compressed sparse attention (CSA / HCA "
                    "compressors with a lightning indexer) and hash-routed experts",
-    "glm4_moe_lite": "an MLA model under its own model_type (DeepSeek-V3-style MLA and routing, dense and MoE "
-                     "layers from mlp_layer_types): its reader is not written yet",
-    "mistral4": "an MLA model under its own model_type, with llama-4 position-scaled queries "
-                "(rope_parameters.llama_4_scaling_beta)",
-    "ministral3": "llama-4 position-scaled queries (rope_parameters.llama_4_scaling_beta)",
     "ministral": "sliding-window and full layers by layer_types in a Mistral: not read for this model_type yet",
     "smollm3": "NoPE layers (no RoPE on the layers no_rope_layers marks)",
     "olmo3": "sliding-window layers (layer_types, sliding_window) in OLMo 2's architecture: not read yet",
@@ -461,6 +491,18 @@ WRAPPERS: Mapping[str, Wrapper] = MappingProxyType({
         # its vision encoder), so its own save_pretrained writes the text layers as
         # language_model.model.blocks.N (the release: language_model.model.layers.N)
         (("model.blocks.", "model.layers."),)),
+    # Ministral 3 and Mistral Small 4 (Mistral3ForConditionalGeneration): a ministral3 or mistral4
+    # language model (transformers' default text_config type: mistral) beside a Pixtral vision
+    # tower; the head tied by the wrapper's flag (default true), as transformers ties it. Without
+    # a text_config transformers builds a default Mistral of Mistral Small 3.1's size: refused.
+    "mistral3": Wrapper(
+        ("mistral", "ministral3", "mistral4"), {}, True,
+        _family({"text_config", "tie_word_embeddings"},
+                {"vision_config": _VISION, "image_token_index": _TOKENS, "projector_hidden_act": _VISION,
+                 "vision_feature_layer": _VISION, "multimodal_projector_bias": _VISION,
+                 "spatial_merge_size": _VISION},
+                aliases={"image_token_id": "image_token_index"}),
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
     # Qwen3.5 / Qwen3.5-MoE (Qwen3_5ForConditionalGeneration): the hybrid language model beside a
     # vision tower; its releases write the whole text_config
     **{wrapper: Wrapper(
@@ -540,7 +582,7 @@ def check_rope_tables(data: dict[str, Any], model_type: str, source: str) -> Non
                 if isinstance(table.get(layer_type), dict):
                     _check_rope_keys(table[layer_type], f"{key}.{layer_type}", source)
         else:
-            _check_rope_keys(table, key, source, MROPE_KEYS if model_type in MROPE_FAMILIES else frozenset())
+            _check_rope_keys(table, key, source, ROPE_FAMILY_KEYS.get(model_type, frozenset()))
 
 
 def _check_rope_keys(table: dict[str, Any], where: str, source: str, extra: frozenset = frozenset()) -> None:

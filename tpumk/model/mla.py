@@ -41,6 +41,7 @@ from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, rms_norm
 from tpumk.model.quantize import QuantizedMatrix, absorbed_weights
+from tpumk.model.rope import query_scale
 
 
 def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
@@ -57,7 +58,8 @@ def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: 
 def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True):
     """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
     cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope). `rotate` False (a
-    NoPE layer, Kimi Linear's): the R lanes stay as projected."""
+    NoPE layer, Kimi Linear's): the R lanes stay as projected. With position-scaled queries
+    (`rope.query_scale`, Mistral 4) both query parts leave multiplied by their position's factor."""
     b, t, _ = x.shape
     n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
@@ -74,7 +76,11 @@ def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate:
     else:
         q_rope, k_rope = q[..., n:], kv[..., c:]
     row = jnp.concatenate([c_kv, k_rope], -1).astype(jnp_dtype(cfg))
-    return q[..., :n], q_rope, row
+    q_nope = q[..., :n]
+    q_scale = query_scale(cfg.positions, positions, jnp_dtype(cfg))  # Mistral 4: the whole query by position
+    if q_scale is not None:
+        q_nope, q_rope = q_nope * q_scale[..., None, None], q_rope * q_scale[..., None, None]
+    return q_nope, q_rope, row
 
 
 def _per_head(x: jax.Array, w) -> jax.Array:

@@ -229,7 +229,8 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 @dataclass(frozen=True)
 class Positions:
     """RoPE: theta (and the sliding layers' own, Gemma 3), which lanes turn, and the scaling
-    (linear, llama3, longrope, or YaRN through the yarn_* fields)."""
+    (linear, llama3, longrope, or YaRN through the yarn_* fields); and llama-4's factor on the
+    queries by position (query_scale_*, tpumk.model.rope.query_scale)."""
     rope_theta: float
     rope_local_theta: float  # the sliding-window layers' theta; 0: rope_theta everywhere
     rotary_dim: int  # lanes RoPE turns per head (partial rotary); 0: the whole head
@@ -249,6 +250,8 @@ class Positions:
     yarn_mscale_all_dim: float
     yarn_attention_factor: float
     yarn_truncate: bool
+    query_scale_beta: float  # llama-4 position-scaled queries (ModelConfig); 0: none
+    query_scale_interval: int  # positions per step of that scale's logarithm
     head_dim: int  # a head's lanes (padding included): the frequency table's length
     head_lanes: int  # derived: the true head width (Attention.true_head_dim)
     mla: bool  # derived: MLA turns qk_rope_head_dim lanes of its own
@@ -299,6 +302,12 @@ class Positions:
             need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
             need(self.yarn_original_max_position > 0, "yarn_original_max_position",
                  "a positive integer when yarn_factor is set")
+        need(is_number(self.query_scale_beta), "query_scale_beta", "a finite number (0: unscaled queries)")
+        if self.query_scale_beta:
+            need(is_int(self.query_scale_interval) and 0 < self.query_scale_interval <= 1 << 30,
+                 "query_scale_interval", "a positive integer at most 1,073,741,824 when query_scale_beta is set")
+        else:
+            need(self.query_scale_interval == 0, "query_scale_interval", "0 when query_scale_beta is 0")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from tpumk.model import kv_quant, linear_attention, mla
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
+from tpumk.model.rope import query_scale
 
 Params = dict[str, Any]
 
@@ -290,7 +291,8 @@ def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
 
 def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int):
     """x: [B, T, H] normed -> q [B,T,Hq,D] f32, k and v [B,T,Hkv,D] (k, v rounded to cache dtype).
-    `i`: the layer (a sliding-window layer may rotate with its own theta, rope_local_theta)."""
+    `i`: the layer (a sliding-window layer may rotate with its own theta, rope_local_theta). With
+    position-scaled queries (`rope.query_scale`) q leaves multiplied by its position's factor."""
     b, t, _ = x.shape
     a, eps = cfg.attention, cfg.norms.rms_eps
     q, k, v = (matmul(x, layer[w]) for w in ("wq", "wk", "wv"))
@@ -311,6 +313,9 @@ def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: 
         q = rope(q, positions, freqs, scale)
         k = rope(k, positions, freqs, scale)
     dt = jnp_dtype(cfg)  # the cache dtype (the model's, whatever format wk is stored in)
+    q_scale = query_scale(cfg.positions, positions, dt)  # Ministral 3: queries scaled by position
+    if q_scale is not None:
+        q = q * q_scale[..., None, None]
     return q, k.astype(dt), v.astype(dt)
 
 

@@ -18,6 +18,11 @@ roped q and k each carry it; linear and llama3 leave it at 1.
 
 A `dynamic` scaling depends on the sequence length at run time, so it is refused when read
 (tpumk.model.config).
+
+`query_scale` is llama-4's attention temperature as Mistral 4 and Ministral 3 configure it
+(`rope_parameters.llama_4_scaling_beta` over its `original_max_position_embeddings`): a factor
+on each query, by its position, after RoPE (any model, GQA or MLA: the reference and the
+megakernel's glue compute it with this one function).
 """
 
 from __future__ import annotations
@@ -82,6 +87,22 @@ def cos_sin_scale(pos: Positions, xp=np, local: bool = False):
     scale = np.concatenate([np.full(rotary // 2, factor, np.float32),
                             np.ones((pos.head_dim - rotary) // 2, np.float32)])
     return xp.asarray(scale)
+
+
+def query_scale(pos: Positions, positions, dtype):
+    """None without position-scaled queries, else float32 of `positions`' shape: 1 + beta *
+    ln(1 + floor(p / interval)) (transformers' `get_llama_4_attn_scale`, float32), rounded to
+    the model dtype `dtype` as transformers casts it before multiplying. The floor is an integer
+    division (exact; transformers divides in float32, the same for any position below 2^24);
+    a negative position (a token outside the cache, which sees no key) is read as 0, so its
+    factor stays finite."""
+    if not pos.query_scale_beta:
+        return None
+    import jax.numpy as jnp  # here only: the frequencies above are host numpy unless given jnp
+
+    steps = (jnp.maximum(positions, 0) // pos.query_scale_interval).astype(jnp.float32)
+    scale = 1.0 + jnp.float32(pos.query_scale_beta) * jnp.log(1.0 + steps)
+    return scale.astype(dtype).astype(jnp.float32)
 
 
 def _scaled_inv_freq(pos: Positions, base, xp):

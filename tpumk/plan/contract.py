@@ -18,6 +18,8 @@ dt the model dtype. Operands, in order:
     x0            vmem  f32 [N, H]                    embedded token rows (gathered by the glue)
     cos, sin      vmem  f32 [N, D]                    RoPE rows (sin signed, `norms.rope_tables`;
                                                       head_dim 64: each row twice, D = 128)
+    q_scale       vmem  f32 [N, 128]                  position-scaled queries only (query_scale_beta):
+                                                      each row's factor (`rope.query_scale`), lane-replicated
     final_norm    vmem  f32 [1, H]                    packed.final_norm
     layer_vectors hbm   f32 [L, 8, W]                 packed.layer_vectors (norm rows, see layout)
     <family>      hbm   dt  packed tiles              packed.<family> for each streamed family, in
@@ -58,7 +60,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, Buffer, dma_sems, hbm, mla_dims, rope_table_lanes, smem, vmem
+from tpumk.plan.geometry import (LAYER_VECTOR_ROWS, QUERY_SCALE_LANES, Buffer, dma_sems, hbm, mla_dims,
+                                 rope_table_lanes, smem, vmem)
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
@@ -199,6 +202,9 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         _with(vmem("cos", (n * tables, d), "float32", rows + "cos rows"), source="step.cos", component="inputs"),
         _with(vmem("sin", (n * tables, d), "float32", rows + "signed sin rows"), source="step.sin",
               component="inputs"),
+        *([_with(vmem("q_scale", (n, QUERY_SCALE_LANES), "float32",
+                      "[N, 128] each row's query factor (position-scaled queries), lane-replicated"),
+                 source="step.q_scale", component="inputs")] if cfg.positions.query_scale_beta else []),
         _with(packed["packed.final_norm"], space="vmem", component="inputs"),
         _with(packed["packed.layer_vectors"], component="layer_vectors"),
     ]

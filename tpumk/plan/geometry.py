@@ -1262,6 +1262,11 @@ class AllReduceGeometry:
         return 4 * self.stages
 
 
+# Lanes of the glue's per-row query factor (position-scaled queries): one lane tile, the factor
+# in every lane, so the kernel reads it as whole tiles and broadcasts lane 0.
+QUERY_SCALE_LANES = LANE
+
+
 def rope_table_lanes(cfg: ModelConfig) -> int:
     """Lanes of the cos / sin rows the glue passes: one head (two 64-wide heads), or for MLA
     one lane tile of R-wide rotations (`tpumk.kernel.megakernel`)."""

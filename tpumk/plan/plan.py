@@ -35,7 +35,8 @@ from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry,
-                                 LinearGeometry, MLAGeometry, MoEGeometry, mla_dims, rope_table_lanes, round_up)
+                                 LinearGeometry, MLAGeometry, MoEGeometry, QUERY_SCALE_LANES, mla_dims, rope_table_lanes,
+                                 round_up)
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.padding import lane_padded
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
@@ -940,9 +941,9 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
     out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
     if plan.linear is not None:  # every sequence's slot: state, window, pending rows, read and written
         out.update({k: float(v) for k, v in plan.linear.hbm_bytes().items()})
-    # glue <-> kernel: embedded rows + cos/sin in, logits out (f32)
-    rope_lanes = rope_table_lanes(cfg)  # cos/sin rows (contract)
-    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + 2 * rope_lanes + plan.vocab_pad))
+    # glue <-> kernel: embedded rows + cos/sin (+ the query factors) in, logits out (f32)
+    rope_lanes = 2 * rope_table_lanes(cfg) + (QUERY_SCALE_LANES if cfg.positions.query_scale_beta else 0)
+    out["activations_io"] = float(plan.rows * 4 * (cfg.hidden_size + rope_lanes + plan.vocab_pad))
     if plan.all_reduce is not None:  # the peers' logits slices, written into this device's HBM
         out["logits_gathered"] = float((plan.devices - 1) * logits_slice_bytes(plan))
     if plan.taps:  # every tapped row written out (each device its own copy of the whole rows)
