@@ -101,8 +101,10 @@ def assert_close(got, want):
     assert err <= 2e-5 * scale, f"max |logits - reference| = {err:.3g} (scale {scale:.3g})"
 
 
-# tiny-dense is the full tier: tiny-moe's layer 0 is dense, and the vllm tier serves a dense Qwen3
-@pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.full), "tiny-moe"])
+# Both are the full tier (tests/README.md): the vllm tier serves a dense Qwen3 and a head_dim-64
+# Llama end to end through this ragged prefill and the megakernel's decode on vLLM's cache.
+@pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.full),
+                                    pytest.param("tiny-moe", marks=pytest.mark.full)])
 def test_prefill_then_decode_on_vllm_layout_equals_reference(preset):
     cfg, params, decode, ragged = setup(preset)
     rng = np.random.default_rng(1)
