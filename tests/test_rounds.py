@@ -1,4 +1,4 @@
-"""Speculative rounds on the device (tpumk.decode.rounds, issue 56): draft, verify with the
+"""Speculative rounds on the device (tpumk.draft.rounds, issue 56): draft, verify with the
 target's taps, accept, roll back, absorb, N rounds per device call.
 
 The drafters here (tests/tap_drafter.py) follow tpumk.draft's contract without a published
@@ -22,7 +22,7 @@ from jax.scipy.stats import chi2
 from tap_drafter import ScriptDrafter, TapDrafter
 from test_megakernel import races_found
 from test_megakernel_linear import hybrid
-from tpumk.decode import rounds
+from tpumk.draft import rounds
 from tpumk.errors import ConfigError
 from tpumk.kernel.layout import pack_weights
 from tpumk.kernel.megakernel import make_decode_step
