@@ -202,7 +202,8 @@ def print_round_figures(r) -> None:
     how = "greedy" if not d["temperature"] else f"speculative sampling at temperature {d['temperature']:g}"
     w = d["weights"]
     weights = f"weights sha256 {w['sha256'][:16]}..." if "sha256" in w else f"random weights, seed {w['random_seed']}"
-    echo(f"\nround program: {d['kind']} drafter ({d['layers']} layers, taps {d['taps']}, {weights}), {d['block']} "
+    layers = f"{d['layers']} layer{'s' if d['layers'] != 1 else ''}"
+    echo(f"\nround program: {d['kind']} drafter ({layers}, taps {d['taps']}, {weights}), {d['block']} "
          f"drafts a round (the step above is its verify step, q_len {d['verify_q']}), {d['rounds_per_call']} rounds "
          f"a device call, {how}; up to {d['max_steps']} tokens per sequence")
     m = d["model"]

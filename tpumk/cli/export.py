@@ -129,7 +129,8 @@ def _draft_line(d) -> str:
         weights = (f"weights sha256 {w['sha256'][:16]}..." if "sha256" in w
                    else f"random weights, seed {w.get('random_seed')}")
         how = "greedy" if not d["temperature"] else f"temperature {d['temperature']:g}"
-        return (f"{s['kind']} drafter ({s['layer']['num_layers']} layers, taps {s['taps']}, {weights}), {s['block']} "
+        n = s["layer"]["num_layers"]
+        return (f"{s['kind']} drafter ({n} layer{'s' if n != 1 else ''}, taps {s['taps']}, {weights}), {s['block']} "
                 f"drafts a round, {d['rounds_per_call']} rounds a call, {how}")
     except (KeyError, TypeError, ValueError, AttributeError):
         return "? (the [draft] table is malformed)"

@@ -204,5 +204,8 @@ def round_program(plan, drafter_spec, settings, portable: bool = False) -> Calla
 def compile_rounds(plan, drafter_spec, settings, portable: bool = False) -> Compiled:
     """The round program (`round_program`) compiled for the plan's target, deviceless without a
     TPU, on one device or the plan's mesh, the carry (the KV cache in it) donated."""
-    return compile_program(round_program(plan, drafter_spec, settings, portable),
-                           round_specs(plan, drafter_spec, settings), plan, donate_argnums=(3,))
+    program = round_program(plan, drafter_spec, settings, portable)
+    try:
+        return compile_program(program, round_specs(plan, drafter_spec, settings), plan, donate_argnums=(3,))
+    except CompileError as e:  # say which program: the round's, not the plain step
+        raise CompileError(f"the round program ({drafter_spec.kind} drafter, verify q = {plan.q_len}): {e}") from None

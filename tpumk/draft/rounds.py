@@ -280,8 +280,10 @@ def first_carry(prefill_logits, taps, tokens, positions, cache, drafter, dparams
     dstate = drafter.init_state(b, cache.max_context)
     dstate = drafter.absorb(dparams, tparams, dstate, taps, tokens, positions, positions >= 0)
     out = jnp.zeros((b, settings.steps + settings.block + 1), jnp.int32).at[:, start].set(first)
-    zeros = jnp.zeros((b,), jnp.int32)
-    return Carry(cache, dstate, first, lens, out, jnp.full((b,), start + 1, jnp.int32), zeros, zeros, key)
+    # committed and rounds are two arrays, not one: a program that donates the carry (an exported
+    # round program, tpumk.compile.aot.compile_rounds) may not be given one buffer twice
+    return Carry(cache, dstate, first, lens, out, jnp.full((b,), start + 1, jnp.int32), jnp.zeros((b,), jnp.int32),
+                 jnp.zeros((b,), jnp.int32), key)
 
 
 def padded_prompts(prompts: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:

@@ -879,9 +879,9 @@ class RoundProgram(DecodeStep):
         cache = reference.init_cache(model, plan.batch, plan.context, plan.page_size, **kw)
         taps = self.draft.drafter.taps
         prefill = jax.jit(lambda t, p, c: reference.decode_step(run_params, model, t, p, c, taps=taps))
+        # the cache goes into the kernel's layout once; the one the rounds leave is not returned
         tokens, _, stats = drive(self, prefill, self.drafter, self.pack(params), self.drafter_params, tparams,
-                                 prompts, cache, settings, steps, seed, (self.shard_cache, self.unshard_cache),
-                                 on_call)
+                                 prompts, cache, settings, steps, seed, (self.shard_cache, lambda c: c), on_call)
         return tokens, stats
 
     def __repr__(self) -> str:
