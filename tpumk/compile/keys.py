@@ -276,7 +276,7 @@ def jax_options() -> dict[str, Any]:
 # ---------------------------------------------------------------------- the key
 def key_inputs(spec: BuildSpec) -> dict[str, Any]:
     """Everything the key covers, as plain data (also stored in artifact manifests); a build
-    without a drafter has no "draft" entry, so its key is the one it always had."""
+    without a drafter has no "draft" entry: its inputs are the ones it always had."""
     target = spec.target
     return {
         "schema": KEY_SCHEMA,

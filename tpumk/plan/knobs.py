@@ -83,7 +83,7 @@ class TuningConfig:
     # ---- a speculative round program (a build with a drafter, `BuildSpec.draft`)
     # drafts per round (the verify step's q_len is draft_block + 1); 0 = the drafter's own
     # (--draft-tokens, or its config's). Left out of to_dict when 0, so a build without a drafter
-    # keeps the cache keys, study names and tuned files it always had.
+    # keeps the key inputs, study identities and tuned files it always had.
     draft_block: int = 0
 
     def __post_init__(self) -> None:
