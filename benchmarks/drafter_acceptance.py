@@ -8,7 +8,7 @@ The drafter is read as `tpumk generate --draft eagle3:DIR` reads it (tpumk.decod
 tpumk.draft.load_drafter on the speculators directory), the target from the GGUF file
 (tpumk.decode.generate.load_model), and every prompt (the checkpoint's chat template around it,
 as benchmarks/drafter_data.py renders it) runs through tpumk's device-loop speculative rounds
-(tpumk.decode.drafted.generate -> tpumk.decode.rounds.generate): the prompts prefilled by the
+(tpumk.decode.drafted.generate -> tpumk.draft.rounds.generate): the prompts prefilled by the
 reference with the drafter's taps, then rounds of K greedy drafts verified by ONE target step
 (q = K + 1, with taps: tpumk's reference step), the longest prefix equal to the target's own
 greedy tokens accepted plus the target's next token. One round per device call, so the host sees

@@ -1,4 +1,4 @@
-"""A small drafter for testing the speculative rounds (tpumk.decode.rounds) apart from any
+"""A small drafter for testing the speculative rounds (tpumk.draft.rounds) apart from any
 published format: it follows tpumk.draft's Drafter contract and reads the target's taps, so a
 wrong tap row or a wrong absorb shows in its proposals; its quality does not matter (acceptance
 never changes greedy tokens).

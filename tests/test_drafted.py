@@ -1,6 +1,6 @@
 """Hidden-state drafters through the megakernel (issue 56): `tpumk generate --draft KIND...`'s
 path (tpumk.decode.drafted: the drafter's passes and the megakernel's verify step with its taps
-in tpumk.decode.rounds' device loop) gives exactly the plain greedy tokens of the same target,
+in tpumk.draft.rounds' device loop) gives exactly the plain greedy tokens of the same target,
 and the round program compiles deviceless for TPU7x and v6e.
 
 The matrix of the issue: eagle3, dflash and dspark on a dense GQA, a MoE and an MLA target, mtp on
@@ -24,7 +24,9 @@ from click.testing import CliRunner
 
 from tpumk.child_process import command
 from tpumk.cli import main
-from tpumk.decode import drafted, rounds
+from tpumk.compile.aot import compile_rounds
+from tpumk.decode import drafted
+from tpumk.draft import rounds
 from tpumk.decode.generate import load_model
 from tpumk.model import reference as R
 from tpumk.plan.plan import make_plan
@@ -71,7 +73,7 @@ def test_one_device_gives_the_plain_greedy_tokens_and_the_round_compiles(kind, t
     for name in ("tpu7x", "v6e"):
         plan = make_plan(BuildSpec(m.cfg, get_target(name), len(PROMPTS), 64, q_len=drafter.block + 1,
                                    page_size=16, taps=drafter.taps))
-        compiled = rounds.compile_rounds(plan, drafter, settings)
+        compiled = compile_rounds(plan, drafter.spec, settings)
         assert compiled.custom_calls == 1, (name, compiled.custom_calls)  # one megakernel in the round program
 
 

@@ -1,4 +1,4 @@
-"""Speculative rounds on the device (tpumk.decode.rounds, issue 56): draft, verify with the
+"""Speculative rounds on the device (tpumk.draft.rounds, issue 56): draft, verify with the
 target's taps, accept, roll back, absorb, N rounds per device call.
 
 The drafters here (tests/tap_drafter.py) follow tpumk.draft's contract without a published
@@ -22,7 +22,7 @@ from jax.scipy.stats import chi2
 from tap_drafter import ScriptDrafter, TapDrafter
 from test_megakernel import races_found
 from test_megakernel_linear import hybrid
-from tpumk.decode import rounds
+from tpumk.draft import rounds
 from tpumk.errors import ConfigError
 from tpumk.kernel.layout import pack_weights
 from tpumk.kernel.megakernel import make_decode_step
@@ -128,6 +128,42 @@ def test_a_drafter_reading_the_taps_gives_the_plain_greedy_tokens():
     d = TapDrafter((0, cfg.num_layers), K, cfg.hidden_size, cfg.vocab_size, bigram=True)
     got, _, stats = _run("dense", d, 16, dparams=d.params(1))
     assert got == plain_greedy("dense", 16) and stats.calls == 2  # 15 rounds at most: two calls of 8
+
+
+def test_a_program_built_for_more_steps_runs_fewer():
+    """What an exported round program does (tpumk.load_rounds): built for 40 tokens a sequence,
+    driven for 9, each sequence stops after exactly 9 (the emitted count starts at 40 - 9 + 1),
+    the tokens are plain greedy's; the carry's counters are distinct buffers (a program that
+    donates the carry may not be given one buffer twice)."""
+    cfg, params = target("dense")
+    d = TapDrafter((0, cfg.num_layers), K, cfg.hidden_size, cfg.vocab_size, bigram=True)
+    dparams = d.params(1)
+    settings = rounds.RoundSettings(K, 40, 2)
+    prefill = lambda t, p, c: R.decode_step(params, cfg, t, p, c, taps=d.taps)
+    jitted = jax.jit(rounds.make_rounds(prefill_verify(cfg, d), d, settings))
+    given = []  # the carries the program is called with
+
+    def run(*args):
+        given.append(args[3])
+        return jitted(*args)
+
+    seen = []
+    got, _, stats = rounds.drive(run, prefill, d, params, dparams, None, PROMPTS, R.init_cache(cfg, 2, CONTEXT, PAGE),
+                                 settings, 9, on_call=seen.append)
+    assert got == plain_greedy("dense", 9)
+    assert all(int(c) == 40 for c in np.asarray(seen[-1].count))  # stopped at the program's count
+    # the same rounds as a program built for 9 tokens: no sequence ran a round past its 9th token
+    _, _, nine = rounds.generate(prefill, prefill_verify(cfg, d), d, params, dparams, None, PROMPTS,
+                                 R.init_cache(cfg, 2, CONTEXT, PAGE), rounds.RoundSettings(K, 9, 2))
+    assert (stats.rounds, stats.committed, stats.calls) == (nine.rounds, nine.committed, nine.calls)
+    pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(given[0])]  # first_carry's carry
+    assert len(set(pointers)) == len(pointers)
+    with pytest.raises(ConfigError, match="41 steps: expected 1 to the program's 40"):
+        rounds.drive(run, prefill, d, params, dparams, None, PROMPTS, R.init_cache(cfg, 2, 80, PAGE), settings, 41)
+
+
+def prefill_verify(cfg, drafter):
+    return lambda pk, t, p, c: R.decode_step(pk, cfg, t, p, c, taps=drafter.taps)
 
 
 def test_eight_rounds_per_call_return_to_the_host_once_through_the_megakernel():

@@ -108,14 +108,15 @@ EXPERT = {"expert_slots", "expert_chunk", "expert_parallel"}
 SHARED = {"shared_gate_up_tile_rows", "shared_gate_up_tile_cols", "shared_down_tile_rows", "shared_down_tile_cols"}
 DENSE_FFN = {"gate_up_tile_rows", "gate_up_tile_cols", "down_tile_rows", "down_tile_cols"}
 COLLECTIVE = {"all_reduce", "all_reduce_wire", "mla_projections"}
+DRAFT = {"draft_block"}  # a build without --draft has no speculative round
 
 
 @pytest.mark.parametrize("model, devices, absent, plans", [
-    ("tiny-dense", 1, EXPERT | SHARED | COLLECTIVE, True),
-    ("tiny-dense", 4, EXPERT | SHARED | {"mla_projections"}, True),
-    ("tiny-moe", 1, {"expert_parallel"} | COLLECTIVE, True),  # dense layer 0 and a shared expert: both kept
+    ("tiny-dense", 1, EXPERT | SHARED | COLLECTIVE | DRAFT, True),
+    ("tiny-dense", 4, EXPERT | SHARED | {"mla_projections"} | DRAFT, True),
+    ("tiny-moe", 1, {"expert_parallel"} | COLLECTIVE | DRAFT, True),  # dense layer 0 and a shared expert: both kept
     # every layer MoE, no shared expert (its plans take seconds: the knob sets only)
-    ("qwen3-30b-a3b", 1, DENSE_FFN | SHARED | {"expert_parallel"} | COLLECTIVE, False),
+    ("qwen3-30b-a3b", 1, DENSE_FFN | SHARED | {"expert_parallel"} | COLLECTIVE | DRAFT, False),
 ])
 def test_a_build_searches_only_the_knobs_it_has(default_space, model, devices, absent, plans):
     """The default space lists every knob; a build searches those its kernel has, and the
@@ -132,7 +133,7 @@ def test_a_build_searches_only_the_knobs_it_has(default_space, model, devices, a
     assert line.startswith(f"space default: {len(space.knobs)} of {len(default_space.knobs)} knobs searched")
     assert all(name in line for name in absent) and "\n" not in line
     base = make_plan(spec) if plans else None
-    for name in sorted(absent - COLLECTIVE - {"expert_parallel"}) if plans else ():
+    for name in sorted(absent - COLLECTIVE - DRAFT - {"expert_parallel"}) if plans else ():
         value = next(v for v in default_space.knobs[name].values() if v != getattr(TuningConfig(), name))
         other = make_plan(spec.replace(tuning=TuningConfig(**{name: value})))
         assert (other.families, other.vmem_total, other.hbm_bytes) == (base.families, base.vmem_total,

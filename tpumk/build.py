@@ -13,7 +13,14 @@ Every number in the report names its source:
   stated assumptions in `model_source` (on many devices it counts the in-kernel collectives);
 - `compile_seconds` is measured on this host;
 - `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
-  figures, and the compiler's estimate only when asked for (`verify_figures` says why).
+  figures, and the compiler's estimate only when asked for (`verify_figures` says why);
+- `draft` (a build with a drafter, `BuildSpec.draft`): what was compiled is the speculative round
+  program (`tpumk.compile.aot.compile_rounds`: the drafter's passes, the megakernel's verify step
+  with its taps, acceptance, `rounds_per_call` rounds per call), so the compile figures, the
+  kernel count and the XLA collectives are the round program's; the plan figures, the model
+  and the compiler's estimate are its verify step's (q = block + 1: the estimate profiles that
+  step alone, as the profile cannot count a kernel's loops inside the rounds' loop), and
+  `draft` adds tpumk's timeline model of a round (`round_figures`).
 """
 
 from __future__ import annotations
@@ -86,6 +93,9 @@ class BuildReport:
     # pool, the rest), and a hybrid's state pool (`state_pool_figures`; None without linear layers)
     hbm_bytes_by_part: dict[str, float] = field(default_factory=dict)
     state_pool: dict[str, Any] | None = None
+    # a round build: the drafter and the round program's settings, and tpumk's model of a round
+    # (`round_figures`); None for a plain build
+    draft: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,22 +119,45 @@ def build(spec: BuildSpec, estimate: bool = True, verify_q: int = 0, verify_esti
     `progress(phase)` is called as each phase after the plan starts (the CLI prints it:
     tpumk.cli.progress)."""
     say = progress or (lambda phase: None)
-    plan = make_plan(spec)  # quick; a refusal here stays the command's one line on stderr
-    say(f"lower + compile for {spec.target.name}")
-    compiled = compile_plan(plan)
+    plan = plan_of(spec)  # quick; a refusal here stays the command's one line on stderr
+    if spec.draft is not None:
+        from tpumk.compile.aot import compile_rounds
+
+        d = spec.draft
+        say(f"lower + compile the round program for {spec.target.name} ({d.drafter.kind} drafter, verify q = "
+            f"{d.block + 1}, {d.rounds_per_call} rounds a call)")
+        compiled = compile_rounds(plan, d.drafter, d.settings(plan.context))
+    else:
+        say(f"lower + compile for {spec.target.name}")
+        compiled = compile_plan(plan)
     est = None
     if estimate and spec.target.static_profile:
-        say("compiler estimate (a profiling compile in its own process)")
-        est = estimate_in_subprocess(spec)
+        say("compiler estimate (a profiling compile in its own process)"
+            + (": the verify step alone" if spec.draft is not None else ""))
+        est = estimate_in_subprocess(spec.replace(draft=None))  # a round build's: its verify step
     say("report (tpumk's timeline model)")
     report = make_report(plan, compiled, est,
-                         not_requested="estimate=False / --no-estimate skips the profiling compile")
+                         not_requested="estimate=False / --no-estimate skips the profiling compile", draft=spec.draft)
     if verify_q:
         say(f"verify step, q = {verify_q}" + (" (plan and a profiling compile)" if estimate and verify_estimate
                                                 else " (plan figures)"))
         report.verify = verify_figures(plan, verify_q, estimate=estimate and verify_estimate,
                                        plain_estimated_seconds=report.estimated_seconds)
     return Build(plan, compiled, report)
+
+
+def plan_of(spec: BuildSpec) -> Plan:
+    """make_plan(spec); a round build's refusal names its verify step (a block the plan cannot
+    hold: its k + 1 rows over VMEM, ...)."""
+    from tpumk.errors import PlanError
+
+    if spec.draft is None:
+        return make_plan(spec)
+    try:
+        return make_plan(spec)
+    except PlanError as e:
+        raise PlanError(f"--draft: the round's verify step (q = {spec.q_len}: {spec.draft.block} drafts + 1, "
+                        f"{len(spec.taps)} taps) does not plan: {e}") from None
 
 
 def verify_figures(plain: Plan, verify_q: int, estimate: bool = False,
@@ -222,7 +255,35 @@ def state_pool_figures(plan: Plan) -> dict[str, Any] | None:
             "windows_bytes_per_step": float(plan.hbm["linear_windows"])}
 
 
-def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_requested: str = "") -> BuildReport:
+def round_figures(plan: Plan, d) -> dict[str, Any]:
+    """A round build's drafter and settings (its RoundSpec `d`; `plan` its verify step), and tpumk's timeline
+    model of one round (tpumk.estimate.speculative.round_model: the verify step, the drafter's
+    passes, the break-even mean acceptance length against the plain step; not measurements). A
+    drafter the model cannot plan leaves `model` as the reason."""
+    from tpumk.errors import PlanError
+    from tpumk.estimate.speculative import round_model
+
+    s = d.drafter
+    out: dict[str, Any] = {
+        "kind": s.kind, "block": d.block, "verify_q": d.block + 1, "taps": list(s.taps),
+        "layers": s.layer.num_layers, "draft_vocab": s.draft_vocab, "rounds_per_call": d.rounds_per_call,
+        "temperature": float(d.temperature), "max_steps": d.settings(plan.context).steps,
+        "weights": {d.weights[0]: d.weights[1]}}
+    try:
+        r = round_model(plan.spec, s, [1.0])
+    except PlanError as e:
+        out["model"] = f"none: {e}"
+        return out
+    out["model"] = {k: r[k] for k in ("plain_step_seconds", "verify_step_seconds", "draft_seconds", "round_seconds",
+                                       "break_even_acceptance")}
+    out["model"].update(notes=r["notes"], source=r["source"])
+    return out
+
+
+def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_requested: str = "",
+                draft=None) -> BuildReport:
+    """The build report of `plan` compiled (`draft`: a round build's RoundSpec, whose round
+    program `compiled` is; `plan` is then its verify step)."""
     target = plan.target
     e = convert_estimate(plan, est, not_requested)
     notes = e["notes"]
@@ -240,7 +301,15 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
     from tpumk.targets import topology_for
 
     model = megakernel_step(plan)
-    program_seconds, copies = program_figures(plan, compiled, model)
+    figures = None
+    if draft is None:
+        program_seconds, copies = program_figures(plan, compiled, model)
+    else:  # the compiled program is the rounds' loop: the model of one step's program does not apply
+        program_seconds, copies = None, None
+        figures = round_figures(plan, draft)
+        if e["estimated_seconds"] is not None:
+            notes.append("the compiler's estimate is the verify step's (q = "
+                         f"{plan.q_len}, profiled alone), not the round program's")
     if copies and copies["hbm_bytes"] >= COPY_NOTE_BYTES:
         notes.append(f"XLA copies {copies['hbm_bytes'] / 2e6:,.1f} MB around the kernel every step "
                      f"({copies['count']:.0f} cop{'y' if copies['count'] == 1 else 'ies'}, +{copies['seconds'] * 1e6:,.1f} us by tpumk's model), e.g. a KV "
@@ -269,4 +338,5 @@ def make_report(plan: Plan, compiled: Compiled, est: Estimate | None, not_reques
         estimated_cycles=est_cycles, estimated_seconds=est_seconds, estimate_source=source,
         compiler_cycles=compiler_cycles, nested_loop_cycles=nested_cycles,
         floor_fraction=fraction, tuning=plan.tuning.to_dict(), plan=plan.summary(), notes=notes,
-        versions=stack_versions(), hbm_bytes_by_part=hbm_parts(plan), state_pool=state_pool_figures(plan))
+        versions=stack_versions(), hbm_bytes_by_part=hbm_parts(plan), state_pool=state_pool_figures(plan),
+        draft=figures)

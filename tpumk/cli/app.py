@@ -127,10 +127,12 @@ def print_build_report(r) -> None:
     if r.devices > 1:
         echo(f"sharding: {sharding_line(r.sharding)}")
     each = " per device" if r.devices > 1 else ""
+    what = "the round program" if r.draft else "the step"
     rows = [
-        ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"],
-        ["Pallas TPU kernels in the step", r.custom_calls if r.target != "cpu"
-         else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
+        ["compile (this host, measured)", f"{r.compile_seconds:.2f} s (+ {r.lower_seconds:.2f} s lowering)"
+                                          + (" of the round program" if r.draft else "")],
+        [f"Pallas TPU kernels in {what}" + (" (per device)" if r.devices > 1 else ""),
+         r.custom_calls if r.target != "cpu" else "none (cpu: the kernel is emulated by interpret mode as host ops)"],
         ["VMEM plan / budget / capacity" + each, f"{r.vmem_bytes / 2**20:.1f} / {r.vmem_budget_bytes / 2**20:.1f} / "
                                                  f"{r.vmem_capacity_bytes / 2**20:.0f} MiB"],
         ["HBM bytes per step (plan)" + each, hbm_line(r)],
@@ -189,6 +191,33 @@ def print_build_report(r) -> None:
         echo(f"note: {n}")
     if r.verify:
         print_verify_figures(r)
+    if r.draft:
+        print_round_figures(r)
+
+
+def print_round_figures(r) -> None:
+    """A round build: the drafter, the round program's settings and tpumk's model of a round
+    (tpumk.build.round_figures)."""
+    d = r.draft
+    how = "greedy" if not d["temperature"] else f"speculative sampling at temperature {d['temperature']:g}"
+    w = d["weights"]
+    weights = f"weights sha256 {w['sha256'][:16]}..." if "sha256" in w else f"random weights, seed {w['random_seed']}"
+    layers = f"{d['layers']} layer{'s' if d['layers'] != 1 else ''}"
+    echo(f"\nround program: {d['kind']} drafter ({layers}, taps {d['taps']}, {weights}), {d['block']} "
+         f"drafts a round (the step above is its verify step, q_len {d['verify_q']}), {d['rounds_per_call']} rounds "
+         f"a device call, {how}; up to {d['max_steps']} tokens per sequence")
+    m = d["model"]
+    if isinstance(m, str):
+        echo(f"  no round model: {m.removeprefix('none: ')}")
+        return
+    echo(tabulate([["plain step (q = 1)", duration(m["plain_step_seconds"])],
+                   [f"verify step (q = {d['verify_q']})", duration(m["verify_step_seconds"])],
+                   ["drafter passes", duration(m["draft_seconds"])],
+                   ["round (verify + draft)", duration(m["round_seconds"])]], tablefmt="plain"))
+    echo(f"  the round beats plain decoding when the mean acceptance length (tokens committed per round) exceeds "
+         f"{m['break_even_acceptance']:.2f}; figures: {m['source']}")
+    for n in m["notes"]:
+        echo(f"  note: {n}")
 
 
 def kv_tiles_line(a: dict) -> str:
@@ -256,9 +285,10 @@ def print_verify_figures(r) -> None:
 
 
 @main.command()
-@spec_options()
+@spec_options(draft=True)
 @click.option("--verify-q", default=8, show_default=True,
-              help="Also report the speculative verify step with this q_len (K drafts + 1), from the plan; 0: off.")
+              help="Also report the speculative verify step with this q_len (K drafts + 1), from the plan; 0: off "
+                   "(not with --draft: the round's verify step is the build).")
 @click.option("--verify-estimate", is_flag=True,
               help="Give the verify step the compiler's estimate too (a second profiling compile).")
 @click.option("--estimate/--no-estimate", default=True, show_default=True,
@@ -266,11 +296,19 @@ def print_verify_figures(r) -> None:
                    "--no-estimate skips it (the plan, the compile and tpumk's model are still reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def build(spec, verify_q, verify_estimate, estimate, as_json):
-    """Plan and compile the megakernel decode step for a target (deviceless without a TPU)."""
+def build(spec, draft_params, verify_q, verify_estimate, estimate, as_json):
+    """Plan and compile the megakernel decode step for a target (deviceless without a TPU), or
+    with --draft the speculative round program around its verify step."""
+    from click.core import ParameterSource
+
     from tpumk.build import build as do_build
     from tpumk.errors import ConfigError
 
+    if spec.draft is not None:
+        if click.get_current_context().get_parameter_source("verify_q") not in (None, ParameterSource.DEFAULT):
+            raise ConfigError("--verify-q: not with --draft (the round's verify step is the build; --draft-tokens "
+                              "sets its block)")
+        verify_q = 0
     if verify_q < 0:
         raise ConfigError(f"--verify-q: expected 0 (off) or a positive number of tokens per sequence, got {verify_q}")
     if verify_estimate and not estimate:

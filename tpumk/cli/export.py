@@ -9,13 +9,14 @@ from tpumk.cli.units import duration, size
 
 
 @click.command()
-@spec_options()
+@spec_options(draft=True)
 @click.option("--out", "out_dir", default="artifacts", show_default=True, type=click.Path(),
               help="Artifact root: OUT/<model>/<target>/<key>/.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def export(spec, out_dir, as_json):
-    """Compile the decode step and write it as a content-addressed artifact (cache hit: no compile).
+def export(spec, draft_params, out_dir, as_json):
+    """Compile the decode step (with --draft: the speculative round program) and write it as a
+    content-addressed artifact (cache hit: no compile).
 
     Signed whenever a signing key is configured (TPUMK_SIGNING_KEY, or TPUMK_SIGNING_KEY_FILE
     naming a file that holds it): manifest.sig holds an HMAC-SHA256 of manifest.toml, which lists
@@ -23,7 +24,7 @@ def export(spec, out_dir, as_json):
     from tpumk.cli.progress import Phases
     from tpumk.export.artifacts import export as do_export
 
-    r = do_export(spec, out_dir=out_dir, progress=Phases("tpumk export"))
+    r = do_export(spec, out_dir=out_dir, progress=Phases("tpumk export"), draft_params=draft_params)
     if as_json:
         emit_json(r.to_dict())
         return
@@ -34,12 +35,14 @@ def export(spec, out_dir, as_json):
     echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
                "  signed:  no (no signing key configured: set TPUMK_SIGNING_KEY to sign)")
     echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
+    if "draft" in r.manifest:
+        echo(f"  round program: {_draft_line(r.manifest['draft'])}")
     for name, entry in r.manifest["files"].items():
         echo(f"  {name}: {entry['bytes']:,} bytes, sha256 {entry['sha256'][:16]}...")
 
 
 @click.command("cache-key")
-@spec_options()
+@spec_options(draft=True)
 @click.option("--out", "out_dir", type=click.Path(),
               help="Print the artifact directory `tpumk export --out OUT` would write, not the bare key.")
 @click.option("--with-signing", is_flag=True,
@@ -48,8 +51,9 @@ def export(spec, out_dir, as_json):
                    "`inspect` would then refuse.")
 @click.option("--json", "as_json", is_flag=True, help="Print the key and everything it covers.")
 @fail_cleanly
-def cache_key(spec, out_dir, with_signing, as_json):
-    """Print the build's cache key (no compile)."""
+def cache_key(spec, draft_params, out_dir, with_signing, as_json):
+    """Print the build's cache key (no compile; with --draft, the round program's, which covers the
+    drafter: its weights are read to hash them)."""
     from tpumk.export.artifacts import artifact_path, check_exportable
     from tpumk.export.paths import check_names, check_out_dir
     from tpumk.compile.keys import cache_key as key_of, key_inputs
@@ -116,6 +120,20 @@ def inspect(path, as_json):
         _print_inspect(info)
     if not info["valid"]:
         _fail_inspect(info["problem"])
+
+
+def _draft_line(d) -> str:
+    """The manifest's [draft] table in one line (an unverified manifest's may hold anything)."""
+    try:
+        s, w = d["drafter"], d["weights"]
+        weights = (f"weights sha256 {w['sha256'][:16]}..." if "sha256" in w
+                   else f"random weights, seed {w.get('random_seed')}")
+        how = "greedy" if not d["temperature"] else f"temperature {d['temperature']:g}"
+        n = s["layer"]["num_layers"]
+        return (f"{s['kind']} drafter ({n} layer{'s' if n != 1 else ''}, taps {s['taps']}, {weights}), {s['block']} "
+                f"drafts a round, {d['rounds_per_call']} rounds a call, {how}")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "? (the [draft] table is malformed)"
 
 
 def _devices_line(mesh: dict, kind=None) -> str:
@@ -206,6 +224,8 @@ def _print_inspect(info: dict) -> None:
          f"{t.get('name')} ({t.get('device_kind')})   batch {sh['batch']}  context {sh['context']}  q_len "
          f"{sh['q_len']}  page {sh['page_size']}")
     echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    if isinstance(info.get("draft"), dict):
+        echo(f"  rounds    {_draft_line(info['draft'])} (tpumk.load_rounds)")
     echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
     sharding = (info.get("mesh") or {}).get("sharding")
     if isinstance(sharding, dict):

@@ -210,10 +210,15 @@ KV_DTYPE_HELP = ("KV cache format: none (the model dtype), fp8 or int8 (1-byte c
                  "per token and KV head, packed with them in one page array: tpumk.model.kv_quant).")
 
 
-def spec_options(tuning: bool = True):
+def spec_options(tuning: bool = True, draft: bool = False, draft_seed: bool = True):
     """The options that describe a build (model, target, step shapes and, unless `tuning` is
     False, --tuning), resolved into one `spec: BuildSpec` argument of the command. Defaults come
-    from tpumk.plan.spec. `tune` has no --tuning: a study searches the knobs itself."""
+    from tpumk.plan.spec. `tune` has no --tuning: a study searches the knobs itself.
+
+    `draft`: also the options of a speculative round program (`draft_option_list`: --draft,
+    --draft-tokens, --rounds-per-call, --temperature and, with `draft_seed`, --seed of a random
+    drafter), resolved into the spec's RoundSpec (`resolve_spec_and_draft`); the command then also gets
+    `draft_params`, the drafter's weights when they were read from files (else None)."""
     from tpumk.plan import spec as S
 
     opts = [
@@ -240,12 +245,19 @@ def spec_options(tuning: bool = True):
     if tuning:
         opts.append(click.option("--tuning", "tuning_file", type=click.Path(),
                                  help="Tuning TOML ([tuning] table); default knobs otherwise."))
+    if draft:
+        opts += draft_option_list(draft_seed)
+    names = SPEC_PARAMS + (tuple(n for n in DRAFT_PARAMS if draft_seed or n != "seed") if draft else ())
 
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(**kwargs):
-            values = {k: kwargs.pop(k) for k in SPEC_PARAMS if k in kwargs}
-            return fn(spec=fail_cleanly(resolve_spec)(**values), **kwargs)
+            values = {k: kwargs.pop(k) for k in names if k in kwargs}
+            if not draft:
+                return fn(spec=fail_cleanly(resolve_spec)(**values), **kwargs)
+            values.setdefault("seed", None)  # tune: its --seed is its sampler's
+            spec, params = fail_cleanly(resolve_spec_and_draft)(**values)
+            return fn(spec=spec, draft_params=params, **kwargs)
 
         for opt in reversed(opts):
             wrapper = opt(wrapper)
@@ -254,10 +266,11 @@ def spec_options(tuning: bool = True):
     return decorate
 
 
-def build_command(tuning_file: str) -> str:
-    """The `tpumk build` command for the build the current command was given: its build options as
-    typed (defaults left out, so the defaults apply again), then `--tuning tuning_file`. What
-    `tune` prints as the next step: run as written it rebuilds exactly the tuned build."""
+def build_command(tuning_file: str, skip: tuple[str, ...] = ()) -> str:
+    """The `tpumk build` command for the build the current command was given: its build options
+    (and draft options) as typed (defaults left out, so the defaults apply again; `skip`: left
+    out too), then `--tuning tuning_file`. What `tune` prints as the next step: run as written it
+    rebuilds exactly the tuned build."""
     import shlex
 
     from click.core import ParameterSource
@@ -265,7 +278,8 @@ def build_command(tuning_file: str) -> str:
     ctx = click.get_current_context()
     words = ["tpumk", "build"]
     for param in ctx.command.params:
-        if param.name not in SPEC_PARAMS or param.name == "tuning_file":
+        # (the command's --seed is not passed on: tune's is its sampler's, never a drafter's)
+        if param.name not in SPEC_PARAMS + DRAFT_PARAMS or param.name in ("tuning_file", "seed", *skip):
             continue
         if ctx.get_parameter_source(param.name) in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
             continue
@@ -277,8 +291,10 @@ def build_command(tuning_file: str) -> str:
 
 
 def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=None, context=None, q_len=None,
-                 page_size=None, devices=None, quant=None, kv_dtype=None, tuning_file=None):
-    """A BuildSpec from command-line values (None: the default)."""
+                 page_size=None, devices=None, quant=None, kv_dtype=None, tuning_file=None,
+                 draft_block_later: bool = False):
+    """A BuildSpec from command-line values (None: the default). `draft_block_later`: a round build
+    is being made (`resolve_spec_and_draft`), which applies the tuning's draft_block: left out here."""
     from tpumk.errors import ConfigError
     from tpumk.model.config import resolve_model_scheme
     from tpumk.model.quantize import build_scheme
@@ -310,5 +326,78 @@ def resolve_spec(model=None, checkpoint=None, dtype=None, target=None, batch=Non
     shapes = {k: v for k, v in (("batch", batch), ("context", context), ("q_len", q_len),
                                  ("page_size", page_size), ("devices", devices), ("quant", quant),
                                  ("kv_dtype", kv_dtype)) if v is not None}
-    return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target),
-                       tuning=load_tuning(tuning_file) if tuning_file is not None else TuningConfig(), **shapes)
+    tuning = load_tuning(tuning_file) if tuning_file is not None else TuningConfig()
+    if draft_block_later:
+        tuning = tuning.replace(draft_block=0)
+    return S.BuildSpec(cfg, get_target(S.DEFAULT_TARGET if target is None else target), tuning=tuning, **shapes)
+
+
+DRAFT_PARAMS = ("draft", "draft_tokens", "rounds_per_call", "temperature", "seed")
+
+
+def draft_option_list(seed: bool = True) -> list:
+    """The options of a speculative round program (`build`, `export`, `cache-key`, `tune`): --draft
+    in `tpumk generate --draft`'s spelling, --draft-tokens, --rounds-per-call, --temperature and
+    (unless `seed` is False: tune's --seed is its sampler's) --seed of a random drafter."""
+    opts = [
+        click.option("--draft", "draft", metavar="KIND[:SOURCE]",
+                     help="Build the speculative round program (drafter passes, the megakernel's verify step with "
+                          "the drafter's taps, acceptance) instead of the plain step: eagle3:DIR, dflash:DIR, "
+                          "dflash2:DIR, dspark:DIR, mtp:DIR (a speculators directory), mtp (the --checkpoint's own "
+                          "next-token layer), KIND:random or KIND:key=value,... (random weights of a shape)."),
+        click.option("--draft-tokens", "draft_tokens", default=None, type=int,
+                     help="Drafts per round (verify q_len = K + 1); default the drafter's own (or the --tuning "
+                          "file's draft_block)."),
+        click.option("--rounds-per-call", "rounds_per_call", default=8, show_default=True, type=int,
+                     help="Speculative rounds per device call of the round program (--draft)."),
+        click.option("--temperature", "temperature", default=0.0, show_default=True, type=float,
+                     help="Acceptance of the round program (--draft): 0 greedy, above 0 speculative sampling."),
+    ]
+    if seed:
+        opts.append(click.option("--seed", "seed", default=0, show_default=True, type=int,
+                                 help="Seed of a random drafter's weights (--draft KIND:random / KIND:key=value)."))
+    return opts
+
+
+def resolve_spec_and_draft(draft=None, draft_tokens=None, rounds_per_call=8, temperature=0.0, seed=None, **values):
+    """(spec, the drafter's weights or None) from a command's build and draft options: with
+    --draft, the round build (its RoundSpec; q_len and taps the verify step's; a --tuning file's
+    draft_block its block) and the weights read from a directory or a checkpoint (None for a
+    random drafter: its seed names them; `seed` None: the command has no drafter --seed, and a
+    random drafter takes 0). The draft options without --draft, and --q-len beside it, are
+    refused in one line."""
+    from click.core import ParameterSource
+
+    from tpumk.errors import ConfigError, PlanError
+    from tpumk.plan.knobs import TuningConfig, load_tuning
+
+    ctx = click.get_current_context(silent=True)
+
+    def given(name: str) -> bool:
+        return ctx is not None and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT,
+                                                                        ParameterSource.DEFAULT_MAP)
+
+    if draft is None:
+        mine = [n for n in DRAFT_PARAMS if n != "draft" and (n != "seed" or seed is not None)]
+        extra = [f"--{n.replace('_', '-')}" for n in mine if given(n)]
+        if extra:
+            raise ConfigError(f"{extra[0]}: only with --draft (a speculative round program)")
+        return resolve_spec(**values), None
+    if given("q_len"):
+        raise ConfigError("--q-len: not with --draft: the round's verify step takes block + 1 tokens per sequence "
+                          "(--draft-tokens sets the block)")
+    tuning_file = values.pop("tuning_file", None)
+    tuning = load_tuning(tuning_file) if tuning_file is not None and tuning_file.strip() else TuningConfig()
+    if draft_tokens is not None and tuning.draft_block and draft_tokens != tuning.draft_block:
+        raise ConfigError(f"--draft-tokens {draft_tokens} and the tuning's draft_block {tuning.draft_block} "
+                          f"({tuning_file}): give one of them")
+    # the spec without a drafter cannot hold a draft_block: the RoundSpec takes it below
+    spec = resolve_spec(**values, tuning_file=tuning_file, draft_block_later=True)
+    from tpumk.decode import drafted
+
+    rounds, params = drafted.round_spec(draft, spec.model, values.get("checkpoint"), seed=seed or 0,
+                                        block=draft_tokens, rounds_per_call=rounds_per_call, temperature=temperature)
+    try:
+        return spec.replace(draft=rounds, tuning=tuning), params
+    except PlanError as e:
+        raise PlanError(f"--draft {draft.strip()}: {str(e).removeprefix('build spec: ')}") from None

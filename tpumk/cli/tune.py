@@ -76,10 +76,15 @@ def print_result(r, next_command: str | None = None) -> None:
                                            "compile s (measured)", "cached"]))
         best = r.best[0]
         echo(f"objective source (best): {best['objective_source']}")
+        if best.get("accepted_tokens_per_second"):  # a round build (--draft)
+            echo(f"best round: {best['draft_block']} drafts, {_us(best['round_seconds'])} a round, "
+                 f"{best['accepted_tokens_per_round']:.2f} tokens committed a round: "
+                 f"{best['accepted_tokens_per_second']:,.0f} accepted tokens/s per sequence (tpumk's model, not "
+                 "measured)")
         if r.default is not None and r.default.get("value_seconds") is not None:
             echo(f"default configuration (trial {r.default['trial']}): {_us(r.default['value_seconds'])}; "
                        f"best / default = {r.best_over_default:.3f} ({best['value_kind']})")
-        if r.floor_seconds:
+        if r.floor_seconds and not best.get("accepted_tokens_per_second"):  # a round's value is no step time
             echo(f"HBM floor of the best (tpumk plan accounting): {_us(r.floor_seconds)}; "
                        f"floor / best = {r.floor_seconds / best['value_seconds']:.2f}")
     for n in notes:
@@ -118,7 +123,11 @@ class _Bar:
 
 
 @click.command()
-@spec_options(tuning=False)
+@spec_options(tuning=False, draft=True, draft_seed=False)
+@click.option("--acceptance-rate", "acceptance_rate", type=float, default=None,
+              help="With --draft: the per-draft acceptance rate (0 to 1; each draft accepted with this probability "
+                   "once its predecessors were) the rounds are ranked at: tpumk's model of a round per accepted "
+                   "token, which makes the drafts per round (the draft_block knob) a trade-off.")
 @click.option("--space", "space_file", type=click.Path(), help="Tuning space TOML (default tuning_spaces/default.toml).")
 @click.option("--trials", default=30, show_default=True,
               help="Distinct configurations the study ends with evaluated (complete, or pruned by the compiler); "
@@ -144,10 +153,10 @@ class _Bar:
 @click.option("--top", default=5, show_default=True, help="Best configurations to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
-def tune(spec, space_file, trials, max_infeasible,
-         timeout, objective, storage, study_name, workers, seed, heartbeat, out_file, report_dir, cache_dir, top,
-         as_json):
-    """Search the megakernel's knobs with Optuna, every trial a real compile (resumable)."""
+def tune(spec, draft_params, acceptance_rate, space_file, trials, max_infeasible, timeout, objective, storage,
+         study_name, workers, seed, heartbeat, out_file, report_dir, cache_dir, top, as_json):
+    """Search the megakernel's knobs with Optuna, every trial a real compile (resumable); with
+    --draft, the speculative round program's, its drafts per round among them."""
     import logging
 
     import optuna
@@ -165,10 +174,19 @@ def tune(spec, space_file, trials, max_infeasible,
         check_study_name(study_name, "--study")
     if space_file is not None and not space_file.strip():
         raise ConfigError("--space: expected a tuning-space TOML file, got an empty path")
+    if spec.draft is None and acceptance_rate is not None:
+        raise ConfigError("--acceptance-rate: only with --draft (a speculative round program)")
+    if spec.draft is not None and acceptance_rate is None:
+        raise ConfigError("--draft: give --acceptance-rate (the per-draft acceptance rate, 0 to 1, the rounds are "
+                          "ranked at)")
+    if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
+        raise ConfigError(f"--acceptance-rate {acceptance_rate:g}: expected a per-draft acceptance rate from 0 to 1 "
+                          "(bench's --acceptance is a mean acceptance length; this is the chance each draft is "
+                          "accepted)")
     problem = spec
     # Computed knobs (expert_parallel) take this build's choices, so the grid size printed is the searched one.
     space = load_space(DEFAULT_SPACE_PATH if space_file is None else space_file).for_build(problem)
-    choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind())
+    choice = choose_objective(objective, spec.model, spec.target, attached_tpu_kind(), acceptance_rate)
     settings = TuneSettings(trials=trials, timeout=timeout, workers=workers, seed=seed, heartbeat=heartbeat,
                             cache_dir=Path(cache_dir) if cache_dir else None, top=top,
                             max_infeasible=max_infeasible)
@@ -179,7 +197,7 @@ def tune(spec, space_file, trials, max_infeasible,
                           f"grid points for this build; e.g. {nothing}")
     keys = ResultKeys(problem)  # the evaluator's source, read once for the name and the study
     if study_name is None:
-        name = study_name_for(problem, space, choice.name, keys.evaluator)
+        name = study_name_for(problem, space, choice.key, keys.evaluator)
         check_study_name(name, "the study name derived from the model name (give --study)")
     else:
         name = study_name
@@ -230,7 +248,10 @@ def tune(spec, space_file, trials, max_infeasible,
             d["report"] = report
         emit_json(d)
         return
-    print_result(result, build_command(result.out) if result.out else None)
+    # the tuned file carries the searched block (draft_block): --draft-tokens beside it would clash
+    searched_block = bool((result.best_tuning or {}).get("draft_block"))
+    print_result(result, build_command(result.out, skip=("draft_tokens",) if searched_block else ())
+                 if result.out else None)
     if report is not None:
         _print_report(report)
 

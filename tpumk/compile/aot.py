@@ -144,3 +144,68 @@ def compile_for_mesh(fn: Callable, arg_specs: tuple, devices, axis: str = "tp", 
     step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False))
     kind = mesh.devices.flat[0].device_kind
     return _compile_lowered(step, specs, f"{kind} x {mesh.size}", kind)
+
+
+# ---------------------------------------------------------------------- the speculative round program
+def round_specs(plan, drafter_spec, settings) -> tuple:
+    """ShapeDtypeStructs of run(packed, dparams, tparams, carry), the round program
+    (`tpumk.draft.rounds.make_rounds`) for `plan` (the verify step: q = block + 1, the drafter's
+    taps): the packed weights and cache as the step takes them (`step_specs`), the drafter's
+    weights (`tpumk.draft.weights.abstract_params`) and state, the target's embedding and head,
+    the carry's vectors; on many devices everything but the step's own arguments replicated over
+    its mesh."""
+    import jax.numpy as jnp
+
+    from tpumk.draft.drafter import Drafter
+    from tpumk.draft.rounds import Carry
+    from tpumk.draft.weights import abstract_params
+    from tpumk.kernel.megakernel import step_mesh, step_specs
+    from tpumk.model.ops import jnp_dtype
+
+    packed, _, _, cache = step_specs(plan)
+    b, model = plan.batch, plan.whole_model
+    place = lambda x: x  # noqa: E731
+    if plan.devices > 1:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        rep = NamedSharding(step_mesh(plan), P())
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
+    dt = jnp_dtype(model)
+    tparams = {"embed": jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), dt)}
+    if not model.tie_embeddings:
+        tparams["lm_head"] = jax.ShapeDtypeStruct((model.hidden_size, model.vocab_size), dt)
+    dparams = abstract_params(drafter_spec)
+    dstate = jax.eval_shape(lambda: Drafter(drafter_spec, dparams).init_state(b, plan.context))
+    vec = jax.ShapeDtypeStruct((b,), jnp.int32)
+    carry = Carry(cache, jax.tree.map(place, dstate), place(vec), place(vec),
+                  place(jax.ShapeDtypeStruct((b, settings.steps + settings.block + 1), jnp.int32)),
+                  place(vec), place(vec), place(vec), place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
+    return packed, jax.tree.map(place, dparams), jax.tree.map(place, tparams), carry
+
+
+def round_program(plan, drafter_spec, settings, portable: bool = False) -> Callable:
+    """run(packed, dparams, tparams, carry) -> carry: `settings.rounds_per_call` rounds of the
+    drafter's passes and the plan's megakernel verify step with its taps, in one program
+    (`portable`: the cpu target's kernel without host callbacks, so the program serializes)."""
+    from tpumk.draft.drafter import Drafter
+    from tpumk.draft.rounds import make_rounds
+    from tpumk.draft.weights import abstract_params
+    from tpumk.errors import ConfigError
+    from tpumk.kernel.megakernel import make_decode_step
+
+    if plan.q_len != settings.block + 1 or plan.taps != tuple(drafter_spec.taps):
+        raise ConfigError(f"round program: the verify plan has q_len {plan.q_len} and taps {list(plan.taps)}; the "
+                          f"drafter needs q_len {settings.block + 1} and taps {list(drafter_spec.taps)}")
+    drafter = Drafter(drafter_spec, abstract_params(drafter_spec))  # its functions read the spec, never the params
+    return make_rounds(make_decode_step(plan, nested=True, portable=portable), drafter, settings)
+
+
+def compile_rounds(plan, drafter_spec, settings, portable: bool = False) -> Compiled:
+    """The round program (`round_program`) compiled for the plan's target, deviceless without a
+    TPU, on one device or the plan's mesh, the carry (the KV cache in it) donated."""
+    program = round_program(plan, drafter_spec, settings, portable)
+    try:
+        return compile_program(program, round_specs(plan, drafter_spec, settings), plan, donate_argnums=(3,))
+    except CompileError as e:  # say which program: the round's, not the plain step
+        raise CompileError(f"the round program ({drafter_spec.kind} drafter, verify q = {plan.q_len}): {e}") from None

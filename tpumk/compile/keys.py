@@ -275,7 +275,8 @@ def jax_options() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the key
 def key_inputs(spec: BuildSpec) -> dict[str, Any]:
-    """Everything the key covers, as plain data (also stored in artifact manifests)."""
+    """Everything the key covers, as plain data (also stored in artifact manifests); a build
+    without a drafter has no "draft" entry: its inputs are the ones it always had."""
     target = spec.target
     return {
         "schema": KEY_SCHEMA,
@@ -288,6 +289,9 @@ def key_inputs(spec: BuildSpec) -> dict[str, Any]:
         "versions": stack_versions(),
         "compile_flags": compile_flags(),
         "jax_options": jax_options(),
+        # a speculative round program: the drafter (kind, shapes, taps, block), its weights'
+        # content hash or random seed, rounds per call and temperature (tpumk.draft.rounds.RoundSpec)
+        **({"draft": spec.draft.to_dict()} if spec.draft is not None else {}),
     }
 
 

@@ -9,7 +9,7 @@
                                                                    (tpumk.draft.random_drafter's
                                                                    keywords; --seed)
 
-The target's step and the drafter run in `tpumk.decode.rounds`' device loop: the prompts are
+The target's step and the drafter run in `tpumk.draft.rounds`' device loop: the prompts are
 prefilled by the reference with the drafter's taps, then every round's verify step is the
 megakernel planned for q = block + 1 with those taps (or the reference's step), `rounds_per_call`
 rounds per device call. On many devices the cache is put in the kernel's layout once, before
@@ -142,6 +142,34 @@ def load(value: str, target, checkpoint: str | None, seed: int = 0, block: int |
     return load_drafter(src, target, block=block, target_params=target_params)
 
 
+def round_spec(value: str, target, checkpoint: str | None = None, seed: int = 0, block: int | None = None,
+               rounds_per_call: int = 8, temperature: float = 0.0):
+    """The round program a --draft value names for `target` (`tpumk build / export / cache-key /
+    tune --draft`): (RoundSpec, the drafter's weights). A random drafter (KIND:random,
+    KIND:key=value,...) is named by its shape and `seed` and its weights are not made (None:
+    `random_params(spec, seed)` remakes them); a speculators directory or `mtp` (the
+    --checkpoint's own next-token layer) is read, and the RoundSpec records its weights' content
+    hash. Bad input: one line."""
+    from tpumk.draft import KINDS, random_drafter
+    from tpumk.draft.rounds import RoundSpec
+    from tpumk.draft.weights import weights_sha256
+    from tpumk.files import is_dir
+
+    value = value.strip()
+    kind, _, src = value.partition(":")
+    if kind not in KINDS:
+        raise ConfigError(f"--draft {value!r}: a round program takes a hidden-state drafter: expected KIND[:SOURCE] "
+                          f"with KIND one of {', '.join(KINDS)} (ngram and model:... are generate's --spec)")
+    if src == "random" or ("=" in src and not is_dir(Path(src))):
+        kw = parse_random_shape(kind, src, target)
+        if block is not None:
+            kw.setdefault("block", block)
+        d = random_drafter(kind, target, seed=seed, abstract=True, **kw)
+        return RoundSpec(d.spec, ("random_seed", seed), rounds_per_call, temperature), None
+    d = load(value, target, checkpoint, seed=seed, block=block)
+    return RoundSpec(d.spec, ("sha256", weights_sha256(d.params)), rounds_per_call, temperature), d.params
+
+
 def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "reference", page_size: int = 16,
              devices: int = 1, kv_dtype: str = "", rounds_per_call: int = 8, temperature: float = 0.0,
              seed: int = 0, on_call=None) -> dict:
@@ -152,7 +180,7 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
 
     import jax
 
-    from tpumk.decode import rounds
+    from tpumk.draft import rounds
     from tpumk.decode.generate import (_init_cache, _kernel_step, _megakernel_where, check_host_memory,
                                        kernel_cache_layout)
     from tpumk.model import reference

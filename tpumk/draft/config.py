@@ -171,11 +171,59 @@ class DrafterSpec:
         """The block slot whose output drafts position anchor + 1 (dflash family)."""
         return 0 if self.sample_from_anchor else 1
 
+    @property
+    def max_block(self) -> int:
+        """The most drafts a round of this drafter can propose: the dflash family's block slots
+        (block_size - 1, or every slot with sample_from_anchor), a chain's MAX_BLOCK steps."""
+        if self.kind in BLOCK_KINDS:
+            return self.block_size if self.sample_from_anchor else self.block_size - 1
+        return MAX_BLOCK
+
+    def with_block(self, block: int) -> "DrafterSpec":
+        """The same drafter proposing `block` drafts a round (its weights do not depend on it);
+        ConfigError (one line) past what it can draft (`max_block`)."""
+        if not (is_int(block) and 1 <= block <= self.max_block):
+            raise ConfigError(f"{self.kind} drafter: {block!r} drafts a round: expected 1 to {self.max_block}"
+                              + (f" (its block_size {self.block_size})" if self.kind in BLOCK_KINDS else ""))
+        return dataclasses.replace(self, block=block)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer"] = self.layer.to_dict()
         d["taps"] = list(self.taps)
         return d
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "drafter") -> "DrafterSpec":
+        """The spec `to_dict` wrote (an artifact's manifest, a tune worker's request); ConfigError
+        (one line naming the field) for anything else."""
+        from tpumk.model.config import from_dict as model_from_dict
+
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table of drafter fields")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ConfigError(f"{source}: unknown drafter field '{unknown[0]}'")
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data]
+        if missing:
+            raise ConfigError(f"{source}: missing drafter field '{missing[0]}'")
+        values = dict(data)
+        values["layer"] = model_from_dict(data["layer"], f"{source}.layer")
+        taps = data["taps"]
+        if not (isinstance(taps, (list, tuple)) and all(is_int(t) for t in taps)):
+            raise ConfigError(f"{source}: field 'taps' = {shown(taps)}: expected a list of layer numbers")
+        values["taps"] = tuple(taps)
+        if values.get("kind") not in KINDS:
+            raise ConfigError(f"{source}: field 'kind' = {shown(values.get('kind'))}: expected one of {', '.join(KINDS)}")
+        for name, f in fields.items():
+            if name in ("layer", "taps", "kind"):
+                continue
+            want = {"int": int, "bool": bool, "str": str}.get(str(f.type))
+            v = values.get(name, f.default)
+            if want is not None and not (type(v) is want):
+                raise ConfigError(f"{source}: field '{name}' = {shown(v)}: expected a {want.__name__}")
+        return cls(**values)
 
 
 # ---------------------------------------------------------------------- reading config.json

@@ -266,3 +266,82 @@ def _identity_map(r: _Reader, spec: DrafterSpec) -> None:
     if r.has("t2d"):
         if not np.all(np.asarray(r._get("t2d", (v,)).read_ints())):
             raise CheckpointError(f"{r.tensors['t2d'].file}: tensor 't2d' of a full-vocabulary drafter leaves ids out")
+
+
+# ---------------------------------------------------------------------- weights as named arrays
+# What a drafter's weights are called outside a Params tree (an artifact's drafter.safetensors):
+# the tree path joined with dots, 'layers.0.wq'; the content hash covers these names, dtypes,
+# shapes and bytes, so the same weights give the same hash however they were read.
+_DTYPE_TAGS = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "I32": np.int32}
+
+
+def _named_leaves(tree) -> list[tuple[str, Any]]:
+    """(dotted path, leaf) of a Params tree (or of its ShapeDtypeStructs), in tree order."""
+    return [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def named_arrays(params: Params) -> dict[str, np.ndarray]:
+    """{dotted path: host array} of a drafter's weights, in tree order."""
+    return {name: np.asarray(leaf) for name, leaf in _named_leaves(params)}
+
+
+def weights_sha256(params: Params) -> str:
+    """The content hash of a drafter's weights: sha256 over every weight's name, dtype, shape and
+    bytes, sorted by name (what a cache key and a manifest record of a drafter read from files)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, a in sorted(named_arrays(params).items()):
+        a = np.ascontiguousarray(a)
+        h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0{a.nbytes}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def params_bytes(spec: DrafterSpec, params: Params) -> bytes:
+    """The weights as one safetensors file (tpumk's names, `named_arrays`), after checking they
+    have the structure, shapes and dtypes `spec` describes (ConfigError otherwise)."""
+    import safetensors.numpy
+
+    _check_like(spec, params, "the drafter's weights")
+    return safetensors.numpy.save(named_arrays(params))
+
+
+def params_from_bytes(spec: DrafterSpec, data: bytes, source: str) -> Params:
+    """The weights `params_bytes` wrote, as the Params tree of `spec` (CheckpointError naming
+    `source` for a missing, stray or misshapen tensor)."""
+    import safetensors
+
+    try:
+        tensors = {name: t for name, t in safetensors.deserialize(data)}
+    except Exception as e:  # noqa: BLE001 - the parser's own error types vary by version
+        raise CheckpointError(f"{source}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    want = abstract_params(spec)
+    named = _named_leaves(want)
+    stray = sorted(set(tensors) - {name for name, _ in named})
+    if stray:
+        raise CheckpointError(f"{source}: tensor '{stray[0]}' is not one of this {spec.kind} drafter's")
+    leaves = []
+    for name, like in named:
+        t = tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{source}: missing tensor '{name}'")
+        dt = _DTYPE_TAGS.get(t["dtype"])
+        if dt is None or np.dtype(dt) != np.dtype(like.dtype) or tuple(t["shape"]) != tuple(like.shape):
+            raise CheckpointError(f"{source}: tensor '{name}' is {t['dtype']} {list(t['shape'])}, expected "
+                                  f"{np.dtype(like.dtype).name} {list(like.shape)}")
+        leaves.append(jnp.asarray(np.frombuffer(t["data"], dtype=dt).reshape(like.shape)))
+    return jax.tree.unflatten(jax.tree.structure(want), leaves)
+
+
+def _check_like(spec: DrafterSpec, params: Params, what: str) -> None:
+    from tpumk.errors import ConfigError
+
+    want = abstract_params(spec)
+    if jax.tree.structure(params) != jax.tree.structure(want):
+        raise ConfigError(f"{what}: another structure than the {spec.kind} drafter's spec describes")
+    for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(want)):
+        if tuple(a.shape) != tuple(s.shape) or np.dtype(a.dtype) != np.dtype(s.dtype):
+            raise ConfigError(f"{what}: {jax.tree_util.keystr(path)} is {np.dtype(a.dtype).name} {list(a.shape)}, "
+                              f"the spec's is {np.dtype(s.dtype).name} {list(s.shape)}")

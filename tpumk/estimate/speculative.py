@@ -1,7 +1,7 @@
 """A speculative round by tpumk's model: the verify step with its taps, the drafter's passes, and
 the accepted tokens per second they give at a mean acceptance length (not measurements).
 
-A round (tpumk.decode.rounds) is one verify step of the target over k + 1 rows that also writes
+A round (tpumk.draft.rounds) is one verify step of the target over k + 1 rows that also writes
 the drafter's taps, then the drafter: the dflash family one pass over its block (an anchor and
 mask tokens), eagle3 and mtp k chained passes of one row. Each drafter pass is modelled as what
 it is made of, planned as a model of its own: its decoder layers (`DrafterSpec.layer`, the
@@ -80,6 +80,19 @@ def _projection_bytes(d: DrafterSpec, devices: int) -> float:
     return float((fc + kv + wide) * lay.dtype_bytes) / devices
 
 
+def expected_acceptance_length(block: int, rate: float) -> float:
+    """Tokens a round commits on average (accepted drafts + the target's own) when each draft is
+    accepted with probability `rate`, independently, given its predecessors were: 1 + rate +
+    ... + rate**block = (1 - rate**(block + 1)) / (1 - rate) (Leviathan et al. 2023's
+    i.i.d. model); block + 1 at rate 1. What `tpumk tune --draft --acceptance-rate` ranks blocks
+    by: a longer block commits more only while the rate keeps its later drafts alive."""
+    if not (0 <= rate <= 1):
+        raise PlanError(f"--acceptance-rate {rate!r}: expected a per-draft acceptance rate from 0 to 1")
+    if rate == 1:
+        return float(block + 1)
+    return (1 - rate ** (block + 1)) / (1 - rate)
+
+
 def _planned(what: str, spec: BuildSpec) -> Plan:
     try:
         return make_plan(spec)
@@ -92,6 +105,7 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
     verify step k + 1 with the drafter's taps) at each mean acceptance length (tokens committed
     per verify step, accepted drafts + 1, at most k + 1)."""
     k = d.block
+    spec = spec.replace(draft=None)  # a round build's spec: its own step shapes are replaced below
     for a in acceptance:
         if not 1 <= a <= k + 1:
             raise PlanError(f"--acceptance {a:g}: expected a mean acceptance length from 1 to {k + 1} "

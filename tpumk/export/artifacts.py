@@ -74,10 +74,13 @@ from tpumk.targets import get_target
 
 FORMAT = 5  # 2: cpu artifacts hold programs; no pickled pytrees. 3: [signing] table, manifest.sig.
 # 4: [mesh] table (devices, topology, mesh axis, device order, sharding). 5: [loads] table (which
-# JAX stack loads which payload: tpumk.export.checks.loads_of)
+# JAX stack loads which payload: tpumk.export.checks.loads_of). A round artifact (export --draft)
+# adds a [draft] table and, for weights read from files, drafter.safetensors: an artifact of
+# this format without them reads exactly as before.
 MANIFEST = "manifest.toml"
 EXECUTABLE = "executable.bin"
 EXPORTED = "exported.bin"
+DRAFTER = "drafter.safetensors"  # a round artifact's drafter weights (tpumk.draft.weights.params_bytes)
 SIGNATURE = signing.SIGNATURE
 PAYLOAD = (EXECUTABLE, EXPORTED)
 MAX_MANIFEST_BYTES = 16 << 20
@@ -93,6 +96,7 @@ def _register_pytrees() -> None:
         return
     from jax import export as jexport
 
+    from tpumk.draft.rounds import Carry
     from tpumk.model.kv_quant import PagedLayout
     from tpumk.model.linear_attention import LinearStates
     from tpumk.model.reference import KVCache, QuantizedKVCache
@@ -107,6 +111,7 @@ def _register_pytrees() -> None:
         jexport.register_namedtuple_serialization(KVCache, serialized_name="tpumk.model.reference.KVCache")
         jexport.register_namedtuple_serialization(LinearStates,
                                                   serialized_name="tpumk.model.linear_attention.LinearStates")
+        jexport.register_namedtuple_serialization(Carry, serialized_name="tpumk.draft.rounds.Carry")
         jexport.register_pytree_node_serialization(QuantizedKVCache, serialized_name="tpumk.model.reference.QuantizedKVCache",
                                                    serialize_auxdata=layout_bytes, deserialize_auxdata=layout_of)
     except ValueError:  # already registered (module reloaded)
@@ -180,12 +185,12 @@ def check_exportable(spec: BuildSpec):
     `make_plan`: a spec build refuses gets no key and no artifact, PlanError naming why), and
     ArtifactError (one line saying why) for a build no artifact can hold: a `cpu` build over
     many devices (tpumk.export.checks.unexportable). Plan arithmetic only, no compile."""
-    from tpumk.plan.plan import make_plan
+    from tpumk.build import plan_of
 
     why = checks.unexportable(spec.target, spec.devices)
     if why:
         raise ArtifactError(why)
-    return make_plan(spec)
+    return plan_of(spec)
 
 
 def _compiled_mesh(compiled, plan) -> list:
@@ -201,15 +206,21 @@ def _compiled_mesh(compiled, plan) -> list:
 
 
 def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = False,
-           progress=None) -> ExportResult:
+           progress=None, draft_params=None) -> ExportResult:
     """Build and write the artifact, or find it already there (cache hit: compiles nothing).
     Signed when a signing key is configured (tpumk.export.signing). `progress(phase)` is called
-    as each phase after the checks starts (the CLI prints it: tpumk.cli.progress)."""
+    as each phase after the checks starts (the CLI prints it: tpumk.cli.progress).
+
+    A round build (`spec.draft`, a RoundSpec) ships its round program instead of the plain step,
+    the drafter in the manifest's [draft] table and the key, and `draft_params` (the drafter's
+    weights, whose content hash the RoundSpec records) as drafter.safetensors; a random
+    drafter's weights are not shipped (its seed remakes them)."""
     say = progress or (lambda phase: None)
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
     paths.check_names(cfg.name, target.name)  # the directory names first: no plan for a path export refuses
     plan = check_exportable(spec)  # refused as `tpumk build` refuses it, before the key and any cache hit
+    drafter_blob = _drafter_payload(spec.draft, draft_params)
     sign_key = signing.configured_key()  # a misconfigured key fails before compiling
     inputs = key_inputs(spec)
     key = cache_key(inputs)
@@ -226,14 +237,24 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
 
     from tpumk.build import make_report
     from tpumk.compat import persistent_cache_bypassed
-    from tpumk.compile.aot import compile_for, compile_plan
+    from tpumk.compile.aot import compile_for, compile_plan, compile_rounds, round_program, round_specs
     from tpumk.estimate.profiler import estimate_in_subprocess
     from tpumk.kernel.megakernel import make_decode_step, step_specs
     _register_pytrees()
-    specs = step_specs(plan)
-    say(f"lower + compile for {target.name}")
+    draft = spec.draft
+    settings = draft.settings(plan.context) if draft is not None else None
+    specs = step_specs(plan) if draft is None else round_specs(plan, draft.drafter, settings)
+    say(f"lower + compile for {target.name}" if draft is None else
+        f"lower + compile the round program for {target.name} ({draft.label()})")
     with persistent_cache_bypassed():  # the executable is serialized (tpumk.compat)
-        if plan.devices == 1:
+        if draft is not None:
+            # one program over the plan's mesh, or one device's (portable: the cpu target's kernel
+            # without host callbacks; TPU targets ignore it)
+            portable = plan.devices == 1
+            compiled = compile_rounds(plan, draft.drafter, settings, portable=portable)
+            program = jax.jit(round_program(plan, draft.drafter, settings, portable=portable))
+            compiled_devices = _compiled_mesh(compiled, plan) if plan.devices > 1 else None
+        elif plan.devices == 1:
             # portable: on the cpu target, the discharge interpreter (serializable); TPU targets
             # ignore it. Donate in compile_for's own jit too: a donation inside a nested jit is
             # not honoured, and without it XLA copies both KV caches every step
@@ -251,20 +272,20 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     except Exception as e:
         raise ArtifactError(f"{target.name}: the compiled step cannot be serialized: "
                             f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if (in_tree, out_tree) != checks.step_trees(plan):  # load() rebuilds them from the plan
+    if (in_tree, out_tree) != checks.program_trees(plan, draft):  # load() rebuilds them from the plan
         raise ArtifactError(f"internal: executable pytrees {in_tree} / {out_tree} differ from the plan's")
     platform = checks.export_platform(target.interpret)
-    say("jax.export of the step (portable program)")
+    say("jax.export of the " + ("step" if draft is None else "round program") + " (portable program)")
     t1 = time.perf_counter()
     exported = jexport.export(program, platforms=[platform])(*specs)
     export_seconds = time.perf_counter() - t1
     est = None
     if estimate and target.static_profile:
         say("compiler estimate (a profiling compile in its own process)")
-        est = estimate_in_subprocess(spec)
+        est = estimate_in_subprocess(spec.replace(draft=None))  # a round build's: its verify step
     say("report and files (write to a temporary directory, then rename)")
-    report = make_report(plan, compiled, est)
-    out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)  # (logits, KVCache) of avals
+    report = make_report(plan, compiled, est, draft=draft)
+    out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)  # (logits, KVCache) or the Carry, of avals
 
     parent = final.parent
     try:
@@ -278,6 +299,9 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         (tmp / EXECUTABLE).write_bytes(blob)
         (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
         files = list(PAYLOAD)
+        if drafter_blob is not None:
+            (tmp / DRAFTER).write_bytes(drafter_blob)
+            files.append(DRAFTER)
         manifest = {
             "format": FORMAT,
             "key": key,
@@ -288,7 +312,8 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
                        "export_platform": platform, "kernel_mode": checks.KERNEL_MODE[target.interpret]},
             "shapes": spec.shapes(),
             "mesh": checks.mesh_record(plan, compiled_devices),
-            "tuning": tuning.to_dict(),
+            **({"draft": checks.without_none(draft.to_dict())} if draft is not None else {}),
+            "tuning": spec.tuning.to_dict(),
             "versions": stack_versions(),
             "loads": checks.loads_of(stack_versions()),
             "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
@@ -327,6 +352,26 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(final, key, False, time.perf_counter() - t0, read_manifest(final))
+
+
+def _drafter_payload(draft, params) -> bytes | None:
+    """drafter.safetensors of a round build whose drafter was read from files (None: no drafter,
+    or a random one); its weights must be the ones the RoundSpec's content hash names."""
+    if draft is None or draft.random_seed is not None:
+        return None
+    from tpumk.draft.weights import params_bytes, weights_sha256
+
+    if params is None:
+        raise ArtifactError(f"--draft {draft.drafter.kind}: its weights are needed to ship them (export(..., "
+                            "draft_params=...))")
+    got = weights_sha256(params)
+    if got != draft.weights[1]:
+        raise ArtifactError(f"--draft {draft.drafter.kind}: weights with content hash {got[:12]}..., the round spec "
+                            f"names {draft.weights[1][:12]}...")
+    try:
+        return params_bytes(draft.drafter, params)
+    except ConfigError as e:
+        raise ArtifactError(f"--draft {draft.drafter.kind}: {e}") from None
 
 
 # ---------------------------------------------------------------------- verify / load
@@ -396,7 +441,9 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
         _check_signing_record(path, m, trust)
         inputs = checks.key_inputs_of(path, m)
         plan = checks.check_fields(path, m, inputs)
-        _check_files(path, m)
+        _check_files(path, m, _payload_of(inputs))
+        if DRAFTER in m["files"]:  # its weights are the ones the key's content hash names
+            drafter_weights(path, m)
     except MALFORMED as e:  # types or sizes no check expected: one line, never a traceback
         raise ArtifactError(_malformed(path, e)) from None
     if check_versions:  # the stack that may load the executable (the manifest's [loads]; `load` checks its own payload)
@@ -406,13 +453,20 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
     return m, trust, plan
 
 
-def _check_files(path: Path, m: dict[str, Any]) -> None:
+def _payload_of(inputs: dict[str, Any]) -> tuple[str, ...]:
+    """The files an artifact of these key inputs holds: the two programs, and a round artifact's
+    drafter weights when they were read from files (a random drafter's seed remakes them)."""
+    weights = (inputs.get("draft") or {}).get("weights") or {}
+    return PAYLOAD + ((DRAFTER,) if "sha256" in weights else ())
+
+
+def _check_files(path: Path, m: dict[str, Any], payload: tuple[str, ...] = PAYLOAD) -> None:
     """Every payload file listed, present, of the listed size and sha256."""
-    missing = [n for n in PAYLOAD if n not in m["files"]]
+    missing = [n for n in payload if n not in m["files"]]
     if missing:
         raise ArtifactError(f"{path / MANIFEST}: malformed manifest: no sha256 listed for {missing[0]}")
     for name, entry in sorted(m["files"].items()):
-        if name not in PAYLOAD:
+        if name not in payload:
             raise ArtifactError(f"{path / MANIFEST}: malformed manifest: bad files entry '{name}'")
         f = path / name
         try:
@@ -449,6 +503,26 @@ def _read_payload(path: Path, name: str, m: dict[str, Any]) -> bytes:
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ArtifactError(f"{path / name}: changed since it was verified (altered)")
     return data
+
+
+def drafter_weights(path: Path, m: dict[str, Any]):
+    """A verified round artifact's drafter weights: drafter.safetensors (read once, checked
+    against the manifest's sha256, parsed, and its content hash against the key's), or a random
+    drafter's, remade from the seed its key names."""
+    from tpumk.draft.weights import params_from_bytes, random_params, weights_sha256
+
+    draft = spec_of(m).draft
+    if draft.random_seed is not None:
+        return random_params(draft.drafter, draft.random_seed)
+    try:
+        params = params_from_bytes(draft.drafter, _read_payload(path, DRAFTER, m), str(path / DRAFTER))
+    except TpumkError as e:
+        raise ArtifactError(str(e)) from None
+    got = weights_sha256(params)
+    if got != draft.weights[1]:
+        raise ArtifactError(f"{path / DRAFTER}: weights with content hash {got[:12]}..., the key names "
+                            f"{draft.weights[1][:12]}... (altered)")
+    return params
 
 
 def spec_of(m: dict[str, Any]) -> BuildSpec:
@@ -705,6 +779,116 @@ class DecodeStep:
         return f"DecodeStep({self.path}, {self.kind}{on})"
 
 
+class RoundProgram(DecodeStep):
+    """A loaded round artifact (`tpumk export --draft`): the speculative round program
+    (`tpumk.draft.rounds.make_rounds` around the megakernel's verify step, compiled by
+    `tpumk.compile.aot.compile_rounds`), `rounds_per_call` rounds of draft, verify with the
+    drafter's taps and accept per call.
+
+    program(packed, dparams, tparams, carry) -> carry: one device call (`__call__`); the carry
+    (`tpumk.draft.rounds.Carry`, the KV cache in the kernel's layout inside it) is donated: keep
+    the returned one. `generate(params, prompts, steps)` is the whole loop: the prompts prefilled
+    by the reference decode step with the drafter's taps (`tpumk.model.reference`, on this
+    host's default device), then the program until every sequence has `steps` tokens.
+    `pack`, `init_cache`, `shard_cache`, `plan` and `config` are the verify step's, as a
+    DecodeStep's; `draft` is the RoundSpec, `drafter` the Drafter with the artifact's weights."""
+
+    drafter_params = None  # load_rounds sets them (drafter.safetensors, or remade from the seed)
+
+    @property
+    def draft(self):
+        """The artifact's RoundSpec: the drafter's spec, its weights' identity, the settings."""
+        return spec_of(self.manifest).draft
+
+    @property
+    def settings(self):
+        """The compiled program's RoundSettings (block, the most tokens per sequence, rounds per
+        call, temperature)."""
+        return self.draft.settings(self.plan.context)
+
+    @property
+    def drafter(self):
+        from tpumk.draft.drafter import Drafter
+
+        return Drafter(self.draft.drafter, self.drafter_params)
+
+    @property
+    def round_shardings(self):
+        """NamedShardings of (packed, dparams, tparams, carry) on the program's mesh (many
+        devices), else None."""
+        if self.devices is None:
+            return None
+        import jax
+        from jax.sharding import NamedSharding
+
+        from tpumk.compile.aot import round_specs
+
+        mesh = self.shardings[1].mesh
+        specs = round_specs(self.plan, self.draft.drafter, self.settings)
+        return jax.tree.map(lambda a: NamedSharding(mesh, a.sharding.spec), specs)
+
+    def __call__(self, packed, dparams, tparams, carry, check: bool | None = None):
+        if self.devices is None:
+            if self._device_platform is None:
+                return self._fn(packed, dparams, tparams, carry)
+            import jax
+
+            device = jax.devices(self._device_platform)[0]
+            return self._fn(*jax.device_put((packed, dparams, tparams, carry), device))
+        self._check_packed(packed)
+        return self._fn(*_place((packed, dparams, tparams, carry), self.round_shardings))
+
+    def generate(self, params: dict, prompts, steps: int, seed: int = 0, on_call=None):
+        """Speculative generation of `steps` tokens for each of the program's `batch` prompts
+        (token id lists, any lengths), greedy or sampled as the artifact was exported; `params`
+        the target's reference-layout weights (as `pack` takes them). Returns (tokens per
+        prompt, tpumk.draft.rounds.RoundStats). The prompt, the steps and a verify step must fit
+        the artifact's context: one line (ConfigError, TokenError) otherwise."""
+        import jax
+        import jax.numpy as jnp
+
+        from tpumk.draft.rounds import drive, required_context
+        from tpumk.errors import ConfigError
+        from tpumk.model import reference
+        from tpumk.model.ops import jnp_dtype
+        from tpumk.model.positions import check_tokens
+        from tpumk.model.quantize import quantize_params, scheme_of
+
+        plan, model, settings = self.plan, self.config, self.settings
+        prompts = [list(p) for p in prompts]
+        if len(prompts) != plan.batch or not all(prompts):
+            raise ConfigError(f"artifact {self.key[:12]}: expected {plan.batch} non-empty prompts (its batch), got "
+                              f"{[len(p) for p in prompts]}")
+        if self.check_inputs:
+            for p in prompts:
+                check_tokens(jnp.asarray([p]), model.vocab_size, where=f"artifact {self.key[:12]}")
+        if not (isinstance(steps, int) and 1 <= steps <= settings.steps):
+            raise ConfigError(f"artifact {self.key[:12]}: steps = {steps!r}: expected 1 to {settings.steps}")
+        need = required_context(prompts, steps, settings.block)
+        if need > plan.context:
+            raise ConfigError(f"artifact {self.key[:12]}: the longest prompt plus {steps} steps plus a verify step "
+                              f"of {settings.block + 1} need {need} positions; its context holds {plan.context}")
+        run_params = params if scheme_of(params) != "none" else quantize_params(model, params, plan.quant)
+        dt = jnp_dtype(model)
+        tparams = {"embed": jnp.asarray(params["embed"], dt)}  # what the drafter reads of the target (round_specs)
+        if not model.tie_embeddings:
+            tparams["lm_head"] = jnp.asarray(params["lm_head"], dt)
+        kw = dict(num_pages=plan.num_pages, kv_dtype=plan.attention.kv_dtype or None)
+        if plan.linear is not None:
+            kw.update(pending=plan.q_len, num_slots=plan.linear.num_slots)
+        cache = reference.init_cache(model, plan.batch, plan.context, plan.page_size, **kw)
+        taps = self.draft.drafter.taps
+        prefill = jax.jit(lambda t, p, c: reference.decode_step(run_params, model, t, p, c, taps=taps))
+        # the cache goes into the kernel's layout once; the one the rounds leave is not returned
+        tokens, _, stats = drive(self, prefill, self.drafter, self.pack(params), self.drafter_params, tparams,
+                                 prompts, cache, settings, steps, seed, (self.shard_cache, lambda c: c), on_call)
+        return tokens, stats
+
+    def __repr__(self) -> str:
+        on = f", {len(self.devices)} devices" if self.devices else ""
+        return f"RoundProgram({self.path}, {self.kind}, {self.draft.label()}{on})"
+
+
 def _place(tree, shardings):
     """Every leaf of `tree` as a global array of the matching sharding in `shardings`: one already
     there is kept, a process-local jax array is resharded on device, anything else is sliced on
@@ -757,6 +941,34 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
     # the plan too: verify re-plans the key inputs to check the manifest; the stack is checked
     # next, for the payload this load takes (the manifest's [loads])
     m, _, plan = _verify(path, check_versions=False)
+    if "draft" in m:
+        raise ArtifactError(f"{path}: holds a speculative round program ({m['draft']['drafter']['kind']} drafter), "
+                            "not a decode step: load it with tpumk.load_rounds(path)")
+    return _load_program(path, m, plan, use, check_inputs, DecodeStep)
+
+
+def load_rounds(path: str | Path, use: str = "auto", check_inputs: bool = True) -> "RoundProgram":
+    """Verify a round artifact (`tpumk export --draft`) and make its round program callable on
+    this host: a RoundProgram (`generate` runs prompts through it; `__call__` is one device call
+    of `rounds_per_call` rounds). `use` and `check_inputs` as `load`; the drafter's weights are
+    the artifact's drafter.safetensors (checked against the key's content hash) or, for a
+    random drafter, remade from its seed. An artifact without a round program is refused in one
+    line."""
+    if use not in USES:
+        raise ArtifactError(f"use={use!r}: expected one of {', '.join(USES)}")
+    path = Path(path)
+    m, _, plan = _verify(path, check_versions=False)
+    if "draft" not in m:
+        raise ArtifactError(f"{path}: holds the plain decode step, no speculative round program (export one with "
+                            "tpumk export --draft KIND[:SOURCE]; tpumk.load(path) loads this one)")
+    program = _load_program(path, m, plan, use, check_inputs, RoundProgram)
+    program.drafter_params = drafter_weights(path, m)
+    return program
+
+
+def _load_program(path: Path, m: dict[str, Any], plan, use: str, check_inputs: bool, cls):
+    """The verified artifact's program as `cls` (DecodeStep or RoundProgram), from the payload
+    `use` names."""
     target = get_target(m["target"]["name"])
     payload = "exported" if use == "exported" or (use == "auto" and target.interpret) else "executable"
     why = checks.why_not_loadable(path, m["versions"], stack_versions(), payload)
@@ -771,14 +983,14 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
                             f"{attached}; load it where a {target.device_kind} is attached")
     on = f"{target.name} x {plan.devices}" if devices else target.name
     if payload == "exported":
-        step = DecodeStep(path, m, _deserialize_exported(path, m).call, f"exported ({on})", plan, devices)
+        step = cls(path, m, _deserialize_exported(path, m).call, f"exported ({on})", plan, devices)
         step.check_inputs = check_inputs
         return step
     from jax.experimental import serialize_executable
 
     _register_pytrees()
     # verify checked the manifest's signature.executable_in_tree / _out_tree against these
-    in_tree, out_tree = checks.step_trees(plan)
+    in_tree, out_tree = checks.program_trees(plan, spec_of(m).draft)
     blob = _read_payload(path, EXECUTABLE, m)
     try:
         # many devices: the executable names its devices by id; these are the recorded ones
@@ -787,7 +999,7 @@ def load(path: str | Path, use: str = "auto", check_inputs: bool = True) -> Deco
                                                              execution_devices=devices)
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
-    step = DecodeStep(path, m, compiled, f"executable ({on})", plan, devices)
+    step = cls(path, m, compiled, f"executable ({on})", plan, devices)
     step.check_inputs = check_inputs
     return step
 
@@ -889,7 +1101,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
                        shapes=m["shapes"],
                        mesh=m.get("mesh", {}), tuning=m["tuning"], versions=m["versions"], files=m["files"],
                        report=m.get("report", {}), signature=m.get("signature", {}),
-                       signed=bool(m.get("signing", {}).get("signed")))
+                       signed=bool(m.get("signing", {}).get("signed")), **({"draft": m["draft"]} if "draft" in m else {}))
 
     problem = None
     try:

@@ -22,7 +22,7 @@ from tpumk.compat import release
 from tpumk.errors import ArtifactError, TpumkError
 
 TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
-             "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads"}
+             "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads", "draft"}
 TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
 KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
                False: "Mosaic TPU kernel (tpu_custom_call)"}
@@ -213,6 +213,11 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     c.field("tuning", m["tuning"], without_none(inputs["tuning"]))
     c.field("versions", m["versions"], inputs["versions"])
     c.field("loads", m.get("loads"), loads_of(inputs["versions"]))
+    if "draft" in m or "draft" in inputs:  # a round artifact: the drafter its key names
+        if not isinstance(m.get("draft"), dict):
+            c.fail("field 'draft' is missing or not a table (manifest altered)" if "draft" in inputs else
+                   "field 'draft' is not among the key inputs (manifest altered)")
+        c.field("draft", m["draft"], without_none(inputs.get("draft")))
 
     t, ti = m["target"], inputs["target"]
     extra = sorted(set(t) - TARGET_FIELDS)
@@ -274,11 +279,11 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     for f in PLAN_REPORT:
         c.field(f"report.{f}", without_none(full.get(f)), want[f], "the plan's")
 
-    from tpumk.kernel.megakernel import step_specs
-
+    draft = spec_from_inputs(inputs).draft
     sig = m["signature"]
-    c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(tree_signature(step_specs(plan))), "the plan's")
-    in_tree, out_tree = step_trees(plan)
+    c.field("signature.inputs_json", sig.get("inputs_json"), json.dumps(tree_signature(program_specs(plan, draft))),
+            "the plan's")
+    in_tree, out_tree = program_trees(plan, draft)
     c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
     c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
     return plan
@@ -289,7 +294,8 @@ def spec_from_inputs(inputs: dict[str, Any]):
     from tpumk.plan.spec import BuildSpec
 
     return BuildSpec.from_dict({"model": inputs["model"], "target": inputs["target"]["name"], **inputs["shapes"],
-                                "tuning": inputs["tuning"]}, "artifact manifest")
+                                "tuning": inputs["tuning"], **({"draft": inputs["draft"]} if "draft" in inputs else {})},
+                               "artifact manifest")
 
 
 def _plan(c: _Checker, inputs: dict[str, Any]):
@@ -309,6 +315,29 @@ def tree_signature(tree: Any) -> list[dict[str, Any]]:
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype)} for p, x in leaves]
+
+
+def program_specs(plan, draft=None) -> tuple:
+    """The argument shapes of the program an artifact holds: the decode step's (`step_specs`), or
+    with `draft` (a RoundSpec) the round program's (`tpumk.compile.aot.round_specs`)."""
+    if draft is None:
+        from tpumk.kernel.megakernel import step_specs
+
+        return step_specs(plan)
+    from tpumk.compile.aot import round_specs
+
+    return round_specs(plan, draft.drafter, draft.settings(plan.context))
+
+
+def program_trees(plan, draft=None) -> tuple:
+    """(in_tree, out_tree) of the compiled program an artifact holds: `step_trees`, or a round
+    program's (its four arguments; the Carry it returns). Rebuilt from the plan on load."""
+    if draft is None:
+        return step_trees(plan)
+    import jax
+
+    specs = program_specs(plan, draft)
+    return jax.tree.structure((specs, {})), jax.tree.structure(specs[3])
 
 
 def step_trees(plan) -> tuple:

@@ -80,6 +80,11 @@ class TuningConfig:
     mla_projections: str = "auto"
     # ---- VMEM budget
     vmem_limit_fraction: float = 0.85  # share of the target's VMEM the kernel may plan for
+    # ---- a speculative round program (a build with a drafter, `BuildSpec.draft`)
+    # drafts per round (the verify step's q_len is draft_block + 1); 0 = the drafter's own
+    # (--draft-tokens, or its config's). Left out of to_dict when 0, so a build without a drafter
+    # keeps the key inputs, study identities and tuned files it always had.
+    draft_block: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,6 +125,8 @@ class TuningConfig:
             raise bad("expert_parallel", "0 (auto) or a positive number of expert groups")
         if self.expert_chunk < 0 or self.expert_chunk % 128:
             raise bad("expert_chunk", "0 (whole expert) or a positive multiple of 128")
+        if self.draft_block < 0:
+            raise bad("draft_block", "0 (the drafter's own) or a positive number of drafts per round")
         frac = self.vmem_limit_fraction
         if not (isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0.1 <= frac <= 1.0):
             raise bad("vmem_limit_fraction", "a number in [0.1, 1.0]")
@@ -130,7 +137,10 @@ class TuningConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["draft_block"]:  # no drafter, or its own block: the dict plain builds always had
+            del d["draft_block"]
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "tuning") -> "TuningConfig":

@@ -55,6 +55,11 @@ class BuildSpec:
     # hidden states the step also returns, [B, q, len(taps), H] (a hidden-state drafter's input):
     # transformers' output_hidden_states numbering (tpumk.model.reference.check_taps)
     taps: tuple[int, ...] = ()
+    # a speculative round program (tpumk.draft.rounds.RoundSpec: the drafter, its weights' identity,
+    # rounds per call, temperature): the build compiles the round, whose verify step is this
+    # spec's step, so q_len and taps are set here from it (block + 1, the drafter's taps), and
+    # the tuning's draft_block, when set, is its block
+    draft: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +92,7 @@ class BuildSpec:
             raise PlanError(f"build spec: kv_dtype = {self.kv_dtype!r:.40}: expected one of {', '.join(KV_FORMATS)} "
                             "(or none: the model dtype)")
         object.__setattr__(self, "kv_dtype", "" if self.kv_dtype == "none" else self.kv_dtype)
+        self._resolve_draft()
         from tpumk.model.reference import check_taps
 
         try:
@@ -108,6 +114,38 @@ class BuildSpec:
                             f"for model '{m.name}' (longrope RoPE: past its original_max_position_embeddings "
                             "the frequencies change with the sequence length)")
 
+    def _resolve_draft(self) -> None:
+        """A round build's verify step: the drafter's block (the tuning's draft_block when set,
+        which then moves into the RoundSpec) + 1 rows and its taps; a drafter made for another
+        hidden size or vocabulary, or a block the drafter or the context cannot hold, is refused."""
+        from tpumk.errors import ConfigError
+
+        d, block = self.draft, self.tuning.draft_block
+        if d is None:
+            if block:
+                raise PlanError(f"build spec: tuning 'draft_block' = {block}: only for a speculative round program "
+                                "(--draft)")
+            return
+        from tpumk.draft.rounds import RoundSpec
+
+        if not isinstance(d, RoundSpec):
+            raise PlanError(f"build spec: draft = {d!r:.60}: expected a RoundSpec")
+        m, s = self.model, d.drafter
+        for what, mine, theirs in (("hidden size", s.hidden, m.hidden_size), ("vocabulary", s.vocab, m.vocab_size)):
+            if mine != theirs:
+                raise PlanError(f"build spec: draft: a {s.kind} drafter for a {what} of {mine}, the target "
+                                f"'{m.name}' has {theirs}: expected a drafter made for this target")
+        try:
+            if block:
+                d = d.with_block(block)
+                object.__setattr__(self, "tuning", self.tuning.replace(draft_block=0))
+            d.settings(self.context)
+        except ConfigError as e:
+            raise PlanError(f"build spec: {e}") from None
+        object.__setattr__(self, "draft", d)
+        object.__setattr__(self, "q_len", d.block + 1)
+        object.__setattr__(self, "taps", tuple(s.taps))
+
     def replace(self, **changes: Any) -> BuildSpec:
         return dataclasses.replace(self, **changes)
 
@@ -121,7 +159,7 @@ class BuildSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/TOML-safe) that `from_dict` turns back into the same spec."""
         return {"model": self.model.to_dict(), "target": self.target.name, **self.shapes(),
-                "tuning": self.tuning.to_dict()}
+                "tuning": self.tuning.to_dict(), **({"draft": self.draft.to_dict()} if self.draft else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "build spec") -> BuildSpec:
@@ -136,7 +174,7 @@ class BuildSpec:
         return cls(from_dict(d["model"], where), get_target(d["target"]), d["batch"], d["context"],
                    TuningConfig.from_dict(d.get("tuning", {}), where), d["q_len"], d["page_size"],
                    d.get("devices", DEFAULT_DEVICES), d.get("quant", DEFAULT_QUANT), d.get("kv_dtype", DEFAULT_KV_DTYPE),
-                   _taps_field(d.get("taps", ()), where))
+                   _taps_field(d.get("taps", ()), where), _draft_field(d.get("draft"), where))
 
     def label(self) -> str:
         q = f", q_len {self.q_len}" if self.q_len > 1 else ""
@@ -144,11 +182,20 @@ class BuildSpec:
         fmt = f", {self.quant} weights" if self.quant != "none" else ""
         fmt += f", {self.kv_dtype} KV cache" if self.kv_dtype else ""
         fmt += f", taps {list(self.taps)}" if self.taps else ""
+        draft = f"; round program: {self.draft.label()}" if self.draft else ""
         return (f"{self.model.name} ({self.model.dtype}{fmt}) on {on}, batch {self.batch}, "
-                f"context {self.context}{q}")
+                f"context {self.context}{q}{draft}")
 
 
 def _taps_field(value: Any, where: str) -> tuple[int, ...]:
     if not (isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
         raise PlanError(f"{where}: field 'taps' = {value!r:.60}: expected a list of layer numbers")
     return tuple(value)
+
+
+def _draft_field(value: Any, where: str):
+    if value is None:
+        return None
+    from tpumk.draft.rounds import RoundSpec
+
+    return RoundSpec.from_dict(value, f"{where}: field 'draft'")

@@ -59,6 +59,7 @@ class ResultKeys:
     trial's tuning swapped in, plus the evaluator's source (read once, when made)."""
 
     def __init__(self, problem: BuildSpec):
+        self.problem = problem
         self.base = {**key_inputs(problem.replace(tuning=TuningConfig())), "evaluator": evaluator_inputs()}
 
     @property
@@ -66,7 +67,12 @@ class ResultKeys:
         return self.base["evaluator"]
 
     def inputs(self, tuning: TuningConfig) -> dict[str, Any]:
-        return {**self.base, "tuning": tuning.to_dict()}
+        if self.problem.draft is None:
+            return {**self.base, "tuning": tuning.to_dict()}
+        # a round build: the tuning's draft_block is the round's block, which sets the verify
+        # step's shapes and the drafter's spec (BuildSpec resolves it): the key names the build
+        spec = self.problem.replace(tuning=tuning)
+        return {**self.base, "shapes": spec.shapes(), "draft": spec.draft.to_dict(), "tuning": spec.tuning.to_dict()}
 
     def __call__(self, tuning: TuningConfig) -> str:
         return cache_key(self.inputs(tuning))

@@ -37,6 +37,14 @@ class ObjectiveChoice:
     reason: str  # one sentence: why this objective, for this target and model
     device_warmup: int = 0
     device_repeats: int = 0
+    # a round build (--draft): the per-draft acceptance rate its rounds are ranked at (seconds
+    # per accepted token, tpumk.tune.trial); part of the study's identity, not of the result cache
+    acceptance_rate: float | None = None
+
+    @property
+    def key(self) -> str:
+        """What the study's identity and name record of the objective."""
+        return self.name if self.acceptance_rate is None else f"{self.name}-a{self.acceptance_rate:g}"
 
 
 def attached_tpu_kind() -> str | None:
@@ -76,10 +84,22 @@ def _device(target: Target, tpu_kind: str | None) -> ObjectiveChoice | None:
 
 
 def choose_objective(requested: str, cfg: ModelConfig, target: Target,
-                     tpu_kind: str | None = None) -> ObjectiveChoice:
-    """Resolve --objective for this build; an objective that cannot work here is a ConfigError."""
+                     tpu_kind: str | None = None, acceptance_rate: float | None = None) -> ObjectiveChoice:
+    """Resolve --objective for this build; an objective that cannot work here is a ConfigError.
+    `acceptance_rate` (a round build, --draft): only `model` works: tpumk's model of a round,
+    per accepted token at that per-draft acceptance rate (the compiler's static profile cannot
+    count the kernel's loops inside the rounds' loop, and timing a round says nothing of
+    acceptance)."""
     if requested not in OBJECTIVES:
         raise ConfigError(f"--objective: unknown objective '{requested}' (expected {', '.join(OBJECTIVES)})")
+    if acceptance_rate is not None:
+        if requested not in ("auto", "model"):
+            raise ConfigError(f"--objective {requested}: not with --draft: a round program is ranked by tpumk's model "
+                              "of a round per accepted token (--objective model)")
+        return ObjectiveChoice("model", f"{'requested' if requested == 'model' else '--draft'}: tpumk's timeline "
+                                        f"model of one round (verify step + drafter passes) per accepted token at a "
+                                        f"per-draft acceptance rate of {acceptance_rate:g}",
+                               acceptance_rate=acceptance_rate)
     if requested == "device":
         choice = _device(target, tpu_kind)
         if choice is None:

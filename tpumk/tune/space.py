@@ -268,6 +268,19 @@ def _mla_projection_choices(spec: "BuildSpec") -> tuple[list[str], str | None]:
     return ["replicated", "split"], "split" if plan.latent_split else "replicated"
 
 
+# The most drafts a round a chain drafter (eagle3, mtp) is tuned over, unless its own block is more:
+# each draft is one more pass, and at any acceptance rate below 1 the later ones rarely survive.
+CHAIN_BLOCK_CHOICES = 8
+
+
+def _draft_block_choices(spec: "BuildSpec") -> tuple[list[int], int | None]:
+    if spec.draft is None:  # no speculative round
+        return [], None
+    d = spec.draft.drafter
+    most = d.max_block if d.kind not in ("eagle3", "mtp") else min(d.max_block, max(CHAIN_BLOCK_CHOICES, d.block))
+    return list(range(1, most + 1)), d.block
+
+
 COMPUTED: dict[str, ComputedChoices] = {
     "all_reduce_choices": ComputedChoices(
         "all_reduce",
@@ -290,6 +303,11 @@ COMPUTED: dict[str, ComputedChoices] = {
         "an MLA model's q_a / kv_a on many devices: replicated, or split by output columns with the latent "
         "all-gathered in the kernel once per layer; none on one device or for other models",
         _mla_projection_choices),
+    "draft_block_choices": ComputedChoices(
+        "draft_block",
+        "a round build's drafts per round (--draft): 1 to what the drafter can propose (the dflash family's "
+        f"block slots; eagle3 and mtp chains up to {CHAIN_BLOCK_CHOICES} or their own block); none without --draft",
+        _draft_block_choices),
 }
 
 
@@ -335,6 +353,8 @@ def unused_knobs(spec: "BuildSpec") -> dict[str, str]:
         drop(_COLLECTIVE_KNOBS + ("expert_parallel", "mla_projections"), "one device: no all-reduce, nothing to split")
     if not cfg.is_mla:
         drop(("mla_projections",), "not an MLA model")
+    if spec.draft is None:
+        drop(("draft_block",), "no --draft: no speculative round")
     return why
 
 
@@ -634,7 +654,7 @@ class TuningSpace:
         fails as "why (expr; name=value, ...)" with the value of each name it reads, or the
         first one that cannot be evaluated for it (division by zero, out of bounds, past
         `deadline`) as "why: constraint '...' cannot be evaluated: ... (with ...)"."""
-        env = {**facts, **tuning.to_dict()}
+        env = {**facts, **dataclasses.asdict(tuning)}  # every knob, draft_block included
         for c in self.constraints:
             try:
                 ok = c.holds(env, deadline)
@@ -689,7 +709,7 @@ class TuningSpace:
             if isinstance(facts[ep], str):
                 first = first or facts[ep]
                 continue
-            env = {**facts[ep], **tuning.to_dict()}
+            env = {**facts[ep], **dataclasses.asdict(tuning)}
             for c in self.constraints:
                 try:
                     ok = c.holds(env, deadline)

@@ -57,6 +57,8 @@ from tpumk.tune.storage import DEFAULT_HEARTBEAT, fail_stale, open_storage, reda
 from tpumk.tune.trial import TrialRunner
 
 STUDY_ATTR = "tpumk_problem"
+# a round build's trial (tpumk.tune.trial._per_accepted_token): its block and round, in the ranking
+ROUND_ATTRS = ("draft_block", "round_seconds", "accepted_tokens_per_round", "accepted_tokens_per_second")
 MAX_IGNORED_NOTES = 5  # foreign trials named one per line in the summary; the rest in one more
 DEFAULT_ATTR = "tpumk_default"  # user attr of the enqueued default-configuration trial
 
@@ -98,6 +100,7 @@ def study_name_for(problem: BuildSpec, space: TuningSpace, objective: str,
     digest = hashlib.sha256(canonical(identity)).hexdigest()[:10]
     dt = {"bfloat16": "bf16", "float32": "f32"}.get(problem.model.dtype, problem.model.dtype)
     q = f"-q{problem.q_len}" if problem.q_len > 1 else ""
+    q += f"-{problem.draft.drafter.kind}" if problem.draft is not None else ""
     d = f"-d{problem.devices}" if problem.devices > 1 else ""
     name = (f"{problem.model.name}-{dt}-{problem.target.name}{d}-b{problem.batch}-c{problem.context}{q}"
             f"-{space.name}-{objective}-{digest}")
@@ -197,8 +200,8 @@ def run(problem: BuildSpec, space: TuningSpace, objective: ObjectiveChoice, sett
         raise ConfigError(f"--workers {settings.workers}: the device objective times trials one at a time on the "
                           "one device (parallel runs would time each other); use --workers 1")
     keys = keys or ResultKeys(problem)
-    identity = study_identity(problem, space, objective.name, keys.evaluator)
-    name = study_name or study_name_for(problem, space, objective.name, keys.evaluator)
+    identity = study_identity(problem, space, objective.key, keys.evaluator)
+    name = study_name or study_name_for(problem, space, objective.key, keys.evaluator)
     url = storage_url(storage, name, settings.root)
     cache = ResultCache(settings.cache_dir or settings.root / "cache")
     runner = TrialRunner(problem, space, objective, settings, cache, name, keys)
@@ -551,7 +554,8 @@ def summarize(study, space: TuningSpace, trials_requested: int, top: int = 5, ur
                      "value_kind": t.user_attrs.get("value_kind"), "objective_source": t.user_attrs.get("objective_source"),
                      "changed_knobs": _changed(t.params, default_params),
                      "compile_seconds": t.user_attrs.get("compile_seconds"), "cached": t.user_attrs.get("cached"),
-                     "floor_seconds": t.user_attrs.get("floor_seconds"), "vmem_bytes": t.user_attrs.get("vmem_bytes")})
+                     "floor_seconds": t.user_attrs.get("floor_seconds"), "vmem_bytes": t.user_attrs.get("vmem_bytes"),
+                     **{k: t.user_attrs[k] for k in ROUND_ATTRS if k in t.user_attrs}})
         if len(best) >= top:
             break
     default_trial = None

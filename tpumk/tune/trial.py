@@ -46,7 +46,9 @@ OBJECTIVE_STAGES = ("estimate",)
 
 # Attributes copied from the trial that evaluated a configuration to a trial that reuses it.
 RESULT_ATTRS = ("objective", "value_kind", "objective_source", "compile_seconds", "lower_seconds", "custom_calls",
-                "model_seconds", "model_source", "estimate_source", "prune_stage", "prune_reason")
+                "model_seconds", "model_source", "estimate_source", "prune_stage", "prune_reason",
+                # a round build's (`_per_accepted_token`)
+                "draft_block", "round_seconds", "accepted_tokens_per_round", "accepted_tokens_per_second")
 # What every evaluation records next to its value (copied onto the trial from a cache entry).
 EVALUATION_ATTRS = ("compile_seconds", "lower_seconds", "custom_calls", "model_seconds", "model_source")
 
@@ -70,7 +72,7 @@ class TrialRunner:
         self.problem, self.objective = problem, objective
         self.space = space.for_build(problem)  # computed knobs get this build's choices
         self.settings, self.cache, self.study_name = settings, cache, study_name
-        self._facts: dict[int, dict[str, Any]] = {}  # by expert_parallel, the one knob facts depend on
+        self._facts: dict[tuple, dict[str, Any]] = {}  # by expert_parallel and draft_block, the knobs facts depend on
         self.keys = keys or ResultKeys(problem)
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -231,13 +233,15 @@ class TrialRunner:
     def facts_for(self, tuning: TuningConfig) -> dict[str, Any]:
         """The constraints' facts for this configuration: on many devices one device's share of
         the model, which only expert_parallel changes (tpumk.tune.space.space_facts)."""
-        ep = tuning.expert_parallel
+        # a round build's draft_block sets the verify step's rows (q_len = draft_block + 1)
+        which = (tuning.expert_parallel, tuning.draft_block)
         with self.lock:
-            found = self._facts.get(ep)
+            found = self._facts.get(which)
         if found is None:
-            found = space_facts(self.problem.replace(tuning=TuningConfig(expert_parallel=ep)))
+            found = space_facts(self.problem.replace(tuning=TuningConfig(expert_parallel=which[0],
+                                                                         draft_block=which[1])))
             with self.lock:
-                self._facts[ep] = found
+                self._facts[which] = found
         return found
 
     def key_of(self, tuning: TuningConfig) -> str:
@@ -283,7 +287,27 @@ class TrialRunner:
         trial.set_user_attr("objective_source", o["source"])
         if self.objective.name == "compiler":
             trial.set_user_attr("estimate_source", o["source"])
+        if self.problem.draft is not None:
+            return self._per_accepted_token(trial, float(o["value"]))
         return float(o["value"])
+
+    def _per_accepted_token(self, trial, round_seconds: float) -> float:
+        """A round build's value: the seconds of one round (tpumk's model, the worker's) over the
+        tokens a round commits on average at the study's per-draft acceptance rate with this
+        trial's block (tpumk.estimate.speculative.expected_acceptance_length): seconds per
+        accepted token per sequence, minimised (accepted tokens per second, maximised)."""
+        from tpumk.estimate.speculative import expected_acceptance_length
+
+        block = self.space.tuning_for(trial.params).draft_block or self.problem.draft.block
+        rate = self.objective.acceptance_rate
+        tokens = expected_acceptance_length(block, rate)
+        trial.set_user_attr("draft_block", block)
+        trial.set_user_attr("round_seconds", round_seconds)
+        trial.set_user_attr("accepted_tokens_per_round", tokens)
+        trial.set_user_attr("accepted_tokens_per_second", tokens / round_seconds)
+        trial.set_user_attr("value_kind", f"tpumk model: seconds per accepted token at a per-draft acceptance "
+                                          f"rate of {rate:g}")
+        return round_seconds / tokens
 
     def _reuse(self, trial, other) -> float:
         """Finish the trial with the result of a finished trial of the same configuration."""

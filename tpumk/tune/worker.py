@@ -78,7 +78,16 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {compiler_error_line(exc)}"
 
 
-def _model_value(plan) -> tuple[float | None, str]:
+def _model_value(plan, draft=None) -> tuple[float | None, str]:
+    """tpumk's timeline model of the step; of a round build (`draft`, a RoundSpec), of one whole
+    round (the verify step and the drafter's passes: tpumk.estimate.speculative.round_model),
+    which the tuner turns into seconds per accepted token (tpumk.tune.trial)."""
+    if draft is not None:
+        from tpumk.estimate.speculative import round_model
+
+        r = round_model(plan.spec, draft.drafter, [1.0])
+        return float(r["round_seconds"]), (f"one round (verify step + {draft.drafter.kind} drafter passes) by "
+                                           f"{r['source']}")
     from tpumk.estimate.timeline import megakernel_step
 
     m = megakernel_step(plan)
@@ -179,17 +188,25 @@ def serve(request: dict[str, Any]) -> dict[str, Any]:
         return reply
     reply["stage"] = "compile"
     try:
-        compiled = compile_plan(plan)
+        if spec.draft is not None:  # a round build: the whole round program, as tpumk build compiles it
+            from tpumk.compile.aot import compile_rounds
+
+            compiled = compile_rounds(plan, spec.draft.drafter, spec.draft.settings(plan.context))
+        else:
+            compiled = compile_plan(plan)
     except Exception as e:  # the compiler's rejection of this configuration (VMEM, layout, ...)
         reply["error"] = error_line(e)
         return reply
     reply.update(compile_seconds=compiled.compile_seconds, lower_seconds=compiled.lower_seconds,
                  custom_calls=compiled.custom_calls)
     try:  # tpumk's model is cheap: kept next to every result so objectives can be compared later
-        reply["model_seconds"], reply["model_source"] = _model_value(plan)
+        reply["model_seconds"], reply["model_source"] = _model_value(plan, spec.draft)
     except Exception as e:
         reply["model_source"] = f"none: {error_line(e)}"
     objective = request["objective"]
+    if spec.draft is not None and objective != "model":  # tpumk.tune.objectives refuses it first
+        reply.update(stage="objective", error=f"a round build is ranked by tpumk's model only, not '{objective}'")
+        return reply
     if objective == "model":
         if reply["model_seconds"] is None:
             reply.update(stage="model", error=f"tpumk model failed: {reply['model_source']}")

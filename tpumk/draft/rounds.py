@@ -22,7 +22,13 @@ host would return to it once per round (a few target tokens). Here one jitted pr
 A sequence that has its `steps` tokens rides along with positions -1 (its rows write nothing,
 its lengths do not move) until the call ends; the host looks at the emitted counts once per call.
 The tokens each sequence emits land in an on-device buffer; nothing returns to the host between
-rounds.
+rounds. A program built for `steps` tokens runs any N <= steps of them: the emitted count starts
+at steps - N + 1 (`first_carry`), so a sequence stops after exactly N tokens (how an exported
+round program serves every length its cache holds).
+
+`RoundSpec` describes the program a build compiles (`BuildSpec.draft`): the drafter (its
+DrafterSpec), the identity of its weights and the settings; `tpumk.compile.aot.compile_rounds`
+compiles it ahead of time, `tpumk.export.artifacts` ships it.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpumk.draft.config import DrafterSpec
 from tpumk.errors import ConfigError
 from tpumk.model import linear_attention
+from tpumk.model.parts import is_int
 
 # verify(packed, tokens [B, q], positions [B, q], cache) -> (logits [B, q, V], cache, taps [B, q, T, H])
 VerifyFn = Callable[..., tuple[jax.Array, Any, jax.Array]]
@@ -74,6 +82,76 @@ class RoundSettings:
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """The speculative round program a build compiles (`BuildSpec.draft`): the drafter (its
+    DrafterSpec: kind, layer shapes, taps and `block`, the drafts per round), where its weights
+    come from (`weights`: ("sha256", the content hash of weights read from files,
+    tpumk.draft.weights.weights_sha256) or ("random_seed", n): `random_params(drafter, n)`),
+    `rounds_per_call` rounds per device call and the acceptance `temperature` (0: greedy).
+    Plain data through to_dict / from_dict: what cache keys, manifests and the tuner record."""
+
+    drafter: DrafterSpec
+    weights: tuple[str, Any]
+    rounds_per_call: int = 8
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.drafter, DrafterSpec):
+            raise ConfigError(f"round spec: drafter = {self.drafter!r:.60}: expected a DrafterSpec")
+        w = self.weights
+        ok = (isinstance(w, tuple) and len(w) == 2 and
+              ((w[0] == "sha256" and isinstance(w[1], str) and len(w[1]) == 64
+                and all(c in "0123456789abcdef" for c in w[1]))
+               or (w[0] == "random_seed" and is_int(w[1]) and w[1] >= 0)))
+        if not ok:
+            raise ConfigError(f"round spec: weights = {w!r:.80}: expected ('sha256', a 64-digit hex digest) or "
+                              "('random_seed', an integer >= 0)")
+        RoundSettings(self.drafter.block, 1, self.rounds_per_call, self.temperature)  # the same checks
+
+    @property
+    def block(self) -> int:
+        return self.drafter.block
+
+    @property
+    def random_seed(self) -> int | None:
+        return self.weights[1] if self.weights[0] == "random_seed" else None
+
+    def settings(self, context: int) -> "RoundSettings":
+        """The program's settings for a KV cache of `context` tokens per sequence: it emits up to
+        context - block - 1 tokens (a one-token prompt's most; `first_carry` runs fewer)."""
+        steps = context - self.block - 1
+        if steps < 1:
+            raise ConfigError(f"round program: context {context}: expected at least block + 2 = {self.block + 2} "
+                              "(a prompt token, a verify step of block + 1 rows)")
+        return RoundSettings(self.block, steps, self.rounds_per_call, float(self.temperature))
+
+    def with_block(self, block: int) -> "RoundSpec":
+        import dataclasses
+
+        return dataclasses.replace(self, drafter=self.drafter.with_block(block))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"drafter": self.drafter.to_dict(), "weights": {self.weights[0]: self.weights[1]},
+                "rounds_per_call": self.rounds_per_call, "temperature": float(self.temperature)}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "draft") -> "RoundSpec":
+        if not isinstance(d, dict) or set(d) != {"drafter", "weights", "rounds_per_call", "temperature"}:
+            raise ConfigError(f"{source}: expected a table of drafter, weights, rounds_per_call and temperature")
+        w = d["weights"]
+        if not (isinstance(w, dict) and len(w) == 1):
+            raise ConfigError(f"{source}: field 'weights': expected one of sha256 = DIGEST or random_seed = N")
+        t = d["temperature"]
+        return cls(DrafterSpec.from_dict(d["drafter"], f"{source}.drafter"), next(iter(w.items())),
+                   d["rounds_per_call"], float(t) if is_int(t) else t)
+
+    def label(self) -> str:
+        how = "greedy" if not self.temperature else f"temperature {self.temperature:g}"
+        return (f"{self.drafter.kind} drafter, {self.block} drafts a round, {self.rounds_per_call} rounds a call, "
+                f"{how}")
 
 
 def greedy_accept(drafts: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,9 +257,16 @@ class RoundStats:
 
 
 def first_carry(prefill_logits, taps, tokens, positions, cache, drafter, dparams, tparams, settings: RoundSettings,
-                seed: int = 0) -> Carry:
+                seed: int = 0, steps: int | None = None) -> Carry:
     """The carry after the prefill (one target step over the prompts with their taps): the first
-    token drawn from the last prompt position's logits, the drafter's context absorbed."""
+    token drawn from the last prompt position's logits, the drafter's context absorbed. `steps`
+    (default settings.steps): the tokens this run emits per sequence, at most the program's
+    settings.steps: the emitted count starts at settings.steps - steps + 1, the first token at
+    out[:, settings.steps - steps], so every sequence stops after exactly `steps` tokens."""
+    steps = settings.steps if steps is None else steps
+    if not 1 <= steps <= settings.steps:
+        raise ConfigError(f"speculative rounds: {steps} steps: expected 1 to the program's {settings.steps}")
+    start = settings.steps - steps
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
@@ -194,9 +279,11 @@ def first_carry(prefill_logits, taps, tokens, positions, cache, drafter, dparams
     b = tokens.shape[0]
     dstate = drafter.init_state(b, cache.max_context)
     dstate = drafter.absorb(dparams, tparams, dstate, taps, tokens, positions, positions >= 0)
-    out = jnp.zeros((b, settings.steps + settings.block + 1), jnp.int32).at[:, 0].set(first)
-    zeros = jnp.zeros((b,), jnp.int32)
-    return Carry(cache, dstate, first, lens, out, jnp.ones((b,), jnp.int32), zeros, zeros, key)
+    out = jnp.zeros((b, settings.steps + settings.block + 1), jnp.int32).at[:, start].set(first)
+    # committed and rounds are two arrays, not one: a program that donates the carry (an exported
+    # round program, tpumk.compile.aot.compile_rounds) may not be given one buffer twice
+    return Carry(cache, dstate, first, lens, out, jnp.full((b,), start + 1, jnp.int32), jnp.zeros((b,), jnp.int32),
+                 jnp.zeros((b,), jnp.int32), key)
 
 
 def padded_prompts(prompts: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
@@ -230,16 +317,26 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
     applied once before the rounds and once after; `on_call(carry)`: called after every device
     call (with rounds_per_call = 1, each round's committed counts). Returns the tokens, the cache
     and the RoundStats (`calls`: how many times the program returned to the host)."""
-    need = required_context(prompts, settings.steps, settings.block)
+    run = jax.jit(make_rounds(verify, drafter, settings))
+    return drive(run, prefill, drafter, packed, dparams, tparams, prompts, cache, settings, settings.steps, seed,
+                 layout, on_call)
+
+
+def drive(run: Callable, prefill: Callable, drafter, packed, dparams, tparams, prompts: Sequence[Sequence[int]],
+          cache, settings: RoundSettings, steps: int, seed: int = 0, layout: tuple[Callable, Callable] | None = None,
+          on_call: Callable[[Carry], None] | None = None) -> tuple[list[list[int]], Any, RoundStats]:
+    """`generate` with the round program given: `run(packed, dparams, tparams, carry) -> carry`
+    built for `settings` (jitted here, or a compiled or loaded one), `steps` <= settings.steps
+    tokens per prompt (`first_carry`)."""
+    need = required_context(prompts, steps, settings.block)
     if cache.max_context < need:
         raise ConfigError(f"--context: {cache.max_context} tokens < {need} needed for the longest prompt plus "
-                          f"{settings.steps} steps plus a verify step of {settings.block + 1}")
+                          f"{steps} steps plus a verify step of {settings.block + 1}")
     tokens, positions = padded_prompts(prompts)
     logits, cache, taps = prefill(tokens, positions, cache)
     if layout is not None:
         cache = layout[0](cache)
-    carry = first_carry(logits, taps, tokens, positions, cache, drafter, dparams, tparams, settings, seed)
-    run = jax.jit(make_rounds(verify, drafter, settings))
+    carry = first_carry(logits, taps, tokens, positions, cache, drafter, dparams, tparams, settings, seed, steps)
     calls = 0
     while True:
         carry = run(packed, dparams, tparams, carry)
@@ -248,57 +345,12 @@ def generate(prefill: Callable, verify: VerifyFn, drafter, packed, dparams, tpar
             on_call(carry)
         if int(np.min(np.asarray(carry.count))) >= settings.steps:  # the one host read per call
             break
-    out = np.asarray(carry.out)[:, :settings.steps]
+    start = settings.steps - steps
+    out = np.asarray(carry.out)[:, start:settings.steps]
     stats = RoundStats(settings.block, calls, np.asarray(carry.rounds).tolist(), np.asarray(carry.committed).tolist())
     return [row.tolist() for row in out], carry.cache if layout is None else layout[1](carry.cache), stats
 
 
-# ---------------------------------------------------------------------- the program, ahead of time
 def target_for_drafter(params: dict) -> dict:
     """What a drafter reads of the target's weights: its embedding and head (tpumk.draft)."""
     return {k: params[k] for k in ("embed", "lm_head") if k in params}
-
-
-def round_specs(plan, drafter, settings: RoundSettings) -> tuple:
-    """ShapeDtypeStructs of run(packed, dparams, tparams, carry) for `plan` (the verify step: q =
-    block + 1, the drafter's taps): the packed weights and cache as the step takes them
-    (`step_specs`), the drafter's weights and state, the target's embedding and head, the
-    carry's vectors; on many devices everything but the step's own arguments replicated over
-    its mesh."""
-    from tpumk.kernel.megakernel import step_mesh, step_specs
-    from tpumk.model.ops import jnp_dtype
-
-    packed, _, _, cache = step_specs(plan)
-    b, model = plan.batch, plan.whole_model
-    place = lambda x: x  # noqa: E731
-    if plan.devices > 1:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        rep = NamedSharding(step_mesh(plan), P())
-        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
-    dt = jnp_dtype(model)
-    tparams = {"embed": jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), dt)}
-    if not model.tie_embeddings:
-        tparams["lm_head"] = jax.ShapeDtypeStruct((model.hidden_size, model.vocab_size), dt)
-    dparams = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), drafter.params)
-    dstate = jax.eval_shape(lambda: drafter.init_state(b, plan.context))
-    vec = jax.ShapeDtypeStruct((b,), jnp.int32)
-    carry = Carry(cache, jax.tree.map(place, dstate), place(vec), place(vec),
-                  place(jax.ShapeDtypeStruct((b, settings.steps + settings.block + 1), jnp.int32)),
-                  place(vec), place(vec), place(vec), place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
-    return packed, jax.tree.map(place, dparams), jax.tree.map(place, tparams), carry
-
-
-def compile_rounds(plan, drafter, settings: RoundSettings):
-    """The round program (`rounds_per_call` rounds: the drafter's passes and the megakernel's
-    verify step with its taps, in one program) compiled for the plan's target, deviceless
-    without a TPU, on one device or the plan's mesh (tpumk.compile.aot.compile_program)."""
-    from tpumk.compile.aot import compile_program
-    from tpumk.kernel.megakernel import make_decode_step
-
-    if plan.q_len != settings.block + 1 or plan.taps != tuple(drafter.taps):
-        raise ConfigError(f"round program: the verify plan has q_len {plan.q_len} and taps {list(plan.taps)}; the "
-                          f"drafter needs q_len {settings.block + 1} and taps {list(drafter.taps)}")
-    run = make_rounds(make_decode_step(plan, nested=True), drafter, settings)
-    return compile_program(run, round_specs(plan, drafter, settings), plan, donate_argnums=(3,))
