@@ -5,8 +5,8 @@ and the round program compiles deviceless for TPU7x and v6e.
 
 The matrix of the issue: eagle3, dflash and dspark on a dense GQA, a MoE and an MLA target, mtp on
 the DeepSeek-V3-style MLA target (its own next-token layer), each on one device (in this
-process) and on four host devices (`tpumk generate --devices 4` in a subprocess), 16 steps,
-2 prompts. Random drafters reject almost every draft, so these cases check the rejection and
+process) and on four host devices (`tpumk generate --devices 4` in a subprocess; the round
+program then built by `tpumk build --devices 4 --draft` for TPU7x and v6e), 16 steps, 2 prompts. Random drafters reject almost every draft, so these cases check the rejection and
 roll-back paths of every kind; tests/test_rounds.py checks acceptance of every count with a
 drafter that proposes the target's own tokens. One one-device case runs by default, the rest (and
 every four-device case) are the `full` tier (tests/README.md)."""
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -28,6 +29,7 @@ from tpumk.compile.aot import compile_rounds
 from tpumk.decode import drafted
 from tpumk.draft import rounds
 from tpumk.decode.generate import load_model
+from tpumk.model import presets
 from tpumk.model import reference as R
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
@@ -48,11 +50,8 @@ def model(target: str):
     return load_model(PRESET[target], None, seed=0)
 
 
-@functools.lru_cache(maxsize=None)
 def plain_greedy(target: str) -> list[list[int]]:
-    m = model(target)
-    cache = R.init_cache(m.cfg, len(PROMPTS), 64, 16)
-    return R.greedy_generate(m.params, m.cfg, PROMPTS, STEPS, cache)[0]
+    return plain_greedy_of(PRESET[target])
 
 
 def _tier(case, default):
@@ -77,10 +76,26 @@ def test_one_device_gives_the_plain_greedy_tokens_and_the_round_compiles(kind, t
         assert compiled.custom_calls == 1, (name, compiled.custom_calls)  # one megakernel in the round program
 
 
+@pytest.fixture(scope="module")
+def four_device_models(tmp_path_factory) -> dict[str, str]:
+    """`--model` of each target on 4 devices: the presets, but tiny-mla's 3 query heads do not split
+    4 ways, so the MLA target is tiny-mla with 4 heads (a model TOML beside the test)."""
+    text = (Path(presets.__file__).parent / "tiny-mla.toml").read_text()
+    for old, new in (('name = "tiny-mla"', 'name = "tiny-mla-4h"'), ("num_q_heads = 3", "num_q_heads = 4"),
+                     ("num_kv_heads = 3", "num_kv_heads = 4")):
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path_factory.mktemp("models") / "tiny-mla-4h.toml"
+    path.write_text(text)
+    return {**PRESET, "mla": str(path)}
+
+
 @pytest.mark.full  # minutes each here; the default run's taps on 4 devices: test_multidevice's moe-4dev-mixed
 @pytest.mark.parametrize("kind, target", CASES)
-def test_four_devices_give_the_plain_greedy_tokens(kind, target, tmp_path):
-    out = subprocess.run(command("tpumk.cli", "generate", "--model", PRESET[target], "--backend", "megakernel", "--devices", "4",
+def test_four_devices_give_the_plain_greedy_tokens_and_the_round_compiles(kind, target, four_device_models,
+                                                                          tmp_path):
+    name = four_device_models[target]
+    out = subprocess.run(command("tpumk.cli", "generate", "--model", name, "--backend", "megakernel", "--devices", "4",
                                  "--draft", SHAPE[kind], "--seed", "0", "--steps", str(STEPS), "--prompt-ids",
                                  ";".join(",".join(map(str, p)) for p in PROMPTS), "--json"),
                          capture_output=True, text=True, cwd=tmp_path, timeout=1800,
@@ -88,7 +103,22 @@ def test_four_devices_give_the_plain_greedy_tokens(kind, target, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert got["devices"] == 4 and got["spec"]["method"] == kind
-    assert got["tokens"] == plain_greedy(target), kind
+    assert got["tokens"] == plain_greedy_of(name), kind
+    for chip in ("tpu7x", "v6e"):  # the 4-device round program, deviceless: one megakernel per device
+        res = CliRunner().invoke(main, ["build", "--model", name, "--target", chip, "--devices", "4", "--context", "64",
+                                        "--batch", str(len(PROMPTS)), "--draft", SHAPE[kind], "--no-estimate",
+                                        "--json"])
+        assert res.exit_code == 0, res.output[-3000:]
+        report = json.loads(res.stdout)
+        block = drafted.load(SHAPE[kind], load_model(name, None, seed=0).cfg, None, seed=1).block
+        assert (report["custom_calls"], report["xla_collectives"], report["q_len"]) == (1, 0, block + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy_of(name: str) -> list[list[int]]:
+    m = load_model(name, None, seed=0)
+    cache = R.init_cache(m.cfg, len(PROMPTS), 64, 16)
+    return R.greedy_generate(m.params, m.cfg, PROMPTS, STEPS, cache)[0]
 
 
 # ---------------------------------------------------------------------- bad input: one line, exit 1
