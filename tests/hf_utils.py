@@ -266,3 +266,101 @@ def build_gpt_oss_mxfp4_checkpoints(out: str | Path, seed: int = 0, **overrides)
         if extra.name not in ("config.json", "model.safetensors"):
             (mx_dir / extra.name).write_bytes(extra.read_bytes())
     return mx_dir, float_dir
+
+
+# ---------------------------------------------------------------------- NVFP4 in NVIDIA ModelOpt's layout
+def e4m3_values() -> np.ndarray:
+    """The 256 float8_e4m3fn values by their byte (sign bit 7, exponent bits 6..3 with bias 7,
+    mantissa bits 2..0; exponent 0: subnormal mantissa / 8 x 2^-6; bytes 0x7F / 0xFF: NaN),
+    from the format's definition, not from a library's cast."""
+    b = np.arange(256)
+    exp, mant = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(exp == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (exp - 7))
+    mag[(b & 0x7F) == 0x7F] = np.nan
+    return np.where(b >= 128, -mag, mag)
+
+
+def nvfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """w [out, in] float32 -> one ModelOpt NVFP4 projection, by numpy alone: (weight [out, in/2]
+    uint8, two e2m1 codes a byte, input element 2j in the low nibble; weight_scale [out, in/16]
+    uint8, the bytes of e4m3 scales; weight_scale_2, the float32 global scale). ModelOpt's
+    recipe: global = absmax / (6 x 448); a 16-element group's scale = its absmax / (6 x global)
+    to the nearest e4m3 value; each element to the nearest e2m1 value of w / (scale x global)."""
+    w = np.asarray(w, np.float32)
+    out, k = w.shape
+    amax = float(np.abs(w).max())
+    g = np.float32(amax / (6 * 448) if amax > 0 else 1.0)
+    groups = w.reshape(out, k // 16, 16)
+    table = e4m3_values()[:127]  # the finite non-negative values, bytes 0..126
+    want = np.abs(groups).max(-1) / (6 * np.float64(g))
+    sbytes = np.argmin(np.abs(want[..., None] - table), -1).astype(np.uint8)
+    step = table[sbytes].astype(np.float32) * g  # (a step of 0: every element of the group is 0)
+    y = np.where(step[..., None] > 0, groups / np.where(step > 0, step, 1)[..., None], 0.0)
+    mag = np.argmin(np.abs(np.abs(y)[..., None] - E2M1_VALUES), -1)  # nearest (ties: the smaller code)
+    nib = (mag + 8 * (y < 0)).reshape(out, k).astype(np.uint8)
+    return np.ascontiguousarray(nib[:, 0::2] | (nib[:, 1::2] << 4)), sbytes, g
+
+
+def nvfp4_decode(weight: np.ndarray, scale_bytes: np.ndarray, global_scale) -> np.ndarray:
+    """`nvfp4_encode` undone: [out, in] float32, (code x e4m3 scale) x global in float32."""
+    nib = np.stack([weight & 15, weight >> 4], -1).reshape(weight.shape[0], -1)
+    codes = (E2M1_VALUES[nib & 7] * np.where(nib >= 8, -1, 1)).astype(np.float32)
+    scales = np.repeat(e4m3_values()[scale_bytes].astype(np.float32), 16, axis=1)
+    return (codes * scales) * np.float32(global_scale)
+
+
+def build_nvfp4_checkpoints(out: str | Path, seed: int = 0, w4a16: bool = False, **overrides) -> tuple[Path, Path]:
+    """A tiny transformers Qwen3-MoE, written twice: `out/nvfp4`, its routed experts in NVIDIA
+    ModelOpt's NVFP4 tensors (per expert projection: `weight` U8 [out, in/2], `weight_scale`
+    F8_E4M3 [out, in/16], `weight_scale_2` F32 [], and `input_scale` F32 [] unless `w4a16`;
+    `quantization_config` {quant_method modelopt, quant_algo NVFP4 | W4A16_NVFP4, group_size 16,
+    ignore [...]}), and `out/float`, the same model with those experts dequantized to float32
+    (everything else identical). Each up projection is scaled by 3 before encoding so gate and
+    up carry different global scales. Returns (nvfp4 dir, float dir)."""
+    import json
+
+    import ml_dtypes  # (numpy's float8_e4m3fn, so safetensors writes the F8_E4M3 tag)
+    from safetensors.numpy import load_file, save_file
+
+    out = Path(out)
+    float_dir = build_checkpoint(out / "float", moe=True, seed=seed, **overrides)
+    nv_dir = out / "nvfp4"
+    nv_dir.mkdir()
+    tensors = {k: np.array(v) for k, v in load_file(float_dir / "model.safetensors").items()}
+    nv = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if not (".mlp.experts." in name and parts[-1] == "weight"):
+            nv[name] = t
+            continue
+        w = t * (3 if parts[-2] == "up_proj" else 1)
+        weight, sbytes, g = nvfp4_encode(w)
+        base = name[:-len("weight")]
+        nv[name] = weight
+        nv[base + "weight_scale"] = sbytes.view(ml_dtypes.float8_e4m3fn)
+        nv[base + "weight_scale_2"] = np.asarray(g, np.float32)
+        if not w4a16:
+            nv[base + "input_scale"] = np.asarray(1 / 448, np.float32)
+        tensors[name] = nvfp4_decode(weight, sbytes, g)  # the float copy holds the dequantized values
+    save_file(tensors, float_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(nv, nv_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4" if w4a16 else "NVFP4", "group_size": 16,
+        "ignore": ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"],
+        "producer": {"name": "modelopt", "version": "0.33.0"}, "kv_cache_quant_algo": None}
+    (nv_dir / "config.json").write_text(json.dumps(config))
+    for extra in float_dir.iterdir():
+        if extra.name not in ("config.json", "model.safetensors"):
+            (nv_dir / extra.name).write_bytes(extra.read_bytes())
+    return nv_dir, float_dir
+
+
+def load_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """A safetensors file as numpy arrays, e4m3 tensors as ml_dtypes' float8_e4m3fn
+    (safetensors' numpy reader has no fp8 dtype; its writer takes ml_dtypes' arrays)."""
+    import ml_dtypes
+    from safetensors.torch import load_file
+
+    return {k: (v.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn) if v.dtype == torch.float8_e4m3fn
+                else v.numpy()) for k, v in load_file(str(path)).items()}

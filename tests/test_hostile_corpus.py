@@ -199,6 +199,46 @@ def _transposed(t: dict) -> None:
     t["model.embed_tokens.weight"] = np.ascontiguousarray(t["model.embed_tokens.weight"].T)
 
 
+NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+
+
+def nvfp4_tensors(change: Callable[[dict], None] | None = None) -> Callable[[], bytes]:
+    """The safetensors of HF_TINY_MOE with its routed experts in ModelOpt's NVFP4 layout (random
+    code and scale bytes), `change` applied before they are written."""
+    def make() -> bytes:
+        import ml_dtypes
+
+        cfg = HF_TINY_MOE
+        h, e, f = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+        rng = np.random.default_rng(1)
+        t = {k: v for k, v in tiny_tensors(cfg).items() if not k.startswith("model.layers.1.mlp.")}
+        t["model.layers.1.mlp.gate.weight"] = (0.1 * rng.standard_normal((e, h))).astype(np.float32)
+        for j in range(e):
+            for proj, (o, i) in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+                p = f"model.layers.1.mlp.experts.{j}.{proj}."
+                t[p + "weight"] = rng.integers(0, 256, (o, i // 2), dtype=np.uint8)
+                scale = rng.integers(0, 0x7F, (o, i // 16), dtype=np.uint8)  # (finite e4m3 bytes)
+                t[p + "weight_scale"] = scale.view(ml_dtypes.float8_e4m3fn)
+                t[p + "weight_scale_2"] = np.asarray(1e-3, np.float32)
+        if change is not None:
+            change(t)
+        return safetensors_bytes(t)
+
+    return make
+
+
+def _nvfp4_nan_scale(t: dict) -> None:
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+    s = t[name].view(np.uint8).copy()
+    s[5, 1] = 0xFF  # e4m3's (negative) NaN
+    t[name] = s.view(t[name].dtype)
+
+
+def _nvfp4_scale_shape(t: dict) -> None:
+    name = "model.layers.1.mlp.experts.1.up_proj.weight_scale"
+    t[name] = np.ascontiguousarray(t[name][:, :4])
+
+
 def truncated_safetensors() -> bytes:
     b = safetensors_bytes(tiny_tensors())
     return b[: len(b) // 2]
@@ -393,6 +433,23 @@ CASES: list[Case] = [
     json_case("json-mxfp4-not-gpt-oss", hf_json(quantization_config={"quant_method": "mxfp4"})),
     Case("json-mxfp4-requantized-int4", ["build", "--model", "config.json", "--target", "cpu", "--quant", "int4"],
          INPUT, files={"config.json": hf_json(HF_TINY_GPT_OSS, quantization_config={"quant_method": "mxfp4"})}),
+    # NVFP4 (ModelOpt): its scales of the wrong shape or NaN (read with the weights, by generate);
+    # a group size and a dense model tpumk does not read (refused from config.json alone, before
+    # export writes anything); an NVFP4 checkpoint re-quantized
+    Case("ckpt-nvfp4-nan-scale", CKPT_GEN, files=checkpoint(
+        config=hf_json(HF_TINY_MOE, quantization_config=NVFP4_CONFIG), tensors=nvfp4_tensors(_nvfp4_nan_scale)),
+        says=("experts.2.down_proj.weight_scale' holds a NaN e4m3 scale",)),
+    Case("ckpt-nvfp4-scale-shape", CKPT_GEN, files=checkpoint(
+        config=hf_json(HF_TINY_MOE, quantization_config=NVFP4_CONFIG), tensors=nvfp4_tensors(_nvfp4_scale_shape)),
+        says=("experts.1.up_proj.weight_scale' has shape [128, 4]", "expected [128, 8] F8_E4M3")),
+    Case("ckpt-nvfp4-group-size-export", ["export", "--checkpoint", "ckpt", "--target", "cpu", "--out", "out"],
+         files=checkpoint(config=hf_json(HF_TINY_MOE, quantization_config={**NVFP4_CONFIG, "group_size": 32}),
+                          tensors=nvfp4_tensors()), says=("nvfp4 group_size 32",)),
+    json_case("json-nvfp4-dense-model", hf_json(quantization_config=NVFP4_CONFIG),
+              says=("an nvfp4 checkpoint of a model without routed experts",)),
+    Case("json-nvfp4-requantized-int4", ["build", "--model", "config.json", "--target", "cpu", "--quant", "int4"],
+         INPUT, files={"config.json": hf_json(HF_TINY_MOE, quantization_config=NVFP4_CONFIG)},
+         says=("the checkpoint stores its weights as nvfp4",)),
     json_case("json-int8-dtype", hf_json(torch_dtype="int8")),
     # ---- model names that are not one path component
     Case("toml-name-dotdot-export", ["export", "--model", "m.toml", "--target", "cpu", "--out", "out"],

@@ -54,6 +54,9 @@ CASES = [
     # SwiGLU, on widths off the lane grid (hidden 192, expert width 200: partial scale groups)
     ("tiny-gpt-oss", "bfloat16", "mxfp4", 2, 1),
     pytest.param("tiny-gpt-oss", "float32", "mxfp4", 1, 2, marks=FULL),
+    # NVFP4 experts (e2m1 codes, an e4m3 scale per 16 rows, a global scale per matrix) on both
+    # decode paths: the default run's case is test_nvfp4_experts_match_the_quantized_reference_and_compile
+    pytest.param("tiny-moe", "bfloat16", "nvfp4", 2, 1, marks=FULL),
 ]
 # Models of CASES that are a preset with some parts changed.
 VARIANTS = {"tiny-cohere": ("tiny-dense", dict(qk_norm=False, norm_kind="layer", parallel_blocks=True)),
@@ -99,7 +102,8 @@ def test_quantize_params_covers_the_ring_matrices_only():
     assert all(isinstance(moe[k], QuantizedMatrix) for k in ("wq", "wk", "wv", "wo", "s_gate", "s_up", "s_down"))
     assert not isinstance(moe["router"], QuantizedMatrix) and moe["e_gate"].dtype == jnp.float32  # routing exact
     assert qp["embed"].dtype == jnp.float32
-    with pytest.raises(ConfigError, match="quant = 'int3': expected none, int8, fp8, int4, fp8-b128, mxfp4, or ring=FMT"):
+    with pytest.raises(ConfigError,
+                       match="quant = 'int3': expected none, int8, fp8, int4, fp8-b128, mxfp4, nvfp4, or ring=FMT"):
         quantize_params(cfg, qp, "int3")
 
 
@@ -137,7 +141,8 @@ def test_schemes_parse_to_one_spelling():
     spec = BuildSpec(load_preset("tiny-moe"), get_target("tpu7x"), quant="ring=int8, experts=int4-g128")
     assert spec.quant == "int4"  # equal builds share one cache key
     for bad in ("ring=int4-g128", "experts=int8", "ring=int8;experts=x", "dense=int8", 3):
-        with pytest.raises(ConfigError, match="expected none, int8, fp8, int4, fp8-b128, mxfp4, or ring=FMT,experts=FMT"):
+        with pytest.raises(ConfigError,
+                           match="expected none, int8, fp8, int4, fp8-b128, mxfp4, nvfp4, or ring=FMT,experts=FMT"):
             parse_scheme(bad)
 
 
@@ -155,10 +160,12 @@ def test_kernel_matches_the_quantized_reference_and_compiles(preset, dtype, sche
     params = random_params(cfg, seed=3)
     qp = quantize_params(cfg, params, scheme)
     plans = [plan]
-    if scheme == "mxfp4":  # the cpu target is a TPU7x (e2m1 codes converted by Mosaic); v6e's path too:
-        # the same nibbles as int4, decoded by integer ops in the stage
+    if scheme in ("mxfp4", "nvfp4"):  # the cpu target is a TPU7x (e2m1 codes, nvfp4's e4m3 scales
+        # converted by Mosaic); v6e's path too: the same nibbles as int4 (and the scale bytes as
+        # int8), decoded by integer ops in the stage
         plans.append(dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, fp4_native=False)))
         assert plans[1].contract.operand("e_gateup").dtype == "int4"
+        assert plans[1].contract.operand("e_gateup_scales").dtype == "int8"
     for p in plans:
         _check_two_steps(p, cfg, qp, batch, q_len, dtype, spec.context)
     # and the same build compiles for TPUs (interpret mode does not check Mosaic's layout rules)
@@ -218,8 +225,8 @@ def test_qwen3_8b_int8_moves_about_half_the_bytes():
 
 def test_bad_scheme_is_one_line():
     with pytest.raises(PlanError, match=r"^build spec: quant = 'int3': expected none, int8, fp8, int4, fp8-b128, mxfp4, "
-                                        r"or ring=FMT,experts=FMT with ring in none\|int8\|fp8\|fp8-b128 and experts in "
-                                        r"none\|int4-g128\|fp8-b128\|mxfp4$"):
+                                        r"nvfp4, or ring=FMT,experts=FMT with ring in none\|int8\|fp8\|fp8-b128 and "
+                                        r"experts in none\|int4-g128\|fp8-b128\|mxfp4\|nvfp4$"):
         BuildSpec(load_preset("tiny-dense"), get_target("tpu7x"), quant="int3")
 
 
@@ -473,3 +480,226 @@ def test_mxfp4_expert_down_scales_load_once_per_expert_without_races(slots, nati
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want, _ = ref.jitted_decode_step(cfg)(qp, tokens, cache.lengths[:, None], cache)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
+
+
+# ---------------------------------------------------------------------- NVFP4 experts
+def test_quantize_matrix_nvfp4():
+    """nvfp4 by ModelOpt's recipe: per matrix of a stack a float32 global scale (absmax / (6 x
+    448)), per (16 input rows, column) an e4m3 scale (the largest at most 448), e2m1 codes; an
+    all-zero group gets scale 0 and codes 0. The reference's matmul (group sums x e4m3 scales,
+    the total x the global scale) equals x @ dequantized up to float32 rounding, and every code
+    times its e4m3 scale is exact in bfloat16 (what the kernel decodes in VMEM)."""
+    from tpumk.model.quantize import format_of
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 256, 200)).astype(np.float32) * rng.uniform(0.01, 3.0, (3, 256, 1)).astype(np.float32)
+    w[1, 16:32, :] = 0.0  # an all-zero group
+    qm = quantize_matrix(w, FORMATS["nvfp4"])
+    assert (qm.q.dtype, qm.scale.dtype, qm.scale.shape, qm.outer.shape, qm.group) == (
+        jnp.float4_e2m1fn, jnp.float8_e4m3fn, (3, 16, 200), (3,), 16)
+    assert format_of(qm).name == "nvfp4" and format_of(quantize_matrix(w, FORMATS["mxfp4"])).name == "mxfp4"
+    np.testing.assert_allclose(np.asarray(qm.outer), np.abs(w).max(axis=(1, 2)) / (6 * 448), rtol=1e-6)
+    sc = np.asarray(qm.scale, np.float32)
+    assert 400 <= sc.max() <= 448 and not sc[1, 1].any() and not np.asarray(qm.q[1, 16:32], np.float32).any()
+    err = relative_rms(qm.dequantized(), w)
+    assert err < 0.12, err  # 15 levels per 16-value group (~0.1 of a gaussian group, as mxfp4's)
+    products = np.asarray(qm.q, np.float32) * np.repeat(sc, 16, axis=1)
+    assert np.array_equal(np.asarray(jnp.asarray(products, jnp.bfloat16), np.float32), products)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    qm0 = qm._replace(q=qm.q[0], scale=qm.scale[0], outer=qm.outer[0], compute=jnp.zeros((0,), jnp.float32))
+    np.testing.assert_allclose(ref.matmul(jnp.asarray(x), qm0), x @ np.asarray(qm0.dequantized()), rtol=2e-5, atol=2e-4)
+
+
+def test_e4m3_scales_decode_exactly_on_both_paths():
+    """The stage's decode of nvfp4's e4m3 scales, Mosaic's conversion (TPU7x) and the integer ops
+    of the other chips (the byte in an int8), gives every finite e4m3 value exactly: checked on
+    all 254 non-NaN bytes against the format's definition (tests/hf_utils.e4m3_values)."""
+    import functools
+
+    import jax
+    from hf_utils import e4m3_values
+
+    from tpumk.kernel.moe import _e4m3_values, e4m3_bytes
+
+    want = e4m3_values().astype(np.float32)
+    finite = ~np.isnan(want)
+    codes = jnp.asarray(np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)[finite])
+    plan = make_plan(_spec("tiny-moe", "float32", "nvfp4", 1, 1))
+    for native in (True, False):
+        geom = dataclasses.replace(plan.moe, fp4_native=native)
+        packed = codes if native else e4m3_bytes(codes)
+        assert str(packed.dtype) == geom.scale_dtype
+        got = np.asarray(jax.jit(functools.partial(_e4m3_values, geom))(packed))
+        assert np.array_equal(got.view(np.uint32), want[finite].view(np.uint32))  # bit for bit, -0 included
+
+
+@FULL  # (about 25 s) the default run: test_nvfp4_checkpoint_through_the_megakernel_gives_its_float_copy_greedy_tokens
+def test_nvfp4_experts_match_the_quantized_reference_and_compile():
+    """NVFP4 experts in the megakernel, the integer decode path (v6e's: codes as int4 nibbles,
+    e4m3 scale bytes as int8) in interpret mode: tiny-gpt-oss (widths off the lane grid: a
+    partial 16-row group, expert biases, clamped SwiGLU), float32, chunks of 128 columns (two an
+    expert, the down scales loaded once per expert) in 3 slots, against the quantized reference,
+    with the interpreter's race detector. The same build compiles for v6e and for TPU7x (its
+    codes and scales converted by Mosaic: float4_e2m1fn, float8_e4m3fn operands)."""
+    from test_megakernel import races_found
+
+    spec = _spec("tiny-gpt-oss", "float32", "nvfp4", 3, 1, tuning=TuningConfig(expert_chunk=128, expert_slots=3))
+    plan = make_plan(spec)
+    plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, fp4_native=False))
+    m = plan.moe
+    assert (m.code_dtype, m.scale_dtype, m.scale_group, m.chunks_per_expert, m.expert_scale_buffers) == (
+        "int4", "int8", 16, 2, 3)
+    assert plan.contract.operand("e_global_scales").shape == (2, 8, 128)
+    cfg = spec.model
+    qp = quantize_params(cfg, random_params(cfg, seed=4), "nvfp4")
+    assert scheme_of(qp) == "nvfp4" and qp["layers"][0]["e_up"].outer.shape == (cfg.num_experts,)
+    cache = ref.init_cache(cfg, 3, spec.context)
+    rng = np.random.default_rng(2)
+    _, cache = ref.prefill(qp, cfg, [list(rng.integers(0, cfg.vocab_size, 5 + i)) for i in range(3)], cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 1)), jnp.int32)
+    got, _ = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, cache.lengths[:, None], cache)
+    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    want, _ = ref.jitted_decode_step(cfg)(qp, tokens, cache.lengths[:, None], cache)
+    # the same f32 products; only the summation order over K differs (float32 model)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
+    for target, codes, scales in (("v6e", "int4", "int8"), ("tpu7x", "float4_e2m1fn", "float8_e4m3fn")):
+        p = make_plan(spec.replace(target=get_target(target)))
+        assert (p.moe.code_dtype, p.moe.scale_dtype) == (codes, scales)
+        assert compile_plan(p).custom_calls == 1
+
+
+def test_qwen3_30b_a3b_nvfp4_streams_nine_sixteenths_of_a_byte_per_expert_weight():
+    """qwen3-30b-a3b with NVFP4 experts on TPU7x: each chunk streams its codes at half a byte per
+    weight and its e4m3 scales at one byte per 16 rows (H/16 = 128 rows a gate|up block, whole
+    (32, 128) tiles), each expert's down scales once (Fe/16 = 48 rows -> 64), and each layer's
+    global scales with the router (f32 [8, Ep]); the plan's weight bytes count the same."""
+    from tpumk.model.quantize import quantized_weight_bytes
+
+    cfg = resolve_model("qwen3-30b-a3b")
+    g = make_plan(BuildSpec(cfg, get_target("tpu7x"), quant="nvfp4")).moe
+    h, c, kb, nc = g.hidden, g.expert_chunk, g.blocks_per_chunk, g.chunks_per_expert
+    assert (g.code_dtype, g.scale_dtype, g.fp4_native, h) == ("float4_e2m1fn", "float8_e4m3fn", True, 2048)
+    assert g.slot_bytes == 3 * h * c // 2 + kb * 128 * 256  # codes + gate|up scales
+    assert g.expert_scale_bytes == 64 * h and g.expert_bytes == nc * g.slot_bytes + 64 * h
+    assert g.router_bytes == h * g.experts_padded * 2 + 8 * g.experts_padded * 4
+    per_weight = g.expert_bytes / (3 * h * g.expert_ffn)
+    # codes, scales, and the down scales' padding (16 rows of H per expert)
+    assert abs(per_weight - (0.5 + 1 / 16 + 16 / (3 * 768))) < 1e-12, per_weight
+    n = 48 * 128 * 3 * 2048 * 768
+    assert quantized_weight_bytes(cfg, "nvfp4") == (cfg.param_count() - n) * 2 + n // 2 + n // 16 + 4 * 3 * 48 * 128
+
+
+# NVFP4 checkpoints in NVIDIA ModelOpt's layout, written by numpy alone (tests/hf_utils.py)
+@pytest.fixture(scope="module")
+def nvfp4_dirs(tmp_path_factory):
+    from hf_utils import build_nvfp4_checkpoints
+
+    return build_nvfp4_checkpoints(tmp_path_factory.mktemp("nvfp4"), seed=3, num_hidden_layers=2, mlp_only_layers=[])
+
+
+def test_nvfp4_checkpoint_through_the_megakernel_gives_its_float_copy_greedy_tokens(nvfp4_dirs):
+    """A tiny Qwen3-MoE whose routed experts are stored as ModelOpt stores NVFP4 (weight U8 two
+    e2m1 codes a byte, weight_scale F8_E4M3 per 16 inputs, weight_scale_2 F32, input_scale F32)
+    loads as stored: its codes and e4m3 scales bit for bit, its global scales as stored, and
+    its dequantized weights equal an independent numpy decode of the bytes (tests/hf_utils.py,
+    from the formats' definitions) bit for bit. Through the megakernel (interpret mode, the cpu
+    target's TPU7x decode path), it gives the greedy tokens transformers gives on its float copy
+    (the same model with those experts dequantized to float32). Its build compiles deviceless
+    for TPU7x (codes and e4m3 scales converted by Mosaic) and v6e (int4 nibbles and scale bytes
+    decoded by integer ops; that path in interpret mode: test_nvfp4_experts_match_the_quantized_
+    reference_and_compile, full tier, and test_e4m3_scales_decode_exactly_on_both_paths)."""
+    import ml_dtypes
+    from hf_utils import hf_greedy, load_tensors, nvfp4_decode
+
+    from tpumk.decode.generate import generate, load_model
+
+    nv_dir, float_dir = nvfp4_dirs
+    m = load_model(None, str(nv_dir))
+    assert m.quant == "nvfp4" and "nvfp4 as stored" in m.source and scheme_of(m.params) == "nvfp4"
+    stored = load_tensors(nv_dir / "model.safetensors")
+    for layer in range(2):
+        for j, (proj, key) in enumerate((("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down"))):
+            e = (3 * layer + j) % 8
+            base = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
+            weight, scale, g = (stored[base + k] for k in ("weight", "weight_scale", "weight_scale_2"))
+            assert scale.dtype == ml_dtypes.float8_e4m3fn and g.shape == ()
+            got = m.params["layers"][layer][key]
+            nibbles = np.asarray(got.q[e]).T.view(np.uint8) & 15  # float4_e2m1fn: its 4 bits in a byte
+            assert np.array_equal(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), weight)
+            assert np.array_equal(np.asarray(got.scale[e]).T.view(np.uint8), scale.view(np.uint8))
+            assert np.asarray(got.outer)[e] == g
+            want = nvfp4_decode(weight, scale.view(np.uint8), g)
+            assert np.array_equal(np.asarray(got.dequantized()[e]).T, want)
+    prompts = [[3, 17, 42, 7, 99], [250, 1, 64]]
+    want = hf_greedy(float_dir, prompts, 6)
+    got = generate(m, prompts, 6, backend="megakernel")
+    assert got["tokens"] == want and "megakernel" in got["ran_on"]
+    for target, codes, scales in (("v6e", "int4", "int8"), ("tpu7x", "float4_e2m1fn", "float8_e4m3fn")):
+        plan = make_plan(BuildSpec(m.cfg, get_target(target), batch=2, context=64, quant=m.quant))
+        assert (plan.moe.code_dtype, plan.moe.scale_dtype) == (codes, scales)
+        assert compile_plan(plan).custom_calls == 1
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    ("scale-shape", "CheckpointError", r"tensor 'model.layers.1.mlp.experts.2.down_proj.weight_scale' has shape "
+                                       r"\[256, 8\] and dtype F8_E4M3, expected \[256, 16\] F8_E4M3"),
+    ("nan-scale", "CheckpointError", r"tensor 'model.layers.0.mlp.experts.5.up_proj.weight_scale' holds a NaN e4m3 "
+                                     r"scale"),
+    ("nan-global", "CheckpointError", r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight_scale_2' = nan: "
+                                      r"expected a finite global scale"),
+    ("no-scale", "CheckpointError", r"missing tensor 'model.layers.0.mlp.experts.3.gate_proj.weight_scale' "),
+    ("attention", "NotSupportedError", r"tensor 'model.layers.0.self_attn.o_proj.weight' in nvfp4 \(tpumk reads the "
+                                       r"routed experts in NVFP4"),
+    ("group-size", "NotSupportedError", r"nvfp4 group_size 32 \(NVFP4 has one e4m3 scale per 16 values\)"),
+    ("kv-cache", "NotSupportedError", r"kv_cache_quant_algo 'FP8'"),
+])
+def test_nvfp4_checkpoint_refusals(nvfp4_dirs, tmp_path, bad, err, match):
+    """An NVFP4 scale of the wrong shape, a NaN e4m3 or global scale, a missing scale, NVFP4
+    outside the routed experts, another group size, a quantized KV cache: one line naming the
+    tensor or field (the CLI's exit code and nothing written: tests/test_hostile_corpus.py)."""
+    import json
+    import shutil
+
+    import ml_dtypes
+    from hf_utils import load_tensors
+    from safetensors.numpy import save_file
+
+    from tpumk import errors
+    from tpumk.model.checkpoint import load_checkpoint
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(nvfp4_dirs[0], d)
+    t = load_tensors(d / "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    if bad == "scale-shape":
+        name = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+        t[name] = np.ascontiguousarray(t[name][:, :8])
+    elif bad == "nan-scale":
+        s = t["model.layers.0.mlp.experts.5.up_proj.weight_scale"].view(np.uint8).copy()
+        s[7, 3] = 0x7F  # e4m3's NaN
+        t["model.layers.0.mlp.experts.5.up_proj.weight_scale"] = s.view(ml_dtypes.float8_e4m3fn)
+    elif bad == "nan-global":
+        t["model.layers.0.mlp.experts.0.gate_proj.weight_scale_2"] = np.asarray(np.nan, np.float32)
+    elif bad == "no-scale":
+        del t["model.layers.0.mlp.experts.3.gate_proj.weight_scale"]
+    elif bad == "attention":  # o_proj [256, 512] in nvfp4 (an all-zero copy: refused before it is read)
+        base = "model.layers.0.self_attn.o_proj."
+        t[base + "weight"] = np.zeros((256, 256), np.uint8)
+        t[base + "weight_scale"] = np.zeros((256, 32), ml_dtypes.float8_e4m3fn)
+        t[base + "weight_scale_2"] = np.asarray(1.0, np.float32)
+    elif bad == "group-size":
+        cfg["quantization_config"]["group_size"] = 32
+    else:
+        cfg["quantization_config"]["kv_cache_quant_algo"] = "FP8"
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(getattr(errors, err), match=match) as e:
+        load_checkpoint(d)
+    assert "\n" not in str(e.value)
+
+
+def test_nvfp4_checkpoint_is_not_requantized(nvfp4_dirs):
+    from tpumk.decode.generate import load_model, quantized
+
+    with pytest.raises(ConfigError, match=r"^--quant int4: the checkpoint stores its weights as nvfp4"):
+        quantized(load_model(None, str(nvfp4_dirs[0])), "int4")

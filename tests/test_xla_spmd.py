@@ -180,6 +180,19 @@ def test_quantized_weights_shard_with_their_scales(ep):
     assert shapes["p['layers'][0]['wq'].scale"] == (wq[1],) and p.collective_ops > 0
 
 
+def test_nvfp4_global_scales_follow_the_expert_split():
+    """`--quant nvfp4` with the experts split over 4 devices: each device holds a quarter of the
+    experts with their e4m3 scales (one per 16 rows) and their float32 global scales (one per
+    matrix, `QuantizedMatrix.outer`), and XLA compiles the SPMD step."""
+    cfg = load_preset("tiny-moe")
+    p = xs.compile_xla_spmd(cfg, 1, 4096, 1, TPU7X, 4, True, quant="nvfp4")
+    shapes = xs.entry_parameter_shapes(p.hlo_text)
+    e, h, fe = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+    assert shapes["p['layers'][1]['e_gate'].scale"] == (e // 4, h // 16, fe)
+    assert shapes["p['layers'][1]['e_down'].scale"] == (e // 4, fe // 16, h)
+    assert shapes["p['layers'][1]['e_up'].outer"] == shapes["p['layers'][1]['e_down'].outer"] == (e // 4,)
+
+
 def test_a_hybrid_on_2_devices_replicates_its_linear_layers_and_compiles():
     """A hybrid's XLA SPMD step: gated attention's wq_gate split with wq (its columns are the
     query heads'), the linear layers' weights and state pool replicated (said in the notes),

@@ -23,8 +23,10 @@ from tpumk.model.quantize import SCHEMES as QUANT_SCHEMES
 QUANT_HELP = (f"Weight formats: {', '.join(QUANT_SCHEMES)}, or ring=FMT,experts=FMT. int8 / fp8: every matrix "
               "the ring streams (projections, dense FFN, shared experts, lm_head) as int8 or e4m3 codes with a "
               "float32 scale per output column; int4: those int8 and the routed experts int4 with a scale per "
-              "128 input rows; fp8-b128: e4m3 with 128 x 128 block scales (how FP8 checkpoints are stored). "
-              "Float weights are quantized at pack time.")
+              "128 input rows; fp8-b128: e4m3 with 128 x 128 block scales (how FP8 checkpoints are stored); "
+              "mxfp4 / nvfp4: the routed experts as e2m1 codes with a scale per 32 (E8M0) or 16 input rows "
+              "(e4m3, and a float32 scale per matrix), the rest in the model dtype. Float weights are quantized "
+              "at pack time; a quantized checkpoint builds as it is stored.")
 
 
 _BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")

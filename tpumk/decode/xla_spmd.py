@@ -241,9 +241,10 @@ def xla_spmd_specs(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh:
     pool = xla_state_args(cfg, batch, q_len)
 
     def on(s, spec: P):
-        if isinstance(s, QuantizedMatrix):
+        if isinstance(s, QuantizedMatrix):  # nvfp4's global scales follow the leading (expert) split
+            lead = P(*(tuple(spec) + (None,) * len(s.q.shape))[:len(s.q.shape) - 2]) if spec != REPLICATED else spec
             return QuantizedMatrix(on(s.q, spec), on(s.scale, scale_spec(spec, s, layout.devices)),
-                                   on(s.compute, REPLICATED))
+                                   on(s.compute, REPLICATED), None if s.outer is None else on(s.outer, lead))
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(m, spec))
 
     sharded = {k: on(v, layout.params[k]) for k, v in params.items() if k != "layers"}

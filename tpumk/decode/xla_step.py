@@ -109,7 +109,8 @@ def _picked_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:
         return jnp.einsum(f"{xs},nkcm->nkm", x.astype(w.dtype), w[ids], preferred_element_type=jnp.float32)
     xg, qg = grouped_operands(x, w.q[ids], w)  # codes [N, k, K, M] -> [N, k, G, group, M]
     parts = jnp.einsum(f"{xs[:-1]}gc,nkgcm->nkgm", xg, qg, precision=jax.lax.Precision.HIGHEST)
-    return jnp.sum(parts * w.scale[ids], axis=-2)
+    y = jnp.sum(parts * w.scale.astype(jnp.float32)[ids], axis=-2)
+    return y if w.outer is None else y * jnp.asarray(w.outer, jnp.float32)[ids][..., None]
 
 
 def xla_decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,

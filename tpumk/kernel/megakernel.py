@@ -50,8 +50,8 @@ from tpumk.kernel.memory import block_spec, scratch_shape, shape_struct
 from tpumk.kernel.norms import (residual_norm, rms_norm, rms_norm_from_sums, rms_norm_heads, rope_heads, rope_tables,
                                 swiglu_act)
 from tpumk.kernel.ring import WeightRing
-from tpumk.plan.contract import (MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES, STATE_ARRAYS, STATE_SCALARS,
-                                 KernelContract)
+from tpumk.plan.contract import (MOE_GLOBAL_OPERANDS, MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES,
+                                 STATE_ARRAYS, STATE_SCALARS, KernelContract)
 from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.plan.geometry import (LANE, QUERY_SCALE_LANES, VECTOR_ROW, heads_per_lane_block, mla_dims,
                                  rope_table_lanes)
@@ -113,7 +113,8 @@ def _kernel(plan: Plan):
         q_scale_ref = ins.get("q_scale")  # position-scaled queries: each row's factor (glue, rope.query_scale)
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
-        moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS) if plan.moe is not None and plan.moe.quantized else None
+        moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS + (MOE_GLOBAL_OPERANDS if plan.moe.nv else ())) \
+            if plan.moe is not None and plan.moe.quantized else None
         moe_bias = ins["e_gateup_bias"] if plan.moe is not None and plan.moe.expert_bias else None
         logits_ref, *outs = refs[n_in:n_in + n_out]
         taps_ref = outs.pop() if plan.taps else None  # the last output
@@ -479,7 +480,7 @@ def _kernel(plan: Plan):
                 vec = layer_vectors(layer)
                 moe_index = seg.moe_base + (layer - seg.first_layer)
                 # The router is small: fetch it while attention runs.
-                moe_mod.start_router_fetch(plan.moe, moe_index, router, s.moe)
+                moe_mod.start_router_fetch(plan.moe, moe_index, router, s.moe, scales_hbm=moe_scales)
                 mixer_block(seg, layer, vec)
                 x = s.normed[...]
                 # Routing first, so the expert loads are in flight while the shared expert streams.

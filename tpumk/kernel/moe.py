@@ -52,7 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpumk.errors import PlanError
 from tpumk.kernel.memory import scratch_shape, shape_struct
 from tpumk.model.config import ModelConfig
-from tpumk.model.quantize import E8M0_BIAS, GROUP, MX_GROUP, QuantizedMatrix
+from tpumk.model.quantize import E8M0_BIAS, GROUP, MX_GROUP, NV_GROUP, QuantizedMatrix
 from tpumk.model.reference import expert_activation
 from tpumk.plan.geometry import F32_SUBLANES, LANE, SUBLANES, MoEGeometry, moe_layer_ids, round_up
 
@@ -92,6 +92,11 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     mxfp4 experts (e2m1 codes, one power-of-two scale per 32 input rows): the codes as
     float4_e2m1fn with `fp4_native` (TPU7x), else the same nibbles as int4; the scales as their
     E8M0 bytes (int8), row g for input rows [32g, 32g+32), padded to whole (32, 128) int8 tiles.
+    nvfp4 experts (e2m1 codes, one e4m3 scale per 16 input rows, a global scale per matrix):
+    the codes as mxfp4's; the scales as float8_e4m3fn with `fp4_native`, else their bytes in
+    int8, row g for input rows [16g, 16g+16), laid out as mxfp4's (the down scales per expert);
+    and `e_global_scales [Lm, 8, Ep]` f32: rows 0, 1, 2 the gate, up and down matrices' global
+    scales, lane j the layer's j-th packed (owned) expert.
 
     Works on jax or numpy arrays (jnp ops; numpy inputs land on the default device).
     """
@@ -107,14 +112,14 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     def codes(a):
         if not isinstance(a, QuantizedMatrix):
             return jnp.asarray(a, dt)
-        return a.q if fp4_native or a.group != MX_GROUP else e2m1_as_int4(a.q)
+        return a.q if fp4_native or a.group not in (MX_GROUP, NV_GROUP) else e2m1_as_int4(a.q)
 
     def blocks(a, owned):  # [E, H, Fe] -> [E, nb, H, 128]
         return a.reshape(owned, a.shape[1], nb, LANE).transpose(0, 2, 1, 3)
 
     moe = cfg.moe
     tile = SUBLANES["float32" if moe.router_correction_bias else cfg.dtype]
-    gu_biases = []
+    gu_biases, globals_ = [], []
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
         rdt = jnp.float32 if moe.router_correction_bias else dt
@@ -139,28 +144,35 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
         if isinstance(layer["e_gate"], QuantizedMatrix):
             gate, up, down = layer["e_gate"], layer["e_up"], layer["e_down"]
             group = gate.group
-            if not (gate.grouped and group in (GROUP, MX_GROUP) and down.grouped and down.group == group):
-                raise PlanError(f"pack_experts: quantized experts need scales per {GROUP} (or mxfp4's {MX_GROUP}) "
-                                f"input rows (got groups of {gate.group} / {down.group})")
+            if not (gate.grouped and group in (GROUP, MX_GROUP, NV_GROUP) and down.grouped and down.group == group):
+                raise PlanError(f"pack_experts: quantized experts need scales per {GROUP} (or mxfp4's {MX_GROUP}, "
+                                f"nvfp4's {NV_GROUP}) input rows (got groups of {gate.group} / {down.group})")
             if expert_chunk is None:
                 raise PlanError("pack_experts: quantized experts are packed per chunk: pass expert_chunk")
-            as_stored = e8m0_bytes if group == MX_GROUP else (lambda a: a)
-            scale_tile = SUBLANES["int8" if group == MX_GROUP else "float32"]
+            micro = group in (MX_GROUP, NV_GROUP)  # one-byte scales, the down ones per expert
+            as_stored = e8m0_bytes if group == MX_GROUP else \
+                (lambda a: a if fp4_native else e4m3_bytes(a)) if group == NV_GROUP else (lambda a: a)
+            scale_tile = SUBLANES["int8" if micro else "float32"]
             g = h // group
             gs = jnp.concatenate([blocks(as_stored(gate.scale), owned), blocks(as_stored(up.scale), owned)],
                                  axis=-1)  # [E, nb, G, 256]
             gu_scales.append(jnp.pad(gs, ((0, 0), (0, 0), (0, round_up(g, scale_tile) - g), (0, 0))))
-            if group == MX_GROUP:  # mxfp4: the whole expert's down scales, loaded once per expert
-                ds = as_stored(down.scale)  # [E, Fe/32, H]
+            if micro:  # mxfp4 / nvfp4: the whole expert's down scales, loaded once per expert
+                ds = as_stored(down.scale)  # [E, Fe/32 (Fe/16), H]
                 dn_scales.append(jnp.pad(ds, ((0, 0), (0, round_up(ds.shape[1], scale_tile) - ds.shape[1]), (0, 0))))
             else:
                 per_chunk = expert_chunk // group
                 ds = as_stored(down.scale).reshape(owned, fe // expert_chunk, per_chunk, h)
                 dn_scales.append(jnp.pad(ds, ((0, 0), (0, 0), (0, round_up(per_chunk, scale_tile) - per_chunk),
                                               (0, 0))))
+            if group == NV_GROUP:  # rows gate, up, down of one (8, Ep) f32 tile, lane = owned expert
+                rows = jnp.stack([jnp.asarray(m.outer, jnp.float32) for m in (gate, up, down)])  # [3, E]
+                globals_.append(jnp.zeros((F32_SUBLANES, ep), jnp.float32).at[:3, :owned].set(rows))
     out = {"router": jnp.stack(routers), "e_gateup": jnp.stack(gateups), "e_down": jnp.stack(downs)}
     if gu_scales:
         out.update(e_gateup_scales=jnp.stack(gu_scales), e_down_scales=jnp.stack(dn_scales))
+    if globals_:
+        out.update(e_global_scales=jnp.stack(globals_))
     if gu_biases:
         out.update(e_gateup_bias=jnp.stack(gu_biases))
     return out
@@ -184,6 +196,12 @@ def e8m0_bytes(scale) -> jax.Array:
     return jnp.where(b > 127, b - 256, b).astype(jnp.int8)
 
 
+def e4m3_bytes(scale) -> jax.Array:
+    """float8_e4m3fn scales -> their bytes in an int8 container (a bitcast: what a chip whose
+    Mosaic does not convert e4m3 streams; `_e4m3_values` decodes it)."""
+    return lax.bitcast_convert_type(jnp.asarray(scale, jnp.float8_e4m3fn), jnp.int8)
+
+
 def packed_shapes(geom: MoEGeometry) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of `pack_experts`' output for this geometry (for deviceless compiles and checks)."""
     return {b.name: shape_struct(b) for b in geom.packed()}
@@ -204,8 +222,9 @@ class MoEScratch(NamedTuple):
     gateup_scales: Any = None  # quantized: VMEM [S, C/128, G8, 256] f32, each block's group scales
     down_scales: Any = None  # quantized: VMEM [S, C8, H] f32, the down chunk's group scales
     gateup_bias: Any = None  # expert biases: VMEM [S, C/128, 8, 256] f32, each block's biases in row 0
-    expert_sems: Any = None  # mxfp4: DMA semaphores [B], one per expert down-scale buffer
-    down_scales_f32: Any = None  # mxfp4: VMEM [R, H] f32, the current expert's down scales decoded
+    expert_sems: Any = None  # mxfp4 / nvfp4: DMA semaphores [B], one per expert down-scale buffer
+    down_scales_f32: Any = None  # mxfp4 / nvfp4: VMEM [R, H] f32, the current expert's down scales decoded
+    global_scales: Any = None  # nvfp4: VMEM [8, Ep] f32, this layer's global scales (rows gate, up, down)
 
 
 def moe_scratch(geom: MoEGeometry) -> list:
@@ -229,13 +248,19 @@ def _precision(geom: MoEGeometry):
 
 
 # ---------------------------------------------------------------------- in-kernel pieces
-def _router_copy(moe_layer, router_hbm, scr: MoEScratch):
-    return pltpu.make_async_copy(router_hbm.at[moe_layer], scr.router, scr.sems.at[0])
+def _router_copies(geom: MoEGeometry, moe_layer, router_hbm, scr: MoEScratch, scales_hbm=None) -> list:
+    """The layer's once-per-layer loads: its router, and nvfp4's global scales (`scales_hbm[2]`)."""
+    out = [pltpu.make_async_copy(router_hbm.at[moe_layer], scr.router, scr.sems.at[0])]
+    if geom.nv:
+        out.append(pltpu.make_async_copy(scales_hbm[2].at[moe_layer], scr.global_scales, scr.sems.at[2]))
+    return out
 
 
-def start_router_fetch(geom: MoEGeometry, moe_layer, router_hbm, scratch) -> None:
-    """Issue this layer's router DMA early; then call the stage with `router_started=True`."""
-    _router_copy(moe_layer, router_hbm, _as_scratch(geom, scratch)).start()
+def start_router_fetch(geom: MoEGeometry, moe_layer, router_hbm, scratch, scales_hbm=None) -> None:
+    """Issue this layer's router DMA (and nvfp4's global scales) early; then call the stage with
+    `router_started=True` and the same `scales_hbm`."""
+    for cp in _router_copies(geom, moe_layer, router_hbm, _as_scratch(geom, scratch), scales_hbm):
+        cp.start()
 
 
 _EXCLUDED, _TAKEN = -1e30, -2e30  # below any (biased) score: never picked
@@ -390,7 +415,7 @@ def _chunk_copies(geom: MoEGeometry, moe_layer, t, e_gateup_hbm, e_down_hbm, scr
     copies = [pltpu.make_async_copy(gu_src, scr.gateup.at[slot], scr.slot_sems.at[0, slot]),
               pltpu.make_async_copy(dn_src, scr.down.at[slot], scr.slot_sems.at[1, slot])]
     if geom.quantized:
-        gs_hbm, ds_hbm = scales_hbm
+        gs_hbm, ds_hbm = scales_hbm[:2]
         gs_src = gs_hbm.at[moe_layer, local] if nc == 1 else gs_hbm.at[moe_layer, local, blocks]
         copies.append(pltpu.make_async_copy(gs_src, scr.gateup_scales.at[slot], scr.slot_sems.at[2, slot]))
         if not geom.mx:  # (mxfp4: per expert, `_expert_scale_copy`)
@@ -447,10 +472,12 @@ def moe_route_and_prefetch(geom: MoEGeometry, moe_layer, x, router_hbm, e_gateup
     its weight ring) with the first expert loads. State lives in scratch; nothing is returned.
     """
     scr = _as_scratch(geom, scratch)
-    router_dma = _router_copy(moe_layer, router_hbm, scr)
-    if not router_started:
-        router_dma.start()
-    router_dma.wait()
+    router_dmas = _router_copies(geom, moe_layer, router_hbm, scr, scales_hbm)
+    for cp in router_dmas:
+        if not router_started:
+            cp.start()
+    for cp in router_dmas:
+        cp.wait()
     combine, picked = _route(geom, x, scr.router)
     scr.combine[...] = combine
     if geom.sharded:  # every device routes alike; each streams only the picked experts it owns
@@ -512,6 +539,26 @@ def _e8m0_values(scale_bytes):
     return lax.bitcast_convert_type(b << 23, jnp.float32)
 
 
+def _e4m3_values(geom: MoEGeometry, scales):
+    """nvfp4's e4m3 scales -> float32. TPU7x: float8_e4m3fn, converted by Mosaic. Elsewhere the
+    byte in an int8: exponent field e (bits 6..3) and mantissa m (bits 2..0) are the float32
+    with exponent e + 120 and the mantissa's 3 bits on top of its own (e >= 1), or m x 2^-9
+    (e = 0, subnormal; exact); bit 7 the sign. The loader refuses NaN (bytes 0x7F, 0xFF)."""
+    if geom.fp4_native:
+        return scales.astype(jnp.float32)
+    b = scales.astype(jnp.int32)
+    b = jnp.where(b < 0, b + 256, b)
+    e, m = (b >> 3) & 15, b & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    mag = jnp.where(e == 0, m.astype(jnp.float32) * (2.0 ** -9), normal)
+    return jnp.where(b >= 128, -mag, mag)
+
+
+def _scale_values(geom: MoEGeometry, scales):
+    """A microscaled format's packed scales -> float32: mxfp4's E8M0 bytes, nvfp4's e4m3."""
+    return _e4m3_values(geom, scales) if geom.nv else _e8m0_values(scales)
+
+
 def _e2m1_values(geom: MoEGeometry, codes):
     """e2m1 codes -> float32 values. TPU7x: float4_e2m1fn, converted by Mosaic. Elsewhere the
     nibble in an int4: magnitude code m (0..7) is 0, 0.5, or for m >= 2 the float32 with bits
@@ -526,26 +573,29 @@ def _e2m1_values(geom: MoEGeometry, codes):
 
 
 def _mx_dot(geom: MoEGeometry, x_groups, codes, scales, dt, prec):
-    """sum over 128-row groups g of x_g @ (codes_g decoded, each 32 rows times their scale) in dt,
-    f32 accumulation: a microscaled matmul (x_groups: the [N, 128] slices of x in dt; codes a
-    VMEM ref [K, M]; scales [>= K/32, M] f32 powers of two, `_e8m0_values`). A code times a
-    power of two is exact in bfloat16, so the dequantized operand equals the reference's."""
-    per = GROUP // MX_GROUP
+    """sum over 128-row groups g of x_g @ (codes_g decoded, each 32 (nvfp4: 16) rows times their
+    scale) in dt, f32 accumulation: a microscaled matmul (x_groups: the [N, 128] slices of x in
+    dt; codes a VMEM ref [K, M]; scales [>= K/group, M] f32, `_scale_values`). A code times a
+    power of two, or times an e4m3 value (at most 2 x 4 significant bits), is exact in bfloat16,
+    so the dequantized operand equals the reference's. nvfp4's global scale is applied by the
+    caller, to the f32 sum."""
+    group = geom.scale_group
+    per = GROUP // group
     acc = None
     for g, xg in enumerate(x_groups):
         w = _e2m1_values(geom, codes[g * GROUP:(g + 1) * GROUP, :])  # [128, M]
-        sc = scales[g * per:(g + 1) * per, :]  # [4, M]
-        w = (w.reshape(per, MX_GROUP, w.shape[-1]) * sc[:, None, :]).reshape(GROUP, w.shape[-1]).astype(dt)
+        sc = scales[g * per:(g + 1) * per, :]  # [4 | 8, M]
+        w = (w.reshape(per, group, w.shape[-1]) * sc[:, None, :]).reshape(GROUP, w.shape[-1]).astype(dt)
         part = jnp.dot(xg, w, preferred_element_type=jnp.float32, precision=prec)
         acc = part if acc is None else acc + part
     return acc
 
 
 def _chunk_down_scales(geom: MoEGeometry, t, scr: MoEScratch):
-    """mxfp4: chunk t's down scales [C/32, H] f32, its rows of its expert's (decoded at the
-    expert's first chunk) picked by an exact 0/1 matmul (the chunk's first row, c * C/32, is
-    traced and not a whole tile)."""
-    nc, rows = geom.chunks_per_expert, geom.expert_chunk // MX_GROUP
+    """mxfp4 / nvfp4: chunk t's down scales [C/group, H] f32, its rows of its expert's (decoded
+    at the expert's first chunk) picked by an exact 0/1 matmul (the chunk's first row,
+    c * C/group, is traced and not a whole tile)."""
+    nc, rows = geom.chunks_per_expert, geom.expert_chunk // geom.scale_group
     scales = scr.down_scales_f32[...]  # [R, H], the whole expert's
     if nc == 1:
         return scales
@@ -556,11 +606,25 @@ def _chunk_down_scales(geom: MoEGeometry, t, scr: MoEScratch):
                    precision=lax.Precision.HIGHEST)
 
 
+def _global_scales(geom: MoEGeometry, e, scr: MoEScratch):
+    """nvfp4: expert e's global scales as ([1, 256] f32: gate's in lanes 0..127, up's in
+    128..255, the layout of a gate|up block's output; [1, 1] f32: down's), picked from the
+    layer's (lane = owned index) by an exact one-lane sum."""
+    local = e - _expert_base(geom) if geom.sharded else e
+    rows = scr.global_scales[0:3, :]  # [3, Ep]
+    lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+    picked = jnp.sum(jnp.where(lane == local, rows, 0.0), axis=1, keepdims=True)  # [3, 1]
+    half = lax.broadcasted_iota(jnp.int32, (1, 2 * LANE), 1) < LANE
+    return jnp.where(half, picked[0:1], picked[1:2]), picked[2:3]
+
+
 def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scratch, *,
                 load_counts=None, scales_hbm=None, bias_hbm=None):
     """Phase 2: stream and apply every distinct expert's chunks; returns y [N, H] f32.
     Quantized experts: the chunk's codes are converted to the compute dtype in VMEM (exact) and
-    each 128-row group's sum is scaled (`_grouped_dot`); `scales_hbm` = (e_gateup_scales, e_down_scales).
+    each 128-row group's sum is scaled (`_grouped_dot`), or (mxfp4, nvfp4) the codes are scaled
+    in VMEM (`_mx_dot`) and nvfp4's global scales multiply the f32 sums; `scales_hbm` =
+    (e_gateup_scales, e_down_scales[, e_global_scales]).
     Expert biases (`bias_hbm` = e_gateup_bias): each block's gate|up bias joins its f32 output
     before the activation; the down biases join once, weighted by the combine matrix."""
     scr = _as_scratch(geom, scratch)
@@ -590,13 +654,17 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
             @pl.when(first)
             def _():  # once per expert: its scale bytes as float32, for each of its chunks to pick from
                 scale_copy.wait()
-                scr.down_scales_f32[...] = _e8m0_values(scr.down_scales[_expert_buffer(geom, t)[1]])
+                scr.down_scales_f32[...] = _scale_values(geom, scr.down_scales[_expert_buffer(geom, t)[1]])
         weight = jnp.sum(jnp.where(lane == e, scr.combine[...], 0.0), axis=1, keepdims=True)  # [N, 1]
+        if geom.nv:
+            gu_global, down_global = _global_scales(geom, e, scr)
         gu_slot = scr.gateup.at[slot]
         acts = []
         for b in range(geom.blocks_per_chunk):
             if geom.mx:
-                h = _mx_dot(geom, x_groups, gu_slot.at[b], _e8m0_values(scr.gateup_scales[slot, b]), dt, prec)
+                h = _mx_dot(geom, x_groups, gu_slot.at[b], _scale_values(geom, scr.gateup_scales[slot, b]), dt, prec)
+                if geom.nv:
+                    h = h * gu_global
             elif geom.quantized:
                 h = _grouped_dot(x_groups, gu_slot.at[b], scr.gateup_scales[slot, b], dt, prec)
             else:
@@ -609,6 +677,8 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
             act_groups = [a.astype(dt) for a in acts]  # one 128-column block = one 128-row group of down
             if geom.mx:
                 part = _mx_dot(geom, act_groups, scr.down.at[slot], _chunk_down_scales(geom, t, scr), dt, prec)
+                if geom.nv:
+                    part = part * down_global
             else:
                 part = _grouped_dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
         else:
@@ -644,7 +714,8 @@ def moe_stage(geom: MoEGeometry, moe_layer, x, router_ref, e_gateup_hbm, e_down_
       router_started: the caller already called `start_router_fetch` for this layer.
       load_counts: optional int32 SMEM ref [>= E] (e.g. `out.at[layer]`); each chunk DMA issued
         for expert e adds 1 to load_counts[e]. For tests and instrumentation.
-      scales_hbm: quantized experts: (e_gateup_scales, e_down_scales) HBM refs (`pack_experts`).
+      scales_hbm: quantized experts: (e_gateup_scales, e_down_scales[, nvfp4's e_global_scales]) HBM
+        refs (`pack_experts`); given to `start_router_fetch` too when the caller starts the router.
       bias_hbm: expert biases: the e_gateup_bias HBM ref (`pack_experts`).
 
     Returns y: f32 [N, H], the sum over each row's selected experts of weight * SwiGLU expert(x).

@@ -36,6 +36,17 @@ fp8-b128 format (its block scales repeated over their 128 columns); the model th
 `--quant fp8-b128` (float matrices left in the checkpoint, e.g. the lm_head, are quantized at
 pack time). Activations stay in the model dtype: the checkpoint's "dynamic" activation
 quantization (a serving kernel's choice) is not emulated.
+NVFP4 checkpoints in NVIDIA ModelOpt's layout (`quantization_config` quant_method "modelopt",
+quant_algo "NVFP4" or "W4A16_NVFP4", group_size 16), as vLLM's ModelOpt reader takes them: a
+routed expert's projection (one tensor per expert, e.g. mlp.experts.{j}.gate_proj) stores
+    weight          U8 [out, in/2]       two e2m1 codes a byte, input element 2j in the low nibble
+    weight_scale    F8_E4M3 [out, in/16] one scale per 16 input elements
+    weight_scale_2  F32 [] (or [1])      the global scale: dequantized = code x weight_scale x it
+    input_scale     F32 [] (or [1])      (W4A4 activation quantization; not used: activations
+                                          stay in the model dtype)
+and loads as stored (`_nvfp4_matrix`): a QuantizedMatrix of e2m1 codes, e4m3 scales and the
+global scales (`outer`), no float round trip; the model builds with `--quant nvfp4`. NVFP4
+anywhere else (attention, dense or shared-expert MLPs, fused expert tensors) is refused.
 DeepSeek-V3 / Kimi K2 (MLA, tpumk.model.mla), as the public releases store them (GLM-4.7-Flash and
 Mistral Small 4 name their MLA tensors the same; Mistral 4's router has no correction bias):
     model.layers.{i}.self_attn.q_a_proj / q_b_proj (or q_proj)  -> wq_a / wq_b (or wq)
@@ -84,8 +95,8 @@ from tpumk.model.config import (COHERE_LOGIT_SCALE, GRANITE_SCALARS, HF_GATED_DE
 from tpumk.model.gguf_file import is_gguf_path, open_gguf
 from tpumk.errors import CheckpointError, NotSupportedError, and_more, one_line
 from tpumk.model.hf_fields import LANGUAGE_MODEL_PREFIXES, WRAPPERS
-from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, RING_MATRICES, QuantizedMatrix,
-                                  quantize_params)
+from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, NV_GROUP, RING_MATRICES,
+                                  QuantizedMatrix, quantize_params)
 from tpumk.model.reference import Params, jnp_dtype
 from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
 
@@ -529,6 +540,45 @@ def _mxfp4_matrix(blocks: _Tensor, scales: _Tensor, compute) -> QuantizedMatrix:
     return QuantizedMatrix(jnp.asarray(codes), jnp.asarray(scale), jnp.zeros((0,), compute))
 
 
+NV_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")  # beside an NVFP4 module's .weight
+
+
+def _scalar_f32(t: _Tensor) -> float:
+    """A per-tensor float32 scale, stored with shape [] or [1]."""
+    if t.dtype_tag != "F32" or t.shape not in ((), (1,)):
+        raise CheckpointError(f"{t.file}: tensor '{t.name}' has dtype {t.dtype_tag} and shape {list(t.shape)}, "
+                              "expected a float32 scalar (shape [] or [1])")
+    return float(np.asarray(t.read(), np.float32).reshape(()))
+
+
+def _nvfp4_matrix(weight: _Tensor, scale: _Tensor, global_: _Tensor, input_scale: _Tensor | None,
+                  hf_shape: tuple[int, ...], compute) -> QuantizedMatrix:
+    """One NVFP4 projection of a ModelOpt checkpoint (module docstring) as a QuantizedMatrix
+    [in, out]: the codes bit for bit (float4_e2m1fn, byte j's low nibble input element 2j),
+    the e4m3 scales as stored [in/16, out], the global scale as `outer`. A scale tensor of
+    another shape or dtype, a NaN e4m3 scale, or a global scale that is not a finite
+    non-negative number is refused naming the tensor."""
+    out_dim, in_dim = hf_shape
+    want = (out_dim, in_dim // NV_GROUP)
+    if scale.shape != want or scale.dtype_tag != FP8_TAG:
+        raise CheckpointError(f"{scale.file}: tensor '{scale.name}' has shape {list(scale.shape)} and dtype "
+                              f"{scale.dtype_tag}, expected {list(want)} {FP8_TAG} (one e4m3 scale per "
+                              f"{NV_GROUP} input elements)")
+    sc = scale.read(fp8=True)
+    if np.any(np.isnan(sc.astype(np.float32))):
+        raise CheckpointError(f"{scale.file}: tensor '{scale.name}' holds a NaN e4m3 scale: expected finite scales")
+    g = _scalar_f32(global_)
+    if not (np.isfinite(g) and g >= 0):
+        raise CheckpointError(f"{global_.file}: tensor '{global_.name}' = {g!r}: expected a finite global scale "
+                              "of at least 0 (dequantized = code x weight_scale x weight_scale_2)")
+    if input_scale is not None:
+        _scalar_f32(input_scale)
+    raw = weight.read(raw_bytes=True)
+    nibbles = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(out_dim, in_dim)  # [out, in]
+    return QuantizedMatrix(jnp.asarray(E2M1_CODES[nibbles].T), jnp.asarray(sc.T), jnp.zeros((0,), compute),
+                           jnp.asarray(g, jnp.float32))
+
+
 # The 16 e2m1 codes by their 4 bits (bit 3 the sign), as float4_e2m1fn values.
 E2M1_CODES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
                       np.float32).astype(jnp.float4_e2m1fn)
@@ -625,7 +675,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
     cfg, stored = load_hf_model(d / "config.json")  # refuses a quantization tpumk does not read
     raw = json.loads(read_regular(d / "config.json"))  # a JSON object: checked above
     config_json = hf_text_config(raw)[0]  # a multimodal wrapper's (Gemma 3, Kimi K2.5): its language model's
-    fp8 = stored == "fp8-b128"
+    fp8, nv = stored == "fp8-b128", stored == "nvfp4"
     cfg = cfg.replace(dtype=override_dtype(cfg, dtype))
     out_dt = np.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(np.float32)
     with ExitStack() as stack:
@@ -633,7 +683,7 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         if raw.get("model_type") in WRAPPERS:
             wrapper = WRAPPERS[raw["model_type"]]
             tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
-        params = _load_params(d, cfg, out_dt, tensors, config_json, fp8)
+        params = _load_params(d, cfg, out_dt, tensors, config_json, fp8, nv=nv)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
     if config_json.get("model_type") in HF_GEMMA_FAMILIES + HF_GATED_DELTA_FAMILIES:  # (1 + w) RMSNorms
@@ -676,7 +726,8 @@ def load_layer(path: str | Path, cfg: ModelConfig, index: int, own: tuple[str, .
         extras = {n: mine[n].read() for n in own}
         layer = {"model.layers.0." + n: t for n, t in mine.items() if n not in own and n not in shared}
         try:
-            params = _load_params(d, cfg, out_dt, layer, config_json, stored == "fp8-b128", layers_only=True)
+            params = _load_params(d, cfg, out_dt, layer, config_json, stored == "fp8-b128", layers_only=True,
+                                  nv=stored == "nvfp4")
         except CheckpointError as e:  # read as layer 0: name the tensor as the checkpoint stores it
             raise CheckpointError(str(e).replace("'model.layers.0.", f"'{prefix}")) from None
     return params["layers"][0], extras
@@ -751,9 +802,39 @@ def _fp8_absorbed(cfg: ModelConfig, t: _Tensor, scale: _Tensor, compute) -> tupl
             QuantizedMatrix(jnp.asarray(codes[:, n:].transpose(0, 2, 1)), jnp.asarray(uv_scale), dt))
 
 
+def _nvfp4_weights(plan: dict[str, list[_Dest]], tensors: dict[str, _Tensor]) -> tuple[set[str], list[str]]:
+    """An NVFP4 checkpoint's NVFP4 weights (a `weight_scale_2` beside them; every routed expert's
+    projection, one tensor per expert, and nothing else) and the scale tensors they consume."""
+    nv = {n[:-len("_scale_2")] for n in tensors if n.endswith(".weight_scale_2")}
+    for w in sorted(nv):
+        t = tensors[w[:-len(".weight")] + ".weight_scale_2"]
+        if w not in plan or not all(key in EXPERT_MATRICES and isinstance(expert, int)
+                                    for _, key, expert, *_ in plan[w]):
+            what = f"tensor '{w}'" if w in plan else f"tensor '{t.name}' (no planned '{w}' beside it)"
+            raise NotSupportedError(f"{t.file}: not supported yet: {what} in nvfp4 (tpumk reads the routed experts "
+                                    "in NVFP4, one tensor per expert; attention, dense and shared-expert matrices "
+                                    "must be float)")
+    for name, dests in plan.items():  # (a tensor not there at all: `_load_params` names it missing)
+        if name in nv or name not in tensors or not any(key in EXPERT_MATRICES for _, key, *_ in dests):
+            continue
+        t = tensors[name]
+        if any(expert is None for _, _, expert, *_ in dests):
+            raise NotSupportedError(f"{t.file}: not supported yet: fused expert tensor '{name}' in an nvfp4 "
+                                    "checkpoint (ModelOpt stores one tensor per expert)")
+        raise CheckpointError(f"{t.file}: missing tensor '{name[:-len('.weight')]}.weight_scale_2' (an nvfp4 "
+                              "checkpoint stores every routed expert in NVFP4)")
+    consumed = [w[:-len(".weight")] + sfx for w in nv for sfx in NV_SUFFIXES if w[:-len(".weight")] + sfx in tensors]
+    return nv, consumed
+
+
 def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str, _Tensor],
-                 config_json: dict[str, Any] | None = None, fp8: bool = False, layers_only: bool = False) -> Params:
+                 config_json: dict[str, Any] | None = None, fp8: bool = False, layers_only: bool = False,
+                 nv: bool = False) -> Params:
     plan, ignored = _plan(cfg, set(tensors), config_json, layers_only)
+    nv_weights: set[str] = set()
+    if nv:  # NVFP4 (ModelOpt): the routed experts' weights, each with its scales
+        nv_weights, consumed = _nvfp4_weights(plan, tensors)
+        ignored = ignored + consumed
     cohere = (config_json or {}).get("model_type") == "cohere"
     # FP8 checkpoints: a weight with a `weight_scale_inv` beside it is stored in e4m3 blocks.
     scales = {n[:-len("_scale_inv")]: n for n in tensors if fp8 and n.endswith(".weight_scale_inv")}
@@ -786,9 +867,17 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                               f"(not part of the model config.json describes)")
     for name, dests in plan.items():
         t = tensors[name]
-        if t.shape != dests[0][3]:
+        want = dests[0][3]
+        if name in nv_weights:  # two e2m1 codes a byte, whole 16-element scale groups
+            if want[-1] % NV_GROUP:
+                raise NotSupportedError(f"{t.file}: not supported yet: nvfp4 tensor '{name}' of {want[-1]} input "
+                                        f"features (not a multiple of the {NV_GROUP} an e4m3 scale covers)")
+            want = (*want[:-1], want[-1] // 2)
+        if t.shape != want:
             raise CheckpointError(f"{t.file}: tensor '{name}' has shape {list(t.shape)}, "
-                                  f"expected {list(dests[0][3])}")
+                                  f"expected {list(want)}")
+        if name in nv_weights and f"{name}_scale" not in tensors:
+            raise CheckpointError(f"{d}: missing tensor '{name}_scale' (the e4m3 scales of nvfp4 tensor '{name}')")
 
     shapes = expected_shapes(cfg)
     params: Params = {k: None for k in shapes if k != "layers" and not layers_only}
@@ -819,6 +908,19 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
                     params["layers"][layer]["e_up"] = QuantizedMatrix(m.q[..., 1::2], m.scale[..., 1::2], m.compute)
                 else:
                     params["layers"][layer][key] = m
+            continue
+        if name in nv_weights:  # one expert's NVFP4 projection, stacked once all E are read
+            base = name[:-len(".weight")]
+            for layer, key, expert, hf_shape, fn in dests:
+                m = _nvfp4_matrix(tensors[name], tensors[base + ".weight_scale"], tensors[base + ".weight_scale_2"],
+                                  tensors.get(base + ".input_scale"), hf_shape, out_dt)
+                got = fp8_experts.setdefault((layer, key), {})
+                got[expert] = m
+                if len(got) == shapes["layers"][layer][key][0]:
+                    params["layers"][layer][key] = QuantizedMatrix(
+                        *(jnp.stack([getattr(got[j], f) for j in range(len(got))]) for f in ("q", "scale")),
+                        m.compute, jnp.stack([got[j].outer for j in range(len(got))]))
+                    del fp8_experts[(layer, key)]
             continue
         if name in scales:
             for layer, key, expert, hf_shape, fn in dests:

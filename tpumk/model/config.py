@@ -1304,9 +1304,10 @@ def stored_scheme(data: Any, source: str) -> str:
     """The weight scheme (tpumk.model.quantize) a Hugging Face checkpoint stores its weights in,
     from its config.json's `quantization_config`: "none" without one, "fp8-b128" for the
     official FP8 format (quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]), "mxfp4"
-    for gpt-oss's release (quant_method "mxfp4": its experts' *_blocks and *_scales). Every
-    place a build's weights are derived from a checkpoint's config asks here (the spec's
-    default --quant, the checkpoint loader). Any other quantization is refused in one line."""
+    for gpt-oss's release (quant_method "mxfp4": its experts' *_blocks and *_scales), "nvfp4"
+    for NVIDIA ModelOpt's NVFP4 (`_modelopt_nvfp4`). Every place a build's weights are derived
+    from a checkpoint's config asks here (the spec's default --quant, the checkpoint loader).
+    Any other quantization is refused in one line."""
     quant = data.get("quantization_config") if isinstance(data, dict) else None
     if quant is None or quant == {}:
         return "none"
@@ -1319,14 +1320,64 @@ def stored_scheme(data: Any, source: str) -> str:
             raise NotSupportedError(f"{source}: not supported yet: an mxfp4 checkpoint of model_type "
                                     f"{_short_repr(data.get('model_type'))} (tpumk reads gpt-oss's MXFP4 experts)")
         return "mxfp4"
+    if method == "modelopt":
+        return _modelopt_nvfp4(quant, source)
     if method != "fp8":
         raise NotSupportedError(f"{source}: not supported yet: quantized checkpoint ({_short_repr(method)}; "
-                                "tpumk reads fp8 checkpoints with 128 x 128 block scales and gpt-oss's mxfp4)")
+                                "tpumk reads fp8 checkpoints with 128 x 128 block scales, gpt-oss's mxfp4 and "
+                                "ModelOpt's nvfp4)")
     fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
     if fmt != "e4m3" or block != [128, 128] or any(isinstance(b, bool) for b in block):
         raise NotSupportedError(f"{source}: not supported yet: fp8 checkpoint with fmt {_short_repr(fmt)} and "
                                 f"weight_block_size {_short_repr(block)} (tpumk reads e4m3 with [128, 128] blocks)")
     return "fp8-b128"
+
+
+# quantization_config fields of a ModelOpt checkpoint (as vLLM's ModelOpt reader takes them)
+MODELOPT_FIELDS = frozenset({"quant_method", "quant_algo", "group_size", "ignore", "exclude_modules",
+                             "kv_cache_quant_algo", "kv_cache_scheme", "producer", "config_groups"})
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
+def _modelopt_nvfp4(quant: dict, source: str) -> str:
+    """NVIDIA ModelOpt's NVFP4 `quantization_config` ({quant_method: modelopt, quant_algo: NVFP4
+    or W4A16_NVFP4, group_size: 16, ...}): "nvfp4". Which modules are stored in NVFP4 the
+    tensors say (a `weight_scale_2` beside a weight), so `ignore` / `exclude_modules` is only
+    checked to be a list; `producer` is informational. Activations stay in the model dtype
+    (NVFP4's W4A4 activation quantization is a serving kernel's choice, as W4A16_NVFP4 says:
+    docs/quantization.md). Another algorithm, group size, a quantized KV cache or an unknown
+    field is refused in one line."""
+    field = f"{source}: field 'quantization_config'"
+    extra = sorted(set(quant) - MODELOPT_FIELDS)
+    if extra:
+        raise NotSupportedError(f"{field}: not supported yet: key {_short_repr(extra[0])} of a modelopt "
+                                f"quantization (tpumk reads {', '.join(sorted(MODELOPT_FIELDS))})")
+    algo = quant.get("quant_algo")
+    if not (isinstance(algo, str) and algo.upper() in NVFP4_ALGOS):
+        raise NotSupportedError(f"{field}: not supported yet: modelopt quant_algo {_short_repr(algo)} (tpumk "
+                                f"reads {' and '.join(NVFP4_ALGOS)})")
+    group = quant.get("group_size", 16)
+    if group != 16 or isinstance(group, bool):
+        raise NotSupportedError(f"{field}: not supported yet: nvfp4 group_size {_short_repr(group)} (NVFP4 has "
+                                "one e4m3 scale per 16 values)")
+    for key in ("ignore", "exclude_modules"):
+        v = quant.get(key, [])
+        if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise ConfigError(f"{field}: '{key}' = {_short_repr(v)}: expected a list of module names")
+    for key in ("kv_cache_quant_algo", "kv_cache_scheme"):
+        if quant.get(key) is not None:
+            raise NotSupportedError(f"{field}: not supported yet: {key} {_short_repr(quant[key])} (a KV cache "
+                                    "with the checkpoint's static scales; tpumk's own is --kv-dtype)")
+    groups = quant.get("config_groups", {})
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ConfigError(f"{field}: 'config_groups' = {_short_repr(groups)}: expected an object of objects")
+    for name, g in groups.items():
+        w = g.get("weights")
+        if w is not None and not (isinstance(w, dict) and w.get("num_bits") == 4 and w.get("type") == "float"
+                                  and w.get("group_size", 16) == 16):
+            raise NotSupportedError(f"{field}: not supported yet: config group {_short_repr(name)} with weights "
+                                    f"{_short_repr(w)} (nvfp4 weights: num_bits 4, type float, group_size 16)")
+    return "nvfp4"
 
 
 def override_dtype(cfg: ModelConfig, dtype: Any) -> str:
@@ -1360,7 +1411,11 @@ def load_hf_model(path: str | Path) -> tuple[ModelConfig, str]:
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise parser_refusal(str(path), "JSON", "arrays or objects", e) from None
     cfg = from_hf_config(data, str(path))
-    return cfg, stored_scheme(*hf_text_config(data, str(path)))  # a wrapper's language model's weights
+    stored = stored_scheme(*hf_text_config(data, str(path)))  # a wrapper's language model's weights
+    if stored == "nvfp4" and not cfg.is_moe:
+        raise NotSupportedError(f"{path}: not supported yet: an nvfp4 checkpoint of a model without routed experts "
+                                "(tpumk reads NVFP4 routed experts; its other matrices stay float)")
+    return cfg, stored
 
 
 # ---------------------------------------------------------------------- presets

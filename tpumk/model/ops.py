@@ -48,15 +48,16 @@ def residual_norm(kind: str, x: jax.Array, w: jax.Array, eps: float, width: int 
 def matmul(x: jax.Array, w) -> jax.Array:
     """x @ w with x cast to the weight dtype and float32 accumulation (the MXU contract).
     A `QuantizedMatrix` (tpumk.model.quantize): x and the codes in its compute dtype, the
-    float32 column sums times the column scales (what the kernel computes, tile by tile)."""
+    float32 column sums times the column scales (what the kernel computes, tile by tile); group
+    scales after each group's sum, then nvfp4's global scale on the total."""
     if isinstance(w, QuantizedMatrix):
         dt = w.compute.dtype
         if not w.grouped:
             return jnp.matmul(x.astype(dt), w.q.astype(dt), preferred_element_type=jnp.float32) * w.scale
-        # Group scales: each 128-row group's float32 sum times its scales, then the groups summed.
+        # Group scales: each group's float32 sum times its scales, then the groups summed.
         xg, qg = grouped_operands(x, w.q, w)
         parts = jnp.einsum("...gk,gkm->...gm", xg, qg, precision=lax.Precision.HIGHEST)
-        return jnp.sum(parts * w.scale, axis=-2)
+        return jnp.sum(parts * w.scale.astype(jnp.float32), axis=-2) * w.outer_scales()
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -72,7 +73,7 @@ def expert_matmul(x: jax.Array, w) -> jax.Array:
         return y * w.scale[:, None, :]
     xg, qg = grouped_operands(x, w.q, w)
     parts = jnp.einsum(f"{xs[:-1]}gk,egkm->engm", xg, qg, precision=lax.Precision.HIGHEST)
-    return jnp.sum(parts * w.scale[:, None], axis=-2)
+    return jnp.sum(parts * w.scale.astype(jnp.float32)[:, None], axis=-2) * w.outer_scales(2)
 
 
 def grouped_operands(x: jax.Array, q: jax.Array, w: QuantizedMatrix) -> tuple[jax.Array, jax.Array]:

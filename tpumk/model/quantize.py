@@ -15,13 +15,24 @@ A *format* is how one matrix is stored (`FORMATS`):
   output column), stored as an E8M0 byte (2^(byte - 127)). Held here as float32 powers of two
   (exact); the kernel streams the scales as their bytes. Quantizing: scale 2^(floor(log2 absmax)
   - 2), codes rounded to nearest (the OCP MX recipe); a checkpoint's codes load as stored.
+- "nvfp4": NVIDIA's FP4, as ModelOpt writes a checkpoint's experts: e2m1 codes with one
+  float8_e4m3fn scale per (group of 16 input rows, output column) and one float32 global scale
+  per matrix (`weight_scale_2`); dequantized = code x e4m3 scale x global. Held here as they
+  are stored: the scales as e4m3 values, the global scales in `QuantizedMatrix.outer` (one per
+  matrix of a stack). A code times an e4m3 scale has at most 6 significant bits, so it is exact
+  in bfloat16 and the kernel decodes that product in VMEM; the global scale multiplies each
+  column's float32 sum after the contraction. Quantizing (ModelOpt's recipe): global = absmax
+  of the matrix / (6 x 448), each group's scale = its absmax / (6 x global) rounded to e4m3,
+  codes rounded to nearest.
 
 A *scheme* (`BuildSpec.quant`, `--quant`) gives a format to each of two families of matrices:
 `ring`, every matrix the megakernel's weight ring streams (q|k|v, o, the dense and
 shared-expert gate / up / down, and the lm_head), and `experts`, the routed experts' gate / up /
 down. Written `ring=FMT,experts=FMT` (a family left out stays in the model dtype) or by a
 preset name: "int8" (ring int8), "fp8" (ring fp8), "int4" (ring int8, experts int4-g128:
-the published kernel's mix), "fp8-b128" (both fp8-b128: how an FP8 checkpoint is stored). The
+the published kernel's mix), "fp8-b128" (both fp8-b128: how an FP8 checkpoint is stored),
+"mxfp4" and "nvfp4" (experts only: how gpt-oss's release and a ModelOpt NVFP4 checkpoint store
+them). The
 ring streams one buffer of one dtype, so its matrices share one format; that is why the
 per-family choice is ring vs experts, not per projection.
 
@@ -29,7 +40,8 @@ per-family choice is ring vs experts, not per projection.
 with those matrices as `QuantizedMatrix(q, scale)`. The reference decode step and the kernel
 packers both take that: `reference.matmul(x, QuantizedMatrix)` computes (x in the compute
 dtype) @ (q in the compute dtype) with float32 accumulation, times the scales: per-column
-scales after the whole contraction, group scales after each 128-row group's contraction. That
+scales after the whole contraction, group scales after each group's contraction (and nvfp4's
+global scale after the groups are summed). That
 is what the kernel computes tile by tile (every int8, int4 and e4m3 code is exact in bfloat16,
 so converting a tile in VMEM rounds nothing), so the kernel is checked against the reference
 to float tolerance. Applying a scale after the (group's) contraction equals dequantizing first
@@ -66,7 +78,9 @@ from tpumk.errors import ConfigError
 
 GROUP = 128  # input rows per scale of the group formats (and the block side of fp8-b128)
 MX_GROUP = 32  # input rows per scale of mxfp4 (OCP microscaling blocks)
+NV_GROUP = 16  # input rows per e4m3 scale of nvfp4
 E8M0_BIAS = 127  # an E8M0 scale byte b is 2^(b - 127)
+E4M3_MAX = 448.0  # the largest float8_e4m3fn value (nvfp4's block scales)
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ class WeightFormat:
     group: int = 0  # input rows per scale (0: one scale per output column over all of K)
     block_cols: int = 0  # fp8-b128: output columns sharing a scale when quantizing (1 otherwise)
     bits: int = 8
-    scale_dtype: str = "float32"  # how a scale is stored: "float32", or "e8m0" (a power-of-two byte)
+    scale_dtype: str = "float32"  # how a scale is stored: "float32", "e8m0" (a power-of-two byte) or "e4m3"
 
     @property
     def jnp_dtype(self):
@@ -89,7 +103,12 @@ class WeightFormat:
     @property
     def scale_bytes(self) -> int:
         """HBM bytes per scale."""
-        return 1 if self.scale_dtype == "e8m0" else 4
+        return 1 if self.scale_dtype in ("e8m0", "e4m3") else 4
+
+    @property
+    def global_scale(self) -> bool:
+        """Whether each matrix has a float32 global scale besides its group scales (nvfp4)."""
+        return self.scale_dtype == "e4m3"
 
     @property
     def itemsize(self) -> float:
@@ -107,12 +126,14 @@ FORMATS = {
     "fp8-b128": WeightFormat("fp8-b128", "float8_e4m3fn", 448.0, group=GROUP, block_cols=GROUP),
     "int4-g128": WeightFormat("int4-g128", "int4", 7.0, group=GROUP, bits=4),
     "mxfp4": WeightFormat("mxfp4", "float4_e2m1fn", 6.0, group=MX_GROUP, bits=4, scale_dtype="e8m0"),
+    "nvfp4": WeightFormat("nvfp4", "float4_e2m1fn", 6.0, group=NV_GROUP, bits=4, scale_dtype="e4m3"),
 }
 RING_FORMATS = ("int8", "fp8", "fp8-b128")  # int4 tiles are not streamed by the ring (TPU7x holds one per byte)
-EXPERT_FORMATS = ("int4-g128", "fp8-b128", "mxfp4")
+EXPERT_FORMATS = ("int4-g128", "fp8-b128", "mxfp4", "nvfp4")
 PRESETS = {"none": ("none", "none"), "int8": ("int8", "none"), "fp8": ("fp8", "none"),
            "int4": ("int8", "int4-g128"), "fp8-b128": ("fp8-b128", "fp8-b128"),
-           "mxfp4": ("none", "mxfp4")}  # gpt-oss's release: experts in MXFP4, the rest in bfloat16
+           "mxfp4": ("none", "mxfp4"),  # gpt-oss's release: experts in MXFP4, the rest in bfloat16
+           "nvfp4": ("none", "nvfp4")}  # NVFP4 experts (a ModelOpt checkpoint's), the ring in the model dtype
 SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme too
 # Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top)
 # and of the routed experts' stacks.
@@ -211,14 +232,17 @@ def expert_format(scheme: Any) -> WeightFormat | None:
 
 class QuantizedMatrix(NamedTuple):
     """A [..., K, M] matrix (leading dims: a stack, e.g. experts) as codes q [..., K, M] and
-    float32 scales: [..., M] (one per output column) or [..., K / group, M] (one per group of
-    input rows and column). Dequantized: q * scale, the scale repeated over its group.
-    `compute` is an empty array of the dtype the codes are multiplied in (the model dtype): a
-    leaf, so the type passes through jit like any weight."""
+    scales: [..., M] (one per output column) or [..., K / group, M] (one per group of
+    input rows and column), float32 (nvfp4: float8_e4m3fn, as stored). Dequantized: q * scale,
+    the scale repeated over its group, times `outer` when there is one (nvfp4's global scales,
+    float32 [...]: one per matrix of the stack). `compute` is an empty array of the dtype the
+    codes are multiplied in (the model dtype): a leaf, so the type passes through jit like any
+    weight. Code that cuts a matrix keeps `outer` with `_replace` (it follows the leading dims)."""
 
     q: jax.Array
     scale: jax.Array
     compute: jax.Array
+    outer: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -230,17 +254,29 @@ class QuantizedMatrix(NamedTuple):
 
     @property
     def group(self) -> int:
-        """Input rows per scale (K for per-column scales; the group formats' 128, or mxfp4's 32
-        for e2m1 codes; the last group partial when the group does not divide K)."""
+        """Input rows per scale (K for per-column scales; the group formats' 128; for e2m1
+        codes mxfp4's 32, or nvfp4's 16 (its e4m3 scales); the last group partial when the
+        group does not divide K)."""
         if not self.grouped:
             return self.q.shape[-2]
-        return MX_GROUP if jnp.dtype(self.q.dtype) == jnp.dtype(jnp.float4_e2m1fn) else GROUP
+        if jnp.dtype(self.q.dtype) != jnp.dtype(jnp.float4_e2m1fn):
+            return GROUP
+        return NV_GROUP if jnp.dtype(self.scale.dtype) == jnp.dtype(jnp.float8_e4m3fn) else MX_GROUP
+
+    def outer_scales(self, lead: int = 0) -> jax.Array | float:
+        """The global scales as a multiplier of a result whose last `lead` axes follow the
+        matrix's columns and sums ([..., N, M] for lead 2): `outer` [...] with `lead` axes
+        added, or 1.0 without one."""
+        if self.outer is None:
+            return 1.0
+        return jnp.asarray(self.outer, jnp.float32).reshape(tuple(self.outer.shape) + (1,) * lead)
 
     def dequantized(self) -> jax.Array:
         q = self.q.astype(jnp.float32)
         if not self.grouped:
             return q * self.scale.astype(jnp.float32)[..., None, :]
-        return q * jnp.repeat(self.scale.astype(jnp.float32), self.group, axis=-2)[..., :q.shape[-2], :]
+        w = q * jnp.repeat(self.scale.astype(jnp.float32), self.group, axis=-2)[..., :q.shape[-2], :]
+        return w * self.outer_scales(2) if self.outer is not None else w
 
 
 def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatrix:
@@ -249,6 +285,8 @@ def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatr
     (fp8-b128); an all-zero group gets scale 1 (its codes are 0 whatever the scale)."""
     w = jnp.asarray(w, jnp.float32)
     k, m = w.shape[-2:]
+    if fmt.global_scale:
+        return _quantize_nvfp4(w, fmt, compute)
     if fmt.group:
         groups = fmt.scale_rows(k)  # a partial last group: zero rows pad it (they never set the max)
         padded = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, groups * fmt.group - k), (0, 0)])
@@ -274,6 +312,24 @@ def quantize_matrix(w, fmt: WeightFormat, compute=jnp.bfloat16) -> QuantizedMatr
     else:
         q = jnp.clip(jnp.round(x), -fmt.qmax, fmt.qmax).astype(fmt.jnp_dtype)
     return QuantizedMatrix(q, scale, jnp.zeros((0,), compute))
+
+
+def _quantize_nvfp4(w, fmt: WeightFormat, compute) -> QuantizedMatrix:
+    """nvfp4 by ModelOpt's recipe: per matrix of the stack, global = absmax / (6 x 448) (1 for
+    an all-zero matrix); per (16-row group, column), scale = the group's absmax / (6 x global)
+    rounded to e4m3; codes = w / (scale x global) rounded to the nearest e2m1 value (0 where the
+    scale rounded to 0)."""
+    k, m = w.shape[-2:]
+    amax = jnp.max(jnp.abs(w), axis=(-2, -1))
+    outer = jnp.where(amax > 0, amax / (fmt.qmax * E4M3_MAX), 1.0).astype(jnp.float32)  # [...]
+    groups = fmt.scale_rows(k)
+    padded = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, groups * fmt.group - k), (0, 0)])
+    gmax = jnp.max(jnp.abs(padded.reshape(*w.shape[:-2], groups, fmt.group, m)), axis=-2)  # [..., G, M]
+    scale = jnp.clip(gmax / (fmt.qmax * outer[..., None, None]), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    step = jnp.repeat(scale.astype(jnp.float32), fmt.group, axis=-2)[..., :k, :] * outer[..., None, None]
+    x = jnp.where(step > 0, w / jnp.where(step > 0, step, 1.0), 0.0)
+    q = jnp.clip(x, -fmt.qmax, fmt.qmax).astype(fmt.jnp_dtype)
+    return QuantizedMatrix(q, scale, jnp.zeros((0,), compute), outer)
 
 
 def quantize_params(cfg, params: dict, scheme: str) -> dict:
@@ -311,7 +367,8 @@ def format_of(m: Any) -> WeightFormat | None:
         return None
     dtype = jnp.dtype(m.q.dtype).name
     for f in FORMATS.values():
-        if jnp.dtype(f.jnp_dtype).name == dtype and bool(f.group) == m.grouped:
+        if jnp.dtype(f.jnp_dtype).name == dtype and bool(f.group) == m.grouped \
+                and f.global_scale == (m.outer is not None):
             return f
     raise ConfigError(f"quantized matrix of {dtype} codes with scales {tuple(m.scale.shape)}: no format matches")
 
@@ -350,7 +407,7 @@ def expert_parameter_count(cfg) -> int:
 
 
 def _scale_count(fmt: WeightFormat, matrices: list[tuple[int, int, int]]) -> int:
-    """float32 scales of `count` [k, m] matrices for each (count, k, m)."""
+    """Scales of `count` [k, m] matrices for each (count, k, m)."""
     return sum(n * fmt.scale_rows(k) * m for n, k, m in matrices)
 
 
@@ -374,6 +431,7 @@ def ring_matrices(cfg) -> list[tuple[int, int, int]]:
 
 
 def expert_matrices(cfg) -> list[tuple[int, int, int]]:
+    """(count, K, M) of the routed experts' matrices: gate | up side by side, then down."""
     if not cfg.is_moe:
         return []
     n = (cfg.num_layers - cfg.pattern.num_dense) * cfg.num_experts
@@ -382,7 +440,8 @@ def expert_matrices(cfg) -> list[tuple[int, int, int]]:
 
 def quantized_weight_bytes(cfg, scheme: str) -> int:
     """HBM bytes of the model's weights under `scheme`: quantized matrices at their code size
-    plus their scales (float32, or mxfp4's one byte), everything else in the model dtype."""
+    plus their scales (float32, or one byte for mxfp4 and nvfp4) and nvfp4's float32 global
+    scale per matrix (gate, up and down of each expert), everything else in the model dtype."""
     s = parse_scheme(scheme)
     total = cfg.param_count() * cfg.dtype_bytes
     if s.ring is not None:
@@ -394,12 +453,15 @@ def quantized_weight_bytes(cfg, scheme: str) -> int:
         n = expert_parameter_count(cfg)
         total += n * (s.experts.itemsize - cfg.dtype_bytes) + s.experts.scale_bytes * _scale_count(
             s.experts, expert_matrices(cfg))
+        if s.experts.global_scale:  # one float32 per gate, up and down matrix
+            total += 4 * 3 * (cfg.num_layers - cfg.pattern.num_dense) * cfg.num_experts
     return int(total)
 
 
 def quantized_specs(cfg, params: dict, scheme: str) -> dict:
     """`quantize_params` on ShapeDtypeStructs: the same pytree with each quantized matrix a
-    QuantizedMatrix of specs (codes, float32 scales), for deviceless compiles."""
+    QuantizedMatrix of specs (codes, scales; nvfp4: e4m3 scales and the float32 global scales),
+    for deviceless compiles."""
     s = parse_scheme(scheme)
     if s.ring is None and s.experts is None:
         return params
@@ -408,8 +470,10 @@ def quantized_specs(cfg, params: dict, scheme: str) -> dict:
     def spec(a, fmt: WeightFormat) -> QuantizedMatrix:
         *lead, k, m = a.shape
         scale = (*lead, fmt.scale_rows(k), m) if fmt.group else (*lead, m)
+        outer = jax.ShapeDtypeStruct(tuple(lead), jnp.float32) if fmt.global_scale else None
         return QuantizedMatrix(jax.ShapeDtypeStruct(tuple(a.shape), fmt.jnp_dtype),
-                               jax.ShapeDtypeStruct(scale, jnp.float32), jax.ShapeDtypeStruct((0,), dt))
+                               jax.ShapeDtypeStruct(scale, jnp.float8_e4m3fn if fmt.global_scale else jnp.float32),
+                               jax.ShapeDtypeStruct((0,), dt), outer)
 
     def layer(lay):
         out = dict(lay)

@@ -28,7 +28,8 @@ dt the model dtype. Operands, in order:
     layer_scales  hbm   f32 [L, 1, S]                 column-scaled rings (int8, fp8) only
     head_scales   vmem  f32 [1, padded vocab]         column-scaled rings only
     router, e_gateup, e_down  hbm  dt                 packed.moe.* (MoE models only; quantized
-                                                      experts: codes, then e_gateup_scales, e_down_scales;
+                                                      experts: codes, then e_gateup_scales, e_down_scales
+                                                      (nvfp4: then e_global_scales);
                                                       expert biases: then e_gateup_bias)
     k_cache, v_cache hbm dt [L, num_pages, P, Hkv*D]  cache.k / cache.v, aliased to outputs 1, 2
     --kv-dtype fp8 / int8 instead: ONE operand kv_cache hbm [L, num_pages, P / G, packed lanes]
@@ -76,6 +77,7 @@ RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "lin_in", "l
 MLA_FAMILIES = ("q_a", "q", "kv_a", "q_b", "uk", "uv")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
+MOE_GLOBAL_OPERANDS = ("e_global_scales",)  # nvfp4 experts only: their float32 global scales
 MOE_BIAS_OPERANDS = ("e_gateup_bias",)  # expert biases only (gpt-oss)
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
 VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "linear",
@@ -216,7 +218,7 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
                 _with(packed["packed.head_scales"], space="vmem", component="inputs")]
     if plan.moe is not None:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ()) \
-            + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
+            + (MOE_GLOBAL_OPERANDS if plan.moe.nv else ()) + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
     if plan.linear is not None:
         out += _state_operands(plan)

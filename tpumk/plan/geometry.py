@@ -686,10 +686,12 @@ class MoEGeometry:
     # Quantized experts (tpumk.model.quantize EXPERT_FORMATS): codes of `code_dtype` with one
     # float32 scale per (128-row group, column); "none": the weight dtype, no scales.
     expert_format: str = "none"
-    # mxfp4 experts: TPU7x's Mosaic converts e2m1 codes to bfloat16 itself, so they stream as
-    # float4_e2m1fn; elsewhere (v6e has no 4-bit float type in Mosaic) the same nibbles stream
-    # as int4 and the stage decodes them with integer ops (tpumk.kernel.moe). Scales stream as
-    # their E8M0 bytes (int8), one per 32 rows.
+    # mxfp4 / nvfp4 experts: TPU7x's Mosaic converts e2m1 codes (and nvfp4's e4m3 scales) to
+    # float itself, so they stream as float4_e2m1fn (and float8_e4m3fn); elsewhere (v6e has no
+    # 4-bit float type in Mosaic) the same nibbles stream as int4, the scale bytes as int8, and
+    # the stage decodes them with integer ops (tpumk.kernel.moe). mxfp4's scales stream as their
+    # E8M0 bytes (int8), one per 32 rows; nvfp4's as e4m3 bytes, one per 16 rows, and its
+    # float32 global scales (one per expert matrix) come with the router, once per layer.
     fp4_native: bool = False
     # DeepSeek-V3 routing (tpumk.model.reference.route): group-limited top-k, a per-expert
     # correction bias for selection only (packed as row H of a float32 router, which
@@ -827,18 +829,26 @@ class MoEGeometry:
 
     @property
     def mx(self) -> bool:
-        """Microscaled experts (mxfp4): 32-row groups, E8M0 scale bytes, scales applied to the
-        codes in VMEM before the matmul."""
-        return self.quantized and FORMATS[self.expert_format].scale_dtype == "e8m0"
+        """Microscaled experts (mxfp4, nvfp4): e2m1 codes, 32- or 16-row groups of one-byte
+        scales applied to the codes in VMEM before the matmul."""
+        return self.quantized and FORMATS[self.expert_format].scale_dtype in ("e8m0", "e4m3")
+
+    @property
+    def nv(self) -> bool:
+        """nvfp4 experts: e4m3 group scales and a float32 global scale per expert matrix."""
+        return self.quantized and FORMATS[self.expert_format].global_scale
 
     @property
     def scale_group(self) -> int:
-        """Input rows per expert scale (128, or mxfp4's 32)."""
+        """Input rows per expert scale (128, mxfp4's 32 or nvfp4's 16)."""
         return FORMATS[self.expert_format].group if self.quantized else GROUP
 
     @property
     def scale_dtype(self) -> str:
-        """dtype of the packed expert scales: float32, or mxfp4's E8M0 bytes in an int8 container."""
+        """dtype of the packed expert scales: float32, or a microscaled format's scale bytes:
+        nvfp4's as float8_e4m3fn where Mosaic converts them (TPU7x), else in an int8 container."""
+        if self.nv and self.fp4_native:
+            return "float8_e4m3fn"
         return "int8" if self.mx else "float32"
 
     @property
@@ -850,15 +860,15 @@ class MoEGeometry:
 
     @property
     def gateup_scale_rows(self) -> int:
-        """Scale rows of one [H, 256] gate|up block: H / 128 groups, padded to the f32 tile."""
+        """Scale rows of one [H, 256] gate|up block: H / group rows, padded to the scale dtype's tile."""
         return round_up(self.hidden // self.scale_group, SUBLANES[self.scale_dtype])
 
     @property
     def down_scale_rows(self) -> int:
-        """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile. mxfp4:
-        of one whole expert's down projection [Fe, H] (Fe / 32 rows, padded to the int8 tile),
-        loaded once per expert (`expert_scale_buffers`): a chunk's few rows would each fill a
-        32-row tile."""
+        """Scale rows of one down chunk [C, H]: C / 128 groups, padded to the f32 tile. mxfp4 /
+        nvfp4: of one whole expert's down projection [Fe, H] (Fe / 32 or Fe / 16 rows, padded to
+        the one-byte tile), loaded once per expert (`expert_scale_buffers`): a chunk's few rows
+        would each fill a 32-row tile."""
         rows = self.expert_ffn if self.mx else self.expert_chunk
         return round_up(rows // self.scale_group, SUBLANES[self.scale_dtype])
 
@@ -893,7 +903,13 @@ class MoEGeometry:
 
     @property
     def router_bytes(self) -> int:
-        return self.router_rows * self.experts_padded * DTYPE_BYTES[self.router_dtype]
+        """HBM bytes fetched once per layer: the router, and nvfp4's global scales with it."""
+        return self.router_rows * self.experts_padded * DTYPE_BYTES[self.router_dtype] + self.global_bytes
+
+    @property
+    def global_bytes(self) -> int:
+        """nvfp4: one layer's global scales, f32 [8, Ep] (rows gate, up, down by expert); else 0."""
+        return F32_SUBLANES * self.experts_padded * 4 if self.nv else 0
 
     @property
     def slot_bytes(self) -> int:
@@ -924,9 +940,10 @@ class MoEGeometry:
         return self.router_bytes + distinct_experts * self.expert_bytes
 
     def dma_count(self, distinct_experts: float) -> float:
-        """DMAs issued per MoE layer: router, the ids VMEM->SMEM copy, 2 per expert chunk (4
-        with scales; one more with expert biases), and mxfp4's one down-scale load per expert."""
-        return 2 + (self.chunk_dmas * self.chunks_per_expert + bool(self.mx)) * distinct_experts
+        """DMAs issued per MoE layer: router (and nvfp4's global scales), the ids VMEM->SMEM copy,
+        2 per expert chunk (4 with scales; one more with expert biases), and mxfp4 / nvfp4's one
+        down-scale load per expert."""
+        return 2 + self.nv + (self.chunk_dmas * self.chunks_per_expert + bool(self.mx)) * distinct_experts
 
     @property
     def chunk_dmas(self) -> int:
@@ -962,6 +979,9 @@ class MoEGeometry:
             scales += (dma_sems("expert_sems", (self.expert_scale_buffers,), "per expert buffer: its down-scale load"),
                        vmem("down_scales_f32", (self.down_scale_rows, h), "float32",
                             "the expert being multiplied: its down scales decoded once, at its first chunk"))
+        if self.nv:
+            scales += (vmem("global_scales", (F32_SUBLANES, ep), "float32",
+                            "this layer's global scales: row 0 gate, 1 up, 2 down, lane = expert (owned index)"),)
         biases = (
             vmem("gateup_bias", (s, self.blocks_per_chunk, F32_SUBLANES, 2 * LANE), "float32",
                  "per slot: each gate|up block's biases in row 0"),
@@ -976,7 +996,7 @@ class MoEGeometry:
             vmem("combine", (self.rows, ep), "float32", "combine weight of (row, expert), 0 where not picked"),
             vmem("ids_vmem", (2, ep), "int32", "row 0: distinct picked ids ascending; row 1: their count"),
             smem("ids_smem", (2, ep), "int32", "the same, read as scalars"),
-            dma_sems("sems", (2,), "0 router, 1 ids VMEM->SMEM"),
+            dma_sems("sems", (2 + self.nv,), "0 router, 1 ids VMEM->SMEM" + (", 2 global scales" if self.nv else "")),
             dma_sems("slot_sems", (self.chunk_dmas, s),
                      "[gate|up | down (| their scales) (| gate|up biases), slot]"),
         ) + scales + biases
@@ -992,6 +1012,9 @@ class MoEGeometry:
             hbm("e_down_scales", (lm, e, self.chunks_per_expert, self.down_scale_rows, h), self.scale_dtype,
                 f"[Lm, E (owned), chunk, C/{self.scale_group} groups (padded to the tile), H]"),
         ) if self.quantized else ()
+        if self.nv:
+            scales += (hbm("e_global_scales", (lm, F32_SUBLANES, self.experts_padded), "float32",
+                           "[Lm, rows gate | up | down (5 zero rows), Ep: owned expert, zero past them]"),)
         biases = (
             hbm("e_gateup_bias", (lm, e, fe // LANE, F32_SUBLANES, 2 * LANE), "float32",
                 "[Lm, E (owned), Fe/128, row 0: gate 128 | up 128 biases]"),
@@ -1015,8 +1038,8 @@ class MoEGeometry:
         Temporaries: the routing matrices ([Ep, Ep] f32: strict-lower and identity masks, the
         broadcast picked row and the two products), one chunk's gate|up activations
         [N, 2C] f32 and SwiGLU output [N, C] f32, x in the weight dtype and the f32 accumulator
-        and down product [N, H]. mxfp4: one 128-row group's decoded codes [128, max(256, H)] as
-        f32 and in the weight dtype, and a block's decoded scales [H/32 rows, 256] f32."""
+        and down product [N, H]. mxfp4 / nvfp4: one 128-row group's decoded codes [128, max(256, H)]
+        as f32 and in the weight dtype, and a block's decoded scales [H/32 (H/16) rows, 256] f32."""
         ep, n = self.experts_padded, round_up(self.rows, F32_SUBLANES)
         routing = 5 * ep * ep * 4
         chunk = n * 3 * self.expert_chunk * 4

@@ -82,7 +82,7 @@ def _widen_heads(leaf, axis: int, d: int, dp: int):
         raise PlanError(f"weights: a group-quantized matrix whose input rows are heads of {d} lanes cannot be "
                         f"padded to {dp}-lane heads (quantize the float weights with the padded plan instead)")
     scale = _split_heads(leaf.scale, -1, d, dp, 1.0) if axis == -1 else leaf.scale
-    return QuantizedMatrix(_split_heads(leaf.q, axis, d, dp), scale, leaf.compute)
+    return leaf._replace(q=_split_heads(leaf.q, axis, d, dp), scale=scale)
 
 
 def _pad_array(a, shape: tuple[int, ...], fill: float = 0.0):
@@ -99,7 +99,7 @@ def _pad_leaf(leaf: Any, shape: tuple[int, ...]) -> Any:
     # the new scales are 1 (finite and inert).
     k, m = shape[-2:]
     scale_shape = shape[:-2] + ((-(-k // leaf.group), m) if leaf.grouped else (m,))
-    return QuantizedMatrix(_pad_array(leaf.q, shape), _pad_array(leaf.scale, scale_shape, 1.0), leaf.compute)
+    return leaf._replace(q=_pad_array(leaf.q, shape), scale=_pad_array(leaf.scale, scale_shape, 1.0))
 
 
 def pad_params(true: ModelConfig, padded: ModelConfig, params: dict) -> dict:

@@ -190,7 +190,7 @@ class ShardingPlan:
                     scale = cols(a.scale, lo // g, width // g, axis=ax)
                 else:
                     scale = np.asarray(a.scale)
-                return QuantizedMatrix(q, scale, a.compute)
+                return a._replace(q=q, scale=scale)  # nvfp4's global scales: one per matrix, kept
             a = np.asarray(a)
             axis %= a.ndim
             hi = min(lo + width, a.shape[axis])
@@ -212,7 +212,7 @@ class ShardingPlan:
                 scale_ax = -1 if ax == a.q.ndim - 1 else -2 if a.grouped else None
                 scale = (np.concatenate([p.scale for p in parts], axis=scale_ax) if scale_ax is not None
                          else parts[0].scale)
-                return QuantizedMatrix(np.concatenate([p.q for p in parts], axis=ax), scale, a.compute)
+                return a._replace(q=np.concatenate([p.q for p in parts], axis=ax), scale=scale)
             return np.concatenate(parts, axis=axis)
         layers = []
         for i, lay in enumerate(params["layers"]):
@@ -255,8 +255,9 @@ class ShardingPlan:
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
                 def owned(a):  # this device's experts (the leading axis)
-                    if isinstance(a, QuantizedMatrix):
-                        return QuantizedMatrix(owned(a.q), owned(a.scale), a.compute)
+                    if isinstance(a, QuantizedMatrix):  # (nvfp4: each expert's global scales with it)
+                        return a._replace(q=owned(a.q), scale=owned(a.scale),
+                                          outer=None if a.outer is None else owned(a.outer))
                     return np.asarray(a)[e_lo:e_lo + self.experts]
 
                 for k in ("e_gate", "e_up"):
@@ -301,7 +302,7 @@ class ShardingPlan:
                 if scale is None:
                     raise PlanError("sharding: a linear layer's out-projection with scales per 128 rows cannot split "
                                     "by value heads here (quantize per column, or on one device)")
-                return QuantizedMatrix(take(a.q, idx, axis), scale, a.compute)
+                return a._replace(q=take(a.q, idx, axis), scale=scale)
             return np.take(np.asarray(a), idx, axis=axis)
 
         heads_v = np.arange(d * vh, (d + 1) * vh)
@@ -395,7 +396,7 @@ class ShardingPlan:
         if "w_uk" in lay:  # a quantized layer's absorbed per-head blocks [Hq, ...]: its heads' blocks
             for k in ("w_uk", "w_uv"):
                 m = lay[k]
-                out[k] = QuantizedMatrix(np.asarray(m.q)[h0:h0 + hl], np.asarray(m.scale)[h0:h0 + hl], m.compute)
+                out[k] = m._replace(q=np.asarray(m.q)[h0:h0 + hl], scale=np.asarray(m.scale)[h0:h0 + hl])
         else:
             kv_b = cfg.qk_nope_head_dim + cfg.v_head_dim
             out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)
@@ -572,8 +573,8 @@ def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str
     total = quantized_weight_bytes(local, quant) + (cfg.vocab_size - local.vocab_size) * h * db
     if cfg.is_moe:  # local counts all E experts of the local width; a device owns `experts`
         moe_layers = cfg.num_layers - cfg.pattern.num_dense
-        efmt = expert_format(quant)  # codes plus one f32 scale per 128 rows, or the model dtype
-        per_param = efmt.itemsize + 4 / efmt.group if efmt is not None else db
+        efmt = expert_format(quant)  # codes plus their group scales, or the model dtype
+        per_param = efmt.itemsize + efmt.scale_bytes / efmt.group if efmt is not None else db
         total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * per_param
     return int(total)
 
