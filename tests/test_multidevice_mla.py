@@ -677,7 +677,7 @@ def test_build_report_of_a_split_mla_model(tmp_path):
     assert ("sharding: 2 heads per device, q_a / kv_a split by columns (q_a 28, kv_a 24 a device), the latent "
             "all-gathered, the latent cache on every device") in res.stdout
     assert f"{2 * cfg.num_layers} all-reduces (direct, float32 wire) + {cfg.num_layers} latent all-gathers" in res.stdout
-    assert "Pallas TPU kernels in the step               1" in res.stdout
+    assert "Pallas TPU kernels in the step (per device)  1" in res.stdout
     # the whole program beside the kernel; no copy of the latent cache around the collective
     # kernel, which leaves the cache to commit_pages (docs/many-devices.md, "The KV cache copies";
     # 4 pages: a cache of 128 pages or more gets the layout copy of the test below)
