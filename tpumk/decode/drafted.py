@@ -92,13 +92,27 @@ def parse_random_shape(kind: str, text: str, target) -> dict[str, Any]:
     return out
 
 
+def random_shape(kind: str, src: str, target, block: int | None) -> dict[str, Any] | None:
+    """The random drafter's shape keywords a --draft source names (`random`, or key=value,...
+    that is not a directory), `block` filling in the drafts per round when the source does not;
+    None when the source names a directory to read. One rule for describe, load and round_spec,
+    so bench, generate and build read a --draft value alike."""
+    from tpumk.files import is_dir
+
+    if src != "random" and not ("=" in src and not is_dir(Path(src))):
+        return None
+    kw = parse_random_shape(kind, src, target)
+    if block is not None:
+        kw.setdefault("block", block)
+    return kw
+
+
 def describe(value: str, target, block: int | None = None):
     """The DrafterSpec (shapes only, no weights read or made) a --draft value names for `target`:
     what `tpumk bench --draft` models. `mtp` alone: a next-token layer of the target's own kind
     (whether a checkpoint ships one is not read); KIND:DIR reads only the directory's config.json."""
     from tpumk.draft import KINDS, random_drafter
     from tpumk.draft.drafter import read_drafter_spec
-    from tpumk.files import is_dir
 
     value = value.strip()
     kind, _, src = value.partition(":")
@@ -107,14 +121,12 @@ def describe(value: str, target, block: int | None = None):
     if not src and kind != "mtp":
         raise ConfigError(f"--draft {value}: expected {kind}:DIR (a speculators directory), {kind}:random or "
                           f"{kind}:key=value,... (a drafter of that shape)")
-    if src and src != "random" and not ("=" in src and not is_dir(Path(src))):
+    kw = random_shape(kind, src, target, block) if src else ({} if block is None else {"block": block})
+    if kw is None:
         spec = read_drafter_spec(Path(src), target, block=block)
         if spec.kind != kind:
             raise ConfigError(f"--draft {value}: the directory holds a {spec.kind} drafter, not {kind}")
         return spec
-    kw = parse_random_shape(kind, src, target) if src else {}
-    if block is not None:
-        kw.setdefault("block", block)
     return random_drafter(kind, target, abstract=True, **kw).spec
 
 
@@ -134,10 +146,8 @@ def load(value: str, target, checkpoint: str | None, seed: int = 0, block: int |
     if not src:
         raise ConfigError(f"--draft {value}: expected {kind}:DIR (a speculators directory), {kind}:random or "
                           f"{kind}:key=value,... (a random drafter of that shape)")
-    if src == "random" or ("=" in src and not is_dir(Path(src))):
-        kw = parse_random_shape(kind, src, target)
-        if block is not None:
-            kw.setdefault("block", block)
+    kw = random_shape(kind, src, target, block)
+    if kw is not None:
         return random_drafter(kind, target, seed=seed, **kw)
     return load_drafter(src, target, block=block, target_params=target_params)
 
@@ -153,17 +163,14 @@ def round_spec(value: str, target, checkpoint: str | None = None, seed: int = 0,
     from tpumk.draft import KINDS, random_drafter
     from tpumk.draft.rounds import RoundSpec
     from tpumk.draft.weights import weights_sha256
-    from tpumk.files import is_dir
 
     value = value.strip()
     kind, _, src = value.partition(":")
     if kind not in KINDS:
         raise ConfigError(f"--draft {value!r}: a round program takes a hidden-state drafter: expected KIND[:SOURCE] "
                           f"with KIND one of {', '.join(KINDS)} (ngram and model:... are generate's --spec)")
-    if src == "random" or ("=" in src and not is_dir(Path(src))):
-        kw = parse_random_shape(kind, src, target)
-        if block is not None:
-            kw.setdefault("block", block)
+    kw = random_shape(kind, src, target, block)
+    if kw is not None:
         d = random_drafter(kind, target, seed=seed, abstract=True, **kw)
         return RoundSpec(d.spec, ("random_seed", seed), rounds_per_call, temperature), None
     d = load(value, target, checkpoint, seed=seed, block=block)

@@ -51,6 +51,7 @@ whenever a key is configured. Names that become directories are checked (tpumk.e
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import dataclasses
 import json
@@ -718,19 +719,24 @@ class DecodeStep:
                 check_tokens(tokens, int(vocab), where=f"artifact {self.key[:12]}")
             # the kernel leaves every step's tokens pending (the pool's rows: q_len)
             check_step(positions, cache, where=f"artifact {self.key[:12]}", keep_pending=True)
+        return self._run((packed, tokens, positions, cache), self.shardings)  # None on one device
+
+    def _run(self, args: tuple, shardings):
+        """The program on `args` (packed weights first): on one device every argument committed
+        to the program's device, on a mesh placed in exactly `shardings`."""
         if self.devices is None:
             # every argument committed to the step's device (zero-copy for arrays already there):
             # jit specializes on committed-ness, and the cache a call returns is committed, so
             # uncommitted first arguments (init_cache, pack) made the second call compile again
             if self._device_platform is None:
-                return self._fn(packed, tokens, positions, cache)
+                return self._fn(*args)
             import jax
 
             device = jax.devices(self._device_platform)[0]
-            return self._fn(*jax.device_put((packed, tokens, positions, cache), device))
-        self._check_packed(packed)
+            return self._fn(*jax.device_put(args, device))
+        self._check_packed(args[0])
         # the program takes its arguments in exactly these shardings (the executable refuses others)
-        return self._fn(*_place((packed, tokens, positions, cache), self.shardings))
+        return self._fn(*_place(args, shardings))
 
     def _check_pool(self, cache) -> None:
         """A hybrid's step takes the cache's state pool in exactly the plan's shapes (`init_cache`
@@ -812,10 +818,10 @@ class RoundProgram(DecodeStep):
 
         return Drafter(self.draft.drafter, self.drafter_params)
 
-    @property
+    @functools.cached_property
     def round_shardings(self):
         """NamedShardings of (packed, dparams, tparams, carry) on the program's mesh (many
-        devices), else None."""
+        devices), else None; made once, not on every call."""
         if self.devices is None:
             return None
         import jax
@@ -828,15 +834,7 @@ class RoundProgram(DecodeStep):
         return jax.tree.map(lambda a: NamedSharding(mesh, a.sharding.spec), specs)
 
     def __call__(self, packed, dparams, tparams, carry, check: bool | None = None):
-        if self.devices is None:
-            if self._device_platform is None:
-                return self._fn(packed, dparams, tparams, carry)
-            import jax
-
-            device = jax.devices(self._device_platform)[0]
-            return self._fn(*jax.device_put((packed, dparams, tparams, carry), device))
-        self._check_packed(packed)
-        return self._fn(*_place((packed, dparams, tparams, carry), self.round_shardings))
+        return self._run((packed, dparams, tparams, carry), None if self.devices is None else self.round_shardings)
 
     def generate(self, params: dict, prompts, steps: int, seed: int = 0, on_call=None):
         """Speculative generation of `steps` tokens for each of the program's `batch` prompts
