@@ -101,6 +101,19 @@ DEEPSEEK_V3_KW = dict(
                          beta_fast=32, beta_slow=1, mscale=1.2, mscale_all_dim=0.8))
 
 
+def perturb_norms_and_bias(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights drawn around 1 (so a reader that drops one fails) and a DeepSeek-style
+    correction bias of 0.3 x N(0, 1), large enough against sigmoid scores to change some picks."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
 def build_deepseek_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Path:
     """A random float32 DeepseekV3ForCausalLM saved with `save_pretrained` into `out` (the
     public releases' tensor names: per-expert experts.{j}.*_proj, gate.e_score_correction_bias).
@@ -111,14 +124,7 @@ def build_deepseek_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Pa
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    perturb_norms_and_bias(model, seed)
     out = Path(out)
     model.save_pretrained(out)
     return out

@@ -471,7 +471,7 @@ def check_4_devices_and_int8(ckpt) -> None:
     """`tpumk generate --devices 4` on the checkpoint gives transformers' greedy tokens; quantized
     to int8 at pack time, the megakernel and the reference fed the same weights give the same
     tokens."""
-    from test_multidevice import generate_on_devices
+    from host_flags import generate_on_devices
     from tpumk.decode.generate import quantized
 
     want = hf_greedy(ckpt, PROMPTS, 6)
@@ -661,7 +661,7 @@ def test_gpt_oss_mxfp4_on_2_host_devices(gpt_oss_mxfp4):  # in tests/test_multid
     devices, each expert's width split over both (its e2m1 codes and their 32-row scales cut
     with its columns and rows): the float copy's greedy tokens (transformers')."""
     from hf_utils import hf_greedy
-    from test_multidevice import generate_on_devices
+    from host_flags import generate_on_devices
 
     mx_dir, float_dir = gpt_oss_mxfp4
     got = generate_on_devices(mx_dir, PROMPTS, 6, 2)

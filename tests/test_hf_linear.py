@@ -15,10 +15,6 @@ run on 1 device); the rest of the matrix is the full tier (tests/README.md).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +23,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_utils import hf_greedy, hf_logits
-from host_flags import xla_flags
+from host_flags import generate_on_devices
 from tpumk.decode.generate import generate, load_model, quantized
 from tpumk.model.reference import forward_full
 
-ROOT = Path(__file__).resolve().parents[1]
 LIN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
            linear_conv_kernel_dim=4)
 QWEN = dict(vocab_size=211, hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -140,13 +135,7 @@ def test_greedy_tokens_transformers_reference_megakernel(name, devices, quant, t
     if devices == 1:
         got = generate(m, PROMPTS, STEPS, backend="megakernel", page_size=8)
     else:  # `tpumk generate --devices 4` in a fresh process (it makes its own host devices)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-        cmd = [sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
-               ";".join(",".join(map(str, p)) for p in PROMPTS), "--steps", str(STEPS), "--backend", "megakernel",
-               "--devices", str(devices), "--page-size", "8", "--json"]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = json.loads(proc.stdout)
+        got = generate_on_devices(ckpt, PROMPTS, STEPS, devices, "--page-size", "8", timeout=1200)
         assert got["devices"] == devices
     assert got["tokens"] == want and "megakernel" in got["ran_on"]
 

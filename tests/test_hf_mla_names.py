@@ -28,9 +28,6 @@ transformers' own function in float32 and bfloat16.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +38,12 @@ from transformers import AutoConfig
 
 import hf_utils
 from hf_utils import hf_greedy, hf_logits
-from host_flags import xla_flags
+from host_flags import generate_on_devices
 from test_megakernel import compile_for_tpus
 from tpumk.decode.generate import generate, load_model
 from tpumk.model.reference import forward_full
 from tpumk.plan.knobs import TuningConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 # MLA widths off the lane grid as the DeepSeek-V3 tests have them (latent 40, nope 24, rope 8,
 # value 20); hidden and expert widths in whole 128-lane tiles (MLA is not lane padded)
 MLA = dict(vocab_size=211, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
@@ -84,20 +80,9 @@ def build(out: Path, model_type: str, seed: int) -> Path:
     cfg = AutoConfig.for_model(model_type, initializer_range=0.1, pad_token_id=None, bos_token_id=None,
                                eos_token_id=None, tie_word_embeddings=False, **CHECKPOINTS[model_type])
     model = getattr(transformers, CLASSES[model_type])(cfg).to(torch.float32).eval()
-    _perturb(model, seed)
+    hf_utils.perturb_norms_and_bias(model, seed)
     model.save_pretrained(out)
     return out
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def _seed(name: str) -> int:
@@ -179,13 +164,7 @@ def test_greedy_tokens_transformers_reference_megakernel(name, devices, tmp_path
         got = generate(m, PROMPTS, STEPS, backend="megakernel", page_size=8)
         compile_for_tpus(m.cfg, len(PROMPTS), 1, TuningConfig(), v6e=True)
     else:  # `tpumk generate --devices 4` in a fresh process (it makes its own host devices)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-        cmd = [sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
-               ";".join(",".join(map(str, p)) for p in PROMPTS), "--steps", str(STEPS), "--backend", "megakernel",
-               "--devices", str(devices), "--page-size", "8", "--json"]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = json.loads(proc.stdout)
+        got = generate_on_devices(ckpt, PROMPTS, STEPS, devices, "--page-size", "8", timeout=1200)
         assert got["devices"] == devices
         _compiles_on_devices(m.cfg, devices)
     assert got["tokens"] == want and "megakernel" in got["ran_on"]
@@ -218,7 +197,7 @@ def test_the_mistral3_wrapper_decodes_its_language_model(text_type, tmp_path):
                   image_size=16, patch_size=4)
     model = transformers.Mistral3ForConditionalGeneration(
         transformers.Mistral3Config(text_config=text, vision_config=vision)).to(torch.float32).eval()
-    _perturb(model, 70)
+    hf_utils.perturb_norms_and_bias(model, 70)
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral3"
     m = load_model(None, str(tmp_path))

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_flags import xla_flags
+from host_flags import generate_on_devices, xla_flags
 from program_checks import cache_copies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -424,19 +424,6 @@ def test_generate_devices_4_equals_transformers(fixture, request):
     got = generate_on_devices(ckpt, prompts, 6, 4)
     assert got["devices"] == 4 and "4 devices" in got["ran_on"]
     assert got["tokens"] == want
-
-
-def generate_on_devices(ckpt, prompts, steps: int, devices: int) -> dict:
-    """`tpumk generate --backend megakernel --devices N --json` on a checkpoint, in a fresh
-    process (it makes its own host devices): the parsed report."""
-    # the command makes its host devices itself
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-    proc = subprocess.run([sys.executable, "-m", "tpumk.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids",
-                           ";".join(",".join(map(str, p)) for p in prompts), "--steps", str(steps), "--backend",
-                           "megakernel", "--devices", str(devices), "--json"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
 
 
 if __name__ == "__main__":

@@ -462,8 +462,6 @@ def test_mxfp4_expert_down_scales_load_once_per_expert_without_races(slots, nati
     with 2 chunks an expert and 3 slots, chunks of three experts are in flight at once. The
     interpreter's race detector finds no overlap of a buffer's load with its last reads, and the
     step equals the quantized reference (float32, both decode paths)."""
-    from test_megakernel import races_found
-
     spec = _spec("tiny-gpt-oss", "float32", "mxfp4", 3, 1,
                  tuning=TuningConfig(expert_chunk=128, expert_slots=slots))
     plan = make_plan(spec)
@@ -472,14 +470,24 @@ def test_mxfp4_expert_down_scales_load_once_per_expert_without_races(slots, nati
     assert (plan.moe.chunks_per_expert, plan.moe.expert_scale_buffers) == (2, 1 + -(-slots // 2))
     cfg = spec.model
     qp = quantize_params(cfg, random_params(cfg, seed=4), "mxfp4")
-    cache = ref.init_cache(cfg, 3, spec.context)
+    got, want = _racefree_step_and_reference(plan, cfg, qp, spec.context)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
+
+
+def _racefree_step_and_reference(plan, cfg, qp, context: int):
+    """Three random prompts prefilled by the reference, then one step of each through the kernel
+    (interpret mode, the race detector on: it must find no race) and through the quantized
+    reference: (kernel logits, reference logits)."""
+    from test_megakernel import races_found
+
+    cache = ref.init_cache(cfg, 3, context)
     rng = np.random.default_rng(2)
     _, cache = ref.prefill(qp, cfg, [list(rng.integers(0, cfg.vocab_size, 5 + i)) for i in range(3)], cache)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 1)), jnp.int32)
     got, _ = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, cache.lengths[:, None], cache)
     assert not races_found(), "the interpreter's race detector reported a DMA race"
     want, _ = ref.jitted_decode_step(cfg)(qp, tokens, cache.lengths[:, None], cache)
-    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
+    return got, want
 
 
 # ---------------------------------------------------------------------- NVFP4 experts
@@ -541,8 +549,6 @@ def test_nvfp4_experts_match_the_quantized_reference_and_compile():
     expert, the down scales loaded once per expert) in 3 slots, against the quantized reference,
     with the interpreter's race detector. The same build compiles for v6e and for TPU7x (its
     codes and scales converted by Mosaic: float4_e2m1fn, float8_e4m3fn operands)."""
-    from test_megakernel import races_found
-
     spec = _spec("tiny-gpt-oss", "float32", "nvfp4", 3, 1, tuning=TuningConfig(expert_chunk=128, expert_slots=3))
     plan = make_plan(spec)
     plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, fp4_native=False))
@@ -553,13 +559,7 @@ def test_nvfp4_experts_match_the_quantized_reference_and_compile():
     cfg = spec.model
     qp = quantize_params(cfg, random_params(cfg, seed=4), "nvfp4")
     assert scheme_of(qp) == "nvfp4" and qp["layers"][0]["e_up"].outer.shape == (cfg.num_experts,)
-    cache = ref.init_cache(cfg, 3, spec.context)
-    rng = np.random.default_rng(2)
-    _, cache = ref.prefill(qp, cfg, [list(rng.integers(0, cfg.vocab_size, 5 + i)) for i in range(3)], cache)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 1)), jnp.int32)
-    got, _ = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, cache.lengths[:, None], cache)
-    assert not races_found(), "the interpreter's race detector reported a DMA race"
-    want, _ = ref.jitted_decode_step(cfg)(qp, tokens, cache.lengths[:, None], cache)
+    got, want = _racefree_step_and_reference(plan, cfg, qp, spec.context)
     # the same f32 products; only the summation order over K differs (float32 model)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
     for target, codes, scales in (("v6e", "int4", "int8"), ("tpu7x", "float4_e2m1fn", "float8_e4m3fn")):
