@@ -27,9 +27,9 @@ from host_flags import generate_on_devices
 from tpumk.decode.generate import generate, load_model, quantized
 from tpumk.model.reference import forward_full
 
-LIN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+LIN = dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
            linear_conv_kernel_dim=4)
-QWEN = dict(vocab_size=211, hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+QWEN = dict(vocab_size=211, hidden_size=96, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
             head_dim=64, intermediate_size=160, layer_types=["linear_attention", "linear_attention", "full_attention"],
             **LIN)
 QWEN_MOE = dict(QWEN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
