@@ -45,9 +45,10 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
                 "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
-                "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval")
+                "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval", "index_topk",
+                "index_heads", "index_head_dim", "index_rope_interleave", "index_shared_layers")
 # Fields that list layer indices (stored as sorted tuples).
-LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers")
+LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers", "index_shared_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -76,6 +77,9 @@ MAX_SIZES = {
     "yarn_original_max_position": 1 << 30,
     "rope_original_max_position": 1 << 30,
     "sliding_window": 1 << 30,
+    "index_topk": 1 << 30,
+    "index_heads": 1024,
+    "index_head_dim": 4096,
 }
 
 
@@ -248,6 +252,18 @@ class ModelConfig:
     # (tpumk.model.rope.query_scale); beta 0: unscaled.
     query_scale_beta: float = 0.0
     query_scale_interval: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2's and GLM-5's lightning indexer, MLA models only;
+    # tpumk.model.sparse_attention): per MLA layer an indexer of `index_heads` heads of
+    # `index_head_dim` lanes (the first qk_rope_head_dim of them roped, rotate-half, or
+    # interleaved pairs with `index_rope_interleave`) scores every cached token, and each query
+    # attends only to the `index_topk` it scores highest. Its keys live in a second paged cache
+    # beside the latent one. The layers in `index_shared_layers` have no indexer and reuse the
+    # previous layer's selection (GLM-5's "shared" indexer_types). index_topk 0: dense attention.
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False
+    index_shared_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -279,7 +295,8 @@ class ModelConfig:
             need(is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
                  f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
-                  *MLA_FIELDS, "yarn_original_max_position", "sliding_window"):
+                  *MLA_FIELDS, "yarn_original_max_position", "sliding_window", "index_topk", "index_heads",
+                  "index_head_dim"):
             need(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
                  f"a non-negative integer at most {MAX_SIZES[f]:,}" + (" (0: no window)" if f == "sliding_window" else ""))
         need(isinstance(self.dense_layers, tuple) and all(is_int(i) for i in self.dense_layers), "dense_layers",
@@ -307,6 +324,11 @@ class ModelConfig:
             need(not mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
         if self.parallel_blocks:
             need(not moe and not mla, "parallel_blocks", "false for a mixture-of-experts or MLA model")
+        if self.index_shared_layers:
+            need(self.attention.is_sparse, "index_shared_layers", "empty without sparse attention (index_topk = 0)")
+        if self.attention.is_sparse:  # the indexer's RoPE and cache follow every MLA layer's
+            need(not self.linear_layers, "linear_layers", "empty with sparse attention (index_topk > 0)")
+            need(not self.nope_layers, "nope_layers", "empty with sparse attention (index_topk > 0)")
 
     # ------------------------------------------------------------------ parts (tpumk.model.parts)
     @cached_property
@@ -359,6 +381,8 @@ class ModelConfig:
         h = self.hidden_size
         mixer = self.linear.param_count() if self.pattern.is_linear(i) else \
             self.attention.param_count(h) + self.attention.norm_params()
+        if self.has_indexer(i):
+            mixer += sum(math.prod(shape) for shape in self.attention.indexer_shapes(h).values())
         always = mixer + self.norms.per_layer() * h
         if self.pattern.is_dense(i):
             return {"always": always + self.mlp.param_count(h), "per_expert": 0, "experts": 0}
@@ -370,7 +394,7 @@ class ModelConfig:
         depend only on whether it is dense and whether it is linear, so each of those (at most
         four) kinds is counted once (no per-layer loop for the common models: closed form
         without linear layers)."""
-        if not self.linear:
+        if not self.linear and not self.index_shared_layers:
             n_dense = self.pattern.num_dense
             out = []
             if n_dense:
@@ -378,9 +402,9 @@ class ModelConfig:
             if self.num_layers - n_dense:
                 out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
             return out
-        kinds: dict[tuple[bool, bool], list[int]] = {}
+        kinds: dict[tuple[bool, bool, bool], list[int]] = {}
         for i in range(self.num_layers):
-            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i)), []).append(i)
+            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i), self.has_indexer(i)), []).append(i)
         return [(len(v), self.layer_param_counts(v[0])) for v in kinds.values()]
 
     def param_count(self) -> int:
@@ -401,6 +425,15 @@ class ModelConfig:
             if c["experts"]:
                 params += n * c["per_expert"] * expected_distinct_experts(self.num_experts, self.top_k, batch)
         return int(round(params * self.dtype_bytes))
+
+    def has_indexer(self, i: int) -> bool:
+        """Layer i runs a lightning indexer of its own (sparse attention, not a shared layer)."""
+        return self.attention.is_sparse and not self.pattern.shares_selection(i)
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The layers that run their own indexer: the index-key cache holds one layer per entry."""
+        return tuple(i for i in range(self.num_layers) if self.has_indexer(i))
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in a model-dtype cache, every layer (MLA: the stored, lane-padded row)."""
