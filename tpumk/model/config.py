@@ -554,9 +554,11 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer (`_hf_sparse_fields`)
+HF_SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa")
 # MLA (and DeepSeek-V3-style MoE) under every name: Kimi K2 is the DeepSeek-V3 architecture with its
 # own sizes; GLM-4.7-Flash (glm4_moe_lite) and Mistral Small 4 (mistral4) read by `_hf_mla_fields` too
-_HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4")
+_HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4") + HF_SPARSE_MLA
 # llama-4 position-scaled queries (rope_parameters.llama_4_scaling_beta): `_hf_query_scale`
 _HF_QUERY_SCALED = ("mistral4", "ministral3")
 MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)
@@ -980,7 +982,7 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     topk_method values of their releases' remote code would be built wrong, so they are
     refused); Mistral 4 by softmax scores over its groups, no bias. Dense layers: the first
     first_k_dense_replace (DeepSeek-V3, Mistral 4), or GLM-4.7-Flash's mlp_layer_types."""
-    glm, mistral = mt == "glm4_moe_lite", mt == "mistral4"
+    glm, mistral, sparse = mt == "glm4_moe_lite", mt == "mistral4", mt in HF_SPARSE_MLA
     if not mistral:
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             got = hf.str_(key, want)
@@ -1021,6 +1023,10 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
         moe.update(router_scoring="softmax", router_correction_bias=False)
     if glm:
         moe = _hf_glm4_lite_layers(hf, n_layers, moe)
+    if sparse:  # dense layers by mlp_layer_types (default: the first first_k_dense_replace)
+        first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], _REQUIRED)
+        moe = _hf_glm4_lite_layers(hf, n_layers, moe, ["dense"] * min(first, n_layers) + ["sparse"] * (n_layers - first))
+        fields.update(_hf_sparse_fields(hf, mt, n_layers, fields))
     fields.update(moe)
     if mistral:
         fields.update(_hf_mistral4_rope(data, source, nope, rope_dim))
@@ -1029,11 +1035,14 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     return fields
 
 
-def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any]) -> dict[str, Any]:
+def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any], default: list[str] | None = None
+                         ) -> dict[str, Any]:
     """GLM-4.7-Flash's dense and routed layers: `mlp_layer_types` ('dense' / 'sparse' per layer;
     transformers' default: the first layer dense, the rest routed). Its release also writes
-    first_k_dense_replace, which transformers does not read: it must say the same layers."""
-    default = ["dense"] + ["sparse"] * (n_layers - 1)
+    first_k_dense_replace, which transformers does not read: it must say the same layers.
+    DeepSeek-V3.2 / GLM-5 (`default`: the layers their first_k_dense_replace makes dense, which
+    transformers derives mlp_layer_types from when the file has none) read the same way."""
+    default = default or ["dense"] + ["sparse"] * (n_layers - 1)
     types = _hf_mlp_layer_types(hf, n_layers) or default
     first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=None)
     if first is not None and types != ["dense"] * min(first, n_layers) + ["sparse"] * (n_layers - first):
@@ -1045,6 +1054,66 @@ def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any]) ->
     if not moe or len(dense) == n_layers:  # no routed layer: a dense model
         return {}
     return {**moe, "dense_layers": dense}
+
+
+def _hf_sparse_fields(hf: "_HFFields", mt: str, n_layers: int, mla: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek Sparse Attention's fields (DeepSeek-V3.2, GLM-5) as transformers reads them: the
+    indexer's heads, width and top-k; every layer an indexed-attention layer (`layer_types`);
+    GLM-5's `indexer_types` ('full' / 'shared' per layer; without it transformers derives them from
+    index_topk_pattern, else index_topk_freq and index_skip_topk_offset); the indexer's rope lanes
+    rotate-half (DeepSeek-V3.2) or interleaved (GLM-5). Their attention always has q-LoRA."""
+    src = hf.source
+    if not mla["q_lora_rank"]:
+        raise ConfigError(f"{src}: field 'q_lora_rank' = {_short_repr(hf.data.get('q_lora_rank'))}: expected a positive "
+                          f"integer ({mt}'s attention always projects q through the q-LoRA latent its indexer reads)")
+    types = hf.list_("layer_types", str, "a list of 'indexed_attention' per layer")
+    if types and (len(types) != n_layers or any(t != "indexed_attention" for t in types)):
+        raise NotSupportedError(f"{src}: not supported: field 'layer_types' = {_short_repr(types)} (every layer of "
+                                f"{mt} is 'indexed_attention': one per each of the {n_layers} layers)")
+    topk = hf.int_("index_topk", MAX_SIZES["index_topk"], _REQUIRED)
+    heads = hf.int_("index_n_heads", MAX_SIZES["index_heads"], _REQUIRED)
+    dim = hf.int_("index_head_dim", MAX_SIZES["index_head_dim"], _REQUIRED)
+    rope = mla["qk_rope_head_dim"]
+    if topk < 1:
+        raise ConfigError(f"{src}: field 'index_topk' = {topk}: expected a positive integer (the cached tokens each "
+                          "query attends to)")
+    if heads < 1:
+        raise ConfigError(f"{src}: field 'index_n_heads' = {heads}: expected a positive integer (the indexer's heads)")
+    if dim < rope:
+        raise ConfigError(f"{src}: field 'index_head_dim' = {dim}: expected at least qk_rope_head_dim ({rope}: the "
+                          "indexer ropes its first qk_rope_head_dim lanes)")
+    shared: list[int] = []
+    if mt == "glm_moe_dsa":
+        kinds = _hf_indexer_types(hf, n_layers)
+        shared = [i for i, k in enumerate(kinds) if k == "shared"]
+        if 0 in shared:
+            raise ConfigError(f"{src}: field 'indexer_types' = {_short_repr(kinds)}: expected 'full' for layer 0 (a "
+                              "'shared' layer reuses the previous layer's selection; transformers fails without one)")
+    return dict(index_topk=topk, index_heads=heads, index_head_dim=dim, index_rope_interleave=mt == "glm_moe_dsa",
+                index_shared_layers=shared)
+
+
+def _hf_indexer_types(hf: "_HFFields", n_layers: int) -> list[str]:
+    """GLM-5's 'full' / 'shared' per layer, as GlmMoeDsaConfig derives them: indexer_types, else
+    index_topk_pattern ('F' / 'S' per layer, or a list of the words), else layer i is full when
+    max(i - index_skip_topk_offset + 1, 0) is a multiple of index_topk_freq (defaults 2 and 1)."""
+    src, data = hf.source, hf.data
+    kinds = data.get("indexer_types")
+    where = "indexer_types"
+    if kinds is None and data.get("index_topk_pattern") is not None:
+        pattern, where = data["index_topk_pattern"], "index_topk_pattern"
+        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            kinds = pattern
+    elif kinds is None:
+        freq = max(hf.int_("index_topk_freq", MAX_SIZES["num_layers"], default=1), 1)
+        offset = hf.int_("index_skip_topk_offset", MAX_SIZES["num_layers"], default=2)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if not (isinstance(kinds, list) and len(kinds) == n_layers and all(k in ("full", "shared") for k in kinds)):
+        raise ConfigError(f"{src}: field '{where}' = {_short_repr(kinds)}: expected 'full' or 'shared' for each of "
+                          f"the {n_layers} layers" + (" (or a string of 'F' / 'S')" if where != "indexer_types" else ""))
+    return kinds
 
 
 def _hf_mlp_layer_types(hf: "_HFFields", n_layers: int) -> list[str]:
