@@ -2,8 +2,8 @@
 checkpoints written by transformers 5.24's own classes, through tpumk's reader and reference
 (`tpumk.model.sparse_attention`); `mistral_large4`, refused in one line naming what it lacks.
 
-- `deepseek_v32`: MLA with q-LoRA and interleaved rope lanes, an indexer of 8 heads of 32 lanes
-  (rope lanes rotate-half), index_topk 4, 2 of 4 expert groups, the first layer dense;
+- `deepseek_v32`: MLA with q-LoRA, interleaved rope lanes and YaRN, an indexer of 8 heads of 32
+  lanes (rope lanes rotate-half), index_topk 4, 2 of 4 expert groups, the first layer dense;
 - `glm_moe_dsa`: the same MLA with an indexer of 8 heads of 16 lanes (rope lanes interleaved),
   index_topk 6, layer 1 "shared" (it reuses layer 0's selection, no indexer of its own).
 
@@ -47,15 +47,20 @@ MLA = dict(vocab_size=211, hidden_size=128, num_hidden_layers=3, num_attention_h
            q_lora_rank=56, kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20,
            intermediate_size=80, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
            n_shared_experts=1, first_k_dense_replace=1)
+# YaRN as DeepSeek-V3.2's release configures it (the mscales on the MLA softmax and on cos / sin, which
+# the indexer's RoPE takes too), over an original length of 8 that the prompts pass
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.2, mscale_all_dim=0.8)
 CHECKPOINTS = {
-    "deepseek_v32": dict(MLA, n_group=4, topk_group=2, index_topk=4, index_n_heads=8, index_head_dim=32),
+    "deepseek_v32": dict(MLA, n_group=4, topk_group=2, index_topk=4, index_n_heads=8, index_head_dim=32,
+                         max_position_embeddings=64, rope_parameters=YARN),
     "glm_moe_dsa": dict(MLA, n_group=2, topk_group=1, index_topk=6, index_n_heads=8, index_head_dim=16,
                         indexer_types=["full", "shared", "full"]),
 }
 CLASSES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 PROMPTS = [[3, 141, 59, 26, 5, 200, 17, 122, 41], [150, 1, 64, 7, 180, 2, 99, 11, 203]]
 STEPS = 10
-LOGIT_TOKENS = np.random.default_rng(3).integers(0, 211, (2, 24))
+LOGIT_TOKENS = np.random.default_rng(4).integers(0, 211, (2, 24))  # a seed without ties (_selection_gap)
 # scores are float32 dots of at most 32 terms of size ~1 (error ~1e-6): a gap of 1e-4 is no tie
 TIE_GAP = 1e-4
 DENSE = dict(index_topk=0, index_heads=0, index_head_dim=0, index_rope_interleave=False, index_shared_layers=())
@@ -123,6 +128,7 @@ def test_config_reads_the_family(checkpoint):
     if name == "deepseek_v32":
         assert (cfg.index_topk, cfg.index_heads, cfg.index_head_dim, cfg.index_rope_interleave) == (4, 8, 32, False)
         assert cfg.indexer_layers == (0, 1, 2) and (cfg.router_groups, cfg.router_topk_groups) == (4, 2)
+        assert (cfg.yarn_factor, cfg.yarn_original_max_position, cfg.yarn_mscale_all_dim) == (4.0, 8, 0.8)
     else:
         assert (cfg.index_topk, cfg.index_heads, cfg.index_head_dim, cfg.index_rope_interleave) == (6, 8, 16, True)
         assert cfg.index_shared_layers == (1,) and cfg.indexer_layers == (0, 2)
