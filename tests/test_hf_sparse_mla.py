@@ -284,3 +284,16 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
     assert sparse_kv_reads(shared, 131072).index_key_bytes == 131072 * 256 * 31
     with pytest.raises(ConfigError, match="field 'index_topk' = 0: expected a sparse-attention model"):
         sparse_kv_reads(load_preset("deepseek-v3"), 4096)
+
+
+def test_a_verify_step_selects_per_query(checkpoint):
+    """Speculative decoding (`--spec ngram`: the reference's verify steps of 4 tokens, each query
+    selecting among the cached keys and the step's earlier tokens, rolled back by the lengths)
+    gives the plain greedy tokens: transformers'. (GLM-5's checkpoint: its shared layer too.)"""
+    name, ckpt, m = checkpoint
+    if name != "glm_moe_dsa":
+        pytest.skip("one family: the verify step's selection is the same code for both")
+    got = generate(m, PROMPTS, STEPS, backend="reference", spec="ngram", draft_tokens=3)
+    # (every step a 4-token verify, whatever its drafts' acceptance: rejected drafts' latent and
+    # index-key rows are left past the lengths and rewritten by the next step)
+    assert got["tokens"] == _hf_greedy(ckpt) and got["spec"]["target_steps"] >= 1
