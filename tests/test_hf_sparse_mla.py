@@ -297,3 +297,20 @@ def test_a_verify_step_selects_per_query(checkpoint):
     # (every step a 4-token verify, whatever its drafts' acceptance: rejected drafts' latent and
     # index-key rows are left past the lengths and rewritten by the next step)
     assert got["tokens"] == _hf_greedy(ckpt) and got["spec"]["target_steps"] >= 1
+
+
+@pytest.mark.parametrize("kw", [dict(index_topk_pattern="FSSF"), dict(index_topk_pattern=["full", "full", "shared", "full"]),
+                                dict(index_topk_freq=2, index_skip_topk_offset=1),
+                                dict(index_topk_freq=3), {}])
+def test_glm5_shared_layers_are_derived_as_transformers_derives_them(kw):
+    """Without indexer_types, GlmMoeDsaConfig derives them from index_topk_pattern, else
+    index_topk_freq / index_skip_topk_offset (its defaults: every layer full): tpumk reads the
+    same shared layers from the file that carries only those fields."""
+    from tpumk.model.config import from_hf_config
+
+    base = {**CHECKPOINTS["glm_moe_dsa"], "num_hidden_layers": 4, "model_type": "glm_moe_dsa"}
+    del base["indexer_types"]
+    want = transformers.GlmMoeDsaConfig(**{k: v for k, v in base.items() if k != "model_type"}, **kw).indexer_types
+    got = from_hf_config({**base, **kw}, "x/config.json").index_shared_layers
+    assert got == tuple(i for i, t in enumerate(want) if t == "shared")
+    assert bool(got) == bool(kw)  # each pattern here shares some layer; the defaults none

@@ -1069,7 +1069,7 @@ def _hf_sparse_fields(hf: "_HFFields", mt: str, n_layers: int, mla: dict[str, An
     types = hf.list_("layer_types", str, "a list of 'indexed_attention' per layer")
     if types and (len(types) != n_layers or any(t != "indexed_attention" for t in types)):
         raise NotSupportedError(f"{src}: not supported: field 'layer_types' = {_short_repr(types)} (every layer of "
-                                f"{mt} is 'indexed_attention': one per each of the {n_layers} layers)")
+                                f"{mt} is 'indexed_attention': one for each of the {n_layers} layers)")
     topk = hf.int_("index_topk", MAX_SIZES["index_topk"], _REQUIRED)
     heads = hf.int_("index_n_heads", MAX_SIZES["index_heads"], _REQUIRED)
     dim = hf.int_("index_head_dim", MAX_SIZES["index_head_dim"], _REQUIRED)
