@@ -313,8 +313,8 @@ def test_the_rope_table_in_use_gives_theta_and_partial_rotary():
 
 # ---------------------------------------------------------------------- families tpumk refuses
 @pytest.mark.parametrize("model_type, what", [
-    ("deepseek_v32", "lightning indexer"), ("glm_moe_dsa", "lightning indexer"),
-    ("mistral_large4", "lightning indexer"), ("deepseek_v4", "hyper-connections"), ("smollm3", "NoPE layers"),
+    ("mistral_large4", "learned RoPE frequencies"), ("mistral_large4_text", "kv_source_layers"),
+    ("deepseek_v4", "hyper-connections"), ("smollm3", "NoPE layers"),
     ("olmo3", "sliding-window layers"), ("muse_spark", "gated residual"), ("llama4", "chunked attention"),
     ("deepseek_v2", "softmax scores"),
 ])
@@ -430,9 +430,12 @@ def test_a_wrapper_is_read_through_its_text_config():
         cfg.replace(name="x")
     assert from_hf_config({k: v for k, v in data.items() if k != "tie_word_embeddings"}).tie_embeddings
     for changes, err, what in [
+        ({"text_config": {**text, "model_type": "deepseek_v4"}}, NotSupportedError,
+         "not supported yet: text_config.model_type 'deepseek_v4' in a 'kimi_k25' wrapper (tpumk decodes "
+         "'deepseek_v3' or 'kimi_k2' there; deepseek_v4 has hyper-connections"),
         ({"text_config": {**text, "model_type": "deepseek_v32"}}, NotSupportedError,
          "not supported yet: text_config.model_type 'deepseek_v32' in a 'kimi_k25' wrapper (tpumk decodes "
-         "'deepseek_v3' or 'kimi_k2' there; deepseek_v32 has DeepSeek Sparse Attention's lightning indexer"),
+         "'deepseek_v3' or 'kimi_k2' there)"),
         ({"text_config": None}, ConfigError, "field 'text_config' = None: expected an object"),
         ({"media_placeholder_token_id": 163605, "audio_config": {}}, NotSupportedError,
          "field 'audio_config' is not a field of model_type 'kimi_k25'"),

@@ -53,6 +53,9 @@ Mistral Small 4 name their MLA tensors the same; Mistral 4's router has no corre
     model.layers.{i}.self_attn.q_a_layernorm / kv_a_layernorm   -> q_a_norm / kv_a_norm
     model.layers.{i}.self_attn.kv_a_proj_with_mqa / kv_b_proj   -> wkv_a / wkv_b
     model.layers.{i}.mlp.gate.e_score_correction_bias           -> router_bias (float32, as the router)
+    model.layers.{i}.self_attn.indexer.wq_b / wk / k_norm (weight, bias) / weights_proj
+                                                                -> idx_wq / idx_wk / idx_k_norm, idx_k_bias /
+                                                                   idx_weights (float32; sparse attention)
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down (GLM-4.5 too)
 gpt-oss (float weights, as transformers saves them; tpumk.model.checkpoint._gpt_oss_experts):
     model.layers.{i}.self_attn.sinks [Hq]                        -> sinks
@@ -98,7 +101,7 @@ from tpumk.model.hf_fields import LANGUAGE_MODEL_PREFIXES, WRAPPERS
 from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, NV_GROUP, RING_MATRICES,
                                   QuantizedMatrix, quantize_params)
 from tpumk.model.reference import Params, jnp_dtype
-from tpumk.model.weights import FLOAT32_TENSORS, expected_shapes
+from tpumk.model.weights import expected_shapes, tensor_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype tags of the float formats read as is; e4m3 is read in FP8 checkpoints only
@@ -275,6 +278,10 @@ def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> N
     add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
     add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
     add(p + "self_attn.o_proj.weight", i, "wo", _t)
+    if cfg.has_indexer(i):  # sparse attention's lightning indexer (transformers' DeepseekV32Indexer)
+        for name, key, fn in (("wq_b.weight", "idx_wq", _t), ("wk.weight", "idx_wk", _t), ("k_norm.weight", "idx_k_norm", _same),
+                              ("k_norm.bias", "idx_k_bias", _same), ("weights_proj.weight", "idx_weights", _t)):
+            add(p + "self_attn.indexer." + name, i, key, fn)
 
 
 def _linear_attention(cfg: ModelConfig, p: str, i: int, add, names: set[str]) -> None:
@@ -887,7 +894,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
 
     def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
-        return np.dtype(np.float32) if cfg.moe.router_correction_bias and key in FLOAT32_TENSORS else out_dt
+        return np.dtype(tensor_dtype(cfg, key, out_dt))
 
     # Tensors go to the device one at a time; per-expert slices (and column parts) fill a host
     # buffer that moves over as soon as its last part arrives (the plan runs layer by layer).

@@ -45,9 +45,10 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "rope_attention_factor", "attn_sinks", "o_bias", "router_logit_bias", "expert_bias", "swiglu_limit",
                 "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
-                "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval")
+                "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval", "index_topk",
+                "index_heads", "index_head_dim", "index_rope_interleave", "index_shared_layers")
 # Fields that list layer indices (stored as sorted tuples).
-LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers")
+LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers", "index_shared_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
 
 # Sane upper bounds of every size field, checked before anything loops over layers or allocates.
@@ -76,6 +77,9 @@ MAX_SIZES = {
     "yarn_original_max_position": 1 << 30,
     "rope_original_max_position": 1 << 30,
     "sliding_window": 1 << 30,
+    "index_topk": 1 << 30,
+    "index_heads": 1024,
+    "index_head_dim": 4096,
 }
 
 
@@ -248,6 +252,18 @@ class ModelConfig:
     # (tpumk.model.rope.query_scale); beta 0: unscaled.
     query_scale_beta: float = 0.0
     query_scale_interval: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2's and GLM-5's lightning indexer, MLA models only;
+    # tpumk.model.sparse_attention): per MLA layer an indexer of `index_heads` heads of
+    # `index_head_dim` lanes (the first qk_rope_head_dim of them roped, rotate-half, or
+    # interleaved pairs with `index_rope_interleave`) scores every cached token, and each query
+    # attends only to the `index_topk` it scores highest. Its keys live in a second paged cache
+    # beside the latent one. The layers in `index_shared_layers` have no indexer and reuse the
+    # previous layer's selection (GLM-5's "shared" indexer_types). index_topk 0: dense attention.
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False
+    index_shared_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -279,7 +295,8 @@ class ModelConfig:
             need(is_int(getattr(self, f)) and 0 < getattr(self, f) <= MAX_SIZES[f], f,
                  f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
-                  *MLA_FIELDS, "yarn_original_max_position", "sliding_window"):
+                  *MLA_FIELDS, "yarn_original_max_position", "sliding_window", "index_topk", "index_heads",
+                  "index_head_dim"):
             need(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
                  f"a non-negative integer at most {MAX_SIZES[f]:,}" + (" (0: no window)" if f == "sliding_window" else ""))
         need(isinstance(self.dense_layers, tuple) and all(is_int(i) for i in self.dense_layers), "dense_layers",
@@ -307,6 +324,11 @@ class ModelConfig:
             need(not mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
         if self.parallel_blocks:
             need(not moe and not mla, "parallel_blocks", "false for a mixture-of-experts or MLA model")
+        if self.index_shared_layers:
+            need(self.attention.is_sparse, "index_shared_layers", "empty without sparse attention (index_topk = 0)")
+        if self.attention.is_sparse:  # the indexer's RoPE and cache follow every MLA layer's
+            need(not self.linear_layers, "linear_layers", "empty with sparse attention (index_topk > 0)")
+            need(not self.nope_layers, "nope_layers", "empty with sparse attention (index_topk > 0)")
 
     # ------------------------------------------------------------------ parts (tpumk.model.parts)
     @cached_property
@@ -359,6 +381,8 @@ class ModelConfig:
         h = self.hidden_size
         mixer = self.linear.param_count() if self.pattern.is_linear(i) else \
             self.attention.param_count(h) + self.attention.norm_params()
+        if self.has_indexer(i):
+            mixer += sum(math.prod(shape) for shape in self.attention.indexer_shapes(h).values())
         always = mixer + self.norms.per_layer() * h
         if self.pattern.is_dense(i):
             return {"always": always + self.mlp.param_count(h), "per_expert": 0, "experts": 0}
@@ -370,7 +394,7 @@ class ModelConfig:
         depend only on whether it is dense and whether it is linear, so each of those (at most
         four) kinds is counted once (no per-layer loop for the common models: closed form
         without linear layers)."""
-        if not self.linear:
+        if not self.linear and not self.index_shared_layers:
             n_dense = self.pattern.num_dense
             out = []
             if n_dense:
@@ -378,9 +402,9 @@ class ModelConfig:
             if self.num_layers - n_dense:
                 out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
             return out
-        kinds: dict[tuple[bool, bool], list[int]] = {}
+        kinds: dict[tuple[bool, bool, bool], list[int]] = {}
         for i in range(self.num_layers):
-            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i)), []).append(i)
+            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i), self.has_indexer(i)), []).append(i)
         return [(len(v), self.layer_param_counts(v[0])) for v in kinds.values()]
 
     def param_count(self) -> int:
@@ -401,6 +425,15 @@ class ModelConfig:
             if c["experts"]:
                 params += n * c["per_expert"] * expected_distinct_experts(self.num_experts, self.top_k, batch)
         return int(round(params * self.dtype_bytes))
+
+    def has_indexer(self, i: int) -> bool:
+        """Layer i runs a lightning indexer of its own (sparse attention, not a shared layer)."""
+        return self.attention.is_sparse and not self.pattern.shares_selection(i)
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The layers that run their own indexer: the index-key cache holds one layer per entry."""
+        return tuple(i for i in range(self.num_layers) if self.has_indexer(i))
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in a model-dtype cache, every layer (MLA: the stored, lane-padded row)."""
@@ -521,9 +554,11 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # Cohere's logits x logit_scale (transformers' default), folded into the final norm on load
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer (`_hf_sparse_fields`)
+HF_SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa")
 # MLA (and DeepSeek-V3-style MoE) under every name: Kimi K2 is the DeepSeek-V3 architecture with its
 # own sizes; GLM-4.7-Flash (glm4_moe_lite) and Mistral Small 4 (mistral4) read by `_hf_mla_fields` too
-_HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4")
+_HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4") + HF_SPARSE_MLA
 # llama-4 position-scaled queries (rope_parameters.llama_4_scaling_beta): `_hf_query_scale`
 _HF_QUERY_SCALED = ("mistral4", "ministral3")
 MLA_LATENT_EPS = 1e-6  # the epsilon of transformers' MLA latent norms (DeepseekV3RMSNorm's default)
@@ -947,7 +982,7 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     topk_method values of their releases' remote code would be built wrong, so they are
     refused); Mistral 4 by softmax scores over its groups, no bias. Dense layers: the first
     first_k_dense_replace (DeepSeek-V3, Mistral 4), or GLM-4.7-Flash's mlp_layer_types."""
-    glm, mistral = mt == "glm4_moe_lite", mt == "mistral4"
+    glm, mistral, sparse = mt == "glm4_moe_lite", mt == "mistral4", mt in HF_SPARSE_MLA
     if not mistral:
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             got = hf.str_(key, want)
@@ -988,6 +1023,10 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
         moe.update(router_scoring="softmax", router_correction_bias=False)
     if glm:
         moe = _hf_glm4_lite_layers(hf, n_layers, moe)
+    if sparse:  # dense layers by mlp_layer_types (default: the first first_k_dense_replace)
+        first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], _REQUIRED)
+        moe = _hf_glm4_lite_layers(hf, n_layers, moe, ["dense"] * min(first, n_layers) + ["sparse"] * (n_layers - first))
+        fields.update(_hf_sparse_fields(hf, mt, n_layers, fields))
     fields.update(moe)
     if mistral:
         fields.update(_hf_mistral4_rope(data, source, nope, rope_dim))
@@ -996,11 +1035,14 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     return fields
 
 
-def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any]) -> dict[str, Any]:
+def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any], default: list[str] | None = None
+                         ) -> dict[str, Any]:
     """GLM-4.7-Flash's dense and routed layers: `mlp_layer_types` ('dense' / 'sparse' per layer;
     transformers' default: the first layer dense, the rest routed). Its release also writes
-    first_k_dense_replace, which transformers does not read: it must say the same layers."""
-    default = ["dense"] + ["sparse"] * (n_layers - 1)
+    first_k_dense_replace, which transformers does not read: it must say the same layers.
+    DeepSeek-V3.2 / GLM-5 (`default`: the layers their first_k_dense_replace makes dense, which
+    transformers derives mlp_layer_types from when the file has none) read the same way."""
+    default = default or ["dense"] + ["sparse"] * (n_layers - 1)
     types = _hf_mlp_layer_types(hf, n_layers) or default
     first = hf.int_("first_k_dense_replace", MAX_SIZES["num_layers"], default=None)
     if first is not None and types != ["dense"] * min(first, n_layers) + ["sparse"] * (n_layers - first):
@@ -1012,6 +1054,66 @@ def _hf_glm4_lite_layers(hf: "_HFFields", n_layers: int, moe: dict[str, Any]) ->
     if not moe or len(dense) == n_layers:  # no routed layer: a dense model
         return {}
     return {**moe, "dense_layers": dense}
+
+
+def _hf_sparse_fields(hf: "_HFFields", mt: str, n_layers: int, mla: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek Sparse Attention's fields (DeepSeek-V3.2, GLM-5) as transformers reads them: the
+    indexer's heads, width and top-k; every layer an indexed-attention layer (`layer_types`);
+    GLM-5's `indexer_types` ('full' / 'shared' per layer; without it transformers derives them from
+    index_topk_pattern, else index_topk_freq and index_skip_topk_offset); the indexer's rope lanes
+    rotate-half (DeepSeek-V3.2) or interleaved (GLM-5). Their attention always has q-LoRA."""
+    src = hf.source
+    if not mla["q_lora_rank"]:
+        raise ConfigError(f"{src}: field 'q_lora_rank' = {_short_repr(hf.data.get('q_lora_rank'))}: expected a positive "
+                          f"integer ({mt}'s attention always projects q through the q-LoRA latent its indexer reads)")
+    types = hf.list_("layer_types", str, "a list of 'indexed_attention' per layer")
+    if types and (len(types) != n_layers or any(t != "indexed_attention" for t in types)):
+        raise NotSupportedError(f"{src}: not supported: field 'layer_types' = {_short_repr(types)} (every layer of "
+                                f"{mt} is 'indexed_attention': one for each of the {n_layers} layers)")
+    topk = hf.int_("index_topk", MAX_SIZES["index_topk"], _REQUIRED)
+    heads = hf.int_("index_n_heads", MAX_SIZES["index_heads"], _REQUIRED)
+    dim = hf.int_("index_head_dim", MAX_SIZES["index_head_dim"], _REQUIRED)
+    rope = mla["qk_rope_head_dim"]
+    if topk < 1:
+        raise ConfigError(f"{src}: field 'index_topk' = {topk}: expected a positive integer (the cached tokens each "
+                          "query attends to)")
+    if heads < 1:
+        raise ConfigError(f"{src}: field 'index_n_heads' = {heads}: expected a positive integer (the indexer's heads)")
+    if dim < rope:
+        raise ConfigError(f"{src}: field 'index_head_dim' = {dim}: expected at least qk_rope_head_dim ({rope}: the "
+                          "indexer ropes its first qk_rope_head_dim lanes)")
+    shared: list[int] = []
+    if mt == "glm_moe_dsa":
+        kinds = _hf_indexer_types(hf, n_layers)
+        shared = [i for i, k in enumerate(kinds) if k == "shared"]
+        if 0 in shared:
+            raise ConfigError(f"{src}: field 'indexer_types' = {_short_repr(kinds)}: expected 'full' for layer 0 (a "
+                              "'shared' layer reuses the previous layer's selection; transformers fails without one)")
+    return dict(index_topk=topk, index_heads=heads, index_head_dim=dim, index_rope_interleave=mt == "glm_moe_dsa",
+                index_shared_layers=shared)
+
+
+def _hf_indexer_types(hf: "_HFFields", n_layers: int) -> list[str]:
+    """GLM-5's 'full' / 'shared' per layer, as GlmMoeDsaConfig derives them: indexer_types, else
+    index_topk_pattern ('F' / 'S' per layer, or a list of the words), else layer i is full when
+    max(i - index_skip_topk_offset + 1, 0) is a multiple of index_topk_freq (defaults 2 and 1)."""
+    src, data = hf.source, hf.data
+    kinds = data.get("indexer_types")
+    where = "indexer_types"
+    if kinds is None and data.get("index_topk_pattern") is not None:
+        pattern, where = data["index_topk_pattern"], "index_topk_pattern"
+        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            kinds = pattern
+    elif kinds is None:
+        freq = max(hf.int_("index_topk_freq", MAX_SIZES["num_layers"], default=1), 1)
+        offset = hf.int_("index_skip_topk_offset", MAX_SIZES["num_layers"], default=2)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if not (isinstance(kinds, list) and len(kinds) == n_layers and all(k in ("full", "shared") for k in kinds)):
+        raise ConfigError(f"{src}: field '{where}' = {_short_repr(kinds)}: expected 'full' or 'shared' for each of "
+                          f"the {n_layers} layers" + (" (or a string of 'F' / 'S')" if where != "indexer_types" else ""))
+    return kinds
 
 
 def _hf_mlp_layer_types(hf: "_HFFields", n_layers: int) -> list[str]:

@@ -233,6 +233,26 @@ _MISTRAL4 = _family(
     _CORE | _SIGMOID_MOE | _SCALED_POSITIONS | _MLA - {"scoring_func", "topk_method", "moe_layer_freq"},
     {**_DENSE_HARMLESS, **_MOE_HARMLESS}, _MLA_BIAS, {"num_local_experts": "n_routed_experts"})
 
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3's MLA (always q-LoRA, always
+# interleaved rope lanes: rope_interleave is not read) and routing (dense layers by
+# mlp_layer_types, default the first first_k_dense_replace), plus the lightning indexer's sizes;
+# every layer_types entry is 'indexed_attention'. GLM-5's indexer_types (or, without it, the
+# index_topk_pattern / index_topk_freq / index_skip_topk_offset transformers derives them from)
+# say which layers reuse the previous layer's selection.
+_DSA = {"index_topk", "index_head_dim", "index_n_heads", "layer_types", "mlp_layer_types"}
+_DSA_HARMLESS = {**_DENSE_HARMLESS, **_MOE_HARMLESS, "num_nextn_predict_layers": _MTP, "ep_size": _PARALLEL,
+                 "aux_loss_alpha": _TRAINING, "seq_aux": _TRAINING}
+_DSA_REFUSED = {**_MLA_BIAS, "mlp_bias": _MLP_BIAS,
+                "rope_interleave": Refused("rotate-half MLA rope lanes: transformers' sparse-attention MLA always "
+                                           "rotates interleaved pairs", (None, True))}
+_DSA_ALIASES = {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts",
+                "num_mtp_layers": "num_nextn_predict_layers"}
+_DEEPSEEK_V32 = _family(_CORE | _SIGMOID_MOE | _SCALED_POSITIONS | (_MLA - {"rope_interleave"}) | _DSA,
+                        _DSA_HARMLESS, _DSA_REFUSED, _DSA_ALIASES)
+_GLM_MOE_DSA = _family(_CORE | _SIGMOID_MOE | _SCALED_POSITIONS | (_MLA - {"rope_interleave"}) | _DSA
+                       | {"indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"},
+                       _DSA_HARMLESS, _DSA_REFUSED, _DSA_ALIASES)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType({
     "qwen3": _family(_CORE | _WINDOWED | _SCALED_POSITIONS | {"attention_bias"}, _DENSE_HARMLESS),
     "qwen3_moe": _family(
@@ -326,6 +346,8 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     "kimi_k2": _DEEPSEEK_V3,  # Kimi K2: the DeepSeek-V3 architecture (transformers loads it as deepseek_v3)
     "glm4_moe_lite": _GLM4_MOE_LITE,
     "mistral4": _MISTRAL4,
+    "deepseek_v32": _DEEPSEEK_V32,
+    "glm_moe_dsa": _GLM_MOE_DSA,
     # Hybrids (tpumk.model.config._hf_linear_fields): Gated DeltaNet beside gated attention
     "qwen3_next": _family(
         _CORE | _GATED_DELTA | {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -399,12 +421,14 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
     "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy': a "
                    "group scored by its best expert; tpumk's group limit scores a group by its two best, as "
                    "DeepSeek-V3 and Mistral 4 route)",
-    "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
-                    "scores highest)",
-    "glm_moe_dsa": "DeepSeek Sparse Attention's lightning indexer (each query attends to the index_topk keys it "
-                   "scores highest)",
-    "mistral_large4": "DeepSeek Sparse Attention's lightning indexer and learned log-position query scaling, in a "
-                      "multimodal wrapper",
+    "mistral_large4": "learned RoPE frequencies (rotary_emb.alpha), a learned per-head log-position softmax "
+                      "scale on the MLA and indexer queries, layers that reuse an earlier layer's latent cache "
+                      "(kv_source_layers), NoPE MLA layers and an indexer reading the hidden state, beside its "
+                      "sparse attention, in a multimodal wrapper",
+    "mistral_large4_text": "learned RoPE frequencies (rotary_emb.alpha), a learned per-head log-position softmax "
+                           "scale on the MLA and indexer queries, layers that reuse an earlier layer's latent cache "
+                           "(kv_source_layers), NoPE MLA layers and an indexer reading the hidden state, beside its "
+                           "sparse attention",
     "deepseek_v4": "hyper-connections (hc_mult residual streams), compressed sparse attention (CSA / HCA "
                    "compressors with a lightning indexer) and hash-routed experts",
     "ministral": "sliding-window and full layers by layer_types in a Mistral: not read for this model_type yet",

@@ -55,6 +55,12 @@ def rope_rows(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: 
     return x * cos + rotated * sin
 
 
+def q_latent(cfg: ModelConfig, layer, x: jax.Array) -> jax.Array:
+    """The normed q-LoRA latent q_a_norm(x @ wq_a) [B, T, Rq] f32 (what q_b, and a sparse-attention
+    indexer's queries, project)."""
+    return rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.latent_eps)
+
+
 def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True):
     """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
     cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope). `rotate` False (a
@@ -63,7 +69,7 @@ def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate:
     b, t, _ = x.shape
     n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
-        q = matmul(rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.latent_eps), layer["wq_b"])
+        q = matmul(q_latent(cfg, layer, x), layer["wq_b"])
     else:
         q = matmul(x, layer["wq"])
     q = q.reshape(b, t, cfg.num_q_heads, n + r)
@@ -93,6 +99,17 @@ def _per_head(x: jax.Array, w) -> jax.Array:
     return y.reshape(hq, b, t, -1).transpose(1, 2, 0, 3)
 
 
+def visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+    """[B, T, S]: the valid keys at positions up to each query's (the causal mask)."""
+    return k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+
+
+def _mask(q_pos, k_pos, k_valid, selected) -> jax.Array:
+    """[B, 1, T, S] for the [B, H, T, S] scores: the causal mask, and the selection when sparse."""
+    mask = visible(q_pos, k_pos, k_valid)
+    return (mask if selected is None else mask & selected)[:, None]
+
+
 def _softmax_masked(s: jax.Array, mask: jax.Array) -> jax.Array:
     s = jnp.where(mask, s, -jnp.inf)
     # A query with no key at all (only an out-of-range negative position) gets output 0, not NaN.
@@ -100,17 +117,17 @@ def _softmax_masked(s: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array,
-                  q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+                  q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, selected: jax.Array | None = None) -> jax.Array:
     """Absorbed MLA attention. q_nope [B,T,Hq,N], q_rope [B,T,Hq,R] f32; rows [B,S,C+R] (cache
-    dtype); q_pos [B,T]; k_pos, k_valid [B,S] -> [B, T, Hq*V] f32."""
+    dtype); q_pos [B,T]; k_pos, k_valid [B,S] -> [B, T, Hq*V] f32. `selected` [B,T,S] (sparse
+    attention, tpumk.model.sparse_attention): each query sees only its selected keys."""
     w_uk, w_uv = absorbed_weights(cfg, layer)
     b, t = q_nope.shape[:2]
     q_lat = _per_head(q_nope, w_uk)
     q_row = jnp.concatenate([q_lat, q_rope], -1).astype(rows.dtype)  # [B,T,Hq,C+R]
     scale = yarn.softmax_scale(cfg.attention, cfg.positions)
     s = jnp.einsum("bthd,bsd->bhts", q_row, rows, preferred_element_type=jnp.float32) * scale
-    mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
-    p = _softmax_masked(s, mask)
+    p = _softmax_masked(s, _mask(q_pos, k_pos, k_valid, selected))
     # (as bhtc, then transposed: XLA:CPU has no bfloat16 kernel for the bthc form of this product)
     o_lat = jnp.einsum("bhts,bsc->bhtc", p.astype(rows.dtype), rows[..., : cfg.kv_lora_rank],
                        preferred_element_type=jnp.float32).transpose(0, 2, 1, 3)
@@ -119,7 +136,8 @@ def attend_latent(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array,
 
 
 def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Array, rows: jax.Array,
-                    q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
+                    q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, selected: jax.Array | None = None
+                    ) -> jax.Array:
     """The same attention with per-head keys and values rebuilt from the latent (transformers'
     form): k = [c_kv @ W_UK | k_rope], v = c_kv @ W_UV, then ordinary multi-head attention."""
     # (quantized blocks enter dequantized: this twin checks the algebra, not the kernel's rounding)
@@ -131,7 +149,6 @@ def attend_expanded(cfg: ModelConfig, layer, q_nope: jax.Array, q_rope: jax.Arra
     s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
          + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(jnp.float32))) \
         * yarn.softmax_scale(cfg.attention, cfg.positions)
-    mask = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
-    p = _softmax_masked(s, mask)
+    p = _softmax_masked(s, _mask(q_pos, k_pos, k_valid, selected))
     o = jnp.einsum("bhts,bshv->bthv", p, v)
     return o.reshape(b, t, cfg.num_q_heads * cfg.v_head_dim)

@@ -82,10 +82,27 @@ class Attention:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    index_topk: int  # DeepSeek Sparse Attention: the tokens each query attends to; 0: dense
+    index_heads: int
+    index_head_dim: int
+    index_rope_interleave: bool  # GLM-5: the indexer's rope lanes hold interleaved pairs
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek Sparse Attention: a lightning indexer picks each query's keys (tpumk.model.sparse_attention)."""
+        return self.index_topk > 0
+
+    def indexer_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        """One indexer's tensors (a layer that runs its own): its query projection from the q-LoRA
+        latent, its key projection, the key's LayerNorm weight and bias, the per-head weights
+        (float32, as transformers keeps them)."""
+        return {"idx_wq": (self.q_lora_rank, self.index_heads * self.index_head_dim),
+                "idx_wk": (hidden, self.index_head_dim), "idx_k_norm": (self.index_head_dim,),
+                "idx_k_bias": (self.index_head_dim,), "idx_weights": (hidden, self.index_heads)}
 
     @property
     def q_size(self) -> int:
@@ -206,8 +223,9 @@ class Attention:
         if self.attn_sinks:  # the MLA stage's softmax has no sink
             need(not self.is_mla, "attn_sinks", "false for an MLA model")
         if not self.is_mla:
-            for f in MLA_FIELDS:
+            for f in MLA_FIELDS + ("index_topk",):
                 need(getattr(self, f) == 0, f, "0 for a GQA model (kv_lora_rank = 0)")
+            self._check_indexer(need)
             return
         need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
              "a positive even number for an MLA model (RoPE rotates pairs)")
@@ -220,6 +238,20 @@ class Attention:
         need(not self.qk_norm, "qk_norm", "false for an MLA model (it normalizes the latents instead)")
         need(not self.qkv_bias, "qkv_bias", "false for an MLA model (its projections have no biases)")
         need(not self.o_bias, "o_bias", "false for an MLA model (its projections have no biases)")
+        self._check_indexer(need)
+
+    def _check_indexer(self, need: Need) -> None:
+        _bool(need, self, "index_rope_interleave")
+        if not self.is_sparse:
+            for f in ("index_heads", "index_head_dim"):
+                need(getattr(self, f) == 0, f, "0 without sparse attention (index_topk = 0)")
+            need(not self.index_rope_interleave, "index_rope_interleave", "false without sparse attention (index_topk = 0)")
+            return
+        need(self.q_lora_rank > 0, "q_lora_rank", "a positive integer with sparse attention (the indexer's queries "
+             "project the q-LoRA latent)")
+        need(self.index_heads > 0, "index_heads", "a positive integer with sparse attention (index_topk > 0)")
+        need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
+             f"at least qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim lanes")
 
 
 # The MLA / DeepSeek-V3 fields (tpumk.model.mla): a config that sets none of them is GQA.
@@ -574,6 +606,7 @@ class LayerPattern:
     sliding_layers: tuple[int, ...]
     linear_layers: tuple[int, ...]
     nope_layers: tuple[int, ...]
+    index_shared_layers: tuple[int, ...]  # sparse attention: layers reusing the previous layer's selection
     moe: bool  # derived: the model has routed experts
 
     @property
@@ -607,6 +640,10 @@ class LayerPattern:
         """Layer i's attention window (a query at p sees keys k with p - k < window), 0 = full."""
         return self.sliding_window if i in self.sliding_layers else 0
 
+    def shares_selection(self, i: int) -> bool:
+        """Sparse attention: layer i reuses the previous layer's top-k selection (no indexer of its own)."""
+        return i in self.index_shared_layers
+
     def first_moe_layer(self) -> int:
         """The first routed layer (closed form: among the first num_dense + 1 layers one is routed)."""
         return next(i for i in range(self.num_dense + 1) if not self.is_dense(i))
@@ -615,6 +652,10 @@ class LayerPattern:
         need(isinstance(self.nope_layers, tuple) and all(is_int(i) and 0 <= i < self.num_layers
                                                          for i in self.nope_layers),
              "nope_layers", f"a list of layer indices in [0, {self.num_layers})")
+        need(isinstance(self.index_shared_layers, tuple) and all(is_int(i) and 0 < i < self.num_layers
+                                                                 for i in self.index_shared_layers),
+             "index_shared_layers", f"a list of layer indices in [1, {self.num_layers}) (layer 0 has no previous "
+             "selection to reuse)")
         need(not set(self.nope_layers) & set(self.linear_layers), "nope_layers",
              "softmax-attention layers only (a linear layer has no RoPE)")
         need(len(self.linear_layers) < self.num_layers, "linear_layers",

@@ -55,11 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.errors import ConfigError
+from tpumk.errors import ConfigError, NotSupportedError
 from tpumk.model.config import ModelConfig
 from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
-from tpumk.model import kv_quant, linear_attention, mla
+from tpumk.model import kv_quant, linear_attention, mla, sparse_attention
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
@@ -75,6 +75,9 @@ class KVCache(NamedTuple):
     lengths: jax.Array
     # A hybrid model's linear layers' state pool (tpumk.model.linear_attention); None otherwise.
     states: linear_attention.LinearStates | None = None
+    # Sparse attention's index-key cache (tpumk.model.sparse_attention): [indexer layers, pages,
+    # page_size, index_head_dim] in the model dtype, paged by the same block tables; None otherwise.
+    index_keys: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -140,13 +143,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     shape = (cfg.kv_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
     states = linear_attention.init_states(cfg, batch, num_slots, pending, seed) if cfg.linear else None
+    if cfg.attention.is_sparse and kv_dtype is not None:
+        raise NotSupportedError(f"model '{cfg.name}': --kv-dtype {kv_dtype} with sparse attention (index_topk) is not "
+                                "built yet: its index-key cache is kept in the model dtype")
     if kv_dtype is not None:
         layout = kv_quant.layout_for(cfg, page_size, kv_quant.kv_format(kv_dtype).name)
         return QuantizedKVCache(layout.zeros(cfg.kv_layers, num_pages), jnp.asarray(tables),
                                 jnp.zeros((batch,), jnp.int32), layout, states)
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla), zero past C + R; v stays empty
+        index_keys = None
+        if cfg.attention.is_sparse:  # a second cache: one index-key row per token and indexer layer
+            index_keys = jnp.zeros((len(cfg.indexer_layers), num_pages, page_size, cfg.attention.index_head_dim), dt)
         return KVCache(jnp.zeros(shape[:3] + (cfg.attention.latent_cache_lanes,), dt), jnp.zeros(shape[:3] + (0,), dt),
-                       jnp.asarray(tables), jnp.zeros((batch,), jnp.int32), states)
+                       jnp.asarray(tables), jnp.zeros((batch,), jnp.int32), states, index_keys)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
                    jnp.zeros((batch,), jnp.int32), states)
 
@@ -562,6 +571,10 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
 
     quant = isinstance(cache, QuantizedKVCache)
     lc = cache.kv if quant else cache.k
+    ic = None if quant else cache.index_keys  # sparse attention's index-key cache
+    if cfg.attention.is_sparse and ic is None:
+        raise ValueError("decode_step: a sparse-attention model needs its index-key cache (reference.init_cache makes it)")
+    selected = None  # sparse attention: the keys each query attends to (a shared layer keeps the last)
     states, live = cache.states, (positions >= 0) & (positions < ctx)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
@@ -582,7 +595,13 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
                 stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
                 lc = lc.at[kl, page_ids, slots].set(stored, mode="drop")
                 rows = lc[kl][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
-            o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid)
+            if cfg.has_indexer(i):
+                il = cfg.indexer_layers.index(i)
+                ic = ic.at[il, page_ids, slots].set(sparse_attention.index_keys(cfg, layer, h, positions), mode="drop")
+                keys = ic[il][tables].reshape(b, ctx, cfg.attention.index_head_dim)
+                scores = sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), positions, keys)
+                selected = sparse_attention.select(cfg, scores, mla.visible(positions, k_pos, k_valid))
+            o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid, selected)
             x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)
@@ -590,7 +609,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
         states = linear_attention.step_counts(states, t)
     if quant:
         return tap.logits(params, x), cache._replace(kv=lc, lengths=new_len, states=states)
-    return tap.logits(params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states)
+    return tap.logits(params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states, ic)
 
 
 def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Taps) -> jax.Array:
@@ -599,16 +618,21 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: 
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens, cfg.head.embed_scale)
     states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
+    valid, selected = jnp.ones((b, t), bool), None
     for i, layer in enumerate(params["layers"]):
         tap.layer(i, x)
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         if cfg.pattern.is_linear(i):
-            o, states = linear_attention.layer_step(cfg.linear, layer, h, jnp.ones((b, t), bool), states,
+            o, states = linear_attention.layer_step(cfg.linear, layer, h, valid, states,
                                                     cfg.pattern.linear_index(i), cfg.norms.rms_eps, jnp_dtype(cfg))
             x = x + o
         else:
             q_nope, q_rope, row = mla.project(cfg, layer, h, pos, cfg.pattern.rotates(i))
-            o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, jnp.ones((b, t), bool))
+            if cfg.has_indexer(i):  # sparse attention over the whole sequence's index keys
+                keys = sparse_attention.index_keys(cfg, layer, h, pos)
+                scores = sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), pos, keys)
+                selected = sparse_attention.select(cfg, scores, mla.visible(pos, pos, valid))
+            o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, valid, selected)
             x = x + matmul(o, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)

@@ -18,6 +18,9 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
     MLA layers (tpumk.model.mla) replace wq, wk, wv, q_norm, k_norm by wq_a, q_a_norm, wq_b
     (or wq when q_lora_rank = 0), wkv_a, kv_a_norm, wkv_b; wo is [Hq*V, H].
     wq_gate [H, Hq*D] (attn_output_gate: Qwen3-Next's gated attention).
+    Sparse attention (index_topk > 0): each MLA layer with an indexer of its own adds idx_wq
+    [Rq, Hi*Di], idx_wk [H, Di], idx_k_norm, idx_k_bias [Di] (the key's LayerNorm) and
+    idx_weights [H, Hi] (float32 whatever the model dtype).
     Linear-attention layers (tpumk.model.linear_attention, `LinearAttention.tensor_shapes`)
     replace the attention tensors by lin_qkv [H, C] (q | k | v, C = 2 Hk Dk + Hv Dv), lin_conv
     [taps, C], lin_norm [Dv], lin_out [Hv Dv, H], and Gated DeltaNet's lin_z [H, Hv Dv], lin_b,
@@ -56,6 +59,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
             lay["mlp_norm"] = (h,)
         if not linear:
             lay.update(a.extra_shapes(h))
+        if cfg.has_indexer(i):  # sparse attention's lightning indexer (tpumk.model.sparse_attention)
+            lay.update(a.indexer_shapes(h))
         if n.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         lay.update(cfg.mlp.tensor_shapes(h) if cfg.pattern.is_dense(i) else cfg.moe.tensor_shapes(h))
@@ -69,8 +74,11 @@ FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 ro
 
 
 def tensor_dtype(cfg: ModelConfig, name: str, dt):
-    """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate."""
-    return jnp.float32 if cfg.moe.router_correction_bias and name in FLOAT32_TENSORS else dt
+    """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate and the
+    sparse-attention indexer's per-head weights (transformers keeps `indexer.weights_proj` float32)."""
+    if name == "idx_weights" or (cfg.moe.router_correction_bias and name in FLOAT32_TENSORS):
+        return jnp.float32
+    return dt
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
@@ -101,6 +109,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         elif name == "lin_A_log":  # decay rates A = exp(A_log) about 0.1-1: a state remembers a few tokens
             w = -1.0 + 0.5 * jax.random.normal(k, shape, jnp.float32)
         elif name == "lin_dt_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "idx_k_bias":  # about a normed lane's size, so a dropped bias shows
             w = 0.5 * jax.random.normal(k, shape, jnp.float32)
         elif name in QKV_BIASES + ("e_gate_bias", "e_up_bias"):  # as large as a projection's output, so a dropped bias shows
             w = jax.random.normal(k, shape, jnp.float32)

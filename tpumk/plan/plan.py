@@ -865,6 +865,10 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
+    if model.attention.is_sparse:  # (tpumk.model.sparse_attention: the reference's)
+        raise NotSupportedError(f"model '{model.name}': the megakernel has no sparse attention (DeepSeek Sparse "
+                                f"Attention's lightning indexer, index_topk = {model.index_topk}) yet; the reference "
+                                "runs it (tpumk generate --backend reference)")
     fmt = weight_format(spec.quant)
     if fmt is not None and fmt.group and model.v_head_dim % fmt.group:
         # o's rows are padded per head in the kernel: its 128-row scale groups must not straddle heads

@@ -1,0 +1,95 @@
+"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5): which cached tokens each
+query of an MLA layer attends to. `tpumk.model.reference` runs it beside `tpumk.model.mla`.
+
+Per layer with an indexer (ModelConfig.has_indexer; Hi = index_heads, Di = index_head_dim,
+R = qk_rope_head_dim; weights in `tpumk.model.weights`' layout):
+
+    q_i   = q_resid @ idx_wq  -> [Hi, Di]   (q_resid: the layer's normed q-LoRA latent, as MLA's q_b reads)
+    k_i   = LayerNorm(x @ idx_wk; idx_k_norm, idx_k_bias, eps 1e-6)  -> [Di]   (x: the layer's normed input)
+    RoPE on lanes [0, R) of q_i and k_i (rotate-half; interleaved pairs with index_rope_interleave),
+    lanes [R, Di) unrotated; the positions' cos / sin are MLA's (YaRN's attention factor included)
+    w     = (x @ idx_weights) x Hi^-0.5                      -> [Hi]   (float32)
+    score(t, s) = sum_h w_h ReLU(q_i[t, h] . k_i[s] x Di^-0.5)
+
+Each query keeps the `index_topk` keys it scores highest among those it may see (cached or
+new keys at positions <= its own: transformers' causal mask enters the scores before top-k);
+fewer visible keys than that: all of them. MLA then attends to the kept keys only. A layer in
+`index_shared_layers` runs no indexer and keeps the previous layer's selection (GLM-5).
+
+The index keys are cached as the latent rows are: one row of Di lanes per token and indexer
+layer, in the model dtype (`reference.KVCache.index_keys`, [indexer layers, pages, page_size,
+Di], paged by the same block tables), so a decode step scores the new queries against every
+cached token's key without recomputing them. Scores are float32 (the query and key rows read in
+float32, as transformers' `q.float() @ k.float()`).
+
+Ties: `jax.lax.top_k` keeps the lower position of two equal scores; torch.topk's order among
+ties is unspecified, so tests compare with transformers where the k-th and (k+1)-th scores differ.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpumk.model import yarn
+from tpumk.model.config import ModelConfig
+from tpumk.model.mla import rope_rows
+from tpumk.model.ops import jnp_dtype, matmul
+
+INDEX_KEY_NORM_EPS = 1e-6  # transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
+
+
+def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm with weight and bias over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
+def _rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE on the first qk_rope_head_dim lanes of x [B, T, heads, Di] (rotate-half, or interleaved
+    pairs: evens then odds, then rotate-half, as transformers' apply_rotary_pos_emb_interleave
+    writes them); the other lanes unchanged."""
+    r = cfg.qk_rope_head_dim
+    rot, rest = x[..., :r], x[..., r:]
+    if cfg.attention.index_rope_interleave:
+        rot = jnp.concatenate([rot[..., 0::2], rot[..., 1::2]], -1)
+    freqs, factor = yarn.inv_freq(cfg.positions, r), yarn.attention_factor(cfg.positions)
+    return jnp.concatenate([rope_rows(rot, positions, freqs, factor), rest], -1)
+
+
+def index_keys(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, H] (the layer's normed input) -> the index-key rows [B, T, Di] in the model dtype
+    (what the index-key cache stores)."""
+    k = _layer_norm(matmul(x, layer["idx_wk"]), layer["idx_k_norm"], layer["idx_k_bias"], INDEX_KEY_NORM_EPS)
+    k = k.astype(jnp_dtype(cfg))  # the LayerNorm's output in the model dtype, as transformers' module returns it
+    return _rope(cfg, k[:, :, None, :], positions)[:, :, 0, :].astype(jnp_dtype(cfg))
+
+
+def index_scores(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array, positions: jax.Array,
+                 keys: jax.Array) -> jax.Array:
+    """The indexer's scores [B, T, S] float32 of the step's queries (x [B, T, H] the normed input,
+    q_resid [B, T, Rq] the normed q-LoRA latent, positions [B, T]) against key rows [B, S, Di]."""
+    a = cfg.attention
+    b, t, _ = x.shape
+    q = matmul(q_resid, layer["idx_wq"]).astype(jnp_dtype(cfg)).reshape(b, t, a.index_heads, a.index_head_dim)
+    q = _rope(cfg, q, positions).astype(jnp_dtype(cfg))
+    s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * (a.index_head_dim ** -0.5)
+    # (the model-dtype input, as transformers' hidden_states, into the float32 weights_proj)
+    w = matmul(x.astype(jnp_dtype(cfg)), layer["idx_weights"]) * (a.index_heads ** -0.5)  # [B, T, Hi] float32
+    return jnp.einsum("bth,bths->bts", w, jax.nn.relu(s), precision=jax.lax.Precision.HIGHEST)
+
+
+def select(cfg: ModelConfig, scores: jax.Array, visible: jax.Array) -> jax.Array:
+    """The keys each query attends to: [B, T, S] bool, the index_topk visible keys of highest
+    score (all visible keys when fewer). `visible` [B, T, S]: the causal, valid keys."""
+    s = scores.shape[-1]
+    k = min(cfg.attention.index_topk, s)
+    masked = jnp.where(visible, scores, -jnp.inf)
+    _, ids = jax.lax.top_k(masked, k)  # [B, T, k]
+    picked = jnp.zeros(scores.shape, bool)
+    bi = jnp.arange(scores.shape[0])[:, None, None]
+    ti = jnp.arange(scores.shape[1])[None, :, None]
+    return picked.at[bi, ti, ids].set(True) & visible

@@ -1,0 +1,62 @@
+"""The KV-cache bytes one decode step of a sparse-attention model reads (DeepSeek Sparse
+Attention, `tpumk.model.sparse_attention`), beside the same model with dense MLA attention.
+
+tpumk's byte count, not a measurement, per sequence and step at a given context (the tokens
+cached before the step), summed over the layers:
+
+- dense: every cached token's latent row, in every MLA layer;
+- sparse: every cached token's index key, in every layer with an indexer of its own (the indexer
+  scores them all), plus min(index_topk, context) latent rows in every MLA layer (the selected
+  ones; a layer reusing the previous selection reads its own rows at the same positions).
+
+Rows as the caches store them: the latent row `c_kv | k_rope` lane-padded to whole 128-lane tiles
+(`Attention.latent_cache_lanes`, what the plan's HBM count uses), the index key index_head_dim
+lanes, both in the model dtype (the reference's index-key cache). Rows, not pages: a gather
+of the selected tokens reads each row alone. The megakernel has no sparse attention yet, so no
+plan counts these reads; this is the arithmetic such a plan's floor would start from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpumk.errors import ConfigError
+from tpumk.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class SparseKVReads:
+    context: int
+    index_key_bytes: int  # every cached token's index key, per layer with an indexer
+    selected_row_bytes: int  # min(index_topk, context) latent rows per MLA layer
+    dense_row_bytes: int  # the same model's dense attention: every cached latent row per MLA layer
+
+    @property
+    def sparse_bytes(self) -> int:
+        return self.index_key_bytes + self.selected_row_bytes
+
+    @property
+    def ratio(self) -> float:
+        """Sparse over dense bytes."""
+        return self.sparse_bytes / self.dense_row_bytes
+
+    def to_dict(self) -> dict:
+        return {"context": self.context, "index_key_bytes": self.index_key_bytes,
+                "selected_row_bytes": self.selected_row_bytes, "sparse_bytes": self.sparse_bytes,
+                "dense_row_bytes": self.dense_row_bytes, "sparse_over_dense": self.ratio}
+
+
+def sparse_kv_reads(cfg: ModelConfig, context: int) -> SparseKVReads:
+    """The KV bytes one decode step reads per sequence at `context` cached tokens (module doc)."""
+    if not cfg.attention.is_sparse:
+        raise ConfigError(f"model '{cfg.name}': field 'index_topk' = {cfg.index_topk}: expected a sparse-attention "
+                          "model (index_topk > 0)")
+    if not (isinstance(context, int) and context > 0):
+        raise ConfigError(f"context = {context!r}: expected a positive number of cached tokens")
+    row = cfg.attention.latent_cache_lanes * cfg.dtype_bytes
+    key = cfg.attention.index_head_dim * cfg.dtype_bytes
+    layers = cfg.kv_layers
+    return SparseKVReads(context=context,
+                         index_key_bytes=context * key * len(cfg.indexer_layers),
+                         selected_row_bytes=min(cfg.index_topk, context) * row * layers,
+                         dense_row_bytes=context * row * layers)
