@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -31,7 +32,7 @@ from tpumk.decode.generate import generate, load_model
 from tpumk.errors import ConfigError, NotSupportedError
 from tpumk.model.config import from_hf_config, load_preset
 from tpumk.model.reference import forward_full
-from tpumk.model.weights import random_params
+from tpumk.model.weights import expected_shapes, random_params, tensor_dtype
 
 TEXT = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=5, moe_intermediate_size=32, num_local_experts=8,
@@ -95,13 +96,22 @@ def test_config_reads_the_language_model(checkpoint, model):
 
 
 def test_random_weights_take_the_checkpoint_s_layout(model):
-    """A model described without a checkpoint (a TOML, the preset) draws random weights of the same
-    tensors, shapes and dtypes the checkpoint loads into (the residual gates and router float32)."""
+    """A model described without a checkpoint (a TOML, the preset) has the tensors and shapes the
+    checkpoint loads into (tpumk.model.weights.expected_shapes, what random weights are drawn in),
+    the residual gates and the router float32 in a bfloat16 model as in the checkpoint."""
+    assert jax.tree.map(lambda a: tuple(a.shape), model.params) == \
+        jax.tree.map(lambda s: s, expected_shapes(model.cfg), is_leaf=lambda s: isinstance(s, tuple))
+    float32 = {k for k in model.params["layers"][0] if tensor_dtype(model.cfg, k, jnp.bfloat16) == jnp.float32}
+    assert float32 == {"res_attn_alpha", "res_attn_beta", "res_mlp_alpha", "res_mlp_beta", "router", "router_bias"}
+
+
+@pytest.mark.full  # each tensor's draw compiles once per shape: 4-7 s on a loaded 2-core host
+def test_random_weights_are_drawn_in_the_checkpoint_s_layout(model):
     def layout(params):
         return jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
 
-    two = model.cfg.replace(num_layers=2, sliding_layers=(0, 1), nope_layers=())  # a routed and a dense layer
-    assert layout(random_params(two, seed=1)) == layout({**model.params, "layers": model.params["layers"][:2]})
+    one = model.cfg.replace(num_layers=1, dense_layers=(), sliding_layers=(0,), nope_layers=())
+    assert layout(random_params(one, seed=1)) == layout({**model.params, "layers": model.params["layers"][:1]})
     assert str(model.params["layers"][0]["res_attn_alpha"].dtype) == "float32"
 
 
@@ -120,7 +130,8 @@ def test_reference_logits_match_transformers(checkpoint, model):
     assert np.max(np.abs(got - want)) <= bound
     assert np.max(np.abs(uncapped)) > 2 * cfg.final_softcap  # the cap bends the logits
     without = {"embed_norm": cfg.replace(embed_norm=False), "residual_gates": cfg.replace(residual_gates=False),
-               "attn_out_norm": cfg.replace(attn_out_norm=False), "expert_post_norm": cfg.replace(expert_post_norm=False),
+               "attn_out_norm": cfg.replace(attn_out_norm=False),
+               "expert_post_norm": cfg.replace(expert_post_norm=False),
                "final_softcap": cfg.replace(final_softcap=0.0), "nope_layers": cfg.replace(nope_layers=()),
                "sliding_window": cfg.replace(sliding_window=0, sliding_layers=())}
     for part, other in without.items():
@@ -182,6 +193,9 @@ def test_wrapper_and_fields_are_refused_in_one_line():
         from_hf_config({"model_type": "muse_spark", "text_config": {**text, "attention_bias": True}}, "x/config.json")
     assert str(e.value) == ("x/config.json: text_config: not supported yet: attention_bias = true (biases on the "
                             "attention projections)")
+    with pytest.raises(ConfigError) as e:  # transformers would build experts of width 0
+        from_hf_config({"model_type": "muse_spark", "text_config": {**text, "moe_hidden_size": 0}}, "x/config.json")
+    assert str(e.value).startswith("x/config.json: text_config: field 'moe_hidden_size' = 0: expected a positive")
     with pytest.raises(NotSupportedError) as e:  # a field of another family
         from_hf_config({"model_type": "muse_spark", "text_config": {**text, "sliding_window_pattern": 4}},
                        "x/config.json")

@@ -818,7 +818,7 @@ def _hf_muse_spark_fields(hf: "_HFFields", n_layers: int, rope_theta: float) -> 
     scores with a correction bias, renormalised, times `routed_scaling_factor`; its norms,
     residual gates, gated attention and the logits' soft-cap. `qk_scale_factor`,
     `output_multiplier` and `residual_gate_temperature` are folded into the weights on load
-    (tpumk.model.checkpoint.fold_muse_spark), so they are only checked here."""
+    (tpumk.model.spark_weights.fold_tensors), so they are only checked here."""
     src = hf.source
     full = [(n_layers - 1 - i) % 4 == 0 for i in range(n_layers)]
     types = hf.list_("layer_types", str, "a list of layer type names") or \
@@ -851,11 +851,15 @@ def _hf_muse_spark_fields(hf: "_HFFields", n_layers: int, rope_theta: float) -> 
     fields: dict[str, Any] = dict(
         qk_norm=True, tie_embeddings=False, ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], _REQUIRED)
         if dense else 0, sliding_window=window if sliding else 0, sliding_layers=sliding,
-        nope_layers=[i for i, t in enumerate(thetas) if not t], final_softcap=hf.number("final_logit_softcapping", None),
+        nope_layers=[i for i, t in enumerate(thetas) if not t],
+        final_softcap=hf.number("final_logit_softcapping", None),
         embed_norm=True, post_norms=True, post_norm_eps=hf.number("post_norm_eps", None), residual_gates=True,
         attn_out_norm=True, attn_output_gate=True)
     if len(dense) == n_layers:
         return fields
+    if not hf.int_("moe_hidden_size", MAX_SIZES["moe_hidden_size"], _REQUIRED):
+        raise ConfigError(f"{src}: field 'moe_hidden_size' = 0: expected a positive integer (the routed experts' "
+                          "width between pre_expert_proj and post_expert_proj)")
     return {**fields, **dict(
         num_experts=hf.int_("num_local_experts", MAX_SIZES["num_experts"], _REQUIRED),
         top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),

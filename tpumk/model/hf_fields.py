@@ -236,7 +236,7 @@ _MISTRAL4 = _family(
 # Muse Spark's language model (tpumk.model.spark; read by tpumk.model.config._hf_muse_spark_fields):
 # sliding-window and NoPE full layers, gated residuals, the MoE between a down- and an up-projection.
 # qk_scale_factor, output_multiplier and residual_gate_temperature are folded into the weights on
-# load (tpumk.model.checkpoint.fold_muse_spark)
+# load (tpumk.model.spark_weights.fold_tensors)
 _MUSE_SPARK_TEXT = _family(
     _CORE - {"tie_word_embeddings"}
     | {"sliding_window", "layer_types", "layer_rope_theta", "final_logit_softcapping", "qk_scale_factor",
@@ -520,7 +520,7 @@ WRAPPERS: Mapping[str, Wrapper] = MappingProxyType({
     # Muse Spark (MuseSparkForConditionalGeneration): a muse_spark_text language model beside vision and
     # audio towers; its text config class's defaults are read by the family's (CLASS_DEFAULTS). Its
     # image / video / audio token ids embed as token 0 (transformers zeroes them before the lookup):
-    # those embedding rows are set to row 0's on load (tpumk.model.checkpoint.fold_muse_spark).
+    # those embedding rows are set to row 0's on load (tpumk.model.spark_weights.fold_tensors).
     "muse_spark": Wrapper(
         ("muse_spark_text",), {}, False,
         _family({"text_config", "image_token_id", "video_token_id", "audio_token_id"},

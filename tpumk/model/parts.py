@@ -469,7 +469,8 @@ class Moe:
         need(is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
              "a positive finite number")
         _bool(need, self, "router_logit_bias", "expert_bias", "expert_post_norm")
-        spark = [f for f, default in (("moe_hidden_size", 0), ("expert_post_norm", False)) if getattr(self, f) != default]
+        spark = [f for f, default in (("moe_hidden_size", 0), ("expert_post_norm", False))
+                 if getattr(self, f) != default]
         if spark:
             need(bool(self), spark[0], "its default for a dense model (num_experts = 0)")
             need(not self.num_shared_experts and not self.expert_bias, spark[0],

@@ -13,7 +13,7 @@ residual stream, tpumk.model.ops' matrix-product contract). transformers' modell
   weight (`expert_post_norm`, eps post_norm_eps).
 
 The rest of the layer is tpumk's existing parts with weights folded on load
-(tpumk.model.checkpoint.fold_muse_spark): (1 + w) pre-norms, the weightless post-attention norm,
+(tpumk.model.spark_weights.fold_tensors): (1 + w) pre-norms, the weightless post-attention norm,
 the input-scaled post-feed-forward and post-expert norms (their (1 + w) moved onto the columns of
 the projection before them), QK-norm without weight with the queries' qk_scale_factor as q_norm's
 weight, the router's and the head's output_multiplier, the final soft-cap.
