@@ -294,3 +294,16 @@ def test_auto_kv_knobs_stay_inside_a_tight_budget():
     tight = _kv_plan(8, vmem_limit_fraction=round(tight_fraction, 3))
     assert tight.vmem_needed <= tight.vmem_budget
     assert kv(tight) < kv(roomy)
+
+
+def test_nope_on_some_attention_layers_is_refused_not_built_rotated():
+    """The megakernel's glue makes one RoPE table per step, unrotated for all layers when the model
+    has NoPE layers: a GQA model with NoPE on some layers but not all was built with none rotated.
+    Refused in one line naming it (all layers NoPE still builds)."""
+    cfg = load_preset("tiny-dense")
+    with pytest.raises(NotSupportedError) as e:
+        make_plan(BuildSpec(cfg.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256))
+    assert str(e.value) == ("model 'tiny-dense': not built by the megakernel yet: NoPE on some attention layers but "
+                            "not all (nope_layers) (the reference decode step runs it: tpumk generate --backend "
+                            "reference)")
+    make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1, 256))
