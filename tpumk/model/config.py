@@ -560,7 +560,7 @@ _HF_ALWAYS_WINDOWED = ("mistral", "ministral3", "mixtral", "phi3", "gemma2", "ge
 def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     """The config of the language model a Hugging Face config.json describes, and where it
     came from: the config itself, or a multimodal wrapper's `text_config` (tpumk.model.hf_fields.
-    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4) with its
+    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4, Muse Spark) with its
     text config class's defaults filled in,
     the wrapper's stored-weight keys (dtype, name, quantization) where the text config is silent,
     and its head tied by the wrapper's own flag, as transformers ties it. The wrapper's own
@@ -593,7 +593,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Ministral 3, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a
     multimodal Gemma 3's language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
     gpt-oss, DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model), GLM-4.7-Flash, Mistral Small 4
-    (and the mistral3 wrapper's language model), the linear-attention hybrids) into a ModelConfig.
+    (and the mistral3 wrapper's language model), the linear-attention hybrids, Muse Spark (and the
+    muse_spark wrapper's language model)) into a ModelConfig.
 
     Every key of the file is accounted for first (tpumk.model.hf_fields.account_fields: modelled
     here, harmless, or refused at a value that changes the math; any other key refused), so a
