@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tpumk.model.config import load_preset, preset_names
-from tpumk.errors import ConfigError, PlanError
+from tpumk.errors import ConfigError, NotSupportedError, PlanError
 from tpumk.plan.plan import make_plan
 from tpumk.targets import TARGETS, get_target
 from tpumk.plan.knobs import FAMILIES, TuningConfig, load_tuning
@@ -65,9 +65,15 @@ def test_every_family_has_tile_knobs():
 @pytest.mark.parametrize("target", [t for t in TARGETS])
 @pytest.mark.parametrize("preset", preset_names())
 def test_default_plan_fits_or_says_does_not_fit(preset, target):
-    """Defaults work for every preset on every target, unless the model exceeds the device HBM."""
+    """Defaults work for every preset on every target, unless the model exceeds the device HBM or
+    has parts the megakernel does not build yet (muse-spark: refused first, in one line)."""
     cfg = load_preset(preset)
     tgt = get_target(target)
+    if preset == "muse-spark":
+        with pytest.raises(NotSupportedError, match="not built by the megakernel yet") as e:
+            make_plan(BuildSpec(cfg, tgt, 1, 4096))
+        assert "\n" not in str(e.value)
+        return
     for batch in (1, 8):
         kv = cfg.kv_bytes_per_token() * batch * 4096
         if cfg.param_count() * cfg.dtype_bytes + kv > tgt.hbm_bytes:
@@ -288,3 +294,16 @@ def test_auto_kv_knobs_stay_inside_a_tight_budget():
     tight = _kv_plan(8, vmem_limit_fraction=round(tight_fraction, 3))
     assert tight.vmem_needed <= tight.vmem_budget
     assert kv(tight) < kv(roomy)
+
+
+def test_nope_on_some_attention_layers_is_refused_not_built_rotated():
+    """The megakernel's glue makes one RoPE table per step, unrotated for all layers when the model
+    has NoPE layers: a GQA model with NoPE on some layers but not all was built with none rotated.
+    Refused in one line naming it (all layers NoPE still builds)."""
+    cfg = load_preset("tiny-dense")
+    with pytest.raises(NotSupportedError) as e:
+        make_plan(BuildSpec(cfg.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256))
+    assert str(e.value) == ("model 'tiny-dense': not built by the megakernel yet: NoPE on some attention layers but "
+                            "not all (nope_layers) (the reference decode step runs it: tpumk generate --backend "
+                            "reference)")
+    make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1, 256))

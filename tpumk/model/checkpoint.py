@@ -1,7 +1,7 @@
 """Load a local Hugging Face checkpoint (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Ministral 3, Phi-3, Granite,
 Gemma, OLMo 2, Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE, gpt-oss, DeepSeek-V3, Kimi K2, GLM-4.7-Flash,
-Mistral Small 4; the language model of a multimodal Gemma 3, Kimi K2.5, Ministral 3 or Mistral Small 4:
-`language_model_tensors`) into the reference weight layout.
+Mistral Small 4; the language model of a multimodal Gemma 3, Kimi K2.5, Ministral 3, Mistral Small 4 or
+Muse Spark: `language_model_tensors`) into the reference weight layout.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors` files (listed by
 `model.safetensors.index.json` when sharded). The files are opened with `safetensors.safe_open`
@@ -27,6 +27,11 @@ Name mapping (HF Linear weights are `[out, in]`; the reference layout is `[in, o
 or the fused expert tensors of transformers 5's in-memory layout:
     model.layers.{i}.mlp.experts.gate_up_proj  [E, 2*Fe, H] (gate rows first, then up rows)
     model.layers.{i}.mlp.experts.down_proj     [E, H, Fe]
+Muse Spark (its factors folded into the tensors first: tpumk.model.spark_weights; `_muse_spark_layer`):
+    model.layers.{i}.self_attn.gate_proj       -> wq_gate (transposed)
+    model.layers.{i}.post_{attention,feedforward}_residual_gate.gate -> res_{attn,mlp}_{alpha,beta}
+    model.layers.{i}.mlp.{pre,post}_expert_proj, .pre_expert_norm -> moe_in, moe_out, moe_in_norm
+    model.layers.{i}.mlp.experts.{gate_up,down}_proj (at the MoE width), .post_expert_norm (on down_proj)
 
 FP8 checkpoints in the official format (`quantization_config` quant_method "fp8", e4m3,
 weight_block_size [128, 128], TPU_FACTS 9): a projection's `weight` is e4m3 and a float32
@@ -101,6 +106,7 @@ from tpumk.model.hf_fields import LANGUAGE_MODEL_PREFIXES, WRAPPERS
 from tpumk.model.quantize import (E8M0_BIAS, EXPERT_MATRICES, FORMATS, GROUP, MX_GROUP, NV_GROUP, RING_MATRICES,
                                   QuantizedMatrix, quantize_params)
 from tpumk.model.reference import Params, jnp_dtype
+from tpumk.model import spark_weights
 from tpumk.model.weights import expected_shapes, tensor_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -409,8 +415,12 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                 ignored.append("lm_head.weight")
         else:
             add("lm_head.weight", None, "lm_head", _t)
+    muse = config_json.get("model_type") == "muse_spark_text"  # its tensors folded first (spark_weights)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if muse:
+            _muse_spark_layer(cfg, p, i, add)
+            continue
         if cfg.norms.pre_norms:  # OLMo 2 has none
             add(p + "input_layernorm.weight", i, "attn_norm")
         if cfg.norms.post_norms:  # Gemma 2 / 3, OLMo 2: post_attention_layernorm normalizes attention's output
@@ -497,6 +507,35 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
                 for proj, key in projs:
                     add(p + f"{where}.{j}.{proj}.weight", i, key, _t, expert=j)
     return plan, ignored
+
+
+def _muse_spark_layer(cfg: ModelConfig, p: str, i: int, add) -> None:
+    """Muse Spark's layer i (its tensors as tpumk.model.spark_weights.fold_tensors leaves them):
+    the norms and residual gates, q / k / v / o with the output gate's gate_proj, then a dense MLP or
+    the routed experts between pre_expert_proj (and its norm) and post_expert_proj."""
+    for hf, key in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
+                    ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "post_mlp_norm"),
+                    ("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm")):
+        add(p + hf + ".weight", i, key)
+    for which, gate in spark_weights.GATES.items():
+        for c in ("alpha", "beta"):
+            add(p + f"{gate}.{c}", i, f"res_{which}_{c}")
+    for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo"), ("gate_proj", "wq_gate")):
+        add(p + f"self_attn.{proj}.weight", i, key, _t)
+    if cfg.pattern.is_dense(i):
+        for proj, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            add(p + f"mlp.{proj}.weight", i, key, _t)
+        return
+    e, m, f = cfg.num_experts, cfg.moe.width(cfg.hidden_size), cfg.moe.expert_ffn_size
+    add(p + "mlp.gate.weight", i, "router", _t)
+    add(p + "mlp.gate.e_score_correction_bias", i, "router_bias")
+    add(p + "mlp.pre_expert_proj.weight", i, "moe_in", _t)
+    add(p + "mlp.pre_expert_norm.weight", i, "moe_in_norm")
+    add(p + "mlp.post_expert_proj.weight", i, "moe_out", _t)
+    gu = p + "mlp.experts.gate_up_proj"
+    add(gu, i, "e_gate", lambda a, f=f: a[:, :f].transpose(0, 2, 1), hf_shape=(e, 2 * f, m))
+    add(gu, i, "e_up", lambda a, f=f: a[:, f:].transpose(0, 2, 1), hf_shape=(e, 2 * f, m))
+    add(p + "mlp.experts.down_proj", i, "e_down", lambda a: a.transpose(0, 2, 1), hf_shape=(e, m, f))
 
 
 def _gpt_oss_experts(p: str, i: int, add, e: int, h: int, f: int, mx: bool) -> None:
@@ -690,6 +729,12 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         if raw.get("model_type") in WRAPPERS:
             wrapper = WRAPPERS[raw["model_type"]]
             tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
+        if config_json.get("model_type") == "muse_spark_text":  # its factors folded into the tensors first
+            if stored != "none":
+                raise NotSupportedError(f"{d}: not supported yet: a Muse Spark checkpoint stored as {stored} "
+                                        "(its weights are folded on load, from float tensors)")
+            tensors = spark_weights.fold_tensors(cfg, tensors, config_json,
+                                                 raw if raw.get("model_type") == "muse_spark" else None, str(d))
         params = _load_params(d, cfg, out_dt, tensors, config_json, fp8, nv=nv)
     if config_json.get("model_type") == "granite":
         cfg, params = fold_granite_scalars(cfg, params, config_json)
@@ -893,7 +938,7 @@ def _load_params(d: Path, cfg: ModelConfig, out_dt: np.dtype, tensors: dict[str,
     def put(layer: int | None, key: str, arr: np.ndarray) -> None:
         (params if layer is None else params["layers"][layer])[key] = jnp.asarray(arr)
 
-    def dtype_of(key: str) -> np.dtype:  # the DeepSeek-V3 gate stays float32 (tpumk.model.weights)
+    def dtype_of(key: str) -> np.dtype:  # DeepSeek-V3 gate, residual gates, indexer weights: float32 (tpumk.model.weights)
         return np.dtype(tensor_dtype(cfg, key, out_dt))
 
     # Tensors go to the device one at a time; per-expert slices (and column parts) fill a host

@@ -46,7 +46,8 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "swiglu_alpha", "linear_kind", "linear_layers", "linear_key_heads", "linear_value_heads",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
                 "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval", "index_topk",
-                "index_heads", "index_head_dim", "index_rope_interleave", "index_shared_layers")
+                "index_heads", "index_head_dim", "index_rope_interleave", "index_shared_layers", "embed_norm",
+                "post_norm_eps", "residual_gates", "attn_out_norm", "moe_hidden_size", "expert_post_norm")
 # Fields that list layer indices (stored as sorted tuples).
 LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers", "index_shared_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
@@ -80,6 +81,7 @@ MAX_SIZES = {
     "index_topk": 1 << 30,
     "index_heads": 1024,
     "index_head_dim": 4096,
+    "moe_hidden_size": 65536,
 }
 
 
@@ -264,6 +266,21 @@ class ModelConfig:
     index_head_dim: int = 0
     index_rope_interleave: bool = False
     index_shared_layers: tuple[int, ...] = field(default_factory=tuple)
+    # Muse Spark (tpumk.model.spark): the embedding rows RMS-normalised without a weight
+    # (embed_norm); the post-sublayer norms' own epsilon (post_norm_eps; 0: rms_eps); each
+    # sublayer joining the residual as alpha * x + beta * y, alpha and beta learned per channel
+    # (residual_gates: weights res_attn_alpha / res_attn_beta / res_mlp_alpha / res_mlp_beta [H],
+    # float32); every head's attention output RMS-normalised without a weight before the output
+    # gate (attn_out_norm); the routed experts run at moe_hidden_size (0: hidden_size) between a
+    # down-projection moe_in [H, M] with its norm moe_in_norm [M] and an up-projection moe_out
+    # [M, H]; each routed expert's output RMS-normalised without a weight, eps post_norm_eps,
+    # before its routing weight (expert_post_norm).
+    embed_norm: bool = False
+    post_norm_eps: float = 0.0
+    residual_gates: bool = False
+    attn_out_norm: bool = False
+    moe_hidden_size: int = 0
+    expert_post_norm: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -296,7 +313,7 @@ class ModelConfig:
                  f"a positive integer at most {MAX_SIZES[f]:,}")
         for f in ("ffn_size", "num_experts", "top_k", "expert_ffn_size", "num_shared_experts", "shared_expert_ffn_size",
                   *MLA_FIELDS, "yarn_original_max_position", "sliding_window", "index_topk", "index_heads",
-                  "index_head_dim"):
+                  "index_head_dim", "moe_hidden_size"):
             need(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SIZES[f], f,
                  f"a non-negative integer at most {MAX_SIZES[f]:,}" + (" (0: no window)" if f == "sliding_window" else ""))
         need(isinstance(self.dense_layers, tuple) and all(is_int(i) for i in self.dense_layers), "dense_layers",
@@ -318,8 +335,14 @@ class ModelConfig:
         moe, mla = self.is_moe, self.is_mla
         if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
             need(not moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
-        if self.post_norms:  # the kernel normalizes a dense sublayer's whole output before the residual
-            need(not moe and not mla, "post_norms", "false for a mixture-of-experts or MLA model")
+        if self.post_norms:  # (the megakernel's post-norms on routed layers: refused by tpumk.plan.plan)
+            need(not mla, "post_norms", "false for an MLA model")
+        spark = [f for f in ("embed_norm", "residual_gates", "attn_out_norm", "expert_post_norm", "moe_hidden_size",
+                             "post_norm_eps") if getattr(self, f)]
+        if spark:  # tpumk.model.spark's parts: in the GQA reference step only
+            need(not mla and not self.linear, spark[0], "its default for an MLA or linear-attention model")
+        if self.post_norm_eps:
+            need(self.post_norms, "post_norm_eps", "0 without post_norms (it is their epsilon)")
         if self.norm_kind != "rms":  # MLA's latent norms and QK-norm are RMSNorms
             need(not mla and not self.qk_norm, "norm_kind", "'rms' for an MLA model or with qk_norm")
         if self.parallel_blocks:
@@ -572,7 +595,7 @@ _HF_ALWAYS_WINDOWED = ("mistral", "ministral3", "mixtral", "phi3", "gemma2", "ge
 def hf_text_config(data: Any, source: str = "config.json") -> tuple[Any, str]:
     """The config of the language model a Hugging Face config.json describes, and where it
     came from: the config itself, or a multimodal wrapper's `text_config` (tpumk.model.hf_fields.
-    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4) with its
+    WRAPPERS: a multimodal Gemma 3, Kimi K2.5, Qwen3.5, Ministral 3 / Mistral Small 4, Muse Spark) with its
     text config class's defaults filled in,
     the wrapper's stored-weight keys (dtype, name, quantization) where the text config is silent,
     and its head tied by the wrapper's own flag, as transformers ties it. The wrapper's own
@@ -605,7 +628,8 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
     Qwen3-MoE, Qwen2, Llama, Granite, Mistral, Ministral 3, Phi-3, OLMo 2, Gemma 1 / 2 / 3 (and a
     multimodal Gemma 3's language model: `hf_text_config`), Cohere, Mixtral, OLMoE, GLM-4.5, Qwen2-MoE,
     gpt-oss, DeepSeek-V3, Kimi K2 (and Kimi K2.5's language model), GLM-4.7-Flash, Mistral Small 4
-    (and the mistral3 wrapper's language model), the linear-attention hybrids) into a ModelConfig.
+    (and the mistral3 wrapper's language model), the linear-attention hybrids, Muse Spark (and the
+    muse_spark wrapper's language model)) into a ModelConfig.
 
     Every key of the file is accounted for first (tpumk.model.hf_fields.account_fields: modelled
     here, harmless, or refused at a value that changes the math; any other key refused), so a
@@ -816,7 +840,69 @@ def from_hf_config(data: Any, source: str = "config.json") -> ModelConfig:
         fields.update(_hf_query_scale(data, source, rope_key))
     if mt in HF_GATED_DELTA_FAMILIES + ("kimi_linear",):
         fields.update(_hf_linear_fields(hf, mt, n_layers, heads))
+    if mt == "muse_spark_text":
+        fields.update(_hf_muse_spark_fields(hf, n_layers, rope_theta))
     return from_dict(fields, source)
+
+
+def _hf_muse_spark_fields(hf: "_HFFields", n_layers: int, rope_theta: float) -> dict[str, Any]:
+    """Muse Spark's language model as transformers' MuseSparkTextModel builds it (tpumk.model.spark):
+    `layer_types` (default: full attention on every fourth layer counted back from the last,
+    sliding otherwise) with `sliding_window`; `layer_rope_theta` 0 for a NoPE layer (default: the
+    full layers); `mlp_layer_types` dense (`intermediate_size`) or sparse (default: all sparse);
+    the sparse layers' experts at `moe_hidden_size` between their projections, routed by sigmoid
+    scores with a correction bias, renormalised, times `routed_scaling_factor`; its norms,
+    residual gates, gated attention and the logits' soft-cap. `qk_scale_factor`,
+    `output_multiplier` and `residual_gate_temperature` are folded into the weights on load
+    (tpumk.model.spark_weights.fold_tensors), so they are only checked here."""
+    src = hf.source
+    full = [(n_layers - 1 - i) % 4 == 0 for i in range(n_layers)]
+    types = hf.list_("layer_types", str, "a list of layer type names") or \
+        ["full_attention" if f else "sliding_attention" for f in full]
+    if len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ConfigError(f"{src}: field 'layer_types' = {_short_repr(types)}: expected {', '.join(_LAYER_TYPES)} for "
+                          f"each of the {n_layers} layers")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    window = hf.int_("sliding_window", MAX_SIZES["sliding_window"], default=None)
+    if sliding and not window:
+        raise ConfigError(f"{src}: field 'sliding_window' = {_short_repr(hf.data.get('sliding_window'))}: expected a "
+                          "positive integer (layer_types names sliding_attention layers)")
+    thetas = hf.data.get("layer_rope_theta")
+    if thetas is None:
+        thetas = [0 if f else rope_theta for f in full]
+    if not (isinstance(thetas, list) and len(thetas) == n_layers and all(is_number(t) for t in thetas)):
+        raise ConfigError(f"{src}: field 'layer_rope_theta' = {_short_repr(thetas)}: expected a number for each of "
+                          f"the {n_layers} layers (0: no RoPE)")
+    other = [t for t in thetas if t and t != rope_theta]
+    if other:  # transformers' modelling rotates every such layer with the one table's theta
+        raise NotSupportedError(f"{src}: not supported: layer_rope_theta entry {_short_repr(other[0])} (transformers "
+                                f"5.24 rotates every layer whose entry is not 0 with rope_theta {rope_theta:g})")
+    mlp_types = _hf_mlp_layer_types(hf, n_layers) or ["sparse"] * n_layers
+    dense = [i for i, t in enumerate(mlp_types) if t == "dense"]
+    for key in ("qk_scale_factor", "output_multiplier", "residual_gate_temperature", "post_norm_eps",
+                "final_logit_softcapping"):
+        v = hf.number(key, None)
+        if not 0 < v < math.inf:
+            raise ConfigError(f"{src}: field '{key}' = {_short_repr(v)}: expected a positive finite number")
+    fields: dict[str, Any] = dict(
+        qk_norm=True, tie_embeddings=False, ffn_size=hf.int_("intermediate_size", MAX_SIZES["ffn_size"], _REQUIRED)
+        if dense else 0, sliding_window=window if sliding else 0, sliding_layers=sliding,
+        nope_layers=[i for i, t in enumerate(thetas) if not t],
+        final_softcap=hf.number("final_logit_softcapping", None),
+        embed_norm=True, post_norms=True, post_norm_eps=hf.number("post_norm_eps", None), residual_gates=True,
+        attn_out_norm=True, attn_output_gate=True)
+    if len(dense) == n_layers:
+        return fields
+    if not hf.int_("moe_hidden_size", MAX_SIZES["moe_hidden_size"], _REQUIRED):
+        raise ConfigError(f"{src}: field 'moe_hidden_size' = 0: expected a positive integer (the routed experts' "
+                          "width between pre_expert_proj and post_expert_proj)")
+    return {**fields, **dict(
+        num_experts=hf.int_("num_local_experts", MAX_SIZES["num_experts"], _REQUIRED),
+        top_k=hf.int_("num_experts_per_tok", MAX_SIZES["top_k"], _REQUIRED),
+        expert_ffn_size=hf.int_("moe_intermediate_size", MAX_SIZES["expert_ffn_size"], _REQUIRED),
+        moe_hidden_size=hf.int_("moe_hidden_size", MAX_SIZES["moe_hidden_size"], _REQUIRED),
+        router_scoring="sigmoid", norm_topk_prob=True, router_correction_bias=True,
+        routed_scaling_factor=hf.number("routed_scaling_factor", None), expert_post_norm=True, dense_layers=dense)}
 
 
 def _hf_layer_types(hf: "_HFFields", n_layers: int, default: list[str]) -> list[str]:

@@ -253,6 +253,20 @@ _GLM_MOE_DSA = _family(_CORE | _SIGMOID_MOE | _SCALED_POSITIONS | (_MLA - {"rope
                        | {"indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"},
                        _DSA_HARMLESS, _DSA_REFUSED, _DSA_ALIASES)
 
+# Muse Spark's language model (tpumk.model.spark; read by tpumk.model.config._hf_muse_spark_fields):
+# sliding-window and NoPE full layers, gated residuals, the MoE between a down- and an up-projection.
+# qk_scale_factor, output_multiplier and residual_gate_temperature are folded into the weights on
+# load (tpumk.model.spark_weights.fold_tensors)
+_MUSE_SPARK_TEXT = _family(
+    _CORE - {"tie_word_embeddings"}
+    | {"sliding_window", "layer_types", "layer_rope_theta", "final_logit_softcapping", "qk_scale_factor",
+       "output_multiplier", "post_norm_eps", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+       "routed_scaling_factor", "moe_hidden_size", "mlp_layer_types", "residual_gate_temperature"},
+    {**_DENSE_HARMLESS, **_MOE_HARMLESS, "max_position_embeddings": _POSITIONS,
+     "tie_word_embeddings": "MuseSparkForConditionalGeneration keeps its own lm_head and ties nothing, whatever "
+                            "the flag says (transformers 5.24)"},
+    {"attention_bias": Refused("biases on the attention projections")})
+
 FAMILIES: Mapping[str, Family] = MappingProxyType({
     "qwen3": _family(_CORE | _WINDOWED | _SCALED_POSITIONS | {"attention_bias"}, _DENSE_HARMLESS),
     "qwen3_moe": _family(
@@ -348,6 +362,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     "mistral4": _MISTRAL4,
     "deepseek_v32": _DEEPSEEK_V32,
     "glm_moe_dsa": _GLM_MOE_DSA,
+    "muse_spark_text": _MUSE_SPARK_TEXT,
     # Hybrids (tpumk.model.config._hf_linear_fields): Gated DeltaNet beside gated attention
     "qwen3_next": _family(
         _CORE | _GATED_DELTA | {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -439,7 +454,6 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
               "plus shared expert MoE, in a multimodal wrapper",
     "llama4_text": "chunked attention, NoPE layers with attention temperature tuning, L2-normed q / k and a routed "
                    "plus shared expert MoE",
-    "muse_spark": "gated residual connections and centred RMSNorms, in a multimodal (vision, audio) wrapper",
     "granitemoe": "Granite's mixture of experts (fused input_linear / output_linear experts): not read yet",
     "granitemoeshared": "Granite's mixture of experts with a shared expert: not read yet",
     "granitemoehybrid": "Mamba-2 layers beside attention",
@@ -527,6 +541,18 @@ WRAPPERS: Mapping[str, Wrapper] = MappingProxyType({
                  "spatial_merge_size": _VISION},
                 aliases={"image_token_id": "image_token_index"}),
         ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
+    # Muse Spark (MuseSparkForConditionalGeneration): a muse_spark_text language model beside vision and
+    # audio towers; its text config class's defaults are read by the family's (CLASS_DEFAULTS). Its
+    # image / video / audio token ids embed as token 0 (transformers zeroes them before the lookup):
+    # those embedding rows are set to row 0's on load (tpumk.model.spark_weights.fold_tensors).
+    "muse_spark": Wrapper(
+        ("muse_spark_text",), {}, False,
+        _family({"text_config", "image_token_id", "video_token_id", "audio_token_id"},
+                {"vision_config": _VISION, "audio_config": "the audio part of a multimodal model: tpumk decodes "
+                                                            "text in, text out",
+                 "out_hidden_size": _VISION, "projector_hidden_size": _VISION, "projector_hidden_act": _VISION}),
+        ("model.vision_tower.", "model.audio_tower.", "model.vision_adapter.", "model.vision_projection.",
+         "vision_tower.", "audio_tower.", "vision_adapter.", "vision_projection.")),
     # Qwen3.5 / Qwen3.5-MoE (Qwen3_5ForConditionalGeneration): the hybrid language model beside a
     # vision tower; its releases write the whole text_config
     **{wrapper: Wrapper(

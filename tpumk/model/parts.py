@@ -76,6 +76,7 @@ class Attention:
     attn_sinks: bool  # gpt-oss: a learned logit per q head in each softmax's denominator
     o_bias: bool  # a bias on the o projection's output
     attn_output_gate: bool  # Qwen3-Next: o * sigmoid(x @ wq_gate) before the o projection
+    attn_out_norm: bool  # Muse Spark: each head's output RMS-normalised (no weight) before the gate
     step_bidirectional: bool  # a drafter's block: the step's tokens see each other in any order
     q_lora_rank: int
     kv_lora_rank: int
@@ -205,7 +206,7 @@ class Attention:
         if not self.is_mla:
             need(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)")
         _bool(need, self, "qk_norm", "qkv_bias", "qk_norm_whole", "attn_sinks", "o_bias", "attn_output_gate",
-              "step_bidirectional")
+              "step_bidirectional", "attn_out_norm")
         if self.step_bidirectional:  # the MLA stage's mask is causal
             need(not self.is_mla, "step_bidirectional", "false for an MLA model")
         if self.attn_output_gate:  # the MLA stage's output has no gate
@@ -354,6 +355,13 @@ class Norms:
     post_norms: bool  # Gemma 2/3 sandwich, OLMo 2: each sublayer's output normalized
     parallel_blocks: bool  # Cohere: the MLP reads attention's normed input; no mlp_norm
     latent_norm_eps: float  # MLA's latent norms' epsilon; 0: rms_eps
+    post_norm_eps: float  # the post-sublayer norms' epsilon (Muse Spark's 1e-8); 0: rms_eps
+    residual_gates: bool  # Muse Spark: x <- alpha * x + beta * y per channel (tpumk.model.spark)
+
+    @property
+    def post_eps(self) -> float:
+        """The epsilon of the norms after each sublayer (and of Muse Spark's expert outputs)."""
+        return self.post_norm_eps or self.rms_eps
 
     @property
     def latent_eps(self) -> float:
@@ -367,12 +375,15 @@ class Norms:
 
     def per_layer(self) -> int:
         """Norm weight vectors one layer holds on the residual (attn / mlp, post_attn / post_mlp)."""
-        return (1 if self.parallel_blocks else 2) * self.pre_norms + 2 * self.post_norms
+        return (1 if self.parallel_blocks else 2) * self.pre_norms + 2 * self.post_norms + 4 * self.residual_gates
 
     def check(self, need: Need) -> None:
         need(is_number(self.rms_eps) and 0 < self.rms_eps < 1, "rms_eps", "a number in (0, 1)")
         need(is_number(self.latent_norm_eps) and 0 <= self.latent_norm_eps < 1, "latent_norm_eps",
              "a number in [0, 1) (0: rms_eps)")
+        need(is_number(self.post_norm_eps) and 0 <= self.post_norm_eps < 1, "post_norm_eps",
+             "a number in [0, 1) (0: rms_eps)")
+        _bool(need, self, "residual_gates")
         need(is_int(self.rms_width) and 0 <= self.rms_width <= self.hidden_size, "rms_width",
              f"an integer in [0, hidden_size = {self.hidden_size}] (0: hidden_size)")
         _bool(need, self, "post_norms", "pre_norms")
@@ -423,9 +434,15 @@ class Moe:
     expert_bias: bool  # gpt-oss: biases on each routed expert's gate, up and down outputs
     swiglu_limit: float  # gpt-oss's clamped SwiGLU (ModelConfig); 0: plain SwiGLU
     swiglu_alpha: float
+    moe_hidden_size: int  # Muse Spark: the experts' width between moe_in and moe_out; 0: hidden
+    expert_post_norm: bool  # Muse Spark: each expert's output RMS-normalised before its weight
 
     def __bool__(self) -> bool:
         return self.num_experts > 0
+
+    def width(self, hidden: int) -> int:
+        """The width the routed experts read and write: moe_hidden_size, or the hidden size."""
+        return self.moe_hidden_size or hidden
 
     @property
     def experts_per_group(self) -> int:
@@ -434,16 +451,20 @@ class Moe:
     def param_counts(self, hidden: int) -> dict[str, int]:
         """One MoE layer's parameters outside attention: read every step, and per routed expert."""
         shared = self.num_shared_experts * 3 * hidden * self.shared_expert_ffn_size
-        return {"always": hidden * (self.num_experts + self.shared_expert_gate) + shared
+        m = self.width(hidden)
+        projections = (2 * hidden + 1) * m if self.moe_hidden_size else 0  # moe_in, moe_in_norm, moe_out
+        return {"always": hidden * (self.num_experts + self.shared_expert_gate) + shared + projections
                           + self.num_experts * (self.router_correction_bias + self.router_logit_bias),
-                "per_expert": 3 * hidden * self.expert_ffn_size
+                "per_expert": 3 * m * self.expert_ffn_size
                               + (2 * self.expert_ffn_size + hidden if self.expert_bias else 0)}
 
     def tensor_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """A routed layer's tensors: router (and its correction bias), experts, shared experts."""
-        h, e, f = hidden, self.num_experts, self.expert_ffn_size
-        out: dict[str, tuple[int, ...]] = {"router": (h, e), "e_gate": (e, h, f), "e_up": (e, h, f),
-                                           "e_down": (e, f, h)}
+        h, e, f, m = hidden, self.num_experts, self.expert_ffn_size, self.width(hidden)
+        out: dict[str, tuple[int, ...]] = {"router": (h, e)}
+        if self.moe_hidden_size:  # Muse Spark: the experts between a down- and an up-projection
+            out.update(moe_in=(h, m), moe_in_norm=(m,), moe_out=(m, h))
+        out.update(e_gate=(e, m, f), e_up=(e, m, f), e_down=(e, f, m))
         if self.router_correction_bias:
             out.update(router_bias=(e,))
         if self.router_logit_bias:
@@ -479,7 +500,13 @@ class Moe:
                  "false without shared experts or with router_correction_bias")
         need(is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
              "a positive finite number")
-        _bool(need, self, "router_logit_bias", "expert_bias")
+        _bool(need, self, "router_logit_bias", "expert_bias", "expert_post_norm")
+        spark = [f for f, default in (("moe_hidden_size", 0), ("expert_post_norm", False))
+                 if getattr(self, f) != default]
+        if spark:
+            need(bool(self), spark[0], "its default for a dense model (num_experts = 0)")
+            need(not self.num_shared_experts and not self.expert_bias, spark[0],
+                 "its default with shared experts or expert biases (Muse Spark's MoE has neither)")
         need(is_number(self.swiglu_limit) and 0 <= self.swiglu_limit < math.inf, "swiglu_limit",
              "a non-negative finite number (0: plain SwiGLU)")
         need(is_number(self.swiglu_alpha) and 0 < self.swiglu_alpha < math.inf, "swiglu_alpha",
@@ -681,6 +708,7 @@ class Head:
     tie_embeddings: bool
     embed_scale: float
     final_softcap: float
+    embed_norm: bool  # Muse Spark: the embedding rows RMS-normalised without a weight
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         h, v = self.hidden_size, self.vocab_size
@@ -690,7 +718,7 @@ class Head:
         return out
 
     def check(self, need: Need) -> None:
-        _bool(need, self, "tie_embeddings")
+        _bool(need, self, "tie_embeddings", "embed_norm")
         need(is_number(self.embed_scale) and 0 < self.embed_scale < math.inf, "embed_scale",
              "a positive finite number")
         need(is_number(self.final_softcap) and 0 <= self.final_softcap < math.inf, "final_softcap",

@@ -59,7 +59,7 @@ from tpumk.errors import ConfigError, NotSupportedError
 from tpumk.model.config import ModelConfig
 from tpumk.model.parts import Attention, Moe, Norms
 from tpumk.model.positions import new_lengths
-from tpumk.model import kv_quant, linear_attention, mla, sparse_attention
+from tpumk.model import kv_quant, linear_attention, mla, spark, sparse_attention
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, residual_norm, rms_norm
 from tpumk.model.rope import cos_sin_scale as rope_cos_sin_scale
 from tpumk.model.rope import inv_freq as rope_freqs
@@ -241,16 +241,18 @@ def router_logits(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     return logits + layer["router_logit_bias"].astype(jnp.float32) if moe.router_logit_bias else logits
 
 
-def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
-    """x: [N, H] float32 normed activations -> [N, H] float32."""
+def moe_ffn(moe: Moe, layer: Params, x: jax.Array, norms: Norms | None = None) -> jax.Array:
+    """x: [N, H] float32 normed activations -> [N, H] float32. `norms` (the model's) gives the
+    epsilons of Muse Spark's expert-side norms (moe_hidden_size, expert_post_norm: tpumk.model.spark)."""
     ids, weights = route(moe, router_logits(moe, layer, x), layer.get("router_bias"))
+    routed_in = spark.experts_in(moe, layer, x, norms.rms_eps) if moe.moe_hidden_size else x
     # Dense evaluation over all experts, masked by the routing weights: simple and exact.
     # A one-hot sum, not a scatter-add: exact all the same (top-k ids are distinct), and XLA for
     # TPU7x offloads a scatter-add to the SparseCore, whose compiled program (libtpu 0.0.52)
     # cannot be printed, so its kernels could not be counted (an MTP drafter's round program).
     combine = (jax.nn.one_hot(ids, moe.num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)
-    g = expert_matmul(x, layer["e_gate"])
-    u = expert_matmul(x, layer["e_up"])
+    g = expert_matmul(routed_in, layer["e_gate"])
+    u = expert_matmul(routed_in, layer["e_up"])
     if moe.expert_bias:  # gpt-oss: f32 biases on each expert's outputs, before the activation
         g = g + layer["e_gate_bias"].astype(jnp.float32)[:, None, :]
         u = u + layer["e_up_bias"].astype(jnp.float32)[:, None, :]
@@ -259,7 +261,9 @@ def moe_ffn(moe: Moe, layer: Params, x: jax.Array) -> jax.Array:
     y = expert_matmul(a, layer["e_down"])
     if moe.expert_bias:
         y = y + layer["e_down_bias"].astype(jnp.float32)[:, None, :]
-    out = jnp.einsum("enh,ne->nh", y, combine)
+    if moe.expert_post_norm:
+        y = spark.expert_outputs(moe, y, norms.post_eps)
+    out = spark.experts_out(moe, layer, jnp.einsum("enh,ne->nh", y, combine))
     if moe.num_shared_experts:
         out = out + shared_experts(moe, layer, x)
     return out
@@ -289,13 +293,13 @@ def mlp_in(norms: Norms, layer: Params, x: jax.Array, attn_in: jax.Array) -> jax
 def sublayer_out(norms: Norms, layer: Params, norm: str, y: jax.Array) -> jax.Array:
     """What a sublayer adds to the residual: its output, or with post_norms (Gemma 3) its
     output normalized by the layer's `norm` weights (post_attn_norm / post_mlp_norm)."""
-    return residual_norm(norms.norm_kind, y, layer[norm], norms.rms_eps, norms.width) if norms.post_norms else y
+    return residual_norm(norms.norm_kind, y, layer[norm], norms.post_eps, norms.width) if norms.post_norms else y
 
 
 def ffn(cfg: ModelConfig, i: int, layer: Params, x: jax.Array) -> jax.Array:
     if cfg.pattern.is_dense(i):
         return gated_mlp(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.mlp.mlp_act)
-    return moe_ffn(cfg.moe, layer, x)
+    return moe_ffn(cfg.moe, layer, x, cfg.norms)
 
 
 def qkv(cfg: ModelConfig, layer: Params, x: jax.Array, positions: jax.Array, i: int):
@@ -360,7 +364,10 @@ def o_proj(cfg: ModelConfig, layer: Params, o: jax.Array, x: jax.Array | None = 
     """Attention's output projection, f32; with o_bias its bias added in float32. With
     attn_output_gate (Qwen3-Next) o is first gated by sigmoid(x @ wq_gate), x the layer's normed
     input."""
-    if cfg.attention.attn_output_gate:
+    a = cfg.attention
+    if a.attn_out_norm:  # Muse Spark: each head's output normalised before its gate
+        o = spark.head_norm(o, a.num_q_heads, a.head_dim, cfg.norms.rms_eps, a.true_head_dim)
+    if a.attn_output_gate:
         o = o * jax.nn.sigmoid(matmul(x, layer["wq_gate"]))
     out = matmul(o, layer["wo"])
     return out + layer["bo"].astype(jnp.float32) if cfg.attention.o_bias else out
@@ -428,6 +435,13 @@ class _Taps:
         return jnp.stack([self.rows[t] for t in self.taps], axis=2)
 
 
+def embed_rows(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """The embedded tokens the first layer reads: `embed`'s rows, with embed_norm (Muse Spark)
+    RMS-normalised without a weight."""
+    x = embed(params, tokens, cfg.head.embed_scale)
+    return spark.embed_normed(x, cfg.norms.rms_eps) if cfg.head.embed_norm else x
+
+
 def embed(params: Params, tokens: jax.Array, scale: float = 1.0) -> jax.Array:
     """Embedding rows [..., H] float32; a token id outside [0, vocab) embeds as zeros (not NaN).
 
@@ -493,7 +507,7 @@ def _decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions:
     quant = isinstance(cache, QuantizedKVCache)
     kc, vc = (cache.kv, None) if quant else (cache.k, cache.v)
     states, live = cache.states, (positions >= 0) & (positions < ctx)
-    x = embed(params, tokens, cfg.head.embed_scale)
+    x = embed_rows(cfg, params, tokens)
     for i, layer in enumerate(params["layers"]):
         tap.layer(i, x)
         h = sublayer_in(cfg.norms, layer, "attn_norm", x)
@@ -518,9 +532,11 @@ def _decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions:
             ks = kc[kl][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
             vs = vc[kl][tables].reshape(b, ctx, cfg.num_kv_heads, cfg.head_dim)
         o = attend(cfg.attention, q, ks, vs, positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o_proj(cfg, layer, o, h))
+        x = spark.join(cfg.norms, layer, "attn", x, sublayer_out(cfg.norms, layer, "post_attn_norm",
+                                                                 o_proj(cfg, layer, o, h)))
         h = mlp_in(cfg.norms, layer, x, h)
-        x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+        x = spark.join(cfg.norms, layer, "mlp", x, sublayer_out(
+            cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)))
     if states is not None:
         states = linear_attention.step_counts(states, t)
     if quant:
@@ -542,7 +558,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, taps: Sequ
 def _forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Taps) -> jax.Array:
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens, cfg.head.embed_scale)
+    x = embed_rows(cfg, params, tokens)
     states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     for i, layer in enumerate(params["layers"]):
         tap.layer(i, x)
@@ -555,9 +571,10 @@ def _forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Tap
             o = attend(cfg.attention, q, k, v, pos, pos, jnp.ones((b, t), bool), cfg.pattern.window(i),
                        layer_sinks(cfg, layer))
             o = o_proj(cfg, layer, o, h)
-        x = x + sublayer_out(cfg.norms, layer, "post_attn_norm", o)
+        x = spark.join(cfg.norms, layer, "attn", x, sublayer_out(cfg.norms, layer, "post_attn_norm", o))
         h = mlp_in(cfg.norms, layer, x, h)
-        x = x + sublayer_out(cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1))
+        x = spark.join(cfg.norms, layer, "mlp", x, sublayer_out(
+            cfg.norms, layer, "post_mlp_norm", ffn(cfg, i, layer, h.reshape(b * t, -1)).reshape(b, t, -1)))
     return tap.logits(params, x)
 
 

@@ -63,6 +63,8 @@ def expected_shapes(cfg: ModelConfig) -> Params:
             lay.update(a.indexer_shapes(h))
         if n.post_norms:
             lay.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+        if n.residual_gates:  # Muse Spark: each sublayer joins the residual as alpha * x + beta * y
+            lay.update({k: (h,) for k in RESIDUAL_GATES})
         lay.update(cfg.mlp.tensor_shapes(h) if cfg.pattern.is_dense(i) else cfg.moe.tensor_shapes(h))
         layers.append(lay)
     top["layers"] = layers
@@ -71,12 +73,15 @@ def expected_shapes(cfg: ModelConfig) -> Params:
 
 QKV_BIASES = ("bq", "bk", "bv")
 FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 routing
+# Muse Spark's residual gates (tpumk.model.spark), float32 as transformers keeps them
+RESIDUAL_GATES = ("res_attn_alpha", "res_attn_beta", "res_mlp_alpha", "res_mlp_beta")
 
 
 def tensor_dtype(cfg: ModelConfig, name: str, dt):
-    """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate and the
-    sparse-attention indexer's per-head weights (transformers keeps `indexer.weights_proj` float32)."""
-    if name == "idx_weights" or (cfg.moe.router_correction_bias and name in FLOAT32_TENSORS):
+    """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate, Muse
+    Spark's residual gates and the sparse-attention indexer's per-head weights (transformers keeps
+    `indexer.weights_proj` float32)."""
+    if name == "idx_weights" or name in RESIDUAL_GATES or (cfg.moe.router_correction_bias and name in FLOAT32_TENSORS):
         return jnp.float32
     return dt
 
@@ -100,6 +105,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             w = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
         elif name == "router_bias":  # large enough to change some picks (it selects, never weighs)
             w = 0.1 * jax.random.normal(k, shape, jnp.float32)
+        elif name in RESIDUAL_GATES:  # about 1 each, apart enough that a swapped or dropped gate shows
+            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
         elif name == "embed":
             w = jax.random.normal(k, shape, jnp.float32)
         elif name == "sinks":  # about a score's size, so the sink takes a visible share of each softmax
@@ -119,7 +126,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         else:
             fan_in = shape[-2]
             w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
-            if name in ("wo", "w_down", "e_down", "s_down", "lin_out"):
+            if name in ("wo", "w_down", "e_down", "s_down", "lin_out", "moe_out"):
                 w = w * depth_scale
             if name == "router":
                 w = w * 4.0

@@ -674,6 +674,7 @@ def make_plan(spec: BuildSpec, num_pages: int | None = None, num_slots: int | No
     replicated and split (`ShardingPlan.latent_split`), and the faster by tpumk's timeline
     model is kept (ties: replicated, which sends nothing more).
     """
+    check_kernel_parts(spec.model)
     knob = spec.tuning.mla_projections
     if not (spec.model.is_mla and spec.devices > 1):
         return _make_plan(spec, num_pages, num_slots, latent_split=False)
@@ -861,6 +862,31 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
     buffers = [tuning.kv_buffers] if tuning.kv_buffers else list(AUTO_KV_BUFFERS)
     return _fastest_plan(((kt * nb, -kt), lambda kt=kt, nb=nb: finish(geometry(kt, nb)))
                          for kt in pages for nb in buffers)
+
+
+# Parts of a model the reference runs and the megakernel does not build yet (Muse Spark's:
+# tpumk.model.spark), each as the build's one-line refusal names it.
+KERNEL_MISSING = (
+    ("embed_norm", "the embedding's RMSNorm (embed_norm)"),
+    ("residual_gates", "gated residual connections (residual_gates)"),
+    ("attn_out_norm", "the per-head norm of attention's output (attn_out_norm)"),
+    ("moe_hidden_size", "the MoE's down- and up-projections around its experts (moe_hidden_size)"),
+    ("expert_post_norm", "a norm on each expert's output (expert_post_norm)"),
+    ("post_norm_eps", "post-sublayer norms with their own epsilon (post_norm_eps)"),
+)
+
+
+def check_kernel_parts(model: ModelConfig) -> None:
+    """Refuse, in one line naming every one, the parts of `model` the megakernel lacks (before any
+    planning: a model that is also too big for one device is refused for these first)."""
+    missing = [what for f, what in KERNEL_MISSING if getattr(model, f)]
+    if model.post_norms and model.is_moe:
+        missing.append("post-sublayer norms on routed layers (post_norms with experts)")
+    if model.nope_layers and not model.linear and set(model.nope_layers) != set(model.pattern.attention_layers):
+        missing.append("NoPE on some attention layers but not all (nope_layers)")
+    if missing:
+        raise NotSupportedError(f"model '{model.name}': not built by the megakernel yet: {'; '.join(missing)} (the "
+                                "reference decode step runs it: tpumk generate --backend reference)")
 
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
