@@ -96,7 +96,7 @@ print(json.dumps({"kind": step.kind, "got": got, "want": want, "err": err, "scal
 """
 
 
-@pytest.mark.parametrize("use", ["auto", "executable"])
+@pytest.mark.parametrize("use", ["auto", pytest.param("executable", marks=pytest.mark.full)])
 def test_cpu_export_loads_in_fresh_process_and_generates_reference_tokens(cpu_artifact, use, tmp_path):
     """The cpu artifact holds real programs (no re-tracing): a fresh process loads the portable
     export (auto) or the serialized executable and greedy-decodes the reference's tokens.

@@ -110,6 +110,7 @@ def test_moe_bench_through_the_cli(moe):
     assert moe["xla_sharding"]["expert_parallel"] is False and "mixes 2 expert groups" in moe["xla_sharding"]["why"]
 
 
+@pytest.mark.full  # tests/README.md: what covers it in the default run
 def test_quantized_mla_bench_on_two_devices_prints_its_table(tmp_path):
     """An MLA model with quantized weights on 2 devices, through the CLI's table: XLA's SPMD step
     shards the absorbed w_uk / w_uv by head, and the table says how MLA splits (heads; q_a, kv_a

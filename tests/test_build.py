@@ -169,6 +169,7 @@ def test_compiler_estimate_grows_linearly_with_layers(tmp_path):
     assert per_layer_b == pytest.approx(per_layer_a, rel=0.1), cycles
 
 
+@pytest.mark.full  # tests/README.md: what covers it in the default run
 @needs_compiler_estimate
 def test_v6e_build_and_v5e_without_estimate():
     r = build_json("--target", "v6e", "--model", "tiny-dense", "--batch", "4", "--verify-estimate")

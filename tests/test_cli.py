@@ -147,21 +147,22 @@ def test_models_table_prints_sizes_in_readable_units():
 # ---------------------------------------------------------------------- inspect an artifact root
 def test_inspect_lists_artifacts_under_a_root(tmp_path):
     root = tmp_path / "artifacts"
-    r = run("export", "--model", "tiny-dense", "--target", "cpu", "--context", "32", "--out", str(root), "--json")
+    # a TPU7x export (deviceless): what is listed is the manifest, and it compiles in a third of the cpu time
+    r = run("export", "--model", "tiny-dense", "--target", "tpu7x", "--context", "32", "--out", str(root), "--json")
     assert r.exit_code == 0, r.output
     good = json.loads(r.stdout)["path"]
     # a broken artifact beside it: listed with the reason, not a crash
     broken = root / "tiny-moe" / "tpu7x" / "0123456789abcdef"
     broken.mkdir(parents=True)
     (broken / "manifest.toml").write_text("format = = 2\n")
-    (root / "tiny-dense" / "cpu" / ".tmp-unfinished").mkdir()  # an export in progress: not listed
+    (root / "tiny-dense" / "tpu7x" / ".tmp-unfinished").mkdir()  # an export in progress: not listed
 
     for where in (root, root / "tiny-dense"):
         r = run("inspect", str(where), "--json")
         listing = json.loads(r.stdout)
         paths = {a["path"]: a for a in listing["artifacts"]}
         assert good in paths
-        assert paths[good]["valid"] and paths[good]["model"] == "tiny-dense" and paths[good]["target"] == "cpu"
+        assert paths[good]["valid"] and paths[good]["model"] == "tiny-dense" and paths[good]["target"] == "tpu7x"
         assert (paths[good]["dtype"], paths[good]["quant"], paths[good]["batch"]) == ("float32", "none", 1)
     assert r.exit_code == 0 and listing["valid"]  # only the good one below tiny-dense/
 
@@ -169,7 +170,7 @@ def test_inspect_lists_artifacts_under_a_root(tmp_path):
     assert r.exit_code == 1  # one of them is invalid
     assert "2 artifacts, 1 invalid" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith(good))
-    assert row.split()[1:6] == ["tiny-dense", "float32", "none", "1", "cpu"] and "valid" in row
+    assert row.split()[1:6] == ["tiny-dense", "float32", "none", "1", "tpu7x"] and "valid" in row
     bad_row = next(line for line in r.stdout.splitlines() if line.startswith(str(broken)))
     assert "INVALID" in bad_row and "malformed manifest" in bad_row
 

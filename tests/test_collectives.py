@@ -141,9 +141,13 @@ def _run_worker(n: int, schedule: str, dtype: str = "float32", counter_step: int
 
 # ---------------------------------------------------------------------- interpret mode
 @pytest.mark.parametrize("n,schedule,dtype", [
-    (1, "direct", "float32"), (2, "direct", "float32"), (4, "direct", "float32"), (8, "direct", "float32"),
-    (4, "doubling", "float32"), (8, "doubling", "float32"), (4, "direct", "bfloat16"),
-    (3, "rsag", "float32"), (4, "rsag", "float32"), (8, "rsag", "float32"),
+    # full: one more device count of a schedule the default run has (tests/README.md)
+    pytest.param(1, "direct", "float32", marks=pytest.mark.full), (2, "direct", "float32"),
+    pytest.param(4, "direct", "float32", marks=pytest.mark.full),
+    pytest.param(8, "direct", "float32", marks=pytest.mark.full),
+    pytest.param(4, "doubling", "float32", marks=pytest.mark.full), (8, "doubling", "float32"),
+    (4, "direct", "bfloat16"), (3, "rsag", "float32"), pytest.param(4, "rsag", "float32", marks=pytest.mark.full),
+    pytest.param(8, "rsag", "float32", marks=pytest.mark.full),
     (8, "rsag", "bfloat16"),  # the bf16 wire: rounded partials and chunk sums, the same bits everywhere
     # the chip-hierarchical schedule: 8 devices are 4 chips of sibling pairs (bf16 wire: chip
     # sums and totals rounded as they travel)

@@ -179,9 +179,9 @@ def test_quantized_mla_weights_hold_the_absorbed_blocks():
     assert "wkv_b" not in lay and isinstance(lay["w_uk"], QuantizedMatrix)
     assert lay["w_uk"].shape == (3, 24, 40) and lay["w_uv"].shape == (3, 40, 20)
     tokens = jnp.asarray([[5, 9, 2, 77, 31]], jnp.int32)
-    full = reference.forward_full(qp, cfg, tokens)
+    full = jax.jit(lambda p, t: reference.forward_full(p, cfg, t))(qp, tokens)  # jitted: eager takes ~20 s
     cache = reference.init_cache(cfg, 1, 32, 8)
-    step, _ = reference.decode_step(qp, cfg, tokens, jnp.arange(5, dtype=jnp.int32)[None], cache)
+    step, _ = reference.jitted_decode_step(cfg)(qp, tokens, jnp.arange(5, dtype=jnp.int32)[None], cache)
     np.testing.assert_allclose(step, full, rtol=0, atol=1e-3 * float(jnp.max(jnp.abs(full))))
 
 

@@ -79,6 +79,7 @@ def _layer_bytes(cfg) -> float:
 
 
 # ---------------------------------------------------------------------- (a) the compiler objective
+@pytest.mark.full  # tests/README.md: what covers it in the default run
 @needs_compiler_estimate
 def test_compiler_objective_is_linear_in_layers_nested_trips_included():
     reports = {n: _build(_layers(BASE, n)).report for n in (2, 4, 8)}

@@ -52,7 +52,7 @@ CASES = [
     # gpt-oss's experts in MXFP4 (e2m1 codes, a power-of-two scale per 32 rows, decoded in VMEM:
     # int4 nibbles here and on v6e, float4_e2m1fn on TPU7x) with their biases and clamped
     # SwiGLU, on widths off the lane grid (hidden 192, expert width 200: partial scale groups)
-    ("tiny-gpt-oss", "bfloat16", "mxfp4", 2, 1),
+    pytest.param("tiny-gpt-oss", "bfloat16", "mxfp4", 2, 1, marks=FULL),
     pytest.param("tiny-gpt-oss", "float32", "mxfp4", 1, 2, marks=FULL),
     # NVFP4 experts (e2m1 codes, an e4m3 scale per 16 rows, a global scale per matrix) on both
     # decode paths: the default run's case is test_nvfp4_experts_match_the_quantized_reference_and_compile
