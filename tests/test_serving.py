@@ -36,9 +36,10 @@ GEMMA_PARTS = dict(mlp_act="gelu_tanh", embed_scale=16.0, post_norms=True, attn_
 COHERE_PARTS = dict(qk_norm=False, norm_kind="layer", parallel_blocks=True)
 
 
-@pytest.mark.parametrize("preset, parts, q_len", [("tiny-dense", GEMMA_PARTS, 1), ("tiny-moe", {}, 2),
-                                                  ("tiny-dense", COHERE_PARTS, 1)],
-                         ids=["tiny-dense-1", "tiny-moe-2", "tiny-dense-cohere-1"])
+@pytest.mark.parametrize("preset, parts, q_len", [
+    ("tiny-dense", GEMMA_PARTS, 1),
+    pytest.param("tiny-moe", {}, 2, marks=pytest.mark.full),  # tests/README.md: what covers it
+    ("tiny-dense", COHERE_PARTS, 1)], ids=["tiny-dense-1", "tiny-moe-2", "tiny-dense-cohere-1"])
 def test_serving_step_matches_the_reference(preset, parts, q_len):
     cfg = load_preset(preset).replace(**parts)
     batch, ctx, page = 3, 64, 16
