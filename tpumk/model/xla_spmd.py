@@ -64,7 +64,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpumk.errors import ConfigError
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import QuantizedMatrix
-from tpumk.model.xla_step import xla_state_args, xla_step_specs
+from tpumk.model.xla_step import XlaCache, xla_state_args, xla_step_specs
 
 AXIS = "tp"  # the devices' one axis, as the caller's mesh names it
 REP_AXIS = "tp_rep"  # its minor factor, when the KV heads split fewer ways than the devices
@@ -261,3 +261,12 @@ def xla_spmd_out_shardings(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool =
     m = layout.mesh(mesh)
     cache, rep = NamedSharding(m, layout.cache), NamedSharding(m, REPLICATED)
     return (rep, cache, cache, rep) + ((rep,) if cfg.linear else ())
+
+
+def xla_cache_shardings(cfg: ModelConfig, batch: int, context: int, q_len: int, mesh: Mesh) -> tuple:
+    """`xla_spmd_specs` for `tpumk.model.xla_step.xla_cache_step`: its (params, tokens,
+    positions, XlaCache) as global ShapeDtypeStructs with their NamedShardings, and the
+    shardings of its (logits, XlaCache) result."""
+    params, tok, pos, k, v, lengths = xla_spmd_specs(cfg, batch, context, q_len, mesh)[:6]
+    logits, kc, vc, n = xla_spmd_out_shardings(cfg, mesh)[:4]
+    return (params, tok, pos, XlaCache(k, v, lengths)), (logits, XlaCache(kc, vc, n))

@@ -257,3 +257,28 @@ def xla_donated(cfg: ModelConfig) -> tuple[int, ...]:
 def make_xla_step(cfg: ModelConfig):
     """The jitted XLA step with the caches (and a hybrid's pool) donated (updated in place, as in serving)."""
     return jax.jit(xla_step_fn(cfg), donate_argnums=xla_donated(cfg))
+
+
+class XlaCache(NamedTuple):
+    """The XLA step's KV cache as one value (a `cpu` N-device artifact's step takes and returns
+    it): k, v [L, B, kv_heads, context, head_dim] (MLA: the latent cache and the empty value
+    cache, `xla_cache_shapes`) and lengths [B], the tokens cached per sequence."""
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+
+def xla_cache_step(cfg: ModelConfig) -> Callable:
+    """The XLA step as step(params, tokens, positions, XlaCache) -> (logits [B, q, V] f32,
+    XlaCache), the shape of a loaded artifact's step (tpumk.export.artifacts). No state pool:
+    a hybrid model is not served this way."""
+    def step(params, tokens, positions, cache: XlaCache):
+        logits, k, v, lengths = xla_decode_step(params, cfg, tokens, positions, cache.k, cache.v, cache.lengths)
+        return logits, XlaCache(k, v, lengths)
+    return step
+
+
+def xla_cache_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, quant: str = "none") -> tuple:
+    """ShapeDtypeStructs of `xla_cache_step`'s (params, tokens, positions, XlaCache)."""
+    params, tok, pos, k, v, lengths = xla_step_specs(cfg, batch, context, q_len, quant)
+    return params, tok, pos, XlaCache(k, v, lengths)
