@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from tpumk.model import reference as ref
 from tpumk.decode.bench import measure_seconds
-from tpumk.decode.xla_step import compile_program, make_xla_step, paged_to_head_major, xla_decode_step, xla_step_specs
+from tpumk.decode.xla_compile import compile_program
+from tpumk.model.xla_step import make_xla_step, paged_to_head_major, xla_decode_step, xla_step_specs
 from tpumk.cli import main
 from tpumk.model.config import load_preset
 from tpumk.plan.plan import make_plan

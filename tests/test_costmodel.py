@@ -260,7 +260,8 @@ def test_pallas_kernel_needs_its_model():
 def test_xla_program_model_against_its_cost_analysis():
     """A real compiled XLA decode step: the model's HBM bytes sit between the weights the step
     must read and XLA's own cost_analysis bytes; the model never beats its own bytes' floor."""
-    from tpumk.decode.xla_step import compile_program, xla_decode_step, xla_step_specs
+    from tpumk.decode.xla_compile import compile_program
+    from tpumk.model.xla_step import xla_decode_step, xla_step_specs
 
     cfg = load_preset("tiny-dense").replace(dtype="bfloat16")
     prog = compile_program(lambda p, t, pos, k, v, n: xla_decode_step(p, cfg, t, pos, k, v, n),

@@ -7,9 +7,11 @@
 - loading a TPU N-device artifact here is refused with one line naming what is missing, and the
   device-order matching `load` does on a TPU host is checked on real (deviceless) TPU7x device
   descriptors;
-- a `cpu` N-device export is refused, with the reason (the discharge interpreter a portable cpu
-  program needs has no remote signals or barrier semaphore), and a guard checks that reason
-  still holds on this JAX;
+- a `cpu` N-device export ships the same build's XLA SPMD step instead of the megakernel (the
+  discharge interpreter a portable cpu program needs has no remote signals or barrier
+  semaphore: a guard checks that reason still holds on this JAX); what that step lacks (a 1-byte
+  KV cache, quantized weights, a state pool) and a round program are refused; a forged manifest
+  naming the megakernel for such a build is refused (tests/test_distributed.py runs the step);
 - the N-device half of a loaded step (packing per device, the sharded cache, placement of the
   arguments on the mesh, a vocabulary that does not split evenly) runs on 4 host CPU devices against the reference,
   with the interpreted N-device program in place of the TPU executable it would load.
@@ -281,18 +283,27 @@ def test_mesh_order_on_tpu7x_device_descriptors(exported, tmp_path):
 
 
 # ---------------------------------------------------------------------- cpu over many devices
-def test_cpu_export_over_many_devices_is_refused_with_the_reason(tmp_path):
+def test_cpu_export_over_many_devices_refuses_what_the_xla_step_lacks(tmp_path):
+    """A cpu N-device artifact holds XLA's SPMD step: a build it would run differently (a 1-byte
+    KV cache, quantized weights) is refused in one line, before any key or file; so is a round
+    program over many cpu devices (it has no XLA form)."""
+    from tpumk.export import checks
+
+    spec = BuildSpec(load_preset("tiny-dense"), get_target("cpu"), batch=1, context=CONTEXT, devices=2,
+                     kv_dtype="int8")
     with pytest.raises(ArtifactError) as e:
-        A.export(_spec("tiny-dense", 2, "cpu"), out_dir=tmp_path / "out")
+        A.export(spec, out_dir=tmp_path / "out")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("cpu: --devices 2 cannot be exported")
-    assert "discharge interpreter (interpret=True)" in msg and "export for a TPU target" in msg
-    assert not (tmp_path / "out").exists()
+    assert "\n" not in msg and msg.startswith("cpu --devices 2: exported as XLA's SPMD decode step")
+    assert "a 1-byte KV cache (--kv-dtype)" in msg
     args = ["--model", "tiny-dense", "--target", "cpu", "--devices", "4", "--context", str(CONTEXT)]
-    for cmd in (["export", *args, "--out", str(tmp_path / "out")], ["cache-key", *args]):
-        r = CliRunner().invoke(main, cmd)
-        assert "cpu: --devices 4 cannot be exported" in _one_line(r) and r.stdout == ""
+    for more in (["--kv-dtype", "int8"], ["--quant", "int8"]):
+        for cmd in (["export", *args, *more, "--out", str(tmp_path / "out")], ["cache-key", *args, *more]):
+            r = CliRunner().invoke(main, cmd)
+            assert "cpu --devices 4: exported as XLA's SPMD decode step" in _one_line(r) and r.stdout == ""
     assert not (tmp_path / "out").exists()
+    why = checks.unexportable(get_target("cpu"), 2, draft=True)
+    assert why.startswith("cpu: --draft with --devices 2 cannot be exported") and "\n" not in why
 
 
 def test_a_forged_cpu_mesh_manifest_is_refused(exported, tmp_path):
@@ -310,16 +321,18 @@ def test_a_forged_cpu_mesh_manifest_is_refused(exported, tmp_path):
                        kernel_mode=checks.KERNEL_MODE[True])
     (d / A.MANIFEST).write_text(tomli_w.dumps(m))
     d = d.rename(d.parent / key)
-    with pytest.raises(ArtifactError, match="not a loadable artifact: cpu: --devices 4 cannot be exported") as e:
+    with pytest.raises(ArtifactError, match="not a loadable artifact: its key inputs name the program 'megakernel', "
+                                            "a cpu build over 4 device.s. holds 'xla-spmd'") as e:
         A.load(d)
     assert "\n" not in str(e.value)
 
 
 def test_the_discharge_interpreter_still_lacks_the_collectives():
-    """The reason the cpu refusal gives, checked on this JAX: tpumk's in-kernel all-reduce (its
-    barrier and remote copies) under the discharge interpreter on 2 host devices fails. If this
-    starts to pass, lift the refusal (tpumk.export.checks.unexportable) and the portable check in
-    tpumk.kernel.megakernel.make_decode_step, and export cpu N-device artifacts."""
+    """Why a cpu N-device artifact holds XLA's SPMD step, checked on this JAX: tpumk's in-kernel
+    all-reduce (its barrier and remote copies) under the discharge interpreter on 2 host devices
+    fails. If this starts to pass, the megakernel itself could be exported for the cpu target
+    over N devices (tpumk.compile.keys.program_kind, the portable check in
+    tpumk.kernel.megakernel.make_decode_step)."""
     r = _run("discharge", 2)
     assert r["tpu_interpreter"] == {"failed": False}, r  # the kernel itself is fine
     assert r["discharge"]["failed"], r

@@ -20,7 +20,8 @@ from click.testing import CliRunner
 
 from tpumk.cli import main
 from tpumk.decode.bench import serving_refusal
-from tpumk.decode.xla_step import compile_program, make_xla_step, paged_to_head_major, xla_decode_step, xla_step_specs
+from tpumk.decode.xla_compile import compile_program
+from tpumk.model.xla_step import make_xla_step, paged_to_head_major, xla_decode_step, xla_step_specs
 from tpumk.errors import PlanError
 from tpumk.model import reference as ref
 from tpumk.model.config import load_preset, resolve_model

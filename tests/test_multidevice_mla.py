@@ -116,8 +116,9 @@ def _worker(case: str) -> dict:
         })
     # The XLA SPMD baseline (tpumk bench --devices N) on the same host devices: its head-parallel
     # sharding of the same weights gives the reference's step.
-    from tpumk.decode.xla_step import paged_to_head_major, xla_decode_step
-    from tpumk.decode.xla_spmd import spmd_mesh, xla_spmd_out_shardings, xla_spmd_specs
+    from tpumk.model.xla_step import paged_to_head_major, xla_decode_step
+    from tpumk.decode.xla_spmd import spmd_mesh
+    from tpumk.model.xla_spmd import xla_spmd_out_shardings, xla_spmd_specs
 
     mesh = spmd_mesh(spec.target, n)
     specs = xla_spmd_specs(cfg, b, CONTEXT, q, mesh, expert_parallel=False)
@@ -381,7 +382,7 @@ def test_xla_step_matches_the_reference_on_one_device():
     against the reference, q_len 2, from a prefilled cache (DeepSeek-V3 routing with the bias)."""
     import jax.numpy as jnp
 
-    from tpumk.decode.xla_step import make_xla_step, paged_to_head_major
+    from tpumk.model.xla_step import make_xla_step, paged_to_head_major
     from tpumk.model import reference as R
     from tpumk.model.weights import random_params
 
@@ -403,7 +404,8 @@ def test_xla_step_matches_the_reference_on_one_device():
 def test_xla_spmd_program_splits_heads_and_replicates_the_latent():
     """Deviceless for 4 TPU7x devices: one device's program holds its heads' q_b / wkv_b columns
     and o rows, the whole q_a / kv_a and latent cache, and XLA's all-reduces."""
-    from tpumk.decode.xla_spmd import compile_xla_spmd, entry_parameter_shapes, spmd_layout
+    from tpumk.decode.xla_spmd import compile_xla_spmd, entry_parameter_shapes
+    from tpumk.model.xla_spmd import spmd_layout
     from tpumk.targets import get_target
 
     cfg = _config(dict(MLA, dtype="bfloat16", num_q_heads=8, num_kv_heads=8))

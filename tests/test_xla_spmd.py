@@ -1,5 +1,5 @@
-"""XLA's SPMD decode step (tpumk.decode.xla_spmd): the sharding, deviceless compiles for TPU7x
-with 4 and 8 devices (about a second each, shared by the tests through a cache), the
+"""XLA's SPMD decode step (tpumk.model.xla_spmd, compiled by tpumk.decode.xla_spmd): the
+sharding, deviceless compiles for TPU7x with 4 and 8 devices (about a second each, shared by the tests through a cache), the
 collectives XLA inserts, per-device shapes, and the timeline model of the result."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 import pytest
 
 from tpumk.decode import xla_spmd as xs
-from tpumk.decode.xla_step import xla_step_specs
+from tpumk.model import xla_spmd as xl
+from tpumk.model.xla_step import xla_step_specs
 from tpumk.errors import ConfigError
 from tpumk.estimate.timeline import xla_step
 from tpumk.model.config import load_preset
@@ -24,9 +25,9 @@ def _program(preset: str, devices: int, expert_parallel: bool = False) -> xs.Spm
     return xs.compile_xla_spmd(load_preset(preset), 1, 4096, 1, TPU7X, devices, expert_parallel)
 
 
-def _ways(spec, layout: xs.SpmdLayout) -> list[int]:
+def _ways(spec, layout: xl.SpmdLayout) -> list[int]:
     """How many ways each dimension of a tensor is split under `spec`."""
-    size = {xs.AXIS: layout.kv_split, xs.REP_AXIS: layout.replicas}
+    size = {xl.AXIS: layout.kv_split, xl.REP_AXIS: layout.replicas}
     out = []
     for entry in tuple(spec):
         names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
@@ -36,36 +37,36 @@ def _ways(spec, layout: xs.SpmdLayout) -> list[int]:
 
 # ---------------------------------------------------------------------- the sharding (no compile)
 def test_megatron_layout_when_heads_divide():
-    layout = xs.spmd_layout(load_preset("qwen3-32b"), 8)  # 64 q / 8 kv heads
+    layout = xl.spmd_layout(load_preset("qwen3-32b"), 8)  # 64 q / 8 kv heads
     lay = layout.params["layers"][0]
     assert (layout.kv_split, layout.replicas, layout.axes) == (8, 1, ("tp",))
-    assert lay["wq"] == lay["wk"] == lay["wv"] == lay["w_gate"] == lay["w_up"] == xs.P(None, "tp")
-    assert lay["wo"] == lay["w_down"] == xs.P("tp", None)
-    assert lay["attn_norm"] == layout.params["embed"] == xs.P()
-    assert layout.params["lm_head"] == xs.P(None, "tp") and layout.cache == xs.P(None, None, "tp", None, None)
+    assert lay["wq"] == lay["wk"] == lay["wv"] == lay["w_gate"] == lay["w_up"] == xl.P(None, "tp")
+    assert lay["wo"] == lay["w_down"] == xl.P("tp", None)
+    assert lay["attn_norm"] == layout.params["embed"] == xl.P()
+    assert layout.params["lm_head"] == xl.P(None, "tp") and layout.cache == xl.P(None, None, "tp", None, None)
     assert not layout.notes
 
 
 def test_more_devices_than_kv_heads_split_kv_as_far_as_heads_allow():
-    layout = xs.spmd_layout(load_preset("qwen3-32b"), 32)
+    layout = xl.spmd_layout(load_preset("qwen3-32b"), 32)
     lay = layout.params["layers"][0]
     assert (layout.kv_split, layout.replicas) == (8, 4)
-    assert lay["wk"] == xs.P(None, "tp") and layout.cache == xs.P(None, None, "tp", None, None)
-    assert lay["wq"] == xs.P(None, ("tp", "tp_rep"))  # 64 query heads still split 32 ways
+    assert lay["wk"] == xl.P(None, "tp") and layout.cache == xl.P(None, None, "tp", None, None)
+    assert lay["wq"] == xl.P(None, ("tp", "tp_rep"))  # 64 query heads still split 32 ways
     assert any("num_kv_heads = 8" in n and "replicated 4 ways" in n for n in layout.notes)
-    tiny = xs.spmd_layout(load_preset("tiny-dense"), 8)  # 4 q / 2 kv heads
-    assert tiny.params["layers"][0]["wq"] == xs.P(None, "tp") and tiny.params["layers"][0]["wo"] == xs.P("tp", None)
+    tiny = xl.spmd_layout(load_preset("tiny-dense"), 8)  # 4 q / 2 kv heads
+    assert tiny.params["layers"][0]["wq"] == xl.P(None, "tp") and tiny.params["layers"][0]["wo"] == xl.P("tp", None)
     assert any(n.startswith("num_q_heads = 4") for n in tiny.notes)
 
 
 def test_expert_tensor_and_expert_parallel():
     cfg = load_preset("tiny-moe")  # 8 experts, expert FFN 256; layer 0 dense
-    etp = xs.spmd_layout(cfg, 4).params["layers"][1]
-    assert etp["e_gate"] == etp["e_up"] == xs.P(None, None, ("tp", "tp_rep")) and etp["router"] == xs.P()
-    assert etp["e_down"] == xs.P(None, ("tp", "tp_rep"), None)
-    ep = xs.spmd_layout(cfg, 8, expert_parallel=True).params["layers"][1]
-    assert ep["e_gate"] == ep["e_up"] == ep["e_down"] == xs.P(("tp", "tp_rep"), None, None)
-    assert "e_gate" not in xs.spmd_layout(cfg, 8).params["layers"][0]  # the dense layer
+    etp = xl.spmd_layout(cfg, 4).params["layers"][1]
+    assert etp["e_gate"] == etp["e_up"] == xl.P(None, None, ("tp", "tp_rep")) and etp["router"] == xl.P()
+    assert etp["e_down"] == xl.P(None, ("tp", "tp_rep"), None)
+    ep = xl.spmd_layout(cfg, 8, expert_parallel=True).params["layers"][1]
+    assert ep["e_gate"] == ep["e_up"] == ep["e_down"] == xl.P(("tp", "tp_rep"), None, None)
+    assert "e_gate" not in xl.spmd_layout(cfg, 8).params["layers"][0]  # the dense layer
 
 
 @pytest.mark.parametrize("preset, devices, ep, match", [
@@ -75,7 +76,7 @@ def test_expert_tensor_and_expert_parallel():
 ])
 def test_bad_input_is_one_line_naming_the_field(preset, devices, ep, match):
     with pytest.raises(ConfigError, match=match):
-        xs.spmd_layout(load_preset(preset), devices, ep)
+        xl.spmd_layout(load_preset(preset), devices, ep)
 
 
 def test_specs_carry_their_shardings_and_the_mesh_must_be_1d():
@@ -84,14 +85,14 @@ def test_specs_carry_their_shardings_and_the_mesh_must_be_1d():
 
     cfg = load_preset("tiny-dense")
     mesh = xs.spmd_mesh(TPU7X, 4)
-    specs = xs.xla_spmd_specs(cfg, 1, 256, 1, mesh)
+    specs = xl.xla_spmd_specs(cfg, 1, 256, 1, mesh)
     plain = xla_step_specs(cfg, 1, 256, 1)
     assert specs[0]["layers"][0]["wq"].shape == plain[0]["layers"][0]["wq"].shape  # global shapes
     sh = specs[0]["layers"][0]["wq"].sharding
     assert sh.shard_shape(plain[0]["layers"][0]["wq"].shape) == (256, 128)
     assert list(sh.mesh.devices.flat) == list(mesh.devices.flat)  # same devices, same order
     with pytest.raises(ConfigError, match=r"^mesh: axis names"):
-        xs.xla_spmd_specs(cfg, 1, 256, 1, Mesh(np.array(mesh.devices).reshape(2, 2), ("a", "b")))
+        xl.xla_spmd_specs(cfg, 1, 256, 1, Mesh(np.array(mesh.devices).reshape(2, 2), ("a", "b")))
 
 
 # ---------------------------------------------------------------------- compiled, deviceless
@@ -200,10 +201,10 @@ def test_a_hybrid_on_2_devices_replicates_its_linear_layers_and_compiles():
     cfg = load_preset("tiny-dense").replace(
         name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1), linear_key_heads=2,
         linear_value_heads=4, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
-    layout = xs.spmd_layout(cfg, 2)
+    layout = xl.spmd_layout(cfg, 2)
     attn, lin = layout.params["layers"][2], layout.params["layers"][0]
-    assert attn["wq_gate"] == attn["wq"] == xs.P(None, "tp") and attn["wo"] == xs.P("tp", None)
-    assert all(spec == xs.P() for k, spec in lin.items() if k.startswith("lin_"))
+    assert attn["wq_gate"] == attn["wq"] == xl.P(None, "tp") and attn["wo"] == xl.P("tp", None)
+    assert all(spec == xl.P() for k, spec in lin.items() if k.startswith("lin_"))
     assert any(n.startswith("linear-attention layers (2, gated_delta): weights and the state pool replicated")
                for n in layout.notes)
     p = xs.compile_xla_spmd(cfg, 2, 256, 1, TPU7X, 2)

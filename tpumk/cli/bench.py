@@ -140,7 +140,7 @@ def print_bench_devices(r: dict) -> None:
         parts.append(f"experts {e['mode']} ({e['expert_parallel']} groups x {e['expert_tensor']}-way width)")
     echo(f"megakernel sharding: {'; '.join(parts)}; all-reduce {mk['all_reduce']['schedule']}")
     xs = r["xla_sharding"]
-    echo("XLA SPMD sharding: Megatron-style (tpumk.decode.xla_spmd)" + (f"; experts: {xs['why']}" if "experts" in s
+    echo("XLA SPMD sharding: Megatron-style (tpumk.model.xla_spmd)" + (f"; experts: {xs['why']}" if "experts" in s
                                                                                else ""))
     for note in xs["notes"] + r["notes"]:
         echo(f"note: {note}")

@@ -35,6 +35,8 @@ def export(spec, draft_params, out_dir, as_json):
     echo(f"  signed:  key id {signed.get('key_id')}" if signed.get("signed") else
                "  signed:  no (no signing key configured: set TPUMK_SIGNING_KEY to sign)")
     echo(f"  kernel: {r.manifest['target'].get('kernel_mode', 'n/a')}")
+    if "program" in r.manifest:
+        echo(f"  program: {_program_line(r.manifest['program'])}")
     if "draft" in r.manifest:
         echo(f"  round program: {_draft_line(r.manifest['draft'])}")
     for name, entry in r.manifest["files"].items():
@@ -136,6 +138,13 @@ def _draft_line(d) -> str:
         return "? (the [draft] table is malformed)"
 
 
+def _program_line(program) -> str:
+    """The manifest's [program] (absent: the megakernel) in one line."""
+    if not isinstance(program, dict) or program.get("kind") == "megakernel":
+        return "megakernel (the Pallas decode step)" if not isinstance(program, dict) or len(program) == 1 else "?"
+    return f"{program.get('kind')}: {program.get('step')}, sharded by {program.get('sharding')} ({program.get('why')})"
+
+
 def _devices_line(mesh: dict, kind=None) -> str:
     """The manifest's [mesh] in one line (an unverified manifest's may hold anything)."""
     n = mesh.get("devices")
@@ -143,6 +152,8 @@ def _devices_line(mesh: dict, kind=None) -> str:
         return "1 (no mesh)"
     if not isinstance(n, int):
         return "? (no [mesh] table)"
+    if "device_ids" not in mesh and "axis" in mesh:  # a portable program (XLA's SPMD step): any n devices
+        return f"{n}{f' x {kind}' if kind else ''}, mesh {mesh.get('axis')}={mesh.get('axis_size')} (any {n} devices)"
     try:
         order = ", ".join(f"{i}@{tuple(c)}/{core}" for i, c, core in
                           zip(mesh["device_ids"], mesh["device_coords"], mesh["core_on_chip"]))
@@ -153,6 +164,8 @@ def _devices_line(mesh: dict, kind=None) -> str:
 
 
 def _sharding_line(sh: dict) -> str:
+    if sh and all(isinstance(v, str) for v in sh.values()):  # XLA's SPMD layout: a PartitionSpec per tensor role
+        return ", ".join(f"{k} {v}" for k, v in sh.items())
     parts = []
     a = sh.get("attention")
     if isinstance(a, dict) and "heads_per_device" in a:  # MLA
@@ -224,6 +237,7 @@ def _print_inspect(info: dict) -> None:
          f"{t.get('name')} ({t.get('device_kind')})   batch {sh['batch']}  context {sh['context']}  q_len "
          f"{sh['q_len']}  page {sh['page_size']}")
     echo(f"  kernel    {t.get('kernel_mode', 'n/a')}")
+    echo(f"  program   {_program_line(info.get('program'))}")
     if isinstance(info.get("draft"), dict):
         echo(f"  rounds    {_draft_line(info['draft'])} (tpumk.load_rounds)")
     echo(f"  devices   {_devices_line(info.get('mesh') or {}, t.get('device_kind'))}")
@@ -233,7 +247,9 @@ def _print_inspect(info: dict) -> None:
     default = TuningConfig().to_dict()
     changed = {k: v for k, v in info.get("tuning", {}).items() if default.get(k) != v}
     echo(f"  tuning    {changed or 'defaults'}")
-    if rep:
+    if rep.get("program") == "xla-spmd":
+        echo("  build     " + "; ".join(map(str, rep.get("notes") or [])))
+    elif rep:
         est = rep.get("estimated_seconds")
         try:  # an unverified manifest's report may hold anything
             line = (f"  build     compile {rep.get('compile_seconds', 0):.2f} s (measured), VMEM "

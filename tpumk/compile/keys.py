@@ -274,10 +274,23 @@ def jax_options() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the key
+XLA_SPMD = "xla-spmd"  # the program kind of a cpu artifact over several devices (program_kind)
+
+
+def program_kind(spec: BuildSpec) -> str:
+    """What an artifact of `spec` holds: "megakernel" (the Pallas step), or for a `cpu` build over
+    several devices "xla-spmd", the same build's XLA decode step sharded over the devices
+    (tpumk.model.xla_spmd): the megakernel's in-kernel collectives run only in Pallas' TPU
+    interpreter, whose host callbacks neither serialize nor run across processes."""
+    return XLA_SPMD if spec.target.interpret and spec.devices > 1 and spec.draft is None else "megakernel"
+
+
 def key_inputs(spec: BuildSpec) -> dict[str, Any]:
     """Everything the key covers, as plain data (also stored in artifact manifests); a build
-    without a drafter has no "draft" entry: its inputs are the ones it always had."""
+    without a drafter has no "draft" entry, and a megakernel artifact no "program" entry: their
+    inputs are the ones they always had."""
     target = spec.target
+    kind = program_kind(spec)
     return {
         "schema": KEY_SCHEMA,
         "model": spec.model.to_dict(),
@@ -292,6 +305,7 @@ def key_inputs(spec: BuildSpec) -> dict[str, Any]:
         # a speculative round program: the drafter (kind, shapes, taps, block), its weights'
         # content hash or random seed, rounds per call and temperature (tpumk.draft.rounds.RoundSpec)
         **({"draft": spec.draft.to_dict()} if spec.draft is not None else {}),
+        **({"program": kind} if kind != "megakernel" else {}),
     }
 
 

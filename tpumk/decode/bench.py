@@ -14,7 +14,7 @@ attached) and compared on figures that mean the same thing for both:
   labelled as a model. The compiler's static profile is never used for this ratio: it is not
   comparable between a Pallas kernel and an XLA program (TPU_FACTS section 3).
 
-The XLA step is `tpumk.decode.xla_step.xla_decode_step`: the reference decode step laid out as
+The XLA step is `tpumk.model.xla_step.xla_decode_step`: the reference decode step laid out as
 a serving stack would lay it out for XLA (that module says how).
 The serving-stack column (XLA + jax's ragged paged attention) exists for GQA models only: for
 MLA it is refused with one line (`serving_refusal`), since jax ships no paged attention over a
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from tpumk.model import reference as ref
-from tpumk.decode.xla_step import (CompiledProgram, compile_program, xla_cache_shapes, xla_donated, xla_state_args,
-                                   xla_step_fn, xla_step_specs)
+from tpumk.decode.xla_compile import CompiledProgram, compile_program
+from tpumk.model.xla_step import xla_cache_shapes, xla_donated, xla_state_args, xla_step_fn, xla_step_specs
 from tpumk.model.config import ModelConfig
 from tpumk.plan.spec import BuildSpec
 from tpumk.targets import Target
@@ -413,7 +413,7 @@ class SpmdCompiles(Compiles):
 
 
 def xla_expert_parallel(plan) -> tuple[bool, str]:
-    """The MoE split of the XLA SPMD baseline for `plan` (tpumk.decode.xla_spmd knows two:
+    """The MoE split of the XLA SPMD baseline for `plan` (tpumk.model.xla_spmd knows two:
     expert-tensor and expert parallel), and why: the plan's own when it is one of the two."""
     s, n = plan.sharding, plan.devices
     if not plan.whole_model.is_moe:
@@ -573,7 +573,7 @@ def compare_devices(plan, compiles: SpmdCompiles) -> dict[str, Any]:
         "sharding": plan.sharding.summary(cfg),
         "xla_sharding": {"expert_parallel": compiles.xla_expert_parallel, "why": compiles.xla_expert_parallel_reason,
                          "notes": list(compiles.xla_layout_notes),
-                         "source": "tpumk.decode.xla_spmd.spmd_layout (Megatron-style; XLA's SPMD partitioner "
+                         "source": "tpumk.model.xla_spmd.spmd_layout (Megatron-style; XLA's SPMD partitioner "
                                    "inserts the collectives)"},
         "layouts": {"megakernel": (f"paged latent cache ({plan.page_size}-token pages, replicated on every device)"
                                    if cfg.is_mla else

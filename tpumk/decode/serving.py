@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpumk.decode.xla_step import _moe_gathered
+from tpumk.model.xla_step import _moe_gathered
 from tpumk.model import reference as ref
 from tpumk.errors import NotSupportedError
 from tpumk.model.config import ModelConfig
@@ -137,7 +137,7 @@ def identity_page_indices(batch: int, context: int, page_size: int) -> np.ndarra
 def serving_step_specs(cfg: ModelConfig, batch: int, context: int, page_size: int, q_len: int = 1,
                        quant: str = "none") -> tuple:
     """ShapeDtypeStructs of (params, tokens, positions, kv_caches, page_indices, lengths)."""
-    from tpumk.decode.xla_step import xla_step_specs
+    from tpumk.model.xla_step import xla_step_specs
 
     params, tok, pos, _, _, lengths = xla_step_specs(cfg, batch, 16, q_len, quant)  # caches replaced below
     dt = ref.jnp_dtype(cfg)
@@ -162,7 +162,7 @@ def compile_serving_step(cfg: ModelConfig, target: Target, batch: int, context: 
     Lowered with the target's device as JAX's default device: some of the kernel's lowering
     rules (the sign of a floor division) ask the default device for its TPU generation, which
     is the CPU in a deviceless process (TPU_FACTS 2)."""
-    from tpumk.decode.xla_step import compile_program
+    from tpumk.decode.xla_compile import compile_program
 
     blocks = rpa_block_sizes(target, cfg, batch, q_len, context, page_size)
     specs = serving_step_specs(cfg, batch, context, page_size, q_len, quant)

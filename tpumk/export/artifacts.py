@@ -24,7 +24,8 @@ from the manifest's plan and checks them against the structures recorded at expo
 `cpu`-target artifacts hold real programs too: their kernel runs in Pallas' discharge
 interpreter (`interpret=True`: the same kernel lowered to ordinary XLA ops, no host callbacks),
 so the portable export runs on any machine's CPU. That interpreter has none of the in-kernel
-collectives, so a `cpu` artifact spans one device (`checks.unexportable` says why).
+collectives, so a `cpu` build over several devices ships the same build's XLA SPMD step instead
+(`tpumk.compile.keys.program_kind`, `_export_xla_spmd`, `XlaSpmdStep`: docs/artifacts.md).
 
 Many devices (`spec.devices` > 1, TPU targets): both files hold the ONE SPMD program over the
 plan's 1-D mesh (`tpumk.kernel.megakernel.step_mesh`), compiled deviceless for the topology
@@ -65,7 +66,7 @@ from typing import Any
 
 import tomli_w
 
-from tpumk.compile.keys import cache_key, canonical, key_inputs, stack_versions
+from tpumk.compile.keys import XLA_SPMD, cache_key, canonical, key_inputs, program_kind, stack_versions
 from tpumk.errors import ConfigError, ArtifactError, ArtifactPathError, SignatureError, TpumkError
 from tpumk.files import name_problem, shown
 from tpumk.tomlfile import parse_toml
@@ -101,6 +102,7 @@ def _register_pytrees() -> None:
     from tpumk.model.kv_quant import PagedLayout
     from tpumk.model.linear_attention import LinearStates
     from tpumk.model.reference import KVCache, QuantizedKVCache
+    from tpumk.model.xla_step import XlaCache
 
     def layout_bytes(aux) -> bytes:  # a quantized cache's static part: its page layout
         return json.dumps(dataclasses.asdict(aux[0]), sort_keys=True).encode()
@@ -113,6 +115,7 @@ def _register_pytrees() -> None:
         jexport.register_namedtuple_serialization(LinearStates,
                                                   serialized_name="tpumk.model.linear_attention.LinearStates")
         jexport.register_namedtuple_serialization(Carry, serialized_name="tpumk.draft.rounds.Carry")
+        jexport.register_namedtuple_serialization(XlaCache, serialized_name="tpumk.model.xla_step.XlaCache")
         jexport.register_pytree_node_serialization(QuantizedKVCache, serialized_name="tpumk.model.reference.QuantizedKVCache",
                                                    serialize_auxdata=layout_bytes, deserialize_auxdata=layout_of)
     except ValueError:  # already registered (module reloaded)
@@ -188,7 +191,9 @@ def check_exportable(spec: BuildSpec):
     many devices (tpumk.export.checks.unexportable). Plan arithmetic only, no compile."""
     from tpumk.build import plan_of
 
-    why = checks.unexportable(spec.target, spec.devices)
+    why = checks.unexportable(spec.target, spec.devices, spec.draft is not None)
+    if not why and program_kind(spec) == XLA_SPMD:
+        why = checks.xla_spmd_refusal(spec)
     if why:
         raise ArtifactError(why)
     return plan_of(spec)
@@ -220,6 +225,12 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     t0 = time.perf_counter()
     cfg, target, tuning = spec.model, spec.target, spec.tuning
     paths.check_names(cfg.name, target.name)  # the directory names first: no plan for a path export refuses
+    if program_kind(spec) == XLA_SPMD:  # its refusals, then its host CPU devices, before JAX's backends start
+        from tpumk.targets import ensure_host_devices
+
+        if why := checks.xla_spmd_refusal(spec):
+            raise ArtifactError(why)
+        ensure_host_devices(spec.devices)
     plan = check_exportable(spec)  # refused as `tpumk build` refuses it, before the key and any cache hit
     drafter_blob = _drafter_payload(spec.draft, draft_params)
     sign_key = signing.configured_key()  # a misconfigured key fails before compiling
@@ -231,6 +242,8 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         return ExportResult(final, key, True, time.perf_counter() - t0, manifest)
     _refuse_foreign(final)
     paths.check_out_dir(out_dir, final.parent)
+    if "program" in inputs:  # a cpu build over several devices: the same build's XLA SPMD step
+        return _export_xla_spmd(spec, inputs, key, out_dir, final, sign_key, say, t0)
 
     import jax
     from jax import export as jexport
@@ -288,6 +301,41 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     report = make_report(plan, compiled, est, draft=draft)
     out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)  # (logits, KVCache) or the Carry, of avals
 
+    blobs = {EXECUTABLE: blob, EXPORTED: bytes(exported.serialize())}
+    if drafter_blob is not None:
+        blobs[DRAFTER] = drafter_blob
+    manifest = {
+        "format": FORMAT,
+        "key": key,
+        "created_unix": int(time.time()),
+        "model": {k: v for k, v in cfg.to_dict().items()},
+        "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
+                   "device_kind": compiled.device_kind, "interpret": target.interpret,
+                   "export_platform": platform, "kernel_mode": checks.KERNEL_MODE[target.interpret]},
+        "shapes": spec.shapes(),
+        "mesh": checks.mesh_record(plan, compiled_devices),
+        **({"draft": checks.without_none(draft.to_dict())} if draft is not None else {}),
+        "tuning": spec.tuning.to_dict(),
+        "versions": stack_versions(),
+        "loads": checks.loads_of(stack_versions()),
+        "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
+        "report": {k: v for k, v in report.to_dict().items() if k != "plan"},
+        "report_json": json.dumps(report.to_dict(), sort_keys=True, default=str),
+        "timings": {"export_seconds": export_seconds},
+        "signature": {"inputs_json": json.dumps(checks.tree_signature(specs)),
+                      "outputs_json": json.dumps(checks.tree_signature(out_specs)),
+                      "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
+                      "exported_in_avals": [str(a) for a in exported.in_avals],
+                      "exported_out_avals": [str(a) for a in exported.out_avals]},
+        "signing": signing.signing_record(sign_key),
+    }
+    return _write_artifact(out_dir, final, key, manifest, blobs, sign_key, t0)
+
+
+def _write_artifact(out_dir, final: Path, key: str, manifest: dict[str, Any], blobs: dict[str, bytes], sign_key,
+                    t0: float) -> ExportResult:
+    """Write `blobs` and the manifest (`manifest` plus the files' sha256 and sizes; signed when
+    `sign_key`) into a temporary directory beside `final`, then rename it into place."""
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -297,39 +345,10 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
     except OSError as e:
         raise ArtifactPathError(f"{parent}: cannot create the artifact's directory: {paths.os_reason(e)}") from None
     try:
-        (tmp / EXECUTABLE).write_bytes(blob)
-        (tmp / EXPORTED).write_bytes(bytes(exported.serialize()))
-        files = list(PAYLOAD)
-        if drafter_blob is not None:
-            (tmp / DRAFTER).write_bytes(drafter_blob)
-            files.append(DRAFTER)
-        manifest = {
-            "format": FORMAT,
-            "key": key,
-            "created_unix": int(time.time()),
-            "model": {k: v for k, v in cfg.to_dict().items()},
-            "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
-                       "device_kind": compiled.device_kind, "interpret": target.interpret,
-                       "export_platform": platform, "kernel_mode": checks.KERNEL_MODE[target.interpret]},
-            "shapes": spec.shapes(),
-            "mesh": checks.mesh_record(plan, compiled_devices),
-            **({"draft": checks.without_none(draft.to_dict())} if draft is not None else {}),
-            "tuning": spec.tuning.to_dict(),
-            "versions": stack_versions(),
-            "loads": checks.loads_of(stack_versions()),
-            "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
-            "report": {k: v for k, v in report.to_dict().items() if k != "plan"},
-            "report_json": json.dumps(report.to_dict(), sort_keys=True, default=str),
-            "timings": {"export_seconds": export_seconds},
-            "signature": {"inputs_json": json.dumps(checks.tree_signature(specs)),
-                          "outputs_json": json.dumps(checks.tree_signature(out_specs)),
-                          "executable_in_tree": str(in_tree), "executable_out_tree": str(out_tree),
-                          "exported_in_avals": [str(a) for a in exported.in_avals],
-                          "exported_out_avals": [str(a) for a in exported.out_avals]},
-            "signing": signing.signing_record(sign_key),
-            "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-                      for name in files},
-        }
+        for name, data in blobs.items():
+            (tmp / name).write_bytes(data)
+        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in blobs}
+        manifest = {**manifest, "files": files}
         text = to_toml(manifest).encode()
         (tmp / MANIFEST).write_bytes(text)
         if sign_key is not None:
@@ -353,6 +372,59 @@ def export(spec: BuildSpec, out_dir: str | Path = "artifacts", estimate: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(final, key, False, time.perf_counter() - t0, read_manifest(final))
+
+
+def _export_xla_spmd(spec: BuildSpec, inputs: dict[str, Any], key: str, out_dir, final: Path, sign_key, say,
+                     t0: float) -> ExportResult:
+    """A cpu build over N devices as an artifact of the same build's XLA SPMD step
+    (`tpumk.model.xla_step.xla_cache_step`, its weights and cache sharded by
+    `tpumk.model.xla_spmd.xla_cache_shardings`): the jax.export program only. A serialized
+    executable would name the device ids it was compiled for, which differ between one process
+    of N host devices and N devices over several processes; the portable program runs on any N."""
+    import jax
+    import numpy as np
+    from jax import export as jexport
+    from jax.sharding import Mesh
+
+    from tpumk.model.xla_spmd import AXIS, xla_cache_shardings
+    from tpumk.model.xla_step import xla_cache_step
+    from tpumk.targets import mesh_devices
+
+    _register_pytrees()
+    cfg, n = spec.model, spec.devices
+    mesh = Mesh(np.asarray(mesh_devices(spec.target, n)), (AXIS,))
+    specs, out_shardings = xla_cache_shardings(cfg, spec.batch, spec.context, spec.q_len, mesh)
+    say(f"jax.export of XLA's SPMD decode step over {n} {spec.target.name} devices (portable program)")
+    t1 = time.perf_counter()
+    exported = jexport.export(jax.jit(xla_cache_step(cfg), out_shardings=out_shardings), platforms=["cpu"])(*specs)
+    export_seconds = time.perf_counter() - t1
+    say("report and files (write to a temporary directory, then rename)")
+    report = checks.xla_spmd_report(spec)
+    out_specs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    target = spec.target
+    manifest = {
+        "format": FORMAT, "key": key, "created_unix": int(time.time()),
+        "model": cfg.to_dict(),
+        "target": {"name": target.name, "chip": target.chip, "topology": target.topology or "",
+                   "device_kind": "cpu", "interpret": target.interpret, "export_platform": "cpu",
+                   "kernel_mode": checks.XLA_SPMD_MODE},
+        "program": checks.program_record(inputs),
+        "shapes": spec.shapes(),
+        "mesh": checks.xla_spmd_mesh_record(spec),
+        "tuning": spec.tuning.to_dict(),
+        "versions": stack_versions(),
+        "loads": checks.loads_of(stack_versions()),
+        "cache_key": {"key": key, "inputs_json": canonical(inputs).decode()},
+        "report": report,
+        "report_json": json.dumps(report, sort_keys=True),
+        "timings": {"export_seconds": export_seconds},
+        "signature": {"inputs_json": json.dumps(checks.tree_signature(checks.xla_spmd_program_specs(spec))),
+                      "outputs_json": json.dumps(checks.tree_signature(out_specs)),
+                      "exported_in_avals": [str(a) for a in exported.in_avals],
+                      "exported_out_avals": [str(a) for a in exported.out_avals]},
+        "signing": signing.signing_record(sign_key),
+    }
+    return _write_artifact(out_dir, final, key, manifest, {EXPORTED: bytes(exported.serialize())}, sign_key, t0)
 
 
 def _drafter_payload(draft, params) -> bytes | None:
@@ -457,6 +529,8 @@ def _verify(path: Path, check_versions: bool = True) -> tuple[dict[str, Any], di
 def _payload_of(inputs: dict[str, Any]) -> tuple[str, ...]:
     """The files an artifact of these key inputs holds: the two programs, and a round artifact's
     drafter weights when they were read from files (a random drafter's seed remakes them)."""
+    if "program" in inputs:  # XLA's SPMD step: the portable program only (_export_xla_spmd)
+        return (EXPORTED,)
     weights = (inputs.get("draft") or {}).get("weights") or {}
     return PAYLOAD + ((DRAFTER,) if "sha256" in weights else ())
 
@@ -887,17 +961,142 @@ class RoundProgram(DecodeStep):
         return f"RoundProgram({self.path}, {self.kind}, {self.draft.label()}{on})"
 
 
-def _place(tree, shardings):
+class XlaSpmdStep(DecodeStep):
+    """A loaded `cpu` artifact over N devices (tpumk.compile.keys.program_kind "xla-spmd"): the
+    build's XLA decode step (`tpumk.model.xla_step.xla_cache_step`), weights and cache sharded
+    over a 1-D mesh "tp" of `devices` as `tpumk.model.xla_spmd.spmd_layout` splits them, XLA's
+    SPMD partitioner inserting the collectives. Not the megakernel: its in-kernel collectives
+    run only in Pallas' TPU interpreter, which neither serializes nor runs across processes.
+
+    step(packed, tokens [B, q], positions [B, q], cache) -> (logits [B, q, vocab] f32, cache),
+    as a DecodeStep; the cache is an `XlaCache` (k, v [L, B, kv_heads, context, head_dim],
+    lengths [B]) from `init_cache()`, contiguous per sequence, not paged. `pack(params)` places
+    the reference-layout weights as they are (no kernel layout), each process filling only the
+    shards it addresses. The step checks its positions on the host: consecutive per sequence,
+    from at most the sequence's length, below the context (the XLA step does not implement the
+    kernel's treatment of positions outside the cache)."""
+
+    @property
+    def mesh(self):
+        import numpy as np
+        from jax.sharding import Mesh
+
+        from tpumk.model.xla_spmd import AXIS
+
+        return Mesh(np.asarray(self.devices), (AXIS,))
+
+    @property
+    def shardings(self):
+        """NamedShardings of (packed, tokens, positions, XlaCache) on the step's devices (the
+        mesh factored as `tpumk.model.xla_spmd.SpmdLayout.mesh` where the KV heads split fewer
+        ways than the devices)."""
+        if self._shardings is None:
+            import jax
+
+            from tpumk.model.xla_spmd import xla_cache_shardings
+
+            cfg, sh = self.config, self.manifest["shapes"]
+            self._specs = xla_cache_shardings(cfg, sh["batch"], sh["context"], sh["q_len"], self.mesh)[0]
+            self._shardings = jax.tree.map(lambda a: a.sharding, self._specs)
+        return self._shardings
+
+    def pack(self, params: dict):
+        """Reference-layout float weights, as `tpumk.model.weights.random_params` or a checkpoint
+        gives them, placed in the step's shardings (every process passes the whole model's)."""
+        import jax
+        import numpy as np
+
+        from tpumk.model.quantize import scheme_of
+
+        if scheme_of(params) != "none":
+            raise ArtifactError(f"artifact {self.key[:12]}: XLA's SPMD step takes float weights, got "
+                                f"{scheme_of(params)} ones")
+        shardings = self.shardings
+        want = self._specs[0]
+        if jax.tree.structure(params) != jax.tree.structure(want):
+            raise ArtifactError(f"artifact {self.key[:12]}: weights of another structure than model "
+                                f"'{self.config.name}' (tpumk.model.weights.random_params(step.config) has its)")
+        for (where, a), s in zip(jax.tree.flatten_with_path(params)[0], jax.tree.leaves(want)):
+            if tuple(np.shape(a)) != tuple(s.shape):
+                raise ArtifactError(f"artifact {self.key[:12]}: weight {jax.tree_util.keystr(where)} has shape "
+                                    f"{list(np.shape(a))}, the model's is {list(s.shape)}")
+        host = jax.tree.map(lambda a, s: np.asarray(a).astype(s.dtype), params, want)
+        return _place(host, shardings[0])
+
+    def init_cache(self):
+        """An empty XlaCache (zeros, lengths 0) in the step's shardings."""
+        import jax
+        import numpy as np
+
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._cache_specs())
+        return _place(zeros, self.shardings[3])
+
+    def _cache_specs(self):
+        self.shardings  # noqa: B018 - makes self._specs
+        return self._specs[3]
+
+    def shard_cache(self, cache):
+        raise ArtifactError(f"artifact {self.key[:12]}: XLA's SPMD step keeps a contiguous cache (XlaCache), not the "
+                            "paged one: start from step.init_cache()")
+
+    def unshard_cache(self, cache):
+        return self.shard_cache(cache)
+
+    def __call__(self, packed, tokens, positions, cache, check: bool | None = None):
+        import numpy as np
+
+        b, t = np.shape(tokens)
+        if (b, t) != (self.batch, self.q_len):
+            raise ArtifactError(f"artifact {self.key[:12]}: takes tokens [{self.batch}, {self.q_len}], got [{b}, {t}]")
+        if self.check_inputs if check is None else check:
+            from tpumk.model.positions import check_tokens
+
+            check_tokens(_host(tokens), self.config.vocab_size, where=f"artifact {self.key[:12]}")
+            self._check_positions(_host(positions), _host(cache.lengths))
+        # (the cache a call returns is laid out as it came in, under the program's sharding objects)
+        return self._fn(*_place((packed, tokens, positions, cache), self.shardings, equivalent=True))
+
+    def _check_positions(self, positions, lengths) -> None:
+        """Per sequence: consecutive positions, the first at most its length, all below the
+        context (PositionError naming the sequence otherwise)."""
+        import numpy as np
+
+        from tpumk.errors import PositionError
+
+        context, where = self.manifest["shapes"]["context"], f"artifact {self.key[:12]}"
+        for i, (row, n) in enumerate(zip(np.asarray(positions), np.asarray(lengths))):
+            if np.any(np.diff(row) != 1) or row[0] < 0 or row[0] > n or row[-1] >= context:
+                raise PositionError(f"{where}: sequence {i}: positions {row.tolist()} with {int(n)} tokens cached: "
+                                    f"expected consecutive positions from at most {int(n)}, below the context "
+                                    f"{context}")
+
+    def __repr__(self) -> str:
+        return f"XlaSpmdStep({self.path}, {self.kind})"
+
+
+def _host(x):
+    """A step input on the host: a global array spanning other processes' devices is read from
+    this process's first shard (the step's tokens, positions and lengths are replicated)."""
+    import jax
+    import numpy as np
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
+def _place(tree, shardings, equivalent: bool = False):
     """Every leaf of `tree` as a global array of the matching sharding in `shardings`: one already
-    there is kept, a process-local jax array is resharded on device, anything else is sliced on
-    the host and each shard this process addresses put on its device (every process passes the
-    same value)."""
+    there is kept (`equivalent`: also one laid out the same way under another sharding object,
+    e.g. a jax.export program's results), a process-local jax array is resharded on device,
+    anything else is sliced on the host and each shard this process addresses put on its device
+    (every process passes the same value)."""
     import jax
     import numpy as np
 
     def one(x, s):
         if isinstance(x, jax.Array):
-            if x.sharding == s:
+            if x.sharding == s or (equivalent and x.sharding.is_equivalent_to(s, x.ndim)):
                 return x
             if x.is_fully_addressable and s.is_fully_addressable:  # one process: a device-side reshard
                 return jax.device_put(x, s)
@@ -967,6 +1166,8 @@ def load_rounds(path: str | Path, use: str = "auto", check_inputs: bool = True) 
 def _load_program(path: Path, m: dict[str, Any], plan, use: str, check_inputs: bool, cls):
     """The verified artifact's program as `cls` (DecodeStep or RoundProgram), from the payload
     `use` names."""
+    if "program" in m:  # verify checked its kind: XLA's SPMD step
+        return _load_xla_spmd(path, m, plan, use, check_inputs)
     target = get_target(m["target"]["name"])
     payload = "exported" if use == "exported" or (use == "auto" and target.interpret) else "executable"
     why = checks.why_not_loadable(path, m["versions"], stack_versions(), payload)
@@ -998,6 +1199,28 @@ def _load_program(path: Path, m: dict[str, Any], plan, use: str, check_inputs: b
     except Exception as e:
         raise ArtifactError(f"{path / EXECUTABLE}: cannot load on this host: {str(e).splitlines()[0]}") from None
     step = cls(path, m, compiled, f"executable ({on})", plan, devices)
+    step.check_inputs = check_inputs
+    return step
+
+
+def _load_xla_spmd(path: Path, m: dict[str, Any], plan, use: str, check_inputs: bool) -> "XlaSpmdStep":
+    """An XLA SPMD artifact's portable program on the first N devices of jax.devices("cpu")
+    (after jax.distributed.initialize(): every process's, in JAX's global order)."""
+    import jax
+
+    if use == "executable":
+        raise ArtifactError(f"{path}: holds XLA's SPMD step as a portable program only (a serialized executable "
+                            "names the device ids it was compiled for); load it with use='exported' or 'auto'")
+    why = checks.why_not_loadable(path, m["versions"], stack_versions(), "exported")
+    if why:
+        raise ArtifactError(why)
+    n, have = m["mesh"]["devices"], jax.devices("cpu")
+    if len(have) < n:
+        raise ArtifactError(f"{path}: XLA's SPMD step over {n} cpu devices, but this process sees {len(have)}; set "
+                            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting (several "
+                            "processes: jax.distributed.initialize() in each first)")
+    step = XlaSpmdStep(path, m, _deserialize_exported(path, m).call, f"exported (XLA SPMD step, cpu x {n})", plan,
+                       have[:n])
     step.check_inputs = check_inputs
     return step
 
@@ -1099,7 +1322,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
                        shapes=m["shapes"],
                        mesh=m.get("mesh", {}), tuning=m["tuning"], versions=m["versions"], files=m["files"],
                        report=m.get("report", {}), signature=m.get("signature", {}),
-                       signed=bool(m.get("signing", {}).get("signed")), **({"draft": m["draft"]} if "draft" in m else {}))
+                       signed=bool(m.get("signing", {}).get("signed")),
+                       **({"draft": m["draft"]} if "draft" in m else {}),
+                       program=m.get("program") or {"kind": "megakernel"})
 
     problem = None
     try:

@@ -22,10 +22,13 @@ from tpumk.compat import release
 from tpumk.errors import ArtifactError, TpumkError
 
 TOP_LEVEL = {"format", "key", "created_unix", "model", "target", "shapes", "tuning", "versions", "cache_key",
-             "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads", "draft"}
+             "report", "report_json", "timings", "signature", "files", "signing", "mesh", "loads", "draft",
+             "program"}
 TARGET_FIELDS = {"name", "chip", "topology", "device_kind", "interpret", "export_platform", "kernel_mode"}
 KERNEL_MODE = {True: "Pallas discharge interpreter (interpret=True), lowered to XLA CPU ops",
                False: "Mosaic TPU kernel (tpu_custom_call)"}
+# a cpu artifact over several devices (tpumk.compile.keys.program_kind): no Pallas kernel
+XLA_SPMD_MODE = "none: XLA's SPMD decode step (tpumk.model.xla_step), sharded by XLA's partitioner"
 # report figures the plan decides (the rest are measured at export: only a signature covers them)
 PLAN_REPORT = ("model", "target", "batch", "context", "q_len", "vmem_bytes", "vmem_budget_bytes",
                "vmem_capacity_bytes", "hbm_bytes_per_step", "floor_seconds", "tuning", "devices", "topology",
@@ -74,7 +77,7 @@ def export_platform(interpret: bool) -> str:
     return "cpu" if interpret else "tpu"
 
 
-def unexportable(target, devices: int) -> str | None:
+def unexportable(target, devices: int, draft: bool = False) -> str | None:
     """Why a build of `target` over `devices` devices cannot be an artifact (None: it can).
 
     A `cpu` artifact's kernel runs in Pallas' discharge interpreter (interpret=True) so that
@@ -82,16 +85,69 @@ def unexportable(target, devices: int) -> str | None:
     many-device kernel's collectives: a remote semaphore signal raises "Remote signal not
     implemented", the barrier semaphore has no discharge rule, and a remote DMA addressed by
     mesh coordinates fails in its discharge rule. The TPU interpreter that runs them (tpumk
-    generate --devices N) calls back into Python, so its program cannot be serialized."""
-    if not (target.interpret and devices > 1):
+    generate --devices N) calls back into Python, so its program cannot be serialized (nor
+    does it run across processes). A plain `cpu` build over N devices therefore ships the same
+    build's XLA SPMD step (tpumk.compile.keys.program_kind); a round program has no XLA form."""
+    if not (target.interpret and devices > 1 and draft):
         return None
-    from tpumk.compile.keys import stack_versions
+    return (f"{target.name}: --draft with --devices {devices} cannot be exported: the many-device verify step's "
+            f"in-kernel collectives run only in Pallas' TPU interpreter, whose host callbacks cannot be "
+            f"serialized; export the round program for a TPU target (e.g. --target tpu7x), or run it here with "
+            f"`tpumk generate --backend megakernel --devices {devices} --draft ...`")
 
-    return (f"{target.name}: --devices {devices} cannot be exported: the many-device step's in-kernel "
-            f"collectives (remote DMAs and semaphore signals, the barrier semaphore) run only in Pallas' TPU "
-            f"interpreter, whose host callbacks cannot be serialized, and the discharge interpreter (interpret=True) "
-            f"of jax {stack_versions().get('jax', '?')} does not implement them; export for a TPU target "
-            f"(e.g. --target tpu7x), or run it here with `tpumk generate --backend megakernel --devices {devices}`")
+
+def xla_spmd_refusal(spec) -> str | None:
+    """Why a `cpu` N-device build's XLA SPMD step cannot stand in for it (None: it can): the XLA
+    step keeps its KV cache in the model dtype, reads float weights, and its artifact carries no
+    hybrid's state pool. A build that would silently differ is refused, never shipped."""
+    cfg, what = spec.model, f"{spec.target.name} --devices {spec.devices}"
+    why = ("a 1-byte KV cache (--kv-dtype)" if spec.kv_dtype else
+           f"--quant {spec.quant}" if spec.quant != "none" else
+           "linear-attention layers (a state pool)" if cfg.linear else None)
+    if why is None:
+        return None
+    return (f"{what}: exported as XLA's SPMD decode step (the megakernel's collectives do not serialize on the "
+            f"cpu target), which has no {why}; export it for one device or a TPU target")
+
+
+def program_record(inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest's [program] table for an artifact that does not hold the megakernel (None:
+    it does): what program it is, the code that is it, and why."""
+    from tpumk.compile.keys import XLA_SPMD
+
+    kind = inputs.get("program")
+    if kind is None:
+        return None
+    if kind != XLA_SPMD:
+        raise ArtifactError(f"program kind {kind!r}: this tpumk knows 'megakernel' and '{XLA_SPMD}'")
+    return {"kind": kind, "step": "tpumk.model.xla_step.xla_cache_step",
+            "sharding": "tpumk.model.xla_spmd.spmd_layout",
+            "why": "the megakernel's in-kernel collectives run only in Pallas' TPU interpreter, whose host "
+                   "callbacks neither serialize nor run across processes: a cpu build over several devices ships "
+                   "the same build's XLA step, sharded over the devices by XLA's SPMD partitioner"}
+
+
+def xla_spmd_mesh_record(spec) -> dict[str, Any]:
+    """The [mesh] table of an XLA SPMD artifact: its portable program runs on any `devices`
+    devices (the loading processes' first ones, in jax.devices() order), so no device ids are
+    recorded; the sharding is tpumk.model.xla_spmd's layout, one spec per tensor role."""
+    from tpumk.model.xla_spmd import AXIS, spmd_layout
+
+    layout = spmd_layout(spec.model, spec.devices)
+    return {"devices": spec.devices, "topology": "", "axis": AXIS, "axis_size": spec.devices,
+            "sharding": layout.describe()}
+
+
+def xla_spmd_report(spec) -> dict[str, Any]:
+    """The build report of an XLA SPMD artifact: the shapes, the layout's notes and what the
+    figures are (none of the megakernel plan's: this program is not the megakernel)."""
+    from tpumk.model.xla_spmd import spmd_layout
+
+    layout = spmd_layout(spec.model, spec.devices)
+    return {"program": "xla-spmd", "model": spec.model.name, "target": spec.target.name, "batch": spec.batch,
+            "context": spec.context, "q_len": spec.q_len, "devices": spec.devices,
+            "notes": [*layout.notes, "no plan figures: the program is XLA's decode step, not the megakernel; it "
+                                     "compiles when loaded"]}
 
 
 def mesh_record(plan, devices=None) -> dict[str, Any]:
@@ -234,13 +290,28 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
         c.field(f"target.{f}", t.get(f), getattr(target, f), f"the {target.name} target's")
     c.field("target.topology", t.get("topology"), target.topology or "", f"the {target.name} target's")
     c.field("target.export_platform", t.get("export_platform"), export_platform(target.interpret), "its target's")
-    c.field("target.kernel_mode", t.get("kernel_mode"), KERNEL_MODE[target.interpret], "its target's")
+    try:
+        program = program_record(inputs)
+    except ArtifactError as e:
+        c.fail(str(e))
+    c.field("program", m.get("program"), program)
+    c.field("target.kernel_mode", t.get("kernel_mode"), XLA_SPMD_MODE if program else KERNEL_MODE[target.interpret],
+            "its target's")
     if target.device_kind is not None:
         c.field("target.device_kind", t.get("device_kind"), target.device_kind, "its target's")
     devices = inputs["shapes"].get("devices", 1)
-    why = unexportable(target, devices) if isinstance(devices, int) else None
+    why = unexportable(target, devices, "draft" in inputs) if isinstance(devices, int) else None
     if why:  # export refuses it: only a forged manifest says so
         c.fail(f"not a loadable artifact: {why}")
+    from tpumk.compile.keys import program_kind
+
+    try:
+        kind = program_kind(spec_from_inputs(inputs))
+    except TpumkError as e:
+        c.fail(f"its key inputs do not plan: {e}")
+    if inputs.get("program", "megakernel") != kind:  # e.g. a cpu N-device build claiming the megakernel
+        c.fail(f"not a loadable artifact: its key inputs name the program {inputs.get('program', 'megakernel')!r}, "
+               f"a {target.name} build over {devices} device(s) holds {kind!r} (manifest altered)")
 
     for name, entry in m["files"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
@@ -257,6 +328,8 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
         c.fail("malformed manifest: bad report_json")
     c.field("report", m["report"], without_none({k: v for k, v in full.items() if k != "plan"}), "report_json's")
     plan = _plan(c, inputs)
+    if program:
+        return _check_xla_spmd(c, m, full, spec_from_inputs(inputs), plan)
     # the mesh: what this tpumk compiles the plan for (the deviceless topology's devices, or the
     # attached ones of its kind), device order included, and how the model is split
     if not isinstance(m.get("mesh"), dict):
@@ -287,6 +360,27 @@ def check_fields(path: Path, m: dict[str, Any], inputs: dict[str, Any]):
     c.field("signature.executable_in_tree", sig.get("executable_in_tree"), str(in_tree), "the plan's")
     c.field("signature.executable_out_tree", sig.get("executable_out_tree"), str(out_tree), "the plan's")
     return plan
+
+
+def _check_xla_spmd(c: _Checker, m: dict[str, Any], full: dict[str, Any], spec, plan):
+    """check_fields' second half for an XLA SPMD artifact: its mesh, report and signature."""
+    why = xla_spmd_refusal(spec)
+    if why:  # export refuses it: only a forged manifest says so
+        c.fail(f"not a loadable artifact: {why}")
+    if not isinstance(m.get("mesh"), dict):
+        c.fail("malformed manifest: 'mesh' is not a table")
+    c.field("mesh", m["mesh"], xla_spmd_mesh_record(spec), "the XLA layout's")
+    c.field("report", without_none(full), xla_spmd_report(spec), "the build's")
+    c.field("signature.inputs_json", m["signature"].get("inputs_json"),
+            json.dumps(tree_signature(xla_spmd_program_specs(spec))), "the XLA step's")
+    return plan
+
+
+def xla_spmd_program_specs(spec) -> tuple:
+    """The (global, unsharded) argument shapes of an XLA SPMD artifact's step."""
+    from tpumk.model.xla_step import xla_cache_specs
+
+    return xla_cache_specs(spec.model, spec.batch, spec.context, spec.q_len)
 
 
 def spec_from_inputs(inputs: dict[str, Any]):

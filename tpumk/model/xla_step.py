@@ -1,5 +1,7 @@
 """XLA's decode step: the baseline `tpumk bench` compares the megakernel against, and the
-deviceless compiles of it (and of the other XLA programs: the serving step, the SPMD step).
+program of a `cpu` artifact over several devices (sharded by tpumk.model.xla_spmd). Its
+compiles live in tpumk.decode.xla_compile; it is model code (reference parts only) so that
+tpumk.export can ship it.
 
 The XLA step (`xla_decode_step`) is the reference decode step laid out as a serving stack
 would lay it out for XLA, with no tpumk kernel:
@@ -23,13 +25,10 @@ which is all the bench feeds it: it does not implement the reference's handling 
 outside the cache (tpumk.model.positions).
 """
 
+
 from __future__ import annotations
 
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import grouped_operands
 from tpumk.model.quantize import QuantizedMatrix
-from tpumk.targets import Target
 
 
 # ---------------------------------------------------------------------- the XLA decode step
@@ -261,50 +259,26 @@ def make_xla_step(cfg: ModelConfig):
     return jax.jit(xla_step_fn(cfg), donate_argnums=xla_donated(cfg))
 
 
-# ---------------------------------------------------------------------- deviceless compiles
-@dataclass
-class CompiledProgram:
-    compiled: Any  # jax.stages.Compiled
-    lower_seconds: float
-    compile_seconds: float
-    hlo_text: str  # the compiled (post-optimization) HLO
+class XlaCache(NamedTuple):
+    """The XLA step's KV cache as one value (a `cpu` N-device artifact's step takes and returns
+    it): k, v [L, B, kv_heads, context, head_dim] (MLA: the latent cache and the empty value
+    cache, `xla_cache_shapes`) and lengths [B], the tokens cached per sequence."""
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
 
 
-def _read_dumped_hlo(dump_dir: Path) -> str:
-    """The post-codegen HLO XLA dumped for the one module it compiled."""
-    files = sorted(dump_dir.glob("*after_codegen.txt")) or sorted(dump_dir.glob("*after_optimizations.txt"))
-    if not files:
-        raise RuntimeError(f"XLA wrote no post-optimization HLO under {dump_dir}")
-    return files[-1].read_text()
+def xla_cache_step(cfg: ModelConfig) -> Callable:
+    """The XLA step as step(params, tokens, positions, XlaCache) -> (logits [B, q, V] f32,
+    XlaCache), the shape of a loaded artifact's step (tpumk.export.artifacts). No state pool:
+    a hybrid model is not served this way."""
+    def step(params, tokens, positions, cache: XlaCache):
+        logits, k, v, lengths = xla_decode_step(params, cfg, tokens, positions, cache.k, cache.v, cache.lengths)
+        return logits, XlaCache(k, v, lengths)
+    return step
 
 
-def compile_program(fn: Callable, arg_specs: tuple, target: Target, **jit_kwargs) -> CompiledProgram:
-    """jit(fn).lower(*specs).compile() for the target's device, keeping the compiled HLO text."""
-    from tpumk.compile.aot import place
-
-    return compile_placed(fn, place(arg_specs, target.device()), **jit_kwargs)
-
-
-def compile_placed(fn: Callable, specs: tuple, **jit_kwargs) -> CompiledProgram:
-    """jit(fn).lower(*specs).compile() for specs that already carry their shardings (one
-    device, or a mesh of them), keeping the compiled HLO text.
-
-    `Compiled.as_text()` fails on some XLA TPU programs (jax 0.10.2: an async-update
-    instruction's proto does not round-trip), so the HLO is also dumped by XLA itself and read
-    back when as_text() fails. The dump does not change the executable."""
-    from tpumk.compat import no_persistent_cache_write
-    from tpumk.compile.aot import spec_devices
-
-    with tempfile.TemporaryDirectory(prefix="tpumk-bench-hlo-") as d:
-        t0 = time.perf_counter()
-        lowered = jax.jit(fn, **jit_kwargs).lower(*specs)
-        t1 = time.perf_counter()
-        with no_persistent_cache_write(spec_devices(specs)):
-            compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_text": True,
-                                                         "xla_dump_hlo_pass_re": "^$"})
-        t2 = time.perf_counter()
-        try:
-            text = compiled.as_text()
-        except Exception:  # noqa: BLE001 - see the docstring; the dump has the same module
-            text = _read_dumped_hlo(Path(d))
-    return CompiledProgram(compiled, t1 - t0, t2 - t1, text)
+def xla_cache_specs(cfg: ModelConfig, batch: int, context: int, q_len: int = 1, quant: str = "none") -> tuple:
+    """ShapeDtypeStructs of `xla_cache_step`'s (params, tokens, positions, XlaCache)."""
+    params, tok, pos, k, v, lengths = xla_step_specs(cfg, batch, context, q_len, quant)
+    return params, tok, pos, XlaCache(k, v, lengths)
