@@ -95,8 +95,14 @@ def _hf_greedy(ckpt: Path) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _full(cfg, taps=()):
-    return jax.jit(lambda params, tokens: forward_full(params, cfg, tokens, taps=taps))
+def _full(cfg):
+    """forward_full jitted with every layer's input tapped (one program per model serves the logits
+    and the selection gaps)."""
+    return jax.jit(lambda params, tokens: forward_full(params, cfg, tokens, taps=tuple(range(cfg.num_layers))))
+
+
+def _logits(cfg, params, tokens) -> np.ndarray:
+    return np.asarray(_full(cfg)(params, tokens)[0])
 
 
 def _selection_gap(m, tokens: np.ndarray, upto: int | None = None) -> float:
@@ -104,7 +110,7 @@ def _selection_gap(m, tokens: np.ndarray, upto: int | None = None) -> float:
     visible keys sees, over the indexer layers of the full causal pass over `tokens`."""
     cfg = m.cfg
     b, t = tokens.shape
-    _, taps = _full(cfg, tuple(range(cfg.num_layers)))(m.params, tokens)
+    _, taps = _full(cfg)(m.params, tokens)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     freqs = mla.rope_freqs(cfg, m.params)
     k, gap = cfg.index_topk, np.inf
@@ -140,12 +146,13 @@ def test_config_reads_every_part(checkpoint):
 
 def test_reference_logits_match_transformers(checkpoint):
     """Full-sequence float32 logits over 24 tokens agree to 2e-5 of their scale; without each
-    learned part (alpha, the query scales, the soft-cap, the latent sharing read as own rows,
-    dense attention) they do not."""
+    learned part (alpha, the query scales: new weights, the same compiled pass) or with dense
+    attention (the greedy test's program) they do not; the soft-cap moves them by far more than
+    the bound (so the match needs it)."""
     ckpt, m = checkpoint
     assert _selection_gap(m, LOGIT_TOKENS) > TIE_GAP
     want = hf_logits(ckpt, LOGIT_TOKENS)
-    got = np.asarray(_full(m.cfg)(m.params, LOGIT_TOKENS))
+    got = _logits(m.cfg, m.params, LOGIT_TOKENS)
     bound = 2e-5 * max(1.0, float(np.max(np.abs(want))))
     assert np.max(np.abs(got - want)) <= bound
     p = m.params
@@ -153,10 +160,11 @@ def test_reference_logits_match_transformers(checkpoint):
                  **{k: jnp.ones_like(lay[k]) for k in ("q_log_bias", "idx_log_bias") if k in lay}} for lay in p["layers"]]
     variants = [(m.cfg, {**p, "rope_alpha": jnp.zeros_like(p["rope_alpha"])}),
                 (m.cfg, {**p, "layers": unscaled}),
-                (m.cfg.replace(final_softcap=0.0), p),
+
                 (m.cfg.replace(**DENSE), p)]
     for cfg, params in variants:
-        assert np.max(np.abs(np.asarray(_full(cfg)(params, LOGIT_TOKENS)) - want)) > 100 * bound
+        assert np.max(np.abs(_logits(cfg, params, LOGIT_TOKENS) - want)) > 100 * bound
+    assert np.max(np.abs(30.0 * np.arctanh(want / 30.0) - want)) > 100 * bound
 
 
 def test_greedy_tokens_equal_transformers(checkpoint):
@@ -170,7 +178,7 @@ def test_greedy_tokens_equal_transformers(checkpoint):
     assert n > 2 * m.cfg.index_topk
     seqs = np.asarray([p + t + [0] * (LOGIT_TOKENS.shape[1] - n - 1) for p, t in zip(PROMPTS, want)])
     assert _selection_gap(m, seqs, upto=n) > TIE_GAP
-    dense = np.asarray(_full(m.cfg.replace(**DENSE))(m.params, seqs)).argmax(-1)[:, len(PROMPTS[0]) - 1:n]
+    dense = _logits(m.cfg.replace(**DENSE), m.params, seqs).argmax(-1)[:, len(PROMPTS[0]) - 1:n]
     assert dense.tolist() != want
 
 
