@@ -142,6 +142,9 @@ def test_config_reads_every_part(checkpoint):
     assert layers[3]["wkv_b"].shape == (40, 4 * (24 + 20)) and m.params["rope_alpha"].shape == (4,)
     assert layers[0]["idx_wq"].shape == (128, 128) and "idx_wq" not in layers[1]
     assert layers[1]["router"].dtype == jnp.float32  # (bfloat16 builds keep it float32 too: tensor_dtype)
+    # the count tpumk plans with is the tensors it loads (per-layer widths, shared layers, rope_alpha)
+    leaves = [v for lay in layers for v in lay.values()] + [v for k, v in m.params.items() if k != "layers"]
+    assert cfg.param_count() == sum(int(np.prod(v.shape)) for v in leaves)
 
 
 def test_reference_logits_match_transformers(checkpoint):

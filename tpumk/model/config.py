@@ -482,6 +482,7 @@ class ModelConfig:
 
     def param_count(self) -> int:
         total = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
+        total += self.qk_rope_head_dim // 2 if self.rope_learned_freqs else 0  # Mistral Large 4's rope_alpha
         for n, c in self._layer_kinds():
             total += n * (c["always"] + c["per_expert"] * c["experts"])
         return total
