@@ -313,7 +313,6 @@ def test_the_rope_table_in_use_gives_theta_and_partial_rotary():
 
 # ---------------------------------------------------------------------- families tpumk refuses
 @pytest.mark.parametrize("model_type, what", [
-    ("mistral_large4", "learned RoPE frequencies"), ("mistral_large4_text", "kv_source_layers"),
     ("deepseek_v4", "hyper-connections"), ("smollm3", "NoPE layers"),
     ("olmo3", "sliding-window layers"), ("llama4", "chunked attention"),
     ("deepseek_v2", "softmax scores"),

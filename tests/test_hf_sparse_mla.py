@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention (issue 57): `deepseek_v32` (DeepSeek-V3.2) and `glm_moe_dsa` (GLM-5) on
 checkpoints written by transformers 5.24's own classes, through tpumk's reader and reference
-(`tpumk.model.sparse_attention`); `mistral_large4`, refused in one line naming what it lacks.
+(`tpumk.model.sparse_attention`); Mistral Large 4's is tests/test_hf_mistral_large4.py.
 
 - `deepseek_v32`: MLA with q-LoRA, interleaved rope lanes and YaRN, an indexer of 8 heads of 32
   lanes (rope lanes rotate-half), index_topk 4, 2 of 4 expert groups, the first layer dense;
@@ -243,21 +243,6 @@ def test_bad_indexer_fields_are_one_line_errors(change, needle, tmp_path):
     path.write_text(json.dumps(data))
     _one_line_error(CliRunner().invoke(main, ["build", "--model", str(path), "--no-estimate"]), needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-
-
-def test_mistral_large4_is_refused_naming_what_it_lacks(tmp_path):
-    """Mistral Large 4 (a mistral_large4 wrapper around its sparse-attention text model) is refused
-    in one line: its learned RoPE frequencies, per-head log-position query scale, KV-sharing and
-    NoPE layers are not modelled."""
-    text = dict(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16,
-                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, intermediate_size=32, moe_intermediate_size=32,
-                n_routed_experts=4, num_experts_per_tok=2, index_topk=4, index_n_heads=2, index_head_dim=16)
-    cfg = transformers.MistralLarge4Config(text_config=text, vision_config=dict(
-        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-        image_size=16, patch_size=4))
-    (tmp_path / "config.json").write_text(cfg.to_json_string())
-    _one_line_error(CliRunner().invoke(main, ["build", "--model", str(tmp_path / "config.json"), "--no-estimate"]),
-                    "model_type 'mistral_large4'", "kv_source_layers")
 
 
 # ---------------------------------------------------------------------- KV bytes per step

@@ -62,6 +62,11 @@ Mistral Small 4 name their MLA tensors the same; Mistral 4's router has no corre
                                                                 -> idx_wq / idx_wk / idx_k_norm, idx_k_bias /
                                                                    idx_weights (float32; sparse attention)
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     -> s_gate, s_up, s_down (GLM-4.5 too)
+Mistral Large 4 (under its wrapper's language-model prefix) adds model.rotary_emb.alpha ->
+rope_alpha, self_attn.softmax_scaling.{scale,bias} -> q_log_scale / q_log_bias, and
+self_attn.indexer.{q_input_norm.{weight,bias}, softmax_scaling.{scale,bias}} -> idx_q_norm /
+idx_q_bias, idx_log_scale / idx_log_bias; a layer reading another's latent rows has no
+kv_a_proj_with_mqa / kv_a_layernorm.
 gpt-oss (float weights, as transformers saves them; tpumk.model.checkpoint._gpt_oss_experts):
     model.layers.{i}.self_attn.sinks [Hq]                        -> sinks
     model.layers.{i}.mlp.router.weight [E, H], .bias [E]        -> router (transposed), router_logit_bias
@@ -271,23 +276,36 @@ def _rope_deinterleave(a: np.ndarray, heads: int, head_rows: int, rope: int) -> 
 
 
 def _mla_attention(cfg: ModelConfig, p: str, i: int, add, interleave: bool) -> None:
-    n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_fix = ((lambda a: _rope_deinterleave(a, cfg.num_q_heads, n + r, r).T) if interleave else _t)
-    kv_fix = ((lambda a: _rope_deinterleave(a, 1, c + r, r).T) if interleave else _t)
+    # (a Mistral Large 4 NoPE layer: wide query / key blocks, no rope lanes to permute)
+    n, r = cfg.attention.layer_key_widths(cfg.pattern.rotates(i))
+    c = cfg.kv_lora_rank
+    q_size = cfg.num_q_heads * (n + r)
+    q_fix = ((lambda a: _rope_deinterleave(a, cfg.num_q_heads, n + r, r).T) if interleave and r else _t)
+    kv_fix = ((lambda a: _rope_deinterleave(a, 1, c + r, r).T) if interleave and r else _t)
     if cfg.q_lora_rank:
         add(p + "self_attn.q_a_proj.weight", i, "wq_a", _t)
         add(p + "self_attn.q_a_layernorm.weight", i, "q_a_norm")
-        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(cfg.attention.q_size, cfg.q_lora_rank))
+        add(p + "self_attn.q_b_proj.weight", i, "wq_b", q_fix, hf_shape=(q_size, cfg.q_lora_rank))
     else:
-        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(cfg.attention.q_size, cfg.hidden_size))
-    add(p + "self_attn.kv_a_proj_with_mqa.weight", i, "wkv_a", kv_fix, hf_shape=(c + r, cfg.hidden_size))
-    add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
+        add(p + "self_attn.q_proj.weight", i, "wq", q_fix, hf_shape=(q_size, cfg.hidden_size))
+    if cfg.pattern.owns_kv(i):  # (a Mistral Large 4 layer reading another's latent rows has neither)
+        add(p + "self_attn.kv_a_proj_with_mqa.weight", i, "wkv_a", kv_fix, hf_shape=(c + r, cfg.hidden_size))
+        add(p + "self_attn.kv_a_layernorm.weight", i, "kv_a_norm")
     add(p + "self_attn.kv_b_proj.weight", i, "wkv_b", _t)
     add(p + "self_attn.o_proj.weight", i, "wo", _t)
+    if cfg.attention.query_log_scale:  # Mistral Large 4's MistralLarge4TextSoftmaxScaling
+        add(p + "self_attn.softmax_scaling.scale", i, "q_log_scale")
+        add(p + "self_attn.softmax_scaling.bias", i, "q_log_bias")
     if cfg.has_indexer(i):  # sparse attention's lightning indexer (transformers' DeepseekV32Indexer)
         for name, key, fn in (("wq_b.weight", "idx_wq", _t), ("wk.weight", "idx_wk", _t), ("k_norm.weight", "idx_k_norm", _same),
                               ("k_norm.bias", "idx_k_bias", _same), ("weights_proj.weight", "idx_weights", _t)):
             add(p + "self_attn.indexer." + name, i, key, fn)
+        if cfg.attention.index_q_hidden:
+            add(p + "self_attn.indexer.q_input_norm.weight", i, "idx_q_norm")
+            add(p + "self_attn.indexer.q_input_norm.bias", i, "idx_q_bias")
+        if cfg.attention.query_log_scale:
+            add(p + "self_attn.indexer.softmax_scaling.scale", i, "idx_log_scale")
+            add(p + "self_attn.indexer.softmax_scaling.bias", i, "idx_log_bias")
 
 
 def _linear_attention(cfg: ModelConfig, p: str, i: int, add, names: set[str]) -> None:
@@ -409,6 +427,8 @@ def _plan(cfg: ModelConfig, names: set[str], config_json: dict[str, Any] | None 
 
     if not layers_only:
         add("model.embed_tokens.weight", None, "embed")
+        if cfg.rope_learned_freqs:  # Mistral Large 4: RoPE frequencies x exp(alpha)
+            add("model.rotary_emb.alpha", None, "rope_alpha")
         add("model.norm.weight", None, "final_norm")
         if cfg.head.tie_embeddings:
             if "lm_head.weight" in names:  # some exports write the tied copy; it equals embed
@@ -728,7 +748,8 @@ def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, P
         tensors = _index_tensors(d, stack)
         if raw.get("model_type") in WRAPPERS:
             wrapper = WRAPPERS[raw["model_type"]]
-            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
+            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames,
+                                             wrapper.text_patterns)
         if config_json.get("model_type") == "muse_spark_text":  # its factors folded into the tensors first
             if stored != "none":
                 raise NotSupportedError(f"{d}: not supported yet: a Muse Spark checkpoint stored as {stored} "
@@ -770,7 +791,8 @@ def load_layer(path: str | Path, cfg: ModelConfig, index: int, own: tuple[str, .
         tensors = _index_tensors(d, stack)
         if raw.get("model_type") in WRAPPERS:
             wrapper = WRAPPERS[raw["model_type"]]
-            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames)
+            tensors = language_model_tensors(tensors, wrapper.vision_prefixes, wrapper.text_renames,
+                                             wrapper.text_patterns)
         mine = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
         missing = [prefix + n for n in own + shared if n not in mine]
         if missing:
@@ -786,11 +808,12 @@ def load_layer(path: str | Path, cfg: ModelConfig, index: int, own: tuple[str, .
 
 
 def language_model_tensors(tensors: dict[str, _Tensor], vision_prefixes: tuple[str, ...],
-                           renames: tuple[tuple[str, str], ...] = ()) -> dict[str, _Tensor]:
+                           renames: tuple[tuple[str, str], ...] = (),
+                           patterns: tuple[tuple[str, str], ...] = ()) -> dict[str, _Tensor]:
     """A multimodal checkpoint's tensors under the names of its language model alone (errors
     still name each tensor as stored): the language model's under either naming of
     tpumk.model.hf_fields.LANGUAGE_MODEL_PREFIXES (the released files, transformers 5's saves)
-    and then the wrapper's own `renames`, the wrapper's vision tower and projector
+    and then the wrapper's own `renames` (and regular-expression `patterns`), the wrapper's vision tower and projector
     (`vision_prefixes`) dropped. Any other name is kept as it is, so a tensor that belongs
     nowhere is still refused."""
     out: dict[str, _Tensor] = {}
@@ -800,6 +823,8 @@ def language_model_tensors(tensors: dict[str, _Tensor], vision_prefixes: tuple[s
         new = next((short + name[len(long):] for long, short in LANGUAGE_MODEL_PREFIXES if name.startswith(long)),
                    name)
         new = next((short + new[len(long):] for long, short in renames if new.startswith(long)), new)
+        # (Mistral Large 4: its stored mistral-inference names, hf_fields.MISTRAL_NATIVE_NAMES)
+        new = next((re.sub(pat, repl, new) for pat, repl in patterns if re.match(pat, new)), new)
         if new in out:
             raise CheckpointError(f"{t.file}: tensor '{name}' is stored twice (as '{out[new].name}' too)")
         out[new] = t

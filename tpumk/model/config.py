@@ -47,7 +47,9 @@ LATER_FIELDS = ("rms_width", "head_width", "qkv_bias", "mlp_act", "embed_scale",
                 "linear_key_dim", "linear_value_dim", "linear_conv", "attn_output_gate", "nope_layers",
                 "latent_norm_eps", "step_bidirectional", "query_scale_beta", "query_scale_interval", "index_topk",
                 "index_heads", "index_head_dim", "index_rope_interleave", "index_shared_layers", "embed_norm",
-                "post_norm_eps", "residual_gates", "attn_out_norm", "moe_hidden_size", "expert_post_norm")
+                "post_norm_eps", "residual_gates", "attn_out_norm", "moe_hidden_size", "expert_post_norm",
+                "rope_learned_freqs", "query_log_scale", "nope_latent_keys", "kv_source_layers", "index_q_hidden",
+                "router_float32")
 # Fields that list layer indices (stored as sorted tuples).
 LAYER_LISTS = ("dense_layers", "sliding_layers", "linear_layers", "nope_layers", "index_shared_layers")
 PRESET_PACKAGE = "tpumk.model.presets"
@@ -281,6 +283,24 @@ class ModelConfig:
     attn_out_norm: bool = False
     moe_hidden_size: int = 0
     expert_post_norm: bool = False
+    # Mistral Large 4 (MLA with sparse attention): RoPE frequencies each multiplied by exp(a), a
+    # learned per frequency (rope_learned_freqs: weight `rope_alpha` [qk_rope_head_dim / 2],
+    # float32); every MLA query (after RoPE) and indexer query multiplied per head by
+    # s_h ln(1 + position) + b_h, learned per layer (query_log_scale: weights q_log_scale /
+    # q_log_bias [heads], idx_log_scale / idx_log_bias [index_heads]); the NoPE layers' keys all
+    # from the latent (nope_latent_keys: their kv_a has no rope columns, their query and key
+    # blocks are qk_nope + qk_rope lanes wide, all unrotated); layers that read an earlier
+    # layer's latent cache instead of writing their own (kv_source_layers: per layer the layer
+    # whose latent rows it attends to, its own index when it owns them; empty: every layer owns
+    # its rows); the indexer's queries projected from LayerNorm(x) (weights idx_q_norm /
+    # idx_q_bias [H], eps 1e-6) instead of the q-LoRA latent (index_q_hidden); the router's
+    # product in float32 with float32 weights (router_float32).
+    rope_learned_freqs: bool = False
+    query_log_scale: bool = False
+    nope_latent_keys: bool = False
+    kv_source_layers: tuple[int, ...] = field(default_factory=tuple)
+    index_q_hidden: bool = False
+    router_float32: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from TOML/JSON but store a hashable, sorted tuple (anything else is left
@@ -289,6 +309,8 @@ class ModelConfig:
             dl = getattr(self, name)
             if isinstance(dl, (list, tuple)) and all(is_int(i) for i in dl):
                 object.__setattr__(self, name, tuple(sorted(set(dl))))
+        if isinstance(self.kv_source_layers, list) and all(is_int(i) for i in self.kv_source_layers):
+            object.__setattr__(self, "kv_source_layers", tuple(self.kv_source_layers))  # per layer, in order
         for name in ("rope_short_factor", "rope_long_factor"):  # ordered per frequency: kept as given
             v = getattr(self, name)
             if isinstance(v, (list, tuple)) and all(is_number(x) for x in v):
@@ -351,7 +373,28 @@ class ModelConfig:
             need(self.attention.is_sparse, "index_shared_layers", "empty without sparse attention (index_topk = 0)")
         if self.attention.is_sparse:  # the indexer's RoPE and cache follow every MLA layer's
             need(not self.linear_layers, "linear_layers", "empty with sparse attention (index_topk > 0)")
-            need(not self.nope_layers, "nope_layers", "empty with sparse attention (index_topk > 0)")
+            need(not self.nope_layers or self.nope_latent_keys, "nope_layers",
+                 "empty with sparse attention (index_topk > 0) unless nope_latent_keys (Mistral Large 4)")
+        for f in ("rope_learned_freqs", "query_log_scale", "nope_latent_keys", "index_q_hidden", "router_float32"):
+            need(isinstance(getattr(self, f), bool), f, "true or false")
+        for f in ("rope_learned_freqs", "query_log_scale", "nope_latent_keys", "kv_source_layers"):
+            if getattr(self, f):  # tpumk.model.mla's parts
+                need(mla, f, "its default without MLA (kv_lora_rank = 0)")
+        if self.index_q_hidden:
+            need(self.attention.is_sparse, "index_q_hidden", "false without sparse attention (index_topk = 0)")
+        if self.nope_latent_keys:
+            need(bool(self.nope_layers), "nope_latent_keys", "false without nope_layers")
+        if self.router_float32:
+            need(moe, "router_float32", "false without routed experts")
+        src = self.kv_source_layers
+        if src:
+            need(isinstance(src, tuple) and len(src) == self.num_layers
+                 and all(is_int(s) and 0 <= s <= i and src[s] == s for i, s in enumerate(src)), "kv_source_layers",
+                 f"one entry per layer ({self.num_layers}): an earlier layer that owns its latent rows (its own "
+                 "entry), or the layer itself")
+            need(all(self.pattern.rotates(i) == self.pattern.rotates(s) for i, s in enumerate(src)),
+                 "kv_source_layers", "for each layer a source with the same RoPE (a NoPE layer reads a NoPE "
+                 "layer's rows)")
 
     # ------------------------------------------------------------------ parts (tpumk.model.parts)
     @cached_property
@@ -402,8 +445,14 @@ class ModelConfig:
     def layer_param_counts(self, i: int) -> dict[str, int]:
         """Parameters of layer i split into what every step reads and what routing selects."""
         h = self.hidden_size
-        mixer = self.linear.param_count() if self.pattern.is_linear(i) else \
-            self.attention.param_count(h) + self.attention.norm_params()
+        if self.pattern.is_linear(i):
+            mixer = self.linear.param_count()
+        elif self.is_mla and (self.nope_latent_keys or self.kv_source_layers or self.query_log_scale):
+            # Mistral Large 4: this layer's own MLA tensors (norms included)
+            mixer = sum(math.prod(s) for s in self.attention.mla_layer_shapes(
+                h, self.pattern.rotates(i), self.pattern.owns_kv(i)).values())
+        else:
+            mixer = self.attention.param_count(h) + self.attention.norm_params()
         if self.has_indexer(i):
             mixer += sum(math.prod(shape) for shape in self.attention.indexer_shapes(h).values())
         always = mixer + self.norms.per_layer() * h
@@ -417,7 +466,7 @@ class ModelConfig:
         depend only on whether it is dense and whether it is linear, so each of those (at most
         four) kinds is counted once (no per-layer loop for the common models: closed form
         without linear layers)."""
-        if not self.linear and not self.index_shared_layers:
+        if not self.linear and not self.index_shared_layers and not self.nope_layers and not self.kv_source_layers:
             n_dense = self.pattern.num_dense
             out = []
             if n_dense:
@@ -425,13 +474,15 @@ class ModelConfig:
             if self.num_layers - n_dense:
                 out.append((self.num_layers - n_dense, self.layer_param_counts(self.pattern.first_moe_layer())))
             return out
-        kinds: dict[tuple[bool, bool, bool], list[int]] = {}
+        kinds: dict[tuple[bool, ...], list[int]] = {}
         for i in range(self.num_layers):
-            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i), self.has_indexer(i)), []).append(i)
+            kinds.setdefault((self.pattern.is_dense(i), self.pattern.is_linear(i), self.has_indexer(i),
+                              self.pattern.rotates(i), self.pattern.owns_kv(i)), []).append(i)
         return [(len(v), self.layer_param_counts(v[0])) for v in kinds.values()]
 
     def param_count(self) -> int:
         total = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
+        total += self.qk_rope_head_dim // 2 if self.rope_learned_freqs else 0  # Mistral Large 4's rope_alpha
         for n, c in self._layer_kinds():
             total += n * (c["always"] + c["per_expert"] * c["experts"])
         return total
@@ -474,7 +525,7 @@ class ModelConfig:
         for name in LATER_FIELDS:  # added later: models without them keep their keys (and cache keys)
             if d[name] == defaults[name]:
                 del d[name]
-        for name in (*LAYER_LISTS, "rope_short_factor", "rope_long_factor"):
+        for name in (*LAYER_LISTS, "rope_short_factor", "rope_long_factor", "kv_source_layers"):
             if name in d:
                 d[name] = list(getattr(self, name))
         return d
@@ -578,7 +629,7 @@ GRANITE_SCALARS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "att
 # (tpumk.model.checkpoint.fold_logit_scale).
 COHERE_LOGIT_SCALE = 0.0625
 # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA with a lightning indexer (`_hf_sparse_fields`)
-HF_SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa")
+HF_SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa", "mistral_large4_text")
 # MLA (and DeepSeek-V3-style MoE) under every name: Kimi K2 is the DeepSeek-V3 architecture with its
 # own sizes; GLM-4.7-Flash (glm4_moe_lite) and Mistral Small 4 (mistral4) read by `_hf_mla_fields` too
 _HF_MLA = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4") + HF_SPARSE_MLA
@@ -1069,7 +1120,8 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     refused); Mistral 4 by softmax scores over its groups, no bias. Dense layers: the first
     first_k_dense_replace (DeepSeek-V3, Mistral 4), or GLM-4.7-Flash's mlp_layer_types."""
     glm, mistral, sparse = mt == "glm4_moe_lite", mt == "mistral4", mt in HF_SPARSE_MLA
-    if not mistral:
+    large4 = mt == "mistral_large4_text"
+    if not (mistral or large4):
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             got = hf.str_(key, want)
             if got != want:
@@ -1079,6 +1131,7 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     # checked here; the checkpoint loader applies it (tpumk.model.checkpoint): transformers rotates
     # interleaved pairs when it is true (Mistral 4 admits null: rotate-half, as transformers' `if`)
     if not (isinstance(data.get("rope_interleave", True), bool) or (mistral and data["rope_interleave"] is None)):
+        # (Mistral Large 4 has no such field: always interleaved)
         raise hf._bad("rope_interleave", data["rope_interleave"], "true or false")
     nope = hf.int_("qk_nope_head_dim", MAX_SIZES["qk_nope_head_dim"], _REQUIRED)
     rope_dim = hf.int_("qk_rope_head_dim", MAX_SIZES["qk_rope_head_dim"], _REQUIRED)
@@ -1088,7 +1141,7 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     # that says otherwise is not this model
     expect = [("qk_head_dim", nope + rope_dim, "qk_nope_head_dim + qk_rope_head_dim"),
               ("num_key_value_heads", heads, "num_attention_heads: every head reads the one latent")]
-    if not glm:
+    if not glm and not large4:  # (Mistral Large 4's class overwrites head_dim with qk_rope_head_dim)
         expect.append(("head_dim", nope + rope_dim, "qk_nope_head_dim + qk_rope_head_dim") if mistral else
                       ("head_dim", rope_dim, "qk_rope_head_dim"))
     for key, want, what in expect:
@@ -1107,6 +1160,8 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     moe = _hf_sigmoid_moe_fields(hf, n_layers, "n_routed_experts", norm_default=False)
     if mistral and moe:  # Mistral4TopkRouter: softmax over all experts, group-limited, no correction bias
         moe.update(router_scoring="softmax", router_correction_bias=False)
+    if large4 and moe:  # MistralLarge4TextTopkRouter: Mistral 4's, float32, always renormalised
+        moe.update(router_scoring="softmax", router_correction_bias=False, norm_topk_prob=True, router_float32=True)
     if glm:
         moe = _hf_glm4_lite_layers(hf, n_layers, moe)
     if sparse:  # dense layers by mlp_layer_types (default: the first first_k_dense_replace)
@@ -1116,8 +1171,11 @@ def _hf_mla_fields(hf: "_HFFields", mt: str, data: dict[str, Any], source: str, 
     fields.update(moe)
     if mistral:
         fields.update(_hf_mistral4_rope(data, source, nope, rope_dim))
+    if large4:
+        fields.update(_hf_large4_fields(hf, n_layers))
     fields.update(_hf_yarn(data, source))
-    fields.update(_hf_latent_eps(hf))
+    if not large4:  # (Mistral Large 4 builds its kv_a_layernorm with rms_norm_eps)
+        fields.update(_hf_latent_eps(hf))
     return fields
 
 
@@ -1149,7 +1207,8 @@ def _hf_sparse_fields(hf: "_HFFields", mt: str, n_layers: int, mla: dict[str, An
     index_topk_pattern, else index_topk_freq and index_skip_topk_offset); the indexer's rope lanes
     rotate-half (DeepSeek-V3.2) or interleaved (GLM-5). Their attention always has q-LoRA."""
     src = hf.source
-    if not mla["q_lora_rank"]:
+    large4 = mt == "mistral_large4_text"  # its indexer's queries project the hidden state: no q-LoRA needed
+    if not mla["q_lora_rank"] and not large4:
         raise ConfigError(f"{src}: field 'q_lora_rank' = {_short_repr(hf.data.get('q_lora_rank'))}: expected a positive "
                           f"integer ({mt}'s attention always projects q through the q-LoRA latent its indexer reads)")
     types = hf.list_("layer_types", str, "a list of 'indexed_attention' per layer")
@@ -1169,14 +1228,59 @@ def _hf_sparse_fields(hf: "_HFFields", mt: str, n_layers: int, mla: dict[str, An
         raise ConfigError(f"{src}: field 'index_head_dim' = {dim}: expected at least qk_rope_head_dim ({rope}: the "
                           "indexer ropes its first qk_rope_head_dim lanes)")
     shared: list[int] = []
-    if mt == "glm_moe_dsa":
+    if mt in ("glm_moe_dsa", "mistral_large4_text"):
         kinds = _hf_indexer_types(hf, n_layers)
         shared = [i for i, k in enumerate(kinds) if k == "shared"]
         if 0 in shared:
             raise ConfigError(f"{src}: field 'indexer_types' = {_short_repr(kinds)}: expected 'full' for layer 0 (a "
                               "'shared' layer reuses the previous layer's selection; transformers fails without one)")
-    return dict(index_topk=topk, index_heads=heads, index_head_dim=dim, index_rope_interleave=mt == "glm_moe_dsa",
-                index_shared_layers=shared)
+    return dict(index_topk=topk, index_heads=heads, index_head_dim=dim, index_shared_layers=shared,
+                index_rope_interleave=mt in ("glm_moe_dsa", "mistral_large4_text"), index_q_hidden=large4)
+
+
+def _hf_large4_fields(hf: "_HFFields", n_layers: int) -> dict[str, Any]:
+    """Mistral Large 4's own parts, as transformers' MistralLarge4TextModel builds them: learned
+    RoPE frequencies and per-head log-position query scales (weights: always present), NoPE
+    layers by `no_rope_layers` (1: RoPE, 0: NoPE; at least one entry per layer; default: every
+    `no_rope_layer_interval`-th layer, 4) whose keys are all latent, layers reading an earlier
+    layer's latent rows by `kv_source_layers`, and the logits' soft-cap
+    (`final_logit_softcapping`, which its MistralLarge4ForConditionalGeneration always applies)."""
+    src = hf.source
+    rope_flags = hf.list_("no_rope_layers", int, "a list of 1 (RoPE) / 0 (NoPE) per layer")
+    if not rope_flags:
+        interval = hf.int_("no_rope_layer_interval", MAX_SIZES["num_layers"], default=4)
+        if not interval:
+            raise ConfigError(f"{src}: field 'no_rope_layer_interval' = 0: expected a positive integer (every "
+                              "interval-th layer is NoPE)")
+        rope_flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if len(rope_flags) < n_layers or any(f not in (0, 1) for f in rope_flags[:n_layers]):
+        raise ConfigError(f"{src}: field 'no_rope_layers' = {_short_repr(rope_flags)}: expected 1 (RoPE) or 0 (NoPE) "
+                          f"for each of the {n_layers} layers")
+    rotates = [bool(f) for f in rope_flags[:n_layers]]
+    sources = hf.list_("kv_source_layers", int, "a list of layer indices, one per layer") or list(range(n_layers))
+    if len(sources) != n_layers or any(not 0 <= s <= i or sources[s] != s for i, s in enumerate(sources)):
+        raise ConfigError(f"{src}: field 'kv_source_layers' = {_short_repr(sources)}: expected for each of the "
+                          f"{n_layers} layers itself or an earlier layer that is its own source")
+    # transformers hands a sharing layer the rows of the last earlier layer that stores its rows
+    # for a later one (a source in kv_source_layers) with the same RoPE, whatever index it names:
+    # a list naming another layer would be read as that one, so it is refused
+    producers = {s for i, s in enumerate(sources) if s != i}
+    for i, s in enumerate(sources):
+        if s == i:
+            continue
+        read = max((j for j in producers if j < i and rotates[j] == rotates[i]), default=None)
+        if read != s:
+            raise NotSupportedError(f"{src}: not supported: field 'kv_source_layers' = {_short_repr(sources)}: layer "
+                                    f"{i} names layer {s}, but transformers' shared KV states hand it "
+                                    + ("none (no earlier source layer with its RoPE)" if read is None else
+                                       f"layer {read}'s rows (the last earlier source layer with its RoPE)"))
+    cap = hf.number("final_logit_softcapping", None)
+    if not cap or cap < 0:
+        raise ConfigError(f"{src}: field 'final_logit_softcapping' = {_short_repr(cap)}: expected a positive number "
+                          "(MistralLarge4ForConditionalGeneration always divides the logits by it)")
+    nope = [i for i, r in enumerate(rotates) if not r]
+    return dict(rope_learned_freqs=True, query_log_scale=True, nope_layers=nope, nope_latent_keys=bool(nope),
+                kv_source_layers=sources if sources != list(range(n_layers)) else [], final_softcap=cap)
 
 
 def _hf_indexer_types(hf: "_HFFields", n_layers: int) -> list[str]:

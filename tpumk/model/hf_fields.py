@@ -253,6 +253,23 @@ _GLM_MOE_DSA = _family(_CORE | _SIGMOID_MOE | _SCALED_POSITIONS | (_MLA - {"rope
                        | {"indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"},
                        _DSA_HARMLESS, _DSA_REFUSED, _DSA_ALIASES)
 
+# Mistral Large 4's language model (read with DeepSeek-V3.2's by tpumk.model.config._hf_mla_fields
+# and _hf_large4_fields): MLA without q-LoRA (always interleaved rope lanes), sparse attention with
+# GLM-5's indexer_types, NoPE layers (no_rope_layers, or its no_rope_layer_interval default),
+# latent-cache sharing (kv_source_layers), Mistral 4's softmax group routing (always
+# renormalised), the logits' soft-cap; its learned RoPE frequencies and query scales are weights
+_MISTRAL_LARGE4_TEXT = _family(
+    _CORE - {"head_dim"} | _SCALED_POSITIONS
+    | {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+       "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim"}
+    | _DSA | {"indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset",
+              "no_rope_layers", "no_rope_layer_interval", "kv_source_layers", "final_logit_softcapping"},
+    {**_DENSE_HARMLESS, **_MOE_HARMLESS,
+     "head_dim": "transformers' MistralLarge4TextConfig overwrites it with qk_rope_head_dim (its RoPE's width)"},
+    {**_MLA_BIAS, "mlp_bias": _MLP_BIAS},
+    {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts"})
+
 # Muse Spark's language model (tpumk.model.spark; read by tpumk.model.config._hf_muse_spark_fields):
 # sliding-window and NoPE full layers, gated residuals, the MoE between a down- and an up-projection.
 # qk_scale_factor, output_multiplier and residual_gate_temperature are folded into the weights on
@@ -362,6 +379,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({
     "mistral4": _MISTRAL4,
     "deepseek_v32": _DEEPSEEK_V32,
     "glm_moe_dsa": _GLM_MOE_DSA,
+    "mistral_large4_text": _MISTRAL_LARGE4_TEXT,
     "muse_spark_text": _MUSE_SPARK_TEXT,
     # Hybrids (tpumk.model.config._hf_linear_fields): Gated DeltaNet beside gated attention
     "qwen3_next": _family(
@@ -436,14 +454,6 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType({
     "deepseek_v2": "DeepSeek-V2's expert routing (softmax scores, topk_method 'greedy' / 'group_limited_greedy': a "
                    "group scored by its best expert; tpumk's group limit scores a group by its two best, as "
                    "DeepSeek-V3 and Mistral 4 route)",
-    "mistral_large4": "learned RoPE frequencies (rotary_emb.alpha), a learned per-head log-position softmax "
-                      "scale on the MLA and indexer queries, layers that reuse an earlier layer's latent cache "
-                      "(kv_source_layers), NoPE MLA layers and an indexer reading the hidden state, beside its "
-                      "sparse attention, in a multimodal wrapper",
-    "mistral_large4_text": "learned RoPE frequencies (rotary_emb.alpha), a learned per-head log-position softmax "
-                           "scale on the MLA and indexer queries, layers that reuse an earlier layer's latent cache "
-                           "(kv_source_layers), NoPE MLA layers and an indexer reading the hidden state, beside its "
-                           "sparse attention",
     "deepseek_v4": "hyper-connections (hc_mult residual streams), compressed sparse attention (CSA / HCA "
                    "compressors with a lightning indexer) and hash-routed experts",
     "ministral": "sliding-window and full layers by layer_types in a Mistral: not read for this model_type yet",
@@ -484,6 +494,33 @@ class Wrapper:
     fields: Family
     vision_prefixes: tuple[str, ...]
     text_renames: tuple[tuple[str, str], ...] = ()
+    # regular-expression renames (the first that matches a name applies): Mistral Large 4's
+    # files keep mistral-inference's names, which transformers' conversion mapping renames on load
+    text_patterns: tuple[tuple[str, str], ...] = ()
+
+
+_L = r"^layers\.(\d+)\."
+# Mistral Large 4's stored names (its release's and transformers' save_pretrained's, reversed by
+# transformers' conversion_mapping "mistral_large4" / "mistral_large4_text") -> the names tpumk reads
+MISTRAL_NATIVE_NAMES: tuple[tuple[str, str], ...] = (
+    (r"^tok_embeddings\.", "model.embed_tokens."), (r"^lerope\.alpha$", "model.rotary_emb.alpha"),
+    (r"^norm\.", "model.norm."), (r"^output\.", "lm_head."),
+    (_L + r"attention_norm\.", r"model.layers.\1.input_layernorm."),
+    (_L + r"ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (_L + r"attention\.(indexer\.)?ssmax_scaling\.s$", r"model.layers.\1.self_attn.\2softmax_scaling.scale"),
+    (_L + r"attention\.(indexer\.)?ssmax_scaling\.b$", r"model.layers.\1.self_attn.\2softmax_scaling.bias"),
+    (_L + r"attention\.indexer\.", r"model.layers.\1.self_attn.indexer."),
+    (_L + r"attention\.wq\.", r"model.layers.\1.self_attn.q_proj."),
+    (_L + r"attention\.wkv_a_with_mqa\.", r"model.layers.\1.self_attn.kv_a_proj_with_mqa."),
+    (_L + r"attention\.kv_a_norm\.", r"model.layers.\1.self_attn.kv_a_layernorm."),
+    (_L + r"attention\.wkv_b\.", r"model.layers.\1.self_attn.kv_b_proj."),
+    (_L + r"attention\.wo\.", r"model.layers.\1.self_attn.o_proj."),
+    (_L + r"gate\.", r"model.layers.\1.mlp.gate."),
+    *((_L + rf"feed_forward\.{w}\.", rf"model.layers.\1.mlp.{proj}.")
+      for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))),
+    *((_L + rf"(experts\.\d+\.|shared_experts\.){w}\.", rf"model.layers.\1.mlp.\2{proj}.")
+      for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))),
+)
 
 
 # transformers' Gemma3TextConfig defaults (4.50 to 5.x; tests/test_config.py compares them with
@@ -541,6 +578,19 @@ WRAPPERS: Mapping[str, Wrapper] = MappingProxyType({
                  "spatial_merge_size": _VISION},
                 aliases={"image_token_id": "image_token_index"}),
         ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
+    # Mistral Large 4 (MistralLarge4ForConditionalGeneration): Mistral 3's layout (a Pixtral tower and
+    # projector beside the language model, the head untied by default) around a
+    # mistral_large4_text language model; its head's soft-cap is the text config's
+    "mistral_large4": Wrapper(
+        ("mistral_large4_text",), {}, False,
+        _family({"text_config", "tie_word_embeddings"},
+                {"vision_config": _VISION, "image_token_index": _TOKENS, "projector_hidden_act": _VISION,
+                 "vision_feature_layer": _VISION, "multimodal_projector_bias": _VISION,
+                 "spatial_merge_size": _VISION},
+                aliases={"image_token_id": "image_token_index"}),
+        ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+         "vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter."),
+        text_patterns=MISTRAL_NATIVE_NAMES),
     # Muse Spark (MuseSparkForConditionalGeneration): a muse_spark_text language model beside vision and
     # audio towers; its text config class's defaults are read by the family's (CLASS_DEFAULTS). Its
     # image / video / audio token ids embed as token 0 (transformers zeroes them before the lookup):

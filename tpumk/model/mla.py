@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpumk.errors import NotSupportedError
 from tpumk.model import yarn
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import expert_matmul, jnp_dtype, matmul, rms_norm
@@ -61,31 +62,64 @@ def q_latent(cfg: ModelConfig, layer, x: jax.Array) -> jax.Array:
     return rms_norm(matmul(x, layer["wq_a"]), layer["q_a_norm"], cfg.norms.latent_eps)
 
 
-def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True):
+def rope_freqs(cfg: ModelConfig, params=None) -> jax.Array:
+    """The rope lanes' inverse frequencies [R/2] float32: YaRN's (or plain), each times
+    exp(rope_alpha[j]) with learned frequencies (Mistral Large 4: `params["rope_alpha"]`)."""
+    freqs = jnp.asarray(yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), jnp.float32)
+    if cfg.rope_learned_freqs:
+        if params is None or "rope_alpha" not in params:  # (a caller without the model's weights)
+            raise NotSupportedError(f"model '{cfg.name}': learned RoPE frequencies (rope_learned_freqs) need the "
+                                    "model's rope_alpha weights: this path does not take them")
+        freqs = freqs * jnp.exp(params["rope_alpha"].astype(jnp.float32))
+    return freqs
+
+
+def log_position_scale(scale: jax.Array, bias: jax.Array, positions: jax.Array, dtype) -> jax.Array:
+    """Mistral Large 4's query factor per head [B, T, heads]: s_h ln(1 + p) + b_h in the model
+    dtype, as transformers casts ln(1 + p) and the weights before the product. (A padding
+    position, p < 0, reads p = 0: its row is never attended to.)"""
+    log_pos = jnp.log1p(jnp.maximum(positions, 0).astype(jnp.float32)).astype(dtype)
+    return scale.astype(dtype) * log_pos[..., None] + bias.astype(dtype)
+
+
+def project(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True, freqs=None):
     """x [B, T, H] normed -> q_nope [B,T,Hq,N] f32, q_rope [B,T,Hq,R] f32 (roped), and the
     cache row [B, T, C+R] in the cache dtype (normalized c_kv | roped k_rope). `rotate` False (a
-    NoPE layer, Kimi Linear's): the R lanes stay as projected. With position-scaled queries
-    (`rope.query_scale`, Mistral 4) both query parts leave multiplied by their position's factor."""
+    NoPE layer, Kimi Linear's): the R lanes stay as projected; with nope_latent_keys (Mistral
+    Large 4) a NoPE layer's query is N+R latent lanes (q_nope) and q_rope / the row's rope lanes
+    are zeros. The row is None in a layer that reads another layer's latent rows (no wkv_a).
+    With position-scaled queries (`rope.query_scale`, Mistral 4) both query parts leave
+    multiplied by their position's factor; with query_log_scale (Mistral Large 4) by the
+    layer's per-head log-position factor. `freqs`: rope_freqs (required with learned ones)."""
     b, t, _ = x.shape
-    n, r, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    r_full, c, dt = cfg.qk_rope_head_dim, cfg.kv_lora_rank, jnp_dtype(cfg)
+    n, r = cfg.attention.layer_key_widths(rotate)
     if cfg.q_lora_rank:
         q = matmul(q_latent(cfg, layer, x), layer["wq_b"])
     else:
         q = matmul(x, layer["wq"])
     q = q.reshape(b, t, cfg.num_q_heads, n + r)
-    kv = matmul(x, layer["wkv_a"])  # [B, T, C+R]
-    c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.norms.latent_eps)
-    freqs, factor = yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), yarn.attention_factor(cfg.positions)
-    if rotate:
-        q_rope = rope_rows(q[..., n:], positions, freqs, factor)
-        k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
-    else:
-        q_rope, k_rope = q[..., n:], kv[..., c:]
-    row = jnp.concatenate([c_kv, k_rope], -1).astype(jnp_dtype(cfg))
+    freqs = rope_freqs(cfg) if freqs is None else freqs
+    factor = yarn.attention_factor(cfg.positions)
+    row = None
+    if "wkv_a" in layer:
+        kv = matmul(x, layer["wkv_a"])  # [B, T, C+R] (a wide NoPE layer's: [B, T, C])
+        c_kv = rms_norm(kv[..., :c], layer["kv_a_norm"], cfg.norms.latent_eps)
+        if rotate:
+            k_rope = rope_rows(kv[..., None, c:], positions, freqs, factor)[..., 0, :]
+        else:
+            k_rope = kv[..., c:]
+        k_rope = jnp.pad(k_rope, ((0, 0), (0, 0), (0, r_full - r)))  # a wide NoPE layer: zero rope lanes
+        row = jnp.concatenate([c_kv, k_rope], -1).astype(dt)
+    q_rope = rope_rows(q[..., n:], positions, freqs, factor) if rotate else q[..., n:]
+    q_rope = jnp.pad(q_rope, ((0, 0), (0, 0), (0, 0), (0, r_full - r)))
     q_nope = q[..., :n]
-    q_scale = query_scale(cfg.positions, positions, jnp_dtype(cfg))  # Mistral 4: the whole query by position
+    q_scale = query_scale(cfg.positions, positions, dt)  # Mistral 4: the whole query by position
     if q_scale is not None:
         q_nope, q_rope = q_nope * q_scale[..., None, None], q_rope * q_scale[..., None, None]
+    if cfg.attention.query_log_scale:  # Mistral Large 4: per head, after RoPE
+        f = log_position_scale(layer["q_log_scale"], layer["q_log_bias"], positions, dt).astype(jnp.float32)
+        q_nope, q_rope = q_nope * f[..., None], q_rope * f[..., None]
     return q_nope, q_rope, row
 
 

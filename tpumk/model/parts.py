@@ -87,6 +87,9 @@ class Attention:
     index_heads: int
     index_head_dim: int
     index_rope_interleave: bool  # GLM-5: the indexer's rope lanes hold interleaved pairs
+    query_log_scale: bool  # Mistral Large 4: queries x (s_h ln(1 + p) + b_h) per layer and head
+    nope_latent_keys: bool  # Mistral Large 4: a NoPE layer's keys are all latent (no rope columns)
+    index_q_hidden: bool  # Mistral Large 4: the indexer's queries project LayerNorm(x)
 
     @property
     def is_mla(self) -> bool:
@@ -101,9 +104,37 @@ class Attention:
         """One indexer's tensors (a layer that runs its own): its query projection from the q-LoRA
         latent, its key projection, the key's LayerNorm weight and bias, the per-head weights
         (float32, as transformers keeps them)."""
-        return {"idx_wq": (self.q_lora_rank, self.index_heads * self.index_head_dim),
-                "idx_wk": (hidden, self.index_head_dim), "idx_k_norm": (self.index_head_dim,),
-                "idx_k_bias": (self.index_head_dim,), "idx_weights": (hidden, self.index_heads)}
+        q_in = hidden if self.index_q_hidden else self.q_lora_rank
+        out = {"idx_wq": (q_in, self.index_heads * self.index_head_dim),
+               "idx_wk": (hidden, self.index_head_dim), "idx_k_norm": (self.index_head_dim,),
+               "idx_k_bias": (self.index_head_dim,), "idx_weights": (hidden, self.index_heads)}
+        if self.index_q_hidden:  # Mistral Large 4: the LayerNorm its queries read
+            out.update(idx_q_norm=(hidden,), idx_q_bias=(hidden,))
+        if self.query_log_scale:
+            out.update(idx_log_scale=(self.index_heads,), idx_log_bias=(self.index_heads,))
+        return out
+
+    def layer_key_widths(self, rotates: bool) -> tuple[int, int]:
+        """(nope, rope) lanes of an MLA layer's query and key blocks: a NoPE layer with
+        nope_latent_keys (Mistral Large 4) has all qk_nope + qk_rope lanes from the latent."""
+        if self.nope_latent_keys and not rotates:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, 0
+        return self.qk_nope_head_dim, self.qk_rope_head_dim
+
+    def mla_layer_shapes(self, hidden: int, rotates: bool, owns_kv: bool) -> dict[str, tuple[int, ...]]:
+        """An MLA layer's attention tensors: projection_shapes, with a NoPE layer's kv_a without
+        rope columns and its kv_b key blocks wide (nope_latent_keys), no kv_a / kv_a_norm in a
+        layer that reads another's latent rows, the query log-scale's per-head weights."""
+        out = self.projection_shapes(hidden)
+        n, r = self.layer_key_widths(rotates)
+        if r != self.qk_rope_head_dim:
+            out["wkv_a"] = (hidden, self.kv_lora_rank + r)
+            out["wkv_b"] = (self.kv_lora_rank, self.num_q_heads * (n + self.v_head_dim))
+        if not owns_kv:
+            del out["wkv_a"], out["kv_a_norm"]
+        if self.query_log_scale:
+            out.update(q_log_scale=(self.num_q_heads,), q_log_bias=(self.num_q_heads,))
+        return out
 
     @property
     def q_size(self) -> int:
@@ -248,8 +279,8 @@ class Attention:
                 need(getattr(self, f) == 0, f, "0 without sparse attention (index_topk = 0)")
             need(not self.index_rope_interleave, "index_rope_interleave", "false without sparse attention (index_topk = 0)")
             return
-        need(self.q_lora_rank > 0, "q_lora_rank", "a positive integer with sparse attention (the indexer's queries "
-             "project the q-LoRA latent)")
+        need(self.q_lora_rank > 0 or self.index_q_hidden, "q_lora_rank", "a positive integer with sparse attention "
+             "(the indexer's queries project the q-LoRA latent) unless index_q_hidden")
         need(self.index_heads > 0, "index_heads", "a positive integer with sparse attention (index_topk > 0)")
         need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
              f"at least qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim lanes")
@@ -283,6 +314,7 @@ class Positions:
     yarn_mscale_all_dim: float
     yarn_attention_factor: float
     yarn_truncate: bool
+    rope_learned_freqs: bool  # Mistral Large 4: each frequency x exp(rope_alpha[j]), learned
     query_scale_beta: float  # llama-4 position-scaled queries (ModelConfig); 0: none
     query_scale_interval: int  # positions per step of that scale's logarithm
     head_dim: int  # a head's lanes (padding included): the frequency table's length
@@ -335,6 +367,7 @@ class Positions:
             need(self.yarn_factor >= 1, "yarn_factor", "at least 1 (or 0: plain RoPE)")
             need(self.yarn_original_max_position > 0, "yarn_original_max_position",
                  "a positive integer when yarn_factor is set")
+        _bool(need, self, "rope_learned_freqs")
         need(is_number(self.query_scale_beta), "query_scale_beta", "a finite number (0: unscaled queries)")
         if self.query_scale_beta:
             need(is_int(self.query_scale_interval) and 0 < self.query_scale_interval <= 1 << 30,
@@ -436,6 +469,7 @@ class Moe:
     swiglu_alpha: float
     moe_hidden_size: int  # Muse Spark: the experts' width between moe_in and moe_out; 0: hidden
     expert_post_norm: bool  # Muse Spark: each expert's output RMS-normalised before its weight
+    router_float32: bool  # Mistral Large 4: a float32 router (weights and product)
 
     def __bool__(self) -> bool:
         return self.num_experts > 0
@@ -634,7 +668,16 @@ class LayerPattern:
     linear_layers: tuple[int, ...]
     nope_layers: tuple[int, ...]
     index_shared_layers: tuple[int, ...]  # sparse attention: layers reusing the previous layer's selection
+    kv_source_layers: tuple[int, ...]  # MLA: per layer the layer whose latent rows it reads; empty: its own
     moe: bool  # derived: the model has routed experts
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose latent cache rows layer i attends to (i itself unless it reads another's)."""
+        return self.kv_source_layers[i] if self.kv_source_layers else i
+
+    def owns_kv(self, i: int) -> bool:
+        """Layer i writes latent rows of its own (it has a kv_a projection)."""
+        return self.kv_source(i) == i
 
     @property
     def num_dense(self) -> int:

@@ -502,6 +502,7 @@ def absorbed_weights(cfg, layer):
     over heads, tpumk.model.quantize)."""
     if "w_uk" in layer:
         return layer["w_uk"], layer["w_uv"]
-    n = cfg.qk_nope_head_dim
+    # (the key block's width from the tensor: a Mistral Large 4 NoPE layer's is qk_nope + qk_rope)
+    n = layer["wkv_b"].shape[-1] // cfg.num_q_heads - cfg.v_head_dim
     w = layer["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_q_heads, n + cfg.v_head_dim)
     return w[..., :n].transpose(1, 2, 0), w[..., n:].transpose(1, 0, 2)

@@ -578,6 +578,12 @@ def _forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: _Tap
     return tap.logits(params, x)
 
 
+def q_resid(cfg: ModelConfig, layer, h: jax.Array) -> jax.Array | None:
+    """What a sparse-attention indexer's queries project: the q-LoRA latent, or None when they
+    project the hidden state (index_q_hidden, Mistral Large 4)."""
+    return None if cfg.attention.index_q_hidden else mla.q_latent(cfg, layer, h)
+
+
 def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache, tap: _Taps):
     """`decode_step` for an MLA model (same contract, latent cache; tpumk.model.mla's attention)."""
     b, t = tokens.shape
@@ -593,6 +599,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
         raise ValueError("decode_step: a sparse-attention model needs its index-key cache (reference.init_cache makes it)")
     selected = None  # sparse attention: the keys each query attends to (a shared layer keeps the last)
     states, live = cache.states, (positions >= 0) & (positions < ctx)
+    freqs = mla.rope_freqs(cfg, params)
     x = embed(params, tokens, cfg.head.embed_scale)
     for i, layer in enumerate(params["layers"]):
         tap.layer(i, x)
@@ -602,21 +609,26 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
                                                     cfg.norms.rms_eps, jnp_dtype(cfg))
             x = x + o
         else:
-            kl = cfg.pattern.kv_index(i)
-            q_nope, q_rope, row = mla.project(cfg, layer, h, positions, cfg.pattern.rotates(i))
+            # (a layer reading another's latent rows, Mistral Large 4: that layer's cache, no write)
+            kl, rot = cfg.pattern.kv_index(cfg.pattern.kv_source(i)), cfg.pattern.rotates(i)
+            q_nope, q_rope, row = mla.project(cfg, layer, h, positions, rot, freqs)
+            w = cfg.attention.kv_cache_width
             if quant:  # the latent row is one tensor of one "head": one scale per token
-                lc = cache.layout.write(lc, kl, page_ids, slots, row[:, :, None, None, :])
-                rows = cache.layout.read(lc, kl, tables, row.dtype).reshape(b, ctx, cfg.attention.kv_cache_width)
+                if row is not None:
+                    lc = cache.layout.write(lc, kl, page_ids, slots, row[:, :, None, None, :])
+                rows = cache.layout.read(lc, kl, tables, jnp_dtype(cfg)).reshape(b, ctx, w)
             else:
-                w = cfg.attention.kv_cache_width  # the row's lanes, then zeros in the stored row's pad lanes
-                stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
-                lc = lc.at[kl, page_ids, slots].set(stored, mode="drop")
+                if row is not None:  # the row's lanes, then zeros in the stored row's pad lanes
+                    stored = jnp.pad(row, ((0, 0), (0, 0), (0, lc.shape[-1] - w)))
+                    lc = lc.at[kl, page_ids, slots].set(stored, mode="drop")
                 rows = lc[kl][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
             if cfg.has_indexer(i):
                 il = cfg.indexer_layers.index(i)
-                ic = ic.at[il, page_ids, slots].set(sparse_attention.index_keys(cfg, layer, h, positions), mode="drop")
+                ic = ic.at[il, page_ids, slots].set(sparse_attention.index_keys(cfg, layer, h, positions, rot, freqs),
+                                                    mode="drop")
                 keys = ic[il][tables].reshape(b, ctx, cfg.attention.index_head_dim)
-                scores = sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), positions, keys)
+                scores = sparse_attention.index_scores(cfg, layer, h, q_resid(cfg, layer, h), positions, keys, rot,
+                                                       freqs)
                 selected = sparse_attention.select(cfg, scores, mla.visible(positions, k_pos, k_valid))
             o = mla.attend_latent(cfg, layer, q_nope, q_rope, rows, positions, k_pos, k_valid, selected)
             x = x + matmul(o, layer["wo"])
@@ -636,6 +648,7 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: 
     x = embed(params, tokens, cfg.head.embed_scale)
     states = linear_attention.init_states(cfg, b, seed=None) if cfg.linear else None
     valid, selected = jnp.ones((b, t), bool), None
+    freqs, rows = mla.rope_freqs(cfg, params), {}  # rows: each layer's latent rows (a later layer may read them)
     for i, layer in enumerate(params["layers"]):
         tap.layer(i, x)
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
@@ -644,10 +657,12 @@ def _mla_forward_full(params: Params, cfg: ModelConfig, tokens: jax.Array, tap: 
                                                     cfg.pattern.linear_index(i), cfg.norms.rms_eps, jnp_dtype(cfg))
             x = x + o
         else:
-            q_nope, q_rope, row = mla.project(cfg, layer, h, pos, cfg.pattern.rotates(i))
+            rot = cfg.pattern.rotates(i)
+            q_nope, q_rope, row = mla.project(cfg, layer, h, pos, rot, freqs)
+            row = rows.setdefault(i, row) if row is not None else rows[cfg.pattern.kv_source(i)]
             if cfg.has_indexer(i):  # sparse attention over the whole sequence's index keys
-                keys = sparse_attention.index_keys(cfg, layer, h, pos)
-                scores = sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), pos, keys)
+                keys = sparse_attention.index_keys(cfg, layer, h, pos, rot, freqs)
+                scores = sparse_attention.index_scores(cfg, layer, h, q_resid(cfg, layer, h), pos, keys, rot, freqs)
                 selected = sparse_attention.select(cfg, scores, mla.visible(pos, pos, valid))
             o = mla.attend_expanded(cfg, layer, q_nope, q_rope, row, pos, pos, valid, selected)
             x = x + matmul(o, layer["wo"])

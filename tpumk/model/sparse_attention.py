@@ -11,6 +11,10 @@ R = qk_rope_head_dim; weights in `tpumk.model.weights`' layout):
     w     = (x @ idx_weights) x Hi^-0.5                      -> [Hi]   (float32)
     score(t, s) = sum_h w_h ReLU(q_i[t, h] . k_i[s] x Di^-0.5)
 
+Mistral Large 4 (index_q_hidden, query_log_scale): q_i = LayerNorm(x; idx_q_norm, idx_q_bias,
+eps 1e-6) @ idx_wq, times s_h ln(1 + p) + b_h per head (idx_log_scale / idx_log_bias); a NoPE
+layer's indexer ropes nothing; RoPE's frequencies are MLA's learned ones (mla.rope_freqs).
+
 Each query keeps the `index_topk` keys it scores highest among those it may see (cached or
 new keys at positions <= its own: transformers' causal mask enters the scores before top-k);
 fewer visible keys than that: all of them. MLA then attends to the kept keys only. A layer in
@@ -31,12 +35,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpumk.model import yarn
+from tpumk.model import mla, yarn
 from tpumk.model.config import ModelConfig
-from tpumk.model.mla import rope_rows
 from tpumk.model.ops import jnp_dtype, matmul
 
-INDEX_KEY_NORM_EPS = 1e-6  # transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
+# transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6); Mistral Large 4's q_input_norm too
+INDEX_KEY_NORM_EPS = 1e-6
 
 
 def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -47,38 +51,49 @@ def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) ->
     return (x - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
-def _rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+def _rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array, rotate: bool = True, freqs=None) -> jax.Array:
     """RoPE on the first qk_rope_head_dim lanes of x [B, T, heads, Di] (rotate-half, or interleaved
     pairs: evens then odds, then rotate-half, as transformers' apply_rotary_pos_emb_interleave
-    writes them); the other lanes unchanged."""
+    writes them); the other lanes unchanged. `rotate` False (a NoPE layer's indexer, Mistral
+    Large 4): x unchanged. `freqs`: MLA's (mla.rope_freqs; learned ones included)."""
+    if not rotate:
+        return x
     r = cfg.qk_rope_head_dim
     rot, rest = x[..., :r], x[..., r:]
     if cfg.attention.index_rope_interleave:
         rot = jnp.concatenate([rot[..., 0::2], rot[..., 1::2]], -1)
-    freqs, factor = yarn.inv_freq(cfg.positions, r), yarn.attention_factor(cfg.positions)
-    return jnp.concatenate([rope_rows(rot, positions, freqs, factor), rest], -1)
+    freqs = mla.rope_freqs(cfg) if freqs is None else freqs
+    return jnp.concatenate([mla.rope_rows(rot, positions, freqs, yarn.attention_factor(cfg.positions)), rest], -1)
 
 
-def index_keys(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array) -> jax.Array:
+def index_keys(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True,
+               freqs=None) -> jax.Array:
     """x [B, T, H] (the layer's normed input) -> the index-key rows [B, T, Di] in the model dtype
     (what the index-key cache stores)."""
     k = _layer_norm(matmul(x, layer["idx_wk"]), layer["idx_k_norm"], layer["idx_k_bias"], INDEX_KEY_NORM_EPS)
     k = k.astype(jnp_dtype(cfg))  # the LayerNorm's output in the model dtype, as transformers' module returns it
-    return _rope(cfg, k[:, :, None, :], positions)[:, :, 0, :].astype(jnp_dtype(cfg))
+    return _rope(cfg, k[:, :, None, :], positions, rotate, freqs)[:, :, 0, :].astype(jnp_dtype(cfg))
 
 
-def index_scores(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array, positions: jax.Array,
-                 keys: jax.Array) -> jax.Array:
+def index_scores(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array | None, positions: jax.Array,
+                 keys: jax.Array, rotate: bool = True, freqs=None) -> jax.Array:
     """The indexer's scores [B, T, S] float32 of the step's queries (x [B, T, H] the normed input,
-    q_resid [B, T, Rq] the normed q-LoRA latent, positions [B, T]) against key rows [B, S, Di]."""
-    a = cfg.attention
+    q_resid [B, T, Rq] the normed q-LoRA latent, positions [B, T]) against key rows [B, S, Di].
+    With index_q_hidden (Mistral Large 4) the queries project LayerNorm(x) instead (q_resid
+    unused), and with query_log_scale leave times their per-head log-position factor (before
+    RoPE, as transformers; RoPE is linear, so the order is the same product)."""
+    a, dt = cfg.attention, jnp_dtype(cfg)
     b, t, _ = x.shape
-    q = matmul(q_resid, layer["idx_wq"]).astype(jnp_dtype(cfg)).reshape(b, t, a.index_heads, a.index_head_dim)
-    q = _rope(cfg, q, positions).astype(jnp_dtype(cfg))
+    if a.index_q_hidden:
+        q_resid = _layer_norm(x, layer["idx_q_norm"], layer["idx_q_bias"], INDEX_KEY_NORM_EPS).astype(dt)
+    q = matmul(q_resid, layer["idx_wq"]).astype(dt).reshape(b, t, a.index_heads, a.index_head_dim)
+    if a.query_log_scale:
+        q = q * mla.log_position_scale(layer["idx_log_scale"], layer["idx_log_bias"], positions, dt)[..., None]
+    q = _rope(cfg, q, positions, rotate, freqs).astype(dt)
     s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST) * (a.index_head_dim ** -0.5)
     # (the model-dtype input, as transformers' hidden_states, into the float32 weights_proj)
-    w = matmul(x.astype(jnp_dtype(cfg)), layer["idx_weights"]) * (a.index_heads ** -0.5)  # [B, T, Hi] float32
+    w = matmul(x.astype(dt), layer["idx_weights"]) * (a.index_heads ** -0.5)  # [B, T, Hi] float32
     return jnp.einsum("bth,bths->bts", w, jax.nn.relu(s), precision=jax.lax.Precision.HIGHEST)
 
 

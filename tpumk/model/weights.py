@@ -21,6 +21,11 @@ Reference layout (what `tpumk.model.reference` consumes; matrices are `[in, out]
     Sparse attention (index_topk > 0): each MLA layer with an indexer of its own adds idx_wq
     [Rq, Hi*Di], idx_wk [H, Di], idx_k_norm, idx_k_bias [Di] (the key's LayerNorm) and
     idx_weights [H, Hi] (float32 whatever the model dtype).
+    Mistral Large 4: rope_alpha [R/2] (float32, top level; rope_learned_freqs), q_log_scale,
+    q_log_bias [Hq] and idx_log_scale, idx_log_bias [Hi] per layer (query_log_scale); idx_wq
+    [H, Hi*Di] with idx_q_norm, idx_q_bias [H] (index_q_hidden); a NoPE layer's wkv_a [H, C] and
+    wkv_b [C, Hq*(N+R+V)] (nope_latent_keys); no wkv_a / kv_a_norm in a layer that reads
+    another's latent rows (kv_source_layers).
     Linear-attention layers (tpumk.model.linear_attention, `LinearAttention.tensor_shapes`)
     replace the attention tensors by lin_qkv [H, C] (q | k | v, C = 2 Hk Dk + Hv Dv), lin_conv
     [taps, C], lin_norm [Dv], lin_out [Hv Dv, H], and Gated DeltaNet's lin_z [H, Hv Dv], lin_b,
@@ -50,11 +55,18 @@ def expected_shapes(cfg: ModelConfig) -> Params:
     weights are drawn in it)."""
     h, n, a = cfg.hidden_size, cfg.norms, cfg.attention
     top: Params = cfg.head.tensor_shapes()
+    if cfg.rope_learned_freqs:  # Mistral Large 4: each RoPE frequency x exp(rope_alpha[j])
+        top["rope_alpha"] = (cfg.qk_rope_head_dim // 2,)
     layers = []
     for i in range(cfg.num_layers):
         lay: Params = {"attn_norm": (h,)} if n.pre_norms else {}  # OLMo 2: only the post-sublayer norms
         linear = cfg.pattern.is_linear(i)  # a linear-attention layer's own tensors replace attention's
-        lay.update(cfg.linear.tensor_shapes() if linear else a.projection_shapes(h))
+        if linear:
+            lay.update(cfg.linear.tensor_shapes())
+        elif cfg.is_mla:  # (a NoPE layer's widths, a layer reading another's latent rows: Mistral Large 4)
+            lay.update(a.mla_layer_shapes(h, cfg.pattern.rotates(i), cfg.pattern.owns_kv(i)))
+        else:
+            lay.update(a.projection_shapes(h))
         if n.pre_norms and not n.parallel_blocks:  # Cohere: attention and the MLP read one normed input
             lay["mlp_norm"] = (h,)
         if not linear:
@@ -73,6 +85,9 @@ def expected_shapes(cfg: ModelConfig) -> Params:
 
 QKV_BIASES = ("bq", "bk", "bv")
 FLOAT32_TENSORS = ("router", "router_bias")  # kept float32 under DeepSeek-V3 routing
+# float32 whatever the model dtype, as transformers keeps them: the indexer's per-head weights,
+# Mistral Large 4's learned RoPE frequencies
+FLOAT32_ALWAYS = ("idx_weights", "rope_alpha")
 # Muse Spark's residual gates (tpumk.model.spark), float32 as transformers keeps them
 RESIDUAL_GATES = ("res_attn_alpha", "res_attn_beta", "res_mlp_alpha", "res_mlp_beta")
 
@@ -81,7 +96,8 @@ def tensor_dtype(cfg: ModelConfig, name: str, dt):
     """The dtype a reference-layout tensor is stored in: `dt`, except the DeepSeek-V3 gate, Muse
     Spark's residual gates and the sparse-attention indexer's per-head weights (transformers keeps
     `indexer.weights_proj` float32)."""
-    if name == "idx_weights" or name in RESIDUAL_GATES or (cfg.moe.router_correction_bias and name in FLOAT32_TENSORS):
+    if name in FLOAT32_ALWAYS or name in RESIDUAL_GATES or (
+            (cfg.moe.router_correction_bias or cfg.moe.router_float32) and name in FLOAT32_TENSORS):
         return jnp.float32
     return dt
 
@@ -116,6 +132,14 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         elif name == "lin_A_log":  # decay rates A = exp(A_log) about 0.1-1: a state remembers a few tokens
             w = -1.0 + 0.5 * jax.random.normal(k, shape, jnp.float32)
         elif name == "lin_dt_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "rope_alpha":  # frequencies x exp(alpha) about 0.6-1.6: a dropped alpha shows
+            w = 0.3 * jax.random.normal(k, shape, jnp.float32)
+        elif name in ("q_log_scale", "idx_log_scale"):  # s ln(1 + p) about 0.1-0.5 at the tests' positions
+            w = 0.2 * jax.random.normal(k, shape, jnp.float32)
+        elif name in ("q_log_bias", "idx_log_bias"):  # about 1: the query keeps its size
+            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "idx_q_bias":
             w = 0.5 * jax.random.normal(k, shape, jnp.float32)
         elif name == "idx_k_bias":  # about a normed lane's size, so a dropped bias shows
             w = 0.5 * jax.random.normal(k, shape, jnp.float32)

@@ -873,6 +873,13 @@ KERNEL_MISSING = (
     ("moe_hidden_size", "the MoE's down- and up-projections around its experts (moe_hidden_size)"),
     ("expert_post_norm", "a norm on each expert's output (expert_post_norm)"),
     ("post_norm_eps", "post-sublayer norms with their own epsilon (post_norm_eps)"),
+    # Mistral Large 4's (tpumk.model.mla, tpumk.model.sparse_attention: the reference's)
+    ("rope_learned_freqs", "learned RoPE frequencies (rope_learned_freqs)"),
+    ("query_log_scale", "learned per-head log-position query scales (query_log_scale)"),
+    ("nope_latent_keys", "NoPE MLA layers with all-latent keys (nope_latent_keys)"),
+    ("kv_source_layers", "layers reading another layer's latent cache (kv_source_layers)"),
+    ("index_q_hidden", "an indexer whose queries read the hidden state (index_q_hidden)"),
+    ("router_float32", "a float32 router without a correction bias (router_float32)"),
 )
 
 
@@ -884,6 +891,8 @@ def check_kernel_parts(model: ModelConfig) -> None:
         missing.append("post-sublayer norms on routed layers (post_norms with experts)")
     if model.nope_layers and not model.linear and set(model.nope_layers) != set(model.pattern.attention_layers):
         missing.append("NoPE on some attention layers but not all (nope_layers)")
+    if missing and model.attention.is_sparse:  # (alone, _check_mla's own line says it)
+        missing.append(f"sparse attention (index_topk = {model.index_topk})")
     if missing:
         raise NotSupportedError(f"model '{model.name}': not built by the megakernel yet: {'; '.join(missing)} (the "
                                 "reference decode step runs it: tpumk generate --backend reference)")
