@@ -113,7 +113,8 @@ def _prefill(cfg, params, kv_dtype):
     return ref.prefill(params, cfg, PROMPTS, cache)
 
 
-@pytest.mark.parametrize("preset, kv_dtype", [("tiny-dense", "fp8"), ("tiny-dense", "int8"), ("tiny-mla", "fp8")])
+@pytest.mark.parametrize("preset, kv_dtype", [pytest.param("tiny-dense", "fp8", marks=pytest.mark.full),  # tests/README.md
+                                             ("tiny-dense", "int8"), ("tiny-mla", "fp8")])
 def test_reference_writes_codes_and_scales_of_its_rows(preset, kv_dtype):
     """The first layer's K/V rows depend only on the tokens, so the quantized cache's layer 0
     must hold exactly quantize_rows of the model-dtype cache's layer-0 rows, at the same pages
