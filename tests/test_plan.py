@@ -296,14 +296,18 @@ def test_auto_kv_knobs_stay_inside_a_tight_budget():
     assert kv(tight) < kv(roomy)
 
 
-def test_nope_on_some_attention_layers_is_refused_not_built_rotated():
-    """The megakernel's glue makes one RoPE table per step, unrotated for all layers when the model
-    has NoPE layers: a GQA model with NoPE on some layers but not all was built with none rotated.
-    Refused in one line naming it (all layers NoPE still builds)."""
-    cfg = load_preset("tiny-dense")
+def test_nope_on_some_mla_layers_is_refused_not_built_rotated():
+    """The megakernel's glue makes one RoPE table per step; the GQA layers skip it on NoPE layers
+    (tests/test_megakernel_spark.py), the MLA layers do not yet: an MLA model with NoPE on some
+    layers but not all is refused in one line naming it (all layers NoPE still builds, and a GQA
+    model with NoPE on some layers plans)."""
+    cfg = load_preset("tiny-mla")
     with pytest.raises(NotSupportedError) as e:
         make_plan(BuildSpec(cfg.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256))
-    assert str(e.value) == ("model 'tiny-dense': not built by the megakernel yet: NoPE on some attention layers but "
+    assert str(e.value) == ("model 'tiny-mla': not built by the megakernel yet: NoPE on some MLA layers but "
                             "not all (nope_layers) (the reference decode step runs it: tpumk generate --backend "
                             "reference)")
-    make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1, 256))
+    assert make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1,
+                               256)).all_nope
+    dense = load_preset("tiny-dense")
+    assert not make_plan(BuildSpec(dense.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256)).all_nope

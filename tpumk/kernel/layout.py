@@ -13,7 +13,9 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm (pre_norms), 2 q_norm, 3 k_norm (first
                                    D lanes, or q_size / kv_size with qk_norm_whole; ones when the
                                    model has no QK-norm), 4 qkv bias,
-                                   5 post_attn_norm, 6 post_mlp_norm (post_norms), else zero
+                                   5 post_attn_norm, 6 post_mlp_norm (post_norms; with residual_gates
+                                   each sublayer's alpha and beta after it from lanes G and 2G,
+                                   G = residual_gate_offset), else zero
     qkv            [L,  T, r, c]   [wq | wk | wv]                       (H x (Hq+2Hkv)D)
     o              [L,  T, r, c]   wo                                    (Hq D x H)
     gate_up        [Ld, T, r, c]   gate and up interleaved per column tile: tile column block j
@@ -62,7 +64,7 @@ from tpumk.kernel.memory import shape_struct
 from tpumk.plan.geometry import LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block, mla_dims
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
-from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset,
+from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset, residual_gate_offset,
                              plan_families,
                              scale_offsets)
 from tpumk.model.reference import jnp_dtype
@@ -257,6 +259,12 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
             if name in lay:
                 block = block.at[VECTOR_ROW[name], :h].set(jnp.asarray(lay[name], jnp.float32))
+        if cfg.norms.residual_gates:  # each post row: the norm, then alpha, then beta, from lane tiles
+            at = residual_gate_offset(cfg)
+            for which, name in (("attn", "post_attn_norm"), ("mlp", "post_mlp_norm")):
+                for k, c in enumerate(("alpha", "beta")):
+                    block = block.at[VECTOR_ROW[name], (k + 1) * at:(k + 1) * at + h].set(
+                        jnp.asarray(lay[f"res_{which}_{c}"], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
         if "lin_qkv" in lay:  # a linear layer: its own rows
             return _linear_vectors(cfg, lay, block)

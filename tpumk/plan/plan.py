@@ -297,6 +297,13 @@ class Plan:
         return layer_vector_width(self.cfg)
 
     @property
+    def all_nope(self) -> bool:
+        """No attention layer is rotated (nope_layers on every one): the step's RoPE tables are
+        identities; with NoPE on some layers only, the kernel skips those layers' rotation."""
+        cfg = self.cfg
+        return bool(cfg.nope_layers) and set(cfg.nope_layers) >= set(cfg.pattern.attention_layers)
+
+    @property
     def vmem_total(self) -> int:
         return sum(self.vmem.values())
 
@@ -395,16 +402,25 @@ def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
     norms' widths (they take the q_norm / k_norm rows), with qkv_bias / o_bias the q|k|v|o bias row, and
     with qk_norm_whole the q norm's q_size, with attention sinks one lane per q head, with linear
-    layers their convolution's channels and decay row (`tpumk.plan.geometry.LINEAR_ROW`)."""
+    layers their convolution's channels and decay row (`tpumk.plan.geometry.LINEAR_ROW`), with
+    residual_gates each post row's alpha and beta after the norm (`residual_gate_offset`)."""
     bias = cfg.attention.q_size + 2 * cfg.attention.kv_size if cfg.attention.qkv_bias else 0
     whole = cfg.attention.q_size if cfg.attention.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
     sinks = cfg.num_q_heads if cfg.attention.attn_sinks else 0
     o = o_bias_offset(cfg) + cfg.hidden_size if cfg.attention.o_bias else 0
+    gates = 3 * residual_gate_offset(cfg) if cfg.norms.residual_gates else 0
     # a linear layer's rows (LINEAR_ROW): its convolution's taps over C lanes, dt_bias after a lane tile
     lin = cfg.linear
     linear = max(lin.conv_dim, LANE + lin.decay_width) if lin else 0
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear),
-                    LANE)
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear,
+                        gates), LANE)
+
+
+def residual_gate_offset(cfg: ModelConfig) -> int:
+    """With residual_gates (Muse Spark): the first lane of a sublayer's alpha in its post-norm row
+    (post_attn_norm: attention's, post_mlp_norm: the MLP's), beta from twice this lane; the norm
+    itself holds the first hidden_size lanes (each on a lane tile boundary: aligned slices)."""
+    return round_up(cfg.hidden_size, LANE)
 
 
 def o_bias_offset(cfg: ModelConfig) -> int:
@@ -867,12 +883,8 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
 # Parts of a model the reference runs and the megakernel does not build yet (Muse Spark's:
 # tpumk.model.spark), each as the build's one-line refusal names it.
 KERNEL_MISSING = (
-    ("embed_norm", "the embedding's RMSNorm (embed_norm)"),
-    ("residual_gates", "gated residual connections (residual_gates)"),
-    ("attn_out_norm", "the per-head norm of attention's output (attn_out_norm)"),
     ("moe_hidden_size", "the MoE's down- and up-projections around its experts (moe_hidden_size)"),
     ("expert_post_norm", "a norm on each expert's output (expert_post_norm)"),
-    ("post_norm_eps", "post-sublayer norms with their own epsilon (post_norm_eps)"),
 )
 
 
@@ -880,10 +892,8 @@ def check_kernel_parts(model: ModelConfig) -> None:
     """Refuse, in one line naming every one, the parts of `model` the megakernel lacks (before any
     planning: a model that is also too big for one device is refused for these first)."""
     missing = [what for f, what in KERNEL_MISSING if getattr(model, f)]
-    if model.post_norms and model.is_moe:
-        missing.append("post-sublayer norms on routed layers (post_norms with experts)")
-    if model.nope_layers and not model.linear and set(model.nope_layers) != set(model.pattern.attention_layers):
-        missing.append("NoPE on some attention layers but not all (nope_layers)")
+    if model.nope_layers and model.is_mla and set(model.nope_layers) != set(model.pattern.attention_layers):
+        missing.append("NoPE on some MLA layers but not all (nope_layers)")
     if missing:
         raise NotSupportedError(f"model '{model.name}': not built by the megakernel yet: {'; '.join(missing)} (the "
                                 "reference decode step runs it: tpumk generate --backend reference)")
