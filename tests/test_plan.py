@@ -65,15 +65,9 @@ def test_every_family_has_tile_knobs():
 @pytest.mark.parametrize("target", [t for t in TARGETS])
 @pytest.mark.parametrize("preset", preset_names())
 def test_default_plan_fits_or_says_does_not_fit(preset, target):
-    """Defaults work for every preset on every target, unless the model exceeds the device HBM or
-    has parts the megakernel does not build yet (muse-spark: refused first, in one line)."""
+    """Defaults work for every preset on every target, unless the model exceeds the device HBM."""
     cfg = load_preset(preset)
     tgt = get_target(target)
-    if preset == "muse-spark":
-        with pytest.raises(NotSupportedError, match="not built by the megakernel yet") as e:
-            make_plan(BuildSpec(cfg, tgt, 1, 4096))
-        assert "\n" not in str(e.value)
-        return
     for batch in (1, 8):
         kv = cfg.kv_bytes_per_token() * batch * 4096
         if cfg.param_count() * cfg.dtype_bytes + kv > tgt.hbm_bytes:

@@ -20,8 +20,9 @@ Outside the kernel (thin glue, all O(B * q * (H + V)) elementwise work):
 Inside, per layer (one top-level loop per segment of same-kind layers, see tpumk.kernel.ring):
 RMSNorm -> q|k|v tiles -> QK-norm + RoPE -> paged attention with the cache write
 (tpumk.kernel.attention) -> o tiles + residual -> RMSNorm -> SwiGLU gate|up tiles and down tiles
-(dense) or router, expert slots and the shared expert's tiles (MoE, tpumk.kernel.moe) ->
-residual. MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and attention: the q
+(dense) or router, expert slots and the shared expert's tiles (MoE, tpumk.kernel.moe; Muse
+Spark's experts between the moe_in and moe_out tiles) -> residual (with post_norms or
+residual_gates the sublayer's whole output, normalized and / or gated, joins it). MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and attention: the q
 path (q_a -> q_a norm -> q_b, or q), kv_a -> kv_a norm + RoPE of k_rope (the new latent cache
 rows), RoPE of the q rope lanes, q_nope . W_UK per head (block-diagonal ring family), latent
 attention with the cache write, . W_UV per head, then o. Then the final norm and the lm_head as its own loop. The ring keeps `ring_depth`
@@ -513,17 +514,29 @@ def _kernel(plan: Plan):
                 # Routing first, so the expert loads are in flight while the shared expert streams.
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
                                                router_started=True, scales_hbm=moe_scales, bias_hbm=moe_bias)
+                fam = plan.families
+                if "moe_in" in fam:  # Muse Spark: the experts read rms_norm(x @ moe_in) at width M
+                    m = plan.moe.hidden
+                    matmul(seg, layer, "moe_in", s.normed, store_to(s.moe_x, m, fam["moe_in"].tile_cols))
+                    s.moe_x[...] = rms_norm(s.moe_x[...], row(vec, "moe_in_norm", m), eps, plan.moe.norm_width or None)
                 if "shared_gate_up" in seg.families:
                     matmul(seg, layer, "shared_gate_up", s.normed,
-                                swiglu_into(s.act, plan.families["shared_gate_up"].tile_cols))
+                                swiglu_into(s.act, fam["shared_gate_up"].tile_cols))
                     matmul(seg, layer, "shared_down", s.act,
-                                store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
-                routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe,
+                                store_to(s.moe_out, h, fam["shared_down"].tile_cols))
+                experts_x = s.moe_x[...] if "moe_in" in fam else s.normed[...]
+                routed = moe_mod.moe_experts(plan.moe, moe_index, experts_x, e_gateup, e_down, s.moe,
                                              scales_hbm=moe_scales, bias_hbm=moe_bias)
+                shared = None
                 if "shared_gate_up" in seg.families:  # reference: routed + shared, then the residual
                     shared = s.moe_out[...]
                     if plan.moe.shared_gate:  # Qwen2-MoE: sigmoid(x . w) per row, from the routing
                         shared = moe_mod.shared_gate_of(plan.moe, s.moe) * shared
+                if "moe_out" in fam:  # back to the hidden width (the experts' output in moe_x, read by now)
+                    s.moe_x[...] = routed
+                    matmul(seg, layer, "moe_out", s.moe_x, store_to(s.moe_out, h, fam["moe_out"].tile_cols))
+                    routed = s.moe_out[...]
+                if shared is not None:
                     routed = routed + shared
                 if ar is not None:  # this device's experts / widths: a partial sum
                     s.partial[0:rows, 0:h] = routed
