@@ -12,7 +12,8 @@ Weight streaming vocabulary:
 - a *family* is one kind of dense matrix, fused where narrow ones sit side by side:
   `qkv` = [wq | wk | wv] (H x (Hq+2Hkv)D), `o` = wo, `gate_up` = gate and up interleaved per
   column tile (each tile holds gate columns then the same up columns), `down`, the shared
-  expert's `shared_gate_up` / `shared_down`, and `lm_head`.
+  expert's `shared_gate_up` / `shared_down`, Muse Spark's `moe_in` / `moe_out` around the
+  routed experts, and `lm_head`.
 - a family's matrix is cut into tiles [tile_rows, tile_cols]; tile t = col_block * row_blocks +
   row_block (all row blocks of a column block in a row, so each column block finishes at once).
 - a *segment* is a run of consecutive layers of one kind (dense or MoE) walked by one top-level
