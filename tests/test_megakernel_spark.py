@@ -45,7 +45,9 @@ def spark_model(dtype: str):
 
 @pytest.mark.parametrize("dtype, lengths, q_len, knobs", [
     # two 128-column chunks per expert in two slots: each expert's output is normalised whole
-    ("float32", [17, 44], 1, dict(kv_tile_pages=1, expert_chunk=128, expert_slots=2)),
+    pytest.param("float32", [17, 44], 1, dict(kv_tile_pages=1, expert_chunk=128, expert_slots=2), id="f32-q1-chunked"),
+    # a verify step of 2 tokens, whole experts in one slot (the full tier: tests/README.md)
+    pytest.param("float32", [23, 9], 2, dict(kv_tile_pages=1), marks=pytest.mark.full, id="f32-q2"),
 ])
 def test_spark_parts_match_reference(dtype, lengths, q_len, knobs):
     cfg, params = spark_model(dtype)
