@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 import pytest
 
 from test_megakernel import check_step
@@ -98,3 +99,39 @@ def test_plan_counts_the_projections_and_keeps_experts_whole_on_many_devices():
     with pytest.raises(PlanError) as e:
         make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, 64, TuningConfig(expert_parallel=1), devices=2))
     assert "\n" not in str(e.value) and "whole experts (expert_post_norm)" in str(e.value)
+
+
+@functools.lru_cache(maxsize=None)
+def int4_spark():
+    """The small model's build and weights under --quant int4: the ring in int8 (moe_in and moe_out
+    with their column scales), the experts in int4 at width M."""
+    from tpumk.model.quantize import quantize_params
+
+    cfg, params = spark_model("float32")
+    return cfg, BuildSpec(cfg, get_target("cpu"), batch=1, context=64, quant="int4"), \
+        quantize_params(cfg, params, "int4")
+
+
+@pytest.mark.full  # (tests/README.md)
+def test_quantized_projections_and_experts_match_the_quantized_reference():
+    """--quant int4: two kernel steps against the quantized reference."""
+    from test_quant import _check_two_steps
+
+    cfg, spec, qp = int4_spark()
+    plan = make_plan(spec)
+    assert plan.contract.operand("moe_in").dtype == plan.contract.operand("moe_out").dtype == "int8"
+    _check_two_steps(plan, cfg, qp, 1, 1, "float32", 64)
+
+
+def test_quantized_projections_pack_on_every_device():
+    """--quant int4 on 2 devices: each device's weights pack (moe_in / moe_out whole and quantized
+    on each, their column scales in the layer's scale row)."""
+    from tpumk.kernel.layout import pack_sharded
+
+    _, spec, qp = int4_spark()
+    plan = make_plan(spec.replace(devices=2))
+    packed = pack_sharded(plan, qp)
+    assert packed["moe_in"].shape[0] == packed["layer_scales"].shape[0] == 2
+    assert packed["moe_in"].dtype == packed["moe_out"].dtype == jnp.int8
+    at, m = plan.scale_offsets["moe_in"], plan.families["moe_in"].m
+    assert bool(jnp.all(packed["layer_scales"][:, 1, 0, at:at + m] > 0))  # layer 1 (routed): its scales

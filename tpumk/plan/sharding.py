@@ -255,8 +255,8 @@ class ShardingPlan:
                 # experts read all M columns; its partial output at M maps to a partial sum at H)
                 for k in ("router_bias", "shared_router", "router_logit_bias", "e_down_bias", "moe_in", "moe_in_norm",
                           "moe_out"):
-                    if k in lay:
-                        out[k] = np.asarray(lay[k])
+                    if k in lay:  # (moe_in / moe_out quantized with the ring: kept as they are)
+                        out[k] = lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
                 def owned(a):  # this device's experts (the leading axis)
