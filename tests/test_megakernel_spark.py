@@ -102,24 +102,27 @@ def test_plan_counts_the_projections_and_keeps_experts_whole_on_many_devices():
 
 
 @functools.lru_cache(maxsize=None)
-def int4_spark():
-    """The small model's build and weights under --quant int4: the ring in int8 (moe_in and moe_out
-    with their column scales), the experts in int4 at width M."""
+def quantized_spark(scheme: str = "int4"):
+    """The small model's build and weights under --quant `scheme`: int4, the ring in int8 (moe_in
+    and moe_out with their column scales) and the experts in int4 at width M; nvfp4, the ring in
+    the model dtype and the experts in nvfp4."""
     from tpumk.model.quantize import quantize_params
 
     cfg, params = spark_model("float32")
-    return cfg, BuildSpec(cfg, get_target("cpu"), batch=1, context=64, quant="int4"), \
-        quantize_params(cfg, params, "int4")
+    return cfg, BuildSpec(cfg, get_target("cpu"), batch=1, context=64, quant=scheme), \
+        quantize_params(cfg, params, scheme)
 
 
 @pytest.mark.full  # (tests/README.md)
-def test_quantized_projections_and_experts_match_the_quantized_reference():
-    """--quant int4: two kernel steps against the quantized reference."""
+@pytest.mark.parametrize("scheme", ["int4", "nvfp4"])
+def test_quantized_projections_and_experts_match_the_quantized_reference(scheme):
+    """--quant int4 / nvfp4: two kernel steps against the quantized reference."""
     from test_quant import _check_two_steps
 
-    cfg, spec, qp = int4_spark()
+    cfg, spec, qp = quantized_spark(scheme)
     plan = make_plan(spec)
-    assert plan.contract.operand("moe_in").dtype == plan.contract.operand("moe_out").dtype == "int8"
+    ring = "int8" if scheme == "int4" else "float32"
+    assert plan.contract.operand("moe_in").dtype == plan.contract.operand("moe_out").dtype == ring
     _check_two_steps(plan, cfg, qp, 1, 1, "float32", 64)
 
 
@@ -128,7 +131,7 @@ def test_quantized_projections_pack_on_every_device():
     on each, their column scales in the layer's scale row)."""
     from tpumk.kernel.layout import pack_sharded
 
-    _, spec, qp = int4_spark()
+    _, spec, qp = quantized_spark()
     plan = make_plan(spec.replace(devices=2))
     packed = pack_sharded(plan, qp)
     assert packed["moe_in"].shape[0] == packed["layer_scales"].shape[0] == 2
