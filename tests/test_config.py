@@ -549,10 +549,9 @@ def test_pre_norms_and_whole_qk_norm_are_validated_and_planned_where_they_build(
     ]:
         with pytest.raises(ConfigError, match=match):
             dense.replace(**changes)
-    # post-norms on routed layers: the reference runs them (Muse Spark), the megakernel does not build them
+    # post-norms on routed layers (Muse Spark's; tests/test_megakernel_spark.py runs them)
     moe_post = load_preset("tiny-moe").replace(pre_norms=False, post_norms=True)
-    with pytest.raises(NotSupportedError, match=r"not built by the megakernel yet: post-sublayer norms on routed "):
-        make_plan(BuildSpec(moe_post, get_target("tpu7x")))
+    assert make_plan(BuildSpec(moe_post, get_target("tpu7x"))).cfg.post_norms
     olmo = dense.replace(pre_norms=False, post_norms=True, qk_norm_whole=True)
     assert make_plan(BuildSpec(olmo, get_target("tpu7x"))).cfg.qk_norm_whole
     # on many devices the rows' sums of squares are all-reduced before the norm: a third

@@ -1,6 +1,6 @@
 """Muse Spark's language model (transformers' `muse_spark` wrapper, text config `muse_spark_text`):
 tpumk's reader, its reference decode step against transformers' own MuseSparkForConditionalGeneration,
-the megakernel's one-line refusal, and the `muse-spark` preset at the published size.
+its greedy tokens through the megakernel, and the `muse-spark` preset at the published size.
 
 The tiny checkpoint is written by transformers' classes with every part moved off its identity
 init: the (1 + w) and input-scaled norm weights around 1 (not 0), the final norm's around 1, a
@@ -145,22 +145,28 @@ def test_greedy_tokens_equal_transformers(checkpoint, model):
     assert generate(model, PROMPTS, STEPS, backend="reference", page_size=4)["tokens"] == want
 
 
-def _one_line_error(r) -> str:
-    assert r.exit_code == 1, r.output
-    err = r.stderr.strip()
-    assert err.startswith("tpumk: error: ") and "\n" not in err and "Traceback" not in r.output, err
-    return err
+# 4 devices: the full tier (tests/README.md; 33 s against 18 s): the default run has one device
+# here, each part against the reference in test_megakernel_spark.py, and MoE models on 4 devices
+@pytest.mark.parametrize("devices", [1, pytest.param(4, marks=pytest.mark.full)])
+def test_greedy_tokens_through_the_megakernel(checkpoint, model, devices):
+    """transformers' greedy tokens through the megakernel in interpret mode (the lane-padded copy:
+    hidden 64, heads of 16, experts of 32 at the MoE width 48 each run 128 lanes wide), on one
+    device and on 4 host devices (`tpumk generate --devices 4`: 2 experts each, the KV heads
+    replicated); the build compiled deviceless for TPU7x: one kernel, no XLA collective."""
+    from host_flags import generate_on_devices
+    from test_hf_mla_names import _compiles_on_devices
+    from test_megakernel import compile_for_tpus
+    from tpumk.plan.knobs import TuningConfig
 
-
-KERNEL_LACKS = ("embed_norm", "residual_gates", "attn_out_norm", "moe_hidden_size", "expert_post_norm",
-                "post_norm_eps", "post_norms with experts", "nope_layers")
-
-
-@pytest.mark.parametrize("source", ["checkpoint", "preset"])
-def test_build_refuses_in_one_line_naming_what_the_megakernel_lacks(source, checkpoint):
-    args = ["--checkpoint", str(checkpoint)] if source == "checkpoint" else ["--model", "muse-spark"]
-    err = _one_line_error(CliRunner().invoke(main, ["build", *args, "--target", "tpu7x", "--no-estimate"]))
-    assert "not built by the megakernel yet" in err and all(part in err for part in KERNEL_LACKS), err
+    want = hf_greedy(checkpoint, PROMPTS, STEPS)
+    if devices == 1:
+        got = generate(model, PROMPTS, STEPS, backend="megakernel", page_size=8)
+        compile_for_tpus(model.cfg, len(PROMPTS), 1, TuningConfig())
+    else:
+        got = generate_on_devices(checkpoint, PROMPTS, STEPS, devices, "--page-size", "8", timeout=1200)
+        assert got["devices"] == devices
+        _compiles_on_devices(model.cfg, devices)
+    assert got["tokens"] == want and "megakernel" in got["ran_on"]
 
 
 def test_the_preset_is_transformers_default_config_at_the_published_size():

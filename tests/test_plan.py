@@ -65,15 +65,9 @@ def test_every_family_has_tile_knobs():
 @pytest.mark.parametrize("target", [t for t in TARGETS])
 @pytest.mark.parametrize("preset", preset_names())
 def test_default_plan_fits_or_says_does_not_fit(preset, target):
-    """Defaults work for every preset on every target, unless the model exceeds the device HBM or
-    has parts the megakernel does not build yet (muse-spark: refused first, in one line)."""
+    """Defaults work for every preset on every target, unless the model exceeds the device HBM."""
     cfg = load_preset(preset)
     tgt = get_target(target)
-    if preset == "muse-spark":
-        with pytest.raises(NotSupportedError, match="not built by the megakernel yet") as e:
-            make_plan(BuildSpec(cfg, tgt, 1, 4096))
-        assert "\n" not in str(e.value)
-        return
     for batch in (1, 8):
         kv = cfg.kv_bytes_per_token() * batch * 4096
         if cfg.param_count() * cfg.dtype_bytes + kv > tgt.hbm_bytes:
@@ -296,14 +290,18 @@ def test_auto_kv_knobs_stay_inside_a_tight_budget():
     assert kv(tight) < kv(roomy)
 
 
-def test_nope_on_some_attention_layers_is_refused_not_built_rotated():
-    """The megakernel's glue makes one RoPE table per step, unrotated for all layers when the model
-    has NoPE layers: a GQA model with NoPE on some layers but not all was built with none rotated.
-    Refused in one line naming it (all layers NoPE still builds)."""
-    cfg = load_preset("tiny-dense")
+def test_nope_on_some_mla_layers_is_refused_not_built_rotated():
+    """The megakernel's glue makes one RoPE table per step; the GQA layers skip it on NoPE layers
+    (tests/test_megakernel_spark.py), the MLA layers do not yet: an MLA model with NoPE on some
+    layers but not all is refused in one line naming it (all layers NoPE still builds, and a GQA
+    model with NoPE on some layers plans)."""
+    cfg = load_preset("tiny-mla")
     with pytest.raises(NotSupportedError) as e:
         make_plan(BuildSpec(cfg.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256))
-    assert str(e.value) == ("model 'tiny-dense': not built by the megakernel yet: NoPE on some attention layers but "
+    assert str(e.value) == ("model 'tiny-mla': not built by the megakernel yet: NoPE on some MLA layers but "
                             "not all (nope_layers) (the reference decode step runs it: tpumk generate --backend "
                             "reference)")
-    make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1, 256))
+    assert make_plan(BuildSpec(cfg.replace(nope_layers=tuple(range(cfg.num_layers))), get_target("tpu7x"), 1,
+                               256)).all_nope
+    dense = load_preset("tiny-dense")
+    assert not make_plan(BuildSpec(dense.replace(nope_layers=(0,)), get_target("tpu7x"), 1, 256)).all_nope

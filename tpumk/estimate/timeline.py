@@ -367,7 +367,7 @@ def _moe_stage(plan, ring: _Ring, ledger: _Ledger, times: float) -> None:
     t, m = plan.target, plan.moe
     passes = _passes(m.dtype)
     # routing: router matmul on the MXU, then the expert-id list VMEM -> SMEM (a local round trip)
-    route = mxu_seconds(t, m.hidden * m.experts_padded, 2.0 * m.rows * m.hidden * m.experts_padded, passes) \
+    route = mxu_seconds(t, m.router_in * m.experts_padded, 2.0 * m.rows * m.router_in * m.experts_padded, passes) \
         + DMA_LATENCY_S
     ledger.add("moe_routing", route, 0.0, 0.0, route - DMA_LATENCY_S, times)
     ring.prefetch_during(route, 0.0, plan.ring_depth * plan.slot_rows * plan.slot_cols * plan.cfg.dtype_bytes)
@@ -497,7 +497,13 @@ def megakernel_step(plan) -> StepModel:
                 ring.family("gate_up", "weight_ring", times)
                 ring.family("down", "weight_ring", times)
             else:
+                # Muse Spark's projections around the experts: modelled before and after the
+                # stage (the kernel streams moe_in while the first expert chunks load: not credited)
+                if "moe_in" in seg.families:
+                    ring.family("moe_in", "weight_ring", times)
                 _moe_stage(plan, ring, ledger, times)
+                if "moe_out" in seg.families:
+                    ring.family("moe_out", "weight_ring", times)
             collective(times)
     taps = plan.hbm.get("hidden_taps", 0.0)
     if taps:  # each tapped residual written out while its layer runs: bandwidth the ring shares

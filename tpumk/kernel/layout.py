@@ -13,7 +13,9 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     layer_vectors  [L, 8, W] f32   row 0 attn_norm, 1 mlp_norm (pre_norms), 2 q_norm, 3 k_norm (first
                                    D lanes, or q_size / kv_size with qk_norm_whole; ones when the
                                    model has no QK-norm), 4 qkv bias,
-                                   5 post_attn_norm, 6 post_mlp_norm (post_norms), else zero
+                                   5 post_attn_norm, 6 post_mlp_norm (post_norms; with residual_gates
+                                   each sublayer's alpha and beta after it from lanes G and 2G,
+                                   G = residual_gate_offset), else zero
     qkv            [L,  T, r, c]   [wq | wk | wv]                       (H x (Hq+2Hkv)D)
     o              [L,  T, r, c]   wo                                    (Hq D x H)
     gate_up        [Ld, T, r, c]   gate and up interleaved per column tile: tile column block j
@@ -21,6 +23,8 @@ rounded to 128; every streamed matrix is cut into whole tiles, padded with zeros
     down           [Ld, T, r, c]   w_down, rows padded to the padded FFN width
     shared_gate_up [Lm, T, r, c]   the same for the shared experts (side by side), MoE models only
     shared_down    [Lm, T, r, c]
+    moe_in, moe_out [Lm, T, r, c]  Muse Spark's projections around the experts (moe_hidden_size M):
+                                   [H, M] and [M, H]; the experts in pack_experts run at M
     lm_head        [T, r, c]       lm_head (or embed.T when tied), vocab padded to whole tiles
 
 MLA models (tpumk.model.mla; lane layout `tpumk.plan.geometry.mla_dims`: nope / latent / value
@@ -62,7 +66,7 @@ from tpumk.kernel.memory import shape_struct
 from tpumk.plan.geometry import LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block, mla_dims
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
-from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset,
+from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset, residual_gate_offset,
                              plan_families,
                              scale_offsets)
 from tpumk.model.reference import jnp_dtype
@@ -257,6 +261,12 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
             if name in lay:
                 block = block.at[VECTOR_ROW[name], :h].set(jnp.asarray(lay[name], jnp.float32))
+        if cfg.norms.residual_gates:  # each post row: the norm, then alpha, then beta, from lane tiles
+            at = residual_gate_offset(cfg)
+            for which, name in (("attn", "post_attn_norm"), ("mlp", "post_mlp_norm")):
+                for k, c in enumerate(("alpha", "beta")):
+                    block = block.at[VECTOR_ROW[name], (k + 1) * at:(k + 1) * at + h].set(
+                        jnp.asarray(lay[f"res_{which}_{c}"], jnp.float32))
         pack = heads_per_lane_block(d)  # 64-wide heads: the row repeats once per head of a lane block
         if "lin_qkv" in lay:  # a linear layer: its own rows
             return _linear_vectors(cfg, lay, block)
@@ -276,6 +286,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         if cfg.attention.o_bias:  # the same row, from the next lane tile: o's bias [H]
             at = o_bias_offset(cfg)
             block = block.at[VECTOR_ROW["qkv_bias"], at:at + h].set(jnp.asarray(lay["bo"], jnp.float32))
+        if "moe_in_norm" in lay:  # Muse Spark's experts' input norm ((1 + w) folded on load)
+            m = cfg.moe.moe_hidden_size
+            block = block.at[VECTOR_ROW["moe_in_norm"], :m].set(jnp.asarray(lay["moe_in_norm"], jnp.float32))
         if cfg.attention.attn_sinks:  # one lane per q head (tpumk.kernel.attention reads it per query row)
             block = block.at[VECTOR_ROW["sinks"], :cfg.num_q_heads].set(jnp.asarray(lay["sinks"], jnp.float32))
         return block
@@ -313,6 +326,9 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
             out["shared_gate_up"] = jnp.stack([tile_matrix(interleave_gate_up(
                 cast(l["s_gate"]), cast(l["s_up"]), shared_pad, gu.tile_cols), gu) for l in moe_layers])
             out["shared_down"] = jnp.stack([tile_matrix(cast(l["s_down"]), dn) for l in moe_layers])
+        for name in ("moe_in", "moe_out"):  # Muse Spark's projections around the experts
+            if name in fams:
+                out[name] = jnp.stack([tile_matrix(cast(l[name]), fams[name]) for l in moe_layers])
         plan = plan_or_cfg if isinstance(plan_or_cfg, Plan) else None
         out["moe"] = pack_experts(cfg, params, expert_chunk, fp4_native=bool(plan and plan.moe.fp4_native))
     head = cast(params["lm_head"]) if "lm_head" in params else cast(params["embed"]).T
@@ -368,6 +384,9 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
             out[f"scales_{prefix}gate_up"] = jnp.stack([tiles(interleave_gate_up(
                 l[gate].scale, l[up].scale, pad, gu.tile_cols), gu) for l in group])
             out[f"scales_{prefix}down"] = jnp.stack([tiles(l[down].scale, dn) for l in group])
+    for name in ("moe_in", "moe_out"):
+        if name in fams:
+            out[f"scales_{name}"] = jnp.stack([tiles(l[name].scale, fams[name]) for l in moe])
     out["scales_lm_head"] = tiles(params["lm_head"].scale, fams["lm_head"])
     return out
 
@@ -398,6 +417,9 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
                 tc = fams[f"{prefix}gate_up"].tile_cols
                 parts[f"{prefix}gate_up"] = interleave_gate_up(lay[gate].scale[None], lay[up].scale[None], pad, tc)[0]
                 parts[f"{prefix}down"] = lay[down].scale
+        for name in ("moe_in", "moe_out"):
+            if name in lay and name in fams:
+                parts[name] = lay[name].scale
         r = jnp.zeros((width,), jnp.float32)
         for name, v in parts.items():
             lo = offsets[name]

@@ -20,8 +20,9 @@ Outside the kernel (thin glue, all O(B * q * (H + V)) elementwise work):
 Inside, per layer (one top-level loop per segment of same-kind layers, see tpumk.kernel.ring):
 RMSNorm -> q|k|v tiles -> QK-norm + RoPE -> paged attention with the cache write
 (tpumk.kernel.attention) -> o tiles + residual -> RMSNorm -> SwiGLU gate|up tiles and down tiles
-(dense) or router, expert slots and the shared expert's tiles (MoE, tpumk.kernel.moe) ->
-residual. MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and attention: the q
+(dense) or router, expert slots and the shared expert's tiles (MoE, tpumk.kernel.moe; Muse
+Spark's experts between the moe_in and moe_out tiles) -> residual (with post_norms or
+residual_gates the sublayer's whole output, normalized and / or gated, joins it). MLA models (tpumk.kernel.mla_attention) run, instead of q|k|v and attention: the q
 path (q_a -> q_a norm -> q_b, or q), kv_a -> kv_a norm + RoPE of k_rope (the new latent cache
 rows), RoPE of the q rope lanes, q_nope . W_UK per head (block-diagonal ring family), latent
 attention with the cache write, . W_UV per head, then o. Then the final norm and the lm_head as its own loop. The ring keeps `ring_depth`
@@ -55,7 +56,7 @@ from tpumk.plan.contract import (MOE_GLOBAL_OPERANDS, MOE_OPERANDS, MOE_SCALE_OP
 from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.plan.geometry import (LANE, QUERY_SCALE_LANES, VECTOR_ROW, heads_per_lane_block, mla_dims,
                                  rope_table_lanes)
-from tpumk.plan.plan import Plan, o_bias_offset
+from tpumk.plan.plan import Plan, o_bias_offset, residual_gate_offset
 from tpumk.model import rope
 from tpumk.model.positions import new_lengths
 from tpumk.model.linear_attention import LinearStates, step_counts
@@ -99,6 +100,9 @@ def _kernel(plan: Plan):
     h, d, eps = cfg.hidden_size, att.head_dim, norms.rms_eps
     q_size, kv_size = att.q_size, att.kv_size
     o_at = o_bias_offset(cfg)  # the o projection's bias in the bias row (o_bias)
+    gate_at = residual_gate_offset(cfg)  # residual_gates: alpha, then beta, in each post-norm row
+    # the sublayer's whole output is staged before it joins the residual: normalized, or gated
+    staged = norms.post_norms or norms.residual_gates
     fams = _ring_families(plan)
     dt = jnp_dtype(plan.cfg)
 
@@ -219,11 +223,12 @@ def _kernel(plan: Plan):
 
         def residual_epilogue(width: int, tile_cols: int) -> Callable:
             """resid += this block (one device), or stage the partial sum (many: see
-            `reduce_into_resid`); with post_norms (one device) stage the block in `normed`, which
-            the sublayer has read by then: its output is normalized whole before it is added."""
+            `reduce_into_resid`); with post_norms or residual_gates (one device) stage the block in
+            `normed`, which the sublayer has read by then: its output is normalized (gated) whole
+            before it joins the residual."""
             if ar is not None:
                 return partial_to(width, tile_cols)
-            return store_to(s.normed, width, tile_cols) if norms.post_norms else add_to(s.resid, width, tile_cols)
+            return store_to(s.normed, width, tile_cols) if staged else add_to(s.resid, width, tile_cols)
 
         # The collectives' counters, consecutive through the kernel: per layer the QK-norm's
         # sums of squares (all-heads QK-norm only), o's partial sums, the FFN's / MoE's.
@@ -242,13 +247,15 @@ def _kernel(plan: Plan):
             """Many devices: resid += the sum over devices of `partial`, in device order (the same
             bits everywhere). `counter` numbers the kernel's collectives (`per_layer` per layer). With
             post_norms the sublayer's whole output (the sum, or on one device the block staged
-            in `normed`) is normalized by the layer's `post_norm` row, then added. `bias` [1, H]
-            (o_bias) joins the sublayer's whole output first (on one device without post_norms
-            the output is already in resid: the bias follows it)."""
+            in `normed`) is normalized by the layer's `post_norm` row (epsilon post_eps), then
+            added; with residual_gates it joins as alpha * resid + beta * output, alpha and beta
+            from the same row (`residual_gate_offset`). `bias` [1, H] (o_bias) joins the
+            sublayer's whole output first (on one device without post_norms or gates the output is
+            already in resid: the bias follows it)."""
             if ar is not None:
                 s.partial[...] = all_reduce(ar, s.partial[...], s.collectives, counter)
                 out = s.partial[0:rows, 0:h]
-            elif norms.post_norms:
+            elif staged:
                 out = s.normed[...]
             elif bias is not None:
                 s.resid[...] = s.resid[...] + bias
@@ -258,8 +265,13 @@ def _kernel(plan: Plan):
             if bias is not None:
                 out = out + bias
             if norms.post_norms:
-                out = residual_norm(norms.norm_kind, out, row(vec, post_norm, h), eps, norms.width)
-            s.resid[...] = s.resid[...] + out
+                out = residual_norm(norms.norm_kind, out, row(vec, post_norm, h), norms.post_eps, norms.width)
+            if norms.residual_gates:  # (tpumk.model.spark.join)
+                r = VECTOR_ROW[post_norm]
+                alpha, beta = vec[r:r + 1, gate_at:gate_at + h], vec[r:r + 1, 2 * gate_at:2 * gate_at + h]
+                s.resid[...] = alpha * s.resid[...] + beta * out
+            else:
+                s.resid[...] = s.resid[...] + out
 
         def swiglu_into(ref, tile_cols: int) -> Callable:
             half = tile_cols // 2
@@ -357,14 +369,24 @@ def _kernel(plan: Plan):
             s.normed[...] = residual_norm(norms.norm_kind, resid, row(vec, norm, h), eps, norms.width) \
                 if norms.pre_norms else resid
 
+        # NoPE on some attention layers (Muse Spark's full layers): runs of such layers, whose q and
+        # k the kernel leaves unrotated (on every attention layer the glue's tables do it: cos 1, sin 0)
+        nope_runs = _runs(cfg.nope_layers) if cfg.nope_layers and not plan.all_nope else ()
+
         def rope_rows(layer):
             """This layer's cos / sin rows: with rope_local_theta the tables hold the full layers'
-            rows, then the sliding layers' (`_device_step`); a sliding layer takes the second."""
+            rows, then the sliding layers' (`_device_step`); a sliding layer takes the second.
+            A NoPE layer among rotated ones takes cos 1, sin 0."""
             if not pos.rope_local_theta:
-                return cos_ref[...], sin_ref[...]
-            local = attn.traced_window(plan.attention, layer) != attn.NO_WINDOW
-            return (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
-                    jnp.where(local, sin_ref[rows:2 * rows, :], sin_ref[0:rows, :]))
+                cos, sin = cos_ref[...], sin_ref[...]
+            else:
+                local = attn.traced_window(plan.attention, layer) != attn.NO_WINDOW
+                cos, sin = (jnp.where(local, cos_ref[rows:2 * rows, :], cos_ref[0:rows, :]),
+                            jnp.where(local, sin_ref[rows:2 * rows, :], sin_ref[0:rows, :]))
+            if nope_runs:
+                nope = functools.reduce(jnp.logical_or, [jnp.logical_and(layer >= a, layer < b) for a, b in nope_runs])
+                cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
+            return cos, sin
 
         def whole_qk_norm(layer, vec) -> None:
             """RMSNorm of q's and of k's rows across all heads, in place in the q|k|v scratch.
@@ -433,6 +455,12 @@ def _kernel(plan: Plan):
                                                    prefetch_next=kv_ahead and layer + 1 < cfg.num_layers,
                                                    sinks=row(vec, "sinks", cfg.num_q_heads) if att.attn_sinks else None,
                                                    out=pages_out)
+            if att.attn_out_norm:  # Muse Spark: each head's output normalised (no weight) before the gate
+                ones = jnp.ones((1, d * pack), jnp.float32)
+                for i in range(cfg.num_q_heads // pack):
+                    lo = i * d * pack
+                    s.attn_out[:, lo:lo + d * pack] = rms_norm_heads(s.attn_out[:, lo:lo + d * pack], ones, eps, d,
+                                                                     att.true_head_dim)
             if att.attn_output_gate:  # Qwen3-Next: o * sigmoid(gate), the gate after q | k | v
                 gate_at = q_size + 2 * kv_size
                 s.attn_out[...] = s.attn_out[...] * jax.nn.sigmoid(s.qkv[:, gate_at:gate_at + q_size])
@@ -486,23 +514,37 @@ def _kernel(plan: Plan):
                 # Routing first, so the expert loads are in flight while the shared expert streams.
                 moe_mod.moe_route_and_prefetch(plan.moe, moe_index, x, router, e_gateup, e_down, s.moe,
                                                router_started=True, scales_hbm=moe_scales, bias_hbm=moe_bias)
+                fam = plan.families
+                if "moe_in" in fam:  # Muse Spark: the experts read rms_norm(x @ moe_in) at width M
+                    m = plan.moe.hidden
+                    matmul(seg, layer, "moe_in", s.normed, store_to(s.moe_x, m, fam["moe_in"].tile_cols))
+                    s.moe_x[...] = rms_norm(s.moe_x[...], row(vec, "moe_in_norm", m), eps, plan.moe.norm_width or None)
                 if "shared_gate_up" in seg.families:
                     matmul(seg, layer, "shared_gate_up", s.normed,
-                                swiglu_into(s.act, plan.families["shared_gate_up"].tile_cols))
+                                swiglu_into(s.act, fam["shared_gate_up"].tile_cols))
                     matmul(seg, layer, "shared_down", s.act,
-                                store_to(s.moe_out, h, plan.families["shared_down"].tile_cols))
-                routed = moe_mod.moe_experts(plan.moe, moe_index, s.normed[...], e_gateup, e_down, s.moe,
+                                store_to(s.moe_out, h, fam["shared_down"].tile_cols))
+                experts_x = s.moe_x[...] if "moe_in" in fam else s.normed[...]
+                routed = moe_mod.moe_experts(plan.moe, moe_index, experts_x, e_gateup, e_down, s.moe,
                                              scales_hbm=moe_scales, bias_hbm=moe_bias)
+                shared = None
                 if "shared_gate_up" in seg.families:  # reference: routed + shared, then the residual
                     shared = s.moe_out[...]
                     if plan.moe.shared_gate:  # Qwen2-MoE: sigmoid(x . w) per row, from the routing
                         shared = moe_mod.shared_gate_of(plan.moe, s.moe) * shared
+                if "moe_out" in fam:  # back to the hidden width (the experts' output in moe_x, read by now)
+                    s.moe_x[...] = routed
+                    matmul(seg, layer, "moe_out", s.moe_x, store_to(s.moe_out, h, fam["moe_out"].tile_cols))
+                    routed = s.moe_out[...]
+                if shared is not None:
                     routed = routed + shared
-                if ar is None:
-                    s.resid[...] = s.resid[...] + routed
-                else:  # this device's experts / widths: a partial sum
+                if ar is not None:  # this device's experts / widths: a partial sum
                     s.partial[0:rows, 0:h] = routed
-                    reduce_into_resid(ffn_counter(layer))
+                elif staged:  # `normed` is read by now: the output, normalized (gated) whole
+                    s.normed[...] = routed
+                else:
+                    s.resid[...] = s.resid[...] + routed
+                reduce_into_resid(ffn_counter(layer), vec, "post_mlp_norm")
             return body
 
         # Hidden taps: tap k of the schedule (taps by layer) staged in slot k % 2 and DMA'd to its
@@ -633,7 +675,9 @@ def _device_step(plan: Plan, call) -> Callable:
         n = b * t
         # a token id outside the vocabulary: zeros, as the reference; Gemma's factor as the reference
         x0 = embed(packed, tokens.reshape(n), cfg.head.embed_scale)
-        if cfg.nope_layers:  # every attention layer unrotated (the plan refuses a mix): cos 1, sin 0
+        if cfg.head.embed_norm:  # Muse Spark: the rows RMS-normalised without a weight (spark.embed_normed)
+            x0 = rms_norm(x0, jnp.ones((1, x0.shape[-1]), jnp.float32), cfg.norms.rms_eps, cfg.norms.width)
+        if plan.all_nope:  # every attention layer unrotated: cos 1, sin 0 (some of them: `rope_rows`)
             lanes = rope_table_lanes(cfg)
             cos, sin = jnp.ones((n, lanes), jnp.float32), jnp.zeros((n, lanes), jnp.float32)
         elif cfg.is_mla:
@@ -676,6 +720,17 @@ def _device_step(plan: Plan, call) -> Callable:
         return logits.reshape(b, t, -1), tuple(updated), states, taps
 
     return run
+
+
+def _runs(layers) -> tuple[tuple[int, int], ...]:
+    """Sorted layer indices as runs [first, end) of consecutive ones (one compare pair per run)."""
+    out: list[list[int]] = []
+    for i in sorted(layers):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
 
 
 def commit_states(states, entries):

@@ -102,9 +102,9 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
     """
     if not cfg.is_moe:
         raise PlanError(f"pack_experts: model '{cfg.name}' has no mixture-of-experts layers")
-    h, e, fe = cfg.hidden_size, cfg.num_experts, cfg.moe.expert_ffn_size
+    h, e, fe = cfg.moe.width(cfg.hidden_size), cfg.num_experts, cfg.moe.expert_ffn_size  # (the router reads H)
     if fe % LANE or h % LANE:
-        raise PlanError(f"pack_experts: hidden_size ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
+        raise PlanError(f"pack_experts: the experts' width ({h}) and expert_ffn_size ({fe}) must be multiples of {LANE}")
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
     ep, nb = round_up(e + cfg.moe.shared_expert_gate, LANE), fe // LANE
     routers, gateups, downs, gu_scales, dn_scales = [], [], [], [], []
@@ -297,11 +297,11 @@ def _route(geom: MoEGeometry, x, router_vmem):
     """x [N, H] f32 -> (combine [N, Ep] f32, picked [1, Ep] f32 0/1), as reference.route."""
     n, ep, e = geom.rows, geom.experts_padded, geom.num_experts
     if geom.correction_bias:  # float32 router and bias (row H): full f32 contraction, as the reference
-        logits = jnp.dot(x, router_vmem[: geom.hidden, :], preferred_element_type=jnp.float32,
+        logits = jnp.dot(x, router_vmem[: geom.router_in, :], preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
         bias = router_vmem[geom.bias_row: geom.bias_row + 1, :]  # [1, Ep]
     else:
-        logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[: geom.hidden, :], preferred_element_type=jnp.float32,
+        logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[: geom.router_in, :], preferred_element_type=jnp.float32,
                          precision=_precision(geom))
         if geom.logit_bias:  # gpt-oss: before the softmax, so it moves the picks and the weights
             logits = logits + router_vmem[geom.bias_row: geom.bias_row + 1, :].astype(jnp.float32)
@@ -635,7 +635,11 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
     total = scr.ids_smem[1, 0] * geom.chunks_per_expert
     lane = lax.broadcasted_iota(jnp.int32, (n, ep), 1)
 
-    def body(t, acc):
+    normed = geom.post_norm_eps > 0  # expert_post_norm: each expert's whole output normalised, then weighted
+    nc = geom.chunks_per_expert
+
+    def body(t, carry):
+        acc, cur = carry if normed else (carry, None)
         if s == 1:
             # One slot: chunk t can only load once chunk t-1 is consumed (chunk 0 was started in
             # phase 1). Issuing it here rather than as a refill at the end of the previous trip
@@ -683,7 +687,15 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
                 part = _grouped_dot(act_groups, scr.down.at[slot], scr.down_scales[slot], dt, prec)
         else:
             part = jnp.dot(act.astype(dt), scr.down[slot], preferred_element_type=jnp.float32, precision=prec)
-        acc = acc + weight * part
+        if normed:  # the expert's chunks summed first; at its last chunk normalised (spark.expert_outputs)
+            cur = cur + part
+            width = geom.norm_width or geom.hidden  # (a lane-padded copy's true width)
+            y = cur * lax.rsqrt(jnp.sum(cur * cur, axis=-1, keepdims=True) / width + geom.post_norm_eps)
+            last = lax.rem(t, jnp.int32(nc)) == nc - 1
+            acc = jnp.where(last, acc + weight * y, acc)
+            cur = jnp.where(last, 0.0, cur)
+        else:
+            acc = acc + weight * part
 
         if s > 1:
             # The slot is consumed: refill it with chunk t + S.
@@ -692,9 +704,11 @@ def moe_experts(geom: MoEGeometry, moe_layer, x, e_gateup_hbm, e_down_hbm, scrat
                 _start_chunk(geom, moe_layer, t + s, e_gateup_hbm, e_down_hbm, scr, load_counts, scales_hbm,
                              bias_hbm)
 
-        return acc
+        return (acc, cur) if normed else acc
 
-    y = lax.fori_loop(0, total, body, jnp.zeros((n, geom.hidden), jnp.float32))
+    zero = jnp.zeros((n, geom.hidden), jnp.float32)
+    y = lax.fori_loop(0, total, body, (zero, zero) if normed else zero)
+    y = y[0] if normed else y
     return y + _down_bias(geom, scr) if geom.expert_bias else y
 
 

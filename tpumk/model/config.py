@@ -357,7 +357,7 @@ class ModelConfig:
         moe, mla = self.is_moe, self.is_mla
         if self.mlp_act != "silu":  # the MoE stage's experts and shared experts are SwiGLU only
             need(not moe, "mlp_act", "silu for a mixture-of-experts model (its experts are SwiGLU)")
-        if self.post_norms:  # (the megakernel's post-norms on routed layers: refused by tpumk.plan.plan)
+        if self.post_norms:
             need(not mla, "post_norms", "false for an MLA model")
         spark = [f for f in ("embed_norm", "residual_gates", "attn_out_norm", "expert_post_norm", "moe_hidden_size",
                              "post_norm_eps") if getattr(self, f)]

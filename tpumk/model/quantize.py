@@ -138,7 +138,7 @@ SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme
 # Reference-layout keys of the matrices the ring streams (per layer; the lm_head at the top)
 # and of the routed experts' stacks.
 RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
-                 "wq_a", "wq_b", "wkv_a", "wq_gate",
+                 "wq_a", "wq_b", "wkv_a", "wq_gate", "moe_in", "moe_out",
                  # a linear-attention layer's projections (its convolution taps, decays and norm stay float)
                  "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_f_a", "lin_f_b", "lin_g_a", "lin_g_b", "lin_out")
 EXPERT_MATRICES = ("e_gate", "e_up", "e_down")

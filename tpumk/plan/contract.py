@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
 RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "lin_in", "lin_fb", "lin_gb", "lin_out", "gate_up",
-                 "down", "shared_gate_up", "shared_down", "lm_head")
+                 "down", "moe_in", "shared_gate_up", "shared_down", "moe_out", "lm_head")
 # The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the two
 # projections of the layer's input (q_a, or a plain q; kv_a: on many devices with the latent
 # split, their slices are all-gathered together next), q_b after the q_a norm, the per-head
@@ -322,6 +322,9 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
     ]
     if plan.moe is not None:
         act.append(vmem("moe_out", (n, h), "float32", "[N, H] shared-expert output, then the MoE output"))
+        if "moe_in" in plan.families:  # Muse Spark: the experts' input, then their combined output
+            act.append(vmem("moe_x", (n, plan.moe.hidden), "float32",
+                            "[N, M] moe_in's output, normed (what the experts read), then the experts' output"))
     if plan.all_reduce is not None:
         act.append(vmem("partial", (plan.all_reduce.rows, plan.all_reduce.padded_width), "float32",
                         "[N, H padded to whole all-reduce chunks] this device's partial sum (o / FFN output) to all-reduce; pad columns 0"))

@@ -47,7 +47,10 @@ SPACES = ("smem", "vmem", "hbm", "semaphore")
 # A layer's vector block [LAYER_VECTOR_ROWS, W] f32: these rows hold the layer's norm weights.
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks
 VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4, "post_attn_norm": 5,
-              "post_mlp_norm": 6, "sinks": 7}
+              "post_mlp_norm": 6, "sinks": 7,
+              # Muse Spark's experts' input norm (moe_in_norm, M lanes) takes the sinks' row: the
+              # model has no sinks (tpumk.plan.plan.check_kernel_parts refuses both)
+              "moe_in_norm": 7}
 
 
 def round_up(v: int, m: int) -> int:
@@ -667,7 +670,7 @@ class MoEGeometry:
     """Static shape and knobs of the routed-expert stage (all Python ints: it shapes the trace)."""
 
     rows: int  # N = batch * q_len token rows routed together
-    hidden: int  # H
+    hidden: int  # the width the experts read and write: H, or Muse Spark's moe_hidden_size M
     num_experts: int  # E
     top_k: int
     expert_ffn: int  # Fe
@@ -712,16 +715,25 @@ class MoEGeometry:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    # Muse Spark (tpumk.model.spark): the router reads the hidden size H (`router_hidden`; 0: the
+    # experts' width) while the experts run at moe_hidden_size (`hidden`); each expert's whole
+    # output RMS-normalised without a weight before its routing weight, epsilon
+    # `post_norm_eps` (expert_post_norm; 0: no norm).
+    router_hidden: int = 0
+    post_norm_eps: float = 0.0
+    # A lane-padded copy (tpumk.plan.padding): the true moe_hidden_size its norms divide by; 0: hidden
+    norm_width: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, rows: int, expert_slots: int,
                     expert_chunk: int | None = None, owned_experts: int = 0,
-                    expert_tensor: int = 1, expert_format: str = "none", fp4_native: bool = False) -> "MoEGeometry":
+                    expert_tensor: int = 1, expert_format: str = "none", fp4_native: bool = False,
+                    norm_width: int = 0) -> "MoEGeometry":
         """The geometry of `cfg`'s MoE layers for `rows` token rows; chunk defaults to whole experts."""
         if not cfg.is_moe:
             raise PlanError(f"model '{cfg.name}' has no mixture-of-experts layers")
         geom = cls(
-            rows=rows, hidden=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.moe.top_k,
+            rows=rows, hidden=cfg.moe.width(cfg.hidden_size), num_experts=cfg.num_experts, top_k=cfg.moe.top_k,
             expert_ffn=cfg.moe.expert_ffn_size, scoring=cfg.moe.router_scoring, norm_topk=cfg.moe.norm_topk_prob,
             num_moe_layers=len(moe_layer_ids(cfg)), dtype=cfg.dtype, expert_slots=expert_slots,
             expert_chunk=cfg.moe.expert_ffn_size if expert_chunk is None else expert_chunk,
@@ -731,6 +743,9 @@ class MoEGeometry:
             scaling=float(cfg.moe.routed_scaling_factor), shared_gate=cfg.moe.shared_expert_gate,
             logit_bias=cfg.moe.router_logit_bias, expert_bias=cfg.moe.expert_bias,
             swiglu_limit=float(cfg.moe.swiglu_limit), swiglu_alpha=float(cfg.moe.swiglu_alpha),
+            router_hidden=cfg.hidden_size if cfg.moe.moe_hidden_size else 0,
+            post_norm_eps=float(cfg.norms.post_eps) if cfg.moe.expert_post_norm else 0.0,
+            norm_width=0 if norm_width == cfg.moe.width(cfg.hidden_size) else norm_width,
         )
         geom.validate()
         return geom
@@ -784,6 +799,15 @@ class MoEGeometry:
              f"swiglu_limit = {self.swiglu_limit!r}: expected a non-negative finite float")
         need(isinstance(self.swiglu_alpha, float) and 0 < self.swiglu_alpha < math.inf,
              f"swiglu_alpha = {self.swiglu_alpha!r}: expected a positive finite float")
+        need(isinstance(self.router_hidden, int) and self.router_hidden >= 0 and self.router_hidden % LANE == 0
+             and not (self.router_hidden and self.expert_bias),
+             f"router_hidden = {self.router_hidden!r}: expected 0 or a multiple of {LANE}, 0 with expert biases")
+        need(isinstance(self.post_norm_eps, float) and 0 <= self.post_norm_eps < 1
+             and not (self.post_norm_eps and (self.expert_bias or self.expert_tensor > 1)),
+             f"post_norm_eps = {self.post_norm_eps!r}: expected 0 <= eps < 1, 0 with expert biases or an expert "
+             "split over devices (its norm needs the whole output)")
+        need(isinstance(self.norm_width, int) and 0 <= self.norm_width <= self.hidden,
+             f"norm_width = {self.norm_width!r}: expected 0 (the experts' width) up to hidden ({self.hidden})")
 
     @property
     def local_experts(self) -> int:
@@ -880,6 +904,11 @@ class MoEGeometry:
         return 1 + -(-self.expert_slots // self.chunks_per_expert) if self.mx else 0
 
     @property
+    def router_in(self) -> int:
+        """The router's input width: H (the rows of its matrix)."""
+        return self.router_hidden or self.hidden
+
+    @property
     def router_dtype(self) -> str:
         return "float32" if self.correction_bias else self.dtype
 
@@ -887,13 +916,13 @@ class MoEGeometry:
     def bias_row(self) -> int:
         """The router's row holding the correction or logit bias: H (one sublane tile of rows
         after the matrix; 0 rows without a bias)."""
-        return self.hidden
+        return self.router_in
 
     @property
     def down_bias_row(self) -> int:
         """First of the H router rows holding the experts' down biases transposed ([H, Ep])."""
         with_bias = self.correction_bias or self.logit_bias
-        return self.hidden + (SUBLANES[self.router_dtype] if with_bias else 0)
+        return self.router_in + (SUBLANES[self.router_dtype] if with_bias else 0)
 
     @property
     def router_rows(self) -> int:

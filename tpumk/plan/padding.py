@@ -13,6 +13,9 @@ is planned as its `lane_padded` copy:
 - a routed expert's width (expert_ffn_size: gpt-oss's 2880) rounds up to a multiple of 128: the
   extra gate / up columns (and their biases) are zero, so their activation is zero under plain
   or clamped SwiGLU (g * sigmoid(a g) at g = 0), and they meet zero rows of the down projection;
+- Muse Spark's experts' width (moe_hidden_size) rounds up to a multiple of 128: moe_in's extra
+  columns, the experts' extra input rows and output columns and moe_out's extra rows are zero,
+  and the experts' norms divide by the true width (`MoEGeometry.norm_width`, from the plan);
 - a head width other than 64 that is not a multiple of 128 (Phi-3's 96, 80) rounds up to one:
   each half of a head is its true half then zeros ([x1 0 x2 0]), so rotate-half RoPE still pairs
   lane i with lane i + D/2, q.k sums only true lanes, and the softmax scale, the RoPE
@@ -49,13 +52,15 @@ def lane_padded(cfg: ModelConfig) -> ModelConfig | None:
     if not cfg.is_mla and d != LANE // 2 and d % LANE:
         d = round_up(d, LANE)
     fe = round_up(cfg.moe.expert_ffn_size, LANE)
-    if (hidden, kv_heads, d, fe) == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.moe.expert_ffn_size):
+    m = round_up(cfg.moe.moe_hidden_size, LANE)
+    if (hidden, kv_heads, d, fe, m) == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.moe.expert_ffn_size,
+                                        cfg.moe.moe_hidden_size):
         return None
     if cfg.is_mla and hidden != cfg.hidden_size:
         raise PlanError(f"model '{cfg.name}': hidden_size = {cfg.hidden_size}: an MLA model's hidden size must be "
                         f"a multiple of {LANE} (lane padding covers GQA models)")
     return cfg.replace(hidden_size=hidden, num_kv_heads=kv_heads, num_q_heads=q_heads, head_dim=d, expert_ffn_size=fe,
-                       rms_width=cfg.norms.width, head_width=cfg.attention.true_head_dim if d != cfg.head_dim else 0)
+                       moe_hidden_size=m, rms_width=cfg.norms.width, head_width=cfg.attention.true_head_dim if d != cfg.head_dim else 0)
 
 
 def _split_heads(a, axis: int, d: int, dp: int, fill: float = 0.0):
@@ -166,7 +171,7 @@ def params_as_run(plan, params: dict) -> dict:
         if not cfg.is_mla:
             out["wk"] = (cfg.hidden_size, cfg.attention.kv_size)
         if moe_layer is not None:
-            out["e_gate"] = (cfg.num_experts, cfg.hidden_size, cfg.moe.expert_ffn_size)
+            out["e_gate"] = (cfg.num_experts, cfg.moe.width(cfg.hidden_size), cfg.moe.expert_ffn_size)
         return out
 
     def shape(a) -> tuple:

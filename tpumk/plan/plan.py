@@ -12,7 +12,8 @@ Weight streaming vocabulary:
 - a *family* is one kind of dense matrix, fused where narrow ones sit side by side:
   `qkv` = [wq | wk | wv] (H x (Hq+2Hkv)D), `o` = wo, `gate_up` = gate and up interleaved per
   column tile (each tile holds gate columns then the same up columns), `down`, the shared
-  expert's `shared_gate_up` / `shared_down`, and `lm_head`.
+  expert's `shared_gate_up` / `shared_down`, Muse Spark's `moe_in` / `moe_out` around the
+  routed experts, and `lm_head`.
 - a family's matrix is cut into tiles [tile_rows, tile_cols]; tile t = col_block * row_blocks +
   row_block (all row blocks of a column block in a row, so each column block finishes at once).
 - a *segment* is a run of consecutive layers of one kind (dense or MoE) walked by one top-level
@@ -297,6 +298,13 @@ class Plan:
         return layer_vector_width(self.cfg)
 
     @property
+    def all_nope(self) -> bool:
+        """No attention layer is rotated (nope_layers on every one): the step's RoPE tables are
+        identities; with NoPE on some layers only, the kernel skips those layers' rotation."""
+        cfg = self.cfg
+        return bool(cfg.nope_layers) and set(cfg.nope_layers) >= set(cfg.pattern.attention_layers)
+
+    @property
     def vmem_total(self) -> int:
         return sum(self.vmem.values())
 
@@ -395,16 +403,26 @@ def layer_vector_width(cfg: ModelConfig) -> int:
     """Lanes of a layer's vector rows: the hidden size, the head dim, for MLA the q_a and kv_a
     norms' widths (they take the q_norm / k_norm rows), with qkv_bias / o_bias the q|k|v|o bias row, and
     with qk_norm_whole the q norm's q_size, with attention sinks one lane per q head, with linear
-    layers their convolution's channels and decay row (`tpumk.plan.geometry.LINEAR_ROW`)."""
+    layers their convolution's channels and decay row (`tpumk.plan.geometry.LINEAR_ROW`), with
+    residual_gates each post row's alpha and beta after the norm (`residual_gate_offset`)."""
     bias = cfg.attention.q_size + 2 * cfg.attention.kv_size if cfg.attention.qkv_bias else 0
     whole = cfg.attention.q_size if cfg.attention.qk_norm_whole else 0  # OLMo 2's q_norm / k_norm span every head
     sinks = cfg.num_q_heads if cfg.attention.attn_sinks else 0
     o = o_bias_offset(cfg) + cfg.hidden_size if cfg.attention.o_bias else 0
+    gates = 3 * residual_gate_offset(cfg) if cfg.norms.residual_gates else 0
+    moe_in = cfg.moe.moe_hidden_size if cfg.is_moe else 0  # moe_in_norm's row
     # a linear layer's rows (LINEAR_ROW): its convolution's taps over C lanes, dt_bias after a lane tile
     lin = cfg.linear
     linear = max(lin.conv_dim, LANE + lin.decay_width) if lin else 0
-    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear),
-                    LANE)
+    return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear,
+                        gates, moe_in), LANE)
+
+
+def residual_gate_offset(cfg: ModelConfig) -> int:
+    """With residual_gates (Muse Spark): the first lane of a sublayer's alpha in its post-norm row
+    (post_attn_norm: attention's, post_mlp_norm: the MLP's), beta from twice this lane; the norm
+    itself holds the first hidden_size lanes (each on a lane tile boundary: aligned slices)."""
+    return round_up(cfg.hidden_size, LANE)
 
 
 def o_bias_offset(cfg: ModelConfig) -> int:
@@ -443,13 +461,14 @@ def _largest_lane_multiple(k: int, top: int) -> int:
 
 def auto_expert_chunk(cfg: ModelConfig, tuning: TuningConfig, fmt: WeightFormat | None = None) -> int:
     """Expert FFN columns per load: the largest 128-multiple dividing Fe whose chunk (gate, up and
-    down rows, 3 * H * C) stays within two ring tiles, so `expert_slots` slots cost about as much
-    VMEM as a few ring slots (whole Qwen3-30B-A3B experts are 9 MiB each). Quantized experts
-    count one byte per code (an int4 code takes a byte of VMEM on TPU7x)."""
+    down rows, 3 * M * C at the experts' width M: H, or Muse Spark's moe_hidden_size) stays
+    within two ring tiles, so `expert_slots` slots cost about as much VMEM as a few ring slots
+    (whole Qwen3-30B-A3B experts are 9 MiB each). Quantized experts count one byte per code (an
+    int4 code takes a byte of VMEM on TPU7x)."""
     fe, best = cfg.moe.expert_ffn_size, LANE
     nbytes = 1 if fmt is not None else cfg.dtype_bytes
     for c in range(LANE, fe + 1, LANE):
-        if fe % c == 0 and 3 * cfg.hidden_size * c * nbytes <= 2 * tuning.tile_bytes:
+        if fe % c == 0 and 3 * cfg.moe.width(cfg.hidden_size) * c * nbytes <= 2 * tuning.tile_bytes:
             best = c
     return best
 
@@ -473,6 +492,9 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
     n_dense = sum(cfg.pattern.is_dense(i) for i in range(cfg.num_layers))
     n_moe = cfg.num_layers - n_dense
     shared = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
+    moe_width = cfg.moe.moe_hidden_size if cfg.is_moe else 0  # Muse Spark: moe_in [H, M], moe_out [M, H]
+    if moe_width % LANE:
+        raise PlanError(f"model '{cfg.name}': moe_hidden_size = {moe_width} must be a multiple of {LANE} (TPU lane tile)")
     for what, v in ((("hidden_size", h),) if cfg.is_mla else
                     (("hidden_size", h), ("num_q_heads * head_dim", cfg.attention.q_size), ("num_kv_heads * head_dim", cfg.attention.kv_size))):
         if v % LANE:
@@ -482,9 +504,9 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
 
     # K of every family (padded FFN widths are multiples of 128, so 128 always divides them).
     present = (["o", "lm_head"] if cfg.is_mla else ["qkv", "o", "lm_head"]) + (["gate_up", "down"] if n_dense else []) \
-        + (["shared_gate_up", "shared_down"] if shared else [])
+        + (["shared_gate_up", "shared_down"] if shared else []) + (["moe_in", "moe_out"] if moe_width else [])
     ks = {"qkv": h, "o": mla_dims(cfg)["o_rows"] if cfg.is_mla else cfg.attention.q_size, "lm_head": h, "gate_up": h,
-          "shared_gate_up": h,
+          "shared_gate_up": h, "moe_in": h, "moe_out": moe_width,
           "down": round_up(cfg.ffn_size, LANE), "shared_down": round_up(shared, LANE)}
     auto_rows = _auto_rows(cfg, [ks[f] for f in present if tuning.tile_shape(f)[0] == 0], tuning, isz)
     # The ring's slot is the tallest tile's rows x the widest tile's columns. MLA's W_UV blocks
@@ -538,6 +560,10 @@ def plan_families(cfg: ModelConfig, tuning: TuningConfig, quant: str = "none",
 
     ffn_pad = ffn_pair("", cfg.ffn_size, n_dense) if n_dense else 0
     shared_pad = ffn_pair("shared_", shared, n_moe) if shared else 0
+    if moe_width:  # the experts' down- and up-projections, one of each per MoE layer
+        for name, k, m in (("moe_in", h, moe_width), ("moe_out", moe_width, h)):
+            r, c = shape(name, k, m, LANE)
+            fams[name] = _family(name, k, m, n_moe, r, c, isz, group=group)
     r, c = shape("lm_head", h, cfg.vocab_size, LANE)
     fams["lm_head"] = _family("lm_head", h, cfg.vocab_size, 1, r, c, isz, group=group)
     return fams, ffn_pad, shared_pad
@@ -640,8 +666,11 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
             names = att + ("gate_up", "down")
             base = (mixer_base,) * len(att) + (dense_seen, dense_seen)
         else:
-            names = att + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ())
-            base = (mixer_base,) * len(att) + ((moe_seen, moe_seen) if len(names) > len(att) else ())
+            # (stream order: tpumk.kernel.megakernel's MoE layer)
+            names = att + (("moe_in",) if "moe_in" in fams else ()) \
+                + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ()) \
+                + (("moe_out",) if "moe_out" in fams else ())
+            base = (mixer_base,) * len(att) + (moe_seen,) * (len(names) - len(att))
         offsets, t = [], 0
         for n in names:
             offsets.append(t)
@@ -757,7 +786,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
                                           tuning.expert_chunk or auto_expert_chunk(cfg, tuning, efmt),
                                           owned_experts=sharding.experts, expert_tensor=sharding.expert_tensor,
                                           expert_format=efmt.name if efmt is not None else "none",
-                                          fp4_native=target.chip == "7x")  # TPU7x converts e2m1 itself
+                                          fp4_native=target.chip == "7x",  # TPU7x converts e2m1 itself
+                                          norm_width=spec.model.moe.moe_hidden_size if padded is not None else 0)
         plan = Plan(cfg, target, tuning, batch, q_len, pages_per_seq * page_size, page_size, pages_per_seq,
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
@@ -864,16 +894,9 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
                          for kt in pages for nb in buffers)
 
 
-# Parts of a model the reference runs and the megakernel does not build yet (Muse Spark's:
-# tpumk.model.spark), each as the build's one-line refusal names it.
+# Parts of a model the reference runs and the megakernel does not build yet (Mistral Large 4's:
+# tpumk.model.mla, tpumk.model.sparse_attention), each as the build's one-line refusal names it.
 KERNEL_MISSING = (
-    ("embed_norm", "the embedding's RMSNorm (embed_norm)"),
-    ("residual_gates", "gated residual connections (residual_gates)"),
-    ("attn_out_norm", "the per-head norm of attention's output (attn_out_norm)"),
-    ("moe_hidden_size", "the MoE's down- and up-projections around its experts (moe_hidden_size)"),
-    ("expert_post_norm", "a norm on each expert's output (expert_post_norm)"),
-    ("post_norm_eps", "post-sublayer norms with their own epsilon (post_norm_eps)"),
-    # Mistral Large 4's (tpumk.model.mla, tpumk.model.sparse_attention: the reference's)
     ("rope_learned_freqs", "learned RoPE frequencies (rope_learned_freqs)"),
     ("query_log_scale", "learned per-head log-position query scales (query_log_scale)"),
     ("nope_latent_keys", "NoPE MLA layers with all-latent keys (nope_latent_keys)"),
@@ -887,10 +910,10 @@ def check_kernel_parts(model: ModelConfig) -> None:
     """Refuse, in one line naming every one, the parts of `model` the megakernel lacks (before any
     planning: a model that is also too big for one device is refused for these first)."""
     missing = [what for f, what in KERNEL_MISSING if getattr(model, f)]
-    if model.post_norms and model.is_moe:
-        missing.append("post-sublayer norms on routed layers (post_norms with experts)")
-    if model.nope_layers and not model.linear and set(model.nope_layers) != set(model.pattern.attention_layers):
-        missing.append("NoPE on some attention layers but not all (nope_layers)")
+    if model.nope_layers and model.is_mla and set(model.nope_layers) != set(model.pattern.attention_layers):
+        missing.append("NoPE on some MLA layers but not all (nope_layers)")
+    if model.is_moe and model.moe_hidden_size and model.attn_sinks:  # moe_in_norm takes the sinks' vector row
+        missing.append("attention sinks with the experts at moe_hidden_size")
     if missing and model.attention.is_sparse:  # (alone, _check_mla's own line says it)
         missing.append(f"sparse attention (index_topk = {model.index_topk})")
     if missing:

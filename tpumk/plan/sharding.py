@@ -52,6 +52,7 @@ import numpy as np
 
 from tpumk.errors import PlanError
 from tpumk.model.config import LAYER_NORMS, ModelConfig
+from tpumk.model.weights import RESIDUAL_GATES
 from tpumk.model.quantize import QuantizedMatrix, expert_format, quantized_weight_bytes
 from tpumk.plan.geometry import LANE, round_up
 
@@ -216,7 +217,8 @@ class ShardingPlan:
             return np.concatenate(parts, axis=axis)
         layers = []
         for i, lay in enumerate(params["layers"]):
-            out = {k: np.asarray(lay[k]) for k in LAYER_NORMS if k in lay}
+            # norms and Muse Spark's residual gates: whole on every device (they act on the whole residual)
+            out = {k: np.asarray(lay[k]) for k in LAYER_NORMS + RESIDUAL_GATES if k in lay}
             if cfg.pattern.is_linear(i):
                 out.update(self._linear_params(cfg, lay, d, cols))
             elif cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
@@ -249,9 +251,12 @@ class ShardingPlan:
             else:
                 out["router"] = np.asarray(lay["router"])
                 # replicated with the router (e_down_bias is packed into it: tpumk.kernel.moe)
-                for k in ("router_bias", "shared_router", "router_logit_bias", "e_down_bias"):
-                    if k in lay:
-                        out[k] = np.asarray(lay[k])
+                # Muse Spark's projections around the experts: whole on every device (each device's
+                # experts read all M columns; its partial output at M maps to a partial sum at H)
+                for k in ("router_bias", "shared_router", "router_logit_bias", "e_down_bias", "moe_in", "moe_in_norm",
+                          "moe_out"):
+                    if k in lay:  # (moe_in / moe_out quantized with the ring: kept as they are)
+                        out[k] = lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
                 def owned(a):  # this device's experts (the leading axis)
@@ -532,7 +537,8 @@ def plan_sharding(cfg: ModelConfig, devices: int, expert_parallel: int = 0) -> S
             if ep not in ok:
                 raise PlanError(
                     f"tuning: 'expert_parallel' = {ep}: expected a divisor of devices ({n}) and num_experts ({e}) "
-                    f"leaving each device a multiple of {LANE} of expert_ffn_size ({fe}); "
+                    f"leaving each device a multiple of {LANE} of expert_ffn_size ({fe})"
+                    f"{', whole experts (expert_post_norm)' if cfg.moe.expert_post_norm else ''}; "
                     f"possible: {', '.join(map(str, ok)) or 'none'}")
         else:
             # Auto: the widest expert-tensor split whose width slices stay whole lanes (every
@@ -559,8 +565,10 @@ def expert_parallel_choices(cfg: ModelConfig, devices: int) -> list[int]:
     if not cfg.is_moe or devices == 1:
         return [1]
     e, fe = cfg.num_experts, cfg.moe.expert_ffn_size
+    # expert_post_norm (Muse Spark) normalises each expert's whole output: no expert split by width
     return [g for g in _divisors(devices)
-            if e % g == 0 and fe % (devices // g) == 0 and (fe // (devices // g)) % LANE == 0]
+            if e % g == 0 and fe % (devices // g) == 0 and (fe // (devices // g)) % LANE == 0
+            and (g == devices or not cfg.moe.expert_post_norm)]
 
 
 def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str = "none") -> int:
@@ -575,7 +583,8 @@ def per_device_weight_bytes(cfg: ModelConfig, sharding: ShardingPlan, quant: str
         moe_layers = cfg.num_layers - cfg.pattern.num_dense
         efmt = expert_format(quant)  # codes plus their group scales, or the model dtype
         per_param = efmt.itemsize + efmt.scale_bytes / efmt.group if efmt is not None else db
-        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * h * local.expert_ffn_size * per_param
+        total -= moe_layers * (cfg.num_experts - sharding.experts) * 3 * cfg.moe.width(h) * local.expert_ffn_size \
+            * per_param
     return int(total)
 
 
