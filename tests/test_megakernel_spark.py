@@ -68,6 +68,7 @@ SPARK_PARTS = {
 }
 
 
+@pytest.mark.full  # tests/README.md: what covers it in the default run
 def test_each_spark_part_changes_the_output():
     assert_variants_move_the_logits("moe-spark", [(changes, None) for changes in SPARK_PARTS.values()])
 
