@@ -29,7 +29,7 @@ NUM_BLOCKS = 40
 SLOTS = 6  # request slots, padded past num_reqs as vLLM pads them
 CONTEXT = 32  # max_model_len
 TOKENS = 24  # the token bucket of both steps
-QUERY_TILE, KEY_TILE = 4, 8
+QUERY_TILE, KEY_TILE, SHORT_TILE = 4, 8, 2  # the decode of step 2 runs as a short item
 
 CONFIGS = {
     "dense": ("tiny-dense", {}),
@@ -48,7 +48,8 @@ def setup(name: str):
 
     @jax.jit
     def ragged(caches, ids, pos, qsl, tables, n):
-        return steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, n, BLOCK, CONTEXT, QUERY_TILE, KEY_TILE)
+        return steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, n, BLOCK, CONTEXT, QUERY_TILE, KEY_TILE,
+                                 SHORT_TILE)
 
     @jax.jit
     def reference(tokens):

@@ -1,9 +1,11 @@
 """Ragged paged attention over vLLM's per-layer KV arrays, in pure JAX: the plugin's prefill.
 
 vLLM flattens a batch into T token rows, request r's in [query_start_loc[r], query_start_loc[r + 1]).
-`work_items` cuts them into items of one request each: a tile of up to `query_tile` of its rows.
-There are at most ceil(T / query_tile) + S of them (S request slots), a static count, since vLLM
-traces one program per token bucket; the items past the batch's own do no work. `attend` runs
+`work_items` cuts them into items of one request each: a tile of up to `query_tile` of its rows,
+or for a request of at most `short_tile` new tokens (a decode in a mixed batch) one item of
+`short_tile` rows. Their counts are static bounds (ceil(T / query_tile) + the requests that can
+be long; one per request slot), since vLLM traces one program per token bucket; the items past
+the batch's own do no work. `attend` runs
 every item over its request's keys `key_tile` positions at a time, from the first its sliding
 window can see (0 without one) up to its last query's position, so it reads only the pages the
 item needs (a while loop on the item's own bound), never `[tokens, max_model_len]` rows. Scores
@@ -28,6 +30,7 @@ from tpumk.model.reference import soft_cap
 from tpumk.vllm import kv
 
 QUERY_TILE = 256  # query rows per item (fewer when the bucket has fewer tokens)
+SHORT_TILE = 8  # query rows per item of a request with this many new tokens or fewer (a decode)
 KEY_TILE = 256  # key positions per read (fewer when max_model_len is shorter)
 
 
@@ -40,13 +43,31 @@ class WorkItems(NamedTuple):
 
 
 def work_items(query_start_loc: jax.Array, num_reqs: jax.Array, num_tokens: int,
-               query_tile: int = QUERY_TILE) -> WorkItems:
+               query_tile: int = QUERY_TILE, short_tile: int = SHORT_TILE) -> tuple[WorkItems, ...]:
+    """The batch's items: requests of more than `short_tile` new tokens in tiles of `query_tile`
+    rows, the others (a decode in a mixed batch) one item each of `short_tile` rows, so that a
+    request of one token does not run a whole long tile."""
+    tile, short = min(query_tile, num_tokens), min(short_tile, num_tokens)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    s = min(q_lens.shape[0], num_tokens)  # live requests: at most one per token
+    if short >= tile:
+        return (_items(query_start_loc, num_reqs, num_tokens, tile, None, -(-num_tokens // tile) + s),)
+    # a long request has more than `short` tokens: at most num_tokens // (short + 1) of them
+    longs = _items(query_start_loc, num_reqs, num_tokens, tile, q_lens > short,
+                   -(-num_tokens // tile) + min(s, num_tokens // (short + 1)))
+    return longs, _items(query_start_loc, num_reqs, num_tokens, short, q_lens <= short, s)
+
+
+def _items(query_start_loc, num_reqs, num_tokens: int, tile: int, take, count: int) -> WorkItems:
+    """`count` items (a bound on how many the batch can need): tiles of `tile` rows of the live
+    requests `take` selects (None: all); the items past those do no work."""
     s = query_start_loc.shape[0] - 1
-    tile = min(query_tile, num_tokens)
     live = jnp.arange(s) < num_reqs
+    if take is not None:
+        live = live & take
     tiles = jnp.where(live, -(-(query_start_loc[1:] - query_start_loc[:-1]) // tile), 0)
     ends = jnp.cumsum(tiles)
-    n = jnp.arange(-(-num_tokens // tile) + s, dtype=jnp.int32)
+    n = jnp.arange(count, dtype=jnp.int32)
     req = jnp.clip(jnp.searchsorted(ends, n, side="right"), 0, s - 1).astype(jnp.int32)
     first = query_start_loc[req] + (n - (ends - tiles)[req]) * tile
     rows = first[:, None] + jnp.arange(tile, dtype=jnp.int32)
@@ -54,7 +75,7 @@ def work_items(query_start_loc: jax.Array, num_reqs: jax.Array, num_tokens: int,
     return WorkItems(req, jnp.clip(rows, 0, num_tokens - 1), valid)
 
 
-def attend(att: Attention, layer_cache: jax.Array, items: WorkItems, q: jax.Array, positions: jax.Array,
+def attend(att: Attention, layer_cache: jax.Array, items: tuple[WorkItems, ...], q: jax.Array, positions: jax.Array,
            block_tables: jax.Array, block_size: int, max_context: int, window: int = 0,
            sinks: jax.Array | None = None, key_tile: int = KEY_TILE) -> jax.Array:
     """Every token's attention output [T, q_size] f32: q [T, Hq, D] f32 of the tokens at
@@ -105,6 +126,9 @@ def attend(att: Attention, layer_cache: jax.Array, items: WorkItems, q: jax.Arra
         o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # a query with no key: 0, as the reference
         return jnp.transpose(o, (2, 0, 1, 3)).reshape(c, att.q_size)
 
-    outs = jax.lax.map(item, tuple(items))  # [N, C, q_size]
-    rows = jnp.where(items.valid, items.rows, t).reshape(-1)  # not an item's own row: dropped
-    return jnp.zeros((t, att.q_size), jnp.float32).at[rows].set(outs.reshape(rows.shape[0], -1), mode="drop")
+    out = jnp.zeros((t, att.q_size), jnp.float32)
+    for group in items:  # each row is one item's own in exactly one group
+        outs = jax.lax.map(item, tuple(group))  # [N, C, q_size]
+        rows = jnp.where(group.valid, group.rows, t).reshape(-1)  # not an item's own row: dropped
+        out = out.at[rows].set(outs.reshape(rows.shape[0], -1), mode="drop")
+    return out

@@ -73,14 +73,14 @@ def decode_step(step: Callable, packed, cfg: ModelConfig, plan_shape: dict, cach
 
 def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Array, positions: jax.Array,
                 query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array, block_size: int,
-                max_context: int, query_tile: int = prefill.QUERY_TILE,
-                key_tile: int = prefill.KEY_TILE) -> tuple[list, jax.Array]:
+                max_context: int, query_tile: int = prefill.QUERY_TILE, key_tile: int = prefill.KEY_TILE,
+                short_tile: int = prefill.SHORT_TILE) -> tuple[list, jax.Array]:
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
     request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it. Each layer writes the
     tokens' K and V into vLLM's arrays, then every token attends to its request's rows 0 .. its
     position (the earlier tokens of the same chunk included) through `tpumk.vllm.prefill`, which
-    reads each request's pages once per tile of its tokens (`query_tile` tokens, `key_tile` keys
-    per read). Rows past the last request's write nothing."""
+    reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
+    a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing."""
     t = input_ids.shape[0]
     a = cfg.attention
     i = jnp.arange(t, dtype=jnp.int32)
@@ -88,7 +88,7 @@ def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Arr
     req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
     pos = jnp.where(valid, positions, -1).astype(jnp.int32)
     new_slots = kv.token_slots(block_tables, req, pos, block_size)
-    items = prefill.work_items(query_start_loc, num_reqs, t, query_tile)
+    items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     out = []
     for li, layer in enumerate(params["layers"]):
