@@ -82,19 +82,16 @@ def layout_problem(shape, dtype, kv_heads: int, head_dim: int, block_size: int |
     return None
 
 
-def _rows(layer_cache: jax.Array, kv_heads: int, head_dim: int) -> jax.Array:
-    """[blocks * block_size, used combined heads, used lanes]: one row per cached token."""
+def read_rows(layer_cache: jax.Array, slots: jax.Array, kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """K and V of the tokens at `slots` (any shape S): each [*S, kv_heads * head_dim]."""
     problem = layout_problem(layer_cache.shape, layer_cache.dtype, kv_heads, head_dim)
     if problem:
         raise ValueError(problem)
     heads, lanes = _used(kv_heads, head_dim)
     blocks, bs = layer_cache.shape[:2]
-    return layer_cache.reshape(blocks * bs, -1, layer_cache.shape[-1])[:, :heads, :lanes]
-
-
-def read_rows(layer_cache: jax.Array, slots: jax.Array, kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """K and V of the tokens at `slots` (any shape S): each [*S, kv_heads * head_dim]."""
-    rows = _rows(layer_cache, kv_heads, head_dim)[slots].reshape(*slots.shape, kv_heads, 2, head_dim)
+    # the rows first, then their used heads and lanes: never a copy of the whole layer
+    rows = layer_cache.reshape(blocks * bs, -1, layer_cache.shape[-1])[slots][..., :heads, :lanes]
+    rows = rows.reshape(*slots.shape, kv_heads, 2, head_dim)
     k, v = rows[..., 0, :], rows[..., 1, :]
     return k.reshape(*slots.shape, kv_heads * head_dim), v.reshape(*slots.shape, kv_heads * head_dim)
 

@@ -4,8 +4,9 @@
   the requests' rows gathered into the kernel's cache layout (tpumk.vllm.kv), the kernel's step,
   the new rows written back into vLLM's arrays.
 - `ragged_step`: any other batch (prefill chunks, mixed prefill + decode) through the pure-JAX
-  reference layers (tpumk.model.reference) with the same weights, token by token over the
-  flattened batch, reading and writing vLLM's arrays directly.
+  reference layers (tpumk.model.reference) with the same weights over the flattened batch,
+  writing vLLM's arrays in place and attending through `tpumk.vllm.prefill` (ragged paged
+  attention in pure JAX: each request's pages read once per tile of its tokens).
 
 Both take vLLM's attention metadata as arrays: `query_start_loc` [S + 1], `seq_lens` [S] (the KV
 length including this step's tokens), `block_tables` [S, blocks per request], `num_reqs` (a
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.reference import KVCache
-from tpumk.vllm import kv
+from tpumk.vllm import kv, prefill
 
 
 def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
@@ -72,11 +73,14 @@ def decode_step(step: Callable, packed, cfg: ModelConfig, plan_shape: dict, cach
 
 def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Array, positions: jax.Array,
                 query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array, block_size: int,
-                max_context: int) -> tuple[list, jax.Array]:
+                max_context: int, query_tile: int = prefill.QUERY_TILE, key_tile: int = prefill.KEY_TILE,
+                short_tile: int = prefill.SHORT_TILE) -> tuple[list, jax.Array]:
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
-    request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it. Each token's K and V
-    go to vLLM's arrays, then it attends to its request's rows 0 .. its position (the earlier
-    tokens of the same chunk included). Rows past the last request's write nothing."""
+    request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it. Each layer writes the
+    tokens' K and V into vLLM's arrays, then every token attends to its request's rows 0 .. its
+    position (the earlier tokens of the same chunk included) through `tpumk.vllm.prefill`, which
+    reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
+    a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing."""
     t = input_ids.shape[0]
     a = cfg.attention
     i = jnp.arange(t, dtype=jnp.int32)
@@ -84,9 +88,7 @@ def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Arr
     req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
     pos = jnp.where(valid, positions, -1).astype(jnp.int32)
     new_slots = kv.token_slots(block_tables, req, pos, block_size)
-    k_pos = jnp.broadcast_to(jnp.arange(max_context, dtype=jnp.int32), (t, max_context))
-    key_slots = kv.token_slots(block_tables, jnp.broadcast_to(req[:, None], (t, max_context)), k_pos, block_size)
-    k_valid = (k_pos <= pos[:, None]) & valid[:, None]
+    items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     out = []
     for li, layer in enumerate(params["layers"]):
@@ -94,12 +96,9 @@ def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Arr
         q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
         c = kv.write_rows(caches[li], new_slots, k[0].reshape(t, -1), v[0].reshape(t, -1), a.num_kv_heads, a.head_dim)
         out.append(c)
-        ks, vs = kv.read_rows(c, jnp.maximum(key_slots, 0), a.num_kv_heads, a.head_dim)
-        ks = ks.reshape(t, max_context, a.num_kv_heads, a.head_dim)
-        vs = vs.reshape(t, max_context, a.num_kv_heads, a.head_dim)
-        o = ref.attend(a, q[0][:, None], ks, vs, pos[:, None], k_pos, k_valid, cfg.pattern.window(li),
-                       ref.layer_sinks(cfg, layer))  # every token a batch row of one query
-        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o.reshape(1, t, -1)))
+        o = prefill.attend(a, c, items, q[0], pos, block_tables, block_size, max_context, cfg.pattern.window(li),
+                           ref.layer_sinks(cfg, layer), key_tile)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None]))
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))

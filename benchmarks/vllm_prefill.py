@@ -1,0 +1,89 @@
+"""The vLLM plugin's prefill step against XLA's plain forward of the same model (issue 58).
+
+One prompt of --tokens tokens (default 2,048) in one run, on this host's JAX backend:
+
+- the plugin's step: `tpumk.vllm.steps.ragged_step` under jax.jit, on vLLM's KV layout
+  (tpumk.vllm.kv: one array per layer, blocks of --block-size tokens handed out shuffled,
+  --slots request slots of which one is live, max_model_len = --context), its caches donated as
+  vLLM's runner donates them, so the K/V writes land in place;
+- XLA's plain forward: `tpumk.model.reference.forward_full` under jax.jit over the same tokens
+  (no cache, no pages: every position's logits).
+
+Both compiled first (compile time not counted), then --repeats timed calls each, alternating; the
+median of each is printed with the ratio. Random weights of a preset (--model; default
+tiny-dense), float32 unless the preset says otherwise.
+
+    python benchmarks/vllm_prefill.py [--model tiny-dense] [--tokens 2048] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpumk.model import reference as R
+from tpumk.model.config import load_preset
+from tpumk.model.weights import random_params
+from tpumk.vllm import kv, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-dense")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=0, help="max_model_len (default: --tokens)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    cfg = load_preset(args.model)
+    params = random_params(cfg, seed=0)
+    n, context, bs = args.tokens, args.context or args.tokens, args.block_size
+    dt = R.jnp_dtype(cfg)
+    per = -(-context // bs)
+    blocks = args.slots * per
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+    tables = np.zeros((args.slots, per), np.int32)
+    tables[0] = rng.permutation(blocks)[:per]
+    qsl = np.full(args.slots + 1, n, np.int32)
+    qsl[0] = 0
+    ids, pos, qsl, tables = (jnp.asarray(a) for a in (tokens, np.arange(n, dtype=np.int32), qsl, tables))
+    shape = kv.cache_shape(blocks, bs, cfg.num_kv_heads, cfg.head_dim, dt)
+
+    plugin = jax.jit(lambda caches: steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, jnp.int32(1), bs,
+                                                      context), donate_argnums=0)
+    plain = jax.jit(lambda t: R.forward_full(params, cfg, t))
+
+    caches = [jnp.zeros(shape, dt) for _ in range(cfg.num_layers)]
+    caches, rows = plugin(caches)
+    full = plain(ids[None])
+    jax.block_until_ready((caches, rows, full))
+    err = float(jnp.max(jnp.abs(rows[n - 1] - full[0, n - 1])))
+    times = {"plugin": [], "plain": []}
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        caches, rows = plugin(caches)
+        jax.block_until_ready(rows)
+        times["plugin"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(plain(ids[None]))
+        times["plain"].append(time.perf_counter() - t)
+    a, b = (statistics.median(times[k]) for k in ("plugin", "plain"))
+    load = os.getloadavg()[0]
+    print(f"{args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_q_heads}/{cfg.num_kv_heads} "
+          f"heads of {cfg.head_dim}, {cfg.dtype}), {n} tokens, max_model_len {context}, block size {bs}, "
+          f"{args.slots} slots; {jax.default_backend()}, {os.cpu_count()} cores, load {load:.1f}")
+    print(f"plugin prefill step (ragged_step, jit): {a * 1e3:.0f} ms (median of {args.repeats})")
+    print(f"plain forward (forward_full, jit):      {b * 1e3:.0f} ms")
+    print(f"ratio {a / b:.2f}x; last-token logits differ by {err:.2g}")
+
+
+if __name__ == "__main__":
+    main()
