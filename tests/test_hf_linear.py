@@ -83,7 +83,8 @@ def test_config_reads_the_hybrid(checkpoint):
     kimi = name == "kimi_linear"
     assert cfg.linear_kind == ("kda" if kimi else "gated_delta")
     assert cfg.linear_layers == ((0, 2) if kimi else (0, 1)) and cfg.kv_layers == 1
-    assert (cfg.linear_key_heads, cfg.linear_value_heads) == ((4, 4) if kimi else (2, 4))
+    want = (4, 4) if kimi else (LIN["linear_num_key_heads"], LIN["linear_num_value_heads"])
+    assert (cfg.linear_key_heads, cfg.linear_value_heads) == want
     assert (cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv) == (128, 128, 4)
     assert cfg.attn_output_gate == (not kimi) and cfg.qk_norm == (not kimi)
     if kimi:  # MLA without RoPE or q-LoRA, DeepSeek's routing, the first layer dense
