@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_vllm_adapter import SLOTS, batch_inputs  # SLOTS: request slots, padded past num_reqs as vLLM pads them
 from tpumk.model import reference as R
 from tpumk.model.config import load_preset
 from tpumk.model.weights import random_params
@@ -26,7 +27,6 @@ from tpumk.vllm import kv, steps
 
 BLOCK = 4  # vLLM's block size
 NUM_BLOCKS = 40
-SLOTS = 6  # request slots, padded past num_reqs as vLLM pads them
 CONTEXT = 32  # max_model_len
 TOKENS = 24  # the token bucket of both steps
 QUERY_TILE, KEY_TILE, SHORT_TILE = 4, 8, 2  # the decode of step 2 runs as a short item
@@ -76,17 +76,9 @@ def setup(name: str):
 
 
 def batch(chunks, starts):
-    """vLLM's flattened batch of `chunks` (request r's new tokens, from position starts[r])."""
-    ids, pos = np.zeros(TOKENS, np.int32), np.zeros(TOKENS, np.int32)
-    qsl = np.zeros(SLOTS + 1, np.int32)
-    at = 0
-    for r, (chunk, start) in enumerate(zip(chunks, starts)):
-        ids[at:at + len(chunk)] = chunk
-        pos[at:at + len(chunk)] = np.arange(start, start + len(chunk))
-        at += len(chunk)
-        qsl[r + 1] = at
-    qsl[len(chunks) + 1:] = at
-    return ids, pos, qsl
+    """vLLM's flattened batch of `chunks` (request r's new tokens, from position starts[r]) in
+    this file's token bucket: test_vllm_adapter's batch_inputs without the sequence lengths."""
+    return batch_inputs(chunks, starts, TOKENS)[:3]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
