@@ -11,6 +11,7 @@ interpreter the plugin uses under vLLM's jit). Logits and new cache rows are che
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import jax
@@ -199,6 +200,36 @@ def test_rows_read_and_write_tpu_inference_s_layout(head_dim, heads, dtype):
     np.testing.assert_array_equal(np.asarray(written, np.float32), np.asarray(want, np.float32))
     np.testing.assert_array_equal(np.asarray(rk, np.float32)[0], np.asarray(k)[::-1])
     np.testing.assert_array_equal(np.asarray(rv, np.float32)[0], np.asarray(v)[::-1])
+
+
+def test_decode_step_traffic_is_the_plan_s_and_the_docs_state_it():
+    """docs/serving-vllm.md's figure for the plugin's decode step (qwen3-8b, batch 8, context
+    4096, TPU7x plan): the kernel's bytes by the plan plus the copies around it
+    (`kv.decode_step_hbm_bytes`), whose sizes are those of the arrays `gather_batch` and
+    `read_rows` really produce at that shape (abstractly: no memory)."""
+    plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), batch=8, context=4096, page_size=16))
+    cfg, dt = plan.cfg, R.jnp_dtype(plan.cfg)
+    got = kv.decode_step_hbm_bytes(plan)
+    assert got["kernel"] == plan.hbm_bytes
+    layer = jax.ShapeDtypeStruct(kv.cache_shape(plan.num_pages, 16, cfg.num_kv_heads, cfg.head_dim, dt), dt)
+    tables = jax.ShapeDtypeStruct((plan.batch, plan.context // 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((plan.batch,), jnp.int32)
+    stacked = jax.eval_shape(lambda c, t, n: kv.gather_batch(c, t, n, cfg.num_kv_heads, cfg.head_dim, 16,
+                                                             plan.context, 16, plan.num_pages),
+                             [layer] * cfg.num_layers, tables, lengths)
+    assert got["gather_write"] == sum(a.size * a.dtype.itemsize for a in stacked)
+    slots = jax.ShapeDtypeStruct((plan.batch, plan.context), jnp.int32)
+    rows = jax.eval_shape(lambda c, s: kv.read_rows(c, s, cfg.num_kv_heads, cfg.head_dim), layer, slots)
+    # qwen3-8b's rows have no padding lanes or heads: a whole vLLM row is its K and V
+    assert got["gather_read"] == cfg.num_layers * sum(a.size * a.dtype.itemsize for a in rows)
+    total = sum(got.values())
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving-vllm.md").read_text().split())
+    ratio = f"{total / plan.hbm_bytes:.2f}x"
+    stated = (f"the kernel moves {plan.hbm_bytes / 1e9:.2f} GB per step, the plugin's step {total / 1e9:.2f} GB, "
+              f"{ratio} ({(got['gather_read'] + got['gather_write']) / 1e9:.2f} GB of it")
+    assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
+    # every other mention of the ratio says the same
+    assert set(re.findall(r"(\d+\.\d+x) the kernel's", text)) == {ratio}
 
 
 def test_a_cache_in_another_layout_is_refused_in_one_line():

@@ -21,12 +21,20 @@ is refused by `layout_problem` rather than read wrong.
 
 The megakernel reads ONE stacked cache `[layers, pages, page_size, kv_heads * head_dim]` for K and
 one for V, and its layer loop is a traced loop (one per segment of same-kind layers): a DMA
-cannot pick its source among L separate arrays by a traced layer index. vLLM's runner allocates
-per layer whatever attention backend is registered, so neither reading vLLM's arrays in place
-nor a backend with tpumk's layout is open without changing vLLM's allocator. So a decode step
-gathers its sequences' rows into the kernel's layout (`gather_batch`), runs the kernel, and
-writes the rows it added back into vLLM's arrays (`write_rows`): the cost is one extra read and
-write of the batch's KV rows per step (docs/serving-vllm.md says so).
+cannot pick its source among L separate arrays by a traced layer index, and vLLM's runner
+allocates one array per layer (`create_kv_caches`) whatever attention backend is registered. So
+a decode step gathers its sequences' rows into the kernel's layout (`gather_batch`), runs the
+kernel, and writes the rows it added back into vLLM's arrays (`write_rows`): by tpumk's plan that
+step moves 1.48x the kernel's own HBM bytes at qwen3-8b, batch 8, context 4096
+(`decode_step_hbm_bytes`, docs/serving-vllm.md).
+
+What would remove the copies, by evidence (docs/serving-vllm.md, "Reading vLLM's cache in
+place"): reading this RPA layout in the kernel is ruled out (a bfloat16 cache packs a head's K
+and V into the same 32-bit words, and the L arrays remain); tpu_inference 0.32's
+`register_attention_backend` lets a plugin choose each layer's array shape, so a backend in the
+kernel's page layout needs no re-layout; and a kernel taking the L arrays as refs with a
+`pl.when` per layer around each DMA start compiles (benchmarks/layer_select_compile.py: about
++28 s deviceless for TPU7x at 36 layers, once per build). Neither is built yet.
 """
 
 from __future__ import annotations
@@ -155,3 +163,30 @@ def new_rows(k: jax.Array, positions: jax.Array, context: int, page_size: int) -
     p = jnp.maximum(positions, 0)
     pages = jnp.arange(positions.shape[0], dtype=jnp.int32) * per + p // page_size
     return k[:, pages, p % page_size]
+
+
+def decode_step_hbm_bytes(plan) -> dict[str, float]:
+    """HBM bytes one decode step of the plugin moves, by tpumk's plan, at the plan's batch and
+    full context: the kernel's own (`plan.hbm_bytes`, what `tpumk build` reports) plus the copies
+    `tpumk.vllm.steps.decode_step` makes around it:
+
+    - gather_read: `gather_batch` reads every context slot of every sequence from vLLM's arrays,
+      whole rows (G x packing x lanes), layer by layer (rows past a sequence's length are read,
+      then masked);
+    - gather_write: it writes the kernel's stacked K and V, `[layers, num_pages, page_size,
+      kv_heads * head_dim]` each, whole (pages past the batch's are zeros, written too);
+    - write_back: `write_rows` writes each sequence's new row into every layer's array.
+
+    Counted logically (each array read or written once), not by XLA's fusions."""
+    true, run = plan.unpadded or plan.whole_model, plan.whole_model
+    itemsize = jnp.dtype(true.dtype).itemsize
+    heads, p, lanes = row_shape(true.num_kv_heads, true.head_dim, true.dtype)
+    vllm_row = heads * p * lanes * itemsize
+    layers = true.num_layers
+    kernel_width = run.num_kv_heads * run.head_dim * jnp.dtype(run.dtype).itemsize
+    return {
+        "kernel": float(plan.hbm_bytes),
+        "gather_read": float(layers * plan.batch * plan.context * vllm_row),
+        "gather_write": float(2 * layers * plan.num_pages * plan.page_size * kernel_width),
+        "write_back": float(layers * plan.batch * vllm_row),
+    }
