@@ -33,8 +33,9 @@ place"): reading this RPA layout in the kernel is ruled out (a bfloat16 cache pa
 and V into the same 32-bit words, and the L arrays remain); tpu_inference 0.32's
 `register_attention_backend` lets a plugin choose each layer's array shape, so a backend in the
 kernel's page layout needs no re-layout; and a kernel taking the L arrays as refs with a
-`pl.when` per layer around each DMA start compiles (benchmarks/layer_select_compile.py: about
-+28 s deviceless for TPU7x at 36 layers, once per build). Neither is built yet.
+`pl.when` per layer around each DMA start compiles, at a cost that grows with layers x DMA
+starts (benchmarks/layer_select_compile.py: +28 s / +72 s deviceless for TPU7x at 36 layers and
+48 / 112 page DMA starts per cache and layer, once per build). Neither is built yet.
 """
 
 from __future__ import annotations
