@@ -81,7 +81,7 @@ def probe(variant: str, layers: int, sites: int, interpret=False):
             copy(c, layer if variant in ("stacked", "unrolled") else 0, s, page, write).wait()
 
         def body(layer, carry):
-            pages = [table[lax_rem(layer * sites + s, NUM_PAGES)] for s in range(sites)]
+            pages = [table[jax.lax.rem(layer * sites + s, NUM_PAGES)] for s in range(sites)]
             for write in (False, True):
                 for c in range(2):
                     for s in range(sites):
@@ -92,9 +92,6 @@ def probe(variant: str, layers: int, sites: int, interpret=False):
                     for s in range(sites):
                         wait(c, layer, s, pages[s], write)
             return carry
-
-        def lax_rem(a, b):
-            return jax.lax.rem(a, b)
 
         if variant == "unrolled":
             for layer in range(layers):
