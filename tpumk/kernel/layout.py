@@ -63,7 +63,8 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block, mla_dims
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block,
+                                 mla_dims, round_up)
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
 from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset, residual_gate_offset,
@@ -146,6 +147,8 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
         else:
             mats["q"] = cols.q(cast(l["wq"]))
         mats["kv_a"] = cols.kv_a(cast(l["wkv_a"]))
+        if "idx_wk" in l:  # sparse attention's indexer (tpumk.kernel.sparse_attention): keys, queries
+            mats["idx_k"], mats["idx_q"] = cast(l["idx_wk"]), cast(l["idx_wq"])
         mats["o"] = cols.o_rows(cast(l["wo"]))
         for name, m in mats.items():
             out.setdefault(name, []).append(tile_matrix(m, fams[name]))
@@ -153,6 +156,17 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
         out.setdefault("uk", []).append(cols.diagonal(cast(w_uk), "uk"))
         out.setdefault("uv", []).append(cols.diagonal(cast(w_uv), "uv"))
     return {name: jnp.stack(tiles) for name, tiles in out.items()}
+
+
+def _pack_indexer_vectors(cfg: ModelConfig, layers: list) -> dict:
+    """Sparse attention's float32 per-layer arrays: weights_proj [L, H, Hi lane-padded] and the key
+    LayerNorm's weight and bias as rows 0 and 1 of [L, 8, Di lane-padded] (`contract.SPARSE_OPERANDS`)."""
+    a = cfg.attention
+    hi, di = round_up(a.index_heads, LANE), round_up(a.index_head_dim, LANE)
+    w = [jnp.pad(jnp.asarray(l["idx_weights"], jnp.float32), ((0, 0), (0, hi - a.index_heads))) for l in layers]
+    norm = [jnp.zeros((8, di), jnp.float32).at[0, :a.index_head_dim].set(jnp.asarray(l["idx_k_norm"], jnp.float32))
+            .at[1, :a.index_head_dim].set(jnp.asarray(l["idx_k_bias"], jnp.float32)) for l in layers]
+    return {"idx_weights": jnp.stack(w), "idx_norm": jnp.stack(norm)}
 
 
 def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, latent_split: bool = False) -> dict:
@@ -305,6 +319,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     attention = [l for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
     if cfg.is_mla:
         out.update(_pack_mla(cfg, fams, attention, cast, split))
+        if cfg.attention.is_sparse:
+            out.update(_pack_indexer_vectors(cfg, [layers[i] for i in cfg.indexer_layers]))
     else:
         out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l[k]) for k in qkv_keys(cfg)], 1), fams["qkv"])
                                 for l in attention])

@@ -35,7 +35,7 @@ from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_b
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry,
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry, SparseGeometry,
                                  LinearGeometry, MLAGeometry, MoEGeometry, QUERY_SCALE_LANES, mla_dims, rope_table_lanes,
                                  round_up)
 from tpumk.plan.knobs import TuningConfig
@@ -194,6 +194,8 @@ class Plan:
     unpadded: ModelConfig | None = None
     # Hidden states the step also writes (`BuildSpec.taps`): the kernel's `taps` output.
     taps: tuple[int, ...] = ()
+    # DeepSeek Sparse Attention's indexer, selection and gather (tpumk.kernel.sparse_attention); None: dense.
+    sparse: SparseGeometry | None = None
 
     # ---- derived facts
     @functools.cached_property
@@ -626,6 +628,11 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
     w = split.get("kv_a", cfg.attention.kv_cache_width)
     out["kv_a"] = tiled("kv_a", h, h, w, round_up(w, LANE) if split else dims["kv_a_cols"])
     n, c, v = dims["nope"], dims["latent"], dims["value"]
+    if cfg.attention.is_sparse:  # the indexer's projections: idx_k of the layer's input, idx_q of the q latent
+        a = cfg.attention
+        out["idx_k"] = tiled("idx_k", h, h, a.index_head_dim, round_up(a.index_head_dim, LANE))
+        out["idx_q"] = tiled("idx_q", cfg.q_lora_rank, dims["q_lora"], a.index_heads * a.index_head_dim,
+                             round_up(a.index_heads * a.index_head_dim, LANE))
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
     out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
@@ -763,6 +770,10 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
     # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
     attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
     attention.validate()
+    sparse = None
+    if cfg.attention.is_sparse:
+        sparse = SparseGeometry.for_model(cfg, batch, q_len, page_size, pages_per_seq, attention.page_lanes)
+        sparse.validate()
     linear = None
     if cfg.linear:
         if num_slots is not None and num_slots < batch:
@@ -792,7 +803,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
                     sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant,
-                    unpadded=spec.model if padded is not None else None, linear=linear, taps=spec.taps)
+                    unpadded=spec.model if padded is not None else None, linear=linear, taps=spec.taps,
+                    sparse=sparse)
 
         def finish(geom) -> Plan:
             p = _replace(plan, attention=geom)
@@ -915,7 +927,7 @@ def check_kernel_parts(model: ModelConfig) -> None:
     if model.is_moe and model.moe_hidden_size and model.attn_sinks:  # moe_in_norm takes the sinks' vector row
         missing.append("attention sinks with the experts at moe_hidden_size")
     if missing and model.attention.is_sparse:  # (alone, _check_mla's own line says it)
-        missing.append(f"sparse attention (index_topk = {model.index_topk})")
+        missing.append(f"sparse attention with the parts above (index_topk = {model.index_topk})")
     if missing:
         raise NotSupportedError(f"model '{model.name}': not built by the megakernel yet: {'; '.join(missing)} (the "
                                 "reference decode step runs it: tpumk generate --backend reference)")
@@ -923,10 +935,17 @@ def check_kernel_parts(model: ModelConfig) -> None:
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
-    if model.attention.is_sparse:  # (tpumk.model.sparse_attention: the reference's)
-        raise NotSupportedError(f"model '{model.name}': the megakernel has no sparse attention (DeepSeek Sparse "
-                                f"Attention's lightning indexer, index_topk = {model.index_topk}) yet; the reference "
-                                "runs it (tpumk generate --backend reference)")
+    if model.attention.is_sparse:  # (tpumk.kernel.sparse_attention: what it does not do yet)
+        where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
+        for cond, what in ((spec.devices > 1, f"on {spec.devices} devices (one device only yet)"),
+                           (spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
+                           (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
+                           (bool(model.index_shared_layers), "with layers reusing the previous layer's selection "
+                                                             "(index_shared_layers, GLM-5)"),
+                           (not model.q_lora_rank, "without q-LoRA (q_lora_rank = 0)")):
+            if cond:
+                raise NotSupportedError(f"{where} {what} is not built by the megakernel yet; the reference runs it "
+                                        "(tpumk generate --backend reference)")
     fmt = weight_format(spec.quant)
     if fmt is not None and fmt.group and model.v_head_dim % fmt.group:
         # o's rows are padded per head in the kernel: its 128-row scale groups must not straddle heads
