@@ -1679,6 +1679,65 @@ class SparseGeometry:
             dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
         )
 
+    @property
+    def key_page_bytes(self) -> int:
+        return self.page_size * self.key_row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """One gathered block: block_rows latent rows as stored (lane padded)."""
+        return self.block_rows * self.latent_lanes * self.itemsize
+
+    @property
+    def vector_bytes(self) -> int:
+        """Per layer: weights_proj [H, Hi lane-padded] and the key norm rows [8, Di padded], float32."""
+        return 4 * (self.hidden * self.weight_lanes + F32_SUBLANES * self.key_lanes)
+
+    def layer_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None) -> dict[str, int]:
+        """One layer's DMAs for concrete `positions` [B, q] (the kernel's own logic, per sequence):
+        key_tile_pages: index-key pages streamed from HBM (a tile slot past the sequence's last
+        page repeats it; a page the step writes comes from VMEM); key_local_pages: those copied
+        from a patched page; patched_pages: key pages read, patched and written back (the latent
+        cache patches the same pages); key_tiles: index tiles; gather_blocks: latent blocks
+        gathered, at most min(q_len x topk, the sequence's keys) tokens rounded up to whole
+        gather steps (an upper bound: the union of the queries' picks may be smaller, and a
+        block in a page the step writes is a VMEM copy); gather_steps."""
+        positions = np.asarray(positions).reshape(self.batch, self.q_len)
+        p, kt, cap, gt = self.page_size, self.tile_pages, self.capacity, self.gather_tokens
+        lengths = np.full(self.batch, cap) if lengths is None else np.asarray(lengths).reshape(self.batch)
+        out = dict.fromkeys(("key_tile_pages", "key_local_pages", "patched_pages", "key_tiles", "gather_blocks",
+                             "gather_steps"), 0)
+        for row, n in zip(positions, lengths):
+            n = min(max(int(n), 0), cap)
+            kv_end = max([1] + [int(x) + 1 if 0 <= x < cap else (n if x >= cap else 0) for x in row])
+            npages = -(-kv_end // p)
+            ntiles = 1 if kt == self.pages_per_seq else -(-npages // kt)
+            written = {int(x) // p for x in row if 0 <= x < cap}
+            slots = ntiles * kt
+            uses = {pg: (slots - (npages - 1) if pg == npages - 1 else 1) for pg in written if pg < npages}
+            out["key_local_pages"] += sum(uses.values())
+            out["key_tile_pages"] += slots - sum(uses.values())
+            out["patched_pages"] += len(written)
+            out["key_tiles"] += ntiles
+            picked = min(self.q_len * self.topk, npages * p)
+            steps = max(1, -(-picked // gt))
+            out["gather_steps"] += steps
+            out["gather_blocks"] += steps * gt
+        return out
+
+    def hbm_bytes(self, context_lengths: Sequence[int]) -> dict[str, int]:
+        """Bytes one decode step moves in HBM for sparse attention, over the indexer layers, with
+        the new tokens after `context_lengths` [B]: "index_keys" (key tiles read, patched key
+        pages read and written), "sparse_gather" (the gathered latent blocks, an upper bound:
+        `layer_counts`), "indexer_vectors" (weights_proj and the norm rows). The latent pages
+        the step patches are the MLA stage's (`AttentionGeometry.hbm_bytes`' patched pages)."""
+        lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
+        positions = lengths[:, None] + np.arange(self.q_len)[None, :]
+        c = self.layer_counts(positions, lengths)
+        return {"index_keys": self.num_layers * (c["key_tile_pages"] + 2 * c["patched_pages"]) * self.key_page_bytes,
+                "sparse_gather": self.num_layers * c["gather_blocks"] * self.block_bytes,
+                "indexer_vectors": self.num_layers * self.vector_bytes}
+
     def temporaries_bytes(self) -> int:
         """One index tile's head scores [head rows, tile] and combined scores, the selection
         passes' [query rows, positions] compare and count, and one gather step's scores,

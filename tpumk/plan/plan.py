@@ -815,6 +815,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
 
         if tuning.kv_tile_pages and tuning.kv_buffers:
             return finish(attention)
+        if sparse is not None:  # the dense tile loop never runs: its knobs at their smallest
+            return finish(geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2))
         return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
 
     if tuning.expert_slots or not cfg.is_moe:
@@ -1001,7 +1003,10 @@ def _vmem_temporaries(plan: Plan) -> dict[str, int]:
     (kept out of `vmem`, whose keys are the contract's components plus `moe_temporaries`):
     `attention_temporaries`, the per-KV-tile scores / probabilities / masked V tile of the
     attention tile loop (`AttentionGeometry.temporaries_bytes`), which grow with kv_tile_pages."""
-    return {"attention_temporaries": plan.attention.temporaries_bytes()}
+    out = {"attention_temporaries": plan.attention.temporaries_bytes()}
+    if plan.sparse is not None:
+        out["sparse_temporaries"] = plan.sparse.temporaries_bytes()
+    return out
 
 
 def _hbm_breakdown(plan: Plan) -> dict[str, float]:
@@ -1019,7 +1024,13 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
                                          for s in plan.segments for n in s.families))
     if plan.moe is not None:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
-    out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    if plan.sparse is None:
+        out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    else:  # the latent pages the step patches (read, written); the selected rows, gathered; the index keys
+        att, lengths = plan.attention, _full_lengths(plan)
+        c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths], lengths)
+        out["kv_cache"] = float(att.num_layers * 2 * c["patched_pages"] * att.page_bytes)
+        out.update({k: float(v) for k, v in plan.sparse.hbm_bytes(lengths).items()})
     if plan.linear is not None:  # every sequence's slot: state, window, pending rows, read and written
         out.update({k: float(v) for k, v in plan.linear.hbm_bytes().items()})
     # glue <-> kernel: embedded rows + cos/sin (+ the query factors) in, logits out (f32)
@@ -1086,9 +1097,19 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
             out[f"ring_{n}_scales"] = {"count": count, "bytes_each": f.scale_tile_bytes}
     att = plan.attention
     lengths = _full_lengths(plan)
-    pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
-                for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
-    out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
+    positions = [[n + i for i in range(plan.q_len)] for n in lengths]
+    if plan.sparse is None:
+        pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
+                    for n, c in att.layer_counts(positions))
+        out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
+    else:  # the latent cache's patched pages; the index keys' tiles and patches; the gathered blocks
+        g = plan.sparse
+        c = g.layer_counts(positions, lengths)
+        out["kv_cache_pages"] = {"count": g.num_layers * 2 * c["patched_pages"], "bytes_each": att.page_bytes}
+        out["index_key_pages"] = {"count": g.num_layers * (c["key_tile_pages"] + c["key_local_pages"]
+                                                           + 2 * c["patched_pages"]), "bytes_each": g.key_page_bytes}
+        out["sparse_gather_blocks"] = {"count": g.num_layers * c["gather_blocks"], "bytes_each": g.block_bytes}
+        out["indexer_vectors"] = {"count": 2 * g.num_layers, "bytes_each": g.vector_bytes / 2}
     if plan.linear is not None:  # per linear layer and sequence: state, window, pending rows in and out
         g = plan.linear
         out["linear_states"] = {"count": 6 * g.num_layers * g.batch, "bytes_each": g.slot_bytes / 3}
