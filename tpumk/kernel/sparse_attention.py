@@ -24,14 +24,15 @@ write-back it shares):
    lowest positions, as `jax.lax.top_k` breaks them (the reference): a second search over the
    position finds how far along the tied keys the k-th pick reaches. Fewer visible keys than
    k: all of them;
-5. the selection goes VMEM -> SMEM by a local DMA, and the scalar core lists the positions some
-   query of the sequence picked, in order (the compaction: one pass over the sequence's
-   positions, a load, an add and a store each);
-6. the latent rows of the listed tokens are gathered by DMA, `gather_tokens` per step into one
-   of two slots (the next step's DMAs fly while one is computed), each token's sublane-tile block
-   of its page (Mosaic moves no single row, see SparseGeometry), from the patch page when this
-   step wrote that page; online softmax over the steps, each gathered row a key only for the
-   queries that picked it.
+5. the selection goes VMEM -> SMEM by a local DMA, and the scalar core lists the distinct
+   sublane-tile blocks (block_rows positions) holding a position some query of the sequence
+   picked, in order (the compaction: one pass over the sequence's positions, a few loads, an
+   add and a store each; Mosaic moves no single row, see SparseGeometry, so a block is the
+   smallest gather and each is moved once however many of its rows are picked);
+6. the listed blocks are gathered by DMA, `gather_tokens` per step into one of two slots (the
+   next step's DMAs fly while one is computed), from the patch page when this step wrote that
+   page; online softmax over the steps, each gathered row a key only for the queries that
+   picked its position.
 """
 
 from __future__ import annotations
@@ -293,27 +294,30 @@ class SparseStage:
         picked = jnp.logical_or(keys > thr, jnp.logical_and(keys == thr, lane <= last))
         sc.keys[...] = jnp.logical_and(picked, keys != INT32_MIN).astype(jnp.int32)
 
-    # ---- 5. the positions some query picked, in order
+    # ---- 5. the blocks holding some query's picks, in order
     def _compact(self, b: int, seq_meta, mw: int):
-        """picked (SMEM) -> order[0 .. n): the picked positions ascending; then copies of the
-        last (a whole final gather step). Returns n."""
+        """picked (SMEM) -> order[0 .. n): the distinct latent blocks (position // block_rows)
+        holding a position some query picked, ascending; then copies of the last (a whole final
+        gather step, masked). Returns n."""
         g, sc = self.g, self.sc
-        T = g.q_len
+        T, blk = g.q_len, g.block_rows
         copy = pltpu.make_async_copy(sc.keys.at[pl.ds(0, T)], sc.picked, sc.sems.at[_SEM_PICKED])
         copy.start()
         copy.wait()
         end = seq_meta[b * mw + 1] * g.page_size  # the sequence's pages (no key past them)
 
-        def body(p, n):
+        def body(p, carry):
+            n, last = carry
             any_ = sc.picked[0, p]
             for i in range(1, T):
                 any_ = jnp.maximum(any_, sc.picked[i, p])
-            sc.order[n] = p
-            return n + any_
+            block = lax.div(p, blk)
+            new = jnp.logical_and(any_ > 0, block != last)
+            sc.order[n] = block
+            return n + new.astype(jnp.int32), jnp.where(new, block, last)
 
-        n = lax.fori_loop(0, end, body, jnp.int32(0))
-        last = sc.order[jnp.maximum(n - 1, 0)]
-        last = jnp.where(n > 0, last, 0)
+        n, last = lax.fori_loop(0, end, body, (jnp.int32(0), jnp.int32(-1)))
+        last = jnp.maximum(last, 0)
         for j in range(g.gather_tokens):
             sc.order[n + j] = last
         return n
@@ -336,9 +340,9 @@ class SparseStage:
 
         def fetch(c, slot):
             for j in range(G):
-                p_ = sc.order[c * G + j]
+                p_ = sc.order[c * G + j] * blk  # the block's first position
                 lp = lax.div(p_, P)
-                off = pl.multiple_of(lax.rem(p_, P) - lax.rem(lax.rem(p_, P), blk), blk)
+                off = pl.multiple_of(lax.rem(p_, P), blk)
                 patched, pslot = False, 0
                 for i in reversed(range(T)):
                     hit = lps[i] == lp
@@ -363,15 +367,15 @@ class SparseStage:
             first = c == 0
             rows = [jnp.zeros((1, G * blk), jnp.bool_) for _ in range(T)]  # per query: its keys among the rows
             any_col = jnp.zeros((G * blk, 1), jnp.bool_)
-            for j in range(G):
+            for j in range(G):  # each row of block j is a key of the queries that picked its position
                 k = c * G + j
-                p_ = sc.order[k]
-                at = j * blk + lax.rem(p_, blk)
+                base = sc.order[k] * blk
                 live = k < n
-                for i in range(T):
-                    flag = jnp.logical_and(live, sc.picked[i, p_] > 0)
-                    rows[i] = jnp.logical_or(rows[i], jnp.logical_and(lane == at, flag))
-                    any_col = jnp.logical_or(any_col, jnp.logical_and(sub == at, flag))
+                for r in range(blk):
+                    for i in range(T):
+                        flag = jnp.logical_and(live, sc.picked[i, base + r] > 0)
+                        rows[i] = jnp.where(lane == j * blk + r, flag, rows[i])
+                        any_col = jnp.where(sub == j * blk + r, jnp.logical_or(any_col, flag), any_col)
             mask = jnp.zeros((RB, G * blk), jnp.bool_)
             for i in range(T):
                 mask = jnp.logical_or(mask, jnp.logical_and(token_of_row == i, rows[i]))

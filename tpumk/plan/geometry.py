@@ -1517,12 +1517,12 @@ class SparseGeometry:
     index_head_dim] in the model dtype, as `reference.KVCache.index_keys`), each query's top-k
     selection in the kernel, and the latent rows of the selected tokens gathered by DMA.
 
-    The gather moves, per selected token, the `block_rows` rows (one sublane tile: 8 float32
-    rows, 16 bfloat16) of its page that hold its row: Mosaic refuses DMAs whose offset along the
-    tiled (token) dimension is not a whole tile (TPU_FACTS 4), so a single row cannot be moved
-    alone; the other rows of the block are masked out of the softmax. `gather_tokens` tokens'
-    blocks are gathered per step of the attention loop (two slots: one computed while the next
-    lands)."""
+    The gather moves whole blocks of `block_rows` rows (one sublane tile: 8 float32 rows, 16
+    bfloat16) of a page, each block holding a selected token once: Mosaic refuses DMAs whose
+    offset along the tiled (token) dimension is not a whole tile (TPU_FACTS 4), so a single row
+    cannot be moved alone; the block's unselected rows are masked out of the softmax.
+    `gather_tokens` blocks are gathered per step of the attention loop (two slots: one computed
+    while the next lands)."""
 
     batch: int
     q_len: int
@@ -1608,8 +1608,9 @@ class SparseGeometry:
 
     @property
     def selected(self) -> int:
-        """Most tokens one sequence's queries select together (the union of their top-k)."""
-        return min(self.q_len * self.topk, self.capacity)
+        """Most blocks one sequence's gather moves: its queries' picks (the union of their top-k)
+        lie in at most this many distinct blocks."""
+        return min(self.q_len * self.topk, -(-self.capacity // self.block_rows))
 
     @property
     def gather_tokens(self) -> int:
@@ -1670,10 +1671,10 @@ class SparseGeometry:
             vmem("keys", (self.query_rows, self.score_lanes), "int32",
                  "[query, position]: the scores as order-preserving int32 keys (masked: INT32_MIN), then the selection"),
             vmem("gather", (2, self.gather_rows, self.latent_lanes), dt,
-                 "[slot, token j's block of block_rows rows]: gathered latent rows"),
+                 "[slot, block j's block_rows rows]: gathered latent rows"),
             smem("picked", (self.q_len, self.score_lanes), "int32", "[query, position]: 1 where the query selected it"),
             smem("order", (self.selected + self.gather_tokens,), "int32",
-                 "the positions some query selected, ascending (then copies of the last, for a whole gather step)"),
+                 "the blocks holding some query's picks, ascending (then copies of the last, for a whole gather step)"),
             dma_sems("sems", (6,), "weights, norm, key tile slots 0 / 1, selection VMEM -> SMEM, spare"),
             dma_sems("gather_sems", (2,), "one per gather slot"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
@@ -1699,9 +1700,9 @@ class SparseGeometry:
         page repeats it; a page the step writes comes from VMEM); key_local_pages: those copied
         from a patched page; patched_pages: key pages read, patched and written back (the latent
         cache patches the same pages); key_tiles: index tiles; gather_blocks: latent blocks
-        gathered, at most min(q_len x topk, the sequence's keys) tokens rounded up to whole
-        gather steps (an upper bound: the union of the queries' picks may be smaller, and a
-        block in a page the step writes is a VMEM copy); gather_steps."""
+        gathered: at most min(q_len x topk, the sequence's blocks) distinct blocks, rounded up to
+        whole gather steps (an upper bound: picks sharing a block, or the queries sharing picks,
+        make fewer, and a block in a page the step writes is a VMEM copy); gather_steps."""
         positions = np.asarray(positions).reshape(self.batch, self.q_len)
         p, kt, cap, gt = self.page_size, self.tile_pages, self.capacity, self.gather_tokens
         lengths = np.full(self.batch, cap) if lengths is None else np.asarray(lengths).reshape(self.batch)
@@ -1719,8 +1720,8 @@ class SparseGeometry:
             out["key_tile_pages"] += slots - sum(uses.values())
             out["patched_pages"] += len(written)
             out["key_tiles"] += ntiles
-            picked = min(self.q_len * self.topk, npages * p)
-            steps = max(1, -(-picked // gt))
+            blocks = min(self.q_len * self.topk, -(-(npages * p) // self.block_rows))  # distinct, at most
+            steps = max(1, -(-blocks // gt))
             out["gather_steps"] += steps
             out["gather_blocks"] += steps * gt
         return out
@@ -1751,4 +1752,4 @@ class SparseGeometry:
 # float32 before the sum over heads: 64 heads x 512 tokens is 128 KiB).
 INDEX_TILE_ROWS = 512
 # A gather step moves at most this many latent rows (blocks of block_rows rows each).
-GATHER_ROWS = 256
+GATHER_ROWS = 128
