@@ -267,7 +267,8 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
     DeepSeek-V3.2's indexer: 64 heads of 128 lanes, top 2,048): per sequence and decode step, the
     latent row is 576 lanes stored as 640 (whole 128-lane tiles) x 2 B = 1,280 B, the index key
     128 x 2 B = 256 B. Sparse = context x 256 x 61 + min(2048, context) x 1,280 x 61; dense =
-    context x 1,280 x 61. At 128k the indexer's own reads alone are 1/5 of the dense read."""
+    context x 1,280 x 61. At 128k the indexer's own reads alone are 1/5 of the dense read. The
+    megakernel gathers 16-row blocks instead of rows: at most the whole cache up to 32k tokens."""
     from tpumk.errors import ConfigError
     from tpumk.plan.sparse_reads import sparse_kv_reads
 
@@ -283,6 +284,11 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
         assert (r.index_key_bytes, r.selected_row_bytes, r.dense_row_bytes) == (index, selected, dense)
         assert r.sparse_bytes == index + selected
     assert [round(sparse_kv_reads(cfg, c).ratio, 6) for c in (4096, 32768, 131072)] == [0.7, 0.2625, 0.215625]
+    # the megakernel's gather: whole 16-row bf16 blocks (20,480 B), at most min(2048, context / 16) per layer
+    blocks = {4096: 256, 32768: 2048, 131072: 2048, 1000: 63}
+    for context, n in blocks.items():
+        assert sparse_kv_reads(cfg, context).gathered_block_bytes == n * 20_480 * 61
+    assert [round(sparse_kv_reads(cfg, c).kernel_ratio, 6) for c in (4096, 32768, 131072)] == [1.2, 1.2, 0.45]
     # a layer that reuses the previous selection reads no index keys of its own
     shared = cfg.replace(index_shared_layers=tuple(range(1, 61, 2)))  # 31 of 61 layers keep an indexer
     assert sparse_kv_reads(shared, 131072).index_key_bytes == 131072 * 256 * 31
