@@ -205,17 +205,16 @@ def _one_line_error(r, *needles) -> str:
     return err
 
 
-def test_the_megakernel_refuses_shared_selections_and_generate_runs_the_reference(checkpoint):
-    """GLM-5's layers reusing the previous layer's selection are not in the megakernel yet: `tpumk
-    build` and `generate --backend megakernel` refuse them in one line naming the field (DeepSeek-
-    V3.2's run: tests/test_megakernel_sparse.py, the greedy test below); a 1-byte KV cache is
-    refused for both; `tpumk generate` (the reference backend) gives transformers' greedy tokens."""
+def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(checkpoint):
+    """The megakernel's sparse attention is one device's with model-dtype weights (its runs:
+    tests/test_megakernel_sparse.py, the greedy test below): `tpumk build` on 4 devices or with
+    --quant refuses in one line; a 1-byte KV cache is refused; `tpumk generate` (the reference
+    backend) gives transformers' greedy tokens."""
     name, ckpt, m = checkpoint
-    if name == "glm_moe_dsa":
-        for args in (["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"],
-                     ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141,59,26", "--steps", "2",
-                      "--backend", "megakernel"]):
-            _one_line_error(CliRunner().invoke(main, args), "index_shared_layers", "--backend reference")
+    base = ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"]
+    _one_line_error(CliRunner().invoke(main, base + ["--devices", "4"]), "sparse attention", "on 4 devices",
+                    "--backend reference")
+    _one_line_error(CliRunner().invoke(main, base + ["--quant", "int8"]), "sparse attention", "--quant int8")
     _one_line_error(CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141",
                                               "--steps", "2", "--kv-dtype", "fp8"]),
                     "--kv-dtype fp8 with sparse attention (index_topk) is not built yet")
@@ -227,12 +226,14 @@ def test_the_megakernel_refuses_shared_selections_and_generate_runs_the_referenc
         assert json.loads(r.stdout)["tokens"] == _hf_greedy(ckpt)
 
 
-@pytest.mark.full  # (30 s: ten interpreted megakernel steps) tests/README.md: the default run's cover
-def test_megakernel_greedy_tokens_equal_transformers(tmp_path):
-    """DeepSeek-V3.2 through the megakernel (tpumk.kernel.sparse_attention, interpret mode): the
-    reference's prefill writes the prompts' index keys, then ten kernel steps give transformers'
-    greedy tokens, past the top-k (the dense model's differ: the test above)."""
-    ckpt = build(tmp_path / "deepseek_v32", "deepseek_v32")
+@pytest.mark.full  # (22-30 s each: ten interpreted megakernel steps) tests/README.md: the default run's cover
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_megakernel_greedy_tokens_equal_transformers(name, tmp_path):
+    """DeepSeek-V3.2 and GLM-5 (a layer reusing the previous selection, interleaved indexer RoPE)
+    through the megakernel (tpumk.kernel.sparse_attention, interpret mode): the reference's
+    prefill writes the prompts' index keys, then ten kernel steps give transformers' greedy
+    tokens, past the top-k (the dense model's differ: the test above)."""
+    ckpt = build(tmp_path / name, name)
     m = load_model(None, str(ckpt))
     n = len(PROMPTS[0]) + STEPS - 1
     want = _hf_greedy(ckpt)

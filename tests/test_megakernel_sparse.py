@@ -4,7 +4,8 @@ detector, each build also compiled deviceless for TPU7x and v6e; the plan's byte
 transformers' greedy tokens through the megakernel: tests/test_hf_sparse_mla.py.
 
 The model is tiny-mla (hidden and experts 128 wide for the kernel's lane tiles) with
-DeepSeek-V3.2's indexer shape scaled down: 8 heads of 32 lanes (the first 8 roped), top 4.
+DeepSeek-V3.2's indexer shape scaled down: 8 heads of 32 lanes (the first 8 roped), top 4; GLM-5's
+(full tier): 16-lane heads with interleaved rope pairs, top 6, layer 1 reusing layer 0's picks.
 The cache before the step holds random latent rows and index keys (every row a token wrote),
 so each query picks 4 of 21 .. 40 keys. Ties: `jax.lax.top_k` keeps the lower position of equal
 scores and the kernel does too, but a near-tie at the k-th score could go either way under a
@@ -42,9 +43,15 @@ DENSE = dict(index_topk=0, index_heads=0, index_head_dim=0)
 TIE_GAP = 1e-4  # float32 scores of 8 heads x 32 terms of size ~1: rounding ~1e-6
 
 
+# GLM-5's indexer: layer 1 keeps layer 0's selection, 16-lane heads with interleaved rope pairs, top 6
+GLM = dict(index_shared_layers=(1,), index_rope_interleave=True, index_head_dim=16, index_topk=6)
+
+
 @functools.lru_cache(maxsize=None)
-def model(dtype: str):
+def model(dtype: str, glm: bool = False):
     cfg = load_preset("tiny-mla").replace(name=f"tiny-dsa-{dtype}", dtype=dtype, **SPARSE)
+    if glm:
+        cfg = cfg.replace(name=f"tiny-glm-dsa-{dtype}", **GLM)
     return cfg, random_params(cfg, seed=2)
 
 
@@ -101,17 +108,19 @@ def compile_for_tpus(cfg, batch: int, q_len: int) -> None:
         assert compile_for(make_decode_step(plan), step_specs(plan), get_target(target)).custom_calls == 1, target
 
 
-# bf16-b2-q3 is the full tier: f32-b1-q1 runs the same kernel path (indexer, index-key cache,
-# selection, compaction, gather) at q_len 1; tests/README.md.
-@pytest.mark.parametrize("dtype, lengths, q_len", [
-    ("float32", [37], 1),
-    pytest.param("bfloat16", [17, 30], 3, marks=pytest.mark.full),
-], ids=["f32-b1-q1", "bf16-b2-q3"])
-def test_sparse_step_matches_reference(dtype, lengths, q_len):
+# bf16-b2-q3 and glm-f32-b2-q1 are the full tier: f32-b1-q1 runs the same kernel path (indexer,
+# index-key cache, selection, compaction, gather) at q_len 1; tests/README.md.
+@pytest.mark.parametrize("dtype, lengths, q_len, glm", [
+    ("float32", [37], 1, False),
+    pytest.param("bfloat16", [17, 30], 3, False, marks=pytest.mark.full),
+    pytest.param("float32", [21, 40], 1, True, marks=pytest.mark.full),
+], ids=["f32-b1-q1", "bf16-b2-q3", "glm-f32-b2-q1"])
+def test_sparse_step_matches_reference(dtype, lengths, q_len, glm):
     """The megakernel's step equals the reference's: logits within 1e-5 of their scale (bf16: the
     MLA tests' bound), the latent and index-key caches with this step's rows; no DMA race. The
-    selection matters: the dense model's logits differ by far more. Compiled deviceless too."""
-    cfg, params = model(dtype)
+    selection matters: the dense model's logits differ by far more. Compiled deviceless too.
+    GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE."""
+    cfg, params = model(dtype, glm)
     batch = len(lengths)
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE))
     assert plan.sparse is not None and {"idx_k", "idx_q"} <= set(plan.families)
@@ -129,7 +138,8 @@ def test_sparse_step_matches_reference(dtype, lengths, q_len):
         got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
         np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
         assert np.any(got != np.asarray(getattr(cache, name), np.float32)), f"{name}: the step wrote no row"
-    dense, _ = R.jitted_decode_step(cfg.replace(**DENSE))(params, tokens, positions, cache)
+    dense_cfg = cfg.replace(index_shared_layers=(), index_rope_interleave=False).replace(**DENSE)
+    dense, _ = R.jitted_decode_step(dense_cfg)(params, tokens, positions, cache)
     assert float(jnp.max(jnp.abs(dense - want))) > 0.05 * float(jnp.max(jnp.abs(want)))
     compile_for_tpus(cfg, batch, q_len)
 

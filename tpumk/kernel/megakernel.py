@@ -319,8 +319,9 @@ def _kernel(plan: Plan):
             hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
             lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
             sparse = None
-            if plan.sparse is not None:  # (every MLA layer has its indexer: plan._check_mla)
-                sparse = SparseStage(plan.sparse, plan.attention, cache_layer(seg, layer), s.sparse, ins["idx_weights"],
+            if plan.sparse is not None:  # a layer without an indexer (index_base -1) keeps the last selection
+                index_layer = seg.index_base + (layer - seg.first_layer) if seg.index_base >= 0 else None
+                sparse = SparseStage(plan.sparse, plan.attention, index_layer, s.sparse, ins["idx_weights"],
                                      ins["idx_norm"], outs[1], block_tables, positions)
                 sparse.start()  # its float32 vectors and key-page reads fly behind the projections
                 idx = sparse.sc
@@ -341,13 +342,13 @@ def _kernel(plan: Plan):
                 else:
                     matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
                 matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
-            if sparse is not None:
+            if sparse is not None and not sparse.shared:
                 matmul(seg, layer, "idx_k", s.normed, store_to(idx.idx_k, fam["idx_k"].m_pad, fam["idx_k"].tile_cols))
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
                 s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), norms.latent_eps)
                 matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
-            if sparse is not None:
+            if sparse is not None and not sparse.shared:
                 matmul(seg, layer, "idx_q", s.mla_qa, store_to(idx.idx_q, fam["idx_q"].m_pad, fam["idx_q"].tile_cols))
                 sparse.prepare(s.normed[...], cos_ref[...], sin_ref[...])
             cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile

@@ -69,6 +69,7 @@ class SparseScratch(NamedTuple):
     gather: Any
     picked: Any
     order: Any
+    counts: Any
     sems: Any
     gather_sems: Any
     patch_sems: Any
@@ -95,7 +96,12 @@ class SparseStage:
 
     def __init__(self, g: SparseGeometry, mla: MLAGeometry, layer, scratch, weights_hbm, norm_hbm, index_cache,
                  block_tables, positions):
+        """layer: the index-key cache layer, or None for a layer that keeps the previous layer's
+        selection (index_shared_layers: no indexer, no index keys; start, prepare, patch and
+        retire do nothing, attend gathers the kept blocks)."""
         self.g, self.mla, self.layer = g, mla, layer
+        self.shared = layer is None
+        layer = 0 if layer is None else layer
         self.sc = SparseScratch(*scratch)
         self.weights_hbm, self.norm_hbm, self.cache = weights_hbm, norm_hbm, index_cache
         self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc)
@@ -109,6 +115,8 @@ class SparseStage:
 
     def start(self) -> None:
         """Start this layer's float32 vectors and the reads of the index-key pages the step writes."""
+        if self.shared:
+            return
         for c in self._vector_copies():
             c.start()
         self.pages.start_patch_reads()
@@ -124,6 +132,8 @@ class SparseStage:
         idx_k, exact in the model dtype), the roped queries (idx_q) and each row's head weights."""
         g, sc, dt = self.g, self.sc, self.g.jnp_dtype
         n, di = g.tokens, g.index_head_dim
+        if self.shared:
+            return
         for c in self._vector_copies():
             c.wait()
         k = sc.idx_k[pl.ds(0, n), :]
@@ -150,6 +160,8 @@ class SparseStage:
         """Patch this step's key rows into the pages they land on and start the write-backs."""
         g, sc, st = self.g, self.sc, self.pages
         T, P, di = g.q_len, g.page_size, g.index_head_dim
+        if self.shared:
+            return
         rows = lax.broadcasted_iota(jnp.int32, (P, 1), 0)
         for b, i, slot, lps, pos, pg, first in st.tokens():
             st.wait_patch_dma(slot, pg, write=False)
@@ -161,7 +173,8 @@ class SparseStage:
             st.start_patch_dma(slot, pg, first, write=True)
 
     def retire(self) -> None:
-        attn._retire_write_backs(self.pages)
+        if not self.shared:
+            attn._retire_write_backs(self.pages)
 
     # ---- 3. scores
     def _stage_queries(self, b: int) -> None:
@@ -301,26 +314,26 @@ class SparseStage:
         gather step, masked). Returns n."""
         g, sc = self.g, self.sc
         T, blk = g.q_len, g.block_rows
-        copy = pltpu.make_async_copy(sc.keys.at[pl.ds(0, T)], sc.picked, sc.sems.at[_SEM_PICKED])
+        copy = pltpu.make_async_copy(sc.keys.at[pl.ds(0, T)], sc.picked.at[b], sc.sems.at[_SEM_PICKED])
         copy.start()
         copy.wait()
         end = seq_meta[b * mw + 1] * g.page_size  # the sequence's pages (no key past them)
 
         def body(p, carry):
             n, last = carry
-            any_ = sc.picked[0, p]
+            any_ = sc.picked[b, 0, p]
             for i in range(1, T):
-                any_ = jnp.maximum(any_, sc.picked[i, p])
+                any_ = jnp.maximum(any_, sc.picked[b, i, p])
             block = lax.div(p, blk)
             new = jnp.logical_and(any_ > 0, block != last)
-            sc.order[n] = block
+            sc.order[b, n] = block
             return n + new.astype(jnp.int32), jnp.where(new, block, last)
 
         n, last = lax.fori_loop(0, end, body, (jnp.int32(0), jnp.int32(-1)))
         last = jnp.maximum(last, 0)
         for j in range(g.gather_tokens):
-            sc.order[n + j] = last
-        return n
+            sc.order[b, n + j] = last
+        sc.counts[b] = n
 
     # ---- 6. attention over the gathered rows
     def attend(self, b: int, lst, lengths, token_of_row) -> None:
@@ -328,10 +341,12 @@ class SparseStage:
         q_heads[b]'s first `latent` lanes (as the dense stage leaves it)."""
         g, sc, m = self.g, self.sc, self.mla
         msc, mw = lst.sc, lst.meta_width
-        self._stage_queries(b)
-        self._scores(b, lengths, msc.seq_meta, mw)
-        self._select()
-        n = self._compact(b, msc.seq_meta, mw)
+        if not self.shared:  # (a shared layer keeps the previous layer's picks and blocks)
+            self._stage_queries(b)
+            self._scores(b, lengths, msc.seq_meta, mw)
+            self._select()
+            self._compact(b, msc.seq_meta, mw)
+        n = sc.counts[b]
         T, P, C, G, blk, W = g.q_len, g.page_size, m.latent, g.gather_tokens, g.block_rows, m.row_lanes
         RB, dt = m.q_rows, m.jnp_dtype
         precision = lax.Precision.HIGHEST if m.dtype == "float32" else None
@@ -340,7 +355,7 @@ class SparseStage:
 
         def fetch(c, slot):
             for j in range(G):
-                p_ = sc.order[c * G + j] * blk  # the block's first position
+                p_ = sc.order[b, c * G + j] * blk  # the block's first position
                 lp = lax.div(p_, P)
                 off = pl.multiple_of(lax.rem(p_, P), blk)
                 patched, pslot = False, 0
@@ -369,11 +384,11 @@ class SparseStage:
             any_col = jnp.zeros((G * blk, 1), jnp.bool_)
             for j in range(G):  # each row of block j is a key of the queries that picked its position
                 k = c * G + j
-                base = sc.order[k] * blk
+                base = sc.order[b, k] * blk
                 live = k < n
                 for r in range(blk):
                     for i in range(T):
-                        flag = jnp.logical_and(live, sc.picked[i, base + r] > 0)
+                        flag = jnp.logical_and(live, sc.picked[b, i, base + r] > 0)
                         rows[i] = jnp.where(lane == j * blk + r, flag, rows[i])
                         any_col = jnp.where(sub == j * blk + r, jnp.logical_or(any_col, flag), any_col)
             mask = jnp.zeros((RB, G * blk), jnp.bool_)

@@ -1538,6 +1538,7 @@ class SparseGeometry:
     dtype: str
     latent_lanes: int  # a stored latent row's lanes (MLAGeometry.page_lanes)
     interleave: bool = False
+    mla_layers: int = 0  # every MLA layer gathers (a layer of index_shared_layers the previous layer's picks)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -1547,7 +1548,7 @@ class SparseGeometry:
                    index_heads=a.index_heads, index_head_dim=a.index_head_dim, rope=cfg.qk_rope_head_dim,
                    topk=a.index_topk, page_size=page_size, pages_per_seq=pages_per_seq,
                    num_layers=len(cfg.indexer_layers), dtype=cfg.dtype, latent_lanes=latent_lanes,
-                   interleave=a.index_rope_interleave)
+                   interleave=a.index_rope_interleave, mla_layers=cfg.kv_layers)
 
     # ---- derived sizes
     @property
@@ -1649,8 +1650,6 @@ class SparseGeometry:
              f"a context whose pages make whole {LANE}-token score blocks of at most {INDEX_TILE_ROWS} tokens")
         need(self.page_size % self.block_rows == 0, f"page_size = {self.page_size}",
              f"a multiple of {self.block_rows} (the gathered blocks)")
-        need(not self.interleave, "index_rope_interleave = true", "rotate-half indexer RoPE (GLM-5's interleaved "
-             "pairs are not built in the megakernel yet)")
 
     def scratch(self) -> tuple[Buffer, ...]:
         """The sparse stage's scratch, in the order `tpumk.kernel.sparse_attention.SparseScratch`
@@ -1672,9 +1671,12 @@ class SparseGeometry:
                  "[query, position]: the scores as order-preserving int32 keys (masked: INT32_MIN), then the selection"),
             vmem("gather", (2, self.gather_rows, self.latent_lanes), dt,
                  "[slot, block j's block_rows rows]: gathered latent rows"),
-            smem("picked", (self.q_len, self.score_lanes), "int32", "[query, position]: 1 where the query selected it"),
-            smem("order", (self.selected + self.gather_tokens,), "int32",
-                 "the blocks holding some query's picks, ascending (then copies of the last, for a whole gather step)"),
+            smem("picked", (self.batch, self.q_len, self.score_lanes), "int32",
+                 "[sequence, query, position]: 1 where the query selected it (kept for the layers reusing it)"),
+            smem("order", (self.batch, self.selected + self.gather_tokens), "int32",
+                 "per sequence the blocks holding some query's picks, ascending (then copies of the last, for a "
+                 "whole gather step)"),
+            smem("counts", (self.batch,), "int32", "per sequence: the blocks listed in order"),
             dma_sems("sems", (6,), "weights, norm, key tile slots 0 / 1, selection VMEM -> SMEM, spare"),
             dma_sems("gather_sems", (2,), "one per gather slot"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
@@ -1729,14 +1731,14 @@ class SparseGeometry:
     def hbm_bytes(self, context_lengths: Sequence[int]) -> dict[str, int]:
         """Bytes one decode step moves in HBM for sparse attention, over the indexer layers, with
         the new tokens after `context_lengths` [B]: "index_keys" (key tiles read, patched key
-        pages read and written), "sparse_gather" (the gathered latent blocks, an upper bound:
-        `layer_counts`), "indexer_vectors" (weights_proj and the norm rows). The latent pages
+        pages read and written), "sparse_gather" (the gathered latent blocks of every MLA layer,
+        an upper bound: `layer_counts`), "indexer_vectors" (weights_proj and the norm rows). The latent pages
         the step patches are the MLA stage's (`AttentionGeometry.hbm_bytes`' patched pages)."""
         lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
         positions = lengths[:, None] + np.arange(self.q_len)[None, :]
         c = self.layer_counts(positions, lengths)
         return {"index_keys": self.num_layers * (c["key_tile_pages"] + 2 * c["patched_pages"]) * self.key_page_bytes,
-                "sparse_gather": self.num_layers * c["gather_blocks"] * self.block_bytes,
+                "sparse_gather": self.mla_layers * c["gather_blocks"] * self.block_bytes,
                 "indexer_vectors": self.num_layers * self.vector_bytes}
 
     def temporaries_bytes(self) -> int:

@@ -135,6 +135,9 @@ class Segment:
     moe_base: int = 0  # MoE-layer ordinal of the first layer (moe segments)
     linear: bool = False  # the layers' token mixer: linear attention (tpumk.kernel.linear_attention)
     kv_base: int = 0  # the first layer's KV-cache layer (attention) or state-pool layer (linear)
+    # sparse attention: the first layer's index-key cache layer; -1: the layers keep the previous
+    # layer's selection (index_shared_layers) and run no indexer
+    index_base: int = -1
 
     @property
     def end_layer(self) -> int:
@@ -630,9 +633,12 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
     n, c, v = dims["nope"], dims["latent"], dims["value"]
     if cfg.attention.is_sparse:  # the indexer's projections: idx_k of the layer's input, idx_q of the q latent
         a = cfg.attention
-        out["idx_k"] = tiled("idx_k", h, h, a.index_head_dim, round_up(a.index_head_dim, LANE))
-        out["idx_q"] = tiled("idx_q", cfg.q_lora_rank, dims["q_lora"], a.index_heads * a.index_head_dim,
-                             round_up(a.index_heads * a.index_head_dim, LANE))
+        n_idx = len(cfg.indexer_layers)  # stacked over the layers with an indexer of their own
+        out["idx_k"] = dataclasses.replace(tiled("idx_k", h, h, a.index_head_dim, round_up(a.index_head_dim, LANE)),
+                                           stack=n_idx)
+        out["idx_q"] = dataclasses.replace(tiled("idx_q", cfg.q_lora_rank, dims["q_lora"],
+                                                 a.index_heads * a.index_head_dim,
+                                                 round_up(a.index_heads * a.index_head_dim, LANE)), stack=n_idx)
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
     out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
@@ -656,34 +662,41 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
     g = 0
     i = 0
 
-    def kind(layer: int) -> tuple[bool, bool]:
-        return cfg.pattern.is_dense(layer), cfg.pattern.is_linear(layer)
+    def kind(layer: int) -> tuple[bool, bool, bool]:
+        return cfg.pattern.is_dense(layer), cfg.pattern.is_linear(layer), cfg.has_indexer(layer)
+
+    idx_seen = 0
 
     while i < cfg.num_layers:
-        dense, linear = kind(i)
+        dense, linear, indexer = kind(i)
         j = i
-        while j < cfg.num_layers and kind(j) == (dense, linear):
+        while j < cfg.num_layers and kind(j) == (dense, linear, indexer):
             j += 1
         if linear:
             att, mixer_base = tuple(n for n in LINEAR_FAMILIES if n in fams), lin_seen
         else:
-            att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
+            att = tuple(n for n in MLA_FAMILIES if n in fams and (indexer or not n.startswith("idx_"))) \
+                + ("o",) if cfg.is_mla else ("qkv", "o")
             mixer_base = kv_seen
+        att_base = tuple(idx_seen if n.startswith("idx_") else mixer_base for n in att)
         if dense:
             names = att + ("gate_up", "down")
-            base = (mixer_base,) * len(att) + (dense_seen, dense_seen)
+            base = att_base + (dense_seen, dense_seen)
         else:
             # (stream order: tpumk.kernel.megakernel's MoE layer)
             names = att + (("moe_in",) if "moe_in" in fams else ()) \
                 + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ()) \
                 + (("moe_out",) if "moe_out" in fams else ())
-            base = (mixer_base,) * len(att) + (moe_seen,) * (len(names) - len(att))
+            base = att_base + (moe_seen,) * (len(names) - len(att))
         offsets, t = [], 0
         for n in names:
             offsets.append(t)
             t += fams[n].tiles
         segments.append(Segment("dense" if dense else "moe", i, j - i, names, base, tuple(offsets), t, g,
-                                moe_base=moe_seen, linear=linear, kv_base=mixer_base))
+                                moe_base=moe_seen, linear=linear, kv_base=mixer_base,
+                                index_base=idx_seen if indexer and cfg.attention.is_sparse else -1))
+        if indexer and cfg.attention.is_sparse:
+            idx_seen += j - i
         g += (j - i) * t
         if dense:
             dense_seen += j - i
@@ -942,8 +955,6 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
         for cond, what in ((spec.devices > 1, f"on {spec.devices} devices (one device only yet)"),
                            (spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
                            (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
-                           (bool(model.index_shared_layers), "with layers reusing the previous layer's selection "
-                                                             "(index_shared_layers, GLM-5)"),
                            (not model.q_lora_rank, "without q-LoRA (q_lora_rank = 0)")):
             if cond:
                 raise NotSupportedError(f"{where} {what} is not built by the megakernel yet; the reference runs it "
@@ -1108,7 +1119,7 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
         out["kv_cache_pages"] = {"count": g.num_layers * 2 * c["patched_pages"], "bytes_each": att.page_bytes}
         out["index_key_pages"] = {"count": g.num_layers * (c["key_tile_pages"] + c["key_local_pages"]
                                                            + 2 * c["patched_pages"]), "bytes_each": g.key_page_bytes}
-        out["sparse_gather_blocks"] = {"count": g.num_layers * c["gather_blocks"], "bytes_each": g.block_bytes}
+        out["sparse_gather_blocks"] = {"count": g.mla_layers * c["gather_blocks"], "bytes_each": g.block_bytes}
         out["indexer_vectors"] = {"count": 2 * g.num_layers, "bytes_each": g.vector_bytes / 2}
     if plan.linear is not None:  # per linear layer and sequence: state, window, pending rows in and out
         g = plan.linear
