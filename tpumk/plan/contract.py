@@ -40,6 +40,12 @@ qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE c
 k_cache [L, num_pages, P, C + R rounded up to 128 lanes] (the latent rows, zero pad lanes), aliased to output 1; `KVCache.v` (empty)
 stays outside the kernel.
 
+Sparse attention (DeepSeek-V3.2, GLM-5; tpumk.kernel.sparse_attention): the families idx_k, idx_q
+too (stacked over the layers with an indexer); idx_weights hbm f32 [indexer layers, H, Hi padded]
+and idx_norm hbm f32 [indexer layers, 8, Di padded] after the packed weights (before the MoE
+operands); and after k_cache a second cache operand index_cache [indexer layers, num_pages, P,
+Di] (cache.index_keys), aliased to output 2; scratch "sparse.<name>" (`SparseGeometry.scratch`).
+
 With `BuildSpec.taps` the last output is `taps` hbm dt [T, N, H]: the residual entering each
 tapped layer (tap L: the final norm's output), staged in VMEM and written by DMA.
 
