@@ -42,7 +42,7 @@ stays outside the kernel.
 
 Sparse attention (DeepSeek-V3.2, GLM-5; tpumk.kernel.sparse_attention): the families idx_k, idx_q
 too (stacked over the layers with an indexer); idx_weights hbm f32 [indexer layers, H, Hi padded]
-and idx_norm hbm f32 [indexer layers, 8, Di padded] after the packed weights (before the MoE
+and idx_norm hbm f32 [indexer layers, 8, Di padded] after the packed weights (after the MoE
 operands); and after k_cache a second cache operand index_cache [indexer layers, num_pages, P,
 Di] (cache.index_keys), aliased to output 2; scratch "sparse.<name>" (`SparseGeometry.scratch`).
 
