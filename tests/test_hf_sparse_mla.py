@@ -205,15 +205,16 @@ def _one_line_error(r, *needles) -> str:
     return err
 
 
-def test_the_megakernel_refuses_sparse_attention_and_generate_runs_the_reference(checkpoint):
-    """`tpumk build` and `generate --backend megakernel` refuse in one line naming what the kernel
-    lacks; `tpumk generate` (the reference backend) gives transformers' greedy tokens."""
+def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(checkpoint):
+    """The megakernel's sparse attention is one device's with model-dtype weights (its runs:
+    tests/test_megakernel_sparse.py, the greedy test below): `tpumk build` on 4 devices or with
+    --quant refuses in one line; a 1-byte KV cache is refused; `tpumk generate` (the reference
+    backend) gives transformers' greedy tokens."""
     name, ckpt, m = checkpoint
-    for args in (["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"],
-                 ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141,59,26", "--steps", "2",
-                  "--backend", "megakernel"]):
-        _one_line_error(CliRunner().invoke(main, args), "the megakernel has no sparse attention",
-                        "--backend reference")
+    base = ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"]
+    _one_line_error(CliRunner().invoke(main, base + ["--devices", "4"]), "sparse attention", "on 4 devices",
+                    "--backend reference")
+    _one_line_error(CliRunner().invoke(main, base + ["--quant", "int8"]), "sparse attention", "--quant int8")
     _one_line_error(CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141",
                                               "--steps", "2", "--kv-dtype", "fp8"]),
                     "--kv-dtype fp8 with sparse attention (index_topk) is not built yet")
@@ -223,6 +224,22 @@ def test_the_megakernel_refuses_sparse_attention_and_generate_runs_the_reference
                                       str(STEPS), "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["tokens"] == _hf_greedy(ckpt)
+
+
+@pytest.mark.full  # (22-30 s each: ten interpreted megakernel steps) tests/README.md: the default run's cover
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_megakernel_greedy_tokens_equal_transformers(name, tmp_path):
+    """DeepSeek-V3.2 and GLM-5 (a layer reusing the previous selection, interleaved indexer RoPE)
+    through the megakernel (tpumk.kernel.sparse_attention, interpret mode): the reference's
+    prefill writes the prompts' index keys, then ten kernel steps give transformers' greedy
+    tokens, past the top-k (the dense model's differ: the test above)."""
+    ckpt = build(tmp_path / name, name)
+    m = load_model(None, str(ckpt))
+    n = len(PROMPTS[0]) + STEPS - 1
+    want = _hf_greedy(ckpt)
+    seqs = np.asarray([p + t + [0] * (LOGIT_TOKENS.shape[1] - n - 1) for p, t in zip(PROMPTS, want)])
+    assert _selection_gap(m, seqs, upto=n) > TIE_GAP
+    assert generate(m, PROMPTS, STEPS, backend="megakernel")["tokens"] == want
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -251,7 +268,8 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
     DeepSeek-V3.2's indexer: 64 heads of 128 lanes, top 2,048): per sequence and decode step, the
     latent row is 576 lanes stored as 640 (whole 128-lane tiles) x 2 B = 1,280 B, the index key
     128 x 2 B = 256 B. Sparse = context x 256 x 61 + min(2048, context) x 1,280 x 61; dense =
-    context x 1,280 x 61. At 128k the indexer's own reads alone are 1/5 of the dense read."""
+    context x 1,280 x 61. At 128k the indexer's own reads alone are 1/5 of the dense read. The
+    megakernel gathers 16-row blocks instead of rows: at most the whole cache up to 32k tokens."""
     from tpumk.errors import ConfigError
     from tpumk.plan.sparse_reads import sparse_kv_reads
 
@@ -267,6 +285,11 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
         assert (r.index_key_bytes, r.selected_row_bytes, r.dense_row_bytes) == (index, selected, dense)
         assert r.sparse_bytes == index + selected
     assert [round(sparse_kv_reads(cfg, c).ratio, 6) for c in (4096, 32768, 131072)] == [0.7, 0.2625, 0.215625]
+    # the megakernel's gather: whole 16-row bf16 blocks (20,480 B), at most min(2048, context / 16) per layer
+    blocks = {4096: 256, 32768: 2048, 131072: 2048, 1000: 63}
+    for context, n in blocks.items():
+        assert sparse_kv_reads(cfg, context).gathered_block_bytes == n * 20_480 * 61
+    assert [round(sparse_kv_reads(cfg, c).kernel_ratio, 6) for c in (4096, 32768, 131072)] == [1.2, 1.2, 0.45]
     # a layer that reuses the previous selection reads no index keys of its own
     shared = cfg.replace(index_shared_layers=tuple(range(1, 61, 2)))  # 31 of 61 layers keep an indexer
     assert sparse_kv_reads(shared, 131072).index_key_bytes == 131072 * 256 * 31

@@ -339,6 +339,49 @@ def _attention_stage(plan, ledger: _Ledger, extra_bytes: float, times: float,
     return total_s, total_b
 
 
+def _sparse_stage(plan, ledger: _Ledger, extra_bytes: float, times: float, indexer: bool = True
+                  ) -> tuple[float, float]:
+    """One layer of sparse attention (tpumk.kernel.sparse_attention) at the plan's full context:
+    the latent and index-key pages the step writes read first (a round trip); per sequence the
+    index-key tiles through two slots, each costing the larger of its load and its two matmuls
+    (the heads' scores, their weighted sum); then the gather steps, `gather_tokens` block DMAs
+    each through two slots against the latent scores and p . c_kv; the write-backs and the
+    layer's float32 vectors load beside them. The selection's vector passes (31 + log2 of the
+    positions per sequence) and the scalar compaction (one step per position) are not modelled,
+    like the other stages' elementwise work. A layer without an indexer (`indexer` False,
+    index_shared_layers) has only the latent pages and the gather. Returns one layer's (seconds,
+    bytes)."""
+    t, g, a = plan.target, plan.sparse, plan.attention
+    lengths = [plan.context - plan.q_len] * plan.batch
+    c = g.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths], lengths)
+    if not indexer:
+        c = dict(c, key_tiles=0, key_tile_pages=0)
+    patched = c["patched_pages"] * (a.page_bytes + (g.key_page_bytes if indexer else 0))
+    patch_read = DMA_LATENCY_S + load_seconds(t, patched, patched, 2 * c["patched_pages"])
+    tile_bytes = c["key_tile_pages"] * g.key_page_bytes / max(c["key_tiles"], 1)
+    tile_compute = (mxu_seconds(t, g.tile_rows * g.index_head_dim, 2.0 * g.head_rows * g.tile_rows * g.index_head_dim,
+                                _passes(g.dtype))
+                    + mxu_seconds(t, g.head_rows * g.tile_rows, 2.0 * g.query_rows * g.head_rows * g.tile_rows,
+                                  F32_MXU_PASSES))
+    tile_load = load_seconds(t, tile_bytes, 2 * tile_bytes, g.tile_pages, 1, 2)
+    keys = c["key_tiles"] * max(tile_load, tile_compute) + (plan.batch * DMA_LATENCY_S if indexer else 0.0)
+    step_bytes = g.gather_tokens * g.block_bytes
+    step_compute = 2 * mxu_seconds(t, g.gather_rows * a.row_lanes, 2.0 * a.q_rows * g.gather_rows * a.row_lanes,
+                                   _passes(a.dtype))
+    step_load = load_seconds(t, step_bytes, 2 * step_bytes, g.gather_tokens, 1, 2)
+    gather = c["gather_steps"] * max(step_load, step_compute) + plan.batch * DMA_LATENCY_S
+    side = patched + (g.vector_bytes if indexer else 0) + extra_bytes
+    side_dma = load_seconds(t, side, side, 2 * c["patched_pages"] + 3)
+    key_bytes = c["key_tile_pages"] * g.key_page_bytes
+    gather_bytes = c["gather_blocks"] * g.block_bytes
+    seconds = patch_read + max(keys + gather, c["key_tiles"] * tile_load + c["gather_steps"] * step_load + side_dma)
+    nbytes = patched + key_bytes + gather_bytes + side
+    dma = patch_read - DMA_LATENCY_S + c["key_tiles"] * tile_load + c["gather_steps"] * step_load + side_dma
+    ledger.add("attention", seconds, nbytes, dma, c["key_tiles"] * tile_compute + c["gather_steps"] * step_compute,
+               times)
+    return seconds, nbytes
+
+
 def _linear_stage(plan, ledger: _Ledger, extra_bytes: float, times: float) -> tuple[float, float]:
     """One linear-attention layer's stage (tpumk.kernel.linear_attention): per sequence its
     slot's entry (state, window, pending rows: three DMAs) read into one of two buffers while
@@ -487,8 +530,11 @@ def megakernel_step(plan) -> StepModel:
             # the kernel's next-layer KV prefetch: GQA without sliding windows, every layer but
             # the kernel's first (tpumk.kernel.attention.attention_stage, prefetch_next)
             started = kv_ahead and not (first and seg is plan.segments[0])
-            att, att_bytes = _attention_stage(plan, ledger, extra, times, [plan.attention.window(i) for i in layers],
-                                              started, depth_bytes, patches_early=not cfg.is_mla)
+            if plan.sparse is not None:
+                att, att_bytes = _sparse_stage(plan, ledger, extra, times, seg.index_base >= 0)
+            else:
+                att, att_bytes = _attention_stage(plan, ledger, extra, times, [plan.attention.window(i) for i in layers],
+                                                  started, depth_bytes, patches_early=not cfg.is_mla)
             ring.prefetch_during(att, att_bytes, depth_bytes)
             for name in after:
                 ring.family(name, "weight_ring", times)

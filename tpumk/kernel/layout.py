@@ -63,7 +63,8 @@ import jax.numpy as jnp
 
 from tpumk.model.config import ModelConfig
 from tpumk.kernel.memory import shape_struct
-from tpumk.plan.geometry import LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block, mla_dims
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, VECTOR_ROW, LinearGeometry, heads_per_lane_block,
+                                 mla_dims, round_up)
 from tpumk.errors import PlanError
 from tpumk.model.quantize import QuantizedMatrix, expert_format, scheme_of, weight_format
 from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector_width, o_bias_offset, residual_gate_offset,
@@ -146,6 +147,8 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
         else:
             mats["q"] = cols.q(cast(l["wq"]))
         mats["kv_a"] = cols.kv_a(cast(l["wkv_a"]))
+        if "idx_wk" in l:  # sparse attention's indexer (tpumk.kernel.sparse_attention): keys, queries
+            mats["idx_k"], mats["idx_q"] = (cast(l[k])[:, indexer_lanes(cfg, l[k].shape[1])] for k in ("idx_wk", "idx_wq"))
         mats["o"] = cols.o_rows(cast(l["wo"]))
         for name, m in mats.items():
             out.setdefault(name, []).append(tile_matrix(m, fams[name]))
@@ -153,6 +156,32 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
         out.setdefault("uk", []).append(cols.diagonal(cast(w_uk), "uk"))
         out.setdefault("uv", []).append(cols.diagonal(cast(w_uv), "uv"))
     return {name: jnp.stack(tiles) for name, tiles in out.items()}
+
+
+def indexer_lanes(cfg: ModelConfig, width: int) -> jax.Array:
+    """The indexer's output lanes (`width`: one key, or every head's query) in the kernel's order:
+    with index_rope_interleave (GLM-5) each head's first R lanes evens then odds, the order the
+    reference ropes and caches them in (`sparse_attention._rope`), so the kernel's rotate-half
+    RoPE applies; the key's LayerNorm is blind to the order (its weight and bias permuted alike)."""
+    a, r = cfg.attention, cfg.qk_rope_head_dim
+    lanes = jnp.arange(width)
+    if not a.index_rope_interleave:
+        return lanes
+    d = a.index_head_dim
+    head = jnp.concatenate([jnp.arange(0, r, 2), jnp.arange(1, r, 2), jnp.arange(r, d)])
+    return (lanes.reshape(-1, d)[:, head]).reshape(width)
+
+
+def _pack_indexer_vectors(cfg: ModelConfig, layers: list) -> dict:
+    """Sparse attention's float32 per-layer arrays: weights_proj [L, H, Hi lane-padded] and the key
+    LayerNorm's weight and bias as rows 0 and 1 of [L, 8, Di lane-padded] (`contract.SPARSE_OPERANDS`)."""
+    a = cfg.attention
+    hi, di = round_up(a.index_heads, LANE), round_up(a.index_head_dim, LANE)
+    w = [jnp.pad(jnp.asarray(l["idx_weights"], jnp.float32), ((0, 0), (0, hi - a.index_heads))) for l in layers]
+    order = indexer_lanes(cfg, a.index_head_dim)
+    norm = [jnp.zeros((8, di), jnp.float32).at[0, :a.index_head_dim].set(jnp.asarray(l["idx_k_norm"], jnp.float32)[order])
+            .at[1, :a.index_head_dim].set(jnp.asarray(l["idx_k_bias"], jnp.float32)[order]) for l in layers]
+    return {"idx_weights": jnp.stack(w), "idx_norm": jnp.stack(norm)}
 
 
 def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, latent_split: bool = False) -> dict:
@@ -305,6 +334,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
     attention = [l for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
     if cfg.is_mla:
         out.update(_pack_mla(cfg, fams, attention, cast, split))
+        if cfg.attention.is_sparse:
+            out.update(_pack_indexer_vectors(cfg, [layers[i] for i in cfg.indexer_layers]))
     else:
         out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l[k]) for k in qkv_keys(cfg)], 1), fams["qkv"])
                                 for l in attention])

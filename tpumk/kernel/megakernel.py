@@ -54,6 +54,7 @@ from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import (MOE_GLOBAL_OPERANDS, MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES,
                                  STATE_ARRAYS, STATE_SCALARS, KernelContract)
 from tpumk.kernel.mla_attention import mla_attention_stage
+from tpumk.kernel.sparse_attention import SparseStage
 from tpumk.plan.geometry import (LANE, QUERY_SCALE_LANES, VECTOR_ROW, heads_per_lane_block, mla_dims,
                                  rope_table_lanes)
 from tpumk.plan.plan import Plan, o_bias_offset, residual_gate_offset
@@ -79,6 +80,7 @@ class _Scratch:
         self.moe_out = by_name.get("moe_out")
         self.partial = by_name.get("partial")
         self.attention = [by_name[b.name] for b in contract.stage_scratch("attention")]
+        self.sparse = [by_name[b.name] for b in contract.stage_scratch("sparse")] or None
         self.linear = [by_name[b.name] for b in contract.stage_scratch("linear")] or None
         self.moe = [by_name[b.name] for b in contract.stage_scratch("moe")] or None
         self.collectives = [by_name[b.name] for b in contract.stage_scratch("collectives")] or None
@@ -135,6 +137,8 @@ def _kernel(plan: Plan):
             # The caches are aliased to outputs 1 (and 2): the kernel updates the outputs in place
             # (MLA: the one latent cache; --kv-dtype: the one packed cache); then the pool's arrays.
             k_cache, v_cache = (*outs, None)[:2]
+            if plan.sparse is not None:  # the latent cache, then the index-key cache
+                v_cache = None
             pages_out = None
             pool_arrays, pool_outputs = list(state_outs), None
         pool = lin_mod.StatePool(*(ins[k] for k in STATE_SCALARS), *pool_arrays, outputs=pool_outputs) \
@@ -314,6 +318,13 @@ def _kernel(plan: Plan):
             dims, fam = mla_dims(cfg), plan.families
             hq, c, r, t = cfg.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, plan.q_len
             lat, rope0 = dims["latent"], cfg.num_q_heads * dims["nope"]
+            sparse = None
+            if plan.sparse is not None:  # a layer without an indexer (index_base -1) keeps the last selection
+                index_layer = seg.index_base + (layer - seg.first_layer) if seg.index_base >= 0 else None
+                sparse = SparseStage(plan.sparse, plan.attention, index_layer, s.sparse, ins["idx_weights"],
+                                     ins["idx_norm"], outs[1], block_tables, positions)
+                sparse.start()  # its float32 vectors and key-page reads fly behind the projections
+                idx = sparse.sc
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, norms.width)
             # the two projections of the layer's input, in ring order (contract.MLA_FAMILIES)
             if plan.latent_split:  # this device's columns of q_a | kv_a, gathered from every device
@@ -331,10 +342,15 @@ def _kernel(plan: Plan):
                 else:
                     matmul(seg, layer, "q", s.normed, store_to(s.mla_q, fam["q"].m_pad, fam["q"].tile_cols))
                 matmul(seg, layer, "kv_a", s.normed, store_to(s.mla_kv, fam["kv_a"].m_pad, fam["kv_a"].tile_cols))
+            if sparse is not None and not sparse.shared:
+                matmul(seg, layer, "idx_k", s.normed, store_to(idx.idx_k, fam["idx_k"].m_pad, fam["idx_k"].tile_cols))
             if "q_a" in fam:
                 rq = cfg.q_lora_rank
                 s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), norms.latent_eps)
                 matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
+            if sparse is not None and not sparse.shared:
+                matmul(seg, layer, "idx_q", s.mla_qa, store_to(idx.idx_q, fam["idx_q"].m_pad, fam["idx_q"].tile_cols))
+                sparse.prepare(s.normed[...], cos_ref[...], sin_ref[...])
             cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile
             for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
                 s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)
@@ -353,7 +369,7 @@ def _kernel(plan: Plan):
 
             o_lat = mla_attention_stage(plan.attention, cache_layer(seg, layer), q_rows, s.mla_row[...], k_cache,
                                         block_tables, lengths,
-                                        positions, s.attention, pages_out)
+                                        positions, s.attention, pages_out, sparse=sparse)
             for b in range(plan.batch):
                 for head in range(hq):
                     s.mla_olat[b * t:(b + 1) * t, head * lat:head * lat + c] = o_lat[b, head * t:(head + 1) * t, 0:c]
@@ -694,7 +710,7 @@ def _device_step(plan: Plan, call) -> Callable:
             q_scale = jnp.broadcast_to(q_scale[:, None], (n, QUERY_SCALE_LANES))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin, "step.q_scale": q_scale,
                   "cache.block_tables": block_tables, "cache.lengths": lengths,
-                  **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v"), caches)},
+                  **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v", "index_keys"), caches)},
                   **({f"cache.states.{k}": getattr(states, k) for k in states._fields} if states is not None else {})}
         blocks, *updated = call(*(values[b.source] if b.source in values else _packed_leaf(packed, b.source)
                                   for b in contract.operands))
@@ -711,6 +727,8 @@ def _device_step(plan: Plan, call) -> Callable:
                 states = commit_states(states, state_out)
         elif n_states:
             states = states._replace(**dict(zip(("recurrent", "conv", "pending"), state_out)))
+        if plan.sparse is not None:  # the latent cache, then the index keys: KVCache.v (empty) between them
+            updated = [updated[0], caches[1], updated[1]]
         updated += caches[len(updated):]  # MLA: KVCache.v (empty) never enters the kernel
         # [devices * column blocks, n, tile_cols] -> [n, devices, padded slice] -> each slice's
         # own columns, side by side -> the model's vocabulary (local ops: every device holds all)
@@ -783,6 +801,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
     run = _device_step(plan, _pallas_call(plan, detect_races, portable))
     check, check_rows, check_states = _shape_check(plan), _cache_rows_check(plan), _states_check(plan)
+    check_index_keys = _index_keys_check(plan)
 
     device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
 
@@ -799,6 +818,9 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         positions = guard_positions(tokens, positions, plan.whole_model.vocab_size)
         arrays = (cache.kv,) if quantized else (cache.k, cache.v)
         check_rows(arrays)
+        if plan.sparse is not None:  # sparse attention's index-key cache, updated in place too
+            check_index_keys(cache.index_keys)
+            arrays += (cache.index_keys,)
         check_states(cache.states)
         logits, arrays, states, taps = device_run(packed, tokens, positions, arrays,
                                                   cache.block_tables.astype(jnp.int32), cache.lengths.astype(jnp.int32),
@@ -809,7 +831,7 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
         if states is not None:
             states = step_counts(states, plan.q_len)
         new = cache._replace(kv=arrays[0], lengths=lengths, states=states) if quantized else \
-            KVCache(*arrays, cache.block_tables, lengths, states)
+            KVCache(*arrays[:2], cache.block_tables, lengths, states, *arrays[2:])
         return (logits, new, taps) if plan.taps else (logits, new)
 
     donate = (3,) if donate_cache else ()
@@ -913,6 +935,19 @@ def _cache_rows_check(plan: Plan) -> Callable:
     return check
 
 
+def _index_keys_check(plan: Plan) -> Callable:
+    """Refuse, in one line, a sparse model's index-key cache that is missing or not of the plan's
+    layers, page size and key width (the number of pages may differ)."""
+    def check(keys) -> None:
+        g = plan.sparse
+        want = (g.num_layers, g.page_size, g.index_head_dim)
+        if keys is None or keys.ndim != 4 or (keys.shape[0], *keys.shape[2:]) != want:
+            got = "none" if keys is None else f"shape {list(keys.shape)}"
+            raise ValueError(f"decode step: cache.index_keys is {got}, expected [{want[0]}, num_pages, {want[1]}, "
+                             f"{want[2]}] (reference.init_cache makes it for a sparse-attention model)")
+    return check
+
+
 def _states_check(plan: Plan) -> Callable:
     """Refuse, in one line, a state pool that is missing, unexpected, or not of the plan's
     shapes (`LinearGeometry.pool_shapes`; the number of slots may differ)."""
@@ -975,7 +1010,8 @@ def step_specs(plan: Plan) -> tuple:
     elif plan.cfg.is_mla:  # the empty value cache of an MLA model is not an operand
         k = shape_struct(c.operand("k_cache"))
         cache = KVCache(k, jax.ShapeDtypeStruct((*k.shape[:3], 0), k.dtype),
-                        *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")), states)
+                        *(shape_struct(c.operand(n)) for n in ("block_tables", "lengths")), states,
+                        shape_struct(c.operand("index_cache")) if plan.sparse is not None else None)
     else:
         cache = KVCache(*(shape_struct(c.operand(n)) for n in ("k_cache", "v_cache", "block_tables", "lengths")), states)
     tok = shape_struct(c.operand("positions"))

@@ -67,7 +67,7 @@ class _LatentStage(attn._Stage):
 
 
 def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block_tables, lengths, positions,
-                        scratch: Sequence, out: attn.PageOutputs | None = None) -> Any:
+                        scratch: Sequence, out: attn.PageOutputs | None = None, sparse=None) -> Any:
     """One layer of MLA attention with the in-place latent cache update. Call inside a kernel.
 
     q_rows: callable (b, h) -> [(lane offset, f32 [q_len, width]), ...]: the pieces of the row
@@ -77,6 +77,8 @@ def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block
     cache: HBM ref [num_layers, num_pages, page_size, page_lanes] (C + R then zero pad lanes, or
         the packed quantized row; aliased in -> out, updated in place);
     block_tables, lengths, positions, scratch, out: as `tpumk.kernel.attention.attention_stage`.
+    sparse: a `tpumk.kernel.sparse_attention.SparseStage` (started, its inputs prepared): each
+        query attends to the tokens its indexer picks, gathered, instead of the whole cache.
     Returns the q_heads scratch ref: after the stage, row h*q_len + i of q_heads[b] holds head
     h's latent output o_lat (softmax(q . rows) . c_kv) of token i in its first `latent` lanes."""
     st = _LatentStage(geom, layer, cache, block_tables, positions, scratch, out)
@@ -102,7 +104,13 @@ def mla_attention_stage(geom: MLAGeometry, layer, q_rows, new_rows, cache, block
             token_of_row = jnp.where(qrow == h * T + i, i, token_of_row)
     total = attn._tabulate_sequences(st, lengths)
     _patch(st)
-    _tiles(st, lengths, token_of_row, total)
+    if sparse is None:
+        _tiles(st, lengths, token_of_row, total)
+    else:
+        sparse.patch()
+        for b in range(B):
+            sparse.attend(b, st, lengths, token_of_row)
+        sparse.retire()
     attn._retire_write_backs(st)
     return sc.q_heads
 

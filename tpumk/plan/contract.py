@@ -40,6 +40,12 @@ qkv, o; cos / sin [N, 128] (R-wide YaRN rotations tiled over a lane tile); ONE c
 k_cache [L, num_pages, P, C + R rounded up to 128 lanes] (the latent rows, zero pad lanes), aliased to output 1; `KVCache.v` (empty)
 stays outside the kernel.
 
+Sparse attention (DeepSeek-V3.2, GLM-5; tpumk.kernel.sparse_attention): the families idx_k, idx_q
+too (stacked over the layers with an indexer); idx_weights hbm f32 [indexer layers, H, Hi padded]
+and idx_norm hbm f32 [indexer layers, 8, Di padded] after the packed weights (after the MoE
+operands); and after k_cache a second cache operand index_cache [indexer layers, num_pages, P,
+Di] (cache.index_keys), aliased to output 2; scratch "sparse.<name>" (`SparseGeometry.scratch`).
+
 With `BuildSpec.taps` the last output is `taps` hbm dt [T, N, H]: the residual entering each
 tapped layer (tap L: the final norm's output), staged in VMEM and written by DMA.
 
@@ -61,29 +67,33 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tpumk.plan.geometry import (LAYER_VECTOR_ROWS, QUERY_SCALE_LANES, Buffer, dma_sems, hbm, mla_dims,
+from tpumk.plan.geometry import (F32_SUBLANES, LAYER_VECTOR_ROWS, QUERY_SCALE_LANES, Buffer, dma_sems, hbm, mla_dims,
                                  rope_table_lanes, smem, vmem)
 
 if TYPE_CHECKING:
     from tpumk.plan.plan import Plan
 
 # Streamed matrix families in the order their packed arrays are kernel operands.
-RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "uk", "uv", "o", "lin_in", "lin_fb", "lin_gb", "lin_out", "gate_up",
+RING_FAMILIES = ("qkv", "q_a", "q_b", "q", "kv_a", "idx_k", "idx_q", "uk", "uv", "o", "lin_in", "lin_fb", "lin_gb", "lin_out", "gate_up",
                  "down", "moe_in", "shared_gate_up", "shared_down", "moe_out", "lm_head")
 # The MLA matrices in stream order (tpumk.kernel.megakernel's MLA attention block): the two
 # projections of the layer's input (q_a, or a plain q; kv_a: on many devices with the latent
 # split, their slices are all-gathered together next), q_b after the q_a norm, the per-head
 # absorbed W_UK ("uk") and W_UV ("uv", block-diagonal families), then o.
-MLA_FAMILIES = ("q_a", "q", "kv_a", "q_b", "uk", "uv")
+# Sparse attention (tpumk.kernel.sparse_attention): the indexer's key projection after kv_a (it
+# reads the layer's input too), its query projection after q_b (it reads the normed q latent).
+MLA_FAMILIES = ("q_a", "q", "kv_a", "idx_k", "q_b", "idx_q", "uk", "uv")
 MOE_OPERANDS = ("router", "e_gateup", "e_down")
 MOE_SCALE_OPERANDS = ("e_gateup_scales", "e_down_scales")  # quantized experts only
 MOE_GLOBAL_OPERANDS = ("e_global_scales",)  # nvfp4 experts only: their float32 global scales
 MOE_BIAS_OPERANDS = ("e_gateup_bias",)  # expert biases only (gpt-oss)
 # The plan's VMEM breakdown keys, in report order (see plan._vmem_breakdown).
-VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "linear",
-                   "moe", "collectives")
+VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "logits_staging", "attention", "sparse",
+                   "linear", "moe", "collectives")
 # Components whose scratch a stage module takes as a list in its own order (named "<stage>.<name>").
-STAGES = ("attention", "linear", "moe", "collectives")
+STAGES = ("attention", "sparse", "linear", "moe", "collectives")
+# Sparse attention's per-layer float32 operands (packed.<name>): weights_proj, the key LayerNorm's rows.
+SPARSE_OPERANDS = ("idx_weights", "idx_norm")
 # A hybrid model's state pool (tpumk.model.linear_attention.LinearStates) as kernel operands:
 # each sequence's slot and each slot's pending count (SMEM), then the pool's arrays (HBM).
 STATE_SCALARS = ("state_slots", "state_counts")
@@ -181,6 +191,12 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
         out.append(hbm("layer_scales", (cfg.num_layers, 1, plan.scales_width), "float32",
                        "[L, 1, S]: each layer family's column scales at plan.scale_offsets (packed column order)"))
         out.append(hbm("head_scales", (1, plan.vocab_pad), "float32", "[1, padded vocab]: the lm_head's column scales"))
+    if plan.sparse is not None:
+        g = plan.sparse
+        out += [hbm("idx_weights", (g.num_layers, g.hidden, g.weight_lanes), "float32",
+                    "[indexer layer, H, Hi (| pad)]: weights_proj (float32, as transformers keeps it)"),
+                hbm("idx_norm", (g.num_layers, F32_SUBLANES, g.key_lanes), "float32",
+                    "[indexer layer, 8, Di (| pad)]: row 0 the key LayerNorm's weight, row 1 its bias")]
     out = [_with(b, source=f"packed.{b.name}") for b in out]
     if plan.moe is not None:
         out += [_with(b, source=f"packed.moe.{b.name}") for b in plan.moe.packed()]
@@ -220,6 +236,8 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         names = MOE_OPERANDS + (MOE_SCALE_OPERANDS if plan.moe.quantized else ()) \
             + (MOE_GLOBAL_OPERANDS if plan.moe.nv else ()) + (MOE_BIAS_OPERANDS if plan.moe.expert_bias else ())
         out += [_with(packed[f"packed.moe.{k}"], component="moe") for k in names]
+    if plan.sparse is not None:
+        out += [_with(packed[f"packed.{k}"], component="sparse") for k in SPARSE_OPERANDS]
     if plan.linear is not None:
         out += _state_operands(plan)
     att = plan.attention
@@ -227,6 +245,11 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         out.append(_with(hbm("k_cache", (*cache[:3], att.page_lanes), cfg.dtype,
                              "[L, num_pages, page_size, C + R lane-padded]: c_kv | k_rope per token, then zeros"),
                          source="cache.k", component="kv_cache"))
+        if plan.sparse is not None:  # the index-key cache, the last operand (aliased to the last cache output)
+            g = plan.sparse
+            out.append(_with(hbm("index_cache", (g.num_layers, plan.num_pages, plan.page_size, g.index_head_dim),
+                                 cfg.dtype, "[indexer layer, num_pages, page_size, Di]: each token's index key"),
+                             source="cache.index_keys", component="kv_cache"))
         return out
     if att.quantized:  # tpumk.model.kv_quant.PagedLayout: K, V codes (MLA: the latent row's) and exponents
         out.append(_with(hbm("kv_cache", (*cache[:2], att.page_rows, att.page_lanes), att.cache_dtype,
@@ -353,7 +376,7 @@ def kernel_contract(plan: Plan) -> KernelContract:
     packed = packed_buffers(plan)
     operands = tuple(_operands(plan, {b.source: b for b in packed}))
     head = plan.families["lm_head"]
-    caches = plan.attention.caches  # the last operands
+    caches = plan_caches(plan)  # the last operands
     states = [b for b in operands if b.name in STATE_ARRAYS]  # just before the caches
     logits = Buffer("logits", (plan.devices * head.col_blocks, plan.rows, head.tile_cols), "float32", "hbm",
                     component="outputs",
@@ -384,6 +407,8 @@ def kernel_contract(plan: Plan) -> KernelContract:
                            "the tapped layer (tap L: the final norm's output), model dtype"),)
     scratch = _kernel_scratch(plan)
     scratch += [_with(b, name=f"attention.{b.name}", component="attention") for b in plan.attention.scratch()]
+    if plan.sparse is not None:
+        scratch += [_with(b, name=f"sparse.{b.name}", component="sparse") for b in plan.sparse.scratch()]
     if plan.linear is not None:
         scratch += [_with(b, name=f"linear.{b.name}", component="linear") for b in plan.linear.scratch()]
     if plan.moe is not None:
@@ -394,6 +419,12 @@ def kernel_contract(plan: Plan) -> KernelContract:
     assert len(set(names)) == len(names), f"scratch names repeat: {names}"
     return KernelContract(f"tpumk_decode_{cfg.name.replace('-', '_').replace('.', '_')}", operands, outputs, aliases,
                           tuple(scratch), packed)
+
+
+def plan_caches(plan: Plan) -> int:
+    """How many cache operands the kernel takes (the last operands): the attention stage's, then
+    sparse attention's index-key cache."""
+    return plan.attention.caches + (plan.sparse is not None)
 
 
 def logits_slice_bytes(plan: Plan) -> int:

@@ -1503,3 +1503,255 @@ class LinearGeometry:
             dma_sems("out_sems", (2, 3), "[sequence % 2, state | window | pending] writes"),
         ]
         return tuple(out)
+
+
+# ---------------------------------------------------------------------- sparse attention
+
+
+@dataclass(frozen=True)
+class SparseGeometry:
+    """DeepSeek Sparse Attention in the megakernel (`tpumk.kernel.sparse_attention`): the lightning
+    indexer of every MLA layer (its q / k projections stream through the ring as the families
+    idx_q, idx_k; its float32 weights_proj and the key LayerNorm's weight and bias come per layer
+    by DMA), the index-key cache (a second paged cache, [layers, num_pages, page_size,
+    index_head_dim] in the model dtype, as `reference.KVCache.index_keys`), each query's top-k
+    selection in the kernel, and the latent rows of the selected tokens gathered by DMA.
+
+    The gather moves whole blocks of `block_rows` rows (one sublane tile: 8 float32 rows, 16
+    bfloat16) of a page, each block holding a selected token once: Mosaic refuses DMAs whose
+    offset along the tiled (token) dimension is not a whole tile (TPU_FACTS 4), so a single row
+    cannot be moved alone; the block's unselected rows are masked out of the softmax.
+    `gather_tokens` blocks are gathered per step of the attention loop (two slots: one computed
+    while the next lands)."""
+
+    batch: int
+    q_len: int
+    hidden: int
+    q_lora: int  # q_a's lane-padded width: idx_q's input
+    index_heads: int
+    index_head_dim: int
+    rope: int
+    topk: int
+    page_size: int
+    pages_per_seq: int
+    num_layers: int  # layers with an indexer (the index-key cache's layers)
+    dtype: str
+    latent_lanes: int  # a stored latent row's lanes (MLAGeometry.page_lanes)
+    interleave: bool = False
+    mla_layers: int = 0  # every MLA layer gathers (a layer of index_shared_layers the previous layer's picks)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, batch: int, q_len: int, page_size: int, pages_per_seq: int,
+                  latent_lanes: int) -> "SparseGeometry":
+        a = cfg.attention
+        return cls(batch=batch, q_len=q_len, hidden=cfg.hidden_size, q_lora=mla_dims(cfg)["q_lora"],
+                   index_heads=a.index_heads, index_head_dim=a.index_head_dim, rope=cfg.qk_rope_head_dim,
+                   topk=a.index_topk, page_size=page_size, pages_per_seq=pages_per_seq,
+                   num_layers=len(cfg.indexer_layers), dtype=cfg.dtype, latent_lanes=latent_lanes,
+                   interleave=a.index_rope_interleave, mla_layers=cfg.kv_layers)
+
+    # ---- derived sizes
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.q_len
+
+    @property
+    def capacity(self) -> int:
+        return self.pages_per_seq * self.page_size
+
+    @property
+    def key_lanes(self) -> int:
+        return round_up(self.index_head_dim, LANE)
+
+    @property
+    def q_cols(self) -> int:
+        """idx_q's output lanes: every head's index_head_dim lanes side by side, lane padded."""
+        return round_up(self.index_heads * self.index_head_dim, LANE)
+
+    @property
+    def weight_lanes(self) -> int:
+        return round_up(self.index_heads, LANE)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of one sequence's index queries, head-major (row h * q_len + i), sublane padded."""
+        return round_up(self.index_heads * self.q_len, F32_SUBLANES)
+
+    @property
+    def query_rows(self) -> int:
+        return round_up(self.q_len, F32_SUBLANES)
+
+    @property
+    def score_lanes(self) -> int:
+        return round_up(self.capacity, LANE)
+
+    @property
+    def tile_pages(self) -> int:
+        """Pages per index-key tile: the largest count dividing pages_per_seq whose rows are a
+        whole number of 128-lane score blocks (scores are stored at lane offset tile x rows),
+        at most INDEX_TILE_ROWS rows; a whole sequence when it is one tile."""
+        if self.capacity <= INDEX_TILE_ROWS:
+            return self.pages_per_seq
+        best = 0
+        for k in range(1, self.pages_per_seq + 1):
+            rows = k * self.page_size
+            if self.pages_per_seq % k == 0 and rows % LANE == 0 and rows <= INDEX_TILE_ROWS:
+                best = k
+        return best
+
+    @property
+    def tile_rows(self) -> int:
+        return self.tile_pages * self.page_size
+
+    @property
+    def block_rows(self) -> int:
+        return SUBLANES[self.dtype]
+
+    @property
+    def selected(self) -> int:
+        """Most blocks one sequence's gather moves: its queries' picks (the union of their top-k)
+        lie in at most this many distinct blocks."""
+        return min(self.q_len * self.topk, -(-self.capacity // self.block_rows))
+
+    @property
+    def gather_tokens(self) -> int:
+        return max(1, min(GATHER_ROWS // self.block_rows, self.selected))
+
+    @property
+    def gather_rows(self) -> int:
+        return self.gather_tokens * self.block_rows
+
+    @property
+    def patch_pages(self) -> int:
+        return self.tokens + 1  # one per new token, then the read-only sink page (as MLAGeometry's)
+
+    @property
+    def jnp_dtype(self):
+        return WEIGHT_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def key_row_bytes(self) -> int:
+        return self.index_head_dim * self.itemsize
+
+    def validate(self) -> None:
+        def need(cond: bool, what: str, expected: str) -> None:
+            if not cond:
+                raise PlanError(f"sparse attention: {what}: expected {expected}")
+
+        d, r = self.index_head_dim, self.rope
+        need(d % r == 0 and (LANE % d == 0 or d % LANE == 0), f"index_head_dim = {d}",
+             f"a multiple of qk_rope_head_dim ({r}) that divides {LANE} or is a multiple of it (heads are "
+             "roped inside lane tiles)")
+        need(self.tile_pages > 0, f"page_size = {self.page_size} x pages_per_seq = {self.pages_per_seq}",
+             f"a context whose pages make whole {LANE}-token score blocks of at most {INDEX_TILE_ROWS} tokens")
+        need(self.page_size % self.block_rows == 0, f"page_size = {self.page_size}",
+             f"a multiple of {self.block_rows} (the gathered blocks)")
+
+    def scratch(self) -> tuple[Buffer, ...]:
+        """The sparse stage's scratch, in the order `tpumk.kernel.sparse_attention.SparseScratch`
+        names it."""
+        dt, n, p = self.dtype, round_up(self.tokens, F32_SUBLANES), self.page_size
+        return (
+            vmem("idx_q", (n, self.q_cols), "float32", "[N, head h's index query at lanes h*Di ..] (roped in place)"),
+            vmem("idx_k", (n, self.key_lanes), "float32", "[N, Di (| pad)] idx_k's output, then the new key rows"),
+            vmem("head_weights", (n, self.weight_lanes), "float32", "[N, Hi (| pad)] each row's w_h / sqrt(Hi)"),
+            vmem("weights", (self.hidden, self.weight_lanes), "float32", "[H, Hi (| pad)] this layer's weights_proj"),
+            vmem("norm", (F32_SUBLANES, self.key_lanes), "float32", "rows 0, 1: this layer's key LayerNorm weight, bias"),
+            vmem("key_patch", (self.patch_pages, p, self.index_head_dim), dt,
+                 "index-key page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
+            vmem("key_tiles", (2, self.tile_rows, self.index_head_dim), dt, "[slot, token]: streamed index keys"),
+            vmem("heads", (self.head_rows, self.key_lanes), "float32", "[h*q_len + i, Di]: one sequence's index queries"),
+            vmem("combine", (self.query_rows, self.head_rows), "float32",
+                 "[i, h*q_len + i]: query i's head weights w_h / sqrt(Hi) (the sum over heads as one matmul)"),
+            vmem("keys", (self.query_rows, self.score_lanes), "int32",
+                 "[query, position]: the scores as order-preserving int32 keys (masked: INT32_MIN), then the selection"),
+            vmem("gather", (2, self.gather_rows, self.latent_lanes), dt,
+                 "[slot, block j's block_rows rows]: gathered latent rows"),
+            smem("picked", (self.batch, self.q_len, self.score_lanes), "int32",
+                 "[sequence, query, position]: 1 where the query selected it (kept for the layers reusing it)"),
+            smem("order", (self.batch, self.selected + self.gather_tokens), "int32",
+                 "per sequence the blocks holding some query's picks, ascending (then copies of the last, for a "
+                 "whole gather step)"),
+            smem("counts", (self.batch,), "int32", "per sequence: the blocks listed in order"),
+            dma_sems("sems", (6,), "weights, norm, key tile slots 0 / 1, selection VMEM -> SMEM, spare"),
+            dma_sems("gather_sems", (2,), "one per gather slot"),
+            dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
+        )
+
+    @property
+    def key_page_bytes(self) -> int:
+        return self.page_size * self.key_row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """One gathered block: block_rows latent rows as stored (lane padded)."""
+        return self.block_rows * self.latent_lanes * self.itemsize
+
+    @property
+    def vector_bytes(self) -> int:
+        """Per layer: weights_proj [H, Hi lane-padded] and the key norm rows [8, Di padded], float32."""
+        return 4 * (self.hidden * self.weight_lanes + F32_SUBLANES * self.key_lanes)
+
+    def layer_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None) -> dict[str, int]:
+        """One layer's DMAs for concrete `positions` [B, q] (the kernel's own logic, per sequence):
+        key_tile_pages: index-key pages streamed from HBM (a tile slot past the sequence's last
+        page repeats it; a page the step writes comes from VMEM); key_local_pages: those copied
+        from a patched page; patched_pages: key pages read, patched and written back (the latent
+        cache patches the same pages); key_tiles: index tiles; gather_blocks: latent blocks
+        gathered: at most min(q_len x topk, the sequence's blocks) distinct blocks, rounded up to
+        whole gather steps (an upper bound: picks sharing a block, or the queries sharing picks,
+        make fewer, and a block in a page the step writes is a VMEM copy); gather_steps."""
+        positions = np.asarray(positions).reshape(self.batch, self.q_len)
+        p, kt, cap, gt = self.page_size, self.tile_pages, self.capacity, self.gather_tokens
+        lengths = np.full(self.batch, cap) if lengths is None else np.asarray(lengths).reshape(self.batch)
+        out = dict.fromkeys(("key_tile_pages", "key_local_pages", "patched_pages", "key_tiles", "gather_blocks",
+                             "gather_steps"), 0)
+        for row, n in zip(positions, lengths):
+            n = min(max(int(n), 0), cap)
+            kv_end = max([1] + [int(x) + 1 if 0 <= x < cap else (n if x >= cap else 0) for x in row])
+            npages = -(-kv_end // p)
+            ntiles = 1 if kt == self.pages_per_seq else -(-npages // kt)
+            written = {int(x) // p for x in row if 0 <= x < cap}
+            slots = ntiles * kt
+            uses = {pg: (slots - (npages - 1) if pg == npages - 1 else 1) for pg in written if pg < npages}
+            out["key_local_pages"] += sum(uses.values())
+            out["key_tile_pages"] += slots - sum(uses.values())
+            out["patched_pages"] += len(written)
+            out["key_tiles"] += ntiles
+            blocks = min(self.q_len * self.topk, -(-(npages * p) // self.block_rows))  # distinct, at most
+            steps = max(1, -(-blocks // gt))
+            out["gather_steps"] += steps
+            out["gather_blocks"] += steps * gt
+        return out
+
+    def hbm_bytes(self, context_lengths: Sequence[int]) -> dict[str, int]:
+        """Bytes one decode step moves in HBM for sparse attention, over the indexer layers, with
+        the new tokens after `context_lengths` [B]: "index_keys" (key tiles read, patched key
+        pages read and written), "sparse_gather" (the gathered latent blocks of every MLA layer,
+        an upper bound: `layer_counts`), "indexer_vectors" (weights_proj and the norm rows). The latent pages
+        the step patches are the MLA stage's (`AttentionGeometry.hbm_bytes`' patched pages)."""
+        lengths = np.asarray(context_lengths, dtype=np.int64).reshape(self.batch)
+        positions = lengths[:, None] + np.arange(self.q_len)[None, :]
+        c = self.layer_counts(positions, lengths)
+        return {"index_keys": self.num_layers * (c["key_tile_pages"] + 2 * c["patched_pages"]) * self.key_page_bytes,
+                "sparse_gather": self.mla_layers * c["gather_blocks"] * self.block_bytes,
+                "indexer_vectors": self.num_layers * self.vector_bytes}
+
+    def temporaries_bytes(self) -> int:
+        """One index tile's head scores [head rows, tile] and combined scores, the selection
+        passes' [query rows, positions] compare and count, and one gather step's scores,
+        probabilities and masked values (an upper bound)."""
+        t = round_up(self.tile_rows, LANE)
+        return (self.head_rows * t * 8 + self.query_rows * t * 4 + 3 * self.query_rows * self.score_lanes * 4
+                + 3 * self.gather_rows * self.latent_lanes * 4)
+
+
+# Index-key tiles are at most this many tokens (the scores of one tile are [heads x q_len, tile]
+# float32 before the sum over heads: 64 heads x 512 tokens is 128 KiB).
+INDEX_TILE_ROWS = 512
+# A gather step moves at most this many latent rows (blocks of block_rows rows each).
+GATHER_ROWS = 128

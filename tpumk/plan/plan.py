@@ -35,7 +35,7 @@ from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_b
 from tpumk.errors import NotSupportedError, PlanError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
-from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry,
+from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry, SparseGeometry,
                                  LinearGeometry, MLAGeometry, MoEGeometry, QUERY_SCALE_LANES, mla_dims, rope_table_lanes,
                                  round_up)
 from tpumk.plan.knobs import TuningConfig
@@ -135,6 +135,9 @@ class Segment:
     moe_base: int = 0  # MoE-layer ordinal of the first layer (moe segments)
     linear: bool = False  # the layers' token mixer: linear attention (tpumk.kernel.linear_attention)
     kv_base: int = 0  # the first layer's KV-cache layer (attention) or state-pool layer (linear)
+    # sparse attention: the first layer's index-key cache layer; -1: the layers keep the previous
+    # layer's selection (index_shared_layers) and run no indexer
+    index_base: int = -1
 
     @property
     def end_layer(self) -> int:
@@ -194,6 +197,8 @@ class Plan:
     unpadded: ModelConfig | None = None
     # Hidden states the step also writes (`BuildSpec.taps`): the kernel's `taps` output.
     taps: tuple[int, ...] = ()
+    # DeepSeek Sparse Attention's indexer, selection and gather (tpumk.kernel.sparse_attention); None: dense.
+    sparse: SparseGeometry | None = None
 
     # ---- derived facts
     @functools.cached_property
@@ -626,6 +631,14 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
     w = split.get("kv_a", cfg.attention.kv_cache_width)
     out["kv_a"] = tiled("kv_a", h, h, w, round_up(w, LANE) if split else dims["kv_a_cols"])
     n, c, v = dims["nope"], dims["latent"], dims["value"]
+    if cfg.attention.is_sparse:  # the indexer's projections: idx_k of the layer's input, idx_q of the q latent
+        a = cfg.attention
+        n_idx = len(cfg.indexer_layers)  # stacked over the layers with an indexer of their own
+        out["idx_k"] = dataclasses.replace(tiled("idx_k", h, h, a.index_head_dim, round_up(a.index_head_dim, LANE)),
+                                           stack=n_idx)
+        out["idx_q"] = dataclasses.replace(tiled("idx_q", cfg.q_lora_rank, dims["q_lora"],
+                                                 a.index_heads * a.index_head_dim,
+                                                 round_up(a.index_heads * a.index_head_dim, LANE)), stack=n_idx)
     out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
     out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
@@ -649,34 +662,41 @@ def plan_segments(cfg: ModelConfig, fams: dict[str, MatrixFamily]) -> tuple[Segm
     g = 0
     i = 0
 
-    def kind(layer: int) -> tuple[bool, bool]:
-        return cfg.pattern.is_dense(layer), cfg.pattern.is_linear(layer)
+    def kind(layer: int) -> tuple[bool, bool, bool]:
+        return cfg.pattern.is_dense(layer), cfg.pattern.is_linear(layer), cfg.has_indexer(layer)
+
+    idx_seen = 0
 
     while i < cfg.num_layers:
-        dense, linear = kind(i)
+        dense, linear, indexer = kind(i)
         j = i
-        while j < cfg.num_layers and kind(j) == (dense, linear):
+        while j < cfg.num_layers and kind(j) == (dense, linear, indexer):
             j += 1
         if linear:
             att, mixer_base = tuple(n for n in LINEAR_FAMILIES if n in fams), lin_seen
         else:
-            att = tuple(n for n in MLA_FAMILIES if n in fams) + ("o",) if cfg.is_mla else ("qkv", "o")
+            att = tuple(n for n in MLA_FAMILIES if n in fams and (indexer or not n.startswith("idx_"))) \
+                + ("o",) if cfg.is_mla else ("qkv", "o")
             mixer_base = kv_seen
+        att_base = tuple(idx_seen if n.startswith("idx_") else mixer_base for n in att)
         if dense:
             names = att + ("gate_up", "down")
-            base = (mixer_base,) * len(att) + (dense_seen, dense_seen)
+            base = att_base + (dense_seen, dense_seen)
         else:
             # (stream order: tpumk.kernel.megakernel's MoE layer)
             names = att + (("moe_in",) if "moe_in" in fams else ()) \
                 + (("shared_gate_up", "shared_down") if "shared_gate_up" in fams else ()) \
                 + (("moe_out",) if "moe_out" in fams else ())
-            base = (mixer_base,) * len(att) + (moe_seen,) * (len(names) - len(att))
+            base = att_base + (moe_seen,) * (len(names) - len(att))
         offsets, t = [], 0
         for n in names:
             offsets.append(t)
             t += fams[n].tiles
         segments.append(Segment("dense" if dense else "moe", i, j - i, names, base, tuple(offsets), t, g,
-                                moe_base=moe_seen, linear=linear, kv_base=mixer_base))
+                                moe_base=moe_seen, linear=linear, kv_base=mixer_base,
+                                index_base=idx_seen if indexer and cfg.attention.is_sparse else -1))
+        if indexer and cfg.attention.is_sparse:
+            idx_seen += j - i
         g += (j - i) * t
         if dense:
             dense_seen += j - i
@@ -763,6 +783,10 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
     # Assembled with the smallest KV tiling first; `_choose_kv_knobs` swaps in the chosen one.
     attention = geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2)
     attention.validate()
+    sparse = None
+    if cfg.attention.is_sparse:
+        sparse = SparseGeometry.for_model(cfg, batch, q_len, page_size, pages_per_seq, attention.page_lanes)
+        sparse.validate()
     linear = None
     if cfg.linear:
         if num_slots is not None and num_slots < batch:
@@ -792,7 +816,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
                     num_pages, fams, segments, depth, slot_rows, slot_cols, ffn_pad, shared_pad, attention, moe,
                     model=model if sharding.devices > 1 else None,
                     sharding=sharding if sharding.devices > 1 else None, all_reduce=all_reduce, quant=spec.quant,
-                    unpadded=spec.model if padded is not None else None, linear=linear, taps=spec.taps)
+                    unpadded=spec.model if padded is not None else None, linear=linear, taps=spec.taps,
+                    sparse=sparse)
 
         def finish(geom) -> Plan:
             p = _replace(plan, attention=geom)
@@ -803,6 +828,8 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
 
         if tuning.kv_tile_pages and tuning.kv_buffers:
             return finish(attention)
+        if sparse is not None:  # the dense tile loop never runs: its knobs at their smallest
+            return finish(geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2))
         return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
 
     if tuning.expert_slots or not cfg.is_moe:
@@ -915,7 +942,7 @@ def check_kernel_parts(model: ModelConfig) -> None:
     if model.is_moe and model.moe_hidden_size and model.attn_sinks:  # moe_in_norm takes the sinks' vector row
         missing.append("attention sinks with the experts at moe_hidden_size")
     if missing and model.attention.is_sparse:  # (alone, _check_mla's own line says it)
-        missing.append(f"sparse attention (index_topk = {model.index_topk})")
+        missing.append(f"sparse attention with the parts above (index_topk = {model.index_topk})")
     if missing:
         raise NotSupportedError(f"model '{model.name}': not built by the megakernel yet: {'; '.join(missing)} (the "
                                 "reference decode step runs it: tpumk generate --backend reference)")
@@ -923,10 +950,15 @@ def check_kernel_parts(model: ModelConfig) -> None:
 
 def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
-    if model.attention.is_sparse:  # (tpumk.model.sparse_attention: the reference's)
-        raise NotSupportedError(f"model '{model.name}': the megakernel has no sparse attention (DeepSeek Sparse "
-                                f"Attention's lightning indexer, index_topk = {model.index_topk}) yet; the reference "
-                                "runs it (tpumk generate --backend reference)")
+    if model.attention.is_sparse:  # (tpumk.kernel.sparse_attention: what it does not do yet)
+        where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
+        for cond, what in ((spec.devices > 1, f"on {spec.devices} devices (one device only yet)"),
+                           (spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
+                           (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
+                           (not model.q_lora_rank, "without q-LoRA (q_lora_rank = 0)")):
+            if cond:
+                raise NotSupportedError(f"{where} {what} is not built by the megakernel yet; the reference runs it "
+                                        "(tpumk generate --backend reference)")
     fmt = weight_format(spec.quant)
     if fmt is not None and fmt.group and model.v_head_dim % fmt.group:
         # o's rows are padded per head in the kernel: its 128-row scale groups must not straddle heads
@@ -982,7 +1014,10 @@ def _vmem_temporaries(plan: Plan) -> dict[str, int]:
     (kept out of `vmem`, whose keys are the contract's components plus `moe_temporaries`):
     `attention_temporaries`, the per-KV-tile scores / probabilities / masked V tile of the
     attention tile loop (`AttentionGeometry.temporaries_bytes`), which grow with kv_tile_pages."""
-    return {"attention_temporaries": plan.attention.temporaries_bytes()}
+    out = {"attention_temporaries": plan.attention.temporaries_bytes()}
+    if plan.sparse is not None:
+        out["sparse_temporaries"] = plan.sparse.temporaries_bytes()
+    return out
 
 
 def _hbm_breakdown(plan: Plan) -> dict[str, float]:
@@ -1000,7 +1035,13 @@ def _hbm_breakdown(plan: Plan) -> dict[str, float]:
                                          for s in plan.segments for n in s.families))
     if plan.moe is not None:
         out["experts_and_router"] = plan.moe.num_moe_layers * plan.moe.expected_hbm_bytes()
-    out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    if plan.sparse is None:
+        out["kv_cache"] = float(plan.attention.hbm_bytes(_full_lengths(plan)))
+    else:  # the latent pages the step patches (read, written); the selected rows, gathered; the index keys
+        att, lengths = plan.attention, _full_lengths(plan)
+        c = att.dma_counts([[n + i for i in range(plan.q_len)] for n in lengths], lengths)
+        out["kv_cache"] = float(att.num_layers * 2 * c["patched_pages"] * att.page_bytes)
+        out.update({k: float(v) for k, v in plan.sparse.hbm_bytes(lengths).items()})
     if plan.linear is not None:  # every sequence's slot: state, window, pending rows, read and written
         out.update({k: float(v) for k, v in plan.linear.hbm_bytes().items()})
     # glue <-> kernel: embedded rows + cos/sin (+ the query factors) in, logits out (f32)
@@ -1067,9 +1108,19 @@ def _dma_breakdown(plan: Plan) -> dict[str, dict[str, float]]:
             out[f"ring_{n}_scales"] = {"count": count, "bytes_each": f.scale_tile_bytes}
     att = plan.attention
     lengths = _full_lengths(plan)
-    pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
-                for n, c in att.layer_counts([[n + i for i in range(plan.q_len)] for n in lengths]))
-    out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
+    positions = [[n + i for i in range(plan.q_len)] for n in lengths]
+    if plan.sparse is None:
+        pages = sum(n * (c["hbm_tile_pages"] + c["local_tile_pages"] + 2 * c["patched_pages"])
+                    for n, c in att.layer_counts(positions))
+        out["kv_cache_pages"] = {"count": att.caches * pages, "bytes_each": att.page_bytes}
+    else:  # the latent cache's patched pages; the index keys' tiles and patches; the gathered blocks
+        g = plan.sparse
+        c = g.layer_counts(positions, lengths)
+        out["kv_cache_pages"] = {"count": g.num_layers * 2 * c["patched_pages"], "bytes_each": att.page_bytes}
+        out["index_key_pages"] = {"count": g.num_layers * (c["key_tile_pages"] + c["key_local_pages"]
+                                                           + 2 * c["patched_pages"]), "bytes_each": g.key_page_bytes}
+        out["sparse_gather_blocks"] = {"count": g.mla_layers * c["gather_blocks"], "bytes_each": g.block_bytes}
+        out["indexer_vectors"] = {"count": 2 * g.num_layers, "bytes_each": g.vector_bytes / 2}
     if plan.linear is not None:  # per linear layer and sequence: state, window, pending rows in and out
         g = plan.linear
         out["linear_states"] = {"count": 6 * g.num_layers * g.batch, "bytes_each": g.slot_bytes / 3}

@@ -11,9 +11,13 @@ cached before the step), summed over the layers:
 
 Rows as the caches store them: the latent row `c_kv | k_rope` lane-padded to whole 128-lane tiles
 (`Attention.latent_cache_lanes`, what the plan's HBM count uses), the index key index_head_dim
-lanes, both in the model dtype (the reference's index-key cache). Rows, not pages: a gather
-of the selected tokens reads each row alone. The megakernel has no sparse attention yet, so no
-plan counts these reads; this is the arithmetic such a plan's floor would start from.
+lanes, both in the model dtype (the reference's index-key cache). `selected_row_bytes` counts
+rows, what a gather of single rows would read; the megakernel (tpumk.kernel.sparse_attention)
+cannot move a single row and gathers whole sublane-tile blocks (`SparseGeometry.block_rows`:
+16 bfloat16 rows, 8 float32), at most min(index_topk, the context's blocks) of them per layer:
+`gathered_block_bytes`, the same bound the plan's "sparse_gather" count uses
+(`SparseGeometry.layer_counts`, at batch 1 and q_len 1; the plan also counts whole index-key
+tiles and the pages the step writes, read and written back).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 from tpumk.errors import ConfigError
 from tpumk.model.config import ModelConfig
+from tpumk.plan.geometry import SUBLANES
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class SparseKVReads:
     index_key_bytes: int  # every cached token's index key, per layer with an indexer
     selected_row_bytes: int  # min(index_topk, context) latent rows per MLA layer
     dense_row_bytes: int  # the same model's dense attention: every cached latent row per MLA layer
+    gathered_block_bytes: int = 0  # the megakernel's gather: min(index_topk, blocks) sublane blocks per MLA layer
 
     @property
     def sparse_bytes(self) -> int:
@@ -40,10 +46,21 @@ class SparseKVReads:
         """Sparse over dense bytes."""
         return self.sparse_bytes / self.dense_row_bytes
 
+    @property
+    def kernel_bytes(self) -> int:
+        """What the megakernel's step reads: the index keys and the gathered blocks."""
+        return self.index_key_bytes + self.gathered_block_bytes
+
+    @property
+    def kernel_ratio(self) -> float:
+        return self.kernel_bytes / self.dense_row_bytes
+
     def to_dict(self) -> dict:
         return {"context": self.context, "index_key_bytes": self.index_key_bytes,
                 "selected_row_bytes": self.selected_row_bytes, "sparse_bytes": self.sparse_bytes,
-                "dense_row_bytes": self.dense_row_bytes, "sparse_over_dense": self.ratio}
+                "dense_row_bytes": self.dense_row_bytes, "sparse_over_dense": self.ratio,
+                "gathered_block_bytes": self.gathered_block_bytes, "kernel_bytes": self.kernel_bytes,
+                "kernel_over_dense": self.kernel_ratio}
 
 
 def sparse_kv_reads(cfg: ModelConfig, context: int) -> SparseKVReads:
@@ -56,7 +73,9 @@ def sparse_kv_reads(cfg: ModelConfig, context: int) -> SparseKVReads:
     row = cfg.attention.latent_cache_lanes * cfg.dtype_bytes
     key = cfg.attention.index_head_dim * cfg.dtype_bytes
     layers = cfg.kv_layers
+    block = SUBLANES[cfg.dtype]
     return SparseKVReads(context=context,
                          index_key_bytes=context * key * len(cfg.indexer_layers),
                          selected_row_bytes=min(cfg.index_topk, context) * row * layers,
-                         dense_row_bytes=context * row * layers)
+                         dense_row_bytes=context * row * layers,
+                         gathered_block_bytes=min(cfg.index_topk, -(-context // block)) * block * row * layers)
