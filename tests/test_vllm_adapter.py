@@ -134,12 +134,12 @@ def test_decode_step_adds_no_copy_around_the_kernel():
     """The plugin's decode step (traced abstractly: no compile) hands vLLM's K and V arrays to the
     kernel's step as they are, and returns the step's own outputs as the new cache: no gather, no
     re-layout, no write-back (the bytes `kv.decode_step_hbm_bytes` counts as none)."""
-    cfg, _, plan, decode_fn, _, _ = setup("tiny-dense")
+    cfg, _, plan, _, decode, _ = setup("tiny-dense")
     k, v = (jax.ShapeDtypeStruct(c.shape, c.dtype) for c in empty_cache(cfg))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    closed = jax.make_jaxpr(decode_fn)(k, v, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
-                                       i32(SLOTS, CONTEXT // BLOCK), i32())
-    jaxpr = closed.jaxpr
+    # the avals of test_decode_step_on_vllm_s_stacked_cache_equals_the_reference's call: one trace for both
+    jaxpr = decode.trace(k, v, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS), i32(SLOTS, CONTEXT // BLOCK),
+                         i32()).jaxpr.jaxpr
     k_in, v_in = jaxpr.invars[:2]
     (call,) = _uses(jaxpr, k_in)  # the step (one nested jit holding the kernel), nothing else
     assert _uses(jaxpr, v_in) == [call] and call.primitive.name in ("pjit", "jit"), call.primitive
@@ -379,3 +379,34 @@ def test_an_artifact_of_another_page_size_is_refused_in_one_line():
     assert str(e.value) == ("tpumk plugin: artifact a: page size 16 != vLLM's block size 32: start vLLM with "
                             "--block-size 16 or export with --page-size 32 (the kernel reads vLLM's block tables as "
                             "its page tables)")
+
+
+def test_decode_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
+    """The plugin's decode step around a TPU7x kernel (tiny-dense, vLLM's pool of NUM_BLOCKS),
+    compiled deviceless as vLLM's jitted step holds it (the cache donated): it compiles, both
+    cache arrays are aliased to outputs (written in place), and XLA adds no copy the size of a
+    cache operand (tests/program_checks.cache_copies)."""
+    from program_checks import cache_copies
+
+    from tpumk.compile.aot import compile_for
+
+    cfg = load_preset("tiny-dense")
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=4, context=CONTEXT, page_size=BLOCK))
+    pool = dataclasses.replace(plan, num_pages=NUM_BLOCKS)
+    step = make_decode_step(pool, nested=True)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
+
+    def served(k, v, packed, ids, pos, qsl, seq_lens, tables, n):
+        return steps.decode_step(step, packed, shape, k, v, ids, pos, qsl, seq_lens, tables, n)
+
+    dt = R.jnp_dtype(cfg)
+    cache = jax.ShapeDtypeStruct(kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size), dt)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    compiled = compile_for(served, (cache, cache, packed, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
+                                    i32(SLOTS, CONTEXT // BLOCK), i32()), plan.target, donate_argnums=(0, 1))
+    aliases = re.search(r"input_output_alias=\{ (.*?) \}", compiled.hlo_text)
+    assert aliases, "no input_output_alias in the compiled program"
+    for param in (0, 1):  # outputs 0 and 1 of the step's ((k, v), rows) are the parameters 0 and 1
+        assert re.search(rf"\{{{param}\}}: \({param}, \{{\}}", aliases.group(1)), aliases.group(1)
+    assert cache_copies(pool, compiled) == []

@@ -103,6 +103,9 @@ class StackedKVLayer(AttentionLayerBase):
 def declare_layers(vllm_config, layers: int, width: int) -> None:
     """Tell vLLM the model's KV-cache layers: kv.K_LAYER and kv.V_LAYER, `layers` x `width` each."""
     context = vllm_config.compilation_config.static_forward_context
-    _DECLARED[(spec_heads(layers, width), SPEC_HEAD_SIZE)] = (layers, width)
+    key = (spec_heads(layers, width), SPEC_HEAD_SIZE)
+    if _DECLARED.setdefault(key, (layers, width)) != (layers, width):  # one model per engine process
+        raise ValueError(f"tpumk plugin: KV-cache layers of {_DECLARED[key]} (layers, width) were declared in this "
+                         f"process already: expected one model's, got ({layers}, {width}) too")
     for name in (kv.K_LAYER, kv.V_LAYER):
         context[name] = StackedKVLayer(layers, width)
