@@ -381,11 +381,15 @@ def test_an_artifact_of_another_page_size_is_refused_in_one_line():
                             "its page tables)")
 
 
-def test_decode_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
-    """The plugin's decode step around a TPU7x kernel (tiny-dense, vLLM's pool of NUM_BLOCKS),
-    compiled deviceless as vLLM's jitted step holds it (the cache donated): it compiles, both
-    cache arrays are aliased to outputs (written in place), and XLA adds no copy the size of a
-    cache operand (tests/program_checks.cache_copies)."""
+def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
+    """What the plugin's model runs inside vLLM's jitted step (`steps.serve_step`: the lax.cond
+    between the megakernel's decode step and the ragged prefill) around a TPU7x kernel
+    (tiny-dense, vLLM's pool of NUM_BLOCKS), compiled deviceless with the cache donated as vLLM
+    donates it: it compiles, both cache arrays are aliased to outputs (written in place), and
+    XLA adds no copy the size of a cache operand in HBM (tests/program_checks.cache_copies), and
+    the decode branch returns the kernel's cache outputs as they are. (At this tiny size XLA keeps
+    the ragged branch's whole 360 KB cache in VMEM for its scatters, a copy-start / copy-done
+    pair each way, which an HBM-sized cache cannot fit.)"""
     from program_checks import cache_copies
 
     from tpumk.compile.aot import compile_for
@@ -395,18 +399,30 @@ def test_decode_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
     pool = dataclasses.replace(plan, num_pages=NUM_BLOCKS)
     step = make_decode_step(pool, nested=True)
     shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    run = plan.whole_model
+    params = jax.eval_shape(lambda: random_params(run, seed=0))
     packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
 
-    def served(k, v, packed, ids, pos, qsl, seq_lens, tables, n):
-        return steps.decode_step(step, packed, shape, k, v, ids, pos, qsl, seq_lens, tables, n)
+    def served(k, v, packed, params, ids, pos, qsl, seq_lens, tables, n):
+        return steps.serve_step(step, packed, params, run, shape, k, v, ids, pos, qsl, seq_lens, tables, n, BLOCK,
+                                CONTEXT)
 
     dt = R.jnp_dtype(cfg)
     cache = jax.ShapeDtypeStruct(kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size), dt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    compiled = compile_for(served, (cache, cache, packed, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
+    compiled = compile_for(served, (cache, cache, packed, params, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
                                     i32(SLOTS, CONTEXT // BLOCK), i32()), plan.target, donate_argnums=(0, 1))
     aliases = re.search(r"input_output_alias=\{ (.*?) \}", compiled.hlo_text)
     assert aliases, "no input_output_alias in the compiled program"
     for param in (0, 1):  # outputs 0 and 1 of the step's ((k, v), rows) are the parameters 0 and 1
         assert re.search(rf"\{{{param}\}}: \({param}, \{{\}}", aliases.group(1)), aliases.group(1)
     assert cache_copies(pool, compiled) == []
+    # the decode branch returns the kernel's own cache outputs (its operands aliased in place)
+    # as the step's: nothing between the kernel and vLLM's arrays
+    text = compiled.hlo_text
+    kernel = re.search(r"%(\S+) = \([^\n]*\) custom-call\([^\n]*tpumk_decode", text) or \
+        re.search(r"%(tpumk_decode\S*) = ", text)
+    assert kernel, "no megakernel custom-call in the compiled program"
+    outs = {int(i): name for name, i in re.findall(rf"%(\S+) = [^\n]* get-tuple-element\(%{re.escape(kernel.group(1))}\), "
+                                                 r"index=(\d+)", text)}
+    assert re.search(rf"ROOT %\S+ = [^\n]* tuple\(%{re.escape(outs[1])}, %{re.escape(outs[2])}, ", text), outs

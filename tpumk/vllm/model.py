@@ -11,8 +11,8 @@ vLLM (tpumk.vllm.backend), so that cache is two arrays in the megakernel's stack
   `Runtime` holds;
 - any other batch (prefill chunks, prefill mixed with decode): the pure-JAX reference layers
   on the same weights (`tpumk.vllm.steps.ragged_step`);
-- the choice is a `lax.cond` on the metadata (vLLM decides on the host, then traces one program
-  per token bucket), and both branches return the logits rows, so `compute_logits` passes them on.
+- the choice is a `lax.cond` on the metadata (`tpumk.vllm.steps.serve_step`), and both branches
+  return the logits rows, so `compute_logits` passes them on.
 """
 
 from __future__ import annotations
@@ -105,27 +105,15 @@ class TpumkForCausalLM(nnx.Module):
             logger.error("%s", e)
             raise
         slots = md.seq_lens.shape[0]
-        tables = md.block_tables.reshape(slots, -1)
-        qsl, seq_lens, positions = md.query_start_loc, md.seq_lens, md.input_positions
         num_reqs = md.request_distribution[2]
-        live = jnp.arange(slots) < num_reqs
-        one_token = (qsl[1:] - qsl[:-1]) == 1
-        decode_only = jnp.all(one_token | ~live)
-        params, packed = self.params.get_value(), self.packed.get_value()
 
-        def decode(cache):
-            if COUNT_STEPS:
-                jax.debug.callback(_count, "decode", num_reqs)
-            return steps.decode_step(step, packed, rt.plan_shape, *cache, input_ids, positions, qsl, seq_lens,
-                                     tables, num_reqs)
+        def on_step(kind):
+            jax.debug.callback(_count, kind, num_reqs)
 
-        def ragged(cache):
-            if COUNT_STEPS:
-                jax.debug.callback(_count, "ragged", num_reqs)
-            return steps.ragged_step(params, run, *cache, input_ids, positions, qsl, tables, num_reqs, rt.block_size,
-                                     rt.max_model_len)
-
-        (k, v), rows = jax.lax.cond(decode_only, decode, ragged, (k, v))
+        (k, v), rows = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run, rt.plan_shape, k,
+                                        v, input_ids, md.input_positions, md.query_start_loc, md.seq_lens,
+                                        md.block_tables.reshape(slots, -1), num_reqs, rt.block_size,
+                                        rt.max_model_len, on_step if COUNT_STEPS else None)
         out = list(kv_caches)
         out[ik], out[iv] = k, v
         return out, rows, [], None

@@ -1,4 +1,5 @@
-"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import).
+"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import), and
+`serve_step`, the `lax.cond` between them that runs inside vLLM's jitted step.
 
 - `decode_step`: a decode-only batch (one new token per request) through tpumk's megakernel,
   on vLLM's two stacked K and V arrays themselves (tpumk.vllm.kv: the kernel's own layout), vLLM's
@@ -38,6 +39,34 @@ def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
 def _scatter_rows(num_tokens: int, rows: jax.Array, logits: jax.Array) -> jax.Array:
     out = jnp.zeros((num_tokens, logits.shape[-1]), jnp.float32)
     return out.at[jnp.where(rows >= 0, rows, num_tokens)].set(logits.astype(jnp.float32), mode="drop")
+
+
+def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shape: dict, k: jax.Array, v: jax.Array,
+               input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array,
+               block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
+               on_step: Callable[[str], None] | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
+    request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
+    a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
+    bucket). Both branches take and return vLLM's K and V arrays, updated in place. `on_step`
+    ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS)."""
+    live = jnp.arange(seq_lens.shape[0]) < num_reqs
+    one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
+    decode_only = jnp.all(one_token | ~live)
+
+    def decode(cache):
+        if on_step is not None:
+            on_step("decode")
+        return decode_step(step, packed, plan_shape, *cache, input_ids, positions, query_start_loc, seq_lens,
+                           block_tables, num_reqs)
+
+    def ragged(cache):
+        if on_step is not None:
+            on_step("ragged")
+        return ragged_step(params, cfg, *cache, input_ids, positions, query_start_loc, block_tables, num_reqs,
+                           block_size, max_context)
+
+    return jax.lax.cond(decode_only, decode, ragged, (k, v))
 
 
 def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.Array, input_ids: jax.Array,
