@@ -365,6 +365,16 @@ def test_plugin_builds_its_step_for_vllm_shapes(tmp_path, monkeypatch):
     # shape; a build makes it once per pool size
     assert rt.step_for(rt.plan.num_pages) is rt.step
     assert rt.step_for(50) is rt.step_for(50) is not rt.step
+    # an artifact's exported program takes exactly its own pool: another is refused in one line
+    from tpumk.vllm.runtime import ServingConfigError
+
+    art = dataclasses.replace(rt, fixed_pages=rt.plan.num_pages)
+    assert art.step_for(rt.plan.num_pages) is rt.step
+    with pytest.raises(ServingConfigError) as e:
+        art.step_for(50)
+    assert str(e.value) == (f"tpumk plugin: vLLM's KV cache has 50 blocks: the artifact's program takes exactly "
+                            f"{rt.plan.num_pages} pages (start vLLM with --num-gpu-blocks-override {rt.plan.num_pages}, "
+                            "or serve a start-up build)")
 
 
 def test_an_artifact_of_another_page_size_is_refused_in_one_line():
