@@ -3,7 +3,7 @@
 One prompt of --tokens tokens (default 2,048) in one run, on this host's JAX backend:
 
 - the plugin's step: `tpumk.vllm.steps.ragged_step` under jax.jit, on vLLM's KV layout
-  (tpumk.vllm.kv: one array per layer, blocks of --block-size tokens handed out shuffled,
+  (tpumk.vllm.kv: the stacked K and V arrays, blocks of --block-size tokens handed out shuffled,
   --slots request slots of which one is live, max_model_len = --context), its caches donated as
   vLLM's runner donates them, so the K/V writes land in place;
 - XLA's plain forward: `tpumk.model.reference.forward_full` under jax.jit over the same tokens
@@ -55,13 +55,13 @@ def main() -> None:
     qsl = np.full(args.slots + 1, n, np.int32)
     qsl[0] = 0
     ids, pos, qsl, tables = (jnp.asarray(a) for a in (tokens, np.arange(n, dtype=np.int32), qsl, tables))
-    shape = kv.cache_shape(blocks, bs, cfg.num_kv_heads, cfg.head_dim, dt)
+    shape = kv.cache_shape(cfg.kv_layers, blocks, bs, cfg.attention.kv_size)
 
-    plugin = jax.jit(lambda caches: steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, jnp.int32(1), bs,
+    plugin = jax.jit(lambda caches: steps.ragged_step(params, cfg, *caches, ids, pos, qsl, tables, jnp.int32(1), bs,
                                                       context), donate_argnums=0)
     plain = jax.jit(lambda t: R.forward_full(params, cfg, t))
 
-    caches = [jnp.zeros(shape, dt) for _ in range(cfg.num_layers)]
+    caches = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
     caches, rows = plugin(caches)
     full = plain(ids[None])
     jax.block_until_ready((caches, rows, full))

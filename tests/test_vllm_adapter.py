@@ -1,15 +1,18 @@
-"""The vLLM plugin's two programs on vLLM's KV layout (tpumk.vllm.steps), against the reference.
+"""The vLLM plugin's two programs on vLLM's KV cache (tpumk.vllm.steps), against the reference.
 
-No vLLM here: the arrays are laid out as vLLM's TPU runner allocates them (tpumk.vllm.kv) and the
-attention metadata is built the way it fills it (query_start_loc, seq_lens, flattened block
-tables, request slots past num_reqs padded). A prefill chunk of two prompts and then a mixed batch
-run the pure-JAX path; decode-only batches run the megakernel (interpret mode, the discharge
-interpreter the plugin uses under vLLM's jit). Logits and new cache rows are checked against
-`tpumk.model.reference` on its own paged cache; greedy tokens must be identical.
+No vLLM here: the cache is the two arrays vLLM allocates with the plugin's `tpumk` attention
+backend, the megakernel's stacked K and V `[layers, blocks, block_size, width]` (tpumk.vllm.kv),
+and the attention metadata is built the way vLLM's TPU runner fills it (query_start_loc,
+seq_lens, flattened block tables, request slots past num_reqs padded). A decode-only batch runs
+the megakernel (interpret mode, the discharge interpreter the plugin uses under vLLM's jit) on
+those arrays themselves, checked against `tpumk.model.reference.decode_step` on the same arrays
+with vLLM's block tables as its page tables: logits and the whole cache. The full tier also runs
+a prefill chunk of two prompts, decode steps and a mixed batch against the reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -26,11 +29,11 @@ from tpumk.model.config import load_preset
 from tpumk.model.weights import random_params
 from tpumk.plan.plan import make_plan
 from tpumk.plan.spec import BuildSpec
-from tpumk.targets import get_target
+from tpumk.targets import INTERPRET_COMPILER_OPTIONS, get_target
 from tpumk.vllm import kv, steps
 
-BLOCK = 4  # vLLM's block size here: not the kernel's page size (16), so the gather really re-pages
-NUM_BLOCKS = 48
+BLOCK = 16  # vLLM's block size, which is the kernel's page size
+NUM_BLOCKS = 11  # vLLM's pool: more blocks than the kernel's batch x context needs (8), handed out shuffled
 SLOTS = 6  # request slots as vLLM pads them (past max_num_seqs); the kernel's batch is 4
 CONTEXT = 32
 
@@ -39,33 +42,35 @@ CONTEXT = 32
 def setup(preset: str):
     cfg = load_preset(preset)
     params = random_params(cfg, seed=0)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=4, context=CONTEXT, page_size=16))
-    step = make_decode_step(plan, portable=True, nested=True)
-    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size, "num_pages": plan.num_pages}
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=4, context=CONTEXT, page_size=BLOCK))
+    # the step for vLLM's pool of NUM_BLOCKS, as the plugin's Runtime.step_for makes it
+    step = make_decode_step(dataclasses.replace(plan, num_pages=NUM_BLOCKS), portable=True, nested=True)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
     packed = pack_weights(plan, params)
 
-    @jax.jit
-    def decode(caches, ids, pos, qsl, seq_lens, tables, n):
-        return steps.decode_step(step, packed, cfg, shape, caches, ids, pos, qsl, seq_lens, tables, n, BLOCK)
+    def decode_fn(k, v, ids, pos, qsl, seq_lens, tables, n):
+        return steps.decode_step(step, packed, shape, k, v, ids, pos, qsl, seq_lens, tables, n)
 
     @jax.jit
-    def ragged(caches, ids, pos, qsl, tables, n):
-        return steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, n, BLOCK, CONTEXT)
+    def ragged(cache, ids, pos, qsl, tables, n):
+        return steps.ragged_step(params, cfg, *cache, ids, pos, qsl, tables, n, BLOCK, CONTEXT)
 
-    return cfg, params, decode, ragged
+    # the interpreter's cheap compile options (what make_decode_step's own top-level jit uses on the cpu target)
+    return cfg, params, plan, decode_fn, jax.jit(decode_fn, compiler_options=INTERPRET_COMPILER_OPTIONS), ragged
 
 
-def empty_caches(cfg):
-    shape = kv.cache_shape(NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, R.jnp_dtype(cfg))
-    return [jnp.zeros(shape, R.jnp_dtype(cfg)) for _ in range(cfg.num_layers)]
+def empty_cache(cfg):
+    shape = kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size)
+    return jnp.zeros(shape, R.jnp_dtype(cfg)), jnp.zeros(shape, R.jnp_dtype(cfg))
 
 
 def tables_for(seqs: int) -> np.ndarray:
-    """Each request's blocks, shuffled across the pool (as vLLM hands them out over time)."""
+    """Each request's blocks, shuffled across the pool (as vLLM hands them out over time; never
+    block 0, vLLM's null block); the padding slots' rows 0, as vLLM leaves them."""
     per = CONTEXT // BLOCK
-    order = np.random.default_rng(7).permutation(NUM_BLOCKS)[:SLOTS * per]
-    t = order.reshape(SLOTS, per).astype(np.int32)
-    t[seqs:] = 0
+    order = 1 + np.random.default_rng(7).permutation(NUM_BLOCKS - 1)
+    t = np.zeros((SLOTS, per), np.int32)
+    t[:seqs] = order[:seqs * per].reshape(seqs, per)
     return t
 
 
@@ -86,6 +91,122 @@ def batch_inputs(chunks, lengths_before, num_tokens: int):
     return ids, pos, qsl, seq_lens
 
 
+def assert_close(got, want):
+    scale = float(np.max(np.abs(want)))
+    err = float(np.max(np.abs(np.asarray(got) - want)))
+    assert err <= 2e-5 * scale, f"max |logits - reference| = {err:.3g} (scale {scale:.3g})"
+
+
+def test_decode_step_on_vllm_s_stacked_cache_equals_the_reference():
+    """One decode-only batch (3 live requests of 4 kernel slots, 6 vLLM slots) on a cache of
+    random rows: the megakernel runs on vLLM's arrays with vLLM's block tables, and its logits and
+    the whole cache it returns equal the reference's decode step on the same arrays and tables
+    (every row but the 3 new ones unchanged)."""
+    cfg, params, plan, _, decode, _ = setup("tiny-dense")
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=c.shape), c.dtype) for c in empty_cache(cfg))
+    lengths = [5, 17, 30]  # tokens cached before this step: within the first block, on the second, near the end
+    tables = tables_for(len(lengths))
+    tokens = rng.integers(0, cfg.vocab_size, len(lengths)).tolist()
+    ids, pos, qsl, seq_lens = batch_inputs([[t] for t in tokens], lengths, 8)
+    (k_got, v_got), rows = decode(k, v, ids, pos, qsl, seq_lens, tables, jnp.int32(len(lengths)))
+
+    b = plan.batch
+    ref_tokens = np.zeros((b, 1), np.int32)
+    ref_pos = np.full((b, 1), -1, np.int32)
+    ref_len = np.zeros(b, np.int32)
+    ref_tokens[:3, 0], ref_pos[:3, 0], ref_len[:3] = tokens, lengths, lengths
+    cache = R.KVCache(k, v, jnp.asarray(tables[:b]), jnp.asarray(ref_len))
+    want, want_cache = jax.jit(lambda c: R.decode_step(params, cfg, jnp.asarray(ref_tokens), jnp.asarray(ref_pos),
+                                                       c))(cache)
+    assert_close(np.asarray(rows)[qsl[1:4] - 1], np.asarray(want)[:3, 0])
+    assert not np.any(np.asarray(rows)[qsl[3]:]), "rows past the last request are zero"
+    np.testing.assert_allclose(np.asarray(k_got), np.asarray(want_cache.k), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(v_got), np.asarray(want_cache.v), atol=1e-5, rtol=0)
+    assert not np.array_equal(np.asarray(k_got), np.asarray(k)), "the step wrote its new rows"
+
+
+def _uses(jaxpr, var) -> list:
+    return [e for e in jaxpr.eqns if any(x is var for x in e.invars)]
+
+
+def test_decode_step_adds_no_copy_around_the_kernel():
+    """The plugin's decode step (traced abstractly: no compile) hands vLLM's K and V arrays to the
+    kernel's step as they are, and returns the step's own outputs as the new cache: no gather, no
+    re-layout, no write-back (the bytes `kv.decode_step_hbm_bytes` counts as none)."""
+    cfg, _, plan, _, decode, _ = setup("tiny-dense")
+    k, v = (jax.ShapeDtypeStruct(c.shape, c.dtype) for c in empty_cache(cfg))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    # the avals of test_decode_step_on_vllm_s_stacked_cache_equals_the_reference's call: one trace for both
+    jaxpr = decode.trace(k, v, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS), i32(SLOTS, CONTEXT // BLOCK),
+                         i32()).jaxpr.jaxpr
+    k_in, v_in = jaxpr.invars[:2]
+    (call,) = _uses(jaxpr, k_in)  # the step (one nested jit holding the kernel), nothing else
+    assert _uses(jaxpr, v_in) == [call] and call.primitive.name in ("pjit", "jit"), call.primitive
+    assert [x is k_in or x is v_in for x in call.invars].count(True) == 2
+    inner = call.params["jaxpr"].jaxpr
+    out_k, out_v = jaxpr.outvars[:2]
+    assert any(o is out_k for o in call.outvars) and any(o is out_v for o in call.outvars)
+    # inside the step the arrays go to the kernel (pallas_call), their outputs back out
+    ks, vs = (inner.invars[[i for i, x in enumerate(call.invars) if x is a][0]] for a in (k_in, v_in))
+    for a in (ks, vs):
+        assert [e.primitive.name for e in _uses(inner, a)] == ["pallas_call"], [e.primitive for e in _uses(inner, a)]
+
+
+def test_decode_step_traffic_is_the_plan_s_and_the_docs_state_it():
+    """docs/serving-vllm.md's figures for the plugin's decode step (qwen3-8b, batch 8, context
+    4096, TPU7x plan): the kernel's bytes by the plan plus what the step adds around it on vLLM's
+    arrays (`kv.decode_step_hbm_bytes`: the page tables, whose size is that of the array
+    `kv.kernel_tables` really produces, abstractly), at most 1.05x what `tpumk build` reports
+    (page size 16) at vLLM's block size 16 (`--block-size 16`) and at the 256 it picks for a
+    max_model_len of 4096."""
+    from tpumk.plan.spec import DEFAULT_PAGE_SIZE
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving-vllm.md").read_text().split())
+    build = None
+    for block in (DEFAULT_PAGE_SIZE, 256):
+        plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), batch=8, context=4096,
+                                   page_size=block))
+        build = build or plan.hbm_bytes  # `tpumk build`'s plan: its default page size
+        got = kv.decode_step_hbm_bytes(plan)
+        assert got["kernel"] == plan.hbm_bytes
+        vllm_tables = jax.ShapeDtypeStruct((8, 4096 // block), jnp.int32)
+        tables = jax.eval_shape(lambda t: kv.kernel_tables(t, plan.batch, plan.context // block), vllm_tables)
+        assert got["page_tables"] == 2 * tables.size * tables.dtype.itemsize
+        total = sum(got.values())
+        assert total <= 1.05 * build, f"block size {block}: {total / build:.3f}x the bytes of tpumk build"
+        stated = (f"block size {block}: the kernel moves {plan.hbm_bytes / 1e9:.2f} GB per step, the plugin's step "
+                  f"{total / 1e9:.2f} GB, {total / build:.2f}x")
+        assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
+
+
+def test_a_cache_in_another_layout_is_refused_in_one_line():
+    """An array in tpu_inference's RPA v3 layout (what vLLM allocates without --attention-backend
+    tpumk), another block size or dtype: one line naming the expected stacked shape."""
+    problem = kv.layout_problem((3, 4, 2, 2, 128), jnp.bfloat16, 2, 256, 4, jnp.bfloat16)
+    assert problem == ("vLLM's KV cache array is bfloat16 [3, 4, 2, 2, 128]: expected bfloat16 [2, blocks, 4, 256] "
+                       "(tpumk's stacked layout: start vLLM with --attention-backend tpumk)")
+    assert kv.layout_problem((2, 9, 4, 256), jnp.bfloat16, 2, 256, 4, jnp.bfloat16) is None
+    assert kv.layout_problem((2, 9, 8, 256), jnp.bfloat16, 2, 256, 4, jnp.bfloat16) is not None
+    assert kv.layout_problem((2, 9, 4, 256), jnp.float32, 2, 256, 4, jnp.bfloat16) is not None
+
+
+def test_rows_and_tables_on_the_stacked_layout():
+    """kv.write_rows / read_rows address block slot // block_size, row slot % block_size of one
+    layer (a slot outside the pool writes nothing), and kv.kernel_tables gives the kernel vLLM's
+    block table rows, padded with block 0 past vLLM's request slots and cut to its pages."""
+    cache = jnp.zeros((2, 3, 4, 2))
+    rows = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    got = kv.write_rows(cache, 1, jnp.array([5, -1, 12]), rows)
+    want = np.zeros((2, 3, 4, 2))
+    want[1, 1, 1] = [1.0, 2.0]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(kv.read_rows(got, 1, jnp.array([[5, 0]]))), [[[1.0, 2.0], [0.0, 0.0]]])
+    vllm = jnp.array([[3, 1, 7], [2, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(kv.kernel_tables(vllm, 3, 2)), [[3, 1], [2, 0], [0, 0]])
+    np.testing.assert_array_equal(np.asarray(kv.kernel_tables(vllm, 2, 4)), [[3, 1, 7, 0], [2, 0, 0, 0]])
+
+
 def reference_logits(cfg, params, sequences):
     """The reference's last-token logits of each whole sequence (one paged cache per sequence)."""
     out = []
@@ -96,35 +217,29 @@ def reference_logits(cfg, params, sequences):
     return np.stack(out)
 
 
-def assert_close(got, want):
-    scale = float(np.max(np.abs(want)))
-    err = float(np.max(np.abs(np.asarray(got) - want)))
-    assert err <= 2e-5 * scale, f"max |logits - reference| = {err:.3g} (scale {scale:.3g})"
-
-
 # Both are the full tier (tests/README.md): the vllm tier serves a dense Qwen3 and a head_dim-64
 # Llama end to end through this ragged prefill and the megakernel's decode on vLLM's cache.
 @pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.full),
                                     pytest.param("tiny-moe", marks=pytest.mark.full)])
 def test_prefill_then_decode_on_vllm_layout_equals_reference(preset):
-    cfg, params, decode, ragged = setup(preset)
+    cfg, params, _, _, decode, ragged = setup(preset)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 9)]
     tables = tables_for(2)
-    caches = empty_caches(cfg)
+    cache = empty_cache(cfg)
 
     # one prefill chunk of both prompts, padded to 16 token rows (vLLM pads to a bucket)
     ids, pos, qsl, _ = batch_inputs(prompts, [0, 0], 16)
-    caches, rows = ragged(caches, ids, pos, qsl, tables, jnp.int32(2))
+    cache, rows = ragged(cache, ids, pos, qsl, tables, jnp.int32(2))
     want = reference_logits(cfg, params, prompts)
     assert_close(np.asarray(rows)[qsl[1:3] - 1], want)
     assert not np.any(np.asarray(rows)[qsl[2]:]), "rows past the last request are zero"
     seqs = [p + [int(np.argmax(w))] for p, w in zip(prompts, want)]
 
-    # three decode-only steps through the megakernel
+    # three decode-only steps through the megakernel, on vLLM's arrays
     for _ in range(3):
         ids, pos, qsl, seq_lens = batch_inputs([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], 8)
-        caches, rows = decode(caches, ids, pos, qsl, seq_lens, tables, jnp.int32(2))
+        cache, rows = decode(*cache, ids, pos, qsl, seq_lens, tables, jnp.int32(2))
         want = reference_logits(cfg, params, seqs)
         got = np.asarray(rows)[:2]
         assert_close(got, want)
@@ -135,114 +250,8 @@ def test_prefill_then_decode_on_vllm_layout_equals_reference(preset):
     tables = tables_for(3)
     new = rng.integers(0, cfg.vocab_size, 6).tolist()
     ids, pos, qsl, _ = batch_inputs([[seqs[0][-1]], [seqs[1][-1]], new], [len(seqs[0]) - 1, len(seqs[1]) - 1, 0], 16)
-    caches, rows = ragged(caches, ids, pos, qsl, tables, jnp.int32(3))
+    cache, rows = ragged(cache, ids, pos, qsl, tables, jnp.int32(3))
     assert_close(np.asarray(rows)[qsl[1:4] - 1], reference_logits(cfg, params, seqs + [new]))
-
-
-def tpu_inference_cache(num_blocks, block_size, kv_heads, head_dim, dtype, slots, k, v):
-    """A layer's cache laid out as tpu_inference 0.32 lays it out (read from its source: the runner
-    pads head_dim with `get_padded_head_dim`, 64 unpadded, else to whole 128 lanes; RPA v3's
-    `kernel_hd64.get_kv_cache_shape` / `merge_kv` for 64, `kernel.get_kv_cache_shape` /
-    `merge_kv` for any other), built element by element from that description: token `slots[i]`
-    holds k[i] and v[i]. packing p = 32 bits / the dtype's; combined head c sits at [c // p, c % p].
-
-    - head_dim 64: [blocks, block_size, ceil(kv_heads / p), p, 128], head h's K in lanes 0-63 and
-      its V in 64-127 of combined head h;
-    - else: [blocks, block_size, ceil(2 kv_heads / p), p, round_up(head_dim, 128)], K of head h
-      in combined head 2h, V in 2h + 1, lanes 0 .. head_dim - 1."""
-    p = 4 // np.dtype(dtype).itemsize
-    if head_dim == 64:
-        shape = (num_blocks, block_size, -(-kv_heads // p), p, 128)
-        where = lambda h, j: (h, slice(64 * j, 64 * j + 64))  # noqa: E731
-    else:
-        shape = (num_blocks, block_size, -(-2 * kv_heads // p), p, -(-head_dim // 128) * 128)
-        where = lambda h, j: (2 * h + j, slice(0, head_dim))  # noqa: E731
-    cache = np.zeros(shape, np.float32)
-    for i, slot in enumerate(slots):
-        block, offset = divmod(int(slot), block_size)
-        for h in range(kv_heads):
-            for j, x in enumerate((k, v)):
-                c, lanes = where(h, j)
-                cache[block, offset, c // p, c % p, lanes] = x[i, h * head_dim:(h + 1) * head_dim]
-    return jnp.asarray(cache, dtype)
-
-
-# each way tpu_inference packs a layer: the head_dim-64 kernel's layout and the general one's (96:
-# padded to 128 lanes), float32 (packing 1) and bfloat16 (packing 2), with a head count that
-# fills the packed rows and one that leaves a zero head (head_dim 64, odd count, bfloat16)
-LAYOUTS = [(64, 1, "bfloat16"), (64, 2, "bfloat16"), (64, 3, "float32"), (128, 1, "bfloat16"), (128, 2, "float32"),
-           (96, 3, "bfloat16")]
-
-
-@functools.partial(jax.jit, static_argnums=(6, 7))
-def write_then_read(empty, write_slots, k, v, laid_out, read_slots, heads, head_dim):
-    """kv.write_rows into `empty`, and kv.read_rows from `laid_out` (one compile)."""
-    written = kv.write_rows(empty, write_slots, k, v, heads, head_dim)
-    return written, kv.read_rows(laid_out, read_slots, heads, head_dim)
-
-
-@pytest.mark.parametrize("head_dim, heads, dtype", LAYOUTS)
-def test_rows_read_and_write_tpu_inference_s_layout(head_dim, heads, dtype):
-    blocks, bs = 3, 4
-    rng = np.random.default_rng(head_dim + heads)
-    # bfloat16-exact values, so the round trip compares exactly
-    k, v = (jnp.asarray(rng.integers(-64, 64, (3, heads * head_dim)) / 8, jnp.float32) for _ in range(2))
-    slots = np.array([5, 0, 11])
-    want = tpu_inference_cache(blocks, bs, heads, head_dim, jnp.dtype(dtype), slots, np.asarray(k), np.asarray(v))
-    assert kv.cache_shape(blocks, bs, heads, head_dim, dtype) == want.shape
-    assert kv.layout_problem(want.shape, dtype, heads, head_dim, bs) is None
-
-    # write: exactly tpu_inference's bytes (padding lanes and padding heads stay zero); 99 and -1:
-    # dropped. read: from tpu_inference's own cache, slots of any shape (here [1, 3], reversed)
-    written, (rk, rv) = write_then_read(jnp.zeros(want.shape, dtype), jnp.array([*slots, 99, -1]),
-                                        jnp.concatenate([k, k[:2]]), jnp.concatenate([v, v[:2]]), want,
-                                        jnp.asarray(slots[::-1].reshape(1, 3)), heads, head_dim)
-    np.testing.assert_array_equal(np.asarray(written, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.asarray(rk, np.float32)[0], np.asarray(k)[::-1])
-    np.testing.assert_array_equal(np.asarray(rv, np.float32)[0], np.asarray(v)[::-1])
-
-
-def test_decode_step_traffic_is_the_plan_s_and_the_docs_state_it():
-    """docs/serving-vllm.md's figure for the plugin's decode step (qwen3-8b, batch 8, context
-    4096, TPU7x plan): the kernel's bytes by the plan plus the copies around it
-    (`kv.decode_step_hbm_bytes`), whose sizes are those of the arrays `gather_batch` and
-    `read_rows` really produce at that shape (abstractly: no memory)."""
-    plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), batch=8, context=4096, page_size=16))
-    cfg, dt = plan.cfg, R.jnp_dtype(plan.cfg)
-    got = kv.decode_step_hbm_bytes(plan)
-    assert got["kernel"] == plan.hbm_bytes
-    layer = jax.ShapeDtypeStruct(kv.cache_shape(plan.num_pages, 16, cfg.num_kv_heads, cfg.head_dim, dt), dt)
-    tables = jax.ShapeDtypeStruct((plan.batch, plan.context // 16), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((plan.batch,), jnp.int32)
-    stacked = jax.eval_shape(lambda c, t, n: kv.gather_batch(c, t, n, cfg.num_kv_heads, cfg.head_dim, 16,
-                                                             plan.context, 16, plan.num_pages),
-                             [layer] * cfg.num_layers, tables, lengths)
-    assert got["gather_write"] == sum(a.size * a.dtype.itemsize for a in stacked)
-    slots = jax.ShapeDtypeStruct((plan.batch, plan.context), jnp.int32)
-    rows = jax.eval_shape(lambda c, s: kv.read_rows(c, s, cfg.num_kv_heads, cfg.head_dim), layer, slots)
-    # qwen3-8b's rows have no padding lanes or heads: a whole vLLM row is its K and V
-    assert got["gather_read"] == cfg.num_layers * sum(a.size * a.dtype.itemsize for a in rows)
-    total = sum(got.values())
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving-vllm.md").read_text().split())
-    ratio = f"{total / plan.hbm_bytes:.2f}x"
-    stated = (f"the kernel moves {plan.hbm_bytes / 1e9:.2f} GB per step, the plugin's step {total / 1e9:.2f} GB, "
-              f"{ratio} ({(got['gather_read'] + got['gather_write']) / 1e9:.2f} GB of it")
-    assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
-    # every other mention of the ratio says the same
-    assert set(re.findall(r"(\d+\.\d+x) the kernel's", text)) == {ratio}
-
-
-def test_a_cache_in_another_layout_is_refused_in_one_line():
-    """A head_dim-64 cache in the general layout (2 * kv_heads combined heads: what kv.py assumed
-    before, and what vLLM's runner does not allocate) or of another block size: one line, not a
-    reshape error."""
-    shape = (3, 4, 4, 1, 128)
-    problem = kv.layout_problem(shape, jnp.float32, 2, 64, 4)
-    assert problem == ("vLLM's KV cache of a layer is float32 [3, 4, 4, 1, 128]: expected [blocks, 4, 2, 1, 128] "
-                       "(tpu_inference's RPA v3 layout for 2 KV heads of head_dim 64)")
-    with pytest.raises(ValueError, match=r"expected \[blocks, block_size, 2, 1, 128\]"):
-        kv.read_rows(jnp.zeros(shape), jnp.array([0]), 2, 64)
-    assert kv.layout_problem((3, 8, 2, 1, 128), jnp.float32, 2, 64, 4) is not None
 
 
 # ---------------------------------------------------------------------- the plugin's refusals
@@ -317,10 +326,10 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
     ("max-model-len", {}, {"max_model_len": -5}, "tpumk plugin: max_model_len -5: expected a positive whole number"),
     ("max-num-seqs", {}, {"max_num_seqs": 0}, "tpumk plugin: max_num_seqs 0: expected a positive whole number"),
     ("block-size", {}, {"block_size": 16.0}, "tpumk plugin: block_size 16.0: expected a positive whole number"),
-    ("attention-backend", {}, {"runtime": {"attention_backend": "flash_attn_x"}},
-     "--attention-backend flash_attn_x: expected the default (rpa: the plugin reads vLLM's KV cache in RPA v3's "
-     "layout only)"),
-    ("batched-rpa", {}, {"runtime": {"batched_rpa": True}}, "USE_BATCHED_RPA_KERNEL is set: expected it unset"),
+    # without the plugin's backend vLLM allocates RPA v3's per-layer arrays, which the kernel cannot read in place
+    ("attention-backend", {}, {"runtime": {"attention_backend": "rpa"}},
+     "tpumk plugin: --attention-backend rpa: expected tpumk (the megakernel reads and writes vLLM's KV cache in "
+     "place in its own stacked layout, which vLLM allocates only with --attention-backend tpumk)"),
 ])
 def test_plugin_refuses_what_it_cannot_serve(tmp_path, monkeypatch, case, change, kw, line):
     import json
@@ -338,20 +347,6 @@ def test_plugin_refuses_what_it_cannot_serve(tmp_path, monkeypatch, case, change
     assert line in msg and "\n" not in msg, msg
 
 
-def test_the_head_dim_64_layout_comes_before_the_batched_rpa_switch(tmp_path, monkeypatch):
-    """tpu_inference picks its head_dim-64 kernel's layout whatever USE_BATCHED_RPA_KERNEL says,
-    so a head_dim-64 model still starts with it set."""
-    import json
-
-    from tpumk.vllm.runtime import Runtime
-
-    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
-    hd64 = dict(QWEN3_JSON, head_dim=64, num_attention_heads=4, hidden_size=256)
-    (tmp_path / "config.json").write_text(json.dumps(hd64))
-    rt = Runtime.from_vllm_config(vllm_config(tmp_path), batched_rpa=True)
-    assert rt.cfg.head_dim == 64
-
-
 def test_plugin_builds_its_step_for_vllm_shapes(tmp_path, monkeypatch):
     import json
 
@@ -362,3 +357,82 @@ def test_plugin_builds_its_step_for_vllm_shapes(tmp_path, monkeypatch):
     rt = Runtime.from_vllm_config(vllm_config(tmp_path))
     assert (rt.plan.batch, rt.plan.context, rt.plan.q_len, rt.cfg.dtype) == (4, 64, 1, "float32")
     assert rt.source.startswith("built on start-up")
+    # pages of vLLM's block size (its block tables are the kernel's page tables), the context
+    # rounded up to whole blocks; vLLM's stacked arrays: the kernel's layers and row width
+    rt = Runtime.from_vllm_config(vllm_config(tmp_path, block_size=32, max_model_len=80))
+    assert (rt.plan.page_size, rt.plan.context, rt.kv_layers, rt.kv_width) == (32, 96, 2, 256)
+    # the step for vLLM's pool (sized after the model loads) is the same kernel on that pool's
+    # shape; a build makes it once per pool size
+    assert rt.step_for(rt.plan.num_pages) is rt.step
+    assert rt.step_for(50) is rt.step_for(50) is not rt.step
+    # an artifact's exported program takes exactly its own pool: another is refused in one line
+    from tpumk.vllm.runtime import ServingConfigError
+
+    art = dataclasses.replace(rt, fixed_pages=rt.plan.num_pages)
+    assert art.step_for(rt.plan.num_pages) is rt.step
+    with pytest.raises(ServingConfigError) as e:
+        art.step_for(50)
+    assert str(e.value) == (f"tpumk plugin: vLLM's KV cache has 50 blocks: the artifact's program takes exactly "
+                            f"{rt.plan.num_pages} pages (start vLLM with --num-gpu-blocks-override {rt.plan.num_pages}, "
+                            "or serve a start-up build)")
+
+
+def test_an_artifact_of_another_page_size_is_refused_in_one_line():
+    """The kernel reads vLLM's block tables as its page tables: an artifact whose page size is
+    not vLLM's block size is refused at start-up, naming both fixes."""
+    from tpumk.vllm.runtime import ServingConfigError, _check_shape
+
+    plan = setup("tiny-dense")[2]
+    _check_shape("tpumk plugin: artifact a", plan, 4, CONTEXT, BLOCK)
+    with pytest.raises(ServingConfigError) as e:
+        _check_shape("tpumk plugin: artifact a", plan, 4, CONTEXT, 32)
+    assert str(e.value) == ("tpumk plugin: artifact a: page size 16 != vLLM's block size 32: start vLLM with "
+                            "--block-size 16 or export with --page-size 32 (the kernel reads vLLM's block tables as "
+                            "its page tables)")
+
+
+def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
+    """What the plugin's model runs inside vLLM's jitted step (`steps.serve_step`: the lax.cond
+    between the megakernel's decode step and the ragged prefill) around a TPU7x kernel
+    (tiny-dense, vLLM's pool of NUM_BLOCKS), compiled deviceless with the cache donated as vLLM
+    donates it: it compiles, both cache arrays are aliased to outputs (written in place), and
+    XLA adds no copy the size of a cache operand in HBM (tests/program_checks.cache_copies), and
+    the decode branch returns the kernel's cache outputs as they are. (At this tiny size XLA keeps
+    the ragged branch's whole 360 KB cache in VMEM for its scatters, a copy-start / copy-done
+    pair each way, which an HBM-sized cache cannot fit.)"""
+    from program_checks import cache_copies
+
+    from tpumk.compile.aot import compile_for
+
+    cfg = load_preset("tiny-dense")
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=4, context=CONTEXT, page_size=BLOCK))
+    pool = dataclasses.replace(plan, num_pages=NUM_BLOCKS)
+    step = make_decode_step(pool, nested=True)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    run = plan.whole_model
+    params = jax.eval_shape(lambda: random_params(run, seed=0))
+    packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
+
+    def served(k, v, packed, params, ids, pos, qsl, seq_lens, tables, n):
+        return steps.serve_step(step, packed, params, run, shape, k, v, ids, pos, qsl, seq_lens, tables, n, BLOCK,
+                                CONTEXT)
+
+    dt = R.jnp_dtype(cfg)
+    cache = jax.ShapeDtypeStruct(kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size), dt)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    compiled = compile_for(served, (cache, cache, packed, params, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
+                                    i32(SLOTS, CONTEXT // BLOCK), i32()), plan.target, donate_argnums=(0, 1))
+    aliases = re.search(r"input_output_alias=\{ (.*?) \}", compiled.hlo_text)
+    assert aliases, "no input_output_alias in the compiled program"
+    for param in (0, 1):  # outputs 0 and 1 of the step's ((k, v), rows) are the parameters 0 and 1
+        assert re.search(rf"\{{{param}\}}: \({param}, \{{\}}", aliases.group(1)), aliases.group(1)
+    assert cache_copies(pool, compiled) == []
+    # the decode branch returns the kernel's own cache outputs (its operands aliased in place)
+    # as the step's: nothing between the kernel and vLLM's arrays
+    text = compiled.hlo_text
+    kernel = re.search(r"%(\S+) = \([^\n]*\) custom-call\([^\n]*tpumk_decode", text) or \
+        re.search(r"%(tpumk_decode\S*) = ", text)
+    assert kernel, "no megakernel custom-call in the compiled program"
+    outs = {int(i): name for name, i in re.findall(rf"%(\S+) = [^\n]* get-tuple-element\(%{re.escape(kernel.group(1))}\), "
+                                                 r"index=(\d+)", text)}
+    assert re.search(rf"ROOT %\S+ = [^\n]* tuple\(%{re.escape(outs[1])}, %{re.escape(outs[2])}, ", text), outs

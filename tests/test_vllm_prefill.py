@@ -1,6 +1,7 @@
 """The vLLM plugin's chunked prefill (tpumk.vllm.prefill through steps.ragged_step) against the reference.
 
-Two steps on vLLM's cache layout (tpumk.vllm.kv) with tiles far smaller than the batch, so items
+Two steps on vLLM's cache as the plugin has it allocated (tpumk.vllm.kv: the megakernel's stacked
+K and V arrays) with tiles far smaller than the batch, so items
 span several query tiles and read several key tiles: a first step of three prompts, then a ragged
 mixed batch whose chunks start mid-sequence (one request continues its prompt, one decodes, one
 continues, one arrives), request slots padded past num_reqs and token rows padded past the
@@ -33,7 +34,7 @@ QUERY_TILE, KEY_TILE, SHORT_TILE = 4, 8, 2  # the decode of step 2 runs as a sho
 
 CONFIGS = {
     "dense": ("tiny-dense", {}),
-    # 64-wide heads (tpu_inference's fused [K | V] rows), a sliding layer whose 8-token window is
+    # 64-wide heads, a sliding layer whose 8-token window is
     # shorter than the sequences, soft-capped scores and gpt-oss's attention sinks
     "hd64-window-sinks": ("tiny-dense", dict(head_dim=64, sliding_window=8, sliding_layers=[1], attn_softcap=2.0,
                                              attn_sinks=True)),
@@ -47,8 +48,8 @@ def setup(name: str):
     params = random_params(cfg, seed=0)
 
     @jax.jit
-    def ragged(caches, ids, pos, qsl, tables, n):
-        return steps.ragged_step(params, cfg, caches, ids, pos, qsl, tables, n, BLOCK, CONTEXT, QUERY_TILE, KEY_TILE,
+    def ragged(cache, ids, pos, qsl, tables, n):
+        return steps.ragged_step(params, cfg, *cache, ids, pos, qsl, tables, n, BLOCK, CONTEXT, QUERY_TILE, KEY_TILE,
                                  SHORT_TILE)
 
     @jax.jit
@@ -66,11 +67,10 @@ def setup(name: str):
         return logits[0], jnp.stack(ks), jnp.stack(vs)
 
     @jax.jit
-    def read(caches, table):
+    def read(cache, table):
         """One request's K and V rows [layers, CONTEXT, kv width] at positions 0 .. CONTEXT - 1."""
         slots = kv.token_slots(table[None], jnp.zeros(CONTEXT, jnp.int32), jnp.arange(CONTEXT), BLOCK)
-        rows = [kv.read_rows(c, slots, cfg.num_kv_heads, cfg.head_dim) for c in caches]
-        return jnp.stack([k for k, _ in rows]), jnp.stack([v for _, v in rows])
+        return tuple(jnp.stack([kv.read_rows(c, li, slots) for li in range(cfg.num_layers)]) for c in cache)
 
     return cfg, ragged, reference, read
 
@@ -89,8 +89,8 @@ def test_chunked_prefill_equals_the_reference_on_ragged_batches(name):
     per = CONTEXT // BLOCK
     tables = np.zeros((SLOTS, per), np.int32)  # the padding slots' rows stay 0, as vLLM leaves them
     tables[:len(seqs)] = rng.permutation(NUM_BLOCKS)[:len(seqs) * per].reshape(len(seqs), per)
-    caches = [jnp.zeros(kv.cache_shape(NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, jnp.float32), jnp.float32)
-              for _ in range(cfg.num_layers)]
+    shape = kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size)
+    caches = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
     # step 1: prompts of 11, 5 and 3 tokens; step 2: 6 more from position 11, one decode from 5,
     # 6 more from 3, a new prompt of 7 (23 of the 24 rows)
     padded = [s + [0] * (CONTEXT - len(s)) for s in seqs]

@@ -11,9 +11,10 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
   artifact named by --hf-overrides (its jax.export program): concurrent `/v1/completions` through
   the `openai` client give transformers' greedy tokens, and the server's log shows the decode
   steps ran in tpumk's megakernel (TPUMK_VLLM_COUNT_STEPS);
-- tpumk/vllm/kv.py writes exactly what tpu_inference's own `get_kv_cache_shape_with_mesh` and
-  `merge_kv` lay out, for head widths, KV-head counts and dtypes it packs differently (in the
-  test's own process: mostly the import of tpu_inference);
+- the KV cache is the megakernel's own stacked layout (tpumk/vllm/kv.py): the served runner logs
+  two arrays of [layers, blocks, 16, width], vLLM's KV usage metric moves while the requests run
+  and its token counter counts every sampled token; and tpu_inference's own spec and allocator
+  code make that layout of the plugin's declared layers (in the test's own process);
 - an artifact (TPUMK_VLLM_ARTIFACT) of another model or of a smaller batch than --max-num-seqs, a
   checkpoint whose own config.json names tpumk_artifact: the server refuses to start and its log
   holds the plugin's one line saying why (these servers start side by side: each is mostly
@@ -23,7 +24,6 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import json
 import os
 import re
@@ -59,13 +59,16 @@ class Server:
     """`vllm serve` in its own process group; `stop()` ends it and everything it started."""
 
     def __init__(self, model: Path, log: Path, env: dict | None = None, max_seqs: int = MAX_SEQS,
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, blocks: int = 64):
         self.port, self.log = _free_port(), log
-        full = dict(os.environ, **OFFLINE_ENV, PYTHONPATH=str(HERE / "cpu_site"), **(env or {}))
+        # --attention-backend tpumk (a backend registered by a plugin): tpu_inference allows it with
+        # forked engine processes only, and `vllm serve` spawns them unless told otherwise
+        full = dict(os.environ, **OFFLINE_ENV, VLLM_WORKER_MULTIPROC_METHOD="fork", PYTHONPATH=str(HERE / "cpu_site"),
+                    **(env or {}))
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port",
                str(self.port), "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", str(max_seqs),
-               "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "64", "--skip-tokenizer-init",
-               "--hf-overrides", json.dumps({"architectures": ["TpumkForCausalLM"], **(overrides or {})})]
+               "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", str(blocks), "--skip-tokenizer-init",
+               "--attention-backend", "tpumk", "--hf-overrides", json.dumps({"architectures": ["TpumkForCausalLM"], **(overrides or {})})]
         self.out = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
 
@@ -142,6 +145,27 @@ def completions(port: int, prompts) -> list[list[int]]:
         return list(ex.map(one, prompts))
 
 
+def metrics(port: int) -> dict[str, float]:
+    """vLLM's Prometheus metrics (/metrics), each name's samples summed over their labels."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def kv_usage_while(port: int, stop: list) -> list[float]:
+    """vLLM's vllm:kv_cache_usage_perc, read every 50 ms until stop[0] is set."""
+    seen = []
+    while not stop[0]:
+        seen.append(metrics(port).get("vllm:kv_cache_usage_perc", 0.0))
+        time.sleep(0.05)
+    return seen
+
+
 def steps_run(log: Path, kind: str) -> list[int]:
     """The number of requests of each step the plugin logged as run by `kind`'s program."""
     what = "megakernel decode step" if kind == "decode" else "JAX prefill/mixed step"
@@ -154,14 +178,32 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     overrides = {}
     if kind == "moe":  # from an artifact the operator names in --hf-overrides: its jax.export program
         overrides["tpumk_artifact"] = str(request.getfixturevalue("moe_artifact"))
-    server = Server(ckpt, tmp_path / "serve.log", overrides=overrides)
+    # an artifact's exported program takes its own pool: the plan's batch x context pages
+    server = Server(ckpt, tmp_path / "serve.log", overrides=overrides, blocks=16 if kind == "moe" else 64)
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
-        got = completions(server.port, PROMPTS)
+        with cf.ThreadPoolExecutor(1) as ex:
+            stop = [False]
+            usage = ex.submit(kv_usage_while, server.port, stop)
+            try:
+                got = completions(server.port, PROMPTS)
+            finally:
+                stop[0] = True
+            usage = usage.result()
+        after = metrics(server.port)
     finally:
         server.stop()
     log = (tmp_path / "serve.log").read_text()
     assert got == want
+    # vLLM allocated the kernel's two stacked arrays, [layers, blocks, block size 16, width] (the
+    # runner's log labels the first axis num_blocks and prints the others)
+    blocks = 16 if kind == "moe" else 64
+    assert re.search(rf"num_blocks=\[{blocks}, {blocks}\] \| regular_attn_layers=2 \| "
+                     rf"regular_attn_shape=\(num_blocks, \({blocks}, 16, \d+\)\)", log), log[-3000:]
+    # vLLM's metrics: the KV usage rose while requests held blocks (each request's tokens fit one
+    # 16-token block of the pool's blocks - 1, the null block), the token counter counts them all
+    assert 0 < max(usage) <= len(PROMPTS) / (blocks - 1) + 1e-6, usage
+    assert after["vllm:generation_tokens_total"] == len(PROMPTS) * STEPS, after
     source = "artifact" if kind == "moe" else "built on start-up"
     assert re.search(rf"tpumk plugin: .*decode steps from {source}", log), log[-3000:]
     decode, ragged = steps_run(tmp_path / "serve.log", "decode"), steps_run(tmp_path / "serve.log", "ragged")
@@ -171,44 +213,44 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     assert sum(decode) >= len(PROMPTS) * STEPS // 2 and max(decode) > 1, (decode, ragged)
 
 
-def test_kv_layout_is_tpu_inference_s(monkeypatch):
-    """kv.write_rows against tpu_inference's own allocator shape and K/V merge (what its RPA v3
-    kernels write), so a tpu_inference that changes its layout fails here, not in a server."""
-    import itertools
+def test_kv_cache_is_the_kernel_s_stacked_layout(monkeypatch):
+    """What tpu_inference's own runner code makes of the plugin's declared KV-cache layers and its
+    `tpumk` backend (in the test's own process: mostly the import of tpu_inference): the spec of
+    each layer (`KVCacheManager.get_kv_cache_spec`, which vLLM sizes and counts blocks by) holds
+    exactly one stacked array's bytes per block, and `create_kv_caches` allocates that array as
+    `[layers, blocks, block_size, width]` (tpumk.vllm.kv), so a tpu_inference that changes either
+    fails here, not in a server."""
+    from types import SimpleNamespace as NS
 
     for name, value in OFFLINE_ENV.items():  # before tpu_inference is imported in this process
         monkeypatch.setenv(name, value)
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import torch
     from jax.sharding import Mesh
-    from tpu_inference.kernels.ragged_paged_attention.v3 import kernel, kernel_hd64
-    from tpu_inference.runner.kv_cache import get_kv_cache_shape_with_mesh
-    from tpu_inference.utils import get_padded_head_dim
+    from tpu_inference.runner.kv_cache import create_kv_caches
+    from tpu_inference.runner.kv_cache_manager import KVCacheManager
 
     from tpumk.vllm import kv
+    from tpumk.vllm.backend import TpumkAttentionBackend, declare_layers
 
-    mesh = Mesh(np.asarray(jax.devices()[:1]), ("model",))  # one device: no head or context sharding
-    slots = jnp.array([5, 7])
-
-    @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-    def both(k, v, merge_kv, shape, heads, head_dim):
-        """tpu_inference's rows ([tokens, G, packing, lanes]) at `slots`, and kv.write_rows'."""
-        want = jnp.zeros(shape, k.dtype).reshape(-1, *shape[2:]).at[slots].set(merge_kv(k, v)).reshape(shape)
-        got = kv.write_rows(jnp.zeros(shape, k.dtype), slots, k.reshape(2, -1), v.reshape(2, -1), heads, head_dim)
-        return want, got
-
-    # the layouts of tests/test_vllm_adapter.py's LAYOUTS (which builds them from this description)
-    for head_dim, heads, dtype in [(64, 1, jnp.bfloat16), (64, 2, jnp.bfloat16), (64, 3, jnp.float32),
-                                   (128, 1, jnp.bfloat16), (128, 2, jnp.float32), (96, 3, jnp.bfloat16)]:
-        padded = get_padded_head_dim(head_dim)  # what the runner asks the allocator for
-        shape = tuple(get_kv_cache_shape_with_mesh(mesh, 3, 4, heads, padded, dtype))
-        assert kv.cache_shape(3, 4, heads, head_dim, dtype) == shape, (head_dim, heads, dtype)
-        rng = np.random.default_rng(head_dim + heads)
-        k, v = (jnp.asarray(rng.integers(-8, 8, (2, heads, head_dim)), dtype) for _ in range(2))
-        merge_kv = (kernel_hd64 if padded == 64 else kernel).merge_kv  # the kernel the runner picks
-        want, got = both(k, v, merge_kv, shape, heads, head_dim)
-        assert bool(jnp.array_equal(got, want)), (head_dim, heads, dtype)
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))  # one device: nothing sharded
+    for layers, width, dtype in [(3, 256, torch.bfloat16), (2, 128, torch.float32), (36, 1024, torch.bfloat16)]:
+        config = NS(compilation_config=NS(static_forward_context={}), cache_config=NS(block_size=16),
+                    model_config=NS(dtype=dtype))
+        declare_layers(config, layers, width)
+        runner = NS(model_config=NS(use_mla=False), cache_config=config.cache_config, mesh=mesh, vllm_config=config,
+                    kv_cache_dtype=dtype, attention_backend=TpumkAttentionBackend())
+        specs = KVCacheManager(runner).get_kv_cache_spec()
+        assert sorted(specs) == sorted([kv.K_LAYER, kv.V_LAYER])
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        assert {s.page_size_bytes for s in specs.values()} == {layers * 16 * width * itemsize}
+        spec = specs[kv.K_LAYER]
+        (cache,) = create_kv_caches(5, 16, spec.num_kv_heads, spec.head_size, mesh, [kv.K_LAYER],
+                                    jnp.dtype(str(dtype).removeprefix("torch.")),
+                                    attention_backend=TpumkAttentionBackend())
+        assert cache.shape == kv.cache_shape(layers, 5, 16, width), (layers, width, cache.shape)
 
 
 def checkpoint_naming(src: Path, out: Path, artifact: str) -> Path:

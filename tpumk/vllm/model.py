@@ -1,15 +1,18 @@
 """`TpumkForCausalLM`: the model class the plugin registers with vLLM's TPU backend (tpu_inference).
 
 vLLM's runner builds it abstractly (`nnx.eval_shape`), calls `load_weights`, then runs
-`__call__` inside its jitted step with its own KV cache (one array per layer, tpumk.vllm.kv)
-and attention metadata, and `compute_logits` on the rows it picks. This class:
+`__call__` inside its jitted step with its own KV cache and attention metadata, and
+`compute_logits` on the rows it picks. Its constructor declares the model's two KV-cache layers to
+vLLM (tpumk.vllm.backend), so that cache is two arrays in the megakernel's stacked layout
+(tpumk.vllm.kv). This class:
 
-- decode-only batches (one new token per live request): tpumk's megakernel step
-  (`tpumk.vllm.steps.decode_step`), from the artifact or the start-up build the `Runtime` holds;
+- decode-only batches (one new token per live request): tpumk's megakernel step on those two
+  arrays in place (`tpumk.vllm.steps.decode_step`), from the artifact or the start-up build the
+  `Runtime` holds;
 - any other batch (prefill chunks, prefill mixed with decode): the pure-JAX reference layers
   on the same weights (`tpumk.vllm.steps.ragged_step`);
-- the choice is a `lax.cond` on the metadata (vLLM decides on the host, then traces one program
-  per token bucket), and both branches return the logits rows, so `compute_logits` passes them on.
+- the choice is a `lax.cond` on the metadata (`tpumk.vllm.steps.serve_step`), and both branches
+  return the logits rows, so `compute_logits` passes them on.
 """
 
 from __future__ import annotations
@@ -38,13 +41,12 @@ def _count(kind: str, num_reqs) -> None:
     logger.info("tpumk plugin: %s #%d (%d requests)", what, _COUNTS[kind], int(num_reqs))
 
 
-def _cache_kernel(vllm_config) -> dict:
-    """What decides the layout of the KV cache vLLM's TPU runner allocates (tpu_inference 0.32):
-    its attention backend and its batched-RPA switch (Runtime refuses all but RPA v3's)."""
-    from tpu_inference import envs
+def _attention_backend(vllm_config) -> str:
+    """The attention backend whose shapes vLLM's TPU runner allocates its KV cache in
+    (tpu_inference 0.32; Runtime refuses all but the plugin's own)."""
     from tpu_inference.layers.common.attention_backend import attention_backend_name
 
-    return {"attention_backend": attention_backend_name(vllm_config), "batched_rpa": bool(envs.USE_BATCHED_RPA_KERNEL)}
+    return attention_backend_name(vllm_config)
 
 
 class TpumkForCausalLM(nnx.Module):
@@ -57,7 +59,7 @@ class TpumkForCausalLM(nnx.Module):
             if mesh is not None and mesh.size != 1:  # before any build: a cheap refusal first
                 raise ServingConfigError(f"tpumk plugin: a mesh of {mesh.size} devices: expected 1 (the plugin runs "
                                          "one device in this release)")
-            self.runtime = Runtime.from_vllm_config(vllm_config, **_cache_kernel(vllm_config))
+            self.runtime = Runtime.from_vllm_config(vllm_config, _attention_backend(vllm_config))
         except TpumkError as e:  # one line in vLLM's log, then the engine refuses to start
             logger.error("%s", e)
             raise ServingConfigError(str(e)) from None
@@ -66,9 +68,12 @@ class TpumkForCausalLM(nnx.Module):
                     rt.plan.batch, rt.plan.context)
         from tpumk.kernel.layout import packed_specs
         from tpumk.model.weights import random_params
+        from tpumk.vllm.backend import declare_layers
 
+        # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V
+        declare_layers(vllm_config, rt.kv_layers, rt.kv_width)
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them
-        self.params = nnx.Param(jax.eval_shape(lambda: random_params(rt.cfg, seed=0)))
+        self.params = nnx.Param(jax.eval_shape(lambda: random_params(rt.plan.whole_model, seed=0)))
         self.packed = nnx.Param(packed_specs(rt.plan))
 
     def load_weights(self, rng_key: jax.Array | None = None) -> None:
@@ -84,40 +89,33 @@ class TpumkForCausalLM(nnx.Module):
                  layer_name_to_kvcache_index=None, lora_metadata=None, intermediate_tensors=None,
                  is_first_rank: bool = True, is_last_rank: bool = True, *args):
         rt, md = self.runtime, attention_metadata
-        cfg = rt.cfg
         where = dict(layer_name_to_kvcache_index or ())
-        index = [where.get(f"layer.{i}", i) for i in range(cfg.num_layers)]
-        caches = [kv_caches[j] for j in index]
-        for c in caches:  # traced once per bucket: the shapes are static here
-            problem = kv.layout_problem(c.shape, c.dtype, cfg.num_kv_heads, cfg.head_dim, rt.block_size)
-            if problem:  # a layout start-up did not foresee: one line, not a reshape error deep in kv.py
+        ik, iv = where.get(kv.K_LAYER, 0), where.get(kv.V_LAYER, 1)
+        k, v = kv_caches[ik], kv_caches[iv]
+        run = rt.plan.whole_model
+        for c in (k, v):  # traced once per bucket: the shapes are static here
+            problem = kv.layout_problem(c.shape, c.dtype, rt.kv_layers, rt.kv_width, rt.block_size,
+                                        jnp.dtype(run.dtype))
+            if problem:  # a layout start-up did not foresee: one line, not a shape error deep in the kernel
                 logger.error("tpumk plugin: %s", problem)
                 raise ServingConfigError(f"tpumk plugin: {problem}")
+        try:
+            step = rt.step_for(k.shape[1])
+        except ServingConfigError as e:
+            logger.error("%s", e)
+            raise
         slots = md.seq_lens.shape[0]
-        tables = md.block_tables.reshape(slots, -1)
-        qsl, seq_lens, positions = md.query_start_loc, md.seq_lens, md.input_positions
         num_reqs = md.request_distribution[2]
-        live = jnp.arange(slots) < num_reqs
-        one_token = (qsl[1:] - qsl[:-1]) == 1
-        decode_only = jnp.all(one_token | ~live)
-        params, packed = self.params.get_value(), self.packed.get_value()
 
-        def decode(caches):
-            if COUNT_STEPS:
-                jax.debug.callback(_count, "decode", num_reqs)
-            return steps.decode_step(rt.step, packed, cfg, rt.plan_shape, caches, input_ids, positions, qsl, seq_lens,
-                                     tables, num_reqs, rt.block_size)
+        def on_step(kind):
+            jax.debug.callback(_count, kind, num_reqs)
 
-        def ragged(caches):
-            if COUNT_STEPS:
-                jax.debug.callback(_count, "ragged", num_reqs)
-            return steps.ragged_step(params, cfg, caches, input_ids, positions, qsl, tables, num_reqs, rt.block_size,
-                                     rt.max_model_len)
-
-        caches, rows = jax.lax.cond(decode_only, decode, ragged, caches)
+        (k, v), rows = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run, rt.plan_shape, k,
+                                        v, input_ids, md.input_positions, md.query_start_loc, md.seq_lens,
+                                        md.block_tables.reshape(slots, -1), num_reqs, rt.block_size,
+                                        rt.max_model_len, on_step if COUNT_STEPS else None)
         out = list(kv_caches)
-        for j, c in zip(index, caches):
-            out[j] = c
+        out[ik], out[iv] = k, v
         return out, rows, [], None
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Ragged paged attention over vLLM's per-layer KV arrays, in pure JAX: the plugin's prefill.
+"""Ragged paged attention over vLLM's stacked K and V arrays (tpumk.vllm.kv), in pure JAX: the
+plugin's prefill.
 
 vLLM flattens a batch into T token rows, request r's in [query_start_loc[r], query_start_loc[r + 1]).
 `work_items` cuts them into items of one request each: a tile of up to `query_tile` of its rows,
@@ -75,18 +76,19 @@ def _items(query_start_loc, num_reqs, num_tokens: int, tile: int, take, count: i
     return WorkItems(req, jnp.clip(rows, 0, num_tokens - 1), valid)
 
 
-def attend(att: Attention, layer_cache: jax.Array, items: tuple[WorkItems, ...], q: jax.Array, positions: jax.Array,
-           block_tables: jax.Array, block_size: int, max_context: int, window: int = 0,
-           sinks: jax.Array | None = None, key_tile: int = KEY_TILE) -> jax.Array:
+def attend(att: Attention, k_cache: jax.Array, v_cache: jax.Array, layer: int, items: tuple[WorkItems, ...],
+           q: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int, max_context: int,
+           window: int = 0, sinks: jax.Array | None = None, key_tile: int = KEY_TILE) -> jax.Array:
     """Every token's attention output [T, q_size] f32: q [T, Hq, D] f32 of the tokens at
     `positions` [T] (-1: a padding row, output 0) against its request's rows 0 .. its position in
-    `layer_cache` (this step's K and V already written there)."""
+    layer `layer` of vLLM's stacked `k_cache` / `v_cache` (tpumk.vllm.kv; this step's K and V
+    already written there)."""
     if att.step_bidirectional:
         raise ValueError("tpumk plugin: a drafter's bidirectional block attention is not a served model's")
     t = q.shape[0]
     hkv, g, d = att.num_kv_heads, att.group, att.head_dim
     kt = min(key_tile, max_context)
-    dt = layer_cache.dtype
+    dt = k_cache.dtype
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(hkv, g)[..., None, None]  # [Hkv, G, 1, 1]
 
     def item(args):
@@ -101,7 +103,7 @@ def attend(att: Attention, layer_cache: jax.Array, items: tuple[WorkItems, ...],
             j, m, l, acc = carry
             kp = j * kt + jnp.arange(kt, dtype=jnp.int32)
             slots = kv.token_slots(block_tables, jnp.broadcast_to(r, kp.shape), kp, block_size)
-            k, v = kv.read_rows(layer_cache, jnp.maximum(slots, 0), hkv, d)
+            k, v = (kv.read_rows(c, layer, jnp.maximum(slots, 0)) for c in (k_cache, v_cache))
             seen = kp <= last
             k, v = (jnp.where(seen[:, None], x, 0).reshape(kt, hkv, d) for x in (k, v))
             s = jnp.einsum("ckgd,skd->kgcs", qi, k, preferred_element_type=jnp.float32)

@@ -12,7 +12,8 @@ reader and takes the megakernel step from, in this order:
    one (`tpumk.load(path, use="exported")` refuses the rest);
 2. else a build on start-up for the attached TPU (or, with JAX on the CPU, the `cpu` target's
    kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
-   rounded up to whole pages, `TPUMK_VLLM_QUANT` (default `none`).
+   rounded up to whole pages of vLLM's block size (the kernel reads vLLM's block tables as its
+   page tables), `TPUMK_VLLM_QUANT` (default `none`).
 
 Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
 that names the setting and what was expected, before any weight is read: the server then refuses
@@ -21,7 +22,8 @@ a smaller batch or context than vLLM's, another q_len or several devices; MLA (v
 latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
 hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
 vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
-an attention backend or kernel whose KV cache is not laid out as RPA v3's (tpumk.vllm.kv), and
+an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
+stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and
 sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,8 +40,7 @@ from tpumk.errors import TpumkError
 ARTIFACT_ENV = "TPUMK_VLLM_ARTIFACT"
 QUANT_ENV = "TPUMK_VLLM_QUANT"
 ARTIFACT_KEY = "tpumk_artifact"
-RPA = "rpa"  # tpu_inference's default attention backend (ragged paged attention v3): the cache tpumk.vllm.kv reads
-PAGE_SIZE = 16  # the start-up build's page size (the kernel's own; vLLM's block size need not match)
+BACKEND = "tpumk"  # the attention backend the plugin registers with tpu_inference (tpumk.vllm.backend)
 
 
 class ServingConfigError(TpumkError):
@@ -64,21 +65,51 @@ class Runtime:
     model_dir: Path
     cfg: Any  # tpumk ModelConfig of the served checkpoint, in vLLM's dtype
     plan: Any
-    step: Callable  # traceable: (packed, tokens, positions, KVCache) -> (logits, KVCache)
+    step: Callable  # traceable: (packed, tokens, positions, KVCache) -> (logits, KVCache), plan.num_pages pages
     source: str  # "artifact <path>" or "built on start-up for <target>"
-    block_size: int
+    block_size: int  # vLLM's, which is the plan's page size
     max_model_len: int
+    fixed_pages: int | None  # an artifact's program takes exactly this many pages; a build: any
+    _pool_steps: dict = field(default_factory=dict)  # a build's step per vLLM pool size (one in practice)
 
     @property
     def plan_shape(self) -> dict[str, int]:
         p = self.plan
-        return {"batch": p.batch, "context": p.context, "page_size": p.page_size, "num_pages": p.num_pages}
+        return {"batch": p.batch, "context": p.context, "page_size": p.page_size}
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers of vLLM's stacked K and V arrays (the kernel's cache's)."""
+        return self.plan.whole_model.kv_layers
+
+    @property
+    def kv_width(self) -> int:
+        """The row width of vLLM's stacked K and V arrays: the kernel's (its run model's, lane padded)."""
+        return self.plan.whole_model.attention.kv_size
+
+    def step_for(self, num_pages: int) -> Callable:
+        """The decode step for vLLM's pool of `num_pages` blocks (known only when vLLM first traces
+        the model: it sizes the pool after loading it). The kernel addresses pages by their ids,
+        clipped to the pool, so a build re-specialises only its cache operands' shapes
+        (`Plan.num_pages`); an artifact's exported program takes exactly its own pool."""
+        if num_pages == self.plan.num_pages:
+            return self.step
+        if self.fixed_pages is not None:
+            raise ServingConfigError(f"tpumk plugin: vLLM's KV cache has {num_pages} blocks: the artifact's program "
+                                     f"takes exactly {self.fixed_pages} pages (start vLLM with "
+                                     f"--num-gpu-blocks-override {self.fixed_pages}, or serve a start-up build)")
+        if num_pages not in self._pool_steps:
+            from tpumk.kernel.megakernel import make_decode_step
+
+            plan = replace(self.plan, num_pages=num_pages)
+            self._pool_steps[num_pages] = make_decode_step(plan, nested=True, portable=plan.target.interpret)
+        return self._pool_steps[num_pages]
 
     @classmethod
-    def from_vllm_config(cls, vllm_config, attention_backend: str = RPA, batched_rpa: bool = False) -> Runtime:
+    def from_vllm_config(cls, vllm_config, attention_backend: str = BACKEND) -> Runtime:
         """`attention_backend`: the backend vLLM's TPU runner lays out its KV cache for
-        (tpu_inference's `attention_backend_name`); `batched_rpa`: its USE_BATCHED_RPA_KERNEL
-        switch (model.py reads both from tpu_inference, which this module does not import)."""
+        (tpu_inference's `attention_backend_name`; model.py reads it from tpu_inference, which
+        this module does not import)."""
         from tpumk.files import is_dir
         from tpumk.model.config import load_hf_config, override_dtype
 
@@ -91,21 +122,22 @@ class Runtime:
         cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
         cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
         _check_vllm(vllm_config, cfg)
-        _check_cache_layout(cfg, attention_backend, batched_rpa)
+        _check_cache_layout(attention_backend)
         max_seqs = _positive("max_num_seqs", vllm_config.scheduler_config.max_num_seqs)
         max_len = _positive("max_model_len", mc.max_model_len)
         block_size = _positive("block_size", vllm_config.cache_config.block_size)
         art = _operator_artifact(mc, model_dir)
         if art:
-            plan, step, source = _from_artifact(art, cfg, max_seqs, max_len)
+            plan, step, source = _from_artifact(art, cfg, max_seqs, max_len, block_size)
         else:
-            plan, step, source = _built(cfg, max_seqs, max_len)
-        return cls(model_dir, cfg, plan, step, source, block_size, max_len)
+            plan, step, source = _built(cfg, max_seqs, max_len, block_size)
+        return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None)
 
     def load_params(self):
-        """The checkpoint's weights: (reference-layout params for the JAX path, packed weights for
-        the kernel), both in the plan's weight formats (a quantized plan quantizes both alike, so
-        prefill and decode run the same weights)."""
+        """The checkpoint's weights: (reference-layout params of the kernel's run model for the
+        JAX path, packed weights for the kernel), both in the plan's weight formats (a quantized
+        plan quantizes both alike, so prefill and decode run the same weights) and widths (a lane
+        padded model's zero lanes: the JAX path reads and writes the same cache rows as the kernel)."""
         from tpumk.kernel.layout import pack_weights
         from tpumk.model.checkpoint import load_checkpoint
         from tpumk.model.quantize import quantize_params, scheme_of
@@ -114,7 +146,8 @@ class Runtime:
         _, params = load_checkpoint(self.model_dir, self.cfg.dtype)
         if self.plan.quant != "none" and scheme_of(params) == "none":
             params = quantize_params(self.cfg, params, self.plan.quant)
-        return params, pack_weights(self.plan, params_as_run(self.plan, params))
+        run = params_as_run(self.plan, params)
+        return run, pack_weights(self.plan, run)
 
 
 def _check_vllm(vllm_config, cfg) -> None:
@@ -148,17 +181,13 @@ def _check_vllm(vllm_config, cfg) -> None:
                                  f"{cfg.dtype})")
 
 
-def _check_cache_layout(cfg, attention_backend: str, batched_rpa: bool) -> None:
-    """The KV cache vLLM's runner will allocate must be RPA v3's (tpumk.vllm.kv reads no other)."""
-    from tpumk.vllm.kv import FUSED_HEAD_DIM, padded_head_dim
-
-    if attention_backend != RPA:
-        raise ServingConfigError(f"tpumk plugin: --attention-backend {attention_backend}: expected the default "
-                                 f"({RPA}: the plugin reads vLLM's KV cache in RPA v3's layout only)")
-    # the head_dim-64 kernel's layout comes first in tpu_inference, whatever this switch says
-    if batched_rpa and padded_head_dim(cfg.head_dim) != FUSED_HEAD_DIM:
-        raise ServingConfigError("tpumk plugin: USE_BATCHED_RPA_KERNEL is set: expected it unset (the plugin reads "
-                                 "vLLM's KV cache in RPA v3's layout only)")
+def _check_cache_layout(attention_backend: str) -> None:
+    """vLLM's runner must allocate the KV cache through the plugin's backend (tpumk.vllm.kv's
+    stacked layout, which the kernel reads and writes in place)."""
+    if attention_backend != BACKEND:
+        raise ServingConfigError(f"tpumk plugin: --attention-backend {attention_backend}: expected {BACKEND} (the "
+                                 "megakernel reads and writes vLLM's KV cache in place in its own stacked layout, "
+                                 f"which vLLM allocates only with --attention-backend {BACKEND})")
 
 
 def _positive(name: str, value) -> int:
@@ -210,13 +239,17 @@ def _operator_artifact(mc, model_dir: Path) -> Path | None:
     return Path(art) if art else None
 
 
-def _check_shape(where: str, plan, max_seqs: int, max_len: int) -> None:
+def _check_shape(where: str, plan, max_seqs: int, max_len: int, block_size: int) -> None:
     if plan.batch < max_seqs:
         raise ServingConfigError(f"{where}: batch {plan.batch} < vLLM's max_num_seqs {max_seqs}: start vLLM with "
                                  f"--max-num-seqs {plan.batch} or export with --batch {max_seqs}")
     if plan.context < max_len:
         raise ServingConfigError(f"{where}: context {plan.context} < vLLM's max_model_len {max_len}: start vLLM "
                                  f"with --max-model-len {plan.context} or export with a larger --context")
+    if plan.page_size != block_size:
+        raise ServingConfigError(f"{where}: page size {plan.page_size} != vLLM's block size {block_size}: start vLLM "
+                                 f"with --block-size {plan.page_size} or export with --page-size {block_size} (the "
+                                 "kernel reads vLLM's block tables as its page tables)")
     if plan.q_len != 1:
         raise ServingConfigError(f"{where}: q_len {plan.q_len}: expected 1 (a decode step of one token per request)")
     if plan.devices != 1:
@@ -227,7 +260,7 @@ def _check_shape(where: str, plan, max_seqs: int, max_len: int) -> None:
                                  "cache (vLLM's KV blocks are not in tpumk's packed 1-byte page layout)")
 
 
-def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int):
+def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int, block_size: int):
     from tpumk.export.artifacts import load
 
     step = load(path, use="exported", check_inputs=False)  # ArtifactError: one line (stack, files, signature)
@@ -235,11 +268,11 @@ def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int):
     if step.config != cfg:
         raise ServingConfigError(f"{where} was built for model '{step.config.name}', not the served checkpoint's: "
                                  f"{_first_difference(step.config.to_dict(), cfg.to_dict())}")
-    _check_shape(where, step.plan, max_seqs, max_len)
+    _check_shape(where, step.plan, max_seqs, max_len, block_size)
     return step.plan, step.program, f"artifact {path} ({step.kind})"
 
 
-def _built(cfg, max_seqs: int, max_len: int):
+def _built(cfg, max_seqs: int, max_len: int, block_size: int):
     import jax
 
     from tpumk.kernel.megakernel import make_decode_step
@@ -252,8 +285,9 @@ def _built(cfg, max_seqs: int, max_len: int):
         if jax.default_backend() != "cpu":
             raise ServingConfigError(f"tpumk plugin: JAX runs on {jax.default_backend()}: expected a TPU or the CPU")
         target = get_target("cpu")
-    context = -(-max_len // PAGE_SIZE) * PAGE_SIZE
-    spec = BuildSpec(cfg, target, batch=max_seqs, context=context, page_size=PAGE_SIZE,
+    # pages of vLLM's block size: its block tables are the kernel's page tables
+    context = -(-max_len // block_size) * block_size
+    spec = BuildSpec(cfg, target, batch=max_seqs, context=context, page_size=block_size,
                      quant=os.environ.get(QUANT_ENV, "none"))  # PlanError: one line naming the field
     plan = make_plan(spec)
     # nested: a jit the plugin calls inside vLLM's jitted step; portable on the CPU: the

@@ -1,8 +1,9 @@
-"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import).
+"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import), and
+`serve_step`, the `lax.cond` between them that runs inside vLLM's jitted step.
 
-- `decode_step`: a decode-only batch (one new token per request) through tpumk's megakernel:
-  the requests' rows gathered into the kernel's cache layout (tpumk.vllm.kv), the kernel's step,
-  the new rows written back into vLLM's arrays.
+- `decode_step`: a decode-only batch (one new token per request) through tpumk's megakernel,
+  on vLLM's two stacked K and V arrays themselves (tpumk.vllm.kv: the kernel's own layout), vLLM's
+  block tables as its page tables: no copy around the kernel.
 - `ragged_step`: any other batch (prefill chunks, mixed prefill + decode) through the pure-JAX
   reference layers (tpumk.model.reference) with the same weights over the flattened batch,
   writing vLLM's arrays in place and attending through `tpumk.vllm.prefill` (ragged paged
@@ -10,7 +11,7 @@
 
 Both take vLLM's attention metadata as arrays: `query_start_loc` [S + 1], `seq_lens` [S] (the KV
 length including this step's tokens), `block_tables` [S, blocks per request], `num_reqs` (a
-scalar array) for the S request slots of the batch, and return (caches, rows [T, vocab] f32):
+scalar array) for the S request slots of the batch, and return ((k, v), rows [T, vocab] f32):
 the logits of each request's last token at that token's row (what vLLM's runner picks by
 `logits_indices`), zeros elsewhere.
 """
@@ -40,44 +41,71 @@ def _scatter_rows(num_tokens: int, rows: jax.Array, logits: jax.Array) -> jax.Ar
     return out.at[jnp.where(rows >= 0, rows, num_tokens)].set(logits.astype(jnp.float32), mode="drop")
 
 
-def decode_step(step: Callable, packed, cfg: ModelConfig, plan_shape: dict, caches: list, input_ids: jax.Array,
-                positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
-                num_reqs: jax.Array, block_size: int) -> tuple[list, jax.Array]:
-    """A decode-only batch through `step` (a tpumk decode step: (packed, tokens [B, 1],
-    positions [B, 1], KVCache) -> (logits, KVCache), B = plan_shape["batch"] >= S).
+def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shape: dict, k: jax.Array, v: jax.Array,
+               input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array,
+               block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
+               on_step: Callable[[str], None] | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
+    request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
+    a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
+    bucket). Both branches take and return vLLM's K and V arrays, updated in place. `on_step`
+    ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS)."""
+    live = jnp.arange(seq_lens.shape[0]) < num_reqs
+    one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
+    decode_only = jnp.all(one_token | ~live)
 
-    `plan_shape`: batch, context, page_size, num_pages of the step's plan. Request slot b's
-    token is row query_start_loc[b]; slots past num_reqs (and up to B) run at position -1, which
-    writes nothing and reads nothing."""
-    batch, context, page_size = plan_shape["batch"], plan_shape["context"], plan_shape["page_size"]
+    def decode(cache):
+        if on_step is not None:
+            on_step("decode")
+        return decode_step(step, packed, plan_shape, *cache, input_ids, positions, query_start_loc, seq_lens,
+                           block_tables, num_reqs)
+
+    def ragged(cache):
+        if on_step is not None:
+            on_step("ragged")
+        return ragged_step(params, cfg, *cache, input_ids, positions, query_start_loc, block_tables, num_reqs,
+                           block_size, max_context)
+
+    return jax.lax.cond(decode_only, decode, ragged, (k, v))
+
+
+def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.Array, input_ids: jax.Array,
+                positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
+                num_reqs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """A decode-only batch through `step` (a tpumk decode step: (packed, tokens [B, 1],
+    positions [B, 1], KVCache) -> (logits, KVCache), B = plan_shape["batch"] >= S) on vLLM's
+    stacked K and V arrays themselves (tpumk.vllm.kv): they go into the kernel as they are, with
+    vLLM's block tables as its page tables (the step's page size is vLLM's block size), and the
+    kernel's returned arrays are the new cache (written in place: aliased, and vLLM donates it).
+
+    `plan_shape`: batch, context, page_size of the step's plan. Request slot b's token is row
+    query_start_loc[b]; slots past num_reqs (and up to B) run at position -1, which writes
+    nothing and reads nothing."""
+    batch, per = plan_shape["batch"], plan_shape["context"] // plan_shape["page_size"]
     # vLLM pads the request slots to a bucket that may pass max_num_seqs (<= batch, checked at
     # start-up): the live requests are all among the first `batch`
     s = min(seq_lens.shape[0], batch)
-    query_start_loc, seq_lens, block_tables = query_start_loc[:s + 1], seq_lens[:s], block_tables[:s]
+    query_start_loc, seq_lens = query_start_loc[:s + 1], seq_lens[:s]
     live = jnp.arange(s) < num_reqs
     rows = jnp.clip(query_start_loc[:-1], 0, input_ids.shape[0] - 1)
     tokens = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, input_ids[rows], 0))
     pos = jnp.full((batch,), -1, jnp.int32).at[:s].set(jnp.where(live, positions[rows], -1))
     lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - 1, 0))
-    tables = jnp.zeros((batch, block_tables.shape[1]), jnp.int32).at[:s].set(block_tables)
-    a = cfg.attention
-    k, v = kv.gather_batch(caches, tables, lengths, a.num_kv_heads, a.head_dim, block_size, context, page_size,
-                           plan_shape["num_pages"])
-    cache = KVCache(k, v, kv.kernel_tables(batch, context, page_size), lengths)
+    cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths)
     logits, cache = step(packed, tokens[:, None], pos[:, None], cache)
-    k_new, v_new = (kv.new_rows(c, pos, context, page_size) for c in (cache.k, cache.v))  # [L, B, width]
-    slots = kv.token_slots(tables, jnp.arange(batch), pos, block_size)
-    caches = [kv.write_rows(c, slots, k_new[i], v_new[i], a.num_kv_heads, a.head_dim) for i, c in enumerate(caches)]
-    return caches, _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
+    return (cache.k, cache.v), _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
 
 
-def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Array, positions: jax.Array,
-                query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array, block_size: int,
-                max_context: int, query_tile: int = prefill.QUERY_TILE, key_tile: int = prefill.KEY_TILE,
-                short_tile: int = prefill.SHORT_TILE) -> tuple[list, jax.Array]:
+def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
+                positions: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array,
+                block_size: int, max_context: int, query_tile: int = prefill.QUERY_TILE,
+                key_tile: int = prefill.KEY_TILE,
+                short_tile: int = prefill.SHORT_TILE) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
-    request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it. Each layer writes the
-    tokens' K and V into vLLM's arrays, then every token attends to its request's rows 0 .. its
+    request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it, on vLLM's stacked K
+    and V arrays (tpumk.vllm.kv; their row width is `cfg`'s KV width: the plugin passes the
+    kernel's run model and its weights, `plan.whole_model`). Each layer writes the tokens' K and V
+    into its slice of those arrays, then every token attends to its request's rows 0 .. its
     position (the earlier tokens of the same chunk included) through `tpumk.vllm.prefill`, which
     reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
     a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing."""
@@ -90,18 +118,17 @@ def ragged_step(params: dict, cfg: ModelConfig, caches: list, input_ids: jax.Arr
     new_slots = kv.token_slots(block_tables, req, pos, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
-    out = []
     for li, layer in enumerate(params["layers"]):
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
-        c = kv.write_rows(caches[li], new_slots, k[0].reshape(t, -1), v[0].reshape(t, -1), a.num_kv_heads, a.head_dim)
-        out.append(c)
-        o = prefill.attend(a, c, items, q[0], pos, block_tables, block_size, max_context, cfg.pattern.window(li),
-                           ref.layer_sinks(cfg, layer), key_tile)
+        k_cache = kv.write_rows(k_cache, li, new_slots, k[0].reshape(t, -1))
+        v_cache = kv.write_rows(v_cache, li, new_slots, v[0].reshape(t, -1))
+        o = prefill.attend(a, k_cache, v_cache, li, items, q[0], pos, block_tables, block_size, max_context,
+                           cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None]))
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))
     last = _last_rows(query_start_loc, num_reqs)
     logits = ref.logits_from(cfg, params, x[0][jnp.maximum(last, 0)])
-    return out, _scatter_rows(t, last, logits)
+    return (k_cache, v_cache), _scatter_rows(t, last, logits)

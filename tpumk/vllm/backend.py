@@ -1,0 +1,111 @@
+"""The `tpumk` attention backend and KV-cache layers: vLLM allocates the megakernel's stacked cache.
+
+vLLM's TPU runner (tpu_inference 0.32) allocates one KV array per KV-cache layer it is told of,
+each of the shape its attention backend's `get_kv_cache_shape` gives for that layer's spec
+(`kv_cache_manager.initialize_kv_cache` -> `create_kv_caches`), and sizes its blocks by that
+shape at one block (`get_attention_page_size_bytes`). For a JAX model its spec lists one layer
+per `num_hidden_layers` unless the model's KV-cache layers are in vLLM's
+`static_forward_context`, which is how vLLM's own attention layers declare themselves
+(`get_kv_cache_spec`, the branch for a non-empty context). So the plugin:
+
+- declares two KV-cache layers (`declare_layers`, from the model's constructor, which vLLM runs
+  before it asks for the spec): `tpumk.kv.k` and `tpumk.kv.v` (tpumk.vllm.kv), each a full
+  decoder attention spec whose bytes per block are one stacked array's, `layers x block_size x
+  width` elements: vLLM's spec counts a K and a V row per head, `2 x num_kv_heads x head_size`
+  per token, so each declares `layers x width / 128` heads of 64 (a width tpu_inference does not
+  pad; the kernel's row width is a multiple of 128 lanes, lane padding sees to it);
+- registers this backend as `tpumk` (`register_attention_backend`, from plugin.register): for a
+  declared layer's (heads, head size) its `get_kv_cache_shape` is the stacked `[layers, blocks,
+  block_size, width]`, which vLLM also sizes its blocks by (the shape at one block: exactly the
+  spec's bytes); its attention kernel is never called (tpumk's model runs its own).
+
+`--attention-backend tpumk` selects it (tpu_inference: one host, forked workers only); the
+plugin refuses to start without it (tpumk.vllm.runtime). Imports vLLM and tpu_inference: only
+the plugin's entry point and model use it.
+"""
+
+from __future__ import annotations
+
+from tpu_inference.layers.common.attention_backend import AttentionBackend
+from tpu_inference.layers.vllm.backends.flash_attn import PallasAttentionBackend, PallasAttentionBackendImpl
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from tpumk.vllm import kv
+from tpumk.vllm.runtime import BACKEND
+
+SPEC_HEAD_SIZE = 64  # the head size each declared layer's spec counts in (tpu_inference keeps 64 unpadded)
+_DECLARED: dict[tuple[int, int], tuple[int, int]] = {}  # a declared layer's (heads, head size) -> (layers, width)
+
+
+def spec_heads(layers: int, width: int) -> int:
+    """The heads of 64 a declared layer's spec counts: 2 x heads x 64 = layers x width per token."""
+    if width % (2 * SPEC_HEAD_SIZE):
+        raise ValueError(f"tpumk plugin: a KV row width of {width}: expected a multiple of {2 * SPEC_HEAD_SIZE} lanes")
+    return layers * width // (2 * SPEC_HEAD_SIZE)
+
+
+class TpumkAttentionBackend(AttentionBackend):
+    """tpu_inference's side: the KV arrays' shape, the stacked layout of a declared layer."""
+
+    def get_kv_cache_shape(self, total_num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                           kv_dtype) -> tuple[int, ...]:
+        stacked = _DECLARED.get((num_kv_heads, head_dim))
+        if stacked is None:
+            raise ValueError(f"--attention-backend {BACKEND}: no tpumk KV-cache layer of {num_kv_heads} heads of "
+                             f"{head_dim} was declared (the backend lays out the cache of tpumk's plugin model only)")
+        layers, width = stacked
+        return kv.cache_shape(layers, total_num_pages, page_size, width)
+
+    def attention(self, *args, **kwargs):
+        raise NotImplementedError(f"--attention-backend {BACKEND} lays out the KV cache of tpumk's plugin model only "
+                                  "(--hf-overrides '{\"architectures\": [\"TpumkForCausalLM\"]}'), whose own kernel "
+                                  "runs its attention")
+
+
+class TpumkPallasImpl(PallasAttentionBackendImpl):
+    attention_backend = BACKEND
+
+
+class TpumkPallasBackend(PallasAttentionBackend):
+    """vLLM's side of the backend (what `--attention-backend tpumk` names): tpu_inference's
+    Pallas backend with this backend's name, as `register_attention_backend` asks."""
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND.upper()
+
+    @staticmethod
+    def get_impl_cls() -> type[PallasAttentionBackendImpl]:
+        return TpumkPallasImpl
+
+
+class StackedKVLayer(AttentionLayerBase):
+    """One of the two KV-cache layers the plugin declares: every model layer's K (or V) in one
+    array. The fields are those tpu_inference's `get_kv_cache_spec` reads of an attention layer."""
+
+    attn_type = AttentionType.DECODER
+    sliding_window = None
+    kv_sharing_target_layer_name = None
+
+    def __init__(self, layers: int, width: int):
+        self.num_kv_heads, self.head_size = spec_heads(layers, width), SPEC_HEAD_SIZE
+
+    def get_attn_backend(self):
+        return TpumkPallasBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=self.num_kv_heads,
+                                 head_size=self.head_size, dtype=vllm_config.model_config.dtype)
+
+
+def declare_layers(vllm_config, layers: int, width: int) -> None:
+    """Tell vLLM the model's KV-cache layers: kv.K_LAYER and kv.V_LAYER, `layers` x `width` each."""
+    context = vllm_config.compilation_config.static_forward_context
+    key = (spec_heads(layers, width), SPEC_HEAD_SIZE)
+    if _DECLARED.setdefault(key, (layers, width)) != (layers, width):  # one model per engine process
+        raise ValueError(f"tpumk plugin: KV-cache layers of {_DECLARED[key]} (layers, width) were declared in this "
+                         f"process already: expected one model's, got ({layers}, {width}) too")
+    for name in (kv.K_LAYER, kv.V_LAYER):
+        context[name] = StackedKVLayer(layers, width)
