@@ -51,7 +51,7 @@ class DrafterPlan:
     pass_seconds: float
     pass_hbm_bytes: float
     projection_bytes: float
-    pack_bytes_per_call: float = 0.0
+    pack_bytes_per_call: float = 0.0  # the kernel's weight layout: read and written once a device call
     stages: dict | None = None  # the kernel's pass by stage (seconds), for the docs and the bench
 
 
@@ -76,9 +76,8 @@ def plan_drafter(spec: BuildSpec, d: DrafterSpec) -> DrafterPlan:
     if kernel:
         g = draft_pass.geometry(d, spec.batch, per_seq, spec.context, d.layer.dtype)
         stages = kernel_pass_seconds(spec.target, g)
-        weights = sum(v for k, v in stages["hbm_bytes"].items() if k != "kv_cache")
         return DrafterPlan("kernel", passes, per_seq, sum(stages["seconds"].values()),
-                           sum(stages["hbm_bytes"].values()), projection, 2.0 * weights, stages)
+                           sum(stages["hbm_bytes"].values()), projection, 2.0 * _packed_copy_bytes(g), stages)
     try:
         plan = make_plan(BuildSpec(drafter_body(d), spec.target, spec.batch, spec.context, q_len=per_seq,
                                    page_size=spec.page_size, devices=1))
@@ -127,6 +126,16 @@ def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
     sec["launch"] = OP_DISPATCH_S + 2 * DMA_LATENCY_S  # one kernel: its inputs' fill, its outputs' drain
     hbm["launch"] = 0.0
     return {"seconds": sec, "hbm_bytes": hbm}
+
+
+def _packed_copy_bytes(g) -> float:
+    """Bytes of the matrices `tpumk.kernel.draft_pass.pack` moves (a transpose: q / k / v
+    head-major, gate / up, eh_proj and the head as column tiles); o and down are reshapes only."""
+    wb = g.itemsize
+    layers = sum(g.in_width(i) * (g.heads + 2 * g.kv_heads) * g.head_dim + 2 * g.hidden * g.ffn
+                 for i in range(g.layers))
+    eh = 2 * g.hidden * g.hidden if g.kind == "mtp" else 0
+    return float((layers + eh) * wb + g.hidden * g.vocab * _itemsize(g.head_dtype))
 
 
 def _itemsize(dtype: str) -> int:
