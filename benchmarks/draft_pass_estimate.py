@@ -13,11 +13,13 @@ it with the model's figure without the KV-cache stage.
 
     python benchmarks/draft_pass_estimate.py [--target tpu7x] [--case small published] [--max-rss-gib 6]
 
-Found with libtpu 0.0.52 (2026-12-07, this 2-core host): the kernel compiles deviceless in about
-4 s without the profile flag, but with it libtpu's profiling compile of even the `one-chunk` case
-grows past 9 GiB (14 GiB, killed at 167 s, for `small`) without finishing, so there is no
-compiler figure for this kernel yet; `--max-rss-gib` stops the process (exit 1, one line) before
-it takes a shared host's memory.
+Found with libtpu 0.0.52 (2026-12-07, this 2-core host; docs/speculative.md has the figures): v6e
+profiles the small cases; on TPU7x the kernel compiles in about 4 s without the profile flag,
+but with it libtpu's profiling compile of even the `one-chunk` case grows past 9 GiB (14 GiB,
+killed at 167 s, for `small`) without finishing; the published size on v6e aborts the process in
+the profiler (an XLA layout copy before the kernel: "Unsupported DMA direction for latency
+modeling: dma-general"). `--max-rss-gib` stops the process (exit 1, one line) before it takes
+a shared host's memory.
 
 Cases (bfloat16 weights: libtpu's profiler aborts on float32 kernels):
   small      a dspark drafter of 1 layer, 4 query / 2 KV heads of 64, block 4, on tiny-dense
@@ -72,11 +74,14 @@ def run_case(name: str, target_name: str) -> dict:
     state = jax.eval_shape(lambda: d.init_state(b, c))
     vec = jax.ShapeDtypeStruct((b,), jnp.int32)
     forced = jax.ShapeDtypeStruct((b, d.block), jnp.int32)
+    # the weights as the round program hands them to the kernel (`KernelDrafter.prepare`, once a
+    # call): the pass alone, without pack's transposes (XLA copies, which the profiler may refuse)
+    prepared = jax.eval_shape(kd.prepare, d.params, tparams)
     static_profile.clear()
     print(f"{name}: compiling for {target_name}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     compiled = compile_for(lambda p, t, s, a, ap, f: kd.logits(p, t, s, a, ap, f),
-                           (d.params, tparams, state, vec, vec, forced), target)
+                           (prepared, tparams, state, vec, vec, forced), target)
     compile_s = time.perf_counter() - t0
     by_op = static_profile.collect(compiled.device_kind)
     kernel_ops = {k: v for k, v in by_op.items() if "draft_pass" in k}
