@@ -8,8 +8,8 @@ the cycles of the kernel's own custom call are converted to seconds by tpumk's c
 tpumk's timeline model of the same pass (tpumk.estimate.speculative.kernel_pass_seconds), total
 and without its KV-cache stage. What the compiler's figure misses (TPU_FACTS section 3): a loop
 nested in another loop is counted once, and the kernel's KV-cache chunk loop sits in its loop over
-query heads, so the compiler's figure holds one head's chunks a layer, not every head's; compare
-it with the model's figure without the KV-cache stage.
+KV heads, so the compiler's figure holds one KV head's chunks a layer; at one chunk a KV head
+(`one-chunk`) nothing is missed.
 
     python benchmarks/draft_pass_estimate.py [--target tpu7x] [--case small published] [--max-rss-gib 6]
 

@@ -77,7 +77,7 @@ def test_the_drafter_is_modelled_replicated_as_it_is_built():
                                    "mtp:block=2"])
 def test_the_kernel_model_streams_the_bytes_the_kernel_streams(draft):
     """The pass kernel's model reads what the kernel's streams read: every packed matrix once
-    (tpumk.kernel.draft_pass.pack's arrays, shapes only) and the drafter's KV cache once per query
+    (tpumk.kernel.draft_pass.pack's arrays, shapes only) and the drafter's KV cache once per KV
     head (every sequence's chunks); its weight packing reads and writes once a call the matrices
     pack transposes."""
     import jax
@@ -99,7 +99,7 @@ def test_the_kernel_model_streams_the_bytes_the_kernel_streams(draft):
     hbm = dp.stages["hbm_bytes"]
     assert sum(v for k, v in hbm.items() if k != "kv_cache") == weights
     lay = d.layer
-    assert hbm["kv_cache"] == (lay.num_layers * lay.num_q_heads * spec.batch * spec.context * lay.head_dim * 2
+    assert hbm["kv_cache"] == (lay.num_layers * lay.num_kv_heads * spec.batch * spec.context * lay.head_dim * 2
                                * lay.dtype_bytes)
     moved = weights - sum(a.size * a.dtype.itemsize for lay in packed["layers"] for a in (lay["wo"], lay["w_down"]))
     assert dp.pack_bytes_per_call == 2 * moved  # o and down are reshapes, the rest transposes

@@ -19,8 +19,8 @@ weights and runs its passes over the whole batch: the model counts one device's 
 the taps' projection's weights whole, whatever N. A drafter the pass kernel models
 (`tpumk.kernel.draft_pass.refusal` is None) is modelled as that kernel runs
 (`kernel_pass_seconds`): each matrix streamed on its own with one tile per matrix in flight (its
-two VMEM slots), the first tile of every matrix waited for, the drafter's KV cache read per query
-head, every sequence's chunks for every row, plus the once-per-device-call packing of its weights
+two VMEM slots), the first tile of every matrix waited for, the drafter's KV cache read once per
+KV head, every sequence's chunks for every row, plus the once-per-device-call packing of its weights
 spread over the call's rounds. A drafter it does not model keeps XLA passes, modelled as before
 as a one-device plan of its layers and head by the megakernel's timeline.
 """
@@ -92,8 +92,9 @@ def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
     geometry `g` on target `t`, by the timeline model's primitives (tpumk.estimate.timeline):
     every matrix is a stream of its tiles, the next tile (one per matrix of the stream) in flight
     while one is multiplied, so a tile costs max(its load with only itself outstanding, its MXU
-    time); nothing streams across matrices. The KV cache streams per query head: every chunk of
-    every sequence (rows of other sequences are masked, not skipped). Returns seconds and HBM
+    time); nothing streams across matrices. The KV cache streams once per KV head, every chunk of
+    every sequence (rows of other sequences are masked, not skipped), each chunk multiplied for
+    the KV head's group of query heads. Returns seconds and HBM
     bytes by stage. Elementwise work (norms, RoPE, softmax) is not modelled, as in the timeline."""
     from tpumk.estimate.timeline import DMA_LATENCY_S, OP_DISPATCH_S, load_seconds, mxu_seconds
 
@@ -117,9 +118,11 @@ def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
         k = g.in_width(i)
         stream("q", g.heads, [k * d * wb], k * d)
         stream("k_v", g.kv_heads, [k * d * wb] * 2, 2 * k * d)
-        # scores and p . v against one chunk's keys and values (the float32 softmax is elementwise)
-        stream("kv_cache", g.heads * g.batch * (g.context // g.chunk), [g.chunk * d * kvb] * 2, 2 * g.chunk * d,
-               1 if kvb < 4 else 6)
+        # once per KV head: each chunk's keys and values through the MXU for its `group` query heads'
+        # scores and p . v (the float32 softmax is elementwise)
+        group = g.heads // g.kv_heads
+        stream("kv_cache", g.kv_heads * g.batch * (g.context // g.chunk), [g.chunk * d * kvb] * 2,
+               group * 2 * g.chunk * d, 1 if kvb < 4 else 6)
         stream("o", g.heads, [d * h * wb], d * h)
         stream("mlp", g.ffn // g.ffn_tile, [h * g.ffn_tile * wb] * 3, 3 * h * g.ffn_tile)
     stream("head", g.vocab // g.head_tile, [h * g.head_tile * hb], h * g.head_tile, 6 if hb == 4 else 1)

@@ -19,8 +19,8 @@ tiles with the down projection's matching row tiles (the intermediate activation
 VMEM), eh_proj and the head in column tiles. Unlike the megakernel's ring (tpumk.kernel.ring) the
 prefetch does not cross from one matrix to the next: each matrix's first tile is waited for
 (a bubble per matrix, counted in docs/speculative.md). The drafter's KV cache (head-major
-[L, B, KVH, C, D], `tpumk.draft.layers.cache_shape`) streams per (sequence, chunk) through two VMEM
-slots too, with an online softmax; every row computes against every sequence's chunk and a
+[L, B, KVH, C, D], `tpumk.draft.layers.cache_shape`) streams per (KV head, sequence, chunk) through
+two VMEM slots too, each chunk serving the KV head's group of query heads, with an online softmax; every row computes against every sequence's chunk and a
 visibility mask (built by the glue from the positions) keeps its own: at a drafter's few rows
 per sequence that costs B x the attention flops and no unaligned slicing.
 
@@ -407,7 +407,9 @@ def _kernel(g: PassGeometry, names: list[str]):
 
 def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int, per_b: int, scale: float) -> None:
     """Every q head over the step's own rows (their keys in k_s / v_s) and the cache's chunks of
-    every sequence (masked to each row's own by vis_cache), online softmax in float32."""
+    every sequence (masked to each row's own by vis_cache), online softmax in float32. The cache
+    streams once per KV head: each chunk serves the `group` query heads that share it (their
+    softmax states carried side by side)."""
     vis_new = s.vis_new[...] > 0
 
     def chunk_copy(t, slot, kh):
@@ -415,20 +417,21 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
         return [pltpu.make_async_copy(cache.at[layer, b, kh, pl.ds(c0, g.chunk)], buf.at[slot], s.kv_sem.at[w, slot])
                 for w, (cache, buf) in enumerate(((s.k_cache, s.kc), (s.v_cache, s.vc)))]
 
-    def head(h, carry):
-        kh = lax.div(h, group)
-        q = s.q_s[h].astype(s.k_s.dtype)
+    def own_rows(kh, j):
+        q = s.q_s[kh * group + j].astype(s.k_s.dtype)
         sc = jnp.where(vis_new, _dot_t(q, s.k_s[kh]) * scale, -jnp.inf)
         m = jnp.max(sc, -1, keepdims=True)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)
         p = jnp.where(vis_new, jnp.exp(sc - m_safe), 0.0)
-        l = jnp.sum(p, -1, keepdims=True)
         acc = jnp.dot(p.astype(s.v_s.dtype), s.v_s[kh], preferred_element_type=jnp.float32)
+        return m, jnp.sum(p, -1, keepdims=True), acc
+
+    def kv_head(kh, carry):
+        states = tuple(own_rows(kh, j) for j in range(group))
         for cp in chunk_copy(0, 0, kh):
             cp.start()
 
-        def chunk(t, st):
-            m, l, acc = st
+        def chunk(t, states):
             slot = lax.rem(t, 2)
 
             @pl.when(t + 1 < n_chunks)
@@ -439,20 +442,26 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
             for cp in chunk_copy(t, slot, kh):
                 cp.wait()
             vis = s.vis_cache[t] > 0
-            sc = jnp.where(vis, _dot_t(q, s.kc[slot]) * scale, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(sc, -1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(jnp.where(m == -jnp.inf, 0.0, m - m_safe))
-            alpha = jnp.where(m == -jnp.inf, 1.0, alpha)
-            p = jnp.where(vis, jnp.exp(sc - m_safe), 0.0)
-            acc = acc * alpha + jnp.dot(p.astype(s.vc.dtype), s.vc[slot], preferred_element_type=jnp.float32)
-            return m_new, l * alpha + jnp.sum(p, -1, keepdims=True), acc
+            kc, vc = s.kc[slot], s.vc[slot]
+            out = []
+            for j, (m, l, acc) in enumerate(states):
+                q = s.q_s[kh * group + j].astype(kc.dtype)
+                sc = jnp.where(vis, _dot_t(q, kc) * scale, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(sc, -1, keepdims=True))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp(jnp.where(m == -jnp.inf, 0.0, m - m_safe))
+                alpha = jnp.where(m == -jnp.inf, 1.0, alpha)
+                p = jnp.where(vis, jnp.exp(sc - m_safe), 0.0)
+                acc = acc * alpha + jnp.dot(p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+                out.append((m_new, l * alpha + jnp.sum(p, -1, keepdims=True), acc))
+            return tuple(out)
 
-        m, l, acc = lax.fori_loop(0, n_chunks, chunk, (m, l, acc))
-        s.o_s[h] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # no key at all: 0, as masked_softmax
+        states = lax.fori_loop(0, n_chunks, chunk, states)
+        for j, (_, l, acc) in enumerate(states):  # no key at all: 0, as masked_softmax
+            s.o_s[kh * group + j] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
         return carry
 
-    lax.fori_loop(0, g.heads, head, 0)
+    lax.fori_loop(0, g.kv_heads, kv_head, 0)
 
 
 def _pallas(g: PassGeometry, interpret, wdt, kvdt, hdt):
