@@ -37,7 +37,8 @@ def test_round_figures_are_consistent(model, draft):
     r = round_model(spec, d, acc)
     dr = r["drafter"]
     assert dr["passes_per_round"] == (d.block if d.kind in ("eagle3", "mtp") else 1)
-    assert r["draft_seconds"] == pytest.approx(dr["passes_per_round"] * dr["pass_seconds"] + dr["projection_seconds"])
+    assert r["draft_seconds"] == pytest.approx(dr["passes_per_round"] * dr["pass_seconds"] + dr["projection_seconds"]
+                                               + dr["pack_seconds"])
     assert r["round_seconds"] == pytest.approx(r["verify_step_seconds"] + r["draft_seconds"])
     assert r["verify_step_seconds"] > r["plain_step_seconds"] > 0  # k + 1 rows and the taps cost more than 1
     assert r["verify_taps_bytes"] > 0
@@ -52,19 +53,57 @@ def test_round_figures_are_consistent(model, draft):
     assert round_model(spec, d, [min(be, d.block + 1)])["rows"][0]["speedup"] == pytest.approx(min(1.0, speedups[-1]))
 
 
-def test_drafter_heads_that_do_not_split_run_on_fewer_devices():
-    """2 KV heads of 64 over 4 devices (a device would hold half a 128-lane KV head): the drafter
-    is planned on 2, and the notes say so; heads of 128 split over all 4."""
-    spec = _spec("tiny-dense", devices=4)
-    d = drafted.describe("dspark:layers=1,heads=4,kv_heads=2,head_dim=64,block_size=4,taps=1", spec.model)
+def test_the_drafter_is_modelled_replicated_as_it_is_built():
+    """The round program replicates the drafter (tpumk.kernel.draft_pass: every device reads all
+    its weights and runs its passes over the whole batch), so the model's pass is one device's
+    whole pass on 1 and on 4 devices, through the pass kernel or, for a drafter the kernel does
+    not model (an MTP head with experts), XLA passes; the notes say so."""
+    for model, draft, runs in [("tiny-dense", "dspark:layers=1,heads=4,kv_heads=2,head_dim=64,block_size=4,taps=1",
+                                "kernel"), ("tiny-moe", "mtp:block=2", "xla")]:
+        one, four = _spec(model, batch=2), _spec(model, batch=2, devices=4)
+        d = drafted.describe(draft, one.model)
+        p1, p4 = plan_drafter(one, d), plan_drafter(four, d)
+        assert p1.runs == p4.runs == runs, model
+        assert (p4.pass_seconds, p4.pass_hbm_bytes, p4.projection_bytes) == \
+            pytest.approx((p1.pass_seconds, p1.pass_hbm_bytes, p1.projection_bytes))
+    r = round_model(four, d, [2])  # the notes say so
+    assert r["drafter"]["runs"] == "xla" and r["drafter"]["pass_seconds"] == pytest.approx(p1.pass_seconds)
+    assert any("replicated: each of the 4 devices" in n for n in r["notes"])
+    assert any("XLA operations" in n for n in r["notes"])
+
+
+@pytest.mark.parametrize("draft", ["dspark:layers=2,heads=4,kv_heads=2,head_dim=64,block_size=4,taps=1",
+                                   "eagle3:layers=2,heads=4,kv_heads=2,head_dim=64,block=2,draft_vocab=256,taps=1",
+                                   "mtp:block=2"])
+def test_the_kernel_model_streams_the_bytes_the_kernel_streams(draft):
+    """The pass kernel's model reads what the kernel's streams read: every packed matrix once
+    (tpumk.kernel.draft_pass.pack's arrays, shapes only) and the drafter's KV cache once per KV
+    head (every sequence's chunks); its weight packing reads and writes once a call the matrices
+    pack transposes."""
+    import jax
+
+    from tpumk.draft.weights import abstract_params
+    from tpumk.kernel import draft_pass
+
+    spec = _spec("tiny-dense", batch=2)
+    m, d = spec.model, drafted.describe(draft, spec.model)
+    tparams = {"embed": jax.ShapeDtypeStruct((m.vocab_size, m.hidden_size), m.dtype)}
+    if not m.tie_embeddings:
+        tparams["lm_head"] = jax.ShapeDtypeStruct((m.hidden_size, m.vocab_size), m.dtype)
+    packed = jax.eval_shape(lambda p, t: draft_pass.pack(d, p, t), abstract_params(d), tparams)
+    streamed = [packed["head"]] + ([packed["eh_proj"]] if "eh_proj" in packed else []) + \
+        [lay[w] for lay in packed["layers"] for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    weights = sum(a.size * a.dtype.itemsize for a in streamed)
     dp = plan_drafter(spec, d)
-    assert dp.devices == 2 and dp.plan.devices == 2
-    r = round_model(spec, d, [2])
-    assert r["drafter"]["devices"] == 2
-    assert any("2 of the 4 devices" in n for n in r["notes"])
-    assert any("Markov" in n for n in r["notes"])  # what the model leaves out is said
-    even = drafted.describe("dspark:layers=1,heads=4,kv_heads=4,head_dim=128,block_size=4,taps=1", spec.model)
-    assert plan_drafter(spec, even).devices == 4
+    assert dp.runs == "kernel"
+    hbm = dp.stages["hbm_bytes"]
+    assert sum(v for k, v in hbm.items() if k != "kv_cache") == weights
+    lay = d.layer
+    assert hbm["kv_cache"] == (lay.num_layers * lay.num_kv_heads * spec.batch * spec.context * lay.head_dim * 2
+                               * lay.dtype_bytes)
+    moved = weights - sum(a.size * a.dtype.itemsize for lay in packed["layers"] for a in (lay["wo"], lay["w_down"]))
+    assert dp.pack_bytes_per_call == 2 * moved  # o and down are reshapes, the rest transposes
+    assert dp.pass_seconds == pytest.approx(sum(dp.stages["seconds"].values()))
 
 
 def test_cli_table_and_json():

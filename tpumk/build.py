@@ -15,7 +15,8 @@ Every number in the report names its source:
 - `verify` (optional) is the speculative verify step (q = verify_q) of the same build: plan
   figures, and the compiler's estimate only when asked for (`verify_figures` says why);
 - `draft` (a build with a drafter, `BuildSpec.draft`): what was compiled is the speculative round
-  program (`tpumk.compile.aot.compile_rounds`: the drafter's passes, the megakernel's verify step
+  program (`tpumk.compile.aot.compile_rounds`: the drafter's passes (its pass kernel,
+  tpumk.kernel.draft_pass, where it models the drafter), the megakernel's verify step
   with its taps, acceptance, `rounds_per_call` rounds per call), so the compile figures, the
   kernel count and the XLA collectives are the round program's; the plan figures, the model
   and the compiler's estimate are its verify step's (q = block + 1: the estimate profiles that

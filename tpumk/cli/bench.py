@@ -281,7 +281,8 @@ def print_draft_round(r: dict) -> None:
     echo(f"drafter {r['draft']}: {d['kind']}, {d['layers']} layers of hidden {d['hidden']}, draft vocabulary "
          f"{d['draft_vocab']:,}, {d['block']} drafts per round, taps {d['taps']}")
     k, t = d["block"], r["round_seconds"]
-    on_dev = f"on {d['devices']} of {r['devices']} devices" if d["devices"] < r["devices"] else         f"on {d['devices']} device{'s' if d['devices'] > 1 else ''}"
+    how = "pass kernel" if d["runs"] == "kernel" else "XLA passes"
+    on_dev = f"{how}, replicated on {r['devices']} devices" if r["devices"] > 1 else how
     steps = [
         ["plain step (q = 1)", _ms(r["plain_step_seconds"], t), ""],
         [f"verify step (q = {k + 1}, {len(d['taps'])} taps)", _ms(r["verify_step_seconds"], t),
@@ -289,6 +290,8 @@ def print_draft_round(r: dict) -> None:
         [f"drafter passes ({d['passes_per_round']} x {d['rows_per_pass']} row{'s' if d['rows_per_pass'] > 1 else ''})",
          _ms(d["passes_per_round"] * d["pass_seconds"], t), f"{_bytes(d['pass_hbm_bytes'])} HBM a pass, {on_dev}"],
         ["taps' projection weights", _ms(d["projection_seconds"], t), "read once a round"],
+        *([["drafter weight packing", _ms(d["pack_seconds"], t),
+            f"once a device call of {d['rounds_per_call']} rounds"]] if d["pack_seconds"] else []),
         ["round (verify + draft)", _ms(t, t), ""],
     ]
     echo(tabulate(steps, headers=["per device", "time (MODEL)", ""], tablefmt="simple"))

@@ -186,18 +186,22 @@ def round_specs(plan, drafter_spec, settings) -> tuple:
 
 def round_program(plan, drafter_spec, settings, portable: bool = False) -> Callable:
     """run(packed, dparams, tparams, carry) -> carry: `settings.rounds_per_call` rounds of the
-    drafter's passes and the plan's megakernel verify step with its taps, in one program
+    drafter's passes (its pass kernel where `tpumk.kernel.draft_pass.refusal` allows, else XLA
+    operations) and the plan's megakernel verify step with its taps, in one program
     (`portable`: the cpu target's kernel without host callbacks, so the program serializes)."""
     from tpumk.draft.drafter import Drafter
     from tpumk.draft.rounds import make_rounds
     from tpumk.draft.weights import abstract_params
     from tpumk.errors import ConfigError
-    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.kernel.draft_pass import through_kernel
+    from tpumk.kernel.megakernel import make_decode_step, step_mesh
 
     if plan.q_len != settings.block + 1 or plan.taps != tuple(drafter_spec.taps):
         raise ConfigError(f"round program: the verify plan has q_len {plan.q_len} and taps {list(plan.taps)}; the "
                           f"drafter needs q_len {settings.block + 1} and taps {list(drafter_spec.taps)}")
     drafter = Drafter(drafter_spec, abstract_params(drafter_spec))  # its functions read the spec, never the params
+    # the drafter's passes: its own Pallas kernel (tpumk.kernel.draft_pass), replicated per device
+    drafter = through_kernel(drafter, plan.target, step_mesh(plan) if plan.devices > 1 else None, portable)
     return make_rounds(make_decode_step(plan, nested=True, portable=portable), drafter, settings)
 
 

@@ -207,9 +207,12 @@ def generate(m, prompts: list[list[int]], steps: int, drafter, backend: str = "r
     else:
         from tpumk.kernel.layout import pack_sharded
         plan, step = _kernel_step(m.cfg, len(prompts), context, page_size, k + 1, devices, m.quant, kv_dtype, taps)
+        from tpumk.kernel.draft_pass import through_kernel
+        from tpumk.kernel.megakernel import step_mesh
         packed = pack_sharded(plan, m.params)
         verify = step
         layout = kernel_cache_layout(m.cfg, plan)
+        drafter = through_kernel(drafter, plan.target, step_mesh(plan) if devices > 1 else None)
     t0 = time.perf_counter()
     tokens, _, stats = rounds.generate(prefill, verify, drafter, packed, drafter.params,
                                        rounds.target_for_drafter(m.params), prompts, cache,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from tpumk.draft.config import DrafterSpec
-from tpumk.draft.layers import advance, cache_shape, draft_logits, embed_rows, pick, write_rows
+from tpumk.draft.layers import advance, cache_shape, draft_logits, embed_rows, pick, position_major, write_head_rows
 from tpumk.model.ops import jnp_dtype, matmul, rms_norm
 from tpumk.model.reference import Params, attend, ffn, mlp_in, o_proj, qkv, sublayer_in
 
@@ -61,8 +61,8 @@ def absorb(spec: DrafterSpec, params: Params, target_params: Params, state: dict
     k_cache, v_cache = state["k"], state["v"]
     for i, layer in enumerate(params["layers"]):
         _, k, v = qkv(spec.layer, layer, c, positions, i)  # (q unused: dropped under jit)
-        k_cache = write_rows(k_cache, i, positions, valid, k)
-        v_cache = write_rows(v_cache, i, positions, valid, v)
+        k_cache = write_head_rows(k_cache, i, positions, valid, k)
+        v_cache = write_head_rows(v_cache, i, positions, valid, v)
     return {"k": k_cache, "v": v_cache, "length": advance(state["length"], positions, valid)[1]}
 
 
@@ -97,7 +97,7 @@ def block_forward(spec: DrafterSpec, params: Params, target_params: Params, stat
     pos = anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32)
     tokens = jnp.concatenate([anchor[:, None], jnp.full((b, s - 1), spec.mask_token_id, jnp.int32)], 1)
     x = embed_rows(params, target_params, tokens)
-    c = state["k"].shape[2]
+    c = state["k"].shape[3]
     committed = jnp.minimum(state["length"], anchor_pos)
     # block keys carry the anchor's position for the mask: every block row sees all of them
     k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c)),
@@ -109,8 +109,8 @@ def block_forward(spec: DrafterSpec, params: Params, target_params: Params, stat
         if conv:
             h, out_kernel = _conv_in(spec, layer, "attn", h)
         q, k, v = qkv(cfg, layer, h, pos, i)
-        keys = jnp.concatenate([state["k"][i], k], 1)
-        values = jnp.concatenate([state["v"][i], v], 1)
+        keys = jnp.concatenate([position_major(state["k"][i]), k], 1)
+        values = jnp.concatenate([position_major(state["v"][i]), v], 1)
         a = o_proj(cfg, layer, attend(cfg.attention, q, keys, values, pos, k_pos, k_valid), h)
         if conv:
             a = _conv(spec, a, out_kernel, layer["attn_conv_base"][1])
@@ -155,10 +155,15 @@ def _slot_logits(spec: DrafterSpec, params: Params, hidden: jax.Array, unary: ja
 
 
 def run(spec: DrafterSpec, params: Params, target_params: Params, state: dict, anchor: jax.Array,
-        anchor_pos: jax.Array, choose) -> jax.Array:
+        anchor_pos: jax.Array, choose, forward=None) -> jax.Array:
     """The block's drafting slots left to right: logits [B, k, Vd]; choose(i, logits [B, Vd]) ->
-    the target id of draft i [B] (the next slot's previous token)."""
-    hidden, unary = block_forward(spec, params, target_params, state, anchor, anchor_pos)
+    the target id of draft i [B] (the next slot's previous token). `forward(state, anchor,
+    anchor_pos)`: how the block pass runs (`block_forward`'s contract; the drafter's pass kernel,
+    tpumk.kernel.draft_pass)."""
+    if forward is None:
+        hidden, unary = block_forward(spec, params, target_params, state, anchor, anchor_pos)
+    else:
+        hidden, unary = forward(state, anchor, anchor_pos)
     prev = anchor
     carry = jnp.zeros((anchor.shape[0], spec.markov_rank), jnp.float32)
     out = []
@@ -170,11 +175,11 @@ def run(spec: DrafterSpec, params: Params, target_params: Params, state: dict, a
     return jnp.stack(out, 1)
 
 
-def logits(spec, params, target_params, state, anchor, anchor_pos, tokens):
-    return run(spec, params, target_params, state, anchor, anchor_pos, lambda i, _: tokens[:, i])
+def logits(spec, params, target_params, state, anchor, anchor_pos, tokens, forward=None):
+    return run(spec, params, target_params, state, anchor, anchor_pos, lambda i, _: tokens[:, i], forward)
 
 
-def propose(spec, params, target_params, state, anchor, anchor_pos, key, temperature):
+def propose(spec, params, target_params, state, anchor, anchor_pos, key, temperature, forward=None):
     keys = [None] * spec.block if key is None else list(jax.random.split(key, spec.block))
     drafts, probs = [], []
 
@@ -184,5 +189,5 @@ def propose(spec, params, target_params, state, anchor, anchor_pos, key, tempera
         probs.append(q)
         return tok
 
-    run(spec, params, target_params, state, anchor, anchor_pos, choose)
+    run(spec, params, target_params, state, anchor, anchor_pos, choose, forward)
     return jnp.stack(drafts, 1), jnp.stack(probs, 1), state

@@ -64,7 +64,7 @@ def rows(spec: DrafterSpec, params: Params, target_params: Params, cache: dict, 
     """The drafter's layers over rows (token at p, hidden g of p - 1) at positions p [B, T]: their
     keys and values written where `keep`; returns the last layer's output [B, T, H] f32."""
     cfg, eps = spec.layer, spec.layer.norms.rms_eps
-    c = next(iter(cache.values())).shape[2]
+    c = cache["latent"].shape[2] if cfg.is_mla else cache["k"].shape[3]
     k_valid = jnp.broadcast_to(jnp.arange(c) >= 1, (tokens.shape[0], c))
     e = embed_rows(params, target_params, tokens)
     if spec.kind == "mtp":
@@ -99,26 +99,36 @@ def absorb(spec: DrafterSpec, params: Params, target_params: Params, state: dict
     return {"cache": cache, "prev": prev, "length": length}
 
 
+def xla_step(spec: DrafterSpec, params: Params, target_params: Params, cache: dict, tokens: jax.Array, g: jax.Array,
+             positions: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    """One chained step as XLA operations: rows (token [B], hidden g [B, H]) at positions [B] ->
+    (draft logits [B, Vd], the hidden state the next step reads [B, H], the cache with the rows)."""
+    ones = jnp.ones((tokens.shape[0], 1), bool)
+    x, cache = rows(spec, params, target_params, cache, tokens[:, None], g[:, None], positions[:, None], ones)
+    logits, feedback = head(spec, params, target_params, x[:, 0])
+    return logits, feedback, cache
+
+
 def run(spec: DrafterSpec, params: Params, target_params: Params, state: dict, anchor: jax.Array,
-        anchor_pos: jax.Array, choose) -> tuple[jax.Array, dict]:
+        anchor_pos: jax.Array, choose, step=None) -> tuple[jax.Array, dict]:
     """The k chained steps from the anchor: logits [B, k, Vd] and the state (its cache holding the
-    steps' rows). choose(step, logits [B, Vd]) -> the target id of that step's draft [B]."""
+    steps' rows). choose(step, logits [B, Vd]) -> the target id of that step's draft [B]. `step`:
+    how a step runs (`xla_step`'s contract; the drafter's pass kernel, tpumk.kernel.draft_pass)."""
+    step = step or (lambda cache, tok, g, pos: xla_step(spec, params, target_params, cache, tok, g, pos))
     cache, g, tok, pos = state["cache"], state["prev"], anchor, anchor_pos
     out = []
-    ones = jnp.ones((anchor.shape[0], 1), bool)
     for s in range(spec.block):
-        x, cache = rows(spec, params, target_params, cache, tok[:, None], g[:, None], pos[:, None], ones)
-        logits, g = head(spec, params, target_params, x[:, 0])
+        logits, g, cache = step(cache, tok, g, pos)
         out.append(logits)
         tok, pos = choose(s, logits), pos + 1
     return jnp.stack(out, 1), {**state, "cache": cache}
 
 
-def logits(spec, params, target_params, state, anchor, anchor_pos, tokens):
-    return run(spec, params, target_params, state, anchor, anchor_pos, lambda s, _: tokens[:, s])[0]
+def logits(spec, params, target_params, state, anchor, anchor_pos, tokens, step=None):
+    return run(spec, params, target_params, state, anchor, anchor_pos, lambda s, _: tokens[:, s], step)[0]
 
 
-def propose(spec, params, target_params, state, anchor, anchor_pos, key, temperature):
+def propose(spec, params, target_params, state, anchor, anchor_pos, key, temperature, step=None):
     keys = [None] * spec.block if key is None else list(jax.random.split(key, spec.block))
     drafts, probs = [], []
 
@@ -128,5 +138,5 @@ def propose(spec, params, target_params, state, anchor, anchor_pos, key, tempera
         probs.append(q)
         return tok
 
-    _, state = run(spec, params, target_params, state, anchor, anchor_pos, choose)
+    _, state = run(spec, params, target_params, state, anchor, anchor_pos, choose, step)
     return jnp.stack(drafts, 1), jnp.stack(probs, 1), state

@@ -70,13 +70,26 @@ def write_rows(cache: jax.Array, layer: int, positions: jax.Array, keep: jax.Arr
     return cache.at[layer, b, at].set(rows.astype(cache.dtype), mode="drop")
 
 
+def write_head_rows(cache: jax.Array, layer: int, positions: jax.Array, keep: jax.Array, rows: jax.Array) -> jax.Array:
+    """write_rows for a head-major cache [L, B, KVH, C, D] (`cache_shape`), rows [B, T, KVH, D]."""
+    b = jnp.arange(positions.shape[0])[:, None, None]
+    h = jnp.arange(cache.shape[2])[None, None, :]
+    at = jnp.where(keep & (positions >= 0), positions, cache.shape[3])[:, :, None]  # past the cache: dropped
+    return cache.at[layer, b, h, at].set(rows.astype(cache.dtype), mode="drop")
+
+
+def position_major(cache_layer: jax.Array) -> jax.Array:
+    """One layer of a head-major cache [B, KVH, C, D] as attend reads keys: [B, C, KVH, D]."""
+    return cache_layer.transpose(0, 2, 1, 3)
+
+
 def attention(cfg: ModelConfig, i: int, layer: Params, h: jax.Array, positions: jax.Array, cache: dict,
               keep: jax.Array, k_valid: jax.Array) -> tuple[jax.Array, dict]:
     """Layer i's attention output (after its o projection) [B, T, H] float32 for normed inputs h
     at `positions`, their keys and values (or MLA latent rows) written into `cache` first (where
     `keep`); a query sees the cache's positions <= its own where `k_valid` [B, C]."""
     b, _ = positions.shape
-    c = next(iter(cache.values())).shape[2]
+    c = cache["latent"].shape[2] if cfg.is_mla else cache["k"].shape[3]
     k_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
     if cfg.is_mla:
         q_nope, q_rope, row = mla.project(cfg, layer, h, positions, cfg.pattern.rotates(i))
@@ -84,8 +97,8 @@ def attention(cfg: ModelConfig, i: int, layer: Params, h: jax.Array, positions: 
         o = mla.attend_latent(cfg, layer, q_nope, q_rope, latent[i], positions, k_pos, k_valid)
         return matmul(o, layer["wo"]), {**cache, "latent": latent}
     q, k, v = qkv(cfg, layer, h, positions, i)
-    kc, vc = write_rows(cache["k"], i, positions, keep, k), write_rows(cache["v"], i, positions, keep, v)
-    o = attend(cfg.attention, q, kc[i], vc[i], positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
+    kc, vc = write_head_rows(cache["k"], i, positions, keep, k), write_head_rows(cache["v"], i, positions, keep, v)
+    o = attend(cfg.attention, q, position_major(kc[i]), position_major(vc[i]), positions, k_pos, k_valid, cfg.pattern.window(i), layer_sinks(cfg, layer))
     return o_proj(cfg, layer, o, h), {**cache, "k": kc, "v": vc}
 
 
@@ -108,13 +121,14 @@ def decoder_layer(cfg: ModelConfig, i: int, layer: Params, x: jax.Array, positio
 
 
 def cache_shape(cfg: ModelConfig, batch: int, context: int) -> dict[str, tuple[int, ...]]:
-    """The shapes of a drafter's own per-position cache for `cfg`'s layers: K and V per layer, or
-    MLA's latent row per layer."""
+    """The shapes of a drafter's own per-position cache for `cfg`'s layers: K and V per layer,
+    head-major [L, B, KVH, C, D] (a head's keys of a sequence are one contiguous slab: what the
+    drafter's pass kernel, tpumk.kernel.draft_pass, streams), or MLA's latent row per layer."""
     n = cfg.num_layers
     if cfg.is_mla:
         return {"latent": (n, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
-    return {"k": (n, batch, context, cfg.num_kv_heads, cfg.head_dim),
-            "v": (n, batch, context, cfg.num_kv_heads, cfg.head_dim)}
+    return {"k": (n, batch, cfg.num_kv_heads, context, cfg.head_dim),
+            "v": (n, batch, cfg.num_kv_heads, context, cfg.head_dim)}
 
 
 def advance(state_length: jax.Array, positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -230,8 +230,11 @@ def make_rounds(verify: VerifyFn, drafter, settings: RoundSettings) -> Callable:
                      count, c.committed + jnp.where(active, n + 1, 0), c.rounds + active.astype(jnp.int32), key)
 
     def run(packed, dparams, tparams, carry: Carry) -> Carry:
-        return jax.lax.fori_loop(0, settings.rounds_per_call,
-                                 lambda _, c: one_round(packed, dparams, tparams, c), carry)
+        # a drafter whose passes run as a kernel of their own lays its weights out once per call
+        # (tpumk.kernel.draft_pass.KernelDrafter.prepare), not once per round
+        prepare = getattr(drafter, "prepare", None)
+        dp = dparams if prepare is None else prepare(dparams, tparams)
+        return jax.lax.fori_loop(0, settings.rounds_per_call, lambda _, c: one_round(packed, dp, tparams, c), carry)
 
     return run
 

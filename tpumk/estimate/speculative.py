@@ -13,9 +13,16 @@ projection (eagle3 / dflash's fc over the concatenated taps, every dflash layer'
 reads its weights once per round (bytes at the HBM bandwidth), and so do the second half of
 eagle3's q / k / v rows (its layer reads [embedding; hidden], 2H wide) on each pass.
 
-Where a drafter's heads do not split over all the target's devices (the published Kimi K2 DSpark:
-16 KV heads of 64 over 32 devices), it is planned on the largest device count that splits them,
-the others waiting: said in the result's notes.
+The drafter is modelled as it is built. On N devices it is replicated (tpumk.kernel.draft_pass,
+tpumk.compile.aot.round_specs: every drafter operand is P()), so every device reads all of its
+weights and runs its passes over the whole batch: the model counts one device's whole pass, and
+the taps' projection's weights whole, whatever N. A drafter the pass kernel models
+(`tpumk.kernel.draft_pass.refusal` is None) is modelled as that kernel runs
+(`kernel_pass_seconds`): each matrix streamed on its own with one tile per matrix in flight (its
+two VMEM slots), the first tile of every matrix waited for, the drafter's KV cache read once per
+KV head, every sequence's chunks for every row, plus the once-per-device-call packing of its weights
+spread over the call's rounds. A drafter it does not model keeps XLA passes, modelled as before
+as a one-device plan of its layers and head by the megakernel's timeline.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tpumk.draft import BLOCK_KINDS, DrafterSpec
+from tpumk.draft.rounds import RoundSpec
 from tpumk.errors import PlanError
 from tpumk.estimate.timeline import megakernel_step
 from tpumk.plan.plan import Plan, make_plan
@@ -32,16 +40,19 @@ from tpumk.plan.spec import BuildSpec
 
 @dataclass(frozen=True)
 class DrafterPlan:
-    """One drafter pass, planned: its plan, the passes per round, and the device count it runs on."""
+    """One drafter pass as built, on one device (the drafter is replicated): how it runs
+    ("kernel": tpumk.kernel.draft_pass; "xla": XLA operations), the passes per round, a pass's
+    rows per sequence, its seconds and HBM bytes, and per round the taps' projection's
+    weights (XLA operations: `absorb`) and the kernel's weight packing (once a device call)."""
 
-    plan: Plan
+    runs: str
     passes: int
-    devices: int
-    projection_bytes: float  # per device, per round: the taps' projections' weights
-
-    @property
-    def pass_seconds(self) -> float:
-        return megakernel_step(self.plan).seconds
+    rows: int
+    pass_seconds: float
+    pass_hbm_bytes: float
+    projection_bytes: float
+    pack_bytes_per_call: float = 0.0  # the kernel's weight layout: read and written once a device call
+    stages: dict | None = None  # the kernel's pass by stage (seconds), for the docs and the bench
 
 
 def drafter_body(d: DrafterSpec):
@@ -52,32 +63,101 @@ def drafter_body(d: DrafterSpec):
 
 
 def plan_drafter(spec: BuildSpec, d: DrafterSpec) -> DrafterPlan:
-    """The drafter pass for the target build `spec` (its target, batch, context, devices): the
-    largest device count at most spec.devices its heads split over (PlanError if none)."""
-    body = drafter_body(d)
-    rows = d.block_size if d.kind in BLOCK_KINDS else 1
+    """The drafter's pass for the target build `spec` (its target, batch, context) as the round
+    program builds it: replicated on every device, through the pass kernel where it models the
+    drafter, else XLA passes (planned as one device's megakernel step of the drafter's body;
+    PlanError if that plan fails)."""
+    from tpumk.kernel import draft_pass
+
+    per_seq = d.block_size if d.kind in BLOCK_KINDS else 1
     passes = 1 if d.kind in BLOCK_KINDS else d.block
-    errors = []
-    for n in sorted({n for n in range(1, spec.devices + 1) if spec.devices % n == 0}, reverse=True):
-        try:
-            plan = make_plan(BuildSpec(body, spec.target, spec.batch, spec.context, q_len=rows,
-                                       page_size=spec.page_size, devices=n))
-        except PlanError as e:
-            errors.append(f"{n} devices: {e}")
-            continue
-        return DrafterPlan(plan, passes, n, _projection_bytes(d, n))
-    raise PlanError(f"drafter {d.kind}: no device count up to {spec.devices} plans it ({errors[0]})")
+    kernel = draft_pass.refusal(d) is None
+    projection = _projection_bytes(d, kernel)
+    if kernel:
+        g = draft_pass.geometry(d, spec.batch, per_seq, spec.context, d.layer.dtype)
+        stages = kernel_pass_seconds(spec.target, g)
+        return DrafterPlan("kernel", passes, per_seq, sum(stages["seconds"].values()),
+                           sum(stages["hbm_bytes"].values()), projection, 2.0 * _packed_copy_bytes(g), stages)
+    try:
+        plan = make_plan(BuildSpec(drafter_body(d), spec.target, spec.batch, spec.context, q_len=per_seq,
+                                   page_size=spec.page_size, devices=1))
+    except PlanError as e:
+        raise PlanError(f"drafter {d.kind} (XLA passes, on each device): {e}") from None
+    return DrafterPlan("xla", passes, plan.q_len, megakernel_step(plan).seconds, plan.hbm_bytes,
+                       projection)
 
 
-def _projection_bytes(d: DrafterSpec, devices: int) -> float:
-    """Weights the taps' projection reads once a round, per device: fc (taps x H -> H; mtp's
-    eh_proj of 2H) and, for the dflash family, every layer's k and v of the projected context."""
+def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
+    """tpumk's model of one run of the drafter's pass kernel (tpumk.kernel.draft_pass) of
+    geometry `g` on target `t`, by the timeline model's primitives (tpumk.estimate.timeline):
+    every matrix is a stream of its tiles, the next tile (one per matrix of the stream) in flight
+    while one is multiplied, so a tile costs max(its load with only itself outstanding, its MXU
+    time); nothing streams across matrices. The KV cache streams once per KV head, every chunk of
+    every sequence (rows of other sequences are masked, not skipped), each chunk multiplied for
+    the KV head's group of query heads. Returns seconds and HBM
+    bytes by stage. Elementwise work (norms, RoPE, softmax) is not modelled, as in the timeline."""
+    from tpumk.estimate.timeline import DMA_LATENCY_S, OP_DISPATCH_S, load_seconds, mxu_seconds
+
+    r, d, h = g.rows, g.head_dim, g.hidden
+    wb, hb, kvb = g.itemsize, _itemsize(g.head_dtype), g.itemsize
+    mx = 6 if g.dtype == "float32" else 1  # Precision.HIGHEST on float32 weights (timeline.F32_MXU_PASSES)
+    sec: dict[str, float] = {}
+    hbm: dict[str, float] = {}
+
+    def stream(stage: str, n: int, family_bytes: list[float], stationary: float, passes: int = mx) -> None:
+        s = float(sum(family_bytes))
+        f = len(family_bytes)
+        load = load_seconds(t, s, s, descriptors=f, groups=f, groups_in_flight=f)
+        compute = mxu_seconds(t, stationary, 2.0 * r * stationary, passes)
+        sec[stage] = sec.get(stage, 0.0) + n * max(load, compute)
+        hbm[stage] = hbm.get(stage, 0.0) + n * s
+
+    if g.kind == "mtp":
+        stream("eh_proj", h // g.eh_tile, [2 * h * g.eh_tile * wb], 2 * h * g.eh_tile)
+    for i in range(g.layers):
+        k = g.in_width(i)
+        stream("q", g.heads, [k * d * wb], k * d)
+        stream("k_v", g.kv_heads, [k * d * wb] * 2, 2 * k * d)
+        # once per KV head: each chunk's keys and values through the MXU for its `group` query heads'
+        # scores and p . v (the float32 softmax is elementwise)
+        group = g.heads // g.kv_heads
+        stream("kv_cache", g.kv_heads * g.batch * (g.context // g.chunk), [g.chunk * d * kvb] * 2,
+               group * 2 * g.chunk * d, 1 if kvb < 4 else 6)
+        stream("o", g.heads, [d * h * wb], d * h)
+        stream("mlp", g.ffn // g.ffn_tile, [h * g.ffn_tile * wb] * 3, 3 * h * g.ffn_tile)
+    stream("head", g.vocab // g.head_tile, [h * g.head_tile * hb], h * g.head_tile, 6 if hb == 4 else 1)
+    sec["launch"] = OP_DISPATCH_S + 2 * DMA_LATENCY_S  # one kernel: its inputs' fill, its outputs' drain
+    hbm["launch"] = 0.0
+    return {"seconds": sec, "hbm_bytes": hbm}
+
+
+def _packed_copy_bytes(g) -> float:
+    """Bytes of the matrices `tpumk.kernel.draft_pass.pack` moves (a transpose: q / k / v
+    head-major, gate / up, eh_proj and the head as column tiles); o and down are reshapes only."""
+    wb = g.itemsize
+    layers = sum(g.in_width(i) * (g.heads + 2 * g.kv_heads) * g.head_dim + 2 * g.hidden * g.ffn
+                 for i in range(g.layers))
+    eh = 2 * g.hidden * g.hidden if g.kind == "mtp" else 0
+    return float((layers + eh) * wb + g.hidden * g.vocab * _itemsize(g.head_dtype))
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def _projection_bytes(d: DrafterSpec, kernel: bool) -> float:
+    """Weights the taps' projection reads once a round (XLA operations, on every device: the
+    drafter is replicated): fc (taps x H -> H; mtp's eh_proj of 2H) and, for the dflash family,
+    every layer's k and v of the projected context; XLA passes of eagle3 (`kernel` False) also
+    read the second H rows of its first layer's q / k / v each pass (the kernel's own streams
+    count them when it runs the passes)."""
     lay, h = d.layer, d.layer.hidden_size
     fc = (len(d.taps) if d.kind != "mtp" else 2) * h * h
     kv = lay.num_layers * h * 2 * lay.num_kv_heads * lay.head_dim if d.kind in BLOCK_KINDS else 0
     # eagle3's layer reads [embedding; hidden] (2H wide): q / k / v's second H rows, every pass
-    wide = d.block * h * (lay.num_q_heads + 2 * lay.num_kv_heads) * lay.head_dim if d.kind == "eagle3" else 0
-    return float((fc + kv + wide) * lay.dtype_bytes) / devices
+    wide = d.block * h * (lay.num_q_heads + 2 * lay.num_kv_heads) * lay.head_dim \
+        if d.kind == "eagle3" and not kernel else 0
+    return float((fc + kv + wide) * lay.dtype_bytes)
 
 
 def expected_acceptance_length(block: int, rate: float) -> float:
@@ -105,6 +185,7 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
     verify step k + 1 with the drafter's taps) at each mean acceptance length (tokens committed
     per verify step, accepted drafts + 1, at most k + 1)."""
     k = d.block
+    spec_draft = spec.draft
     spec = spec.replace(draft=None)  # a round build's spec: its own step shapes are replaced below
     for a in acceptance:
         if not 1 <= a <= k + 1:
@@ -116,15 +197,21 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
     dp = plan_drafter(spec, d)
     t = spec.target
     projection_s = dp.projection_bytes / t.hbm_bandwidth
-    draft_s = dp.passes * dp.pass_seconds + projection_s
+    per_call = spec_draft.rounds_per_call if spec_draft is not None else RoundSpec.rounds_per_call
+    # the kernel's weight layout, made once a device call: its weights read and written once
+    pack_s = dp.pack_bytes_per_call / t.hbm_bandwidth / per_call
+    draft_s = dp.passes * dp.pass_seconds + projection_s + pack_s
     round_s = verify_s + draft_s
     b = spec.batch
     rows = [{"acceptance": a, "per_sequence": a / round_s, "aggregate": b * a / round_s,
              "speedup": a * plain_s / round_s} for a in acceptance]
     notes = []
-    if dp.devices < spec.devices:
-        notes.append(f"the drafter runs on {dp.devices} of the {spec.devices} devices (its "
-                     f"{d.layer.num_kv_heads} KV heads of {d.layer.head_dim} split no further); the others wait")
+    if spec.devices > 1:
+        notes.append(f"the drafter is replicated: each of the {spec.devices} devices reads all its weights and runs "
+                     f"its passes over the whole batch (as built: tpumk.kernel.draft_pass)")
+    if dp.runs == "xla":
+        notes.append(f"{d.kind}'s passes are XLA operations (the drafter's pass kernel does not model it), "
+                     "modelled as a one-device megakernel step of its layers and head")
     if d.kind == "dspark" and d.markov_rank:
         notes.append(f"dspark's Markov logit bias (rank {d.markov_rank}) is not in the model: its weights and the "
                      "left-to-right pick are left out of the drafter's pass")
@@ -133,10 +220,11 @@ def round_model(spec: BuildSpec, d: DrafterSpec, acceptance: Sequence[float]) ->
                      "drafter's pass")
     return {
         "drafter": {"kind": d.kind, "block": k, "taps": list(d.taps), "layers": d.layer.num_layers,
-                    "hidden": d.layer.hidden_size, "draft_vocab": d.draft_vocab, "devices": dp.devices,
-                    "passes_per_round": dp.passes, "rows_per_pass": dp.plan.q_len,
-                    "pass_seconds": dp.pass_seconds, "pass_hbm_bytes": dp.plan.hbm_bytes,
-                    "projection_seconds": projection_s},
+                    "hidden": d.layer.hidden_size, "draft_vocab": d.draft_vocab, "runs": dp.runs, "devices": 1,
+                    "replicated_on": spec.devices, "passes_per_round": dp.passes, "rows_per_pass": dp.rows,
+                    "pass_seconds": dp.pass_seconds, "pass_hbm_bytes": dp.pass_hbm_bytes,
+                    "pass_stages": dict((dp.stages or {}).get("seconds", {})),
+                    "projection_seconds": projection_s, "pack_seconds": pack_s, "rounds_per_call": per_call},
         "plain_step_seconds": plain_s, "verify_step_seconds": verify_s, "verify_hbm_bytes": verify.hbm_bytes,
         "verify_taps_bytes": verify.hbm.get("hidden_taps", 0.0), "draft_seconds": draft_s, "round_seconds": round_s,
         "plain": {"per_sequence": 1 / plain_s, "aggregate": b / plain_s},
