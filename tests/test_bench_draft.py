@@ -104,6 +104,19 @@ def test_the_kernel_model_streams_the_bytes_the_kernel_streams(draft):
     moved = weights - sum(a.size * a.dtype.itemsize for lay in packed["layers"] for a in (lay["wo"], lay["w_down"]))
     assert dp.pack_bytes_per_call == 2 * moved  # o and down are reshapes, the rest transposes
     assert dp.pass_seconds == pytest.approx(sum(dp.stages["seconds"].values()))
+    # each weight stage is counted with the ring its stream gets in the kernel: ring_depth slots
+    # of the stream's step (every family's tile), as many as the megakernel's defaults allow
+    lay0 = packed["layers"][0]
+    streams = {"q": [lay0["wq"]], "k_v": [lay0["wk"], lay0["wv"]], "o": [lay0["wo"]],
+               "mlp": [lay0["w_gate"], lay0["w_up"], lay0["w_down"]], "head": [packed["head"]]}
+    for stage, arrays in streams.items():
+        step = sum(a.size // a.shape[0] * a.dtype.itemsize for a in arrays)
+        depth = draft_pass.ring_depth(step, arrays[0].shape[0])
+        assert dp.stages["ring_bytes"][stage] == depth * step, stage
+    chunk, chunks = draft_pass._kv_chunk(spec.context), spec.batch * spec.context // draft_pass._kv_chunk(spec.context)
+    step = 2 * chunk * lay.head_dim * lay.dtype_bytes  # a key and a value chunk
+    assert dp.stages["ring_bytes"]["kv_cache"] == draft_pass.ring_depth(step, chunks) * step
+    assert draft_pass.ring_depth(2 << 20, 1000) == 12 and draft_pass.ring_depth(6 << 20, 1000) == 4
 
 
 def test_cli_table_and_json():

@@ -59,10 +59,15 @@ def _context(d, tparams):
 
 
 @pytest.mark.parametrize("kind", _kinds())
-def test_the_kernel_pass_equals_the_xla_pass_and_compiles(kind):
+def test_the_kernel_pass_equals_the_xla_pass_and_compiles(kind, monkeypatch):
     m = target()
     d = random_drafter(kind, m.cfg, seed=1, **SHAPES[kind])
     assert m.cfg.dtype == "float32" and draft_pass.refusal(d.spec) is None
+    # interpreted with 3-slot rings and 8-position KV chunks, so the q / o streams (a tile per
+    # head) and the cache's (4 chunks a sequence) reuse their slots; compiled below with the defaults
+    monkeypatch.setattr(draft_pass, "RING_DEPTH", 3)
+    monkeypatch.setattr(draft_pass, "KV_CHUNK", 8)
+    assert d.spec.layer.attention.num_q_heads > 3
     tparams = {k: m.params[k] for k in ("embed", "lm_head") if k in m.params}
     state = _context(d, tparams)
     anchor, anchor_pos = jnp.array([6, 12], jnp.int32), jnp.array([5, 3], jnp.int32)
@@ -81,6 +86,7 @@ def test_the_kernel_pass_equals_the_xla_pass_and_compiles(kind):
         for a, b in zip(jax.tree.leaves(k_new), jax.tree.leaves(new)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
+    monkeypatch.undo()
     abstract = random_drafter(kind, m.cfg, seed=1, abstract=True, **SHAPES[kind])
     compiled_kd = draft_pass.KernelDrafter(abstract, False)
     specs = (abstract.params, jax.eval_shape(lambda: tparams), jax.eval_shape(lambda: abstract.init_state(B, C)),

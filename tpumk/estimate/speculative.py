@@ -18,9 +18,9 @@ tpumk.compile.aot.round_specs: every drafter operand is P()), so every device re
 weights and runs its passes over the whole batch: the model counts one device's whole pass, and
 the taps' projection's weights whole, whatever N. A drafter the pass kernel models
 (`tpumk.kernel.draft_pass.refusal` is None) is modelled as that kernel runs
-(`kernel_pass_seconds`): each matrix streamed on its own with one tile per matrix in flight (its
-two VMEM slots), the first tile of every matrix waited for, the drafter's KV cache read once per
-KV head, every sequence's chunks for every row, plus the once-per-device-call packing of its weights
+(`kernel_pass_seconds`): each matrix streamed on its own through a ring of up to 12 slots
+(`draft_pass.ring_depth`, the megakernel's defaults), the first tile of every matrix waited for,
+the drafter's KV cache read once per KV head through such a ring, every sequence's chunks for every row, plus the once-per-device-call packing of its weights
 spread over the call's rounds. A drafter it does not model keeps XLA passes, modelled as before
 as a one-device plan of its layers and head by the megakernel's timeline.
 """
@@ -90,27 +90,37 @@ def plan_drafter(spec: BuildSpec, d: DrafterSpec) -> DrafterPlan:
 def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
     """tpumk's model of one run of the drafter's pass kernel (tpumk.kernel.draft_pass) of
     geometry `g` on target `t`, by the timeline model's primitives (tpumk.estimate.timeline):
-    every matrix is a stream of its tiles, the next tile (one per matrix of the stream) in flight
-    while one is multiplied, so a tile costs max(its load with only itself outstanding, its MXU
-    time); nothing streams across matrices. The KV cache streams once per KV head, every chunk of
-    every sequence (rows of other sequences are masked, not skipped), each chunk multiplied for
-    the KV head's group of query heads. Returns seconds and HBM
-    bytes by stage. Elementwise work (norms, RoPE, softmax) is not modelled, as in the timeline."""
+    every matrix is a stream of its tiles through a ring of `draft_pass.ring_depth` slots (every
+    family of the stream), all issued at the stream's start; the first step is waited for with
+    only itself in flight (nothing streams across matrices), each later one costs max(its load
+    with `depth` steps outstanding, as the megakernel's ring is counted, its MXU time). The KV
+    cache streams once per KV head through such a ring (filled afresh per KV head), every chunk of every
+    sequence (rows of other sequences are masked, not skipped), each chunk multiplied for the KV
+    head's group of query heads. Returns seconds and HBM bytes by stage, and each stage's ring
+    bytes. Elementwise work (norms, RoPE, softmax) is not modelled, as in the timeline."""
     from tpumk.estimate.timeline import DMA_LATENCY_S, OP_DISPATCH_S, load_seconds, mxu_seconds
+    from tpumk.kernel import draft_pass
 
     r, d, h = g.rows, g.head_dim, g.hidden
     wb, hb, kvb = g.itemsize, _itemsize(g.head_dtype), g.itemsize
     mx = 6 if g.dtype == "float32" else 1  # Precision.HIGHEST on float32 weights (timeline.F32_MXU_PASSES)
     sec: dict[str, float] = {}
     hbm: dict[str, float] = {}
+    in_flight: dict[str, float] = {}  # a stage's ring bytes (every slot of its stream)
 
     def stream(stage: str, n: int, family_bytes: list[float], stationary: float, passes: int = mx) -> None:
         s = float(sum(family_bytes))
         f = len(family_bytes)
-        load = load_seconds(t, s, s, descriptors=f, groups=f, groups_in_flight=f)
+        # a stream's ring (draft_pass.ring_depth slots, all issued at the stream's start) keeps
+        # `depth` steps outstanding, as the megakernel's ring is counted (timeline.ring_layer_seconds)
+        depth = draft_pass.ring_depth(int(s), n)
+        first = load_seconds(t, s, s, descriptors=f, groups=f, groups_in_flight=f)
+        load = load_seconds(t, s, depth * s, descriptors=f, groups=f, groups_in_flight=f * depth)
         compute = mxu_seconds(t, stationary, 2.0 * r * stationary, passes)
-        sec[stage] = sec.get(stage, 0.0) + n * max(load, compute)
+        # the stream's first step is waited for (nothing of it in flight before the stream starts)
+        sec[stage] = sec.get(stage, 0.0) + first + compute + (n - 1) * max(load, compute)
         hbm[stage] = hbm.get(stage, 0.0) + n * s
+        in_flight[stage] = max(in_flight.get(stage, 0.0), depth * s)
 
     if g.kind == "mtp":
         stream("eh_proj", h // g.eh_tile, [2 * h * g.eh_tile * wb], 2 * h * g.eh_tile)
@@ -121,14 +131,15 @@ def kernel_pass_seconds(t, g) -> dict[str, dict[str, float]]:
         # once per KV head: each chunk's keys and values through the MXU for its `group` query heads'
         # scores and p . v (the float32 softmax is elementwise)
         group = g.heads // g.kv_heads
-        stream("kv_cache", g.kv_heads * g.batch * (g.context // g.chunk), [g.chunk * d * kvb] * 2,
-               group * 2 * g.chunk * d, 1 if kvb < 4 else 6)
+        for _ in range(g.kv_heads):  # a ring of a KV head's chunks, filled afresh per KV head
+            stream("kv_cache", g.batch * (g.context // g.chunk), [g.chunk * d * kvb] * 2, group * 2 * g.chunk * d,
+                   1 if kvb < 4 else 6)
         stream("o", g.heads, [d * h * wb], d * h)
         stream("mlp", g.ffn // g.ffn_tile, [h * g.ffn_tile * wb] * 3, 3 * h * g.ffn_tile)
     stream("head", g.vocab // g.head_tile, [h * g.head_tile * hb], h * g.head_tile, 6 if hb == 4 else 1)
     sec["launch"] = OP_DISPATCH_S + 2 * DMA_LATENCY_S  # one kernel: its inputs' fill, its outputs' drain
     hbm["launch"] = 0.0
-    return {"seconds": sec, "hbm_bytes": hbm}
+    return {"seconds": sec, "hbm_bytes": hbm, "ring_bytes": in_flight}
 
 
 def _packed_copy_bytes(g) -> float:

@@ -12,15 +12,18 @@ One grid-less `pallas_call` runs one pass of a hidden-state drafter over its row
   mask rows through the decoder layers over the context keys / values in the cache and the
   block's own, the final norm and the head's logits.
 
-Weights stay in HBM (`pl.ANY`) and stream through two VMEM slots per matrix family (the tile
-after the one being multiplied is always in flight): q / k / v one head at a time ([K, D], packed
-head-major once per device call by `pack`), o one head's rows [D, H], the MLP's gate / up column
-tiles with the down projection's matching row tiles (the intermediate activation never leaves
-VMEM), eh_proj and the head in column tiles. Unlike the megakernel's ring (tpumk.kernel.ring) the
-prefetch does not cross from one matrix to the next: each matrix's first tile is waited for
-(a bubble per matrix, counted in docs/speculative.md). The drafter's KV cache (head-major
+Weights stay in HBM (`pl.ANY`) and stream through a ring per matrix stream (`_stream`): q / k / v
+one head at a time ([K, D], packed head-major once per device call by `pack`), o one head's rows
+[D, H], the MLP's gate / up column tiles with the down projection's matching row tiles (the
+intermediate activation never leaves VMEM), eh_proj and the head in column tiles. A stream's ring
+has `ring_depth` slots (the megakernel's defaults: up to 12 slots, 24 MiB of a stream's tiles;
+tpumk.kernel.ring, TPU_FACTS section 3 on bytes in flight), so depth - 1 tiles load while one is
+multiplied. Each ring is VMEM scoped to its stream (`pltpu.run_scoped`), which is what lets it be
+that deep (the next stream reuses the VMEM), and also why, unlike the megakernel's ring, the
+prefetch does not cross from one matrix to the next: each stream's first tile is waited for (a
+bubble per stream, counted by tpumk.estimate.speculative). The drafter's KV cache (head-major
 [L, B, KVH, C, D], `tpumk.draft.layers.cache_shape`) streams per (KV head, sequence, chunk) through
-two VMEM slots too, each chunk serving the KV head's group of query heads, with an online softmax; every row computes against every sequence's chunk and a
+a ring of its own (`ring_depth` slots of a key and value chunk), each chunk serving the KV head's group of query heads, with an online softmax; every row computes against every sequence's chunk and a
 visibility mask (built by the glue from the positions) keeps its own: at a drafter's few rows
 per sequence that costs B x the attention flops and no unaligned slicing.
 
@@ -55,9 +58,12 @@ from tpumk.kernel.norms import rms_norm
 from tpumk.model import rope as rope_mod
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import jnp_dtype
+from tpumk.plan.knobs import TuningConfig
 
 LANE = 128
-TILE_BYTES = 2 << 20  # one streamed tile's bytes at most (two slots per family)
+TILE_BYTES = TuningConfig.tile_bytes  # one streamed tile's bytes at most (the megakernel's default)
+RING_DEPTH = TuningConfig.ring_depth  # slots of a stream's ring at most (the megakernel's default)
+RING_BYTES = RING_DEPTH * TILE_BYTES  # a stream's ring (every family's slots) at most: 24 MiB
 KV_CHUNK = 128  # cache positions per streamed KV chunk (at most; a divisor of the context)
 VMEM_LIMIT = 96 << 20
 
@@ -231,28 +237,49 @@ def _dot_t(x, y):
                            precision=prec)
 
 
-def _stream(srcs, n: int, body, carry):
-    """fori_loop over tiles j < n of every (hbm [n, ...] ref, vmem [2, ...] slots, sems [2]) in
-    `srcs`, tile j + 1 in flight while body(j, tiles, carry) runs on tile j."""
-    def copies(j, slot):
-        return [pltpu.make_async_copy(h.at[j], b.at[slot], s.at[slot]) for h, b, s in srcs]
+def ring_depth(tile_bytes: int, n: int) -> int:
+    """Slots of a stream's ring: the megakernel's defaults (tpumk.plan.knobs: RING_DEPTH tiles,
+    RING_DEPTH x TILE_BYTES in flight) for a step of `tile_bytes` (every family's tile of one
+    step), at least two, at most the stream's `n` steps. tpumk.estimate.speculative counts it."""
+    return max(1, min(n, max(2, min(RING_DEPTH, RING_BYTES // max(1, tile_bytes)))))
 
-    for c in copies(0, 0):
-        c.start()
 
-    def step(j, c):
-        slot = lax.rem(j, 2)
+def _stream(hbms, n: int, body, carry):
+    """fori_loop over steps j < n of the matrices `hbms` (HBM refs [n, ...], their tile j each),
+    through a ring of `ring_depth` slots per matrix allocated for this stream only
+    (`pltpu.run_scoped`: the next stream reuses the VMEM): the first `depth` steps are issued at
+    once, and after step j is multiplied step j + depth is issued into the slots it freed, so
+    depth - 1 steps stay in flight while one is multiplied. body(j, tiles, carry)."""
+    depth = ring_depth(sum(math.prod(h.shape[1:]) * h.dtype.itemsize for h in hbms), n)
 
-        @pl.when(j + 1 < n)
-        def _():
-            for cp in copies(j + 1, 1 - slot):
+    def run(*scoped):
+        bufs, sems = scoped[:-1], scoped[-1]
+
+        def copies(j, slot):
+            return [pltpu.make_async_copy(h.at[j], b.at[slot], sems.at[i, slot]) for i, (h, b) in
+                    enumerate(zip(hbms, bufs))]
+
+        for j0 in range(depth):
+            for cp in copies(j0, j0):
                 cp.start()
 
-        for cp in copies(j, slot):
-            cp.wait()
-        return body(j, [b[slot] for _, b, _ in srcs], c)
+        def step(j, c):
+            slot = lax.rem(j, depth)
+            for cp in copies(j, slot):
+                cp.wait()
+            c = body(j, [b[slot] for b in bufs], c)
 
-    return lax.fori_loop(0, n, step, carry)
+            @pl.when(j + depth < n)
+            def _():
+                for cp in copies(j + depth, slot):
+                    cp.start()
+
+            return c
+
+        return lax.fori_loop(0, n, step, carry)
+
+    return pl.run_scoped(run, *[pltpu.VMEM((depth, *h.shape[1:]), h.dtype) for h in hbms],
+                            pltpu.SemaphoreType.DMA((len(hbms), depth)))
 
 
 class _Refs:
@@ -285,20 +312,15 @@ def _out_names(g: PassGeometry) -> list[str]:
     return ["logits", "x", "normed"] + (["k_new", "v_new"] if g.mode == "chain" else [])
 
 
-def _scratch(g: PassGeometry, wdt, kvdt, hdt) -> dict:
+def _scratch(g: PassGeometry, kvdt) -> dict:
     r, d, h = g.rows, g.head_dim, g.hidden
+    # the KV cache's ring: a KV head's chunks (key and value) of every sequence, as deep as a weight stream's
+    kv_depth = ring_depth(2 * g.chunk * d * jnp.dtype(kvdt).itemsize, g.batch * (g.context // g.chunk))
     s = {"q_s": pltpu.VMEM((g.heads, r, d), jnp.float32), "k_s": pltpu.VMEM((g.kv_heads, r, d), kvdt),
          "v_s": pltpu.VMEM((g.kv_heads, r, d), kvdt), "o_s": pltpu.VMEM((g.heads, r, d), jnp.float32),
-         "kc": pltpu.VMEM((2, g.chunk, d), kvdt), "vc": pltpu.VMEM((2, g.chunk, d), kvdt),
-         "kv_sem": pltpu.SemaphoreType.DMA((2, 2)),
-         "wo_b": pltpu.VMEM((2, d, h), wdt), "gate_b": pltpu.VMEM((2, h, g.ffn_tile), wdt),
-         "up_b": pltpu.VMEM((2, h, g.ffn_tile), wdt), "down_b": pltpu.VMEM((2, g.ffn_tile, h), wdt),
-         "head_b": pltpu.VMEM((2, h, g.head_tile), hdt), "w_sem": pltpu.SemaphoreType.DMA((6, 2))}
-    for k in sorted({g.in_width(i) for i in range(g.layers)}):
-        for f in ("q", "k", "v"):
-            s[f"{f}_b{k}"] = pltpu.VMEM((2, k, d), wdt)
+         "kc": pltpu.VMEM((kv_depth, g.chunk, d), kvdt), "vc": pltpu.VMEM((kv_depth, g.chunk, d), kvdt),
+         "kv_sem": pltpu.SemaphoreType.DMA((2, kv_depth))}
     if g.kind == "mtp":
-        s["eh_b"] = pltpu.VMEM((2, 2 * h, g.eh_tile), wdt)
         s["eh_s"] = pltpu.VMEM((h // g.eh_tile, r, g.eh_tile), jnp.float32)
     return s
 
@@ -311,10 +333,6 @@ def _kernel(g: PassGeometry, names: list[str]):
 
     def kernel(*refs):
         s = _Refs(names, refs)
-        sems = s.w_sem
-
-        def wsrc(hbm, buf, i):
-            return (hbm, buf, sems.at[i])
 
         e = s.e[...]
         cos, sin, rot = s.cos[...], s.sin[...], s.rot[...]
@@ -337,7 +355,7 @@ def _kernel(g: PassGeometry, names: list[str]):
                 s.eh_s[j] = _dot(cat, tiles[0])
                 return c
 
-            _stream([wsrc(s.eh_proj, s.eh_b, 0)], n_eh, eh_body, 0)
+            _stream([s.eh_proj], n_eh, eh_body, 0)
             resid = jnp.concatenate([s.eh_s[j] for j in range(n_eh)], -1)
             attn_in0 = None
         else:
@@ -358,7 +376,7 @@ def _kernel(g: PassGeometry, names: list[str]):
                 s.q_s[h] = rope(q)
                 return c
 
-            _stream([wsrc(getattr(s, f"wq{i}"), getattr(s, f"q_b{kw}"), 0)], g.heads, q_body, 0)
+            _stream([getattr(s, f"wq{i}")], g.heads, q_body, 0)
 
             def kv_body(h, tiles, c, attn_in=attn_in, kn=kn, i=i):
                 k = _dot(attn_in, tiles[0])
@@ -373,14 +391,13 @@ def _kernel(g: PassGeometry, names: list[str]):
                     s.v_new[i, h] = v
                 return c
 
-            _stream([wsrc(getattr(s, f"wk{i}"), getattr(s, f"k_b{kw}"), 1),
-                     wsrc(getattr(s, f"wv{i}"), getattr(s, f"v_b{kw}"), 2)], g.kv_heads, kv_body, 0)
+            _stream([getattr(s, f"wk{i}"), getattr(s, f"wv{i}")], g.kv_heads, kv_body, 0)
             _attention(g, s, i, group, n_chunks, per_b, scale)
 
             def o_body(h, tiles, acc):
                 return acc + _dot(s.o_s[h], tiles[0])
 
-            a = _stream([wsrc(getattr(s, f"wo{i}"), s.wo_b, 3)], g.heads, o_body,
+            a = _stream([getattr(s, f"wo{i}")], g.heads, o_body,
                         jnp.zeros((g.rows, g.hidden), jnp.float32))
             x = (resid if i == 0 else x) + a
             hm = rms_norm(x, getattr(s, f"mlp_norm{i}")[...], g.eps)
@@ -389,8 +406,8 @@ def _kernel(g: PassGeometry, names: list[str]):
                 act = jax.nn.silu(_dot(hm, tiles[0])) * _dot(hm, tiles[1])
                 return acc + _dot(act, tiles[2])
 
-            x = x + _stream([wsrc(getattr(s, f"w_gate{i}"), s.gate_b, 3), wsrc(getattr(s, f"w_up{i}"), s.up_b, 4),
-                             wsrc(getattr(s, f"w_down{i}"), s.down_b, 5)], g.ffn // g.ffn_tile, mlp_body,
+            x = x + _stream([getattr(s, f"w_gate{i}"), getattr(s, f"w_up{i}"), getattr(s, f"w_down{i}")],
+                            g.ffn // g.ffn_tile, mlp_body,
                             jnp.zeros((g.rows, g.hidden), jnp.float32))
         normed = rms_norm(x, s.norm[...], g.eps)
         s.x[...] = x
@@ -400,7 +417,7 @@ def _kernel(g: PassGeometry, names: list[str]):
             s.logits[j] = _dot(normed, tiles[0])
             return c
 
-        _stream([wsrc(s.head, s.head_b, 0)], g.vocab // g.head_tile, head_body, 0)
+        _stream([s.head], g.vocab // g.head_tile, head_body, 0)
 
     return kernel
 
@@ -411,6 +428,7 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
     streams once per KV head: each chunk serves the `group` query heads that share it (their
     softmax states carried side by side)."""
     vis_new = s.vis_new[...] > 0
+    depth = s.kc.shape[0]  # the chunk ring's slots (`_scratch`)
 
     def chunk_copy(t, slot, kh):
         b, c0 = lax.div(t, per_b), lax.rem(t, per_b) * g.chunk
@@ -428,17 +446,12 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
 
     def kv_head(kh, carry):
         states = tuple(own_rows(kh, j) for j in range(group))
-        for cp in chunk_copy(0, 0, kh):
-            cp.start()
+        for t0 in range(depth):
+            for cp in chunk_copy(t0, t0, kh):
+                cp.start()
 
         def chunk(t, states):
-            slot = lax.rem(t, 2)
-
-            @pl.when(t + 1 < n_chunks)
-            def _():
-                for cp in chunk_copy(t + 1, 1 - slot, kh):
-                    cp.start()
-
+            slot = lax.rem(t, depth)
             for cp in chunk_copy(t, slot, kh):
                 cp.wait()
             vis = s.vis_cache[t] > 0
@@ -454,6 +467,12 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
                 p = jnp.where(vis, jnp.exp(sc - m_safe), 0.0)
                 acc = acc * alpha + jnp.dot(p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
                 out.append((m_new, l * alpha + jnp.sum(p, -1, keepdims=True), acc))
+
+            @pl.when(t + depth < n_chunks)
+            def _():  # into the slots this chunk freed
+                for cp in chunk_copy(t + depth, slot, kh):
+                    cp.start()
+
             return tuple(out)
 
         states = lax.fori_loop(0, n_chunks, chunk, states)
@@ -467,7 +486,7 @@ def _attention(g: PassGeometry, s: _Refs, layer: int, group: int, n_chunks: int,
 def _pallas(g: PassGeometry, interpret, wdt, kvdt, hdt):
     vm, hbm = _in_names(g)
     outs = _out_names(g)
-    scratch = _scratch(g, wdt, kvdt, hdt)
+    scratch = _scratch(g, kvdt)
     names = vm + hbm + outs + list(scratch)
     r, h = g.rows, g.hidden
     out_shape = [jax.ShapeDtypeStruct((g.vocab // g.head_tile, r, g.head_tile), jnp.float32),
