@@ -78,8 +78,8 @@ class SparseScratch(NamedTuple):
 class _KeyPages(attn._Stage):
     """attention._Stage's page addressing and patch DMAs, over the index-key cache."""
 
-    def __init__(self, mla: MLAGeometry, layer, cache, block_tables, positions, sc: SparseScratch):
-        self.g, self.layer, self.out = mla, layer, None
+    def __init__(self, mla: MLAGeometry, layer, cache, block_tables, positions, sc: SparseScratch, out=None):
+        self.g, self.layer, self.out = mla, layer, out
         self.block_tables, self.positions = block_tables, positions
         self.sc = types.SimpleNamespace(patch_sems=sc.patch_sems)
         self.caches, self.patches = (cache,), (sc.key_patch,)
@@ -95,16 +95,18 @@ class SparseStage:
     """One layer's sparse attention (module docstring). Built per layer inside the kernel."""
 
     def __init__(self, g: SparseGeometry, mla: MLAGeometry, layer, scratch, weights_hbm, norm_hbm, index_cache,
-                 block_tables, positions):
+                 block_tables, positions, out=None):
         """layer: the index-key cache layer, or None for a layer that keeps the previous layer's
         selection (index_shared_layers: no indexer, no index keys; start, prepare, patch and
-        retire do nothing, attend gathers the kept blocks)."""
+        retire do nothing, attend gathers the kept blocks). out: an `attention.PageOutputs`
+        for the index-key pages when the kernel does not update the cache in place (many
+        devices: the cache is read only, the step scatters the pages after the kernel)."""
         self.g, self.mla, self.layer = g, mla, layer
         self.shared = layer is None
         layer = 0 if layer is None else layer
         self.sc = SparseScratch(*scratch)
         self.weights_hbm, self.norm_hbm, self.cache = weights_hbm, norm_hbm, index_cache
-        self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc)
+        self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc, out)
         self.positions = positions
 
     # ---- 1. the indexer's inputs
