@@ -174,5 +174,26 @@ def test_the_plan_counts_each_devices_sparse_reads():
     assert outputs["index_pages"] == (2, one.sparse.num_layers, one.sparse.page_size, one.sparse.index_head_dim)
 
 
+
+def test_deepseek_v32_plans_on_32_devices_up_to_128k():
+    """The deepseek-v3.2 preset on 32 TPU7x devices, default knobs, batch 1: planned at 4k, 32k and
+    128k tokens (at 128k the top-k search's temporaries are [8, 4096] chunks, not [8, 131072]
+    rows: 13.2 MiB of temporaries made it not fit VMEM before). Per device the step reads every
+    cached index key (256 B a token and layer) and at most 2,048 16-row latent blocks a layer."""
+    from tpumk.model.config import load_preset
+    from tpumk.plan.plan import make_plan
+    from tpumk.plan.spec import BuildSpec
+    from tpumk.targets import get_target
+
+    cfg = load_preset("deepseek-v3.2")
+    for context in (4096, 32768, 131072):
+        plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), 1, context, devices=32))
+        g = plan.sparse
+        assert plan.vmem_total <= plan.vmem_budget and plan.cfg.num_q_heads == 4
+        assert g.select_lanes == 4096 and g.temporaries_bytes() < 2 * 2 ** 20  # (1.6 MiB at every context)
+        assert plan.hbm["index_keys"] == 61 * (context + 16) * 256  # every page once, the written one twice more
+        assert plan.hbm["sparse_gather"] == 61 * min(2048, context // 16) * 16 * 640 * 2
+
+
 if __name__ == "__main__":
     print(json.dumps(_worker(sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]))))

@@ -20,7 +20,8 @@ write-back it shares):
    bit by bit from the top, keep the bit when at least k keys are >= the candidate), which
    finds the k-th largest key in 32 vector passes that only compare and count (what the VPU
    does well; a sort of tens of thousands of lanes per query has no TPU primitive and a
-   bitonic network costs log^2 passes of cross-lane shuffles). Ties at the threshold go to the
+   bitonic network costs log^2 passes of cross-lane shuffles); each pass reads the keys in
+   chunks of `select_lanes` positions, so its temporaries do not grow with the context. Ties at the
    lowest positions, as `jax.lax.top_k` breaks them (the reference): a second search over the
    position finds how far along the tied keys the k-th pick reaches. Fewer visible keys than
    k: all of them;
@@ -281,33 +282,55 @@ class SparseStage:
 
     # ---- 4. top-k
     def _select(self) -> None:
-        """keys -> the selection (1 picked, 0 not) in keys, per query row (module docstring)."""
+        """keys -> the selection (1 picked, 0 not) in keys, per query row (module docstring).
+        Every pass reads the keys `select_lanes` positions at a time (a loop over the chunks when
+        there are several), so its compare / count temporaries are [query rows, select_lanes]
+        whatever the context (SparseGeometry.select_lanes)."""
         g, sc = self.g, self.sc
-        R, L, K = g.query_rows, g.score_lanes, g.topk
+        R, L, K, C = g.query_rows, g.score_lanes, g.topk, g.select_lanes
+        chunks = L // C
 
         def count(pred):
-            return jnp.sum(pred.astype(jnp.int32), axis=1, keepdims=True)
+            """Per query row: how many positions p satisfy pred(key [R, C], position [1, C])."""
+            def part(lo):
+                pos = lo + lax.broadcasted_iota(jnp.int32, (1, C), 1)
+                return jnp.sum(pred(sc.keys[:, pl.ds(lo, C)], pos).astype(jnp.int32), axis=1, keepdims=True)
+
+            if chunks == 1:
+                return part(0)
+            return lax.fori_loop(0, chunks, lambda c, acc: acc + part(pl.multiple_of(c * C, LANE)),
+                                 jnp.zeros((R, 1), jnp.int32))
 
         def bit_step(i, prefix):  # bits 30 .. 0, the sign bit settled before
             cand = jnp.bitwise_or(prefix, lax.shift_left(jnp.int32(1), 30 - i))
-            return jnp.where(count(sc.keys[...] >= cand) >= K, cand, prefix)
+            return jnp.where(count(lambda k, _: k >= cand) >= K, cand, prefix)
 
-        top = jnp.where(count(sc.keys[...] >= 0) >= K, 0, INT32_MIN) * jnp.ones((R, 1), jnp.int32)
+        top = jnp.where(count(lambda k, _: k >= 0) >= K, 0, INT32_MIN) * jnp.ones((R, 1), jnp.int32)
         thr = lax.fori_loop(0, 31, bit_step, top)
-        need = K - count(sc.keys[...] > thr)  # ties at the threshold to take, lowest positions first
-        lane = lax.broadcasted_iota(jnp.int32, (1, L), 1)
+        need = K - count(lambda k, _: k > thr)  # ties at the threshold to take, lowest positions first
 
         def pos_step(_, bounds):
             lo, hi = bounds
             mid = lax.shift_right_logical(lo + hi, 1)
-            enough = count(jnp.logical_and(sc.keys[...] == thr, lane <= mid)) >= need
+            enough = count(lambda k, pos: jnp.logical_and(k == thr, pos <= mid)) >= need
             return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
         steps = max(1, (L - 1).bit_length())
         last, _ = lax.fori_loop(0, steps, pos_step, (jnp.zeros((R, 1), jnp.int32), jnp.full((R, 1), L - 1, jnp.int32)))
-        keys = sc.keys[...]
-        picked = jnp.logical_or(keys > thr, jnp.logical_and(keys == thr, lane <= last))
-        sc.keys[...] = jnp.logical_and(picked, keys != INT32_MIN).astype(jnp.int32)
+
+        def mark(lo):
+            keys = sc.keys[:, pl.ds(lo, C)]
+            pos = lo + lax.broadcasted_iota(jnp.int32, (1, C), 1)
+            picked = jnp.logical_or(keys > thr, jnp.logical_and(keys == thr, pos <= last))
+            sc.keys[:, pl.ds(lo, C)] = jnp.logical_and(picked, keys != INT32_MIN).astype(jnp.int32)
+
+        if chunks == 1:
+            mark(0)
+        else:
+            def mark_step(c, carry):
+                mark(pl.multiple_of(c * C, LANE))
+                return carry
+            lax.fori_loop(0, chunks, mark_step, 0)
 
     # ---- 5. the blocks holding some query's picks, in order
     def _compact(self, b: int, seq_meta, mw: int):

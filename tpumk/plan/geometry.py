@@ -1539,6 +1539,7 @@ class SparseGeometry:
     latent_lanes: int  # a stored latent row's lanes (MLAGeometry.page_lanes)
     interleave: bool = False
     mla_layers: int = 0  # every MLA layer gathers (a layer of index_shared_layers the previous layer's picks)
+    select_chunk: int = 0  # positions per pass of the top-k search (select_lanes); 0: auto
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -1584,6 +1585,17 @@ class SparseGeometry:
     @property
     def score_lanes(self) -> int:
         return round_up(self.capacity, LANE)
+
+    @property
+    def select_lanes(self) -> int:
+        """Positions the top-k search compares and counts at once: the score lanes in chunks of
+        at most SELECT_LANES (the largest whole number of 128-lane blocks dividing them), so the
+        passes' temporaries stay [query rows, select_lanes] at any context; `select_chunk`
+        fixes it (a divisor of score_lanes, whole lanes)."""
+        if self.select_chunk:
+            return self.select_chunk
+        blocks = self.score_lanes // LANE
+        return LANE * max(k for k in range(1, min(blocks, SELECT_LANES // LANE) + 1) if blocks % k == 0)
 
     @property
     def tile_pages(self) -> int:
@@ -1650,6 +1662,9 @@ class SparseGeometry:
              f"a context whose pages make whole {LANE}-token score blocks of at most {INDEX_TILE_ROWS} tokens")
         need(self.page_size % self.block_rows == 0, f"page_size = {self.page_size}",
              f"a multiple of {self.block_rows} (the gathered blocks)")
+        c = self.select_lanes
+        need(c > 0 and c % LANE == 0 and self.score_lanes % c == 0, f"select_chunk = {c}",
+             f"a multiple of {LANE} dividing the {self.score_lanes} score lanes")
 
     def scratch(self) -> tuple[Buffer, ...]:
         """The sparse stage's scratch, in the order `tpumk.kernel.sparse_attention.SparseScratch`
@@ -1743,15 +1758,18 @@ class SparseGeometry:
 
     def temporaries_bytes(self) -> int:
         """One index tile's head scores [head rows, tile] and combined scores, the selection
-        passes' [query rows, positions] compare and count, and one gather step's scores,
+        passes' [query rows, select_lanes] compare and count, and one gather step's scores,
         probabilities and masked values (an upper bound)."""
         t = round_up(self.tile_rows, LANE)
-        return (self.head_rows * t * 8 + self.query_rows * t * 4 + 3 * self.query_rows * self.score_lanes * 4
+        return (self.head_rows * t * 8 + self.query_rows * t * 4 + 3 * self.query_rows * self.select_lanes * 4
                 + 3 * self.gather_rows * self.latent_lanes * 4)
 
 
 # Index-key tiles are at most this many tokens (the scores of one tile are [heads x q_len, tile]
 # float32 before the sum over heads: 64 heads x 512 tokens is 128 KiB).
 INDEX_TILE_ROWS = 512
+# The top-k search's passes read at most this many positions at once (temporaries of [8 query
+# rows, 4096] int32: 128 KiB each, where the whole 128k-token row would be 4 MiB).
+SELECT_LANES = 4096
 # A gather step moves at most this many latent rows (blocks of block_rows rows each).
 GATHER_ROWS = 128
