@@ -145,18 +145,22 @@ def test_sparse_step_matches_reference(dtype, lengths, q_len, glm):
 
 
 @pytest.mark.full  # (29 s, 16 s CPU) tests/README.md: the default run's plan test of the chunks at 128k
-def test_the_selection_in_chunks_matches_reference():
+def test_the_selection_in_chunks_and_a_deep_gather_ring_match_reference():
     """The top-k search over 128-position chunks (SparseGeometry.select_lanes: what keeps its
     temporaries small at 128k tokens) at a context of 256: two chunks, a query seeing 231 keys
-    across both, picks from both; logits and caches as the reference's, no DMA race."""
+    across both, its top 24 from both; and the gather in steps of 2 blocks through a ring of 3
+    slots, so more steps than slots (the ring wraps): logits and caches as the reference's, no
+    DMA race."""
     import dataclasses
 
     cfg, params = model("float32")
+    cfg = cfg.replace(index_topk=24)  # (the same weights: top-k has none)
     context, lengths = 256, [230]
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), 1, context, TuningConfig(), page_size=PAGE))
-    assert plan.sparse.select_lanes == 256
-    plan = dataclasses.replace(plan, sparse=dataclasses.replace(plan.sparse, select_chunk=128))
-    assert plan.sparse.score_lanes // plan.sparse.select_lanes == 2
+    assert plan.sparse.select_lanes == 256 and plan.sparse.ring_slots == 4
+    plan = dataclasses.replace(plan, sparse=dataclasses.replace(plan.sparse, select_chunk=128, gather_step=2,
+                                                                gather_slots=3))
+    assert plan.sparse.score_lanes // plan.sparse.select_lanes == 2 and plan.sparse.gather_tokens == 2
     cache = random_cache(cfg, lengths, context=context)
     tokens = jnp.asarray([[11]], jnp.int32)
     positions = cache.lengths[:, None]
@@ -175,6 +179,7 @@ def test_the_selection_in_chunks_matches_reference():
     s = np.asarray(sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), positions, keys))
     picks = np.argsort(-s[0, 0, :231], kind="stable")[:cfg.index_topk]
     assert picks.min() < 128 <= picks.max(), picks
+    assert len(set(picks // plan.sparse.block_rows)) > 2 * 3, picks  # gather steps of 2 blocks: more than 3 slots
 
 
 def test_the_plan_counts_the_sparse_reads():

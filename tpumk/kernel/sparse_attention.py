@@ -30,8 +30,9 @@ write-back it shares):
    picked, in order (the compaction: one pass over the sequence's positions, a few loads, an
    add and a store each; Mosaic moves no single row, see SparseGeometry, so a block is the
    smallest gather and each is moved once however many of its rows are picked);
-6. the listed blocks are gathered by DMA, `gather_tokens` per step into one of two slots (the
-   next step's DMAs fly while one is computed), from the patch page when this step wrote that
+6. the listed blocks are gathered by DMA, `gather_tokens` per step into a ring of
+   `ring_slots` slots (the next ring_slots - 1 steps' DMAs fly while one is computed: a step's
+   small DMAs are latency-bound with fewer), from the patch page when this step wrote that
    page; online softmax over the steps, each gathered row a key only for the queries that
    picked its position.
 """
@@ -439,11 +440,15 @@ class SparseStage:
             acc = jnp.where(first, 0.0, msc.acc[...]) * alpha[:, :1] + pv
             msc.m[...], msc.l[...], msc.acc[...] = m_next, l_next, acc
 
-        fetch(jnp.int32(0), 0)
+        D = g.ring_slots
+        fetch(jnp.int32(0), 0)  # the first D - 1 steps (there is always one)
+        for first in range(1, D - 1):
+            pl.when(first < nsteps)(lambda first=first: fetch(jnp.int32(first), first))
 
         def step(c, carry):
-            slot = lax.rem(c, 2)
-            pl.when(c + 1 < nsteps)(lambda: fetch(c + 1, 1 - slot))
+            ahead = c + (D - 1)  # into the slot step c - 1 computed from
+            pl.when(ahead < nsteps)(lambda: fetch(ahead, lax.rem(ahead, D)))
+            slot = lax.rem(c, D)
             wait(slot)
             compute(c, slot)
             return carry
