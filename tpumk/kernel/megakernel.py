@@ -802,7 +802,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     Many devices (`plan.devices` > 1): one SPMD program, `jax.shard_map` over the 1-D mesh
     `step_mesh(plan)` around the same kernel; the cache is in the sharded layout
     (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices; MLA: N
-    copies of the latent row, one per device, each device writing the same rows to its own); the
+    copies of the latent row, one per device, each device writing the same rows to its own; sparse
+    attention's index keys likewise); the
     logits [B, q, V] are all-gathered inside the kernel, so every device holds them whole."""
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
