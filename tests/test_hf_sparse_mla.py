@@ -206,15 +206,14 @@ def _one_line_error(r, *needles) -> str:
 
 
 def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(checkpoint):
-    """The megakernel's sparse attention is one device's with model-dtype weights (its runs:
-    tests/test_megakernel_sparse.py, the greedy test below): `tpumk build` on 4 devices or with
-    --quant refuses in one line; a 1-byte KV cache is refused; `tpumk generate` (the reference
-    backend) gives transformers' greedy tokens."""
+    """The megakernel's sparse attention has model-dtype weights only (its runs:
+    tests/test_megakernel_sparse.py, tests/test_multidevice_sparse.py, the greedy tests below):
+    `tpumk build` with --quant refuses in one line; a 1-byte KV cache is refused; `tpumk generate`
+    (the reference backend) gives transformers' greedy tokens."""
     name, ckpt, m = checkpoint
     base = ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"]
-    _one_line_error(CliRunner().invoke(main, base + ["--devices", "4"]), "sparse attention", "on 4 devices",
+    _one_line_error(CliRunner().invoke(main, base + ["--quant", "int8"]), "sparse attention", "--quant int8",
                     "--backend reference")
-    _one_line_error(CliRunner().invoke(main, base + ["--quant", "int8"]), "sparse attention", "--quant int8")
     _one_line_error(CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141",
                                               "--steps", "2", "--kv-dtype", "fp8"]),
                     "--kv-dtype fp8 with sparse attention (index_topk) is not built yet")
@@ -240,6 +239,19 @@ def test_megakernel_greedy_tokens_equal_transformers(name, tmp_path):
     seqs = np.asarray([p + t + [0] * (LOGIT_TOKENS.shape[1] - n - 1) for p, t in zip(PROMPTS, want)])
     assert _selection_gap(m, seqs, upto=n) > TIE_GAP
     assert generate(m, PROMPTS, STEPS, backend="megakernel")["tokens"] == want
+
+
+@pytest.mark.full  # (about 2 min: the 4-device step interpreted) test_multidevice_sparse's default tests: its plan
+def test_megakernel_greedy_tokens_on_four_devices_equal_transformers(tmp_path):
+    """DeepSeek-V3.2 through `tpumk generate --backend megakernel --devices 4` (interpret mode, 4
+    host devices; one query head per device, the indexer and its index-key cache on every device):
+    transformers' greedy tokens."""
+    from host_flags import generate_on_devices
+
+    ckpt = build(tmp_path / "deepseek_v32", "deepseek_v32")
+    r = generate_on_devices(ckpt, PROMPTS, STEPS, 4)
+    assert "4 devices" in r["ran_on"], r["ran_on"]
+    assert r["tokens"] == _hf_greedy(ckpt)
 
 
 @pytest.mark.parametrize("change, needle", [

@@ -61,12 +61,12 @@ def reference_step(cfg):
     return R.jitted_decode_step(cfg, taps=tuple(range(cfg.num_layers)))
 
 
-def random_cache(cfg, lengths, seed: int = 5) -> R.KVCache:
+def random_cache(cfg, lengths, seed: int = 5, context: int = CONTEXT) -> R.KVCache:
     """A cache whose first lengths[b] positions hold random latent rows (pad lanes zero) and index
     keys in the model dtype, over shuffled pages."""
     rng = np.random.default_rng(seed)
     batch = len(lengths)
-    cache = R.init_cache(cfg, batch, CONTEXT, PAGE)
+    cache = R.init_cache(cfg, batch, context, PAGE)
     tables = rng.permutation(cache.block_tables.size).reshape(cache.block_tables.shape)
     k, keys = np.zeros(cache.k.shape, np.float32), np.zeros(cache.index_keys.shape, np.float32)
     width = cfg.attention.kv_cache_width
@@ -142,6 +142,44 @@ def test_sparse_step_matches_reference(dtype, lengths, q_len, glm):
     dense, _ = R.jitted_decode_step(dense_cfg)(params, tokens, positions, cache)
     assert float(jnp.max(jnp.abs(dense - want))) > 0.05 * float(jnp.max(jnp.abs(want)))
     compile_for_tpus(cfg, batch, q_len)
+
+
+@pytest.mark.full  # (29 s, 16 s CPU) tests/README.md: the default run's plan test of the chunks at 128k
+def test_the_selection_in_chunks_and_a_deep_gather_ring_match_reference():
+    """The top-k search over 128-position chunks (SparseGeometry.select_lanes: what keeps its
+    temporaries small at 128k tokens) at a context of 256: two chunks, a query seeing 231 keys
+    across both, its top 24 from both; and the gather in steps of 2 blocks through a ring of 3
+    slots, so more steps than slots (the ring wraps): logits and caches as the reference's, no
+    DMA race."""
+    import dataclasses
+
+    cfg, params = model("float32")
+    cfg = cfg.replace(index_topk=24)  # (the same weights: top-k has none)
+    context, lengths = 256, [230]
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), 1, context, TuningConfig(), page_size=PAGE))
+    assert plan.sparse.select_lanes == 256 and plan.sparse.ring_slots == 4
+    plan = dataclasses.replace(plan, sparse=dataclasses.replace(plan.sparse, select_chunk=128, gather_step=2,
+                                                                gather_slots=3))
+    assert plan.sparse.score_lanes // plan.sparse.select_lanes == 2 and plan.sparse.gather_tokens == 2
+    cache = random_cache(cfg, lengths, context=context)
+    tokens = jnp.asarray([[11]], jnp.int32)
+    positions = cache.lengths[:, None]
+    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, params), tokens, positions, cache)
+    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    want, want_cache, taps = reference_step(cfg)(params, tokens, positions, cache)
+    assert selection_gap(cfg, params, positions, want_cache, taps) > TIE_GAP
+    assert_logits_close(logits, want, "float32")
+    for name in ("k", "index_keys"):
+        np.testing.assert_allclose(np.asarray(getattr(new, name)), np.asarray(getattr(want_cache, name)), rtol=1e-5,
+                                   atol=1e-5, err_msg=name)
+    # the reference's picks of the first layer lie in both chunks (the chunked count matters)
+    layer = params["layers"][0]
+    h = rms_norm(taps[:, :, 0], layer["attn_norm"], cfg.norms.rms_eps)
+    keys = want_cache.index_keys[0][want_cache.block_tables].reshape(1, context, -1)
+    s = np.asarray(sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), positions, keys))
+    picks = np.argsort(-s[0, 0, :231], kind="stable")[:cfg.index_topk]
+    assert picks.min() < 128 <= picks.max(), picks
+    assert len(set(picks // plan.sparse.block_rows)) > 2 * 3, picks  # gather steps of 2 blocks: more than 3 slots
 
 
 def test_the_plan_counts_the_sparse_reads():

@@ -345,7 +345,7 @@ def _sparse_stage(plan, ledger: _Ledger, extra_bytes: float, times: float, index
     the latent and index-key pages the step writes read first (a round trip); per sequence the
     index-key tiles through two slots, each costing the larger of its load and its two matmuls
     (the heads' scores, their weighted sum); then the gather steps, `gather_tokens` block DMAs
-    each through two slots against the latent scores and p . c_kv; the write-backs and the
+    each through a ring of `ring_slots` slots against the latent scores and p . c_kv; the write-backs and the
     layer's float32 vectors load beside them. The selection's vector passes (31 + log2 of the
     positions per sequence) and the scalar compaction (one step per position) are not modelled,
     like the other stages' elementwise work. A layer without an indexer (`indexer` False,
@@ -368,7 +368,8 @@ def _sparse_stage(plan, ledger: _Ledger, extra_bytes: float, times: float, index
     step_bytes = g.gather_tokens * g.block_bytes
     step_compute = 2 * mxu_seconds(t, g.gather_rows * a.row_lanes, 2.0 * a.q_rows * g.gather_rows * a.row_lanes,
                                    _passes(a.dtype))
-    step_load = load_seconds(t, step_bytes, 2 * step_bytes, g.gather_tokens, 1, 2)
+    slots = g.ring_slots
+    step_load = load_seconds(t, step_bytes, slots * step_bytes, g.gather_tokens, 1, slots)
     gather = c["gather_steps"] * max(step_load, step_compute) + plan.batch * DMA_LATENCY_S
     side = patched + (g.vector_bytes if indexer else 0) + extra_bytes
     side_dma = load_seconds(t, side, side, 2 * c["patched_pages"] + 3)

@@ -132,13 +132,19 @@ def _kernel(plan: Plan):
             # hybrid's pool likewise (each sequence's new entry, then scattered into its slot).
             k_cache, v_cache = (*(ins[b.name] for b in contract.operands[-plan.attention.caches:]), None)[:2]
             pages_out = attn.PageOutputs(tuple(outs[:-1]), outs[-1])
+            index_cache, index_out = None, None
+            if plan.sparse is not None:  # the latent cache, then the index-key cache (its pages: the second output)
+                k_cache, v_cache, index_cache = ins["k_cache"], None, ins["index_cache"]
+                pages_out = attn.PageOutputs((outs[0],), outs[-1])
+                index_out = attn.PageOutputs((outs[1],), outs[-1])
             pool_arrays, pool_outputs = [ins[k] for k in STATE_ARRAYS] if n_states else [], tuple(state_outs)
         else:
             # The caches are aliased to outputs 1 (and 2): the kernel updates the outputs in place
             # (MLA: the one latent cache; --kv-dtype: the one packed cache); then the pool's arrays.
             k_cache, v_cache = (*outs, None)[:2]
+            index_cache, index_out = None, None
             if plan.sparse is not None:  # the latent cache, then the index-key cache
-                v_cache = None
+                v_cache, index_cache = None, outs[1]
             pages_out = None
             pool_arrays, pool_outputs = list(state_outs), None
         pool = lin_mod.StatePool(*(ins[k] for k in STATE_SCALARS), *pool_arrays, outputs=pool_outputs) \
@@ -322,7 +328,7 @@ def _kernel(plan: Plan):
             if plan.sparse is not None:  # a layer without an indexer (index_base -1) keeps the last selection
                 index_layer = seg.index_base + (layer - seg.first_layer) if seg.index_base >= 0 else None
                 sparse = SparseStage(plan.sparse, plan.attention, index_layer, s.sparse, ins["idx_weights"],
-                                     ins["idx_norm"], outs[1], block_tables, positions)
+                                     ins["idx_norm"], index_cache, block_tables, positions, index_out)
                 sparse.start()  # its float32 vectors and key-page reads fly behind the projections
                 idx = sparse.sc
             s.normed[...] = rms_norm(s.resid[...], row(vec, "attn_norm", h), eps, norms.width)
@@ -722,7 +728,8 @@ def _device_step(plan: Plan, call) -> Callable:
         updated, state_out = updated[:len(updated) - n_states], updated[len(updated) - n_states:]
         if plan.cache_written_after_kernel:
             *pages, page_ids = updated
-            updated = [commit_pages(cache, p, page_ids) for cache, p in zip(caches, pages)]
+            kernel_caches = (caches[0], caches[2]) if plan.sparse is not None else caches  # (not KVCache.v)
+            updated = [commit_pages(cache, p, page_ids) for cache, p in zip(kernel_caches, pages)]
             if n_states:
                 states = commit_states(states, state_out)
         elif n_states:
@@ -795,7 +802,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     Many devices (`plan.devices` > 1): one SPMD program, `jax.shard_map` over the 1-D mesh
     `step_mesh(plan)` around the same kernel; the cache is in the sharded layout
     (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices; MLA: N
-    copies of the latent row, one per device, each device writing the same rows to its own); the
+    copies of the latent row, one per device, each device writing the same rows to its own; sparse
+    attention's index keys likewise); the
     logits [B, q, V] are all-gathered inside the kernel, so every device holds them whole."""
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
@@ -871,11 +879,11 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
         return run(local, tokens, positions, caches, block_tables, lengths, states)
 
     def without_values(packed, tokens, positions, caches, block_tables, lengths, states):
-        (k_cache,) = caches
+        k_cache, *rest = caches  # (sparse attention: the index-key cache after the latent one)
         empty = jnp.zeros((*k_cache.shape[:3], 0), k_cache.dtype)
-        logits, (k_cache, _), states, taps = body(packed, tokens, positions, (k_cache, empty), block_tables, lengths,
-                                                  states)
-        return logits, (k_cache,), states, taps
+        logits, (k_cache, _, *rest), states, taps = body(packed, tokens, positions, (k_cache, empty, *rest),
+                                                         block_tables, lengths, states)
+        return logits, (k_cache, *rest), states, taps
 
     def sharded(packed: dict, tokens, positions, caches, block_tables, lengths, states=None):
         """caches: (k, v) or a quantized cache's (kv,), each split along its last axis (kv heads);
@@ -883,9 +891,9 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
         weights = {key: P() if key == "embed" else jax.tree.map(lambda _: P(MESH_AXIS), val)
                    for key, val in packed.items()}
         fn, kept = body, caches
-        if len(caches) == 2 and caches[1].size == 0:  # MLA's empty value cache stays outside: jax 0.11.2's Shardy canonicalizer
+        if len(caches) >= 2 and caches[1].size == 0:  # MLA's empty value cache stays outside: jax 0.11.2's Shardy canonicalizer
             # segfaults on a zero-size operand a manual computation returns unchanged (checked 2026-12-05)
-            fn, kept = without_values, caches[:1]
+            fn, kept = without_values, (caches[0], *caches[2:])
         specs = tuple(kv_spec for _ in kept)
         state_specs = None if states is None else state_partition(states)
         # the taps are the residual every device holds whole: each device writes the same rows
@@ -893,7 +901,9 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
             fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
             out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)(
             packed, tokens, positions, kept, block_tables, lengths, states)
-        return logits, tuple(out) + tuple(caches[len(out):]), states, taps
+        if len(out) < len(caches):  # the empty value cache back in its place
+            out = (out[0], caches[1], *out[1:])
+        return logits, tuple(out), states, taps
 
     return sharded
 
@@ -937,10 +947,11 @@ def _cache_rows_check(plan: Plan) -> Callable:
 
 def _index_keys_check(plan: Plan) -> Callable:
     """Refuse, in one line, a sparse model's index-key cache that is missing or not of the plan's
-    layers, page size and key width (the number of pages may differ)."""
+    layers, page size and key width (the number of pages may differ; many devices: a copy of the
+    key per device side by side, `ShardingPlan.expand_kv`)."""
     def check(keys) -> None:
         g = plan.sparse
-        want = (g.num_layers, g.page_size, g.index_head_dim)
+        want = (g.num_layers, g.page_size, plan.devices * g.index_head_dim)
         if keys is None or keys.ndim != 4 or (keys.shape[0], *keys.shape[2:]) != want:
             got = "none" if keys is None else f"shape {list(keys.shape)}"
             raise ValueError(f"decode step: cache.index_keys is {got}, expected [{want[0]}, num_pages, {want[1]}, "
@@ -1032,7 +1043,8 @@ def step_specs(plan: Plan) -> tuple:
     model = plan.whole_model
     packed["embed"] = spec((model.vocab_size, model.hidden_size), jnp_dtype(model), P())
     wide = {}
-    for name in ("kv",) if plan.attention.quantized else ("k", "v"):
+    names = ("kv",) if plan.attention.quantized else ("k", "v") + (("index_keys",) if plan.sparse is not None else ())
+    for name in names:  # (an MLA model's latent and index-key caches: a copy per device, side by side)
         a = getattr(cache, name)
         wide[name] = spec((*a.shape[:-1], n * a.shape[-1]), a.dtype, P(None, None, None, MESH_AXIS))
     rep = [spec(a.shape, a.dtype, P()) for a in (tok, cache.block_tables, cache.lengths)]

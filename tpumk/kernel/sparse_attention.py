@@ -20,7 +20,8 @@ write-back it shares):
    bit by bit from the top, keep the bit when at least k keys are >= the candidate), which
    finds the k-th largest key in 32 vector passes that only compare and count (what the VPU
    does well; a sort of tens of thousands of lanes per query has no TPU primitive and a
-   bitonic network costs log^2 passes of cross-lane shuffles). Ties at the threshold go to the
+   bitonic network costs log^2 passes of cross-lane shuffles); each pass reads the keys in
+   chunks of `select_lanes` positions, so its temporaries do not grow with the context. Ties at the
    lowest positions, as `jax.lax.top_k` breaks them (the reference): a second search over the
    position finds how far along the tied keys the k-th pick reaches. Fewer visible keys than
    k: all of them;
@@ -29,8 +30,9 @@ write-back it shares):
    picked, in order (the compaction: one pass over the sequence's positions, a few loads, an
    add and a store each; Mosaic moves no single row, see SparseGeometry, so a block is the
    smallest gather and each is moved once however many of its rows are picked);
-6. the listed blocks are gathered by DMA, `gather_tokens` per step into one of two slots (the
-   next step's DMAs fly while one is computed), from the patch page when this step wrote that
+6. the listed blocks are gathered by DMA, `gather_tokens` per step into a ring of
+   `ring_slots` slots (the next ring_slots - 1 steps' DMAs fly while one is computed: a step's
+   small DMAs are latency-bound with fewer), from the patch page when this step wrote that
    page; online softmax over the steps, each gathered row a key only for the queries that
    picked its position.
 """
@@ -78,8 +80,8 @@ class SparseScratch(NamedTuple):
 class _KeyPages(attn._Stage):
     """attention._Stage's page addressing and patch DMAs, over the index-key cache."""
 
-    def __init__(self, mla: MLAGeometry, layer, cache, block_tables, positions, sc: SparseScratch):
-        self.g, self.layer, self.out = mla, layer, None
+    def __init__(self, mla: MLAGeometry, layer, cache, block_tables, positions, sc: SparseScratch, out=None):
+        self.g, self.layer, self.out = mla, layer, out
         self.block_tables, self.positions = block_tables, positions
         self.sc = types.SimpleNamespace(patch_sems=sc.patch_sems)
         self.caches, self.patches = (cache,), (sc.key_patch,)
@@ -95,16 +97,18 @@ class SparseStage:
     """One layer's sparse attention (module docstring). Built per layer inside the kernel."""
 
     def __init__(self, g: SparseGeometry, mla: MLAGeometry, layer, scratch, weights_hbm, norm_hbm, index_cache,
-                 block_tables, positions):
+                 block_tables, positions, out=None):
         """layer: the index-key cache layer, or None for a layer that keeps the previous layer's
         selection (index_shared_layers: no indexer, no index keys; start, prepare, patch and
-        retire do nothing, attend gathers the kept blocks)."""
+        retire do nothing, attend gathers the kept blocks). out: an `attention.PageOutputs`
+        for the index-key pages when the kernel does not update the cache in place (many
+        devices: the cache is read only, the step scatters the pages after the kernel)."""
         self.g, self.mla, self.layer = g, mla, layer
         self.shared = layer is None
         layer = 0 if layer is None else layer
         self.sc = SparseScratch(*scratch)
         self.weights_hbm, self.norm_hbm, self.cache = weights_hbm, norm_hbm, index_cache
-        self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc)
+        self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc, out)
         self.positions = positions
 
     # ---- 1. the indexer's inputs
@@ -279,33 +283,55 @@ class SparseStage:
 
     # ---- 4. top-k
     def _select(self) -> None:
-        """keys -> the selection (1 picked, 0 not) in keys, per query row (module docstring)."""
+        """keys -> the selection (1 picked, 0 not) in keys, per query row (module docstring).
+        Every pass reads the keys `select_lanes` positions at a time (a loop over the chunks when
+        there are several), so its compare / count temporaries are [query rows, select_lanes]
+        whatever the context (SparseGeometry.select_lanes)."""
         g, sc = self.g, self.sc
-        R, L, K = g.query_rows, g.score_lanes, g.topk
+        R, L, K, C = g.query_rows, g.score_lanes, g.topk, g.select_lanes
+        chunks = L // C
 
         def count(pred):
-            return jnp.sum(pred.astype(jnp.int32), axis=1, keepdims=True)
+            """Per query row: how many positions p satisfy pred(key [R, C], position [1, C])."""
+            def part(lo):
+                pos = lo + lax.broadcasted_iota(jnp.int32, (1, C), 1)
+                return jnp.sum(pred(sc.keys[:, pl.ds(lo, C)], pos).astype(jnp.int32), axis=1, keepdims=True)
+
+            if chunks == 1:
+                return part(0)
+            return lax.fori_loop(0, chunks, lambda c, acc: acc + part(pl.multiple_of(c * C, LANE)),
+                                 jnp.zeros((R, 1), jnp.int32))
 
         def bit_step(i, prefix):  # bits 30 .. 0, the sign bit settled before
             cand = jnp.bitwise_or(prefix, lax.shift_left(jnp.int32(1), 30 - i))
-            return jnp.where(count(sc.keys[...] >= cand) >= K, cand, prefix)
+            return jnp.where(count(lambda k, _: k >= cand) >= K, cand, prefix)
 
-        top = jnp.where(count(sc.keys[...] >= 0) >= K, 0, INT32_MIN) * jnp.ones((R, 1), jnp.int32)
+        top = jnp.where(count(lambda k, _: k >= 0) >= K, 0, INT32_MIN) * jnp.ones((R, 1), jnp.int32)
         thr = lax.fori_loop(0, 31, bit_step, top)
-        need = K - count(sc.keys[...] > thr)  # ties at the threshold to take, lowest positions first
-        lane = lax.broadcasted_iota(jnp.int32, (1, L), 1)
+        need = K - count(lambda k, _: k > thr)  # ties at the threshold to take, lowest positions first
 
         def pos_step(_, bounds):
             lo, hi = bounds
             mid = lax.shift_right_logical(lo + hi, 1)
-            enough = count(jnp.logical_and(sc.keys[...] == thr, lane <= mid)) >= need
+            enough = count(lambda k, pos: jnp.logical_and(k == thr, pos <= mid)) >= need
             return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
         steps = max(1, (L - 1).bit_length())
         last, _ = lax.fori_loop(0, steps, pos_step, (jnp.zeros((R, 1), jnp.int32), jnp.full((R, 1), L - 1, jnp.int32)))
-        keys = sc.keys[...]
-        picked = jnp.logical_or(keys > thr, jnp.logical_and(keys == thr, lane <= last))
-        sc.keys[...] = jnp.logical_and(picked, keys != INT32_MIN).astype(jnp.int32)
+
+        def mark(lo):
+            keys = sc.keys[:, pl.ds(lo, C)]
+            pos = lo + lax.broadcasted_iota(jnp.int32, (1, C), 1)
+            picked = jnp.logical_or(keys > thr, jnp.logical_and(keys == thr, pos <= last))
+            sc.keys[:, pl.ds(lo, C)] = jnp.logical_and(picked, keys != INT32_MIN).astype(jnp.int32)
+
+        if chunks == 1:
+            mark(0)
+        else:
+            def mark_step(c, carry):
+                mark(pl.multiple_of(c * C, LANE))
+                return carry
+            lax.fori_loop(0, chunks, mark_step, 0)
 
     # ---- 5. the blocks holding some query's picks, in order
     def _compact(self, b: int, seq_meta, mw: int):
@@ -414,11 +440,15 @@ class SparseStage:
             acc = jnp.where(first, 0.0, msc.acc[...]) * alpha[:, :1] + pv
             msc.m[...], msc.l[...], msc.acc[...] = m_next, l_next, acc
 
-        fetch(jnp.int32(0), 0)
+        D = g.ring_slots
+        fetch(jnp.int32(0), 0)  # the first D - 1 steps (there is always one)
+        for first in range(1, D - 1):
+            pl.when(first < nsteps)(lambda first=first: fetch(jnp.int32(first), first))
 
         def step(c, carry):
-            slot = lax.rem(c, 2)
-            pl.when(c + 1 < nsteps)(lambda: fetch(c + 1, 1 - slot))
+            ahead = c + (D - 1)  # into the slot step c - 1 computed from
+            pl.when(ahead < nsteps)(lambda: fetch(ahead, lax.rem(ahead, D)))
+            slot = lax.rem(c, D)
             wait(slot)
             compute(c, slot)
             return carry

@@ -1521,8 +1521,8 @@ class SparseGeometry:
     bfloat16) of a page, each block holding a selected token once: Mosaic refuses DMAs whose
     offset along the tiled (token) dimension is not a whole tile (TPU_FACTS 4), so a single row
     cannot be moved alone; the block's unselected rows are masked out of the softmax.
-    `gather_tokens` blocks are gathered per step of the attention loop (two slots: one computed
-    while the next lands)."""
+    `gather_tokens` blocks are gathered per step of the attention loop, through a ring of
+    `gather_slots` slots (one computed while the next steps' DMAs fly)."""
 
     batch: int
     q_len: int
@@ -1539,6 +1539,9 @@ class SparseGeometry:
     latent_lanes: int  # a stored latent row's lanes (MLAGeometry.page_lanes)
     interleave: bool = False
     mla_layers: int = 0  # every MLA layer gathers (a layer of index_shared_layers the previous layer's picks)
+    select_chunk: int = 0  # positions per pass of the top-k search (select_lanes); 0: auto
+    gather_step: int = 0  # blocks per gather step (gather_tokens); 0: auto (GATHER_ROWS rows)
+    gather_slots: int = 0  # the gather ring's slots; 0: GATHER_SLOTS
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, batch: int, q_len: int, page_size: int, pages_per_seq: int,
@@ -1586,6 +1589,17 @@ class SparseGeometry:
         return round_up(self.capacity, LANE)
 
     @property
+    def select_lanes(self) -> int:
+        """Positions the top-k search compares and counts at once: the score lanes in chunks of
+        at most SELECT_LANES (the largest whole number of 128-lane blocks dividing them), so the
+        passes' temporaries stay [query rows, select_lanes] at any context; `select_chunk`
+        fixes it (a divisor of score_lanes, whole lanes)."""
+        if self.select_chunk:
+            return self.select_chunk
+        blocks = self.score_lanes // LANE
+        return LANE * max(k for k in range(1, min(blocks, SELECT_LANES // LANE) + 1) if blocks % k == 0)
+
+    @property
     def tile_pages(self) -> int:
         """Pages per index-key tile: the largest count dividing pages_per_seq whose rows are a
         whole number of 128-lane score blocks (scores are stored at lane offset tile x rows),
@@ -1615,7 +1629,13 @@ class SparseGeometry:
 
     @property
     def gather_tokens(self) -> int:
-        return max(1, min(GATHER_ROWS // self.block_rows, self.selected))
+        return max(1, min(self.gather_step or GATHER_ROWS // self.block_rows, self.selected))
+
+    @property
+    def ring_slots(self) -> int:
+        """Gather steps in the ring: this one computed while the next ring_slots - 1 steps'
+        block DMAs fly."""
+        return self.gather_slots or GATHER_SLOTS
 
     @property
     def gather_rows(self) -> int:
@@ -1650,6 +1670,10 @@ class SparseGeometry:
              f"a context whose pages make whole {LANE}-token score blocks of at most {INDEX_TILE_ROWS} tokens")
         need(self.page_size % self.block_rows == 0, f"page_size = {self.page_size}",
              f"a multiple of {self.block_rows} (the gathered blocks)")
+        need(self.ring_slots >= 2, f"gather_slots = {self.ring_slots}", "at least 2")
+        c = self.select_lanes
+        need(c > 0 and c % LANE == 0 and self.score_lanes % c == 0, f"select_chunk = {c}",
+             f"a multiple of {LANE} dividing the {self.score_lanes} score lanes")
 
     def scratch(self) -> tuple[Buffer, ...]:
         """The sparse stage's scratch, in the order `tpumk.kernel.sparse_attention.SparseScratch`
@@ -1669,7 +1693,7 @@ class SparseGeometry:
                  "[i, h*q_len + i]: query i's head weights w_h / sqrt(Hi) (the sum over heads as one matmul)"),
             vmem("keys", (self.query_rows, self.score_lanes), "int32",
                  "[query, position]: the scores as order-preserving int32 keys (masked: INT32_MIN), then the selection"),
-            vmem("gather", (2, self.gather_rows, self.latent_lanes), dt,
+            vmem("gather", (self.ring_slots, self.gather_rows, self.latent_lanes), dt,
                  "[slot, block j's block_rows rows]: gathered latent rows"),
             smem("picked", (self.batch, self.q_len, self.score_lanes), "int32",
                  "[sequence, query, position]: 1 where the query selected it (kept for the layers reusing it)"),
@@ -1678,7 +1702,7 @@ class SparseGeometry:
                  "whole gather step)"),
             smem("counts", (self.batch,), "int32", "per sequence: the blocks listed in order"),
             dma_sems("sems", (6,), "weights, norm, key tile slots 0 / 1, selection VMEM -> SMEM, spare"),
-            dma_sems("gather_sems", (2,), "one per gather slot"),
+            dma_sems("gather_sems", (self.ring_slots,), "one per gather slot"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
         )
 
@@ -1743,15 +1767,23 @@ class SparseGeometry:
 
     def temporaries_bytes(self) -> int:
         """One index tile's head scores [head rows, tile] and combined scores, the selection
-        passes' [query rows, positions] compare and count, and one gather step's scores,
+        passes' [query rows, select_lanes] compare and count, and one gather step's scores,
         probabilities and masked values (an upper bound)."""
         t = round_up(self.tile_rows, LANE)
-        return (self.head_rows * t * 8 + self.query_rows * t * 4 + 3 * self.query_rows * self.score_lanes * 4
+        return (self.head_rows * t * 8 + self.query_rows * t * 4 + 3 * self.query_rows * self.select_lanes * 4
                 + 3 * self.gather_rows * self.latent_lanes * 4)
 
 
 # Index-key tiles are at most this many tokens (the scores of one tile are [heads x q_len, tile]
 # float32 before the sum over heads: 64 heads x 512 tokens is 128 KiB).
 INDEX_TILE_ROWS = 512
+# The top-k search's passes read at most this many positions at once (temporaries of [8 query
+# rows, 4096] int32: 128 KiB each, where the whole 128k-token row would be 4 MiB).
+SELECT_LANES = 4096
 # A gather step moves at most this many latent rows (blocks of block_rows rows each).
 GATHER_ROWS = 128
+# Slots of the gather ring. A step's block DMAs share one queue, whose time by tpumk's DMA
+# model is a 1 us latency plus the bytes at 405 GB/s (a bfloat16 DeepSeek-V3.2 step: 8 blocks
+# of 20 KiB, about 0.4 us): with two slots the queue waits on latency; about 3.5 steps in
+# flight cover it, so 4 slots (3 steps ahead of the one computed).
+GATHER_SLOTS = 4

@@ -952,8 +952,7 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
     if model.attention.is_sparse:  # (tpumk.kernel.sparse_attention: what it does not do yet)
         where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
-        for cond, what in ((spec.devices > 1, f"on {spec.devices} devices (one device only yet)"),
-                           (spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
+        for cond, what in ((spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
                            (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
                            (not model.q_lora_rank, "without q-LoRA (q_lora_rank = 0)")):
             if cond:

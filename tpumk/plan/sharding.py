@@ -20,6 +20,9 @@ same megakernel on its own slice of the weights (SPMD). The split, per family:
   all-gathering the slices so every device holds the whole latent (copies: the same bits; each
   column is computed as one device would). Their norms stay whole (applied after the gather). The latent cache is replicated: every device holds, and writes, the
   whole cache (the same rows), so a device's cache bytes are those of the whole latent cache.
+  Sparse attention's indexer (its weights and its index-key cache) is replicated the same way:
+  every device computes the same top-k selection with no collective, and its heads attend to
+  the blocks it picks.
 - dense FFN (and a MoE model's shared experts): split by width; gate / up by columns, down by
   rows: again a partial sum of the output.
 - routed experts: `expert_parallel` groups of N / expert_parallel devices. Group g owns experts
@@ -55,6 +58,9 @@ from tpumk.model.config import LAYER_NORMS, ModelConfig
 from tpumk.model.weights import RESIDUAL_GATES
 from tpumk.model.quantize import QuantizedMatrix, expert_format, quantized_weight_bytes
 from tpumk.plan.geometry import LANE, round_up
+
+# Sparse attention's lightning indexer (tpumk.model.sparse_attention): whole on every device
+INDEXER_WEIGHTS = ("idx_wq", "idx_wk", "idx_k_norm", "idx_k_bias", "idx_weights")
 
 MESH_AXIS = "tp"
 
@@ -389,8 +395,9 @@ class ShardingPlan:
         heads' rows of o; q_a and kv_a whole, or with `latent_split` device d's output columns
         of each (`latent_slices`); their norms whole."""
         hl, h0 = self.q_heads, d * self.q_heads
+        # sparse attention's indexer whole on every device: each computes the same selection
         out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
-               for k in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm") if k in lay}
+               for k in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm") + INDEXER_WEIGHTS if k in lay}
         if self.latent_split:
             w = self.latent_slices(cfg)
             for key, fam in (("wq_a", "q_a"), ("wkv_a", "kv_a")):
@@ -470,8 +477,9 @@ class ShardingPlan:
 
         if isinstance(cache, QuantizedKVCache):
             return self.expand_quantized(cfg, cache)._replace(states=self.expand_states(cfg, cache.states))
+        keys = None if cache.index_keys is None else self.expand_cache(cfg, cache.index_keys)
         return cache._replace(k=self.expand_cache(cfg, cache.k), v=self.expand_cache(cfg, cache.v),
-                              states=self.expand_states(cfg, cache.states))
+                              states=self.expand_states(cfg, cache.states), index_keys=keys)
 
     def collapse_kv(self, cfg: ModelConfig, cache):
         """The inverse of `expand_kv`."""
@@ -479,8 +487,9 @@ class ShardingPlan:
 
         if isinstance(cache, QuantizedKVCache):
             return self.collapse_quantized(cfg, cache)._replace(states=self.collapse_states(cfg, cache.states))
+        keys = None if cache.index_keys is None else self.collapse_cache(cfg, cache.index_keys)
         return cache._replace(k=self.collapse_cache(cfg, cache.k), v=self.collapse_cache(cfg, cache.v),
-                              states=self.collapse_states(cfg, cache.states))
+                              states=self.collapse_states(cfg, cache.states), index_keys=keys)
 
     def collapse_cache(self, cfg: ModelConfig, kv):
         """The inverse of `expand_cache` (replicas agree; the first of each is kept)."""
