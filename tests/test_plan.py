@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tpumk.model.config import load_preset, preset_names
-from tpumk.errors import ConfigError, NotSupportedError, PlanError
+from tpumk.errors import ConfigError, NotSupportedError, PlanError, VMEMError
 from tpumk.plan.plan import make_plan
 from tpumk.targets import TARGETS, get_target
 from tpumk.plan.knobs import FAMILIES, TuningConfig, load_tuning
@@ -41,7 +41,7 @@ def test_tuning_unknown_key_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("knob, value, words", [
-    ("ring_depth", 1, "at least 2"),
+    ("ring_depth", 1, "0 (auto) or at least 2"),
     ("qkv_tile_cols", 200, "multiple of 128"),
     ("gate_up_tile_cols", 384, "multiple of 256"),
     ("down_tile_rows", 100, "multiple of 128"),
@@ -177,6 +177,24 @@ def test_vmem_overrun_is_rejected_before_compiling_with_a_breakdown():
     # the same knobs fit a 128 MiB v6e core
     plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("v6e"), 1, 4096, tuning))
     assert plan.vmem["weight_ring"] == 96 * MIB
+
+
+def test_auto_ring_depth_keeps_12_where_it_fits_and_shrinks_where_it_does_not():
+    """ring_depth = 0 (the default): the published 12-deep ring where it fits; Muse Spark's NVFP4
+    build on 8 TPU7x devices, refused at 12 (bfloat16 ring tiles: 57.2 MiB of VMEM against 54.4),
+    gets the deepest ring that fits; a fixed depth that does not fit is still refused."""
+    assert TuningConfig().ring_depth == 0
+    plan = make_plan(BuildSpec(load_preset("qwen3-8b"), get_target("tpu7x"), 1, 4096))
+    assert plan.ring_depth == 12 and plan.summary()["ring"]["depth_knob"].startswith("auto")
+    spark = load_preset("muse-spark")
+    with pytest.raises(VMEMError, match="does not fit tpu7x VMEM"):
+        make_plan(BuildSpec(spark, get_target("tpu7x"), 1, 4096, TuningConfig(ring_depth=12), devices=8,
+                            quant="nvfp4"))
+    plan = make_plan(BuildSpec(spark, get_target("tpu7x"), 1, 4096, devices=8, quant="nvfp4"))
+    assert 2 <= plan.ring_depth < 12 and plan.vmem_needed <= plan.vmem_budget
+    deeper = TuningConfig(ring_depth=plan.ring_depth + 1)
+    with pytest.raises(VMEMError):
+        make_plan(BuildSpec(spark, get_target("tpu7x"), 1, 4096, deeper, devices=8, quant="nvfp4"))
 
 
 def test_vmem_breakdown_names_components():

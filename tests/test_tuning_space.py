@@ -14,7 +14,7 @@ import pytest
 
 from tpumk.model.config import load_preset
 from tpumk.errors import ConfigError, PlanError
-from tpumk.plan.plan import make_plan
+from tpumk.plan.plan import AUTO_RING_DEPTH, make_plan
 from tpumk.targets import get_target
 from tpumk.plan.knobs import TuningConfig
 from tpumk.tune.space import (DEFAULT_SPACE_PATH, FACTS, KNOB_NAMES, SPACES_DIR, Constraint,
@@ -90,14 +90,15 @@ def test_facts_cover_the_documented_names():
 def test_fixed_trial_of_the_defaults_gives_the_default_config(default_space):
     one = default_space.for_build(BuildSpec(load_preset("tiny-moe"), get_target("tpu7x")))
     values = one.default_values()
-    assert values == {k: getattr(TuningConfig(), k) for k in one.knobs} and "expert_parallel" not in values
+    defaults = {k: getattr(TuningConfig(), k) for k in one.knobs} | {"ring_depth": AUTO_RING_DEPTH}  # auto's depth
+    assert values == defaults and "expert_parallel" not in values
     suggested = one.suggest(optuna.trial.FixedTrial(values))
     assert suggested == values
-    assert one.tuning_for(suggested) == TuningConfig()
+    assert one.tuning_for(suggested) == TuningConfig(ring_depth=AUTO_RING_DEPTH)
     # Many devices: the computed knob's default is the split its auto makes (the same plan).
     many = default_space.for_build(MOE_4DEV)
     values = many.default_values()
-    assert values == {**{k: getattr(TuningConfig(), k) for k in one.knobs}, "expert_parallel": 2, "all_reduce": "direct",
+    assert values == {**defaults, "expert_parallel": 2, "all_reduce": "direct",
                       "all_reduce_wire": "float32"}
     tuning = many.tuning_for(many.suggest(optuna.trial.FixedTrial(values)))
     assert make_plan(MOE_4DEV.replace(tuning=tuning)).sharding == make_plan(MOE_4DEV).sharding
@@ -128,7 +129,10 @@ def test_a_build_searches_only_the_knobs_it_has(default_space, model, devices, a
     assert set(space.knobs) == set(default_space.knobs) - absent and set(space.dropped) == absent
     assert space.size() == math.prod(k.size() for k in space.knobs.values())
     if devices == 1:  # (on many devices a computed knob's default is the choice its auto makes)
-        assert space.tuning_for(space.default_values()) == TuningConfig()
+        # ring_depth's default candidate is the depth its auto (0) plans as where it fits
+        assert space.tuning_for(space.default_values()) == TuningConfig(ring_depth=AUTO_RING_DEPTH)
+        if plans:
+            assert make_plan(spec).ring_depth == AUTO_RING_DEPTH
     line = space.dropped_line()
     assert line.startswith(f"space default: {len(space.knobs)} of {len(default_space.knobs)} knobs searched")
     assert all(name in line for name in absent) and "\n" not in line
@@ -358,8 +362,8 @@ BROKEN = [
      r"knob 'qkv_tile_cols': candidate 200 is not valid: 'qkv_tile_cols' = 200: expected 0 \(auto\) or a positive multiple of 128"),
     ("invalid gate_up cols", '[knobs.gate_up_tile_cols]\ntype = "categorical"\nchoices = [384]\n',
      r"knob 'gate_up_tile_cols': candidate 384 is not valid: .*multiple of 256"),
-    ("int range below the minimum", '[knobs.ring_depth]\ntype = "int"\nlow = 0\nhigh = 12\nstep = 4\n',
-     r"knob 'ring_depth': candidate 0 is not valid: .*at least 2"),
+    ("int range below the minimum", '[knobs.ring_depth]\ntype = "int"\nlow = 1\nhigh = 12\n',
+     r"knob 'ring_depth': candidate 1 is not valid: .*0 \(auto\) or at least 2"),
     ("invalid fixed value", MINIMAL + "[fixed]\nkv_buffers = 1\n", r"\[fixed\].*'kv_buffers' = 1: expected 0 \(auto\) or at least 2"),
     ("boolean choice", '[knobs.expert_slots]\ntype = "categorical"\nchoices = [1, true]\n',
      r"knob 'expert_slots': candidate True is not valid: .*an integer"),

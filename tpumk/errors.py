@@ -25,6 +25,10 @@ class PlanError(TpumkError):
     """A tuning configuration the plan rejects before compiling (e.g. it does not fit VMEM)."""
 
 
+class VMEMError(PlanError):
+    """A plan that does not fit the target's VMEM (the knobs that trade VMEM can be lowered)."""
+
+
 class CompileError(TpumkError):
     """The TPU compiler rejected a build the plan accepted (the message is the compiler's line
     that says why, e.g. RESOURCE_EXHAUSTED for scoped VMEM)."""

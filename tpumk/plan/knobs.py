@@ -31,7 +31,9 @@ FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_
 @dataclass(frozen=True)
 class TuningConfig:
     # ---- weight ring (dense matrices of every layer and the lm_head)
-    ring_depth: int = 12  # tiles in flight; the published kernel keeps 12 x 2 MiB in flight
+    # tiles in flight; the published kernel keeps 12 x 2 MiB in flight. 0 = auto: the deepest ring
+    # up to 12 that fits the VMEM budget beside the other choices (tpumk.plan.plan.AUTO_RING_DEPTH)
+    ring_depth: int = 0
     tile_bytes: int = 2 * MIB  # target bytes of an auto-shaped tile
     # Per-family tile shapes: rows split the input dim K (0 = auto), cols split the output dim.
     qkv_tile_rows: int = 0
@@ -97,8 +99,8 @@ class TuningConfig:
             v = getattr(self, f.name)
             if f.type == "int" and not (isinstance(v, int) and not isinstance(v, bool)):
                 raise bad(f.name, "an integer")
-        if self.ring_depth < 2:
-            raise bad("ring_depth", "at least 2 (one tile computing while the next loads)")
+        if self.ring_depth != 0 and self.ring_depth < 2:
+            raise bad("ring_depth", "0 (auto) or at least 2 (one tile computing while the next loads)")
         if self.tile_bytes < 64 * 1024:
             raise bad("tile_bytes", "at least 65536")
         for fam in FAMILIES:

@@ -32,7 +32,7 @@ from typing import Any
 from tpumk.model import kv_quant
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
-from tpumk.errors import NotSupportedError, PlanError
+from tpumk.errors import NotSupportedError, PlanError, VMEMError
 from tpumk.targets import Target
 from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, latent_slice_bytes, logits_slice_bytes
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry, SparseGeometry,
@@ -375,7 +375,8 @@ class Plan:
             "context": self.context, "page_size": self.page_size, "num_pages": self.num_pages,
             "tuning": self.tuning.to_dict(),
             "quant": self.quant, "ring_dtype": self.ring_dtype,
-            "ring": {"depth": self.ring_depth, "slot": [self.slot_rows, self.slot_cols],
+            "ring": {"depth": self.ring_depth, "depth_knob": "fixed" if self.tuning.ring_depth else "auto (plan: the deepest that fits)",
+                     "slot": [self.slot_rows, self.slot_cols],
                      "slot_bytes": self.slot_rows * self.slot_cols * self.families["lm_head"].itemsize,
                      "tiles_per_step": self.total_tiles},
             "families": {n: f.summary() for n, f in self.families.items()},
@@ -769,8 +770,6 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
     fams = {n: f for n, f in fams.items() if n in used}
     slot_rows = max(f.tile_rows for f in fams.values())
     slot_cols = max(f.tile_cols for f in fams.values())
-    depth = tuning.ring_depth
-
     rows = batch * q_len
 
     def geometry(kv_tile_pages: int, kv_buffers: int):
@@ -802,7 +801,7 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
 
     budget = int(tuning.vmem_limit_fraction * target.vmem_bytes)
 
-    def plan_with(expert_slots: int) -> Plan:
+    def plan_with(expert_slots: int, depth: int) -> Plan:
         moe = None
         if cfg.is_moe:
             efmt = expert_format(spec.quant)
@@ -832,9 +831,36 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
             return finish(geometry(tuning.kv_tile_pages or 1, tuning.kv_buffers or 2))
         return _choose_kv_knobs(tuning, pages_per_seq, geometry, finish)
 
-    if tuning.expert_slots or not cfg.is_moe:
-        return plan_with(tuning.expert_slots or 1)
-    return _choose_expert_slots(plan_with)
+    def plan_at(depth: int) -> Plan:
+        if tuning.expert_slots or not cfg.is_moe:
+            return plan_with(tuning.expert_slots or 1, depth)
+        return _choose_expert_slots(lambda slots: plan_with(slots, depth))
+
+    if tuning.ring_depth:
+        return plan_at(tuning.ring_depth)
+    return _choose_ring_depth(plan_at)
+
+
+# ring_depth = 0 (auto): the deepest ring up to this many tiles that fits (the published kernel's
+# 12 x 2 MiB in flight, the fixed default before the plan chose).
+AUTO_RING_DEPTH = 12
+
+
+def _choose_ring_depth(plan_at) -> Plan:
+    """`ring_depth` left at 0 (auto): the deepest ring from AUTO_RING_DEPTH down to 2 whose plan
+    fits the VMEM budget (each depth with its own KV and expert-slot choices). A rule, not a
+    search: the published depth is kept whenever it fits, and a model whose 12-deep ring leaves
+    no room (Muse Spark's NVFP4 experts on 8 TPU7x devices: 57.2 MiB against 54.4) gets a
+    shallower ring instead of a refusal; `tpumk tune` searches the depth itself. Raises the
+    12-deep plan's VMEMError when no depth fits (any other PlanError at once: only VMEM
+    depends on the depth)."""
+    error = None
+    for depth in range(AUTO_RING_DEPTH, 1, -1):
+        try:
+            return plan_at(depth)
+        except VMEMError as e:
+            error = error or e
+    raise error
 
 
 # expert_slots = 0 (auto): the plan weighs 1 to this many slots (4 was the fixed default before
@@ -1213,11 +1239,11 @@ def _check_fits(plan: Plan) -> None:
                                                           key=lambda kv: -kv[1]))
     advice = "Lower ring_depth / tile sizes / kv_tile_pages / kv_buffers / expert_slots"
     if plan.vmem_needed > plan.vmem_budget:
-        raise PlanError(
+        raise VMEMError(
             f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_needed)} > budget "
             f"{_mib(plan.vmem_budget)} ({plan.tuning.vmem_limit_fraction:.2f} x {_mib(target.vmem_bytes)}); "
             f"{parts}. {advice}")
     if plan.vmem_needed + MOSAIC_HEADROOM > target.vmem_bytes:  # the scoped limit would be capped below need
-        raise PlanError(
+        raise VMEMError(
             f"plan does not fit {target.name} VMEM: needs {_mib(plan.vmem_needed)} + {_mib(MOSAIC_HEADROOM)} "
             f"Mosaic headroom > capacity {_mib(target.vmem_bytes)}; {parts}. {advice} (or vmem_limit_fraction)")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tpumk.errors import ConfigError, PlanError, one_line
 from tpumk.tomlfile import read_toml
 from tpumk.plan.knobs import ALL_REDUCE_WIRES, TuningConfig
+from tpumk.plan.plan import AUTO_RING_DEPTH
 
 if TYPE_CHECKING:  # optuna is imported lazily: loading a space should not pay for it
     import optuna
@@ -798,6 +799,13 @@ def _check_knob_name(knob: str, err, where: str) -> None:
         raise err(f"{where}: unknown knob '{knob}' (knobs: {', '.join(KNOB_NAMES)})")
 
 
+# Knobs whose TuningConfig default is an auto (0) that plans as one fixed value wherever that
+# fits: a space searches them over real values, so its default candidate is that value (the
+# default configuration then plans as TuningConfig() does; where it does not fit, the trial is
+# pruned by the plan like any other ring too deep).
+SPACE_DEFAULTS = {"ring_depth": AUTO_RING_DEPTH}
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -814,7 +822,7 @@ def _parse_knob(knob: str, spec: Any, fixed: dict[str, Any], err) -> Knob:
             raise err(f"{where}: unknown key '{key}' for type '{kind}' (expected: {', '.join(_KIND_KEYS[kind])})")
     if kind in ("int", "pow2") and knob not in _INT_KNOBS:
         raise err(f"{where}: type '{kind}' needs an integer knob; use type 'categorical' for this one")
-    default = getattr(TuningConfig(), knob)
+    default = SPACE_DEFAULTS.get(knob, getattr(TuningConfig(), knob))
 
     if kind == "computed":
         fn = spec.get("function")
