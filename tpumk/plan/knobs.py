@@ -31,8 +31,8 @@ FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_
 @dataclass(frozen=True)
 class TuningConfig:
     # ---- weight ring (dense matrices of every layer and the lm_head)
-    # tiles in flight; the published kernel keeps 12 x 2 MiB in flight. 0 = auto: the deepest ring
-    # up to 12 that fits the VMEM budget beside the other choices (tpumk.plan.plan.AUTO_RING_DEPTH)
+    # tiles in flight; the published kernel keeps 12 x 2 MiB in flight. 0 = auto: 12 where it fits
+    # the VMEM budget, else the fastest shallower ring by the timeline model (plan._choose_ring_depth)
     ring_depth: int = 0
     tile_bytes: int = 2 * MIB  # target bytes of an auto-shaped tile
     # Per-family tile shapes: rows split the input dim K (0 = auto), cols split the output dim.

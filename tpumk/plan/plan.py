@@ -375,7 +375,8 @@ class Plan:
             "context": self.context, "page_size": self.page_size, "num_pages": self.num_pages,
             "tuning": self.tuning.to_dict(),
             "quant": self.quant, "ring_dtype": self.ring_dtype,
-            "ring": {"depth": self.ring_depth, "depth_knob": "fixed" if self.tuning.ring_depth else "auto (plan: the deepest that fits)",
+            "ring": {"depth": self.ring_depth,
+                     "depth_knob": "fixed" if self.tuning.ring_depth else "auto (plan: 12 where it fits, else the timeline model's pick)",
                      "slot": [self.slot_rows, self.slot_cols],
                      "slot_bytes": self.slot_rows * self.slot_cols * self.families["lm_head"].itemsize,
                      "tiles_per_step": self.total_tiles},
@@ -841,26 +842,28 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
     return _choose_ring_depth(plan_at)
 
 
-# ring_depth = 0 (auto): the deepest ring up to this many tiles that fits (the published kernel's
-# 12 x 2 MiB in flight, the fixed default before the plan chose).
+# ring_depth = 0 (auto): this many tiles where they fit (the published kernel's 12 x 2 MiB in
+# flight, the fixed default before the plan chose), else the model's pick of fewer.
 AUTO_RING_DEPTH = 12
 
 
 def _choose_ring_depth(plan_at) -> Plan:
-    """`ring_depth` left at 0 (auto): the deepest ring from AUTO_RING_DEPTH down to 2 whose plan
-    fits the VMEM budget (each depth with its own KV and expert-slot choices). A rule, not a
-    search: the published depth is kept whenever it fits, and a model whose 12-deep ring leaves
-    no room (Muse Spark's NVFP4 experts on 8 TPU7x devices: 57.2 MiB against 54.4) gets a
-    shallower ring instead of a refusal; `tpumk tune` searches the depth itself. Raises the
-    12-deep plan's VMEMError when no depth fits (any other PlanError at once: only VMEM
-    depends on the depth)."""
-    error = None
-    for depth in range(AUTO_RING_DEPTH, 1, -1):
-        try:
-            return plan_at(depth)
-        except VMEMError as e:
-            error = error or e
-    raise error
+    """`ring_depth` left at 0 (auto): the published 12-deep ring (AUTO_RING_DEPTH) whenever its plan
+    fits the VMEM budget, as before the plan chose; when it does not (Muse Spark's NVFP4 experts
+    on 8 TPU7x devices: 57.2 MiB against 54.4), every shallower depth that fits is planned (each
+    with its own KV and expert-slot choices) and the fastest by tpumk's timeline model wins, ties
+    to the deeper ring. Not simply the deepest that fits: a deeper ring can leave room for fewer
+    expert slots (that build at batch 8: 11 slots and one expert slot, 27.7 ms by the model; 10
+    and two, 17.4 ms). Raises the 12-deep plan's VMEMError when no depth fits (any other
+    PlanError at once: only VMEM depends on the depth)."""
+    try:
+        return plan_at(AUTO_RING_DEPTH)
+    except VMEMError as e:
+        error = e
+    try:
+        return _fastest_plan(((-depth,), lambda depth=depth: plan_at(depth)) for depth in range(AUTO_RING_DEPTH - 1, 1, -1))
+    except PlanError:
+        raise error from None
 
 
 # expert_slots = 0 (auto): the plan weighs 1 to this many slots (4 was the fixed default before
