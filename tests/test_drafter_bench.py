@@ -59,12 +59,50 @@ def test_prompt_set_is_shipped_and_split():
         drafter_data.load_prompts("test")
 
 
+def test_more_prompts_are_shipped_as_rendered_and_never_held_out():
+    """drafter_prompts_more.json is what drafter_more_prompts.py renders (so the data files made
+    from it can be made again), train only, and holds no held-out prompt nor a near copy of one."""
+    import drafter_more_prompts as more
+
+    shipped = json.loads(drafter_data.PROMPTS.read_text())
+    kept, dropped = more.build(shipped)
+    assert drafter_data.load_prompts("train", more.OUT) == kept and len(kept) >= 900 and len(set(kept)) == len(kept)
+    with pytest.raises(ValueError, match="field 'held_out'"):
+        drafter_data.load_prompts("held_out", more.OUT)
+    held = shipped["held_out"]
+    assert not set(kept) & (set(held) | set(shipped["train"]))
+    held_words = [more.content_words(h) for h in held]
+    assert all(len(more.content_words(p) & w) / len(more.content_words(p) | w) < 0.5 for p in kept for w in held_words)
+    near = dict(dropped)  # the filter catches a reworded held-out prompt
+    assert near["Tell me a tongue-twister about snakes."] == "What is a tongue twister I can practice?"
+
+
+def test_data_script_refuses_a_start_past_the_prompts(tmp_path, capsys):
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        drafter_data.main(["--checkpoint", str(gguf), "--out", str(tmp_path / "o"), "--start", "100000"])
+    assert e.value.code == 1 and not (tmp_path / "o").exists()
+    assert capsys.readouterr().err.strip().startswith("tpumk: error: --start 100000: past the train split of")
+
+
 def test_vocab_map_is_speculators_most_frequent_with_offsets():
     ids = np.array([7, 7, 7, 3, 3, 9, 9, 5])  # 7 x3; 3 and 9 x2 (tie: the lower id first); 5 x1
     d2t, t2d = e3.vocab_map(ids, 3, 12)
     assert (np.arange(3) + d2t).tolist() == [3, 7, 9] and np.flatnonzero(t2d).tolist() == [3, 7, 9]
     d2t, t2d = e3.vocab_map(ids, 6, 12)  # four seen ids, topped up with the lowest unused
     assert (np.arange(6) + d2t).tolist() == [0, 1, 3, 5, 7, 9] and t2d.sum() == 6 and d2t.dtype == np.int64
+
+
+def test_extend_vocab_keeps_the_drafters_ids_and_adds_the_most_frequent():
+    d2t, _ = e3.vocab_map(np.array([7, 7, 3]), 2, 12)  # the drafter has 3 and 7
+    ids = np.array([5, 5, 5, 9, 9, 7, 7, 7, 7, 1])  # 7 is in already; then 5 (x3), 9 (x2), 1
+    d2t, t2d = e3.extend_vocab(d2t, ids, 4, 12)
+    assert (np.arange(4) + d2t).tolist() == [3, 5, 7, 9] and np.flatnonzero(t2d).tolist() == [3, 5, 7, 9]
+    d2t, t2d = e3.extend_vocab(d2t, ids, 7, 12)  # 1 seen once, then topped up with the lowest unused: 0, 2
+    assert (np.arange(7) + d2t).tolist() == [0, 1, 2, 3, 5, 7, 9] and t2d.sum() == 7
+    with pytest.raises(ValueError, match="can only grow"):
+        e3.extend_vocab(d2t, ids, 3, 12)
 
 
 def test_training_forward_is_tpumk_draft_eagle3(target, tmp_path):
