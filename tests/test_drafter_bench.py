@@ -283,6 +283,42 @@ def test_acceptance_benchmark_megakernel_verify_agrees(gguf_drafter, tmp_path, c
 
 
 @pytest.mark.full
+def test_resume_grows_the_draft_vocabulary(gguf_drafter, tmp_path, capsys):
+    """drafter_train.py --resume DIR --draft-vocab N (N larger than DIR's): the directory it writes
+    keeps DIR's ids, adds the training replies' most frequent others, and reads back through
+    tpumk.draft; a smaller N is one line, exit 1."""
+    from tpumk.draft import load_drafter
+    from tpumk.model.gguf import load_gguf
+
+    path, drafter = gguf_drafter
+    cfg, _ = load_gguf(path)
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(0, cfg.vocab_size, 12).tolist(), rng.normal(size=(12, 4, cfg.hidden_size)).astype(np.float16))
+            for _ in range(4)]
+    meta = dict(draft_taps=[0, 1, 2], hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+    drafter_data.write_dataset(tmp_path / "data" / "train.npz", seqs, [4] * 4, meta)
+    had = json.loads((drafter / "config.json").read_text())["draft_vocab_size"]
+    grown = min(had + 16, cfg.vocab_size)
+    out = tmp_path / "grown"
+    args = ["--checkpoint", str(path), "--data", str(tmp_path / "data"), "--out", str(out), "--resume", str(drafter),
+            "--ttt-steps", "2", "--chain", "2", "--batch", "2", "--epochs", "1"]
+    drafter_train.main(args + ["--draft-vocab", str(grown)])
+    s = e3.Shape.for_target(cfg, (0, 1, 2), had)
+    _, d2t_old, _ = e3.load_trained(drafter, s)
+    _, d2t, t2d = e3.load_trained(out, dataclasses.replace(s, draft_vocab=grown))
+    reply = np.concatenate([np.asarray(t[4:]) for t, _ in seqs])
+    assert t2d.sum() == grown and len(d2t) == grown
+    want, _ = e3.extend_vocab(d2t_old, reply, grown, cfg.vocab_size)
+    assert (d2t == want).all() and set(np.arange(had) + d2t_old) <= set(np.flatnonzero(t2d))
+    assert json.loads((out / "training.json").read_text())["draft_vocab"] == grown
+    assert load_drafter(out, cfg).spec.draft_vocab == grown
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        drafter_train.main(args + ["--draft-vocab", str(had - 1)])
+    assert e.value.code == 1 and "can only grow" in capsys.readouterr().err
+
+
+@pytest.mark.full
 def test_smollm2_chat_prompt_is_transformers_chat_template():
     """The real GGUF (TPUMK_SMOLLM2_GGUF, see test_gguf.py): a prompt rendered by the file's own
     chat template and encoded by tpumk's tokenizer gives transformers' apply_chat_template ids."""
