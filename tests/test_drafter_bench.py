@@ -283,6 +283,23 @@ def test_acceptance_benchmark_megakernel_verify_agrees(gguf_drafter, tmp_path, c
 
 
 @pytest.mark.full
+def test_acceptance_benchmark_more_blocks(gguf_drafter, tmp_path, capsys):
+    """--more-blocks: the same prompts with other chain lengths, each against the same plain greedy
+    tokens; a block of 1 accepts at most one draft a round (42 s at a load of 11, nice 19)."""
+    path, drafter = gguf_drafter
+    out = tmp_path / "acc.json"
+    drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--limit", "2", "--max-new", "6",
+                             "--more-blocks", "1", "--json", str(out)])
+    one = json.loads(out.read_text())["more_blocks"]["1"]
+    assert one["plain_greedy_equal"] == "2/2" and all(n <= 1 for acc in one["reference"]["accepted"] for n in acc)
+    assert len(one["reference"]["drafts_accepted_by_depth"]) == 1
+    assert "reference verify, block 1: acceptance length" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--more-blocks", "x"])
+    assert e.value.code == 1 and capsys.readouterr().err.startswith("tpumk: error: --more-blocks x")
+
+
+@pytest.mark.full
 def test_resume_grows_the_draft_vocabulary(gguf_drafter, tmp_path, capsys):
     """drafter_train.py --resume DIR --draft-vocab N (N larger than DIR's): the directory it writes
     keeps DIR's ids, adds the training replies' most frequent others, and reads back through
