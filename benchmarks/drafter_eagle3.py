@@ -147,6 +147,27 @@ def vocab_map(token_ids: np.ndarray, draft_vocab: int, target_vocab: int) -> tup
     return (chosen - np.arange(draft_vocab)).astype(np.int64), t2d
 
 
+def extend_vocab(d2t: np.ndarray, token_ids: np.ndarray, draft_vocab: int,
+                 target_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """A trained drafter's reduced vocabulary grown to `draft_vocab` ids: every id it has kept
+    (its trainable weights never depend on the vocabulary: its head rows are the target's,
+    frozen), then the most frequent other ids of `token_ids` (ties to the lower id; topped up
+    with the lowest unused ids), as `vocab_map` chooses them; sorted, as `vocab_map` returns."""
+    have = np.arange(len(d2t)) + np.asarray(d2t, np.int64)
+    if draft_vocab < len(have):
+        raise ValueError(f"draft vocabulary {draft_vocab}: the drafter already has {len(have)} ids (it can only grow)")
+    counts = np.bincount(np.asarray(token_ids, np.int64), minlength=target_vocab)
+    new = np.setdiff1d(np.flatnonzero(counts), have)
+    new = new[np.lexsort((new, -counts[new]))][:draft_vocab - len(have)]
+    chosen = np.concatenate([have, new])
+    if len(chosen) < draft_vocab:
+        chosen = np.concatenate([chosen, np.setdiff1d(np.arange(target_vocab), chosen)[:draft_vocab - len(chosen)]])
+    chosen = np.sort(chosen)
+    t2d = np.zeros(target_vocab, bool)
+    t2d[chosen] = True
+    return (chosen - np.arange(draft_vocab)).astype(np.int64), t2d
+
+
 def frozen_parts(target_params, d2t: np.ndarray) -> dict[str, jax.Array]:
     """What the drafter takes from the target: its embedding table and its lm_head rows of the
     draft vocabulary (SmolLM2's head is tied to the embedding)."""

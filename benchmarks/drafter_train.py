@@ -70,7 +70,9 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--data", required=True, type=Path, help="the directory benchmarks/drafter_data.py wrote")
     ap.add_argument("--out", required=True, type=Path, help="the drafter directory to write")
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the reduced vocabulary's size (default 4096; with --resume, default the drafter's own: a "
+                         "larger N keeps its ids and adds the training replies' most frequent others)")
     ap.add_argument("--ttt-steps", type=int, default=4, help="chain steps unrolled in training (default 4)")
     ap.add_argument("--chain", type=int, default=4, help="speculative_tokens written in the config (default 4)")
     ap.add_argument("--epochs", type=int, default=6)
@@ -83,11 +85,11 @@ def main(argv=None) -> None:
                     help="random: speculators' N(0, 0.02) (default); target: the decoder layer from the target's "
                          "last layer, fc passing the last tap through (drafter_eagle3.init_from_target)")
     ap.add_argument("--resume", type=Path, help="go on training a drafter directory this script wrote (its weights "
-                    "and draft vocabulary; --init and --draft-vocab are then not used)")
+                    "and draft vocabulary, grown to --draft-vocab when that is larger; --init is then not used)")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         drafter_data.fail(f"--checkpoint {a.checkpoint}: no such file")
-    if min(a.draft_vocab, a.ttt_steps, a.chain, a.epochs, a.batch) < 1 or a.lr <= 0:
+    if min(a.draft_vocab or 1, a.ttt_steps, a.chain, a.epochs, a.batch) < 1 or a.lr <= 0:
         drafter_data.fail("--draft-vocab, --ttt-steps, --chain, --epochs, --batch and --lr must be positive")
 
     import jax
@@ -117,14 +119,22 @@ def main(argv=None) -> None:
     if a.resume is not None:  # the trained drafter's own vocabulary, so its head rows still mean the same ids
         if not (a.resume / "model.safetensors").is_file():
             drafter_data.fail(f"--resume {a.resume}: no model.safetensors (a directory drafter_train.py wrote)")
-        a.draft_vocab = int(json.loads((a.resume / "config.json").read_text())["draft_vocab_size"])
-        s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+        had = int(json.loads((a.resume / "config.json").read_text())["draft_vocab_size"])
+        s = e3.Shape.for_target(cfg, meta["draft_taps"], had)
         try:
             params, d2t, t2d = e3.load_trained(a.resume, s)
         except ValueError as e:
             drafter_data.fail(f"--resume: {e}")
-        a.init = f"resume {a.resume}"
+        if a.draft_vocab is not None and a.draft_vocab < had:
+            drafter_data.fail(f"--draft-vocab {a.draft_vocab}: --resume {a.resume} has {had} ids already (it can "
+                              "only grow)")
+        a.draft_vocab = a.draft_vocab or had
+        if a.draft_vocab > had:
+            d2t, t2d = e3.extend_vocab(d2t, reply, a.draft_vocab, cfg.vocab_size)
+            s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+        a.init = f"resume {a.resume}" + (f" (draft vocabulary {had} -> {a.draft_vocab})" if a.draft_vocab > had else "")
     else:
+        a.draft_vocab = a.draft_vocab or 4096
         d2t, t2d = e3.vocab_map(reply, a.draft_vocab, cfg.vocab_size)
         s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
         params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else

@@ -59,12 +59,50 @@ def test_prompt_set_is_shipped_and_split():
         drafter_data.load_prompts("test")
 
 
+def test_more_prompts_are_shipped_as_rendered_and_never_held_out():
+    """drafter_prompts_more.json is what drafter_more_prompts.py renders (so the data files made
+    from it can be made again), train only, and holds no held-out prompt nor a near copy of one."""
+    import drafter_more_prompts as more
+
+    shipped = json.loads(drafter_data.PROMPTS.read_text())
+    kept, dropped = more.build(shipped)
+    assert drafter_data.load_prompts("train", more.OUT) == kept and len(kept) >= 900 and len(set(kept)) == len(kept)
+    with pytest.raises(ValueError, match="field 'held_out'"):
+        drafter_data.load_prompts("held_out", more.OUT)
+    held = shipped["held_out"]
+    assert not set(kept) & (set(held) | set(shipped["train"]))
+    held_words = [more.content_words(h) for h in held]
+    assert all(len(more.content_words(p) & w) / len(more.content_words(p) | w) < 0.5 for p in kept for w in held_words)
+    near = dict(dropped)  # the filter catches a reworded held-out prompt
+    assert near["Tell me a tongue-twister about snakes."] == "What is a tongue twister I can practice?"
+
+
+def test_data_script_refuses_a_start_past_the_prompts(tmp_path, capsys):
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        drafter_data.main(["--checkpoint", str(gguf), "--out", str(tmp_path / "o"), "--start", "100000"])
+    assert e.value.code == 1 and not (tmp_path / "o").exists()
+    assert capsys.readouterr().err.strip().startswith("tpumk: error: --start 100000: past the train split of")
+
+
 def test_vocab_map_is_speculators_most_frequent_with_offsets():
     ids = np.array([7, 7, 7, 3, 3, 9, 9, 5])  # 7 x3; 3 and 9 x2 (tie: the lower id first); 5 x1
     d2t, t2d = e3.vocab_map(ids, 3, 12)
     assert (np.arange(3) + d2t).tolist() == [3, 7, 9] and np.flatnonzero(t2d).tolist() == [3, 7, 9]
     d2t, t2d = e3.vocab_map(ids, 6, 12)  # four seen ids, topped up with the lowest unused
     assert (np.arange(6) + d2t).tolist() == [0, 1, 3, 5, 7, 9] and t2d.sum() == 6 and d2t.dtype == np.int64
+
+
+def test_extend_vocab_keeps_the_drafters_ids_and_adds_the_most_frequent():
+    d2t, _ = e3.vocab_map(np.array([7, 7, 3]), 2, 12)  # the drafter has 3 and 7
+    ids = np.array([5, 5, 5, 9, 9, 7, 7, 7, 7, 1])  # 7 is in already; then 5 (x3), 9 (x2), 1
+    d2t, t2d = e3.extend_vocab(d2t, ids, 4, 12)
+    assert (np.arange(4) + d2t).tolist() == [3, 5, 7, 9] and np.flatnonzero(t2d).tolist() == [3, 5, 7, 9]
+    d2t, t2d = e3.extend_vocab(d2t, ids, 7, 12)  # 1 seen once, then topped up with the lowest unused: 0, 2
+    assert (np.arange(7) + d2t).tolist() == [0, 1, 2, 3, 5, 7, 9] and t2d.sum() == 7
+    with pytest.raises(ValueError, match="can only grow"):
+        e3.extend_vocab(d2t, ids, 3, 12)
 
 
 def test_training_forward_is_tpumk_draft_eagle3(target, tmp_path):
@@ -242,6 +280,59 @@ def test_acceptance_benchmark_megakernel_verify_agrees(gguf_drafter, tmp_path, c
     assert mk["same_as_reference"] and mk["megakernel"]["tokens"] == mk["reference"]["tokens"]
     assert mk["prompts"] == 2 and all(len(t) == 6 for t in mk["megakernel"]["tokens"])
     assert "same tokens and verify steps as the reference: yes" in capsys.readouterr().out
+
+
+@pytest.mark.full
+def test_acceptance_benchmark_more_blocks(gguf_drafter, tmp_path, capsys):
+    """--more-blocks: the same prompts with other chain lengths, each against the same plain greedy
+    tokens; a block of 1 accepts at most one draft a round (42 s at a load of 11, nice 19)."""
+    path, drafter = gguf_drafter
+    out = tmp_path / "acc.json"
+    drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--limit", "2", "--max-new", "6",
+                             "--more-blocks", "1", "--json", str(out)])
+    one = json.loads(out.read_text())["more_blocks"]["1"]
+    assert one["plain_greedy_equal"] == "2/2" and all(n <= 1 for acc in one["reference"]["accepted"] for n in acc)
+    assert len(one["reference"]["drafts_accepted_by_depth"]) == 1
+    assert "reference verify, block 1: acceptance length" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        drafter_acceptance.main(["--checkpoint", str(path), "--drafter", str(drafter), "--more-blocks", "x"])
+    assert e.value.code == 1 and capsys.readouterr().err.startswith("tpumk: error: --more-blocks x")
+
+
+@pytest.mark.full
+def test_resume_grows_the_draft_vocabulary(gguf_drafter, tmp_path, capsys):
+    """drafter_train.py --resume DIR --draft-vocab N (N larger than DIR's): the directory it writes
+    keeps DIR's ids, adds the training replies' most frequent others, and reads back through
+    tpumk.draft; a smaller N is one line, exit 1."""
+    from tpumk.draft import load_drafter
+    from tpumk.model.gguf import load_gguf
+
+    path, drafter = gguf_drafter
+    cfg, _ = load_gguf(path)
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(0, cfg.vocab_size, 12).tolist(), rng.normal(size=(12, 4, cfg.hidden_size)).astype(np.float16))
+            for _ in range(4)]
+    meta = dict(draft_taps=[0, 1, 2], hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+    drafter_data.write_dataset(tmp_path / "data" / "train.npz", seqs, [4] * 4, meta)
+    had = json.loads((drafter / "config.json").read_text())["draft_vocab_size"]
+    grown = min(had + 16, cfg.vocab_size)
+    out = tmp_path / "grown"
+    args = ["--checkpoint", str(path), "--data", str(tmp_path / "data"), "--out", str(out), "--resume", str(drafter),
+            "--ttt-steps", "2", "--chain", "2", "--batch", "2", "--epochs", "1"]
+    drafter_train.main(args + ["--draft-vocab", str(grown)])
+    s = e3.Shape.for_target(cfg, (0, 1, 2), had)
+    _, d2t_old, _ = e3.load_trained(drafter, s)
+    _, d2t, t2d = e3.load_trained(out, dataclasses.replace(s, draft_vocab=grown))
+    reply = np.concatenate([np.asarray(t[4:]) for t, _ in seqs])
+    assert t2d.sum() == grown and len(d2t) == grown
+    want, _ = e3.extend_vocab(d2t_old, reply, grown, cfg.vocab_size)
+    assert (d2t == want).all() and set(np.arange(had) + d2t_old) <= set(np.flatnonzero(t2d))
+    assert json.loads((out / "training.json").read_text())["draft_vocab"] == grown
+    assert load_drafter(out, cfg).spec.draft_vocab == grown
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        drafter_train.main(args + ["--draft-vocab", str(had - 1)])
+    assert e.value.code == 1 and "can only grow" in capsys.readouterr().err
 
 
 @pytest.mark.full
