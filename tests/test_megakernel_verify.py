@@ -102,8 +102,10 @@ def test_verify_figures_from_the_plan():
 
     assert v["estimated_seconds"] is None
     assert v["estimate_source"].startswith("none: not requested" if COMPILER_ESTIMATE else NO_PROFILER)
-    # batch 16: the plain step fits TPU7x VMEM with default knobs, 16 x 8 verify rows do not
-    big = verify_figures(make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=16, context=1024)), 8)
+    # batch 16 with the 12-deep ring fixed: the plain step fits TPU7x VMEM, 16 x 8 verify rows do
+    # not (the automatic depth would plan them with a shallower ring)
+    big = verify_figures(make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=16, context=1024,
+                                             tuning=TuningConfig(ring_depth=12))), 8)
     assert big["error"].startswith("the verify step does not plan: plan does not fit tpu7x VMEM")
 
 

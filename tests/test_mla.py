@@ -163,7 +163,7 @@ def test_big_mla_presets_plan_on_their_slices_in_fp8(model, devices):
     assert 1 <= plan.moe.expert_slots < 4
     with pytest.raises(PlanError, match="plan does not fit tpu7x VMEM") as e:
         make_plan(BuildSpec(load_preset(model), tpu7x, 1, 4096, devices=devices, quant="fp8",
-                            tuning=TuningConfig(expert_slots=4)))
+                            tuning=TuningConfig(expert_slots=4, ring_depth=12)))
     _one_line(e)
 
 
@@ -331,7 +331,7 @@ def test_auto_expert_slots_are_weighed_against_the_kv_tiles_by_the_model():
     spec = dict(devices=32, quant="fp8")
     cfg, tpu7x = load_preset("deepseek-v3"), get_target("tpu7x")
     auto = make_plan(BuildSpec(cfg, tpu7x, 1, 4096, **spec))
-    fixed = {n: make_plan(BuildSpec(cfg, tpu7x, 1, 4096, tuning=TuningConfig(expert_slots=n), **spec))
+    fixed = {n: make_plan(BuildSpec(cfg, tpu7x, 1, 4096, tuning=TuningConfig(expert_slots=n, ring_depth=12), **spec))
              for n in (1, 2, 3)}
     assert fixed[3].attention.kv_tile_pages == 1 < auto.attention.kv_tile_pages
     t = megakernel_step(auto).seconds

@@ -58,11 +58,11 @@ from tpumk.kernel.norms import rms_norm
 from tpumk.model import rope as rope_mod
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import jnp_dtype
-from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.knobs import AUTO_RING_DEPTH, TuningConfig
 
 LANE = 128
 TILE_BYTES = TuningConfig.tile_bytes  # one streamed tile's bytes at most (the megakernel's default)
-RING_DEPTH = TuningConfig.ring_depth  # slots of a stream's ring at most (the megakernel's default)
+RING_DEPTH = AUTO_RING_DEPTH  # slots of a stream's ring at most (the megakernel's where it fits)
 RING_BYTES = RING_DEPTH * TILE_BYTES  # a stream's ring (every family's slots) at most: 24 MiB
 KV_CHUNK = 128  # cache positions per streamed KV chunk (at most; a divisor of the context)
 VMEM_LIMIT = 96 << 20

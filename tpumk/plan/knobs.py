@@ -28,6 +28,12 @@ MLA_PROJECTIONS = ("auto", "replicated", "split")  # ShardingPlan.latent_split (
 FAMILIES = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down", "lm_head")
 
 
+# ring_depth = 0 (auto): this many tiles where they fit (the published kernel's 12 x 2 MiB in
+# flight, the fixed default before the plan chose), else the model's pick of fewer
+# (tpumk.plan.plan._choose_ring_depth).
+AUTO_RING_DEPTH = 12
+
+
 @dataclass(frozen=True)
 class TuningConfig:
     # ---- weight ring (dense matrices of every layer and the lm_head)

@@ -38,7 +38,7 @@ from tpumk.plan.contract import MLA_FAMILIES, KernelContract, kernel_contract, l
 from tpumk.plan.geometry import (LANE, LAYER_VECTOR_ROWS, LINEAR_ROW, AllReduceGeometry, AttentionGeometry, SparseGeometry,
                                  LinearGeometry, MLAGeometry, MoEGeometry, QUERY_SCALE_LANES, mla_dims, rope_table_lanes,
                                  round_up)
-from tpumk.plan.knobs import TuningConfig
+from tpumk.plan.knobs import AUTO_RING_DEPTH, TuningConfig
 from tpumk.plan.padding import lane_padded
 from tpumk.plan.sharding import ShardingPlan, per_device_weight_bytes, plan_sharding
 from tpumk.plan.spec import BuildSpec
@@ -842,9 +842,6 @@ def _make_plan(spec: BuildSpec, num_pages: int | None, num_slots: int | None, la
     return _choose_ring_depth(plan_at)
 
 
-# ring_depth = 0 (auto): this many tiles where they fit (the published kernel's 12 x 2 MiB in
-# flight, the fixed default before the plan chose), else the model's pick of fewer.
-AUTO_RING_DEPTH = 12
 
 
 def _choose_ring_depth(plan_at) -> Plan:

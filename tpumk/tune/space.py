@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tpumk.errors import ConfigError, PlanError, one_line
 from tpumk.tomlfile import read_toml
-from tpumk.plan.knobs import ALL_REDUCE_WIRES, TuningConfig
-from tpumk.plan.plan import AUTO_RING_DEPTH
+from tpumk.plan.knobs import ALL_REDUCE_WIRES, AUTO_RING_DEPTH, TuningConfig
 
 if TYPE_CHECKING:  # optuna is imported lazily: loading a space should not pay for it
     import optuna
