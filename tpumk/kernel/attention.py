@@ -92,6 +92,19 @@ from tpumk.plan.geometry import BUFFER_DTYPES, LANE, AttentionGeometry, round_up
 # Finite stand-in for -inf in masked scores: exp(MASK - m) underflows to exactly 0 once a row
 # has seen one real key, and a fully masked tile cannot produce inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def online_softmax(s, first, m_ref, l_ref):
+    """One tile's step of the online softmax over scores `s` [R, T] (one query head's rows):
+    the running max and sum from `m_ref` / `l_ref` (an empty state on a sequence's `first`
+    tile). Returns the tile's probabilities, the rescale of the old accumulator, and the new
+    max and sum (the MLA and sparse stages; the GQA stage runs its head groups and sinks inline)."""
+    m_prev = jnp.where(first, -jnp.inf, m_ref[...])
+    l_prev = jnp.where(first, 0.0, l_ref[...])
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, :1])
+    return p, alpha, m_next, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
 # Window of a full-attention layer in a model with sliding layers: larger than any capacity, and
 # p - NO_WINDOW stays in int32 for every non-negative position.
 NO_WINDOW = 1 << 30

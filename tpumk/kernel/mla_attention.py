@@ -236,12 +236,7 @@ def _tiles(st, lengths, token_of_row, total) -> None:
             s = s * scale_row
         s = s * g.scale
         s = jnp.where(mask, s, attn.MASK_VALUE)
-        m_prev = jnp.where(first_tile, -jnp.inf, sc.m[...])
-        l_prev = jnp.where(first_tile, 0.0, sc.l[...])
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, :1])
-        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        p, alpha, m_next, l_next = attn.online_softmax(s, first_tile, sc.m, sc.l)
         vals = jnp.where(v_ok, tile[:, :C], jnp.zeros((), dt))
         p_v = p if scale_row is None else p * scale_row  # each key's scale on its probability
         pv = lax.dot_general(p_v.astype(dt), vals, (((1,), (0,)), ((), ())), precision=precision,

@@ -428,12 +428,7 @@ class SparseStage:
             s = lax.dot_general(q.astype(dt), tile, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * m.scale
             s = jnp.where(mask, s, attn.MASK_VALUE)
-            m_prev = jnp.where(first, -jnp.inf, msc.m[...])
-            l_prev = jnp.where(first, 0.0, msc.l[...])
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
-            l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            p, alpha, m_next, l_next = attn.online_softmax(s, first, msc.m, msc.l)
             vals = jnp.where(any_col, tile[:, :C], jnp.zeros((), dt))
             pv = lax.dot_general(p.astype(dt), vals, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
