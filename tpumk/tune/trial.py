@@ -21,6 +21,7 @@ estimate / tpumk model / measured on device), `objective_source`, `compile_secon
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -279,6 +280,12 @@ class TrialRunner:
                  "source": entry.get("model_source") or "tpumk model"}
         if "failed" in o:
             self._prune(trial, o["stage"], o["failed"])
+        v = o.get("value")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            # Completed with it, the trial would be `foreign` (tpumk.tune.budget): never seen by
+            # the sampler, which would propose the configuration again for ever.
+            self._prune(trial, "objective", f"the {name} objective returned {v!r}: not a step time (a positive, "
+                                            "finite number of seconds)")
         return self._complete(trial, o)
 
     def _complete(self, trial, o: dict[str, Any]) -> float:
