@@ -214,6 +214,11 @@ def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(ch
     base = ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"]
     _one_line_error(CliRunner().invoke(main, base + ["--quant", "int8"]), "sparse attention", "--quant int8",
                     "--backend reference")
+    # a context no longer than the indexer's top-k: its sparse attention would never select
+    topk = m.cfg.index_topk
+    _one_line_error(CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate",
+                                              "--context", str(topk), "--page-size", str(topk)]),
+                    f"context = {topk}: expected more than the indexer's top-k (field 'index_topk' = {topk}")
     _one_line_error(CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141",
                                               "--steps", "2", "--kv-dtype", "fp8"]),
                     "--kv-dtype fp8 with sparse attention (index_topk) is not built yet")

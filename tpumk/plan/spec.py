@@ -107,6 +107,11 @@ class BuildSpec:
         if self.q_len > self.context:
             raise PlanError(f"build spec: q_len = {self.q_len}: expected at most context ({self.context})")
         m = self.model
+        if m.attention.is_sparse and self.context <= m.attention.index_topk:
+            # every query would keep every cached token: the indexer's work and cache buy nothing
+            raise PlanError(f"build spec: context = {self.context}: expected more than the indexer's top-k "
+                            f"(field 'index_topk' = {m.attention.index_topk} of model '{m.name}'), or its sparse "
+                            "attention never selects: build with a longer --context")
         if m.rope_scaling == "longrope" and self.context > m.rope_original_max_position:
             # transformers turns to the long factors once a sequence passes that length (and keeps
             # the keys it cached with the short ones); one build's RoPE rows are fixed
