@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tpumk.kernel.layout import pack_weights
+from tpumk.kernel.unpack import Unpacker
 from tpumk.kernel.megakernel import make_decode_step
 from tpumk.model import reference as R
 from tpumk.model.config import load_preset
@@ -357,6 +358,7 @@ def test_plugin_builds_its_step_for_vllm_shapes(tmp_path, monkeypatch):
     rt = Runtime.from_vllm_config(vllm_config(tmp_path))
     assert (rt.plan.batch, rt.plan.context, rt.plan.q_len, rt.cfg.dtype) == (4, 64, 1, "float32")
     assert rt.source.startswith("built on start-up")
+    assert rt.holds_weights_once  # float32 weights: the device holds the packed layout only
     # pages of vLLM's block size (its block tables are the kernel's page tables), the context
     # rounded up to whole blocks; vLLM's stacked arrays: the kernel's layers and row width
     rt = Runtime.from_vllm_config(vllm_config(tmp_path, block_size=32, max_model_len=80))
@@ -395,7 +397,7 @@ def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
     """What the plugin's model runs inside vLLM's jitted step (`steps.serve_step`: the lax.cond
     between the megakernel's decode step and the ragged prefill) around a TPU7x kernel
     (tiny-dense, vLLM's pool of NUM_BLOCKS), compiled deviceless with the cache donated as vLLM
-    donates it: it compiles, both cache arrays are aliased to outputs (written in place), and
+    donates it, the weights held once (the packed ones, tpumk.kernel.unpack): it compiles, both cache arrays are aliased to outputs (written in place), and
     XLA adds no copy the size of a cache operand in HBM (tests/program_checks.cache_copies), and
     the decode branch returns the kernel's cache outputs as they are. (At this tiny size XLA keeps
     the ragged branch's whole 360 KB cache in VMEM for its scatters, a copy-start / copy-done
@@ -413,9 +415,13 @@ def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
     params = jax.eval_shape(lambda: random_params(run, seed=0))
     packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
 
+    # the device holds the packed weights only: the ragged branch reads them back (Runtime.holds_weights_once)
+    unpack = Unpacker(plan, params)
+    params = {}
+
     def served(k, v, packed, params, ids, pos, qsl, seq_lens, tables, n):
         return steps.serve_step(step, packed, params, run, shape, k, v, ids, pos, qsl, seq_lens, tables, n, BLOCK,
-                                CONTEXT)
+                                CONTEXT, unpack=unpack)
 
     dt = R.jnp_dtype(cfg)
     cache = jax.ShapeDtypeStruct(kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.kv_size), dt)

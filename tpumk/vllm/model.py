@@ -72,12 +72,15 @@ class TpumkForCausalLM(nnx.Module):
 
         # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V
         declare_layers(vllm_config, rt.kv_layers, rt.kv_width)
-        # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them
-        self.params = nnx.Param(jax.eval_shape(lambda: random_params(rt.plan.whole_model, seed=0)))
+        # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
+        # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
+        self.params = nnx.Param({} if rt.holds_weights_once else
+                                jax.eval_shape(lambda: random_params(rt.plan.whole_model, seed=0)))
         self.packed = nnx.Param(packed_specs(rt.plan))
 
     def load_weights(self, rng_key: jax.Array | None = None) -> None:
         params, packed = self.runtime.load_params()
+        params = {} if params is None else params
         # the packed tree reuses some of params' arrays (the embedding) and the runner donates
         # the model's state, which must not hold one buffer twice: those leaves get their own copy
         shared = {id(a) for a in jax.tree.leaves(params)}
@@ -113,7 +116,8 @@ class TpumkForCausalLM(nnx.Module):
         (k, v), rows = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run, rt.plan_shape, k,
                                         v, input_ids, md.input_positions, md.query_start_loc, md.seq_lens,
                                         md.block_tables.reshape(slots, -1), num_reqs, rt.block_size,
-                                        rt.max_model_len, on_step if COUNT_STEPS else None)
+                                        rt.max_model_len, on_step if COUNT_STEPS else None,
+                                        rt.unpack if rt.holds_weights_once else None)
         out = list(kv_caches)
         out[ik], out[iv] = k, v
         return out, rows, [], None

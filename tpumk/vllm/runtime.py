@@ -71,6 +71,7 @@ class Runtime:
     max_model_len: int
     fixed_pages: int | None  # an artifact's program takes exactly this many pages; a build: any
     _pool_steps: dict = field(default_factory=dict)  # a build's step per vLLM pool size (one in practice)
+    _unpacker: dict = field(default_factory=dict)  # the Unpacker load_params made (floating-point weights)
 
     @property
     def plan_shape(self) -> dict[str, int]:
@@ -133,12 +134,23 @@ class Runtime:
             plan, step, source = _built(cfg, max_seqs, max_len, block_size)
         return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None)
 
+    @property
+    def holds_weights_once(self) -> bool:
+        """True when the device holds only the kernel's packed weights and the JAX path reads its
+        reference-layout weights back from them inside the step (tpumk.kernel.unpack: floating-point
+        weights); a quantized plan holds both layouts (integer codes have no transpose)."""
+        from tpumk.kernel.unpack import Unpacker
+
+        return Unpacker.supports(self.plan)
+
     def load_params(self):
         """The checkpoint's weights: (reference-layout params of the kernel's run model for the
-        JAX path, packed weights for the kernel), both in the plan's weight formats (a quantized
-        plan quantizes both alike, so prefill and decode run the same weights) and widths (a lane
-        padded model's zero lanes: the JAX path reads and writes the same cache rows as the kernel)."""
+        JAX path, or None when `holds_weights_once`; packed weights for the kernel), in the plan's
+        weight formats (a quantized plan quantizes both alike, so prefill and decode run the same
+        weights) and widths (a lane padded model's zero lanes: the JAX path reads and writes the
+        same cache rows as the kernel)."""
         from tpumk.kernel.layout import pack_weights
+        from tpumk.kernel.unpack import Unpacker
         from tpumk.model.checkpoint import load_checkpoint
         from tpumk.model.quantize import quantize_params, scheme_of
         from tpumk.plan.padding import params_as_run
@@ -147,7 +159,16 @@ class Runtime:
         if self.plan.quant != "none" and scheme_of(params) == "none":
             params = quantize_params(self.cfg, params, self.plan.quant)
         run = params_as_run(self.plan, params)
-        return run, pack_weights(self.plan, run)
+        packed = pack_weights(self.plan, run)
+        if not self.holds_weights_once:
+            return run, packed
+        self._unpacker["weights"] = Unpacker(self.plan, run)
+        return None, packed
+
+    def unpack(self, packed) -> dict:
+        """The JAX path's reference-layout weights read back from `packed` inside the step
+        (`holds_weights_once`; after load_params)."""
+        return self._unpacker["weights"](packed)
 
 
 def _check_vllm(vllm_config, cfg) -> None:

@@ -44,12 +44,16 @@ def _scatter_rows(num_tokens: int, rows: jax.Array, logits: jax.Array) -> jax.Ar
 def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shape: dict, k: jax.Array, v: jax.Array,
                input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array,
                block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
-               on_step: Callable[[str], None] | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               on_step: Callable[[str], None] | None = None,
+               unpack: Callable[[dict], dict] | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
     request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
     a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
     bucket). Both branches take and return vLLM's K and V arrays, updated in place. `on_step`
-    ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS)."""
+    ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS). `unpack`
+    (tpumk.kernel.unpack.Unpacker): the ragged branch reads its weights back from `packed`
+    instead of `params` (the device holds the weights once), inside that branch only, so a
+    decode step never pays for it."""
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
     one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
     decode_only = jnp.all(one_token | ~live)
@@ -63,7 +67,7 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     def ragged(cache):
         if on_step is not None:
             on_step("ragged")
-        return ragged_step(params, cfg, *cache, input_ids, positions, query_start_loc, block_tables, num_reqs,
+        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions, query_start_loc, block_tables, num_reqs,
                            block_size, max_context)
 
     return jax.lax.cond(decode_only, decode, ragged, (k, v))
