@@ -962,45 +962,39 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_as_stale(tmp_path):
     assert states == {silent.number: "FAIL", alive.number: "RUNNING"}, states
 
 
-def test_a_worker_value_that_is_no_step_time_prunes_the_trial_and_the_study_ends(tmp_path):
-    """A worker that replies ok with 0, a negative or a non-finite value for one configuration: that
-    trial is pruned with a one-line reason naming the value (it compiled, so it counts in the budget)
-    and the study ends. (Before, the trial completed with the value, was then taken for another
-    process's ("foreign") trial, so the sampler proposed the same configuration again for ever:
-    run in a subprocess so the old behaviour fails instead of hanging.)"""
-    code = textwrap.dedent(f"""
-        import math
-        from tpumk.tune.trial import TrialRunner
-        import tests.test_tune_hardening as H
+def test_a_worker_value_that_is_no_step_time_prunes_the_trial_and_the_study_ends(tmp_path, monkeypatch):
+    """A worker that replies ok with 0, a negative or a non-finite value for a configuration: that
+    trial is pruned at stage `objective` with a one-line reason naming the value (it compiled, so it
+    counts in the budget) and the study ends. (Before, the trial completed with the value, was then
+    taken for another process's ("foreign") trial, so the sampler proposed the configuration again
+    for ever: the study runs in a daemon thread, so the old behaviour fails instead of hanging.)"""
+    import math
+    import threading
 
-        def worker(self, trial, tuning):
-            reply, why, rc = H.fake_worker(self, trial, tuning)
-            if tuning.ring_depth == 4:
-                reply.update(value=0.0)
-            elif tuning.ring_depth == 8:
-                reply.update(value=math.nan)
-            elif tuning.kv_buffers == 0:
-                reply.update(value=-1.0)
-            return reply, why, rc
+    from tpumk.tune.trial import TrialRunner
 
-        TrialRunner._run_worker = worker
-        import pathlib
-        result, study = H._study(pathlib.Path({str(tmp_path)!r}), "model", "zero", trials=6)
-        for t in study.trials:
-            print(t.params.get("ring_depth"), t.state.name, t.user_attrs.get("prune_stage"), "|",
-                  t.user_attrs.get("prune_reason"))
-        print("evaluated", result.evaluated, "best", [b["value_seconds"] for b in result.best])
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line for line in r.stdout.splitlines() if "|" in line]
-    bad = [line for line in rows if line.split()[0] in ("4", "8")]
-    assert bad, r.stdout
-    for line in bad:
-        assert " PRUNED estimate | " not in line  # not the compiler-estimate failure
-        assert " PRUNED objective | " in line and "not a step time" in line, line
-    assert not [line for line in rows if " COMPLETE " in line and line.split()[0] != "12"]
-    best = r.stdout.splitlines()[-1]
-    assert best.startswith("evaluated 6 best [") and "-1.0" not in best and "nan" not in best, best
-    assert all(float(v) > 0 for v in best.split("[")[1].rstrip("]").split(",") if v.strip()), best
+    def worker(self, trial, tuning):
+        reply, why, rc = fake_worker(self, trial, tuning)
+        if tuning.ring_depth == 4:
+            reply.update(value=0.0)
+        elif tuning.ring_depth == 8:
+            reply.update(value=math.nan)
+        elif tuning.kv_buffers == 0:
+            reply.update(value=-1.0)
+        return reply, why, rc
+
+    monkeypatch.setattr(TrialRunner, "_run_worker", worker)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(zip(("result", "study"), _study(tmp_path, "model", "zero", trials=6))),
+                         daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the study did not end"
+    result, study = out["result"], out["study"]
+    bad = [tr for tr in study.trials if tr.params["ring_depth"] in (4, 8) or tr.params["kv_buffers"] == 0]
+    assert bad
+    for tr in bad:
+        assert tr.state.name == "PRUNED" and tr.user_attrs["prune_stage"] == "objective", tr
+        assert "not a step time" in tr.user_attrs["prune_reason"], tr.user_attrs
+    assert result.evaluated == 6
+    assert all(b["value_seconds"] > 0 for b in result.best), result.best
