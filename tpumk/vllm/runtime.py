@@ -19,8 +19,8 @@ Every configuration the plugin cannot serve correctly raises `ServingConfigError
 that names the setting and what was expected, before any weight is read: the server then refuses
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
-latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
-hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
+latent cache in another layout), Muse Spark's embedding norm, gated residuals and gated attention
+output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
 vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and
@@ -156,14 +156,19 @@ def _check_vllm(vllm_config, cfg) -> None:
     if cfg.is_mla:
         raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA; vLLM allocates its latent cache in "
                                  "another layout, which the plugin does not read yet")
-    if cfg.sliding_window:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' has sliding-window layers; vLLM gives them their "
-                                 "own block tables, which the plugin does not read yet")
+    # sliding-window layers are served: the plugin declares one full-attention cache for every
+    # layer (tpumk.vllm.backend), so a window layer keeps all its pages in vLLM's block tables,
+    # and the kernel and the ragged prefill apply each layer's window (and sinks) themselves
     if cfg.linear:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}, "
                                  f"{len(cfg.linear_layers)} of {cfg.num_layers}); the plugin does not keep their "
                                  "per-sequence state pool in vLLM's cache yet (serve it with a softmax-attention model, "
                                  "or run it with tpumk generate)")
+    spark = [f for f, on in (("embed_norm", cfg.embed_norm), ("residual_gates", cfg.residual_gates),
+                             ("attn_output_gate", cfg.attn_output_gate)) if on]
+    if spark:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has {spark[0]} (Muse Spark's parts); the plugin's "
+                                 "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk generate)")
     for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
                     ("pipeline_parallel_size", pc.pipeline_parallel_size)):
         if int(v) != 1:
