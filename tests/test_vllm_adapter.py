@@ -202,6 +202,26 @@ def test_decode_step_traffic_is_the_plan_s_and_the_docs_state_it():
         assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
 
 
+def test_window_layers_memory_cost_is_what_the_docs_state():
+    """docs/serving-vllm.md's cost of serving sliding-window layers on one page table
+    (`kv.held_bytes_per_sequence`): gpt-oss-20b's bytes per sequence in the plugin's stacked cache
+    against a cache trimming each window layer to vLLM's sliding-window blocks, at the block size
+    vLLM picks for a max_model_len of 4,096 (256) and of 131,072 (16); and on a small case the
+    counts themselves (2 layers, layer 0 a 6-token window, blocks of 4, 32 tokens: 8 blocks
+    for the full layer, ceil(6 / 4) + 1 = 3 for the window layer)."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving-vllm.md").read_text().split())
+    small = load_preset("tiny-dense").replace(sliding_window=6, sliding_layers=(0,))
+    row = small.attention.kv_size * small.dtype_bytes * 2
+    assert kv.held_bytes_per_sequence(small, 32, 4) == {"stacked": 16 * 4 * row, "windows_trimmed": 11 * 4 * row}
+    cfg = load_preset("gpt-oss-20b")
+    for context, block in ((4096, 256), (131072, 16)):
+        got = kv.held_bytes_per_sequence(cfg, context, block)
+        unit, scale = ("GB", 1e9) if got["stacked"] >= 1e9 else ("MB", 1e6)
+        stated = (f"max_model_len {context:,}, block size {block}: {got['stacked'] / scale:.2f} {unit} per sequence "
+                  f"against {got['windows_trimmed'] / scale:.2f} {unit}, {got['stacked'] / got['windows_trimmed']:.2f}x")
+        assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
+
+
 def test_a_cache_in_another_layout_is_refused_in_one_line():
     """An array in tpu_inference's RPA v3 layout (what vLLM allocates without --attention-backend
     tpumk), another block size or dtype: one line naming the expected stacked shape."""
