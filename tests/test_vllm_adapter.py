@@ -326,6 +326,16 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
               "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
+# a tiny gpt-oss as transformers writes its config.json: attention sinks, q / k / v / o biases,
+# layer 0 sliding a 6-token window, layer 1 full (its default layer_types), YaRN, 4 experts
+GPT_OSS_JSON = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                "intermediate_size": 128, "vocab_size": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.0,
+                "attention_bias": True, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}}
 # a hybrid (Qwen3-Next: Gated DeltaNet on layers 0-2, gated attention on layer 3), as config.json writes it
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
               "linear_num_key_heads": 1, "linear_num_value_heads": 2,
@@ -355,6 +365,12 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
      "tpumk plugin: model 'muse_spark_text' has embed_norm (Muse Spark's parts); the plugin's prefill "
      "(tpumk.vllm.steps.ragged_step) does not run it yet"),
     ("unsupported", {"model_type": "mamba"}, {}, "mamba"),
+    # gpt-oss's MXFP4 release as stored: vLLM takes its quantization_config as --quantization
+    ("checkpoint-mxfp4", dict(GPT_OSS_JSON, quantization_config={"quant_method": "mxfp4"}),
+     {"quantization": "gpt_oss_mxfp4"},
+     "tpumk plugin: the checkpoint's quantization_config (quant_method 'mxfp4', which vLLM runs as --quantization "
+     "gpt_oss_mxfp4): expected float weights (the plugin does not serve a checkpoint's stored quantized weights yet; "
+     "TPUMK_VLLM_QUANT quantizes a float checkpoint)"),
     ("hybrid", QWEN3_NEXT, {},
      "tpumk plugin: model 'qwen3_next' has linear-attention layers (gated_delta, 3 of 4); the plugin does "
      "not keep their per-sequence state pool in vLLM's cache yet"),
@@ -496,16 +512,6 @@ def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
 
 
 # ---------------------------------------------------------------------- sliding windows and sinks
-# a tiny gpt-oss as transformers writes its config.json: attention sinks, q / k / v / o biases,
-# layer 0 sliding a 6-token window, layer 1 full (its default layer_types), YaRN, 4 experts
-GPT_OSS_JSON = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 128,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                "intermediate_size": 128, "vocab_size": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
-                "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.0,
-                "attention_bias": True, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-                "tie_word_embeddings": False,
-                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}}
 
 
 @functools.lru_cache(maxsize=None)

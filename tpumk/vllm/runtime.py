@@ -20,11 +20,13 @@ that names the setting and what was expected, before any weight is read: the ser
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
 latent cache in another layout), Muse Spark's embedding norm, gated residuals and gated attention
-output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
-vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
+output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
+per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
+quantized weights too) or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
-stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and
-sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
+stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
+vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
+and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks").
 """
 
 from __future__ import annotations
@@ -178,6 +180,15 @@ def _check_vllm(vllm_config, cfg) -> None:
         raise ServingConfigError(f"{where}: speculative decoding is configured: expected none (a decode step "
                                  "takes one token per request)")
     if getattr(mc, "quantization", None):
+        stored = getattr(mc.hf_config, "quantization_config", None)
+        if stored:  # vLLM takes a checkpoint's quantization_config as its --quantization
+            from tpumk.files import shown
+
+            method = stored.get("quant_method") if isinstance(stored, dict) else stored
+            raise ServingConfigError(f"{where}: the checkpoint's quantization_config (quant_method "
+                                     f"{shown(repr(method), 40)}, which vLLM runs as --quantization {mc.quantization}): "
+                                     "expected float weights (the plugin does not serve a checkpoint's stored quantized "
+                                     f"weights yet; {QUANT_ENV} quantizes a float checkpoint)")
         raise ServingConfigError(f"{where}: --quantization {mc.quantization}: expected none (tpumk quantizes "
                                  f"through its own formats: {QUANT_ENV} or the artifact's --quant)")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
