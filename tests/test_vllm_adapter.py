@@ -222,8 +222,9 @@ def test_window_layers_memory_cost_is_what_the_docs_state():
     for context, block in ((4096, 256), (131072, 16)):
         got = kv.held_bytes_per_sequence(cfg, context, block)
         unit, scale = ("GB", 1e9) if got["stacked"] >= 1e9 else ("MB", 1e6)
-        stated = (f"max_model_len {context:,}, block size {block}: {got['stacked'] / scale:.2f} {unit} per sequence "
-                  f"against {got['windows_trimmed'] / scale:.2f} {unit}, {got['stacked'] / got['windows_trimmed']:.2f}x")
+        held, trimmed = got["stacked"], got["windows_trimmed"]
+        stated = (f"max_model_len {context:,}, block size {block}: {held / scale:.2f} {unit} per sequence "
+                  f"against {trimmed / scale:.2f} {unit}, {held / trimmed:.2f}x")
         assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
 
 
@@ -326,7 +327,7 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
               "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
-# a tiny gpt-oss as transformers writes its config.json: attention sinks, q / k / v / o biases,
+# a tiny gpt-oss's config.json (transformers' field names): attention sinks, q / k / v / o biases,
 # layer 0 sliding a 6-token window, layer 1 full (its default layer_types), YaRN, 4 experts
 GPT_OSS_JSON = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -413,7 +414,8 @@ def test_plugin_refuses_what_it_cannot_serve(tmp_path, monkeypatch, case, change
     monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
     if "env" in kw:
         monkeypatch.setenv("TPUMK_VLLM_ARTIFACT", kw["env"])
-    (tmp_path / "config.json").write_text(json.dumps(change if "hidden_size" in change else dict(QWEN3_JSON, **change)))
+    config = change if "hidden_size" in change else dict(QWEN3_JSON, **change)  # a whole config.json, or changes
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(TpumkError) as e:
         Runtime.from_vllm_config(vllm_config(tmp_path, **kw), **kw.get("runtime", {}))
     msg = str(e.value)
@@ -542,7 +544,7 @@ def test_a_model_with_windows_and_sinks_is_served_on_one_stacked_cache(tmp_path_
     assert rt.kv_width == run.attention.kv_size == 128 and rt.source.startswith("built on start-up")
 
 
-@pytest.mark.full  # 27 s on a loaded host (a MoE kernel); tests/README.md names the default tests covering it
+@pytest.mark.full  # 10-27 s on a loaded host (a MoE kernel); tests/README.md names the default tests covering it
 def test_gpt_oss_decode_step_on_the_stacked_cache_equals_the_reference(tmp_path_factory, monkeypatch):
     """The served gpt-oss config's step (Runtime.step_for vLLM's pool: MoE, biases, YaRN, the
     window and sinks): the megakernel's decode step on vLLM's arrays (random rows everywhere, so
@@ -556,7 +558,8 @@ def test_gpt_oss_decode_step_on_the_stacked_cache_equals_the_reference(tmp_path_
     packed = pack_weights(rt.plan, params)
     shape = rt.plan_shape
     step = rt.step_for(NUM_BLOCKS)
-    decode = jax.jit(lambda *a: steps.decode_step(step, packed, shape, *a), compiler_options=INTERPRET_COMPILER_OPTIONS)
+    decode = jax.jit(lambda *a: steps.decode_step(step, packed, shape, *a),
+                     compiler_options=INTERPRET_COMPILER_OPTIONS)
 
     rng = np.random.default_rng(6)
     kshape = kv.cache_shape(rt.kv_layers, NUM_BLOCKS, BLOCK, rt.kv_width)

@@ -50,8 +50,8 @@ STEPS = 6
 MAX_SEQS = 4
 READY_S = 420
 # a tiny gpt-oss: attention sinks, q / k / v / o biases, layer 0 sliding a 6-token window (shorter
-# than every prompt but one plus its 6 new tokens) and layer 1 full, YaRN, 4 experts of which 2
-# route each token, the clamped SwiGLU (limit 1, so the clamps bite at these scales)
+# than every prompt with its 6 new tokens) and layer 1 full, YaRN, 4 experts of which 2 route each
+# token, the clamped SwiGLU (limit 1, so the clamps bite at these scales)
 GPT_OSS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=128,
                num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.0,
                max_position_embeddings=256,

@@ -170,7 +170,8 @@ def _check_vllm(vllm_config, cfg) -> None:
                              ("attn_output_gate", cfg.attn_output_gate)) if on]
     if spark:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has {spark[0]} (Muse Spark's parts); the plugin's "
-                                 "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk generate)")
+                                 "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk "
+                                 "generate)")
     for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
                     ("pipeline_parallel_size", pc.pipeline_parallel_size)):
         if int(v) != 1:
@@ -186,9 +187,10 @@ def _check_vllm(vllm_config, cfg) -> None:
 
             method = stored.get("quant_method") if isinstance(stored, dict) else stored
             raise ServingConfigError(f"{where}: the checkpoint's quantization_config (quant_method "
-                                     f"{shown(repr(method), 40)}, which vLLM runs as --quantization {mc.quantization}): "
-                                     "expected float weights (the plugin does not serve a checkpoint's stored quantized "
-                                     f"weights yet; {QUANT_ENV} quantizes a float checkpoint)")
+                                     f"{shown(repr(method), 40)}, which vLLM runs as --quantization "
+                                     f"{mc.quantization}): expected float weights (the plugin does not serve a "
+                                     f"checkpoint's stored quantized weights yet; {QUANT_ENV} quantizes a float "
+                                     "checkpoint)")
         raise ServingConfigError(f"{where}: --quantization {mc.quantization}: expected none (tpumk quantizes "
                                  f"through its own formats: {QUANT_ENV} or the artifact's --quant)")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
