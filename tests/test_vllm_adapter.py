@@ -39,9 +39,16 @@ SLOTS = 6  # request slots as vLLM pads them (past max_num_seqs); the kernel's b
 CONTEXT = 32
 
 
+# tiny-dense with gpt-oss's attention: a 6-token window on layer 0 (shorter than the cached
+# sequences of the decode test, so keys outside it are there to be wrongly read) and sinks
+WINDOW_SINKS = "tiny-dense-window-sinks"
+VARIANTS = {WINDOW_SINKS: ("tiny-dense", dict(sliding_window=6, sliding_layers=(0,), attn_sinks=True))}
+
+
 @functools.lru_cache(maxsize=None)
 def setup(preset: str):
-    cfg = load_preset(preset)
+    base, overrides = VARIANTS.get(preset, (preset, {}))
+    cfg = load_preset(base).replace(**overrides)
     params = random_params(cfg, seed=0)
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=4, context=CONTEXT, page_size=BLOCK))
     # the step for vLLM's pool of NUM_BLOCKS, as the plugin's Runtime.step_for makes it
@@ -102,8 +109,11 @@ def test_decode_step_on_vllm_s_stacked_cache_equals_the_reference():
     """One decode-only batch (3 live requests of 4 kernel slots, 6 vLLM slots) on a cache of
     random rows: the megakernel runs on vLLM's arrays with vLLM's block tables, and its logits and
     the whole cache it returns equal the reference's decode step on the same arrays and tables
-    (every row but the 3 new ones unchanged)."""
-    cfg, params, plan, _, decode, _ = setup("tiny-dense")
+    (every row but the 3 new ones unchanged). The model has a sliding-window layer and attention
+    sinks (gpt-oss's attention): one page table for every layer, the window layer's pages all
+    held, the kernel applying the window and the sinks itself (the reference without either
+    gives other logits)."""
+    cfg, params, plan, _, decode, _ = setup(WINDOW_SINKS)
     rng = np.random.default_rng(5)
     k, v = (jnp.asarray(rng.normal(size=c.shape), c.dtype) for c in empty_cache(cfg))
     lengths = [5, 17, 30]  # tokens cached before this step: within the first block, on the second, near the end
@@ -125,6 +135,23 @@ def test_decode_step_on_vllm_s_stacked_cache_equals_the_reference():
     np.testing.assert_allclose(np.asarray(k_got), np.asarray(want_cache.k), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(v_got), np.asarray(want_cache.v), atol=1e-5, rtol=0)
     assert not np.array_equal(np.asarray(k_got), np.asarray(k)), "the step wrote its new rows"
+    assert_differs_without_window_and_sinks(params, cfg, ref_tokens, ref_pos, cache, np.asarray(want)[:3, 0])
+
+
+def assert_differs_without_window_and_sinks(params, cfg, tokens, positions, cache, want) -> None:
+    """The reference's logits of the live requests without the window, and without the sinks,
+    are not `want`: both change these logits, so a kernel ignoring either fails the comparison."""
+    no_sinks = {**params, "layers": [{n: w for n, w in layer.items() if n != "sinks"} for layer in params["layers"]]}
+    variants = {"no window": (params, cfg.replace(sliding_window=0, sliding_layers=())),
+                "no sinks": (no_sinks, cfg.replace(attn_sinks=False))}
+
+    @jax.jit  # one program for both
+    def logits(c):
+        return {name: R.decode_step(p, m, jnp.asarray(tokens), jnp.asarray(positions), c)[0]
+                for name, (p, m) in variants.items()}
+
+    for name, got in logits(cache).items():
+        assert np.max(np.abs(np.asarray(got)[:len(want), 0] - want)) > 1e-3 * np.max(np.abs(want)), name
 
 
 def _uses(jaxpr, var) -> list:
@@ -135,7 +162,7 @@ def test_decode_step_adds_no_copy_around_the_kernel():
     """The plugin's decode step (traced abstractly: no compile) hands vLLM's K and V arrays to the
     kernel's step as they are, and returns the step's own outputs as the new cache: no gather, no
     re-layout, no write-back (the bytes `kv.decode_step_hbm_bytes` counts as none)."""
-    cfg, _, plan, _, decode, _ = setup("tiny-dense")
+    cfg, _, plan, _, decode, _ = setup(WINDOW_SINKS)
     k, v = (jax.ShapeDtypeStruct(c.shape, c.dtype) for c in empty_cache(cfg))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     # the avals of test_decode_step_on_vllm_s_stacked_cache_equals_the_reference's call: one trace for both
@@ -178,6 +205,27 @@ def test_decode_step_traffic_is_the_plan_s_and_the_docs_state_it():
         assert total <= 1.05 * build, f"block size {block}: {total / build:.3f}x the bytes of tpumk build"
         stated = (f"block size {block}: the kernel moves {plan.hbm_bytes / 1e9:.2f} GB per step, the plugin's step "
                   f"{total / 1e9:.2f} GB, {total / build:.2f}x")
+        assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
+
+
+def test_window_layers_memory_cost_is_what_the_docs_state():
+    """docs/serving-vllm.md's cost of serving sliding-window layers on one page table
+    (`kv.held_bytes_per_sequence`): gpt-oss-20b's bytes per sequence in the plugin's stacked cache
+    against a cache trimming each window layer to vLLM's sliding-window blocks, at the block size
+    vLLM picks for a max_model_len of 4,096 (256) and of 131,072 (16); and on a small case the
+    counts themselves (2 layers, layer 0 a 6-token window, blocks of 4, 32 tokens: 8 blocks
+    for the full layer, ceil(6 / 4) + 1 = 3 for the window layer)."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving-vllm.md").read_text().split())
+    small = load_preset("tiny-dense").replace(sliding_window=6, sliding_layers=(0,))
+    row = small.attention.kv_size * small.dtype_bytes * 2
+    assert kv.held_bytes_per_sequence(small, 32, 4) == {"stacked": 16 * 4 * row, "windows_trimmed": 11 * 4 * row}
+    cfg = load_preset("gpt-oss-20b")
+    for context, block in ((4096, 256), (131072, 16)):
+        got = kv.held_bytes_per_sequence(cfg, context, block)
+        unit, scale = ("GB", 1e9) if got["stacked"] >= 1e9 else ("MB", 1e6)
+        held, trimmed = got["stacked"], got["windows_trimmed"]
+        stated = (f"max_model_len {context:,}, block size {block}: {held / scale:.2f} {unit} per sequence "
+                  f"against {trimmed / scale:.2f} {unit}, {held / trimmed:.2f}x")
         assert stated in text, f"docs/serving-vllm.md does not state: {stated}"
 
 
@@ -280,6 +328,16 @@ QWEN3_JSON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
               "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
+# a tiny gpt-oss's config.json (transformers' field names): attention sinks, q / k / v / o biases,
+# layer 0 sliding a 6-token window, layer 1 full (its default layer_types), YaRN, 4 experts
+GPT_OSS_JSON = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                "intermediate_size": 128, "vocab_size": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.0,
+                "attention_bias": True, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}}
 # a hybrid (Qwen3-Next: Gated DeltaNet on layers 0-2, gated attention on layer 3), as config.json writes it
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
               "linear_num_key_heads": 1, "linear_num_value_heads": 2,
@@ -287,6 +345,14 @@ QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_ne
               "full_attention_interval": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
               "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "norm_topk_prob": True,
               "mlp_only_layers": []}
+# a tiny Muse Spark language model (test_hf_muse_spark's): sliding-window and NoPE layers, gated
+# residuals, the embedding norm
+MUSE_SPARK_JSON = {"model_type": "muse_spark_text", "vocab_size": 301, "hidden_size": 64, "intermediate_size": 96,
+                   "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "sliding_window": 5, "moe_intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                   "moe_hidden_size": 48, "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"],
+                   "qk_scale_factor": 3.0, "output_multiplier": 2.0, "final_logit_softcapping": 1.0,
+                   "residual_gate_temperature": 0.5, "post_norm_eps": 1e-6, "routed_scaling_factor": 1.5}
 OPERATOR = "(TPUMK_VLLM_ARTIFACT or --hf-overrides)"
 LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
 
@@ -296,9 +362,17 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
     ("kv-dtype", {}, {"kv": "fp8"}, "--kv-cache-dtype fp8: expected auto"),
     ("quantization", {}, {"quantization": "fp8"}, "--quantization fp8: expected none"),
     ("speculative", {}, {"spec": object()}, "speculative decoding is configured"),
-    ("sliding", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, {},
-     "has sliding-window layers"),
+    # Muse Spark's parts the plugin's prefill (steps.ragged_step) does not run
+    ("muse-spark", MUSE_SPARK_JSON, {},
+     "tpumk plugin: model 'muse_spark_text' has embed_norm (Muse Spark's parts); the plugin's prefill "
+     "(tpumk.vllm.steps.ragged_step) does not run it yet"),
     ("unsupported", {"model_type": "mamba"}, {}, "mamba"),
+    # gpt-oss's MXFP4 release as stored: vLLM takes its quantization_config as --quantization
+    ("checkpoint-mxfp4", dict(GPT_OSS_JSON, quantization_config={"quant_method": "mxfp4"}),
+     {"quantization": "gpt_oss_mxfp4"},
+     "tpumk plugin: the checkpoint's quantization_config (quant_method 'mxfp4', which vLLM runs as --quantization "
+     "gpt_oss_mxfp4): expected float weights (the plugin does not serve a checkpoint's stored quantized weights yet; "
+     "TPUMK_VLLM_QUANT quantizes a float checkpoint)"),
     ("hybrid", QWEN3_NEXT, {},
      "tpumk plugin: model 'qwen3_next' has linear-attention layers (gated_delta, 3 of 4); the plugin does "
      "not keep their per-sequence state pool in vLLM's cache yet"),
@@ -341,7 +415,8 @@ def test_plugin_refuses_what_it_cannot_serve(tmp_path, monkeypatch, case, change
     monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
     if "env" in kw:
         monkeypatch.setenv("TPUMK_VLLM_ARTIFACT", kw["env"])
-    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN3_JSON, **change)))
+    config = change if "hidden_size" in change else dict(QWEN3_JSON, **change)  # a whole config.json, or changes
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(TpumkError) as e:
         Runtime.from_vllm_config(vllm_config(tmp_path, **kw), **kw.get("runtime", {}))
     msg = str(e.value)
@@ -384,7 +459,7 @@ def test_an_artifact_of_another_page_size_is_refused_in_one_line():
     not vLLM's block size is refused at start-up, naming both fixes."""
     from tpumk.vllm.runtime import ServingConfigError, _check_shape
 
-    plan = setup("tiny-dense")[2]
+    plan = setup(WINDOW_SINKS)[2]
     _check_shape("tpumk plugin: artifact a", plan, 4, CONTEXT, BLOCK)
     with pytest.raises(ServingConfigError) as e:
         _check_shape("tpumk plugin: artifact a", plan, 4, CONTEXT, 32)
@@ -442,3 +517,72 @@ def test_served_step_compiles_deviceless_for_tpu7x_with_the_cache_in_place():
     outs = {int(i): name for name, i in re.findall(rf"%(\S+) = [^\n]* get-tuple-element\(%{re.escape(kernel.group(1))}\), "
                                                  r"index=(\d+)", text)}
     assert re.search(rf"ROOT %\S+ = [^\n]* tuple\(%{re.escape(outs[1])}, %{re.escape(outs[2])}, ", text), outs
+
+
+# ---------------------------------------------------------------------- sliding windows and sinks
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_oss_runtime(model_dir: str):
+    from tpumk.vllm.runtime import Runtime
+
+    return Runtime.from_vllm_config(vllm_config(model_dir, max_model_len=CONTEXT, block_size=BLOCK))
+
+
+def gpt_oss_dir(tmp_path_factory, monkeypatch) -> Path:
+    import json
+
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
+    d = tmp_path_factory.mktemp("gpt-oss")
+    (d / "config.json").write_text(json.dumps(GPT_OSS_JSON))
+    return d
+
+
+def test_a_model_with_windows_and_sinks_is_served_on_one_stacked_cache(tmp_path_factory, monkeypatch):
+    """A gpt-oss checkpoint's config (sinks, a 6-token window on layer 0 of 2) is accepted: the
+    plugin's Runtime builds its step for vLLM's shapes, windows and sinks in the kernel's run
+    model, on ONE stacked K and V cache of every layer, so vLLM's one block table per request is
+    every layer's page table (a window layer keeps all its pages)."""
+    rt = gpt_oss_runtime(str(gpt_oss_dir(tmp_path_factory, monkeypatch)))
+    run = rt.plan.whole_model
+    assert (run.pattern.window(0), run.pattern.window(1), run.attention.attn_sinks) == (6, 0, True)
+    assert (rt.kv_layers, rt.plan.page_size, rt.plan.context, rt.plan.batch) == (2, BLOCK, CONTEXT, 4)
+    assert rt.kv_width == run.attention.kv_size == 128 and rt.source.startswith("built on start-up")
+
+
+@pytest.mark.full  # 10-27 s on a loaded host (a MoE kernel); tests/README.md names the default tests covering it
+def test_gpt_oss_decode_step_on_the_stacked_cache_equals_the_reference(tmp_path_factory, monkeypatch):
+    """The served gpt-oss config's step (Runtime.step_for vLLM's pool: MoE, biases, YaRN, the
+    window and sinks): the megakernel's decode step on vLLM's arrays (random rows everywhere, so
+    a key outside a window or a dropped sink would show) gives the reference decode step's logits
+    and cache, the window and the sinks applied by the kernel itself."""
+    from tpumk.plan.padding import params_as_run
+
+    rt = gpt_oss_runtime(str(gpt_oss_dir(tmp_path_factory, monkeypatch)))
+    run = rt.plan.whole_model
+    params = params_as_run(rt.plan, random_params(rt.cfg, seed=0))
+    packed = pack_weights(rt.plan, params)
+    shape = rt.plan_shape
+    step = rt.step_for(NUM_BLOCKS)
+    decode = jax.jit(lambda *a: steps.decode_step(step, packed, shape, *a),
+                     compiler_options=INTERPRET_COMPILER_OPTIONS)
+
+    rng = np.random.default_rng(6)
+    kshape = kv.cache_shape(rt.kv_layers, NUM_BLOCKS, BLOCK, rt.kv_width)
+    k, v = (jnp.asarray(rng.normal(size=kshape), jnp.float32) for _ in range(2))
+    lengths = [3, 17, 30]  # inside the window, past it on page 1, past it near the end
+    tables = tables_for(len(lengths))
+    tokens = rng.integers(0, run.vocab_size, len(lengths)).tolist()
+    ids, pos, qsl, seq_lens = batch_inputs([[t] for t in tokens], lengths, 8)
+    (k_got, v_got), rows = decode(k, v, ids, pos, qsl, seq_lens, tables, jnp.int32(len(lengths)))
+
+    b = rt.plan.batch
+    ref_tokens, ref_pos, ref_len = np.zeros((b, 1), np.int32), np.full((b, 1), -1, np.int32), np.zeros(b, np.int32)
+    ref_tokens[:3, 0], ref_pos[:3, 0], ref_len[:3] = tokens, lengths, lengths
+    cache = R.KVCache(k, v, jnp.asarray(tables[:b]), jnp.asarray(ref_len))
+    want, want_cache = jax.jit(lambda c: R.decode_step(params, run, jnp.asarray(ref_tokens), jnp.asarray(ref_pos),
+                                                       c))(cache)
+    assert_close(np.asarray(rows)[qsl[1:4] - 1], np.asarray(want)[:3, 0])
+    np.testing.assert_allclose(np.asarray(k_got), np.asarray(want_cache.k), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(v_got), np.asarray(want_cache.v), atol=1e-5, rtol=0)
+    assert_differs_without_window_and_sinks(params, run, ref_tokens, ref_pos, cache, np.asarray(want)[:3, 0])

@@ -5,9 +5,11 @@ constraints/vllm-tpu.txt`), with `-m vllm`. Each test starts a real server on 12
 engine, scheduler, paged KV manager, runner and sampler of vllm-tpu 0.32), with the test-only
 patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and stops it.
 
-- a tiny Qwen3 (head_dim 128) and a tiny Llama of head_dim 64 (Llama-3.2-1B's and SmolLM2's
-  width, which vLLM's TPU runner caches in another layout: tpumk/vllm/kv.py) written by
-  transformers, decode steps built on start-up, and a tiny Qwen3-MoE served from a `tpumk export`
+- a tiny Qwen3 (head_dim 128), a tiny Llama of head_dim 64 (Llama-3.2-1B's and SmolLM2's
+  width, which vLLM's TPU runner caches in another layout: tpumk/vllm/kv.py) and a tiny gpt-oss
+  (attention sinks, a sliding window on layer 0 of 2, MoE; one stacked cache for every layer, the
+  window layer keeping all its pages) written by transformers, decode steps built on start-up,
+  and a tiny Qwen3-MoE served from a `tpumk export`
   artifact named by --hf-overrides (its jax.export program): concurrent `/v1/completions` through
   the `openai` client give transformers' greedy tokens, and the server's log shows the decode
   steps ran in tpumk's megakernel (TPUMK_VLLM_COUNT_STEPS);
@@ -47,6 +49,14 @@ PROMPTS = [[5, 17, 300, 42, 8], [100, 200, 3, 4, 5, 6, 7, 8, 9], [1, 2], [511, 0
 STEPS = 6
 MAX_SEQS = 4
 READY_S = 420
+# a tiny gpt-oss: attention sinks, q / k / v / o biases, layer 0 sliding a 6-token window (shorter
+# than every prompt with its 6 new tokens) and layer 1 full, YaRN, 4 experts of which 2 route each
+# token, the clamped SwiGLU (limit 1, so the clamps bite at these scales)
+GPT_OSS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=128,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.0,
+               max_position_embeddings=256,
+               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                    truncate=False, original_max_position_embeddings=16))
 
 
 def _free_port() -> int:
@@ -111,7 +121,8 @@ def checkpoints(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("ckpt")
     made = {"dense": build_checkpoint(d / "qwen3"), "moe": build_checkpoint(d / "qwen3-moe", moe=True),
-            "llama-hd64": build_checkpoint(d / "llama-hd64", arch="llama", head_dim=64)}
+            "llama-hd64": build_checkpoint(d / "llama-hd64", arch="llama", head_dim=64),
+            "gpt-oss": build_checkpoint(d / "gpt-oss", arch="gpt_oss", **GPT_OSS)}
     return {kind: (path, hf_greedy(path, PROMPTS, STEPS)) for kind, path in made.items()}
 
 
@@ -172,9 +183,29 @@ def steps_run(log: Path, kind: str) -> list[int]:
     return [int(n) for n in re.findall(rf"{what} #\d+ \((\d+) requests\)", log.read_text())]
 
 
-@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe"])
+def gpt_oss_without_window_and_sinks(path: Path) -> list[list[list[int]]]:
+    """transformers' greedy tokens of the gpt-oss checkpoint with its window wider than every
+    sequence, then with its sinks at -1e9 (no share of any softmax)."""
+    import copy
+
+    import torch
+    from hf_utils import hf_greedy, load_model
+
+    model = load_model(str(path))
+    no_window, no_sinks = copy.deepcopy(model), copy.deepcopy(model)
+    no_window.config.sliding_window = 4096
+    with torch.no_grad():
+        for a, b in zip(no_window.model.layers, no_sinks.model.layers):
+            a.self_attn.sliding_window = None
+            b.self_attn.sinks.fill_(-1e9)
+    return [hf_greedy(path, PROMPTS, STEPS, model=m) for m in (no_window, no_sinks)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss"])
 def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path, request):
     ckpt, want = checkpoints[kind]
+    if kind == "gpt-oss":  # the window and the sinks each change these tokens: a server ignoring either fails
+        assert all(other != want for other in gpt_oss_without_window_and_sinks(ckpt))
     overrides = {}
     if kind == "moe":  # from an artifact the operator names in --hf-overrides: its jax.export program
         overrides["tpumk_artifact"] = str(request.getfixturevalue("moe_artifact"))

@@ -99,3 +99,26 @@ def decode_step_hbm_bytes(plan) -> dict[str, float]:
     Counted logically (each array read or written once), not by XLA's fusions."""
     tables = plan.batch * (plan.context // plan.page_size) * 4
     return {"kernel": float(plan.hbm_bytes), "page_tables": float(2 * tables)}
+
+
+def held_bytes_per_sequence(cfg, context: int, block_size: int) -> dict[str, int]:
+    """KV bytes one sequence of `context` tokens holds in vLLM's pool of a model-dtype cache, by
+    block counts (`cfg`: the model whose rows the cache holds; the plugin's is the kernel's run
+    model, `plan.whole_model`):
+
+    - "stacked": the plugin's cache (tpumk.vllm.backend declares one full-attention cache for
+      every layer), every layer's rows of all ceil(context / block_size) blocks, a sliding-window
+      layer's included;
+    - "windows_trimmed": what a cache giving each window layer vLLM's own sliding-window spec
+      would hold while the sequence decodes: the full layers' blocks as above, a window layer's
+      only ceil(window / block_size) + 1 (vLLM 0.32's `SlidingWindowSpec.
+      max_admission_blocks_per_request` at one token in flight; the window need not start on a
+      block boundary).
+    The difference is what serving window layers on one page table costs in memory; the kernel
+    still reads only each window's pages (tpumk.plan.geometry)."""
+    row = cfg.attention.kv_size * cfg.dtype_bytes * 2  # K and V of one token in one layer
+    full_blocks = -(-context // block_size)
+    layers = cfg.pattern.attention_layers
+    trimmed = sum(min(full_blocks, -(-cfg.pattern.window(i) // block_size) + 1) if cfg.pattern.window(i)
+                  else full_blocks for i in layers)
+    return {"stacked": len(layers) * full_blocks * block_size * row, "windows_trimmed": trimmed * block_size * row}

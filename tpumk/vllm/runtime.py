@@ -19,12 +19,14 @@ Every configuration the plugin cannot serve correctly raises `ServingConfigError
 that names the setting and what was expected, before any weight is read: the server then refuses
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
-latent cache in another layout), sliding-window layers (vLLM gives them their own block tables),
-hybrid models' linear-attention layers (their per-sequence state is not in vLLM's KV cache),
-vLLM's own quantization or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
+latent cache in another layout), Muse Spark's embedding norm, gated residuals and gated attention
+output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
+per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
+quantized weights too) or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
-stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and
-sizes vLLM should never pass (max_model_len, max_num_seqs or block_size below 1).
+stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
+vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
+and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks").
 """
 
 from __future__ import annotations
@@ -177,14 +179,20 @@ def _check_vllm(vllm_config, cfg) -> None:
     if cfg.is_mla:
         raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA; vLLM allocates its latent cache in "
                                  "another layout, which the plugin does not read yet")
-    if cfg.sliding_window:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' has sliding-window layers; vLLM gives them their "
-                                 "own block tables, which the plugin does not read yet")
+    # sliding-window layers are served: the plugin declares one full-attention cache for every
+    # layer (tpumk.vllm.backend), so a window layer keeps all its pages in vLLM's block tables,
+    # and the kernel and the ragged prefill apply each layer's window (and sinks) themselves
     if cfg.linear:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}, "
                                  f"{len(cfg.linear_layers)} of {cfg.num_layers}); the plugin does not keep their "
                                  "per-sequence state pool in vLLM's cache yet (serve it with a softmax-attention model, "
                                  "or run it with tpumk generate)")
+    spark = [f for f, on in (("embed_norm", cfg.embed_norm), ("residual_gates", cfg.residual_gates),
+                             ("attn_output_gate", cfg.attn_output_gate)) if on]
+    if spark:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has {spark[0]} (Muse Spark's parts); the plugin's "
+                                 "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk "
+                                 "generate)")
     for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
                     ("pipeline_parallel_size", pc.pipeline_parallel_size)):
         if int(v) != 1:
@@ -194,6 +202,16 @@ def _check_vllm(vllm_config, cfg) -> None:
         raise ServingConfigError(f"{where}: speculative decoding is configured: expected none (a decode step "
                                  "takes one token per request)")
     if getattr(mc, "quantization", None):
+        stored = getattr(mc.hf_config, "quantization_config", None)
+        if stored:  # vLLM takes a checkpoint's quantization_config as its --quantization
+            from tpumk.files import shown
+
+            method = stored.get("quant_method") if isinstance(stored, dict) else stored
+            raise ServingConfigError(f"{where}: the checkpoint's quantization_config (quant_method "
+                                     f"{shown(repr(method), 40)}, which vLLM runs as --quantization "
+                                     f"{mc.quantization}): expected float weights (the plugin does not serve a "
+                                     f"checkpoint's stored quantized weights yet; {QUANT_ENV} quantizes a float "
+                                     "checkpoint)")
         raise ServingConfigError(f"{where}: --quantization {mc.quantization}: expected none (tpumk quantizes "
                                  f"through its own formats: {QUANT_ENV} or the artifact's --quant)")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
