@@ -73,6 +73,7 @@ from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.padding import params_as_run
+from tpumk.plan.sharding import mla_kv_a
 
 
 
@@ -136,20 +137,6 @@ class _MLAColumns:
         return self.diagonal(blocks[:, None, :], name, 1).reshape(-1)
 
 
-def mla_kv_a(cfg: ModelConfig, lay: dict):
-    """A layer's wkv_a as [H, C + R] whatever the layer: a NoPE layer's with all-latent keys has
-    no rope columns (zeros: its rows' rope lanes are zero, as the reference pads them); a layer
-    reading another layer's rows (kv_source_layers) has none at all (zeros: the kernel takes the
-    source's rows instead, `mla_shared`)."""
-    width = cfg.attention.kv_cache_width
-    if "wkv_a" not in lay:
-        return jnp.zeros((cfg.hidden_size, width), jnp.asarray(lay["wo"]).dtype)
-    w = lay["wkv_a"]
-    if isinstance(w, QuantizedMatrix) or w.shape[1] == width:
-        return w
-    return jnp.pad(jnp.asarray(w), ((0, 0), (0, width - w.shape[1])))
-
-
 def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bool = False) -> dict:
     """The MLA families of every layer (layout in the module docstring). `latent_split`: the
     layer's wkv_a is one device's output columns (`ShardingPlan.latent_slices`), packed as
@@ -166,7 +153,7 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
             mats["q_b"] = cols.q(cast(l["wq_b"]), rotates)
         else:
             mats["q"] = cols.q(cast(l["wq"]), rotates)
-        mats["kv_a"] = cols.kv_a(cast(mla_kv_a(cfg, l)))
+        mats["kv_a"] = cols.kv_a(cast(mla_kv_a(cfg, l)))  # (NoPE / KV-sharing layers: zero columns)
         if "idx_wk" in l:  # sparse attention's indexer (tpumk.kernel.sparse_attention): keys, queries
             mats["idx_k"], mats["idx_q"] = (cast(l[k])[:, indexer_lanes(cfg, l[k].shape[1], rotates)]
                                             for k in ("idx_wk", "idx_wq"))

@@ -797,6 +797,11 @@ def _device_step(plan: Plan, call) -> Callable:
         if plan.cache_written_after_kernel:
             *pages, page_ids = updated
             kernel_caches = (caches[0], caches[2]) if plan.sparse is not None else caches  # (not KVCache.v)
+            readers = [i for i in range(cfg.num_layers) if cfg.pattern.kv_source(i) != i]
+            if readers:  # a layer reading another's rows writes no page (its output slots unset): kept as cached
+                ids = jnp.clip(page_ids, 0, caches[0].shape[1] - 1)
+                pages[0] = pages[0].at[:, jnp.asarray(readers)].set(jnp.swapaxes(caches[0][jnp.asarray(readers)][:, ids],
+                                                                                 0, 1))
             updated = [commit_pages(cache, p, page_ids) for cache, p in zip(kernel_caches, pages)]
             if n_states:
                 states = commit_states(states, state_out)
