@@ -48,8 +48,9 @@ SPACES = ("smem", "vmem", "hbm", "semaphore")
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks
 VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4, "post_attn_norm": 5,
               "post_mlp_norm": 6, "sinks": 7,
-              # Mistral Large 4's per-head log-position query scale and bias (MLA: no qkv bias, no
-              # sinks; tpumk.plan.plan.check_kernel_parts refuses the pairs) take those rows
+              # Mistral Large 4's per-head log-position query scale and bias take those rows: an
+              # MLA model has neither (the config refuses both); moe_in_norm beside them is refused
+              # (tpumk.plan.plan.check_kernel_parts)
               "q_log_scale": 4, "q_log_bias": 7,
               # Muse Spark's experts' input norm (moe_in_norm, M lanes) takes the sinks' row: the
               # model has no sinks (tpumk.plan.plan.check_kernel_parts refuses both)

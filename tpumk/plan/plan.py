@@ -956,10 +956,9 @@ def check_kernel_parts(model: ModelConfig) -> None:
     missing = []
     if (model.nope_layers and model.is_mla and not model.nope_latent_keys
             and set(model.nope_layers) != set(model.pattern.attention_layers)):
-        missing.append("NoPE on some MLA layers but not all (nope_layers), their keys' rope lanes as projected")
-    if model.query_log_scale and (model.attn_sinks or model.qkv_bias or (model.is_moe and model.moe_hidden_size)):
-        # (their vector rows hold the per-head log scale and bias: geometry.VECTOR_ROW)
-        missing.append("per-head log-position query scales (query_log_scale) with sinks, a qkv bias or moe_hidden_size")
+        missing.append("NoPE on some MLA layers but not all (nope_layers)")  # (but with all-latent keys)
+    if model.query_log_scale and model.is_moe and model.moe_hidden_size:  # (one vector row: geometry.VECTOR_ROW)
+        missing.append("per-head log-position query scales (query_log_scale) with the experts at moe_hidden_size")
     if model.kv_source_layers and model.linear_layers:
         missing.append("layers reading another layer's latent cache (kv_source_layers) in a hybrid")
     if model.is_moe and model.moe_hidden_size and model.attn_sinks:  # moe_in_norm takes the sinks' vector row
