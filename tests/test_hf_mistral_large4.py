@@ -194,14 +194,35 @@ def _one_line_error(r, *needles) -> str:
     return err
 
 
-def test_the_megakernel_refuses_it_naming_its_parts(checkpoint):
+def test_the_megakernel_refuses_quantized_weights(checkpoint):
+    """The megakernel builds Mistral Large 4 with model-dtype weights only (its runs: the greedy
+    tests below, tests/test_megakernel_large4.py, tests/test_multidevice_sparse.py): `tpumk
+    build --quant int8` refuses in one line, naming what runs it."""
     ckpt, _ = checkpoint
-    err = _one_line_error(CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--target", "tpu7x",
-                                                    "--no-estimate"]),
-                          "not built by the megakernel yet", "rope_learned_freqs", "query_log_scale",
-                          "nope_latent_keys", "kv_source_layers", "index_q_hidden", "sparse attention",
-                          "--backend reference")
-    assert "Traceback" not in err
+    _one_line_error(CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--target", "tpu7x",
+                                              "--no-estimate", "--quant", "int8"]),
+                    "sparse attention", "--quant int8", "--backend reference")
+
+
+@pytest.mark.full  # (38 s: ten interpreted megakernel steps) tests/README.md: the default run's cover
+def test_megakernel_greedy_tokens_equal_transformers(checkpoint):
+    """Every Mistral Large 4 part through the megakernel (interpret mode, one device): the
+    reference's prefill writes the prompts' latent rows and index keys, then ten kernel steps give
+    transformers' greedy tokens, past the top-k (the dense model's differ: the test above)."""
+    ckpt, m = checkpoint
+    assert generate(m, PROMPTS, STEPS, backend="megakernel")["tokens"] == _hf_greedy(ckpt)
+
+
+@pytest.mark.full  # (about 2 min: the 4-device step interpreted) tests/README.md: the default run's cover
+def test_megakernel_greedy_tokens_on_four_devices_equal_transformers(checkpoint):
+    """`tpumk generate --backend megakernel --devices 4` (interpret mode, 4 host devices; one query
+    head per device, the indexer and its index-key cache on every device): transformers' tokens."""
+    from host_flags import generate_on_devices
+
+    ckpt, _ = checkpoint
+    r = generate_on_devices(ckpt, PROMPTS, STEPS, 4)
+    assert "4 devices" in r["ran_on"], r["ran_on"]
+    assert r["tokens"] == _hf_greedy(ckpt)
 
 
 def _wrapper(text: dict) -> dict:

@@ -66,6 +66,15 @@ def _moe_params(cfg: ModelConfig, seed: int) -> dict:
               {"router": normal(h, e, scale=4.0), "e_gate": normal(e, h, fe), "e_up": normal(e, h, fe),
                "e_down": normal(e, fe, h)}
               for i in range(cfg.num_layers)]
+    if cfg.router_float32:  # Mistral Large 4: a float32 router whose columns are equal in bfloat16,
+        # apart by less than half a bfloat16 step: a model-dtype router (or product) would tie every
+        # expert and pick the lowest ids; the float32 one picks by the differences
+        for lay in layers:
+            if lay is not None:
+                base = np.asarray(lay["router"][:, :1], np.float32)  # (bfloat16-exact)
+                step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(base), 1e-30))) - 8)  # half a bfloat16 step
+                spread = rng.uniform(-0.9, 0.9, (h, e)).astype(np.float32) * step
+                lay["router"] = jnp.asarray(base + spread, jnp.float32)
     if cfg.router_correction_bias:  # DeepSeek-V3: a float32 router and a bias that changes picks
         for lay in layers:
             if lay is not None:
@@ -122,6 +131,9 @@ CASES = {
         32, dict(num_experts=8, top_k=2, dtype="bfloat16"), 3, "half", False, False),
     "r8-e128-k8-softmax-norm-bf16-s3-whole-1layer": (
         8, dict(num_experts=128, top_k=8, dtype="bfloat16", num_layers=1, dense_layers=[]), 3, "whole", False, False),
+    # Mistral Large 4: a float32 router in a bfloat16 model (its picks need the float32 product)
+    "r4-e8-k2-large4-f32router-bf16-s2-whole": (
+        4, dict(num_experts=8, top_k=2, dtype="bfloat16", router_float32=True), 2, "whole", False, False),
     # DeepSeek-V3 routing: sigmoid, correction bias, 4 groups of which 2 kept, scaling factor
     "r8-e16-k3-deepseek-g4-norm-f32-s2-half": (
         8, dict(num_experts=16, top_k=3, router_scoring="sigmoid", router_groups=4, router_topk_groups=2,

@@ -33,10 +33,16 @@ HEADS = dict(num_q_heads=4, num_kv_heads=4, vocab_size=321)
 
 
 def _model(dtype: str):
-    """dtype "glm-float32": GLM-5's indexer (a layer reusing the previous layer's picks)."""
+    """dtype "glm-float32": GLM-5's indexer (a layer reusing the previous layer's picks);
+    "large4-float32": tests/test_megakernel_large4.py's Mistral Large 4 model with 4 heads."""
     from test_megakernel_sparse import GLM, SPARSE
     from tpumk.model.config import load_preset
 
+    if dtype.startswith("large4-"):
+        from test_megakernel_large4 import LARGE4
+
+        dtype = dtype.removeprefix("large4-")
+        return load_preset("tiny-mla").replace(name=f"tiny-large4-{dtype}-tp", dtype=dtype, **LARGE4, **HEADS)
     glm = dtype.startswith("glm-")
     dtype = dtype.removeprefix("glm-")
     cfg = load_preset("tiny-mla").replace(name=f"tiny-dsa-{dtype}-tp", dtype=dtype, **SPARSE, **HEADS)
@@ -65,6 +71,10 @@ def _worker(dtype: str, lengths: list[int], q_len: int) -> dict:
     import numpy as np
 
     from test_megakernel_sparse import TIE_GAP, random_cache, selection_gap
+
+    large4 = dtype.startswith("large4-")
+    if large4:  # (its indexer: queries from LayerNorm(x), NoPE layers, learned frequencies)
+        from test_megakernel_large4 import selection_gap
     from tpumk.kernel.layout import pack_sharded
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.model import reference as R
@@ -97,6 +107,12 @@ def _worker(dtype: str, lengths: list[int], q_len: int) -> dict:
                      "err": float(np.max(np.abs(copies[..., 0, :] - whole))),
                      "copies_equal": all(np.array_equal(copies[..., d, :], copies[..., 0, :]) for d in range(DEVICES)),
                      "written": bool(np.any(whole != np.asarray(getattr(cache, name), np.float32)))}
+    if large4:  # the layers reading another's rows wrote none: their cache layers as before
+        wide = np.asarray(new.k, np.float32)
+        out["shared_layers_kept"] = all(np.array_equal(wide[i], np.asarray(sh.expand_kv(cfg, cache).k[i], np.float32))
+                                        for i in (1, 3))
+        out["seconds"] = time.perf_counter() - t0
+        return out
     # the dense model's logits differ by far more: the selection matters on 4 devices too
     from test_megakernel_sparse import DENSE
 
@@ -119,14 +135,19 @@ def _run(dtype: str, lengths: list[int], q_len: int) -> dict:
 # ---------------------------------------------------------------------- interpret vs reference
 @pytest.mark.full  # (see tests/README.md: the default run's cover is the deviceless compile and plan tests below)
 @pytest.mark.parametrize("dtype, lengths, q_len", [("float32", [37, 22], 1), ("bfloat16", [17, 30], 3),
-                                                   ("glm-float32", [21, 40], 1)],
-                         ids=["f32-b2-q1", "bf16-b2-q3", "glm-f32-b2-q1"])
+                                                   ("glm-float32", [21, 40], 1), ("large4-float32", [37, 22], 1)],
+                         ids=["f32-b2-q1", "bf16-b2-q3", "glm-f32-b2-q1", "large4-f32-b2-q1"])
 def test_four_device_step_matches_reference(dtype, lengths, q_len):
     """The 4-device step equals the one-device reference: logits within 1e-5 of their scale (bf16:
     the MLA tests' bound), the same on every device; every device's copy of the latent and the
     index-key cache holds the reference's rows (this step's written); one query head per device.
-    GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE."""
+    GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE. Mistral
+    Large 4's (44 s): its parts, each device's heads' log scales, the layers reading another's
+    latent rows leaving their own cache layers as they were."""
     r = _run(dtype, lengths, q_len)
+    if dtype.startswith("large4-"):
+        assert r["shared_layers_kept"], r
+        r["dense_err"] = float("inf")  # (test_megakernel_large4 checks that each of its parts matters)
     assert r["devices"] == DEVICES and r["local_heads"] == 1 and r["gap_ok"], r
     assert r["shape"] == r["want_shape"] == [len(lengths), q_len, HEADS["vocab_size"]]
     f32 = dtype.endswith("float32")
@@ -154,6 +175,19 @@ def test_four_device_build_compiles_to_one_kernel_without_xla_collectives():
     assert c.custom_calls == 1
     assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)
     assert cache_copies(plan, c) == []
+
+
+def test_four_device_large4_build_compiles_to_one_kernel_without_xla_collectives():
+    """Mistral Large 4's parts on 4 devices (tests/test_megakernel_large4.py's model, 4 heads)
+    compile deviceless for a multi-chip TPU7x topology: one tpu_custom_call, no XLA collective."""
+    from tpumk.compile.aot import compile_plan
+    from tpumk.plan.plan import make_plan
+
+    plan = make_plan(_spec("large4-float32", "tpu7x", 1, 1))
+    assert plan.devices == DEVICES and plan.cfg.num_q_heads == 1 and plan.sparse.q_hidden
+    c = compile_plan(plan)
+    assert c.custom_calls == 1
+    assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)
 
 
 def test_the_plan_counts_each_devices_sparse_reads():

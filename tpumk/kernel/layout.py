@@ -73,6 +73,7 @@ from tpumk.plan.plan import (MatrixFamily, Plan, auto_expert_chunk, layer_vector
 from tpumk.model.reference import jnp_dtype
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.padding import params_as_run
+from tpumk.plan.sharding import mla_kv_a
 
 
 
@@ -103,18 +104,23 @@ class _MLAColumns:
         self.cfg, self.fams, self.latent_split = cfg, fams, latent_split
         self.npad, self.cpad, self.vpad = dims["nope"], dims["latent"], dims["value"]
 
-    def q(self, w):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
+    def q(self, w, rotates: bool = True):  # [K, Hq*(N+R)] -> [K, Hq*npad + rope lanes]: nope parts padded, then all ropes
+        """A NoPE layer with all-latent keys (nope_latent_keys) has N + R nope lanes a head and
+        no rope lanes: its rope columns are zeros (so its rotated query lanes are zero too)."""
         cfg, k = self.cfg, w.shape[0]
-        hq, n, r = cfg.num_q_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        heads = w.reshape(k, hq, n + r)
+        hq, r = cfg.num_q_heads, cfg.qk_rope_head_dim
+        n, r_layer = cfg.attention.layer_key_widths(rotates)
+        heads = w.reshape(k, hq, n + r_layer)
         nope = jnp.pad(heads[..., :n], ((0, 0), (0, 0), (0, self.npad - n))).reshape(k, hq * self.npad)
-        return jnp.concatenate([nope, heads[..., n:].reshape(k, hq * r)], 1)
+        rope = heads[..., n:] if r_layer else jnp.zeros((k, hq, r), w.dtype)
+        return jnp.concatenate([nope, rope.reshape(k, hq * r)], 1)
 
     def kv_a(self, w):  # [K, C+R] -> [K, cpad + R]: c_kv padded to whole lane tiles, then k_rope
         if self.latent_split:  # a device's slice of the columns: as it is
             return w
         c = self.cfg.kv_lora_rank
         return jnp.concatenate([jnp.pad(w[:, :c], ((0, 0), (0, self.cpad - c))), w[:, c:]], 1)
+
 
     def o_rows(self, w):  # [Hq*V, H] -> [Hq*vpad, H]: each head's rows padded
         hq, v = self.cfg.num_q_heads, self.cfg.v_head_dim
@@ -139,16 +145,18 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
 
     cols = _MLAColumns(cfg, fams, latent_split)
     out: dict[str, list] = {}
-    for l in layers:
-        mats = {}
+    attention = cfg.pattern.attention_layers
+    for i, l in zip(attention, layers):
+        mats, rotates = {}, cfg.pattern.rotates(i)
         if cfg.q_lora_rank:
             mats["q_a"] = cast(l["wq_a"])
-            mats["q_b"] = cols.q(cast(l["wq_b"]))
+            mats["q_b"] = cols.q(cast(l["wq_b"]), rotates)
         else:
-            mats["q"] = cols.q(cast(l["wq"]))
-        mats["kv_a"] = cols.kv_a(cast(l["wkv_a"]))
+            mats["q"] = cols.q(cast(l["wq"]), rotates)
+        mats["kv_a"] = cols.kv_a(cast(mla_kv_a(cfg, l)))  # (NoPE / KV-sharing layers: zero columns)
         if "idx_wk" in l:  # sparse attention's indexer (tpumk.kernel.sparse_attention): keys, queries
-            mats["idx_k"], mats["idx_q"] = (cast(l[k])[:, indexer_lanes(cfg, l[k].shape[1])] for k in ("idx_wk", "idx_wq"))
+            mats["idx_k"], mats["idx_q"] = (cast(l[k])[:, indexer_lanes(cfg, l[k].shape[1], rotates)]
+                                            for k in ("idx_wk", "idx_wq"))
         mats["o"] = cols.o_rows(cast(l["wo"]))
         for name, m in mats.items():
             out.setdefault(name, []).append(tile_matrix(m, fams[name]))
@@ -158,14 +166,15 @@ def _pack_mla(cfg: ModelConfig, fams: dict, layers: list, cast, latent_split: bo
     return {name: jnp.stack(tiles) for name, tiles in out.items()}
 
 
-def indexer_lanes(cfg: ModelConfig, width: int) -> jax.Array:
+def indexer_lanes(cfg: ModelConfig, width: int, rotates: bool = True) -> jax.Array:
     """The indexer's output lanes (`width`: one key, or every head's query) in the kernel's order:
     with index_rope_interleave (GLM-5) each head's first R lanes evens then odds, the order the
     reference ropes and caches them in (`sparse_attention._rope`), so the kernel's rotate-half
-    RoPE applies; the key's LayerNorm is blind to the order (its weight and bias permuted alike)."""
+    RoPE applies; the key's LayerNorm is blind to the order (its weight and bias permuted alike).
+    A NoPE layer's indexer (`rotates` False, Mistral Large 4) ropes nothing: its lanes as they are."""
     a, r = cfg.attention, cfg.qk_rope_head_dim
     lanes = jnp.arange(width)
-    if not a.index_rope_interleave:
+    if not a.index_rope_interleave or not rotates:
         return lanes
     d = a.index_head_dim
     head = jnp.concatenate([jnp.arange(0, r, 2), jnp.arange(1, r, 2), jnp.arange(r, d)])
@@ -176,11 +185,23 @@ def _pack_indexer_vectors(cfg: ModelConfig, layers: list) -> dict:
     """Sparse attention's float32 per-layer arrays: weights_proj [L, H, Hi lane-padded] and the key
     LayerNorm's weight and bias as rows 0 and 1 of [L, 8, Di lane-padded] (`contract.SPARSE_OPERANDS`)."""
     a = cfg.attention
-    hi, di = round_up(a.index_heads, LANE), round_up(a.index_head_dim, LANE)
+    hi = round_up(a.index_heads, LANE)
+    lanes = max(round_up(a.index_head_dim, LANE), hi if a.query_log_scale else 0,
+                round_up(cfg.hidden_size, LANE) if a.index_q_hidden else 0)  # (SparseGeometry.norm_lanes)
     w = [jnp.pad(jnp.asarray(l["idx_weights"], jnp.float32), ((0, 0), (0, hi - a.index_heads))) for l in layers]
-    order = indexer_lanes(cfg, a.index_head_dim)
-    norm = [jnp.zeros((8, di), jnp.float32).at[0, :a.index_head_dim].set(jnp.asarray(l["idx_k_norm"], jnp.float32)[order])
-            .at[1, :a.index_head_dim].set(jnp.asarray(l["idx_k_bias"], jnp.float32)[order]) for l in layers]
+    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    norm = []
+    for i, l in zip(cfg.indexer_layers, layers):
+        order = indexer_lanes(cfg, a.index_head_dim, cfg.pattern.rotates(i))
+        rows = jnp.zeros((8, lanes), jnp.float32).at[0, :a.index_head_dim].set(f32(l["idx_k_norm"])[order])
+        rows = rows.at[1, :a.index_head_dim].set(f32(l["idx_k_bias"])[order])
+        if a.query_log_scale:  # rows 2, 3: the queries' per-head log-position scale and bias
+            rows = rows.at[2, :a.index_heads].set(f32(l["idx_log_scale"])).at[3, :a.index_heads].set(
+                f32(l["idx_log_bias"]))
+        if a.index_q_hidden:  # rows 4, 5: the LayerNorm of x the queries project
+            h = cfg.hidden_size
+            rows = rows.at[4, :h].set(f32(l["idx_q_norm"])).at[5, :h].set(f32(l["idx_q_bias"]))
+        norm.append(rows)
     return {"idx_weights": jnp.stack(w), "idx_norm": jnp.stack(norm)}
 
 
@@ -302,6 +323,12 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         if cfg.is_mla:  # the latent norms take the q_norm / k_norm rows
             if cfg.q_lora_rank:
                 block = block.at[VECTOR_ROW["q_norm"], :cfg.q_lora_rank].set(jnp.asarray(lay["q_a_norm"], jnp.float32))
+            if cfg.attention.query_log_scale:  # per head: s_h and b_h (Mistral Large 4)
+                hq = cfg.num_q_heads
+                block = block.at[VECTOR_ROW["q_log_scale"], :hq].set(jnp.asarray(lay["q_log_scale"], jnp.float32))
+                block = block.at[VECTOR_ROW["q_log_bias"], :hq].set(jnp.asarray(lay["q_log_bias"], jnp.float32))
+            if "kv_a_norm" not in lay:  # a layer reading another's rows: no latent norm (unread)
+                return block
             return block.at[VECTOR_ROW["k_norm"], :cfg.kv_lora_rank].set(jnp.asarray(lay["kv_a_norm"], jnp.float32))
         for name in ("q_norm", "k_norm"):
             w = jnp.asarray(lay[name], jnp.float32) if cfg.attention.qk_norm else jnp.ones((d,), jnp.float32)
@@ -336,6 +363,8 @@ def pack_weights(plan_or_cfg: Plan | ModelConfig, params: dict, tuning: TuningCo
         out.update(_pack_mla(cfg, fams, attention, cast, split))
         if cfg.attention.is_sparse:
             out.update(_pack_indexer_vectors(cfg, [layers[i] for i in cfg.indexer_layers]))
+        if cfg.rope_learned_freqs:  # the glue's RoPE tables (megakernel.mla_rope_tables), never the kernel's
+            out["rope_alpha"] = jnp.asarray(params["rope_alpha"], jnp.float32)
     else:
         out["qkv"] = jnp.stack([tile_matrix(jnp.concatenate([cast(l[k]) for k in qkv_keys(cfg)], 1), fams["qkv"])
                                 for l in attention])
@@ -474,6 +503,8 @@ def packed_specs(plan: Plan) -> dict:
         for k in path[:-1]:
             node = node.setdefault(k, {})
         node[path[-1]] = shape_struct(b)
+    if plan.cfg.rope_learned_freqs:  # read by the glue only (megakernel.mla_rope_tables): no operand
+        out["rope_alpha"] = jax.ShapeDtypeStruct((plan.cfg.qk_rope_head_dim // 2,), jnp.float32)
     return out
 
 

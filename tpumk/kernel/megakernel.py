@@ -52,7 +52,7 @@ from tpumk.kernel.norms import (residual_norm, rms_norm, rms_norm_from_sums, rms
                                 swiglu_act)
 from tpumk.kernel.ring import WeightRing
 from tpumk.plan.contract import (MOE_GLOBAL_OPERANDS, MOE_OPERANDS, MOE_SCALE_OPERANDS, RING_FAMILIES, STAGES,
-                                 STATE_ARRAYS, STATE_SCALARS, KernelContract)
+                                 STATE_ARRAYS, STATE_SCALARS, KernelContract, kv_producers)
 from tpumk.kernel.mla_attention import mla_attention_stage
 from tpumk.kernel.sparse_attention import SparseStage
 from tpumk.plan.geometry import (LANE, QUERY_SCALE_LANES, VECTOR_ROW, heads_per_lane_block, mla_dims,
@@ -117,6 +117,7 @@ def _kernel(plan: Plan):
         block_tables, lengths, positions = ins["block_tables"], ins["lengths"], ins["positions"]
         x0, cos_ref, sin_ref, final_norm, vec_hbm = (ins[k] for k in ("x0", "cos", "sin", "final_norm", "layer_vectors"))
         q_scale_ref = ins.get("q_scale")  # position-scaled queries: each row's factor (glue, rope.query_scale)
+        log_pos_ref = ins.get("log_pos")  # query_log_scale: each row's ln(1 + position) in the model dtype
         weights = {f: ins[f] for f in fams}
         moe_refs = [ins[k] for k in MOE_OPERANDS] if plan.moe is not None else None
         moe_scales = tuple(ins[k] for k in MOE_SCALE_OPERANDS + (MOE_GLOBAL_OPERANDS if plan.moe.nv else ())) \
@@ -318,6 +319,49 @@ def _kernel(plan: Plan):
             """The layer's place in the KV cache (a hybrid's) or the state pool (a linear layer's)."""
             return seg.kv_base + (layer - seg.first_layer) if plan.linear is not None else layer
 
+        def rounded(v):  # a float32 value rounded to the model dtype, as the reference's model-dtype ops
+            return v.astype(dt).astype(jnp.float32)
+
+        def log_scale_queries(vec) -> None:
+            """Mistral Large 4 (query_log_scale): each head's query lanes (nope and rope) times
+            s_h ln(1 + p) + b_h, computed in the model dtype (tpumk.model.mla.log_position_scale)."""
+            dims = mla_dims(cfg)
+            hq, r, npad = cfg.num_q_heads, cfg.qk_rope_head_dim, dims["nope"]
+            rope0 = hq * npad
+            lp = log_pos_ref[:, 0:1]
+            scale, bias = row(vec, "q_log_scale", hq), row(vec, "q_log_bias", hq)
+            f = [rounded(rounded(scale[:, i:i + 1] * lp) + bias[:, i:i + 1]) for i in range(hq)]  # [N, 1] each
+            for i in range(hq):
+                s.mla_q[:, i * npad:(i + 1) * npad] = s.mla_q[:, i * npad:(i + 1) * npad] * f[i]
+            lane = lax.broadcasted_iota(jnp.int32, (1, LANE), 1)
+            for lo in range(0, dims["rope_q"], LANE):  # every head's roped lanes, R to a head
+                heads = range(lo // r, min(hq, (lo + LANE) // r))
+                factor = functools.reduce(  # (compares, not a division: Mosaic lowers int // through sign)
+                    lambda acc, i: jnp.where(jnp.logical_and(lane >= i * r - lo, lane < (i + 1) * r - lo), f[i], acc),
+                    heads, jnp.zeros((1, LANE), jnp.float32))
+                s.mla_q[:, rope0 + lo:rope0 + lo + LANE] = s.mla_q[:, rope0 + lo:rope0 + lo + LANE] * factor
+
+        # KV sharing (kv_source_layers, Mistral Large 4): a layer reading an earlier layer's latent
+        # rows attends to that layer's cache with that layer's rows of this step (kept in
+        # `mla_shared` by the source); it rewrites the same rows into the same pages
+        producers = kv_producers(cfg)
+        consumers = [(i, producers.index(cfg.pattern.kv_source(i))) for i in range(cfg.num_layers)
+                     if cfg.pattern.kv_source(i) != i]
+
+        def mla_cache_layer(seg, layer):
+            base = cache_layer(seg, layer)
+            return functools.reduce(lambda acc, ic: jnp.where(layer == ic[0], producers[ic[1]], acc), consumers, base)
+
+        def share_rows(layer) -> None:
+            for k, p in enumerate(producers):
+                @pl.when(layer == p)
+                def _(k=k):
+                    s.mla_shared[k] = s.mla_row[...]
+            for i, k in consumers:
+                @pl.when(layer == i)
+                def _(k=k):
+                    s.mla_row[...] = s.mla_shared[k]
+
         def mla_attention_block(seg, layer, vec):
             """MLA (absorbed form): q path, kv_a, latent norm + RoPE, q_nope . W_UK, attention
             over the latent cache (tpumk.kernel.mla_attention), . W_UV, o + residual."""
@@ -354,18 +398,30 @@ def _kernel(plan: Plan):
                 rq = cfg.q_lora_rank
                 s.mla_qa[:, :rq] = rms_norm(s.mla_qa[:, :rq], row(vec, "q_norm", rq), norms.latent_eps)
                 matmul(seg, layer, "q_b", s.mla_qa, store_to(s.mla_q, fam["q_b"].m_pad, fam["q_b"].tile_cols))
+            # (a NoPE layer among rotated ones, Mistral Large 4's: cos 1, sin 0; its q and k rope
+            # lanes are zero anyway, packed so, but its indexer's are not)
+            cos, sin = rope_rows(layer)  # R-wide rotations tiled over one lane tile
             if sparse is not None and not sparse.shared:
-                matmul(seg, layer, "idx_q", s.mla_qa, store_to(idx.idx_q, fam["idx_q"].m_pad, fam["idx_q"].tile_cols))
-                sparse.prepare(s.normed[...], cos_ref[...], sin_ref[...])
-            cos, sin = cos_ref[...], sin_ref[...]  # R-wide rotations tiled over one lane tile
+                if sparse.g.q_hidden:  # Mistral Large 4: the index queries project LayerNorm(x)
+                    sparse.hidden_queries(s.normed[...])
+                    matmul(seg, layer, "idx_q", idx.q_in, store_to(idx.idx_q, fam["idx_q"].m_pad,
+                                                                   fam["idx_q"].tile_cols))
+                else:
+                    matmul(seg, layer, "idx_q", s.mla_qa, store_to(idx.idx_q, fam["idx_q"].m_pad,
+                                                                   fam["idx_q"].tile_cols))
+                sparse.prepare(s.normed[...], cos, sin, log_pos_ref[:, 0:1] if log_pos_ref is not None else None)
             for lo in range(rope0, rope0 + dims["rope_q"], LANE):  # every head's roped q lanes
                 s.mla_q[:, lo:lo + LANE] = rope_heads(s.mla_q[:, lo:lo + LANE], cos, sin, r)
             s.mla_kv[:, lat:lat + LANE] = rope_heads(s.mla_kv[:, lat:lat + LANE], cos, sin, r)
             if q_scale_ref is not None:  # Mistral 4: the whole query (nope and rope lanes) by position
                 s.mla_q[...] = s.mla_q[...] * q_scale_ref[:, 0:1]
+            if log_pos_ref is not None:  # Mistral Large 4: per head, after RoPE
+                log_scale_queries(vec)
             # this step's cache rows c_kv | k_rope, rounded to the cache dtype (as the reference)
             s.mla_row[:, :c] = rms_norm(s.mla_kv[:, :c], row(vec, "k_norm", c), norms.latent_eps).astype(dt).astype(jnp.float32)
             s.mla_row[:, c:c + r] = s.mla_kv[:, lat:lat + r].astype(dt).astype(jnp.float32)
+            if producers:
+                share_rows(layer)
             matmul(seg, layer, "uk", s.mla_q, store_to(s.mla_qlat, fam["uk"].m_pad, fam["uk"].tile_cols))
 
             def q_rows(b, head):
@@ -373,7 +429,7 @@ def _kernel(plan: Plan):
                 return [(0, s.mla_qlat[rows_, head * lat:head * lat + c]),
                         (c, s.mla_q[rows_, rope0 + head * r:rope0 + (head + 1) * r])]
 
-            o_lat = mla_attention_stage(plan.attention, cache_layer(seg, layer), q_rows, s.mla_row[...], k_cache,
+            o_lat = mla_attention_stage(plan.attention, mla_cache_layer(seg, layer), q_rows, s.mla_row[...], k_cache,
                                         block_tables, lengths,
                                         positions, s.attention, pages_out, sparse=sparse)
             for b in range(plan.batch):
@@ -632,13 +688,20 @@ def _kernel(plan: Plan):
     return kernel
 
 
-def mla_rope_tables(positions: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
+def mla_rope_tables(positions: jax.Array, cfg, rope_alpha=None) -> tuple[jax.Array, jax.Array]:
     """positions [N] -> (cos, signed sin) [N, 128] of an MLA model's R-wide rotations (YaRN
     frequencies, cos and sin times the attention factor: `tpumk.model.mla.rope_rows`, the same
-    ops so the tables are bitwise equal), tiled 128 / R times for `rope_heads` on a lane tile."""
+    ops so the tables are bitwise equal), tiled 128 / R times for `rope_heads` on a lane tile.
+    `rope_alpha` (learned frequencies, Mistral Large 4): each frequency times exp(alpha), as
+    `tpumk.model.mla.rope_freqs`."""
     from tpumk.model import yarn
 
-    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim))
+    freqs = jnp.asarray(yarn.inv_freq(cfg.positions, cfg.qk_rope_head_dim), jnp.float32)
+    if cfg.rope_learned_freqs:
+        if rope_alpha is None:
+            raise ValueError("mla_rope_tables: learned RoPE frequencies need the packed weights' rope_alpha")
+        freqs = freqs * jnp.exp(rope_alpha.astype(jnp.float32))
+    ang = positions.astype(jnp.float32)[:, None] * freqs
     factor = yarn.attention_factor(cfg.positions)
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1) * factor
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1) * factor
@@ -703,7 +766,7 @@ def _device_step(plan: Plan, call) -> Callable:
             lanes = rope_table_lanes(cfg)
             cos, sin = jnp.ones((n, lanes), jnp.float32), jnp.zeros((n, lanes), jnp.float32)
         elif cfg.is_mla:
-            cos, sin = mla_rope_tables(positions.reshape(n), cfg)
+            cos, sin = mla_rope_tables(positions.reshape(n), cfg, packed.get("rope_alpha"))
         else:
             pos, lanes = cfg.positions, heads_per_lane_block(cfg.head_dim)
             cos, sin = rope_tables(positions.reshape(n), rope.inv_freq(pos, jnp), lanes, rope.cos_sin_scale(pos, jnp))
@@ -714,7 +777,12 @@ def _device_step(plan: Plan, call) -> Callable:
         q_scale = rope.query_scale(cfg.positions, positions.reshape(n), jnp_dtype(cfg))
         if q_scale is not None:  # lane-replicated rows (contract: q_scale)
             q_scale = jnp.broadcast_to(q_scale[:, None], (n, QUERY_SCALE_LANES))
+        log_pos = None
+        if cfg.attention.query_log_scale:  # ln(1 + p) in the model dtype (mla.log_position_scale), lane-replicated
+            lp = jnp.log1p(jnp.maximum(positions.reshape(n), 0).astype(jnp.float32)).astype(jnp_dtype(cfg))
+            log_pos = jnp.broadcast_to(lp.astype(jnp.float32)[:, None], (n, QUERY_SCALE_LANES))
         values = {"step.positions": positions, "step.x0": x0, "step.cos": cos, "step.sin": sin, "step.q_scale": q_scale,
+                  "step.log_pos": log_pos,
                   "cache.block_tables": block_tables, "cache.lengths": lengths,
                   **{f"cache.{name}": a for name, a in zip(("kv",) if quantized else ("k", "v", "index_keys"), caches)},
                   **({f"cache.states.{k}": getattr(states, k) for k in states._fields} if states is not None else {})}
@@ -729,6 +797,11 @@ def _device_step(plan: Plan, call) -> Callable:
         if plan.cache_written_after_kernel:
             *pages, page_ids = updated
             kernel_caches = (caches[0], caches[2]) if plan.sparse is not None else caches  # (not KVCache.v)
+            readers = [i for i in range(cfg.num_layers) if cfg.pattern.kv_source(i) != i]
+            if readers:  # a layer reading another's rows writes no page (its output slots unset): kept as cached
+                ids = jnp.clip(page_ids, 0, caches[0].shape[1] - 1)
+                pages[0] = pages[0].at[:, jnp.asarray(readers)].set(jnp.swapaxes(caches[0][jnp.asarray(readers)][:, ids],
+                                                                                 0, 1))
             updated = [commit_pages(cache, p, page_ids) for cache, p in zip(kernel_caches, pages)]
             if n_states:
                 states = commit_states(states, state_out)

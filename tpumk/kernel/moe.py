@@ -118,11 +118,12 @@ def pack_experts(cfg: ModelConfig, params: dict, expert_chunk: int | None = None
         return a.reshape(owned, a.shape[1], nb, LANE).transpose(0, 2, 1, 3)
 
     moe = cfg.moe
-    tile = SUBLANES["float32" if moe.router_correction_bias else cfg.dtype]
+    f32_router = moe.router_correction_bias or moe.router_float32  # (MoEGeometry.router_dtype)
+    tile = SUBLANES["float32" if f32_router else cfg.dtype]
     gu_biases, globals_ = [], []
     for i in moe_layer_ids(cfg):
         layer = params["layers"][i]
-        rdt = jnp.float32 if moe.router_correction_bias else dt
+        rdt = jnp.float32 if f32_router else dt
         rows = [jnp.asarray(layer["router"], rdt)]
         if moe.shared_expert_gate:
             rows = [jnp.concatenate([rows[0], jnp.asarray(layer["shared_router"], rdt)], 1)]
@@ -296,10 +297,11 @@ def _group_mask(geom: MoEGeometry, choice, lane):
 def _route(geom: MoEGeometry, x, router_vmem):
     """x [N, H] f32 -> (combine [N, Ep] f32, picked [1, Ep] f32 0/1), as reference.route."""
     n, ep, e = geom.rows, geom.experts_padded, geom.num_experts
-    if geom.correction_bias:  # float32 router and bias (row H): full f32 contraction, as the reference
+    if geom.correction_bias or geom.router_float32:  # a float32 router: full f32 contraction, as the reference
         logits = jnp.dot(x, router_vmem[: geom.router_in, :], preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
-        bias = router_vmem[geom.bias_row: geom.bias_row + 1, :]  # [1, Ep]
+        if geom.correction_bias:  # and its bias (row H)
+            bias = router_vmem[geom.bias_row: geom.bias_row + 1, :]  # [1, Ep]
     else:
         logits = jnp.dot(x.astype(geom.jnp_dtype), router_vmem[: geom.router_in, :], preferred_element_type=jnp.float32,
                          precision=_precision(geom))

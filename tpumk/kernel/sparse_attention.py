@@ -75,6 +75,7 @@ class SparseScratch(NamedTuple):
     sems: Any
     gather_sems: Any
     patch_sems: Any
+    q_in: Any = None  # index_q_hidden only: LayerNorm(x), what idx_q projects
 
 
 class _KeyPages(attn._Stage):
@@ -110,6 +111,7 @@ class SparseStage:
         self.weights_hbm, self.norm_hbm, self.cache = weights_hbm, norm_hbm, index_cache
         self.pages = _KeyPages(mla, layer, index_cache, block_tables, positions, self.sc, out)
         self.positions = positions
+        self._vectors_waited = False
 
     # ---- 1. the indexer's inputs
     def _vector_copies(self):
@@ -131,28 +133,68 @@ class SparseStage:
         lane = first_lane + lax.broadcasted_iota(jnp.int32, (1, LANE), 1)
         return jnp.where(lax.rem(lane, g.index_head_dim) < g.rope, rope_heads(x, cos, sin, g.rope), x)
 
-    def prepare(self, x, cos, sin) -> None:
+    def _wait_vectors(self) -> None:
+        if not self._vectors_waited:
+            for c in self._vector_copies():
+                c.wait()
+            self._vectors_waited = True
+
+    @staticmethod
+    def _layer_norm(x, width: int, weight, bias):
+        """LayerNorm (weight, bias, eps 1e-6) of x [N, lanes] over its first `width` lanes, float32."""
+        inside = lax.broadcasted_iota(jnp.int32, (1, x.shape[1]), 1) < width
+        mean = jnp.sum(jnp.where(inside, x, 0.0), axis=1, keepdims=True) / width
+        dev = jnp.where(inside, x - mean, 0.0)
+        var = jnp.sum(dev * dev, axis=1, keepdims=True) / width
+        return dev * lax.rsqrt(var + INDEX_KEY_NORM_EPS) * weight + bias
+
+    def hidden_queries(self, x) -> None:
+        """index_q_hidden (Mistral Large 4): q_in = LayerNorm(x; rows 4, 5 of the layer's vectors)
+        in the model dtype, what idx_q projects. x [N, H] the layer's normed input (f32)."""
+        g, sc = self.g, self.sc
+        self._wait_vectors()
+        n, w = sc.q_in.shape[0], g.q_lora  # every row (a padding row too: the matmul reads them all)
+        xs = x[0:min(n, x.shape[0]), :]
+        if xs.shape[0] < n:  # the scratch's sublane padding rows: zeros
+            xs = jnp.concatenate([xs, jnp.zeros((n - xs.shape[0], xs.shape[1]), jnp.float32)], 0)
+        if xs.shape[1] < w:
+            xs = jnp.concatenate([xs, jnp.zeros((n, w - xs.shape[1]), jnp.float32)], 1)
+        y = self._layer_norm(xs, g.hidden, sc.norm[4:5, 0:w], sc.norm[5:6, 0:w])
+        sc.q_in[pl.ds(0, n), :] = y.astype(g.jnp_dtype).astype(jnp.float32)
+
+    def _log_scales(self, log_pos, lo: int):
+        """query_log_scale: the factor [N, 128] of idx_q's lanes [lo, lo + 128): head h's lanes
+        times s_h ln(1 + p) + b_h, computed in the model dtype (mla.log_position_scale)."""
+        g, sc, dt = self.g, self.sc, self.g.jnp_dtype
+        di = g.index_head_dim
+        lane = lax.broadcasted_iota(jnp.int32, (1, LANE), 1)
+        rounded = lambda v: v.astype(dt).astype(jnp.float32)  # noqa: E731
+        factor = jnp.zeros((g.tokens, LANE), jnp.float32)
+        for h in range(lo // di, min(g.index_heads, -(-(lo + LANE) // di))):
+            f = rounded(rounded(sc.norm[2:3, h:h + 1] * log_pos) + sc.norm[3:4, h:h + 1])  # [N, 1]
+            inside = jnp.logical_and(lo + lane >= h * di, lo + lane < (h + 1) * di)
+            factor = jnp.where(inside, f, factor)
+        return factor
+
+    def prepare(self, x, cos, sin, log_pos=None) -> None:
         """x [N, H] the layer's normed input (f32), cos / sin [N, 128]: the new key rows (in
-        idx_k, exact in the model dtype), the roped queries (idx_q) and each row's head weights."""
+        idx_k, exact in the model dtype), the roped queries (idx_q) and each row's head weights.
+        log_pos [N, 1] (query_log_scale): ln(1 + p) in the model dtype, each query head's factor's."""
         g, sc, dt = self.g, self.sc, self.g.jnp_dtype
         n, di = g.tokens, g.index_head_dim
         if self.shared:
             return
-        for c in self._vector_copies():
-            c.wait()
+        self._wait_vectors()
         k = sc.idx_k[pl.ds(0, n), :]
-        lane = lax.broadcasted_iota(jnp.int32, (1, g.key_lanes), 1)
-        inside = lane < di
-        mean = jnp.sum(jnp.where(inside, k, 0.0), axis=1, keepdims=True) / di
-        dev = jnp.where(inside, k - mean, 0.0)
-        var = jnp.sum(dev * dev, axis=1, keepdims=True) / di
-        k = dev * lax.rsqrt(var + INDEX_KEY_NORM_EPS) * sc.norm[0:1, :] + sc.norm[1:2, :]
+        k = self._layer_norm(k, di, sc.norm[0:1, 0:g.key_lanes], sc.norm[1:2, 0:g.key_lanes])
         k = k.astype(dt).astype(jnp.float32)
         for lo in range(0, g.key_lanes, LANE):
             sc.idx_k[pl.ds(0, n), pl.ds(lo, LANE)] = self._rope(k[:, lo:lo + LANE], cos, sin, lo).astype(dt).astype(
                 jnp.float32)
         for lo in range(0, g.q_cols, LANE):
             q = sc.idx_q[pl.ds(0, n), pl.ds(lo, LANE)].astype(dt).astype(jnp.float32)
+            if g.log_scale:  # before RoPE, as transformers (a model-dtype product)
+                q = (q * self._log_scales(log_pos[0:n], lo)).astype(dt).astype(jnp.float32)
             sc.idx_q[pl.ds(0, n), pl.ds(lo, LANE)] = self._rope(q, cos, sin, lo).astype(dt).astype(jnp.float32)
         xw = x.astype(dt).astype(jnp.float32)
         w = lax.dot_general(xw, sc.weights[...], (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,

@@ -94,6 +94,13 @@ VMEM_COMPONENTS = ("weight_ring", "layer_vectors", "activations", "inputs", "log
 STAGES = ("attention", "sparse", "linear", "moe", "collectives")
 # Sparse attention's per-layer float32 operands (packed.<name>): weights_proj, the key LayerNorm's rows.
 SPARSE_OPERANDS = ("idx_weights", "idx_norm")
+
+
+def kv_producers(cfg) -> tuple[int, ...]:
+    """The MLA layers whose latent rows a later layer reads (kv_source_layers, Mistral Large 4):
+    the kernel keeps their step's rows (`mla_shared`) for the layers that read them."""
+    return tuple(sorted({cfg.pattern.kv_source(i) for i in range(cfg.num_layers)
+                         if cfg.pattern.kv_source(i) != i}))
 # A hybrid model's state pool (tpumk.model.linear_attention.LinearStates) as kernel operands:
 # each sequence's slot and each slot's pending count (SMEM), then the pool's arrays (HBM).
 STATE_SCALARS = ("state_slots", "state_counts")
@@ -195,8 +202,9 @@ def packed_buffers(plan: Plan) -> tuple[Buffer, ...]:
         g = plan.sparse
         out += [hbm("idx_weights", (g.num_layers, g.hidden, g.weight_lanes), "float32",
                     "[indexer layer, H, Hi (| pad)]: weights_proj (float32, as transformers keeps it)"),
-                hbm("idx_norm", (g.num_layers, F32_SUBLANES, g.key_lanes), "float32",
-                    "[indexer layer, 8, Di (| pad)]: row 0 the key LayerNorm's weight, row 1 its bias")]
+                hbm("idx_norm", (g.num_layers, F32_SUBLANES, g.norm_lanes), "float32",
+                    "[indexer layer, 8, lanes]: rows 0, 1 the key LayerNorm's weight and bias; Mistral Large 4: "
+                    "rows 2, 3 the queries' per-head log scale and bias, rows 4, 5 their input LayerNorm's")]
     out = [_with(b, source=f"packed.{b.name}") for b in out]
     if plan.moe is not None:
         out += [_with(b, source=f"packed.moe.{b.name}") for b in plan.moe.packed()]
@@ -223,6 +231,9 @@ def _operands(plan: Plan, packed: dict[str, Buffer]) -> list[Buffer]:
         *([_with(vmem("q_scale", (n, QUERY_SCALE_LANES), "float32",
                       "[N, 128] each row's query factor (position-scaled queries), lane-replicated"),
                  source="step.q_scale", component="inputs")] if cfg.positions.query_scale_beta else []),
+        *([_with(vmem("log_pos", (n, QUERY_SCALE_LANES), "float32",
+                      "[N, 128] each row's ln(1 + position) in the model dtype (query_log_scale), lane-replicated"),
+                 source="step.log_pos", component="inputs")] if cfg.attention.query_log_scale else []),
         _with(packed["packed.final_norm"], space="vmem", component="inputs"),
         _with(packed["packed.layer_vectors"], component="layer_vectors"),
     ]
@@ -327,6 +338,9 @@ def _kernel_scratch(plan: Plan) -> list[Buffer]:
             vmem("mla_q", (n, qf.m_pad), "float32", "[N, per head nope (128-lane padded) | all heads' rope (| pad)]"),
             vmem("mla_kv", (n, dims["kv_a_cols"]), "float32", "[N, c_kv (| pad) | k_rope (| pad)] kv_a output"),
             vmem("mla_row", (n, cfg.attention.kv_cache_width), "float32", "[N, C + R] this step's latent cache rows"),
+            *([vmem("mla_shared", (len(kv_producers(cfg)), n, cfg.attention.kv_cache_width), "float32",
+                    "[producer, N, C + R]: the step's rows of each layer another layer reads (kv_source_layers)")]
+              if kv_producers(cfg) else []),
             vmem("mla_qlat", (n, fams["uk"].m_pad), "float32", "[N, per head q_nope . W_UK (128-lane padded)]"),
             vmem("mla_olat", (n, fams["uv"].k_pad), "float32", "[N, per head latent output (pad lanes 0)]"),
             vmem("attn_out", (n, fams["o"].k_pad), "float32", "[N, per head value output (128-lane padded)]"),

@@ -48,6 +48,10 @@ SPACES = ("smem", "vmem", "hbm", "semaphore")
 LAYER_VECTOR_ROWS = 8  # attn_norm, mlp_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, sinks
 VECTOR_ROW = {"attn_norm": 0, "mlp_norm": 1, "q_norm": 2, "k_norm": 3, "qkv_bias": 4, "post_attn_norm": 5,
               "post_mlp_norm": 6, "sinks": 7,
+              # Mistral Large 4's per-head log-position query scale and bias take those rows: an
+              # MLA model has neither (the config refuses both); moe_in_norm beside them is refused
+              # (tpumk.plan.plan.check_kernel_parts)
+              "q_log_scale": 4, "q_log_bias": 7,
               # Muse Spark's experts' input norm (moe_in_norm, M lanes) takes the sinks' row: the
               # model has no sinks (tpumk.plan.plan.check_kernel_parts refuses both)
               "moe_in_norm": 7}
@@ -65,7 +69,9 @@ def mla_dims(cfg: ModelConfig) -> dict[str, int]:
     R-wide per head, R dividing 128); kv_a's output is c_kv then k_rope from lane `latent_1`
     (one lane block). `o_rows`: the o projection's input rows (per head `value`)."""
     hq, r = cfg.num_q_heads, cfg.qk_rope_head_dim
-    nope, latent, value = (round_up(v, LANE) for v in (cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim))
+    # a NoPE layer with all-latent keys (nope_latent_keys, Mistral Large 4) has N + R nope lanes
+    n = cfg.qk_nope_head_dim + (r if cfg.attention.nope_latent_keys else 0)
+    nope, latent, value = (round_up(v, LANE) for v in (n, cfg.kv_lora_rank, cfg.v_head_dim))
     rope_q = round_up(hq * r, LANE)
     return {"nope": nope, "latent": latent, "value": value, "rope_q": rope_q, "q_cols": hq * nope + rope_q,
             "kv_a_cols": latent + LANE, "latent_1": latent, "o_rows": hq * value,
@@ -703,6 +709,7 @@ class MoEGeometry:
     topk_groups: int = 1
     correction_bias: bool = False
     scaling: float = 1.0
+    router_float32: bool = False  # Mistral Large 4: a float32 router (and product) without a bias
     # Qwen2-MoE's shared-expert gate: its [H] weight is router column E (so Ep covers E + 1); the
     # stage leaves sigmoid(x . w) in the combine matrix's column E (`shared_gate_of`).
     shared_gate: bool = False
@@ -740,6 +747,7 @@ class MoEGeometry:
             owned_experts=0 if owned_experts == cfg.num_experts else owned_experts, expert_tensor=expert_tensor,
             expert_format=expert_format, fp4_native=fp4_native,
             groups=cfg.moe.router_groups, topk_groups=cfg.moe.router_topk_groups, correction_bias=cfg.moe.router_correction_bias,
+            router_float32=cfg.moe.router_float32,
             scaling=float(cfg.moe.routed_scaling_factor), shared_gate=cfg.moe.shared_expert_gate,
             logit_bias=cfg.moe.router_logit_bias, expert_bias=cfg.moe.expert_bias,
             swiglu_limit=float(cfg.moe.swiglu_limit), swiglu_alpha=float(cfg.moe.swiglu_alpha),
@@ -910,7 +918,7 @@ class MoEGeometry:
 
     @property
     def router_dtype(self) -> str:
-        return "float32" if self.correction_bias else self.dtype
+        return "float32" if self.correction_bias or self.router_float32 else self.dtype
 
     @property
     def bias_row(self) -> int:
@@ -1539,6 +1547,8 @@ class SparseGeometry:
     latent_lanes: int  # a stored latent row's lanes (MLAGeometry.page_lanes)
     interleave: bool = False
     mla_layers: int = 0  # every MLA layer gathers (a layer of index_shared_layers the previous layer's picks)
+    q_hidden: bool = False  # index_q_hidden (Mistral Large 4): idx_q projects LayerNorm(x), q_lora is H
+    log_scale: bool = False  # query_log_scale (Mistral Large 4): the queries x (s_h ln(1 + p) + b_h) per head
     select_chunk: int = 0  # positions per pass of the top-k search (select_lanes); 0: auto
     gather_step: int = 0  # blocks per gather step (gather_tokens); 0: auto (GATHER_ROWS rows)
     gather_slots: int = 0  # the gather ring's slots; 0: GATHER_SLOTS
@@ -1547,7 +1557,9 @@ class SparseGeometry:
     def for_model(cls, cfg: ModelConfig, batch: int, q_len: int, page_size: int, pages_per_seq: int,
                   latent_lanes: int) -> "SparseGeometry":
         a = cfg.attention
-        return cls(batch=batch, q_len=q_len, hidden=cfg.hidden_size, q_lora=mla_dims(cfg)["q_lora"],
+        q_in = round_up(cfg.hidden_size, LANE) if a.index_q_hidden else mla_dims(cfg)["q_lora"]
+        return cls(batch=batch, q_len=q_len, hidden=cfg.hidden_size, q_lora=q_in, q_hidden=a.index_q_hidden,
+                   log_scale=a.query_log_scale,
                    index_heads=a.index_heads, index_head_dim=a.index_head_dim, rope=cfg.qk_rope_head_dim,
                    topk=a.index_topk, page_size=page_size, pages_per_seq=pages_per_seq,
                    num_layers=len(cfg.indexer_layers), dtype=cfg.dtype, latent_lanes=latent_lanes,
@@ -1565,6 +1577,14 @@ class SparseGeometry:
     @property
     def key_lanes(self) -> int:
         return round_up(self.index_head_dim, LANE)
+
+    @property
+    def norm_lanes(self) -> int:
+        """The per-layer vector rows' lanes (`idx_norm`): rows 0, 1 the key LayerNorm's weight and
+        bias (Di lanes); with log_scale rows 2, 3 the per-head query scale and bias (Hi lanes);
+        with q_hidden rows 4, 5 the query input LayerNorm's weight and bias (H lanes)."""
+        return max(self.key_lanes, self.weight_lanes if self.log_scale else 0,
+                   round_up(self.hidden, LANE) if self.q_hidden else 0)
 
     @property
     def q_cols(self) -> int:
@@ -1684,7 +1704,8 @@ class SparseGeometry:
             vmem("idx_k", (n, self.key_lanes), "float32", "[N, Di (| pad)] idx_k's output, then the new key rows"),
             vmem("head_weights", (n, self.weight_lanes), "float32", "[N, Hi (| pad)] each row's w_h / sqrt(Hi)"),
             vmem("weights", (self.hidden, self.weight_lanes), "float32", "[H, Hi (| pad)] this layer's weights_proj"),
-            vmem("norm", (F32_SUBLANES, self.key_lanes), "float32", "rows 0, 1: this layer's key LayerNorm weight, bias"),
+            vmem("norm", (F32_SUBLANES, self.norm_lanes), "float32",
+                 "rows 0, 1: this layer's key LayerNorm weight, bias (then its query rows: norm_lanes)"),
             vmem("key_patch", (self.patch_pages, p, self.index_head_dim), dt,
                  "index-key page of new token i of sequence b in slot b*q_len + i, then a read-only sink page"),
             vmem("key_tiles", (2, self.tile_rows, self.index_head_dim), dt, "[slot, token]: streamed index keys"),
@@ -1704,7 +1725,8 @@ class SparseGeometry:
             dma_sems("sems", (6,), "weights, norm, key tile slots 0 / 1, selection VMEM -> SMEM, spare"),
             dma_sems("gather_sems", (self.ring_slots,), "one per gather slot"),
             dma_sems("patch_sems", (2, self.tokens), "[read | write, key patch slot]"),
-        )
+        ) + ((vmem("q_in", (n, self.q_lora), "float32", "[N, H (| pad)] LayerNorm(x): what idx_q projects"),)
+             if self.q_hidden else ())
 
     @property
     def key_page_bytes(self) -> int:
@@ -1718,7 +1740,7 @@ class SparseGeometry:
     @property
     def vector_bytes(self) -> int:
         """Per layer: weights_proj [H, Hi lane-padded] and the key norm rows [8, Di padded], float32."""
-        return 4 * (self.hidden * self.weight_lanes + F32_SUBLANES * self.key_lanes)
+        return 4 * (self.hidden * self.weight_lanes + F32_SUBLANES * self.norm_lanes)
 
     def layer_counts(self, positions: np.ndarray, lengths: Sequence[int] | None = None) -> dict[str, int]:
         """One layer's DMAs for concrete `positions` [B, q] (the kernel's own logic, per sequence):

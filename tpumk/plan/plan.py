@@ -418,11 +418,12 @@ def layer_vector_width(cfg: ModelConfig) -> int:
     o = o_bias_offset(cfg) + cfg.hidden_size if cfg.attention.o_bias else 0
     gates = 3 * residual_gate_offset(cfg) if cfg.norms.residual_gates else 0
     moe_in = cfg.moe.moe_hidden_size if cfg.is_moe else 0  # moe_in_norm's row
+    log_scale = cfg.num_q_heads if cfg.attention.query_log_scale else 0  # q_log_scale's / q_log_bias's rows
     # a linear layer's rows (LINEAR_ROW): its convolution's taps over C lanes, dt_bias after a lane tile
     lin = cfg.linear
     linear = max(lin.conv_dim, LANE + lin.decay_width) if lin else 0
     return round_up(max(cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank, bias, whole, sinks, o, linear,
-                        gates, moe_in), LANE)
+                        gates, moe_in, log_scale), LANE)
 
 
 def residual_gate_offset(cfg: ModelConfig) -> int:
@@ -638,10 +639,12 @@ def _mla_families(cfg: ModelConfig, tuning: TuningConfig, isz: int, group: int =
         n_idx = len(cfg.indexer_layers)  # stacked over the layers with an indexer of their own
         out["idx_k"] = dataclasses.replace(tiled("idx_k", h, h, a.index_head_dim, round_up(a.index_head_dim, LANE)),
                                            stack=n_idx)
-        out["idx_q"] = dataclasses.replace(tiled("idx_q", cfg.q_lora_rank, dims["q_lora"],
+        q_in, q_pad = (h, round_up(h, LANE)) if a.index_q_hidden else (cfg.q_lora_rank, dims["q_lora"])
+        out["idx_q"] = dataclasses.replace(tiled("idx_q", q_in, q_pad,
                                                  a.index_heads * a.index_head_dim,
                                                  round_up(a.index_heads * a.index_head_dim, LANE)), stack=n_idx)
-    out["uk"] = MatrixFamily("uk", hq * cfg.qk_nope_head_dim, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
+    keys = cfg.qk_nope_head_dim + (cfg.qk_rope_head_dim if cfg.attention.nope_latent_keys else 0)  # (mla_dims)
+    out["uk"] = MatrixFamily("uk", hq * keys, hq * cfg.kv_lora_rank, hq * n, hq * c, n, c, L, isz,
                              group=group, diagonal=True)
     out["uv"] = MatrixFamily("uv", hq * cfg.kv_lora_rank, hq * cfg.v_head_dim, hq * c, hq * v, c, v, L, isz,
                              group=group, diagonal=True)
@@ -947,24 +950,17 @@ def _choose_kv_knobs(tuning: TuningConfig, pages_per_seq: int, geometry, finish)
                          for kt in pages for nb in buffers)
 
 
-# Parts of a model the reference runs and the megakernel does not build yet (Mistral Large 4's:
-# tpumk.model.mla, tpumk.model.sparse_attention), each as the build's one-line refusal names it.
-KERNEL_MISSING = (
-    ("rope_learned_freqs", "learned RoPE frequencies (rope_learned_freqs)"),
-    ("query_log_scale", "learned per-head log-position query scales (query_log_scale)"),
-    ("nope_latent_keys", "NoPE MLA layers with all-latent keys (nope_latent_keys)"),
-    ("kv_source_layers", "layers reading another layer's latent cache (kv_source_layers)"),
-    ("index_q_hidden", "an indexer whose queries read the hidden state (index_q_hidden)"),
-    ("router_float32", "a float32 router without a correction bias (router_float32)"),
-)
-
-
 def check_kernel_parts(model: ModelConfig) -> None:
     """Refuse, in one line naming every one, the parts of `model` the megakernel lacks (before any
     planning: a model that is also too big for one device is refused for these first)."""
-    missing = [what for f, what in KERNEL_MISSING if getattr(model, f)]
-    if model.nope_layers and model.is_mla and set(model.nope_layers) != set(model.pattern.attention_layers):
-        missing.append("NoPE on some MLA layers but not all (nope_layers)")
+    missing = []
+    if (model.nope_layers and model.is_mla and not model.nope_latent_keys
+            and set(model.nope_layers) != set(model.pattern.attention_layers)):
+        missing.append("NoPE on some MLA layers but not all (nope_layers)")  # (but with all-latent keys)
+    if model.query_log_scale and model.is_moe and model.moe_hidden_size:  # (one vector row: geometry.VECTOR_ROW)
+        missing.append("per-head log-position query scales (query_log_scale) with the experts at moe_hidden_size")
+    if model.kv_source_layers and model.linear_layers:
+        missing.append("layers reading another layer's latent cache (kv_source_layers) in a hybrid")
     if model.is_moe and model.moe_hidden_size and model.attn_sinks:  # moe_in_norm takes the sinks' vector row
         missing.append("attention sinks with the experts at moe_hidden_size")
     if missing and model.attention.is_sparse:  # (alone, _check_mla's own line says it)
@@ -980,7 +976,8 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
         where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
         for cond, what in ((spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
                            (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
-                           (not model.q_lora_rank, "without q-LoRA (q_lora_rank = 0)")):
+                           (not model.q_lora_rank and not model.index_q_hidden,
+                            "without q-LoRA (q_lora_rank = 0) when its indexer's queries project the q-LoRA latent")):
             if cond:
                 raise NotSupportedError(f"{where} {what} is not built by the megakernel yet; the reference runs it "
                                         "(tpumk generate --backend reference)")

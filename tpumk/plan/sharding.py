@@ -60,7 +60,23 @@ from tpumk.model.quantize import QuantizedMatrix, expert_format, quantized_weigh
 from tpumk.plan.geometry import LANE, round_up
 
 # Sparse attention's lightning indexer (tpumk.model.sparse_attention): whole on every device
-INDEXER_WEIGHTS = ("idx_wq", "idx_wk", "idx_k_norm", "idx_k_bias", "idx_weights")
+INDEXER_WEIGHTS = ("idx_wq", "idx_wk", "idx_k_norm", "idx_k_bias", "idx_weights",
+                   # Mistral Large 4's: the queries' input LayerNorm and per-head log scales
+                   "idx_q_norm", "idx_q_bias", "idx_log_scale", "idx_log_bias")
+
+
+def mla_kv_a(cfg: ModelConfig, lay: dict):
+    """A layer's wkv_a as [H, C + R] whatever the layer: a NoPE layer's with all-latent keys has
+    no rope columns (zeros: its rows' rope lanes are zero, as the reference pads them); a layer
+    reading another layer's rows (kv_source_layers) has none at all (zeros: the kernel takes the
+    source's rows instead, `mla_shared`). A quantized matrix as it is."""
+    width = cfg.attention.kv_cache_width
+    if "wkv_a" not in lay:
+        return np.zeros((cfg.hidden_size, width), np.asarray(lay["wo"]).dtype)
+    w = lay["wkv_a"]
+    if isinstance(w, QuantizedMatrix) or w.shape[1] == width:
+        return w
+    return np.pad(np.asarray(w), ((0, 0), (0, width - w.shape[1])))
 
 MESH_AXIS = "tp"
 
@@ -233,7 +249,7 @@ class ShardingPlan:
             if cfg.pattern.is_linear(i):
                 pass
             elif cfg.is_mla:
-                out.update(self._mla_params(cfg, lay, d, cols))
+                out.update(self._mla_params(cfg, lay, d, cols, cfg.pattern.rotates(i)))
             else:
                 out["wq"] = heads(lay["wq"], dd)
                 if cfg.attention.attn_output_gate:  # its columns follow the q heads'
@@ -286,6 +302,8 @@ class ShardingPlan:
         v_lo = d * self.vocab
         top = {"embed": cols(params["embed"], v_lo, self.vocab, axis=0), "final_norm": np.asarray(params["final_norm"]),
                "layers": layers}
+        if "rope_alpha" in params:  # learned RoPE frequencies: whole on every device
+            top["rope_alpha"] = np.asarray(params["rope_alpha"])
         if "lm_head" in params:  # untied, or a quantized build's own copy of a tied head
             top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
         return top
@@ -388,7 +406,7 @@ class ShardingPlan:
             pending = pending.at[..., idx[keep]].set(states.pending[..., d * lw + keep])
         return states._replace(conv=conv, pending=pending)
 
-    def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
+    def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols, rotates: bool = True) -> dict:
         """Device d's MLA attention weights: its heads' columns of q_b (or q) and of wkv_b
         (each head's columns are contiguous: N + R of q, N key then V value lanes of wkv_b; a
         quantized layer: its heads' blocks of the absorbed w_uk / w_uv stacks), its
@@ -397,12 +415,16 @@ class ShardingPlan:
         hl, h0 = self.q_heads, d * self.q_heads
         # sparse attention's indexer whole on every device: each computes the same selection
         out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
-               for k in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm") + INDEXER_WEIGHTS if k in lay}
+               for k in ("wq_a", "q_a_norm", "kv_a_norm") + INDEXER_WEIGHTS if k in lay}
+        out["wkv_a"] = mla_kv_a(cfg, lay)  # (Mistral Large 4's NoPE and KV-sharing layers: [H, C + R])
         if self.latent_split:
             w = self.latent_slices(cfg)
             for key, fam in (("wq_a", "q_a"), ("wkv_a", "kv_a")):
-                if key in lay:
-                    out[key] = cols(lay[key], d * w[fam], w[fam])
+                if key in out:
+                    out[key] = cols(out[key], d * w[fam], w[fam])
+        if cfg.attention.query_log_scale:  # each device's heads' log-position scales and biases
+            for k in ("q_log_scale", "q_log_bias"):
+                out[k] = np.asarray(lay[k])[h0:h0 + hl]
         q = "wq_b" if "wq_b" in lay else "wq"
         out[q] = cols(lay[q], h0 * cfg.head_dim, hl * cfg.head_dim)
         if "w_uk" in lay:  # a quantized layer's absorbed per-head blocks [Hq, ...]: its heads' blocks
@@ -410,7 +432,7 @@ class ShardingPlan:
                 m = lay[k]
                 out[k] = m._replace(q=np.asarray(m.q)[h0:h0 + hl], scale=np.asarray(m.scale)[h0:h0 + hl])
         else:
-            kv_b = cfg.qk_nope_head_dim + cfg.v_head_dim
+            kv_b = cfg.attention.layer_key_widths(rotates)[0] + cfg.v_head_dim  # (a wide NoPE layer's N + R keys)
             out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)
         out["wo"] = cols(lay["wo"], h0 * cfg.v_head_dim, hl * cfg.v_head_dim, axis=0)
         return out
