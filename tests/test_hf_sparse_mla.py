@@ -208,7 +208,8 @@ def _one_line_error(r, *needles) -> str:
 def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(checkpoint):
     """The megakernel's sparse attention has model-dtype weights only (its runs:
     tests/test_megakernel_sparse.py, tests/test_multidevice_sparse.py, the greedy tests below):
-    `tpumk build` with --quant refuses in one line; a 1-byte KV cache is refused; `tpumk generate`
+    `tpumk build` with --quant refuses in one line, and with --kv-dtype fp8 (the reference runs it);
+    --kv-dtype int8 (no 1-byte index-key form) is refused by build and generate; `tpumk generate`
     (the reference backend) gives transformers' greedy tokens."""
     name, ckpt, m = checkpoint
     base = ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate"]
@@ -219,9 +220,13 @@ def test_the_megakernel_refuses_what_it_lacks_and_generate_runs_the_reference(ch
     _one_line_error(CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--target", "tpu7x", "--no-estimate",
                                               "--context", str(topk), "--page-size", str(topk)]),
                     f"context = {topk}: expected more than the indexer's top-k (field 'index_topk' = {topk}")
-    _one_line_error(CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141",
-                                              "--steps", "2", "--kv-dtype", "fp8"]),
-                    "--kv-dtype fp8 with sparse attention (index_topk) is not built yet")
+    # a 1-byte cache: fp8 runs in the reference only (tests/test_sparse_kv_quant.py), int8 nowhere
+    _one_line_error(CliRunner().invoke(main, base + ["--kv-dtype", "fp8"]), "sparse attention", "--kv-dtype fp8",
+                    "not built by the megakernel yet", "--backend reference")
+    for cmd in (base, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "3,141", "--steps", "2"]):
+        _one_line_error(CliRunner().invoke(main, cmd + ["--kv-dtype", "int8"]),
+                        "--kv-dtype int8 with sparse attention (index_topk) is not built: its index-key cache has a "
+                        "1-byte form in fp8 only (--kv-dtype fp8)")
     if name == "deepseek_v32":  # (the reference's prefill and steps, already compiled by the test above)
         ids = ";".join(",".join(map(str, p)) for p in PROMPTS)
         r = CliRunner().invoke(main, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", ids, "--steps",
@@ -307,6 +312,16 @@ def test_sparse_kv_reads_against_hand_computed_bytes():
     for context, n in blocks.items():
         assert sparse_kv_reads(cfg, context).gathered_block_bytes == n * 20_480 * 61
     assert [round(sparse_kv_reads(cfg, c).kernel_ratio, 6) for c in (4096, 32768, 131072)] == [1.2, 1.2, 0.45]
+    # --kv-dtype fp8: an index key is 128 e4m3 codes and a float32 scale (132 B), a latent row the
+    # 1-byte layout's 640 B (576 codes, the exponent byte, lane padding), the gather's block one 8-bit
+    # sublane tile of 32 rows (20,480 B); against the dense build's 1-byte latent rows
+    fp8 = {c: sparse_kv_reads(cfg, c, "fp8") for c in (4096, 131072)}
+    assert [(r.index_key_bytes, r.selected_row_bytes, r.gathered_block_bytes, r.dense_row_bytes)
+            for r in fp8.values()] == [(4096 * 132 * 61, 2048 * 640 * 61, 128 * 20_480 * 61, 4096 * 640 * 61),
+                                       (131072 * 132 * 61, 2048 * 640 * 61, 2048 * 20_480 * 61, 131072 * 640 * 61)]
+    assert (round(fp8[131072].ratio, 4), round(fp8[131072].kernel_ratio, 4)) == (0.2219, 0.7063)
+    with pytest.raises(ConfigError, match="--kv-dtype int8: a sparse-attention model's 1-byte caches are fp8 only"):
+        sparse_kv_reads(cfg, 4096, "int8")
     # a layer that reuses the previous selection reads no index keys of its own
     shared = cfg.replace(index_shared_layers=tuple(range(1, 61, 2)))  # 31 of 61 layers keep an indexer
     assert sparse_kv_reads(shared, 131072).index_key_bytes == 131072 * 256 * 31

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpumk.errors import ConfigError
-from tpumk.model import kv_quant
+from tpumk.model import kv_quant, sparse_attention
 from tpumk.model import reference as ref
 from tpumk.model.quantize import canonical_scheme, quantize_params, relative_rms
 
@@ -111,10 +111,14 @@ def logit_quality(cfg, params: dict, schemes: Sequence[str], steps: int = STEPS,
     kv_rows = []
     heads, width, tensors = kv_quant.cache_rows(cfg)
     model_bytes = cfg.kv_bytes_per_token()  # what the model-dtype cache stores (an MLA row lane-padded)
+    # a sparse model's index-key cache beside it: Di model-dtype lanes, or Di fp8 codes and a float32 scale
+    index_keys, di = len(cfg.indexer_layers) if cfg.attention.is_sparse else 0, cfg.attention.index_head_dim
+    model_bytes += index_keys * di * cfg.dtype_bytes
     for kv in kv_dtypes:
         say(f"KV cache {kv}: the same decode, the cache quantized as it is written")
         got, _ = _logits(cfg, params, prompts, forced, steps, kv_dtype=kv)
         fmt_bytes = kv_quant.cache_bytes_per_token(heads, width, cfg.kv_layers, kv_quant.kv_format(kv), tensors=tensors)
+        fmt_bytes += index_keys * (di + sparse_attention.INDEX_SCALE_BYTES)
         kv_rows.append({"kv_dtype": kv, **compared(got), "kv_bytes_per_token": fmt_bytes,
                         "kv_bytes_vs_model_dtype": fmt_bytes / model_bytes})
     return {"model": cfg.name, "dtype": cfg.dtype, "prompts": len(prompts), "steps": steps,

@@ -92,8 +92,8 @@ class KVCache(NamedTuple):
         return self.block_tables.shape[1] * self.page_size
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "block_tables", "lengths", "states"],
-                   meta_fields=["layout"])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["kv", "block_tables", "lengths", "states", "index_keys"], meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedKVCache:
     """A paged cache in one byte per element (`tpumk.model.kv_quant`): `kv` [num_layers,
@@ -106,6 +106,8 @@ class QuantizedKVCache:
     lengths: jax.Array
     layout: kv_quant.PagedLayout
     states: linear_attention.LinearStates | None = None  # as KVCache.states
+    # a sparse model's 1-byte index-key cache (sparse_attention.QuantizedIndexKeys); None otherwise
+    index_keys: sparse_attention.QuantizedIndexKeys | None = None
 
     @property
     def page_size(self) -> int:
@@ -143,17 +145,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_context: int, page_size: int = 
     shape = (cfg.kv_layers, num_pages, page_size, cfg.attention.kv_size)
     dt = jnp_dtype(cfg)
     states = linear_attention.init_states(cfg, batch, num_slots, pending, seed) if cfg.linear else None
-    if cfg.attention.is_sparse and kv_dtype is not None:
-        raise NotSupportedError(f"model '{cfg.name}': --kv-dtype {kv_dtype} with sparse attention (index_topk) is not "
-                                "built yet: its index-key cache is kept in the model dtype")
+    # a sparse model's second cache: one index-key row per token and indexer layer (1-byte with fp8)
+    index_keys = sparse_attention.init_index_keys(cfg, num_pages, page_size, kv_dtype) \
+        if cfg.attention.is_sparse else None
     if kv_dtype is not None:
         layout = kv_quant.layout_for(cfg, page_size, kv_quant.kv_format(kv_dtype).name)
         return QuantizedKVCache(layout.zeros(cfg.kv_layers, num_pages), jnp.asarray(tables),
-                                jnp.zeros((batch,), jnp.int32), layout, states)
+                                jnp.zeros((batch,), jnp.int32), layout, states, index_keys)
     if cfg.is_mla:  # one latent row per token in k (tpumk.model.mla), zero past C + R; v stays empty
-        index_keys = None
-        if cfg.attention.is_sparse:  # a second cache: one index-key row per token and indexer layer
-            index_keys = jnp.zeros((len(cfg.indexer_layers), num_pages, page_size, cfg.attention.index_head_dim), dt)
         return KVCache(jnp.zeros(shape[:3] + (cfg.attention.latent_cache_lanes,), dt), jnp.zeros(shape[:3] + (0,), dt),
                        jnp.asarray(tables), jnp.zeros((batch,), jnp.int32), states, index_keys)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.asarray(tables),
@@ -594,7 +593,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
 
     quant = isinstance(cache, QuantizedKVCache)
     lc = cache.kv if quant else cache.k
-    ic = None if quant else cache.index_keys  # sparse attention's index-key cache
+    ic = cache.index_keys  # sparse attention's index-key cache (1-byte beside a 1-byte latent cache)
     if cfg.attention.is_sparse and ic is None:
         raise ValueError("decode_step: a sparse-attention model needs its index-key cache (reference.init_cache makes it)")
     selected = None  # sparse attention: the keys each query attends to (a shared layer keeps the last)
@@ -624,9 +623,9 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
                 rows = lc[kl][tables][..., :w].reshape(b, ctx, w)  # this sequence's pages in order
             if cfg.has_indexer(i):
                 il = cfg.indexer_layers.index(i)
-                ic = ic.at[il, page_ids, slots].set(sparse_attention.index_keys(cfg, layer, h, positions, rot, freqs),
-                                                    mode="drop")
-                keys = ic[il][tables].reshape(b, ctx, cfg.attention.index_head_dim)
+                ic = sparse_attention.write_index_keys(
+                    ic, il, page_ids, slots, sparse_attention.index_keys(cfg, layer, h, positions, rot, freqs))
+                keys = sparse_attention.read_index_keys(ic, il, tables, jnp_dtype(cfg))
                 scores = sparse_attention.index_scores(cfg, layer, h, q_resid(cfg, layer, h), positions, keys, rot,
                                                        freqs)
                 selected = sparse_attention.select(cfg, scores, mla.visible(positions, k_pos, k_valid))
@@ -637,7 +636,7 @@ def _mla_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positi
     if states is not None:
         states = linear_attention.step_counts(states, t)
     if quant:
-        return tap.logits(params, x), cache._replace(kv=lc, lengths=new_len, states=states)
+        return tap.logits(params, x), cache._replace(kv=lc, lengths=new_len, states=states, index_keys=ic)
     return tap.logits(params, x), KVCache(lc, cache.v, cache.block_tables, new_len, states, ic)
 
 

@@ -26,16 +26,28 @@ Di], paged by the same block tables), so a decode step scores the new queries ag
 cached token's key without recomputing them. Scores are float32 (the query and key rows read in
 float32, as transformers' `q.float() @ k.float()`).
 
+With `--kv-dtype fp8` the index-key cache is 1-byte (`QuantizedIndexKeys`): each key row is
+stored as Di float8_e4m3fn codes and ONE float32 scale per key (per token and indexer layer,
+over all Di lanes: DeepSeek's release scales per 128-lane block, and its index_head_dim is 128,
+so for it the two are the same), the smallest power of two with max|k| / scale <= 448
+(`kv_quant.pow2_scales`: DeepSeek's own indexer rounds its scales up to powers of two, "ue8m0",
+and a power of two makes `k x (1 / scale)` and `code x scale` exact on every backend). Scoring
+reads `code x scale` in the model dtype (exact: an e4m3 code times a power of two is a
+bfloat16), then the same float32 scores.
+
 Ties: `jax.lax.top_k` keeps the lower position of two equal scores; torch.topk's order among
 ties is unspecified, so tests compare with transformers where the k-th and (k+1)-th scores differ.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from tpumk.model import mla, yarn
+from tpumk.errors import NotSupportedError
+from tpumk.model import kv_quant, mla, yarn
 from tpumk.model.config import ModelConfig
 from tpumk.model.ops import jnp_dtype, matmul
 
@@ -66,6 +78,56 @@ def _rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array, rotate: bool = T
     return jnp.concatenate([mla.rope_rows(rot, positions, freqs, yarn.attention_factor(cfg.positions)), rest], -1)
 
 
+class QuantizedIndexKeys(NamedTuple):
+    """A 1-byte index-key cache (`--kv-dtype fp8`, module doc): codes [indexer layers, pages,
+    page_size, Di] float8_e4m3fn and their power-of-two scales [indexer layers, pages, page_size]
+    float32 (0 for an unwritten row, which reads back as zeros)."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+INDEX_KEY_FORMATS = ("fp8",)  # --kv-dtype values the index-key cache has a 1-byte form for
+INDEX_SCALE_BYTES = 4  # a 1-byte index key's float32 scale
+
+
+def check_index_key_format(cfg: ModelConfig, kv_dtype: str) -> kv_quant.KvFormat:
+    """The 1-byte format `--kv-dtype kv_dtype` gives a sparse model's index keys, or its one-line refusal."""
+    if kv_dtype not in INDEX_KEY_FORMATS:
+        raise NotSupportedError(f"model '{cfg.name}': --kv-dtype {kv_dtype} with sparse attention (index_topk) is not "
+                                "built: its index-key cache has a 1-byte form in fp8 only (--kv-dtype fp8)")
+    return kv_quant.kv_format(kv_dtype)
+
+
+def init_index_keys(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str | None = None):
+    """An empty index-key cache: the model dtype (kv_dtype None), or QuantizedIndexKeys (fp8)."""
+    shape = (len(cfg.indexer_layers), num_pages, page_size, cfg.attention.index_head_dim)
+    if kv_dtype is None:
+        return jnp.zeros(shape, jnp_dtype(cfg))
+    fmt = check_index_key_format(cfg, kv_dtype)
+    return QuantizedIndexKeys(jnp.zeros(shape, fmt.dtype), jnp.zeros(shape[:3], jnp.float32))
+
+
+def write_index_keys(cache, layer: int, page_ids: jax.Array, slots: jax.Array, keys: jax.Array):
+    """keys [B, T, Di] into indexer layer `layer` of the cache at page_ids / slots [B, T] (a page id
+    past the pool drops the write); quantized first when the cache is QuantizedIndexKeys."""
+    if not isinstance(cache, QuantizedIndexKeys):
+        return cache.at[layer, page_ids, slots].set(keys, mode="drop")
+    codes, scales = kv_quant.quantize_rows(keys, kv_quant.format_of(cache.codes))
+    return QuantizedIndexKeys(cache.codes.at[layer, page_ids, slots].set(codes, mode="drop"),
+                              cache.scales.at[layer, page_ids, slots].set(scales, mode="drop"))
+
+
+def read_index_keys(cache, layer: int, tables: jax.Array, dtype) -> jax.Array:
+    """Each sequence's index keys of indexer layer `layer` in order, [B, pages_per_seq x page_size,
+    Di] in `dtype` (tables [B, pages_per_seq], clipped into the pool): dequantized when 1-byte."""
+    if isinstance(cache, QuantizedIndexKeys):
+        rows = kv_quant.dequantize_rows(cache.codes[layer][tables], cache.scales[layer][tables], dtype)
+    else:
+        rows = cache[layer][tables]
+    return rows.reshape(tables.shape[0], -1, rows.shape[-1])
+
+
 def index_keys(cfg: ModelConfig, layer, x: jax.Array, positions: jax.Array, rotate: bool = True,
                freqs=None) -> jax.Array:
     """x [B, T, H] (the layer's normed input) -> the index-key rows [B, T, Di] in the model dtype
@@ -82,6 +144,16 @@ def index_scores(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array | Non
     With index_q_hidden (Mistral Large 4) the queries project LayerNorm(x) instead (q_resid
     unused), and with query_log_scale leave times their per-head log-position factor (before
     RoPE, as transformers; RoPE is linear, so the order is the same product)."""
+    a = cfg.attention
+    q = index_queries(cfg, layer, x, q_resid, positions, rotate, freqs)
+    s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * (a.index_head_dim ** -0.5)
+    return jnp.einsum("bth,bths->bts", head_weights(cfg, layer, x), jax.nn.relu(s), precision=jax.lax.Precision.HIGHEST)
+
+
+def index_queries(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array | None, positions: jax.Array,
+                  rotate: bool = True, freqs=None) -> jax.Array:
+    """The indexer's roped queries [B, T, Hi, Di] in the model dtype (`index_scores`' arguments)."""
     a, dt = cfg.attention, jnp_dtype(cfg)
     b, t, _ = x.shape
     if a.index_q_hidden:
@@ -89,12 +161,13 @@ def index_scores(cfg: ModelConfig, layer, x: jax.Array, q_resid: jax.Array | Non
     q = matmul(q_resid, layer["idx_wq"]).astype(dt).reshape(b, t, a.index_heads, a.index_head_dim)
     if a.query_log_scale:
         q = q * mla.log_position_scale(layer["idx_log_scale"], layer["idx_log_bias"], positions, dt)[..., None]
-    q = _rope(cfg, q, positions, rotate, freqs).astype(dt)
-    s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST) * (a.index_head_dim ** -0.5)
-    # (the model-dtype input, as transformers' hidden_states, into the float32 weights_proj)
-    w = matmul(x.astype(dt), layer["idx_weights"]) * (a.index_heads ** -0.5)  # [B, T, Hi] float32
-    return jnp.einsum("bth,bths->bts", w, jax.nn.relu(s), precision=jax.lax.Precision.HIGHEST)
+    return _rope(cfg, q, positions, rotate, freqs).astype(dt)
+
+
+def head_weights(cfg: ModelConfig, layer, x: jax.Array) -> jax.Array:
+    """w = x . weights_proj / sqrt(Hi): [B, T, Hi] float32 (the model-dtype input, as transformers'
+    hidden_states, into the float32 weights_proj)."""
+    return matmul(x.astype(jnp_dtype(cfg)), layer["idx_weights"]) * (cfg.attention.index_heads ** -0.5)
 
 
 def select(cfg: ModelConfig, scores: jax.Array, visible: jax.Array) -> jax.Array:

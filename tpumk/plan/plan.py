@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpumk.model import kv_quant
+from tpumk.model import kv_quant, sparse_attention
 from tpumk.model.config import ModelConfig
 from tpumk.model.quantize import WeightFormat, expert_format, quantized_weight_bytes, weight_format
 from tpumk.errors import NotSupportedError, PlanError, VMEMError
@@ -974,8 +974,11 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
     """What the megakernel's MLA attention does not do yet, refused with one line each."""
     if model.attention.is_sparse:  # (tpumk.kernel.sparse_attention: what it does not do yet)
         where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
+        if spec.kv_dtype:  # (an fp8 index-key cache runs in the reference; int8 nowhere: its own line)
+            sparse_attention.check_index_key_format(model, spec.kv_dtype)
         for cond, what in ((spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
-                           (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype cache only yet)"),
+                           (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype caches only "
+                                                "yet: 1-byte index keys and latent rows run in the reference)"),
                            (not model.q_lora_rank and not model.index_q_hidden,
                             "without q-LoRA (q_lora_rank = 0) when its indexer's queries project the q-LoRA latent")):
             if cond:

@@ -18,6 +18,13 @@ cannot move a single row and gathers whole sublane-tile blocks (`SparseGeometry.
 `gathered_block_bytes`, the same bound the plan's "sparse_gather" count uses
 (`SparseGeometry.layer_counts`, at batch 1 and q_len 1; the plan also counts whole index-key
 tiles and the pages the step writes, read and written back).
+
+`kv_dtype` "fp8" (the 1-byte caches, `tpumk.model.kv_quant`, `sparse_attention.QuantizedIndexKeys`):
+an index key is index_head_dim e4m3 codes and a float32 scale; a latent row the 1-byte
+layout's row (codes, exponent byte, lane padding: 640 bytes for DeepSeek-V3's 576 lanes), in the
+sparse and the dense count alike; a gathered block is one sublane tile of 1-byte rows (32: the
+tile `geometry.SUBLANES` gives 8-bit rows; the megakernel does not build this combination yet,
+so this is the block a 1-byte gather would have to move, by the same rule as bfloat16's 16).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpumk.errors import ConfigError
+from tpumk.model import kv_quant, sparse_attention
 from tpumk.model.config import ModelConfig
 from tpumk.plan.geometry import SUBLANES
 
@@ -63,17 +71,26 @@ class SparseKVReads:
                 "kernel_over_dense": self.kernel_ratio}
 
 
-def sparse_kv_reads(cfg: ModelConfig, context: int) -> SparseKVReads:
-    """The KV bytes one decode step reads per sequence at `context` cached tokens (module doc)."""
+def sparse_kv_reads(cfg: ModelConfig, context: int, kv_dtype: str = "") -> SparseKVReads:
+    """The KV bytes one decode step reads per sequence at `context` cached tokens, with the
+    caches in the model dtype or (`kv_dtype` "fp8") 1-byte (module doc)."""
     if not cfg.attention.is_sparse:
         raise ConfigError(f"model '{cfg.name}': field 'index_topk' = {cfg.index_topk}: expected a sparse-attention "
                           "model (index_topk > 0)")
     if not (isinstance(context, int) and context > 0):
         raise ConfigError(f"context = {context!r}: expected a positive number of cached tokens")
-    row = cfg.attention.latent_cache_lanes * cfg.dtype_bytes
-    key = cfg.attention.index_head_dim * cfg.dtype_bytes
+    if kv_dtype:
+        fmt = kv_quant.kv_format(kv_dtype)
+        if fmt.name not in sparse_attention.INDEX_KEY_FORMATS:
+            raise ConfigError(f"--kv-dtype {kv_dtype}: a sparse-attention model's 1-byte caches are fp8 only")
+        row = kv_quant.layout_for(cfg, SUBLANES[fmt.dtype.dtype.name], fmt.name).lanes  # G = 1: one token a row
+        key = cfg.attention.index_head_dim + sparse_attention.INDEX_SCALE_BYTES
+        block = SUBLANES[fmt.dtype.dtype.name]
+    else:
+        row = cfg.attention.latent_cache_lanes * cfg.dtype_bytes
+        key = cfg.attention.index_head_dim * cfg.dtype_bytes
+        block = SUBLANES[cfg.dtype]
     layers = cfg.kv_layers
-    block = SUBLANES[cfg.dtype]
     return SparseKVReads(context=context,
                          index_key_bytes=context * key * len(cfg.indexer_layers),
                          selected_row_bytes=min(cfg.index_topk, context) * row * layers,
