@@ -99,7 +99,8 @@ class QuantizedKVCache:
     """A paged cache in one byte per element (`tpumk.model.kv_quant`): `kv` [num_layers,
     num_pages, layout.rows, layout.lanes] holds every page's K and V codes (float8_e4m3fn or
     int8) and their scale exponents, packed as `layout` (a `kv_quant.PagedLayout`, static under
-    jit) says; an MLA model's latent rows likewise (one tensor)."""
+    jit) says; an MLA model's latent rows likewise (one tensor). A sparse-attention model's index
+    keys beside them in `index_keys` (fp8 only: `sparse_attention.QuantizedIndexKeys`)."""
 
     kv: jax.Array
     block_tables: jax.Array
