@@ -458,3 +458,37 @@ def test_mtp_reads_a_deepseek_checkpoints_next_token_layer(tmp_path):
         load_drafter("mtp", cfg, checkpoint=tmp_path / "none")
     with pytest.raises(ConfigError, match="num_layers 3: expected the target's 4"):
         load_drafter("mtp", TARGET, checkpoint=tmp_path / "ok")
+
+
+def test_a_bfloat16_drafter_of_eight_sequences_runs_on_the_cpu_backend():
+    """A bfloat16 EAGLE-3 drafter of SmolLM2-135M's attention shapes (9 query / 3 KV heads of 64),
+    8 sequences, rounds inside lax.fori_loop on XLA's CPU backend. (Before: with the head-major
+    draft cache's transpose folded into attention's dots, XLA left some bfloat16 batched dots
+    with a float32 result to its CPU runtime, which has none: "Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32", what benchmarks/drafter_acceptance.py hit at 8 prompts.)"""
+    b, q, context, h = 8, 6, 64, 576
+    cfg = ModelConfig(name="draft-target-bf16", num_layers=4, hidden_size=h, num_q_heads=9, num_kv_heads=3,
+                      head_dim=64, vocab_size=256, ffn_size=128, dtype="bfloat16")
+    d = random_drafter("eagle3", cfg, seed=2, taps=(0, 1, 3), draft_vocab=96, block=3)
+    rng = np.random.default_rng(1)
+    tparams = {"embed": jnp.asarray(rng.standard_normal((256, h)), jnp.bfloat16),
+               "lm_head": jnp.asarray(rng.standard_normal((h, 256)) / 24, jnp.bfloat16)}
+    hidden = jnp.asarray(rng.standard_normal((b, q, 3, h)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 256, (b, q)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32), (b, q))
+
+    def one_round(state, anchor, params):
+        drafts, _, state = d.propose(params, tparams, state, anchor, state["length"])
+        rows = jnp.concatenate([anchor[:, None], drafts], 1)
+        pos = state["length"][:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)
+        valid = jnp.broadcast_to(jnp.arange(rows.shape[1])[None] < 2, rows.shape)
+        taps = jnp.broadcast_to(hidden[:, :1], (b, rows.shape[1], 3, h))
+        return d.absorb(params, tparams, state, taps, rows, pos, valid), drafts[:, 1]
+
+    def run(params):
+        state = d.absorb(params, tparams, d.init_state(b, context), hidden, tokens, positions, jnp.ones((b, q), bool))
+        return jax.lax.fori_loop(0, 2, lambda _, c: one_round(*c, params), (state, tokens[:, -1]))
+
+    state, last = jit(run)(d.params)
+    assert np.asarray(state["length"]).tolist() == [q + 4] * b
+    assert ((np.asarray(last) >= 0) & (np.asarray(last) < 256)).all()

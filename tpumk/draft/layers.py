@@ -79,8 +79,11 @@ def write_head_rows(cache: jax.Array, layer: int, positions: jax.Array, keep: ja
 
 
 def position_major(cache_layer: jax.Array) -> jax.Array:
-    """One layer of a head-major cache [B, KVH, C, D] as attend reads keys: [B, C, KVH, D]."""
-    return cache_layer.transpose(0, 2, 1, 3)
+    """One layer of a head-major cache [B, KVH, C, D] as attend reads keys: [B, C, KVH, D], a copy.
+    The barrier keeps XLA from folding the transpose into attend's dots: folded, XLA's CPU backend
+    leaves some bfloat16 batched dots with a float32 result to a runtime that has none ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32", from 8 sequences up)."""
+    return jax.lax.optimization_barrier(cache_layer.transpose(0, 2, 1, 3))
 
 
 def attention(cfg: ModelConfig, i: int, layer: Params, h: jax.Array, positions: jax.Array, cache: dict,
