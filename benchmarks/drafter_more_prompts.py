@@ -1,7 +1,10 @@
 """More training prompts for the SmolLM2 drafter (issue 56): templates x topics, written for this
 purpose, rendered in a fixed order into `drafter_prompts_more.json` (a `train` list only).
 
-    python benchmarks/drafter_more_prompts.py [--out benchmarks/drafter_prompts_more.json]
+    python benchmarks/drafter_more_prompts.py [--set 1|2] [--out FILE]
+
+`--set 1` (the default) renders KINDS into `drafter_prompts_more.json`; `--set 2` renders KINDS_2
+(other templates and topics) into `drafter_prompts_more2.json`, dropping any prompt set 1 holds.
 
 The held-out prompts of `drafter_prompts.json` stay what they are and are never trained on: a
 generated prompt is dropped when it equals a prompt of either shipped split, or when its content
@@ -23,6 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 OUT = HERE / "drafter_prompts_more.json"
+OUT2 = HERE / "drafter_prompts_more2.json"  # `--set 2`: KINDS_2, none of OUT's prompts repeated
 
 # (template, fillers): every filler through the template, in this order.
 KINDS: list[tuple[str, list[str]]] = [
@@ -374,6 +378,456 @@ KINDS: list[tuple[str, list[str]]] = [
 ]
 
 
+# The third set (drafter_prompts_more2.json, `--set 2`): new templates and topics of the same
+# kinds of task, rendered after the first file's prompts are taken (none repeats one of them).
+KINDS_2: list[tuple[str, list[str]]] = [
+    ("How does {} work?", [
+        "a refrigerator", "a compass", "a toaster", "a vacuum cleaner", "a car engine", "a zipper",
+        "an escalator", "a calculator", "a fire extinguisher", "a water filter", "a sewing machine",
+        "a remote control", "a doorbell", "a loudspeaker", "a satellite", "a rocket", "a helicopter",
+        "a sailboat", "a heart", "a kidney", "a volcano", "an earthquake", "a windmill", "a GPS receiver",
+        "a touch screen", "a hearing aid", "a pressure cooker", "a kettle", "a hair dryer", "a piano",
+        "a printer", "a scanner", "an electric car", "a traffic camera", "a nuclear power plant"]),
+    ("Why does {}?", [
+        "the sky turn red at sunset", "the moon change shape", "a balloon float", "salt melt ice",
+        "milk go sour", "a cut heal", "hair turn gray", "the wind blow", "a ship float", "thunder follow lightning",
+        "a boomerang come back", "the sea taste salty", "a candle go out in a jar", "popcorn pop",
+        "a compass point north", "a mirror reverse images", "paper turn yellow with age", "iron rust",
+        "soda fizz", "a cat purr", "the heart beat faster when we run", "grass grow back after mowing",
+        "the sun look bigger at the horizon", "an onion make us cry", "ice cream melt so fast"]),
+    ("What causes {}?", [
+        "earthquakes", "rain", "thunderstorms", "seasons", "rust", "wind", "fog", "snow", "hail", "tsunamis",
+        "droughts", "floods", "tides", "the northern lights", "a rainbow after a storm", "headaches",
+        "a cold", "allergies", "sunburn", "tooth decay", "muscle cramps", "jet lag", "hiccups", "volcanoes to erupt",
+        "leaves to change color in autumn", "a sonic boom", "an echo", "static shocks", "a heat wave",
+        "ocean currents"]),
+    ("Explain {} to a beginner.", [
+        "photosynthesis", "gravity", "magnetism", "the water cycle", "the food chain", "plate tectonics",
+        "the solar system", "supply and demand", "a budget", "interest on a loan", "taxes", "the internet",
+        "cloud storage", "machine learning", "a database", "an algorithm", "a computer network", "sound waves",
+        "light and color", "the human skeleton", "blood circulation", "the nervous system", "genes and DNA",
+        "the metric system", "fractions", "percentages", "probability", "a map and its scale", "time zones",
+        "how a bill becomes a law", "the stock exchange", "renewable energy", "electric circuits",
+        "chemical reactions", "the periodic table"]),
+    ("Who invented {}?", [
+        "the telephone", "the light bulb", "the printing press", "the airplane", "the radio", "the computer",
+        "the World Wide Web", "the steam engine", "the bicycle", "the camera", "the television", "paper money",
+        "the telescope", "the microscope", "the car", "the sewing machine", "the refrigerator", "the battery",
+        "the pencil", "the zipper"]),
+    ("What happened during {}?", [
+        "the Renaissance", "the fall of the Roman Empire", "the moon landing", "the Norman conquest of England",
+        "the Crusades", "the Irish potato famine", "the Great Fire of London", "the Spanish Armada",
+        "the Russian Revolution", "the Protestant Reformation", "the Civil Rights Movement",
+        "the fall of Constantinople", "the building of the Great Wall of China", "the first Olympic Games",
+        "the Age of Sail", "the partition of India", "the Dust Bowl", "the California gold rush",
+        "the invention of the steam locomotive", "the signing of the Magna Carta"]),
+    ("Tell me about {}.", [
+        "the ancient Egyptians", "the history of chocolate", "the Roman Colosseum", "the history of the bicycle",
+        "the Great Barrier Reef", "the Amazon rainforest", "the Sahara desert", "Mount Everest", "the Nile river",
+        "the history of the Olympic Games", "the Statue of Liberty", "the pyramids of Giza", "Stonehenge",
+        "the history of soccer", "the history of jazz", "the Mongol Empire", "the Hanseatic League",
+        "the history of the printing press", "ancient India", "the Maori people", "the Arctic",
+        "Antarctica", "the Grand Canyon", "the Mediterranean Sea", "the history of the postal service",
+        "the history of coffee", "the history of the umbrella", "the history of the calendar",
+        "the Galapagos Islands", "the history of vaccines"]),
+    ("Tell me three facts about {}.", [
+        "elephants", "octopuses", "the sun", "the moon", "Mars", "Jupiter", "honey", "sharks", "penguins",
+        "dolphins", "owls", "the human brain", "bananas", "volcanoes", "spiders", "whales", "kangaroos",
+        "snails", "the Pacific Ocean", "camels", "crows", "ants", "polar bears", "tigers", "koalas",
+        "the Eiffel Tower", "Japan", "Brazil", "Canada", "Egypt", "Australia", "India", "Iceland",
+        "Mexico", "Norway", "Kenya", "Peru", "Italy", "the Moon landing", "diamonds"]),
+    ("What is {}?", [
+        "a black hole", "a rainforest", "a tsunami", "an ecosystem service", "a coral reef", "a desert",
+        "a glacier", "a tornado", "a meteor", "a constellation", "a planet", "a mammal", "a reptile",
+        "an amphibian", "a carnivore", "a herbivore", "a volcano", "a peninsula", "a continent", "an island",
+        "a delta", "a canyon", "a savanna", "a tundra", "a fjord", "a monsoon", "a virus", "a bacterium",
+        "a protein", "a vitamin", "a calorie", "a neuron", "a hormone", "an allergy", "a gene",
+        "a democracy", "a monarchy", "a constitution", "a tax", "a loan", "a mortgage", "a budget",
+        "a stock", "a bond", "a startup", "a pension", "a password manager", "a search engine",
+        "an email attachment", "a download", "an operating system update", "a software license",
+        "a database index", "a neural network", "a pixel", "a megabyte", "a spreadsheet formula",
+        "open source software", "a backup", "a VPN"]),
+    ("Write a Python function that {}.", [
+        "reverses a string", "counts the vowels in a word", "returns the product of a list of numbers",
+        "removes duplicates from a list", "checks whether a number is prime", "returns the factorial of a number",
+        "converts Fahrenheit to Celsius", "finds the longest word in a list", "sorts a list of names",
+        "returns the odd numbers of a list", "checks whether two words are anagrams",
+        "counts the lines in a text file", "returns the first n square numbers", "flattens a list of lists",
+        "adds two numbers", "checks whether a string contains only digits", "returns the middle element of a list",
+        "swaps the keys and values of a dictionary", "returns the sum of the digits of a number",
+        "checks whether a number is even", "converts kilometers to miles", "returns the maximum of three numbers",
+        "counts the words that start with a capital letter", "joins a list of words with commas",
+        "returns the number of days in a month"]),
+    ("How do I {} in Python?", [
+        "sort a dictionary by value", "remove an item from a list", "copy a list", "read a text file line by line",
+        "get the length of a string", "check the type of a variable", "use a for loop", "define a function",
+        "return two values from a function", "use a list comprehension", "convert a list to a set",
+        "add an item to a dictionary", "get user input", "print without a newline", "sleep for one second",
+        "make a string lowercase", "check if a string starts with a word", "count items in a list",
+        "write a docstring", "run a Python script"]),
+    ("What is the difference between {}?", [
+        "a virus and a bacterium", "a frog and a toad", "a crocodile and an alligator", "a moth and a butterfly",
+        "a lake and a pond", "a hill and a mountain", "a sea and an ocean", "a village and a town",
+        "a rabbit and a hare", "a turtle and a tortoise", "an ape and a monkey", "a star and a planet",
+        "speed and velocity", "mass and weight", "heat and temperature", "a fruit and a vegetable",
+        "baking soda and baking powder", "a loan and a grant", "a debit card and a credit card",
+        "a laptop and a desktop computer", "RAM and storage", "a website and a web app",
+        "a function and a method", "a compiler and an interpreter", "a doctor and a nurse",
+        "a poem and a song", "a novel and a short story", "a museum and a gallery", "an emu and an ostrich",
+        "a cold and the flu"]),
+    ("Compare {}.", [
+        "cats and dogs as pets", "trains and planes for travel", "reading books and watching movies",
+        "tea and coffee", "summer and winter holidays", "working from home and working in an office",
+        "walking and running for exercise", "paper books and e-books", "public schools and homeschooling",
+        "living alone and living with roommates", "renting and buying a home", "cooking at home and eating out",
+        "electric cars and petrol cars", "the violin and the cello", "email and phone calls",
+        "chess and checkers", "swimming and cycling", "the north and the south pole",
+        "a big city and a small town for raising children", "learning online and learning in a classroom"]),
+    ("Summarize {}.", [
+        "the story of Cinderella", "the plot of Hamlet", "the story of Little Red Riding Hood",
+        "the plot of The Wizard of Oz", "the story of the Trojan Horse", "the plot of Moby Dick",
+        "the story of Robin Hood", "the plot of Pride and Prejudice", "the story of King Arthur",
+        "the plot of Alice in Wonderland", "the story of the three little pigs", "the plot of Macbeth",
+        "the story of Hansel and Gretel", "the plot of Treasure Island", "the story of Jack and the Beanstalk",
+        "the plot of Frankenstein", "the story of Snow White", "the plot of Oliver Twist",
+        "the story of the tortoise and the hare", "the plot of The Odyssey", "the life of Isaac Newton",
+        "the history of the Roman Republic", "the story of Aladdin", "the plot of Don Quixote"]),
+    ("Write a poem about {}.", [
+        "the sea", "a city at night", "friendship", "the first snow", "a forest in autumn", "a lost glove",
+        "the rain on a window", "an old bicycle", "a kitchen in the morning", "a long road", "the harvest moon",
+        "a mother's hands", "a lighthouse keeper", "a river in spring", "the end of summer", "a paper kite",
+        "a village church bell", "a quiet library", "a field of wheat", "a fox in the snow"]),
+    ("Write a haiku about {}.", [
+        "the wind", "a summer night", "a river stone", "falling snow", "a cup of tea", "a spider's web",
+        "the full moon", "a bamboo forest", "an empty beach", "morning fog", "a sparrow", "the first frost",
+        "a thunderstorm", "a garden after rain", "a sleeping dog"]),
+    ("Write a short story about {}.", [
+        "a dragon who is afraid of fire", "a girl who can talk to birds", "a clock that runs backwards",
+        "a penguin who wants to visit the desert", "a lost puppy finding its way home",
+        "a boy who builds a rocket in his garden", "a magic paintbrush", "a haunted lighthouse",
+        "a turtle who wins a race", "a detective who solves a mystery at a zoo", "a tree that can walk",
+        "an owl who cannot sleep at night", "a wizard who forgets his spells", "a train that travels to the moon",
+        "a family of mice in a big house", "a rabbit who becomes king", "a girl who finds a map in a bottle",
+        "a robot who learns to paint", "a town where it never stops raining", "a squirrel who saves the forest",
+        "a princess who wants to be a knight", "an elephant who is afraid of mice", "two sisters on a camping trip",
+        "a baker and a hungry giant", "a cloud who wants to be a rainbow"]),
+    ("Write an email to {}.", [
+        "my landlord about a broken heater", "my teacher asking for an extension", "a colleague to schedule a meeting",
+        "a hotel asking about a late check-in", "my team about the holiday schedule", "a customer thanking them for an order",
+        "a friend I have not seen in years", "my manager asking for a day off", "a shop asking to return a jacket",
+        "a neighbor about a noisy party", "the school about my child's absence", "a company applying for a job",
+        "a client to follow up after a meeting", "a plumber asking for a quote", "my gym to cancel my membership",
+        "a restaurant to book a table for ten", "the city council about a broken street light",
+        "a new employee to welcome them", "a speaker to invite them to a conference", "my bank about a wrong charge"]),
+    ("Write a {}.", [
+        "short speech for a friend's wedding", "thank-you note to a teacher", "short review of a coffee shop",
+        "product description for a wool scarf", "short advertisement for a bakery", "cover letter for a barista job",
+        "product description for a coffee mug", "short bio for a yoga teacher", "message to welcome new neighbors",
+        "note to apologize for missing a meeting", "short description of a hiking trail", "post announcing a bake sale",
+        "short invitation to a birthday party", "product description for a garden hose", "recipe card for pancakes",
+        "short review of a science fiction movie", "message congratulating a coworker on a promotion",
+        "short notice about a lost cat", "short guide to a city's best parks", "product description for a tent",
+        "short farewell message for a colleague", "short story opening line", "limerick about a cat",
+        "short motivational message for students before exams", "job ad for a part-time cashier"]),
+    ("How can I {}?", [
+        "learn a new language", "save money on groceries", "improve my handwriting", "wake up earlier",
+        "drink more water", "reduce stress", "become a better writer", "make friends at work",
+        "improve my posture", "study for an exam", "manage my time better", "learn to cook",
+        "be more confident when speaking in public", "keep my house clean", "start running",
+        "grow herbs on a windowsill", "focus better while studying", "plan a budget", "get over jet lag",
+        "teach my dog to sit", "prepare for a job interview", "stay healthy while traveling",
+        "learn to play the guitar", "make my room look bigger", "help the environment at home"]),
+    ("What are some tips for {}?", [
+        "writing an essay", "a long flight", "cooking rice", "learning to drive", "painting a room",
+        "a first job", "moving to a new country", "camping in the rain", "running a marathon", "baking bread",
+        "taking care of a cat", "growing potatoes", "saving for a holiday", "making a speech", "starting a blog",
+        "keeping a diary", "packing light", "shopping for a used car", "meeting new people", "working at night"]),
+    ("Give me a recipe for {}.", [
+        "tomato soup", "pancakes", "a chicken sandwich", "spaghetti with garlic and oil", "vegetable stir fry",
+        "potato salad", "apple pie", "rice pudding", "a smoothie", "chili con carne", "lentil soup",
+        "a simple tomato sauce", "roasted vegetables", "brownies", "hummus", "a tuna salad", "carrot cake",
+        "garlic bread", "a bean burrito", "chicken noodle soup", "pumpkin soup", "blueberry muffins",
+        "a cheese omelette", "fish tacos", "a Greek salad"]),
+    ("What is {}?", [
+        "12 times 12", "20 percent of 150", "the square root of 81", "half of 250", "a quarter of 60",
+        "30 percent of 90", "15 plus 27", "144 divided by 12", "the sum of the numbers from 1 to 10",
+        "5 cubed", "3 times 17", "the average of 10, 20 and 30", "two thirds of 30", "9 times 9",
+        "1000 minus 357", "40 percent of 250", "the perimeter of a square with sides of 5 cm",
+        "the area of a rectangle 4 m by 6 m", "a prime number", "a fraction", "a decimal number",
+        "an equation", "a right angle", "a triangle", "the circumference of a circle"]),
+    ("How do you {}?", [
+        "convert kilograms to pounds", "calculate a percentage", "find the area of a triangle",
+        "add fractions", "convert inches to centimeters", "work out a tip at a restaurant",
+        "calculate simple interest", "divide by a fraction", "round a number to the nearest ten",
+        "find the volume of a box", "convert hours to minutes", "multiply decimals", "find the median of a list",
+        "calculate speed from distance and time", "convert a fraction to a percentage"]),
+    ("What is the {}?", [
+        "tallest mountain in the world", "largest ocean on Earth", "biggest desert in the world",
+        "smallest country in the world", "fastest land animal", "largest planet in the solar system",
+        "capital of Australia", "capital of Canada", "capital of Japan", "largest animal on Earth",
+        "coldest place on Earth", "deepest lake in the world", "longest wall in the world",
+        "most spoken language in the world", "largest country in South America", "hottest planet",
+        "biggest bone in the human body", "largest organ of the human body", "oldest city in Europe",
+        "boiling point of water", "speed of light", "closest star to Earth", "national animal of Scotland",
+        "main language of Brazil", "currency of Japan"]),
+    ("Who wrote {}?", [
+        "Pride and Prejudice", "The Odyssey", "Don Quixote", "War and Peace", "The Little Prince",
+        "Oliver Twist", "Moby Dick", "Frankenstein", "The Hobbit", "Romeo and Juliet", "Alice in Wonderland",
+        "The Divine Comedy", "Treasure Island", "Robinson Crusoe", "The Jungle Book"]),
+    ("Make this sentence simpler: {}", [
+        "The meeting has been postponed to a later date due to unforeseen circumstances.",
+        "It is imperative that all employees adhere to the safety regulations.",
+        "The child exhibited considerable reluctance to consume his vegetables.",
+        "We regret to inform you that your application has been unsuccessful.",
+        "The weather conditions are anticipated to deteriorate this evening.",
+        "Please ensure that all doors are securely fastened prior to departure.",
+        "The aforementioned product is currently unavailable for purchase.",
+        "The committee reached a unanimous decision after lengthy deliberation.",
+        "Individuals who wish to participate should register in advance.",
+        "The restaurant endeavors to provide exceptional culinary experiences."]),
+    ("Rewrite this sentence to sound more polite: {}", [
+        "Give me the report now.", "Move your car.", "Stop talking during the movie.", "Send me the file.",
+        "You are late again.", "Turn the music down.", "Fix this mistake.", "Call me back.",
+        "I want a refund.", "Answer my email."]),
+    ("Correct the grammar in this sentence: {}", [
+        "She don't like apples.", "Me and him went to the store.", "They was playing football.",
+        "I has two brothers.", "He go to school every day.", "We was happy to see you.",
+        "The dogs is barking.", "She have a red car.", "Their going to the park.", "I seen that movie."]),
+    ("Translate into French: {}", [
+        "Good morning, how are you?", "Where is the train station?", "I would like a cup of coffee.",
+        "Thank you very much.", "What time is it?", "I love reading books.", "The weather is nice today.",
+        "My name is Anna.", "How much does this cost?", "See you tomorrow."]),
+    ("List {}.", [
+        "five fruits that are red", "five musical instruments", "five things to do on a rainy day",
+        "the planets of the solar system", "five famous painters", "five sports played with a ball",
+        "the seven continents", "five vegetables that grow underground", "five animals that live in the ocean",
+        "five countries in Asia", "five countries in Africa", "five birds that cannot fly",
+        "the days of the week in Spanish", "five words that rhyme with cat", "five kitchen tools",
+        "five jobs in a hospital", "five board games for families", "five flowers that bloom in spring",
+        "five things to pack for a hike", "five healthy snacks", "five famous scientists",
+        "five colors of the rainbow", "five ways to say hello", "five types of clouds", "five rivers in Europe"]),
+    ("What does the word {} mean?", [
+        "serendipity", "resilient", "ubiquitous", "benevolent", "meticulous", "nostalgia", "candid",
+        "diligent", "eloquent", "frugal", "gregarious", "humble", "inevitable", "jovial", "lucid",
+        "melancholy", "novice", "obsolete", "pragmatic", "quaint", "reluctant", "sincere", "tedious",
+        "vivid", "whimsical", "ambiguous", "curious", "tranquil", "zealous", "empathy"]),
+    ("What is {} in grammar?", [
+        "a noun", "a verb", "an adverb", "a pronoun", "a preposition", "a conjunction", "a sentence",
+        "a paragraph", "a plural", "the past tense", "a question mark", "a comma", "a synonym", "an antonym",
+        "a prefix"]),
+    ("Give me three ideas for {}.", [
+        "a rainy afternoon", "a birthday party", "a school project about space", "a short story",
+        "a family game night", "a cheap date", "a team building activity", "a garden design",
+        "a healthy breakfast", "a small business", "a YouTube channel", "a holiday gift for my mother",
+        "a mystery novel", "a class trip", "a fun science experiment", "a themed dinner party",
+        "a school fundraiser", "a summer camp activity", "a podcast", "a reading challenge"]),
+    ("Tell me a joke about {}.", [
+        "cats", "math", "teachers", "the weather", "coffee", "doctors", "bananas", "dinosaurs", "pirates",
+        "penguins", "robots", "the ocean", "pizza", "music", "elephants"]),
+    ("Tell me a fun fact about {}.", [
+        "space", "the ocean", "the human body", "ancient Rome", "cats", "dogs", "bees", "trees", "chocolate",
+        "the moon", "frogs", "language", "music", "clouds", "sleep"]),
+    ("How do I {}?", [
+        "change a flat tire", "tie a tie", "boil an egg", "clean a laptop screen", "iron a shirt",
+        "write a resume", "start a vegetable garden", "learn to juggle three balls", "fold a fitted sheet",
+        "set up a new phone", "make a budget spreadsheet", "sharpen a kitchen knife", "wash a wool sweater",
+        "plant a tree", "remove a stain from a shirt", "build a campfire safely", "hang a picture on a wall",
+        "back up my photos", "unclog a sink", "paint a wooden chair", "care for a cactus", "ride a bike",
+        "make a paper crane", "choose a good watermelon", "clean a cast iron pan"]),
+    ("What does {} do?", [
+        "a teacher", "a pilot", "an architect", "a farmer", "a firefighter", "a librarian", "a dentist",
+        "a lawyer", "a journalist", "an electrician", "a mechanic", "a nurse", "a police officer",
+        "a software engineer", "an accountant", "a pharmacist", "a plumber", "a carpenter", "a veterinarian",
+        "a museum curator", "a translator", "a photographer", "a judge", "a scientist", "a gardener"]),
+    ("What skills does {} need?", [
+        "a good waiter", "a bus driver", "a school principal", "a web designer", "a chef", "a tour guide",
+        "a writer", "a shop manager", "a soccer coach", "a data analyst", "a pilot", "a midwife",
+        "a receptionist", "a translator", "a fitness trainer"]),
+    ("Describe {}.", [
+        "a quiet beach at sunrise", "a crowded train in the morning", "a forest after the rain",
+        "an old bookshop", "a farmer's market in summer", "a thunderstorm over the sea",
+        "a busy airport", "a small fishing village", "a school playground at recess", "a desert at night",
+        "a garden in spring", "a cozy cafe in winter", "a city street at midnight", "a mountain lake at dawn",
+        "a birthday party for a five-year-old", "a football stadium on match day", "a hospital waiting room",
+        "a night sky full of stars", "a rainy Sunday afternoon at home", "an autumn park",
+        "a kitchen during a family dinner", "a science museum", "a farm in the morning",
+        "a bustling harbor", "a field of lavender"]),
+    ("Why is {}?", [
+        "the ocean blue", "exercise good for the brain", "reading important for children", "sleep important",
+        "water important for the body", "the Amazon rainforest important", "the sun hot", "Mars red",
+        "the Dead Sea so salty", "snow white", "breakfast called the most important meal",
+        "the Earth round", "voting important", "history worth studying", "music good for us",
+        "recycling plastic hard", "the moon visible during the day", "honey so sweet", "the desert dry",
+        "the Great Wall of China famous"]),
+    ("What are the benefits of {}?", [
+        "walking every day", "learning to cook", "drinking tea", "playing chess", "learning a second language",
+        "gardening", "volunteering", "swimming", "journaling", "meditation", "eating fish",
+        "having a pet", "cycling to work", "reading fiction", "playing a team sport", "napping",
+        "stretching", "spending time in nature", "learning to code", "keeping a budget"]),
+    ("What are the pros and cons of {}?", [
+        "social media", "working part time", "online shopping", "living abroad", "nuclear energy",
+        "having a car in the city", "school uniforms", "video games", "fast food", "homework",
+        "solar panels", "a four-day work week", "open plan offices", "smartphones for children",
+        "public transport", "studying abroad", "self-driving cars", "owning a house", "freelancing",
+        "eating meat"]),
+    ("Explain the rules of {}.", [
+        "soccer", "basketball", "volleyball", "checkers", "poker", "table tennis", "badminton", "golf",
+        "rugby", "baseball", "cricket", "hide and seek", "tic-tac-toe", "Monopoly", "Scrabble",
+        "bowling", "ice hockey", "dominoes", "rock paper scissors", "Uno"]),
+    ("Is it {}?", [
+        "healthy to eat eggs every day", "safe to swim after eating", "bad to crack your knuckles",
+        "good to stretch before running", "okay to drink milk every day", "better to study in the morning",
+        "safe to leave a phone charging overnight", "good to walk barefoot", "bad to skip breakfast",
+        "true that goldfish have a short memory", "true that lightning never strikes twice",
+        "healthy to drink fruit juice", "better to rent or buy a car", "good to nap in the afternoon",
+        "normal to feel nervous before a test"]),
+    # Appended after the first 839 prompts were rendered (run8's first four data files keep their places).
+    ("Write a thank-you message to {}.", [
+        "my grandmother for a birthday gift", "a nurse who cared for my father", "my coach after a great season",
+        "a friend who helped me study", "my host family after a stay abroad", "a volunteer at the food bank",
+        "the bus driver who found my wallet", "a mentor at work", "my parents for supporting me",
+        "a neighbor who watered my plants", "my team after finishing a big project", "a waiter for great service",
+        "a librarian who helped with my research", "my brother for driving me to the airport",
+        "a guest speaker at our school"]),
+    ("Explain why {}.", [
+        "the sky is dark at night", "we have leap years", "planes can fly", "boats made of steel float",
+        "we need to sleep", "leaves are green", "the ocean has waves", "bread goes stale", "we have different time zones",
+        "the Earth has seasons", "some people are left-handed", "cats like boxes", "stars twinkle",
+        "we need vitamins", "ice is slippery", "the Moon has craters", "onions have layers", "vaccines work",
+        "we blink", "soap cleans our hands"]),
+    ("Tell me a short story for children about {}.", [
+        "a brave little turtle", "a cloud that could not rain", "a bunny who loved carrots", "a kind dragon",
+        "a lost star", "a duck who learned to swim", "a tiny seed", "a friendly ghost", "a bear who could not sleep",
+        "a train that was always late", "a little red balloon", "a very hungry goat", "a sock that lost its pair",
+        "a moon that wanted friends", "a brave little mouse"]),
+    ("Give me five tips for {}.", [
+        "staying focused while working from home", "keeping a small garden", "making new friends at school",
+        "cooking with kids", "traveling on a budget", "writing a good story", "learning to ski", "staying cool in summer",
+        "a job interview by video call", "teaching a child to read", "a long bike ride", "looking after a puppy",
+        "running a meeting", "saving water at home", "remembering what I read", "cleaning the bathroom quickly",
+        "a first camping trip", "taking notes in class", "eating healthy on a budget", "packing a suitcase"]),
+    ("What happens when {}?", [
+        "water boils", "we sleep", "a star dies", "a volcano erupts", "ice melts", "we exercise", "bread is baked",
+        "milk is heated", "a caterpillar forms a cocoon", "we get a fever", "the Moon passes in front of the Sun",
+        "a bee stings", "the body gets dehydrated", "a tree loses its leaves", "a battery runs out",
+        "two magnets meet", "lightning hits a tree", "salt is added to water", "we hold our breath", "a glacier melts"]),
+    ("Give me an example of {}.", [
+        "a metaphor", "a simile", "a palindrome", "a haiku", "a compound word", "a renewable resource",
+        "a chemical change", "a physical change", "an opinion and a fact", "a prime number bigger than 50",
+        "a mammal that lays eggs", "a bird of prey", "a good password", "a polite refusal", "a rhyming couplet",
+        "an idiom", "a question to ask at a job interview", "an open question", "a healthy lunch", "a cold-blooded animal"]),
+    ("Plan {}.", [
+        "a one-day visit to Paris", "a healthy week of dinners", "a child's birthday party at home",
+        "a morning routine for a student", "a weekend of hiking in the mountains", "a study schedule for exams",
+        "a picnic for six people", "a small wedding in a garden", "a three-day trip to Rome",
+        "a workout week for a beginner", "a garage sale", "a movie night with friends", "a school science day",
+        "a cleaning schedule for a shared flat", "a road trip along the coast"]),
+    ("What should I {}?", [
+        "cook for dinner tonight", "pack for a week in London", "read next if I liked Harry Potter",
+        "bring to a potluck", "wear to a job interview", "plant in a shady garden", "do on a day off",
+        "buy a ten-year-old for a birthday", "eat before a run", "learn first as a new programmer",
+        "do if my computer is slow", "do if I lose my passport abroad", "say in a wedding toast",
+        "put in a first aid kit", "look for in a new apartment"]),
+    ("Write a dialogue between {}.", [
+        "a customer and a shop assistant", "a teacher and a student", "two friends planning a trip",
+        "a doctor and a patient", "a cat and a dog", "a tourist and a local", "a waiter and a diner",
+        "two astronauts on the Moon", "a child and a grandparent", "a detective and a witness",
+        "a robot and a child", "a baker and a customer", "two neighbors about a fence", "a pilot and a passenger",
+        "a job interviewer and a candidate"]),
+    ("Describe {} in three sentences.", [
+        "a lion", "the city of Tokyo", "a rainforest", "the game of chess", "the planet Saturn", "a bicycle",
+        "the Mona Lisa", "a cup of coffee", "a summer festival", "an old castle", "a submarine", "a violin",
+        "the Sahara", "a hospital", "a train journey", "a farm", "a thunderstorm", "a school library",
+        "the northern lights", "a birthday cake"]),
+    ("How is {} made?", [
+        "cheese", "paper", "glass", "chocolate", "bread", "butter", "yogurt", "steel", "soap", "wine",
+        "plastic", "a pencil", "sugar", "cotton cloth", "a candle", "olive oil", "ice cream", "honey",
+        "tea", "peanut butter"]),
+    ("Where does {} come from?", [
+        "rain", "chocolate", "coffee", "rubber", "salt", "the word robot", "silk", "oxygen", "the tradition of birthday cakes",
+        "pasta", "the potato", "the name Monday", "electricity", "wool", "the moon's light"]),
+    ("What is the best way to {}?", [
+        "learn math", "store fresh herbs", "clean windows", "memorize a poem", "fall asleep quickly", "cook pasta",
+        "keep bread fresh", "study a new language", "start a conversation", "pack a lunch for school",
+        "learn history", "prepare for a marathon", "organize photos on a computer", "wash vegetables",
+        "cool down a hot room", "keep a conversation going", "learn to draw faces", "travel with a baby",
+        "keep cut flowers fresh", "get rid of hiccups"]),
+    ("Can you explain {}?", [
+        "how airplanes stay in the air", "what a recession is", "how the brain stores memories",
+        "what causes the seasons", "how a vaccine is tested", "what a light year is", "how rainbows get their colors",
+        "how bees make honey", "what inflation does to savings", "how email reaches another person",
+        "what a password hash is", "how a refrigerator keeps food cold", "how trees talk to each other",
+        "what the greenhouse effect is", "how spiders make silk", "why the Roman Empire fell",
+        "what a gene mutation is", "how a piano makes sound", "how compasses find north", "what quantum computers are"]),
+    ("Write a limerick about {}.", [
+        "a cat who loved cheese", "a forgetful wizard", "a dancing cow", "a sleepy owl", "a hungry goat",
+        "a sailor from Spain", "a dog on a bike", "a very tall giraffe", "a teacher who sang", "a frog in a hat"]),
+    ("Write a short speech about {}.", [
+        "the importance of kindness", "protecting the oceans", "why reading matters", "the value of hard work",
+        "the joy of music", "saving energy at school", "the power of friendship", "learning from mistakes",
+        "why sport is good for everyone", "the future of space travel", "volunteering in the community",
+        "the importance of sleep for students", "respecting animals", "our town's history", "courage"]),
+    ("Write a product description for {}.", [
+        "a bamboo toothbrush", "a smart watch", "a leather wallet", "a children's raincoat", "a yoga mat",
+        "a cast iron skillet", "a pair of wireless earbuds", "an electric kettle", "a picnic basket",
+        "a board game about pirates", "a desk plant", "a travel pillow", "a wool blanket", "a coffee grinder",
+        "a set of colored pencils", "a garden bench", "a bike helmet", "a rice cooker", "a laptop bag", "a sun hat"]),
+    ("Write a short review of {}.", [
+        "a new pizza place", "a local museum", "a walking tour", "a mystery novel", "a pair of headphones",
+        "a hotel by the sea", "a family comedy movie", "a cooking class", "a theme park", "a farmers market",
+        "a public library", "an Italian restaurant", "a concert in the park", "a new phone", "a train journey"]),
+    ("What are {}?", [
+        "the main parts of a plant", "the layers of the Earth", "the phases of the Moon", "the parts of a cell",
+        "the main food groups", "the stages of a butterfly's life", "the primary colors", "the states of matter",
+        "the branches of government", "the parts of a computer", "the types of rock", "the senses of the body",
+        "the main parts of a story", "the signs of dehydration", "the planets closest to the Sun",
+        "the symptoms of a cold", "the rules of a haiku", "the parts of a flower", "the layers of the atmosphere",
+        "the main organs of the body"]),
+    ("How long does it take to {}?", [
+        "boil an egg", "learn a new language", "fly from London to New York", "grow a tomato plant",
+        "digest a meal", "run a marathon", "build a house", "read a novel", "bake a loaf of bread",
+        "walk a mile", "charge an electric car", "get to the Moon", "learn to play the piano",
+        "heal a broken arm", "form a habit"]),
+    ("What is the history of {}?", [
+        "the bicycle helmet", "ice skating", "the teddy bear", "the sandwich", "chess", "the Olympic torch",
+        "the alphabet", "maps", "glasses", "the toothbrush", "pizza", "the dictionary", "the clock", "the compass",
+        "soap", "the fork", "kites", "the library", "the theater", "basketball"]),
+    ("Give me a list of {}.", [
+        "fun things to do in winter", "questions to ask a new friend", "healthy breakfast foods",
+        "easy houseplants", "classic children's books", "ways to reduce plastic waste", "indoor games for kids",
+        "famous inventions", "things to see in London", "good habits for students", "summer fruits",
+        "words that describe happiness", "items for an emergency kit", "dog breeds for families",
+        "songs for a road trip", "ways to say thank you", "hobbies to try this year", "things to do at the beach",
+        "foods high in protein", "kitchen safety rules"]),
+    ("Rewrite this in a friendly tone: {}", [
+        "Your order is delayed.", "The pool is closed today.", "Please submit the form by Friday.",
+        "We do not accept cash.", "Meeting moved to 3 pm.", "No food in the library.", "Your subscription has expired.",
+        "Parking is not allowed here.", "The class is full.", "Please wait to be seated."]),
+    ("Turn this into a question: {}", [
+        "The train leaves at six.", "She likes green tea.", "They live in Madrid.", "The shop opens on Sunday.",
+        "He plays the drums.", "The museum is free today.", "We are going to the beach.",
+        "The cake is in the oven.", "You finished the report.", "It will rain tomorrow."]),
+    ("Write a short text message {}.", [
+        "telling a friend I will be late", "asking my neighbor to feed my cat", "inviting my team to lunch",
+        "wishing my dad a happy birthday", "asking a coworker for the meeting notes", "thanking a friend for dinner",
+        "telling my family I arrived safely", "asking a friend to go running", "canceling plans politely",
+        "reminding my sister about mom's birthday"]),
+    ("Tell me something interesting about {}.", [
+        "octopuses", "the Roman roads", "the deep sea", "Saturn's rings", "sloths", "ancient Egypt",
+        "the human heart", "the Amazon river", "hummingbirds", "Venice", "the first computers",
+        "the Great Wall of China", "volcanoes in Iceland", "sea turtles", "the Vikings' ships"]),
+    ("What is the role of {}?", [
+        "the heart", "the liver", "the lungs", "a referee", "a mayor", "a central bank", "the United Nations",
+        "a school board", "white blood cells", "the roots of a plant", "a captain on a ship", "a museum",
+        "a newspaper editor", "a conductor in an orchestra", "the kidneys"]),
+    ("How do {}?", [
+        "birds know where to migrate", "plants drink water", "fish sleep", "bats find their way in the dark",
+        "chameleons change color", "ants find food", "camels survive in the desert", "bees find flowers",
+        "snakes move without legs", "whales communicate", "seeds travel", "penguins stay warm",
+        "frogs catch flies", "owls turn their heads so far", "trees grow so tall"]),
+]
+
+
 def content_words(text: str) -> set[str]:
     stop = {"a", "an", "the", "of", "to", "in", "on", "and", "or", "is", "are", "do", "does", "how", "what",
             "why", "who", "me", "my", "i", "you", "for", "with", "it", "its", "this", "that", "about", "give",
@@ -382,17 +836,20 @@ def content_words(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z']+", text.lower()) if w not in stop}
 
 
-def build(shipped: dict) -> tuple[list[str], list[tuple[str, str]]]:
-    """(the prompts kept, in order; (dropped prompt, the held-out prompt it overlapped))."""
+def build(shipped: dict, kinds: list[tuple[str, list[str]]] = KINDS,
+          taken: tuple[str, ...] = ()) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the prompts kept, in order; (dropped prompt, the held-out prompt it overlapped)). `taken`:
+    prompts already in another training file, dropped as repeats."""
     held = shipped["held_out"]
     seen = set(shipped["train"]) | set(held)
+    taken = set(taken)
     held_words = [(h, content_words(h)) for h in held]
     kept, dropped = [], []
-    for template, fillers in KINDS:
+    for template, fillers in kinds:
         for f in fillers:
             p = template.format(f)
-            if p in seen:
-                dropped.append((p, "a shipped prompt"))
+            if p in seen or p in taken:
+                dropped.append((p, "a shipped prompt" if p in seen else "a prompt of " + OUT.name))
                 continue
             w = content_words(p)
             near = next((h for h, hw in held_words if w and len(w & hw) / len(w | hw) >= 0.5), None)
@@ -404,16 +861,31 @@ def build(shipped: dict) -> tuple[list[str], list[tuple[str, str]]]:
     return kept, dropped
 
 
+def build_set(shipped: dict, which: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """Set 1 (KINDS, drafter_prompts_more.json) or set 2 (KINDS_2, drafter_prompts_more2.json,
+    without set 1's prompts)."""
+    if which == 1:
+        return build(shipped)
+    return build(shipped, KINDS_2, taken=tuple(build(shipped)[0]))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--set", type=int, default=1, choices=(1, 2),
+                    help="1: drafter_prompts_more.json (default); 2: drafter_prompts_more2.json (new templates "
+                         "and topics, none of set 1's prompts)")
+    ap.add_argument("--out", type=Path, default=None, help="default: the set's file beside this script")
     a = ap.parse_args(argv)
+    out = a.out or (OUT if a.set == 1 else OUT2)
     shipped = json.loads((HERE / "drafter_prompts.json").read_text())
-    kept, dropped = build(shipped)
-    doc = {"about": "More training prompts for tpumk's SmolLM2-135M-Instruct drafter (issue 56), rendered by "
-                    "benchmarks/drafter_more_prompts.py (templates x topics). Training only: none equals a prompt of "
-                    "drafter_prompts.json or overlaps a held-out prompt's content words by Jaccard >= 0.5.",
-           "train": kept}
+    kept, dropped = build_set(shipped, a.set)
+    about = ("More training prompts for tpumk's SmolLM2-135M-Instruct drafter (issue 56), rendered by "
+             "benchmarks/drafter_more_prompts.py (templates x topics). Training only: none equals a prompt of "
+             "drafter_prompts.json or overlaps a held-out prompt's content words by Jaccard >= 0.5.")
+    if a.set == 2:
+        about = about.replace(".py (", ".py --set 2 (").replace(">= 0.5.", f">= 0.5, nor repeats a prompt of {OUT.name}.")
+    doc = {"about": about, "train": kept}
+    a.out = out
     fd, tmp = tempfile.mkstemp(dir=a.out.parent, prefix=f".{a.out.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(doc, indent=1) + "\n")

@@ -77,6 +77,23 @@ def test_more_prompts_are_shipped_as_rendered_and_never_held_out():
     assert near["Tell me a tongue-twister about snakes."] == "What is a tongue twister I can practice?"
 
 
+def test_second_more_prompts_file_is_shipped_as_rendered_and_repeats_nothing():
+    """drafter_prompts_more2.json is what `drafter_more_prompts.py --set 2` renders, train only,
+    and holds no held-out prompt or near copy of one, nor any prompt already in a training file."""
+    import drafter_more_prompts as more
+
+    shipped = json.loads(drafter_data.PROMPTS.read_text())
+    kept, dropped = more.build_set(shipped, 2)
+    assert drafter_data.load_prompts("train", more.OUT2) == kept and len(kept) >= 1000 and len(set(kept)) == len(kept)
+    first = drafter_data.load_prompts("train", more.OUT)
+    assert not set(kept) & (set(shipped["held_out"]) | set(shipped["train"]) | set(first))
+    held_words = [more.content_words(h) for h in shipped["held_out"]]
+    assert all(len(more.content_words(p) & w) / len(more.content_words(p) | w) < 0.5 for p in kept for w in held_words)
+    near = dict(dropped)  # a repeat of set 1 and a reworded held-out prompt are both caught
+    assert near["What does a lawyer do?"] == "a prompt of drafter_prompts_more.json"
+    assert near["Explain the rules of table tennis."] == "Explain the rules of tennis in simple terms."
+
+
 def test_data_script_refuses_a_start_past_the_prompts(tmp_path, capsys):
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"")
