@@ -976,12 +976,9 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
         where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
         if spec.kv_dtype:  # (an fp8 index-key cache runs in the reference; int8 nowhere: its own line)
             sparse_attention.check_index_key_format(model, spec.kv_dtype)
-        # quantized weights on one device: the indexer's idx_k / idx_q stream in the ring format
-        # with their scales like every ring family; on many devices not yet
-        for cond, what in ((spec.quant != "none" and spec.devices > 1,
-                            f"with --quant {spec.quant} on {spec.devices} devices (quantized weights on one "
-                            "device only yet)"),
-                           (spec.quant != "none" and bool(model.kv_source_layers),
+        # quantized weights: the indexer's idx_k / idx_q stream in the ring format with their
+        # scales like every ring family (whole on every device, as their codes)
+        for cond, what in ((spec.quant != "none" and bool(model.kv_source_layers),
                             f"with --quant {spec.quant} and layers reading another layer's latent rows "
                             "(kv_source_layers: Mistral Large 4's; model-dtype weights only yet)"),
                            (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype caches only "
