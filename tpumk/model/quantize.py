@@ -56,7 +56,10 @@ layer holds `w_uk` [Hq, N, C] (head h's W_UK^T) and `w_uv` [Hq, C, V] (head h's 
 of `wkv_b`, each head's block quantized on its own like a stack of experts (per-column: one
 scale per (head, latent / value column); fp8-b128: per (head, 128 contraction rows, column)),
 because the kernel streams one head block per tile. The q_a / kv_a norms stay in the model
-dtype, the router and its correction bias in float32.
+dtype, the router and its correction bias in float32. Sparse attention's indexer: idx_wq and
+idx_wk in the ring format (the ring families idx_q / idx_k); its float32 head weights
+(idx_weights, float32 as transformers keeps them: they weight the scores the top-k compares)
+and its key LayerNorm stay float (their own DMAs, not the ring).
 
 Why not a quantization library (e.g. qwix): tpumk needs the codes and scales themselves, laid
 out in the ring's tile order and the expert stage's chunk order, with the exact dequantization
