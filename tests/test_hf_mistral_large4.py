@@ -197,11 +197,12 @@ def _one_line_error(r, *needles) -> str:
 def test_the_megakernel_refuses_quantized_weights(checkpoint):
     """The megakernel builds Mistral Large 4 with model-dtype weights only (its runs: the greedy
     tests below, tests/test_megakernel_large4.py, tests/test_multidevice_sparse.py): `tpumk
-    build --quant int8` refuses in one line, naming what runs it."""
+    build --quant int8` refuses in one line, naming the part (its layers reading another's
+    latent rows) and what runs it."""
     ckpt, _ = checkpoint
     _one_line_error(CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--target", "tpu7x",
                                               "--no-estimate", "--quant", "int8"]),
-                    "sparse attention", "--quant int8", "--backend reference")
+                    "sparse attention", "--quant int8", "kv_source_layers", "--backend reference")
 
 
 @pytest.mark.full  # (38 s: ten interpreted megakernel steps) tests/README.md: the default run's cover

@@ -48,10 +48,13 @@ GLM = dict(index_shared_layers=(1,), index_rope_interleave=True, index_head_dim=
 
 
 @functools.lru_cache(maxsize=None)
-def model(dtype: str, glm: bool = False):
+def model(dtype: str, glm: bool = False, v_head_dim: int | None = None):
+    """v_head_dim: tiny-mla's 20 unless given (fp8-b128 needs 128: `plan._check_mla`)."""
     cfg = load_preset("tiny-mla").replace(name=f"tiny-dsa-{dtype}", dtype=dtype, **SPARSE)
     if glm:
         cfg = cfg.replace(name=f"tiny-glm-dsa-{dtype}", **GLM)
+    if v_head_dim is not None:
+        cfg = cfg.replace(name=f"{cfg.name}-v{v_head_dim}", v_head_dim=v_head_dim)
     return cfg, random_params(cfg, seed=2)
 
 
@@ -100,11 +103,11 @@ def selection_gap(cfg, params, positions, new_cache: R.KVCache, taps) -> float:
     return gap
 
 
-def compile_for_tpus(cfg, batch: int, q_len: int) -> None:
+def compile_for_tpus(cfg, batch: int, q_len: int, quant: str = "none") -> None:
     """One tpu_custom_call, compiled deviceless for TPU7x and v6e."""
     for target in ("tpu7x", "v6e"):
         plan = make_plan(BuildSpec(cfg, get_target(target), batch, CONTEXT, TuningConfig(), q_len=q_len,
-                                   page_size=PAGE))
+                                   page_size=PAGE, quant=quant))
         assert compile_for(make_decode_step(plan), step_specs(plan), get_target(target)).custom_calls == 1, target
 
 
@@ -142,6 +145,64 @@ def test_sparse_step_matches_reference(dtype, lengths, q_len, glm):
     dense, _ = R.jitted_decode_step(dense_cfg)(params, tokens, positions, cache)
     assert float(jnp.max(jnp.abs(dense - want))) > 0.05 * float(jnp.max(jnp.abs(want)))
     compile_for_tpus(cfg, batch, q_len)
+
+
+# Quantized weights (tpumk.model.quantize): the indexer's idx_wk / idx_wq stream in the ring format
+# as the families idx_k / idx_q. fp8-b128 (DeepSeek-V3.2's own format: each tile's group scales
+# stream beside it) runs here; int8 (column scales in each layer's scale row), bfloat16 at q_len 3
+# and GLM-5's shared selection (scales stacked over the indexer layers only) are the full tier
+# (tests/README.md).
+@pytest.mark.parametrize("scheme, dtype, lengths, q_len, glm", [
+    ("fp8-b128", "float32", [37], 1, False),
+    pytest.param("int8", "float32", [29], 1, False, marks=pytest.mark.full),
+    pytest.param("fp8-b128", "bfloat16", [21, 40], 3, False, marks=pytest.mark.full),
+    pytest.param("fp8-b128", "float32", [21, 40], 1, True, marks=pytest.mark.full),
+], ids=["fp8b128-f32-b1-q1", "int8-f32-b1-q1", "fp8b128-bf16-b2-q3", "glm-fp8b128-f32-b2-q1"])
+def test_quantized_sparse_step_matches_the_quantized_reference(scheme, dtype, lengths, q_len, glm):
+    """quantize_params quantizes the indexer's two projections (its float32 head weights and its
+    key LayerNorm stay float: they are read by their own DMAs, not the ring) and the stored bytes
+    are the closed-form count; the megakernel's step equals the reference's with the same
+    quantized weights (logits within the MLA tests' bounds, the latent and index-key caches; the
+    index keys would differ by the quantization error if the kernel projected with other
+    weights); no DMA race; the selection matters. Compiled deviceless for TPU7x and v6e."""
+    from test_megakernel_mla_quant import _leaf_bytes
+    from tpumk.model.quantize import QuantizedMatrix, quantize_params, quantized_weight_bytes, relative_rms
+
+    cfg, params = model(dtype, glm, 128 if scheme == "fp8-b128" else None)
+    qp = quantize_params(cfg, params, scheme)
+    for i in cfg.indexer_layers:
+        lay, flt = qp["layers"][i], params["layers"][i]
+        for k in ("idx_wk", "idx_wq"):
+            assert isinstance(lay[k], QuantizedMatrix), k
+            assert 0 < relative_rms(lay[k].dequantized(), flt[k]) < 0.04, k
+        for k in ("idx_weights", "idx_k_norm", "idx_k_bias"):
+            assert not isinstance(lay[k], QuantizedMatrix), k
+        assert jnp.dtype(lay["idx_weights"].dtype) == jnp.float32
+    # what quantizing saves, by the closed-form count, is what the stored bytes show (the count of
+    # a bfloat16 model's float32 idx_weights at 2 bytes is off alike in both: not this test's)
+    saved = quantized_weight_bytes(cfg, "none") - quantized_weight_bytes(cfg, scheme)
+    assert saved == _leaf_bytes(cfg, params) - _leaf_bytes(cfg, qp) > 0
+    batch = len(lengths)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE,
+                               quant=scheme))
+    assert plan.sparse is not None and {"idx_k", "idx_q"} <= set(plan.families)
+    cache = random_cache(cfg, lengths)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+
+    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, positions, cache)
+    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    want, want_cache, taps = reference_step(cfg)(qp, tokens, positions, cache)
+    assert selection_gap(cfg, qp, positions, want_cache, taps) > TIE_GAP
+    assert_logits_close(logits, want, dtype)
+    tol = 1e-5 if dtype == "float32" else 2 ** -6
+    for name in ("k", "index_keys"):
+        got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
+        np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
+    _, float_cache, _ = reference_step(cfg)(params, tokens, positions, cache)  # (the same compiled step)
+    moved = np.abs(np.asarray(float_cache.index_keys, np.float32) - np.asarray(want_cache.index_keys, np.float32))
+    assert float(moved.max()) > 10 * tol, "the float indexer's keys equal the quantized one's: the test cannot fail"
+    compile_for_tpus(cfg, batch, q_len, scheme)
 
 
 @pytest.mark.full  # (29 s, 16 s CPU) tests/README.md: the default run's plan test of the chunks at 128k

@@ -32,11 +32,25 @@ CONTEXT = 64
 HEADS = dict(num_q_heads=4, num_kv_heads=4, vocab_size=321)
 
 
+def _quant(dtype: str) -> tuple[str, str]:
+    """("int8", "float32") of "int8-float32", ("fp8-b128", ..) of "fp8b128-..": quantized weights
+    (tpumk.model.quantize); ("none", dtype) otherwise."""
+    for scheme, prefix in (("int8", "int8-"), ("fp8-b128", "fp8b128-")):
+        if dtype.startswith(prefix):
+            return scheme, dtype.removeprefix(prefix)
+    return "none", dtype
+
+
 def _model(dtype: str):
     """dtype "glm-float32": GLM-5's indexer (a layer reusing the previous layer's picks);
-    "large4-float32": tests/test_megakernel_large4.py's Mistral Large 4 model with 4 heads."""
+    "large4-float32": tests/test_megakernel_large4.py's Mistral Large 4 model with 4 heads;
+    "fp8b128-float32" (`_quant`): value heads of 128 lanes (fp8-b128's scale groups, `plan._check_mla`)."""
     from test_megakernel_sparse import GLM, SPARSE
     from tpumk.model.config import load_preset
+
+    scheme, dtype = _quant(dtype)
+    if scheme == "fp8-b128":
+        return _model(dtype).replace(v_head_dim=128)
 
     if dtype.startswith("large4-"):
         from test_megakernel_large4 import LARGE4
@@ -58,7 +72,7 @@ def _spec(dtype: str, target: str, batch: int, q_len: int, devices: int = DEVICE
 
     cfg = _model(dtype)
     return BuildSpec(cfg, get_target(target), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE,
-                     devices=devices)
+                     devices=devices, quant=_quant(dtype)[0])
 
 
 # ---------------------------------------------------------------------- the subprocess
@@ -78,6 +92,7 @@ def _worker(dtype: str, lengths: list[int], q_len: int) -> dict:
     from tpumk.kernel.layout import pack_sharded
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.model import reference as R
+    from tpumk.model.quantize import quantize_params
     from tpumk.model.weights import random_params
     from tpumk.plan.plan import make_plan
 
@@ -85,7 +100,7 @@ def _worker(dtype: str, lengths: list[int], q_len: int) -> dict:
     batch = len(lengths)
     plan = make_plan(_spec(dtype, "cpu", batch, q_len))
     cfg, sh = plan.whole_model, plan.sharding
-    params = random_params(cfg, seed=2)
+    params = quantize_params(cfg, random_params(cfg, seed=2), plan.quant)  # ("none": as they are)
     cache = random_cache(cfg, lengths)
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
@@ -135,13 +150,17 @@ def _run(dtype: str, lengths: list[int], q_len: int) -> dict:
 # ---------------------------------------------------------------------- interpret vs reference
 @pytest.mark.full  # (see tests/README.md: the default run's cover is the deviceless compile and plan tests below)
 @pytest.mark.parametrize("dtype, lengths, q_len", [("float32", [37, 22], 1), ("bfloat16", [17, 30], 3),
-                                                   ("glm-float32", [21, 40], 1), ("large4-float32", [37, 22], 1)],
-                         ids=["f32-b2-q1", "bf16-b2-q3", "glm-f32-b2-q1", "large4-f32-b2-q1"])
+                                                   ("glm-float32", [21, 40], 1), ("large4-float32", [37, 22], 1),
+                                                   ("int8-float32", [37, 22], 1), ("fp8b128-float32", [37, 22], 1)],
+                         ids=["f32-b2-q1", "bf16-b2-q3", "glm-f32-b2-q1", "large4-f32-b2-q1", "int8-f32-b2-q1",
+                              "fp8b128-f32-b2-q1"])
 def test_four_device_step_matches_reference(dtype, lengths, q_len):
     """The 4-device step equals the one-device reference: logits within 1e-5 of their scale (bf16:
     the MLA tests' bound), the same on every device; every device's copy of the latent and the
     index-key cache holds the reference's rows (this step's written); one query head per device.
-    GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE. Mistral
+    GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE. The int8
+    and fp8-b128 cases: quantized weights (the indexer's whole on every device with their
+    scales), against the one-device reference with the same quantized weights. Mistral
     Large 4's (44 s): its parts, each device's heads' log scales, the layers reading another's
     latent rows leaving their own cache layers as they were."""
     r = _run(dtype, lengths, q_len)
@@ -162,15 +181,17 @@ def test_four_device_step_matches_reference(dtype, lengths, q_len):
 
 
 # ---------------------------------------------------------------------- deviceless compile, plan
-def test_four_device_build_compiles_to_one_kernel_without_xla_collectives():
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("fp8b128-bfloat16", marks=pytest.mark.full)])
+def test_four_device_build_compiles_to_one_kernel_without_xla_collectives(dtype):
     """The 4-device sparse build compiles deviceless for a multi-chip TPU7x topology: one
     tpu_custom_call, no XLA collective (the selection is each device's own), and neither the
-    latent nor the index-key cache copied around the kernel (both scattered after it)."""
+    latent nor the index-key cache copied around the kernel (both scattered after it); with
+    fp8-b128 weights too (the full tier)."""
     from program_checks import cache_copies
     from tpumk.compile.aot import compile_plan
     from tpumk.plan.plan import make_plan
 
-    plan = make_plan(_spec("bfloat16", "tpu7x", 2, 1))
+    plan = make_plan(_spec(dtype, "tpu7x", 2, 1))
     c = compile_plan(plan)
     assert c.custom_calls == 1
     assert not XLA_COLLECTIVES.search(c.hlo_text), XLA_COLLECTIVES.search(c.hlo_text).group(0)

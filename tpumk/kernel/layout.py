@@ -205,8 +205,9 @@ def _pack_indexer_vectors(cfg: ModelConfig, layers: list) -> dict:
     return {"idx_weights": jnp.stack(w), "idx_norm": jnp.stack(norm)}
 
 
-def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, latent_split: bool = False) -> dict:
-    """One MLA layer's scales in the families' packed order: column-scaled formats, each family's
+def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, layer: int, grouped: bool,
+                     latent_split: bool = False) -> dict:
+    """MLA layer `layer`'s scales in the families' packed order: column-scaled formats, each family's
     [M] row (uk / uv: every head's block side by side, as the diagonal tiles' column blocks);
     group-scaled, each family's [K/128, M] matrix (uk / uv: the tiles' scale blocks [Hq,
     scale_rows, tile_cols])."""
@@ -225,6 +226,10 @@ def _mla_scale_parts(cfg: ModelConfig, fams: dict, lay: dict, grouped: bool, lat
     # o: its rows are padded per head, but a grouped build has V % 128 == 0 (the plan refuses
     # others), so no padding lands inside a row group: its group scales keep their order
     out["o"] = s("wo")
+    if "idx_wk" in lay:  # the indexer's keys and queries: columns in the codes' lane order
+        rotates = cfg.pattern.rotates(layer)
+        for name, key in (("idx_k", "idx_wk"), ("idx_q", "idx_wq")):
+            out[name] = s(key)[:, indexer_lanes(cfg, lay[key].shape[1], rotates)]
     w_uk, w_uv = absorbed_weights(cfg, lay)
     for name, w in (("uk", w_uk), ("uv", w_uv)):
         out[name] = (cols.diagonal(w.scale, name, fams[name].scale_rows) if grouped
@@ -422,9 +427,11 @@ def _pack_tile_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: in
 
     attention = [l for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
     if cfg.is_mla:
-        parts = [_mla_scale_parts(cfg, fams, l, grouped=True, latent_split=split) for l in attention]
+        parts = [_mla_scale_parts(cfg, fams, l, i, grouped=True, latent_split=split)
+                 for i, l in enumerate(layers) if not cfg.pattern.is_linear(i)]
+        # (idx_k / idx_q: stacked over the layers with an indexer of their own, as their codes)
         out = {f"scales_{name}": jnp.stack([p[name] if fams[name].diagonal else tiles(p[name], fams[name])
-                                            for p in parts]) for name in parts[0]}
+                                            for p in parts if name in p]) for name in dict.fromkeys(n for p in parts for n in p)}
     else:
         out = {"scales_qkv": jnp.stack([tiles(jnp.concatenate([l[k].scale for k in qkv_keys(cfg)], 1), fams["qkv"])
                                         for l in attention]),
@@ -462,13 +469,13 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
     def padded(v, m_pad: int):
         return jnp.pad(jnp.asarray(v, jnp.float32), (0, m_pad - v.shape[0]))
 
-    def row(lay: dict):
+    def row(i: int, lay: dict):
         if "lin_qkv" in lay:  # a linear layer's families
             parts = {"lin_in": linear_in(cfg, lay, lambda k: lay[k].scale[None])[0], "lin_out": lay["lin_out"].scale}
             if "lin_fb" in fams:
                 parts.update(lin_fb=lay["lin_f_b"].scale, lin_gb=lay["lin_g_b"].scale)
         elif cfg.is_mla:
-            parts = _mla_scale_parts(cfg, fams, lay, grouped=False, latent_split=split)
+            parts = _mla_scale_parts(cfg, fams, lay, i, grouped=False, latent_split=split)
         else:
             parts = {"qkv": jnp.concatenate([lay[k].scale for k in qkv_keys(cfg)]), "o": lay["wo"].scale}
         for prefix, gate, up, down, pad in (("", "w_gate", "w_up", "w_down", ffn_pad),
@@ -486,7 +493,7 @@ def _pack_scales(cfg: ModelConfig, fams: dict, ffn_pad: int, shared_pad: int, pa
             r = r.at[lo:lo + fams[name].m_pad].set(padded(v, fams[name].m_pad))
         return r
 
-    rows = jnp.stack([row(lay) for lay in params["layers"]])[:, None, :]
+    rows = jnp.stack([row(i, lay) for i, lay in enumerate(params["layers"])])[:, None, :]
     head = params["lm_head"].scale
     return {"layer_scales": rows, "head_scales": padded(head, fams["lm_head"].m_pad)[None, :]}
 

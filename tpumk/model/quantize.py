@@ -56,7 +56,10 @@ layer holds `w_uk` [Hq, N, C] (head h's W_UK^T) and `w_uv` [Hq, C, V] (head h's 
 of `wkv_b`, each head's block quantized on its own like a stack of experts (per-column: one
 scale per (head, latent / value column); fp8-b128: per (head, 128 contraction rows, column)),
 because the kernel streams one head block per tile. The q_a / kv_a norms stay in the model
-dtype, the router and its correction bias in float32.
+dtype, the router and its correction bias in float32. Sparse attention's indexer: idx_wq and
+idx_wk in the ring format (the ring families idx_q / idx_k); its float32 head weights
+(idx_weights, float32 as transformers keeps them: they weight the scores the top-k compares)
+and its key LayerNorm stay float (their own DMAs, not the ring).
 
 Why not a quantization library (e.g. qwix): tpumk needs the codes and scales themselves, laid
 out in the ring's tile order and the expert stage's chunk order, with the exact dequantization
@@ -139,6 +142,8 @@ SCHEMES = tuple(PRESETS)  # the names; any `ring=..,experts=..` text is a scheme
 # and of the routed experts' stacks.
 RING_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
                  "wq_a", "wq_b", "wkv_a", "wq_gate", "moe_in", "moe_out",
+                 # sparse attention's indexer projections (its float32 head weights and norms stay float)
+                 "idx_wq", "idx_wk",
                  # a linear-attention layer's projections (its convolution taps, decays and norm stay float)
                  "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_f_a", "lin_f_b", "lin_g_a", "lin_g_b", "lin_out")
 EXPERT_MATRICES = ("e_gate", "e_up", "e_down")
@@ -389,14 +394,26 @@ def relative_rms(got, want) -> float:
 
 def ring_parameter_count(cfg) -> int:
     """Parameters of the matrices the ring streams: every layer's q|k|v and o, the dense and
-    shared-expert gate / up / down, and the lm_head (a tied model's head counts: it becomes its
-    own quantized copy). Closed form, no loop over layers."""
+    shared-expert gate / up / down, sparse attention's indexer projections, and the lm_head (a
+    tied model's head counts: it becomes its own quantized copy). Closed form, no loop over layers."""
     h = cfg.hidden_size
     n_dense = cfg.pattern.num_dense
     n_moe = cfg.num_layers - n_dense
     attn = cfg.attention.param_count(cfg.hidden_size)
     shared = cfg.moe.num_shared_experts * cfg.moe.shared_expert_ffn_size if cfg.is_moe else 0
-    return cfg.num_layers * attn + n_dense * 3 * h * cfg.ffn_size + n_moe * 3 * h * shared + h * cfg.vocab_size
+    indexer = sum(n * k * m for n, k, m in _indexer_matrices(cfg))
+    return (cfg.num_layers * attn + n_dense * 3 * h * cfg.ffn_size + n_moe * 3 * h * shared + h * cfg.vocab_size
+            + indexer)
+
+
+def _indexer_matrices(cfg) -> list[tuple[int, int, int]]:
+    """(count, K, M) of sparse attention's indexer projections idx_wk and idx_wq (ring matrices:
+    one of each per layer with an indexer of its own)."""
+    if not cfg.attention.is_sparse:
+        return []
+    a, n = cfg.attention, len(cfg.indexer_layers)
+    q_in = cfg.hidden_size if a.index_q_hidden else cfg.q_lora_rank
+    return [(n, cfg.hidden_size, a.index_head_dim), (n, q_in, a.index_heads * a.index_head_dim)]
 
 
 def expert_parameter_count(cfg) -> int:
@@ -423,6 +440,7 @@ def ring_matrices(cfg) -> list[tuple[int, int, int]]:
                 (L, hq * cfg.v_head_dim, h), (1, h, cfg.vocab_size)]
     else:
         out = [(L, h, cfg.attention.q_size + 2 * cfg.attention.kv_size), (L, cfg.attention.q_size, h), (1, h, cfg.vocab_size)]
+    out += _indexer_matrices(cfg)
     if n_dense:
         out += [(n_dense, h, 2 * cfg.ffn_size), (n_dense, cfg.ffn_size, h)]
     if shared and n_moe:

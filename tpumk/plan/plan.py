@@ -976,7 +976,11 @@ def _check_mla(model: ModelConfig, spec: BuildSpec) -> None:
         where = f"model '{model.name}': sparse attention (index_topk = {model.index_topk})"
         if spec.kv_dtype:  # (an fp8 index-key cache runs in the reference; int8 nowhere: its own line)
             sparse_attention.check_index_key_format(model, spec.kv_dtype)
-        for cond, what in ((spec.quant != "none", f"with --quant {spec.quant} (model-dtype weights only yet)"),
+        # quantized weights: the indexer's idx_k / idx_q stream in the ring format with their
+        # scales like every ring family (whole on every device, as their codes)
+        for cond, what in ((spec.quant != "none" and bool(model.kv_source_layers),
+                            f"with --quant {spec.quant} and layers reading another layer's latent rows "
+                            "(kv_source_layers: Mistral Large 4's; model-dtype weights only yet)"),
                            (bool(spec.kv_dtype), f"with --kv-dtype {spec.kv_dtype} (the model-dtype caches only "
                                                 "yet: 1-byte index keys and latent rows run in the reference)"),
                            (not model.q_lora_rank and not model.index_q_hidden,
