@@ -111,10 +111,11 @@ def compile_for_tpus(cfg, batch: int, q_len: int, quant: str = "none") -> None:
         assert compile_for(make_decode_step(plan), step_specs(plan), get_target(target)).custom_calls == 1, target
 
 
-# bf16-b2-q3 and glm-f32-b2-q1 are the full tier: f32-b1-q1 runs the same kernel path (indexer,
-# index-key cache, selection, compaction, gather) at q_len 1; tests/README.md.
+# All three are the full tier (tests/README.md): test_quantized_sparse_step_matches_the_quantized_reference
+# [fp8b128-f32-b1-q1] runs f32-b1-q1's model and kernel path (indexer, index-key cache, selection,
+# compaction, gather) with fp8-b128 weights in the default run.
 @pytest.mark.parametrize("dtype, lengths, q_len, glm", [
-    ("float32", [37], 1, False),
+    pytest.param("float32", [37], 1, False, marks=pytest.mark.full),
     pytest.param("bfloat16", [17, 30], 3, False, marks=pytest.mark.full),
     pytest.param("float32", [21, 40], 1, True, marks=pytest.mark.full),
 ], ids=["f32-b1-q1", "bf16-b2-q3", "glm-f32-b2-q1"])
