@@ -22,21 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_megakernel import PAGE, assert_logits_close, races_found
-from test_megakernel_sparse import TIE_GAP, compile_for_tpus, random_cache
-from tpumk.kernel.layout import pack_weights
-from tpumk.kernel.megakernel import make_decode_step
-from tpumk.model import mla, sparse_attention
-from tpumk.model import reference as R
+from test_megakernel_sparse import compile_for_tpus, reference_step, step_against_reference
 from tpumk.model.config import load_preset
-from tpumk.model.ops import rms_norm
 from tpumk.model.weights import random_params
-from tpumk.plan.knobs import TuningConfig
-from tpumk.plan.plan import make_plan
-from tpumk.plan.spec import BuildSpec
-from tpumk.targets import get_target
 
-CONTEXT = 64
 LARGE4 = dict(hidden_size=128, expert_ffn_size=128, shared_expert_ffn_size=128, num_layers=4, q_lora_rank=0,
               index_topk=4, index_heads=8, index_head_dim=16, index_rope_interleave=True, index_shared_layers=(3,),
               index_q_hidden=True, nope_layers=(2, 3), nope_latent_keys=True, kv_source_layers=(0, 0, 2, 2),
@@ -48,31 +37,6 @@ LARGE4 = dict(hidden_size=128, expert_ffn_size=128, shared_expert_ffn_size=128, 
 def model(dtype: str = "float32"):
     cfg = load_preset("tiny-mla").replace(name=f"tiny-large4-{dtype}", dtype=dtype, **LARGE4)
     return cfg, random_params(cfg, seed=2)
-
-
-@functools.lru_cache(maxsize=None)
-def reference_step(cfg):
-    return R.jitted_decode_step(cfg, taps=tuple(range(cfg.num_layers)))
-
-
-def selection_gap(cfg, params, positions, new_cache: R.KVCache, taps) -> float:
-    """The smallest gap between the k-th and (k+1)-th index scores of any query with more than k
-    visible keys, over the indexer layers of the reference step."""
-    b, t = positions.shape
-    ctx, k, gap = new_cache.max_context, cfg.index_topk, np.inf
-    freqs = mla.rope_freqs(cfg, params)
-    for i in cfg.indexer_layers:
-        layer = params["layers"][i]
-        h = rms_norm(taps[:, :, i], layer["attn_norm"], cfg.norms.rms_eps)
-        keys = new_cache.index_keys[cfg.indexer_layers.index(i)][new_cache.block_tables].reshape(b, ctx, -1)
-        s = np.asarray(sparse_attention.index_scores(cfg, layer, h, R.q_resid(cfg, layer, h), positions, keys,
-                                                     cfg.pattern.rotates(i), freqs))
-        for bi in range(b):
-            for ti in range(t):
-                seen = np.sort(s[bi, ti, :int(positions[bi, ti]) + 1])[::-1]
-                if len(seen) > k:
-                    gap = min(gap, float(seen[k - 1] - seen[k]))
-    return gap
 
 
 def without(params, part: str):
@@ -101,24 +65,9 @@ def test_large4_step_matches_reference_and_compiles(dtype, lengths, q_len):
     selection matters (the k-th and (k+1)-th scores apart); each learned part moves the
     reference's logits. Compiled deviceless for TPU7x and v6e."""
     cfg, params = model(dtype)
-    batch = len(lengths)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE))
-    assert plan.sparse is not None and plan.sparse.q_hidden and plan.sparse.log_scale and "q" in plan.families
-    cache = random_cache(cfg, lengths)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
-    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-
-    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, params), tokens, positions, cache)
-    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    plan, tokens, positions, cache, want, _, new = step_against_reference(cfg, params, lengths, q_len)
+    assert plan.sparse.q_hidden and plan.sparse.log_scale and "q" in plan.families
     step = reference_step(cfg)
-    want, want_cache, taps = step(params, tokens, positions, cache)
-    assert selection_gap(cfg, params, positions, want_cache, taps) > TIE_GAP
-    assert_logits_close(logits, want, dtype)
-    tol = 1e-5 if dtype == "float32" else 2 ** -6
-    for name in ("k", "index_keys"):
-        got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
-        np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
-        assert np.any(got != np.asarray(getattr(cache, name), np.float32)), f"{name}: the step wrote no row"
     # the layers reading another's rows wrote none of their own: their cache layers as before
     for i in (1, 3):
         np.testing.assert_array_equal(np.asarray(new.k[i], np.float32), np.asarray(cache.k[i], np.float32))
@@ -126,4 +75,4 @@ def test_large4_step_matches_reference_and_compiles(dtype, lengths, q_len):
     for part in ("rope_alpha", "q_log", "idx_log", "idx_q_norm"):  # (the same compiled reference)
         moved, _, _ = step(without(params, part), tokens, positions, cache)
         assert float(jnp.max(jnp.abs(moved - want))) > 0.01 * scale, part
-    compile_for_tpus(cfg, batch, q_len)
+    compile_for_tpus(cfg, len(lengths), q_len)

@@ -86,21 +86,54 @@ def random_cache(cfg, lengths, seed: int = 5, context: int = CONTEXT) -> R.KVCac
 def selection_gap(cfg, params, positions, new_cache: R.KVCache, taps) -> float:
     """The smallest gap between the k-th and (k+1)-th index scores of any query with more than k
     visible keys, over the indexer layers of the reference step (its layer inputs `taps`, the
-    index keys of its updated cache)."""
+    index keys of its updated cache; the queries from the q-LoRA latent, or Mistral Large 4's
+    hidden state, with each layer's RoPE and the model's, possibly learned, frequencies)."""
     b, t = positions.shape
-    ctx = new_cache.max_context
-    k, gap = cfg.index_topk, np.inf
+    ctx, k, gap = new_cache.max_context, cfg.index_topk, np.inf
+    freqs = mla.rope_freqs(cfg, params)
     for i in cfg.indexer_layers:
         layer = params["layers"][i]
         h = rms_norm(taps[:, :, i], layer["attn_norm"], cfg.norms.rms_eps)
         keys = new_cache.index_keys[cfg.indexer_layers.index(i)][new_cache.block_tables].reshape(b, ctx, -1)
-        s = np.asarray(sparse_attention.index_scores(cfg, layer, h, mla.q_latent(cfg, layer, h), positions, keys))
+        s = np.asarray(sparse_attention.index_scores(cfg, layer, h, R.q_resid(cfg, layer, h), positions, keys,
+                                                     cfg.pattern.rotates(i), freqs))
         for bi in range(b):
             for ti in range(t):
                 seen = np.sort(s[bi, ti, :int(positions[bi, ti]) + 1])[::-1]
                 if len(seen) > k:
                     gap = min(gap, float(seen[k - 1] - seen[k]))
     return gap
+
+
+def step_against_reference(cfg, params, lengths, q_len: int, quant: str = "none"):
+    """One megakernel step (interpret mode, race detector) and the reference's on the same random
+    cache and tokens: no DMA race, a selection that matters (the k-th and (k+1)-th index scores
+    more than TIE_GAP apart), logits within `assert_logits_close`'s bound, the latent and
+    index-key caches within `cache_tol` and with rows this step wrote. `params` in the plan's
+    format (`quant`). Returns (plan, tokens, positions, cache, want_cache, new)."""
+    batch = len(lengths)
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE,
+                               quant=quant))
+    assert plan.sparse is not None
+    cache = random_cache(cfg, lengths)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, params), tokens, positions, cache)
+    assert not races_found(), "the interpreter's race detector reported a DMA race"
+    want, want_cache, taps = reference_step(cfg)(params, tokens, positions, cache)
+    assert selection_gap(cfg, params, positions, want_cache, taps) > TIE_GAP
+    assert_logits_close(logits, want, cfg.dtype)
+    tol = cache_tol(cfg)
+    for name in ("k", "index_keys"):
+        got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
+        np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
+        assert np.any(got != np.asarray(getattr(cache, name), np.float32)), f"{name}: the step wrote no row"
+    return plan, tokens, positions, cache, want, want_cache, new
+
+
+def cache_tol(cfg) -> float:
+    """The caches' bound: float32 rounding, or one bfloat16 step of a value of size ~1."""
+    return 1e-5 if cfg.dtype == "float32" else 2 ** -6
 
 
 def compile_for_tpus(cfg, batch: int, q_len: int, quant: str = "none") -> None:
@@ -125,27 +158,12 @@ def test_sparse_step_matches_reference(dtype, lengths, q_len, glm):
     selection matters: the dense model's logits differ by far more. Compiled deviceless too.
     GLM-5's case: a layer reusing the previous layer's picks, interleaved indexer RoPE."""
     cfg, params = model(dtype, glm)
-    batch = len(lengths)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE))
-    assert plan.sparse is not None and {"idx_k", "idx_q"} <= set(plan.families)
-    cache = random_cache(cfg, lengths)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
-    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-
-    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, params), tokens, positions, cache)
-    assert not races_found(), "the interpreter's race detector reported a DMA race"
-    want, want_cache, taps = reference_step(cfg)(params, tokens, positions, cache)
-    assert selection_gap(cfg, params, positions, want_cache, taps) > TIE_GAP
-    assert_logits_close(logits, want, dtype)
-    tol = 1e-5 if dtype == "float32" else 2 ** -6
-    for name in ("k", "index_keys"):
-        got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
-        np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
-        assert np.any(got != np.asarray(getattr(cache, name), np.float32)), f"{name}: the step wrote no row"
+    plan, tokens, positions, cache, want, _, _ = step_against_reference(cfg, params, lengths, q_len)
+    assert {"idx_k", "idx_q"} <= set(plan.families)
     dense_cfg = cfg.replace(index_shared_layers=(), index_rope_interleave=False).replace(**DENSE)
     dense, _ = R.jitted_decode_step(dense_cfg)(params, tokens, positions, cache)
     assert float(jnp.max(jnp.abs(dense - want))) > 0.05 * float(jnp.max(jnp.abs(want)))
-    compile_for_tpus(cfg, batch, q_len)
+    compile_for_tpus(cfg, len(lengths), q_len)
 
 
 # Quantized weights (tpumk.model.quantize): the indexer's idx_wk / idx_wq stream in the ring format
@@ -183,27 +201,13 @@ def test_quantized_sparse_step_matches_the_quantized_reference(scheme, dtype, le
     # a bfloat16 model's float32 idx_weights at 2 bytes is off alike in both: not this test's)
     saved = quantized_weight_bytes(cfg, "none") - quantized_weight_bytes(cfg, scheme)
     assert saved == _leaf_bytes(cfg, params) - _leaf_bytes(cfg, qp) > 0
-    batch = len(lengths)
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch, CONTEXT, TuningConfig(), q_len=q_len, page_size=PAGE,
-                               quant=scheme))
-    assert plan.sparse is not None and {"idx_k", "idx_q"} <= set(plan.families)
-    cache = random_cache(cfg, lengths)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, q_len)), jnp.int32)
-    positions = cache.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-
-    logits, new = make_decode_step(plan, detect_races=True)(pack_weights(plan, qp), tokens, positions, cache)
-    assert not races_found(), "the interpreter's race detector reported a DMA race"
-    want, want_cache, taps = reference_step(cfg)(qp, tokens, positions, cache)
-    assert selection_gap(cfg, qp, positions, want_cache, taps) > TIE_GAP
-    assert_logits_close(logits, want, dtype)
-    tol = 1e-5 if dtype == "float32" else 2 ** -6
-    for name in ("k", "index_keys"):
-        got, exp = (np.asarray(getattr(c, name), np.float32) for c in (new, want_cache))
-        np.testing.assert_allclose(got, exp, rtol=tol, atol=tol, err_msg=name)
+    plan, tokens, positions, cache, _, want_cache, _ = step_against_reference(cfg, qp, lengths, q_len, scheme)
+    assert {"idx_k", "idx_q"} <= set(plan.families)
     _, float_cache, _ = reference_step(cfg)(params, tokens, positions, cache)  # (the same compiled step)
     moved = np.abs(np.asarray(float_cache.index_keys, np.float32) - np.asarray(want_cache.index_keys, np.float32))
-    assert float(moved.max()) > 10 * tol, "the float indexer's keys equal the quantized one's: the test cannot fail"
-    compile_for_tpus(cfg, batch, q_len, scheme)
+    assert float(moved.max()) > 10 * cache_tol(cfg), \
+        "the float indexer's keys equal the quantized one's: the test cannot fail"
+    compile_for_tpus(cfg, len(lengths), q_len, scheme)
 
 
 @pytest.mark.full  # (29 s, 16 s CPU) tests/README.md: the default run's plan test of the chunks at 128k

@@ -87,8 +87,6 @@ def _worker(dtype: str, lengths: list[int], q_len: int) -> dict:
     from test_megakernel_sparse import TIE_GAP, random_cache, selection_gap
 
     large4 = dtype.startswith("large4-")
-    if large4:  # (its indexer: queries from LayerNorm(x), NoPE layers, learned frequencies)
-        from test_megakernel_large4 import selection_gap
     from tpumk.kernel.layout import pack_sharded
     from tpumk.kernel.megakernel import make_decode_step
     from tpumk.model import reference as R
