@@ -50,6 +50,11 @@ def is_free(t) -> bool:
     return state(t) == "PRUNED" and t.user_attrs.get("prune_stage") in FREE_STAGES
 
 
+def is_step_time(v) -> bool:
+    """A positive, finite number of seconds (a bool is not one)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def foreign(t, space) -> str | None:
     """Why a finished trial cannot be one of this study's evaluations, or None. A study may be
     shared (a journal file, PostgreSQL), so another process can write any trial into it: a
@@ -58,7 +63,7 @@ def foreign(t, space) -> str | None:
     never serves its value to another trial, and does not count in the budget."""
     if state(t) == "COMPLETE":
         v = t.value
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        if not is_step_time(v):
             return f"its value {v!r} is not a step time (a positive, finite number of seconds)"
     return space.outside(t.params)
 

@@ -21,7 +21,6 @@ estimate / tpumk model / measured on device), `objective_source`, `compile_secon
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import subprocess
@@ -34,7 +33,7 @@ from tpumk.child_process import command
 from tpumk.errors import ConfigError, PlanError, TpumkError
 from tpumk.plan.knobs import TuningConfig
 from tpumk.plan.spec import BuildSpec
-from tpumk.tune.budget import Interrupted, state, wait_for_budget
+from tpumk.tune.budget import Interrupted, is_step_time, state, wait_for_budget
 from tpumk.tune.cache import CONFIG_STAGES, EVALUATOR, ResultCache, ResultKeys
 from tpumk.tune.claims import KEY_ATTR, claim
 from tpumk.tune.objectives import ObjectiveChoice
@@ -281,7 +280,7 @@ class TrialRunner:
         if "failed" in o:
             self._prune(trial, o["stage"], o["failed"])
         v = o.get("value")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        if not is_step_time(v):
             # Completed with it, the trial would be `foreign` (tpumk.tune.budget): never seen by
             # the sampler, which would propose the configuration again for ever.
             self._prune(trial, "objective", f"the {name} objective returned {v!r}: not a step time (a positive, "
