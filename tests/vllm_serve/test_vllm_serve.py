@@ -8,7 +8,9 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
 - a tiny Qwen3 (head_dim 128), a tiny Llama of head_dim 64 (Llama-3.2-1B's and SmolLM2's
   width, which vLLM's TPU runner caches in another layout: tpumk/vllm/kv.py) and a tiny gpt-oss
   (attention sinks, a sliding window on layer 0 of 2, MoE; one stacked cache for every layer, the
-  window layer keeping all its pages) written by transformers, decode steps built on start-up,
+  window layer keeping all its pages) and a tiny DeepSeek-V3 (MLA and MoE, served with
+  VLLM_MLA_DISABLE=1 on the kernel's one stacked latent array) written by transformers, decode
+  steps built on start-up,
   and a tiny Qwen3-MoE served from a `tpumk export`
   artifact named by --hf-overrides (its jax.export program): concurrent `/v1/completions` through
   the `openai` client give transformers' greedy tokens, and the server's log shows the decode
@@ -57,6 +59,12 @@ GPT_OSS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, he
                max_position_embeddings=256,
                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                                     truncate=False, original_max_position_embeddings=16))
+
+# a tiny DeepSeek-V3 (MLA: q-LoRA, a 40-wide latent and 8 rope lanes, YaRN with both mscales,
+# interleaved RoPE rows; one dense layer then MoE with group-limited routing, a correction bias and
+# a shared expert: tests/hf_utils.py's DEEPSEEK_V3_KW) with the hidden size and experts 128 wide,
+# as the megakernel needs, and a vocabulary of 512 (the prompts hold ids up to 511)
+DEEPSEEK_V3 = dict(hidden_size=128, moe_intermediate_size=128, vocab_size=512)
 
 
 def _free_port() -> int:
@@ -117,12 +125,13 @@ class Server:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_utils import build_checkpoint, hf_greedy
+    from hf_utils import build_checkpoint, build_deepseek_checkpoint, hf_greedy
 
     d = tmp_path_factory.mktemp("ckpt")
     made = {"dense": build_checkpoint(d / "qwen3"), "moe": build_checkpoint(d / "qwen3-moe", moe=True),
             "llama-hd64": build_checkpoint(d / "llama-hd64", arch="llama", head_dim=64),
-            "gpt-oss": build_checkpoint(d / "gpt-oss", arch="gpt_oss", **GPT_OSS)}
+            "gpt-oss": build_checkpoint(d / "gpt-oss", arch="gpt_oss", **GPT_OSS),
+            "deepseek-v3": build_deepseek_checkpoint(d / "deepseek-v3", seed=3, **DEEPSEEK_V3)}
     return {kind: (path, hf_greedy(path, PROMPTS, STEPS)) for kind, path in made.items()}
 
 
@@ -201,7 +210,7 @@ def gpt_oss_without_window_and_sinks(path: Path) -> list[list[list[int]]]:
     return [hf_greedy(path, PROMPTS, STEPS, model=m) for m in (no_window, no_sinks)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss", "deepseek-v3"])
 def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path, request):
     ckpt, want = checkpoints[kind]
     if kind == "gpt-oss":  # the window and the sinks each change these tokens: a server ignoring either fails
@@ -209,8 +218,11 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     overrides = {}
     if kind == "moe":  # from an artifact the operator names in --hf-overrides: its jax.export program
         overrides["tpumk_artifact"] = str(request.getfixturevalue("moe_artifact"))
-    # an artifact's exported program takes its own pool: the plan's batch x context pages
-    server = Server(ckpt, tmp_path / "serve.log", overrides=overrides, blocks=16 if kind == "moe" else 64)
+    # an artifact's exported program takes its own pool: the plan's batch x context pages; an MLA
+    # model with vLLM's own MLA switched off (VLLM_MLA_DISABLE=1: the plugin declares the kernel's
+    # latent cache itself, docs/serving-vllm.md)
+    server = Server(ckpt, tmp_path / "serve.log", overrides=overrides, blocks=16 if kind == "moe" else 64,
+                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None)
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
         with cf.ThreadPoolExecutor(1) as ex:
@@ -227,10 +239,12 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     log = (tmp_path / "serve.log").read_text()
     assert got == want
     # vLLM allocated the kernel's two stacked arrays, [layers, blocks, block size 16, width] (the
-    # runner's log labels the first axis num_blocks and prints the others)
+    # runner's log labels the first axis num_blocks and prints the others); an MLA model's one
+    # latent array, [layers, blocks, 16, 128] (40 + 8 lanes in a whole 128-lane tile)
     blocks = 16 if kind == "moe" else 64
-    assert re.search(rf"num_blocks=\[{blocks}, {blocks}\] \| regular_attn_layers=2 \| "
-                     rf"regular_attn_shape=\(num_blocks, \({blocks}, 16, \d+\)\)", log), log[-3000:]
+    arrays, width = (1, "128") if kind == "deepseek-v3" else (2, r"\d+")
+    assert re.search(rf"num_blocks=\[{', '.join([str(blocks)] * arrays)}\] \| regular_attn_layers={arrays} \| "
+                     rf"regular_attn_shape=\(num_blocks, \({blocks}, 16, {width}\)\)", log), log[-3000:]
     # vLLM's metrics: the KV usage rose while requests held blocks (each request's tokens fit one
     # 16-token block of the pool's blocks - 1, the null block), the token counter counts them all
     assert 0 < max(usage) <= len(PROMPTS) / (blocks - 1) + 1e-6, usage

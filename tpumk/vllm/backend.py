@@ -100,12 +100,13 @@ class StackedKVLayer(AttentionLayerBase):
                                  head_size=self.head_size, dtype=vllm_config.model_config.dtype)
 
 
-def declare_layers(vllm_config, layers: int, width: int) -> None:
-    """Tell vLLM the model's KV-cache layers: kv.K_LAYER and kv.V_LAYER, `layers` x `width` each."""
+def declare_layers(vllm_config, layers: int, width: int, names: tuple[str, ...] = (kv.K_LAYER, kv.V_LAYER)) -> None:
+    """Tell vLLM the model's KV-cache layers: `names` (kv.K_LAYER and kv.V_LAYER; an MLA model's
+    latent array alone, kv.layer_names), `layers` x `width` each."""
     context = vllm_config.compilation_config.static_forward_context
     key = (spec_heads(layers, width), SPEC_HEAD_SIZE)
     if _DECLARED.setdefault(key, (layers, width)) != (layers, width):  # one model per engine process
         raise ValueError(f"tpumk plugin: KV-cache layers of {_DECLARED[key]} (layers, width) were declared in this "
                          f"process already: expected one model's, got ({layers}, {width}) too")
-    for name in (kv.K_LAYER, kv.V_LAYER):
+    for name in names:
         context[name] = StackedKVLayer(layers, width)

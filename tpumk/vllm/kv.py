@@ -34,6 +34,13 @@ K_LAYER = "tpumk.kv.k"
 V_LAYER = "tpumk.kv.v"
 
 
+def layer_names(cfg) -> tuple[str, ...]:
+    """The KV-cache layers the plugin declares for `cfg` (the kernel's run model): K and V, or for
+    an MLA model K alone, the latent array (`[layers, blocks, block_size, latent_cache_lanes]`:
+    the kernel's MLA cache has no V; tpumk.vllm.mla_prefill)."""
+    return (K_LAYER,) if cfg.is_mla else (K_LAYER, V_LAYER)
+
+
 def cache_shape(layers: int, num_blocks: int, block_size: int, width: int) -> tuple[int, int, int, int]:
     """The shape of each of the two arrays vLLM allocates: [layers, blocks, block_size, width]."""
     return (layers, num_blocks, block_size, width)

@@ -71,7 +71,7 @@ class TpumkForCausalLM(nnx.Module):
         from tpumk.vllm.backend import declare_layers
 
         # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V
-        declare_layers(vllm_config, rt.kv_layers, rt.kv_width)
+        declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names)
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
         # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
         self.params = nnx.Param({} if rt.holds_weights_once else
@@ -93,10 +93,12 @@ class TpumkForCausalLM(nnx.Module):
                  is_first_rank: bool = True, is_last_rank: bool = True, *args):
         rt, md = self.runtime, attention_metadata
         where = dict(layer_name_to_kvcache_index or ())
-        ik, iv = where.get(kv.K_LAYER, 0), where.get(kv.V_LAYER, 1)
-        k, v = kv_caches[ik], kv_caches[iv]
         run = rt.plan.whole_model
-        for c in (k, v):  # traced once per bucket: the shapes are static here
+        ik, iv = where.get(kv.K_LAYER, 0), where.get(kv.V_LAYER, 1) if kv.V_LAYER in rt.kv_names else None
+        k = kv_caches[ik]
+        # an MLA model's cache is the latent array alone: the kernel's V is an array of no lanes
+        v = kv_caches[iv] if iv is not None else jnp.zeros(k.shape[:3] + (0,), k.dtype)
+        for c in (k, v) if iv is not None else (k,):  # traced once per bucket: the shapes are static here
             problem = kv.layout_problem(c.shape, c.dtype, rt.kv_layers, rt.kv_width, rt.block_size,
                                         jnp.dtype(run.dtype))
             if problem:  # a layout start-up did not foresee: one line, not a shape error deep in the kernel
@@ -119,7 +121,9 @@ class TpumkForCausalLM(nnx.Module):
                                         rt.max_model_len, on_step if COUNT_STEPS else None,
                                         rt.unpack if rt.holds_weights_once else None)
         out = list(kv_caches)
-        out[ik], out[iv] = k, v
+        out[ik] = k
+        if iv is not None:
+            out[iv] = v
         return out, rows, [], None
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:

@@ -18,15 +18,16 @@ reader and takes the megakernel step from, in this order:
 Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
 that names the setting and what was expected, before any weight is read: the server then refuses
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
-a smaller batch or context than vLLM's, another q_len or several devices; MLA (vLLM allocates its
-latent cache in another layout), Muse Spark's embedding norm, gated residuals and gated attention
+a smaller batch or context than vLLM's, another q_len or several devices; sparse-attention MLA
+(its indexer's key cache is not in vLLM's cache), Muse Spark's embedding norm, gated residuals and gated attention
 output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
 per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
 quantized weights too) or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
 vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
-and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks").
+and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks"), and
+MLA on one stacked latent array ("MLA: the latent cache").
 """
 
 from __future__ import annotations
@@ -87,8 +88,17 @@ class Runtime:
 
     @property
     def kv_width(self) -> int:
-        """The row width of vLLM's stacked K and V arrays: the kernel's (its run model's, lane padded)."""
-        return self.plan.whole_model.attention.kv_size
+        """The row width of vLLM's stacked K and V arrays: the kernel's (its run model's, lane padded;
+        an MLA model's latent row in whole 128-lane tiles, its K array alone)."""
+        a = self.plan.whole_model.attention
+        return a.latent_cache_lanes if a.is_mla else a.kv_size
+
+    @property
+    def kv_names(self) -> tuple[str, ...]:
+        """The KV-cache layers vLLM allocates (tpumk.vllm.kv): K and V, or an MLA model's latent array."""
+        from tpumk.vllm import kv
+
+        return kv.layer_names(self.plan.whole_model)
 
     def step_for(self, num_pages: int) -> Callable:
         """The decode step for vLLM's pool of `num_pages` blocks (known only when vLLM first traces
@@ -176,9 +186,16 @@ class Runtime:
 def _check_vllm(vllm_config, cfg) -> None:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     where = "tpumk plugin"
-    if cfg.is_mla:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA; vLLM allocates its latent cache in "
-                                 "another layout, which the plugin does not read yet")
+    # MLA is served on one stacked latent array in the kernel's layout (tpumk.vllm.mla_prefill);
+    # a sparse-attention model's indexer keeps a second, index-key cache the plugin does not declare
+    if cfg.is_mla and getattr(mc, "use_mla", False):  # (tpu_inference refuses the start first, in its words)
+        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA and vLLM's own MLA cache is on: start vLLM "
+                                 "with VLLM_MLA_DISABLE=1 (the plugin declares the kernel's stacked latent cache "
+                                 "itself; vLLM's MLA layout is per layer and refuses --attention-backend tpumk)")
+    if cfg.is_mla and cfg.attention.is_sparse:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has sparse attention (index_topk "
+                                 f"{cfg.attention.index_topk}); the plugin does not keep its indexer's key cache in "
+                                 "vLLM's cache yet (run it with tpumk generate)")
     # sliding-window layers are served: the plugin declares one full-attention cache for every
     # layer (tpumk.vllm.backend), so a window layer keeps all its pages in vLLM's block tables,
     # and the kernel and the ragged prefill apply each layer's window (and sinks) themselves

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.reference import KVCache
-from tpumk.vllm import kv, prefill
+from tpumk.vllm import kv, mla_prefill, prefill
 
 
 def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
@@ -112,8 +112,16 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     into its slice of those arrays, then every token attends to its request's rows 0 .. its
     position (the earlier tokens of the same chunk included) through `tpumk.vllm.prefill`, which
     reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
-    a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing."""
+    a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing.
+    An MLA model's cache is the latent array alone (`k_cache`; `v_cache` has no lanes and is
+    returned as it is): `tpumk.vllm.mla_prefill` runs its layers."""
     t = input_ids.shape[0]
+    if cfg.is_mla:  # one latent array (k), v empty: tpumk.vllm.mla_prefill
+        k_cache, x = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
+                                               block_tables, num_reqs, block_size, max_context, query_tile, key_tile,
+                                               short_tile)
+        last = _last_rows(query_start_loc, num_reqs)
+        return (k_cache, v_cache), _scatter_rows(t, last, ref.logits_from(cfg, params, x[jnp.maximum(last, 0)]))
     a = cfg.attention
     i = jnp.arange(t, dtype=jnp.int32)
     valid = i < query_start_loc[num_reqs]
