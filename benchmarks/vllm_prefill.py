@@ -14,7 +14,8 @@ One prompt of --tokens tokens (default 2,048) in one run, on this host's JAX bac
 
 Both compiled first (compile time not counted), then --repeats timed calls each, alternating; the
 median of each is printed with the ratio. Random weights of a preset (--model; default
-tiny-dense), float32 unless the preset says otherwise.
+tiny-dense; an MLA preset, e.g. tiny-mla, runs tpumk.vllm.mla_prefill on one latent array), float32
+unless the preset says otherwise.
 
     python benchmarks/vllm_prefill.py [--model tiny-dense] [--tokens 2048] [--repeats 5]
 """
@@ -65,7 +66,9 @@ def main() -> None:
     qsl = np.full(args.slots + 1, n, np.int32)
     qsl[0] = 0
     ids, pos, qsl, tables = (jnp.asarray(a) for a in (tokens, np.arange(n, dtype=np.int32), qsl, tables))
-    shape = kv.cache_shape(cfg.kv_layers, blocks, bs, cfg.attention.kv_size)
+    # an MLA model's cache is one latent array (tpumk.vllm.mla_prefill); its V has no lanes
+    width = cfg.attention.latent_cache_lanes if cfg.is_mla else cfg.attention.kv_size
+    shape = kv.cache_shape(cfg.kv_layers, blocks, bs, width)
 
     plan = make_plan(BuildSpec(cfg, get_target("cpu"), args.slots, per * bs, TuningConfig(), page_size=bs))
     run = params_as_run(plan, params)
@@ -80,7 +83,7 @@ def main() -> None:
                                                             jnp.int32(1), bs, context), donate_argnums=1)
     plain = jax.jit(lambda t: R.forward_full(params, cfg, t))
 
-    caches = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    caches = (jnp.zeros(shape, dt), jnp.zeros(shape[:3] + (0,) if cfg.is_mla else shape, dt))
     caches, rows = plugin(caches)
     caches, rows_once = once(packed, caches)
     full = plain(ids[None])
@@ -102,8 +105,9 @@ def main() -> None:
         times["plain"].append(time.perf_counter() - t)
     a, c, b = (statistics.median(times[k]) for k in ("plugin", "once", "plain"))
     load = os.getloadavg()[0]
-    print(f"{args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_q_heads}/{cfg.num_kv_heads} "
-          f"heads of {cfg.head_dim}, {cfg.dtype}), {n} tokens, max_model_len {context}, block size {bs}, "
+    heads = (f"{cfg.num_q_heads} heads, latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}" if cfg.is_mla else
+             f"{cfg.num_q_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}")
+    print(f"{args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {heads}, {cfg.dtype}), {n} tokens, max_model_len {context}, block size {bs}, "
           f"{args.slots} slots; {jax.default_backend()}, {os.cpu_count()} cores, load {load:.1f}")
     print(f"plugin prefill step (ragged_step, jit): {a * 1e3:.0f} ms (median of {args.repeats})")
     print(f"the same, weights held once (packed):   {c * 1e3:.0f} ms (last-token logits differ from the step's above "

@@ -48,7 +48,8 @@ QUERY_TILE, KEY_TILE, SHORT_TILE = 4, 8, 2  # the decode of step 2 runs as a sho
 
 @functools.lru_cache(maxsize=None)
 def setup():
-    cfg = load_preset("tiny-mla")  # float32: q-LoRA, YaRN (softmax scale != 1), latent 40 + rope 8 -> 128 lanes
+    # float32: q-LoRA, YaRN (softmax scale != 1), latent 40 + rope 8 -> 128 lanes; a dense layer, then MoE
+    cfg = load_preset("tiny-mla").replace(num_layers=2)
     params = random_params(cfg, seed=0)
     lanes = cfg.attention.latent_cache_lanes
 

@@ -281,14 +281,19 @@ def test_kv_cache_is_the_kernel_s_stacked_layout(monkeypatch):
     from tpumk.vllm.backend import TpumkAttentionBackend, declare_layers
 
     mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))  # one device: nothing sharded
-    for layers, width, dtype in [(3, 256, torch.bfloat16), (2, 128, torch.float32), (36, 1024, torch.bfloat16)]:
+    # (the last: an MLA model's one latent array, DeepSeek-V3's 61 layers of 640 lanes, vLLM's own
+    # MLA off as VLLM_MLA_DISABLE=1 has it)
+    for layers, width, dtype, names in [(3, 256, torch.bfloat16, (kv.K_LAYER, kv.V_LAYER)),
+                                        (2, 128, torch.float32, (kv.K_LAYER, kv.V_LAYER)),
+                                        (36, 1024, torch.bfloat16, (kv.K_LAYER, kv.V_LAYER)),
+                                        (61, 640, torch.bfloat16, (kv.K_LAYER,))]:
         config = NS(compilation_config=NS(static_forward_context={}), cache_config=NS(block_size=16),
                     model_config=NS(dtype=dtype))
-        declare_layers(config, layers, width)
+        declare_layers(config, layers, width, names)
         runner = NS(model_config=NS(use_mla=False), cache_config=config.cache_config, mesh=mesh, vllm_config=config,
                     kv_cache_dtype=dtype, attention_backend=TpumkAttentionBackend())
         specs = KVCacheManager(runner).get_kv_cache_spec()
-        assert sorted(specs) == sorted([kv.K_LAYER, kv.V_LAYER])
+        assert sorted(specs) == sorted(names)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         assert {s.page_size_bytes for s in specs.values()} == {layers * 16 * width * itemsize}
         spec = specs[kv.K_LAYER]

@@ -70,7 +70,7 @@ class TpumkForCausalLM(nnx.Module):
         from tpumk.model.weights import random_params
         from tpumk.vllm.backend import declare_layers
 
-        # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V
+        # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V (MLA: the latent one)
         declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names)
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
         # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
