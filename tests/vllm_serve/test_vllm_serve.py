@@ -323,7 +323,10 @@ def test_refusals_at_start_up(checkpoints, moe_artifact, tmp_path):
               r"tpumk plugin: artifact \S+ was built for model '\S+', not the served checkpoint's: "),
              (moe, dict(env=env, max_seqs=8), r"tpumk plugin: artifact \S+: batch 4 < vLLM's max_num_seqs 8"),
              (named, {}, r"tpumk plugin: config\.json of the checkpoint names tpumk_artifact: the artifact is chosen "
-                         r"by the operator \(TPUMK_VLLM_ARTIFACT or --hf-overrides\)")]
+                         r"by the operator \(TPUMK_VLLM_ARTIFACT or --hf-overrides\)"),
+             # an MLA checkpoint without VLLM_MLA_DISABLE=1: vLLM's own MLA path, which tpu_inference
+             # refuses on its own terms before the plugin's model is built (docs/serving-vllm.md)
+             (checkpoints["deepseek-v3"][0], {}, r"MLA models require both the NEW_MODEL_DESIGN=1 environment variable")]
     servers = [Server(ckpt, tmp_path / f"refused{i}.log", **kw) for i, (ckpt, kw, _) in enumerate(cases)]
     try:
         for server in servers:
