@@ -21,7 +21,8 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
   code make that layout of the plugin's declared layers (in the test's own process);
 - an artifact (TPUMK_VLLM_ARTIFACT) of another model or of a smaller batch than --max-num-seqs, a
   checkpoint whose own config.json names tpumk_artifact: the server refuses to start and its log
-  holds the plugin's one line saying why (these servers start side by side: each is mostly
+  holds the plugin's one line saying why (an MLA checkpoint without VLLM_MLA_DISABLE=1:
+  tpu_inference's own line) (these servers start side by side: each is mostly
   vLLM's start-up; tests/test_vllm_adapter.py has the rest of the refusals, without vLLM).
 """
 
