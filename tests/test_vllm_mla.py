@@ -12,7 +12,9 @@ latent array, the megakernel's own MLA cache `[layers, blocks, block_size, laten
   the CPU) on vLLM's latent array with vLLM's block tables: the reference decode step's logits
   and cache;
 - the plugin's Runtime accepts a DeepSeek-V3 config.json with one latent array of the kernel's
-  width, and still refuses a sparse-attention one (DeepSeek-V3.2) in one line.
+  width, and refuses vLLM's own MLA cache and a sparse-attention model (DeepSeek-V3.2) in one line;
+- (full tier) the MLA weights read back from the packed layout exactly, and the prefill of int8 /
+  fp8-b128 weights (TPUMK_VLLM_QUANT) against the quantized reference.
 """
 
 from __future__ import annotations
@@ -237,3 +239,37 @@ def test_mla_weights_read_back_from_the_packed_layout_exactly():
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+@pytest.mark.full  # 18 s / 12 s on a loaded host; tests/README.md names the default tests covering it
+@pytest.mark.parametrize("quant", ["int8", "fp8-b128"])
+def test_mla_prefill_of_quantized_weights_equals_the_quantized_reference(quant):
+    """TPUMK_VLLM_QUANT on an MLA model: the prefill runs the quantized weights (q-LoRA, kv_a and wo
+    quantized, wkv_b as per-head w_uk / w_uv blocks: `absorbed_weights`) with the reference's
+    contract: three prompts in one ragged step give the last-token logits of the reference's own
+    prefill (its absorbed decode step over a paged cache, the same quantized products) within 1e-5
+    of their scale."""
+    from tpumk.model.quantize import quantize_params
+
+    cfg = load_preset("tiny-mla").replace(num_layers=2)
+    params = quantize_params(cfg, random_params(cfg, seed=0), quant)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (11, 5, 3)]
+    tables = np.zeros((SLOTS, CONTEXT // BLOCK), np.int32)
+    tables[:3] = rng.permutation(NUM_BLOCKS)[:3 * (CONTEXT // BLOCK)].reshape(3, -1)
+    ids, pos, qsl, _ = batch_inputs(seqs, [0, 0, 0], TOKENS)
+
+    @jax.jit
+    def ragged(latent, ids, pos, qsl, tables):
+        v = jnp.zeros(latent.shape[:3] + (0,), latent.dtype)
+        return steps.ragged_step(params, cfg, latent, v, ids, pos, qsl, tables, jnp.int32(3), BLOCK, CONTEXT,
+                                 QUERY_TILE, KEY_TILE, SHORT_TILE)[1]
+
+    latent = jnp.zeros(kv.cache_shape(cfg.kv_layers, NUM_BLOCKS, BLOCK, cfg.attention.latent_cache_lanes),
+                       jnp.float32)
+    rows = np.asarray(ragged(latent, ids, pos, qsl, tables))
+    want, _ = R.prefill(params, cfg, seqs, R.init_cache(cfg, 3, CONTEXT, 16), batched=True)
+    for r in range(3):
+        w = np.asarray(want[r])
+        err = float(np.max(np.abs(rows[qsl[r + 1] - 1] - w)))
+        assert err <= 1e-5 * float(np.max(np.abs(w))), f"request {r}: max |logits - reference| = {err:.3g}"
