@@ -273,3 +273,34 @@ def test_mla_prefill_of_quantized_weights_equals_the_quantized_reference(quant):
         w = np.asarray(want[r])
         err = float(np.max(np.abs(rows[qsl[r + 1] - 1] - w)))
         assert err <= 1e-5 * float(np.max(np.abs(w))), f"request {r}: max |logits - reference| = {err:.3g}"
+
+
+def test_mla_decode_step_adds_no_copy_around_the_kernel():
+    """The plugin's MLA decode step (traced abstractly: no compile) hands vLLM's latent array to the
+    kernel's step as it is and returns the step's own output as the new cache: inside the step the
+    array meets the kernel's pallas_call only (the V operand the plugin makes has no lanes)."""
+    from test_vllm_adapter import _uses
+
+    cfg = load_preset("tiny-mla")
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=4, context=DECODE_CONTEXT, page_size=DECODE_BLOCK))
+    step = make_decode_step(dataclasses.replace(plan, num_pages=DECODE_BLOCKS), portable=True, nested=True)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
+
+    def decode(packed, latent, *a):
+        v = jnp.zeros(latent.shape[:3] + (0,), latent.dtype)
+        (latent, _), rows = steps.decode_step(step, packed, shape, latent, v, *a)
+        return latent, rows
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    latent = jax.ShapeDtypeStruct(kv.cache_shape(cfg.kv_layers, DECODE_BLOCKS, DECODE_BLOCK,
+                                                 cfg.attention.latent_cache_lanes), jnp.float32)
+    jaxpr = jax.jit(decode).trace(packed, latent, i32(8), i32(8), i32(SLOTS + 1), i32(SLOTS),
+                                  i32(SLOTS, DECODE_CONTEXT // DECODE_BLOCK), i32()).jaxpr.jaxpr
+    n_packed = len(jax.tree.leaves(packed))
+    lat_in = jaxpr.invars[n_packed]
+    (call,) = _uses(jaxpr, lat_in)  # the step (one nested jit holding the kernel), nothing else
+    assert call.primitive.name in ("pjit", "jit") and any(o is jaxpr.outvars[0] for o in call.outvars)
+    inner = call.params["jaxpr"].jaxpr
+    inside = inner.invars[[i for i, x in enumerate(call.invars) if x is lat_in][0]]
+    assert [e.primitive.name for e in _uses(inner, inside)] == ["pallas_call"]
