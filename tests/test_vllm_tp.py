@@ -11,8 +11,8 @@ through the 4-device megakernel (Pallas' TPU interpreter, in-kernel collectives)
 place, a mixed batch (a new prompt beside decodes), more decodes. The same sequence on one device
 (`kv.cache_shape` of one device, the discharge interpreter the one-device plugin runs) must give
 the same greedy tokens, logits within float32 rounding, and the same cache rows; a second 4-device
-run must give bit-identical logits and cache (no race, no garbage read). One decode step also
-runs with the interpreter's DMA race detector on.
+run, with the interpreter's DMA race detector on, must give bit-identical logits and cache and
+find no race.
 
 The runs need 4 host devices, which JAX makes only before its backends start: one subprocess.
 """
@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -43,15 +42,31 @@ PROMPTS = [[5, 17, 300, 42, 8], [100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 
 LATE = [511, 0, 250, 7]  # a fourth request arriving after two decode steps (a mixed batch)
 
 
-def model():
-    """A tiny Llama-shaped model whose 4 KV heads split over 4 devices (GQA: 8 query heads)."""
-    from tpumk.model.config import load_preset
+# a tiny Llama's config.json whose 4 KV heads split over 4 devices (GQA: 8 query heads of 128)
+LLAMA_JSON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+              "intermediate_size": 512, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32"}
 
-    return load_preset("tiny-dense").replace(num_q_heads=8, num_kv_heads=4, qk_norm=False)
+
+def runtime(model_dir: Path, tp: int, mesh_devices=None):
+    """The plugin's Runtime for vLLM's settings (the fields of VllmConfig it reads)."""
+    from types import SimpleNamespace as NS
+
+    from tpumk.vllm.runtime import Runtime
+
+    config = NS(model_config=NS(model=str(model_dir), dtype="float32", max_model_len=CONTEXT,
+                                hf_config=NS(**LLAMA_JSON), hf_overrides={}, quantization=None),
+                scheduler_config=NS(max_num_seqs=BATCH), cache_config=NS(block_size=BLOCK, cache_dtype="auto"),
+                parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1),
+                speculative_config=None)
+    return Runtime.from_vllm_config(config, mesh_devices=mesh_devices)
 
 
 def _worker(races: bool) -> dict:
+    import contextlib
     import dataclasses
+    import tempfile
 
     import jax
     import jax.numpy as jnp
@@ -63,32 +78,37 @@ def _worker(races: bool) -> dict:
     from tpumk.kernel.megakernel import make_decode_step, step_mesh
     from tpumk.model.weights import random_params
     from tpumk.plan.padding import params_as_run
-    from tpumk.plan.plan import make_plan
     from tpumk.plan.sharding import MESH_AXIS
-    from tpumk.plan.spec import BuildSpec
-    from tpumk.targets import get_target
     from tpumk.vllm import kv, steps
 
-    cfg = model()
-    raw = random_params(cfg, seed=0)
+    model_dir = Path(tempfile.mkdtemp())
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_JSON))
     devices = jax.devices("cpu")[:N]
     vllm_mesh = Mesh(np.asarray(devices).reshape(1, N), ("data", "model"))  # tpu_inference's 2-D mesh
+    one_rt, tp_rt = runtime(model_dir, 1), runtime(model_dir, N, devices)
+    cfg = one_rt.cfg
+    raw = random_params(cfg, seed=0)
+    packed_tp = pack_sharded(tp_rt.plan, raw)
+    checks = {"devices": tp_rt.devices, "kv_width": tp_rt.kv_width, "source": tp_rt.source,
+              "weights_once": tp_rt.holds_weights_once,
+              "packed_shapes": jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], tp_rt.packed_shapes()) ==
+              jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], packed_tp)}
 
     def served(n: int, detect_races: bool = False):
-        """(step, packed, params, run model, plan shape) as the plugin's Runtime makes them for n devices."""
-        plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=BATCH, context=CONTEXT, page_size=BLOCK, devices=n))
-        pool = dataclasses.replace(plan, num_pages=NUM_BLOCKS)
+        """(step, packed, params, run model, plan shape) as the plugin's Runtime and model make them."""
+        rt = one_rt if n == 1 else tp_rt
+        plan = rt.plan
         params = params_as_run(plan, raw)
-        shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
         if n == 1:
-            step = make_decode_step(pool, nested=True, portable=True)
-            return step, pack_weights(plan, params), params, plan.whole_model, shape, plan
-        step = make_decode_step(pool, nested=True, mesh_devices=devices, cache_split="rows", detect_races=detect_races)
-        m = step_mesh(plan, devices)
+            return rt.step_for(NUM_BLOCKS), pack_weights(plan, params), params, plan.whole_model, rt.plan_shape, plan
+        # the plugin's step for vLLM's pool (Runtime.step_for), or the same with the race detector on
+        step = rt.step_for(NUM_BLOCKS) if not detect_races else make_decode_step(
+            dataclasses.replace(plan, num_pages=NUM_BLOCKS), nested=True, mesh_devices=devices, cache_split="rows",
+            detect_races=True)
+        m = step_mesh(plan, devices)  # as TpumkForCausalLM.load_weights places them
         packed = {k: jax.device_put(v, NamedSharding(m, P() if k == "embed" else P(MESH_AXIS)))
-                  for k, v in pack_sharded(plan, raw).items()}
-        return step, packed, jax.device_put(params, NamedSharding(m, P())), plan.whole_model, shape, plan
-
+                  for k, v in packed_tp.items()}
+        return step, packed, jax.device_put(params, NamedSharding(m, P())), plan.whole_model, rt.plan_shape, plan
     def program(n: int, detect_races: bool = False):
         step, packed, params, run, shape, plan = served(n, detect_races)
         assert plan.devices == n
@@ -141,7 +161,8 @@ def _worker(races: bool) -> dict:
                 chunks.append(list(LATE))
                 starts.append(0)
             ids, pos, qsl, seq_lens, num = batch(chunks, starts)
-            (k, v), rows = one(k, v, ids, pos, qsl, seq_lens, tables, num)
+            with jax.set_mesh(vllm_mesh) if n > 1 else contextlib.nullcontext():  # vLLM traces its step under its mesh
+                (k, v), rows = one(k, v, ids, pos, qsl, seq_lens, tables, num)
             last = np.asarray(rows)[qsl[1:len(chunks) + 1] - 1]
             toks = last.argmax(-1).tolist()
             out["tokens"].append(toks)
@@ -162,11 +183,10 @@ def _worker(races: bool) -> dict:
         out["k_shape"] = list(k.shape)
         return out
 
-    result = {"one": serve(1), "tp": serve(N), "tp_again": serve(N)}
-    if races:
-        serve(N, detect_races=True)
-        r = interpret_races()
-        result["races"] = None if r is None else bool(r.races_found)
+    # the second 4-device run with the interpreter's DMA race detector on (the same values)
+    result = {"one": serve(1), "tp": serve(N), "tp_again": serve(N, detect_races=races), "runtime": checks}
+    r = interpret_races()
+    result["races"] = None if (r is None or not races) else bool(r.races_found)
     return result
 
 
@@ -195,6 +215,11 @@ def test_serve_step_on_4_devices_gives_the_one_device_tokens():
     # deterministic: a second run is bit for bit the first
     assert again["logits"] == tp["logits"] and again["rows"] == tp["rows"]
     assert got["races"] is False
+    # the plugin's Runtime at tensor_parallel_size 4: the 4-device build on vLLM's devices, vLLM's
+    # arrays 4 x 128 lanes wide, the model's packed weights stacked per device (held with the
+    # reference layout's for the prefill: tpumk.kernel.unpack reads back one device's packing)
+    assert got["runtime"] == {"devices": N, "kv_width": 512, "weights_once": False, "packed_shapes": True,
+                              "source": f"built on start-up (Pallas TPU interpreter on {N} CPU devices)"}
 
 
 if __name__ == "__main__":

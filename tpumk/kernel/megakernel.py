@@ -985,15 +985,30 @@ def _shard_mapped(plan: Plan, run: Callable, mesh_devices: list | None = None, c
         specs = tuple(kv_spec for _ in kept)
         state_specs = None if states is None else state_partition(states)
         # the taps are the residual every device holds whole: each device writes the same rows
-        logits, out, states, taps = jax.shard_map(
-            fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
-            out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)(
-            packed, tokens, positions, kept, block_tables, lengths, states)
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
+                               out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)
+        # a caller tracing under its own mesh of these devices (vLLM's ('data', 'model')): the
+        # step's 1-D mesh in its place while it traces (shard_map wants the context's mesh)
+        with _step_mesh_context(mesh):
+            logits, out, states, taps = mapped(packed, tokens, positions, kept, block_tables, lengths, states)
         if len(out) < len(caches):  # the empty value cache back in its place
             out = (out[0], caches[1], *out[1:])
         return logits, tuple(out), states, taps
 
     return sharded
+
+
+def _step_mesh_context(mesh):
+    """The abstract mesh of `mesh` as the trace's context when the caller set another of its size
+    (`jax.set_mesh` around its jit); nothing otherwise."""
+    import contextlib
+
+    from jax._src.mesh import get_abstract_mesh
+
+    ctx = get_abstract_mesh()
+    if ctx.empty or ctx == mesh.abstract_mesh:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def state_partition(states):

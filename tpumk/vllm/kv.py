@@ -17,6 +17,12 @@ arrays. vLLM's memory budget stays right: each declared layer's bytes per block 
 two is every layer's K and V of block_size tokens, and its block count, KV usage metric and
 prefix cache count blocks as they would for L layers of RPA's layout of the same bytes.
 
+Tensor parallel (vLLM's --tensor-parallel-size N): tpu_inference multiplies the third axis of the
+backend's shape by N and splits it over its mesh's 'model' axis, so each array is `[layers,
+blocks, N x block_size, width / N]` and device d's shard is the `[layers, blocks, block_size,
+width / N]` cache of its own KV heads that tpumk's N-device kernel reads (`cache_shape`);
+`read_rows` / `write_rows` address a token's row of device d at `d x block_size + offset`.
+
 Why this and not the alternatives (docs/serving-vllm.md, "Reading vLLM's cache in place"):
 reading tpu_inference's RPA v3 layout in the kernel is ruled out (a bfloat16 cache packs a
 head's K and V into the same 32-bit words, and the L arrays remain); a `pl.when` per layer

@@ -13,7 +13,8 @@ reader and takes the megakernel step from, in this order:
 2. else a build on start-up for the attached TPU (or, with JAX on the CPU, the `cpu` target's
    kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
    rounded up to whole pages of vLLM's block size (the kernel reads vLLM's block tables as its
-   page tables), `TPUMK_VLLM_QUANT` (default `none`).
+   page tables), `TPUMK_VLLM_QUANT` (default `none`); at vLLM's tensor_parallel_size N the
+   N-device kernel on vLLM's mesh (docs/serving-vllm.md, "Tensor parallel").
 
 Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
 that names the setting and what was expected, before any weight is read: the server then refuses
@@ -22,7 +23,8 @@ a smaller batch or context than vLLM's, another q_len or several devices; MLA (v
 latent cache in another layout), Muse Spark's embedding norm, gated residuals and gated attention
 output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
 per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
-quantized weights too) or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
+quantized weights too) or KV-cache dtype, pipeline / data parallelism, tensor parallelism that
+does not give each device its own KV heads (or with an artifact), speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
 vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
@@ -323,8 +325,8 @@ def _check_shape(where: str, plan, max_seqs: int, max_len: int, block_size: int)
     if plan.q_len != 1:
         raise ServingConfigError(f"{where}: q_len {plan.q_len}: expected 1 (a decode step of one token per request)")
     if plan.devices != 1:
-        raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (the plugin runs one device in this "
-                                 "release)")
+        raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (an artifact's exported program runs "
+                                 "one device)")
     if plan.attention.kv_dtype:
         raise ServingConfigError(f"{where}: built with --kv-dtype {plan.attention.kv_dtype}: expected the model-dtype "
                                  "cache (vLLM's KV blocks are not in tpumk's packed 1-byte page layout)")
