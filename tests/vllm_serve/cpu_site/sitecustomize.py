@@ -18,7 +18,7 @@ after that module first executes, so modules importing the name later bind the r
   (`DeviceBuffer.build`: the step's input ids, query starts, KV lengths, block tables in one
   reused int32 buffer). In a process where numpy's allocator put that buffer on such an
   address, a step still running when the host prepared the next (the 4-device interpreted
-  megakernel, about 0.5 s) read some of the next step's metadata: a wrong token in a few runs
+  megakernel, about 0.4 s) read some of the next step's metadata: a wrong token in a few runs
   of `--tensor-parallel-size 4` (test_vllm_serve.py's test_cpu_site_keeps_a_step_s_inputs_...).
 """
 
