@@ -320,7 +320,8 @@ def vllm_config(model_dir, **kw):
                               quantization=kw.get("quantization")),
               scheduler_config=NS(max_num_seqs=kw.get("max_num_seqs", 4)),
               cache_config=NS(block_size=kw.get("block_size", 16), cache_dtype=kw.get("kv", "auto")),
-              parallel_config=NS(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=1),
+              parallel_config=NS(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=kw.get("pp", 1),
+                                 data_parallel_size=kw.get("dp", 1)),
               speculative_config=kw.get("spec"))
 
 
@@ -358,7 +359,19 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
 
 
 @pytest.mark.parametrize("case, change, kw, line", [
-    ("tensor-parallel", {}, {"tp": 2}, "tensor_parallel_size = 2: expected 1"),
+    # tensor parallel is served (tests/test_vllm_tp.py) where each device holds its own KV heads
+    ("tensor-parallel-replicated-kv", {}, {"tp": 4},
+     "tpumk plugin: tensor_parallel_size 4: model 'qwen3' has 2 KV heads, which 4 devices would hold 2 times each: "
+     "expected a divisor of num_kv_heads (2) (the plugin does not write replicated KV heads)"),
+    ("tensor-parallel-3", {}, {"tp": 3},
+     "tpumk plugin: tensor_parallel_size 3: sharding: devices = 3: expected a divisor of num_q_heads (4)"),
+    ("tensor-parallel-artifact", {}, {"tp": 2, "env": "/srv/art"},
+     "tpumk plugin: tensor_parallel_size 2 with an artifact (/srv/art): expected a start-up build (an artifact's "
+     "exported program runs on one device)"),
+    ("pipeline-parallel", {}, {"pp": 2}, "tpumk plugin: pipeline_parallel_size = 2: expected 1 (the megakernel runs "
+                                         "every layer)"),
+    ("data-parallel", {}, {"dp": 2}, "tpumk plugin: data_parallel_size = 2: expected 1 (one decode step spans "
+                                     "vLLM's whole mesh)"),
     ("kv-dtype", {}, {"kv": "fp8"}, "--kv-cache-dtype fp8: expected auto"),
     ("quantization", {}, {"quantization": "fp8"}, "--quantization fp8: expected none"),
     ("speculative", {}, {"spec": object()}, "speculative decoding is configured"),

@@ -179,6 +179,20 @@ def test_sparse_attention_mla_is_refused_in_one_line(tmp_path, monkeypatch):
     assert "\n" not in msg
 
 
+def test_mla_at_tensor_parallel_is_refused_in_one_line(tmp_path, monkeypatch):
+    """MLA's latent rows are whole on every device of tpumk's N-device kernel, and the plugin's MLA
+    prefill writes one array: tensor parallel > 1 is refused, naming the setting."""
+    from tpumk.vllm.runtime import Runtime, ServingConfigError
+
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_JSON))
+    with pytest.raises(ServingConfigError) as e:
+        Runtime.from_vllm_config(vllm_config(tmp_path, tp=3))
+    assert str(e.value) == ("tpumk plugin: tensor_parallel_size 3: model 'deepseek_v3' uses MLA: expected "
+                            "tensor_parallel_size 1 (the plugin serves MLA's latent cache on one device in this "
+                            "release)"), str(e.value)
+
+
 DECODE_BLOCK, DECODE_BLOCKS, DECODE_CONTEXT = 16, 11, 32
 
 

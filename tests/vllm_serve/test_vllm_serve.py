@@ -19,6 +19,10 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
   two arrays of [layers, blocks, 16, width], vLLM's KV usage metric moves while the requests run
   and its token counter counts every sampled token; and tpu_inference's own spec and allocator
   code make that layout of the plugin's declared layers (in the test's own process);
+- a tiny Llama of 4 KV heads at --tensor-parallel-size 4 on 4 host devices: tpumk's 4-device
+  megakernel on vLLM's mesh and its KV arrays in tpu_inference's tensor-parallel layout
+  (docs/serving-vllm.md, "Tensor parallel"), the same checks; and why the cpu_site copies the
+  step inputs tpu_inference hands device_put (an aligned numpy buffer is aliased on the CPU);
 - an artifact (TPUMK_VLLM_ARTIFACT) of another model or of a smaller batch than --max-num-seqs, a
   checkpoint whose own config.json names tpumk_artifact: the server refuses to start and its log
   holds the plugin's one line saying why (an MLA checkpoint without VLLM_MLA_DISABLE=1:
@@ -51,6 +55,7 @@ OFFLINE_ENV = {"JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAM
 PROMPTS = [[5, 17, 300, 42, 8], [100, 200, 3, 4, 5, 6, 7, 8, 9], [1, 2], [511, 0, 250]]
 STEPS = 6
 MAX_SEQS = 4
+TP = 4  # --tensor-parallel-size of the tensor-parallel case (host CPU devices)
 READY_S = 420
 # a tiny gpt-oss: attention sinks, q / k / v / o biases, layer 0 sliding a 6-token window (shorter
 # than every prompt with its 6 new tokens) and layer 1 full, YaRN, 4 experts of which 2 route each
@@ -68,6 +73,14 @@ GPT_OSS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, he
 DEEPSEEK_V3 = dict(hidden_size=128, moe_intermediate_size=128, vocab_size=512)
 
 
+def tp_env(tp: int) -> dict:
+    """tp host CPU devices for vLLM's mesh (made before JAX starts its backends), and XLA CPU
+    threads enough for tp interpreted kernels blocked on each other's semaphores
+    (tpumk.targets.ensure_host_devices: NPROC)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+    return {"XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={tp}"]), "NPROC": str(4 * tp)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,16 +91,17 @@ class Server:
     """`vllm serve` in its own process group; `stop()` ends it and everything it started."""
 
     def __init__(self, model: Path, log: Path, env: dict | None = None, max_seqs: int = MAX_SEQS,
-                 overrides: dict | None = None, blocks: int = 64):
+                 overrides: dict | None = None, blocks: int = 64, tp: int = 1):
         self.port, self.log = _free_port(), log
         # --attention-backend tpumk (a backend registered by a plugin): tpu_inference allows it with
         # forked engine processes only, and `vllm serve` spawns them unless told otherwise
         full = dict(os.environ, **OFFLINE_ENV, VLLM_WORKER_MULTIPROC_METHOD="fork", PYTHONPATH=str(HERE / "cpu_site"),
-                    **(env or {}))
+                    **(tp_env(tp) if tp > 1 else {}), **(env or {}))
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port",
                str(self.port), "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", str(max_seqs),
                "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", str(blocks), "--skip-tokenizer-init",
-               "--attention-backend", "tpumk", "--hf-overrides", json.dumps({"architectures": ["TpumkForCausalLM"], **(overrides or {})})]
+               "--attention-backend", "tpumk", "--hf-overrides", json.dumps({"architectures": ["TpumkForCausalLM"], **(overrides or {})}),
+               *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
         self.out = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
 
@@ -131,6 +145,8 @@ def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     made = {"dense": build_checkpoint(d / "qwen3"), "moe": build_checkpoint(d / "qwen3-moe", moe=True),
             "llama-hd64": build_checkpoint(d / "llama-hd64", arch="llama", head_dim=64),
+            # 8 query heads, 4 KV heads of 128: one KV head per device at --tensor-parallel-size 4
+            "llama-tp4": build_checkpoint(d / "llama-tp4", arch="llama", num_attention_heads=8, num_key_value_heads=4),
             "gpt-oss": build_checkpoint(d / "gpt-oss", arch="gpt_oss", **GPT_OSS),
             "deepseek-v3": build_deepseek_checkpoint(d / "deepseek-v3", seed=3, **DEEPSEEK_V3)}
     return {kind: (path, hf_greedy(path, PROMPTS, STEPS)) for kind, path in made.items()}
@@ -211,7 +227,7 @@ def gpt_oss_without_window_and_sinks(path: Path) -> list[list[list[int]]]:
     return [hf_greedy(path, PROMPTS, STEPS, model=m) for m in (no_window, no_sinks)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss", "deepseek-v3", "llama-tp4"])
 def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path, request):
     ckpt, want = checkpoints[kind]
     if kind == "gpt-oss":  # the window and the sinks each change these tokens: a server ignoring either fails
@@ -222,8 +238,9 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     # an artifact's exported program takes its own pool: the plan's batch x context pages; an MLA
     # model with vLLM's own MLA switched off (VLLM_MLA_DISABLE=1: the plugin declares the kernel's
     # latent cache itself, docs/serving-vllm.md)
+    tp = TP if kind == "llama-tp4" else 1
     server = Server(ckpt, tmp_path / "serve.log", overrides=overrides, blocks=16 if kind == "moe" else 64,
-                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None)
+                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None, tp=tp)
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
         with cf.ThreadPoolExecutor(1) as ex:
@@ -241,11 +258,14 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     assert got == want
     # vLLM allocated the kernel's two stacked arrays, [layers, blocks, block size 16, width] (the
     # runner's log labels the first axis num_blocks and prints the others); an MLA model's one
-    # latent array, [layers, blocks, 16, 128] (40 + 8 lanes in a whole 128-lane tile)
+    # latent array, [layers, blocks, 16, 128] (40 + 8 lanes in a whole 128-lane tile); tensor
+    # parallel: [layers, blocks, tp x 16, width / tp], split on its mesh's 'model' axis (tpumk.vllm.kv)
     blocks = 16 if kind == "moe" else 64
     arrays, width = (1, "128") if kind == "deepseek-v3" else (2, r"\d+")
     assert re.search(rf"num_blocks=\[{', '.join([str(blocks)] * arrays)}\] \| regular_attn_layers={arrays} \| "
-                     rf"regular_attn_shape=\(num_blocks, \({blocks}, 16, {width}\)\)", log), log[-3000:]
+                     rf"regular_attn_shape=\(num_blocks, \({blocks}, {16 * tp}, {width}\)\)", log), log[-3000:]
+    if tp > 1:
+        assert re.search(rf"tpumk plugin: .*Pallas TPU interpreter on {tp} CPU devices", log), log[-3000:]
     # vLLM's metrics: the KV usage rose while requests held blocks (each request's tokens fit one
     # 16-token block of the pool's blocks - 1, the null block), the token counter counts them all
     assert 0 < max(usage) <= len(PROMPTS) / (blocks - 1) + 1e-6, usage
@@ -339,3 +359,54 @@ def test_refusals_at_start_up(checkpoints, moe_artifact, tmp_path):
         log = server.log.read_text()
         assert server.proc.returncode != 0
         assert re.search(line, log), log[-3000:]
+
+
+
+
+# tpu_inference's own DeviceBuffer and device_array on vLLM's mesh of 4 host devices, as its runner
+# uses them for a step's metadata, the buffer at a 64-byte aligned address (where numpy's
+# allocator happened to put it in some runs)
+HAZARD = """
+import importlib.util, json, sys
+import jax, numpy as np
+from jax.sharding import Mesh
+from tpu_inference import utils
+spec = importlib.util.spec_from_file_location("cpu_site_patches", sys.argv[1])
+site = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(site)
+mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+seen = {}
+for name, put in (("tpu_inference", utils.device_array), ("cpu_site", site._copying_device_array(utils.device_array))):
+    buf = utils.DeviceBuffer()
+    raw = np.zeros(buf.buffer.size + 16, np.int32)
+    skip = (-raw.ctypes.data % 64) // 4
+    buf.buffer = raw[skip:skip + buf.buffer.size]
+    assert buf.buffer.ctypes.data % 64 == 0
+    buf.append(np.arange(8, dtype=np.int32), key="ids")
+    blob, _ = buf.build()
+    got = put(mesh, blob)
+    got.block_until_ready()
+    buf.reset()
+    buf.append(np.full(8, -1, np.int32), key="ids")  # the next step's inputs, in the same buffer
+    seen[name] = [np.asarray(s.data).tolist() for s in got.addressable_shards]
+print(json.dumps(seen))
+"""
+
+
+def test_cpu_site_keeps_a_step_s_inputs_from_the_next_step():
+    """Why tests/vllm_serve/cpu_site copies what tpu_inference hands `device_put`: on the CPU,
+    JAX's `device_put` of a numpy array at a 64-byte aligned address aliases its memory (no copy),
+    and tpu_inference's runner passes a view of its `DeviceBuffer`, which it resets and rewrites
+    for the next step. So when numpy's allocator puts that buffer on such an address, a step
+    still running when the host prepares the next one reads the next one's metadata: here a
+    device_array of a built buffer already holds what the buffer holds after the rewrite, on
+    every device of vLLM's 4-device mesh; the cpu_site's holds what was built (a fresh process,
+    4 host devices, no cpu_site patches)."""
+    env = dict(os.environ, **OFFLINE_ENV, **tp_env(4))
+    proc = subprocess.run([sys.executable, "-c", HAZARD, str(HERE / "cpu_site" / "sitecustomize.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["cpu_site"] == [list(range(8))] * 4, seen
+    # the hazard the patch removes (this JAX on the CPU): if this fails, the patch may be moot
+    assert seen["tpu_inference"][0] == [-1] * 8, seen

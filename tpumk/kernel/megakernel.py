@@ -855,7 +855,7 @@ def commit_pages(cache: jax.Array, pages: jax.Array, page_ids: jax.Array) -> jax
 
 
 def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool = False, portable: bool = False,
-                     nested: bool = False):
+                     nested: bool = False, mesh_devices: list | None = None, cache_split: str = "lanes"):
     """The plan's decode step: step(packed, tokens [B,q], positions [B,q], cache) -> (logits, cache)
     (with `plan.taps`: (logits, cache, taps [B, q, len(taps), H]), as `reference.decode_step`).
 
@@ -877,14 +877,25 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     (`ShardingPlan.expand_cache`: KV heads along the last axis, split over the devices; MLA: N
     copies of the latent row, one per device, each device writing the same rows to its own; sparse
     attention's index keys likewise); the
-    logits [B, q, V] are all-gathered inside the kernel, so every device holds them whole."""
+    logits [B, q, V] are all-gathered inside the kernel, so every device holds them whole.
+    `mesh_devices`: that mesh's devices in order (default: `step_mesh(plan)`'s; a caller's own
+    mesh, e.g. vLLM's). `cache_split` "rows" (many devices, model-dtype K / V caches only): the
+    caches come as `[L, pages, N * page_size, local width]`, device d's part of every page in
+    rows [d * page_size, (d + 1) * page_size) (how vLLM's TPU runner splits a KV array: its third
+    axis over the mesh), each device's shard being exactly its `[L, pages, page_size, local
+    width]`; "lanes" (default): the layout above."""
+    if cache_split not in ("lanes", "rows"):
+        raise ValueError(f"cache_split {cache_split!r}: expected 'lanes' or 'rows'")
+    if cache_split == "rows" and (plan.devices == 1 or plan.attention.quantized or plan.cfg.is_mla
+                                  or plan.sparse is not None):
+        raise ValueError("cache_split 'rows': a many-device step of a model-dtype K / V cache only")
     if plan.devices > 1 and portable:
         raise ValueError("a many-device step runs its collectives through the TPU interpreter; it cannot be portable")
     run = _device_step(plan, _pallas_call(plan, detect_races, portable))
-    check, check_rows, check_states = _shape_check(plan), _cache_rows_check(plan), _states_check(plan)
+    check, check_rows, check_states = _shape_check(plan), _cache_rows_check(plan, cache_split), _states_check(plan)
     check_index_keys = _index_keys_check(plan)
 
-    device_run = run if plan.devices == 1 else _shard_mapped(plan, run)
+    device_run = run if plan.devices == 1 else _shard_mapped(plan, run, mesh_devices, cache_split)
 
     quantized = plan.attention.quantized
 
@@ -908,7 +919,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
                                                   cache.states)
         # As the reference: positions outside the pages write nothing and do not move lengths;
         # the step's tokens are each slot's pending rows now.
-        lengths = new_lengths(positions, cache.lengths, cache.max_context)
+        # (the plan's page size: a "rows" cache's third axis holds every device's rows of a page)
+        lengths = new_lengths(positions, cache.lengths, cache.block_tables.shape[1] * plan.page_size)
         if states is not None:
             states = step_counts(states, plan.q_len)
         new = cache._replace(kv=arrays[0], lengths=lengths, states=states) if quantized else \
@@ -923,7 +935,8 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     # Many devices: the arguments placed as the step returns its cache (split over the mesh), so
     # the first call and the ones after it run one compiled program; unplaced arrays would make
     # the second call compile again (measured: 8 s of a 4-device tiny-moe step).
-    shardings = jax.tree.map(lambda s: s.sharding, step_specs(plan)) if plan.devices > 1 else None
+    shardings = jax.tree.map(lambda s: s.sharding, step_specs(plan)) \
+        if plan.devices > 1 and mesh_devices is None and cache_split == "lanes" else None
 
     @functools.wraps(step)
     def interpreted_step(*args):
@@ -936,16 +949,18 @@ def make_decode_step(plan: Plan, detect_races: bool = False, donate_cache: bool 
     return interpreted_step
 
 
-def _shard_mapped(plan: Plan, run: Callable) -> Callable:
-    """`run` (one device's glue and kernel) as one SPMD program over `step_mesh(plan)`: packed
-    weights split along their leading device axis (the embedding whole), the step inputs
-    replicated, the caches split along their last axis; the logits are all-gathered in the
+def _shard_mapped(plan: Plan, run: Callable, mesh_devices: list | None = None, cache_split: str = "lanes") -> Callable:
+    """`run` (one device's glue and kernel) as one SPMD program over `step_mesh(plan)` (or a 1-D
+    mesh of `mesh_devices`): packed weights split along their leading device axis (the
+    embedding whole), the step inputs replicated, the caches split along their last axis (or,
+    `cache_split` "rows", their third: make_decode_step); the logits are all-gathered in the
     kernel, so every device holds the same [B, q, V]."""
     from jax.sharding import PartitionSpec as P
 
     from tpumk.plan.sharding import MESH_AXIS
 
-    mesh, kv_spec = step_mesh(plan), P(None, None, None, MESH_AXIS)
+    mesh = step_mesh(plan, mesh_devices)
+    kv_spec = P(None, None, MESH_AXIS, None) if cache_split == "rows" else P(None, None, None, MESH_AXIS)
 
     def body(packed, tokens, positions, caches, block_tables, lengths, states):
         local = {key: val if key == "embed" else jax.tree.map(lambda a: a[0], val) for key, val in packed.items()}
@@ -970,15 +985,30 @@ def _shard_mapped(plan: Plan, run: Callable) -> Callable:
         specs = tuple(kv_spec for _ in kept)
         state_specs = None if states is None else state_partition(states)
         # the taps are the residual every device holds whole: each device writes the same rows
-        logits, out, states, taps = jax.shard_map(
-            fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
-            out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)(
-            packed, tokens, positions, kept, block_tables, lengths, states)
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(weights, P(), P(), specs, P(), P(), state_specs),
+                               out_specs=(P(), specs, state_specs, P() if plan.taps else None), check_vma=False)
+        # a caller tracing under its own mesh of these devices (vLLM's ('data', 'model')): the
+        # step's 1-D mesh in its place while it traces (shard_map wants the context's mesh)
+        with _step_mesh_context(mesh):
+            logits, out, states, taps = mapped(packed, tokens, positions, kept, block_tables, lengths, states)
         if len(out) < len(caches):  # the empty value cache back in its place
             out = (out[0], caches[1], *out[1:])
         return logits, tuple(out), states, taps
 
     return sharded
+
+
+def _step_mesh_context(mesh):
+    """The abstract mesh of `mesh` as the trace's context when the caller set another of its size
+    (`jax.set_mesh` around its jit); nothing otherwise."""
+    import contextlib
+
+    from jax._src.mesh import get_abstract_mesh
+
+    ctx = get_abstract_mesh()
+    if ctx.empty or ctx == mesh.abstract_mesh:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def state_partition(states):
@@ -1000,9 +1030,9 @@ def _shape_check(plan: Plan) -> Callable:
     return check
 
 
-def _cache_rows_check(plan: Plan) -> Callable:
+def _cache_rows_check(plan: Plan, cache_split: str = "lanes") -> Callable:
     """Refuse, in one line, cache arrays whose layers, page size or row lanes are not the
-    plan's (`step_specs`; the number of pages may differ)."""
+    plan's (`step_specs`; the number of pages may differ; `cache_split` "rows": make_decode_step)."""
     names = ("kv",) if plan.attention.quantized else ("k", "v")
     want: list = []
 
@@ -1010,6 +1040,9 @@ def _cache_rows_check(plan: Plan) -> Callable:
         if not want:
             cache = step_specs(plan)[3]
             want.extend(getattr(cache, n).shape for n in names)
+            if cache_split == "rows":  # [L, pages, N * page_size, width / N]
+                n = plan.devices
+                want[:] = [(w[0], w[1], n * w[2], w[3] // n) for w in want]
         for name, a, w in zip(names, arrays, want):
             if (a.ndim, a.shape[0], *a.shape[2:]) != (len(w), w[0], *w[2:]):
                 raise ValueError(f"decode step: cache.{name} has shape {list(a.shape)}, expected [{w[0]}, num_pages, "
@@ -1056,15 +1089,20 @@ def _states_check(plan: Plan) -> Callable:
     return check
 
 
-def step_mesh(plan: Plan):
+def step_mesh(plan: Plan, devices: list | None = None):
     """The 1-D device mesh of a many-device step: `plan.devices` devices of its target
-    (`tpumk.targets.mesh_devices`: attached TPUs, deviceless stand-ins, or host CPU devices)."""
+    (`tpumk.targets.mesh_devices`: attached TPUs, deviceless stand-ins, or host CPU devices), or
+    the given `devices` in their order (a caller's own mesh, e.g. vLLM's)."""
     import numpy as np
     from jax.sharding import Mesh
 
     from tpumk.plan.sharding import MESH_AXIS
     from tpumk.targets import mesh_devices
 
+    if devices is not None:
+        if len(devices) != plan.devices:
+            raise ValueError(f"a mesh of {len(devices)} devices for a step planned for {plan.devices}")
+        return Mesh(np.asarray(list(devices)), (MESH_AXIS,))
     return Mesh(np.asarray(mesh_devices(plan.target, plan.devices)), (MESH_AXIS,))
 
 

@@ -36,7 +36,9 @@ from tpumk.vllm import kv
 from tpumk.vllm.runtime import BACKEND
 
 SPEC_HEAD_SIZE = 64  # the head size each declared layer's spec counts in (tpu_inference keeps 64 unpadded)
-_DECLARED: dict[tuple[int, int], tuple[int, int]] = {}  # a declared layer's (heads, head size) -> (layers, width)
+# a declared layer's (heads, head size) as tpu_inference passes them, per device of its mesh's
+# tensor-parallel axis -> (layers, width of one device's rows)
+_DECLARED: dict[tuple[int, int], tuple[int, int]] = {}
 
 
 def spec_heads(layers: int, width: int) -> int:
@@ -55,6 +57,9 @@ class TpumkAttentionBackend(AttentionBackend):
         if stacked is None:
             raise ValueError(f"--attention-backend {BACKEND}: no tpumk KV-cache layer of {num_kv_heads} heads of "
                              f"{head_dim} was declared (the backend lays out the cache of tpumk's plugin model only)")
+        # one device's part, [layers, blocks, block_size, width / N]: tpu_inference multiplies the
+        # third axis by its mesh's tensor-parallel size N and splits it over that axis
+        # (`get_kv_cache_shape_with_mesh`, `create_kv_caches`), which is kv.cache_shape's layout
         layers, width = stacked
         return kv.cache_shape(layers, total_num_pages, page_size, width)
 
@@ -100,13 +105,15 @@ class StackedKVLayer(AttentionLayerBase):
                                  head_size=self.head_size, dtype=vllm_config.model_config.dtype)
 
 
-def declare_layers(vllm_config, layers: int, width: int, names: tuple[str, ...] = (kv.K_LAYER, kv.V_LAYER)) -> None:
+def declare_layers(vllm_config, layers: int, width: int, names: tuple[str, ...] = (kv.K_LAYER, kv.V_LAYER),
+                   devices: int = 1) -> None:
     """Tell vLLM the model's KV-cache layers: `names` (kv.K_LAYER and kv.V_LAYER; an MLA model's
-    latent array alone, kv.layer_names), `layers` x `width` each."""
+    latent array alone, kv.layer_names), `layers` x `width` each (the whole model's width; on
+    `devices` > 1 each device holds width / devices of it)."""
     context = vllm_config.compilation_config.static_forward_context
-    key = (spec_heads(layers, width), SPEC_HEAD_SIZE)
-    if _DECLARED.setdefault(key, (layers, width)) != (layers, width):  # one model per engine process
+    key = (spec_heads(layers, width) // devices, SPEC_HEAD_SIZE)
+    if _DECLARED.setdefault(key, (layers, width // devices)) != (layers, width // devices):  # one model per process
         raise ValueError(f"tpumk plugin: KV-cache layers of {_DECLARED[key]} (layers, width) were declared in this "
-                         f"process already: expected one model's, got ({layers}, {width}) too")
+                         f"process already: expected one model's, got ({layers}, {width // devices}) too")
     for name in names:
         context[name] = StackedKVLayer(layers, width)

@@ -17,6 +17,12 @@ arrays. vLLM's memory budget stays right: each declared layer's bytes per block 
 two is every layer's K and V of block_size tokens, and its block count, KV usage metric and
 prefix cache count blocks as they would for L layers of RPA's layout of the same bytes.
 
+Tensor parallel (vLLM's --tensor-parallel-size N): tpu_inference multiplies the third axis of the
+backend's shape by N and splits it over its mesh's 'model' axis, so each array is `[layers,
+blocks, N x block_size, width / N]` and device d's shard is the `[layers, blocks, block_size,
+width / N]` cache of its own KV heads that tpumk's N-device kernel reads (`cache_shape`);
+`read_rows` / `write_rows` address a token's row of device d at `d x block_size + offset`.
+
 Why this and not the alternatives (docs/serving-vllm.md, "Reading vLLM's cache in place"):
 reading tpu_inference's RPA v3 layout in the kernel is ruled out (a bfloat16 cache packs a
 head's K and V into the same 32-bit words, and the L arrays remain); a `pl.when` per layer
@@ -41,41 +47,60 @@ def layer_names(cfg) -> tuple[str, ...]:
     return (K_LAYER,) if cfg.is_mla else (K_LAYER, V_LAYER)
 
 
-def cache_shape(layers: int, num_blocks: int, block_size: int, width: int) -> tuple[int, int, int, int]:
-    """The shape of each of the two arrays vLLM allocates: [layers, blocks, block_size, width]."""
-    return (layers, num_blocks, block_size, width)
+def cache_shape(layers: int, num_blocks: int, block_size: int, width: int, devices: int = 1) -> tuple[int, int, int, int]:
+    """The shape of each of the two arrays vLLM allocates: [layers, blocks, block_size, width];
+    on `devices` > 1 (tensor parallel) [layers, blocks, devices x block_size, width / devices]:
+    device d's KV heads of a block's tokens in rows [d x block_size, (d + 1) x block_size)."""
+    return (layers, num_blocks, devices * block_size, width // devices)
 
 
-def layout_problem(shape, dtype, layers: int, width: int, block_size: int, want_dtype) -> str | None:
+def layout_problem(shape, dtype, layers: int, width: int, block_size: int, want_dtype, devices: int = 1) -> str | None:
     """Why an array vLLM passes as K or V is not the stacked layout the kernel reads (None: it is)."""
     shape = tuple(int(n) for n in shape)
-    if len(shape) != 4 or (shape[0], *shape[2:]) != (layers, block_size, width) or \
+    want = cache_shape(layers, 0, block_size, width, devices)
+    if len(shape) != 4 or (shape[0], *shape[2:]) != (want[0], *want[2:]) or \
             jnp.dtype(dtype) != jnp.dtype(want_dtype):
         return (f"vLLM's KV cache array is {jnp.dtype(dtype).name} {list(shape)}: expected "
-                f"{jnp.dtype(want_dtype).name} [{layers}, blocks, {block_size}, {width}] (tpumk's stacked layout: "
+                f"{jnp.dtype(want_dtype).name} [{want[0]}, blocks, {want[2]}, {want[3]}] (tpumk's stacked layout: "
                 "start vLLM with --attention-backend tpumk)")
     return None
 
 
-def _split(cache: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _split(cache: jax.Array, slots: jax.Array, devices: int = 1) -> tuple[jax.Array, jax.Array]:
     """(block, row in block) of each flat slot; a slot outside [0, blocks * block_size) gets the
     block index `blocks` (past the array: a write there is dropped)."""
-    blocks, bs = cache.shape[1], cache.shape[2]
+    blocks, bs = cache.shape[1], cache.shape[2] // devices
     ok = (slots >= 0) & (slots < blocks * bs)
     return jnp.where(ok, slots // bs, blocks), jnp.where(ok, slots % bs, 0)
 
 
-def read_rows(cache: jax.Array, layer: int, slots: jax.Array) -> jax.Array:
-    """Layer `layer`'s rows [*S, width] of the tokens at flat `slots` (any shape S, in range)."""
-    block, row = _split(cache, slots)
-    return cache[layer, jnp.minimum(block, cache.shape[1] - 1), row]
+def _device_rows(row: jax.Array, block_size: int, devices: int) -> jax.Array:
+    """[*S] rows in a block -> [*S, devices]: each device's row of the same token (`cache_shape`)."""
+    return row[..., None] + block_size * jnp.arange(devices, dtype=row.dtype)
 
 
-def write_rows(cache: jax.Array, layer: int, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """`cache` with layer `layer`'s tokens at flat `slots` [n] set to rows [n, width]; a slot
-    outside the cache (-1 or past the end: a padding token) writes nothing."""
-    block, row = _split(cache, slots)
-    return cache.at[layer, block, row].set(rows.astype(cache.dtype), mode="drop")
+def read_rows(cache: jax.Array, layer: int, slots: jax.Array, devices: int = 1) -> jax.Array:
+    """Layer `layer`'s rows [*S, width] of the tokens at flat `slots` (any shape S, in range);
+    on many devices each device's part side by side (the heads in order)."""
+    block, row = _split(cache, slots, devices)
+    block = jnp.minimum(block, cache.shape[1] - 1)
+    if devices == 1:
+        return cache[layer, block, row]
+    parts = cache[layer, block[..., None], _device_rows(row, cache.shape[2] // devices, devices)]  # [*S, N, W / N]
+    return parts.reshape(*slots.shape, -1)
+
+
+def write_rows(cache: jax.Array, layer: int, slots: jax.Array, rows: jax.Array, devices: int = 1) -> jax.Array:
+    """`cache` with layer `layer`'s tokens at flat `slots` [n] set to rows [n, width] (on many
+    devices each device's lanes into its own rows); a slot outside the cache (-1 or past the
+    end: a padding token) writes nothing."""
+    block, row = _split(cache, slots, devices)
+    rows = rows.astype(cache.dtype)
+    if devices == 1:
+        return cache.at[layer, block, row].set(rows, mode="drop")
+    parts = rows.reshape(rows.shape[0], devices, -1)
+    return cache.at[layer, block[:, None], _device_rows(row, cache.shape[2] // devices, devices)].set(parts,
+                                                                                                   mode="drop")
 
 
 def token_slots(block_tables: jax.Array, seqs: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:

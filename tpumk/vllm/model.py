@@ -49,6 +49,21 @@ def _attention_backend(vllm_config) -> str:
     return attention_backend_name(vllm_config)
 
 
+def _tensor_parallel_devices(vllm_config, mesh) -> list | None:
+    """vLLM's mesh's devices along its tensor-parallel ('model') axis, in order, which the
+    many-device step runs its 1-D mesh on (None: one device); a mesh that splits anything else
+    (data parallel, expert or context axes) is refused."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if mesh is None:
+        return None
+    shape = dict(mesh.shape)
+    if mesh.size != tp or shape.get("model", 1) != mesh.size:
+        raise ServingConfigError(f"tpumk plugin: vLLM's mesh {shape}: expected its {tp} devices "
+                                 "(tensor_parallel_size) all on its 'model' axis (the megakernel's collectives "
+                                 "span one 1-D mesh)")
+    return list(mesh.devices.reshape(-1)) if tp > 1 else None
+
+
 class TpumkForCausalLM(nnx.Module):
     """A checkpoint tpumk supports, served by vLLM with its decode steps in tpumk's megakernel."""
 
@@ -56,27 +71,24 @@ class TpumkForCausalLM(nnx.Module):
         from tpumk.errors import TpumkError
 
         try:
-            if mesh is not None and mesh.size != 1:  # before any build: a cheap refusal first
-                raise ServingConfigError(f"tpumk plugin: a mesh of {mesh.size} devices: expected 1 (the plugin runs "
-                                         "one device in this release)")
-            self.runtime = Runtime.from_vllm_config(vllm_config, _attention_backend(vllm_config))
+            devices = _tensor_parallel_devices(vllm_config, mesh)  # before any build: a cheap refusal first
+            self.runtime = Runtime.from_vllm_config(vllm_config, _attention_backend(vllm_config), devices)
         except TpumkError as e:  # one line in vLLM's log, then the engine refuses to start
             logger.error("%s", e)
             raise ServingConfigError(str(e)) from None
         rt = self.runtime
         logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d)", rt.cfg.name, rt.source,
                     rt.plan.batch, rt.plan.context)
-        from tpumk.kernel.layout import packed_specs
         from tpumk.model.weights import random_params
         from tpumk.vllm.backend import declare_layers
 
         # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V (MLA: the latent one)
-        declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names)
+        declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names, rt.devices)
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
         # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
         self.params = nnx.Param({} if rt.holds_weights_once else
                                 jax.eval_shape(lambda: random_params(rt.plan.whole_model, seed=0)))
-        self.packed = nnx.Param(packed_specs(rt.plan))
+        self.packed = nnx.Param(rt.packed_shapes())
 
     def load_weights(self, rng_key: jax.Array | None = None) -> None:
         params, packed = self.runtime.load_params()
@@ -84,9 +96,22 @@ class TpumkForCausalLM(nnx.Module):
         # the packed tree reuses some of params' arrays (the embedding) and the runner donates
         # the model's state, which must not hold one buffer twice: those leaves get their own copy
         shared = {id(a) for a in jax.tree.leaves(params)}
-        self.params.set_value(jax.tree.map(jnp.asarray, params))
-        self.packed.set_value(jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in shared else jnp.asarray(a),
-                                           packed))
+        packed = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in shared else jnp.asarray(a), packed)
+        params = jax.tree.map(jnp.asarray, params)
+        rt = self.runtime
+        if rt.devices > 1:  # on vLLM's mesh: each device its part of the packed weights, the JAX path's whole
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            from tpumk.kernel.megakernel import step_mesh
+            from tpumk.plan.sharding import MESH_AXIS
+
+            m = step_mesh(rt.plan, rt.mesh_devices)
+            packed = {key: jax.device_put(val, NamedSharding(m, P() if key == "embed" else P(MESH_AXIS)))
+                      for key, val in packed.items()}
+            params = jax.device_put(params, NamedSharding(m, P()))
+        self.params.set_value(params)
+        self.packed.set_value(packed)
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None, input_positions=None,
                  layer_name_to_kvcache_index=None, lora_metadata=None, intermediate_tensors=None,
@@ -100,7 +125,7 @@ class TpumkForCausalLM(nnx.Module):
         v = kv_caches[iv] if iv is not None else jnp.zeros(k.shape[:3] + (0,), k.dtype)
         for c in (k, v) if iv is not None else (k,):  # traced once per bucket: the shapes are static here
             problem = kv.layout_problem(c.shape, c.dtype, rt.kv_layers, rt.kv_width, rt.block_size,
-                                        jnp.dtype(run.dtype))
+                                        jnp.dtype(run.dtype), rt.devices)
             if problem:  # a layout start-up did not foresee: one line, not a shape error deep in the kernel
                 logger.error("tpumk plugin: %s", problem)
                 raise ServingConfigError(f"tpumk plugin: {problem}")
@@ -119,7 +144,7 @@ class TpumkForCausalLM(nnx.Module):
                                         v, input_ids, md.input_positions, md.query_start_loc, md.seq_lens,
                                         md.block_tables.reshape(slots, -1), num_reqs, rt.block_size,
                                         rt.max_model_len, on_step if COUNT_STEPS else None,
-                                        rt.unpack if rt.holds_weights_once else None)
+                                        rt.unpack if rt.holds_weights_once else None, rt.devices)
         out = list(kv_caches)
         out[ik] = k
         if iv is not None:

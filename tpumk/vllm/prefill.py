@@ -78,11 +78,11 @@ def _items(query_start_loc, num_reqs, num_tokens: int, tile: int, take, count: i
 
 def attend(att: Attention, k_cache: jax.Array, v_cache: jax.Array, layer: int, items: tuple[WorkItems, ...],
            q: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int, max_context: int,
-           window: int = 0, sinks: jax.Array | None = None, key_tile: int = KEY_TILE) -> jax.Array:
+           window: int = 0, sinks: jax.Array | None = None, key_tile: int = KEY_TILE, devices: int = 1) -> jax.Array:
     """Every token's attention output [T, q_size] f32: q [T, Hq, D] f32 of the tokens at
     `positions` [T] (-1: a padding row, output 0) against its request's rows 0 .. its position in
     layer `layer` of vLLM's stacked `k_cache` / `v_cache` (tpumk.vllm.kv; this step's K and V
-    already written there)."""
+    already written there; `devices`: the arrays' tensor-parallel layout, `kv.cache_shape`)."""
     if att.step_bidirectional:
         raise ValueError("tpumk plugin: a drafter's bidirectional block attention is not a served model's")
     t = q.shape[0]
@@ -103,7 +103,7 @@ def attend(att: Attention, k_cache: jax.Array, v_cache: jax.Array, layer: int, i
             j, m, l, acc = carry
             kp = j * kt + jnp.arange(kt, dtype=jnp.int32)
             slots = kv.token_slots(block_tables, jnp.broadcast_to(r, kp.shape), kp, block_size)
-            k, v = (kv.read_rows(c, layer, jnp.maximum(slots, 0)) for c in (k_cache, v_cache))
+            k, v = (kv.read_rows(c, layer, jnp.maximum(slots, 0), devices) for c in (k_cache, v_cache))
             seen = kp <= last
             k, v = (jnp.where(seen[:, None], x, 0).reshape(kt, hkv, d) for x in (k, v))
             s = jnp.einsum("ckgd,skd->kgcs", qi, k, preferred_element_type=jnp.float32)

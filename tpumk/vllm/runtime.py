@@ -13,7 +13,8 @@ reader and takes the megakernel step from, in this order:
 2. else a build on start-up for the attached TPU (or, with JAX on the CPU, the `cpu` target's
    kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
    rounded up to whole pages of vLLM's block size (the kernel reads vLLM's block tables as its
-   page tables), `TPUMK_VLLM_QUANT` (default `none`).
+   page tables), `TPUMK_VLLM_QUANT` (default `none`); at vLLM's tensor_parallel_size N the
+   N-device kernel on vLLM's mesh (docs/serving-vllm.md, "Tensor parallel").
 
 Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
 that names the setting and what was expected, before any weight is read: the server then refuses
@@ -22,7 +23,8 @@ a smaller batch or context than vLLM's, another q_len or several devices; sparse
 (its indexer's key cache is not in vLLM's cache), Muse Spark's embedding norm, gated residuals and gated attention
 output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
 per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
-quantized weights too) or KV-cache dtype, tensor / pipeline parallelism and speculative decoding,
+quantized weights too) or KV-cache dtype, pipeline / data parallelism, tensor parallelism that
+does not give each device its own KV heads (or with an artifact), speculative decoding,
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
 vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
@@ -73,6 +75,7 @@ class Runtime:
     block_size: int  # vLLM's, which is the plan's page size
     max_model_len: int
     fixed_pages: int | None  # an artifact's program takes exactly this many pages; a build: any
+    mesh_devices: tuple | None = None  # tensor parallel: vLLM's mesh's devices, in order (the step's 1-D mesh)
     _pool_steps: dict = field(default_factory=dict)  # a build's step per vLLM pool size (one in practice)
     _unpacker: dict = field(default_factory=dict)  # the Unpacker load_params made (floating-point weights)
 
@@ -82,6 +85,11 @@ class Runtime:
         return {"batch": p.batch, "context": p.context, "page_size": p.page_size}
 
     @property
+    def devices(self) -> int:
+        """vLLM's tensor_parallel_size: the devices one decode step spans (the kernel's collectives)."""
+        return self.plan.devices
+
+    @property
     def kv_layers(self) -> int:
         """The layers of vLLM's stacked K and V arrays (the kernel's cache's)."""
         return self.plan.whole_model.kv_layers
@@ -89,7 +97,8 @@ class Runtime:
     @property
     def kv_width(self) -> int:
         """The row width of vLLM's stacked K and V arrays: the kernel's (its run model's, lane padded;
-        an MLA model's latent row in whole 128-lane tiles, its K array alone)."""
+        an MLA model's latent row in whole 128-lane tiles, its K array alone); on many devices the
+        whole model's, each device holding its KV heads' share (tpumk.vllm.kv.cache_shape)."""
         a = self.plan.whole_model.attention
         return a.latent_cache_lanes if a.is_mla else a.kv_size
 
@@ -99,6 +108,24 @@ class Runtime:
         from tpumk.vllm import kv
 
         return kv.layer_names(self.plan.whole_model)
+
+    def packed_shapes(self) -> dict:
+        """ShapeDtypeStructs of the kernel's packed weights: one device's (`packed_specs`), or on
+        many each device's stacked on a leading axis and the whole embedding
+        (`tpumk.kernel.layout.pack_sharded`)."""
+        import jax
+
+        from tpumk.kernel.layout import packed_specs
+        from tpumk.model.ops import jnp_dtype
+
+        specs = packed_specs(self.plan)
+        if self.devices == 1:
+            return specs
+        n, model = self.devices, self.plan.whole_model
+        out = {key: jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), val)
+               for key, val in specs.items() if key != "embed"}
+        out["embed"] = jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), jnp_dtype(model))
+        return out
 
     def step_for(self, num_pages: int) -> Callable:
         """The decode step for vLLM's pool of `num_pages` blocks (known only when vLLM first traces
@@ -112,17 +139,15 @@ class Runtime:
                                      f"takes exactly {self.fixed_pages} pages (start vLLM with "
                                      f"--num-gpu-blocks-override {self.fixed_pages}, or serve a start-up build)")
         if num_pages not in self._pool_steps:
-            from tpumk.kernel.megakernel import make_decode_step
-
-            plan = replace(self.plan, num_pages=num_pages)
-            self._pool_steps[num_pages] = make_decode_step(plan, nested=True, portable=plan.target.interpret)
+            self._pool_steps[num_pages] = _decode_step(replace(self.plan, num_pages=num_pages), self.mesh_devices)
         return self._pool_steps[num_pages]
 
     @classmethod
-    def from_vllm_config(cls, vllm_config, attention_backend: str = BACKEND) -> Runtime:
+    def from_vllm_config(cls, vllm_config, attention_backend: str = BACKEND, mesh_devices=None) -> Runtime:
         """`attention_backend`: the backend vLLM's TPU runner lays out its KV cache for
         (tpu_inference's `attention_backend_name`; model.py reads it from tpu_inference, which
-        this module does not import)."""
+        this module does not import). `mesh_devices`: vLLM's mesh's devices in order (its
+        tensor-parallel axis), which the many-device step runs on; None: jax's first devices."""
         from tpumk.files import is_dir
         from tpumk.model.config import load_hf_config, override_dtype
 
@@ -139,12 +164,17 @@ class Runtime:
         max_seqs = _positive("max_num_seqs", vllm_config.scheduler_config.max_num_seqs)
         max_len = _positive("max_model_len", mc.max_model_len)
         block_size = _positive("block_size", vllm_config.cache_config.block_size)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         art = _operator_artifact(mc, model_dir)
+        if art and tp != 1:
+            raise ServingConfigError(f"tpumk plugin: tensor_parallel_size {tp} with an artifact ({art}): expected a "
+                                     "start-up build (an artifact's exported program runs on one device)")
+        mesh = tuple(mesh_devices) if tp != 1 and mesh_devices is not None else None
         if art:
             plan, step, source = _from_artifact(art, cfg, max_seqs, max_len, block_size)
         else:
-            plan, step, source = _built(cfg, max_seqs, max_len, block_size)
-        return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None)
+            plan, step, source = _built(cfg, max_seqs, max_len, block_size, tp, mesh)
+        return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None, mesh)
 
     @property
     def holds_weights_once(self) -> bool:
@@ -161,7 +191,7 @@ class Runtime:
         weight formats (a quantized plan quantizes both alike, so prefill and decode run the same
         weights) and widths (a lane padded model's zero lanes: the JAX path reads and writes the
         same cache rows as the kernel)."""
-        from tpumk.kernel.layout import pack_weights
+        from tpumk.kernel.layout import pack_sharded, pack_weights
         from tpumk.kernel.unpack import Unpacker
         from tpumk.model.checkpoint import load_checkpoint
         from tpumk.model.quantize import quantize_params, scheme_of
@@ -171,7 +201,8 @@ class Runtime:
         if self.plan.quant != "none" and scheme_of(params) == "none":
             params = quantize_params(self.cfg, params, self.plan.quant)
         run = params_as_run(self.plan, params)
-        packed = pack_weights(self.plan, run)
+        # many devices: each device's part packed and stacked (pack_sharded reads the checkpoint's widths)
+        packed = pack_weights(self.plan, run) if self.devices == 1 else pack_sharded(self.plan, params)
         if not self.holds_weights_once:
             return run, packed
         self._unpacker["weights"] = Unpacker(self.plan, run)
@@ -192,6 +223,10 @@ def _check_vllm(vllm_config, cfg) -> None:
         raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA and vLLM's own MLA cache is on: start vLLM "
                                  "with VLLM_MLA_DISABLE=1 (the plugin declares the kernel's stacked latent cache "
                                  "itself; vLLM's MLA layout is per layer and refuses --attention-backend tpumk)")
+    if cfg.is_mla and int(pc.tensor_parallel_size) != 1:  # the latent rows whole on every device: not split
+        raise ServingConfigError(f"{where}: tensor_parallel_size {pc.tensor_parallel_size}: model '{cfg.name}' uses "
+                                 "MLA: expected tensor_parallel_size 1 (the plugin serves MLA's latent cache on one "
+                                 "device in this release)")
     if cfg.is_mla and cfg.attention.is_sparse:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has sparse attention (index_topk "
                                  f"{cfg.attention.index_topk}); the plugin does not keep its indexer's key cache in "
@@ -210,11 +245,12 @@ def _check_vllm(vllm_config, cfg) -> None:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has {spark[0]} (Muse Spark's parts); the plugin's "
                                  "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk "
                                  "generate)")
-    for name, v in (("tensor_parallel_size", pc.tensor_parallel_size),
-                    ("pipeline_parallel_size", pc.pipeline_parallel_size)):
+    # tensor parallel is served: the N-device megakernel on vLLM's mesh (_built); the others are not
+    for name, v, why in (("pipeline_parallel_size", pc.pipeline_parallel_size, "the megakernel runs every layer"),
+                         ("data_parallel_size", getattr(pc, "data_parallel_size", 1),
+                          "one decode step spans vLLM's whole mesh")):
         if int(v) != 1:
-            raise ServingConfigError(f"{where}: {name} = {v}: expected 1 (the plugin runs one device in this "
-                                     "release)")
+            raise ServingConfigError(f"{where}: {name} = {v}: expected 1 ({why})")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ServingConfigError(f"{where}: speculative decoding is configured: expected none (a decode step "
                                  "takes one token per request)")
@@ -309,8 +345,8 @@ def _check_shape(where: str, plan, max_seqs: int, max_len: int, block_size: int)
     if plan.q_len != 1:
         raise ServingConfigError(f"{where}: q_len {plan.q_len}: expected 1 (a decode step of one token per request)")
     if plan.devices != 1:
-        raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (the plugin runs one device in this "
-                                 "release)")
+        raise ServingConfigError(f"{where}: {plan.devices} devices: expected 1 (an artifact's exported program runs "
+                                 "one device)")
     if plan.attention.kv_dtype:
         raise ServingConfigError(f"{where}: built with --kv-dtype {plan.attention.kv_dtype}: expected the model-dtype "
                                  "cache (vLLM's KV blocks are not in tpumk's packed 1-byte page layout)")
@@ -328,10 +364,38 @@ def _from_artifact(path: Path, cfg, max_seqs: int, max_len: int, block_size: int
     return step.plan, step.program, f"artifact {path} ({step.kind})"
 
 
-def _built(cfg, max_seqs: int, max_len: int, block_size: int):
+def _decode_step(plan, mesh_devices=None):
+    """The plan's step as the plugin calls it: a jit nested in vLLM's step; one device on the CPU:
+    the discharge interpreter (portable: plain XLA ops, no host callbacks inside vLLM's
+    program); many devices: the TPU interpreter (its collectives), on vLLM's mesh, reading the
+    K and V arrays in vLLM's tensor-parallel layout (tpumk.vllm.kv.cache_shape)."""
+    from tpumk.kernel.megakernel import make_decode_step
+
+    if plan.devices == 1:
+        return make_decode_step(plan, nested=True, portable=plan.target.interpret)
+    return make_decode_step(plan, nested=True, mesh_devices=None if mesh_devices is None else list(mesh_devices),
+                            cache_split="rows")
+
+
+def _check_sharding(plan, tp: int) -> None:
+    """The plugin's prefill writes each KV head once, in its device's rows (tpumk.vllm.kv):
+    a sharding that repeats KV heads over devices, or pads a device's heads, is refused."""
+    sh, model = plan.sharding, plan.whole_model
+    where = f"tpumk plugin: tensor_parallel_size {tp}"
+    if sh.kv_replicas != 1:
+        raise ServingConfigError(f"{where}: model '{model.name}' has {model.num_kv_heads} KV heads, which {tp} devices "
+                                 f"would hold {sh.kv_replicas} times each: expected a divisor of num_kv_heads "
+                                 f"({model.num_kv_heads}) (the plugin does not write replicated KV heads)")
+    if tp * plan.cfg.attention.kv_size != model.attention.kv_size:
+        raise ServingConfigError(f"{where}: a device's KV row is {plan.cfg.attention.kv_size} lanes, "
+                                 f"{tp} x that is not the model's {model.attention.kv_size}: expected "
+                                 "num_kv_heads / tensor_parallel_size heads filling whole 128-lane blocks")
+
+
+def _built(cfg, max_seqs: int, max_len: int, block_size: int, tp: int = 1, mesh_devices=None):
     import jax
 
-    from tpumk.kernel.megakernel import make_decode_step
+    from tpumk.errors import PlanError
     from tpumk.plan.plan import make_plan
     from tpumk.plan.spec import BuildSpec
     from tpumk.targets import attached_target, get_target
@@ -343,11 +407,18 @@ def _built(cfg, max_seqs: int, max_len: int, block_size: int):
         target = get_target("cpu")
     # pages of vLLM's block size: its block tables are the kernel's page tables
     context = -(-max_len // block_size) * block_size
-    spec = BuildSpec(cfg, target, batch=max_seqs, context=context, page_size=block_size,
+    spec = BuildSpec(cfg, target, batch=max_seqs, context=context, page_size=block_size, devices=tp,
                      quant=os.environ.get(QUANT_ENV, "none"))  # PlanError: one line naming the field
-    plan = make_plan(spec)
-    # nested: a jit the plugin calls inside vLLM's jitted step; portable on the CPU: the
-    # discharge interpreter (plain XLA ops, no host callbacks inside vLLM's program)
-    step = make_decode_step(plan, nested=True, portable=target.interpret)
-    how = "Pallas discharge interpreter on the CPU" if target.interpret else f"compiled for {target.name}"
+    try:
+        plan = make_plan(spec)
+    except PlanError as e:
+        if tp == 1:
+            raise
+        raise ServingConfigError(f"tpumk plugin: tensor_parallel_size {tp}: {e}") from None
+    if tp != 1:
+        _check_sharding(plan, tp)
+    step = _decode_step(plan, mesh_devices)
+    how = ("Pallas discharge interpreter on the CPU" if tp == 1 else
+           f"Pallas TPU interpreter on {tp} CPU devices") if target.interpret else \
+        f"compiled for {target.name}" + (f" x {tp}" if tp != 1 else "")
     return plan, step, f"built on start-up ({how})"

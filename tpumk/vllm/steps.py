@@ -45,7 +45,8 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
                input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array,
                block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
                on_step: Callable[[str], None] | None = None,
-               unpack: Callable[[dict], dict] | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               unpack: Callable[[dict], dict] | None = None,
+               devices: int = 1) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
     request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
     a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
@@ -53,7 +54,9 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS). `unpack`
     (tpumk.kernel.unpack.Unpacker): the ragged branch reads its weights back from `packed`
     instead of `params` (the device holds the weights once), inside that branch only, so a
-    decode step never pays for it."""
+    decode step never pays for it. `devices`: tensor parallel, the K and V arrays in
+    `kv.cache_shape`'s layout of that many devices (`step` is then the many-device step reading
+    it, `make_decode_step(..., cache_split="rows")`)."""
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
     one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
     decode_only = jnp.all(one_token | ~live)
@@ -67,8 +70,8 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     def ragged(cache):
         if on_step is not None:
             on_step("ragged")
-        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions, query_start_loc, block_tables, num_reqs,
-                           block_size, max_context)
+        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions,
+                           query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices)
 
     return jax.lax.cond(decode_only, decode, ragged, (k, v))
 
@@ -104,7 +107,7 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
                 positions: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array,
                 block_size: int, max_context: int, query_tile: int = prefill.QUERY_TILE,
                 key_tile: int = prefill.KEY_TILE,
-                short_tile: int = prefill.SHORT_TILE) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                short_tile: int = prefill.SHORT_TILE, devices: int = 1) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
     request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it, on vLLM's stacked K
     and V arrays (tpumk.vllm.kv; their row width is `cfg`'s KV width: the plugin passes the
@@ -114,7 +117,10 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
     a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing.
     An MLA model's cache is the latent array alone (`k_cache`; `v_cache` has no lanes and is
-    returned as it is): `tpumk.vllm.mla_prefill` runs its layers."""
+    returned as it is): `tpumk.vllm.mla_prefill` runs its layers (one device: MLA at tensor
+    parallel > 1 is refused at start-up). `devices`: the arrays' tensor-parallel layout
+    (`kv.cache_shape`); the layers run whole (XLA partitions them over vLLM's mesh as it likes:
+    the same values)."""
     t = input_ids.shape[0]
     if cfg.is_mla:  # one latent array (k), v empty: tpumk.vllm.mla_prefill
         k_cache, x = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
@@ -133,10 +139,10 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     for li, layer in enumerate(params["layers"]):
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
-        k_cache = kv.write_rows(k_cache, li, new_slots, k[0].reshape(t, -1))
-        v_cache = kv.write_rows(v_cache, li, new_slots, v[0].reshape(t, -1))
+        k_cache = kv.write_rows(k_cache, li, new_slots, k[0].reshape(t, -1), devices)
+        v_cache = kv.write_rows(v_cache, li, new_slots, v[0].reshape(t, -1), devices)
         o = prefill.attend(a, k_cache, v_cache, li, items, q[0], pos, block_tables, block_size, max_context,
-                           cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile)
+                           cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile, devices)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None]))
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))

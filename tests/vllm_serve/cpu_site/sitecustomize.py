@@ -10,7 +10,16 @@ after that module first executes, so modules importing the name later bind the r
 - `tpu_inference.utils.hbm_usage_bytes` / `get_device_hbm_limit`: TPU memory stats and the chip
   kind's HBM -> fixed figures (the test also caps the KV blocks with --num-gpu-blocks-override);
 - `tpu_inference.models.common.compiler_options`'s step / sampling options: TPU-only XLA flags
-  that XLA:CPU rejects -> none.
+  that XLA:CPU rejects -> none;
+- `tpu_inference.utils.device_array` (the runner's host -> device copies of each step's inputs):
+  numpy arguments copied first. On the CPU, JAX's `device_put` of a numpy array at a 64-byte
+  aligned address aliases its memory (checked under jax 0.11.2; at other addresses it copies),
+  and tpu_inference 0.32 passes views of a buffer it rewrites for the next step
+  (`DeviceBuffer.build`: the step's input ids, query starts, KV lengths, block tables in one
+  reused int32 buffer). In a process where numpy's allocator put that buffer on such an
+  address, a step still running when the host prepared the next (the 4-device interpreted
+  megakernel, about 0.4 s) read some of the next step's metadata: a wrong token in a few runs
+  of `--tensor-parallel-size 4` (test_vllm_serve.py's test_cpu_site_keeps_a_step_s_inputs_...).
 """
 
 import importlib.abc
@@ -37,6 +46,20 @@ def _no_options():
     return {}
 
 
+def _copying_device_array(original):
+    def device_array(mesh, *args, **kwargs):
+        import jax
+        import numpy as np
+
+        args = jax.tree.map(lambda a: np.array(a, copy=True) if isinstance(a, np.ndarray) else a, args)
+        return original(mesh, *args, **kwargs)
+
+    return device_array
+
+
+# module -> {name: wrapper(original) -> replacement}
+WRAPS = {"tpu_inference.utils": {"device_array": _copying_device_array}}
+
 PATCHES = {
     "tpu_inference.utils": {"make_optimized_mesh": _mesh, "hbm_usage_bytes": _hbm_usage_bytes,
                             "get_device_hbm_limit": lambda: _HBM},
@@ -56,7 +79,10 @@ class _Patcher(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            for attr, fn in PATCHES[name].items():
+            replacements = dict(PATCHES[name])
+            for attr, wrap in WRAPS.get(name, {}).items():
+                replacements[attr] = wrap(getattr(module, attr, None))
+            for attr, fn in replacements.items():
                 if not hasattr(module, attr):
                     raise AttributeError(f"cpu_site: {name}.{attr} no longer exists (tpu_inference changed)")
                 setattr(module, attr, fn)
