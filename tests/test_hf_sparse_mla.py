@@ -249,14 +249,16 @@ def test_megakernel_greedy_tokens_equal_transformers(name, tmp_path):
     assert generate(m, PROMPTS, STEPS, backend="megakernel")["tokens"] == want
 
 
-@pytest.mark.full  # (about 2 min: the 4-device step interpreted) test_multidevice_sparse's default tests: its plan
-def test_megakernel_greedy_tokens_on_four_devices_equal_transformers(tmp_path):
-    """DeepSeek-V3.2 through `tpumk generate --backend megakernel --devices 4` (interpret mode, 4
-    host devices; one query head per device, the indexer and its index-key cache on every device):
-    transformers' greedy tokens."""
+@pytest.mark.full  # (about 2 min each: the 4-device step interpreted) test_multidevice_sparse's default tests: its plan
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_megakernel_greedy_tokens_on_four_devices_equal_transformers(name, tmp_path):
+    """DeepSeek-V3.2 and GLM-5 (its shared-selection layer, interleaved indexer RoPE) through
+    `tpumk generate --backend megakernel --devices 4` (interpret mode, 4 host devices; one query
+    head per device, the indexer and its index-key cache on every device): transformers' greedy
+    tokens."""
     from host_flags import generate_on_devices
 
-    ckpt = build(tmp_path / "deepseek_v32", "deepseek_v32")
+    ckpt = build(tmp_path / name, name)
     r = generate_on_devices(ckpt, PROMPTS, STEPS, 4)
     assert "4 devices" in r["ran_on"], r["ran_on"]
     assert r["tokens"] == _hf_greedy(ckpt)
