@@ -377,6 +377,7 @@ def test_heads_not_divisible_are_refused_with_one_line():
 
 
 # ---------------------------------------------------------------------- the XLA SPMD baseline
+@pytest.mark.full  # (19 s on a loaded host) test_mla_tools.py::test_mla_xla_step_matches_the_reference covers it
 def test_xla_step_matches_the_reference_on_one_device():
     """The bench's XLA step for an MLA model (absorbed attention over a contiguous latent cache)
     against the reference, q_len 2, from a prefilled cache (DeepSeek-V3 routing with the bias)."""
@@ -486,6 +487,7 @@ def _quantized_worker() -> dict:
     return {"steps": out, "devices": len(jax.devices("cpu")), "quantized": plan.attention.quantized}
 
 
+@pytest.mark.full  # (49-89 s on a loaded host) tests/README.md names the default tests covering it
 def test_a_quantized_latent_cache_on_4_devices():
     """The latent cache in int8 (one packed row per token: codes, then the exponent byte) on 4
     interpreted devices, each holding a copy: the bytes every device writes equal the quantized

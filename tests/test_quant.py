@@ -260,6 +260,7 @@ def test_qwen3_30b_a3b_int4_compiles():
 
 
 # ---------------------------------------------------------------------- quality
+@pytest.mark.full  # (29 s on a loaded host) test_quality_command_prints_each_scheme covers the figures
 def test_quality_figures_on_fixed_prompts():
     """Relative RMS of the logits of the quantized model against the unquantized one, over a
     short greedy decode from fixed prompts (tiny-moe, bfloat16): int8 per-column lands near the

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -198,6 +199,7 @@ def _run(races: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full  # (76 s to 2 min: two 4-device runs) tests/README.md: the vLLM tier's [llama-tp4] covers it
 def test_serve_step_on_4_devices_gives_the_one_device_tokens():
     got = _run(races=True)
     one, tp, again = got["one"], got["tp"], got["tp_again"]
