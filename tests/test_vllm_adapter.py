@@ -256,6 +256,48 @@ def test_rows_and_tables_on_the_stacked_layout():
     np.testing.assert_array_equal(np.asarray(kv.kernel_tables(vllm, 2, 4)), [[3, 1, 7, 0], [2, 0, 0, 0]])
 
 
+def test_padding_slots_and_rows_with_stale_metadata_touch_no_live_row():
+    """vLLM pads a batch past its live requests (num_reqs): tpu_inference 0.32 zeroes the padding
+    slots' block tables and seq_lens and repeats the last query start, but the padding token
+    rows keep whatever positions its reused host buffer held. Were a padding slot or row to write
+    through such leftovers (a finished request's block table row, whose blocks vLLM has handed to
+    a live request; a stale position), it would overwrite a live request's row. Here every
+    padding slot's table points at live request 0's blocks, and its query start, seq_len and
+    position are those of a token on request 0's cached rows: the decode step (megakernel) and
+    the ragged step (prefill chunk) return bit for bit the logits and the whole cache they return
+    with vLLM's clean padding."""
+    cfg, _, plan, _, decode, ragged = setup("tiny-dense")
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.normal(size=c.shape), c.dtype) for c in empty_cache(cfg))
+    live = 2
+    clean = tables_for(live)
+    stale = clean.copy()
+    stale[live:] = clean[0]  # every padding slot: request 0's blocks
+
+    def dirty(ids, pos, qsl, seq_lens, rows_used):
+        pos, qsl, seq_lens = pos.copy(), qsl.copy(), seq_lens.copy()
+        pos[rows_used:] = 3 + np.arange(len(pos) - rows_used) % 7  # request 0's cached rows 3..9
+        qsl[live + 1:] = np.minimum(qsl[live] + np.arange(1, SLOTS - live + 1), len(ids))
+        seq_lens[live:] = 10
+        return ids, pos, qsl, seq_lens
+
+    lengths = [12, 20]  # request 0 holds rows 0..11 of its first block
+    ids, pos, qsl, seq_lens = batch_inputs([[5], [9]], lengths, 8)
+    want = decode(k, v, ids, pos, qsl, seq_lens, clean, jnp.int32(live))
+    got = decode(k, v, *dirty(ids, pos, qsl, seq_lens, live), stale, jnp.int32(live))
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert not np.array_equal(np.asarray(want[0][0]), np.asarray(k)), "the step wrote the live rows"
+
+    chunks = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 4)]
+    ids, pos, qsl, seq_lens = batch_inputs(chunks, lengths, 16)
+    want = ragged((k, v), ids, pos, qsl, clean, jnp.int32(live))
+    ids, pos, qsl, _ = dirty(ids, pos, qsl, seq_lens, int(qsl[live]))
+    got = ragged((k, v), ids, pos, qsl, stale, jnp.int32(live))
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def reference_logits(cfg, params, sequences):
     """The reference's last-token logits of each whole sequence (one paged cache per sequence)."""
     out = []

@@ -22,7 +22,9 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
 - a tiny Llama of 4 KV heads at --tensor-parallel-size 4 on 4 host devices: tpumk's 4-device
   megakernel on vLLM's mesh and its KV arrays in tpu_inference's tensor-parallel layout
   (docs/serving-vllm.md, "Tensor parallel"), the same checks; and why the cpu_site copies the
-  step inputs tpu_inference hands device_put (an aligned numpy buffer is aliased on the CPU);
+  step inputs tpu_inference hands device_put (an aligned numpy buffer is aliased on the CPU),
+  and on one device through the served engine's import hooks (a step still running reads its
+  own positions while the host refills the runner's buffer for the next step);
 - an artifact (TPUMK_VLLM_ARTIFACT) of another model or of a smaller batch than --max-num-seqs, a
   checkpoint whose own config.json names tpumk_artifact: the server refuses to start and its log
   holds the plugin's one line saying why (an MLA checkpoint without VLLM_MLA_DISABLE=1:
@@ -410,3 +412,42 @@ def test_cpu_site_keeps_a_step_s_inputs_from_the_next_step():
     assert seen["cpu_site"] == [list(range(8))] * 4, seen
     # the hazard the patch removes (this JAX on the CPU): if this fails, the patch may be moot
     assert seen["tpu_inference"][0] == [-1] * 8, seen
+
+
+# One device (the served llama-hd64 case's flake): a step that reads its positions only after its
+# predecessor's work (the KV cache it waits for) and its own, while the host refills the runner's
+# positions buffer for the next step, in a process with the served engine's import hooks
+STEP_RACE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+from tpu_inference.utils import device_array
+
+mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+work = jax.jit(lambda c: jax.lax.fori_loop(0, 100, lambda i, a: jnp.tanh(a @ a), c))
+
+@jax.jit
+def step(cache, positions):
+    return positions + (work(cache)[0, 0] > 1e9).astype(jnp.int32)
+
+cache = jnp.ones((512, 512), jnp.float32) / 512
+step(work(cache), jnp.zeros(8, jnp.int32)).block_until_ready()  # compiled before the race
+raw = np.zeros(64 + 16, np.int32)  # the runner's positions_cpu (one buffer for every step), 64-byte aligned
+positions_cpu = raw[(-raw.ctypes.data % 64) // 4:][:64]
+positions_cpu[:4] = [9, 12, 3, 5]
+got = step(work(cache), device_array(mesh, positions_cpu[:8]))  # step N, behind step N - 1
+positions_cpu[:4] = [13, 4, 6, 0]  # the host prepares step N + 1 while step N runs
+print("read", np.asarray(got)[:4].tolist())
+"""
+
+
+def test_a_served_step_reads_its_own_positions_while_the_host_prepares_the_next():
+    """The same hazard on one device, through the hooks the served engine runs with (cpu_site on
+    PYTHONPATH, so this also fails if the patch stops reaching `tpu_inference.utils`): the
+    runner's `positions_cpu` is refilled for step N + 1 while step N runs (async scheduling,
+    vLLM's default), and a step reading it late read the next step's positions before the
+    patch (here [13, 4, 6, 0]; served, a request's last token at another request's position:
+    the llama-hd64 case's wrong token)."""
+    env = dict(os.environ, **OFFLINE_ENV, PYTHONPATH=str(HERE / "cpu_site"))
+    r = subprocess.run([sys.executable, "-c", STEP_RACE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "read [9, 12, 3, 5]" in r.stdout, r.stdout
