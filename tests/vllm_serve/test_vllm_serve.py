@@ -324,6 +324,8 @@ def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(tmp_path):
     log = (tmp_path / "serve.log").read_text()
     assert got == want, log[-3000:]
     assert after.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, after
+    # the drafter (stored without an embedding, as speculators' are) reads the target's, which the plugin exposes
+    assert "Setting draft model's embed_tokens to target model's embed" in log, log[-3000:]
     assert sum(steps_run(tmp_path / "serve.log", "ragged")) > 0 and not steps_run(tmp_path / "serve.log", "decode")
 
 

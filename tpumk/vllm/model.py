@@ -69,6 +69,20 @@ def _tensor_parallel_devices(vllm_config, mesh) -> list | None:
     return list(mesh.devices.reshape(-1)) if tp > 1 else None
 
 
+class _Embedding(nnx.Module):
+    def __init__(self, spec):
+        self.embedding = nnx.Param(spec)
+
+
+class _EmbeddingForDrafter(nnx.Module):
+    """The checkpoint's embedding at `model.embed.embedding`, one of the paths where tpu_inference's
+    EAGLE-3 proposer looks for the target's embedding to give a drafter stored without one
+    (`Eagle3Proposer.load_model`; speculators drafters share the verifier's)."""
+
+    def __init__(self, spec):
+        self.embed = _Embedding(spec)
+
+
 class TpumkForCausalLM(nnx.Module):
     """A checkpoint tpumk supports, served by vLLM with its decode steps in tpumk's megakernel."""
 
@@ -93,6 +107,11 @@ class TpumkForCausalLM(nnx.Module):
             from tpumk.vllm.backend import declare_draft_layer
 
             declare_draft_layer(vllm_config)
+            from tpumk.model.ops import jnp_dtype
+
+            # its own copy (the runner donates the state, which must not hold one buffer twice)
+            self.model = _EmbeddingForDrafter(jax.ShapeDtypeStruct((rt.cfg.vocab_size, rt.cfg.hidden_size),
+                                                                   jnp_dtype(rt.plan.whole_model)))
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
         # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
         self.params = nnx.Param({} if rt.holds_weights_once else
@@ -121,6 +140,10 @@ class TpumkForCausalLM(nnx.Module):
             params = jax.device_put(params, NamedSharding(m, P()))
         self.params.set_value(params)
         self.packed.set_value(packed)
+        if rt.taps:  # the embedding's checkpoint rows and lanes (a lane padded run model's are wider)
+            cfg = rt.cfg
+            self.model.embed.embedding.set_value(jnp.array(packed["embed"][:cfg.vocab_size, :cfg.hidden_size],
+                                                           copy=True))
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None, input_positions=None,
                  layer_name_to_kvcache_index=None, lora_metadata=None, intermediate_tensors=None,
