@@ -61,6 +61,8 @@ def test_served_taps_and_every_row_s_logits_equal_the_reference():
     step = jax.jit(lambda c, ids, pos, qsl, seq_lens, n: steps.serve_step(
         None, None, params, cfg, {}, *c, ids, pos, qsl, seq_lens, jnp.asarray(tables), n, BLOCK, CONTEXT,
         taps=TAPS))
+    # causal: each request's whole sequence once gives every row of both steps
+    want = [R.forward_full(params, cfg, jnp.asarray([s]), taps=TAPS) for s in seqs]
     for chunks, starts in (([s[:-3] for s in seqs], [0, 0]),  # the prefill
                            ([s[-3:] for s in seqs], [len(s) - 3 for s in seqs])):  # the verify batch
         ids, pos, qsl = batch(chunks, starts, 24)
@@ -71,11 +73,10 @@ def test_served_taps_and_every_row_s_logits_equal_the_reference():
         end = int(qsl[2])
         assert not rows[end:].any(), "rows past the last request are zero"
         for r, (chunk, start) in enumerate(zip(chunks, starts)):
-            seq = seqs[r][:start + len(chunk)]
-            want_logits, want_taps = R.forward_full(params, cfg, jnp.asarray([seq]), taps=TAPS)
+            want_logits, want_taps = (np.asarray(a)[0, start:start + len(chunk)] for a in want[r])
             got = slice(int(qsl[r]), int(qsl[r + 1]))
-            np.testing.assert_allclose(taps[got], np.asarray(want_taps)[0, start:], atol=2e-5, rtol=2e-5)
-            np.testing.assert_allclose(rows[got], np.asarray(want_logits)[0, start:], atol=2e-4, rtol=2e-4)
+            np.testing.assert_allclose(taps[got], want_taps, atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(rows[got], want_logits, atol=2e-4, rtol=2e-4)
         # the taps differ from one another: a step returning one stream three times fails
         assert not np.allclose(taps[:end, 0], taps[:end, 1]) and not np.allclose(taps[:end, 1], taps[:end, 2])
 
