@@ -92,6 +92,9 @@ def test_the_taps_are_the_drafter_s_layer_ids_else_vllm_s_default():
     assert speculative_taps(NS(speculative_config=None), cfg) == ()
     assert speculative_taps(spec_config(ids=[1, 4, 6]), cfg) == (1, 4, 6)
     assert speculative_taps(spec_config(), cfg) == (2, 4, 5)  # vLLM's (2, L // 2, L - 3)
+    # in layer order, as vLLM's models collect them: a 3-layer model's default (2, 1, 0) too
+    assert speculative_taps(spec_config(ids=[6, 1, 4]), cfg) == (1, 4, 6)
+    assert speculative_taps(spec_config(), cfg.replace(num_layers=3)) == (0, 1, 2)
 
 
 @pytest.mark.parametrize("conf, line", [

@@ -6,7 +6,7 @@ vLLM's TPU runner (tpu_inference 0.32) runs its own EAGLE-3 drafter (`Eagle3Prop
 target step, on the third value the target model returns: a list of [T, hidden] arrays, the
 residual stream entering each of three target layers for every token of the batch. Those layers
 are the drafter's `eagle_aux_hidden_state_layer_ids` (vLLM's speculators reader copies them into
-the draft config), else vLLM's default (2, L // 2, L - 3). vLLM numbers them as tpumk numbers its
+the draft config), else vLLM's default (2, L // 2, L - 3), in layer order. vLLM numbers them as tpumk numbers its
 taps (id i < L: the stream entering layer i, tpumk.draft.config); id L (the stream after the last
 layer, before the final norm) is not one of the plugin's taps: refused. The verify batch that
 follows (k + 1 tokens per request) and its rejection sampling are vLLM's; the plugin runs it
@@ -46,4 +46,6 @@ def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
         raise ServingConfigError(f"{where}: the drafter's eagle_aux_hidden_state_layer_ids {list(taps)}: expected "
                                  f"{AUX_LAYERS} distinct layer ids from 0 to {n - 1} (the target's {n} layers; "
                                  f"id {n}, after the last layer before the final norm, is not served)")
-    return taps
+    # in layer order: vLLM's models append each tapped stream as their layer loop passes it, and
+    # the drafter's fc reads them concatenated in that order, whatever order the config lists
+    return tuple(sorted(taps))
