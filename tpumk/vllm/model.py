@@ -142,7 +142,8 @@ class TpumkForCausalLM(nnx.Module):
         self.packed.set_value(packed)
         if rt.taps:  # the embedding's checkpoint rows and lanes (a lane padded run model's are wider)
             cfg = rt.cfg
-            self.model.embed.embedding.set_value(jnp.array(packed["embed"][:cfg.vocab_size, :cfg.hidden_size],
+            rows = packed["embed"][:cfg.vocab_size, :cfg.hidden_size]
+            self.model.embed.embedding.set_value(jnp.array(rows, self.model.embed.embedding.get_value().dtype,
                                                            copy=True))
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None, input_positions=None,
