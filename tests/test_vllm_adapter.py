@@ -416,7 +416,9 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
                                      "vLLM's whole mesh)"),
     ("kv-dtype", {}, {"kv": "fp8"}, "--kv-cache-dtype fp8: expected auto"),
     ("quantization", {}, {"quantization": "fp8"}, "--quantization fp8: expected none"),
-    ("speculative", {}, {"spec": object()}, "speculative decoding is configured"),
+    # eagle3 is served (tests/test_vllm_speculative.py); no other drafter's inputs are returned
+    ("speculative-ngram", {}, {"spec": __import__("types").SimpleNamespace(method="ngram")},
+     "tpumk plugin: --speculative-config field 'method' = 'ngram': expected one of ['eagle3']"),
     # Muse Spark's parts the plugin's prefill (steps.ragged_step) does not run
     ("muse-spark", MUSE_SPARK_JSON, {},
      "tpumk plugin: model 'muse_spark_text' has embed_norm (Muse Spark's parts); the plugin's prefill "

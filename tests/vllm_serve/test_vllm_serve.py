@@ -93,7 +93,7 @@ class Server:
     """`vllm serve` in its own process group; `stop()` ends it and everything it started."""
 
     def __init__(self, model: Path, log: Path, env: dict | None = None, max_seqs: int = MAX_SEQS,
-                 overrides: dict | None = None, blocks: int = 64, tp: int = 1):
+                 overrides: dict | None = None, blocks: int = 64, tp: int = 1, args: tuple[str, ...] = ()):
         self.port, self.log = _free_port(), log
         # --attention-backend tpumk (a backend registered by a plugin): tpu_inference allows it with
         # forked engine processes only, and `vllm serve` spawns them unless told otherwise
@@ -103,7 +103,7 @@ class Server:
                str(self.port), "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", str(max_seqs),
                "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", str(blocks), "--skip-tokenizer-init",
                "--attention-backend", "tpumk", "--hf-overrides", json.dumps({"architectures": ["TpumkForCausalLM"], **(overrides or {})}),
-               *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
+               *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *args]
         self.out = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
 
@@ -279,6 +279,56 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     # the megakernel's decode-only batches, several requests in one step
     assert sum(decode) + sum(ragged) == len(PROMPTS) * STEPS, (decode, ragged)
     assert sum(decode) >= len(PROMPTS) * STEPS // 2 and max(decode) > 1, (decode, ragged)
+
+
+def eagle3_drafter(target: Path, out: Path) -> Path:
+    """An EAGLE-3 drafter of random weights for `target`: speculators' config.json (tests/draft_files.py's
+    writer), reading taps 0, 1, 2 with a Llama layer (tpu_inference's drafter class,
+    Eagle3LlamaForCausalLM: no q / k norms) of head size hidden / heads, as tpu_inference sizes its
+    cache, and the decoder layer's tensors under EAGLE-3's original names, `midlayer.*`: tpu_inference
+    0.32's drafter loads those only (speculators' `layers.0.*` names are not valid param paths to it)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from draft_files import config_json, edited, tensors, write_drafter
+
+    from tpumk.draft.drafter import random_drafter
+    from tpumk.model.config import load_hf_config
+
+    cfg = load_hf_config(target)
+    d = random_drafter("eagle3", cfg, seed=2, taps=(0, 1, 2), block=2, draft_vocab=256, heads=2, kv_heads=2,
+                       head_dim=cfg.hidden_size // 2)
+    conf = edited(config_json(d, cfg.num_layers), {"transformer_layer_config.model_type": "llama"})
+    layer = {k: v for k, v in tensors(d).items() if k.startswith("layers.0.")}
+    midlayer = {"midlayer." + k.removeprefix("layers.0."): v for k, v in layer.items() if "_norm.weight" not in k
+                or "self_attn" not in k}  # no q / k norms
+    return write_drafter(out, d, cfg.num_layers, conf, drop=tuple(layer), extra=midlayer)
+
+
+def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(tmp_path):
+    """`--speculative-config` eagle3 with 2 drafts a step (tpu_inference's own drafter and
+    rejection sampler): the tokens are those of greedy decoding (transformers'), the plugin's JAX
+    step ran the verify batches (docs/serving-vllm.md, "Speculative decoding") and vLLM verified
+    drafts (its spec-decode counters moved). The drafter's weights are random: acceptance is low,
+    the tokens may not differ."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_utils import build_checkpoint, hf_greedy
+
+    ckpt = build_checkpoint(tmp_path / "qwen3-3", num_hidden_layers=3)  # three distinct taps below the last layer
+    want = hf_greedy(ckpt, PROMPTS, STEPS)
+    drafter = eagle3_drafter(ckpt, tmp_path / "eagle3")
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}
+    server = Server(ckpt, tmp_path / "serve.log", args=("--speculative-config", json.dumps(spec)))
+    try:
+        assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
+        got = completions(server.port, PROMPTS)
+        after = metrics(server.port)
+    finally:
+        server.stop()
+    log = (tmp_path / "serve.log").read_text()
+    assert got == want, log[-3000:]
+    assert after.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, after
+    # the drafter (stored without an embedding, as speculators' are) reads the target's, which the plugin exposes
+    assert "Setting draft model's embed_tokens to target model's embed" in log, log[-3000:]
+    assert sum(steps_run(tmp_path / "serve.log", "ragged")) > 0 and not steps_run(tmp_path / "serve.log", "decode")
 
 
 def test_kv_cache_is_the_kernel_s_stacked_layout(monkeypatch):

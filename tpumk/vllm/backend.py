@@ -39,6 +39,10 @@ SPEC_HEAD_SIZE = 64  # the head size each declared layer's spec counts in (tpu_i
 # a declared layer's (heads, head size) as tpu_inference passes them, per device of its mesh's
 # tensor-parallel axis -> (layers, width of one device's rows)
 _DECLARED: dict[tuple[int, int], tuple[int, int]] = {}
+# the (heads, head size) of the eagle3 drafter's KV-cache layer (declare_draft_layer): tpu_inference's
+# own layout, which its drafter's attention (ragged paged attention) reads
+_DRAFT: set[tuple[int, int]] = set()
+DRAFT_LAYER = "draft_layer.0"  # tpu_inference's name for it (kv_cache_manager)
 
 
 def spec_heads(layers: int, width: int) -> int:
@@ -54,6 +58,11 @@ class TpumkAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(self, total_num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                            kv_dtype) -> tuple[int, ...]:
         stacked = _DECLARED.get((num_kv_heads, head_dim))
+        if stacked is None and (num_kv_heads, head_dim) in _DRAFT:  # the eagle3 drafter's: tpu_inference's own
+            from tpu_inference.layers.common.attention_backend import RPAAttentionBackend
+
+            return RPAAttentionBackend().get_kv_cache_shape(total_num_pages, page_size, num_kv_heads, head_dim,
+                                                            kv_dtype)
         if stacked is None:
             raise ValueError(f"--attention-backend {BACKEND}: no tpumk KV-cache layer of {num_kv_heads} heads of "
                              f"{head_dim} was declared (the backend lays out the cache of tpumk's plugin model only)")
@@ -117,3 +126,36 @@ def declare_layers(vllm_config, layers: int, width: int, names: tuple[str, ...] 
                          f"process already: expected one model's, got ({layers}, {width // devices}) too")
     for name in names:
         context[name] = StackedKVLayer(layers, width)
+
+
+class DraftKVLayer(AttentionLayerBase):
+    """The eagle3 drafter's one KV-cache layer, in tpu_inference's per-layer layout: the spec
+    tpu_inference's runner gives it when the model declares no layers of its own
+    (kv_cache_manager: padded KV heads and head size)."""
+
+    attn_type = AttentionType.DECODER
+    sliding_window = None
+    kv_sharing_target_layer_name = None
+
+    def __init__(self, num_kv_heads: int, head_size: int):
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
+
+    def get_attn_backend(self):
+        return TpumkPallasBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=self.num_kv_heads,
+                                 head_size=self.head_size, dtype=vllm_config.model_config.dtype)
+
+
+def declare_draft_layer(vllm_config) -> None:
+    """Tell vLLM the eagle3 drafter's KV-cache layer (after the model's: tpu_inference's drafter
+    reads the last of the runner's KV arrays), as tpu_inference sizes it for a model of its own."""
+    from tpu_inference import utils as common_utils
+
+    draft = vllm_config.speculative_config.draft_model_config.hf_config
+    heads = common_utils.get_padded_num_heads(draft.num_key_value_heads,
+                                              int(vllm_config.parallel_config.tensor_parallel_size))
+    head_size = common_utils.get_padded_head_dim(draft.hidden_size // draft.num_attention_heads)
+    _DRAFT.add((heads, head_size))
+    vllm_config.compilation_config.static_forward_context[DRAFT_LAYER] = DraftKVLayer(heads, head_size)

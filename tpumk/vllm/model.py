@@ -13,6 +13,11 @@ vLLM (tpumk.vllm.backend), so that cache is two arrays in the megakernel's stack
   on the same weights (`tpumk.vllm.steps.ragged_step`);
 - the choice is a `lax.cond` on the metadata (`tpumk.vllm.steps.serve_step`), and both branches
   return the logits rows, so `compute_logits` passes them on.
+- with `--speculative-config` method eagle3 (tpumk.vllm.speculative): every batch (the verify
+  batches of k + 1 tokens per request, and prefills) through the JAX step, which also returns the
+  hidden states entering the drafter's target layers (`__call__`'s third value, what vLLM's
+  drafter reads) and every token's logits; the drafter's own KV-cache layer is declared after the
+  model's (tpumk.vllm.backend.declare_draft_layer).
 """
 
 from __future__ import annotations
@@ -64,6 +69,20 @@ def _tensor_parallel_devices(vllm_config, mesh) -> list | None:
     return list(mesh.devices.reshape(-1)) if tp > 1 else None
 
 
+class _Embedding(nnx.Module):
+    def __init__(self, spec):
+        self.embedding = nnx.Param(spec)
+
+
+class _EmbeddingForDrafter(nnx.Module):
+    """The checkpoint's embedding at `model.embed.embedding`, one of the paths where tpu_inference's
+    EAGLE-3 proposer looks for the target's embedding to give a drafter stored without one
+    (`Eagle3Proposer.load_model`; speculators drafters share the verifier's)."""
+
+    def __init__(self, spec):
+        self.embed = _Embedding(spec)
+
+
 class TpumkForCausalLM(nnx.Module):
     """A checkpoint tpumk supports, served by vLLM with its decode steps in tpumk's megakernel."""
 
@@ -84,6 +103,15 @@ class TpumkForCausalLM(nnx.Module):
 
         # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V (MLA: the latent one)
         declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names, rt.devices)
+        if rt.taps:  # eagle3: vLLM's drafter's own KV-cache layer, after the model's (it reads kv_caches[-1])
+            from tpumk.vllm.backend import declare_draft_layer
+
+            declare_draft_layer(vllm_config)
+            from tpumk.model.ops import jnp_dtype
+
+            # its own copy (the runner donates the state, which must not hold one buffer twice)
+            self.model = _EmbeddingForDrafter(jax.ShapeDtypeStruct((rt.cfg.vocab_size, rt.cfg.hidden_size),
+                                                                   jnp_dtype(rt.plan.whole_model)))
         # shapes only (the runner builds this under nnx.eval_shape); load_weights fills them. With
         # floating-point weights the device holds the packed ones only (Runtime.holds_weights_once)
         self.params = nnx.Param({} if rt.holds_weights_once else
@@ -112,6 +140,11 @@ class TpumkForCausalLM(nnx.Module):
             params = jax.device_put(params, NamedSharding(m, P()))
         self.params.set_value(params)
         self.packed.set_value(packed)
+        if rt.taps:  # the embedding's checkpoint rows and lanes (a lane padded run model's are wider)
+            cfg = rt.cfg
+            rows = packed["embed"][:cfg.vocab_size, :cfg.hidden_size]
+            self.model.embed.embedding.set_value(jnp.array(rows, self.model.embed.embedding.get_value().dtype,
+                                                           copy=True))
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None, input_positions=None,
                  layer_name_to_kvcache_index=None, lora_metadata=None, intermediate_tensors=None,
@@ -140,16 +173,19 @@ class TpumkForCausalLM(nnx.Module):
         def on_step(kind):
             jax.debug.callback(_count, kind, num_reqs)
 
-        (k, v), rows = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run, rt.plan_shape, k,
-                                        v, input_ids, md.input_positions, md.query_start_loc, md.seq_lens,
-                                        md.block_tables.reshape(slots, -1), num_reqs, rt.block_size,
-                                        rt.max_model_len, on_step if COUNT_STEPS else None,
-                                        rt.unpack if rt.holds_weights_once else None, rt.devices)
+        (k, v), rows, *aux = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run,
+                                              rt.plan_shape, k, v, input_ids, md.input_positions, md.query_start_loc,
+                                              md.seq_lens, md.block_tables.reshape(slots, -1), num_reqs,
+                                              rt.block_size, rt.max_model_len, on_step if COUNT_STEPS else None,
+                                              rt.unpack if rt.holds_weights_once else None, rt.devices, rt.taps)
         out = list(kv_caches)
         out[ik] = k
         if iv is not None:
             out[iv] = v
-        return out, rows, [], None
+        # eagle3: the drafter's inputs, each [T, hidden] at the checkpoint's width (a lane padded run
+        # model's extra lanes are zeros the drafter's fc does not take)
+        taps = [a[:, :rt.cfg.hidden_size] for a in aux[0]] if aux else []
+        return out, rows, taps, None
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
         # __call__ returns each row's logits already (the megakernel ends with the lm_head)

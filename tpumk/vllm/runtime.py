@@ -24,7 +24,8 @@ a smaller batch or context than vLLM's, another q_len or several devices; sparse
 output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
 per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
 quantized weights too) or KV-cache dtype, pipeline / data parallelism, tensor parallelism that
-does not give each device its own KV heads (or with an artifact), speculative decoding,
+does not give each device its own KV heads (or with an artifact), speculative decoding other than
+EAGLE-3 (tpumk.vllm.speculative),
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
 vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
@@ -78,6 +79,7 @@ class Runtime:
     mesh_devices: tuple | None = None  # tensor parallel: vLLM's mesh's devices, in order (the step's 1-D mesh)
     _pool_steps: dict = field(default_factory=dict)  # a build's step per vLLM pool size (one in practice)
     _unpacker: dict = field(default_factory=dict)  # the Unpacker load_params made (floating-point weights)
+    taps: tuple[int, ...] = ()  # eagle3: the target layers whose hidden states vLLM's drafter reads (tpumk.vllm.speculative)
 
     @property
     def plan_shape(self) -> dict[str, int]:
@@ -160,6 +162,9 @@ class Runtime:
         cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
         cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
         _check_vllm(vllm_config, cfg)
+        from tpumk.vllm.speculative import speculative_taps
+
+        taps = speculative_taps(vllm_config, cfg)
         _check_cache_layout(attention_backend)
         max_seqs = _positive("max_num_seqs", vllm_config.scheduler_config.max_num_seqs)
         max_len = _positive("max_model_len", mc.max_model_len)
@@ -174,7 +179,8 @@ class Runtime:
             plan, step, source = _from_artifact(art, cfg, max_seqs, max_len, block_size)
         else:
             plan, step, source = _built(cfg, max_seqs, max_len, block_size, tp, mesh)
-        return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None, mesh)
+        return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None, mesh,
+                   taps=taps)
 
     @property
     def holds_weights_once(self) -> bool:
@@ -251,9 +257,6 @@ def _check_vllm(vllm_config, cfg) -> None:
                           "one decode step spans vLLM's whole mesh")):
         if int(v) != 1:
             raise ServingConfigError(f"{where}: {name} = {v}: expected 1 ({why})")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ServingConfigError(f"{where}: speculative decoding is configured: expected none (a decode step "
-                                 "takes one token per request)")
     if getattr(mc, "quantization", None):
         stored = getattr(mc.hf_config, "quantization_config", None)
         if stored:  # vLLM takes a checkpoint's quantization_config as its --quantization

@@ -46,7 +46,7 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
                block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
                on_step: Callable[[str], None] | None = None,
                unpack: Callable[[dict], dict] | None = None,
-               devices: int = 1) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               devices: int = 1, taps: tuple[int, ...] = ()):
     """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
     request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
     a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
@@ -56,7 +56,18 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     instead of `params` (the device holds the weights once), inside that branch only, so a
     decode step never pays for it. `devices`: tensor parallel, the K and V arrays in
     `kv.cache_shape`'s layout of that many devices (`step` is then the many-device step reading
-    it, `make_decode_step(..., cache_split="rows")`)."""
+    it, `make_decode_step(..., cache_split="rows")`).
+
+    `taps` (eagle3 speculative decoding: the target layers the drafter reads): every batch runs
+    `ragged_step` with those taps, which returns ((k, v), rows of every token, taps). The
+    megakernel returns no hidden states, and the drafter reads them after every step (under
+    vLLM's eagle3 nearly every step is a verify batch of k + 1 tokens per request anyway)."""
+    if taps:
+        if on_step is not None:
+            on_step("ragged")
+        return ragged_step(params if unpack is None else unpack(packed), cfg, k, v, input_ids, positions,
+                           query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices,
+                           taps=taps)
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
     one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
     decode_only = jnp.all(one_token | ~live)
@@ -107,7 +118,7 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
                 positions: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array,
                 block_size: int, max_context: int, query_tile: int = prefill.QUERY_TILE,
                 key_tile: int = prefill.KEY_TILE,
-                short_tile: int = prefill.SHORT_TILE, devices: int = 1) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                short_tile: int = prefill.SHORT_TILE, devices: int = 1, taps: tuple[int, ...] = ()):
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
     request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it, on vLLM's stacked K
     and V arrays (tpumk.vllm.kv; their row width is `cfg`'s KV width: the plugin passes the
@@ -120,8 +131,16 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     returned as it is): `tpumk.vllm.mla_prefill` runs its layers (one device: MLA at tensor
     parallel > 1 is refused at start-up). `devices`: the arrays' tensor-parallel layout
     (`kv.cache_shape`); the layers run whole (XLA partitions them over vLLM's mesh as it likes:
-    the same values)."""
+    the same values).
+
+    `taps` (speculative decoding, tpumk.vllm.speculative): also return the residual stream
+    entering each of those layers for every token, a list of [T, H] (tpumk's tap numbering,
+    `reference.check_taps`), and the logits of every token of the batch, not only each request's
+    last: a verify batch samples a row per draft token. Returns ((k, v), rows) or, with taps,
+    ((k, v), rows, taps)."""
     t = input_ids.shape[0]
+    if cfg.is_mla and taps:  # refused at start-up (tpumk.vllm.speculative); here so no caller gets other rows
+        raise ValueError("ragged_step: taps of an MLA model: not served")
     if cfg.is_mla:  # one latent array (k), v empty: tpumk.vllm.mla_prefill
         k_cache, x = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
                                                block_tables, num_reqs, block_size, max_context, query_tile, key_tile,
@@ -136,7 +155,10 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     new_slots = kv.token_slots(block_tables, req, pos, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
+    tapped = {}
     for li, layer in enumerate(params["layers"]):
+        if li in taps:
+            tapped[li] = x[0]
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
         q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
         k_cache = kv.write_rows(k_cache, li, new_slots, k[0].reshape(t, -1), devices)
@@ -147,6 +169,10 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))
+    if taps:  # every live token's row: vLLM samples each verified draft position
+        ref.check_taps(cfg, taps)
+        rows = jnp.where(valid, i, -1)
+        return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x[0])), [tapped[li] for li in taps]
     last = _last_rows(query_start_loc, num_reqs)
     logits = ref.logits_from(cfg, params, x[0][jnp.maximum(last, 0)])
     return (k_cache, v_cache), _scatter_rows(t, last, logits)

@@ -1,0 +1,51 @@
+"""vLLM's speculative decoding through the plugin: which target hidden states (taps) the drafter
+reads, and which speculative configs are refused (no vLLM import).
+
+vLLM's TPU runner (tpu_inference 0.32) runs its own EAGLE-3 drafter (`Eagle3Proposer`, the JAX
+`Eagle3LlamaForCausalLM`, loaded from the `--speculative-config` model directory) after every
+target step, on the third value the target model returns: a list of [T, hidden] arrays, the
+residual stream entering each of three target layers for every token of the batch. Those layers
+are the drafter's `eagle_aux_hidden_state_layer_ids` (vLLM's speculators reader copies them into
+the draft config), else vLLM's default (2, L // 2, L - 3), in layer order. vLLM numbers them as tpumk numbers its
+taps (id i < L: the stream entering layer i, tpumk.draft.config); id L (the stream after the last
+layer, before the final norm) is not one of the plugin's taps: refused. The verify batch that
+follows (k + 1 tokens per request) and its rejection sampling are vLLM's; the plugin runs it
+through its ragged JAX step (tpumk.vllm.steps.serve_step).
+"""
+
+from __future__ import annotations
+
+from tpumk.vllm.runtime import ServingConfigError
+
+METHODS = ("eagle3",)
+AUX_LAYERS = 3  # tpu_inference's eagle3 fc reads 3 x the target's hidden size
+
+
+def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
+    """The target layers whose entering hidden states the plugin returns to vLLM's drafter: ()
+    without a speculative config. Refuses a method other than eagle3 (and eagle3 with tensor
+    parallelism or an MLA model, whose JAX steps return no taps) in one line naming the field."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None:
+        return ()
+    where = "tpumk plugin: --speculative-config"
+    if sc.method not in METHODS:
+        raise ServingConfigError(f"{where} field 'method' = {sc.method!r}: expected one of {list(METHODS)} (the "
+                                 "plugin returns the target's hidden states EAGLE-3 reads, no other drafter's inputs)")
+    if int(vllm_config.parallel_config.tensor_parallel_size) != 1:
+        raise ServingConfigError(f"{where}: tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size}: "
+                                 "expected 1 with speculative decoding (not served on many devices yet)")
+    if cfg.is_mla:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA: expected a softmax-attention model with "
+                                 "speculative decoding (the MLA step returns no hidden states yet)")
+    draft = getattr(sc, "draft_model_config", None)
+    ids = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
+    n = cfg.num_layers
+    taps = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)  # vLLM's default for eagle3
+    if len(taps) != AUX_LAYERS or len(set(taps)) != len(taps) or not all(0 <= i < n for i in taps):
+        raise ServingConfigError(f"{where}: the drafter's eagle_aux_hidden_state_layer_ids {list(taps)}: expected "
+                                 f"{AUX_LAYERS} distinct layer ids from 0 to {n - 1} (the target's {n} layers; "
+                                 f"id {n}, after the last layer before the final norm, is not served)")
+    # in layer order: vLLM's models append each tapped stream as their layer loop passes it, and
+    # the drafter's fc reads them concatenated in that order, whatever order the config lists
+    return tuple(sorted(taps))
