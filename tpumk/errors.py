@@ -34,6 +34,10 @@ class CompileError(TpumkError):
     that says why, e.g. RESOURCE_EXHAUSTED for scoped VMEM)."""
 
 
+class ServingConfigError(TpumkError):
+    """A vLLM configuration the tpumk plugin cannot serve (one line: the setting, what was expected)."""
+
+
 class ArtifactError(TpumkError):
     """An exported artifact is missing, altered, or was built for another stack or target."""
 

@@ -41,16 +41,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from tpumk.errors import TpumkError
+from tpumk.errors import ServingConfigError, TpumkError  # (ServingConfigError: imported from here too)
 
 ARTIFACT_ENV = "TPUMK_VLLM_ARTIFACT"
 QUANT_ENV = "TPUMK_VLLM_QUANT"
 ARTIFACT_KEY = "tpumk_artifact"
 BACKEND = "tpumk"  # the attention backend the plugin registers with tpu_inference (tpumk.vllm.backend)
-
-
-class ServingConfigError(TpumkError):
-    """A vLLM configuration the tpumk plugin cannot serve (one line: the setting, what was expected)."""
 
 
 def _dtype_name(dtype: Any) -> str:

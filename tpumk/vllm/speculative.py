@@ -15,7 +15,7 @@ through its ragged JAX step (tpumk.vllm.steps.serve_step).
 
 from __future__ import annotations
 
-from tpumk.vllm.runtime import ServingConfigError
+from tpumk.errors import ServingConfigError
 
 METHODS = ("eagle3",)
 AUX_LAYERS = 3  # tpu_inference's eagle3 fc reads 3 x the target's hidden size
