@@ -25,6 +25,10 @@ class Phases:
         self._current: tuple[str, float] | None = None
         self._heartbeat = heartbeat if heartbeat is not None else (HEARTBEAT if sys.stderr.isatty() else 0.0)
         self._stop: threading.Event | None = None
+        # held while a heartbeat checks its phase is still on and prints, and while a phase ends:
+        # without it a beat that woke just before the phase ended printed "still <old phase>"
+        # after the next phase's line
+        self._lock = threading.Lock()
 
     def _line(self, text: str) -> None:
         elapsed = time.perf_counter() - self.start
@@ -41,13 +45,17 @@ class Phases:
 
             def beat() -> None:
                 while not stop.wait(self._heartbeat):
-                    self._line(f"... still {phase.split(' (')[0]}")
+                    with self._lock:
+                        if stop.is_set():
+                            return
+                        self._line(f"... still {phase.split(' (')[0]}")
 
             threading.Thread(target=beat, daemon=True).start()
 
     def _close(self, now: float) -> None:
         if self._stop is not None:
-            self._stop.set()
+            with self._lock:
+                self._stop.set()
             self._stop = None
         if self._current is not None:
             name, began = self._current
