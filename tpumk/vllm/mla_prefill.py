@@ -45,11 +45,7 @@ def ragged_layers(params: dict, cfg: ModelConfig, latent: jax.Array, input_ids: 
     array: (the array with their rows written, the residual stream [T, H] f32 after the last
     layer). Rows past the last request's run at position -1: they write nothing and see nothing."""
     t = input_ids.shape[0]
-    i = jnp.arange(t, dtype=jnp.int32)
-    valid = i < query_start_loc[num_reqs]
-    req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
-    pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-    new_slots = kv.token_slots(block_tables, req, pos, block_size)
+    _, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     freqs = mla.rope_freqs(cfg, params)
     width = cfg.attention.kv_cache_width

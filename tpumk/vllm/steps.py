@@ -62,12 +62,15 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     `ragged_step` with those taps, which returns ((k, v), rows of every token, taps). The
     megakernel returns no hidden states, and the drafter reads them after every step (under
     vLLM's eagle3 nearly every step is a verify batch of k + 1 tokens per request anyway)."""
-    if taps:
+    def ragged(cache):
         if on_step is not None:
             on_step("ragged")
-        return ragged_step(params if unpack is None else unpack(packed), cfg, k, v, input_ids, positions,
+        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions,
                            query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices,
                            taps=taps)
+
+    if taps:  # every batch, its taps returned too (the megakernel returns no hidden states)
+        return ragged((k, v))
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
     one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
     decode_only = jnp.all(one_token | ~live)
@@ -77,12 +80,6 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
             on_step("decode")
         return decode_step(step, packed, plan_shape, *cache, input_ids, positions, query_start_loc, seq_lens,
                            block_tables, num_reqs)
-
-    def ragged(cache):
-        if on_step is not None:
-            on_step("ragged")
-        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions,
-                           query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices)
 
     return jax.lax.cond(decode_only, decode, ragged, (k, v))
 
@@ -149,10 +146,7 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
         return (k_cache, v_cache), _scatter_rows(t, last, ref.logits_from(cfg, params, x[jnp.maximum(last, 0)]))
     a = cfg.attention
     i = jnp.arange(t, dtype=jnp.int32)
-    valid = i < query_start_loc[num_reqs]
-    req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
-    pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-    new_slots = kv.token_slots(block_tables, req, pos, block_size)
+    valid, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     tapped = {}
