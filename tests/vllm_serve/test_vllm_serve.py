@@ -89,6 +89,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_site_path() -> str:
+    """PYTHONPATH for a served process: the cpu_site patches first, then the caller's own (a
+    checkout other than the venv's editable tpumk, e.g. a git worktree, stays the one imported)."""
+    return os.pathsep.join(p for p in (str(HERE / "cpu_site"), os.environ.get("PYTHONPATH", "")) if p)
+
+
 class Server:
     """`vllm serve` in its own process group; `stop()` ends it and everything it started."""
 
@@ -97,7 +103,7 @@ class Server:
         self.port, self.log = _free_port(), log
         # --attention-backend tpumk (a backend registered by a plugin): tpu_inference allows it with
         # forked engine processes only, and `vllm serve` spawns them unless told otherwise
-        full = dict(os.environ, **OFFLINE_ENV, VLLM_WORKER_MULTIPROC_METHOD="fork", PYTHONPATH=str(HERE / "cpu_site"),
+        full = dict(os.environ, **OFFLINE_ENV, VLLM_WORKER_MULTIPROC_METHOD="fork", PYTHONPATH=cpu_site_path(),
                     **(tp_env(tp) if tp > 1 else {}), **(env or {}))
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port",
                str(self.port), "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", str(max_seqs),
@@ -205,9 +211,13 @@ def kv_usage_while(port: int, stop: list) -> list[float]:
     return seen
 
 
+# what tpumk.vllm.model logs for each program (TPUMK_VLLM_COUNT_STEPS)
+STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step", "ragged": "JAX prefill/mixed step"}
+
+
 def steps_run(log: Path, kind: str) -> list[int]:
     """The number of requests of each step the plugin logged as run by `kind`'s program."""
-    what = "megakernel decode step" if kind == "decode" else "JAX prefill/mixed step"
+    what = STEP_NAMES[kind]
     return [int(n) for n in re.findall(rf"{what} #\d+ \((\d+) requests\)", log.read_text())]
 
 
@@ -305,10 +315,11 @@ def eagle3_drafter(target: Path, out: Path) -> Path:
 
 def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(tmp_path):
     """`--speculative-config` eagle3 with 2 drafts a step (tpu_inference's own drafter and
-    rejection sampler): the tokens are those of greedy decoding (transformers'), the plugin's JAX
-    step ran the verify batches (docs/serving-vllm.md, "Speculative decoding") and vLLM verified
-    drafts (its spec-decode counters moved). The drafter's weights are random: acceptance is low,
-    the tokens may not differ."""
+    rejection sampler): the tokens are those of greedy decoding (transformers'), the megakernel's
+    verify step (q_len 3, with the drafter's taps) ran the verify batches and the plugin's JAX
+    step the prefill (docs/serving-vllm.md, "Speculative decoding"), and vLLM verified drafts (its
+    spec-decode counters moved). The drafter's weights are random: acceptance is low, the tokens
+    may not differ."""
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_utils import build_checkpoint, hf_greedy
 
@@ -328,7 +339,11 @@ def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(tmp_path):
     assert after.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, after
     # the drafter (stored without an embedding, as speculators' are) reads the target's, which the plugin exposes
     assert "Setting draft model's embed_tokens to target model's embed" in log, log[-3000:]
-    assert sum(steps_run(tmp_path / "serve.log", "ragged")) > 0 and not steps_run(tmp_path / "serve.log", "decode")
+    verify, ragged = steps_run(tmp_path / "serve.log", "verify"), steps_run(tmp_path / "serve.log", "ragged")
+    # the prefill (prompts of up to 9 tokens: more than k + 1) in the JAX step, the verify batches
+    # in the megakernel, several requests in one step; no step in the decode step (it has no taps)
+    assert sum(ragged) > 0 and sum(verify) > 0 and max(verify) > 1, (verify, ragged)
+    assert not steps_run(tmp_path / "serve.log", "decode")
 
 
 def test_kv_cache_is_the_kernel_s_stacked_layout(monkeypatch):
@@ -497,7 +512,7 @@ def test_a_served_step_reads_its_own_positions_while_the_host_prepares_the_next(
     vLLM's default), and a step reading it late read the next step's positions before the
     patch (here [13, 4, 6, 0]; served, a request's last token at another request's position:
     the llama-hd64 case's wrong token)."""
-    env = dict(os.environ, **OFFLINE_ENV, PYTHONPATH=str(HERE / "cpu_site"))
+    env = dict(os.environ, **OFFLINE_ENV, PYTHONPATH=cpu_site_path())
     r = subprocess.run([sys.executable, "-c", STEP_RACE], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read [9, 12, 3, 5]" in r.stdout, r.stdout

@@ -13,11 +13,13 @@ vLLM (tpumk.vllm.backend), so that cache is two arrays in the megakernel's stack
   on the same weights (`tpumk.vllm.steps.ragged_step`);
 - the choice is a `lax.cond` on the metadata (`tpumk.vllm.steps.serve_step`), and both branches
   return the logits rows, so `compute_logits` passes them on.
-- with `--speculative-config` method eagle3 (tpumk.vllm.speculative): every batch (the verify
-  batches of k + 1 tokens per request, and prefills) through the JAX step, which also returns the
-  hidden states entering the drafter's target layers (`__call__`'s third value, what vLLM's
-  drafter reads) and every token's logits; the drafter's own KV-cache layer is declared after the
-  model's (tpumk.vllm.backend.declare_draft_layer).
+- with `--speculative-config` method eagle3 (tpumk.vllm.speculative): the verify batches (at most
+  k + 1 tokens per request, decode-only batches too) through the megakernel's verify step
+  (`tpumk.vllm.steps.verify_step`), any other batch (prefill chunks) through the JAX step; both
+  also return the hidden states entering the drafter's target layers (`__call__`'s third value,
+  what vLLM's drafter reads) and every token's logits (an artifact has no verify step: every
+  batch through the JAX step); the drafter's own KV-cache layer is declared after the model's
+  (tpumk.vllm.backend.declare_draft_layer).
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ logger = logging.getLogger("vllm.tpumk")  # under vLLM's logger, so its handlers
 # TPUMK_VLLM_COUNT_STEPS=1: every step logs which program ran it (a host callback per step, so
 # off by default; the end-to-end test reads these lines to show the megakernel decoded)
 COUNT_STEPS = os.environ.get("TPUMK_VLLM_COUNT_STEPS") == "1"
-_COUNTS = {"decode": 0, "ragged": 0}
+_COUNTS = {"decode": 0, "verify": 0, "ragged": 0}
+STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step", "ragged": "JAX prefill/mixed step"}
 
 
 def _count(kind: str, num_reqs) -> None:
     _COUNTS[kind] += 1
-    what = "megakernel decode step" if kind == "decode" else "JAX prefill/mixed step"
+    what = STEP_NAMES[kind]
     logger.info("tpumk plugin: %s #%d (%d requests)", what, _COUNTS[kind], int(num_reqs))
 
 
@@ -167,6 +170,9 @@ class TpumkForCausalLM(nnx.Module):
         except ServingConfigError as e:
             logger.error("%s", e)
             raise
+        verify = None
+        if rt.verify_plan is not None:  # eagle3: the megakernel's verify step with the drafter's taps
+            verify = (rt.verify_step_for(k.shape[1]), rt.verify_plan.q_len)
         slots = md.seq_lens.shape[0]
         num_reqs = md.request_distribution[2]
 
@@ -177,7 +183,8 @@ class TpumkForCausalLM(nnx.Module):
                                               rt.plan_shape, k, v, input_ids, md.input_positions, md.query_start_loc,
                                               md.seq_lens, md.block_tables.reshape(slots, -1), num_reqs,
                                               rt.block_size, rt.max_model_len, on_step if COUNT_STEPS else None,
-                                              rt.unpack if rt.holds_weights_once else None, rt.devices, rt.taps)
+                                              rt.unpack if rt.holds_weights_once else None, rt.devices, rt.taps,
+                                              verify)
         out = list(kv_caches)
         out[ik] = k
         if iv is not None:

@@ -14,7 +14,10 @@ reader and takes the megakernel step from, in this order:
    kernel in Pallas' discharge interpreter), batch = vLLM's max_num_seqs, context = max_model_len
    rounded up to whole pages of vLLM's block size (the kernel reads vLLM's block tables as its
    page tables), `TPUMK_VLLM_QUANT` (default `none`); at vLLM's tensor_parallel_size N the
-   N-device kernel on vLLM's mesh (docs/serving-vllm.md, "Tensor parallel").
+   N-device kernel on vLLM's mesh (docs/serving-vllm.md, "Tensor parallel"). With EAGLE-3
+   (tpumk.vllm.speculative) the build also plans the verify step, the same shapes at q_len
+   num_speculative_tokens + 1 writing out the drafter's taps (`verify_plan`; an artifact has none:
+   its verify batches run the JAX step).
 
 Every configuration the plugin cannot serve correctly raises `ServingConfigError` with one line
 that names the setting and what was expected, before any weight is read: the server then refuses
@@ -76,6 +79,11 @@ class Runtime:
     _pool_steps: dict = field(default_factory=dict)  # a build's step per vLLM pool size (one in practice)
     _unpacker: dict = field(default_factory=dict)  # the Unpacker load_params made (floating-point weights)
     taps: tuple[int, ...] = ()  # eagle3: the target layers whose hidden states vLLM's drafter reads (tpumk.vllm.speculative)
+    # eagle3 with a start-up build: the verify plan (q_len = k + 1, the taps) and its step (None:
+    # no taps, or an artifact, whose one program is its decode step)
+    verify_plan: Any = None
+    verify_step: Callable | None = None
+    _pool_verify_steps: dict = field(default_factory=dict)
 
     @property
     def plan_shape(self) -> dict[str, int]:
@@ -140,6 +148,14 @@ class Runtime:
             self._pool_steps[num_pages] = _decode_step(replace(self.plan, num_pages=num_pages), self.mesh_devices)
         return self._pool_steps[num_pages]
 
+    def verify_step_for(self, num_pages: int) -> Callable:
+        """The verify step (`verify_plan`) for vLLM's pool of `num_pages` blocks, as `step_for`."""
+        if num_pages == self.verify_plan.num_pages:
+            return self.verify_step
+        if num_pages not in self._pool_verify_steps:
+            self._pool_verify_steps[num_pages] = _decode_step(replace(self.verify_plan, num_pages=num_pages))
+        return self._pool_verify_steps[num_pages]
+
     @classmethod
     def from_vllm_config(cls, vllm_config, attention_backend: str = BACKEND, mesh_devices=None) -> Runtime:
         """`attention_backend`: the backend vLLM's TPU runner lays out its KV cache for
@@ -158,9 +174,10 @@ class Runtime:
         cfg = load_hf_config(model_dir)  # ConfigError / NotSupportedError: one line naming the field
         cfg = cfg.replace(dtype=override_dtype(cfg, _dtype_name(mc.dtype)))
         _check_vllm(vllm_config, cfg)
-        from tpumk.vllm.speculative import speculative_taps
+        from tpumk.vllm.speculative import speculative_taps, verify_len
 
         taps = speculative_taps(vllm_config, cfg)
+        q_len = verify_len(vllm_config) if taps else 1
         _check_cache_layout(attention_backend)
         max_seqs = _positive("max_num_seqs", vllm_config.scheduler_config.max_num_seqs)
         max_len = _positive("max_model_len", mc.max_model_len)
@@ -175,8 +192,12 @@ class Runtime:
             plan, step, source = _from_artifact(art, cfg, max_seqs, max_len, block_size)
         else:
             plan, step, source = _built(cfg, max_seqs, max_len, block_size, tp, mesh)
+        verify_plan = verify_step = None
+        if taps and not art:  # (eagle3 is served on one device only: tpumk.vllm.speculative)
+            verify_plan = _verify_plan(plan, q_len, taps)
+            verify_step = _decode_step(verify_plan)
         return cls(model_dir, cfg, plan, step, source, block_size, max_len, plan.num_pages if art else None, mesh,
-                   taps=taps)
+                   taps=taps, verify_plan=verify_plan, verify_step=verify_step)
 
     @property
     def holds_weights_once(self) -> bool:
@@ -374,6 +395,18 @@ def _decode_step(plan, mesh_devices=None):
         return make_decode_step(plan, nested=True, portable=plan.target.interpret)
     return make_decode_step(plan, nested=True, mesh_devices=None if mesh_devices is None else list(mesh_devices),
                             cache_split="rows")
+
+
+def _verify_plan(plan, q_len: int, taps: tuple[int, ...]):
+    """The decode plan's build (batch, context, page size, target, quant) as a verify step of
+    `q_len` tokens per request that also writes the hidden states entering the `taps` layers."""
+    from tpumk.errors import PlanError
+    from tpumk.plan.plan import make_plan
+
+    try:
+        return make_plan(plan.spec.replace(q_len=q_len, taps=taps))
+    except PlanError as e:
+        raise ServingConfigError(f"tpumk plugin: --speculative-config num_speculative_tokens {q_len - 1}: {e}") from None
 
 
 def _check_sharding(plan, tp: int) -> None:

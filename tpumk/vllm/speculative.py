@@ -9,8 +9,11 @@ are the drafter's `eagle_aux_hidden_state_layer_ids` (vLLM's speculators reader 
 the draft config), else vLLM's default (2, L // 2, L - 3), in layer order. vLLM numbers them as tpumk numbers its
 taps (id i < L: the stream entering layer i, tpumk.draft.config); id L (the stream after the last
 layer, before the final norm) is not one of the plugin's taps: refused. The verify batch that
-follows (k + 1 tokens per request) and its rejection sampling are vLLM's; the plugin runs it
-through its ragged JAX step (tpumk.vllm.steps.serve_step).
+follows (k + 1 tokens per request, k = num_speculative_tokens) and its rejection sampling are
+vLLM's; the plugin runs it through the megakernel's verify step (q_len k + 1, these taps;
+tpumk.vllm.runtime builds it beside the decode step, tpumk.vllm.steps.serve_step chooses it),
+and any batch with a request of more than k + 1 tokens (a prefill chunk) through its ragged JAX
+step, which returns the same taps.
 """
 
 from __future__ import annotations
@@ -49,3 +52,13 @@ def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     # in layer order: vLLM's models append each tapped stream as their layer loop passes it, and
     # the drafter's fc reads them concatenated in that order, whatever order the config lists
     return tuple(sorted(taps))
+
+
+def verify_len(vllm_config) -> int:
+    """Tokens per request of vLLM's verify batch: the last sampled token and num_speculative_tokens
+    drafts (the q_len of the plugin's verify step)."""
+    k = getattr(vllm_config.speculative_config, "num_speculative_tokens", None)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ServingConfigError(f"tpumk plugin: --speculative-config field 'num_speculative_tokens' = {k!r}: "
+                                 "expected a positive whole number")
+    return k + 1

@@ -1,19 +1,24 @@
-"""The two programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import), and
+"""The programs the vLLM plugin runs on vLLM's KV cache (pure JAX; no vLLM import), and
 `serve_step`, the `lax.cond` between them that runs inside vLLM's jitted step.
 
 - `decode_step`: a decode-only batch (one new token per request) through tpumk's megakernel,
   on vLLM's two stacked K and V arrays themselves (tpumk.vllm.kv: the kernel's own layout), vLLM's
   block tables as its page tables: no copy around the kernel.
+- `verify_step` (EAGLE-3 speculative decoding, tpumk.vllm.speculative): a batch of at most q_len
+  tokens per request (vLLM's verify batch: the last sampled token and k drafts) through the
+  megakernel's verify step (q_len = k + 1 rows per request, a request's missing rows at position
+  -1), which also returns the hidden states the drafter reads and the logits of every token.
 - `ragged_step`: any other batch (prefill chunks, mixed prefill + decode) through the pure-JAX
   reference layers (tpumk.model.reference) with the same weights over the flattened batch,
   writing vLLM's arrays in place and attending through `tpumk.vllm.prefill` (ragged paged
   attention in pure JAX: each request's pages read once per tile of its tokens).
 
-Both take vLLM's attention metadata as arrays: `query_start_loc` [S + 1], `seq_lens` [S] (the KV
+All take vLLM's attention metadata as arrays: `query_start_loc` [S + 1], `seq_lens` [S] (the KV
 length including this step's tokens), `block_tables` [S, blocks per request], `num_reqs` (a
 scalar array) for the S request slots of the batch, and return ((k, v), rows [T, vocab] f32):
 the logits of each request's last token at that token's row (what vLLM's runner picks by
-`logits_indices`), zeros elsewhere.
+`logits_indices`), zeros elsewhere; with taps, the logits of every token of the batch and the
+taps third.
 """
 
 from __future__ import annotations
@@ -46,22 +51,25 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
                block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
                on_step: Callable[[str], None] | None = None,
                unpack: Callable[[dict], dict] | None = None,
-               devices: int = 1, taps: tuple[int, ...] = ()):
+               devices: int = 1, taps: tuple[int, ...] = (), verify: tuple[Callable, int] | None = None):
     """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
     request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
     a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
-    bucket). Both branches take and return vLLM's K and V arrays, updated in place. `on_step`
-    ("decode" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS). `unpack`
+    bucket). Every branch takes and returns vLLM's K and V arrays, updated in place. `on_step`
+    ("decode", "verify" or "ragged") is called inside the branch taken (TPUMK_VLLM_COUNT_STEPS). `unpack`
     (tpumk.kernel.unpack.Unpacker): the ragged branch reads its weights back from `packed`
     instead of `params` (the device holds the weights once), inside that branch only, so a
     decode step never pays for it. `devices`: tensor parallel, the K and V arrays in
     `kv.cache_shape`'s layout of that many devices (`step` is then the many-device step reading
     it, `make_decode_step(..., cache_split="rows")`).
 
-    `taps` (eagle3 speculative decoding: the target layers the drafter reads): every batch runs
-    `ragged_step` with those taps, which returns ((k, v), rows of every token, taps). The
-    megakernel returns no hidden states, and the drafter reads them after every step (under
-    vLLM's eagle3 nearly every step is a verify batch of k + 1 tokens per request anyway)."""
+    `taps` (eagle3 speculative decoding: the target layers the drafter reads): every branch
+    returns ((k, v), rows of every token, taps), the drafter reading them after every step.
+    `verify` = (the megakernel's verify step with those taps, its q_len): a batch whose live
+    requests each have 1 to q_len tokens (vLLM's verify batches of k + 1; fewer near
+    max_model_len or the token budget; decode-only batches; short prefill chunks) runs
+    `verify_step`, any other `ragged_step` with the taps. Without `verify` (an artifact's program
+    has no verify step) every batch runs `ragged_step` with the taps."""
     def ragged(cache):
         if on_step is not None:
             on_step("ragged")
@@ -69,11 +77,22 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
                            query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices,
                            taps=taps)
 
-    if taps:  # every batch, its taps returned too (the megakernel returns no hidden states)
-        return ragged((k, v))
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
-    one_token = (query_start_loc[1:] - query_start_loc[:-1]) == 1
-    decode_only = jnp.all(one_token | ~live)
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    if taps:
+        if verify is None:  # every batch, its taps returned too
+            return ragged((k, v))
+        verify_fn, q_len = verify
+
+        def verified(cache):
+            if on_step is not None:
+                on_step("verify")
+            return verify_step(verify_fn, packed, {**plan_shape, "q_len": q_len}, cfg.hidden_size, *cache,
+                               input_ids, positions, query_start_loc, seq_lens, block_tables, num_reqs)
+
+        fits = jnp.all((counts <= q_len) | ~live)
+        return jax.lax.cond(fits, verified, ragged, (k, v))
+    decode_only = jnp.all((counts == 1) | ~live)
 
     def decode(cache):
         if on_step is not None:
@@ -109,6 +128,43 @@ def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.A
     cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths)
     logits, cache = step(packed, tokens[:, None], pos[:, None], cache)
     return (cache.k, cache.v), _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
+
+
+def verify_step(step: Callable, packed, plan_shape: dict, hidden: int, k: jax.Array, v: jax.Array,
+                input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array,
+                block_tables: jax.Array, num_reqs: jax.Array):
+    """A batch of at most q = plan_shape["q_len"] tokens per live request through `step`, the
+    megakernel's verify step with taps ((packed, tokens [B, q], positions [B, q], KVCache) ->
+    (logits [B, q, V], KVCache, taps [B, q, n, H])), on vLLM's stacked K and V arrays in place
+    as `decode_step`. Request slot b's token j (j < its count n_b) is row query_start_loc[b] + j
+    of the batch; rows j >= n_b, and slots past num_reqs (up to B), run at position -1, which
+    writes nothing, is no key and moves no length (reference.py's defined behaviour, the kernel's
+    too). The cache holds seq_lens[b] - n_b rows of request b before the step.
+
+    Returns ((k, v), logits [T, V] f32 of every token at its row, zeros past the last request's
+    rows, taps: a list of [T, hidden] f32 (ragged_step's residual stream, the lanes past the
+    kernel's model width zero), zeros at rows no request holds)."""
+    batch, q, per = plan_shape["batch"], plan_shape["q_len"], plan_shape["context"] // plan_shape["page_size"]
+    t = input_ids.shape[0]
+    s = min(seq_lens.shape[0], batch)  # as decode_step: the live requests are among the first `batch`
+    query_start_loc, seq_lens = query_start_loc[:s + 1], seq_lens[:s]
+    live = jnp.arange(s) < num_reqs
+    count = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
+    j = jnp.arange(q, dtype=jnp.int32)
+    real = j[None, :] < count[:, None]  # [s, q]
+    rows = query_start_loc[:-1, None] + j[None, :]
+    at = jnp.clip(rows, 0, t - 1)
+    tokens = jnp.zeros((batch, q), jnp.int32).at[:s].set(jnp.where(real, input_ids[at], 0))
+    pos = jnp.full((batch, q), -1, jnp.int32).at[:s].set(jnp.where(real, positions[at], -1))
+    lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - count, 0))
+    cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths)
+    logits, cache, tapped = step(packed, tokens, pos, cache)
+    rows = jnp.where(real, rows, -1).reshape(-1)
+    n, width = tapped.shape[2], tapped.shape[3]
+    where = jnp.where(rows >= 0, rows, t)
+    tapped = tapped[:s].reshape(s * q, n, width).astype(jnp.float32)
+    out = [jnp.zeros((t, hidden), jnp.float32).at[where, :width].set(tapped[:, i], mode="drop") for i in range(n)]
+    return (cache.k, cache.v), _scatter_rows(t, rows, logits[:s].reshape(s * q, -1)), out
 
 
 def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
