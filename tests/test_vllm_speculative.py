@@ -72,7 +72,9 @@ def test_served_taps_and_every_row_s_logits_equal_the_reference():
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (7 + 3, 5 + 3)]
 
-    step = lambda c, ids, pos, qsl, seq_lens, n: ragged(c, ids, pos, qsl, seq_lens, jnp.asarray(tables), n)  # noqa: E731
+    def step(c, ids, pos, qsl, seq_lens, n):
+        return ragged(c, ids, pos, qsl, seq_lens, jnp.asarray(tables), n)
+
     # causal: each request's whole sequence once gives every row of both steps
     want = [R.forward_full(params, cfg, jnp.asarray([s]), taps=TAPS) for s in seqs]
     for chunks, starts in (([s[:-3] for s in seqs], [0, 0]),  # the prefill

@@ -212,7 +212,8 @@ def kv_usage_while(port: int, stop: list) -> list[float]:
 
 
 # what tpumk.vllm.model logs for each program (TPUMK_VLLM_COUNT_STEPS)
-STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step", "ragged": "JAX prefill/mixed step"}
+STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step",
+              "ragged": "JAX prefill/mixed step"}
 
 
 def steps_run(log: Path, kind: str) -> list[int]:

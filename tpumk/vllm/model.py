@@ -40,7 +40,8 @@ logger = logging.getLogger("vllm.tpumk")  # under vLLM's logger, so its handlers
 # off by default; the end-to-end test reads these lines to show the megakernel decoded)
 COUNT_STEPS = os.environ.get("TPUMK_VLLM_COUNT_STEPS") == "1"
 _COUNTS = {"decode": 0, "verify": 0, "ragged": 0}
-STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step", "ragged": "JAX prefill/mixed step"}
+STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step",
+              "ragged": "JAX prefill/mixed step"}
 
 
 def _count(kind: str, num_reqs) -> None:

@@ -406,7 +406,8 @@ def _verify_plan(plan, q_len: int, taps: tuple[int, ...]):
     try:
         return make_plan(plan.spec.replace(q_len=q_len, taps=taps))
     except PlanError as e:
-        raise ServingConfigError(f"tpumk plugin: --speculative-config num_speculative_tokens {q_len - 1}: {e}") from None
+        raise ServingConfigError(f"tpumk plugin: --speculative-config num_speculative_tokens {q_len - 1}: "
+                                 f"{e}") from None
 
 
 def _check_sharding(plan, tp: int) -> None:
