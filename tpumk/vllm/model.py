@@ -127,7 +127,8 @@ class TpumkForCausalLM(nnx.Module):
         packed = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in shared else jnp.asarray(a), packed)
         params = jax.tree.map(jnp.asarray, params)
         rt = self.runtime
-        if rt.devices > 1:  # on vLLM's mesh: each device its part of the packed weights, the JAX path's whole
+        # on vLLM's mesh: each device its part of the packed weights (a quantized plan: the JAX path's whole too)
+        if rt.devices > 1:
             from jax.sharding import NamedSharding
             from jax.sharding import PartitionSpec as P
 
