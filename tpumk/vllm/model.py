@@ -96,8 +96,9 @@ class TpumkForCausalLM(nnx.Module):
             logger.error("%s", e)
             raise ServingConfigError(str(e)) from None
         rt = self.runtime
-        logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d)", rt.cfg.name, rt.source,
-                    rt.plan.batch, rt.plan.context)
+        logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d), weights held %s", rt.cfg.name,
+                    rt.source, rt.plan.batch, rt.plan.context,
+                    "once (packed)" if rt.holds_weights_once else "twice (packed and reference layout)")
         from tpumk.model.weights import random_params
         from tpumk.vllm.backend import declare_layers
 
