@@ -6,7 +6,8 @@ shape (1, N) and splits each KV array's third axis over 'model'; the plugin's ba
 axis N x block_size (`tpumk.vllm.kv.cache_shape`), so device d's shard is exactly the kernel's
 `[layers, blocks, block_size, width / N]` of its KV heads. Here the arrays are allocated that way
 on such a mesh, and a served sequence runs through `steps.serve_step` as the plugin runs it inside
-vLLM's jit: a ragged prefill of three prompts (pure JAX, XLA partitions it), greedy decode steps
+vLLM's jit: a ragged prefill of three prompts (pure JAX on the reference-layout weights read back
+from the sharded packed ones, as the plugin holds them; XLA partitions it), greedy decode steps
 through the 4-device megakernel (Pallas' TPU interpreter, in-kernel collectives) on the arrays in
 place, a mixed batch (a new prompt beside decodes), more decodes. The same sequence on one device
 (`kv.cache_shape` of one device, the discharge interpreter the one-device plugin runs) must give
@@ -76,6 +77,7 @@ def _worker(races: bool) -> dict:
 
     from tpumk.compat import interpret_races
     from tpumk.kernel.layout import pack_sharded, pack_weights
+    from tpumk.kernel.unpack import Unpacker
     from tpumk.kernel.megakernel import make_decode_step, step_mesh
     from tpumk.model.weights import random_params
     from tpumk.plan.padding import params_as_run
@@ -96,12 +98,15 @@ def _worker(races: bool) -> dict:
               jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], packed_tp)}
 
     def served(n: int, detect_races: bool = False):
-        """(step, packed, params, run model, plan shape) as the plugin's Runtime and model make them."""
+        """(step, packed, params, unpack, run model, plan shape) as the plugin's Runtime and model
+        make them: on 4 devices the weights held once (the packed ones, sharded; the ragged branch
+        reads the reference layout back from them: `unpack`)."""
         rt = one_rt if n == 1 else tp_rt
         plan = rt.plan
         params = params_as_run(plan, raw)
         if n == 1:
-            return rt.step_for(NUM_BLOCKS), pack_weights(plan, params), params, plan.whole_model, rt.plan_shape, plan
+            return rt.step_for(NUM_BLOCKS), pack_weights(plan, params), params, None, plan.whole_model, rt.plan_shape, \
+                plan
         # the plugin's step for vLLM's pool (Runtime.step_for), or the same with the race detector on
         step = rt.step_for(NUM_BLOCKS) if not detect_races else make_decode_step(
             dataclasses.replace(plan, num_pages=NUM_BLOCKS), nested=True, mesh_devices=devices, cache_split="rows",
@@ -109,16 +114,17 @@ def _worker(races: bool) -> dict:
         m = step_mesh(plan, devices)  # as TpumkForCausalLM.load_weights places them
         packed = {k: jax.device_put(v, NamedSharding(m, P() if k == "embed" else P(MESH_AXIS)))
                   for k, v in packed_tp.items()}
-        return step, packed, jax.device_put(params, NamedSharding(m, P())), plan.whole_model, rt.plan_shape, plan
+        return step, packed, {}, Unpacker(plan, params), plan.whole_model, rt.plan_shape, plan
+
     def program(n: int, detect_races: bool = False):
-        step, packed, params, run, shape, plan = served(n, detect_races)
+        step, packed, params, unpack, run, shape, plan = served(n, detect_races)
         assert plan.devices == n
 
         # vLLM's jitted step: the model's state and the donated cache, metadata as arrays
         @jax.jit
         def one(k, v, ids, pos, qsl, seq_lens, tables, num):
             return steps.serve_step(step, packed, params, run, shape, k, v, ids, pos, qsl, seq_lens, tables, num,
-                                    BLOCK, CONTEXT, devices=n)
+                                    BLOCK, CONTEXT, unpack=unpack, devices=n)
 
         return one, run
 
@@ -218,9 +224,9 @@ def test_serve_step_on_4_devices_gives_the_one_device_tokens():
     assert again["logits"] == tp["logits"] and again["rows"] == tp["rows"]
     assert got["races"] is False
     # the plugin's Runtime at tensor_parallel_size 4: the 4-device build on vLLM's devices, vLLM's
-    # arrays 4 x 128 lanes wide, the model's packed weights stacked per device (held with the
-    # reference layout's for the prefill: tpumk.kernel.unpack reads back one device's packing)
-    assert got["runtime"] == {"devices": N, "kv_width": 512, "weights_once": False, "packed_shapes": True,
+    # arrays 4 x 128 lanes wide, the model's packed weights stacked per device and held alone (the
+    # prefill reads the reference layout back from them: tpumk.kernel.unpack)
+    assert got["runtime"] == {"devices": N, "kv_width": 512, "weights_once": True, "packed_shapes": True,
                               "source": f"built on start-up (Pallas TPU interpreter on {N} CPU devices)"}
 
 

@@ -90,9 +90,9 @@ def _free_port() -> int:
 
 
 def cpu_site_path() -> str:
-    """PYTHONPATH for a served process: the cpu_site patches first, then the caller's own (a
-    checkout other than the venv's editable tpumk, e.g. a git worktree, stays the one imported)."""
-    return os.pathsep.join(p for p in (str(HERE / "cpu_site"), os.environ.get("PYTHONPATH", "")) if p)
+    """PYTHONPATH for a served process: the cpu_site patches first, then this checkout (its tpumk
+    before the venv's install, which may be another checkout's, editable), then the caller's own."""
+    return os.pathsep.join(p for p in (str(HERE / "cpu_site"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 class Server:
@@ -277,8 +277,9 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     arrays, width = (1, "128") if kind == "deepseek-v3" else (2, r"\d+")
     assert re.search(rf"num_blocks=\[{', '.join([str(blocks)] * arrays)}\] \| regular_attn_layers={arrays} \| "
                      rf"regular_attn_shape=\(num_blocks, \({blocks}, {16 * tp}, {width}\)\)", log), log[-3000:]
-    if tp > 1:
-        assert re.search(rf"tpumk plugin: .*Pallas TPU interpreter on {tp} CPU devices", log), log[-3000:]
+    if tp > 1:  # float weights held once on vLLM's mesh: the packed parts only (tpumk.kernel.unpack)
+        assert re.search(rf"tpumk plugin: .*Pallas TPU interpreter on {tp} CPU devices.*weights held once", log), \
+            log[-3000:]
     # vLLM's metrics: the KV usage rose while requests held blocks (each request's tokens fit one
     # 16-token block of the pool's blocks - 1, the null block), the token counter counts them all
     assert 0 < max(usage) <= len(PROMPTS) / (blocks - 1) + 1e-6, usage

@@ -71,12 +71,26 @@ def mla_kv_a(cfg: ModelConfig, lay: dict):
     reading another layer's rows (kv_source_layers) has none at all (zeros: the kernel takes the
     source's rows instead, `mla_shared`). A quantized matrix as it is."""
     width = cfg.attention.kv_cache_width
+    xp = array_module(lay)
     if "wkv_a" not in lay:
-        return np.zeros((cfg.hidden_size, width), np.asarray(lay["wo"]).dtype)
+        return xp.zeros((cfg.hidden_size, width), xp.asarray(lay["wo"]).dtype)
     w = lay["wkv_a"]
     if isinstance(w, QuantizedMatrix) or w.shape[1] == width:
         return w
-    return np.pad(np.asarray(w), ((0, 0), (0, width - w.shape[1])))
+    return xp.pad(xp.asarray(w), ((0, 0), (0, width - w.shape[1])))
+
+
+def array_module(tree):
+    """numpy for weights on the host; jax.numpy when any leaf is traced (`pack_sharded` inside a
+    jit or `jax.linear_transpose`: tpumk.kernel.unpack reads the weights back through it), which
+    takes the same slices, pads and concatenations."""
+    import jax
+
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree)):
+        import jax.numpy as jnp
+
+        return jnp
+    return np
 
 MESH_AXIS = "tp"
 
@@ -192,12 +206,14 @@ class ShardingPlan:
     # ---------------------------------------------------------------- weights
     def device_params(self, cfg: ModelConfig, params: dict, d: int) -> dict:
         """Device d's part of reference-layout weights, in the reference layout of
-        `local_config(cfg)` (numpy arrays; widths zero-padded past the model's own). The
+        `local_config(cfg)` (numpy arrays, jax arrays when traced: `array_module`; widths
+        zero-padded past the model's own). The
         embedding is cut to the device's vocabulary slice (it only feeds a tied lm_head there:
         the step gathers token rows from the whole, replicated embedding)."""
         if self.devices == 1:
             return params
         dd = cfg.head_dim
+        xp = array_module(params)
 
         def cols(a, lo: int, width: int, axis: int = -1):
             if isinstance(a, QuantizedMatrix):  # codes split like the matrix; scales follow them
@@ -212,15 +228,15 @@ class ShardingPlan:
                                         f"rows do not split into whole groups")
                     scale = cols(a.scale, lo // g, width // g, axis=ax)
                 else:
-                    scale = np.asarray(a.scale)
+                    scale = xp.asarray(a.scale)
                 return a._replace(q=q, scale=scale)  # nvfp4's global scales: one per matrix, kept
-            a = np.asarray(a)
+            a = xp.asarray(a)
             axis %= a.ndim
-            hi = min(lo + width, a.shape[axis])
-            part = np.take(a, np.arange(lo, hi), axis=axis) if hi > lo else np.take(a, np.arange(0), axis=axis)
+            hi = max(min(lo + width, a.shape[axis]), lo)
+            part = a[(slice(None),) * axis + (slice(lo, hi),)]  # (a static slice: traced, its transpose is a pad)
             pad = [(0, 0)] * a.ndim
             pad[axis] = (0, width - part.shape[axis])
-            return np.pad(part, pad)
+            return xp.pad(part, pad)
 
         kv_lo = self.kv_head(d) * dd
         runs = self.q_ranges(cfg, d)
@@ -233,23 +249,23 @@ class ShardingPlan:
             if isinstance(a, QuantizedMatrix):  # scales as `cols` cut them: by column, by row group, or whole
                 ax = axis % a.q.ndim
                 scale_ax = -1 if ax == a.q.ndim - 1 else -2 if a.grouped else None
-                scale = (np.concatenate([p.scale for p in parts], axis=scale_ax) if scale_ax is not None
+                scale = (xp.concatenate([p.scale for p in parts], axis=scale_ax) if scale_ax is not None
                          else parts[0].scale)
-                return a._replace(q=np.concatenate([p.q for p in parts], axis=ax), scale=scale)
-            return np.concatenate(parts, axis=axis)
+                return a._replace(q=xp.concatenate([p.q for p in parts], axis=ax), scale=scale)
+            return xp.concatenate(parts, axis=axis)
         layers = []
         for i, lay in enumerate(params["layers"]):
             # norms and Muse Spark's residual gates: whole on every device (they act on the whole residual)
-            out = {k: np.asarray(lay[k]) for k in LAYER_NORMS + RESIDUAL_GATES if k in lay}
+            out = {k: xp.asarray(lay[k]) for k in LAYER_NORMS + RESIDUAL_GATES if k in lay}
             if cfg.pattern.is_linear(i):
-                out.update(self._linear_params(cfg, lay, d, cols))
+                out.update(self._linear_params(cfg, lay, d, cols, xp))
             elif cfg.attention.qk_norm_whole:  # laid out as the q (k) columns: each device's heads' part
                 out["q_norm"] = heads(lay["q_norm"], dd)
                 out["k_norm"] = cols(lay["k_norm"], kv_lo, self.kv_heads * dd)
             if cfg.pattern.is_linear(i):
                 pass
             elif cfg.is_mla:
-                out.update(self._mla_params(cfg, lay, d, cols, cfg.pattern.rotates(i)))
+                out.update(self._mla_params(cfg, lay, d, cols, cfg.pattern.rotates(i), xp))
             else:
                 out["wq"] = heads(lay["wq"], dd)
                 if cfg.attention.attn_output_gate:  # its columns follow the q heads'
@@ -258,7 +274,7 @@ class ShardingPlan:
                 out["wv"] = cols(lay["wv"], kv_lo, self.kv_heads * dd)
                 out["wo"] = heads(lay["wo"], dd, axis=0)
                 if cfg.attention.o_bias:  # whole on every device: added once, after the all-reduce
-                    out["bo"] = np.asarray(lay["bo"])
+                    out["bo"] = xp.asarray(lay["bo"])
                 if cfg.attention.attn_sinks:  # each device's q heads' sink logits
                     out["sinks"] = heads(lay["sinks"], 1)
                 if cfg.attention.qkv_bias:  # each device's heads' biases, as their columns
@@ -271,21 +287,21 @@ class ShardingPlan:
                 out["w_up"] = cols(lay["w_up"], lo, self.ffn)
                 out["w_down"] = cols(lay["w_down"], lo, self.ffn, axis=0)
             else:
-                out["router"] = np.asarray(lay["router"])
+                out["router"] = xp.asarray(lay["router"])
                 # replicated with the router (e_down_bias is packed into it: tpumk.kernel.moe)
                 # Muse Spark's projections around the experts: whole on every device (each device's
                 # experts read all M columns; its partial output at M maps to a partial sum at H)
                 for k in ("router_bias", "shared_router", "router_logit_bias", "e_down_bias", "moe_in", "moe_in_norm",
                           "moe_out"):
                     if k in lay:  # (moe_in / moe_out quantized with the ring: kept as they are)
-                        out[k] = lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
+                        out[k] = lay[k] if isinstance(lay[k], QuantizedMatrix) else xp.asarray(lay[k])
                 e_lo = self.expert_group(d) * self.experts
                 f_lo = (d % self.expert_tensor) * self.expert_ffn
                 def owned(a):  # this device's experts (the leading axis)
                     if isinstance(a, QuantizedMatrix):  # (nvfp4: each expert's global scales with it)
                         return a._replace(q=owned(a.q), scale=owned(a.scale),
                                           outer=None if a.outer is None else owned(a.outer))
-                    return np.asarray(a)[e_lo:e_lo + self.experts]
+                    return xp.asarray(a)[e_lo:e_lo + self.experts]
 
                 for k in ("e_gate", "e_up"):
                     out[k] = cols(owned(lay[k]), f_lo, self.expert_ffn)
@@ -300,10 +316,10 @@ class ShardingPlan:
                     out["s_down"] = cols(lay["s_down"], lo, self.shared_ffn, axis=0)
             layers.append(out)
         v_lo = d * self.vocab
-        top = {"embed": cols(params["embed"], v_lo, self.vocab, axis=0), "final_norm": np.asarray(params["final_norm"]),
+        top = {"embed": cols(params["embed"], v_lo, self.vocab, axis=0), "final_norm": xp.asarray(params["final_norm"]),
                "layers": layers}
         if "rope_alpha" in params:  # learned RoPE frequencies: whole on every device
-            top["rope_alpha"] = np.asarray(params["rope_alpha"])
+            top["rope_alpha"] = xp.asarray(params["rope_alpha"])
         if "lm_head" in params:  # untied, or a quantized build's own copy of a tied head
             top["lm_head"] = cols(params["lm_head"], v_lo, self.vocab)
         return top
@@ -317,7 +333,7 @@ class ShardingPlan:
                                ks + np.arange(d * kh * dk, (d + 1) * kh * dk),
                                2 * ks + np.arange(d * vh * dv, (d + 1) * vh * dv)])
 
-    def _linear_params(self, cfg: ModelConfig, lay: dict, d: int, cols) -> dict:
+    def _linear_params(self, cfg: ModelConfig, lay: dict, d: int, cols, xp=np) -> dict:
         """Device d's linear-attention weights: its key heads and their value heads (convolution
         channels, gates, decays, the out-projection's rows); KDA's low-rank gates' first halves
         (f_a, g_a) and the gated norm whole."""
@@ -327,18 +343,18 @@ class ShardingPlan:
 
         def take(a, idx, axis=-1):  # columns (or rows) at `idx`, codes and their scales alike
             if isinstance(a, QuantizedMatrix):
-                scale = take(a.scale, idx) if axis % a.q.ndim == a.q.ndim - 1 else                     (np.asarray(a.scale) if not a.grouped else None)
+                scale = take(a.scale, idx) if axis % a.q.ndim == a.q.ndim - 1 else                     (xp.asarray(a.scale) if not a.grouped else None)
                 if scale is None:
                     raise PlanError("sharding: a linear layer's out-projection with scales per 128 rows cannot split "
                                     "by value heads here (quantize per column, or on one device)")
                 return a._replace(q=take(a.q, idx, axis), scale=scale)
-            return np.take(np.asarray(a), idx, axis=axis)
+            return xp.take(xp.asarray(a), idx, axis=axis)
 
         heads_v = np.arange(d * vh, (d + 1) * vh)
         lanes_v = np.arange(d * vh * dv, (d + 1) * vh * dv)
         out = {"lin_qkv": take(lay["lin_qkv"], ch), "lin_conv": take(lay["lin_conv"], ch),
                "lin_b": take(lay["lin_b"], heads_v), "lin_A_log": take(lay["lin_A_log"], heads_v),
-               "lin_norm": np.asarray(lay["lin_norm"]), "lin_out": take(lay["lin_out"], lanes_v, axis=0)}
+               "lin_norm": xp.asarray(lay["lin_norm"]), "lin_out": take(lay["lin_out"], lanes_v, axis=0)}
         if lin.linear_kind == "gated_delta":
             out.update(lin_z=take(lay["lin_z"], lanes_v), lin_a=take(lay["lin_a"], heads_v),
                        lin_dt_bias=take(lay["lin_dt_bias"], heads_v))
@@ -346,7 +362,7 @@ class ShardingPlan:
             lanes_k = np.arange(d * vh * dk, (d + 1) * vh * dk)
             out.update(lin_f_a=lay["lin_f_a"], lin_g_a=lay["lin_g_a"], lin_f_b=take(lay["lin_f_b"], lanes_k),
                        lin_g_b=take(lay["lin_g_b"], lanes_v), lin_dt_bias=take(lay["lin_dt_bias"], lanes_k))
-            out.update({k: out[k] if isinstance(out[k], QuantizedMatrix) else np.asarray(out[k])
+            out.update({k: out[k] if isinstance(out[k], QuantizedMatrix) else xp.asarray(out[k])
                         for k in ("lin_f_a", "lin_g_a")})
         return out
 
@@ -406,7 +422,7 @@ class ShardingPlan:
             pending = pending.at[..., idx[keep]].set(states.pending[..., d * lw + keep])
         return states._replace(conv=conv, pending=pending)
 
-    def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols, rotates: bool = True) -> dict:
+    def _mla_params(self, cfg: ModelConfig, lay: dict, d: int, cols, rotates: bool = True, xp=np) -> dict:
         """Device d's MLA attention weights: its heads' columns of q_b (or q) and of wkv_b
         (each head's columns are contiguous: N + R of q, N key then V value lanes of wkv_b; a
         quantized layer: its heads' blocks of the absorbed w_uk / w_uv stacks), its
@@ -414,7 +430,7 @@ class ShardingPlan:
         of each (`latent_slices`); their norms whole."""
         hl, h0 = self.q_heads, d * self.q_heads
         # sparse attention's indexer whole on every device: each computes the same selection
-        out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else np.asarray(lay[k])
+        out = {k: lay[k] if isinstance(lay[k], QuantizedMatrix) else xp.asarray(lay[k])
                for k in ("wq_a", "q_a_norm", "kv_a_norm") + INDEXER_WEIGHTS if k in lay}
         out["wkv_a"] = mla_kv_a(cfg, lay)  # (Mistral Large 4's NoPE and KV-sharing layers: [H, C + R])
         if self.latent_split:
@@ -424,13 +440,13 @@ class ShardingPlan:
                     out[key] = cols(out[key], d * w[fam], w[fam])
         if cfg.attention.query_log_scale:  # each device's heads' log-position scales and biases
             for k in ("q_log_scale", "q_log_bias"):
-                out[k] = np.asarray(lay[k])[h0:h0 + hl]
+                out[k] = xp.asarray(lay[k])[h0:h0 + hl]
         q = "wq_b" if "wq_b" in lay else "wq"
         out[q] = cols(lay[q], h0 * cfg.head_dim, hl * cfg.head_dim)
         if "w_uk" in lay:  # a quantized layer's absorbed per-head blocks [Hq, ...]: its heads' blocks
             for k in ("w_uk", "w_uv"):
                 m = lay[k]
-                out[k] = m._replace(q=np.asarray(m.q)[h0:h0 + hl], scale=np.asarray(m.scale)[h0:h0 + hl])
+                out[k] = m._replace(q=xp.asarray(m.q)[h0:h0 + hl], scale=xp.asarray(m.scale)[h0:h0 + hl])
         else:
             kv_b = cfg.attention.layer_key_widths(rotates)[0] + cfg.v_head_dim  # (a wide NoPE layer's N + R keys)
             out["wkv_b"] = cols(lay["wkv_b"], h0 * kv_b, hl * kv_b)

@@ -100,8 +100,9 @@ class TpumkForCausalLM(nnx.Module):
             logger.error("%s", e)
             raise ServingConfigError(str(e)) from None
         rt = self.runtime
-        logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d)", rt.cfg.name, rt.source,
-                    rt.plan.batch, rt.plan.context)
+        logger.info("tpumk plugin: %s, decode steps from %s (batch %d, context %d), weights held %s", rt.cfg.name,
+                    rt.source, rt.plan.batch, rt.plan.context,
+                    "once (packed)" if rt.holds_weights_once else "twice (packed and reference layout)")
         from tpumk.model.weights import random_params
         from tpumk.vllm.backend import declare_layers
 
@@ -131,7 +132,8 @@ class TpumkForCausalLM(nnx.Module):
         packed = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in shared else jnp.asarray(a), packed)
         params = jax.tree.map(jnp.asarray, params)
         rt = self.runtime
-        if rt.devices > 1:  # on vLLM's mesh: each device its part of the packed weights, the JAX path's whole
+        # on vLLM's mesh: each device its part of the packed weights (a quantized plan: the JAX path's whole too)
+        if rt.devices > 1:
             from jax.sharding import NamedSharding
             from jax.sharding import PartitionSpec as P
 

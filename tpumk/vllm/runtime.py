@@ -203,7 +203,8 @@ class Runtime:
     def holds_weights_once(self) -> bool:
         """True when the device holds only the kernel's packed weights and the JAX path reads its
         reference-layout weights back from them inside the step (tpumk.kernel.unpack: floating-point
-        weights); a quantized plan holds both layouts (integer codes have no transpose)."""
+        weights, on one device or, at tensor parallel, from every device's packed part); a quantized
+        plan holds both layouts (integer codes have no transpose)."""
         from tpumk.kernel.unpack import Unpacker
 
         return Unpacker.supports(self.plan)
