@@ -138,14 +138,14 @@ class Runtime:
         the model: it sizes the pool after loading it). The kernel addresses pages by their ids,
         clipped to the pool, so a build re-specialises only its cache operands' shapes
         (`Plan.num_pages`); an artifact's exported program takes exactly its own pool."""
-        if num_pages == self.plan.num_pages:
+        if num_pages == self.plan.num_pages and (self.plan.linear is None or self.plan.linear.num_slots == num_pages):
             return self.step
         if self.fixed_pages is not None:
             raise ServingConfigError(f"tpumk plugin: vLLM's KV cache has {num_pages} blocks: the artifact's program "
                                      f"takes exactly {self.fixed_pages} pages (start vLLM with "
                                      f"--num-gpu-blocks-override {self.fixed_pages}, or serve a start-up build)")
         if num_pages not in self._pool_steps:
-            self._pool_steps[num_pages] = _decode_step(replace(self.plan, num_pages=num_pages), self.mesh_devices)
+            self._pool_steps[num_pages] = _decode_step(pool_plan(self.plan, num_pages), self.mesh_devices)
         return self._pool_steps[num_pages]
 
     def verify_step_for(self, num_pages: int) -> Callable:
@@ -236,6 +236,15 @@ class Runtime:
         """The JAX path's reference-layout weights read back from `packed` inside the step
         (`holds_weights_once`; after load_params)."""
         return self._unpacker["weights"](packed)
+
+
+def pool_plan(plan, num_pages: int):
+    """`plan` on vLLM's pool of `num_pages` blocks: its pages, and a hybrid model's state slots
+    (one per block: a request's slot is its first block, tpumk.vllm.states)."""
+    out = replace(plan, num_pages=num_pages)
+    if plan.linear is not None:
+        out = replace(out, linear=replace(plan.linear, num_slots=num_pages))
+    return out
 
 
 def _check_vllm(vllm_config, cfg) -> None:

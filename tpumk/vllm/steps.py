@@ -31,7 +31,9 @@ import jax.numpy as jnp
 from tpumk.model import reference as ref
 from tpumk.model.config import ModelConfig
 from tpumk.model.reference import KVCache
-from tpumk.vllm import kv, mla_prefill, prefill
+from tpumk.model import linear_attention as la
+from tpumk.model.ops import jnp_dtype
+from tpumk.vllm import kv, mla_prefill, prefill, states
 
 
 def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
@@ -51,7 +53,8 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
                block_tables: jax.Array, num_reqs: jax.Array, block_size: int, max_context: int,
                on_step: Callable[[str], None] | None = None,
                unpack: Callable[[dict], dict] | None = None,
-               devices: int = 1, taps: tuple[int, ...] = (), verify: tuple[Callable, int] | None = None):
+               devices: int = 1, taps: tuple[int, ...] = (), verify: tuple[Callable, int] | None = None,
+               state: jax.Array | None = None):
     """What the plugin's model runs inside vLLM's jitted step: `decode_step` when every live
     request has one new token, else `ragged_step` (`params` / `cfg`: the kernel's run model), as
     a `lax.cond` on the metadata (vLLM decides on the host, then traces one program per token
@@ -69,13 +72,20 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
     requests each have 1 to q_len tokens (vLLM's verify batches of k + 1; fewer near
     max_model_len or the token budget; decode-only batches; short prefill chunks) runs
     `verify_step`, any other `ragged_step` with the taps. Without `verify` (an artifact's program
-    has no verify step) every batch runs `ragged_step` with the taps."""
+    has no verify step) every batch runs `ragged_step` with the taps.
+
+    `state`: a hybrid model's linear-attention state array (tpumk.vllm.states), which every
+    branch takes and returns after K and V (the cache is then (k, v, state)); a request whose
+    first token arrives in this batch has its slot reset first."""
+    if state is not None:
+        state = states.reset_new(state, positions, query_start_loc, block_tables, num_reqs)
+
     def ragged(cache):
         if on_step is not None:
             on_step("ragged")
-        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache, input_ids, positions,
+        return ragged_step(params if unpack is None else unpack(packed), cfg, *cache[:2], input_ids, positions,
                            query_start_loc, block_tables, num_reqs, block_size, max_context, devices=devices,
-                           taps=taps)
+                           taps=taps, state=cache[2] if len(cache) > 2 else None)
 
     live = jnp.arange(seq_lens.shape[0]) < num_reqs
     counts = query_start_loc[1:] - query_start_loc[:-1]
@@ -92,20 +102,21 @@ def serve_step(step: Callable, packed, params: dict, cfg: ModelConfig, plan_shap
 
         fits = jnp.all((counts <= q_len) | ~live)
         return jax.lax.cond(fits, verified, ragged, (k, v))
+    cache = (k, v) if state is None else (k, v, state)
     decode_only = jnp.all((counts == 1) | ~live)
 
     def decode(cache):
         if on_step is not None:
             on_step("decode")
-        return decode_step(step, packed, plan_shape, *cache, input_ids, positions, query_start_loc, seq_lens,
-                           block_tables, num_reqs)
+        return decode_step(step, packed, plan_shape, *cache[:2], input_ids, positions, query_start_loc, seq_lens,
+                           block_tables, num_reqs, state=cache[2] if len(cache) > 2 else None, cfg=cfg)
 
-    return jax.lax.cond(decode_only, decode, ragged, (k, v))
+    return jax.lax.cond(decode_only, decode, ragged, cache)
 
 
 def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.Array, input_ids: jax.Array,
                 positions: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
-                num_reqs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                num_reqs: jax.Array, state: jax.Array | None = None, cfg: ModelConfig | None = None):
     """A decode-only batch through `step` (a tpumk decode step: (packed, tokens [B, 1],
     positions [B, 1], KVCache) -> (logits, KVCache), B = plan_shape["batch"] >= S) on vLLM's
     stacked K and V arrays themselves (tpumk.vllm.kv): they go into the kernel as they are, with
@@ -114,7 +125,10 @@ def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.A
 
     `plan_shape`: batch, context, page_size of the step's plan. Request slot b's token is row
     query_start_loc[b]; slots past num_reqs (and up to B) run at position -1, which writes
-    nothing and reads nothing."""
+    nothing and reads nothing.
+
+    `state` (a hybrid model: tpumk.vllm.states; `cfg` the kernel's run model): the state array,
+    each request reading and writing its first block's slot; returned third in the cache tuple."""
     batch, per = plan_shape["batch"], plan_shape["context"] // plan_shape["page_size"]
     # vLLM pads the request slots to a bucket that may pass max_num_seqs (<= batch, checked at
     # start-up): the live requests are all among the first `batch`
@@ -125,9 +139,11 @@ def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.A
     tokens = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, input_ids[rows], 0))
     pos = jnp.full((batch,), -1, jnp.int32).at[:s].set(jnp.where(live, positions[rows], -1))
     lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - 1, 0))
-    cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths)
+    pool = None if state is None else states.pool(state, cfg, states.request_slots(block_tables, num_reqs, batch))
+    cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths, pool)
     logits, cache = step(packed, tokens[:, None], pos[:, None], cache)
-    return (cache.k, cache.v), _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
+    out = (cache.k, cache.v) if state is None else (cache.k, cache.v, states.commit(state, cache.states))
+    return out, _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
 
 
 def verify_step(step: Callable, packed, plan_shape: dict, hidden: int, k: jax.Array, v: jax.Array,
@@ -171,7 +187,8 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
                 positions: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array,
                 block_size: int, max_context: int, query_tile: int = prefill.QUERY_TILE,
                 key_tile: int = prefill.KEY_TILE,
-                short_tile: int = prefill.SHORT_TILE, devices: int = 1, taps: tuple[int, ...] = ()):
+                short_tile: int = prefill.SHORT_TILE, devices: int = 1, taps: tuple[int, ...] = (),
+                state: jax.Array | None = None):
     """Any batch through the reference layers: T tokens [T] at `positions` [T], token i of the
     request whose rows [query_start_loc[r], query_start_loc[r + 1]) hold it, on vLLM's stacked K
     and V arrays (tpumk.vllm.kv; their row width is `cfg`'s KV width: the plugin passes the
@@ -190,7 +207,12 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     entering each of those layers for every token, a list of [T, H] (tpumk's tap numbering,
     `reference.check_taps`), and the logits of every token of the batch, not only each request's
     last: a verify batch samples a row per draft token. Returns ((k, v), rows) or, with taps,
-    ((k, v), rows, taps)."""
+    ((k, v), rows, taps).
+
+    `state` (a hybrid model's linear-attention state array, tpumk.vllm.states): the linear layers
+    run each request's tokens as one sequence from its slot's state (`linear_attention.
+    layer_step`, the chunked form for a long chunk), so a prompt split over several chunks
+    carries its state from one to the next; the array comes back third in the cache tuple."""
     t = input_ids.shape[0]
     if cfg.is_mla and taps:  # refused at start-up (tpumk.vllm.speculative); here so no caller gets other rows
         raise ValueError("ragged_step: taps of an MLA model: not served")
@@ -206,16 +228,29 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     tapped = {}
+    if state is not None:
+        pool, seq_rows, seq_live = _sequences(cfg, state, query_start_loc, block_tables, num_reqs, pos, t)
     for li, layer in enumerate(params["layers"]):
         if li in taps:
             tapped[li] = x[0]
         h = ref.sublayer_in(cfg.norms, layer, "attn_norm", x)
+        if cfg.pattern.is_linear(li):  # each request's tokens as one sequence from its slot's state
+            o, pool = la.layer_step(cfg.linear, layer, h[0][seq_rows], seq_live, pool, cfg.pattern.linear_index(li),
+                                    cfg.norms.rms_eps, jnp_dtype(cfg))
+            back = jnp.where(seq_live, seq_rows, t)  # [S, T] -> the token rows (dead ones dropped)
+            o = jnp.zeros((t, o.shape[-1]), o.dtype).at[back].set(o, mode="drop")
+            x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", o[None])
+            h = ref.mlp_in(cfg.norms, layer, x, h)
+            x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
+                                     .reshape(1, t, -1))
+            continue
         q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
-        k_cache = kv.write_rows(k_cache, li, new_slots, k[0].reshape(t, -1), devices)
-        v_cache = kv.write_rows(v_cache, li, new_slots, v[0].reshape(t, -1), devices)
-        o = prefill.attend(a, k_cache, v_cache, li, items, q[0], pos, block_tables, block_size, max_context,
+        kl = cfg.pattern.kv_index(li)  # the layer's place in the cache (a hybrid's linear layers have none)
+        k_cache = kv.write_rows(k_cache, kl, new_slots, k[0].reshape(t, -1), devices)
+        v_cache = kv.write_rows(v_cache, kl, new_slots, v[0].reshape(t, -1), devices)
+        o = prefill.attend(a, k_cache, v_cache, kl, items, q[0], pos, block_tables, block_size, max_context,
                            cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile, devices)
-        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None]))
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None], h))
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))
@@ -225,4 +260,18 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
         return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x[0])), [tapped[li] for li in taps]
     last = _last_rows(query_start_loc, num_reqs)
     logits = ref.logits_from(cfg, params, x[0][jnp.maximum(last, 0)])
-    return (k_cache, v_cache), _scatter_rows(t, last, logits)
+    out = (k_cache, v_cache) if state is None else (k_cache, v_cache, states.commit(state, la.step_counts(pool, t)))
+    return out, _scatter_rows(t, last, logits)
+
+
+def _sequences(cfg: ModelConfig, state: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array,
+               num_reqs: jax.Array, pos: jax.Array, t: int):
+    """The ragged batch's requests as sequences for the linear layers: (the pool with each request
+    slot's state slot, rows [S, T] of request r's j-th token in the batch, live [S, T]: j < its
+    token count and the token in the cache; a request's dead tokens all after its live ones)."""
+    s = query_start_loc.shape[0] - 1
+    j = jnp.arange(t, dtype=jnp.int32)
+    start, count = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
+    rows = jnp.clip(start[:, None] + j[None, :], 0, t - 1)
+    live = (j[None, :] < count[:, None]) & (jnp.arange(s) < num_reqs)[:, None] & (pos[rows] >= 0)
+    return states.pool(state, cfg, states.request_slots(block_tables, num_reqs, s)), rows, live
