@@ -130,6 +130,35 @@ def build_deepseek_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Pa
     return out
 
 
+# a tiny Qwen3.5 dense hybrid: two Gated DeltaNet layers, then a gated attention layer; widths on
+# the 128-lane grid (the linear heads' key and value widths must be), a vocabulary of 512
+QWEN3_5_KW = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=128, intermediate_size=256, linear_num_key_heads=1, linear_num_value_heads=2,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "linear_attention", "full_attention"])
+
+
+def build_qwen3_5_checkpoint(out: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random float32 Qwen3.5 dense hybrid (model_type qwen3_5_text, transformers' own class)
+    saved with `save_pretrained`: its (1 + w) norms around 0, the gated norm around 1, decays
+    and their biases random, so every part moves the logits."""
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model("qwen3_5_text", initializer_range=0.1, pad_token_id=None,
+                                            bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+                                            **dict(QWEN3_5_KW, **overrides))
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("dt_bias", "A_log")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    out = Path(out)
+    model.save_pretrained(out)
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def load_model(path: str) -> torch.nn.Module:
     config = transformers.AutoConfig.from_pretrained(path)

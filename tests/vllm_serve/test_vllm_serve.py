@@ -148,7 +148,7 @@ class Server:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_utils import build_checkpoint, build_deepseek_checkpoint, hf_greedy
+    from hf_utils import build_checkpoint, build_deepseek_checkpoint, build_qwen3_5_checkpoint, hf_greedy
 
     d = tmp_path_factory.mktemp("ckpt")
     made = {"dense": build_checkpoint(d / "qwen3"), "moe": build_checkpoint(d / "qwen3-moe", moe=True),
@@ -156,7 +156,8 @@ def checkpoints(tmp_path_factory):
             # 8 query heads, 4 KV heads of 128: one KV head per device at --tensor-parallel-size 4
             "llama-tp4": build_checkpoint(d / "llama-tp4", arch="llama", num_attention_heads=8, num_key_value_heads=4),
             "gpt-oss": build_checkpoint(d / "gpt-oss", arch="gpt_oss", **GPT_OSS),
-            "deepseek-v3": build_deepseek_checkpoint(d / "deepseek-v3", seed=3, **DEEPSEEK_V3)}
+            "deepseek-v3": build_deepseek_checkpoint(d / "deepseek-v3", seed=3, **DEEPSEEK_V3),
+            "qwen3.5-hybrid": build_qwen3_5_checkpoint(d / "qwen3.5", seed=5)}
     return {kind: (path, hf_greedy(path, PROMPTS, STEPS)) for kind, path in made.items()}
 
 
@@ -240,7 +241,7 @@ def gpt_oss_without_window_and_sinks(path: Path) -> list[list[list[int]]]:
     return [hf_greedy(path, PROMPTS, STEPS, model=m) for m in (no_window, no_sinks)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss", "deepseek-v3", "llama-tp4"])
+@pytest.mark.parametrize("kind", ["dense", "llama-hd64", "moe", "gpt-oss", "deepseek-v3", "llama-tp4", "qwen3.5-hybrid"])
 def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_path, request):
     ckpt, want = checkpoints[kind]
     if kind == "gpt-oss":  # the window and the sinks each change these tokens: a server ignoring either fails
@@ -253,7 +254,9 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     # latent cache itself, docs/serving-vllm.md)
     tp = TP if kind == "llama-tp4" else 1
     server = Server(ckpt, tmp_path / "serve.log", overrides=overrides, blocks=16 if kind == "moe" else 64,
-                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None, tp=tp)
+                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None, tp=tp,
+                    # a hybrid's state slot is its request's first block (tpumk.vllm.states): no shared prefixes
+                    args=("--no-enable-prefix-caching",) if kind == "qwen3.5-hybrid" else ())
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
         with cf.ThreadPoolExecutor(1) as ex:
@@ -274,9 +277,13 @@ def test_served_tokens_are_transformers_greedy_tokens(kind, checkpoints, tmp_pat
     # latent array, [layers, blocks, 16, 128] (40 + 8 lanes in a whole 128-lane tile); tensor
     # parallel: [layers, blocks, tp x 16, width / tp], split on its mesh's 'model' axis (tpumk.vllm.kv)
     blocks = 16 if kind == "moe" else 64
-    arrays, width = (1, "128") if kind == "deepseek-v3" else (2, r"\d+")
+    # a hybrid: a third array, its linear layers' state pool (one slot's entry per block: tpumk.vllm.states)
+    arrays, width = (1, "128") if kind == "deepseek-v3" else (3, r"\d+") if kind == "qwen3.5-hybrid" else (2, r"\d+")
     assert re.search(rf"num_blocks=\[{', '.join([str(blocks)] * arrays)}\] \| regular_attn_layers={arrays} \| "
                      rf"regular_attn_shape=\(num_blocks, \({blocks}, {16 * tp}, {width}\)\)", log), log[-3000:]
+    if kind == "qwen3.5-hybrid":  # 2 Gated DeltaNet layers' states, a block's 16 rows one slot's entry
+        assert re.search(rf"tpumk plugin: linear-attention state pool: \[2, {blocks}, 16, \d+\] float32", log), \
+            log[-3000:]
     if tp > 1:  # float weights held once on vLLM's mesh: the packed parts only (tpumk.kernel.unpack)
         assert re.search(rf"tpumk plugin: .*Pallas TPU interpreter on {tp} CPU devices.*weights held once", log), \
             log[-3000:]

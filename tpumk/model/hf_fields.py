@@ -189,9 +189,10 @@ _SIGMOID_MOE = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_siz
 
 
 # A Gated DeltaNet hybrid's linear-attention fields (Qwen3-Next, Qwen3.5); full_attention_interval
-# is the pattern's default when layer_types is absent
+# is the pattern's default when layer_types is absent; transformers 5.19 also writes the RoPE
+# table's partial_rotary_factor at top level (the config reader takes either)
 _GATED_DELTA = {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads", "layer_types", "full_attention_interval"}
+                "linear_num_value_heads", "layer_types", "full_attention_interval", "partial_rotary_factor"}
 _HYBRID_REFUSED = {"attention_bias": Refused("biases on the gated attention's projections")}
 
 

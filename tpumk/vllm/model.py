@@ -11,6 +11,8 @@ vLLM (tpumk.vllm.backend), so that cache is two arrays in the megakernel's stack
   `Runtime` holds;
 - any other batch (prefill chunks, prefill mixed with decode): the pure-JAX reference layers
   on the same weights (`tpumk.vllm.steps.ragged_step`);
+- a hybrid model (Gated DeltaNet layers): a third declared cache array holds the linear layers'
+  state pool (tpumk.vllm.states), which both programs read and write;
 - the choice is a `lax.cond` on the metadata (`tpumk.vllm.steps.serve_step`), and both branches
   return the logits rows, so `compute_logits` passes them on.
 - with `--speculative-config` method eagle3 (tpumk.vllm.speculative): the verify batches (at most
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpumk.vllm import kv, steps
+from tpumk.vllm import kv, states, steps
 from tpumk.vllm.runtime import Runtime, ServingConfigError
 
 logger = logging.getLogger("vllm.tpumk")  # under vLLM's logger, so its handlers print it
@@ -39,6 +41,7 @@ logger = logging.getLogger("vllm.tpumk")  # under vLLM's logger, so its handlers
 # TPUMK_VLLM_COUNT_STEPS=1: every step logs which program ran it (a host callback per step, so
 # off by default; the end-to-end test reads these lines to show the megakernel decoded)
 COUNT_STEPS = os.environ.get("TPUMK_VLLM_COUNT_STEPS") == "1"
+_LOGGED: set = set()  # the state array shapes logged
 _COUNTS = {"decode": 0, "verify": 0, "ragged": 0}
 STEP_NAMES = {"decode": "megakernel decode step", "verify": "megakernel verify step",
               "ragged": "JAX prefill/mixed step"}
@@ -108,6 +111,8 @@ class TpumkForCausalLM(nnx.Module):
 
         # before vLLM asks the runner for its KV cache spec: two stacked arrays, K and V (MLA: the latent one)
         declare_layers(vllm_config, rt.kv_layers, rt.kv_width, rt.kv_names, rt.devices)
+        if rt.state_layers:  # a hybrid: its linear layers' state pool, one slot's entry per block (tpumk.vllm.states)
+            declare_layers(vllm_config, rt.state_layers, rt.state_width, (states.STATE_LAYER,))
         if rt.taps:  # eagle3: vLLM's drafter's own KV-cache layer, after the model's (it reads kv_caches[-1])
             from tpumk.vllm.backend import declare_draft_layer
 
@@ -168,6 +173,19 @@ class TpumkForCausalLM(nnx.Module):
             if problem:  # a layout start-up did not foresee: one line, not a shape error deep in the kernel
                 logger.error("tpumk plugin: %s", problem)
                 raise ServingConfigError(f"tpumk plugin: {problem}")
+        state = None
+        if rt.state_layers:  # a hybrid's state array: [linear layers, blocks, block size, state width]
+            state = kv_caches[where.get(states.STATE_LAYER, len(rt.kv_names))]
+            problem = kv.layout_problem(state.shape, state.dtype, rt.state_layers, rt.state_width, rt.block_size,
+                                        jnp.dtype(run.dtype))
+            if problem or state.shape[1] != k.shape[1]:
+                problem = problem or f"vLLM's state array has {state.shape[1]} blocks, its K array {k.shape[1]}"
+                logger.error("tpumk plugin: %s", problem)
+                raise ServingConfigError(f"tpumk plugin: {problem}")
+            if tuple(state.shape) not in _LOGGED:  # traced once per token bucket: logged once
+                _LOGGED.add(tuple(state.shape))
+                logger.info("tpumk plugin: linear-attention state pool: %s %s (a slot per block: each request's "
+                            "first block's)", list(state.shape), jnp.dtype(state.dtype).name)
         try:
             step = rt.step_for(k.shape[1])
         except ServingConfigError as e:
@@ -182,13 +200,16 @@ class TpumkForCausalLM(nnx.Module):
         def on_step(kind):
             jax.debug.callback(_count, kind, num_reqs)
 
-        (k, v), rows, *aux = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run,
+        cache, rows, *aux = steps.serve_step(step, self.packed.get_value(), self.params.get_value(), run,
                                               rt.plan_shape, k, v, input_ids, md.input_positions, md.query_start_loc,
                                               md.seq_lens, md.block_tables.reshape(slots, -1), num_reqs,
                                               rt.block_size, rt.max_model_len, on_step if COUNT_STEPS else None,
                                               rt.unpack if rt.holds_weights_once else None, rt.devices, rt.taps,
-                                              verify)
+                                              verify, state)
         out = list(kv_caches)
+        k, v = cache[:2]
+        if state is not None:
+            out[where.get(states.STATE_LAYER, len(rt.kv_names))] = cache[2]
         out[ik] = k
         if iv is not None:
             out[iv] = v

@@ -23,17 +23,18 @@ Every configuration the plugin cannot serve correctly raises `ServingConfigError
 that names the setting and what was expected, before any weight is read: the server then refuses
 to start rather than serve other tokens. Refused in this round: an artifact for another model,
 a smaller batch or context than vLLM's, another q_len or several devices; sparse-attention MLA
-(its indexer's key cache is not in vLLM's cache), Muse Spark's embedding norm, gated residuals and gated attention
-output (the plugin's prefill does not run them), hybrid models' linear-attention layers (their
-per-sequence state is not in vLLM's KV cache), vLLM's own quantization (a checkpoint's stored
+(its indexer's key cache is not in vLLM's cache), Muse Spark's embedding norm and gated residuals
+(the plugin's prefill does not run them), vLLM's own quantization (a checkpoint's stored
 quantized weights too) or KV-cache dtype, pipeline / data parallelism, tensor parallelism that
 does not give each device its own KV heads (or with an artifact), speculative decoding other than
-EAGLE-3 (tpumk.vllm.speculative),
+EAGLE-3 (tpumk.vllm.speculative), a hybrid model's linear layers beside MLA (Kimi Linear), at
+tensor parallel > 1, with prefix caching, speculative decoding or an artifact (tpumk.vllm.states),
 an attention backend other than the plugin's own `tpumk` (the only one that allocates the kernel's
 stacked cache, tpumk.vllm.kv), an artifact whose page size is not vLLM's block size, and sizes
 vLLM should never pass (max_model_len, max_num_seqs or block_size below 1). Sliding-window layers
-and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks"), and
-MLA on one stacked latent array ("MLA: the latent cache").
+and attention sinks are served (docs/serving-vllm.md, "Sliding windows and attention sinks"),
+MLA on one stacked latent array ("MLA: the latent cache"), and Gated DeltaNet hybrids (Qwen3-Next,
+Qwen3.5) with their state pool in one more cache array ("Linear-attention hybrids").
 """
 
 from __future__ import annotations
@@ -115,6 +116,18 @@ class Runtime:
 
         return kv.layer_names(self.plan.whole_model)
 
+    @property
+    def state_layers(self) -> int:
+        """A hybrid's linear layers: the first axis of its state array (tpumk.vllm.states); 0 otherwise."""
+        return len(self.plan.whole_model.linear_layers) if self.plan.whole_model.linear else 0
+
+    @property
+    def state_width(self) -> int:
+        """The row width of a hybrid's state array: a block's rows hold one slot's entry (tpumk.vllm.states)."""
+        from tpumk.vllm import states
+
+        return states.row_width(self.plan.whole_model, self.block_size)
+
     def packed_shapes(self) -> dict:
         """ShapeDtypeStructs of the kernel's packed weights: one device's (`packed_specs`), or on
         many each device's stacked on a leading axis and the whole embedding
@@ -184,6 +197,10 @@ class Runtime:
         block_size = _positive("block_size", vllm_config.cache_config.block_size)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         art = _operator_artifact(mc, model_dir)
+        if art and cfg.linear:
+            raise ServingConfigError(f"tpumk plugin: an artifact ({art}) of a model with linear-attention layers: "
+                                     "expected a start-up build (an artifact's program takes its own state pool, "
+                                     "not vLLM's blocks)")
         if art and tp != 1:
             raise ServingConfigError(f"tpumk plugin: tensor_parallel_size {tp} with an artifact ({art}): expected a "
                                      "start-up build (an artifact's exported program runs on one device)")
@@ -267,13 +284,23 @@ def _check_vllm(vllm_config, cfg) -> None:
     # sliding-window layers are served: the plugin declares one full-attention cache for every
     # layer (tpumk.vllm.backend), so a window layer keeps all its pages in vLLM's block tables,
     # and the kernel and the ragged prefill apply each layer's window (and sinks) themselves
-    if cfg.linear:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers ({cfg.linear.linear_kind}, "
-                                 f"{len(cfg.linear_layers)} of {cfg.num_layers}); the plugin does not keep their "
-                                 "per-sequence state pool in vLLM's cache yet (serve it with a softmax-attention model, "
-                                 "or run it with tpumk generate)")
-    spark = [f for f, on in (("embed_norm", cfg.embed_norm), ("residual_gates", cfg.residual_gates),
-                             ("attn_output_gate", cfg.attn_output_gate)) if on]
+    # a hybrid's linear layers keep their state pool in one more cache array, a request's slot
+    # being its first block (tpumk.vllm.states): what that does not cover is refused
+    if cfg.linear and cfg.is_mla:
+        raise ServingConfigError(f"{where}: model '{cfg.name}' has linear-attention layers beside MLA (Kimi Linear); "
+                                 "the plugin's MLA prefill (tpumk.vllm.mla_prefill) does not run them yet (run it with "
+                                 "tpumk generate)")
+    if cfg.linear and int(pc.tensor_parallel_size) != 1:
+        raise ServingConfigError(f"{where}: tensor_parallel_size {pc.tensor_parallel_size}: model '{cfg.name}' has "
+                                 "linear-attention layers: expected 1 (the plugin keeps their state pool on one device)")
+    if cfg.linear and getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ServingConfigError(f"{where}: enable_prefix_caching with linear-attention layers (model '{cfg.name}'): "
+                                 "expected --no-enable-prefix-caching (a request's state slot is its first block, "
+                                 "which a cached prefix would share)")
+    if cfg.linear and getattr(vllm_config, "speculative_config", None) is not None:
+        raise ServingConfigError(f"{where}: --speculative-config with linear-attention layers (model '{cfg.name}'): "
+                                 "expected none (the plugin's verify steps do not roll their state pool back)")
+    spark = [f for f, on in (("embed_norm", cfg.embed_norm), ("residual_gates", cfg.residual_gates)) if on]
     if spark:
         raise ServingConfigError(f"{where}: model '{cfg.name}' has {spark[0]} (Muse Spark's parts); the plugin's "
                                  "prefill (tpumk.vllm.steps.ragged_step) does not run it yet (run it with tpumk "
