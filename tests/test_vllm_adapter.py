@@ -361,7 +361,8 @@ def vllm_config(model_dir, **kw):
                               max_model_len=kw.get("max_model_len", 64), hf_config=hf_config, hf_overrides=overrides,
                               quantization=kw.get("quantization")),
               scheduler_config=NS(max_num_seqs=kw.get("max_num_seqs", 4)),
-              cache_config=NS(block_size=kw.get("block_size", 16), cache_dtype=kw.get("kv", "auto")),
+              cache_config=NS(block_size=kw.get("block_size", 16), cache_dtype=kw.get("kv", "auto"),
+                              enable_prefix_caching=kw.get("prefix", False)),
               parallel_config=NS(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=kw.get("pp", 1),
                                  data_parallel_size=kw.get("dp", 1)),
               speculative_config=kw.get("spec"))
@@ -388,6 +389,13 @@ QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_ne
               "full_attention_interval": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
               "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "norm_topk_prob": True,
               "mlp_only_layers": []}
+# a tiny Kimi Linear (KDA on layers 0 and 2 beside an MLA layer), as transformers 5's save writes it
+KIMI_LINEAR_JSON = {"model_type": "kimi_linear", "vocab_size": 211, "hidden_size": 128, "num_hidden_layers": 3,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+                    "qk_nope_head_dim": 32, "v_head_dim": 32, "intermediate_size": 160, "moe_intermediate_size": 128,
+                    "num_experts": 4, "num_experts_per_token": 2, "linear_head_dim": 128, "linear_num_heads": 4,
+                    "linear_conv_kernel_dim": 4, "first_k_dense_replace": 1, "torch_dtype": "float32",
+                    "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
 # a tiny Muse Spark language model (test_hf_muse_spark's): sliding-window and NoPE layers, gated
 # residuals, the embedding norm
 MUSE_SPARK_JSON = {"model_type": "muse_spark_text", "vocab_size": 301, "hidden_size": 64, "intermediate_size": 96,
@@ -430,9 +438,20 @@ LONG = "/tmp/" + "a" * 256  # a path component over 255 bytes
      "tpumk plugin: the checkpoint's quantization_config (quant_method 'mxfp4', which vLLM runs as --quantization "
      "gpt_oss_mxfp4): expected float weights (the plugin does not serve a checkpoint's stored quantized weights yet; "
      "TPUMK_VLLM_QUANT quantizes a float checkpoint)"),
-    ("hybrid", QWEN3_NEXT, {},
-     "tpumk plugin: model 'qwen3_next' has linear-attention layers (gated_delta, 3 of 4); the plugin does "
-     "not keep their per-sequence state pool in vLLM's cache yet"),
+    # a Gated DeltaNet hybrid is served (tests/test_vllm_hybrid.py: its state pool, a slot per
+    # request's first block); what that does not cover is refused
+    ("hybrid-prefix-caching", QWEN3_NEXT, {"prefix": True},
+     "tpumk plugin: enable_prefix_caching with linear-attention layers (model 'qwen3_next'): expected "
+     "--no-enable-prefix-caching (a request's state slot is its first block, which a cached prefix would share)"),
+    ("hybrid-tensor-parallel", QWEN3_NEXT, {"tp": 2},
+     "tpumk plugin: tensor_parallel_size 2: model 'qwen3_next' has linear-attention layers: expected 1"),
+    ("hybrid-speculative", QWEN3_NEXT, {"spec": __import__("types").SimpleNamespace(method="eagle3")},
+     "tpumk plugin: --speculative-config with linear-attention layers (model 'qwen3_next'): expected none"),
+    ("hybrid-kimi-linear", KIMI_LINEAR_JSON, {},
+     "tpumk plugin: model 'kimi_linear' has linear-attention layers beside MLA (Kimi Linear); the plugin's MLA "
+     "prefill (tpumk.vllm.mla_prefill) does not run them yet"),
+    ("hybrid-artifact", QWEN3_NEXT, {"env": "/srv/art"},
+     "tpumk plugin: an artifact (/srv/art) of a model with linear-attention layers: expected a start-up build"),
     # the checkpoint never picks the program: its own config.json naming an artifact is refused,
     # even beside the operator's choice, and so is the key reaching vLLM's config another way
     ("checkpoint-names-artifact", {"tpumk_artifact": "/srv/evil"}, {},
