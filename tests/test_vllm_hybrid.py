@@ -23,6 +23,9 @@ from tpumk.vllm import kv, states, steps
 from tpumk.vllm.runtime import pool_plan
 
 BLOCK, NUM_BLOCKS, SLOTS, CONTEXT = 16, 11, 6, 32
+# every batch padded to one token bucket past 64 rows (the chunked form of the delta rule): one
+# compile of the served step (both of its branches) for the whole test
+TOKENS = 80
 # the smallest hybrid: a Gated DeltaNet layer, then a gated attention layer (Qwen3-Next's pair)
 HYBRID = dict(name="tiny-gdn", num_layers=2, linear_kind="gated_delta", linear_layers=(0,), linear_key_heads=1,
               linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, linear_conv=4, attn_output_gate=True)
@@ -58,11 +61,11 @@ def batch_inputs(chunks, starts, num_tokens):
 
 
 def reference_logits(cfg, params, seqs):
-    out = []
-    for seq in seqs:
-        logits, _ = R.prefill(params, cfg, [seq], R.init_cache(cfg, 1, CONTEXT, 16))
-        out.append(np.asarray(logits[0]))
-    return np.stack(out)
+    """The reference's logits [len(seqs), longest, V] at every position of each whole sequence (one
+    causal forward; a shorter sequence padded at its end, which no earlier position sees)."""
+    longest = max(len(q) for q in seqs)
+    tokens = np.array([list(q) + [0] * (longest - len(q)) for q in seqs], np.int32)
+    return np.asarray(jax.jit(R.forward_full, static_argnums=1)(params, cfg, jnp.asarray(tokens)))
 
 
 def assert_close(got, want):
@@ -72,8 +75,7 @@ def assert_close(got, want):
 
 
 def test_hybrid_chunked_prefill_then_megakernel_decode_equals_the_reference():
-    """Two requests of 13 and 7 prompt tokens, each prefilled in two chunks (the second batch
-    padded past 64 token rows: the chunked form of the delta rule), then 3 decode-only batches
+    """Two requests of 13 and 7 prompt tokens, each prefilled in two chunks, then 3 decode-only batches
     through the megakernel: every step's logits equal the reference's over the whole sequence
     and give its greedy tokens. The state array starts full of another request's leftovers
     (a request's first chunk resets its slot), and the padding request slots' block-table rows
@@ -89,29 +91,39 @@ def test_hybrid_chunked_prefill_then_megakernel_decode_equals_the_reference():
     tables[2:] = tables[:2].repeat(2, 0)  # stale rows past num_reqs
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 7)]
     two = jnp.int32(2)
+    got = []  # (request, position, the served logits there)
 
-    ids, pos, qsl, lens = batch_inputs([prompts[0][:8], prompts[1][:4]], [0, 0], 16)
+    def served(rows, qsl, n, seqs):
+        for r in range(n):
+            got.append((r, len(seqs[r]) - 1, np.asarray(rows)[qsl[r + 1] - 1]))
+        assert not np.any(np.asarray(rows)[qsl[n]:]), "rows past the last request are zero"
+
+    ids, pos, qsl, lens = batch_inputs([prompts[0][:8], prompts[1][:4]], [0, 0], TOKENS)
     cache, rows = serve(cache, ids, pos, qsl, lens, tables, two)
-    assert_close(np.asarray(rows)[qsl[1:3] - 1], reference_logits(cfg, params, [prompts[0][:8], prompts[1][:4]]))
-    ids, pos, qsl, lens = batch_inputs([prompts[0][8:], prompts[1][4:]], [8, 4], 80)
+    served(rows, qsl, 2, [prompts[0][:8], prompts[1][:4]])
+    ids, pos, qsl, lens = batch_inputs([prompts[0][8:], prompts[1][4:]], [8, 4], TOKENS)
     cache, rows = serve(cache, ids, pos, qsl, lens, tables, two)
-    want = reference_logits(cfg, params, prompts)
-    assert_close(np.asarray(rows)[qsl[1:3] - 1], want)
-    seqs = [p + [int(np.argmax(w))] for p, w in zip(prompts, want)]
+    served(rows, qsl, 2, prompts)
+    seqs = [p + [int(np.argmax(g))] for p, (_, _, g) in zip(prompts, got[-2:])]
 
     for _ in range(3):  # decode-only batches: the megakernel on vLLM's arrays and the state pool
-        ids, pos, qsl, lens = batch_inputs([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], 8)
+        ids, pos, qsl, lens = batch_inputs([[q[-1]] for q in seqs], [len(q) - 1 for q in seqs], TOKENS)
         cache, rows = serve(cache, ids, pos, qsl, lens, tables, two)
-        want = reference_logits(cfg, params, seqs)
-        got = np.asarray(rows)[:2]
-        assert_close(got, want)
-        assert [int(np.argmax(g)) for g in got] == [int(np.argmax(w)) for w in want]
-        seqs = [s + [int(np.argmax(w))] for s, w in zip(seqs, want)]
+        served(rows, qsl, 2, seqs)
+        seqs = [q + [int(np.argmax(g))] for q, (_, _, g) in zip(seqs, got[-2:])]
 
     # a mixed batch after the megakernel's steps (their tokens left pending in the pool): both
-    # decode through the reference layers, replaying the pending rows first
-    ids, pos, qsl, lens = batch_inputs([[s[-1]] for s in seqs] + [[5, 6]], [len(s) - 1 for s in seqs] + [0], 16)
+    # decode through the reference layers, replaying the pending rows first, beside a new request
+    seqs.append([5, 6])
+    ids, pos, qsl, lens = batch_inputs([[q[-1]] for q in seqs[:2]] + [seqs[2]], [len(q) - 1 for q in seqs[:2]] + [0],
+                                       TOKENS)
     t3 = tables.copy()
     t3[2] = [1, 3]
     cache, rows = serve(cache, ids, pos, qsl, lens, t3, jnp.int32(3))
-    assert_close(np.asarray(rows)[qsl[1:4] - 1], reference_logits(cfg, params, seqs + [[5, 6]]))
+    served(rows, qsl, 3, seqs)
+
+    want = reference_logits(cfg, params, seqs)
+    assert len(got) == 13  # 2 chunks and 3 decode steps of 2 requests, a mixed batch of 3
+    for r, at, g in got:  # every served row against the reference at its position: logits and greedy token
+        assert_close(g, want[r, at])
+        assert int(np.argmax(g)) == int(np.argmax(want[r, at])), (r, at)
