@@ -9,8 +9,9 @@ patches of tests/vllm_serve/cpu_site and nothing able to reach the network, and 
   width, which vLLM's TPU runner caches in another layout: tpumk/vllm/kv.py) and a tiny gpt-oss
   (attention sinks, a sliding window on layer 0 of 2, MoE; one stacked cache for every layer, the
   window layer keeping all its pages) and a tiny DeepSeek-V3 (MLA and MoE, served with
-  VLLM_MLA_DISABLE=1 on the kernel's one stacked latent array) written by transformers, decode
-  steps built on start-up,
+  VLLM_MLA_DISABLE=1 on the kernel's one stacked latent array) and a tiny Qwen3.5 Gated DeltaNet
+  hybrid (served with --no-enable-prefix-caching: its linear layers' state pool a third cache
+  array, tpumk/vllm/states.py) written by transformers, decode steps built on start-up,
   and a tiny Qwen3-MoE served from a `tpumk export`
   artifact named by --hf-overrides (its jax.export program): concurrent `/v1/completions` through
   the `openai` client give transformers' greedy tokens, and the server's log shows the decode
