@@ -14,6 +14,8 @@ per `num_hidden_layers` unless the model's KV-cache layers are in vLLM's
   width` elements: vLLM's spec counts a K and a V row per head, `2 x num_kv_heads x head_size`
   per token, so each declares `layers x width / 128` heads of 64 (a width tpu_inference does not
   pad; the kernel's row width is a multiple of 128 lanes, lane padding sees to it);
+- for a hybrid model, declares a third, `tpumk.kv.state` (tpumk.vllm.states): its linear
+  layers' state pool, one slot's entry per block, in the same stacked form;
 - registers this backend as `tpumk` (`register_attention_backend`, from plugin.register): for a
   declared layer's (heads, head size) its `get_kv_cache_shape` is the stacked `[layers, blocks,
   block_size, width]`, which vLLM also sizes its blocks by (the shape at one block: exactly the
