@@ -5,11 +5,12 @@ steps through the megakernel (Pallas interpreter), against the reference over wh
 
 from __future__ import annotations
 
-import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tpumk.kernel.layout import pack_weights
 from tpumk.kernel.megakernel import make_decode_step
@@ -127,3 +128,36 @@ def test_hybrid_chunked_prefill_then_megakernel_decode_equals_the_reference():
     for r, at, g in got:  # every served row against the reference at its position: logits and greedy token
         assert_close(g, want[r, at])
         assert int(np.argmax(g)) == int(np.argmax(want[r, at])), (r, at)
+
+
+@pytest.mark.full  # the served step's path is the default test above (interpreter); this compiles it for TPU7x
+def test_hybrid_served_step_compiles_deviceless_for_tpu7x_with_the_pool_in_place():
+    """The served step of the hybrid (the lax.cond between the megakernel on vLLM's pool of
+    NUM_BLOCKS blocks and state slots, and the ragged prefill with its linear layers) compiles
+    deviceless for TPU7x with K, V and the state array donated as vLLM donates them, and all
+    three are aliased to outputs (written in place)."""
+    from tpumk.compile.aot import compile_for
+
+    cfg = load_preset("tiny-dense").replace(**HYBRID)
+    plan = make_plan(BuildSpec(cfg, get_target("tpu7x"), batch=4, context=CONTEXT, page_size=BLOCK))
+    step = make_decode_step(pool_plan(plan, NUM_BLOCKS), nested=True)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    run = plan.whole_model
+    params = jax.eval_shape(lambda: random_params(run, seed=0))
+    packed = jax.eval_shape(lambda: pack_weights(plan, random_params(cfg, seed=0)))
+
+    def served(k, v, state, packed, params, ids, pos, qsl, seq_lens, tables, n):
+        return steps.serve_step(step, packed, params, run, shape, k, v, ids, pos, qsl, seq_lens, tables, n, BLOCK,
+                                CONTEXT, state=state)
+
+    dt = R.jnp_dtype(run)
+    cache = jax.ShapeDtypeStruct(kv.cache_shape(run.kv_layers, NUM_BLOCKS, BLOCK, run.attention.kv_size), dt)
+    pool = jax.ShapeDtypeStruct((len(run.linear_layers), NUM_BLOCKS, BLOCK, states.row_width(run, BLOCK)), dt)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    compiled = compile_for(served, (cache, cache, pool, packed, params, i32(TOKENS), i32(TOKENS), i32(SLOTS + 1),
+                                    i32(SLOTS), i32(SLOTS, CONTEXT // BLOCK), i32()), plan.target,
+                           donate_argnums=(0, 1, 2))
+    aliases = re.search(r"input_output_alias=\{ (.*?) \}", compiled.hlo_text)
+    assert aliases, "no input_output_alias in the compiled program"
+    for param in (0, 1, 2):  # the step's ((k, v, state), rows): outputs 0-2 are parameters 0-2
+        assert re.search(rf"\{{{param}\}}: \({param}, \{{\}}", aliases.group(1)), aliases.group(1)
