@@ -27,7 +27,7 @@ AUX_LAYERS = 3  # tpu_inference's eagle3 fc reads 3 x the target's hidden size
 def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     """The target layers whose entering hidden states the plugin returns to vLLM's drafter: ()
     without a speculative config. Refuses a method other than eagle3 (and eagle3 with tensor
-    parallelism or an MLA model, whose JAX steps return no taps) in one line naming the field."""
+    parallelism) in one line naming the field."""
     sc = getattr(vllm_config, "speculative_config", None)
     if sc is None:
         return ()
@@ -38,9 +38,6 @@ def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     if int(vllm_config.parallel_config.tensor_parallel_size) != 1:
         raise ServingConfigError(f"{where}: tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size}: "
                                  "expected 1 with speculative decoding (not served on many devices yet)")
-    if cfg.is_mla:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA: expected a softmax-attention model with "
-                                 "speculative decoding (the MLA step returns no hidden states yet)")
     draft = getattr(sc, "draft_model_config", None)
     ids = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
     n = cfg.num_layers
