@@ -158,18 +158,30 @@ def test_plugin_serves_mla_on_one_latent_array(tmp_path, monkeypatch):
 
 
 def test_the_runtime_builds_an_mla_verify_step_with_the_drafter_s_taps(tmp_path, monkeypatch):
-    """--speculative-config eagle3 on a DeepSeek-V3 target: served (no refusal), the verify plan the
-    decode plan's shapes at q_len k + 1 with the taps (a 3-layer model: vLLM's default ids (2, 1, 0))."""
+    """--speculative-config eagle3 on a DeepSeek-V3 target whose query-key head is 120 + 8 = 128
+    lanes: served, the verify plan the decode plan's shapes at q_len k + 1 with the taps (a 3-layer
+    model: vLLM's default ids (2, 1, 0)). A head tpu_inference would pad (24 + 8 = 32, DeepSeek-V3's
+    own 128 + 64 = 192) is refused in one line (tpumk.vllm.speculative.MLA_HEAD_PAD)."""
     from test_vllm_speculative import spec_config
 
-    from tpumk.vllm.runtime import Runtime
+    from tpumk.vllm.runtime import Runtime, ServingConfigError
 
     monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
-    (tmp_path / "config.json").write_text(json.dumps(dict(DEEPSEEK_JSON, num_hidden_layers=3)))
-    rt = Runtime.from_vllm_config(vllm_config(tmp_path, spec=spec_config(k=2).speculative_config))
+    spec = spec_config(k=2).speculative_config
+    (tmp_path / "config.json").write_text(json.dumps(dict(DEEPSEEK_JSON, num_hidden_layers=3, qk_nope_head_dim=120)))
+    rt = Runtime.from_vllm_config(vllm_config(tmp_path, spec=spec))
     p, v = rt.plan, rt.verify_plan
     assert rt.taps == (0, 1, 2) and v.cfg.is_mla and rt.kv_names == (kv.K_LAYER,)
     assert (v.batch, v.context, v.page_size, v.q_len, v.taps) == (p.batch, p.context, p.page_size, 3, (0, 1, 2))
+    for nope, rope in ((24, 8), (128, 64)):
+        (tmp_path / "config.json").write_text(json.dumps(dict(DEEPSEEK_JSON, num_hidden_layers=3,
+                                                              qk_nope_head_dim=nope, qk_rope_head_dim=rope)))
+        with pytest.raises(ServingConfigError) as e:
+            Runtime.from_vllm_config(vllm_config(tmp_path, spec=spec))
+        line = str(e.value)
+        assert f"qk_nope_head_dim + qk_rope_head_dim = {nope + rope}: expected 64 or a multiple of 128 with " \
+               "eagle3" in line and "\n" not in line, line
+    assert Runtime.from_vllm_config(vllm_config(tmp_path)).verify_plan is None  # without eagle3: served
 
 
 def test_vllm_s_own_mla_cache_is_refused_in_one_line(tmp_path, monkeypatch):
