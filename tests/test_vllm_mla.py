@@ -161,7 +161,7 @@ def test_the_runtime_builds_an_mla_verify_step_with_the_drafter_s_taps(tmp_path,
     """--speculative-config eagle3 on a DeepSeek-V3 target whose query-key head is 120 + 8 = 128
     lanes: served, the verify plan the decode plan's shapes at q_len k + 1 with the taps (a 3-layer
     model: vLLM's default ids (2, 1, 0)). A head tpu_inference would pad (24 + 8 = 32, DeepSeek-V3's
-    own 128 + 64 = 192) is refused in one line (tpumk.vllm.speculative.MLA_HEAD_PAD)."""
+    own 128 + 64 = 192) is refused in one line (tpumk.vllm.speculative.drafter_head_pad)."""
     from test_vllm_speculative import spec_config
 
     from tpumk.vllm.runtime import Runtime, ServingConfigError

@@ -345,7 +345,7 @@ def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(kind, tmp_
     from hf_utils import build_checkpoint, build_deepseek_checkpoint, hf_greedy
 
     if kind == "deepseek-v3":  # 3 layers (DEEPSEEK_V3_KW); a query-key head of 120 + 8 = 128 lanes,
-        # which tpu_inference's drafter loader pads by nothing (tpumk.vllm.speculative.MLA_HEAD_PAD)
+        # which tpu_inference's drafter loader pads by nothing (tpumk.vllm.speculative.drafter_head_pad)
         ckpt = build_deepseek_checkpoint(tmp_path / "deepseek-v3", seed=3, qk_nope_head_dim=120, **DEEPSEEK_V3)
     else:
         ckpt = build_checkpoint(tmp_path / "qwen3-3", num_hidden_layers=3)  # three distinct taps below the last layer
