@@ -11,8 +11,12 @@ latent array, the megakernel's own MLA cache `[layers, blocks, block_size, laten
 - the decode-only step (the megakernel in the discharge interpreter, as the plugin runs it on
   the CPU) on vLLM's latent array with vLLM's block tables: the reference decode step's logits
   and cache;
+- EAGLE-3 (tpumk.vllm.speculative) on it: the JAX step's taps and every row's logits against the
+  reference over a prefill and a verify batch, and the megakernel's MLA verify step (q_len 3 with
+  the taps) against that JAX step on the verify batch (the vLLM tier's eagle3-deepseek test serves it);
 - the plugin's Runtime accepts a DeepSeek-V3 config.json with one latent array of the kernel's
-  width, and refuses vLLM's own MLA cache and a sparse-attention model (DeepSeek-V3.2) in one line;
+  width (and builds the verify step under eagle3), and refuses vLLM's own MLA cache and a
+  sparse-attention model (DeepSeek-V3.2) in one line;
 - (full tier) the MLA weights read back from the packed layout exactly, and the prefill of int8 /
   fp8-b128 weights (TPUMK_VLLM_QUANT) against the quantized reference.
 """
@@ -64,17 +68,18 @@ def setup():
 
     @jax.jit
     def reference(tokens):
-        """Logits [CONTEXT, V] and each layer's stored latent row [layers, CONTEXT, lanes] of one
-        sequence (padded to CONTEXT: causal, so the padding changes no earlier position)."""
-        logits, taps = R.forward_full(params, cfg, tokens[None], taps=range(cfg.num_layers))
+        """Logits [CONTEXT, V], each layer's stored latent row [layers, CONTEXT, lanes] and the
+        residual stream entering each layer [CONTEXT, layers, H] (EAGLE-3's taps) of one sequence
+        (padded to CONTEXT: causal, so the padding changes no earlier position)."""
+        logits, tapped = R.forward_full(params, cfg, tokens[None], taps=range(cfg.num_layers))
         pos = jnp.arange(CONTEXT, dtype=jnp.int32)[None]
         freqs = mla.rope_freqs(cfg, params)
         rows = []
         for li, layer in enumerate(params["layers"]):
-            h = rms_norm(taps[:, :, li], layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
+            h = rms_norm(tapped[:, :, li], layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
             _, _, row = mla.project(cfg, layer, h, pos, True, freqs)
             rows.append(jnp.pad(row[0], ((0, 0), (0, lanes - row.shape[-1]))))
-        return logits[0], jnp.stack(rows)
+        return logits[0], jnp.stack(rows), tapped[0]
 
     @jax.jit
     def read(latent, table):
@@ -110,7 +115,7 @@ def test_mla_chunked_prefill_equals_the_reference_on_ragged_batches():
         latent, rows = ragged(latent, ids, pos, qsl, tables, jnp.int32(len(cut)))
         rows = np.asarray(rows)
         for r, c in enumerate(cut):
-            logits, want_rows = (np.asarray(x) for x in reference(jnp.asarray(padded[r])))
+            logits, want_rows, _ = (np.asarray(x) for x in reference(jnp.asarray(padded[r])))
             want = logits[c - 1]
             err = float(np.max(np.abs(rows[qsl[r + 1] - 1] - want)))
             assert err <= 1e-5 * float(np.max(np.abs(want))), f"request {r}: max |logits - reference| = {err:.3g}"
@@ -150,6 +155,33 @@ def test_plugin_serves_mla_on_one_latent_array(tmp_path, monkeypatch):
     assert run.is_mla and rt.kv_names == (kv.K_LAYER,)
     assert (rt.kv_layers, rt.kv_width) == (2, run.attention.latent_cache_lanes) == (2, 128)
     assert rt.source.startswith("built on start-up") and rt.holds_weights_once
+
+
+def test_the_runtime_builds_an_mla_verify_step_with_the_drafter_s_taps(tmp_path, monkeypatch):
+    """--speculative-config eagle3 on a DeepSeek-V3 target whose query-key head is 120 + 8 = 128
+    lanes: served, the verify plan the decode plan's shapes at q_len k + 1 with the taps (a 3-layer
+    model: vLLM's default ids (2, 1, 0)). A head tpu_inference would pad (24 + 8 = 32, DeepSeek-V3's
+    own 128 + 64 = 192) is refused in one line (tpumk.vllm.speculative.drafter_head_pad)."""
+    from test_vllm_speculative import spec_config
+
+    from tpumk.vllm.runtime import Runtime, ServingConfigError
+
+    monkeypatch.delenv("TPUMK_VLLM_ARTIFACT", raising=False)
+    spec = spec_config(k=2).speculative_config
+    (tmp_path / "config.json").write_text(json.dumps(dict(DEEPSEEK_JSON, num_hidden_layers=3, qk_nope_head_dim=120)))
+    rt = Runtime.from_vllm_config(vllm_config(tmp_path, spec=spec))
+    p, v = rt.plan, rt.verify_plan
+    assert rt.taps == (0, 1, 2) and v.cfg.is_mla and rt.kv_names == (kv.K_LAYER,)
+    assert (v.batch, v.context, v.page_size, v.q_len, v.taps) == (p.batch, p.context, p.page_size, 3, (0, 1, 2))
+    for nope, rope in ((24, 8), (128, 64)):
+        (tmp_path / "config.json").write_text(json.dumps(dict(DEEPSEEK_JSON, num_hidden_layers=3,
+                                                              qk_nope_head_dim=nope, qk_rope_head_dim=rope)))
+        with pytest.raises(ServingConfigError) as e:
+            Runtime.from_vllm_config(vllm_config(tmp_path, spec=spec))
+        line = str(e.value)
+        assert f"qk_nope_head_dim + qk_rope_head_dim = {nope + rope}: expected 64 or a multiple of 128 with " \
+               "eagle3" in line and "\n" not in line, line
+    assert Runtime.from_vllm_config(vllm_config(tmp_path)).verify_plan is None  # without eagle3: served
 
 
 def test_vllm_s_own_mla_cache_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -318,3 +350,94 @@ def test_mla_decode_step_adds_no_copy_around_the_kernel():
     inner = call.params["jaxpr"].jaxpr
     inside = inner.invars[[i for i, x in enumerate(call.invars) if x is lat_in][0]]
     assert [e.primitive.name for e in _uses(inner, inside)] == ["pallas_call"]
+
+
+# EAGLE-3 on an MLA target (tpumk.vllm.speculative): serve_step with the drafter's taps, with the
+# megakernel's MLA verify step (q_len VERIFY_Q, the taps written out, as tpumk.vllm.runtime builds
+# it) and without it (every batch the JAX step, tpumk.vllm.mla_prefill with taps); setup()'s model.
+VERIFY_Q, VERIFY_BLOCK, VERIFY_BLOCKS, KERNEL_BATCH = 3, 16, 9, 3
+TAPS = (0, 1)  # the embeddings and the stream entering layer 1 of 2 (all setup()'s reference returns)
+
+
+@functools.lru_cache(maxsize=None)
+def speculative_setup():
+    cfg, params, *_ = setup()
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=KERNEL_BATCH, context=CONTEXT, q_len=VERIFY_Q,
+                               page_size=VERIFY_BLOCK, taps=TAPS))
+    step = make_decode_step(dataclasses.replace(plan, num_pages=VERIFY_BLOCKS), portable=True, nested=True)
+    packed = pack_weights(plan, params)
+    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
+    kinds = []
+
+    def served(verify):
+        def run(latent, ids, pos, qsl, seq_lens, tables, n):
+            v = jnp.zeros(latent.shape[:3] + (0,), latent.dtype)  # as the plugin: an MLA model has no V array
+            (latent, _), rows, taps = steps.serve_step(
+                None, packed, params, cfg, shape, latent, v, ids, pos, qsl, seq_lens, tables, n, VERIFY_BLOCK,
+                CONTEXT, on_step=lambda kind: jax.debug.callback(lambda: kinds.append(kind)), taps=TAPS,
+                verify=(step, VERIFY_Q) if verify else None)
+            return latent, rows, taps
+        return jax.jit(run, compiler_options=INTERPRET_COMPILER_OPTIONS)
+
+    return served(True), served(False), kinds
+
+
+def test_mla_taps_and_verify_batches_equal_the_reference_and_the_jax_step():
+    """EAGLE-3 on an MLA target: a prefill of two prompts (more than VERIFY_Q tokens each: the JAX
+    step with taps), then a verify batch of 3 and 2 tokens through the megakernel's MLA verify step
+    and, on the same batch and latent array, through the JAX step. Every live row's logits (not
+    only each request's last) and taps of both steps equal the reference's (`forward_full(...,
+    taps=)`, MLA's expanded form); the verify step's logits, greedy tokens, taps and latent array
+    equal the JAX step's. Request slot 2 is padding with stale metadata (request 0's blocks, a
+    nonzero seq_len): a padding slot that wrote or read anything would change request 0's rows."""
+    cfg, _, _, reference, _ = setup()
+    verified, ragged, kinds = speculative_setup()
+    latent = jnp.zeros(kv.cache_shape(cfg.kv_layers, VERIFY_BLOCKS, VERIFY_BLOCK, cfg.attention.latent_cache_lanes),
+                       jnp.float32)
+    tables = np.zeros((SLOTS, CONTEXT // VERIFY_BLOCK), np.int32)
+    tables[:3] = [[3, 7], [5, 1], [3, 7]]  # slot 2: stale, request 0's blocks; never block 0, vLLM's null block
+    tables = jnp.asarray(tables)
+    rng = np.random.default_rng(6)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13 + 3, 6 + 2)]
+    # causal: each sequence padded to CONTEXT once gives every row of both steps
+    want = [[np.asarray(a) for a in reference(jnp.asarray(s + [0] * (CONTEXT - len(s))))[::2]] for s in seqs]
+
+    def run(step, latent, chunks, starts):
+        ids, pos, qsl, seq_lens = batch_inputs(chunks, starts, TOKENS)
+        seq_lens[2:4] = [5, 9]  # stale
+        latent, rows, taps = step(latent, ids, pos, qsl, seq_lens, tables, jnp.int32(2))
+        assert len(taps) == len(TAPS) and all(t.shape == (TOKENS, cfg.hidden_size) for t in taps)
+        rows, taps = np.asarray(rows), np.stack([np.asarray(t) for t in taps], axis=1)  # [T, taps, H]
+        end = int(qsl[2])
+        assert not rows[end:].any(), "logits past the last request's rows are zero"
+        for r, (chunk, start) in enumerate(zip(chunks, starts)):
+            got = slice(int(qsl[r]), int(qsl[r + 1]))
+            want_logits, want_taps = (a[start:start + len(chunk)] for a in want[r])
+            np.testing.assert_allclose(taps[got], want_taps, atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(rows[got], want_logits, atol=2e-4, rtol=2e-4)
+        return latent, rows, taps, end
+
+    kinds.clear()
+    latent, _, taps, end = run(verified, latent, [seqs[0][:13], seqs[1][:6]], [0, 0])
+    jax.effects_barrier()
+    assert kinds == ["ragged"], kinds  # 13 and 6 tokens: more than VERIFY_Q
+    assert not np.allclose(taps[:end, 0], taps[:end, 1]), "the taps differ: one stream twice fails"
+
+    chunks, starts = [seqs[0][13:], seqs[1][6:]], [13, 6]  # the verify batch: 3 and 2 tokens
+    kinds.clear()
+    lat_v, rows_v, taps_v, end = run(verified, latent, chunks, starts)
+    lat_r, rows_r, taps_r, _ = run(ragged, latent, chunks, starts)
+    jax.effects_barrier()
+    assert kinds == ["verify", "ragged"], kinds
+    # float32 on both sides, the same products summed in another order (the kernel's tiles, the
+    # JAX step's): the bound of test_vllm_speculative.py's GQA verify test
+    scale = float(np.abs(rows_r[:end]).max())
+    assert np.abs(rows_v[:end] - rows_r[:end]).max() <= 1e-5 * scale
+    np.testing.assert_array_equal(rows_v[:end].argmax(-1), rows_r[:end].argmax(-1))  # the greedy tokens
+    np.testing.assert_allclose(taps_v[:end], taps_r[:end], atol=1e-5, rtol=1e-5)
+    assert not taps_v[end:].any(), "the verify step's taps past the last request's rows are zero"
+    # the latent array: the same rows written (float32 rounding), every other row untouched
+    lat_v, lat_r, before = np.asarray(lat_v), np.asarray(lat_r), np.asarray(latent)
+    np.testing.assert_allclose(lat_v, lat_r, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(lat_v != before, lat_r != before)
+    assert (lat_v != before).any(), "the verify step wrote its rows"

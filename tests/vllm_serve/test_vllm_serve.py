@@ -320,8 +320,11 @@ def eagle3_drafter(target: Path, out: Path) -> Path:
     from tpumk.model.config import load_hf_config
 
     cfg = load_hf_config(target)
-    d = random_drafter("eagle3", cfg, seed=2, taps=(0, 1, 2), block=2, draft_vocab=256, heads=2, kv_heads=2,
-                       head_dim=cfg.hidden_size // 2)
+    # heads of 128 (a 64-wide head has tpu_inference's other cache layout, its hd64 kernel's K | V
+    # in one 128-lane row, which cpu_site's attention does not read)
+    heads = cfg.hidden_size // 128
+    d = random_drafter("eagle3", cfg, seed=2, taps=(0, 1, 2), block=2, draft_vocab=256, heads=heads, kv_heads=heads,
+                       head_dim=128)
     conf = edited(config_json(d, cfg.num_layers), {"transformer_layer_config.model_type": "llama"})
     layer = {k: v for k, v in tensors(d).items() if k.startswith("layers.0.")}
     midlayer = {"midlayer." + k.removeprefix("layers.0."): v for k, v in layer.items() if "_norm.weight" not in k
@@ -329,21 +332,28 @@ def eagle3_drafter(target: Path, out: Path) -> Path:
     return write_drafter(out, d, cfg.num_layers, conf, drop=tuple(layer), extra=midlayer)
 
 
-def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek-v3"])
+def test_eagle3_speculative_decoding_gives_transformers_greedy_tokens(kind, tmp_path):
     """`--speculative-config` eagle3 with 2 drafts a step (tpu_inference's own drafter and
     rejection sampler): the tokens are those of greedy decoding (transformers'), the megakernel's
     verify step (q_len 3, with the drafter's taps) ran the verify batches and the plugin's JAX
     step the prefill (docs/serving-vllm.md, "Speculative decoding"), and vLLM verified drafts (its
     spec-decode counters moved). The drafter's weights are random: acceptance is low, the tokens
-    may not differ."""
+    may not differ. Targets: a 3-layer Qwen3, and the tiny DeepSeek-V3 (MLA on the kernel's one
+    latent array, VLLM_MLA_DISABLE=1: the MLA verify step and tpumk.vllm.mla_prefill with taps)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_utils import build_checkpoint, hf_greedy
+    from hf_utils import build_checkpoint, build_deepseek_checkpoint, hf_greedy
 
-    ckpt = build_checkpoint(tmp_path / "qwen3-3", num_hidden_layers=3)  # three distinct taps below the last layer
+    if kind == "deepseek-v3":  # 3 layers (DEEPSEEK_V3_KW); a query-key head of 120 + 8 = 128 lanes,
+        # which tpu_inference's drafter loader pads by nothing (tpumk.vllm.speculative.drafter_head_pad)
+        ckpt = build_deepseek_checkpoint(tmp_path / "deepseek-v3", seed=3, qk_nope_head_dim=120, **DEEPSEEK_V3)
+    else:
+        ckpt = build_checkpoint(tmp_path / "qwen3-3", num_hidden_layers=3)  # three distinct taps below the last layer
     want = hf_greedy(ckpt, PROMPTS, STEPS)
     drafter = eagle3_drafter(ckpt, tmp_path / "eagle3")
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}
-    server = Server(ckpt, tmp_path / "serve.log", args=("--speculative-config", json.dumps(spec)))
+    server = Server(ckpt, tmp_path / "serve.log", args=("--speculative-config", json.dumps(spec)),
+                    env={"VLLM_MLA_DISABLE": "1"} if kind == "deepseek-v3" else None)
     try:
         assert server.wait_ready(), (tmp_path / "serve.log").read_text()[-3000:]
         got = completions(server.port, PROMPTS)

@@ -40,17 +40,23 @@ from tpumk.vllm import kv, prefill
 def ragged_layers(params: dict, cfg: ModelConfig, latent: jax.Array, input_ids: jax.Array, positions: jax.Array,
                   query_start_loc: jax.Array, block_tables: jax.Array, num_reqs: jax.Array, block_size: int,
                   max_context: int, query_tile: int = prefill.QUERY_TILE, key_tile: int = prefill.KEY_TILE,
-                  short_tile: int = prefill.SHORT_TILE) -> tuple[jax.Array, jax.Array]:
+                  short_tile: int = prefill.SHORT_TILE,
+                  taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """The batch's T tokens (`steps.ragged_step`'s contract) through every layer on vLLM's latent
     array: (the array with their rows written, the residual stream [T, H] f32 after the last
-    layer). Rows past the last request's run at position -1: they write nothing and see nothing."""
+    layer, the residual stream [T, H] entering each of the `taps` layers, in that order: EAGLE-3's
+    inputs, tpumk.vllm.speculative). Rows past the last request's run at position -1: they write
+    nothing and see nothing."""
     t = input_ids.shape[0]
     _, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     freqs = mla.rope_freqs(cfg, params)
     width = cfg.attention.kv_cache_width
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
+    tapped = {}
     for li, layer in enumerate(params["layers"]):
+        if li in taps:
+            tapped[li] = x[0]
         h = rms_norm(x, layer["attn_norm"], cfg.norms.rms_eps, cfg.norms.width)
         kl, rot = cfg.pattern.kv_index(cfg.pattern.kv_source(li)), cfg.pattern.rotates(li)
         q_nope, q_rope, row = mla.project(cfg, layer, h, pos[None], rot, freqs)
@@ -61,7 +67,7 @@ def ragged_layers(params: dict, cfg: ModelConfig, latent: jax.Array, input_ids: 
         x = x + matmul(o[None], layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.norms.rms_eps, cfg.norms.width)
         x = x + ref.ffn(cfg, li, layer, h.reshape(t, -1)).reshape(1, t, -1)
-    return latent, x[0]
+    return latent, x[0], [tapped[li] for li in taps]
 
 
 def attend(cfg: ModelConfig, layer: dict, latent: jax.Array, kv_layer: int, items: tuple[prefill.WorkItems, ...],

@@ -24,10 +24,21 @@ METHODS = ("eagle3",)
 AUX_LAYERS = 3  # tpu_inference's eagle3 fc reads 3 x the target's hidden size
 
 
+def drafter_head_pad(head: int) -> int:
+    """The lanes tpu_inference 0.32 adds to each of the drafter's q / k / v heads when it loads
+    them (models/jax/utils/weight_utils.py, `_load_hf_weights_on_thread`): get_padded_head_dim(h)
+    - h, h the TARGET's `model_config.get_head_size()`, for an MLA target under
+    VLLM_MLA_DISABLE=1 qk_nope_head_dim + qk_rope_head_dim (DeepSeek-V3, Kimi K2: 128 + 64 = 192,
+    padded to 256: a 128-wide drafter head loaded 192 wide against its 128-lane KV cache, which
+    the drafter's attention cannot read). Nonzero: refused."""
+    return 0 if head == 64 else -head % 128
+
+
 def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     """The target layers whose entering hidden states the plugin returns to vLLM's drafter: ()
     without a speculative config. Refuses a method other than eagle3 (and eagle3 with tensor
-    parallelism or an MLA model, whose JAX steps return no taps) in one line naming the field."""
+    parallelism, or on an MLA model whose query-key head tpu_inference pads: `drafter_head_pad`) in
+    one line naming the field."""
     sc = getattr(vllm_config, "speculative_config", None)
     if sc is None:
         return ()
@@ -39,8 +50,13 @@ def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
         raise ServingConfigError(f"{where}: tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size}: "
                                  "expected 1 with speculative decoding (not served on many devices yet)")
     if cfg.is_mla:
-        raise ServingConfigError(f"{where}: model '{cfg.name}' uses MLA: expected a softmax-attention model with "
-                                 "speculative decoding (the MLA step returns no hidden states yet)")
+        head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if drafter_head_pad(head):
+            raise ServingConfigError(
+                f"{where}: model '{cfg.name}' qk_nope_head_dim + qk_rope_head_dim = {head}: expected 64 or a "
+                "multiple of 128 with eagle3 on an MLA model (tpu_inference 0.32 pads the drafter's q / k / v "
+                f"heads by the target's head padding, {drafter_head_pad(head)} lanes here, which its drafter's "
+                "attention cannot read)")
     draft = getattr(sc, "draft_model_config", None)
     ids = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
     n = cfg.num_layers

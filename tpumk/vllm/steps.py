@@ -198,8 +198,8 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     reads each request's pages once per tile of its tokens (`query_tile` tokens, `short_tile` for
     a request of that many or fewer, `key_tile` keys per read). Rows past the last request's write nothing.
     An MLA model's cache is the latent array alone (`k_cache`; `v_cache` has no lanes and is
-    returned as it is): `tpumk.vllm.mla_prefill` runs its layers (one device: MLA at tensor
-    parallel > 1 is refused at start-up). `devices`: the arrays' tensor-parallel layout
+    returned as it is): `tpumk.vllm.mla_prefill` runs its layers, taps included (one device: MLA
+    at tensor parallel > 1 is refused at start-up). `devices`: the arrays' tensor-parallel layout
     (`kv.cache_shape`); the layers run whole (XLA partitions them over vLLM's mesh as it likes:
     the same values).
 
@@ -214,12 +214,16 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     layer_step`, the chunked form for a long chunk), so a prompt split over several chunks
     carries its state from one to the next; the array comes back third in the cache tuple."""
     t = input_ids.shape[0]
-    if cfg.is_mla and taps:  # refused at start-up (tpumk.vllm.speculative); here so no caller gets other rows
-        raise ValueError("ragged_step: taps of an MLA model: not served")
+    if taps:
+        ref.check_taps(cfg, taps)
     if cfg.is_mla:  # one latent array (k), v empty: tpumk.vllm.mla_prefill
-        k_cache, x = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
-                                               block_tables, num_reqs, block_size, max_context, query_tile, key_tile,
-                                               short_tile)
+        k_cache, x, tapped = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
+                                                       block_tables, num_reqs, block_size, max_context, query_tile,
+                                                       key_tile, short_tile, taps)
+        if taps:  # every live token's row, as below
+            i = jnp.arange(t, dtype=jnp.int32)
+            rows = jnp.where(i < query_start_loc[num_reqs], i, -1)
+            return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x)), tapped
         last = _last_rows(query_start_loc, num_reqs)
         return (k_cache, v_cache), _scatter_rows(t, last, ref.logits_from(cfg, params, x[jnp.maximum(last, 0)]))
     a = cfg.attention
@@ -255,7 +259,6 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))
     if taps:  # every live token's row: vLLM samples each verified draft position
-        ref.check_taps(cfg, taps)
         rows = jnp.where(valid, i, -1)
         return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x[0])), [tapped[li] for li in taps]
     last = _last_rows(query_start_loc, num_reqs)
