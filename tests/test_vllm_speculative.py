@@ -204,8 +204,10 @@ def test_the_runtime_builds_a_verify_step_of_k_plus_1_tokens_with_the_taps(tmp_p
     assert Runtime.from_vllm_config(vllm_config(tmp_path)).verify_plan is None
 
 
-def spec_config(method="eagle3", ids=None, tp=1, k=2):
+def spec_config(method="eagle3", ids=None, tp=1, k=2, head=None):
     hf = NS(eagle_aux_hidden_state_layer_ids=ids) if ids is not None else NS()
+    if head is not None:  # the drafter's head width (its config's head_dim)
+        hf.head_dim = head
     return NS(speculative_config=NS(method=method, draft_model_config=NS(hf_config=hf), num_speculative_tokens=k),
               parallel_config=NS(tensor_parallel_size=tp))
 
@@ -237,3 +239,24 @@ def test_a_speculative_config_the_plugin_cannot_serve_is_refused_in_one_line(con
     with pytest.raises(ServingConfigError) as e:
         speculative_taps(conf, cfg)
     assert line in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("target, drafter, served", [
+    (128, 128, True), (96, 96, True),  # a drafter of the target's width: padded alike
+    (64, 64, True), (256, 128, True),  # neither padded
+    (96, 128, False),  # tpu_inference would load the drafter's 128-wide heads 160 wide
+    (128, 96, False),  # and a 96-wide drafter unpadded beside a 128-lane target
+])
+def test_a_drafter_whose_heads_tpu_inference_would_pad_otherwise_is_refused(target, drafter, served):
+    """tpu_inference 0.32 pads the drafter's q / k / v heads by the target's head padding
+    (models/jax/utils/weight_utils.py): served only when that equals the drafter's own."""
+    cfg = load_preset("tiny-dense").replace(num_layers=8, head_dim=target)
+    conf = spec_config(head=drafter)
+    if served:
+        assert speculative_taps(conf, cfg) == (2, 4, 5)
+        return
+    with pytest.raises(ServingConfigError) as e:
+        speculative_taps(conf, cfg)
+    line = str(e.value)
+    assert f"head_dim = {target}: expected 64 or a multiple of 128 with eagle3 (the drafter's heads are {drafter} " \
+           "wide)" in line and "\n" not in line, line

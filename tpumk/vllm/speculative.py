@@ -34,10 +34,35 @@ def drafter_head_pad(head: int) -> int:
     return 0 if head == 64 else -head % 128
 
 
+def _drafter_head(hf) -> int | None:
+    """The drafter's q / k / v head width from its config (None when it names none)."""
+    head = getattr(hf, "head_dim", None)
+    if head is None and getattr(hf, "hidden_size", None) and getattr(hf, "num_attention_heads", None):
+        head = int(hf.hidden_size) // int(hf.num_attention_heads)
+    return None if head is None else int(head)
+
+
+def _check_drafter_head(where: str, cfg, draft_hf) -> None:
+    """tpu_inference pads the drafter's heads by the target's padding (`drafter_head_pad`): served
+    only when that is the drafter's own (a drafter of the target's head width, or both already
+    64 / a multiple of 128). A drafter whose config names no head width is taken as unpadded."""
+    target = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+    drafter = _drafter_head(draft_hf)
+    if drafter_head_pad(target) == (0 if drafter is None else drafter_head_pad(drafter)):
+        return
+    field = "qk_nope_head_dim + qk_rope_head_dim" if cfg.is_mla else "head_dim"
+    with_drafter = "" if drafter is None else f" (the drafter's heads are {drafter} wide)"
+    raise ServingConfigError(
+        f"{where}: model '{cfg.name}' {field} = {target}: expected 64 or a multiple of 128 with eagle3{with_drafter} "
+        f"(tpu_inference 0.32 pads the drafter's q / k / v heads by the target's head padding, "
+        f"{drafter_head_pad(target)} lanes here, which its drafter's attention cannot read)")
+
+
 def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     """The target layers whose entering hidden states the plugin returns to vLLM's drafter: ()
     without a speculative config. Refuses a method other than eagle3 (and eagle3 with tensor
-    parallelism, or on an MLA model whose query-key head tpu_inference pads: `drafter_head_pad`) in
+    parallelism, or on a target whose head tpu_inference pads by other lanes than the drafter's own:
+    `_check_drafter_head`) in
     one line naming the field."""
     sc = getattr(vllm_config, "speculative_config", None)
     if sc is None:
@@ -49,15 +74,8 @@ def speculative_taps(vllm_config, cfg) -> tuple[int, ...]:
     if int(vllm_config.parallel_config.tensor_parallel_size) != 1:
         raise ServingConfigError(f"{where}: tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size}: "
                                  "expected 1 with speculative decoding (not served on many devices yet)")
-    if cfg.is_mla:
-        head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        if drafter_head_pad(head):
-            raise ServingConfigError(
-                f"{where}: model '{cfg.name}' qk_nope_head_dim + qk_rope_head_dim = {head}: expected 64 or a "
-                "multiple of 128 with eagle3 on an MLA model (tpu_inference 0.32 pads the drafter's q / k / v "
-                f"heads by the target's head padding, {drafter_head_pad(head)} lanes here, which its drafter's "
-                "attention cannot read)")
     draft = getattr(sc, "draft_model_config", None)
+    _check_drafter_head(where, cfg, getattr(draft, "hf_config", None))
     ids = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
     n = cfg.num_layers
     taps = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)  # vLLM's default for eagle3
