@@ -82,12 +82,13 @@ def tables_for(seqs: int) -> np.ndarray:
     return t
 
 
-def batch_inputs(chunks, lengths_before, num_tokens: int):
-    """vLLM's flattened batch: chunks[r] = request r's new tokens (starting at lengths_before[r])."""
+def batch_inputs(chunks, lengths_before, num_tokens: int, slots: int = SLOTS):
+    """vLLM's flattened batch: chunks[r] = request r's new tokens (starting at lengths_before[r]),
+    in `num_tokens` token rows and `slots` request slots (the vLLM plugin's test files share it)."""
     ids = np.zeros(num_tokens, np.int32)
     pos = np.zeros(num_tokens, np.int32)
-    qsl = np.zeros(SLOTS + 1, np.int32)
-    seq_lens = np.zeros(SLOTS, np.int32)
+    qsl = np.zeros(slots + 1, np.int32)
+    seq_lens = np.zeros(slots, np.int32)
     at = 0
     for r, (chunk, start) in enumerate(zip(chunks, lengths_before)):
         ids[at:at + len(chunk)] = chunk

@@ -23,6 +23,8 @@ from tpumk.targets import INTERPRET_COMPILER_OPTIONS, get_target
 from tpumk.vllm import kv, states, steps
 from tpumk.vllm.runtime import pool_plan
 
+from test_vllm_adapter import batch_inputs  # vLLM's flattened batch (6 request slots, as here)
+
 BLOCK, NUM_BLOCKS, SLOTS, CONTEXT = 16, 11, 6, 32
 # every batch padded to one token bucket past 64 rows (the chunked form of the delta rule): one
 # compile of the served step (both of its branches) for the whole test
@@ -46,19 +48,6 @@ def setup():
                                 BLOCK, CONTEXT, state=cache[2])
 
     return cfg, params, run, jax.jit(serve, compiler_options=INTERPRET_COMPILER_OPTIONS)
-
-
-def batch_inputs(chunks, starts, num_tokens):
-    ids, pos = np.zeros(num_tokens, np.int32), np.full(num_tokens, 0, np.int32)
-    qsl, seq_lens = np.zeros(SLOTS + 1, np.int32), np.zeros(SLOTS, np.int32)
-    at = 0
-    for r, (chunk, start) in enumerate(zip(chunks, starts)):
-        ids[at:at + len(chunk)] = chunk
-        pos[at:at + len(chunk)] = np.arange(start, start + len(chunk))
-        at += len(chunk)
-        qsl[r + 1], seq_lens[r] = at, start + len(chunk)
-    qsl[len(chunks) + 1:] = at
-    return ids, pos, qsl, seq_lens
 
 
 def reference_logits(cfg, params, seqs):

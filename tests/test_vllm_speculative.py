@@ -49,16 +49,11 @@ def model():
 
 
 def batch(chunks, starts, num_tokens):
-    """vLLM's flattened batch of `chunks[r]` new tokens of request r from position starts[r]."""
-    ids, pos = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-    qsl = np.zeros(SLOTS + 1, np.int32)
-    at = 0
-    for r, (chunk, start) in enumerate(zip(chunks, starts)):
-        ids[at:at + len(chunk)], pos[at:at + len(chunk)] = chunk, np.arange(start, start + len(chunk))
-        at += len(chunk)
-        qsl[r + 1] = at
-    qsl[len(chunks) + 1:] = at
-    return jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(qsl)
+    """vLLM's flattened batch of `chunks[r]` new tokens of request r from position starts[r]
+    (test_vllm_adapter's, in this file's request slots): token ids, positions, query_start_loc."""
+    from test_vllm_adapter import batch_inputs
+
+    return tuple(jnp.asarray(a) for a in batch_inputs(chunks, starts, num_tokens, SLOTS)[:3])
 
 
 def test_served_taps_and_every_row_s_logits_equal_the_reference():
