@@ -151,23 +151,24 @@ class Runtime:
         the model: it sizes the pool after loading it). The kernel addresses pages by their ids,
         clipped to the pool, so a build re-specialises only its cache operands' shapes
         (`Plan.num_pages`); an artifact's exported program takes exactly its own pool."""
-        if num_pages == self.plan.num_pages and (self.plan.linear is None or self.plan.linear.num_slots == num_pages):
-            return self.step
+        return self._in_pool(self.plan, self.step, self._pool_steps, num_pages)
+
+    def verify_step_for(self, num_pages: int) -> Callable:
+        """The verify step (`verify_plan`) for vLLM's pool of `num_pages` blocks, as `step_for`."""
+        return self._in_pool(self.verify_plan, self.verify_step, self._pool_verify_steps, num_pages)
+
+    def _in_pool(self, plan, step: Callable, built: dict, num_pages: int) -> Callable:
+        """`step` (of `plan`) when the plan already has vLLM's pool, else the plan's step for that
+        pool (`pool_plan`), built once into `built`."""
+        if num_pages == plan.num_pages and (plan.linear is None or plan.linear.num_slots == num_pages):
+            return step  # `pool_plan(plan, num_pages)` would be `plan` itself
         if self.fixed_pages is not None:
             raise ServingConfigError(f"tpumk plugin: vLLM's KV cache has {num_pages} blocks: the artifact's program "
                                      f"takes exactly {self.fixed_pages} pages (start vLLM with "
                                      f"--num-gpu-blocks-override {self.fixed_pages}, or serve a start-up build)")
-        if num_pages not in self._pool_steps:
-            self._pool_steps[num_pages] = _decode_step(pool_plan(self.plan, num_pages), self.mesh_devices)
-        return self._pool_steps[num_pages]
-
-    def verify_step_for(self, num_pages: int) -> Callable:
-        """The verify step (`verify_plan`) for vLLM's pool of `num_pages` blocks, as `step_for`."""
-        if num_pages == self.verify_plan.num_pages:
-            return self.verify_step
-        if num_pages not in self._pool_verify_steps:
-            self._pool_verify_steps[num_pages] = _decode_step(replace(self.verify_plan, num_pages=num_pages))
-        return self._pool_verify_steps[num_pages]
+        if num_pages not in built:
+            built[num_pages] = _decode_step(pool_plan(plan, num_pages), self.mesh_devices)
+        return built[num_pages]
 
     @classmethod
     def from_vllm_config(cls, vllm_config, attention_backend: str = BACKEND, mesh_devices=None) -> Runtime:

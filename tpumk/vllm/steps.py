@@ -43,6 +43,30 @@ def _last_rows(query_start_loc: jax.Array, num_reqs: jax.Array) -> jax.Array:
     return jnp.where(jnp.arange(s) < num_reqs, last, -1)
 
 
+def _kernel_batch(q: int, batch: int, input_ids: jax.Array, positions: jax.Array, query_start_loc: jax.Array,
+                  seq_lens: jax.Array, num_reqs: jax.Array):
+    """vLLM's flattened batch as the kernel's [batch, q] step: request slot b's token j (j < its
+    count n_b) is row query_start_loc[b] + j; rows j >= n_b, and slots past num_reqs (up to
+    `batch`), run at position -1, which writes nothing, is no key and moves no length. Returns
+    (tokens [batch, q], positions [batch, q], lengths [batch]: the rows cached before the step,
+    seq_lens - n_b; rows [s * q]: each kernel row's batch row or -1; s: the slots read)."""
+    t = input_ids.shape[0]
+    # vLLM pads the request slots to a bucket that may pass max_num_seqs (<= batch, checked at
+    # start-up): the live requests are all among the first `batch`
+    s = min(seq_lens.shape[0], batch)
+    query_start_loc, seq_lens = query_start_loc[:s + 1], seq_lens[:s]
+    live = jnp.arange(s) < num_reqs
+    count = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
+    j = jnp.arange(q, dtype=jnp.int32)
+    real = j[None, :] < count[:, None]  # [s, q]
+    rows = query_start_loc[:-1, None] + j[None, :]
+    at = jnp.clip(rows, 0, t - 1)
+    tokens = jnp.zeros((batch, q), jnp.int32).at[:s].set(jnp.where(real, input_ids[at], 0))
+    pos = jnp.full((batch, q), -1, jnp.int32).at[:s].set(jnp.where(real, positions[at], -1))
+    lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - count, 0))
+    return tokens, pos, lengths, jnp.where(real, rows, -1).reshape(-1), s
+
+
 def _scatter_rows(num_tokens: int, rows: jax.Array, logits: jax.Array) -> jax.Array:
     out = jnp.zeros((num_tokens, logits.shape[-1]), jnp.float32)
     return out.at[jnp.where(rows >= 0, rows, num_tokens)].set(logits.astype(jnp.float32), mode="drop")
@@ -130,20 +154,12 @@ def decode_step(step: Callable, packed, plan_shape: dict, k: jax.Array, v: jax.A
     `state` (a hybrid model: tpumk.vllm.states; `cfg` the kernel's run model): the state array,
     each request reading and writing its first block's slot; returned third in the cache tuple."""
     batch, per = plan_shape["batch"], plan_shape["context"] // plan_shape["page_size"]
-    # vLLM pads the request slots to a bucket that may pass max_num_seqs (<= batch, checked at
-    # start-up): the live requests are all among the first `batch`
-    s = min(seq_lens.shape[0], batch)
-    query_start_loc, seq_lens = query_start_loc[:s + 1], seq_lens[:s]
-    live = jnp.arange(s) < num_reqs
-    rows = jnp.clip(query_start_loc[:-1], 0, input_ids.shape[0] - 1)
-    tokens = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, input_ids[rows], 0))
-    pos = jnp.full((batch,), -1, jnp.int32).at[:s].set(jnp.where(live, positions[rows], -1))
-    lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - 1, 0))
+    tokens, pos, lengths, rows, s = _kernel_batch(1, batch, input_ids, positions, query_start_loc, seq_lens, num_reqs)
     pool = None if state is None else states.pool(state, cfg, states.request_slots(block_tables, num_reqs, batch))
     cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths, pool)
-    logits, cache = step(packed, tokens[:, None], pos[:, None], cache)
+    logits, cache = step(packed, tokens, pos, cache)
     out = (cache.k, cache.v) if state is None else (cache.k, cache.v, states.commit(state, cache.states))
-    return out, _scatter_rows(input_ids.shape[0], _last_rows(query_start_loc, num_reqs), logits[:s, 0])
+    return out, _scatter_rows(input_ids.shape[0], rows, logits[:s, 0])
 
 
 def verify_step(step: Callable, packed, plan_shape: dict, hidden: int, k: jax.Array, v: jax.Array,
@@ -152,30 +168,19 @@ def verify_step(step: Callable, packed, plan_shape: dict, hidden: int, k: jax.Ar
     """A batch of at most q = plan_shape["q_len"] tokens per live request through `step`, the
     megakernel's verify step with taps ((packed, tokens [B, q], positions [B, q], KVCache) ->
     (logits [B, q, V], KVCache, taps [B, q, n, H])), on vLLM's stacked K and V arrays in place
-    as `decode_step`. Request slot b's token j (j < its count n_b) is row query_start_loc[b] + j
-    of the batch; rows j >= n_b, and slots past num_reqs (up to B), run at position -1, which
-    writes nothing, is no key and moves no length (reference.py's defined behaviour, the kernel's
-    too). The cache holds seq_lens[b] - n_b rows of request b before the step.
+    as `decode_step`, in `_kernel_batch`'s rows: request slot b's token j (j < its count n_b) is
+    row query_start_loc[b] + j of the batch; rows j >= n_b, and slots past num_reqs (up to B), run
+    at position -1 (reference.py's defined behaviour, the kernel's too). The cache holds
+    seq_lens[b] - n_b rows of request b before the step.
 
     Returns ((k, v), logits [T, V] f32 of every token at its row, zeros past the last request's
     rows, taps: a list of [T, hidden] f32 (ragged_step's residual stream, the lanes past the
     kernel's model width zero), zeros at rows no request holds)."""
     batch, q, per = plan_shape["batch"], plan_shape["q_len"], plan_shape["context"] // plan_shape["page_size"]
     t = input_ids.shape[0]
-    s = min(seq_lens.shape[0], batch)  # as decode_step: the live requests are among the first `batch`
-    query_start_loc, seq_lens = query_start_loc[:s + 1], seq_lens[:s]
-    live = jnp.arange(s) < num_reqs
-    count = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
-    j = jnp.arange(q, dtype=jnp.int32)
-    real = j[None, :] < count[:, None]  # [s, q]
-    rows = query_start_loc[:-1, None] + j[None, :]
-    at = jnp.clip(rows, 0, t - 1)
-    tokens = jnp.zeros((batch, q), jnp.int32).at[:s].set(jnp.where(real, input_ids[at], 0))
-    pos = jnp.full((batch, q), -1, jnp.int32).at[:s].set(jnp.where(real, positions[at], -1))
-    lengths = jnp.zeros((batch,), jnp.int32).at[:s].set(jnp.where(live, seq_lens - count, 0))
+    tokens, pos, lengths, rows, s = _kernel_batch(q, batch, input_ids, positions, query_start_loc, seq_lens, num_reqs)
     cache = KVCache(k, v, kv.kernel_tables(block_tables, batch, per), lengths)
     logits, cache, tapped = step(packed, tokens, pos, cache)
-    rows = jnp.where(real, rows, -1).reshape(-1)
     n, width = tapped.shape[2], tapped.shape[3]
     where = jnp.where(rows >= 0, rows, t)
     tapped = tapped[:s].reshape(s * q, n, width).astype(jnp.float32)
@@ -214,21 +219,20 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
     layer_step`, the chunked form for a long chunk), so a prompt split over several chunks
     carries its state from one to the next; the array comes back third in the cache tuple."""
     t = input_ids.shape[0]
-    if taps:
+    if taps:  # every live token's row: vLLM samples each verified draft position
         ref.check_taps(cfg, taps)
+        i = jnp.arange(t, dtype=jnp.int32)
+        live_rows = jnp.where(i < query_start_loc[num_reqs], i, -1)
     if cfg.is_mla:  # one latent array (k), v empty: tpumk.vllm.mla_prefill
         k_cache, x, tapped = mla_prefill.ragged_layers(params, cfg, k_cache, input_ids, positions, query_start_loc,
                                                        block_tables, num_reqs, block_size, max_context, query_tile,
                                                        key_tile, short_tile, taps)
-        if taps:  # every live token's row, as below
-            i = jnp.arange(t, dtype=jnp.int32)
-            rows = jnp.where(i < query_start_loc[num_reqs], i, -1)
-            return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x)), tapped
+        if taps:
+            return (k_cache, v_cache), _scatter_rows(t, live_rows, ref.logits_from(cfg, params, x)), tapped
         last = _last_rows(query_start_loc, num_reqs)
         return (k_cache, v_cache), _scatter_rows(t, last, ref.logits_from(cfg, params, x[jnp.maximum(last, 0)]))
     a = cfg.attention
-    i = jnp.arange(t, dtype=jnp.int32)
-    valid, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
+    _, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     tapped = {}
@@ -242,25 +246,22 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
             o, pool = la.layer_step(cfg.linear, layer, h[0][seq_rows], seq_live, pool, cfg.pattern.linear_index(li),
                                     cfg.norms.rms_eps, jnp_dtype(cfg))
             back = jnp.where(seq_live, seq_rows, t)  # [S, T] -> the token rows (dead ones dropped)
-            o = jnp.zeros((t, o.shape[-1]), o.dtype).at[back].set(o, mode="drop")
-            x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", o[None])
-            h = ref.mlp_in(cfg.norms, layer, x, h)
-            x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
-                                     .reshape(1, t, -1))
-            continue
-        q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
-        kl = cfg.pattern.kv_index(li)  # the layer's place in the cache (a hybrid's linear layers have none)
-        k_cache = kv.write_rows(k_cache, kl, new_slots, k[0].reshape(t, -1), devices)
-        v_cache = kv.write_rows(v_cache, kl, new_slots, v[0].reshape(t, -1), devices)
-        o = prefill.attend(a, k_cache, v_cache, kl, items, q[0], pos, block_tables, block_size, max_context,
-                           cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile, devices)
-        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", ref.o_proj(cfg, layer, o[None], h))
+            mixed = jnp.zeros((t, o.shape[-1]), o.dtype).at[back].set(o, mode="drop")[None]
+        else:
+            q, k, v = ref.qkv(cfg, layer, h, pos[None], li)
+            kl = cfg.pattern.kv_index(li)  # the layer's place in the cache (a hybrid's linear layers have none)
+            k_cache = kv.write_rows(k_cache, kl, new_slots, k[0].reshape(t, -1), devices)
+            v_cache = kv.write_rows(v_cache, kl, new_slots, v[0].reshape(t, -1), devices)
+            o = prefill.attend(a, k_cache, v_cache, kl, items, q[0], pos, block_tables, block_size, max_context,
+                               cfg.pattern.window(li), ref.layer_sinks(cfg, layer), key_tile, devices)
+            mixed = ref.o_proj(cfg, layer, o[None], h)
+        x = x + ref.sublayer_out(cfg.norms, layer, "post_attn_norm", mixed)
         h = ref.mlp_in(cfg.norms, layer, x, h)
         x = x + ref.sublayer_out(cfg.norms, layer, "post_mlp_norm", ref.ffn(cfg, li, layer, h.reshape(t, -1))
                                  .reshape(1, t, -1))
-    if taps:  # every live token's row: vLLM samples each verified draft position
-        rows = jnp.where(valid, i, -1)
-        return (k_cache, v_cache), _scatter_rows(t, rows, ref.logits_from(cfg, params, x[0])), [tapped[li] for li in taps]
+    if taps:
+        return (k_cache, v_cache), _scatter_rows(t, live_rows, ref.logits_from(cfg, params, x[0])), \
+            [tapped[li] for li in taps]
     last = _last_rows(query_start_loc, num_reqs)
     logits = ref.logits_from(cfg, params, x[0][jnp.maximum(last, 0)])
     out = (k_cache, v_cache) if state is None else (k_cache, v_cache, states.commit(state, la.step_counts(pool, t)))
