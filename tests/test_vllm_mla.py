@@ -361,25 +361,10 @@ TAPS = (0, 1)  # the embeddings and the stream entering layer 1 of 2 (all setup(
 
 @functools.lru_cache(maxsize=None)
 def speculative_setup():
+    from test_vllm_speculative import served_steps
+
     cfg, params, *_ = setup()
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=KERNEL_BATCH, context=CONTEXT, q_len=VERIFY_Q,
-                               page_size=VERIFY_BLOCK, taps=TAPS))
-    step = make_decode_step(dataclasses.replace(plan, num_pages=VERIFY_BLOCKS), portable=True, nested=True)
-    packed = pack_weights(plan, params)
-    shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
-    kinds = []
-
-    def served(verify):
-        def run(latent, ids, pos, qsl, seq_lens, tables, n):
-            v = jnp.zeros(latent.shape[:3] + (0,), latent.dtype)  # as the plugin: an MLA model has no V array
-            (latent, _), rows, taps = steps.serve_step(
-                None, packed, params, cfg, shape, latent, v, ids, pos, qsl, seq_lens, tables, n, VERIFY_BLOCK,
-                CONTEXT, on_step=lambda kind: jax.debug.callback(lambda: kinds.append(kind)), taps=TAPS,
-                verify=(step, VERIFY_Q) if verify else None)
-            return latent, rows, taps
-        return jax.jit(run, compiler_options=INTERPRET_COMPILER_OPTIONS)
-
-    return served(True), served(False), kinds
+    return served_steps(cfg, params, KERNEL_BATCH, CONTEXT, VERIFY_Q, VERIFY_BLOCK, VERIFY_BLOCKS, TAPS)
 
 
 def test_mla_taps_and_verify_batches_equal_the_reference_and_the_jax_step():
@@ -405,7 +390,8 @@ def test_mla_taps_and_verify_batches_equal_the_reference_and_the_jax_step():
     def run(step, latent, chunks, starts):
         ids, pos, qsl, seq_lens = batch_inputs(chunks, starts, TOKENS)
         seq_lens[2:4] = [5, 9]  # stale
-        latent, rows, taps = step(latent, ids, pos, qsl, seq_lens, tables, jnp.int32(2))
+        v = jnp.zeros(latent.shape[:3] + (0,), latent.dtype)  # as the plugin: an MLA model has no V array
+        (latent, _), rows, taps = step((latent, v), ids, pos, qsl, seq_lens, tables, jnp.int32(2))
         assert len(taps) == len(TAPS) and all(t.shape == (TOKENS, cfg.hidden_size) for t in taps)
         rows, taps = np.asarray(rows), np.stack([np.asarray(t) for t in taps], axis=1)  # [T, taps, H]
         end = int(qsl[2])

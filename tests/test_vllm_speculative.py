@@ -94,15 +94,15 @@ Q = 3  # the verify step's q_len: k = 2 drafts and the last sampled token
 KERNEL_BATCH = 3  # max_num_seqs: request slots 0 and 1 live, 2 padding inside the kernel's batch, 3 past it
 
 
-@functools.lru_cache(maxsize=None)
-def verify_setup():
-    """serve_step with the taps, jitted as vLLM jits its step: with the megakernel's verify step
-    (as tpumk.vllm.runtime builds it: the decode plan's shape at q_len Q with the taps, for vLLM's
-    pool) and without it (every batch the JAX step); `kinds`: the branch each call ran (on_step)."""
-    cfg, params = model()
-    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=KERNEL_BATCH, context=CONTEXT, q_len=Q,
-                               page_size=BLOCK, taps=TAPS))
-    step = make_decode_step(dataclasses.replace(plan, num_pages=NUM_BLOCKS), portable=True, nested=True)
+def served_steps(cfg, params, batch: int, context: int, q_len: int, block: int, blocks: int, taps: tuple[int, ...]):
+    """serve_step with `taps`, jitted as vLLM jits its step ((k, v), ids, positions,
+    query_start_loc, seq_lens, block tables, num_reqs): with the megakernel's verify step (as
+    tpumk.vllm.runtime builds it: the decode plan's shape at `q_len` with the taps, for vLLM's
+    pool of `blocks`) and without it (every batch the JAX step); `kinds`: the branch each call ran
+    (on_step). test_vllm_mla.py's MLA verify test builds its steps here too."""
+    plan = make_plan(BuildSpec(cfg, get_target("cpu"), batch=batch, context=context, q_len=q_len, page_size=block,
+                               taps=taps))
+    step = make_decode_step(dataclasses.replace(plan, num_pages=blocks), portable=True, nested=True)
     packed = pack_weights(plan, params)
     shape = {"batch": plan.batch, "context": plan.context, "page_size": plan.page_size}
     kinds = []
@@ -110,11 +110,18 @@ def verify_setup():
     def served(verify):
         def run(cache, ids, pos, qsl, seq_lens, tables, n):
             return steps.serve_step(None, packed, params, cfg, shape, *cache, ids, pos, qsl, seq_lens, tables, n,
-                                    BLOCK, CONTEXT, on_step=lambda kind: jax.debug.callback(lambda: kinds.append(kind)),
-                                    taps=TAPS, verify=(step, Q) if verify else None)
+                                    block, context, on_step=lambda kind: jax.debug.callback(lambda: kinds.append(kind)),
+                                    taps=taps, verify=(step, q_len) if verify else None)
         return jax.jit(run, compiler_options=INTERPRET_COMPILER_OPTIONS)
 
-    return cfg, params, served(True), served(False), kinds
+    return served(True), served(False), kinds
+
+
+@functools.lru_cache(maxsize=None)
+def verify_setup():
+    """This file's model through `served_steps` (q_len Q, its TAPS, on NUM_BLOCKS blocks)."""
+    cfg, params = model()
+    return cfg, params, *served_steps(cfg, params, KERNEL_BATCH, CONTEXT, Q, BLOCK, NUM_BLOCKS, TAPS)
 
 
 def test_verify_batches_run_the_megakernel_and_equal_the_jax_step():

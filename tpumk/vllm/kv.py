@@ -112,15 +112,15 @@ def token_slots(block_tables: jax.Array, seqs: jax.Array, positions: jax.Array, 
 
 
 def ragged_token_rows(positions: jax.Array, query_start_loc: jax.Array, block_tables: jax.Array,
-                      num_reqs: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      num_reqs: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     """A ragged batch's T tokens (vLLM's flat layout: request r's tokens at query_start_loc[r] ..
-    [r + 1]): (valid [T], each token's position or -1 past the last request's rows, its flat
-    cache row or -1 (`token_slots`))."""
+    [r + 1]): (each token's position or -1 past the last request's rows, its flat cache row or
+    -1 (`token_slots`))."""
     i = jnp.arange(positions.shape[0], dtype=jnp.int32)
     valid = i < query_start_loc[num_reqs]
     req = jnp.clip(jnp.searchsorted(query_start_loc[1:], i, side="right"), 0, block_tables.shape[0] - 1)
     pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-    return valid, pos, token_slots(block_tables, req, pos, block_size)
+    return pos, token_slots(block_tables, req, pos, block_size)
 
 
 def kernel_tables(block_tables: jax.Array, batch: int, pages_per_seq: int) -> jax.Array:

@@ -48,7 +48,7 @@ def ragged_layers(params: dict, cfg: ModelConfig, latent: jax.Array, input_ids: 
     inputs, tpumk.vllm.speculative). Rows past the last request's run at position -1: they write
     nothing and see nothing."""
     t = input_ids.shape[0]
-    _, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
+    pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     freqs = mla.rope_freqs(cfg, params)
     width = cfg.attention.kv_cache_width

@@ -232,7 +232,7 @@ def ragged_step(params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax
         last = _last_rows(query_start_loc, num_reqs)
         return (k_cache, v_cache), _scatter_rows(t, last, ref.logits_from(cfg, params, x[jnp.maximum(last, 0)]))
     a = cfg.attention
-    _, pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
+    pos, new_slots = kv.ragged_token_rows(positions, query_start_loc, block_tables, num_reqs, block_size)
     items = prefill.work_items(query_start_loc, num_reqs, t, query_tile, short_tile)
     x = ref.embed(params, input_ids, cfg.head.embed_scale)[None]  # [1, T, H]
     tapped = {}
