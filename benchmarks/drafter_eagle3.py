@@ -61,8 +61,10 @@ class Shape:
     max_position: int
 
     @classmethod
-    def for_target(cls, cfg, taps, draft_vocab: int) -> "Shape":
-        return cls(cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size, draft_vocab,
+    def for_target(cls, cfg, taps, draft_vocab: int, ffn: int | None = None) -> "Shape":
+        """The drafter's shape for a target: its decoder layer the target's, but the MLP `ffn` wide
+        when given (speculators' transformer_layer_config takes any intermediate_size)."""
+        return cls(cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, ffn or cfg.ffn_size, draft_vocab,
                    cfg.vocab_size, tuple(taps), float(cfg.rms_eps), float(cfg.rope_theta), 8192)
 
     def inv_freq(self) -> np.ndarray:
@@ -111,6 +113,22 @@ def init_from_target(s: Shape, key, target_params, layer: int = -1, scale: float
     p[LAYER + "post_attention_layernorm.weight"] = jnp.asarray(t["mlp_norm"], jnp.float32)
     n = len(s.taps)
     p["fc.weight"] = p["fc.weight"].at[:, (n - 1) * h:].add(jnp.eye(h))
+    return p
+
+
+def widen_ffn(p, s: Shape, ffn: int, key, scale: float = 0.02) -> dict[str, jax.Array]:
+    """The same drafter with an MLP `ffn` wide (>= s.ffn): the new gate / up rows N(0, scale), the
+    new down-projection columns zero, so its output is unchanged until training moves them
+    (silu(g) * u of the new rows meets zero columns)."""
+    if ffn < s.ffn:
+        raise ValueError(f"ffn {ffn}: the drafter's MLP is {s.ffn} wide already (it can only grow)")
+    extra = ffn - s.ffn
+    kg, ku = jax.random.split(key)
+    p = dict(p)
+    for name, k in (("mlp.gate_proj.weight", kg), ("mlp.up_proj.weight", ku)):
+        p[LAYER + name] = jnp.concatenate([p[LAYER + name], scale * jax.random.normal(k, (extra, s.hidden))], 0)
+    p[LAYER + "mlp.down_proj.weight"] = jnp.concatenate([p[LAYER + "mlp.down_proj.weight"],
+                                                         jnp.zeros((s.hidden, extra), jnp.float32)], 1)
     return p
 
 

@@ -24,6 +24,7 @@ speculators' random init.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -40,6 +41,26 @@ def sequences(d: dict) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """(tokens [N], taps [N, 4, H], prompt length) of each sequence of a dataset."""
     s = d["starts"]
     return [(d["tokens"][s[i]:s[i + 1]], d["taps"][s[i]:s[i + 1]], int(d["prompt_lens"][i])) for i in range(len(s) - 1)]
+
+
+def batches(order: np.ndarray, lengths: np.ndarray, batch: int, bucket: int, rows: int):
+    """An epoch's batches: (sequence indices, padded rows) in `order`. bucket 0: every batch in
+    order, padded to the longest sequence of all (`rows`); bucket R: windows of 32 batches sorted
+    by length, each batch padded to its own longest rounded up to R (fewer padding rows to
+    compute; a few shapes, one compile each), the batches of a window kept in `order`'s order
+    of their first member. A short last batch is filled from the start of `order`."""
+    idx = [order[i:i + batch] for i in range(0, len(order), batch)]
+    idx = [np.concatenate([b, order[:batch - len(b)]]) if len(b) < batch else b for b in idx]
+    if not bucket:
+        return [(b, rows) for b in idx]
+    out = []
+    for w in range(0, len(idx), 32):
+        flat = np.concatenate(idx[w:w + 32])
+        flat = flat[np.argsort(lengths[flat], kind="stable")]
+        group = [flat[i:i + batch] for i in range(0, len(flat), batch)]
+        group.sort(key=lambda b: int(np.argmax(np.isin(order, b))))
+        out += [(b, min(rows, -(-int(lengths[b].max() - 1) // bucket) * bucket)) for b in group]
+    return out
 
 
 def make_batch(seqs, rows: int, ttt: int, hidden: int) -> dict[str, np.ndarray]:
@@ -84,13 +105,21 @@ def main(argv=None) -> None:
     ap.add_argument("--init", default="random", choices=("random", "target"),
                     help="random: speculators' N(0, 0.02) (default); target: the decoder layer from the target's "
                          "last layer, fc passing the last tap through (drafter_eagle3.init_from_target)")
+    ap.add_argument("--ffn", type=int, default=None,
+                    help="the drafter's MLP width (default the target's, or the resumed drafter's; a larger one "
+                         "grows it: the new columns start at zero output, drafter_eagle3.widen_ffn)")
+    ap.add_argument("--bucket", type=int, default=0,
+                    help="pad each batch to its longest sequence rounded up to this many rows, batches drawn from "
+                         "length-sorted windows (default 0: every batch padded to the longest of all, as before)")
     ap.add_argument("--resume", type=Path, help="go on training a drafter directory this script wrote (its weights "
                     "and draft vocabulary, grown to --draft-vocab when that is larger; --init is then not used)")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         drafter_data.fail(f"--checkpoint {a.checkpoint}: no such file")
-    if min(a.draft_vocab or 1, a.ttt_steps, a.chain, a.epochs, a.batch) < 1 or a.lr <= 0:
-        drafter_data.fail("--draft-vocab, --ttt-steps, --chain, --epochs, --batch and --lr must be positive")
+    if min(a.draft_vocab or 1, a.ffn or 1, a.ttt_steps, a.chain, a.epochs, a.batch) < 1 or a.lr <= 0:
+        drafter_data.fail("--draft-vocab, --ffn, --ttt-steps, --chain, --epochs, --batch and --lr must be positive")
+    if a.bucket < 0:
+        drafter_data.fail(f"--bucket {a.bucket}: expected 0 (off) or a positive number of rows")
 
     import jax
     import jax.numpy as jnp
@@ -119,8 +148,9 @@ def main(argv=None) -> None:
     if a.resume is not None:  # the trained drafter's own vocabulary, so its head rows still mean the same ids
         if not (a.resume / "model.safetensors").is_file():
             drafter_data.fail(f"--resume {a.resume}: no model.safetensors (a directory drafter_train.py wrote)")
-        had = int(json.loads((a.resume / "config.json").read_text())["draft_vocab_size"])
-        s = e3.Shape.for_target(cfg, meta["draft_taps"], had)
+        conf = json.loads((a.resume / "config.json").read_text())
+        had, had_ffn = int(conf["draft_vocab_size"]), int(conf["transformer_layer_config"]["intermediate_size"])
+        s = e3.Shape.for_target(cfg, meta["draft_taps"], had, had_ffn)
         try:
             params, d2t, t2d = e3.load_trained(a.resume, s)
         except ValueError as e:
@@ -128,10 +158,12 @@ def main(argv=None) -> None:
         if a.draft_vocab is not None and a.draft_vocab < had:
             drafter_data.fail(f"--draft-vocab {a.draft_vocab}: --resume {a.resume} has {had} ids already (it can "
                               "only grow)")
+        if a.ffn is not None and a.ffn < had_ffn:
+            drafter_data.fail(f"--ffn {a.ffn}: --resume {a.resume} is {had_ffn} wide already (it can only grow)")
         a.draft_vocab = a.draft_vocab or had
         if a.draft_vocab > had:
             d2t, t2d = e3.extend_vocab(d2t, reply, a.draft_vocab, cfg.vocab_size)
-            s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
+            s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab, had_ffn)
         a.init = f"resume {a.resume}" + (f" (draft vocabulary {had} -> {a.draft_vocab})" if a.draft_vocab > had else "")
     else:
         a.draft_vocab = a.draft_vocab or 4096
@@ -139,6 +171,13 @@ def main(argv=None) -> None:
         s = e3.Shape.for_target(cfg, meta["draft_taps"], a.draft_vocab)
         params = (e3.init_from_target(s, jax.random.PRNGKey(a.seed), target_params) if a.init == "target" else
                   e3.init_params(s, jax.random.PRNGKey(a.seed), np.asarray(target_params["final_norm"])))
+    if a.ffn is not None and a.ffn != s.ffn:  # wider than the target's layer (or the resumed drafter's)
+        if a.ffn < s.ffn:
+            drafter_data.fail(f"--ffn {a.ffn}: the drafter's MLP starts {s.ffn} wide (the target's layer): expected "
+                              "at least that")
+        params = e3.widen_ffn(params, s, a.ffn, jax.random.PRNGKey(a.seed + 1))
+        a.init += f" (MLP {s.ffn} -> {a.ffn} wide)"
+        s = dataclasses.replace(s, ffn=a.ffn)
     frozen = e3.frozen_parts(target_params, d2t)
     rows = max(len(t) for t, _, _ in seqs) - 1
     coverage, held_coverage = float(np.mean(t2d[reply])), None
@@ -171,6 +210,8 @@ def main(argv=None) -> None:
 
     eval_step = jax.jit(loss_fn)
 
+    lengths = np.array([len(t) for t, _, _ in seqs])
+
     def evaluate(p, eseqs):
         tot = np.zeros((2, a.ttt_steps))
         n = 0
@@ -191,7 +232,7 @@ def main(argv=None) -> None:
         return dict(data=metas, draft_vocab=a.draft_vocab, reply_coverage=round(coverage, 4),
                     held_out_coverage=held_coverage, ttt_steps=a.ttt_steps, chain=a.chain, batch=a.batch, lr=a.lr,
                     optimizer="adamw, clip 1.0, warmup-cosine", seed=a.seed, init=a.init,
-                    rows=rows, epochs_planned=a.epochs,
+                    rows=rows, bucket=a.bucket, epochs_planned=a.epochs,
                     epochs_run=len(log), weights_of_epoch=kept, train_seconds=round(time.perf_counter() - t_train, 1),
                     total_seconds=round(time.perf_counter() - t_start, 1), log=log, shape=e3.shape_dict(s),
                     jax=jax.__version__, optax=optax.__version__)
@@ -199,11 +240,10 @@ def main(argv=None) -> None:
         order = rng.permutation(len(seqs))
         t0 = time.perf_counter()
         sums, nb = np.zeros((2, a.ttt_steps)), 0
-        for i in range(0, len(order), a.batch):
-            idx = order[i:i + a.batch]
-            chunk = [seqs[j] for j in idx] + [seqs[j] for j in order[:a.batch - len(idx)]]
+        for idx, r in batches(order, lengths, a.batch, a.bucket, rows):
             params, opt_state, loss, per, agree = train_step(params, opt_state,
-                                                             make_batch(chunk, rows, a.ttt_steps, s.hidden))
+                                                             make_batch([seqs[j] for j in idx], r, a.ttt_steps,
+                                                                        s.hidden))
             sums += np.stack([np.asarray(per), np.asarray(agree)])
             nb += 1
             if nb % 6 == 0:

@@ -320,7 +320,8 @@ def test_acceptance_benchmark_more_blocks(gguf_drafter, tmp_path, capsys):
 def test_resume_grows_the_draft_vocabulary(gguf_drafter, tmp_path, capsys):
     """drafter_train.py --resume DIR --draft-vocab N (N larger than DIR's): the directory it writes
     keeps DIR's ids, adds the training replies' most frequent others, and reads back through
-    tpumk.draft; a smaller N is one line, exit 1."""
+    tpumk.draft (here with its MLP grown by --ffn and length buckets); a smaller N or MLP is one
+    line, exit 1."""
     from tpumk.draft import load_drafter
     from tpumk.model.gguf import load_gguf
 
@@ -336,20 +337,24 @@ def test_resume_grows_the_draft_vocabulary(gguf_drafter, tmp_path, capsys):
     out = tmp_path / "grown"
     args = ["--checkpoint", str(path), "--data", str(tmp_path / "data"), "--out", str(out), "--resume", str(drafter),
             "--ttt-steps", "2", "--chain", "2", "--batch", "2", "--epochs", "1"]
-    drafter_train.main(args + ["--draft-vocab", str(grown)])
+    drafter_train.main(args + ["--draft-vocab", str(grown), "--ffn", str(2 * cfg.ffn_size), "--bucket", "8"])
     s = e3.Shape.for_target(cfg, (0, 1, 2), had)
     _, d2t_old, _ = e3.load_trained(drafter, s)
-    _, d2t, t2d = e3.load_trained(out, dataclasses.replace(s, draft_vocab=grown))
+    _, d2t, t2d = e3.load_trained(out, dataclasses.replace(s, draft_vocab=grown, ffn=2 * cfg.ffn_size))
     reply = np.concatenate([np.asarray(t[4:]) for t, _ in seqs])
     assert t2d.sum() == grown and len(d2t) == grown
     want, _ = e3.extend_vocab(d2t_old, reply, grown, cfg.vocab_size)
     assert (d2t == want).all() and set(np.arange(had) + d2t_old) <= set(np.flatnonzero(t2d))
     assert json.loads((out / "training.json").read_text())["draft_vocab"] == grown
-    assert load_drafter(out, cfg).spec.draft_vocab == grown
+    spec = load_drafter(out, cfg).spec  # the wider MLP read back by tpumk from speculators' layer config
+    assert spec.draft_vocab == grown and spec.layer.ffn_size == 2 * cfg.ffn_size
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         drafter_train.main(args + ["--draft-vocab", str(had - 1)])
     assert e.value.code == 1 and "can only grow" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        drafter_train.main(args + ["--out", str(tmp_path / "narrow"), "--ffn", str(cfg.ffn_size - 1)])
+    assert e.value.code == 1 and "--ffn" in capsys.readouterr().err and not (tmp_path / "narrow").exists()
 
 
 @pytest.mark.full
@@ -372,3 +377,61 @@ def test_smollm2_chat_prompt_is_transformers_chat_template():
         want = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
         assert target.chat.ids(prompt) == list(want), prompt
+
+
+def test_a_wider_mlp_starts_as_the_drafter_it_grew_from(target):
+    """drafter_train.py --ffn: widen_ffn adds gate / up rows and zero down-projection columns, so
+    the chain's logits do not move until training moves them; the new rows are not zero (they
+    get gradients)."""
+    s = _shape(target)
+    p = e3.init_from_target(s, jax.random.PRNGKey(0), target.params)
+    wide = e3.widen_ffn(p, s, 3 * s.ffn, jax.random.PRNGKey(1))
+    ws = dataclasses.replace(s, ffn=3 * s.ffn)
+    assert wide["layers.0.mlp.up_proj.weight"].shape == (3 * s.ffn, s.hidden)
+    assert np.abs(np.asarray(wide["layers.0.mlp.gate_proj.weight"][s.ffn:])).min() > 0
+    d2t, _ = e3.vocab_map(np.arange(target.cfg.vocab_size), 40, target.cfg.vocab_size)
+    frozen = e3.frozen_parts(target.params, d2t)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, target.cfg.vocab_size, (2, 8)), jnp.int32)
+    taps = jnp.asarray(rng.normal(size=(2, 6, 3, s.hidden)), jnp.float32)
+    pos = jnp.tile(jnp.arange(1, 7, dtype=jnp.int32), (2, 1))
+    valid = jnp.ones((2, 6), bool)
+    for a, b in zip(e3.ttt_logits(p, frozen, s, tokens, taps, pos, valid, 2),
+                    e3.ttt_logits(wide, frozen, ws, tokens, taps, pos, valid, 2)):
+        # the same sums plus zero products: float32 rounding of reordered partial sums at most
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="only grow"):
+        e3.widen_ffn(p, s, s.ffn - 1, jax.random.PRNGKey(1))
+
+
+def test_length_buckets_cover_every_sequence_and_pad_less_without_changing_the_loss(target):
+    """drafter_train.py --bucket: an epoch's batches hold every sequence once (a short last batch
+    topped up from the start), each padded to its own longest rounded up; a row's loss does not
+    depend on how far its batch is padded (the padding rows are neither keys nor trained)."""
+    lengths = np.array([5, 40, 9, 33, 12, 7, 64, 20, 18, 3, 50])
+    order = np.random.default_rng(1).permutation(len(lengths))
+    plain = drafter_train.batches(order, lengths, 4, 0, 64)
+    bucketed = drafter_train.batches(order, lengths, 4, 16, 64)
+    for got in (plain, bucketed):
+        seen = np.concatenate([b for b, _ in got])
+        assert len(seen) == 12 and set(seen) == set(range(11))
+    assert all(r == 64 for _, r in plain)
+    assert all(r % 16 == 0 and lengths[b].max() - 1 <= r <= 64 for b, r in bucketed)
+    assert sum(r for _, r in bucketed) < sum(r for _, r in plain)
+
+    s = _shape(target)
+    d2t, _ = e3.vocab_map(np.arange(target.cfg.vocab_size), 40, target.cfg.vocab_size)
+    frozen = e3.frozen_parts(target.params, d2t)
+    p = e3.init_from_target(s, jax.random.PRNGKey(0), target.params)
+    rng = np.random.default_rng(2)
+    seqs = [(rng.integers(0, target.cfg.vocab_size, n), rng.normal(size=(n, 4, s.hidden)).astype(np.float32), 3)
+            for n in (7, 9)]
+
+    def loss(rows):
+        b = drafter_train.make_batch(seqs, rows, 2, s.hidden)
+        b["target"] = b["final"] @ np.asarray(frozen["lm_head"]).T
+        return e3.ttt_loss(p, frozen, s, {k: jnp.asarray(v) for k, v in b.items()}, 2)
+
+    (l8, (per8, ag8)), (l24, (per24, ag24)) = loss(8), loss(24)
+    np.testing.assert_allclose(np.asarray(per24), np.asarray(per8), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ag24), np.asarray(ag8))
