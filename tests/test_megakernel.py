@@ -159,7 +159,8 @@ def check_step(cfg, params, dtype: str, lengths: list[int], q_len: int, knobs: d
         logits, wide, *got_taps = step(pack_weights(plan, params), tokens, positions, pad_cache(cfg, plan.cfg, cache))
         new_cache = unpad_cache(cfg, plan.cfg, wide)
         again = pad_cache(cfg, plan.cfg, new_cache)  # every padding lane of the written cache is still zero
-        assert jnp.array_equal(again.k, wide.k) and jnp.array_equal(again.v, wide.v), "nonzero cache padding lanes"
+        assert np.array_equal(np.asarray(again.k), np.asarray(wide.k)) and \
+            np.array_equal(np.asarray(again.v), np.asarray(wide.v)), "nonzero cache padding lanes"
     else:
         logits, new_cache, *got_taps = step(pack_weights(plan, params), tokens, positions, cache)
     got_taps = got_taps[0] if taps else None
@@ -223,7 +224,8 @@ def test_packed_specs_describe_pack_weights(preset, dtype, tied):
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype), packed)
     assert shapes == jax.tree.map(lambda s: (s.shape, s.dtype), packed_specs(plan))
     again = pack_weights(cfg, params, tuning)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), packed, again))
+    # numpy's comparison: no compiled program per leaf shape (jnp.array_equal's two)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), packed, again))
 
 
 def test_step_rejects_a_batch_it_was_not_planned_for():

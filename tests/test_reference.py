@@ -176,3 +176,89 @@ def test_a_bidirectional_step_sees_the_whole_step_and_the_cache_causally():
     one_a = block(params, toks[:, :1], pos[:, :1], cache)[0]
     one_b = plain(params, toks[:, :1], pos[:, :1], cache)[0]
     assert jnp.array_equal(one_a, one_b)
+
+
+def _eager_random_params(cfg, seed):
+    """random_params as it was drawn before it was bucketed: each leaf's normal drawn at its own
+    shape and scaled by jnp ops run eagerly (one compiled program per op and shape)."""
+    import jax
+
+    dt = ref.jnp_dtype(cfg)
+    depth_scale = 1.0 / np.sqrt(2.0 * cfg.num_layers)
+
+    def make(name, shape, k):  # the pre-bucketing code
+        if name.endswith("norm"):
+            w = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "router_bias":
+            w = 0.1 * jax.random.normal(k, shape, jnp.float32)
+        elif name in weights.RESIDUAL_GATES:
+            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "embed":
+            w = jax.random.normal(k, shape, jnp.float32)
+        elif name == "sinks":
+            w = 1.0 + jax.random.normal(k, shape, jnp.float32)
+        elif name == "router_logit_bias":
+            w = jax.random.normal(k, shape, jnp.float32)
+        elif name == "lin_A_log":
+            w = -1.0 + 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "lin_dt_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "rope_alpha":
+            w = 0.3 * jax.random.normal(k, shape, jnp.float32)
+        elif name in ("q_log_scale", "idx_log_scale"):
+            w = 0.2 * jax.random.normal(k, shape, jnp.float32)
+        elif name in ("q_log_bias", "idx_log_bias"):
+            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "idx_q_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name == "idx_k_bias":
+            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+        elif name in weights.QKV_BIASES + ("e_gate_bias", "e_up_bias"):
+            w = jax.random.normal(k, shape, jnp.float32)
+        elif name in ("bo", "e_down_bias"):
+            w = jax.random.normal(k, shape, jnp.float32) * depth_scale
+        else:
+            fan_in = shape[-2]
+            w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+            if name in ("wo", "w_down", "e_down", "s_down", "lin_out", "moe_out"):
+                w = w * depth_scale
+            if name == "router":
+                w = w * 4.0
+        return w.astype(weights.tensor_dtype(cfg, name, dt))
+
+    key, out = jax.random.PRNGKey(seed), {"layers": []}
+    shapes = weights.expected_shapes(cfg)
+    for name, shape in shapes.items():
+        if name != "layers":
+            key, sub = jax.random.split(key)
+            out[name] = make(name, shape, sub)
+    for lay_shapes in shapes["layers"]:
+        lay = {}
+        for name, shape in lay_shapes.items():
+            key, sub = jax.random.split(key)
+            lay[name] = make(name, shape, sub)
+        out["layers"].append(lay)
+    return out
+
+
+@pytest.mark.parametrize("preset,changes", [
+    ("tiny-moe", dict(dtype="bfloat16", qkv_bias=True, attn_sinks=True, o_bias=True, expert_bias=True)),
+    ("tiny-dense", dict(name="tiny-gdn", num_layers=3, linear_kind="gated_delta", linear_layers=(0, 1),
+                        linear_key_heads=1, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
+                        linear_conv=4)),
+    ("tiny-mla", dict(router_correction_bias=True)),
+])
+def test_random_params_equal_the_eager_draws_bit_for_bit(preset, changes):
+    """random_params draws each leaf from one compiled program per power-of-two size and scales it
+    in numpy (tpumk.model.weights.normal_draw): every leaf, dtype and bit as the eager jnp draw
+    at the leaf's own shape, so no test's weights moved."""
+    import jax
+
+    cfg = config.load_preset(preset).replace(**changes)
+    got, want = weights.random_params(cfg, seed=3), _eager_random_params(cfg, seed=3)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    assert got_tree == want_tree
+    for path, g, w in zip(jax.tree_util.tree_flatten_with_path(got)[0], got_leaves, want_leaves):
+        assert g.dtype == w.dtype and g.shape == w.shape, path[0]
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), jax.tree_util.keystr(path[0])

@@ -56,6 +56,7 @@ stacks them along a leading device axis (the embedding stays whole and shared).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -77,6 +78,9 @@ from tpumk.plan.sharding import mla_kv_a
 
 
 
+# Packing runs op by op outside any trace: one compiled program per matrix shape and family
+# instead of one per op (pad, reshape, transpose); moving bits only, so the values are the same
+@functools.partial(jax.jit, static_argnums=1)
 def tile_matrix(w: jax.Array, fam: MatrixFamily) -> jax.Array:
     """[k, m] -> [tiles, r, c]: zero-pad to [k_pad, m_pad], cut, column block outer."""
     k, m = w.shape
@@ -85,6 +89,7 @@ def tile_matrix(w: jax.Array, fam: MatrixFamily) -> jax.Array:
     return w.reshape(rb, r, cb, c).transpose(2, 0, 1, 3).reshape(cb * rb, r, c)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one program per shape (tile_matrix)
 def interleave_gate_up(gate: jax.Array, up: jax.Array, f_pad: int, tile_cols: int) -> jax.Array:
     """[H, F] x 2 -> [H, 2 f_pad]: each tile_cols-wide column block = gate half | up half."""
     h, f = gate.shape

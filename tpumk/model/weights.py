@@ -38,6 +38,8 @@ with the kernel's plan.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import jax
@@ -102,6 +104,28 @@ def tensor_dtype(cfg: ModelConfig, name: str, dt):
     return dt
 
 
+# Draws up to this many elements come from one compiled program per power-of-two size (larger
+# ones, as a big model's, are drawn at their own shape)
+BUCKETED_DRAW_MAX = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_normal(key: jax.Array, size: int) -> jax.Array:
+    return jax.random.normal(key, (size,), jnp.float32)
+
+
+def normal_draw(key: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
+    """`jax.random.normal(key, shape, float32)` as numpy, bit for bit. With threefry's partitionable
+    counters (jax's default) element i's bits depend only on the key and i, so the first n draws
+    of a longer vector are the draws of any n-element shape: one compiled program per
+    power-of-two size instead of one per shape."""
+    n = math.prod(shape)
+    if not jax.config.jax_threefry_partitionable or n == 0 or n > BUCKETED_DRAW_MAX:
+        return np.asarray(jax.random.normal(key, shape, jnp.float32))
+    size = max(256, 1 << (n - 1).bit_length())
+    return np.asarray(_flat_normal(key, size))[:n].reshape(shape)
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
     """Deterministic random weights for any config.
 
@@ -116,45 +140,53 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
     key = jax.random.PRNGKey(seed)
     depth_scale = 1.0 / np.sqrt(2.0 * cfg.num_layers)
 
+    f32 = np.float32  # each scalar as the float32 that jnp's eager ops would use
+
     def make(name: str, shape: tuple[int, ...], k) -> jax.Array:
+        n = normal_draw(k, shape)
         if name.endswith("norm"):
-            w = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(1.0) + f32(0.1) * n
         elif name == "router_bias":  # large enough to change some picks (it selects, never weighs)
-            w = 0.1 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.1) * n
         elif name in RESIDUAL_GATES:  # about 1 each, apart enough that a swapped or dropped gate shows
-            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(1.0) + f32(0.2) * n
         elif name == "embed":
-            w = jax.random.normal(k, shape, jnp.float32)
+            w = n
         elif name == "sinks":  # about a score's size, so the sink takes a visible share of each softmax
-            w = 1.0 + jax.random.normal(k, shape, jnp.float32)
+            w = f32(1.0) + n
         elif name == "router_logit_bias":  # a logit's size: it moves picks and weights
-            w = jax.random.normal(k, shape, jnp.float32)
+            w = n
         elif name == "lin_A_log":  # decay rates A = exp(A_log) about 0.1-1: a state remembers a few tokens
-            w = -1.0 + 0.5 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(-1.0) + f32(0.5) * n
         elif name == "lin_dt_bias":
-            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.5) * n
         elif name == "rope_alpha":  # frequencies x exp(alpha) about 0.6-1.6: a dropped alpha shows
-            w = 0.3 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.3) * n
         elif name in ("q_log_scale", "idx_log_scale"):  # s ln(1 + p) about 0.1-0.5 at the tests' positions
-            w = 0.2 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.2) * n
         elif name in ("q_log_bias", "idx_log_bias"):  # about 1: the query keeps its size
-            w = 1.0 + 0.2 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(1.0) + f32(0.2) * n
         elif name == "idx_q_bias":
-            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.5) * n
         elif name == "idx_k_bias":  # about a normed lane's size, so a dropped bias shows
-            w = 0.5 * jax.random.normal(k, shape, jnp.float32)
+            w = f32(0.5) * n
         elif name in QKV_BIASES + ("e_gate_bias", "e_up_bias"):  # as large as a projection's output, so a dropped bias shows
-            w = jax.random.normal(k, shape, jnp.float32)
+            w = n
         elif name in ("bo", "e_down_bias"):  # as large as the projection's output (depth-scaled as wo)
-            w = jax.random.normal(k, shape, jnp.float32) * depth_scale
+            w = n * f32(depth_scale)
         else:
             fan_in = shape[-2]
-            w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+            # jnp's `/ np.sqrt(fan_in)`: XLA folds a division by a constant into a multiplication
+            # by the constant's float32 reciprocal
+            w = n * (f32(1.0) / f32(np.sqrt(fan_in)))
             if name in ("wo", "w_down", "e_down", "s_down", "lin_out", "moe_out"):
-                w = w * depth_scale
+                w = w * f32(depth_scale)
             if name == "router":
-                w = w * 4.0
-        return w.astype(tensor_dtype(cfg, name, dt))
+                w = w * f32(4.0)
+        # numpy's float32 arithmetic and casts round as XLA's do: the same bits as these ops run
+        # eagerly in jnp (tests/test_reference.py checks it), without a compiled program per shape
+        # (device_put, as jnp.asarray would, but without jnp's staging program per shape)
+        return jax.device_put(np.asarray(w, np.float32).astype(tensor_dtype(cfg, name, dt)))
 
     out: Params = {}
     for name, shape in shapes.items():
