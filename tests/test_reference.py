@@ -262,3 +262,15 @@ def test_random_params_equal_the_eager_draws_bit_for_bit(preset, changes):
     for path, g, w in zip(jax.tree_util.tree_flatten_with_path(got)[0], got_leaves, want_leaves):
         assert g.dtype == w.dtype and g.shape == w.shape, path[0]
         assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), jax.tree_util.keystr(path[0])
+
+
+def test_random_params_trace_to_the_shapes_and_dtypes_they_draw():
+    """jax.eval_shape of random_params (how the vLLM plugin and the served-step tests take the
+    weights' shapes without drawing them) gives the drawn weights' shapes and dtypes."""
+    import jax
+
+    cfg = config.resolve_model("tiny-moe")
+    drawn = weights.random_params(cfg, seed=0, dtype=jnp.bfloat16)
+    traced = jax.eval_shape(lambda: weights.random_params(cfg, seed=0, dtype=jnp.bfloat16))
+    leaves = jax.tree_util.tree_leaves_with_path
+    assert [(p, a.shape, a.dtype) for p, a in leaves(drawn)] == [(p, a.shape, a.dtype) for p, a in leaves(traced)]

@@ -143,7 +143,10 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
     f32 = np.float32  # each scalar as the float32 that jnp's eager ops would use
 
     def make(name: str, shape: tuple[int, ...], k) -> jax.Array:
-        n = normal_draw(k, shape)
+        # under a trace (jax.eval_shape of the weights, as the vLLM plugin takes their shapes) the
+        # key is abstract: the same ops run as jnp's on the tracer
+        traced = isinstance(k, jax.core.Tracer)
+        n = jax.random.normal(k, shape, jnp.float32) if traced else normal_draw(k, shape)
         if name.endswith("norm"):
             w = f32(1.0) + f32(0.1) * n
         elif name == "router_bias":  # large enough to change some picks (it selects, never weighs)
@@ -186,6 +189,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
         # numpy's float32 arithmetic and casts round as XLA's do: the same bits as these ops run
         # eagerly in jnp (tests/test_reference.py checks it), without a compiled program per shape
         # (device_put, as jnp.asarray would, but without jnp's staging program per shape)
+        if traced:
+            return w.astype(tensor_dtype(cfg, name, dt))
         return jax.device_put(np.asarray(w, np.float32).astype(tensor_dtype(cfg, name, dt)))
 
     out: Params = {}
