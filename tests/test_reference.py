@@ -226,19 +226,7 @@ def _eager_random_params(cfg, seed):
                 w = w * 4.0
         return w.astype(weights.tensor_dtype(cfg, name, dt))
 
-    key, out = jax.random.PRNGKey(seed), {"layers": []}
-    shapes = weights.expected_shapes(cfg)
-    for name, shape in shapes.items():
-        if name != "layers":
-            key, sub = jax.random.split(key)
-            out[name] = make(name, shape, sub)
-    for lay_shapes in shapes["layers"]:
-        lay = {}
-        for name, shape in lay_shapes.items():
-            key, sub = jax.random.split(key)
-            lay[name] = make(name, shape, sub)
-        out["layers"].append(lay)
-    return out
+    return weights.draw_leaves(weights.expected_shapes(cfg), jax.random.PRNGKey(seed), make)
 
 
 @pytest.mark.parametrize("preset,changes", [

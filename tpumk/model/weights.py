@@ -193,6 +193,13 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None) -> Params:
             return w.astype(tensor_dtype(cfg, name, dt))
         return jax.device_put(np.asarray(w, np.float32).astype(tensor_dtype(cfg, name, dt)))
 
+    return draw_leaves(shapes, key, make)
+
+
+def draw_leaves(shapes, key, make) -> Params:
+    """`make(name, shape, subkey)` for every leaf of `expected_shapes`' tree, each subkey split
+    off `key` in turn (top-level leaves, then layer by layer): which key each weight is drawn
+    from."""
     out: Params = {}
     for name, shape in shapes.items():
         if name == "layers":
