@@ -263,6 +263,9 @@ def main(argv=None) -> None:
         fail(f"--prompts {e}")
     first = None
     if a.follow_up is not None:  # the prompts are the dataset's own, as its meta names them
+        if a.split != "train" or a.prompts != PROMPTS:
+            fail(f"--follow-up {a.follow_up}: its prompts are the dataset's own train prompts (--split and "
+                 "--prompts do not apply)")
         first = read_dataset(a.follow_up)
         m = first["meta"]
         if m.get("split") != "train" or m.get("follow_up"):

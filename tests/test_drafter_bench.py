@@ -412,6 +412,11 @@ def test_follow_up_data_continues_a_second_user_turn(gguf_drafter, tmp_path, cap
             drafter_data.main(first + ["--out", str(tmp_path / "x"), "--follow-up", str(tmp_path / f"{bad}.npz")])
         assert e.value.code == 1 and not (tmp_path / "x").exists()
         assert capsys.readouterr().err.startswith(f"tpumk: error: --follow-up {tmp_path / bad}.npz: expected a one-turn")
+    with pytest.raises(SystemExit) as e:
+        drafter_data.main(first + ["--out", str(tmp_path / "x"), "--follow-up", str(tmp_path / "train.npz"),
+                                   "--split", "held_out"])
+    assert e.value.code == 1 and not (tmp_path / "x").exists()
+    assert "(--split and --prompts do not apply)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # the tiny file has 3 layers
         drafter_data.main(first[:-1] + ["2,3", "--out", str(tmp_path / "x")])
     assert e.value.code == 1 and not (tmp_path / "x").exists()
