@@ -255,39 +255,39 @@ def main(argv=None) -> None:
         taps = tuple(int(t) for t in a.taps.split(","))
     except ValueError:
         fail(f"--taps {a.taps}: expected layer numbers separated by commas")
-    try:
-        prompts = load_prompts(a.split, a.prompts)[a.start:a.start + a.limit if a.limit else None]
-    except json.JSONDecodeError as e:
-        fail(f"--prompts {a.prompts}: not JSON ({e})")
-    except ValueError as e:  # its message names the file and the field
-        fail(f"--prompts {e}")
-    first = None
-    if a.follow_up is not None:  # the prompts are the dataset's own, as its meta names them
+    first = None  # the dataset followed up, its rows cut to the chosen sequences
+    if a.follow_up is None:
+        try:
+            prompts = load_prompts(a.split, a.prompts)[a.start:a.start + a.limit if a.limit else None]
+        except json.JSONDecodeError as e:
+            fail(f"--prompts {a.prompts}: not JSON ({e})")
+        except ValueError as e:  # its message names the file and the field
+            fail(f"--prompts {e}")
+        if not prompts:
+            fail(f"--start {a.start}: past the {a.split} split of {a.prompts}")
+        source, first_prompt = a.prompts, a.start
+    else:  # the prompts are the dataset's own, as its meta names them
         if a.split != "train" or a.prompts != PROMPTS:
             fail(f"--follow-up {a.follow_up}: its prompts are the dataset's own train prompts (--split and "
                  "--prompts do not apply)")
         first = read_dataset(a.follow_up)
-        m = first["meta"]
+        m, n = first["meta"], len(first["prompt_lens"])
         if m.get("split") != "train" or m.get("follow_up"):
             fail(f"--follow-up {a.follow_up}: expected a one-turn train dataset (a held-out prompt never goes into "
                  "training data)")
-        mine = Path(__file__).with_name(m["prompts"])  # the shipped prompt files live beside this script
+        source = Path(__file__).with_name(m["prompts"])  # the shipped prompt files live beside this script
         try:
-            prompts = load_prompts("train", mine)[m["start"]:m["start"] + len(first["prompt_lens"])]
+            prompts = load_prompts("train", source)[m["start"]:m["start"] + n]
         except (OSError, ValueError) as e:
             fail(f"--follow-up {a.follow_up}: its prompts {m['prompts']}: {e}")
-        if len(prompts) != len(first["prompt_lens"]):
-            fail(f"--follow-up {a.follow_up}: {len(first['prompt_lens'])} sequences, its prompts file has "
-                 f"{len(prompts)} from {m['start']}")
-        n, a.prompts = len(prompts), mine
-        a.start, offset = m["start"] + a.start, a.start
-        prompts = prompts[offset:offset + a.limit if a.limit else None]
-        first = dict(first, starts=first["starts"][offset:offset + len(prompts) + 1],
-                     prompt_lens=first["prompt_lens"][offset:offset + len(prompts)])
+        if len(prompts) != n:
+            fail(f"--follow-up {a.follow_up}: {n} sequences, its prompts file has {len(prompts)} from {m['start']}")
+        prompts = prompts[a.start:a.start + a.limit if a.limit else None]
         if not prompts:
-            fail(f"--start {offset}: past the {n} sequences of {a.follow_up}")
-    if not prompts:
-        fail(f"--start {a.start}: past the {a.split} split of {a.prompts}")
+            fail(f"--start {a.start}: past the {n} sequences of {a.follow_up}")
+        first = dict(first, starts=first["starts"][a.start:a.start + len(prompts) + 1],
+                     prompt_lens=first["prompt_lens"][a.start:a.start + len(prompts)])
+        first_prompt = m["start"] + a.start
     t0 = time.perf_counter()
     from tpumk.errors import ConfigError
 
@@ -298,13 +298,13 @@ def main(argv=None) -> None:
     if first is None:
         ids = [target.chat.ids(p) for p in prompts]
     else:
-        ids = follow_up_conversations(first, prompts, target.chat, load_follow_ups(), offset)
+        ids = follow_up_conversations(first, prompts, target.chat, load_follow_ups(), a.start)
     print(f"{len(prompts)} {a.split} prompts ({sum(map(len, ids))} prompt tokens), taps {target.taps}, "
           f"max_new {a.max_new}, temperature {a.temperature}", flush=True)
     seqs = continue_with_taps(target, ids, a.max_new, a.batch, a.temperature, a.seed,
                               log=lambda m: print(m, flush=True))
-    meta = dict(checkpoint=Path(a.checkpoint).name, prompts=a.prompts.name, start=a.start, split=a.split,
-                follow_up=None if first is None else dict(dataset=a.follow_up.name, start=offset,
+    meta = dict(checkpoint=Path(a.checkpoint).name, prompts=source.name, start=first_prompt, split=a.split,
+                follow_up=None if first is None else dict(dataset=a.follow_up.name, start=a.start,
                                                           follow_ups=FOLLOW_UPS.name),
                 taps=list(target.taps), draft_taps=list(target.taps[:-1]),
                 max_new=a.max_new, temperature=a.temperature, seed=a.seed, eos=target.eos,
